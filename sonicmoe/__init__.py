@@ -1,0 +1,40 @@
+"""sonicmoe: fast, activation-memory-lean fine-grained Mixture-of-Experts training (SonicMoE method).
+
+Public API: :class:`MoE` (the layer), :func:`moe` and :func:`experts` (functional), the router and
+routing metadata (:func:`router_topk`, :func:`routing_from_topk`, :func:`routing_from_pairs`,
+:class:`Routing`), the float32 ground truth (:func:`moe_ref`, :func:`experts_ref`) and
+:class:`MoEConfig`. Importing queries no GPU.
+"""
+
+from .config import MoEConfig
+from .functional import MoEOutput, experts, moe
+from .modules import MoE
+from .reference import experts_ref, moe_ref
+from .routing import (
+    RouterOutput,
+    Routing,
+    load_balancing_loss,
+    router_topk,
+    routing_from_pairs,
+    routing_from_topk,
+    z_loss,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoE",
+    "MoEConfig",
+    "MoEOutput",
+    "RouterOutput",
+    "Routing",
+    "experts",
+    "experts_ref",
+    "load_balancing_loss",
+    "moe",
+    "moe_ref",
+    "router_topk",
+    "routing_from_pairs",
+    "routing_from_topk",
+    "z_loss",
+]

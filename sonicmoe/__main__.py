@@ -1,0 +1,7 @@
+"""``python -m sonicmoe train|bench``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,85 @@
+"""Layer options in one dataclass (SPEC §2, §5).
+
+Letters (SPEC §1): T tokens, d hidden size, n expert intermediate size, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+RouterOrder = Literal["topk_then_softmax", "softmax_then_topk"]
+GateUpLayout = Literal["concat", "interleaved"]
+Backend = Literal["auto", "triton", "torch"]
+RoutingMode = Literal["topk", "token_rounding"]
+RoundingSubroutine = Literal["nearest", "up", "down", "stochastic", "balance"]
+
+ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk")
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+BACKENDS = ("auto", "triton", "torch")
+ROUTING_MODES = ("topk", "token_rounding")
+ROUNDING_SUBROUTINES = ("nearest", "up", "down", "stochastic", "balance")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Options of one MoE layer.
+
+    Attributes:
+        hidden_size: d, the model width.
+        intermediate_size: n, each expert's SwiGLU width (W1 has 2n rows, W2 has n columns).
+        num_experts: E.
+        top_k: K, experts chosen per token (1 <= K <= E).
+        router_order: ``"topk_then_softmax"`` (scores = softmax over the K chosen logits; SonicMoE,
+            Mixtral) or ``"softmax_then_topk"`` (softmax over all E logits, then top-k; Qwen3-MoE, OLMoE).
+        renormalize: with ``softmax_then_topk``, divide the K chosen probabilities by their sum
+            (Qwen3 ``norm_topk_prob``). Ignored for ``topk_then_softmax`` (already normalised).
+        gate_up_layout: row layout of W1 (E, 2n, d). ``"concat"``: rows [0, n) are the gate projection
+            and rows [n, 2n) the up projection (HF transformers / torchtitan convention).
+            ``"interleaved"``: row 2i is gate channel i and row 2i+1 up channel i.
+        bias: expert biases b1 (E, 2n) and b2 (E, d).
+        aux_loss_coef: weight of the Switch load-balancing loss E·Σ_e f_e·P_e (SPEC §2).
+        z_loss_coef: weight of the router z-loss mean_t (logsumexp_e logits)^2.
+        backend: ``"triton"`` (our kernels), ``"torch"`` (index gather + ``torch._grouped_mm``) or
+            ``"auto"`` (triton on CUDA, torch elsewhere).
+        routing: ``"topk"`` or ``"token_rounding"`` (SPEC §5; training only, eval uses top-k).
+        rounding: token-rounding subroutine (``nearest``, ``up``, ``down``, ``stochastic``, ``balance``).
+        m_tile: M_tile, the tile height token rounding rounds each expert's count to (tokens).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    router_order: RouterOrder = "topk_then_softmax"
+    renormalize: bool = False
+    gate_up_layout: GateUpLayout = "concat"
+    bias: bool = False
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    backend: Backend = "auto"
+    routing: RoutingMode = "topk"
+    rounding: RoundingSubroutine = "nearest"
+    m_tile: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_experts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k must be an int in [1, num_experts={self.num_experts}], got {self.top_k!r}"
+            )
+        if not isinstance(self.m_tile, int) or self.m_tile < 1:
+            raise ValueError(f"m_tile must be a positive int, got {self.m_tile!r}")
+        _check_choice("router_order", self.router_order, ROUTER_ORDERS)
+        _check_choice("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("routing", self.routing, ROUTING_MODES)
+        _check_choice("rounding", self.rounding, ROUNDING_SUBROUTINES)

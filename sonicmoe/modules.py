@@ -1,0 +1,132 @@
+"""``MoE``: the drop-in layer (router + SwiGLU experts) with the HF transformers parameter layout."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from .config import MoEConfig
+from .functional import _check_float, experts, resolve_backend
+from .routing import load_balancing_loss, router_topk, routing_from_pairs, routing_from_topk, z_loss
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts. Parameters (HF transformers experts convention):
+
+    * ``gate_up_proj`` (E, 2n, d): W1, layout per ``gate_up_layout`` (``"concat"``: rows [0, n) gate,
+      [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up);
+    * ``down_proj`` (E, d, n): W2;
+    * ``gate_up_proj_bias`` (E, 2n) and ``down_proj_bias`` (E, d) when ``bias``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        e, d, n = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * n, d, **kw))
+        self.down_proj = nn.Parameter(torch.empty(e, d, n, **kw))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * n, **kw)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, d, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases."""
+        d, n = self.gate_up_proj.shape[2], self.down_proj.shape[2]
+        for w, fan_in in ((self.gate_up_proj, d), (self.down_proj, n),
+                          (self.gate_up_proj_bias, d), (self.down_proj_bias, n)):
+            if w is not None:
+                bound = 1.0 / math.sqrt(fan_in)
+                nn.init.uniform_(w, -bound, bound)
+
+
+class MoE(nn.Module):
+    """Sparse Mixture-of-Experts layer with top-k token-choice routing and SwiGLU experts (SPEC §2).
+
+    ``forward(x)``: x (..., d) -> O (..., d), same dtype. After each forward, ``aux_loss``
+    (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
+    ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
+
+    Parameters: ``gate.weight`` (E, d) router; ``experts.gate_up_proj`` (E, 2n, d);
+    ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF Qwen3-MoE/gpt-oss
+    experts, so checkpoints map one to one.
+
+    Backends: ``"triton"`` (our kernels, forward and backward), ``"torch"`` (index gather +
+    ``torch._grouped_mm``; a loop off-GPU), ``"auto"`` (triton on CUDA, torch otherwise).
+
+    Routing: ``"topk"``, or ``"token_rounding"`` in training (each expert's count rounded to a
+    multiple of ``m_tile``, SPEC §5; eval mode always uses plain top-k).
+
+    Args: as :class:`~sonicmoe.config.MoEConfig` (``hidden_size``, ``intermediate_size``,
+    ``num_experts``, ``top_k``, ...), plus ``device`` and ``dtype`` of the parameters (``meta`` works).
+
+    Raises:
+        ValueError: bad options; x whose last dimension is not hidden_size; x on another device.
+        TypeError: x not floating point (bf16/fp16/fp32).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 *, activation: str = "swiglu", device=None, dtype=None, **options):
+        super().__init__()
+        if activation != "swiglu":
+            raise ValueError(f"activation must be 'swiglu' (the only one implemented), got {activation!r}")
+        self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, **options)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, self.config.bias,
+                               device=device, dtype=dtype)
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.expert_counts: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
+                f"router_order={c.router_order}, layout={c.gate_up_layout}, backend={c.backend}, "
+                f"routing={c.routing}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        _check_float("x", x)
+        if x.dim() < 1 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x must have shape (..., hidden_size={c.hidden_size}), got {tuple(x.shape)}")
+        if x.device != self.gate.weight.device:
+            raise ValueError(f"x is on {x.device} but the MoE parameters are on {self.gate.weight.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, c.hidden_size)
+        if x2.dtype != self.gate.weight.dtype:
+            x2 = x2.to(self.gate.weight.dtype)
+        router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
+                             renormalize=c.renormalize)
+        e = c.num_experts
+        if c.routing == "token_rounding" and self.training:
+            from .token_rounding import token_rounding
+
+            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding)
+            routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e)
+            pair_scores = tr.pair_scores
+        else:
+            routing = routing_from_topk(router.topk_ids, e)
+            pair_scores = router.topk_scores.reshape(-1)
+        backend = resolve_backend(c.backend, x2)
+        if x2.device.type == "meta":
+            backend = "torch"
+        ex = self.experts
+        out = experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
+                      ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend)
+        self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing)
+        self.z_loss = c.z_loss_coef * z_loss(router.logits)
+        self.expert_counts = routing.expert_counts().detach()
+        return out.reshape(*lead, c.hidden_size).to(x.dtype)
+
+
+def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
+    """Token rounding loses quality below 2 tiles of tokens per expert (SPEC §5): warn there."""
+    if tokens_per_expert < 2 * m_tile:
+        warnings.warn(
+            f"token rounding with {tokens_per_expert:.0f} mean tokens per expert < 2·M_tile={2 * m_tile}: "
+            "routing drifts far from top-k and quality may drop; use larger batches or plain top-k",
+            stacklevel=3,
+        )

@@ -1,0 +1,1 @@
+"""Expert kernels, one op per module: Triton kernels, launchers, autograd Functions, ``*_ref`` twins."""

@@ -1,0 +1,72 @@
+"""The ``torch`` backend: what a user would write in plain PyTorch (SPEC §7 baseline).
+
+Index gather of X rows, ``torch._grouped_mm`` over the expert-sorted rows on CUDA (bf16, Hopper or
+newer), a per-expert loop elsewhere, SwiGLU, and ``index_add`` aggregation. Autograd comes from
+PyTorch, so it keeps what PyTorch keeps (gathered X, H, A, Y: far more than the Triton path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import swiglu_ref
+from ..routing import Routing
+
+
+def _grouped_mm_ok(x: torch.Tensor, *mats: torch.Tensor) -> bool:
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    # _grouped_mm needs 16-byte aligned leading dimensions
+    return all(m.shape[-1] % 8 == 0 and m.shape[-2] % 8 == 0 for m in mats)
+
+
+def _grouped_linear(a: torch.Tensor, w: torch.Tensor, routing: Routing, use_grouped_mm: bool):
+    """Rows of expert e times w[e]ᵀ: (R, k) x (E, m, k) -> (R, m)."""
+    if use_grouped_mm:
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=routing.expert_offsets[1:])
+    if a.device.type == "meta":
+        return a.new_empty(a.shape[0], w.shape[1])
+    outs = []
+    offsets = routing.expert_offsets.tolist()
+    for e in range(routing.num_experts):
+        outs.append(F.linear(a[offsets[e]:offsets[e + 1]], w[e]))
+    return torch.cat(outs, dim=0)
+
+
+def experts_torch(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    pair_scores: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    gate_up_layout: str = "concat",
+) -> torch.Tensor:
+    """Experts + aggregation in plain PyTorch; same signature as :func:`sonicmoe.experts`.
+
+    Args:
+        x: (T, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n). routing: R pairs.
+        pair_scores: (R,) scores S per pair. b1: (E, 2n) or None. b2: (E, d) or None.
+
+    Returns:
+        O (T, d) in x's dtype.
+    """
+    use_gmm = _grouped_mm_ok(x, w1, w2)
+    token = routing.row_token.long()
+    xg = x[token]
+    h = _grouped_linear(xg, w1, routing, use_gmm)
+    row_expert = routing.row_expert() if (b1 is not None or b2 is not None) else None
+    if b1 is not None:
+        h = h + b1[row_expert]
+    a = swiglu_ref(h, gate_up_layout)
+    y = _grouped_linear(a, w2, routing, use_gmm)
+    if b2 is not None:
+        y = y + b2[row_expert]
+    s = routing.row_scores(pair_scores).to(y.dtype)
+    out = torch.zeros(routing.num_tokens, x.shape[1], dtype=y.dtype, device=x.device)
+    return out.index_add(0, token, y * s[:, None])

@@ -1,0 +1,104 @@
+"""Pure-PyTorch ground truth (float32, per-expert loop). Runs on CPU; every test compares with it.
+
+SPEC §2: h = W1[e] x_t (+ b1[e]); a = silu(gate(h)) * up(h); y = W2[e] a (+ b2[e]);
+O_t = Σ_k S_{t,k} y_{t,e_k}.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .routing import RouterOutput, Routing, router_topk, routing_from_topk
+
+
+def split_gate_up(h: torch.Tensor, gate_up_layout: str = "concat") -> tuple[torch.Tensor, torch.Tensor]:
+    """Split (..., 2n) into gate and up halves (..., n) each.
+
+    ``"concat"``: [gate; up] (columns [0, n) gate, [n, 2n) up). ``"interleaved"``: column 2i gate
+    channel i, column 2i+1 up channel i.
+    """
+    if gate_up_layout == "concat":
+        n = h.shape[-1] // 2
+        return h[..., :n], h[..., n:]
+    if gate_up_layout == "interleaved":
+        return h[..., 0::2], h[..., 1::2]
+    raise ValueError(f"gate_up_layout must be 'concat' or 'interleaved', got {gate_up_layout!r}")
+
+
+def swiglu_ref(h: torch.Tensor, gate_up_layout: str = "concat") -> torch.Tensor:
+    """A = silu(gate) * up for H (..., 2n) in the given gate/up layout; returns (..., n)."""
+    g, u = split_gate_up(h, gate_up_layout)
+    return F.silu(g) * u
+
+
+def experts_ref(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    pair_scores: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    gate_up_layout: str = "concat",
+) -> torch.Tensor:
+    """Expert computation and weighted aggregation, a float32 loop over experts (SPEC §2).
+
+    Args:
+        x: (T, d) tokens.
+        w1: (E, 2n, d) gate/up projection in ``gate_up_layout``.
+        w2: (E, d, n) down projection.
+        routing: :class:`~sonicmoe.routing.Routing` of R pairs.
+        pair_scores: (R,) score S of each pair.
+        b1, b2: optional biases (E, 2n) and (E, d).
+
+    Returns:
+        O (T, d) float32. Differentiable with respect to every floating input.
+    """
+    t, d = x.shape
+    xf, w1f, w2f, sf = x.float(), w1.float(), w2.float(), pair_scores.float()
+    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    offsets = routing.expert_offsets.tolist()
+    for e in range(routing.num_experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi == lo:
+            continue
+        tokens = routing.row_token[lo:hi].long()
+        s = sf[routing.row_pair[lo:hi].long()]
+        h = xf[tokens] @ w1f[e].t()
+        if b1 is not None:
+            h = h + b1[e].float()
+        y = swiglu_ref(h, gate_up_layout) @ w2f[e].t()
+        if b2 is not None:
+            y = y + b2[e].float()
+        out = out.index_add(0, tokens, s[:, None] * y)
+    return out
+
+
+def moe_ref(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    top_k: int,
+    router_order: str = "topk_then_softmax",
+    renormalize: bool = False,
+    gate_up_layout: str = "concat",
+) -> tuple[torch.Tensor, RouterOutput, Routing]:
+    """The whole MoE layer in float32: router, top-k, experts, aggregation (SPEC §2).
+
+    Args:
+        x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
+
+    Returns:
+        (O (T, d) float32, the router's output, the routing metadata).
+    """
+    router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize)
+    routing = routing_from_topk(router.topk_ids, w1.shape[0])
+    out = experts_ref(x, w1, w2, routing, router.topk_scores.reshape(-1), b1, b2,
+                      gate_up_layout=gate_up_layout)
+    return out, router, routing

@@ -1,0 +1,39 @@
+"""Test set-up: on a machine without CUDA, Triton kernels run through the interpreter.
+
+TRITON_INTERPRET must be set before triton is imported; nothing above this file imports it.
+The interpreter's tl.dot is wrong on bfloat16 (triton-lang/triton#11584), so interpreter tests use
+float32/float16 and bf16 is tested on the GPU (tests marked ``gpu``).
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """Where kernel tests run: CUDA when present, else CPU through the Triton interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (NaN when out has any NaN)."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
