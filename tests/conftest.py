@@ -30,10 +30,3 @@ def device():
     """Where kernel tests run: CUDA when present, else CPU through the Triton interpreter."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64 (NaN when out has any NaN)."""
-    out, ref = out.double(), ref.double()
-    if torch.isnan(out).any():
-        return float("nan")
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))

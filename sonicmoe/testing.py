@@ -1,0 +1,35 @@
+"""Helpers shared by tests and benchmarks: relative error, poisoned buffers, random problems."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ computed in float64; NaN if ``out`` holds any NaN or Inf."""
+    out, ref = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def random_problem(t: int, d: int, n: int, e: int, *, dtype=torch.float32, device="cpu", bias=False,
+                   seed: int = 0, scale: float = 1.0):
+    """Fresh random x (T, d), router weight (E, d), W1 (E, 2n, d), W2 (E, d, n) and biases.
+
+    Weights are scaled by 1/sqrt(fan_in) so activations stay O(1). Returns a dict.
+    """
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s * scale).to(device=device, dtype=dtype)
+
+    out = {
+        "x": rnd(t, d),
+        "router_weight": rnd(e, d, s=d**-0.5),
+        "w1": rnd(e, 2 * n, d, s=d**-0.5),
+        "w2": rnd(e, d, n, s=n**-0.5),
+        "b1": rnd(e, 2 * n, s=0.1) if bias else None,
+        "b2": rnd(e, d, s=0.1) if bias else None,
+    }
+    return out
