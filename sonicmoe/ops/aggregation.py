@@ -1,0 +1,81 @@
+"""Aggregation: a deterministic gather-and-sum over each token's rows (SPEC §3 kernel 3, §4 kernel 5).
+
+O_t = Σ_{slots j of token t} w_j · Y[token_rows[j]], summed in slot order in float32: no atomics,
+bitwise reproducible. Forward: Y the expert outputs, w the scores S. Backward: dX_t = Σ dX̃ rows
+(w = 1). Works for any number of experts per token (general routing, token rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..routing import Routing
+from .common import check_device, interpreting, next_pow2
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gather_sum_kernel(
+    y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
+    T, D, stride_yr, stride_ot,
+    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < T
+    start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
+    cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = cols < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in range(0, tl.max(cnt, 0)):
+        valid = mask_t & (j < cnt)
+        row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+        y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_W:
+            y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+        acc += y
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_d[None, :])
+
+
+def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
+    """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
+
+    Args:
+        y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
+        slot_weights: (R,) float32 weights in token-slot order, or None.
+    Returns:
+        (T, d) in y's dtype; tokens with no rows get zeros.
+    """
+    check_device("y", y)
+    y = y.contiguous()
+    t, d = routing.num_tokens, y.shape[1]
+    out = torch.empty(t, d, device=y.device, dtype=y.dtype)
+    if t == 0:
+        return out
+    block_d = min(next_pow2(d), 32 if interpreting() else 512)
+    block_t = 8 if interpreting() else max(1, 4096 // block_d)
+    grid = (triton.cdiv(t, block_t), triton.cdiv(d, block_d))
+    _gather_sum_kernel[grid](
+        y, slot_weights if slot_weights is not None else y, out, routing.token_offsets, routing.token_rows,
+        t, d, y.stride(0), out.stride(0), HAS_W=slot_weights is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
+
+
+def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add)."""
+    t = routing.num_tokens
+    slot_token = torch.repeat_interleave(
+        torch.arange(t, device=y.device), (routing.token_offsets[1:] - routing.token_offsets[:-1]).long()
+    )
+    rows = y[routing.token_rows.long()].float()
+    if slot_weights is not None:
+        rows = rows * slot_weights.float()[:, None]
+    out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
+    return out.index_add(0, slot_token, rows).to(y.dtype)

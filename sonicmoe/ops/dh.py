@@ -1,0 +1,154 @@
+"""dH kernel: gather-fused dA′ GEMM with the SwiGLU backward and dS in the epilogue (SPEC §4 kernel 1).
+
+For the rows r of expert e (token t = token(r), score s = S_r):
+    dA′[r] = dO_t W2[e]                              (varlen-M grouped GEMM, dO rows gathered in the load)
+    A[r]   = silu(gate(H[r])) · up(H[r])           (recomputed from H in registers)
+    dS_r   = ⟨dA′[r], A[r]⟩                         (= ⟨dO_t, Y[r]⟩ without Y; plus ⟨dO_t, b2[e]⟩ outside)
+    dA     = s · dA′;  dgate = dA · up · silu′(gate);  dup = dA · silu(gate)
+    A′[r]  = s · A[r]                               (the operand of dW2)
+Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written as per-N-tile partial
+sums (n_tiles, R) and reduced afterwards in a fixed order: no atomics, deterministic.
+dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import split_gate_up
+from ..routing import Routing
+from .common import check_device, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .up_proj import layout_rows
+
+
+@triton.jit
+def _dh_kernel(
+    do_ptr, w2_ptr, h_ptr, score_ptr, row_token_ptr, offsets_ptr, dh_ptr, ap_ptr, ds_ptr,
+    E, N, D, R,
+    stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
+    GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
+    E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    e, row_start, row_end = expert_tile(offsets_ptr, pid_m, E, E_P2, BLOCK_M)
+    if e >= E:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    mask_m = rows < row_end
+    tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = ch < N
+    offs_k = tl.arange(0, BLOCK_K)
+    do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]
+    w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wd + ch[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        mask_k = offs_k < D - k * BLOCK_K
+        dob = tl.load(do_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wb = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
+        do_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wd
+    rows64 = rows.to(tl.int64)
+    mask = mask_m[:, None] & mask_n[None, :]
+    g_cols = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
+    u_cols = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
+    g = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    a = silu * u
+    tl.store(ds_ptr + pid_n.to(tl.int64) * R + rows64, tl.sum(acc * a, 1), mask=mask_m)
+    da = acc * s[:, None]
+    dg = da * u * (sig + silu * (1.0 - sig))
+    du = da * silu
+    dh_ty = dh_ptr.dtype.element_ty
+    tl.store(dh_ptr + rows64[:, None] * stride_hr + g_cols[None, :], dg.to(dh_ty), mask=mask)
+    tl.store(dh_ptr + rows64[:, None] * stride_hr + u_cols[None, :], du.to(dh_ty), mask=mask)
+    tl.store(ap_ptr + rows64[:, None] * stride_apr + ch[None, :], (a * s[:, None]).to(ap_ptr.dtype.element_ty),
+             mask=mask)
+
+
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+_tuned = triton.autotune(
+    configs=configs(
+        [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
+         {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}],
+        [(8, 3), (8, 4), (4, 4)],
+    ),
+    key=["N", "D", "E", "GATE_OFF", "CH_STRIDE"],
+)(_dh_kernel)
+
+
+def dh(
+    dout: torch.Tensor,
+    w2: torch.Tensor,
+    h: torch.Tensor,
+    row_scores: torch.Tensor,
+    routing: Routing,
+    gate_up_layout: str = "concat",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dH, A′ and dS from dO, W2, H and the scores (SPEC §4 kernel 1).
+
+    Args:
+        dout: (T, d) gradient of O. w2: (E, d, n). h: (R, 2n) saved up-projection output (layout of W1).
+        row_scores: (R,) float32 scores S in row order. routing: the expert-sorted rows.
+    Returns:
+        dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 (without
+        the bias term ⟨dO_t, b2[e]⟩).
+    """
+    check_device("dout", dout)
+    dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
+    e, d, n = w2.shape
+    r = routing.num_rows
+    dh_ = torch.empty_like(h)
+    a_prime = torch.empty(r, n, device=h.device, dtype=h.dtype)
+    # dS partials: one row per N-tile; sized for the smallest BLOCK_N (16) any config uses, so the
+    # buffer fits whichever config autotuning picks; rows no program writes stay zero
+    n_tiles_max = triton.cdiv(n, 16)
+    ds_part = torch.zeros(n_tiles_max, r, device=h.device, dtype=torch.float32)
+    gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
+    args = dict(
+        do_ptr=dout, w2_ptr=w2, h_ptr=h, score_ptr=row_scores.float().contiguous(),
+        row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets, dh_ptr=dh_, ap_ptr=a_prime,
+        ds_ptr=ds_part, E=e, N=n, D=d, R=r, stride_dot=dout.stride(0), stride_we=w2.stride(0),
+        stride_wd=w2.stride(1), stride_hr=h.stride(0), stride_apr=a_prime.stride(0),
+        GATE_OFF=gate_off, UP_OFF=up_off, CH_STRIDE=ch_stride, E_P2=next_pow2(e),
+        DOT_PREC=dot_precision(h.dtype),
+    )
+    if r > 0:
+        grid = lambda m: (max_m_tiles(r, e, m["BLOCK_M"]) * triton.cdiv(n, m["BLOCK_N"]),)
+        launch(_dh_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+    return dh_, a_prime, ds_part.sum(0)
+
+
+def dh_ref(
+    dout: torch.Tensor,
+    w2: torch.Tensor,
+    h: torch.Tensor,
+    row_scores: torch.Tensor,
+    routing: Routing,
+    gate_up_layout: str = "concat",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop)."""
+    e = w2.shape[0]
+    offsets = routing.expert_offsets.tolist()
+    dap = torch.empty(routing.num_rows, w2.shape[2], dtype=torch.float32, device=h.device)
+    for i in range(e):
+        lo, hi = offsets[i], offsets[i + 1]
+        dap[lo:hi] = dout[routing.row_token[lo:hi].long()].float() @ w2[i].float()
+    hf = h.float().detach().requires_grad_(True)
+    g, u = split_gate_up(hf, gate_up_layout)
+    a = torch.nn.functional.silu(g) * u
+    s = row_scores.float()[:, None]
+    (dhf,) = torch.autograd.grad(a, hf, grad_outputs=dap * s)
+    ds = (dap * a.detach()).sum(1)
+    return dhf.to(h.dtype), (a.detach() * s).to(h.dtype), ds

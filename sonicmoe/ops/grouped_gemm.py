@@ -1,0 +1,123 @@
+"""Varlen-M grouped GEMM on expert-contiguous rows (SPEC §3 kernel 2, §4 kernel 3).
+
+C[r] = A[r] B[e] (+ bias[e]) for the rows r of expert e; A (R, k) rows are already contiguous by
+expert, C (R, m) is written contiguously expert by expert (no scatter, no atomics). B[e] is read
+through strides, so one kernel serves
+
+* the down-projection  Y = A W2[e]ᵀ + b2[e]   (A (R, n), W2 (E, d, n)  -> Y (R, d)), and
+* the dX̃ GEMM          dX̃ = dH W1[e]         (dH (R, 2n), W1 (E, 2n, d) -> dX̃ (R, d)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..routing import Routing
+from .common import check_device, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+
+
+@triton.jit
+def _varlen_m_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, offsets_ptr,
+    E, N, K,
+    stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
+    HAS_BIAS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    e, row_start, row_end = expert_tile(offsets_ptr, pid_m, E, E_P2, BLOCK_M)
+    if e >= E:
+        return
+    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = rows < row_end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_ar + offs_k[None, :]
+    b_ptrs = (b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None].to(tl.int64) * stride_bk
+              + cols[None, :].to(tl.int64) * stride_bn)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+_tuned = triton.autotune(
+    configs=configs(
+        [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64},
+         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}],
+        [(8, 3), (8, 4), (4, 4)],
+    ),
+    key=["N", "K", "E", "stride_bk", "HAS_BIAS"],
+)(_varlen_m_kernel)
+
+
+def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
+                  *, transpose_b: bool) -> torch.Tensor:
+    """Grouped GEMM over expert-contiguous rows: C[r] = A[r] op(B[e]) (+ bias[e]).
+
+    Args:
+        a: (R, k) rows sorted by expert. b: (E, m, k) with ``transpose_b`` (C = A B[e]ᵀ, the
+            down-projection with W2) or (E, k, m) without (C = A B[e], the dX̃ GEMM with W1).
+        bias: (E, m) or None.
+    Returns:
+        C (R, m) in a's dtype.
+    """
+    check_device("a", a)
+    a, b = a.contiguous(), b.contiguous()
+    e = b.shape[0]
+    if transpose_b:
+        m, k = b.shape[1], b.shape[2]
+        stride_bk, stride_bn = b.stride(2), b.stride(1)
+    else:
+        k, m = b.shape[1], b.shape[2]
+        stride_bk, stride_bn = b.stride(1), b.stride(2)
+    r = a.shape[0]
+    c = torch.empty(r, m, device=a.device, dtype=a.dtype)
+    args = dict(
+        a_ptr=a, b_ptr=b, bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
+        offsets_ptr=routing.expert_offsets, E=e, N=m, K=k, stride_ar=a.stride(0), stride_be=b.stride(0),
+        stride_bk=stride_bk, stride_bn=stride_bn, stride_cr=c.stride(0), HAS_BIAS=bias is not None,
+        E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),
+    )
+    if r > 0:
+        grid = lambda meta: (max_m_tiles(r, e, meta["BLOCK_M"]) * triton.cdiv(m, meta["BLOCK_N"]),)
+        launch(_varlen_m_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+    return c
+
+
+def varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
+                      *, transpose_b: bool) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`varlen_m_gemm` (float32 per-expert loop, output in a's dtype)."""
+    offsets = routing.expert_offsets.tolist()
+    outs = []
+    for i in range(b.shape[0]):
+        bi = b[i].float().t() if transpose_b else b[i].float()
+        y = a[offsets[i]:offsets[i + 1]].float() @ bi
+        outs.append(y + bias[i].float() if bias is not None else y)
+    return torch.cat(outs, 0).to(a.dtype)
+
+
+def down_proj(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing) -> torch.Tensor:
+    """Down-projection Y (R, d) = A (R, n) W2[e]ᵀ (+ b2[e]); W2 (E, d, n)."""
+    return varlen_m_gemm(a, w2, b2, routing, transpose_b=True)
+
+
+def down_proj_ref(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`down_proj`."""
+    return varlen_m_gemm_ref(a, w2, b2, routing, transpose_b=True)

@@ -1,0 +1,153 @@
+"""Up-projection: gather-fused varlen-M grouped GEMM with a SwiGLU epilogue (SPEC §3, kernel 1).
+
+For each row r of expert e (rows sorted by expert): H[r] = W1[e] x_{token(r)} (+ b1[e]) and
+A[r] = silu(gate(H[r])) * up(H[r]). The rows of X are gathered by index inside the operand load;
+no gathered copy of X exists. Each program computes a (BLOCK_M, BLOCK_N) tile of A from two
+accumulators — the matching gate and up channels — so the SwiGLU runs in registers.
+
+Gate/up layout of W1 (E, 2n, d) and of H (R, 2n), which follows W1's rows:
+``"concat"`` gate channel i is row i, up channel i is row n + i; ``"interleaved"`` gate channel i is
+row 2i, up channel i is row 2i + 1. A is computed from the rounded (stored) H, so the backward's
+recomputation of A from H gives the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import swiglu_ref
+from ..routing import Routing
+from .common import check_device, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+
+
+def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
+    """(gate offset, up offset, channel stride) in rows of W1 / columns of H for a gate/up layout."""
+    return (0, n, 1) if gate_up_layout == "concat" else (0, 1, 2)
+
+
+@triton.jit
+def _up_proj_kernel(
+    x_ptr, w1_ptr, b1_ptr, h_ptr, a_ptr, row_token_ptr, offsets_ptr,
+    E, N, D,
+    stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
+    GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    e, row_start, row_end = expert_tile(offsets_ptr, pid_m, E, E_P2, BLOCK_M)
+    if e >= E:
+        return
+    rows = row_start + tl.arange(0, BLOCK_M)
+    mask_m = rows < row_end
+    tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = ch < N
+    g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
+    u_rows = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
+    w_base = w1_ptr + e.to(tl.int64) * stride_we
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    wg_ptrs = w_base + g_rows[None, :] * stride_wn + offs_k[:, None]
+    wu_ptrs = w_base + u_rows[None, :] * stride_wn + offs_k[:, None]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        mask_k = offs_k < D - k * BLOCK_K
+        xa = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    if HAS_BIAS:
+        b_base = b1_ptr + e.to(tl.int64) * (2 * N)
+        acc_g += tl.load(b_base + g_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + u_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    hg = acc_g.to(h_ptr.dtype.element_ty)
+    hu = acc_u.to(h_ptr.dtype.element_ty)
+    rows64 = rows.to(tl.int64)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if STORE_H:
+        tl.store(h_ptr + rows64[:, None] * stride_hr + g_rows[None, :], hg, mask=mask)
+        tl.store(h_ptr + rows64[:, None] * stride_hr + u_rows[None, :], hu, mask=mask)
+    g = hg.to(tl.float32)
+    a = g * tl.sigmoid(g) * hu.to(tl.float32)
+    tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+_tuned = triton.autotune(
+    configs=configs(
+        [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64},
+         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}],
+        [(8, 3), (8, 4), (4, 4)],
+    ),
+    key=["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
+)(_up_proj_kernel)
+
+
+def up_proj(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    routing: Routing,
+    gate_up_layout: str = "concat",
+    store_h: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Gather + grouped GEMM + SwiGLU. Returns (H (R, 2n) or None when ``store_h`` is False, A (R, n)).
+
+    Args:
+        x: (T, d) contiguous tokens. w1: (E, 2n, d) in ``gate_up_layout``. b1: (E, 2n) or None.
+        routing: rows sorted by expert. store_h: False for inference (H is not written).
+    """
+    for name, t in (("x", x), ("w1", w1)):
+        check_device(name, t)
+    x, w1 = x.contiguous(), w1.contiguous()
+    e, two_n, d = w1.shape
+    n = two_n // 2
+    r = routing.num_rows
+    a = torch.empty(r, n, device=x.device, dtype=x.dtype)
+    h = torch.empty(r, two_n, device=x.device, dtype=x.dtype) if store_h else a
+    gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
+    args = dict(
+        x_ptr=x, w1_ptr=w1, b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,
+        row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
+        E=e, N=n, D=d, stride_xt=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),
+        stride_hr=h.stride(0), stride_ar=a.stride(0),
+        GATE_OFF=gate_off, UP_OFF=up_off, CH_STRIDE=ch_stride, HAS_BIAS=b1 is not None,
+        STORE_H=store_h, E_P2=next_pow2(e), DOT_PREC=dot_precision(x.dtype),
+    )
+    if r > 0:
+        grid = lambda m: (max_m_tiles(r, e, m["BLOCK_M"]) * triton.cdiv(n, m["BLOCK_N"]),)
+        launch(_up_proj_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+    return (h if store_h else None), a
+
+
+def up_proj_ref(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    routing: Routing,
+    gate_up_layout: str = "concat",
+    store_h: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Pure-PyTorch twin of :func:`up_proj` (float32 math, per-expert loop, outputs in x's dtype)."""
+    e, two_n, _ = w1.shape
+    h = torch.empty(routing.num_rows, two_n, dtype=torch.float32, device=x.device)
+    offsets = routing.expert_offsets.tolist()
+    for i in range(e):
+        lo, hi = offsets[i], offsets[i + 1]
+        rows = x[routing.row_token[lo:hi].long()].float()
+        h[lo:hi] = rows @ w1[i].float().t() + (b1[i].float() if b1 is not None else 0.0)
+    h = h.to(x.dtype)
+    a = swiglu_ref(h.float(), gate_up_layout).to(x.dtype)
+    return (h if store_h else None), a

@@ -1,0 +1,113 @@
+"""Varlen-K grouped GEMM for the expert weight gradients (SPEC §4 kernels 2 and 4).
+
+dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] — the reduction runs over each expert's rows, whose number
+varies by expert (varlen-K). Either operand may be gathered by token inside its load:
+
+* dW2[e] (d, n)  = Σ_r dO_{token(r)}ᵀ A′[r]      (P = dO gathered, Q = A′)
+* dW1[e] (2n, d) = Σ_r dH[r]ᵀ x_{token(r)}       (P = dH, Q = X gathered)
+
+One program owns one output tile of one expert and loops over that expert's rows: deterministic,
+no atomics; experts with no rows get zero gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..routing import Routing
+from .common import check_device, configs, dot_precision, launch
+
+
+@triton.jit
+def _varlen_k_kernel(
+    p_ptr, q_ptr, out_ptr, row_token_ptr, offsets_ptr,
+    I, J, stride_p, stride_q, stride_oe, stride_oi,
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_j = tl.cdiv(J, BLOCK_J)
+    tiles = tl.cdiv(I, BLOCK_I) * tiles_j
+    e = pid // tiles
+    tile = pid % tiles
+    pid_i = tile // tiles_j
+    pid_j = tile % tiles_j
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    ii = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    jj = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    mask_i = ii < I
+    mask_j = jj < J
+    acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        mask_r = rr < hi
+        if P_GATHER or Q_GATHER:
+            tok = tl.load(row_token_ptr + rr, mask=mask_r, other=0).to(tl.int64)
+        if P_GATHER:
+            pr = tok
+        else:
+            pr = rr.to(tl.int64)
+        if Q_GATHER:
+            qr = tok
+        else:
+            qr = rr.to(tl.int64)
+        pb = tl.load(p_ptr + pr[None, :] * stride_p + ii[:, None], mask=mask_i[:, None] & mask_r[None, :],
+                     other=0.0)
+        qb = tl.load(q_ptr + qr[:, None] * stride_q + jj[None, :], mask=mask_r[:, None] & mask_j[None, :],
+                     other=0.0)
+        acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
+    out = out_ptr + e.to(tl.int64) * stride_oe + ii[:, None].to(tl.int64) * stride_oi + jj[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
+
+
+_GPU_DEFAULT = {"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
+_PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
+_tuned = triton.autotune(
+    configs=configs(
+        [{"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 64}, {"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_R": 64},
+         {"BLOCK_I": 64, "BLOCK_J": 128, "BLOCK_R": 64}, {"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 32}],
+        [(8, 3), (8, 4), (4, 4)],
+    ),
+    key=["I", "J", "P_GATHER", "Q_GATHER"],
+)(_varlen_k_kernel)
+
+
+def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)].
+
+    Args:
+        p: (T or R, I); rows gathered by ``routing.row_token`` when ``p_gather``.
+        q: (T or R, J); likewise with ``q_gather``.
+        out_dtype: dtype of the gradient (the weight's); accumulation is float32.
+    """
+    check_device("p", p)
+    p, q = p.contiguous(), q.contiguous()
+    e = routing.num_experts
+    i_dim, j_dim = p.shape[1], q.shape[1]
+    out = torch.empty(e, i_dim, j_dim, device=p.device, dtype=out_dtype)
+    args = dict(
+        p_ptr=p, q_ptr=q, out_ptr=out, row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
+        I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
+        stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
+    )
+    grid = lambda m: (e * triton.cdiv(i_dim, m["BLOCK_I"]) * triton.cdiv(j_dim, m["BLOCK_J"]),)
+    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+    return out
+
+
+def varlen_k_gemm_ref(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`varlen_k_gemm` (float32 per-expert loop)."""
+    offsets = routing.expert_offsets.tolist()
+    out = torch.zeros(routing.num_experts, p.shape[1], q.shape[1], dtype=torch.float32, device=p.device)
+    for i in range(routing.num_experts):
+        lo, hi = offsets[i], offsets[i + 1]
+        tok = routing.row_token[lo:hi].long()
+        pi = p[tok] if p_gather else p[lo:hi]
+        qi = q[tok] if q_gather else q[lo:hi]
+        out[i] = pi.float().t() @ qi.float()
+    return out.to(out_dtype)
