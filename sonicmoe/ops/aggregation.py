@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, interpreting, next_pow2
+from .common import check_device, new_output, interpreting, next_pow2
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -54,7 +54,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     check_device("y", y)
     y = y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
-    out = torch.empty(t, d, device=y.device, dtype=y.dtype)
+    out = new_output((t, d), device=y.device, dtype=y.dtype)
     if t == 0:
         return out
     block_d = min(next_pow2(d), 32 if interpreting() else 512)

@@ -8,8 +8,10 @@ holds ``cdiv(R, BLOCK_M) + E`` M-tiles, an upper bound of Σ_e cdiv(T_e, BLOCK_M
 programs exit at once.
 
 Environment (documented in the README):
-    SONICMOE_AUTOTUNE=0   use the pinned tile configuration instead of autotuning (the default on
-                          GPU is to autotune once per (d, n, E, dtype)); the interpreter always pins.
+    SONICMOE_AUTOTUNE=0        use the pinned tile configuration instead of autotuning (the default
+                               on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
+    SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
+                               so an element no program writes shows up as NaN.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def launch(kernel, tuned_kernel, grid, args: dict, pinned: dict, gpu_default: di
     else:
         meta = dict(gpu_default)
         kernel[grid(meta)](**args, **meta)
+
+
+def new_output(shape, *, device, dtype) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; NaN-filled (or int-min) when SONICMOE_POISON_OUTPUTS=1."""
+    out = torch.empty(shape, device=device, dtype=dtype)
+    if os.environ.get("SONICMOE_POISON_OUTPUTS", "0") == "1":
+        out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
+    return out
 
 
 def dot_precision(dtype: torch.dtype) -> str:

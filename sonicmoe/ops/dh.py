@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..reference import split_gate_up
 from ..routing import Routing
-from .common import check_device, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .common import check_device, new_output, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
 from .up_proj import layout_rows
 
 
@@ -109,8 +109,8 @@ def dh(
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
-    dh_ = torch.empty_like(h)
-    a_prime = torch.empty(r, n, device=h.device, dtype=h.dtype)
+    dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
+    a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
     # dS partials: one row per N-tile; sized for the smallest BLOCK_N (16) any config uses, so the
     # buffer fits whichever config autotuning picks; rows no program writes stay zero
     n_tiles_max = triton.cdiv(n, 16)

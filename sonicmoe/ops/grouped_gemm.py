@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .common import check_device, new_output, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         k, m = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     r = a.shape[0]
-    c = torch.empty(r, m, device=a.device, dtype=a.dtype)
+    c = new_output((r, m), device=a.device, dtype=a.dtype)
     args = dict(
         a_ptr=a, b_ptr=b, bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
         offsets_ptr=routing.expert_offsets, E=e, N=m, K=k, stride_ar=a.stride(0), stride_be=b.stride(0),

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..reference import swiglu_ref
 from ..routing import Routing
-from .common import check_device, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .common import check_device, new_output, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
 
 
 def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
@@ -115,8 +115,8 @@ def up_proj(
     e, two_n, d = w1.shape
     n = two_n // 2
     r = routing.num_rows
-    a = torch.empty(r, n, device=x.device, dtype=x.dtype)
-    h = torch.empty(r, two_n, device=x.device, dtype=x.dtype) if store_h else a
+    a = new_output((r, n), device=x.device, dtype=x.dtype)
+    h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
         x_ptr=x, w1_ptr=w1, b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, configs, dot_precision, launch
+from .common import check_device, new_output, configs, dot_precision, launch
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     p, q = p.contiguous(), q.contiguous()
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
-    out = torch.empty(e, i_dim, j_dim, device=p.device, dtype=out_dtype)
+    out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
     args = dict(
         p_ptr=p, q_ptr=q, out_ptr=out, row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
         I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),

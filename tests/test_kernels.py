@@ -1,0 +1,257 @@
+"""Triton kernels against their pure-PyTorch twins and the float32 layer reference.
+
+On CPU the kernels run through Triton's interpreter (float32/float16 only: the interpreter's bf16
+tl.dot is wrong, triton-lang/triton#11584); on a GPU the same tests run natively. Every kernel
+output is poisoned with NaN before launch (SONICMOE_POISON_OUTPUTS=1), so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sonicmoe
+from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
+from sonicmoe.ops.dh import dh, dh_ref
+from sonicmoe.ops.grouped_gemm import down_proj, down_proj_ref, varlen_m_gemm, varlen_m_gemm_ref
+from sonicmoe.ops.moe_function import MoEExpertsFunction
+from sonicmoe.ops.up_proj import up_proj, up_proj_ref
+from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
+from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
+from sonicmoe.testing import random_problem, rel_err
+
+pytestmark = pytest.mark.interpreter
+
+# (T, d, n, E, K, reason)
+SHAPES = [
+    (1, 16, 16, 3, 3, "T=1 and K=E: one token, every expert"),
+    (37, 48, 40, 5, 2, "d, n and per-expert counts not multiples of any block"),
+    (20, 32, 24, 8, 1, "K=1, more experts than a few tokens fill: empty experts"),
+    (64, 32, 32, 4, 4, "K=E with many tokens: every expert gets every token"),
+]
+IDS = [s[-1].split(":")[0] for s in SHAPES]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 3e-3
+
+
+def _topk_routing(p, k, device):
+    r = router_topk(p["x"], p["router_weight"], k)
+    return r, routing_from_topk(r.topk_ids, p["w1"].shape[0])
+
+
+def _skewed_routing(t, e, device):
+    """General routing: variable experts per token, token 0 with none, experts 0 and E-1 empty,
+    and expert 1 holding every other token."""
+    pairs = [(tok, 1) for tok in range(1, t)]
+    pairs += [(tok, 2 + tok % (e - 3)) for tok in range(1, t, 2)]
+    tok = torch.tensor([p[0] for p in pairs], device=device)
+    exp = torch.tensor([p[1] for p in pairs], device=device)
+    perm = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).to(device)
+    return routing_from_pairs(tok[perm], exp[perm], t, e)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_up_proj(shape, layout, bias, device):
+    t, d, n, e, k, _ = shape
+    p = random_problem(t, d, n, e, bias=bias, device=device, seed=t + n)
+    _, routing = _topk_routing(p, k, device)
+    h, a = up_proj(p["x"], p["w1"], p["b1"], routing, layout)
+    h_ref, a_ref = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout)
+    assert rel_err(h, h_ref) < 1e-5
+    assert rel_err(a, a_ref) < 1e-5
+    h_none, a2 = up_proj(p["x"], p["w1"], p["b1"], routing, layout, store_h=False)
+    assert h_none is None and torch.equal(a2, a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=IDS[1:3])
+def test_grouped_gemms(shape, dtype, device):
+    t, d, n, e, k, _ = shape
+    p = random_problem(t, d, n, e, bias=True, device=device, dtype=dtype, seed=3)
+    _, routing = _topk_routing(p, k, device)
+    r = routing.num_rows
+    a = torch.randn(r, n, device=device).to(dtype)
+    assert rel_err(down_proj(a, p["w2"], p["b2"], routing), down_proj_ref(a, p["w2"], p["b2"], routing)) \
+        < _tol(dtype)
+    dh_ = torch.randn(r, 2 * n, device=device).to(dtype)
+    out = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False)
+    assert rel_err(out, varlen_m_gemm_ref(dh_, p["w1"], None, routing, transpose_b=False)) < _tol(dtype)
+    dout = torch.randn(t, d, device=device).to(dtype)
+    for pg, qg, pm, qm in ((True, False, dout, a), (False, True, dh_, p["x"])):
+        got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=dtype)
+        ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=dtype)
+        assert rel_err(got, ref) < _tol(dtype)
+        empty = routing.expert_counts() == 0
+        assert torch.all(got[empty] == 0), "experts with no rows must get zero gradients"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_dh_kernel(shape, layout, device):
+    t, d, n, e, k, _ = shape
+    p = random_problem(t, d, n, e, device=device, seed=5)
+    router, routing = _topk_routing(p, k, device)
+    h = torch.randn(routing.num_rows, 2 * n, device=device)
+    dout = torch.randn(t, d, device=device)
+    s = routing.row_scores(router.topk_scores.reshape(-1))
+    got = dh(dout, p["w2"], h, s, routing, layout)
+    ref = dh_ref(dout, p["w2"], h, s, routing, layout)
+    for name, g, r in zip(("dH", "A'", "dS"), got, ref):
+        assert rel_err(g, r) < 1e-5, name
+
+
+def test_gather_sum(device):
+    t, e = 29, 7
+    routing = _skewed_routing(t, e, device)
+    y = torch.randn(routing.num_rows, 40, device=device)
+    w = torch.rand(routing.num_rows, device=device)
+    for weights in (w, None):
+        out = gather_sum(y, routing, weights)
+        assert rel_err(out, gather_sum_ref(y, routing, weights)) < 1e-6
+    assert torch.all(out[0] == 0), "a token with no experts aggregates to zero"
+
+
+def _layer_grads(p, k, layout, backend, dtype, dout):
+    ins = {key: (v.to(dtype).clone().requires_grad_(True) if v is not None else None) for key, v in p.items()}
+    res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
+                       gate_up_layout=layout, backend=backend)
+    res.out.backward(dout.to(dtype))
+    return res.out.detach(), {key: v.grad for key, v in ins.items() if v is not None}
+
+
+def _ref_grads(p, k, layout, dout):
+    ins = {key: (v.double().clone().requires_grad_(True) if v is not None else None) for key, v in p.items()}
+    out, _, _ = sonicmoe.moe_ref(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"],
+                                 top_k=k, gate_up_layout=layout)
+    out.backward(dout.float())
+    return out.detach(), {key: v.grad for key, v in ins.items() if v is not None}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+@pytest.mark.parametrize("layout,bias,dtype", [("concat", False, torch.float32),
+                                               ("interleaved", True, torch.float32),
+                                               ("concat", True, torch.float16)])
+def test_layer_forward_backward(shape, layout, bias, dtype, device):
+    t, d, n, e, k, _ = shape
+    p = random_problem(t, d, n, e, bias=bias, device=device, seed=11)
+    dout = torch.randn(t, d, device=device)
+    out, grads = _layer_grads(p, k, layout, "triton", dtype, dout)
+    ref, ref_grads = _ref_grads(p, k, layout, dout)
+    tol = _tol(dtype) * (1 if dtype == torch.float32 else 3)
+    assert rel_err(out, ref) < tol
+    for key, g in grads.items():
+        if key == "router_weight" and k == 1:
+            assert torch.all(g == 0)  # softmax over one chosen logit is constant
+            continue
+        assert rel_err(g, ref_grads[key]) < tol, key
+
+
+def test_general_routing_layer(device):
+    """Variable experts per token (a token with none), empty experts, one expert with every token."""
+    t, d, n, e = 23, 32, 24, 7
+    p = random_problem(t, d, n, e, device=device, seed=2)
+    routing = _skewed_routing(t, e, device)
+    scores = torch.rand(routing.num_rows, device=device, requires_grad=True)
+    x = p["x"].clone().requires_grad_(True)
+    w1 = p["w1"].clone().requires_grad_(True)
+    out = sonicmoe.experts(x, w1, p["w2"], routing, scores, backend="triton")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    xr, w1r, sr = (v.detach().clone().requires_grad_(True) for v in (p["x"], p["w1"], scores))
+    ref = sonicmoe.experts_ref(xr, w1r, p["w2"], routing, sr)
+    ref.backward(dout)
+    assert rel_err(out, ref) < 1e-5
+    for g, gr in ((x.grad, xr.grad), (w1.grad, w1r.grad), (scores.grad, sr.grad)):
+        assert rel_err(g, gr) < 1e-5
+
+
+def test_memory_contract(device):
+    """Backward saves X, H, S (row order), weights and int routing metadata: no (R, d) tensor, no A."""
+    t, d, n, e, k = 33, 48, 16, 4, 2  # d != n, 2n so (R, d), (R, n), (R, 2n) are told apart
+    p = random_problem(t, d, n, e, device=device, seed=4)
+    _, routing = _topk_routing(p, k, device)
+    r = routing.num_rows
+    x = p["x"].clone().requires_grad_(True)
+    scores = torch.rand(r, device=device, requires_grad=True)
+    out = sonicmoe.experts(x, p["w1"], p["w2"], routing, scores, backend="triton")
+    assert isinstance(out.grad_fn, MoEExpertsFunction._backward_cls)
+    saved = [s for s in out.grad_fn.saved_tensors if s is not None]
+    float_shapes = sorted(tuple(s.shape) for s in saved if s.dtype.is_floating_point)
+    assert float_shapes == sorted([(t, d), (r, 2 * n), (r,), (e, 2 * n, d), (e, d, n)])
+    for s in saved:
+        if not s.dtype.is_floating_point:
+            assert s.dtype == torch.int32 and s.dim() == 1 and s.numel() <= max(r, t + 1, e + 1)
+    activation_bytes = sum(s.numel() * s.element_size() for s in saved
+                           if s.dtype.is_floating_point and s.dim() < 3)
+    assert activation_bytes == (t * d + r * 2 * n + r) * 4  # fp32 here: 2Td + 4TKn bytes in bf16 + S
+
+
+def test_deterministic_and_no_mutation(device):
+    t, d, n, e, k = 40, 32, 32, 6, 3
+    p = random_problem(t, d, n, e, bias=True, device=device, seed=9)
+    before = {key: v.clone() for key, v in p.items()}
+    dout = torch.randn(t, d, device=device)
+    out1, g1 = _layer_grads(p, k, "concat", "triton", torch.float32, dout)
+    out2, g2 = _layer_grads(p, k, "concat", "triton", torch.float32, dout)
+    assert torch.equal(out1, out2)
+    for key in g1:
+        assert torch.equal(g1[key], g2[key]), key
+    for key, v in p.items():
+        assert torch.equal(v, before[key]), f"{key} was modified"
+
+
+def test_inference_path_matches_training_path(device):
+    t, d, n, e, k = 30, 32, 24, 5, 2
+    p = random_problem(t, d, n, e, device=device, seed=8)
+    router, routing = _topk_routing(p, k, device)
+    s = router.topk_scores.reshape(-1)
+    with torch.no_grad():
+        o_inf = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, s, backend="triton")
+    o_train = sonicmoe.experts(p["x"].requires_grad_(True), p["w1"], p["w2"], routing, s, backend="triton")
+    assert torch.equal(o_inf, o_train.detach())
+
+
+# ---------------------------------------------------------------- GPU only: bf16 at realistic shapes
+
+GPU_SHAPES = [
+    (4096, 1024, 256, 64, 8, "fine-grained, G=4"),
+    (3000, 768, 384, 32, 4, "T and n not tile multiples"),
+    (2048, 512, 1024, 8, 2, "coarse experts, K=2"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[-1] for s in GPU_SHAPES])
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_gpu_bf16_layer(shape, layout):
+    """bf16 error of the Triton path is at most 2x the torch backend's bf16 error (+ small eps)."""
+    t, d, n, e, k, _ = shape
+    p = random_problem(t, d, n, e, bias=layout == "interleaved", device="cuda", seed=1)
+    dout = torch.randn(t, d, device="cuda")
+    out, grads = _layer_grads(p, k, layout, "triton", torch.bfloat16, dout)
+    tout, tgrads = _layer_grads(p, k, layout, "torch", torch.bfloat16, dout)
+    ref, rgrads = _ref_grads(p, k, layout, dout)
+    assert rel_err(out, ref) <= 2 * rel_err(tout, ref) + 1e-3
+    assert rel_err(out, ref) < 1e-2
+    for key in grads:
+        assert rel_err(grads[key], rgrads[key]) <= 2 * rel_err(tgrads[key], rgrads[key]) + 2e-3, key
+
+
+@pytest.mark.gpu
+def test_gpu_bitwise_deterministic():
+    p = random_problem(4096, 1024, 256, 64, 8, device="cuda", seed=3)
+    dout = torch.randn(4096, 1024, device="cuda")
+    runs = [_layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout) for _ in range(3)]
+    for out, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        for key in grads:
+            assert torch.equal(grads[key], runs[0][1][key]), key
