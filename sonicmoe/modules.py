@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
@@ -104,7 +103,8 @@ class MoE(nn.Module):
         if c.routing == "token_rounding" and self.training:
             from .token_rounding import token_rounding
 
-            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding)
+            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding,
+                                router_order=c.router_order, renormalize=c.renormalize)
             routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e)
             pair_scores = tr.pair_scores
         else:
@@ -120,13 +120,3 @@ class MoE(nn.Module):
         self.z_loss = c.z_loss_coef * z_loss(router.logits)
         self.expert_counts = routing.expert_counts().detach()
         return out.reshape(*lead, c.hidden_size).to(x.dtype)
-
-
-def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
-    """Token rounding loses quality below 2 tiles of tokens per expert (SPEC §5): warn there."""
-    if tokens_per_expert < 2 * m_tile:
-        warnings.warn(
-            f"token rounding with {tokens_per_expert:.0f} mean tokens per expert < 2·M_tile={2 * m_tile}: "
-            "routing drifts far from top-k and quality may drop; use larger batches or plain top-k",
-            stacklevel=3,
-        )

@@ -1,0 +1,386 @@
+"""Token rounding (TR): training-time routing whose per-expert token counts are tile multiples (SPEC §5).
+
+Grouped GEMMs pad every expert's rows up to a multiple of M_tile (the tile height along tokens). When
+the number of tokens T_e routed to an expert is small, that padding is wasted work. Token rounding
+starts from top-k routing and moves each expert's count f_e to a neighbouring multiple of M_tile:
+
+1. Top-k gives f_e, the number of (token, expert) pairs on expert e. On the M_tile grid, let
+   ``lo_e = ⌊f_e⌋`` and ``hi_e = ⌈f_e⌉`` (f_e rounded down / up to a multiple of M_tile).
+2. Each expert ranks its candidate tokens: the tokens that chose it (top-k) first, by decreasing
+   score S, then all other tokens by decreasing router probability ``probs[t, e]`` (softmax over E).
+   Ranking compares values rounded to float32 (exact for the usual float32 router; a float64 router's
+   values closer than float32 precision count as equal). Ties are broken by the lower token index.
+3. A *subroutine* decides per expert whether to pad (keep ``hi_e``: all chosen tokens plus the best
+   ``hi_e − f_e`` non-chosen ones) or not (keep ``lo_e``: drop the ``f_e − lo_e`` lowest-scored
+   chosen tokens). An expert with f_e already a multiple of M_tile keeps exactly its top-k tokens.
+
+   * ``"nearest"`` (default): pad iff ``hi_e − f_e < f_e − lo_e``; an exact tie (f_e − lo_e =
+     M_tile/2) rounds **down** (fewer rows, less work; the literal rule of SPEC §5).
+   * ``"up"``: always pad. ``"down"``: never pad.
+   * ``"stochastic"``: pad with probability ``(f_e − lo_e) / M_tile`` (one uniform draw per expert
+     from ``generator``), so the expected count equals f_e.
+   * ``"balance"``: walk the experts in index order keeping a running residual
+     r = Σ_{j≤e} (rounded_j − f_j) and choose, per expert, the option with the smaller |r| (ties
+     round down). This is the same as rounding the prefix sums of f to the nearest multiple of
+     M_tile, which is how it is computed (a cumsum, no sequential loop); it guarantees
+     ``−M_tile/2 ≤ Σ_e rounded_e − Σ_e f_e < M_tile/2``.
+
+4. The output is *general routing*: R pairs, a variable number of experts per token (a token may end
+   with none). Feed it to :func:`sonicmoe.routing.routing_from_pairs`.
+
+Guarantees (for every expert e):
+    * ``|count_e − f_e| < M_tile`` (within one tile of top-k);
+    * ``count_e`` is a multiple of M_tile — except the *cap edge* below;
+    * a padded expert keeps all its chosen tokens and adds the non-chosen ones of highest
+      probability; a rounded-down expert keeps its highest-scored chosen tokens and adds none;
+    * pairs are unique.
+
+Cap edge: an expert cannot hold more than T distinct tokens. When the padding decision is taken but
+``hi_e > T`` (only possible when T is not a multiple of M_tile and ``f_e > M_tile·⌊T/M_tile⌋``, i.e.
+nearly every token chose e), the expert keeps all T tokens: a count that is not a tile multiple but
+occupies the same ⌈f_e/M_tile⌉ tiles as top-k itself, so no tile is added. Decisions are always taken
+on the M_tile grid (uncapped ``hi_e``) and the cap is applied afterwards; ``"balance"``'s bound on the
+total therefore holds exactly only when no padded expert is capped (each capped expert lowers the
+total by ``hi_e − T``).
+
+Caveat: quality holds when the mean number of tokens per expert, T·K/E, is at least 2·M_tile;
+below that, rounding moves a large fraction of each expert's tokens and routing drifts far from
+top-k. :func:`token_rounding` warns there. Use it in training only; evaluation/inference uses top-k.
+
+Scores of the output pairs (differentiable w.r.t. the router logits):
+    * a kept top-k pair has its top-k score S_{t,k} (``router.topk_scores``, unchanged);
+    * an *added* pair (t, e) gets the score top-k would give it with the same normalisation:
+      ``"topk_then_softmax"``: ``exp(logits[t, e] − logsumexp_k logits[t, topk_ids[t, k]])`` (the
+      softmax over the token's K chosen logits, extended to e); ``"softmax_then_topk"``:
+      ``probs[t, e]``, divided by ``Σ_k probs[t, topk_ids[t, k]]`` when ``renormalize``.
+    A token's scores are not renormalised over its final expert set.
+
+Implementation (:func:`token_rounding`): vectorised torch on the router's device.
+    * chosen pairs: one stable sort of the T·K pairs by (expert, score descending) gives each
+      pair's rank within its expert; a pair is kept iff its rank < count_e;
+    * added pairs: ``torch.topk`` over tokens of an exact int64 key (router probability bits, then
+      lower token index; chosen pairs masked out) picks each expert's best min(M_tile − 1, T)
+      non-chosen tokens; the first ``count_e − f_e`` of them are added;
+    * the result is first a fixed-capacity candidate list of T·K + E·min(M_tile − 1, T) pairs with a
+      validity mask, computed without any host-device synchronisation; it is compacted with a single
+      ``torch.nonzero`` — **the one host sync**, unavoidable because R (the number of output pairs)
+      is data-dependent and :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs.
+    * memory: one transient (T, E) int64 key (8·T·E bytes, e.g. 128 MiB at T=32768, E=512) plus a
+      few (T·K,) arrays.
+
+:func:`token_rounding_ref` is a plain Python/PyTorch per-expert loop with the same signature and
+output, used as the test oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
+from .routing import INDEX_DTYPE, RouterOutput
+
+_U32 = 1 << 32
+_I31 = 1 << 31
+
+
+def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
+    """Token rounding loses quality below 2 tiles of tokens per expert (SPEC §5): warn there.
+
+    ``stacklevel`` points at the caller of :func:`token_rounding` (e.g. ``MoE.forward``).
+    """
+    if tokens_per_expert < 2 * m_tile:
+        warnings.warn(
+            f"token rounding with {tokens_per_expert:.0f} mean tokens per expert < 2·M_tile={2 * m_tile}: "
+            "routing drifts far from top-k and quality may drop; use larger batches or plain top-k",
+            stacklevel=3,
+        )
+
+
+@dataclasses.dataclass
+class TokenRoundingOutput:
+    """Routed pairs after token rounding (R pairs over T tokens and E experts).
+
+    Pair order: first the kept top-k pairs, expert by expert (ascending e), each expert's by
+    decreasing score; then the added pairs, expert by expert, each expert's by decreasing router
+    probability. So, after the stable sort by expert in ``routing_from_pairs``, the rows of expert e
+    follow its ranking.
+
+    Attributes:
+        pair_token: (R,) int32 token of each pair, in [0, T).
+        pair_expert: (R,) int32 expert of each pair, in [0, E).
+        pair_scores: (R,) score S of each pair in ``topk_scores``' dtype, differentiable w.r.t. the
+            router logits (see the module docstring for added pairs).
+        pair_added: (R,) bool, True for pairs that top-k did not choose (added by padding).
+        counts: (E,) int32 tokens kept per expert, T_e (a multiple of M_tile except the cap edge).
+        topk_counts: (E,) int32 tokens per expert under plain top-k, f_e.
+        padded: (E,) bool, True where the expert was rounded up (tokens added).
+    """
+
+    pair_token: torch.Tensor
+    pair_expert: torch.Tensor
+    pair_scores: torch.Tensor
+    pair_added: torch.Tensor
+    counts: torch.Tensor
+    topk_counts: torch.Tensor
+    padded: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        """R, the number of routed pairs."""
+        return self.pair_token.shape[0]
+
+
+def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
+                router_order: str) -> tuple[int, int, int]:
+    if not isinstance(router, RouterOutput):
+        raise TypeError(f"router must be a sonicmoe.routing.RouterOutput, got {type(router).__name__}")
+    if isinstance(m_tile, bool) or not isinstance(m_tile, int) or m_tile < 1:
+        raise ValueError(f"m_tile must be a positive int, got {m_tile!r}")
+    if subroutine not in ROUNDING_SUBROUTINES:
+        raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
+    if router_order not in ROUTER_ORDERS:
+        raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
+    logits, probs, ids, scores = router.logits, router.probs, router.topk_ids, router.topk_scores
+    if logits.dim() != 2 or probs.shape != logits.shape:
+        raise ValueError(f"router.logits and router.probs must both be (T, E), got {tuple(logits.shape)} "
+                         f"and {tuple(probs.shape)}")
+    t, e = logits.shape
+    if ids.dim() != 2 or ids.shape[0] != t or scores.shape != ids.shape or not 1 <= ids.shape[1] <= e:
+        raise ValueError(f"router.topk_ids and router.topk_scores must both be (T={t}, K) with 1 <= K <= "
+                         f"E={e}, got {tuple(ids.shape)} and {tuple(scores.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"router.topk_ids must be an integer tensor, got {ids.dtype}")
+    return t, e, ids.shape[1]
+
+
+def _round_half_down(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Nearest multiple of m to the integers x, ties to the lower one: m·⌈(2x − m) / 2m⌉."""
+    return -m * torch.div(m - 2 * x, 2 * m, rounding_mode="floor")
+
+
+def _round_counts(f: torch.Tensor, m: int, t: int, subroutine: str,
+                  generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert kept count and padding decision (vectorised, no sync). f: (E,) int64 top-k counts."""
+    lo = f - torch.remainder(f, m)
+    frac = f - lo  # in [0, m); 0 -> nothing to round
+    if subroutine == "nearest":
+        pad = 2 * frac > m
+    elif subroutine == "up":
+        pad = frac > 0
+    elif subroutine == "down":
+        pad = torch.zeros_like(f, dtype=torch.bool)
+    elif subroutine == "stochastic":
+        u = torch.rand(f.shape, generator=generator, device=f.device)
+        pad = u * m < frac
+    else:  # balance: round the prefix sums of f on the M_tile grid
+        grid = _round_half_down(torch.cumsum(f, 0), m)
+        rounded = grid - torch.cat([grid.new_zeros(1), grid[:-1]])
+        pad = rounded > lo
+    keep = torch.where(pad, torch.clamp(lo + m, max=t), lo)
+    return keep, pad
+
+
+def _float_key(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving int64 key in [0, 2^32) of a float tensor (exact on float32, total on non-NaN).
+
+    The float32 bit pattern read as int32 is ordered for non-negative floats; flipping the magnitude
+    bits of negative ones orders those too; adding 2^31 makes the key non-negative.
+    """
+    bits = x.detach().float().contiguous().view(torch.int32)
+    bits = torch.bitwise_xor(bits, torch.bitwise_and(torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF))
+    return bits.to(torch.int64).add_(_I31)
+
+
+def _added_scores(router: RouterOutput, token: torch.Tensor, expert: torch.Tensor, router_order: str,
+                  renormalize: bool) -> torch.Tensor:
+    """Score of pair (token, expert) under top-k's normalisation, extended to non-chosen experts."""
+    ids = router.topk_ids.long()
+    if router_order == "topk_then_softmax":
+        lse = router.logits.gather(1, ids).logsumexp(dim=1)
+        return torch.exp(router.logits[token, expert] - lse[token])
+    s = router.probs[token, expert]
+    if renormalize:
+        s = s / router.probs.gather(1, ids).sum(dim=1)[token]
+    return s
+
+
+def token_rounding(
+    router: RouterOutput,
+    *,
+    m_tile: int,
+    subroutine: str = "nearest",
+    router_order: str = "topk_then_softmax",
+    renormalize: bool = False,
+    generator: torch.Generator | None = None,
+    warn: bool = True,
+) -> TokenRoundingOutput:
+    """Token-rounding routing (SPEC §5): each expert's top-k count rounded to a multiple of M_tile.
+
+    See the module docstring for the algorithm, the tie rules and the scores of added pairs.
+
+    Args:
+        router: :class:`~sonicmoe.routing.RouterOutput` for T tokens and E experts: ``logits`` (T, E),
+            ``probs`` (T, E) softmax over E, ``topk_ids`` (T, K), ``topk_scores`` (T, K).
+        m_tile: M_tile, the grouped GEMM's tile height along tokens.
+        subroutine: ``"nearest"`` (default), ``"up"``, ``"down"``, ``"stochastic"`` or ``"balance"``.
+        router_order: how ``router`` scored the chosen experts (``"topk_then_softmax"`` or
+            ``"softmax_then_topk"``); decides the scores of added pairs.
+        renormalize: with ``"softmax_then_topk"``, whether the chosen probabilities were divided by
+            their sum (the same is applied to added pairs).
+        generator: ``torch.Generator`` on the router's device for ``"stochastic"`` (one uniform draw
+            per expert); ``None`` uses the default generator. Ignored by the other subroutines.
+        warn: warn when T·K/E < 2·M_tile (where quality drops).
+
+    Returns:
+        :class:`TokenRoundingOutput` with R pairs. Guarantees: every expert is within one tile of
+        top-k (``|count_e − f_e| < M_tile``) and its count is a multiple of M_tile, except a padded
+        expert capped at T tokens (module docstring, "Cap edge").
+
+    Host syncs: exactly one (``torch.nonzero`` compacting the fixed-capacity candidate list, as R
+    is data-dependent). Memory: a transient (T, E) int64 key.
+    """
+    t, e, k = _check_args(router, m_tile, subroutine, router_order)
+    if warn:
+        warn_if_few_tokens(t * k / e, m_tile)
+    device = router.logits.device
+    ids = router.topk_ids.reshape(-1).long()  # (T·K,) expert of pair p = t·K + k
+    tk = ids.shape[0]
+
+    # Chosen pairs: sort by (expert ascending, score descending, pair index ascending).
+    key = ids * _U32 + (_U32 - 1 - _float_key(router.topk_scores.reshape(-1)))
+    order = torch.sort(key, stable=True).indices  # (T·K,) pair indices
+    sorted_expert = ids[order]
+    bounds = torch.searchsorted(sorted_expert, torch.arange(e + 1, device=device))  # no atomics
+    start, f = bounds[:-1], bounds[1:] - bounds[:-1]  # f_e: top-k tokens per expert
+    keep, pad = _round_counts(f, m_tile, t, subroutine, generator)
+    rank = torch.arange(tk, device=device) - start[sorted_expert]
+    chosen_valid = rank < keep[sorted_expert]
+
+    # Added pairs: each expert's best non-chosen tokens by probability (ties: lower token first).
+    n_add = min(m_tile - 1, t)
+    if n_add > 0:
+        pkey = _float_key(router.probs).mul_(_I31)  # (T, E)
+        pkey.add_((_I31 - 1) - torch.arange(t, device=device, dtype=torch.int64)[:, None])
+        pkey.scatter_(1, router.topk_ids.long(), -1)  # chosen pairs rank below every valid key (>= 0)
+        add_token = torch.topk(pkey, n_add, dim=0).indices.t().reshape(-1)  # (E·n_add,) expert-major
+        del pkey
+        slot = torch.arange(n_add, device=device)
+        add_valid = (slot[None, :] < (keep - f)[:, None]).reshape(-1)
+        add_expert = torch.arange(e, device=device).repeat_interleave(n_add)
+    else:
+        add_token = add_expert = ids.new_zeros(0)
+        add_valid = torch.zeros(0, dtype=torch.bool, device=device)
+
+    # Fixed-capacity candidate list (T·K + E·n_add), compacted by the single host sync.
+    cand_token = torch.cat([torch.div(order, k, rounding_mode="floor"), add_token])
+    cand_expert = torch.cat([sorted_expert, add_expert])
+    cand_pair = torch.cat([order, torch.zeros_like(add_token)])
+    cand_added = torch.cat([torch.zeros(tk, dtype=torch.bool, device=device),
+                            torch.ones(add_token.shape[0], dtype=torch.bool, device=device)])
+    sel = torch.nonzero(torch.cat([chosen_valid, add_valid])).squeeze(1)  # host sync: R is data-dependent
+
+    pair_token, pair_expert = cand_token[sel], cand_expert[sel]
+    pair_added = cand_added[sel]
+    chosen_scores = router.topk_scores.reshape(-1)[cand_pair[sel]]
+    added_scores = _added_scores(router, pair_token, pair_expert, router_order, renormalize)
+    pair_scores = torch.where(pair_added, added_scores.to(chosen_scores.dtype), chosen_scores)
+    return TokenRoundingOutput(
+        pair_token=pair_token.to(INDEX_DTYPE),
+        pair_expert=pair_expert.to(INDEX_DTYPE),
+        pair_scores=pair_scores,
+        pair_added=pair_added,
+        counts=keep.to(INDEX_DTYPE),
+        topk_counts=f.to(INDEX_DTYPE),
+        padded=pad,
+    )
+
+
+def token_rounding_ref(
+    router: RouterOutput,
+    *,
+    m_tile: int,
+    subroutine: str = "nearest",
+    router_order: str = "topk_then_softmax",
+    renormalize: bool = False,
+    generator: torch.Generator | None = None,
+    warn: bool = True,
+) -> TokenRoundingOutput:
+    """Plain per-expert loop version of :func:`token_rounding` (same signature and output): the oracle.
+
+    Decisions with Python integers (``"balance"`` as the literal sequential running residual),
+    rankings with Python ``sorted``, scores of added pairs from a dense (T, E) formula. Slow; tests only.
+    ``"stochastic"`` draws the same ``torch.rand(E)`` as the fast version, so equal generators give
+    equal results.
+    """
+    t, e, k = _check_args(router, m_tile, subroutine, router_order)
+    if warn:
+        warn_if_few_tokens(t * k / e, m_tile)
+    device = router.logits.device
+    m = m_tile
+    ids = router.topk_ids.tolist()
+    scores = router.topk_scores.detach().float().tolist()
+    probs = router.probs.detach().float().tolist()
+
+    chosen: list[list[tuple[int, int]]] = [[] for _ in range(e)]  # (token, slot k) per expert
+    for tok in range(t):
+        for j in range(k):
+            chosen[ids[tok][j]].append((tok, j))
+    f = [len(c) for c in chosen]
+
+    u = torch.rand(e, generator=generator, device=device) if subroutine == "stochastic" else None
+    keep, pad, residual = [], [], 0
+    for x in range(e):
+        lo = f[x] // m * m
+        frac = f[x] - lo
+        hi = lo + m if frac else lo
+        if frac == 0 or subroutine == "down":
+            p = False
+        elif subroutine == "nearest":
+            p = hi - f[x] < f[x] - lo
+        elif subroutine == "up":
+            p = True
+        elif subroutine == "stochastic":
+            p = bool(u[x] * m < frac)
+        else:  # balance
+            p = abs(residual + hi - f[x]) < abs(residual + lo - f[x])
+        residual += (hi if p else lo) - f[x]
+        keep.append(min(hi, t) if p else lo)
+        pad.append(p)
+
+    kept_pairs, added_pairs = [], []  # (token, expert, k or -1)
+    for x in range(e):
+        ranked = sorted(chosen[x], key=lambda tj: (-scores[tj[0]][tj[1]], tj[0]))
+        kept_pairs += [(tok, x, j) for tok, j in ranked[: min(keep[x], f[x])]]
+        if keep[x] > f[x]:
+            taken = {tok for tok, _ in chosen[x]}
+            others = sorted((tok for tok in range(t) if tok not in taken),
+                            key=lambda tok: (-probs[tok][x], tok))
+            added_pairs += [(tok, x, -1) for tok in others[: keep[x] - f[x]]]
+
+    # Dense extended scores: top-k's normalisation applied to every (t, e).
+    logits = router.logits
+    topk_ids = router.topk_ids.long()
+    if router_order == "topk_then_softmax":
+        chosen_logits = logits.gather(1, topk_ids)
+        mx = chosen_logits.max(dim=1, keepdim=True).values
+        ext = torch.exp(logits - mx) / torch.exp(chosen_logits - mx).sum(dim=1, keepdim=True)
+    else:
+        ext = router.probs
+        if renormalize:
+            ext = ext / router.probs.gather(1, topk_ids).sum(dim=1, keepdim=True)
+    pairs = kept_pairs + added_pairs
+    vals = [router.topk_scores[tok, j] if j >= 0 else ext[tok, x] for tok, x, j in pairs]
+    pair_scores = torch.stack(vals) if vals else router.topk_scores.new_zeros(0)
+    idx = torch.tensor([[tok, x] for tok, x, _ in pairs], dtype=INDEX_DTYPE, device=device).reshape(-1, 2)
+    return TokenRoundingOutput(
+        pair_token=idx[:, 0].contiguous(),
+        pair_expert=idx[:, 1].contiguous(),
+        pair_scores=pair_scores,
+        pair_added=torch.tensor([j < 0 for _, _, j in pairs], dtype=torch.bool, device=device),
+        counts=torch.tensor(keep, dtype=INDEX_DTYPE, device=device),
+        topk_counts=torch.tensor(f, dtype=INDEX_DTYPE, device=device),
+        padded=torch.tensor(pad, dtype=torch.bool, device=device),
+    )
