@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, new_output, interpreting, next_pow2
+from .common import check_device, launch, new_output, next_pow2
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -42,12 +42,23 @@ def _gather_sum_kernel(
              mask=mask_t[:, None] & mask_d[None, :])
 
 
-def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
+# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): 4x512 and 2x1024 with 4 warps lead (~3.3 TB/s)
+_GPU_DEFAULT = {"BLOCK_T": 4, "BLOCK_D": 512, "num_warps": 4}
+TUNING_SPACE = [
+    triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
+    for bt, bd, w in ((4, 512, 4), (2, 1024, 4), (8, 256, 4), (8, 512, 4))
+]
+_tuned = triton.autotune(configs=TUNING_SPACE, key=["D", "HAS_W"])(_gather_sum_kernel)
+
+
+def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
+               config: dict | None = None) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
         y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) float32 weights in token-slot order, or None.
+        config: explicit block configuration (tuning sweeps), else pinned/autotuned.
     Returns:
         (T, d) in y's dtype; tokens with no rows get zeros.
     """
@@ -57,14 +68,14 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     out = new_output((t, d), device=y.device, dtype=y.dtype)
     if t == 0:
         return out
-    block_d = min(next_pow2(d), 32 if interpreting() else 512)
-    block_t = 8 if interpreting() else max(1, 4096 // block_d)
-    grid = (triton.cdiv(t, block_t), triton.cdiv(d, block_d))
-    _gather_sum_kernel[grid](
-        y, slot_weights if slot_weights is not None else y, out, routing.token_offsets, routing.token_rows,
-        t, d, y.stride(0), out.stride(0), HAS_W=slot_weights is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-        num_warps=4,
+    args = dict(
+        y_ptr=y, w_ptr=slot_weights if slot_weights is not None else y, out_ptr=out,
+        token_offsets_ptr=routing.token_offsets, token_rows_ptr=routing.token_rows, T=t, D=d,
+        stride_yr=y.stride(0), stride_ot=out.stride(0), HAS_W=slot_weights is not None,
     )
+    grid = lambda m: (triton.cdiv(t, m["BLOCK_T"]), triton.cdiv(d, m["BLOCK_D"]))
+    pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
+    launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config)
     return out
 
 

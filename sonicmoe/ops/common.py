@@ -33,18 +33,31 @@ def autotune_enabled() -> bool:
     return os.environ.get("SONICMOE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def configs(space: list[dict], warps_stages: list[tuple[int, int]]) -> list[triton.Config]:
-    """Cartesian product of block-size dicts and (num_warps, num_stages) pairs."""
-    return [triton.Config(dict(s), num_warps=w, num_stages=st) for s in space for (w, st) in warps_stages]
+def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int, pps: int = 0, flatten: bool = False,
+                names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K")) -> triton.Config:
+    """A triton.Config of block sizes, warps, pipeline stages, and persistence (PROGS_PER_SM > 0:
+    that many programs per multiprocessor loop over the tiles; FLATTEN: pipeline across tiles)."""
+    meta = dict(zip(names, (bm, bn, bk)))
+    if names[0] == "BLOCK_M":
+        meta.update(PROGS_PER_SM=pps, FLATTEN=flatten)
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
-def launch(kernel, tuned_kernel, grid, args: dict, pinned: dict, gpu_default: dict):
+def config_dict(cfg: triton.Config) -> dict:
+    """A triton.Config as the keyword dict ``launch(config=...)`` takes."""
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def launch(kernel, tuned_kernel, grid, args: dict, pinned: dict, gpu_default: dict, config: dict | None = None):
     """Launch ``kernel`` with the pinned config (interpreter / SONICMOE_AUTOTUNE=0) or ``tuned_kernel``.
 
     ``grid`` is a callable of the meta-parameters. ``pinned`` is the interpreter's config (small
     blocks); ``gpu_default`` the pinned GPU config, a dict with block sizes plus num_warps/num_stages.
+    ``config``, when given, is used as is (tuning sweeps).
     """
-    if interpreting():
+    if config is not None:
+        kernel[grid(config)](**args, **config)
+    elif interpreting():
         kernel[grid(pinned)](**args, **pinned)
     elif autotune_enabled():
         tuned_kernel[grid](**args)
@@ -85,15 +98,46 @@ def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_rows, block_m) + num_experts
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached; queried at the first launch, never at import)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def varlen_m_grid(num_rows: int, num_experts: int, n: int, device: torch.device):
+    """Grid of a varlen-M kernel: one program per (M-tile, N-tile) upper bound, or, for persistent
+    configs (PROGS_PER_SM > 0), PROGS_PER_SM programs per multiprocessor looping over the tiles."""
+
+    def grid(meta):
+        upper = max_m_tiles(num_rows, num_experts, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        pps = meta.get("PROGS_PER_SM", 0)
+        return (min(upper, pps * sm_count(device)) if pps else upper,)
+
+    return grid
+
+
 @triton.jit
-def expert_tile(offsets_ptr, pid_m, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, first row, end row) of varlen-M tile ``pid_m``; expert == E past the last tile."""
+def tile_schedule(offsets_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per-expert tile counts and their inclusive scan; returns (eidx, lo, hi, ntiles, cum, total)."""
     eidx = tl.arange(0, E_P2)
     emask = eidx < E
     lo = tl.load(offsets_ptr + eidx, mask=emask, other=0)
     hi = tl.load(offsets_ptr + eidx + 1, mask=emask, other=0)
     ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(ntiles, 0)
+    return eidx, lo, hi, ntiles, cum, tl.sum(ntiles, 0)
+
+
+@triton.jit
+def tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of M-tile ``pid_m`` (< total) from :func:`tile_schedule`."""
     e = tl.sum((cum <= pid_m).to(tl.int32), 0)
     sel = eidx == e
     first_tile = tl.sum(tl.where(sel, cum - ntiles, 0), 0)

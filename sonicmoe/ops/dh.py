@@ -19,7 +19,17 @@ import triton.language as tl
 
 from ..reference import split_gate_up
 from ..routing import Routing
-from .common import check_device, new_output, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .common import (
+    check_device,
+    dot_precision,
+    launch,
+    new_output,
+    next_pow2,
+    tile_config,
+    tile_rows,
+    tile_schedule,
+    varlen_m_grid,
+)
 from .up_proj import layout_rows
 
 
@@ -31,14 +41,26 @@ def _dh_kernel(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    e, row_start, row_end = expert_tile(offsets_ptr, pid_m, E, E_P2, BLOCK_M)
-    if e >= E:
-        return
+    for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m = tile // num_pid_n
+        pid_n = tile % num_pid_n
+        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
+        _dh_tile(do_ptr, w2_ptr, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end,
+                 pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
+                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _dh_tile(
+    do_ptr, w2_ptr, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end, pid_n,
+    N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
+    GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
@@ -61,29 +83,30 @@ def _dh_kernel(
     u_cols = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     g = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)
+    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     sig = tl.sigmoid(g)
     silu = g * sig
     a = silu * u
     tl.store(ds_ptr + pid_n.to(tl.int64) * R + rows64, tl.sum(acc * a, 1), mask=mask_m)
-    da = acc * s[:, None]
-    dg = da * u * (sig + silu * (1.0 - sig))
-    du = da * silu
+    tl.store(ap_ptr + rows64[:, None] * stride_apr + ch[None, :], (a * s).to(ap_ptr.dtype.element_ty), mask=mask)
+    da = acc * s
     dh_ty = dh_ptr.dtype.element_ty
-    tl.store(dh_ptr + rows64[:, None] * stride_hr + g_cols[None, :], dg.to(dh_ty), mask=mask)
-    tl.store(dh_ptr + rows64[:, None] * stride_hr + u_cols[None, :], du.to(dh_ty), mask=mask)
-    tl.store(ap_ptr + rows64[:, None] * stride_apr + ch[None, :], (a * s[:, None]).to(ap_ptr.dtype.element_ty),
+    tl.store(dh_ptr + rows64[:, None] * stride_hr + u_cols[None, :], (da * silu).to(dh_ty), mask=mask)
+    tl.store(dh_ptr + rows64[:, None] * stride_hr + g_cols[None, :], (da * u * (sig + silu * (1.0 - sig))).to(dh_ty),
              mask=mask)
 
 
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): the epilogue's many live (BLOCK_M, BLOCK_N)
+# tensors favour small tiles (64x64, 4 warps) on the 7B shape and 64x128 on 120B-n1024
+_GPU_DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
+                "num_warps": 4, "num_stages": 4}
+_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+TUNING_SPACE = [
+    tile_config(64, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3, 1),
+    tile_config(64, 64, 64, 4, 3, 2, True), tile_config(128, 64, 64, 4, 3, 2, True), tile_config(64, 128, 64, 4, 3, 2, True),
+]
 _tuned = triton.autotune(
-    configs=configs(
-        [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64},
-         {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}],
-        [(8, 3), (8, 4), (4, 4)],
-    ),
+    configs=TUNING_SPACE,
     key=["N", "D", "E", "GATE_OFF", "CH_STRIDE"],
 )(_dh_kernel)
 
@@ -95,12 +118,14 @@ def dh(
     row_scores: torch.Tensor,
     routing: Routing,
     gate_up_layout: str = "concat",
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and dS from dO, W2, H and the scores (SPEC §4 kernel 1).
 
     Args:
         dout: (T, d) gradient of O. w2: (E, d, n). h: (R, 2n) saved up-projection output (layout of W1).
         row_scores: (R,) float32 scores S in row order. routing: the expert-sorted rows.
+        config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 (without
         the bias term ⟨dO_t, b2[e]⟩).
@@ -125,8 +150,7 @@ def dh(
         DOT_PREC=dot_precision(h.dtype),
     )
     if r > 0:
-        grid = lambda m: (max_m_tiles(r, e, m["BLOCK_M"]) * triton.cdiv(n, m["BLOCK_N"]),)
-        launch(_dh_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+        launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config)
     return dh_, a_prime, ds_part.sum(0)
 
 
@@ -137,6 +161,7 @@ def dh_ref(
     row_scores: torch.Tensor,
     routing: Routing,
     gate_up_layout: str = "concat",
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop)."""
     e = w2.shape[0]

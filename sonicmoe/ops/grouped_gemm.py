@@ -15,7 +15,17 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, new_output, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .common import (
+    check_device,
+    dot_precision,
+    launch,
+    new_output,
+    next_pow2,
+    tile_config,
+    tile_rows,
+    tile_schedule,
+    varlen_m_grid,
+)
 
 
 @triton.jit
@@ -25,56 +35,58 @@ def _varlen_m_kernel(
     stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
     HAS_BIAS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    e, row_start, row_end = expert_tile(offsets_ptr, pid_m, E, E_P2, BLOCK_M)
-    if e >= E:
-        return
-    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
-    mask_m = rows < row_end
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_ar + offs_k[None, :]
-    b_ptrs = (b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None].to(tl.int64) * stride_bk
-              + cols[None, :].to(tl.int64) * stride_bn)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        mask_k = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m = tile // num_pid_n
+        pid_n = tile % num_pid_n
+        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
+        rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask_m = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = cols < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_ar + offs_k[None, :]
+        b_ptrs = (b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None].to(tl.int64) * stride_bk
+                  + cols[None, :].to(tl.int64) * stride_bn)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            mask_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
 
 
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-_tuned = triton.autotune(
-    configs=configs(
-        [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64},
-         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}],
-        [(8, 3), (8, 4), (4, 4)],
-    ),
-    key=["N", "K", "E", "stride_bk", "HAS_BIAS"],
-)(_varlen_m_kernel)
+# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): a persistent grid (one program per SM) whose
+# tile loop is flattened into the K loop, so the next tile's loads overlap this tile's epilogue, leads
+# by 15-30% on the short-K down-projection (K = n) and on dX̃
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": True,
+                "num_warps": 8, "num_stages": 3}
+_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+TUNING_SPACE = [
+    tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
+    tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 8, 3, 1, True),
+    tile_config(128, 256, 64, 8, 3), tile_config(128, 128, 64, 8, 4),
+]
+_tuned = triton.autotune(configs=TUNING_SPACE, key=["N", "K", "E", "stride_bk", "HAS_BIAS"])(_varlen_m_kernel)
 
 
 def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
-                  *, transpose_b: bool) -> torch.Tensor:
+                  *, transpose_b: bool, config: dict | None = None) -> torch.Tensor:
     """Grouped GEMM over expert-contiguous rows: C[r] = A[r] op(B[e]) (+ bias[e]).
 
     Args:
         a: (R, k) rows sorted by expert. b: (E, m, k) with ``transpose_b`` (C = A B[e]ᵀ, the
             down-projection with W2) or (E, k, m) without (C = A B[e], the dX̃ GEMM with W1).
-        bias: (E, m) or None.
+        bias: (E, m) or None. config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
     Returns:
         C (R, m) in a's dtype.
     """
@@ -96,8 +108,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),
     )
     if r > 0:
-        grid = lambda meta: (max_m_tiles(r, e, meta["BLOCK_M"]) * triton.cdiv(m, meta["BLOCK_N"]),)
-        launch(_varlen_m_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+        launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP, _GPU_DEFAULT,
+               config)
     return c
 
 
@@ -113,11 +125,13 @@ def varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     return torch.cat(outs, 0).to(a.dtype)
 
 
-def down_proj(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing) -> torch.Tensor:
+def down_proj(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing,
+              config: dict | None = None) -> torch.Tensor:
     """Down-projection Y (R, d) = A (R, n) W2[e]ᵀ (+ b2[e]); W2 (E, d, n)."""
-    return varlen_m_gemm(a, w2, b2, routing, transpose_b=True)
+    return varlen_m_gemm(a, w2, b2, routing, transpose_b=True, config=config)
 
 
-def down_proj_ref(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing) -> torch.Tensor:
+def down_proj_ref(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing,
+                  config: dict | None = None) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`down_proj`."""
     return varlen_m_gemm_ref(a, w2, b2, routing, transpose_b=True)

@@ -19,7 +19,17 @@ import triton.language as tl
 
 from ..reference import swiglu_ref
 from ..routing import Routing
-from .common import check_device, new_output, configs, dot_precision, expert_tile, launch, max_m_tiles, next_pow2
+from .common import (
+    check_device,
+    dot_precision,
+    launch,
+    new_output,
+    next_pow2,
+    tile_config,
+    tile_rows,
+    tile_schedule,
+    varlen_m_grid,
+)
 
 
 def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
@@ -35,14 +45,27 @@ def _up_proj_kernel(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    e, row_start, row_end = expert_tile(offsets_ptr, pid_m, E, E_P2, BLOCK_M)
-    if e >= E:
-        return
+    for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m = tile // num_pid_n
+        pid_n = tile % num_pid_n
+        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
+        _up_proj_tile(x_ptr, w1_ptr, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end, pid_n, N, D,
+                      stride_xt, stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE,
+                      HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _up_proj_tile(
+    x_ptr, w1_ptr, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end, pid_n, N, D,
+    stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
+    GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
@@ -83,14 +106,17 @@ def _up_proj_kernel(
     tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
+                "num_warps": 8, "num_stages": 3}
+_PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): 128x128x64 with 8 warps, 3 stages leads on
+# the 7B and 120B-n1024 shapes; persistent variants within 2%
+TUNING_SPACE = [
+    tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4), tile_config(128, 128, 64, 8, 3, 1),
+    tile_config(128, 128, 64, 8, 3, 1, True), tile_config(128, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 4),
+]
 _tuned = triton.autotune(
-    configs=configs(
-        [{"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64},
-         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}],
-        [(8, 3), (8, 4), (4, 4)],
-    ),
+    configs=TUNING_SPACE,
     key=["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
 )(_up_proj_kernel)
 
@@ -102,12 +128,14 @@ def up_proj(
     routing: Routing,
     gate_up_layout: str = "concat",
     store_h: bool = True,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Gather + grouped GEMM + SwiGLU. Returns (H (R, 2n) or None when ``store_h`` is False, A (R, n)).
 
     Args:
         x: (T, d) contiguous tokens. w1: (E, 2n, d) in ``gate_up_layout``. b1: (E, 2n) or None.
         routing: rows sorted by expert. store_h: False for inference (H is not written).
+        config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
     """
     for name, t in (("x", x), ("w1", w1)):
         check_device(name, t)
@@ -127,8 +155,8 @@ def up_proj(
         STORE_H=store_h, E_P2=next_pow2(e), DOT_PREC=dot_precision(x.dtype),
     )
     if r > 0:
-        grid = lambda m: (max_m_tiles(r, e, m["BLOCK_M"]) * triton.cdiv(n, m["BLOCK_N"]),)
-        launch(_up_proj_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+        launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP, _GPU_DEFAULT,
+               config)
     return (h if store_h else None), a
 
 
@@ -139,6 +167,7 @@ def up_proj_ref(
     routing: Routing,
     gate_up_layout: str = "concat",
     store_h: bool = True,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Pure-PyTorch twin of :func:`up_proj` (float32 math, per-expert loop, outputs in x's dtype)."""
     e, two_n, _ = w1.shape

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, new_output, configs, dot_precision, launch
+from .common import check_device, dot_precision, launch, new_output, tile_config
 
 
 @triton.jit
@@ -65,24 +65,27 @@ def _varlen_k_kernel(
 
 _GPU_DEFAULT = {"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
 _PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
+_NAMES = ("BLOCK_I", "BLOCK_J", "BLOCK_R")
+# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): 128x128x64, 8 warps, 3 stages leads
+TUNING_SPACE = [
+    tile_config(*c, names=_NAMES) for c in
+    ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
+]
 _tuned = triton.autotune(
-    configs=configs(
-        [{"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 64}, {"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_R": 64},
-         {"BLOCK_I": 64, "BLOCK_J": 128, "BLOCK_R": 64}, {"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 32}],
-        [(8, 3), (8, 4), (4, 4)],
-    ),
+    configs=TUNING_SPACE,
     key=["I", "J", "P_GATHER", "Q_GATHER"],
 )(_varlen_k_kernel)
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)].
 
     Args:
         p: (T or R, I); rows gathered by ``routing.row_token`` when ``p_gather``.
         q: (T or R, J); likewise with ``q_gather``.
         out_dtype: dtype of the gradient (the weight's); accumulation is float32.
+        config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
     """
     check_device("p", p)
     p, q = p.contiguous(), q.contiguous()
@@ -95,12 +98,12 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
     )
     grid = lambda m: (e * triton.cdiv(i_dim, m["BLOCK_I"]) * triton.cdiv(j_dim, m["BLOCK_J"]),)
-    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT)
+    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT, config)
     return out
 
 
 def varlen_k_gemm_ref(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                      out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`varlen_k_gemm` (float32 per-expert loop)."""
     offsets = routing.expert_offsets.tolist()
     out = torch.zeros(routing.num_experts, p.shape[1], q.shape[1], dtype=torch.float32, device=p.device)

@@ -1,0 +1,92 @@
+"""Time every tile configuration of every kernel on given shapes (GPU); prints the best per kernel.
+
+usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--json OUT.json]
+Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+import sonicmoe
+from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
+from sonicmoe.ops.common import config_dict, tile_config
+from sonicmoe.testing import random_problem
+
+EXTRA_M = [tile_config(128, 128, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8, 3, 1, True),
+           tile_config(128, 128, 64, 8, 4, 1, True), tile_config(128, 64, 64, 4, 3, 2, True),
+           tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 4, 2, 2, True)]
+
+
+def sweep(shape):
+    t, d, n, e, k = shape
+    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
+    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+    s_pair = router.topk_scores.reshape(-1).detach()
+    s_row, s_slot = routing.row_scores(s_pair).float(), routing.slot_scores(s_pair).float()
+    r = routing.num_rows
+    x, w1, w2 = p["x"], p["w1"], p["w2"]
+    h, a = up_proj.up_proj(x, w1, None, routing)
+    y = grouped_gemm.down_proj(a, w2, None, routing)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    dh_, ap_, _ = dh.dh(dout, w2, h, s_row, routing)
+    gemm = 2 * r * n * d
+    kernels = [
+        ("up_proj", up_proj.TUNING_SPACE + EXTRA_M, lambda c: up_proj.up_proj(x, w1, None, routing, config=c),
+         2 * gemm),
+        ("down_proj", grouped_gemm.TUNING_SPACE + EXTRA_M,
+         lambda c: grouped_gemm.down_proj(a, w2, None, routing, config=c), gemm),
+        ("dxtilde", grouped_gemm.TUNING_SPACE + EXTRA_M,
+         lambda c: grouped_gemm.varlen_m_gemm(dh_, w1, None, routing, transpose_b=False, config=c), 2 * gemm),
+        ("dh", dh.TUNING_SPACE + EXTRA_M, lambda c: dh.dh(dout, w2, h, s_row, routing, config=c), gemm),
+        ("dw2", weight_grad.TUNING_SPACE, lambda c: weight_grad.varlen_k_gemm(
+            dout, ap_, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, config=c), gemm),
+        ("dw1", weight_grad.TUNING_SPACE, lambda c: weight_grad.varlen_k_gemm(
+            dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, config=c), 2 * gemm),
+        ("aggregate", aggregation.TUNING_SPACE, lambda c: aggregation.gather_sum(y, routing, s_slot, config=c),
+         0),
+    ]
+    rows = []
+    for name, space, fn, flops in kernels:
+        for cfg in space:
+            c = config_dict(cfg)
+            try:
+                ms = do_bench(lambda: fn(c), warmup=10, rep=40, return_mode="median")
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
+                rows.append({"kernel": name, "config": c, "error": str(exc)[:120]})
+                continue
+            rows.append({"kernel": name, "config": c, "ms": ms, "tflops": flops / ms / 1e9 if flops else None})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", action="append", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
+    out = {}
+    for shape in shapes:
+        rows = sweep(shape)
+        out[",".join(map(str, shape))] = rows
+        print(f"== {shape}")
+        for name in dict.fromkeys(r["kernel"] for r in rows):
+            ok = sorted((r for r in rows if r["kernel"] == name and "ms" in r), key=lambda r: r["ms"])
+            bad = [r for r in rows if r["kernel"] == name and "error" in r]
+            for r in ok[:3]:
+                c = r["config"]
+                desc = " ".join(f"{k2}={v}" for k2, v in c.items())
+                print(f"  {name:<10} {r['ms']:7.3f} ms {r['tflops'] or 0:6.1f} TF  {desc}")
+            print(f"  {name:<10} worst {ok[-1]['ms']:.3f} ms; {len(bad)} failed" + (f": {bad[0]['error']}" if bad else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
