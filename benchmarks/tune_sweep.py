@@ -56,7 +56,7 @@ def sweep(shape):
         for cfg in space:
             c = config_dict(cfg)
             try:
-                ms = do_bench(lambda: fn(c), warmup=10, rep=40, return_mode="median")
+                ms = do_bench(lambda fn=fn, c=c: fn(c), warmup=10, rep=40, return_mode="median")
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 rows.append({"kernel": name, "config": c, "error": str(exc)[:120]})
                 continue
@@ -82,7 +82,8 @@ def main():
                 c = r["config"]
                 desc = " ".join(f"{k2}={v}" for k2, v in c.items())
                 print(f"  {name:<10} {r['ms']:7.3f} ms {r['tflops'] or 0:6.1f} TF  {desc}")
-            print(f"  {name:<10} worst {ok[-1]['ms']:.3f} ms; {len(bad)} failed" + (f": {bad[0]['error']}" if bad else ""))
+            err = f": {bad[0]['error']}" if bad else ""
+            print(f"  {name:<10} worst {ok[-1]['ms']:.3f} ms; {len(bad)} failed{err}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

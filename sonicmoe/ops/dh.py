@@ -103,7 +103,8 @@ _GPU_DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PROGS_PER_SM": 0, 
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
     tile_config(64, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3, 1),
-    tile_config(64, 64, 64, 4, 3, 2, True), tile_config(128, 64, 64, 4, 3, 2, True), tile_config(64, 128, 64, 4, 3, 2, True),
+    tile_config(64, 64, 64, 4, 3, 2, True), tile_config(128, 64, 64, 4, 3, 2, True),
+    tile_config(64, 128, 64, 4, 3, 2, True),
 ]
 _tuned = triton.autotune(
     configs=TUNING_SPACE,
