@@ -39,7 +39,9 @@ def check_expert_inputs(
     t, d = x.shape
     _check_float("w1", w1)
     if w1.dim() != 3 or w1.shape[2] != d or w1.shape[1] % 2:
-        raise ValueError(f"w1 must have shape (E, 2n, d={d}), got {tuple(w1.shape)}")
+        raise ValueError(
+            f"w1 must have shape (E, 2n, d={d}) to match x {tuple(x.shape)}, got {tuple(w1.shape)}"
+        )
     e, two_n, _ = w1.shape
     _check_float("w2", w2)
     if tuple(w2.shape) != (e, d, two_n // 2):
@@ -155,11 +157,10 @@ def moe(
     Raises:
         TypeError, ValueError: as :func:`experts`; ValueError for top_k out of range.
     """
-    _check_float("x", x)
+    check_expert_inputs(x, w1, w2, b1, b2)  # x, w1, w2, biases first: the messages name the culprit
     _check_float("router_weight", router_weight)
-    e = w1.shape[0] if w1.dim() == 3 else -1
-    if router_weight.dim() != 2 or router_weight.shape[0] != e or x.dim() != 2 \
-            or router_weight.shape[1] != x.shape[-1]:
+    e = w1.shape[0]
+    if router_weight.dim() != 2 or tuple(router_weight.shape) != (e, x.shape[1]):
         raise ValueError(
             f"router_weight must have shape (E={e}, d={x.shape[-1]}), got {tuple(router_weight.shape)}"
         )

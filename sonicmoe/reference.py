@@ -54,11 +54,12 @@ def experts_ref(
         b1, b2: optional biases (E, 2n) and (E, d).
 
     Returns:
-        O (T, d) float32. Differentiable with respect to every floating input.
+        O (T, d) float32 (float64 for float64 inputs). Differentiable with respect to every floating input.
     """
     t, d = x.shape
-    xf, w1f, w2f, sf = x.float(), w1.float(), w2.float(), pair_scores.float()
-    out = torch.zeros(t, d, dtype=torch.float32, device=x.device)
+    ct = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    xf, w1f, w2f, sf = x.to(ct), w1.to(ct), w2.to(ct), pair_scores.to(ct)
+    out = torch.zeros(t, d, dtype=ct, device=x.device)
     offsets = routing.expert_offsets.tolist()
     for e in range(routing.num_experts):
         lo, hi = offsets[e], offsets[e + 1]
@@ -68,10 +69,10 @@ def experts_ref(
         s = sf[routing.row_pair[lo:hi].long()]
         h = xf[tokens] @ w1f[e].t()
         if b1 is not None:
-            h = h + b1[e].float()
+            h = h + b1[e].to(ct)
         y = swiglu_ref(h, gate_up_layout) @ w2f[e].t()
         if b2 is not None:
-            y = y + b2[e].float()
+            y = y + b2[e].to(ct)
         out = out.index_add(0, tokens, s[:, None] * y)
     return out
 

@@ -185,7 +185,7 @@ def router_topk(
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
 ) -> RouterOutput:
-    """Top-k token-choice router (SPEC §2), computed in float32.
+    """Top-k token-choice router (SPEC §2), computed in float32 (float64 inputs stay float64).
 
     Args:
         x: (T, d) tokens.
@@ -197,7 +197,8 @@ def router_topk(
     """
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
-    logits = F.linear(x.float(), router_weight.float())
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    logits = F.linear(x.to(compute_dtype), router_weight.to(compute_dtype))
     probs = torch.softmax(logits, dim=-1)
     top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
     if router_order == "topk_then_softmax":
@@ -217,10 +218,10 @@ def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
     """
     counts = routing.expert_counts().float()
     f = counts / counts.sum().clamp_min(1.0)
-    p = probs.mean(dim=0)
+    p = probs.sum(dim=0) / max(probs.shape[0], 1)  # mean over tokens; 0, not NaN, when T = 0
     return routing.num_experts * torch.sum(f * p)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Router z-loss mean_t (logsumexp_e logits[t, e])² (ST-MoE)."""
-    return torch.logsumexp(logits, dim=-1).square().mean()
+    return torch.logsumexp(logits, dim=-1).square().sum() / max(logits.shape[0], 1)

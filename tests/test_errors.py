@@ -1,0 +1,379 @@
+"""Bad input raises ValueError/TypeError naming the argument, and nothing the caller passes is mutated.
+
+Devices: no GPU on CI, so a device mismatch is simulated with the meta device against the CPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import sonicmoe
+from sonicmoe import MoE, MoEConfig
+from sonicmoe.ops.torch_experts import experts_torch
+from sonicmoe.reference import moe_ref
+from sonicmoe.routing import check_pairs, router_topk, routing_from_pairs, routing_from_topk
+from sonicmoe.testing import random_problem
+
+T, D, N, E, K = 6, 8, 4, 4, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """These tests run thousands of tiny CPU ops: use one intra-op thread. torch's CPU softmax wakes an
+    OpenMP team on every call, which costs ~10 ms per call when the CPU is shared (CI, parallel jobs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def names(arg: str) -> str:
+    """Regex: the message names ``arg`` as a word."""
+    return rf"(?<![\w.]){re.escape(arg)}(?!\w)"
+
+
+@pytest.fixture
+def prob():
+    return random_problem(T, D, N, E, bias=True, seed=0)
+
+
+def routing_and_scores(p):
+    router = router_topk(p["x"], p["router_weight"], K)
+    return routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1).detach()
+
+
+def call_experts(p, **over):
+    routing, scores = routing_and_scores(p)
+    a = {"x": p["x"], "w1": p["w1"], "w2": p["w2"], "routing": routing, "pair_scores": scores,
+         "b1": p["b1"], "b2": p["b2"]}
+    kw = {"gate_up_layout": over.pop("gate_up_layout", "concat"), "backend": over.pop("backend", "torch")}
+    a.update(over)
+    return sonicmoe.experts(a["x"], a["w1"], a["w2"], a["routing"], a["pair_scores"], a["b1"], a["b2"], **kw)
+
+
+def call_moe(p, **over):
+    a = {"x": p["x"], "router_weight": p["router_weight"], "w1": p["w1"], "w2": p["w2"], "b1": p["b1"],
+         "b2": p["b2"]}
+    kw = {"top_k": K, "backend": "torch"}
+    for k in list(over):
+        if k in a:
+            a[k] = over.pop(k)
+    kw.update(over)
+    return sonicmoe.moe(a["x"], a["router_weight"], a["w1"], a["w2"], a["b1"], a["b2"], **kw)
+
+
+def snapshot(p):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+
+
+def assert_unchanged(p, before):
+    for k, v in before.items():
+        if isinstance(v, torch.Tensor):
+            assert p[k].dtype == v.dtype and p[k].shape == v.shape, k
+            if p[k].device.type != "meta":
+                assert torch.equal(p[k], v), f"{k} was mutated"
+
+
+# ---------------------------------------------------------------------------------------------
+# the MoE module
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(5, D + 1), (D - 1,), (2, 3, 2 * D)])
+def test_module_wrong_hidden_size(shape):
+    m = MoE(D, N, E, K, backend="torch")
+    with pytest.raises(ValueError, match="hidden_size") as info:
+        m(torch.randn(*shape))
+    assert str(tuple(shape)) in str(info.value)
+
+
+def test_module_scalar_input():
+    with pytest.raises(ValueError, match="hidden_size"):
+        MoE(D, N, E, K)(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_module_non_float_x(dtype):
+    m = MoE(D, N, E, K)
+    with pytest.raises(TypeError, match=names("x")):
+        m(torch.ones(3, D, dtype=dtype))
+
+
+def test_module_non_tensor_x():
+    with pytest.raises(TypeError, match=names("x")):
+        MoE(D, N, E, K)([[0.0] * D])
+
+
+def test_module_device_mismatch():
+    m = MoE(D, N, E, K, device="meta")
+    with pytest.raises(ValueError, match=names("x")) as info:
+        m(torch.randn(3, D))
+    assert "meta" in str(info.value) and "cpu" in str(info.value)
+    m_cpu = MoE(D, N, E, K)
+    with pytest.raises(ValueError, match="meta"):
+        m_cpu(torch.empty(3, D, device="meta"))
+
+
+@pytest.mark.parametrize("top_k", [0, -1, E + 1, 100])
+def test_module_top_k_out_of_range(top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(D, N, E, top_k)
+
+
+@pytest.mark.parametrize("opt,val", [("backend", "cuda"), ("backend", "Torch"), ("gate_up_layout", "split"),
+                                     ("router_order", "softmax"), ("routing", "expert_choice"),
+                                     ("rounding", "floor")])
+def test_module_bad_strings(opt, val):
+    with pytest.raises(ValueError, match=opt) as info:
+        MoE(D, N, E, K, **{opt: val})
+    assert repr(val) in str(info.value)
+
+
+def test_module_unknown_option_and_activation():
+    with pytest.raises(TypeError, match="num_expert"):
+        MoE(D, N, E, K, num_expert=3)
+    with pytest.raises(ValueError, match="activation"):
+        MoE(D, N, E, K, activation="gelu")
+
+
+@pytest.mark.parametrize("field,val", [("hidden_size", 0), ("intermediate_size", -2), ("num_experts", 0),
+                                       ("hidden_size", 2.5), ("top_k", 1.0), ("m_tile", 0)])
+def test_config_bad_numbers(field, val):
+    kw = {"hidden_size": D, "intermediate_size": N, "num_experts": E, "top_k": K}
+    kw[field] = val
+    with pytest.raises(ValueError, match=field):
+        MoEConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# functional: sonicmoe.moe / sonicmoe.experts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("top_k", [0, -2, E + 1])
+def test_moe_top_k_out_of_range(prob, top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        call_moe(prob, top_k=top_k)
+
+
+def test_moe_top_k_not_int(prob):
+    with pytest.raises(ValueError, match="top_k"):
+        call_moe(prob, top_k=2.0)
+
+
+def test_moe_x_last_dim_mismatch(prob):
+    x = torch.randn(T, D + 3)
+    with pytest.raises(ValueError, match=names("x")) as info:
+        call_moe(prob, x=x)
+    assert re.search(names("w1"), str(info.value))  # the mismatch is between x and w1: both named
+
+
+def test_moe_x_wrong_rank(prob):
+    for x in (torch.randn(D), torch.randn(2, T, D)):
+        with pytest.raises(ValueError, match=names("x")):
+            call_moe(prob, x=x)
+
+
+@pytest.mark.parametrize("shape", [(E + 1, D), (E, D + 1), (E * D,), (1, E, D)])
+def test_moe_router_weight_shape(prob, shape):
+    with pytest.raises(ValueError, match="router_weight"):
+        call_moe(prob, router_weight=torch.randn(*shape))
+
+
+def test_moe_integer_x_and_router_weight(prob):
+    with pytest.raises(TypeError, match=names("x")):
+        call_moe(prob, x=torch.ones(T, D, dtype=torch.int64))
+    with pytest.raises(TypeError, match="router_weight"):
+        call_moe(prob, router_weight=torch.ones(E, D, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("arg", ["router_weight", "w1", "w2", "b1", "b2"])
+def test_moe_device_mismatch(prob, arg):
+    meta = prob[arg].to("meta")
+    with pytest.raises(ValueError, match=names(arg)) as info:
+        call_moe(prob, **{arg: meta})
+    assert "meta" in str(info.value)
+
+
+def test_moe_x_on_other_device(prob):
+    with pytest.raises(ValueError, match="meta"):
+        call_moe(prob, x=prob["x"].to("meta"))
+
+
+@pytest.mark.parametrize("opt,val", [("backend", "cuda"), ("gate_up_layout", "split"),
+                                     ("router_order", "topk")])
+def test_moe_bad_strings(prob, opt, val):
+    with pytest.raises(ValueError, match=opt):
+        call_moe(prob, **{opt: val})
+
+
+@pytest.mark.parametrize("arg,shape", [
+    ("w1", (E, 2 * N + 1, D)), ("w1", (E, 2 * N, D + 1)), ("w1", (2 * N, D)),
+    ("w2", (E, D, N + 1)), ("w2", (E + 1, D, N)), ("w2", (E, N, D)),
+    ("b1", (E, N)), ("b1", (E + 1, 2 * N)), ("b2", (E, D, 1)), ("b2", (D,)),
+])
+@pytest.mark.parametrize("api", ["experts", "moe"])
+def test_wrong_weight_shapes(prob, arg, shape, api):
+    bad = torch.randn(*shape)
+    with pytest.raises(ValueError, match=names(arg)):
+        (call_experts if api == "experts" else call_moe)(prob, **{arg: bad})
+
+
+@pytest.mark.parametrize("arg", ["w1", "w2", "b1", "b2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_dtypes(prob, arg, dtype):
+    with pytest.raises(TypeError, match=names(arg)):
+        call_experts(prob, **{arg: prob[arg].to(dtype)})
+    with pytest.raises(TypeError, match=names(arg)):
+        call_moe(prob, **{arg: prob[arg].to(dtype)})
+
+
+@pytest.mark.parametrize("arg", ["x", "w1", "w2", "b1", "b2"])
+def test_integer_tensors(prob, arg):
+    with pytest.raises(TypeError, match=names(arg)):
+        call_experts(prob, **{arg: prob[arg].long()})
+
+
+@pytest.mark.parametrize("arg", ["w1", "w2", "b1", "b2", "pair_scores"])
+def test_experts_device_mismatch(prob, arg):
+    if arg == "pair_scores":
+        bad = routing_and_scores(prob)[1].to("meta")
+    else:
+        bad = prob[arg].to("meta")
+    with pytest.raises(ValueError, match=names(arg)) as info:
+        call_experts(prob, **{arg: bad})
+    assert "meta" in str(info.value) and "cpu" in str(info.value)
+
+
+def test_experts_routing_mismatch(prob):
+    other_t = routing_from_topk(torch.zeros(T + 1, 1, dtype=torch.long), E)
+    with pytest.raises(ValueError, match="routing"):
+        call_experts(prob, routing=other_t, pair_scores=torch.rand(T + 1))
+    other_e = routing_from_topk(torch.zeros(T, K, dtype=torch.long), E + 2)
+    with pytest.raises(ValueError, match="routing"):
+        call_experts(prob, routing=other_e)
+    meta_routing = routing_from_topk(torch.zeros(T, K, dtype=torch.long, device="meta"), E)
+    with pytest.raises(ValueError, match="routing"):
+        call_experts(prob, routing=meta_routing)
+
+
+def test_experts_pair_scores(prob):
+    with pytest.raises(ValueError, match="pair_scores"):
+        call_experts(prob, pair_scores=torch.rand(T * K + 1))
+    with pytest.raises(ValueError, match="pair_scores"):
+        call_experts(prob, pair_scores=torch.rand(T, K))
+    with pytest.raises(TypeError, match="pair_scores"):
+        call_experts(prob, pair_scores=torch.ones(T * K, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("opt,val", [("backend", "gpu"), ("gate_up_layout", "gate_up")])
+def test_experts_bad_strings(prob, opt, val):
+    with pytest.raises(ValueError, match=opt):
+        call_experts(prob, **{opt: val})
+
+
+def test_router_topk_bad_order(prob):
+    with pytest.raises(ValueError, match="router_order"):
+        router_topk(prob["x"], prob["router_weight"], K, router_order="softmax_topk")
+    with pytest.raises(ValueError, match="router_order"):
+        moe_ref(prob["x"], prob["router_weight"], prob["w1"], prob["w2"], top_k=K, router_order="x")
+    with pytest.raises(ValueError, match="gate_up_layout"):
+        moe_ref(prob["x"], prob["router_weight"], prob["w1"], prob["w2"], top_k=K, gate_up_layout="x")
+
+
+# ---------------------------------------------------------------------------------------------
+# routing constructors and check_pairs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_routing_from_pairs_mismatched_shapes():
+    with pytest.raises(ValueError, match="pair_token") as info:
+        routing_from_pairs(torch.arange(4), torch.arange(3), 4, 4)
+    assert "pair_expert" in str(info.value)
+    with pytest.raises(ValueError, match="pair_token"):
+        routing_from_pairs(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), 2, 2)
+
+
+def test_routing_from_topk_bad_rank():
+    with pytest.raises(ValueError, match="topk_ids"):
+        routing_from_topk(torch.arange(4), 4)
+    with pytest.raises(ValueError, match="topk_ids"):
+        routing_from_topk(torch.zeros(2, 2, 2, dtype=torch.long), 4)
+
+
+@pytest.mark.parametrize("tok,exp,arg", [
+    ([0, 1, 4], [0, 1, 2], "pair_token"),     # token 4 >= T = 4
+    ([0, -1, 2], [0, 1, 2], "pair_token"),
+    ([0, 1, 2], [0, 3, 2], "pair_expert"),    # expert 3 >= E = 3
+    ([0, 1, 2], [-1, 1, 2], "pair_expert"),
+])
+def test_check_pairs_out_of_range(tok, exp, arg):
+    tok, exp = torch.tensor(tok), torch.tensor(exp)
+    tok0, exp0 = tok.clone(), exp.clone()
+    with pytest.raises(ValueError, match=arg):
+        check_pairs(tok, exp, 4, 3)
+    assert torch.equal(tok, tok0) and torch.equal(exp, exp0)
+
+
+def test_check_pairs_non_integer():
+    with pytest.raises(TypeError, match="pair_token"):
+        check_pairs(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]), 4, 4)
+    with pytest.raises(TypeError, match="pair_expert"):
+        check_pairs(torch.tensor([0, 1]), torch.tensor([True, False]), 4, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing the caller passed is mutated
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["moe", "experts", "experts_torch", "moe_ref", "router_topk"])
+def test_inputs_not_mutated_forward_backward(api):
+    p = {k: v.requires_grad_() for k, v in random_problem(T, D, N, E, bias=True, seed=1).items()}
+    tok = torch.tensor([0, 3, 1, 3, 5, 0])
+    exp = torch.tensor([1, 1, 0, 2, 3, 3])
+    scores = torch.rand(6).requires_grad_()
+    aux = {"tok": tok, "exp": exp, "scores": scores}
+    before, before_aux = snapshot(p), snapshot(aux)
+    routing = routing_from_pairs(tok, exp, T, E)
+    routing_before = {k: v.clone() for k, v in vars(routing).items() if isinstance(v, torch.Tensor)}
+    if api == "moe":
+        out = call_moe(p).out
+    elif api == "experts":
+        out = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, scores, p["b1"], p["b2"], backend="torch")
+    elif api == "experts_torch":
+        out = experts_torch(p["x"], p["w1"], p["w2"], routing, scores, p["b1"], p["b2"],
+                            gate_up_layout="interleaved")
+    elif api == "moe_ref":
+        out = moe_ref(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"], top_k=K)[0]
+    else:
+        out = router_topk(p["x"], p["router_weight"], K, router_order="softmax_then_topk",
+                          renormalize=True).topk_scores
+    out.square().sum().backward()
+    assert_unchanged(p, before)
+    assert_unchanged(aux, before_aux)
+    for k, v in routing_before.items():
+        assert torch.equal(getattr(routing, k), v), k
+    assert all(v.requires_grad for v in p.values())
+
+
+def test_inputs_not_mutated_on_error(prob):
+    before = snapshot(prob)
+    with pytest.raises(TypeError):
+        call_experts(prob, w2=prob["w2"].half())
+    with pytest.raises(ValueError):
+        call_moe(prob, top_k=E + 1)
+    with pytest.raises(ValueError):
+        call_moe(prob, b1=torch.randn(E, 2 * N + 2))
+    assert_unchanged(prob, before)
+
+
+def test_module_does_not_mutate_x_in_low_precision():
+    m = MoE(D, N, E, K, dtype=torch.bfloat16, backend="torch")
+    x = torch.randn(T, D)
+    x0 = x.clone()
+    m(x)
+    assert torch.equal(x, x0) and x.dtype == torch.float32

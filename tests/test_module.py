@@ -1,0 +1,356 @@
+"""sonicmoe.MoE: construction (CPU, meta), HF parameter layout, forward shapes/dtypes, losses,
+state_dict, options. Runs on the torch backend off-GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+import pytest
+import torch
+
+import sonicmoe
+from sonicmoe import MoE, MoEConfig
+from sonicmoe.functional import resolve_backend
+from sonicmoe.reference import moe_ref
+from sonicmoe.routing import load_balancing_loss, routing_from_topk
+from sonicmoe.testing import rel_err
+
+D, N, E, K = 16, 8, 6, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """These tests run thousands of tiny CPU ops: use one intra-op thread. torch's CPU softmax wakes an
+    OpenMP team on every call, which costs ~10 ms per call when the CPU is shared (CI, parallel jobs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    opts = {"hidden_size": D, "intermediate_size": N, "num_experts": E, "top_k": K, "backend": "torch"}
+    opts.update(kw)
+    return MoE(**opts)
+
+
+def module_ref(m: MoE, x: torch.Tensor):
+    """moe_ref on the module's own parameters and options, x flattened to (T, d)."""
+    c, ex = m.config, m.experts
+    return moe_ref(x.reshape(-1, c.hidden_size), m.gate.weight, ex.gate_up_proj, ex.down_proj,
+                   ex.gate_up_proj_bias, ex.down_proj_bias, top_k=c.top_k, router_order=c.router_order,
+                   renormalize=c.renormalize, gate_up_layout=c.gate_up_layout)
+
+
+def rand_x(*shape, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# construction and parameters
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_parameters_follow_hf_convention(bias, device):
+    m = MoE(D, N, E, K, bias=bias, device=device)
+    shapes = {k: tuple(v.shape) for k, v in m.named_parameters()}
+    expected = {"gate.weight": (E, D), "experts.gate_up_proj": (E, 2 * N, D), "experts.down_proj": (E, D, N)}
+    if bias:
+        expected.update({"experts.gate_up_proj_bias": (E, 2 * N), "experts.down_proj_bias": (E, D)})
+    assert shapes == expected
+    assert set(m.state_dict()) == set(expected)
+    assert all(p.device.type == device for p in m.parameters())
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in m.parameters())
+    assert m.aux_loss is None and m.z_loss is None and m.expert_counts is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_parameter_dtype_and_init_bounds(dtype):
+    m = MoE(64, 32, 4, 2, bias=True, dtype=dtype)
+    assert all(p.dtype == dtype for p in m.parameters())
+    ex = m.experts
+    for w, fan_in in ((ex.gate_up_proj, 64), (ex.down_proj, 32), (ex.gate_up_proj_bias, 64),
+                      (ex.down_proj_bias, 32)):
+        bound = 1 / math.sqrt(fan_in)
+        wf = w.detach().float()
+        assert float(wf.abs().max()) <= bound * (1 + 1e-2)
+        assert float(wf.abs().max()) > bound / 2  # really initialised, not zeros / tiny
+        assert float(wf.std()) > bound / 4
+    # experts are distinct, not one copy
+    assert not torch.equal(ex.gate_up_proj[0], ex.gate_up_proj[1])
+
+
+def test_meta_forward_and_materialise():
+    m = MoE(D, N, E, K, bias=True, device="meta")
+    y = m(torch.empty(3, 5, D, device="meta"))
+    assert y.shape == (3, 5, D) and y.device.type == "meta"
+    assert m.expert_counts.shape == (E,) and m.aux_loss.shape == ()
+    # meta-init flow: materialise, then load real weights
+    src = make(seed=3, bias=True)
+    m.to_empty(device="cpu")
+    m.load_state_dict(src.state_dict())
+    x = rand_x(7, D)
+    torch.testing.assert_close(m(x), src(x), rtol=0, atol=0)
+
+
+def test_config_and_repr():
+    m = make(router_order="softmax_then_topk", renormalize=True, gate_up_layout="interleaved", bias=True,
+             aux_loss_coef=0.5, z_loss_coef=0.25)
+    c = m.config
+    assert isinstance(c, MoEConfig)
+    assert (c.hidden_size, c.intermediate_size, c.num_experts, c.top_k) == (D, N, E, K)
+    assert (c.router_order, c.renormalize, c.gate_up_layout, c.bias) == ("softmax_then_topk", True,
+                                                                          "interleaved", True)
+    assert (c.aux_loss_coef, c.z_loss_coef, c.backend) == (0.5, 0.25, "torch")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.top_k = 3
+    r = repr(m)
+    assert f"E={E}" in r and f"K={K}" in r and "interleaved" in r
+
+
+def test_config_defaults():
+    c = MoEConfig(8, 4, 4, 2)
+    assert (c.router_order, c.renormalize, c.gate_up_layout, c.bias, c.backend, c.routing) == (
+        "topk_then_softmax", False, "concat", False, "auto", "topk")
+
+
+@pytest.mark.parametrize("kw,name", [
+    ({"top_k": 0}, "top_k"), ({"top_k": E + 1}, "top_k"), ({"hidden_size": 0}, "hidden_size"),
+    ({"intermediate_size": -1}, "intermediate_size"), ({"num_experts": 0}, "num_experts"),
+    ({"router_order": "softmax"}, "router_order"), ({"gate_up_layout": "split"}, "gate_up_layout"),
+    ({"backend": "cuda"}, "backend"), ({"routing": "expert_choice"}, "routing"),
+    ({"rounding": "floor"}, "rounding"), ({"m_tile": 0}, "m_tile"), ({"activation": "gelu"}, "activation"),
+])
+def test_config_validation(kw, name):
+    with pytest.raises(ValueError, match=name):
+        make(**kw)
+    if name != "activation":
+        base = {"hidden_size": D, "intermediate_size": N, "num_experts": E, "top_k": K}
+        base.update(kw)
+        with pytest.raises(ValueError, match=name):
+            MoEConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(D,), (5, D), (1, D), (2, 3, D), (2, 1, 4, D)])
+def test_forward_shapes_and_matches_ref(shape):
+    m = make(bias=True)
+    x = rand_x(*shape)
+    y = m(x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    ref = module_ref(m, x)[0]
+    assert rel_err(y.reshape(-1, D), ref) < 1e-6
+    assert m.expert_counts.sum().item() == K * x.numel() // D
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_forward_low_precision(dtype, tol):
+    m = make(bias=True).to(dtype)
+    x = rand_x(4, 8, D, dtype=dtype)
+    y = m(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.isfinite(y).all()
+    ref = module_ref(m, x)[0]  # float32 on the same low-precision values
+    err = rel_err(y.reshape(-1, D), ref)
+    assert 0 < err < tol
+
+
+def test_forward_casts_x_to_parameter_dtype_and_back():
+    m = make().to(torch.bfloat16)
+    x = rand_x(6, D)
+    y = m(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, m(x.bfloat16()).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("topk_then_softmax", True),
+                                          ("softmax_then_topk", False), ("softmax_then_topk", True)])
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_router_orders_and_layouts_match_ref(order, renorm, layout):
+    m = make(router_order=order, renormalize=renorm, gate_up_layout=layout, bias=True)
+    x = rand_x(20, D)
+    assert rel_err(m(x), module_ref(m, x)[0]) < 1e-6
+
+
+def test_router_order_semantics():
+    x = rand_x(20, D)
+    a = make(seed=5, router_order="topk_then_softmax")(x)
+    a_renorm = make(seed=5, router_order="topk_then_softmax", renormalize=True)(x)
+    s = make(seed=5, router_order="softmax_then_topk")(x)
+    s_renorm = make(seed=5, router_order="softmax_then_topk", renormalize=True)(x)
+    torch.testing.assert_close(a_renorm, a, rtol=0, atol=0)  # renormalize ignored
+    torch.testing.assert_close(s_renorm, a, rtol=1e-5, atol=1e-6)  # same scores, other formula
+    assert rel_err(s, a) > 0.05  # without renormalisation the K scores sum to < 1
+
+
+@pytest.mark.parametrize("k", [1, E])
+def test_extreme_top_k(k):
+    m = make(top_k=k)
+    x = rand_x(9, D)
+    y = m(x)
+    assert rel_err(y, module_ref(m, x)[0]) < 1e-6
+    assert m.expert_counts.sum().item() == 9 * k
+    if k == E:
+        assert m.expert_counts.tolist() == [9] * E
+
+
+def test_backend_values():
+    x = rand_x(10, D)
+    assert resolve_backend("auto", x) == "torch"
+    assert resolve_backend("torch", x) == "torch" and resolve_backend("triton", x) == "triton"
+    y_torch = make(seed=2, backend="torch")(x)
+    y_auto = make(seed=2, backend="auto")(x)
+    torch.testing.assert_close(y_auto, y_torch, rtol=0, atol=0)
+    assert make(seed=2).config.backend == "torch"
+    assert MoE(D, N, E, K).config.backend == "auto"
+
+
+@pytest.mark.interpreter
+def test_triton_backend_matches_torch():
+    if importlib.util.find_spec("sonicmoe.ops.moe_function") is None:
+        pytest.skip("triton backend (sonicmoe.ops.moe_function) not present")
+    mt = make(seed=4, backend="triton", bias=True)
+    mr = make(seed=4, backend="torch", bias=True)
+    x = rand_x(8, D)
+    yt, yr = mt(x), mr(x)
+    assert rel_err(yt, yr) < 1e-4
+
+
+def test_token_rounding_eval_uses_topk():
+    m = make(routing="token_rounding", m_tile=4, bias=True).eval()
+    x = rand_x(12, D)
+    assert rel_err(m(x), module_ref(m, x)[0]) < 1e-6
+    assert m.expert_counts.sum().item() == 12 * K
+
+
+def test_deterministic():
+    m = make(bias=True)
+    x = rand_x(16, D)
+    assert torch.equal(m(x), m(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# losses, counts, gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def test_aux_losses_and_counts_after_forward():
+    m = make(aux_loss_coef=0.3, z_loss_coef=0.02)
+    x = rand_x(3, 7, D)
+    m(x)
+    x2 = x.reshape(-1, D)
+    logits = x2.double() @ m.gate.weight.double().t()
+    probs = torch.softmax(logits, -1)
+    ids = logits.topk(K, -1).indices
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    assert m.expert_counts.dtype == torch.int32 and m.expert_counts.tolist() == counts.tolist()
+    assert not m.expert_counts.requires_grad
+    f = counts.double() / counts.sum()
+    aux = 0.3 * E * (f * probs.mean(0)).sum()
+    zl = 0.02 * (torch.logsumexp(logits, -1) ** 2).mean()
+    assert abs(m.aux_loss.item() - aux.item()) < 1e-6 * aux.item()
+    assert abs(m.z_loss.item() - zl.item()) < 1e-5 * zl.item()
+    # the values of this step: another input changes them
+    old = m.aux_loss.item()
+    m(rand_x(5, D, seed=9))
+    assert m.aux_loss.item() != old and m.expert_counts.sum().item() == 5 * K
+
+
+def test_aux_loss_gradient_wrt_gate():
+    m = make(aux_loss_coef=1.0, z_loss_coef=0.1)
+    x = rand_x(30, D)
+    m(x)
+    (gw,) = torch.autograd.grad(m.aux_loss, m.gate.weight)
+    assert torch.isfinite(gw).all() and gw.norm() > 0
+    # expected: d/dW of E * sum_e f_e * mean_t softmax(x W^T)[t, e], f fixed
+    w = m.gate.weight.detach().clone().requires_grad_()
+    probs = torch.softmax(x @ w.t(), -1)
+    f = (m.expert_counts.float() / m.expert_counts.sum()).detach()
+    (E * (f * probs.mean(0)).sum()).backward()
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-7)
+    m(x)
+    (gz,) = torch.autograd.grad(m.z_loss, m.gate.weight)
+    assert torch.isfinite(gz).all() and gz.norm() > 0
+    m2 = make(z_loss_coef=0.0)
+    m2(x)
+    assert m2.z_loss.item() == 0.0
+
+
+def test_module_gradients_match_ref():
+    m = make(bias=True, gate_up_layout="interleaved")
+    x = rand_x(2, 9, D).requires_grad_()
+    g = torch.Generator().manual_seed(0)
+    dy = torch.randn(2, 9, D, generator=g)
+    params = [x] + list(m.parameters())
+    grads = torch.autograd.grad(m(x), params, dy)
+    ref = module_ref(m, x)[0]
+    grads_ref = torch.autograd.grad(ref, params, dy.reshape(-1, D))
+    names = ["x"] + [k for k, _ in m.named_parameters()]
+    for name, a, b in zip(names, grads, grads_ref):
+        assert b.norm() > 0, name
+        assert rel_err(a, b) < 1e-5, name
+
+
+# ---------------------------------------------------------------------------------------------
+# state_dict
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_state_dict_round_trip(bias, tmp_path):
+    src = make(seed=1, bias=bias)
+    dst = make(seed=2, bias=bias)
+    x = rand_x(11, D)
+    assert not torch.equal(src(x), dst(x))
+    path = tmp_path / "moe.pt"
+    torch.save(src.state_dict(), path)
+    missing, unexpected = dst.load_state_dict(torch.load(path, weights_only=True))
+    assert missing == [] and unexpected == []
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+
+
+def test_state_dict_hf_style_keys_load():
+    """A checkpoint written with the HF experts names (plain tensors) loads one to one."""
+    g = torch.Generator().manual_seed(6)
+    sd = {"gate.weight": torch.randn(E, D, generator=g),
+          "experts.gate_up_proj": torch.randn(E, 2 * N, D, generator=g) * 0.2,
+          "experts.down_proj": torch.randn(E, D, N, generator=g) * 0.3}
+    m = make()
+    m.load_state_dict(sd)
+    assert torch.equal(m.experts.gate_up_proj, sd["experts.gate_up_proj"])
+    x = rand_x(5, D)
+    ref = moe_ref(x, sd["gate.weight"], sd["experts.gate_up_proj"], sd["experts.down_proj"], top_k=K)[0]
+    assert rel_err(m(x), ref) < 1e-6
+    with pytest.raises(RuntimeError):
+        make(bias=True).load_state_dict(sd)  # biases missing
+
+
+def test_forward_does_not_mutate():
+    m = make(bias=True)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = rand_x(4, D)
+    x0 = x.clone()
+    m(x).sum().backward()
+    assert torch.equal(x, x0)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_public_api_exports():
+    for name in ("MoE", "MoEConfig", "moe", "experts", "moe_ref", "experts_ref", "router_topk",
+                 "routing_from_topk", "routing_from_pairs", "load_balancing_loss", "z_loss", "Routing"):
+        assert hasattr(sonicmoe, name), name
+    assert sonicmoe.load_balancing_loss is load_balancing_loss
+    assert sonicmoe.routing_from_topk is routing_from_topk

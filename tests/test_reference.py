@@ -1,0 +1,402 @@
+"""The float32 ground truth (sonicmoe.reference) and the torch backend.
+
+1. ``moe_ref`` / ``experts_ref`` against an independent per-token, per-expert float64 loop that slices
+   gate and up by hand for both W1 layouts.
+2. The torch backend (``experts_torch``, ``sonicmoe.experts/moe(backend="torch")``) against the
+   reference: outputs and gradients of x, router weight, W1, W2, b1, b2 and the pair scores.
+3. float64 ``gradcheck`` of the reference and of the whole layer as the torch backend computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sonicmoe
+from sonicmoe.ops.torch_experts import experts_torch
+from sonicmoe.reference import experts_ref, moe_ref, split_gate_up, swiglu_ref
+from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
+from sonicmoe.testing import random_problem, rel_err
+
+LAYOUTS = ["concat", "interleaved"]
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """These tests run thousands of tiny CPU ops: use one intra-op thread. torch's CPU softmax wakes an
+    OpenMP team on every call, which costs ~10 ms per call when the CPU is shared (CI, parallel jobs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# independent float64 loops
+# ---------------------------------------------------------------------------------------------
+
+
+def _silu(v: float) -> float:
+    return v / (1.0 + math.exp(-v))
+
+
+def naive_expert(x_t, w1_e, w2_e, b1_e, b2_e, layout):
+    """One expert on one token in float64, gate/up picked by explicit row indices."""
+    two_n = w1_e.shape[0]
+    n = two_n // 2
+    h = w1_e @ x_t
+    if b1_e is not None:
+        h = h + b1_e
+    if layout == "concat":
+        gate_rows, up_rows = list(range(0, n)), list(range(n, 2 * n))
+    else:
+        gate_rows, up_rows = [2 * i for i in range(n)], [2 * i + 1 for i in range(n)]
+    a = torch.tensor([_silu(float(h[gi])) * float(h[ui]) for gi, ui in zip(gate_rows, up_rows)],
+                     dtype=torch.float64)
+    y = w2_e @ a
+    if b2_e is not None:
+        y = y + b2_e
+    return y
+
+
+def naive_pairs(x, w1, w2, b1, b2, pair_token, pair_expert, pair_scores, layout):
+    """O_t = sum over the pairs p of token t of S_p * expert_{e_p}(x_t), float64."""
+    x, w1, w2 = x.double(), w1.double(), w2.double()
+    b1 = None if b1 is None else b1.double()
+    b2 = None if b2 is None else b2.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, e, s in zip(pair_token.tolist(), pair_expert.tolist(), pair_scores.double().tolist()):
+        out[t] += s * naive_expert(x[t], w1[e], w2[e], None if b1 is None else b1[e],
+                                   None if b2 is None else b2[e], layout)
+    return out
+
+
+def naive_moe(x, wr, w1, w2, b1, b2, k, layout, order, renormalize):
+    """The whole layer per token in float64: router by hand, then the chosen experts."""
+    xd, wrd = x.double(), wr.double()
+    E = wr.shape[0]
+    pair_token, pair_expert, pair_scores = [], [], []
+    for t in range(x.shape[0]):
+        logits = [float(torch.dot(wrd[e], xd[t])) for e in range(E)]
+        chosen = sorted(range(E), key=lambda e, lg=logits: -lg[e])[:k]
+        if order == "topk_then_softmax":
+            m = max(logits[e] for e in chosen)
+            ex = [math.exp(logits[e] - m) for e in chosen]
+            s = [v / sum(ex) for v in ex]
+        else:
+            m = max(logits)
+            z = sum(math.exp(v - m) for v in logits)
+            s = [math.exp(logits[e] - m) / z for e in chosen]
+            if renormalize:
+                s = [v / sum(s) for v in s]
+        pair_token += [t] * k
+        pair_expert += chosen
+        pair_scores += s
+    return naive_pairs(x, w1, w2, b1, b2, torch.tensor(pair_token), torch.tensor(pair_expert),
+                       torch.tensor(pair_scores, dtype=torch.float64), layout)
+
+
+def general_pairs(T, E, seed, p_keep=0.45):
+    """Unique pairs with 0..E experts per token, shuffled (not token-major), random positive scores."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(T, E, generator=g) < p_keep
+    tok, exp = keep.nonzero(as_tuple=True)
+    perm = torch.randperm(tok.numel(), generator=g)
+    scores = torch.rand(tok.numel(), generator=g) + 0.1
+    return tok[perm], exp[perm], scores
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference against the independent loops
+# ---------------------------------------------------------------------------------------------
+
+
+def test_split_gate_up_layouts():
+    h = torch.arange(12.0).reshape(2, 6)
+    g, u = split_gate_up(h, "concat")
+    assert g.tolist() == [[0, 1, 2], [6, 7, 8]] and u.tolist() == [[3, 4, 5], [9, 10, 11]]
+    g, u = split_gate_up(h, "interleaved")
+    assert g.tolist() == [[0, 2, 4], [6, 8, 10]] and u.tolist() == [[1, 3, 5], [7, 9, 11]]
+    a = swiglu_ref(torch.tensor([[1.0, -2.0, 3.0, 0.5]]), "interleaved")  # gates 1, 3; ups -2, 0.5
+    torch.testing.assert_close(a, torch.tensor([[_silu(1.0) * -2.0, _silu(3.0) * 0.5]]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_moe_ref_matches_naive_float64(layout, bias, order, renorm):
+    T, d, n, E, K = 9, 8, 6, 5, 2
+    p = random_problem(T, d, n, E, dtype=torch.float64, bias=bias, seed=1)
+    out, router, routing = moe_ref(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"],
+                                   top_k=K, router_order=order, renormalize=renorm, gate_up_layout=layout)
+    assert out.dtype == torch.float64 and out.shape == (T, d)
+    expected = naive_moe(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"], K, layout,
+                         order, renorm)
+    assert rel_err(out, expected) < 1e-12
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T,d,n,E,K", [(1, 4, 2, 3, 1), (12, 16, 8, 6, 2), (7, 8, 4, 4, 4), (10, 8, 4, 8, 1)])
+def test_moe_ref_matches_naive_float32(layout, bias, T, d, n, E, K):
+    p = random_problem(T, d, n, E, bias=bias, seed=T + E)
+    out, router, routing = moe_ref(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"],
+                                   top_k=K, gate_up_layout=layout)
+    assert out.dtype == torch.float32 and out.shape == (T, d)
+    expected = naive_moe(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"], K, layout,
+                         "topk_then_softmax", False)
+    assert rel_err(out, expected) < 1e-5
+    assert routing.num_rows == T * K and router.topk_ids.shape == (T, K)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_ref_general_routing_matches_naive(layout, bias):
+    T, d, n, E = 11, 8, 4, 6
+    p = random_problem(T, d, n, E, dtype=torch.float64, bias=bias, seed=2)
+    tok, exp, scores = general_pairs(T, E, seed=3)
+    keep = (tok != 0) & (exp != 3)  # token 0 gets no expert, expert 3 no token
+    tok, exp, scores = tok[keep], exp[keep], scores[keep]
+    has = torch.bincount(tok, minlength=T)
+    assert has[0] == 0 and (has > 1).any() and (has == 1).any()
+    routing = routing_from_pairs(tok, exp, T, E)
+    out = experts_ref(p["x"], p["w1"], p["w2"], routing, scores.double(), p["b1"], p["b2"],
+                      gate_up_layout=layout)
+    expected = naive_pairs(p["x"], p["w1"], p["w2"], p["b1"], p["b2"], tok, exp, scores, layout)
+    assert rel_err(out, expected) < 1e-12
+    # tokens with no expert get exactly zero
+    assert bool((out[has == 0] == 0).all())
+
+
+def test_experts_ref_zero_expert_tokens_and_empty_experts_exact():
+    T, d, n, E = 4, 6, 3, 5
+    p = random_problem(T, d, n, E, dtype=torch.float64, bias=True, seed=4)
+    tok, exp = torch.tensor([2, 0, 2]), torch.tensor([4, 4, 1])  # tokens 1, 3 none; experts 0, 2, 3 none
+    scores = torch.tensor([0.3, 0.9, 0.7], dtype=torch.float64)
+    out = experts_ref(p["x"], p["w1"], p["w2"], routing_from_pairs(tok, exp, T, E), scores, p["b1"], p["b2"])
+    expected = naive_pairs(p["x"], p["w1"], p["w2"], p["b1"], p["b2"], tok, exp, scores, "concat")
+    assert rel_err(out, expected) < 1e-12
+    assert bool((out[1] == 0).all() and (out[3] == 0).all())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_interleaved_equals_concat_with_permuted_rows(bias):
+    T, d, n, E, K = 10, 8, 4, 4, 2
+    p = random_problem(T, d, n, E, bias=bias, seed=5)
+    w1c, b1c = p["w1"], p["b1"]
+    w1i = torch.empty_like(w1c)
+    w1i[:, 0::2], w1i[:, 1::2] = w1c[:, :n], w1c[:, n:]
+    b1i = None
+    if bias:
+        b1i = torch.empty_like(b1c)
+        b1i[:, 0::2], b1i[:, 1::2] = b1c[:, :n], b1c[:, n:]
+    oc = moe_ref(p["x"], p["router_weight"], w1c, p["w2"], b1c, p["b2"], top_k=K, gate_up_layout="concat")[0]
+    oi = moe_ref(p["x"], p["router_weight"], w1i, p["w2"], b1i, p["b2"], top_k=K,
+                 gate_up_layout="interleaved")[0]
+    torch.testing.assert_close(oi, oc, rtol=0, atol=0)
+    # and the layouts really differ: the same W1 read the other way gives another result
+    other = moe_ref(p["x"], p["router_weight"], w1c, p["w2"], b1c, p["b2"], top_k=K,
+                    gate_up_layout="interleaved")[0]
+    assert rel_err(other, oc) > 0.1
+
+
+def test_reference_low_precision_inputs_compute_in_float32():
+    p = random_problem(8, 8, 4, 4, dtype=torch.bfloat16, seed=6)
+    out = moe_ref(p["x"], p["router_weight"], p["w1"], p["w2"], top_k=2)[0]
+    assert out.dtype == torch.float32
+    f = {k: (v.float() if v is not None else None) for k, v in p.items()}
+    ref = moe_ref(f["x"], f["router_weight"], f["w1"], f["w2"], top_k=2)[0]
+    assert rel_err(out, ref) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# torch backend against the reference: outputs and gradients
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaves(p, names):
+    return {k: p[k].detach().clone().requires_grad_() for k in names if p[k] is not None}
+
+
+def _grads_of(fn, leaves, seed):
+    out = fn(leaves)
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad(out, list(leaves.values()), dout, allow_unused=False)
+    return out, dict(zip(leaves.keys(), grads))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("order,renorm", ORDERS)
+@pytest.mark.parametrize("api", ["moe", "experts"])
+def test_torch_backend_moe_matches_ref_with_grads(layout, bias, order, renorm, api):
+    T, d, n, E, K = 24, 16, 8, 6, 2
+    p = random_problem(T, d, n, E, bias=bias, seed=7)
+    names = ["x", "router_weight", "w1", "w2", "b1", "b2"]
+    kw = {"top_k": K, "router_order": order, "renormalize": renorm, "gate_up_layout": layout}
+
+    def ours(v):
+        if api == "moe":
+            res = sonicmoe.moe(v["x"], v["router_weight"], v["w1"], v["w2"], v.get("b1"), v.get("b2"),
+                               backend="torch", **kw)
+            assert isinstance(res, sonicmoe.MoEOutput) and res.routing.num_rows == T * K
+            return res.out
+        router = router_topk(v["x"], v["router_weight"], K, router_order=order, renormalize=renorm)
+        routing = routing_from_topk(router.topk_ids, E)
+        return sonicmoe.experts(v["x"], v["w1"], v["w2"], routing, router.topk_scores.reshape(-1),
+                                v.get("b1"), v.get("b2"), gate_up_layout=layout, backend="torch")
+
+    def ref(v):
+        return moe_ref(v["x"], v["router_weight"], v["w1"], v["w2"], v.get("b1"), v.get("b2"), **kw)[0]
+
+    out, g = _grads_of(ours, _leaves(p, names), seed=8)
+    out_ref, g_ref = _grads_of(ref, _leaves(p, names), seed=8)
+    assert out.dtype == torch.float32 and out.shape == (T, d)
+    assert rel_err(out, out_ref) < 1e-5
+    assert set(g) == set(g_ref) == {k for k in names if p[k] is not None}
+    for k in g_ref:
+        assert g_ref[k].norm() > 0, k
+        assert rel_err(g[k], g_ref[k]) < 1e-5, k
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_backend_general_routing_matches_ref(layout, bias):
+    T, d, n, E = 14, 8, 8, 5
+    p = random_problem(T, d, n, E, bias=bias, seed=9)
+    tok, exp, scores = general_pairs(T, E, seed=10)
+    routing = routing_from_pairs(tok, exp, T, E)
+    names = ["x", "w1", "w2", "b1", "b2"]
+    base = _leaves(p, names)
+    base["pair_scores"] = scores.clone().requires_grad_()
+
+    def run(fn):
+        v = {k: t.detach().clone().requires_grad_() for k, t in base.items()}
+        return _grads_of(lambda v: fn(v["x"], v["w1"], v["w2"], routing, v["pair_scores"], v.get("b1"),
+                                      v.get("b2"), gate_up_layout=layout), v, seed=11)
+
+    out_ref, g_ref = run(experts_ref)
+    for fn in (experts_torch, lambda *a, **k: sonicmoe.experts(*a, backend="torch", **k),
+               lambda *a, **k: sonicmoe.experts(*a, backend="auto", **k)):
+        out, g = run(fn)
+        assert rel_err(out, out_ref) < 1e-5
+        for k in g_ref:
+            assert g_ref[k].norm() > 0, k
+            assert rel_err(g[k], g_ref[k]) < 1e-5, k
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_torch_backend_low_precision(dtype, tol):
+    T, d, n, E, K = 32, 32, 16, 8, 2
+    p = random_problem(T, d, n, E, dtype=dtype, bias=True, seed=12)
+    res = sonicmoe.moe(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"], top_k=K,
+                       backend="torch")
+    assert res.out.dtype == dtype
+    ref = moe_ref(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"], top_k=K)[0]
+    err = rel_err(res.out, ref)
+    assert err < tol
+    assert err > 0  # it really ran in low precision
+
+
+def test_torch_backend_tokens_without_experts_get_zero_and_zero_grad():
+    T, d, n, E = 6, 8, 4, 3
+    p = random_problem(T, d, n, E, bias=True, seed=13)
+    tok, exp = torch.tensor([0, 4, 0]), torch.tensor([2, 2, 0])
+    routing = routing_from_pairs(tok, exp, T, E)
+    x = p["x"].clone().requires_grad_()
+    out = experts_torch(x, p["w1"], p["w2"], routing, torch.tensor([0.5, 1.5, 0.25]), p["b1"], p["b2"])
+    assert bool((out[[1, 2, 3, 5]] == 0).all()) and bool((out[[0, 4]] != 0).all())
+    out.sum().backward()
+    assert bool((x.grad[[1, 2, 3, 5]] == 0).all()) and bool((x.grad[[0, 4]] != 0).any())
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 gradcheck
+# ---------------------------------------------------------------------------------------------
+
+
+def _separated_problem(T, d, n, E, K, bias, seed):
+    """float64 random problem whose K-th and (K+1)-th logits are > 1e-3 apart on every token."""
+    for s in range(seed, seed + 50):
+        p = random_problem(T, d, n, E, dtype=torch.float64, bias=bias, seed=s)
+        if K == E:
+            return p
+        lg = (p["x"] @ p["router_weight"].t()).sort(-1, descending=True).values
+        if float((lg[:, K - 1] - lg[:, K]).min()) > 1e-3:
+            return p
+    raise AssertionError("no well-separated problem found")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gradcheck_experts_ref_and_torch_general_routing(layout, bias):
+    T, d, n, E = 5, 4, 3, 4
+    p = random_problem(T, d, n, E, dtype=torch.float64, bias=bias, seed=14)
+    tok, exp, scores = general_pairs(T, E, seed=15, p_keep=0.5)
+    routing = routing_from_pairs(tok, exp, T, E)
+    names = [k for k in ("x", "w1", "w2", "b1", "b2") if p[k] is not None]
+    inputs = tuple(p[k].clone().requires_grad_() for k in names) + (scores.double().requires_grad_(),)
+
+    for fn in (experts_ref, experts_torch):
+        def f(*args, fn=fn):
+            v = dict(zip(names + ["pair_scores"], args))
+            return fn(v["x"], v["w1"], v["w2"], routing, v["pair_scores"], v.get("b1"), v.get("b2"),
+                      gate_up_layout=layout)
+
+        assert f(*inputs).dtype == torch.float64
+        assert torch.autograd.gradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_gradcheck_whole_layer(layout, bias, order, renorm):
+    """The layer as sonicmoe.moe(backend="torch") composes it (router_topk -> routing_from_topk ->
+    experts_torch), and moe_ref, in float64 w.r.t. x, router weight, W1, W2, b1, b2."""
+    T, d, n, E, K = 4, 4, 3, 4, 2
+    p = _separated_problem(T, d, n, E, K, bias, seed=16)
+    names = [k for k in ("x", "router_weight", "w1", "w2", "b1", "b2") if p[k] is not None]
+    inputs = tuple(p[k].clone().requires_grad_() for k in names)
+
+    def layer_torch(*args):
+        v = dict(zip(names, args))
+        router = router_topk(v["x"], v["router_weight"], K, router_order=order, renormalize=renorm)
+        routing = routing_from_topk(router.topk_ids, E)
+        return experts_torch(v["x"], v["w1"], v["w2"], routing, router.topk_scores.reshape(-1),
+                             v.get("b1"), v.get("b2"), gate_up_layout=layout)
+
+    def layer_ref(*args):
+        v = dict(zip(names, args))
+        return moe_ref(v["x"], v["router_weight"], v["w1"], v["w2"], v.get("b1"), v.get("b2"), top_k=K,
+                       router_order=order, renormalize=renorm, gate_up_layout=layout)[0]
+
+    assert layer_torch(*inputs).dtype == torch.float64
+    assert torch.autograd.gradcheck(layer_torch, inputs)
+    assert torch.autograd.gradcheck(layer_ref, inputs)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_moe_float32_grads_match_float64_analytic(bias):
+    """sonicmoe.moe(backend="torch") only takes bf16/fp16/fp32: check its float32 gradients against
+    the float64 analytic gradients that test_gradcheck_whole_layer validates."""
+    T, d, n, E, K = 6, 8, 4, 4, 2
+    p64 = _separated_problem(T, d, n, E, K, bias, seed=17)
+    names = [k for k in ("x", "router_weight", "w1", "w2", "b1", "b2") if p64[k] is not None]
+
+    def ref64(v):
+        return moe_ref(v["x"], v["router_weight"], v["w1"], v["w2"], v.get("b1"), v.get("b2"), top_k=K)[0]
+
+    def ours32(v):
+        return sonicmoe.moe(v["x"], v["router_weight"], v["w1"], v["w2"], v.get("b1"), v.get("b2"),
+                            top_k=K, backend="torch").out
+
+    out64, g64 = _grads_of(ref64, _leaves(p64, names), seed=18)
+    p32 = {k: (v.float() if v is not None else None) for k, v in p64.items()}
+    out32, g32 = _grads_of(ours32, _leaves(p32, names), seed=18)
+    assert rel_err(out32, out64) < 1e-5
+    for k in names:
+        assert rel_err(g32[k], g64[k]) < 1e-5, k

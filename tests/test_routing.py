@@ -1,0 +1,423 @@
+"""Routing metadata invariants (sonicmoe.routing) and the router / auxiliary losses.
+
+Every expected value here is computed independently of the library: Python loops over the pairs,
+``torch.bincount`` for counts, hand-written softmax / logsumexp in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sonicmoe.routing import (
+    INDEX_DTYPE,
+    Routing,
+    check_pairs,
+    load_balancing_loss,
+    router_topk,
+    routing_from_pairs,
+    routing_from_topk,
+    z_loss,
+)
+
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """These tests run thousands of tiny CPU ops: use one intra-op thread. torch's CPU softmax wakes an
+    OpenMP team on every call, which costs ~10 ms per call when the CPU is shared (CI, parallel jobs)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# the invariant checker
+# ---------------------------------------------------------------------------------------------
+
+
+def check_routing(r: Routing, pair_token: list[int], pair_expert: list[int], T: int, E: int) -> None:
+    """Assert every documented invariant of ``r`` built from the given pairs (Python lists)."""
+    R = len(pair_token)
+    assert r.num_tokens == T and r.num_experts == E and r.num_rows == R
+    for name in ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows"):
+        assert getattr(r, name).dtype == INDEX_DTYPE, name
+    assert r.expert_offsets.shape == (E + 1,)
+    assert r.token_offsets.shape == (T + 1,)
+    for name in ("row_token", "row_pair", "pair_row", "token_rows"):
+        assert getattr(r, name).shape == (R,), name
+
+    row_pair = r.row_pair.tolist()
+    pair_row = r.pair_row.tolist()
+    # inverse permutations
+    assert sorted(row_pair) == list(range(R))
+    assert all(pair_row[row_pair[i]] == i for i in range(R))
+    assert all(row_pair[pair_row[p]] == p for p in range(R))
+
+    # expert offsets: start 0, end R, diff = counts (bincount)
+    offs = r.expert_offsets.tolist()
+    assert offs[0] == 0 and offs[-1] == R
+    counts = torch.bincount(torch.tensor(pair_expert, dtype=torch.long), minlength=E)
+    assert torch.equal(r.expert_counts().long(), counts)
+    assert torch.equal(torch.diff(r.expert_offsets.long()), counts)
+
+    # rows of expert e are contiguous, hold exactly e's pairs, in pair order
+    for e in range(E):
+        rows_e = row_pair[offs[e]:offs[e + 1]]
+        assert rows_e == [p for p in range(R) if pair_expert[p] == e], f"expert {e}"
+
+    # row_expert() and row_token
+    row_expert = r.row_expert()
+    assert row_expert.dtype == torch.int64 and row_expert.shape == (R,)
+    assert row_expert.tolist() == [pair_expert[p] for p in row_pair]
+    assert r.row_token.tolist() == [pair_token[p] for p in row_pair]
+
+    # token side: offsets, slots and the pair behind each slot
+    toffs = r.token_offsets.tolist()
+    assert toffs[0] == 0 and toffs[-1] == R
+    tcounts = torch.bincount(torch.tensor(pair_token, dtype=torch.long), minlength=T)
+    assert torch.equal(torch.diff(r.token_offsets.long()), tcounts)
+    slot_pair = list(range(R)) if r.slot_pair is None else r.slot_pair.tolist()
+    if r.slot_pair is not None:
+        assert r.slot_pair.dtype == INDEX_DTYPE and r.slot_pair.shape == (R,)
+    token_rows = r.token_rows.tolist()
+    for t in range(T):
+        slots = range(toffs[t], toffs[t + 1])
+        # the slots of token t are exactly its pairs, in pair order
+        assert [slot_pair[s] for s in slots] == [p for p in range(R) if pair_token[p] == t], f"token {t}"
+        for s in slots:
+            assert token_rows[s] == pair_row[slot_pair[s]]
+            assert r.row_token[token_rows[s]].item() == t
+
+    # score helpers
+    scores = torch.arange(R, dtype=torch.float32) * 0.5 + 1.0
+    assert r.row_scores(scores).tolist() == [scores[p].item() for p in row_pair]
+    assert r.slot_scores(scores).tolist() == [scores[p].item() for p in slot_pair]
+
+
+def random_topk_ids(T: int, K: int, E: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+    return ids.long()
+
+
+# ---------------------------------------------------------------------------------------------
+# routing_from_topk
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "T,K,E",
+    [(1, 1, 1), (1, 1, 4), (1, 4, 4), (7, 1, 5), (9, 3, 3), (16, 2, 8), (33, 4, 6), (5, 8, 8), (0, 2, 4)],
+)
+def test_routing_from_topk_invariants(T, K, E):
+    ids = random_topk_ids(T, K, E, seed=T * 100 + K * 10 + E)
+    r = routing_from_topk(ids, E)
+    assert r.slot_pair is None  # token-major: identity
+    pair_token = [t for t in range(T) for _ in range(K)]
+    check_routing(r, pair_token, ids.reshape(-1).tolist(), T, E)
+    # plain top-k: every token has exactly K slots
+    assert torch.equal(torch.diff(r.token_offsets.long()), torch.full((T,), K))
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32, torch.int16])
+def test_routing_from_topk_index_dtypes(id_dtype):
+    ids = random_topk_ids(6, 2, 5, seed=3)
+    r = routing_from_topk(ids.to(id_dtype), 5)
+    check_routing(r, [t for t in range(6) for _ in range(2)], ids.reshape(-1).tolist(), 6, 5)
+
+
+def test_routing_from_topk_empty_experts_and_all_on_one():
+    T, E = 10, 6
+    ids = torch.zeros(T, 1, dtype=torch.long)  # everybody on expert 0
+    r = routing_from_topk(ids, E)
+    check_routing(r, list(range(T)), [0] * T, T, E)
+    assert r.expert_offsets.tolist() == [0] + [T] * E
+    assert r.row_expert().tolist() == [0] * T
+
+    ids = torch.tensor([[5, 2], [2, 5], [5, 2]])  # experts 0, 1, 3, 4 empty, including the first
+    r = routing_from_topk(ids, E)
+    check_routing(r, [0, 0, 1, 1, 2, 2], [5, 2, 2, 5, 5, 2], 3, E)
+    assert r.expert_offsets.tolist() == [0, 0, 0, 3, 3, 3, 6]
+    assert r.row_token.tolist() == [0, 1, 2, 0, 1, 2]
+
+
+@HYP
+@given(
+    T=st.integers(0, 24),
+    E=st.integers(1, 9),
+    data=st.data(),
+)
+def test_routing_from_topk_hypothesis(T, E, data):
+    K = data.draw(st.integers(1, E))
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    ids = random_topk_ids(T, K, E, seed)
+    r = routing_from_topk(ids, E)
+    check_routing(r, [t for t in range(T) for _ in range(K)], ids.reshape(-1).tolist(), T, E)
+
+
+# ---------------------------------------------------------------------------------------------
+# routing_from_pairs: general routing
+# ---------------------------------------------------------------------------------------------
+
+
+def random_pairs(T: int, E: int, seed: int, p_keep: float = 0.4, shuffle: bool = True):
+    """Unique (token, expert) pairs, a variable number (0..E) of experts per token."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(T, E, generator=g) < p_keep
+    tok, exp = keep.nonzero(as_tuple=True)
+    if shuffle:
+        perm = torch.randperm(tok.numel(), generator=g)
+        tok, exp = tok[perm], exp[perm]
+    return tok, exp
+
+
+@pytest.mark.parametrize("T,E,p_keep", [(1, 1, 1.0), (1, 5, 0.5), (12, 4, 0.3), (20, 7, 0.6), (8, 8, 1.0),
+                                        (6, 3, 0.0), (30, 10, 0.15)])
+def test_routing_from_pairs_general(T, E, p_keep):
+    tok, exp = random_pairs(T, E, seed=T + 31 * E, p_keep=p_keep)
+    r = routing_from_pairs(tok, exp, T, E)
+    check_routing(r, tok.tolist(), exp.tolist(), T, E)
+
+
+def test_routing_from_pairs_zero_expert_tokens_and_empty_experts():
+    # token 1 and 3 have no expert; experts 0 and 2 receive nothing; pairs not token-major
+    tok = torch.tensor([4, 0, 2, 0, 4, 2, 4])
+    exp = torch.tensor([1, 3, 3, 1, 4, 1, 3])
+    T, E = 5, 5
+    r = routing_from_pairs(tok, exp, T, E)
+    check_routing(r, tok.tolist(), exp.tolist(), T, E)
+    assert r.token_offsets.tolist() == [0, 2, 2, 4, 4, 7]
+    assert r.expert_offsets.tolist() == [0, 0, 3, 3, 6, 7]
+    # rows of expert 1 are pairs 0, 3, 5 in pair order -> tokens 4, 0, 2
+    assert r.row_token[0:3].tolist() == [4, 0, 2]
+    assert r.slot_pair.tolist() == [1, 3, 2, 5, 0, 4, 6]
+
+
+def test_routing_from_pairs_token_major_matches_general():
+    tok, exp = random_pairs(15, 6, seed=7, shuffle=False)  # nonzero() is row-major: token-major
+    assert bool((torch.diff(tok) >= 0).all())
+    fast = routing_from_pairs(tok, exp, 15, 6, token_major=True)
+    slow = routing_from_pairs(tok, exp, 15, 6)
+    assert fast.slot_pair is None
+    check_routing(fast, tok.tolist(), exp.tolist(), 15, 6)
+    assert torch.equal(slow.slot_pair.long(), torch.arange(tok.numel()))
+    for name in ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+
+
+def test_routing_from_pairs_empty():
+    empty = torch.empty(0, dtype=torch.long)
+    r = routing_from_pairs(empty, empty, 4, 3)
+    check_routing(r, [], [], 4, 3)
+    assert r.expert_offsets.tolist() == [0, 0, 0, 0]
+    assert r.token_offsets.tolist() == [0, 0, 0, 0, 0]
+
+
+def test_routing_from_pairs_matches_topk_when_pairs_are_topk():
+    ids = random_topk_ids(11, 3, 7, seed=5)
+    tok = torch.arange(11).repeat_interleave(3)
+    a = routing_from_topk(ids, 7)
+    b = routing_from_pairs(tok, ids.reshape(-1), 11, 7)
+    for name in ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@HYP
+@given(T=st.integers(0, 20), E=st.integers(1, 8), p_keep=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2**31 - 1), shuffle=st.booleans())
+def test_routing_from_pairs_hypothesis(T, E, p_keep, seed, shuffle):
+    tok, exp = random_pairs(T, E, seed, p_keep=p_keep, shuffle=shuffle)
+    r = routing_from_pairs(tok, exp, T, E, token_major=not shuffle)
+    check_routing(r, tok.tolist(), exp.tolist(), T, E)
+
+
+def test_check_pairs_accepts_valid():
+    tok, exp = random_pairs(9, 4, seed=1)
+    assert check_pairs(tok, exp, 9, 4) is None
+    empty = torch.empty(0, dtype=torch.long)
+    assert check_pairs(empty, empty, 1, 1) is None
+
+
+def test_routing_does_not_mutate_inputs():
+    tok, exp = random_pairs(10, 5, seed=2)
+    tok0, exp0 = tok.clone(), exp.clone()
+    routing_from_pairs(tok, exp, 10, 5)
+    routing_from_pairs(tok, exp, 10, 5, token_major=False)
+    ids = random_topk_ids(6, 2, 5, seed=2)
+    ids0 = ids.clone()
+    routing_from_topk(ids, 5)
+    assert torch.equal(tok, tok0) and torch.equal(exp, exp0) and torch.equal(ids, ids0)
+
+
+# ---------------------------------------------------------------------------------------------
+# router_topk against a hand computation
+# ---------------------------------------------------------------------------------------------
+
+
+def hand_router(x, w, k, order, renormalize):
+    """Per token, in float64 Python: logits, all-E softmax, chosen ids and scores."""
+    xd, wd = x.double(), w.double()
+    T, E = x.shape[0], w.shape[0]
+    logits = [[float(torch.dot(xd[t], wd[e])) for e in range(E)] for t in range(T)]
+    ids, scores, probs = [], [], []
+    for t in range(T):
+        lt = logits[t]
+        m = max(lt)
+        z = sum(math.exp(v - m) for v in lt)
+        p = [math.exp(v - m) / z for v in lt]
+        chosen = sorted(range(E), key=lambda e, lt=lt: -lt[e])[:k]
+        if order == "topk_then_softmax":
+            mc = max(lt[e] for e in chosen)
+            zc = sum(math.exp(lt[e] - mc) for e in chosen)
+            s = [math.exp(lt[e] - mc) / zc for e in chosen]
+        else:
+            s = [p[e] for e in chosen]
+            if renormalize:
+                tot = sum(s)
+                s = [v / tot for v in s]
+        ids.append(chosen)
+        scores.append(s)
+        probs.append(p)
+    f64 = torch.float64
+    return (torch.tensor(logits, dtype=f64), torch.tensor(probs, dtype=f64), torch.tensor(ids),
+            torch.tensor(scores, dtype=f64))
+
+
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS)
+@pytest.mark.parametrize("T,d,E,K", [(1, 4, 3, 1), (13, 8, 6, 2), (9, 5, 4, 4), (20, 16, 8, 3)])
+def test_router_topk_matches_hand(order, renorm, T, d, E, K):
+    g = torch.Generator().manual_seed(T * 7 + E)
+    x = torch.randn(T, d, generator=g)
+    w = torch.randn(E, d, generator=g) * d**-0.5
+    out = router_topk(x, w, K, router_order=order, renormalize=renorm)
+    logits, probs, ids, scores = hand_router(x, w, K, order, renorm)
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (T, E)
+    assert out.probs.shape == (T, E) and out.topk_ids.shape == (T, K) and out.topk_scores.shape == (T, K)
+    assert out.topk_ids.dtype == torch.int64
+    torch.testing.assert_close(out.logits.double(), logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.probs.double(), probs, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out.topk_ids, ids)
+    torch.testing.assert_close(out.topk_scores.double(), scores, rtol=1e-5, atol=1e-7)
+    if order == "topk_then_softmax" or renorm:
+        torch.testing.assert_close(out.topk_scores.sum(-1), torch.ones(T), rtol=0, atol=1e-6)
+    elif K < E:
+        assert bool((out.topk_scores.sum(-1) < 1 - 1e-6).all())
+
+
+def test_router_topk_renormalize_ignored_for_topk_then_softmax_and_equivalence():
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(10, 6, generator=g), torch.randn(5, 6, generator=g)
+    a = router_topk(x, w, 2, router_order="topk_then_softmax", renormalize=False)
+    b = router_topk(x, w, 2, router_order="topk_then_softmax", renormalize=True)
+    c = router_topk(x, w, 2, router_order="softmax_then_topk", renormalize=True)
+    assert torch.equal(a.topk_scores, b.topk_scores)
+    # softmax over all E, top-k, renormalised == softmax over the K chosen logits
+    assert torch.equal(a.topk_ids, c.topk_ids)
+    torch.testing.assert_close(a.topk_scores, c.topk_scores, rtol=1e-6, atol=1e-7)
+
+
+def test_router_topk_low_precision_inputs_compute_in_float32():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(7, 8, generator=g), torch.randn(4, 8, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    out = router_topk(xb, wb, 2)
+    assert out.logits.dtype == torch.float32 and out.topk_scores.dtype == torch.float32
+    ref = router_topk(xb.float(), wb.float(), 2)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.topk_scores, ref.topk_scores)
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_router_topk_gradcheck(order, renorm):
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    logits = (x @ w.t()).detach().sort(dim=-1, descending=True).values
+    assert float((logits[:, 2] - logits[:, 3]).abs().min()) > 1e-3  # top-3 selection stable under eps
+
+    def f(x, w):
+        return router_topk(x, w, 3, router_order=order, renormalize=renorm).topk_scores
+
+    assert f(x, w).dtype == torch.float64
+    assert torch.autograd.gradcheck(f, (x, w))
+
+
+# ---------------------------------------------------------------------------------------------
+# auxiliary losses
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("E,K,per_expert", [(4, 1, 3), (8, 2, 2), (5, 5, 1), (1, 1, 4)])
+def test_load_balancing_loss_is_one_when_uniform(E, K, per_expert):
+    T = E * per_expert
+    # token t picks experts t, t+1, ..., t+K-1 (mod E): every expert gets exactly K*per_expert pairs
+    ids = (torch.arange(T)[:, None] + torch.arange(K)[None, :]) % E
+    r = routing_from_topk(ids, E)
+    assert r.expert_counts().tolist() == [K * per_expert] * E
+    probs = torch.full((T, E), 1.0 / E)
+    loss = load_balancing_loss(probs, r)
+    assert loss.shape == ()
+    assert abs(loss.item() - 1.0) < 1e-6
+
+
+def test_load_balancing_loss_collapsed_routing_is_E():
+    E, T = 6, 10
+    r = routing_from_topk(torch.zeros(T, 1, dtype=torch.long), E)
+    probs = torch.zeros(T, E)
+    probs[:, 0] = 1.0
+    assert abs(load_balancing_loss(probs, r).item() - E) < 1e-6
+
+
+def test_load_balancing_loss_formula_and_gradient():
+    g = torch.Generator().manual_seed(9)
+    T, E = 12, 5
+    tok, exp = random_pairs(T, E, seed=9, p_keep=0.5)
+    r = routing_from_pairs(tok, exp, T, E)
+    probs = torch.softmax(torch.randn(T, E, generator=g, dtype=torch.float64), -1).requires_grad_()
+    loss = load_balancing_loss(probs, r)
+    counts = torch.bincount(exp, minlength=E).double()
+    f = counts / counts.sum()
+    expected = E * sum(f[e] * probs[:, e].mean() for e in range(E))
+    assert abs(loss.item() - expected.item()) < 1e-6  # f_e is computed in float32
+    loss.backward()
+    # f is not differentiated: dloss/dprobs[t, e] = E * f_e / T
+    torch.testing.assert_close(probs.grad, (E * f / T).expand(T, E), rtol=1e-6, atol=0)
+
+
+def test_losses_finite_for_empty_batch():
+    E = 4
+    r = routing_from_topk(torch.empty(0, 2, dtype=torch.long), E)
+    lb = load_balancing_loss(torch.empty(0, E), r)
+    zl = z_loss(torch.empty(0, E))
+    assert lb.item() == 0.0 and zl.item() == 0.0
+
+
+def test_z_loss_formula():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 5, generator=g) * 3
+    lse = [math.log(sum(math.exp(v) for v in row)) for row in logits.double().tolist()]
+    expected = sum(v * v for v in lse) / len(lse)
+    assert abs(z_loss(logits).item() - expected) < 1e-5 * expected
+    # numerically stable for large logits: logsumexp(1000 + l) = 1000 + logsumexp(l)
+    big = z_loss(logits + 1000.0)
+    expected_big = sum((1000.0 + v) ** 2 for v in lse) / len(lse)
+    assert math.isfinite(big.item()) and abs(big.item() - expected_big) < 1e-5 * expected_big
+
+
+def test_z_loss_gradient():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    z_loss(logits).backward()
+    # d/dl mean_t lse_t^2 = 2 lse_t softmax(l_t) / T
+    lse = torch.logsumexp(logits.detach(), -1, keepdim=True)
+    expected = 2 * lse * torch.softmax(logits.detach(), -1) / 4
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-12, atol=0)
