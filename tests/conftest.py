@@ -12,6 +12,8 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the CPU tests use tiny tensors: one intra-op thread avoids thread-pool churn on small machines
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
