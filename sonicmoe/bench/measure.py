@@ -1,0 +1,294 @@
+"""Measurements of one :class:`~sonicmoe.bench.baselines.Case`: correctness, time, memory (SPEC §7).
+
+* :func:`check_case`: relative error ‖out − ref‖/‖ref‖ of O and of the gradients of x, W1, W2 and S
+  against :func:`sonicmoe.experts_ref` (float32). The reference runs in chunks of experts, so its
+  float32 copies of W1/W2 (and their gradients) never exceed ``chunk_bytes``: the output and the
+  loss are sums over experts, hence O and dx, dS accumulate over chunks and dW1, dW2 are compared
+  chunk by chunk (norms accumulated in float64).
+* :func:`bench_ms`: ``triton.testing.do_bench`` on CUDA (median and p20/p80 in ms, L2 flushed),
+  a ``time.perf_counter`` loop elsewhere (CPU smoke runs).
+* :func:`measure_memory` (CUDA): bytes held after the forward and the peak over forward + backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..reference import experts_ref
+from ..routing import routing_from_pairs
+from ..testing import rel_err
+from .baselines import Case, RefSpec
+
+QUANTILES = (0.2, 0.5, 0.8)
+
+
+def oom_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "out of memory" (GPU or host)."""
+    t = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (t, MemoryError) if t is not None else (MemoryError,)
+
+
+def bench_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types a backend may raise that are reported in its row instead of ending the run."""
+    types: list[type[BaseException]] = [*oom_error_types(), RuntimeError, ValueError, TypeError,
+                                        NotImplementedError, AssertionError, IndexError, KeyError,
+                                        AttributeError, ArithmeticError]
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import TritonError
+
+        types += [TritonError, CompilationError]
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def free_memory(*leaves: torch.Tensor) -> None:
+    """Drop gradients of ``leaves`` and give cached GPU memory back."""
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()  # reference cycles may still hold GPU tensors
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:  # a sticky CUDA error (e.g. an illegal access) is reported elsewhere
+            pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# correctness
+
+
+class _NormAcc:
+    """‖a − b‖ / ‖b‖ accumulated over pieces in float64; NaN once any piece of ``a`` is not finite."""
+
+    def __init__(self) -> None:
+        self.diff2, self.ref2, self.finite = 0.0, 0.0, True
+
+    def add(self, a: torch.Tensor | None, b: torch.Tensor) -> None:
+        b = b.detach().double()
+        a = torch.zeros_like(b) if a is None else a.detach().double()
+        if not torch.isfinite(a).all():
+            self.finite = False
+        self.diff2 += float((a - b).square().sum())
+        self.ref2 += float(b.square().sum())
+
+    def value(self) -> float:
+        if not self.finite or not math.isfinite(self.diff2):
+            return float("nan")
+        return math.sqrt(self.diff2) / max(math.sqrt(self.ref2), 1e-30)
+
+
+def poison_allocator(device: torch.device, nbytes: int = 1 << 30) -> None:
+    """Fill ``nbytes`` of the CUDA caching allocator with 0xFF and free it, so buffers a kernel
+    forgets to write read as NaN (bf16/fp16/fp32 0xFF.. is NaN) rather than as stale valid numbers."""
+    if device.type != "cuda":
+        return
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+        nbytes = int(min(nbytes, free // 4))
+        if nbytes > 0:
+            junk = torch.full((nbytes,), 255, dtype=torch.uint8, device=device)
+            del junk
+    except RuntimeError:
+        pass
+
+
+def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None,
+                     *, chunk_bytes: int = 1 << 30) -> dict[str, float]:
+    """Relative errors of a case's output (and gradients, when ``dout`` is given) vs float32 experts_ref.
+
+    Args:
+        out: the case's O (T_out, d) after ``out.backward(dout)`` when dout is given (the gradients are
+            read from ``spec``'s leaves).
+        spec: the case's :class:`~sonicmoe.bench.baselines.RefSpec`.
+        dout: (T_out, d) upstream gradient, or None to compare the output only.
+        chunk_bytes: float32 bytes of W1+W2 (and their gradients) per chunk of experts.
+
+    Returns:
+        ``{"out": …, "dx": …, "dw1": …, "dw2": …, "ds": …}`` (only "out" without dout); NaN never passes.
+    """
+    E, two_n, d = spec.w1.shape
+    n = two_n // 2
+    want = dout is not None
+    per_expert = 3 * n * d * 4 * (2 if want else 1)
+    chunk = max(1, min(E, chunk_bytes // max(per_expert, 1)))
+    x32 = spec.x.detach().float().requires_grad_(want)
+    s32 = spec.pair_scores.detach().float().requires_grad_(want)
+    pt, pe = spec.pair_token.long(), spec.pair_expert.long()
+    ref_out = None
+    acc_w1, acc_w2 = _NormAcc(), _NormAcc()
+    g32 = dout.float() if want else None
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
+        w1c = spec.w1.detach()[e0:e1].float().requires_grad_(want)
+        w2c = spec.w2.detach()[e0:e1].float().requires_grad_(want)
+        sel = ((pe >= e0) & (pe < e1)).nonzero().squeeze(1)
+        routing = routing_from_pairs(pt[sel], pe[sel] - e0, spec.num_tokens, e1 - e0)
+        o = experts_ref(x32, w1c, w2c, routing, s32[sel])
+        if spec.post is not None:
+            o = spec.post(o)
+        ref_out = o.detach() if ref_out is None else ref_out + o.detach()
+        if want:
+            if o.requires_grad:
+                o.backward(g32)
+            for acc, w, wc in ((acc_w1, spec.w1, w1c), (acc_w2, spec.w2, w2c)):
+                acc.add(None if w.grad is None else w.grad[e0:e1],
+                        wc.grad if wc.grad is not None else torch.zeros_like(wc))
+        del o, w1c, w2c
+    errs = {"out": rel_err(out, ref_out)}
+    if want:
+        x_grad = spec.x.grad
+        leaf = spec.score_leaf if spec.score_leaf is not None else spec.pair_scores
+        s_grad = leaf.grad.reshape(-1) if leaf.grad is not None else None
+        zeros = torch.zeros_like
+        errs["dx"] = rel_err(x_grad if x_grad is not None else zeros(x32),
+                             x32.grad if x32.grad is not None else zeros(x32))
+        errs["dw1"] = acc_w1.value()
+        errs["dw2"] = acc_w2.value()
+        errs["ds"] = rel_err(s_grad if s_grad is not None else zeros(s32),
+                             s32.grad if s32.grad is not None else zeros(s32))
+    return errs
+
+
+def check_case(case: Case, dout: torch.Tensor, *, grads: bool, tol: float,
+               chunk_bytes: int = 1 << 30, poison: bool = True) -> dict:
+    """Run ``case`` once (forward, and backward when ``grads``) and compare with the float32 reference.
+
+    Returns:
+        ``{"errors": {name: rel err}, "tol": tol, "passed": bool, "worst": name of the worst quantity}``.
+        ``passed`` is False if any error is NaN or above ``tol``.
+    """
+    for t in case.leaves:
+        t.grad = None
+    device = dout.device
+    if poison:
+        poison_allocator(device)
+    out = case.forward()
+    if grads:
+        out.backward(dout)
+    _sync(device)
+    errs = reference_errors(out.detach(), case.ref_spec(), dout if grads else None, chunk_bytes=chunk_bytes)
+    del out
+    for t in case.leaves:
+        t.grad = None
+    bad = {k: v for k, v in errs.items() if not (math.isfinite(v) and v <= tol)}
+    worst = max(errs, key=lambda k: math.inf if not math.isfinite(errs[k]) else errs[k])
+    return {"errors": errs, "tol": tol, "passed": not bad, "worst": worst}
+
+
+# ---------------------------------------------------------------------------------------------------
+# timing
+
+
+def _wall_ms(fn: Callable[[], object], warmup: float, rep: float, device: torch.device) -> list[float]:
+    """Per-call wall-clock times (ms) with ``time.perf_counter``: calls for ``warmup`` ms (at least
+    one), then measured calls for ``rep`` ms (at least 5, at most 1000)."""
+    start = time.perf_counter()
+    while True:
+        fn()
+        _sync(device)
+        if (time.perf_counter() - start) * 1e3 >= warmup:
+            break
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 1000 and (len(times) < 5 or (time.perf_counter() - start) * 1e3 < rep):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup: float = 25, rep: float = 100,
+             grad_to_none: list[torch.Tensor] | None = None) -> dict[str, float]:
+    """Time ``fn`` in milliseconds: ``{"p20", "p50", "p80"}`` (p50 = median).
+
+    CUDA: ``triton.testing.do_bench(fn, warmup, rep, grad_to_none, quantiles=[0.2, 0.5, 0.8])``
+    (warmup/rep in ms, L2 cache flushed before each call). Elsewhere: a perf_counter loop.
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        q = do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=list(QUANTILES),
+                     return_mode="median")
+    else:
+        times = _wall_ms(fn, warmup, rep, device)
+        if len(times) >= 2:
+            cuts = statistics.quantiles(times, n=10, method="inclusive")
+            q = [cuts[1], statistics.median(times), cuts[7]]
+        else:
+            q = [times[0]] * 3
+    return dict(zip(("p20", "p50", "p80"), (float(v) for v in q)))
+
+
+def forward_fn(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A call of the training forward (autograd on; output dropped)."""
+
+    def run() -> None:
+        forward()
+
+    return run
+
+
+def fwdbwd_fn(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
+              dout: torch.Tensor) -> Callable[[], None]:
+    """A call of forward + ``out.backward(dout)`` with the gradients of ``leaves`` reset first."""
+
+    def run() -> None:
+        for t in leaves:
+            t.grad = None
+        forward().backward(dout)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# memory
+
+
+def measure_memory(case: Case, dout: torch.Tensor, *, backward: bool) -> dict[str, int] | None:
+    """Activation memory of one forward (+ backward) on CUDA, in bytes; None elsewhere.
+
+    ``held_bytes``: memory_allocated after the forward minus before it, minus the output O — what
+    the forward keeps for the backward (inputs and parameters were allocated before, so excluded).
+    ``fwd_peak_bytes``: peak over the forward minus the baseline. ``peak_bytes``: peak over
+    forward + backward minus the baseline (includes the gradients, ``grad_bytes`` of them).
+    """
+    device = dout.device
+    if device.type != "cuda":
+        return None
+    free_memory(*case.leaves)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = case.forward()
+    torch.cuda.synchronize(device)
+    out_bytes = out.numel() * out.element_size()
+    held = torch.cuda.memory_allocated(device) - base - out_bytes
+    fwd_peak = torch.cuda.max_memory_allocated(device) - base
+    res = {"held_bytes": int(held), "fwd_peak_bytes": int(fwd_peak), "out_bytes": int(out_bytes)}
+    if backward:
+        out.backward(dout)
+        torch.cuda.synchronize(device)
+        res["peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - base)
+        res["grad_bytes"] = int(sum(t.grad.numel() * t.grad.element_size()
+                                    for t in case.leaves if t.grad is not None))
+    else:
+        res["peak_bytes"] = int(fwd_peak)
+        res["grad_bytes"] = 0
+    del out
+    free_memory(*case.leaves)
+    return res

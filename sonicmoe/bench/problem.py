@@ -1,0 +1,177 @@
+"""One benchmark problem: fresh random inputs, a random router and its routing (SPEC §7).
+
+Every backend of one shape runs on the same :class:`Problem`. Tensors are generated directly on the
+target device (the DeepSeek-V3 shape has 22.5 GB of bf16 weights: no CPU round trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..routing import Routing, router_topk, routing_from_pairs, routing_from_topk
+from .shapes import Shape
+
+
+class TokenRoundingUnavailable(RuntimeError):
+    """``sonicmoe.token_rounding`` cannot be imported (or has an unexpected interface)."""
+
+
+def load_token_rounding():
+    """Return ``sonicmoe.token_rounding.token_rounding`` or raise :class:`TokenRoundingUnavailable`."""
+    try:
+        from ..token_rounding import token_rounding
+    except ImportError as exc:
+        raise TokenRoundingUnavailable(f"sonicmoe.token_rounding is not importable ({exc})") from exc
+    return token_rounding
+
+
+def _unpack_pairs(result) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair_token, pair_expert, pair_scores) from token_rounding's result (object or tuple)."""
+    if all(hasattr(result, a) for a in ("pair_token", "pair_expert", "pair_scores")):
+        return result.pair_token, result.pair_expert, result.pair_scores
+    if isinstance(result, (tuple, list)) and len(result) >= 3:
+        return result[0], result[1], result[2]
+    raise TokenRoundingUnavailable(
+        f"token_rounding returned {type(result).__name__}; expected pair_token/pair_expert/pair_scores"
+    )
+
+
+@dataclasses.dataclass
+class Routed:
+    """Routing of T tokens: metadata, per-pair score S (R,) and the pairs themselves.
+
+    ``topk_ids`` (T, K) is set for plain top-k (pairs token-major, p = t·K + k), ``None`` otherwise.
+    """
+
+    routing: Routing
+    pair_scores: torch.Tensor
+    pair_token: torch.Tensor
+    pair_expert: torch.Tensor
+    topk_ids: torch.Tensor | None
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_tile: int = 128,
+          rounding: str = "nearest") -> Routed:
+    """Router + routing metadata for x (T, d) with router weight W_r (E, d).
+
+    ``mode`` ``"topk"``: :func:`sonicmoe.router_topk` then :func:`sonicmoe.routing_from_topk`.
+    ``"token_rounding"``: the same router, then ``sonicmoe.token_rounding.token_rounding(router,
+    m_tile=M_tile, subroutine=rounding)`` (SPEC §5) and :func:`sonicmoe.routing_from_pairs`.
+    Scores are differentiable with respect to x and W_r.
+    """
+    T, E = x.shape[0], router_weight.shape[0]
+    router = router_topk(x, router_weight, K)
+    if mode == "topk":
+        pair_token = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K)
+        return Routed(routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1),
+                      pair_token, router.topk_ids.reshape(-1), router.topk_ids)
+    if mode == "token_rounding":
+        token_rounding = load_token_rounding()
+        pt, pe, ps = _unpack_pairs(token_rounding(router, m_tile=m_tile, subroutine=rounding))
+        return Routed(routing_from_pairs(pt, pe, T, E), ps, pt, pe, None)
+    raise ValueError(f"routing must be 'topk' or 'token_rounding', got {mode!r}")
+
+
+@dataclasses.dataclass
+class Problem:
+    """Inputs of one shape on one device (SPEC §1 letters).
+
+    Attributes:
+        shape: the (T, d, n, E, K) shape. mode: routing mode (``topk`` / ``token_rounding``).
+        x: (T, d) input, leaf with requires_grad. router_weight: (E, d), requires_grad (router variant).
+        w1: (E, 2n, d) gate/up projection, ``concat`` layout (rows [0, n) gate, [n, 2n) up), leaf.
+        w2: (E, d, n) down projection, leaf.
+        pair_scores: (R,) float32 scores S, a detached leaf with requires_grad (experts-only timing).
+        routing, pair_token, pair_expert, topk_ids: see :class:`Routed`.
+        dout: (T, d) fixed random upstream gradient dO for the backward.
+        m_tile, rounding: token-rounding options (used again by the router variant).
+    """
+
+    shape: Shape
+    mode: str
+    x: torch.Tensor
+    router_weight: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    pair_scores: torch.Tensor
+    routing: Routing
+    pair_token: torch.Tensor
+    pair_expert: torch.Tensor
+    topk_ids: torch.Tensor | None
+    dout: torch.Tensor
+    m_tile: int = 128
+    rounding: str = "nearest"
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def T(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def R(self) -> int:
+        """Routed pairs actually present (T·K for top-k, the rounded count for token rounding)."""
+        return int(self.pair_scores.shape[0])
+
+    def route(self, x: torch.Tensor) -> Routed:
+        """Route ``x`` with this problem's router and mode (for timings that include the router)."""
+        return route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
+                     rounding=self.rounding)
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [self.x, self.router_weight, self.w1, self.w2, self.pair_scores]
+
+    def head(self, T: int) -> Problem:
+        """The same problem on the first ``T`` tokens (same weights, routing recomputed)."""
+        if T >= self.T:
+            return self
+        x = self.x.detach()[:T].clone().requires_grad_(True)
+        with torch.no_grad():
+            r = route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
+                      rounding=self.rounding)
+        return dataclasses.replace(
+            self, shape=self.shape.with_max_T(T), x=x,
+            pair_scores=r.pair_scores.detach().clone().requires_grad_(True), routing=r.routing,
+            pair_token=r.pair_token, pair_expert=r.pair_expert, topk_ids=r.topk_ids,
+            dout=self.dout[:T].clone(),
+        )
+
+
+def _randn(shape, scale: float, dtype, device, gen) -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=dtype, generator=gen).mul_(scale)
+
+
+def make_problem(shape: Shape, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+                 mode: str = "topk", m_tile: int = 128, rounding: str = "nearest") -> Problem:
+    """Fresh random bf16/fp16/fp32 problem for ``shape`` on ``device``.
+
+    x ~ N(0, 1) (T, d); W_r, W1 scaled by 1/sqrt(d), W2 by 1/sqrt(n) (fan-in), so activations stay O(1);
+    routing from the random router. dO ~ N(0, 1) (T, d). Deterministic for a given seed and device.
+
+    Raises:
+        TokenRoundingUnavailable: ``mode == "token_rounding"`` and the module is missing.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T, d, n, E, K = shape.dims
+    x = _randn((T, d), 1.0, dtype, device, gen).requires_grad_(True)
+    router_weight = _randn((E, d), d**-0.5, dtype, device, gen).requires_grad_(True)
+    w1 = _randn((E, 2 * n, d), d**-0.5, dtype, device, gen).requires_grad_(True)
+    w2 = _randn((E, d, n), n**-0.5, dtype, device, gen).requires_grad_(True)
+    dout = _randn((T, d), 1.0, dtype, device, gen)
+    with torch.no_grad():
+        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding)
+    return Problem(
+        shape=shape, mode=mode, x=x, router_weight=router_weight, w1=w1, w2=w2,
+        pair_scores=r.pair_scores.detach().float().clone().requires_grad_(True), routing=r.routing,
+        pair_token=r.pair_token, pair_expert=r.pair_expert, topk_ids=r.topk_ids, dout=dout,
+        m_tile=m_tile, rounding=rounding,
+    )

@@ -1,0 +1,314 @@
+"""Results files, the terminal table and the README markdown table.
+
+A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf written as null)::
+
+    {"schema": "sonicmoe-bench/1", "date": ISO-8601 UTC, "argv": [...], "args": {...},
+     "env": {"device", "device_type", "gpu_count", "capability", "memory_bytes", "driver",
+             "cuda_driver_api", "cuda", "torch", "triton", "python", "platform", "sonicmoe",
+             "git_commit", "git_dirty"},
+     "timer": "triton.testing.do_bench" | "time.perf_counter",
+     "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
+     "results": [shape record, ...]}
+
+A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, TK (= R routed
+pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
+padded_rows, status, message, backends {name: row}, ratio_base, ratios {name: {fwd, bwd, total}}``.
+A backend row: ``status`` (ok | FAIL | error | oom | skipped), ``message``, ``kind``, ``check``
+{errors {out, dx, dw1, dw2, ds}, tol, passed, worst, T}, ``fwd``/``total`` {ms {p20, p50, p80},
+tflops}, ``bwd`` {ms {p50}, tflops} (total − fwd), ``router`` {fwd, total} (router + metadata
+included), ``memory`` {held_bytes, fwd_peak_bytes, peak_bytes, grad_bytes, out_bytes}, ``info``.
+Ratios are other_ms / base_ms (> 1: the base, ours, is faster; vs ``upper``: fraction of the bound).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCHEMA = "sonicmoe-bench/1"
+FLOP_FORMULAS = {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"}
+
+
+def _run(cmd: list[str], cwd: str | None = None) -> str | None:
+    try:
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def git_info() -> dict:
+    """Commit of the sonicmoe checkout (None outside a git checkout) and whether it has local changes."""
+    here = str(Path(__file__).resolve().parent)
+    if shutil.which("git") is None:
+        return {"git_commit": None, "git_dirty": None}
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=here)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here) if commit else None
+    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+
+
+def env_info(device: torch.device) -> dict:
+    """Device, driver, library versions, commit: what every results file must name (SPEC §7)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    from .. import __version__
+
+    info = {
+        "device_type": device.type,
+        "device": None,
+        "gpu_count": 0,
+        "capability": None,
+        "memory_bytes": None,
+        "driver": None,
+        "cuda_driver_api": None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "sonicmoe": __version__,
+    }
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        info.update(device=props.name, gpu_count=torch.cuda.device_count(),
+                    capability=f"{props.major}.{props.minor}", memory_bytes=int(props.total_memory))
+        if shutil.which("nvidia-smi"):
+            out = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(idx)])
+            info["driver"] = out.splitlines()[0].strip() if out else None
+        try:
+            v = int(torch._C._cuda_getDriverVersion())
+            info["cuda_driver_api"] = f"{v // 1000}.{(v % 1000) // 10}"
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            pass
+    else:
+        info["device"] = (platform.processor() or platform.machine() or "cpu").strip() or "cpu"
+    info.update(git_info())
+    return info
+
+
+def slug(text: str) -> str:
+    """Lower-case file-name slug: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    s = re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-")
+    return s or "unknown"
+
+
+def results_path(out_dir: str | os.PathLike, env: dict, tag: str | None, now: _dt.datetime) -> Path:
+    """``<out>/<YYYY-MM-DD>_<gpu-slug>[_tag].json``; the time is added to the date if that file exists."""
+    gpu = slug(env.get("device") or "cpu") if env.get("device_type") == "cuda" else "cpu"
+    tail = f"_{slug(tag)}" if tag else ""
+    out = Path(out_dir)
+    path = out / f"{now:%Y-%m-%d}_{gpu}{tail}.json"
+    if path.exists():
+        path = out / f"{now:%Y-%m-%d-%H%M%S}_{gpu}{tail}.json"
+    return path
+
+
+def sanitize(obj):
+    """JSON-safe copy: non-finite floats -> None, tuples -> lists, torch/other scalars -> str/float."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (bool, int, str)) or obj is None:
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    if isinstance(obj, torch.dtype):
+        return str(obj).replace("torch.", "")
+    if isinstance(obj, torch.device):
+        return str(obj)
+    return str(obj)
+
+
+def build_results(records: list[dict], env: dict, argv: list[str], args: dict, now: _dt.datetime) -> dict:
+    """The whole results document (see the module docstring)."""
+    return {
+        "schema": SCHEMA,
+        "date": now.isoformat(timespec="seconds"),
+        "argv": list(argv),
+        "command": "sonicmoe bench " + " ".join(argv),
+        "args": args,
+        "env": env,
+        "timer": "triton.testing.do_bench" if env.get("device_type") == "cuda" else "time.perf_counter",
+        "flops": dict(FLOP_FORMULAS),
+        "results": records,
+    }
+
+
+def write_results(doc: dict, path: str | os.PathLike) -> Path:
+    """Write strict JSON (``allow_nan=False``) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(sanitize(doc), f, indent=1, allow_nan=False)
+        f.write("\n")
+    return path
+
+
+def load_results(path: str | os.PathLike) -> dict:
+    """Read a results file; ValueError if it is not one."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or "results" not in doc:
+        raise ValueError(f"{path} is not a sonicmoe bench results file (no 'results' key)")
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------
+# formatting
+
+
+def _f(v, fmt: str = ".3g", none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return none
+    return format(v, fmt)
+
+
+def _tf(v) -> str:
+    """TFLOP/s for tables: integers from 100 up, 3 significant digits below."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _x(v, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:.2f}{suffix}"
+
+
+def _get(d, *keys):
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:.4g}"
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    """A plain, left/right-aligned text table (numbers right-aligned)."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def num(s: str) -> bool:
+        return bool(re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?x?|-", s))
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if num(c) else c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep, *(line([str(c) for c in r]) for r in rows)])
+
+
+def terminal_table(doc: dict) -> str:
+    """One line per (shape, routing, backend): status, error, ms, TFLOP/s, speed-up, memory."""
+    header = ["shape", "routing", "backend", "status", "max err", "fwd ms", "fwd TF/s", "bwd ms",
+              "bwd TF/s", "f+b ms", "f+b TF/s", "+router ms", "base/this f", "base/this f+b", "held MiB",
+              "spec MiB", "peak MiB"]
+    rows = []
+    for rec in doc.get("results", []):
+        backends = rec.get("backends") or {}
+        if not backends:
+            rows.append([rec["name"], rec.get("routing", ""), "-", rec.get("status", "?"), *["-"] * (len(header) - 4)])
+            continue
+        for name, b in backends.items():
+            errs = _get(b, "check", "errors") or {}
+            vals = [v for v in errs.values() if v is not None]
+            worst = None if not errs else (max(vals) if len(vals) == len(errs) else float("nan"))
+            ratio = _get(rec, "ratios", name) or {}
+            is_base = name == rec.get("ratio_base")
+            rows.append([
+                rec["name"], rec.get("routing", ""), name, b.get("status", "?"),
+                "nan" if worst is not None and not math.isfinite(worst) else _f(worst, ".2e"),
+                _f(_get(b, "fwd", "ms", "p50"), ".4g"), _f(_get(b, "fwd", "tflops"), ".4g"),
+                _f(_get(b, "bwd", "ms", "p50"), ".4g"), _f(_get(b, "bwd", "tflops"), ".4g"),
+                _f(_get(b, "total", "ms", "p50"), ".4g"), _f(_get(b, "total", "tflops"), ".4g"),
+                _f(_get(b, "router", "total", "ms", "p50") or _get(b, "router", "fwd", "ms", "p50"), ".4g"),
+                "base" if is_base else _f(ratio.get("fwd"), ".3g"),
+                "base" if is_base else _f(ratio.get("total"), ".3g"),
+                _mib(_get(b, "memory", "held_bytes")), _mib(rec.get("spec_held_bytes")),
+                _mib(_get(b, "memory", "peak_bytes")),
+            ])
+    text = format_table(rows, header)
+    notes = []
+    for rec in doc.get("results", []):
+        if rec.get("message"):
+            notes.append(f"{rec['name']} [{rec.get('routing')}]: {rec['message']}")
+        for name, b in (rec.get("backends") or {}).items():
+            if b.get("status") != "ok" and b.get("message"):
+                notes.append(f"{rec['name']} [{rec.get('routing')}] {name}: {b['status']}: {b['message']}")
+    env = doc.get("env", {})
+    foot = (f"device: {env.get('device')} | driver {env.get('driver')} | torch {env.get('torch')} | "
+            f"triton {env.get('triton')} | commit {str(env.get('git_commit'))[:12]} | {doc.get('date')} | "
+            f"timer {doc.get('timer')}\nbase/this = this backend's ms / the base's ms (base: ours; > 1 = "
+            f"base faster; vs upper = fraction of the bound). +router = f+b (fwd in fwd mode) including the "
+            f"router and routing metadata. spec = 2·T·d + 4·TK·n bytes (SPEC §3).")
+    return "\n".join([text, *notes, foot])
+
+
+def markdown_table(doc: dict) -> str:
+    """README table: one row per shape, our numbers and the ratios to torch and to the upper bound."""
+    header = ["shape (T, d, n, E, K)", "routing", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+              "vs torch (fwd / fwd+bwd)", "vs upper bound (fwd / fwd+bwd)", "held / peak GiB"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    bases = set()
+    for rec in doc.get("results", []):
+        base = rec.get("ratio_base")
+        b = (rec.get("backends") or {}).get(base) if base else None
+        dims = f"{rec['name']} ({rec['T']}, {rec['d']}, {rec['n']}, {rec['E']}, {rec['K']})"
+        if b is None:
+            status = rec.get("status") if rec.get("status") != "ok" else "no result"
+            lines.append(f"| {dims} | {rec.get('routing', '')} | {status} |" + " |" * (len(header) - 3))
+            continue
+        bases.add(base)
+        rt, ru = _get(rec, "ratios", "torch") or {}, _get(rec, "ratios", "upper") or {}
+        cells = [
+            dims, rec.get("routing", ""),
+            _f(_get(b, "fwd", "ms", "p50"), ".4g"), _tf(_get(b, "fwd", "tflops")),
+            _f(_get(b, "total", "ms", "p50"), ".4g"), _tf(_get(b, "total", "tflops")),
+            f"{_x(rt.get('fwd'), '×')} / {_x(rt.get('total'), '×')}",
+            f"{_x(ru.get('fwd'))} / {_x(ru.get('total'))}",
+            f"{_gib(_get(b, 'memory', 'held_bytes'))} / {_gib(_get(b, 'memory', 'peak_bytes'))}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    env = doc.get("env", {})
+    who = ", ".join(sorted(bases)) or "-"
+    lines.append("")
+    lines.append(
+        f"Backend: {who}. {env.get('device')} (driver {env.get('driver')}), torch {env.get('torch')}, "
+        f"triton {env.get('triton')}, commit {str(env.get('git_commit'))[:12]}, {str(doc.get('date'))[:10]}. "
+        "TFLOP/s count useful FLOPs (fwd 6·TK·n·d, bwd 12·TK·n·d); \"vs torch\" = torch ms / our ms; "
+        "\"vs upper bound\" = upper-bound ms / our ms (fraction of the bound's throughput); memory held "
+        "after forward (excluding inputs and output) / peak over forward+backward (incl. weight grads)."
+    )
+    return "\n".join(lines)
+
+
+def main_markdown(path: str) -> int:
+    """Print the README markdown table of a results file."""
+    print(markdown_table(load_results(path)))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_markdown(sys.argv[1]))

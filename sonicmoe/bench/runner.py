@@ -1,0 +1,301 @@
+"""Run the benchmark: for each shape and routing, every backend on the same problem (SPEC §7).
+
+Per backend: build the case (skipped with the reason if unavailable) → check against the float32
+reference (a wrong result is reported as FAIL and not timed) → time forward and forward+backward
+(bwd = total − fwd) → optionally time router + metadata + experts → measure memory (CUDA).
+Exceptions of one backend (out of memory, compilation errors, ...) land in its row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from .baselines import REGISTRY, Case, Unavailable
+from .measure import (
+    bench_error_types,
+    bench_ms,
+    check_case,
+    free_memory,
+    fwdbwd_fn,
+    measure_memory,
+    oom_error_types,
+)
+from .problem import Problem, TokenRoundingUnavailable, load_token_rounding, make_problem
+from .shapes import Shape, spec_held_bytes, tflops, useful_flops
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# whose timings the ratios are relative to: ours when it ran, else the torch backend
+RATIO_BASES = ("triton", "torch")
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """Options of one run (the command line's, see ``sonicmoe bench --help``)."""
+
+    backends: list[str]
+    device: torch.device
+    dtype: torch.dtype
+    mode: str = "fwdbwd"
+    routings: tuple[str, ...] | None = None
+    m_tile: int = 128
+    rounding: str = "nearest"
+    warmup: float = 25.0
+    rep: float = 100.0
+    seed: int = 0
+    check: bool = True
+    check_grads: bool = True
+    check_max_T: int | None = None
+    tol: float = 2e-2
+    router_variant: bool = True
+    memory: bool = True
+    loop_max_E: int | None = 128
+    poison: bool = True
+    verbose: bool = True
+
+
+def _message(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= 600 else text[:600] + " …"
+
+
+def _phase(ms: dict[str, float] | None, flops: int) -> dict | None:
+    if ms is None:
+        return None
+    return {"ms": ms, "tflops": tflops(flops, ms["p50"])}
+
+
+def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, int],
+                log: Callable[[str], None]) -> dict:
+    """Check, time and measure one backend on ``problem``; returns its JSON row (never raises the
+    backend's own errors: they become ``status`` "error"/"oom" with the message)."""
+    spec = REGISTRY[name]
+    row: dict = {"status": "ok", "message": None, "kind": spec.kind, "check": None, "fwd": None,
+                 "bwd": None, "total": None, "router": None, "memory": None, "info": {}}
+    errors = bench_error_types()
+    options = {"loop_max_E": opts.loop_max_E}
+    backward = opts.mode == "fwdbwd"
+    step = "setup"
+    case: Case | None = None
+    try:
+        case = spec.factory(problem, options)
+        row["info"] = dict(getattr(case, "info", {}) or {})
+        if opts.check:
+            step = "check"
+            check_T = min(x for x in (problem.T, opts.check_max_T, spec.check_max_T) if x)
+            cp = problem.head(check_T)
+            ccase = case if cp is problem else spec.factory(cp, options)
+            res = check_case(ccase, cp.dout, grads=backward and opts.check_grads, tol=opts.tol,
+                             poison=opts.poison)
+            res["T"] = cp.T
+            row["check"] = res
+            del ccase, cp
+            free_memory(*case.leaves)
+            if not res["passed"]:
+                row["status"] = "FAIL"
+                w = res["worst"]
+                row["message"] = f"wrong result: rel err of {w} = {res['errors'][w]:.3g} > tol {opts.tol:g}"
+                log(f"  {name}: FAIL ({row['message']}); not timed")
+                return row
+        step = "time fwd"
+        dev = problem.device
+        fwd_ms = bench_ms(case.forward, device=dev, warmup=opts.warmup, rep=opts.rep,
+                          grad_to_none=case.leaves)
+        row["fwd"] = _phase(fwd_ms, flops["fwd"])
+        if backward:
+            step = "time fwd+bwd"
+            tot_ms = bench_ms(fwdbwd_fn(case.forward, case.leaves, problem.dout), device=dev,
+                              warmup=opts.warmup, rep=opts.rep, grad_to_none=case.leaves)
+            row["total"] = _phase(tot_ms, flops["total"])
+            bwd = tot_ms["p50"] - fwd_ms["p50"]
+            row["bwd"] = {"ms": {"p50": bwd}, "tflops": tflops(flops["bwd"], bwd)}
+            free_memory(*case.leaves)
+        if opts.router_variant and spec.router_variant:
+            step = "time router variant"
+            leaves = case.router_leaves
+            r_fwd = bench_ms(case.forward_with_router, device=dev, warmup=opts.warmup, rep=opts.rep,
+                             grad_to_none=leaves)
+            row["router"] = {"fwd": _phase(r_fwd, flops["fwd"])}
+            if backward:
+                r_tot = bench_ms(fwdbwd_fn(case.forward_with_router, leaves, problem.dout), device=dev,
+                                 warmup=opts.warmup, rep=opts.rep, grad_to_none=leaves)
+                row["router"]["total"] = _phase(r_tot, flops["total"])
+            free_memory(*leaves)
+        if opts.memory and dev.type == "cuda":
+            step = "memory"
+            row["memory"] = measure_memory(case, problem.dout, backward=backward)
+        log(f"  {name}: ok  fwd {fwd_ms['p50']:.4g} ms"
+            + (f", fwd+bwd {row['total']['ms']['p50']:.4g} ms" if row["total"] else ""))
+    except Unavailable as exc:
+        row["status"], row["message"] = "skipped", str(exc)
+        log(f"  {name}: skipped ({exc})")
+    except errors as exc:
+        oom = isinstance(exc, oom_error_types())
+        row["status"] = "oom" if oom else "error"
+        row["message"] = f"{step}: {_message(exc)}"
+        log(f"  {name}: {row['status'].upper()} during {step}: {_message(exc)}")
+        if not oom and opts.verbose:
+            log("".join(traceback.format_exception(exc)[-3:]).rstrip())
+    finally:
+        leaves = list(case.leaves) if case is not None else []
+        del case
+        free_memory(*leaves, *problem.leaves())
+    return row
+
+
+def _ratios(backends: dict[str, dict]) -> tuple[str | None, dict]:
+    """Speed-ups of the ratio base over every other timed backend: other_ms / base_ms per phase
+    (> 1: the base is faster; vs ``upper`` it is the fraction of the upper bound's throughput)."""
+    base = next((b for b in RATIO_BASES if backends.get(b, {}).get("fwd")), None)
+    if base is None:
+        return None, {}
+    out = {}
+    b = backends[base]
+    for name, row in backends.items():
+        if name == base or not row.get("fwd"):
+            continue
+        r = {}
+        for phase in ("fwd", "bwd", "total"):
+            if row.get(phase) and b.get(phase):
+                other, ours = row[phase]["ms"]["p50"], b[phase]["ms"]["p50"]
+                r[phase] = other / ours if ours > 0 and other > 0 else None
+        out[name] = r
+    return base, out
+
+
+def footprint_bytes(shape: Shape, elem: int, backward: bool) -> int:
+    """Rough bytes one backend needs on ``shape``: W1, W2 (E·3·n·d) and their grads, x/dO/dx (T·d),
+    and the torch baseline's per-pair activations (gathered X, H, A, Y: TK·(2d + 3n)) plus their grads."""
+    T, d, n, E, K = shape.dims
+    weights = E * 3 * n * d * elem
+    acts = T * K * (2 * d + 3 * n) * elem
+    return int(weights * (2 if backward else 1) + 3 * T * d * elem + acts * (2 if backward else 1))
+
+
+def _device_bytes(device: torch.device) -> int | None:
+    """Total GPU memory, or half the physical RAM for CPU runs (None if unknown)."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], None]) -> dict:
+    """All backends on one shape and routing mode; returns the shape's JSON record."""
+    T, d, n, E, K = shape.dims
+    rec: dict = {"name": shape.name, "group": shape.group, "T": T, "d": d, "n": n, "E": E, "K": K,
+                 "T_preset": shape.T_preset, "G": shape.G, "rho": shape.rho, "routing": mode,
+                 "m_tile": opts.m_tile, "status": "ok",
+                 "message": None}
+    need = footprint_bytes(shape, torch.empty((), dtype=opts.dtype).element_size(), opts.mode == "fwdbwd")
+    rec["footprint_bytes"] = need
+    have = _device_bytes(opts.device)
+    if have is not None and need > have:
+        msg = (f"needs about {need / 2**30:.1f} GiB (weights, grads, activations), more than the "
+               f"{have / 2**30:.1f} GiB {'of GPU memory' if opts.device.type == 'cuda' else 'half the RAM'}")
+        if opts.device.type != "cuda":
+            rec.update(status="skipped", message=msg + "; run it on a GPU or lower --max-T", backends={})
+            log(f"  skipped: {rec['message']}")
+            return rec
+        log(f"  warning: {msg}; expect out-of-memory rows")
+    try:
+        problem = make_problem(shape, dtype=opts.dtype, device=opts.device, seed=opts.seed, mode=mode,
+                               m_tile=opts.m_tile, rounding=opts.rounding)
+    except TokenRoundingUnavailable as exc:
+        rec.update(status="skipped", message=str(exc), backends={})
+        return rec
+    except bench_error_types() as exc:
+        rec.update(status="oom" if isinstance(exc, oom_error_types()) else "error",
+                   message=f"making the problem: {_message(exc)}", backends={})
+        log(f"  {rec['status'].upper()}: {rec['message']}")
+        free_memory()
+        return rec
+    R = problem.R
+    flops = useful_flops(R, n, d)
+    elem = torch.empty((), dtype=opts.dtype).element_size()
+    counts = problem.routing.expert_counts()
+    rec.update(TK=R, flops=flops, spec_held_bytes=spec_held_bytes(T, d, R, n, elem),
+               dtype=str(opts.dtype).replace("torch.", ""),
+               tokens_per_expert={"min": int(counts.min()), "mean": R / E, "max": int(counts.max())})
+    if opts.m_tile:
+        # rows a grouped GEMM with M_tile-high tiles computes (each T_e rounded up to M_tile)
+        rec["padded_rows"] = int(sum(math.ceil(int(c) / opts.m_tile) * opts.m_tile for c in counts.tolist()))
+    rows = {}
+    for name in opts.backends:
+        rows[name] = run_backend(name, problem, opts, flops, log)
+    rec["backends"] = rows
+    rec["ratio_base"], rec["ratios"] = _ratios(rows)
+    del problem
+    free_memory()
+    return rec
+
+
+def expand(shapes: list[Shape], opts: RunOptions, log: Callable[[str], None]) -> list[tuple[Shape, str]]:
+    """(shape, routing) items to run: each shape's own routings unless ``--routing`` was given.
+    Token rounding falls back to top-k (with a message) when its module is missing."""
+    try:
+        load_token_rounding()
+        tr_ok, why = True, ""
+    except TokenRoundingUnavailable as exc:
+        tr_ok, why = False, str(exc)
+    items: list[tuple[Shape, str]] = []
+    warned = False
+    for s in shapes:
+        modes = opts.routings or s.routings or ("topk",)
+        for m in modes:
+            if m == "token_rounding" and not tr_ok:
+                if not warned:
+                    log(f"token rounding unavailable: {why}; running top-k routing instead")
+                    warned = True
+                m = "topk"
+            if (s, m) not in items:
+                items.append((s, m))
+    return items
+
+
+def run(shapes: list[Shape], opts: RunOptions, log: Callable[[str], None] | None = print, *,
+        records: list[dict] | None = None, on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run every (shape, routing) item with a progress bar (tqdm if importable).
+
+    Appends each shape's record to ``records`` (returned) and calls ``on_record(record)`` after each,
+    so a caller can save partial results. ``log`` None: no progress messages.
+    """
+    quiet = log is None
+    log = (lambda s: None) if quiet else log
+    items = expand(shapes, opts, log)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    records = [] if records is None else records
+    if tqdm is not None:
+        # disable=None: no bar when stderr is not a terminal (logs of remote runs stay readable)
+        bar = tqdm(items, desc="sonicmoe bench", unit="shape", dynamic_ncols=True, disable=None)
+        say = log if quiet else tqdm.write
+    else:
+        bar, say = items, log
+    for i, (shape, mode) in enumerate(bar):
+        say(f"[{i + 1}/{len(items)}] {shape.name} (T={shape.T}, d={shape.d}, n={shape.n}, E={shape.E}, "
+            f"K={shape.K}) routing={mode}")
+        try:
+            rec = run_shape(shape, mode, opts, say)
+        except bench_error_types() as exc:  # e.g. a sticky CUDA error while summarising the routing
+            rec = {"name": shape.name, "group": shape.group, "T": shape.T, "d": shape.d, "n": shape.n,
+                   "E": shape.E, "K": shape.K, "G": shape.G, "routing": mode, "backends": {},
+                   "status": "oom" if isinstance(exc, oom_error_types()) else "error",
+                   "message": _message(exc)}
+            say(f"  {rec['status'].upper()}: {rec['message']}")
+            free_memory()
+        records.append(rec)
+        if on_record is not None:
+            on_record(records[-1])
+    return records

@@ -1,0 +1,384 @@
+"""``sonicmoe bench`` on CPU: smoke run and its JSON, FLOP counting, presets vs configs.json, plots and
+markdown from a synthetic results file, wrong or crashing backends reported (FAIL / error) and not timed.
+
+The CPU runs use wall-clock timing with ``--warmup 0 --rep 0`` (one warm-up call, five measured) so the
+whole file stays well under 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sonicmoe.bench import baselines, cli, report
+from sonicmoe.bench.baselines import REGISTRY, BaselineSpec, ExpertsCase, UpperBoundCase
+from sonicmoe.bench.measure import reference_errors
+from sonicmoe.bench.problem import make_problem
+from sonicmoe.bench.shapes import PRESETS, Shape, parse_shape, preset_shapes, spec_held_bytes, useful_flops
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO.parent / "shared" / "configs.json"
+FAST = ["--warmup", "0", "--rep", "0", "--no-plot", "-q", "--device", "cpu"]
+
+
+def _strict_load(path: Path) -> dict:
+    def bad_constant(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(path.read_text(), parse_constant=bad_constant)
+
+
+def _only_json(out_dir: Path) -> Path:
+    files = sorted(out_dir.glob("*.json"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "res"
+    rc = cli.main(["--out", str(out), *FAST, *args])
+    return rc, _strict_load(_only_json(out))
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU smoke run
+
+
+def test_cpu_smoke_writes_valid_json(tmp_path):
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch,loop,upper", "--tag", "ci smoke")
+    assert rc == 0
+    assert _only_json(tmp_path / "res").name.endswith("_cpu_ci-smoke.json")
+    for key in ("schema", "date", "argv", "args", "env", "timer", "flops", "results"):
+        assert key in doc, key
+    env = doc["env"]
+    for key in ("device", "driver", "torch", "triton", "python", "git_commit"):
+        assert key in env, key
+    assert env["torch"] == torch.__version__
+    assert doc["timer"] == "time.perf_counter"
+    assert doc["args"]["dtype"] == "fp32"
+    (rec,) = doc["results"]
+    assert (rec["T"], rec["d"], rec["n"], rec["E"], rec["K"]) == (64, 32, 16, 4, 2)
+    assert rec["TK"] == 128 and rec["routing"] == "topk"
+    assert set(rec["backends"]) == {"torch", "loop", "upper"}
+    for name, row in rec["backends"].items():
+        assert row["status"] == "ok", (name, row["message"])
+        assert row["check"]["passed"] and set(row["check"]["errors"]) == {"out", "dx", "dw1", "dw2", "ds"}
+        assert all(0 <= v <= 1e-4 for v in row["check"]["errors"].values())  # float32 vs float32
+        for phase in ("fwd", "total"):
+            ms = row[phase]["ms"]
+            assert ms["p20"] <= ms["p50"] <= ms["p80"] and ms["p50"] > 0
+            assert row[phase]["tflops"] == pytest.approx(rec["flops"][phase] / (ms["p50"] * 1e-3) / 1e12)
+        assert row["bwd"]["ms"]["p50"] == pytest.approx(row["total"]["ms"]["p50"] - row["fwd"]["ms"]["p50"])
+        assert row["memory"] is None  # CUDA only
+    assert rec["backends"]["torch"]["router"]["fwd"]["ms"]["p50"] > 0
+    assert rec["ratio_base"] == "torch" and set(rec["ratios"]) == {"loop", "upper"}
+
+
+def _unavailable_factory(problem, options):
+    raise baselines.Unavailable("not in this test")
+
+
+def test_default_run_without_gpu_is_tiny(tmp_path, monkeypatch):
+    """`sonicmoe bench` with no preset on a machine without GPU: tiny shape, every default backend
+    has a row (triton stubbed out: the interpreter would be slow here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(REGISTRY, "triton", BaselineSpec("triton", _unavailable_factory, "stub", kind="ours"))
+    out = tmp_path / "res"
+    rc = cli.main(["--out", str(out), "--warmup", "0", "--rep", "0", "--no-plot", "-q",
+                   "--no-router-variant"])
+    doc = _strict_load(_only_json(out))
+    assert rc == 0
+    (rec,) = doc["results"]
+    assert rec["name"] == "tiny"
+    assert list(rec["backends"]) == ["triton", "torch", "loop", "upper"]
+    assert rec["backends"]["triton"]["status"] == "skipped"
+
+
+@pytest.mark.interpreter
+def test_triton_backend_through_interpreter(tmp_path):
+    """Ours (sonicmoe.experts backend="triton") through Triton's interpreter in float32: checked
+    (output and grads), timed, and the ratio base. Skipped until sonicmoe.ops.moe_function exists."""
+    import os
+
+    pytest.importorskip("sonicmoe.ops.moe_function")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "triton,upper", "--no-router-variant")
+    rec = doc["results"][0]
+    row = rec["backends"]["triton"]
+    assert row["status"] in ("ok", "FAIL"), row["message"]  # a FAIL is the kernels' business, not ours
+    if row["status"] == "ok":
+        assert rc == 0 and rec["ratio_base"] == "triton" and "upper" in rec["ratios"]
+        assert row["check"]["errors"]["dw1"] <= 1e-3 and row["total"]["ms"]["p50"] > 0
+
+
+def test_flop_formulas():
+    f = useful_flops(24576 * 8, 256, 1536)
+    tk_nd = 24576 * 8 * 256 * 1536
+    assert f == {"fwd": 6 * tk_nd, "bwd": 12 * tk_nd, "total": 18 * tk_nd}
+    assert f["fwd"] + f["bwd"] == f["total"]
+    # the up-projection (2·TK·d·2n) plus the down-projection (2·TK·n·d)
+    assert f["fwd"] == 2 * 24576 * 8 * 1536 * 512 + 2 * 24576 * 8 * 256 * 1536
+    assert spec_held_bytes(10, 8, 30, 4) == 2 * 10 * 8 + 4 * 30 * 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# presets
+
+
+def test_presets_match_configs_json():
+    if not CONFIGS.exists():
+        pytest.skip(f"{CONFIGS} not present")
+    cfg = json.loads(CONFIGS.read_text())
+
+    def dims(preset):
+        return {s.name: list(s.dims) for s in preset_shapes(preset)}
+
+    assert dims("7b") == cfg["breakdown_7b"]
+    assert dims("granularity") == cfg["granularity"]
+    assert dims("iso-flops") == cfg["iso_flops_sweep_7b"]
+    assert dims("models") == cfg["models"]
+    want = {}
+    for key, c in cfg["token_rounding"].items():
+        if key.startswith("_"):
+            continue
+        for e in c["E"]:
+            want[f"{key}-E{e}"] = [c["T"], c["d"], c["n"], e, c["K"]]
+    assert dims("token-rounding") == want
+    assert all(s.routings == ("topk", "token_rounding") for s in preset_shapes("token-rounding"))
+
+
+def test_preset_groups_and_parse_shape():
+    groups = {s.group for s in PRESETS["granularity"]}
+    assert groups == {"1.4B", "7B", "30B", "120B"}
+    assert len({s.dims for s in PRESETS["all"]}) == len(PRESETS["all"])
+    s = parse_shape("32768,2048,768,128,8")
+    assert s.dims == (32768, 2048, 768, 128, 8) and s.group == "custom"
+    assert parse_shape("qwen=1, 2, 3, 4, 2").name == "qwen"
+    assert s.with_max_T(1000).T == 1000 and s.with_max_T(1000).T_preset == 32768
+    for bad in ("1,2,3,4", "a,b,c,d,e", "8,8,8,2,4"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+    with pytest.raises(ValueError):
+        preset_shapes("nope")
+    assert cli.main(["--preset", "nope", *FAST]) == 2
+    assert cli.main(["--routing", "bogus", *FAST]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# correctness gate
+
+
+def _wrong_out_factory(problem, options):
+    def fn(x, w1, w2, routing, pair_scores):
+        import sonicmoe
+
+        return 1.1 * sonicmoe.experts(x, w1, w2, routing, pair_scores, backend="torch")
+
+    return ExpertsCase("wrong_out", problem, fn)
+
+
+def _wrong_grad_factory(problem, options):
+    def fn(x, w1, w2, routing, pair_scores):
+        import sonicmoe
+
+        return sonicmoe.experts(x, w1, w2.detach(), routing, pair_scores, backend="torch")  # no dW2
+
+    return ExpertsCase("wrong_grad", problem, fn)
+
+
+def _nan_factory(problem, options):
+    def fn(x, w1, w2, routing, pair_scores):
+        import sonicmoe
+
+        out = sonicmoe.experts(x, w1, w2, routing, pair_scores, backend="torch")
+        return out + torch.where(torch.arange(out.shape[0])[:, None] == 3, float("nan"), 0.0)
+
+    return ExpertsCase("nan", problem, fn)
+
+
+def _boom_factory(problem, options):
+    def fn(*args):
+        raise RuntimeError("boom: kernel exploded")
+
+    return ExpertsCase("boom", problem, fn)
+
+
+def test_wrong_backends_fail_and_are_not_timed(tmp_path, monkeypatch):
+    for name, factory in (("wrong_out", _wrong_out_factory), ("wrong_grad", _wrong_grad_factory),
+                          ("nan", _nan_factory), ("boom", _boom_factory)):
+        monkeypatch.setitem(REGISTRY, name, BaselineSpec(name, factory, "test", default=False))
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch,wrong_out,wrong_grad,nan,boom",
+                   "--no-router-variant")
+    assert rc == 1
+    rows = doc["results"][0]["backends"]
+    assert rows["torch"]["status"] == "ok"
+    for name, worst in (("wrong_out", None), ("wrong_grad", "dw2"), ("nan", "out")):
+        row = rows[name]
+        assert row["status"] == "FAIL", (name, row)
+        assert row["check"]["passed"] is False and row["check"]["worst"] == (worst or row["check"]["worst"])
+        assert row["fwd"] is None and row["total"] is None and row["bwd"] is None and row["memory"] is None
+        assert "wrong result" in row["message"]
+    assert rows["wrong_out"]["check"]["errors"]["out"] == pytest.approx(0.1, rel=1e-3)
+    assert rows["nan"]["check"]["errors"]["out"] is None  # NaN stored as null, never passes
+    assert rows["boom"]["status"] == "error" and "boom: kernel exploded" in rows["boom"]["message"]
+    assert rows["boom"]["fwd"] is None
+    assert set(doc["results"][0]["ratios"]) == set()  # nothing but the base was timed
+    table = report.terminal_table(doc)
+    assert "FAIL" in table and "boom" in table
+
+
+def test_no_check_times_anyway_and_loop_limit(tmp_path, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "wrong_out", BaselineSpec("wrong_out", _wrong_out_factory, "t", default=False))
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "wrong_out,loop", "--no-check",
+                   "--loop-max-E", "2", "--mode", "fwd", "--no-router-variant")
+    assert rc == 0
+    rows = doc["results"][0]["backends"]
+    assert rows["wrong_out"]["status"] == "ok" and rows["wrong_out"]["check"] is None
+    assert rows["wrong_out"]["fwd"]["ms"]["p50"] > 0 and rows["wrong_out"]["total"] is None
+    assert rows["loop"]["status"] == "skipped" and "loop-max-E" in rows["loop"]["message"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_chunks_and_upper_bound(dtype):
+    """The expert-chunked reference equals the one-chunk reference; the upper bound matches its ref."""
+    shape = Shape("t", 50, 16, 8, 5, 2)
+    p = make_problem(shape, dtype=dtype, device="cpu", seed=3)
+    for case in (ExpertsCase("torch", p, baselines.experts_loop), UpperBoundCase(p)):
+        out = case.forward()
+        out.backward(p.dout)
+        whole = reference_errors(out.detach(), case.ref_spec(), p.dout)
+        chunked = reference_errors(out.detach(), case.ref_spec(), p.dout, chunk_bytes=1)
+        for k in whole:
+            assert chunked[k] == pytest.approx(whole[k], rel=1e-3, abs=1e-6), k
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert all(v <= tol for v in whole.values()), whole
+        for t in case.leaves:
+            t.grad = None
+    up = UpperBoundCase(p)
+    assert up.m == 20 and up.k_up == 2 and up.x_up.shape == (100, 16)
+
+
+def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
+    """General routing (variable experts per token) through a stand-in token_rounding module, and
+    the fallback to top-k with a message when the module is missing."""
+    fake = SimpleNamespace()
+
+    def token_rounding(router, m_tile=128, subroutine="nearest"):
+        T, K = router.topk_ids.shape
+        keep = torch.ones(T, K, dtype=torch.bool)
+        keep[1::2, -1] = False  # odd tokens drop their last expert
+        tok = torch.arange(T).repeat_interleave(K).view(T, K)
+        return SimpleNamespace(pair_token=tok[keep], pair_expert=router.topk_ids[keep],
+                               pair_scores=router.topk_scores[keep])
+
+    fake.token_rounding = token_rounding
+    monkeypatch.setitem(sys.modules, "sonicmoe.token_rounding", fake)
+    rc, doc = _run(tmp_path, "--shape", "64,32,16,4,2", "--routing", "topk,token_rounding",
+                   "--backends", "torch,loop,upper", "--no-router-variant")
+    assert rc == 0
+    topk, tr = doc["results"]
+    assert (topk["routing"], tr["routing"]) == ("topk", "token_rounding")
+    assert topk["TK"] == 128 and tr["TK"] == 96
+    assert tr["flops"]["fwd"] == 6 * 96 * 16 * 32
+    assert all(b["status"] == "ok" for b in tr["backends"].values())
+
+    monkeypatch.setitem(sys.modules, "sonicmoe.token_rounding", None)  # import raises ImportError
+    rc, doc = _run(tmp_path / "b", "--shape", "64,32,16,4,2", "--routing", "token_rounding",
+                   "--backends", "torch", "--no-router-variant")
+    assert rc == 0 and [r["routing"] for r in doc["results"]] == ["topk"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# plots and markdown from a results file alone
+
+
+def _synthetic_doc() -> dict:
+    recs = []
+
+    def row(ms_f, ms_t, held, peak, status="ok"):
+        return {"status": status, "message": None, "kind": "x", "check": None,
+                "fwd": {"ms": {"p20": ms_f, "p50": ms_f, "p80": ms_f}, "tflops": 100 / ms_f},
+                "total": {"ms": {"p20": ms_t, "p50": ms_t, "p80": ms_t}, "tflops": 300 / ms_t},
+                "bwd": {"ms": {"p50": ms_t - ms_f}, "tflops": 200 / (ms_t - ms_f)},
+                "router": None, "memory": {"held_bytes": held, "peak_bytes": peak}, "info": {}}
+
+    def rec(name, group, T, d, n, E, K, routing="topk"):
+        r = {"name": name, "group": group, "T": T, "d": d, "n": n, "E": E, "K": K, "G": d / n,
+             "rho": K / E, "routing": routing, "TK": T * K, "flops": useful_flops(T * K, n, d),
+             "spec_held_bytes": spec_held_bytes(T, d, T * K, n), "status": "ok", "message": None,
+             "backends": {"triton": row(1.0, 3.0, 2 << 30, 5 << 30), "torch": row(1.5, 5.0, 6 << 30, 9 << 30),
+                          "upper": row(0.9, 2.8, 1 << 30, 4 << 30), "loop": row(1, 2, 1, 1, status="skipped")},
+             "ratio_base": "triton",
+             "ratios": {"torch": {"fwd": 1.5, "bwd": 1.75, "total": 5 / 3}, "upper": {"fwd": 0.9, "total": 0.93}}}
+        recs.append(r)
+
+    for g, T, d in (("7B", 24576, 1536), ("30B", 32768, 4096)):
+        for n, E, K in ((256, 128, 8), (512, 64, 4), (1024, 32, 2)):
+            rec(f"{g}-n{n}", g, T, d, n, E, K)
+    for E in (64, 128):
+        for mode in ("topk", "token_rounding"):
+            rec(f"tr-E{E}", "tr", 16384, 1536, 256, E, 8, routing=mode)
+    recs.append({"name": "broken", "group": "custom", "T": 1, "d": 8, "n": 8, "E": 2, "K": 1, "G": 1.0,
+                 "routing": "topk", "status": "oom", "message": "making the problem: OOM", "backends": {}})
+    env = {"device": "NVIDIA H100 80GB HBM3", "device_type": "cuda", "driver": "580.1", "torch": "2.11",
+           "triton": "3.6.0", "git_commit": "abc123", "python": "3.12"}
+    return report.build_results(recs, env, ["--preset", "granularity"], {}, __import__("datetime").datetime(
+        2026, 1, 2, tzinfo=__import__("datetime").timezone.utc))
+
+
+def test_plot_from_results_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = report.write_results(_synthetic_doc(), tmp_path / "2026-01-02_nvidia-h100.json")
+    assert cli.main(["--plot-from", str(path)]) == 0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == [f"2026-01-02_nvidia-h100_{k}.png" for k in
+                    ("granularity_memory", "granularity_tflops", "speedup", "token_rounding")]
+    assert all((tmp_path / p).stat().st_size > 1000 for p in pngs)
+    other = tmp_path / "plots"
+    assert cli.main(["--plot-from", str(path), "--out", str(other)]) == 0
+    assert len(list(other.glob("*.png"))) == 4
+
+
+def test_markdown_from_results_file(tmp_path, capsys, monkeypatch):
+    path = report.write_results(_synthetic_doc(), tmp_path / "r.json")
+    assert cli.main(["--markdown-from", str(path)]) == 0
+    md = capsys.readouterr().out
+    lines = [ln for ln in md.splitlines() if ln.startswith("|")]
+    assert lines[0].startswith("| shape") and set(lines[1]) <= {"|", "-"}
+    assert len(lines) == 2 + 11
+    assert "| 7B-n256 (24576, 1536, 256, 128, 8) | topk | 1 | 100 | 3 | 100 | 1.50× / 1.67× | 0.90 / 0.93 |" in md
+    assert "2.00 / 5.00" in md and "oom" in md
+    assert "NVIDIA H100 80GB HBM3" in md and "2026-01-02" in md
+    monkeypatch.setattr(sys, "argv", ["readme_table.py", str(path)])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / "scripts" / "readme_table.py"), run_name="__main__")
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == md.strip()
+
+
+def test_results_file_name_and_strict_json(tmp_path):
+    import datetime as dt
+
+    now = dt.datetime(2026, 3, 4, 5, 6, 7, tzinfo=dt.timezone.utc)
+    env = {"device_type": "cuda", "device": "NVIDIA H200"}
+    p = report.results_path(tmp_path, env, "my tag", now)
+    assert p.name == "2026-03-04_nvidia-h200_my-tag.json"
+    report.write_results({"results": [], "x": float("nan"), "y": (1, float("inf"))}, p)
+    assert _strict_load(p) == {"results": [], "x": None, "y": [1, None]}
+    assert report.results_path(tmp_path, env, "my tag", now).name == "2026-03-04-050607_nvidia-h200_my-tag.json"
+    assert report.results_path(tmp_path, {"device_type": "cpu", "device": "x86"}, None, now).name == \
+        "2026-03-04_cpu.json"
+
+
+def test_list_and_help(capsys):
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3" in out and "upper" in out and "scattermoe" in out
+    assert cli.main(["--help"]) == 0
