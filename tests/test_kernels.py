@@ -276,3 +276,17 @@ def test_persistent_schedule_matches(device):
     dout = torch.randn(t, d, device=device)
     for x1, x2 in zip(dh(dout, p["w2"], h, s, routing, config=one), dh(dout, p["w2"], h, s, routing, config=few)):
         assert torch.equal(x1, x2)
+
+
+def test_ds_independent_of_block_n(device):
+    """dS partials live in fixed 16-channel chunks, so any BLOCK_N gives the same bits."""
+    t, d, n, e, k = 30, 32, 48, 4, 2
+    p = random_problem(t, d, n, e, device=device, seed=12)
+    router, routing = _topk_routing(p, k, device)
+    h = torch.randn(routing.num_rows, 2 * n, device=device)
+    s = routing.row_scores(router.topk_scores.reshape(-1))
+    dout = torch.randn(t, d, device=device)
+    base = {"BLOCK_M": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+    ds16 = dh(dout, p["w2"], h, s, routing, config={**base, "BLOCK_N": 16})[2]
+    ds32 = dh(dout, p["w2"], h, s, routing, config={**base, "BLOCK_N": 32})[2]
+    assert torch.equal(ds16, ds32)

@@ -6,8 +6,9 @@ For the rows r of expert e (token t = token(r), score s = S_r):
     dS_r   = ⟨dA′[r], A[r]⟩                         (= ⟨dO_t, Y[r]⟩ without Y; plus ⟨dO_t, b2[e]⟩ outside)
     dA     = s · dA′;  dgate = dA · up · silu′(gate);  dup = dA · silu(gate)
     A′[r]  = s · A[r]                               (the operand of dW2)
-Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written as per-N-tile partial
-sums (n_tiles, R) and reduced afterwards in a fixed order: no atomics, deterministic.
+Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written as partial sums per
+16-channel chunk (cdiv(n, 16), R) and reduced afterwards in a fixed order: no atomics, deterministic,
+and the same bits whatever BLOCK_N the tuner picks.
 dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
 """
 
@@ -87,7 +88,14 @@ def _dh_tile(
     sig = tl.sigmoid(g)
     silu = g * sig
     a = silu * u
-    tl.store(ds_ptr + pid_n.to(tl.int64) * R + rows64, tl.sum(acc * a, 1), mask=mask_m)
+    # dS partial sums per 16-channel chunk: row c of the (cdiv(n, 16), R) buffer holds channels
+    # [16c, 16c + 16). Every config writes every row (no leftovers from autotuning runs), and the
+    # fixed-order sum over chunks afterwards does not depend on BLOCK_N.
+    CHUNKS: tl.constexpr = BLOCK_N // 16
+    part = tl.sum(tl.reshape(acc * a, (BLOCK_M, CHUNKS, 16)), 2)
+    chunk = pid_n * CHUNKS + tl.arange(0, CHUNKS)
+    tl.store(ds_ptr + chunk[None, :].to(tl.int64) * R + rows64[:, None], part,
+             mask=mask_m[:, None] & (chunk[None, :] < tl.cdiv(N, 16)))
     tl.store(ap_ptr + rows64[:, None] * stride_apr + ch[None, :], (a * s).to(ap_ptr.dtype.element_ty), mask=mask)
     da = acc * s
     dh_ty = dh_ptr.dtype.element_ty
@@ -137,10 +145,7 @@ def dh(
     r = routing.num_rows
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
-    # dS partials: one row per N-tile; sized for the smallest BLOCK_N (16) any config uses, so the
-    # buffer fits whichever config autotuning picks; rows no program writes stay zero
-    n_tiles_max = triton.cdiv(n, 16)
-    ds_part = torch.zeros(n_tiles_max, r, device=h.device, dtype=torch.float32)
+    ds_part = new_output((triton.cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
         do_ptr=dout, w2_ptr=w2, h_ptr=h, score_ptr=row_scores.float().contiguous(),

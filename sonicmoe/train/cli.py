@@ -1,0 +1,150 @@
+"""``sonicmoe train``: train a small MoE language model on real text and report speed and quality."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import BACKENDS, ROUNDING_SUBROUTINES, ROUTING_MODES
+from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
+from .loop import CHECKPOINT, LOG, PLOT, load_checkpoint, train
+
+DESCRIPTION = """Train a byte-level decoder-only transformer whose MLPs are sonicmoe.MoE layers.
+
+Default data: the CPython standard library's .py sources (sorted, capped at --max-bytes); the last
+--val-fraction of the bytes is the validation split. Writes log.json, loss.png and ckpt.pt to --out.
+Presets: cpu-tiny (a few minutes on 2 CPU cores) and h100 (one H100, bf16); the default is h100 when a
+CUDA GPU is visible, else cpu-tiny. Options below override the preset; with --resume the checkpoint's
+configuration is used and only the options given override it."""
+
+
+def _preset_help() -> str:
+    lines = []
+    for name, values in PRESETS.items():
+        keys = ("d_model", "layers", "experts", "top_k", "expert_size", "batch_size", "seq_len", "steps")
+        lines.append(f"{name}: " + ", ".join(f"{k}={values[k]}" for k in keys))
+    return "; ".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (every override defaults to ``None``: 'take it from the preset')."""
+    p = argparse.ArgumentParser(prog="sonicmoe train", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None, help=_preset_help())
+    g = p.add_argument_group("data")
+    g.add_argument("--data", metavar="PATH", help="a text file or a directory of text files "
+                   "(default: the Python standard library's .py sources)")
+    g.add_argument("--max-bytes", type=int, help="read at most this many bytes of text")
+    g.add_argument("--val-fraction", type=float, help="share of the bytes (the tail) held out (default 0.05)")
+    g = p.add_argument_group("model (letters of SPEC §1)")
+    g.add_argument("--d-model", type=int, help="d, model width")
+    g.add_argument("--layers", type=int, help="transformer blocks")
+    g.add_argument("--heads", type=int, help="attention heads")
+    g.add_argument("--experts", type=int, help="E, experts per MoE layer")
+    g.add_argument("--top-k", type=int, help="K, experts per token")
+    g.add_argument("--expert-size", type=int, help="n, expert intermediate size")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, help="optimizer steps (the schedule's length)")
+    g.add_argument("--batch-size", type=int, help="sequences per step (B)")
+    g.add_argument("--seq-len", type=int, help="bytes per sequence (L); each MoE layer sees T = B·L tokens")
+    g.add_argument("--lr", type=float, help="peak learning rate (AdamW, warm-up then cosine)")
+    g.add_argument("--warmup", type=int, help="warm-up steps")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
+    g.add_argument("--grad-clip", type=float, help="global gradient-norm clip (default 1.0)")
+    g.add_argument("--seed", type=int, help="seed of the initialisation and the batches (default 0)")
+    g = p.add_argument_group("MoE layer")
+    g.add_argument("--backend", choices=BACKENDS, help="auto: triton on CUDA, torch on CPU")
+    g.add_argument("--routing", choices=ROUTING_MODES, help="training routing (eval always uses top-k)")
+    g.add_argument("--rounding", choices=ROUNDING_SUBROUTINES, help="token-rounding subroutine")
+    g.add_argument("--m-tile", type=int, help="M_tile for token rounding (default 128)")
+    g.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight (default 0.01)")
+    g.add_argument("--z-loss-coef", type=float, help="router z-loss weight (default 0)")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", choices=DEVICES, help="auto: cuda when available")
+    g.add_argument("--dtype", choices=DTYPES, help="parameter dtype; auto: bfloat16 on CUDA (with float32 "
+                   "master weights in the optimizer), float32 on CPU")
+    g.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=int, help="validation batches (fixed windows of the val split)")
+    g.add_argument("--log-every", type=int, help="read back and log metrics every N steps")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--profile-every", type=int, help="time the MoE layers (with device syncs) on every "
+                   "N-th step (0: never)")
+    g.add_argument("--stop-after", type=int, metavar="STEP", help="stop after this step with a checkpoint, "
+                   "as if interrupted (the LR schedule still spans --steps)")
+    g.add_argument("--out", metavar="DIR", help="output directory (default runs/<preset>-<time>, or the "
+                   "checkpoint's directory with --resume)")
+    g.add_argument("--resume", metavar="PATH", help="continue from a checkpoint (ckpt.pt)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar; print log lines")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.use_deterministic_algorithms for the run (default: on CPU only, where the "
+                   "same seed then gives bit-identical losses)")
+    return p
+
+
+_OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads", "experts", "top_k",
+              "expert_size", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "grad_clip",
+              "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "device",
+              "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
+              "deterministic")
+
+
+def _summary(log: dict[str, Any], out: Path) -> str:
+    lines = []
+    val = log["final_val_loss"]
+    val_s = f"{val:.4f} nats/byte ({log['final_val_bpb']:.3f} bits/byte)" if val is not None else "-"
+    train_s = f"{log['final_train_loss']:.4f}" if log["final_train_loss"] is not None else "-"
+    lines.append(f"done: step {log['steps_done']} in {log['wall_time_s']:.1f} s wall; "
+                 f"final val loss {val_s}; final train loss {train_s}")
+    rate = log["tokens_per_s"]
+    lines.append(f"throughput: {rate:,.0f} tokens/s" if rate else "throughput: - (too few steps)")
+    share = log["moe_time_share"]
+    if share is not None:
+        t = log["moe_time"]
+        n = t["profiled_steps"]
+        lines.append(f"MoE layers: {100 * share:.1f}% of step time ({1e3 * t['moe_s'] / n:.1f} ms of "
+                     f"{1e3 * t['step_s'] / n:.1f} ms per profiled step, {n} profiled steps)")
+    else:
+        lines.append("MoE layers: not profiled (see --profile-every)")
+    mem = log["peak_memory"]
+    lines.append(f"peak memory: {mem['mib']:.0f} MiB ({mem['kind']})")
+    load = log["expert_load"]
+    per = ", ".join(f"[{x['min_frac']:.3f}, {x['max_frac']:.3f}]" for x in load["per_layer"])
+    lines.append(f"expert load (fraction of routed pairs, min/max per layer; uniform = "
+                 f"{load['per_layer'][0]['mean_frac']:.3f}): {per}; mean CV {load['mean_cv']:.3f}")
+    plot = out / PLOT
+    lines.append(f"files: {out / LOG}, {out / CHECKPOINT}" + (f", {plot}" if plot.exists() else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``sonicmoe train`` with ``argv`` (without the ``train`` word); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = {k: getattr(args, k) for k in _OVERRIDES}
+    checkpoint = None
+    try:
+        if args.resume:
+            if not Path(args.resume).is_file():
+                parser.error(f"--resume {args.resume}: no such file")
+            checkpoint = load_checkpoint(args.resume)
+            if args.preset is not None:
+                print(f"--preset {args.preset} ignored: resuming with the checkpoint's configuration")
+            base = {**checkpoint["config"], "stop_after": None}
+            out = args.out or str(Path(args.resume).parent)
+            cfg = config_from_dict(base, **overrides, resume=args.resume, out=out)
+        else:
+            preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-tiny")
+            out = args.out or str(Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+            cfg = make_config(preset, **overrides, out=out)
+    except ValueError as e:
+        parser.error(str(e))
+    cfg.progress = not args.no_progress
+    if cfg.data is not None and not Path(cfg.data).exists():
+        parser.error(f"--data {cfg.data}: no such file or directory")
+    log = train(cfg, checkpoint)
+    print(_summary(log, Path(cfg.out)))
+    return 0

@@ -1,0 +1,188 @@
+"""Options of the ``sonicmoe train`` job: one dataclass and the named presets.
+
+Letters (SPEC §1): d model width, n expert intermediate size, E experts, K experts per token;
+each MoE layer sees T = batch_size · seq_len tokens per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MIB = 1 << 20
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+
+# Each preset sets these fields; command-line options override them one by one.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Under a minute on 2 idle CPU cores (a few minutes when they are shared): d=128, 2 layers,
+    # E=16, K=4, n=64 (G = d/n = 2, ρ = K/E = 1/4), T = 32·128 = 4096 tokens per step.
+    "cpu-tiny": {
+        "steps": 300,
+        "batch_size": 32,
+        "seq_len": 128,
+        "d_model": 128,
+        "layers": 2,
+        "heads": 4,
+        "experts": 16,
+        "top_k": 4,
+        "expert_size": 64,
+        "lr": 3e-3,
+        "warmup": 30,
+        "eval_every": 100,
+        "eval_batches": 16,
+        "log_every": 10,
+        "save_every": 100,
+        "profile_every": 50,
+        "max_bytes": 4 * MIB,
+    },
+    # One H100: d=768, 8 layers, E=64, K=8, n=256 (granularity G = d/n = 3, ρ = K/E = 1/8),
+    # T = 32·1024 = 32768 tokens per MoE call (mean T_e = T·K/E = 4096), bf16 parameters.
+    "h100": {
+        "steps": 1000,
+        "batch_size": 32,
+        "seq_len": 1024,
+        "d_model": 768,
+        "layers": 8,
+        "heads": 12,
+        "experts": 64,
+        "top_k": 8,
+        "expert_size": 256,
+        "lr": 1e-3,
+        "warmup": 100,
+        "eval_every": 100,
+        "eval_batches": 16,
+        "log_every": 10,
+        "save_every": 250,
+        "profile_every": 100,
+        "max_bytes": 64 * MIB,
+    },
+}
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one training run depends on (stored in the JSON log and in each checkpoint).
+
+    Model: ``d_model`` (d), ``layers``, ``heads`` (d must divide by heads), ``experts`` (E),
+    ``top_k`` (K), ``expert_size`` (n); byte-level vocabulary of 256.
+    Data: ``data`` (a text file or a directory of text files; ``None``: the CPython standard library's
+    ``.py`` sources), ``max_bytes`` read at most, ``val_fraction`` of them (the tail) held out.
+    Optimisation: AdamW (``lr``, ``beta1``, ``beta2``, ``weight_decay``), linear warm-up over
+    ``warmup`` steps then cosine decay to ``min_lr_ratio · lr`` at ``steps``; gradients clipped to
+    global norm ``grad_clip``; each step sees ``batch_size`` sequences of ``seq_len`` bytes.
+    MoE options passed to :class:`sonicmoe.MoE`: ``backend``, ``routing``, ``rounding``, ``m_tile``,
+    ``aux_loss_coef``, ``z_loss_coef``.
+    Run: ``device``/``dtype`` (``auto``: CUDA + bfloat16 when there is a GPU, else CPU + float32),
+    ``eval_every``/``eval_batches``, ``log_every``, ``save_every`` (0: only at the end),
+    ``profile_every`` (time the MoE layers on every such step; 0: never), ``stop_after`` (end this
+    process after that step, with a checkpoint, as if interrupted; the schedule still runs to
+    ``steps``), ``out`` directory, ``resume`` checkpoint, ``progress`` bar.
+    """
+
+    preset: str = "cpu-tiny"
+    # data
+    data: str | None = None
+    max_bytes: int = 4 * MIB
+    val_fraction: float = 0.05
+    # model
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    top_k: int = 2
+    expert_size: int = 64
+    # optimisation
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    # MoE layer options
+    backend: str = "auto"
+    routing: str = "topk"
+    rounding: str = "nearest"
+    m_tile: int = 128
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    # run
+    device: str = "auto"
+    dtype: str = "auto"
+    eval_every: int = 100
+    eval_batches: int = 16
+    log_every: int = 10
+    save_every: int = 100
+    profile_every: int = 50
+    stop_after: int | None = None
+    out: str | None = None
+    resume: str | None = None
+    progress: bool = True
+    deterministic: bool | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError for values no run can use."""
+        positive = ("max_bytes", "d_model", "layers", "heads", "experts", "top_k", "expert_size", "steps",
+                    "batch_size", "seq_len", "m_tile", "eval_batches", "log_every")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("warmup", "eval_every", "save_every", "profile_every", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.d_model % self.heads or (self.d_model // self.heads) % 2:
+            raise ValueError(f"d_model={self.d_model} must split into heads={self.heads} of even size")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} must be at most experts={self.experts}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
+        if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON- and checkpoint-friendly)."""
+        return dataclasses.asdict(self)
+
+
+def make_config(preset: str = "cpu-tiny", **overrides: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from a preset name plus field overrides (``None`` values are ignored).
+
+    Raises:
+        ValueError: unknown preset or field, or a value :meth:`TrainConfig.validate` rejects.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"unknown TrainConfig fields: {sorted(unknown)}")
+    values = {"preset": preset, **PRESETS[preset]}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = TrainConfig(**values)
+    cfg.validate()
+    return cfg
+
+
+def config_from_dict(values: dict[str, Any], **overrides: Any) -> TrainConfig:
+    """Rebuild a :class:`TrainConfig` saved with :meth:`TrainConfig.to_dict` (e.g. from a checkpoint),
+    then apply ``overrides`` (``None`` values are ignored). Fields unknown to this version are dropped."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    merged = {k: v for k, v in values.items() if k in fields}
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = TrainConfig(**merged)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,434 @@
+"""The training loop: AdamW with warm-up + cosine schedule, clipping, evaluation, checkpoints, metrics.
+
+Host syncs: losses, gradient norms and expert counts stay on the device and are read once per log
+interval; the MoE layers are timed (with device syncs) only on the dedicated profiled steps; tokens/s
+comes from the other steps, after a few warm-up steps, excluding evaluation and checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+from .data import VOCAB_SIZE, ByteCorpus
+from .model import ModelConfig, MoETransformer
+from .profiling import MoEProfiler
+from .report import environment, expert_load_summary, peak_memory, plot_losses, write_json
+
+CHECKPOINT = "ckpt.pt"
+LOG = "log.json"
+PLOT = "loss.png"
+CHECKPOINT_FORMAT = 1
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU. Raises RuntimeError for ``cuda`` without a GPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda, but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Parameter dtype: ``auto`` -> bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The :class:`ModelConfig` a :class:`TrainConfig` describes."""
+    return ModelConfig(vocab_size=VOCAB_SIZE, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads,
+                       experts=cfg.experts, top_k=cfg.top_k, expert_size=cfg.expert_size, backend=cfg.backend,
+                       routing=cfg.routing, rounding=cfg.rounding, m_tile=cfg.m_tile,
+                       aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
+
+
+def lr_at(update: int, cfg: TrainConfig) -> float:
+    """Learning rate of the ``update``-th optimizer step (0-based): linear warm-up to ``lr`` over
+    ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
+    if update < cfg.warmup:
+        return cfg.lr * (update + 1) / cfg.warmup
+    progress = min(1.0, (update - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+class Optimizer:
+    """AdamW over the model's parameters, with float32 master weights when they are not float32.
+
+    Weight decay applies to the matrices (attention weights, router W_r (E, d), W1 (E, 2n, d),
+    W2 (E, d, n)), not to norms or the byte embedding. With bfloat16 parameters, gradients are copied
+    into float32 masters, AdamW updates the masters and the parameters get the rounded result.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+        named = list(model.named_parameters())
+        self.params = [p for _, p in named]
+        mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.masters = [p.detach().float().clone() for p in self.params] if mixed else None
+        owners = self.masters if mixed else self.params
+        decayed = [p.dim() >= 2 and not name.startswith("embed") for name, p in named]
+        decay = [q for q, dec in zip(owners, decayed) if dec]
+        keep = [q for q, dec in zip(owners, decayed) if not dec]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+        self.adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                       fused=True if device.type == "cuda" else None)
+
+    def step(self, lr: float, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to global norm ``max_norm``, take one AdamW step at ``lr``, zero the
+        gradients. Returns the global gradient norm before clipping (a device scalar, no sync)."""
+        if self.masters is not None:
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        owners = self.masters if self.masters is not None else self.params
+        norm = torch.nn.utils.clip_grad_norm_(owners, max_norm)
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
+        return norm.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW state plus the float32 masters (or ``None``)."""
+        return {"adamw": self.adamw.state_dict(), "masters": self.masters}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the parameters are restored from the masters too)."""
+        self.adamw.load_state_dict(state["adamw"])
+        if self.masters is not None and state.get("masters") is not None:
+            with torch.no_grad():
+                for m, saved in zip(self.masters, state["masters"]):
+                    m.copy_(saved)
+                torch._foreach_copy_(self.params, self.masters)
+
+
+class Throughput:
+    """Tokens and seconds over the measured (unprofiled, post-warm-up) stretches of training."""
+
+    def __init__(self, sync):
+        self._sync = sync
+        self.tokens = 0
+        self.seconds = 0.0
+        self._t0: float | None = None
+        self._pending = 0
+
+    @property
+    def running(self) -> bool:
+        """Whether a stretch is being timed."""
+        return self._t0 is not None
+
+    def start(self) -> None:
+        """Begin a timed stretch (after a device sync)."""
+        self._sync()
+        self._t0 = time.perf_counter()
+        self._pending = 0
+
+    def add(self, tokens: int) -> None:
+        """Count a step's tokens in the current stretch."""
+        if self._t0 is not None:
+            self._pending += tokens
+
+    def stop(self) -> None:
+        """End the current stretch, if any (after a device sync)."""
+        if self._t0 is None:
+            return
+        self._sync()
+        self.seconds += time.perf_counter() - self._t0
+        self.tokens += self._pending
+        self._t0 = None
+
+    def rate(self) -> float | None:
+        """Tokens per second so far, ``None`` before anything was measured."""
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class Progress:
+    """A tqdm bar when tqdm is installed and wanted, else plain lines printed at log intervals."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                print("tqdm is not installed: printing log lines instead of a progress bar")
+            else:
+                self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self) -> None:
+        """One step done."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log(self, step: int, total: int, fields: dict[str, str]) -> None:
+        """Show the latest metrics."""
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+        else:
+            print(f"step {step:>6}/{total} " + " ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
+
+    def write(self, message: str) -> None:
+        """Print a line without breaking the bar."""
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        """Finish the bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, corpus: ByteCorpus, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean cross-entropy (nats/byte) on the fixed validation windows, in eval mode (plain top-k)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches, device):
+        total += model(x, y)
+    model.train(was_training)
+    return float(total) / cfg.eval_batches
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`train` (tensors and plain containers only; CPU tensors).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a sonicmoe training checkpoint.
+    """
+    state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a sonicmoe train checkpoint (format {CHECKPOINT_FORMAT})")
+    return state
+
+
+def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn.Module, opt: Optimizer,
+                     generator: torch.Generator, history: dict[str, Any]) -> None:
+    rng = {"torch": torch.get_rng_state(), "data": generator.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_dict(), "model": model.state_dict(),
+             "optimizer": opt.state_dict(), "rng": rng, "history": history}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _fmt_rate(tokens_per_s: float | None) -> str:
+    if tokens_per_s is None:
+        return "-"
+    return f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s < 1e6 else f"{tokens_per_s / 1e6:.2f}M"
+
+
+def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train the MoE language model ``cfg`` describes; write ``log.json``, ``loss.png`` and ``ckpt.pt``
+    into ``cfg.out`` and return the log.
+
+    Args:
+        cfg: the run (``cfg.out`` must be set; ``cfg.resume`` names a checkpoint to continue from).
+        checkpoint: that checkpoint already read with :func:`load_checkpoint` (read here otherwise).
+
+    Each step: a batch of B = ``batch_size`` windows of L = ``seq_len`` bytes (T = B·L tokens per MoE
+    layer), loss = LM cross-entropy + Σ layers (aux_loss + z_loss), backward, AdamW step. The same
+    seed gives the same losses on CPU, and a resumed run continues exactly as an uninterrupted one.
+    ``torch.use_deterministic_algorithms`` is set for the run (per ``cfg.deterministic``) and restored.
+    """
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    deterministic = cfg.deterministic if cfg.deterministic is not None else device.type == "cpu"
+    previous = (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        return _train(cfg, checkpoint, device)
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    if cfg.out is None:
+        raise ValueError("cfg.out (the output directory) must be set")
+    wall_t0 = time.perf_counter()
+    dtype = resolve_dtype(cfg.dtype, device)
+    if checkpoint is None and cfg.resume:
+        checkpoint = load_checkpoint(cfg.resume)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+        torch.cuda.reset_peak_memory_stats(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
+    corpus.check_seq_len(cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(model_config(cfg)).to(device=device, dtype=dtype)
+    opt = Optimizer(model, cfg, device)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    if device.type == "cpu" and cfg.backend == "triton" and not os.environ.get("TRITON_INTERPRET"):
+        warnings.warn("--backend triton on CPU needs TRITON_INTERPRET=1 (slow); use --backend torch",
+                      stacklevel=2)
+
+    history: dict[str, Any] = {"steps": [], "evals": [], "profile": [],
+                               "expert_counts": [[0] * cfg.experts for _ in range(cfg.layers)]}
+    start_step = 0
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        generator.set_state(checkpoint["rng"]["data"])
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        if device.type == "cuda" and "cuda" in checkpoint["rng"]:
+            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+        start_step = int(checkpoint["step"])
+        history = checkpoint["history"]
+    end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+
+    layers = model.moe_layers()
+    profiler = MoEProfiler(layers, device)
+    load = torch.tensor(history["expert_counts"], dtype=torch.int64, device=device)
+    meter = Throughput(sync)
+    warm_steps = min(5, max(0, (end_step - start_step) // 5))
+    params = model.num_params()
+    title = (f"d={cfg.d_model} L={cfg.layers} E={cfg.experts} K={cfg.top_k} n={cfg.expert_size} "
+             f"T={tokens_per_step} | {device.type} {str(dtype).replace('torch.', '')} | {cfg.routing}")
+    progress = Progress(cfg.steps, start_step, cfg.progress)
+    progress.write(f"sonicmoe train: {title}; {params['total'] / 1e6:.2f}M params "
+                   f"({params['active'] / 1e6:.2f}M active); data {corpus.source} ({corpus.num_files} files, "
+                   f"{corpus.train.numel()} train / {corpus.val.numel()} val bytes); out {out}")
+
+    def record_eval(step: int) -> None:
+        meter.stop()
+        val = evaluate(model, corpus, cfg, device)
+        history["evals"].append({"step": step, "val_loss": val, "val_bpb": val / math.log(2)})
+        progress.write(f"step {step}: val loss {val:.4f} ({val / math.log(2):.3f} bits/byte)")
+
+    def build_log(step: int) -> dict[str, Any]:
+        profile = history["profile"]
+        moe_s = sum(p["moe_forward_s"] + p["moe_backward_s"] for p in profile)
+        step_s = sum(p["step_s"] for p in profile)
+        tail = history["steps"][-cfg.log_every:]
+        return {
+            "config": cfg.to_dict(),
+            "env": environment(device),
+            "model": {"params": params, "dtype": str(dtype).replace("torch.", ""),
+                      "tokens_per_step": tokens_per_step},
+            "data": {"source": corpus.source, "files": corpus.num_files, "train_bytes": corpus.train.numel(),
+                     "val_bytes": corpus.val.numel()},
+            "steps_done": step,
+            "resumed_from": start_step if checkpoint is not None else None,
+            "steps": history["steps"],
+            "evals": history["evals"],
+            "profile": profile,
+            "final_train_loss": sum(s["loss"] for s in tail) / len(tail) if tail else None,
+            "final_val_loss": history["evals"][-1]["val_loss"] if history["evals"] else None,
+            "final_val_bpb": history["evals"][-1]["val_bpb"] if history["evals"] else None,
+            "tokens_per_s": meter.rate(),
+            "throughput": {"tokens": meter.tokens, "seconds": meter.seconds,
+                           "note": "this process's unprofiled steps after warm-up; no eval/checkpoint time"},
+            "moe_time_share": moe_s / step_s if step_s > 0 else None,
+            "moe_time": {"profiled_steps": len(profile), "moe_s": moe_s, "step_s": step_s},
+            "peak_memory": peak_memory(device),
+            "expert_load": expert_load_summary(history["expert_counts"]),
+            "wall_time_s": time.perf_counter() - wall_t0,
+        }
+
+    def flush(pending: list) -> None:
+        if not pending:
+            return
+        values = torch.stack([torch.stack([a.float(), b.float(), c.float()]) for _, _, a, b, c in pending])
+        for (step, lr, _, _, _), (loss, aux, gnorm) in zip(pending, values.tolist()):
+            history["steps"].append({"step": step, "loss": loss, "router_loss": aux, "lr": lr,
+                                     "grad_norm": gnorm})
+        pending.clear()
+        history["expert_counts"] = load.tolist()
+
+    if start_step == 0 and cfg.eval_every:
+        record_eval(0)
+    model.train()
+    pending: list = []
+    last_log = (time.perf_counter(), start_step)
+    for step in range(start_step + 1, end_step + 1):
+        profiled = bool(cfg.profile_every) and step % cfg.profile_every == 0
+        measured = not profiled and step > start_step + warm_steps
+        if measured and not meter.running:
+            meter.start()
+        elif not measured:
+            meter.stop()
+        if profiled:
+            sync()
+            t0 = time.perf_counter()
+            profiler.reset()
+            profiler.active = True
+
+        x, y = corpus.train_batch(cfg.batch_size, cfg.seq_len, generator, device)
+        lr = lr_at(step - 1, cfg)
+        loss = model(x, y)
+        aux = model.router_loss()
+        (loss + aux).backward()
+        load += torch.stack([m.expert_counts for m in layers]).to(torch.int64)
+        gnorm = opt.step(lr, cfg.grad_clip)
+        pending.append((step, lr, loss.detach(), aux.detach(), gnorm))
+
+        if profiled:
+            profiler.active = False
+            sync()
+            step_s = time.perf_counter() - t0
+            moe_s = profiler.forward_s + profiler.backward_s
+            history["profile"].append({"step": step, "step_s": step_s, "moe_forward_s": profiler.forward_s,
+                                       "moe_backward_s": profiler.backward_s, "moe_share": moe_s / step_s})
+        if measured:
+            meter.add(tokens_per_step)
+        progress.update()
+
+        is_last = step == end_step
+        if step % cfg.log_every == 0 or is_last:
+            meter.stop()
+            flush(pending)
+            now = time.perf_counter()
+            rate = (step - last_log[1]) * tokens_per_step / max(now - last_log[0], 1e-9)
+            last_log = (now, step)
+            s = history["steps"][-1]
+            fields = {"loss": f"{s['loss']:.3f}", "lr": f"{s['lr']:.2e}", "tok/s": _fmt_rate(rate)}
+            if history["profile"]:
+                fields["moe%"] = f"{100 * history['profile'][-1]['moe_share']:.0f}"
+            progress.log(step, cfg.steps, fields)
+        do_eval = (cfg.eval_every and step % cfg.eval_every == 0) or is_last
+        do_save = (cfg.save_every and step % cfg.save_every == 0) or is_last
+        if do_eval:
+            flush(pending)
+            record_eval(step)
+        if do_save:
+            meter.stop()
+            flush(pending)
+            _save_checkpoint(out / CHECKPOINT, cfg=cfg, step=step, model=model, opt=opt, generator=generator,
+                             history=history)
+            write_json(out / LOG, build_log(step))
+        if do_eval or do_save:
+            last_log = (time.perf_counter(), step)
+    meter.stop()
+    flush(pending)
+    progress.close()
+    profiler.remove()
+    if end_step == start_step and not history["evals"]:
+        record_eval(end_step)
+
+    log = build_log(end_step)
+    write_json(out / LOG, log)
+    plot_losses(out / PLOT, history["steps"], history["evals"], title)
+    return log

@@ -1,0 +1,203 @@
+"""``sonicmoe train``: learning on the real stdlib corpus, logs and plot, exact resume, --data, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sonicmoe.train import cli
+from sonicmoe.train.config import make_config
+from sonicmoe.train.data import ByteCorpus, stdlib_source_files
+from sonicmoe.train.loop import Progress, lr_at
+from sonicmoe.train.model import ModelConfig, MoETransformer
+from sonicmoe.train.report import expert_load_summary, plot_losses
+
+# A tiny model on the real corpus: T = 8·64 = 512 tokens per MoE layer, E=4, K=2, n=32, d=32.
+TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "--top-k", "2",
+        "--expert-size", "32", "--seq-len", "64", "--batch-size", "8", "--lr", "1e-2", "--warmup", "5",
+        "--max-bytes", "262144", "--eval-every", "20", "--eval-batches", "2", "--log-every", "5",
+        "--profile-every", "10", "--save-every", "0", "--device", "cpu", "--backend", "torch",
+        "--seed", "3", "--no-progress"]
+STEPS = 40
+T, K, LAYERS, E = 8 * 64, 2, 2, 4
+
+
+def _run(out, *extra: str) -> dict:
+    assert cli.main([*TINY, "--out", str(out), *extra]) == 0
+    return json.loads((out / "log.json").read_text())
+
+
+def _losses(log: dict) -> list[float]:
+    return [s["loss"] for s in log["steps"]]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """One uninterrupted 40-step run; its output directory and log."""
+    out = tmp_path_factory.mktemp("baseline")
+    return out, _run(out, "--steps", str(STEPS))
+
+
+def test_loss_goes_down_on_stdlib_corpus(baseline):
+    _, log = baseline
+    losses = _losses(log)
+    assert [s["step"] for s in log["steps"]] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in losses)
+    first, last = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
+    assert first > 5.0  # ~ln 256 at initialisation
+    assert last < first - 1.5, (first, last)
+    evals = log["evals"]
+    assert [e["step"] for e in evals] == [0, 20, 40]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0
+    assert log["final_val_loss"] == evals[-1]["val_loss"]
+    assert log["data"]["files"] > 1 and "python" in log["data"]["source"]
+
+
+def test_log_and_plot(baseline):
+    out, log = baseline
+    for key in ("config", "env", "model", "steps", "evals", "profile", "final_val_loss", "final_train_loss",
+                "tokens_per_s", "moe_time_share", "peak_memory", "expert_load", "wall_time_s"):
+        assert key in log, key
+    for key in ("device_name", "torch", "triton", "commit", "date"):
+        assert key in log["env"], key
+    assert log["config"]["experts"] == E and log["config"]["steps"] == STEPS
+    assert set(log["steps"][0]) >= {"step", "loss", "router_loss", "lr", "grad_norm"}
+    assert log["tokens_per_s"] > 0
+    assert [p["step"] for p in log["profile"]] == [10, 20, 30, 40]
+    assert 0.0 < log["moe_time_share"] < 1.0
+    assert log["peak_memory"]["mib"] > 0
+    load = log["expert_load"]
+    assert len(load["per_layer"]) == LAYERS
+    for layer in load["per_layer"]:
+        assert len(layer["counts"]) == E
+        assert sum(layer["counts"]) == STEPS * T * K  # every routed pair of every step counted once
+        assert layer["min_frac"] <= 1 / E <= layer["max_frac"]
+    assert (out / "ckpt.pt").is_file()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (out / "loss.png").exists()
+    else:
+        assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_continues_exactly(baseline, tmp_path):
+    _, full = baseline
+    part = _run(tmp_path, "--steps", str(STEPS), "--stop-after", "15")
+    assert part["steps_done"] == 15
+    assert _losses(part) == _losses(full)[:15]  # same seed, same losses
+    resumed_dir = tmp_path / "resumed"
+    assert cli.main(["--resume", str(tmp_path / "ckpt.pt"), "--out", str(resumed_dir), "--no-progress"]) == 0
+    resumed = json.loads((resumed_dir / "log.json").read_text())
+    assert resumed["resumed_from"] == 15 and resumed["steps_done"] == STEPS
+    assert _losses(resumed) == _losses(full)
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+    assert resumed["expert_load"]["per_layer"][0]["counts"] == full["expert_load"]["per_layer"][0]["counts"]
+
+
+def test_same_seed_same_losses_in_another_process(baseline, tmp_path):
+    _, full = baseline
+    res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", *TINY, "--steps", str(STEPS),
+                          "--stop-after", "8", "--eval-every", "0", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr
+    other = json.loads((tmp_path / "log.json").read_text())
+    assert _losses(other) == _losses(full)[:8]
+
+
+def test_data_directory(tmp_path):
+    data = tmp_path / "texts"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    (data / "sub" / "b.md").write_text("# notes\n" + "pack my box with five dozen liquor jugs\n" * 60)
+    (data / "blob.bin").write_bytes(b"\x00\x01\x02" * 100)  # binary: skipped
+    out = tmp_path / "run"
+    log = _run(out, "--data", str(data), "--steps", "6", "--seq-len", "32", "--eval-every", "0")
+    assert log["data"]["files"] == 2 and log["data"]["source"] == str(data)
+    assert log["steps_done"] == 6 and log["final_val_loss"] is not None
+    corpus = ByteCorpus.load(str(data / "a.txt"), 10_000, 0.1)
+    assert corpus.num_files == 1 and corpus.val.numel() == int(0.1 * (corpus.train.numel() + corpus.val.numel()))
+
+
+def test_token_rounding_passes_through(tmp_path):
+    pytest.importorskip("sonicmoe.token_rounding")
+    log = _run(tmp_path, "--steps", "4", "--routing", "token_rounding", "--rounding", "up", "--m-tile", "16",
+               "--eval-every", "0", "--profile-every", "0")
+    assert log["config"]["routing"] == "token_rounding" and log["config"]["rounding"] == "up"
+    for layer in log["expert_load"]["per_layer"]:
+        assert all(c % 16 == 0 for c in layer["counts"])  # every step's T_e a multiple of M_tile
+
+
+def test_help():
+    res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert "--preset" in res.stdout and "--resume" in res.stdout and "cpu-tiny" in res.stdout
+
+
+def test_bad_options_exit_with_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--d-model", "30", "--heads", "4", "--out", "unused"])
+    assert e.value.code == 2
+    assert "d_model" in capsys.readouterr().err
+
+
+def test_lr_schedule():
+    cfg = make_config("cpu-tiny", steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    lrs = [lr_at(i, cfg) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # monotone cosine decay
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_stdlib_files_sorted_and_deterministic():
+    root, files = stdlib_source_files()
+    keys = [f.relative_to(root).as_posix() for f in files]
+    assert keys == sorted(keys) and len(files) > 100
+    assert not any(part in ("site-packages", "test") for k in keys for part in k.split("/")[:-1])
+    assert stdlib_source_files()[1] == files
+
+
+def test_model_forward_and_router_loss():
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(d_model=16, layers=2, heads=2, experts=4, top_k=2, expert_size=8,
+                                       backend="torch"))
+    idx = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        logits = model(idx)
+        assert logits.shape == (2, 10, 256) and logits.dtype == torch.float32
+        loss = model(idx, idx)
+        assert abs(float(loss) - math.log(256)) < 0.5
+        assert float(model.router_loss()) > 0
+        # causal: changing a later token leaves earlier logits unchanged
+        idx2 = idx.clone()
+        idx2[:, 7] = (idx2[:, 7] + 1) % 256
+        torch.testing.assert_close(model(idx2)[:, :7], logits[:, :7])
+
+
+def test_expert_load_summary():
+    s = expert_load_summary([[1, 1, 1, 1], [4, 0, 0, 0]])
+    assert s["per_layer"][0]["cv"] == pytest.approx(0.0)
+    assert s["per_layer"][1]["max_frac"] == 1.0 and s["per_layer"][1]["max_over_mean"] == 4.0
+    assert s["per_layer"][1]["cv"] == pytest.approx(math.sqrt(3))
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    p = Progress(total=10, initial=0, enabled=True)
+    assert p.bar is None
+    p.log(5, 10, {"loss": "1.0"})
+    p.close()
+    assert "step      5/10 loss 1.0" in capsys.readouterr().out
+
+
+def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert plot_losses(tmp_path / "loss.png", [{"step": 1, "loss": 5.0}], [], "t") is False
+    assert not (tmp_path / "loss.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out
