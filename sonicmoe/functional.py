@@ -13,14 +13,48 @@ import torch
 from .config import BACKENDS, GATE_UP_LAYOUTS
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # every backend; torch also runs float64
+
+# Routing's index arrays and their expected lengths, by letter: E+1, T+1 or R
+_ROUTING_SHAPES = (("expert_offsets", "E+1"), ("token_offsets", "T+1"), ("row_token", "R"), ("row_pair", "R"),
+                   ("pair_row", "R"), ("token_rows", "R"), ("slot_pair", "R"))
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
+def _check_float(name: str, t: torch.Tensor, allow_float64: bool = False) -> None:
+    """TypeError naming ``name`` unless ``t`` is a bf16/fp16/fp32 tensor (or float64 when allowed)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if t.dtype in SUPPORTED_DTYPES or (allow_float64 and t.dtype == torch.float64):
+        return
+    if t.dtype == torch.float64:
+        raise TypeError(f"{name} is float64, which only backend='torch' runs; the triton kernels take "
+                        "bfloat16, float16 or float32")
+    raise TypeError(f"{name} must be bfloat16, float16 or float32 (float64 with backend='torch'), got {t.dtype}")
+
+
+def _check_routing(routing: Routing, t: int, e: int, device: torch.device) -> None:
+    """Type, sizes, dtypes, shapes and device of the routing metadata (no values read: no sync)."""
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a sonicmoe.Routing (from routing_from_topk or routing_from_pairs), "
+                        f"got {type(routing).__name__}")
+    if routing.num_tokens != t:
+        raise ValueError(f"routing is for T={routing.num_tokens} tokens but x has T={t}")
+    if routing.num_experts != e:
+        raise ValueError(f"routing is for E={routing.num_experts} experts but w1 has E={e}")
+    r = routing.num_rows
+    sizes = {"E+1": e + 1, "T+1": t + 1, "R": r}
+    for field, letter in _ROUTING_SHAPES:
+        v = getattr(routing, field)
+        if v is None and field == "slot_pair":
+            continue
+        if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex \
+                or v.dtype == torch.bool:
+            what = v.dtype if isinstance(v, torch.Tensor) else type(v).__name__
+            raise TypeError(f"routing.{field} must be an integer tensor, got {what}")
+        if v.device != device:
+            raise ValueError(f"routing is on {v.device} (routing.{field}) but x is on {device}")
+        if tuple(v.shape) != (sizes[letter],):
+            raise ValueError(f"routing.{field} must have shape ({letter}={sizes[letter]},), got {tuple(v.shape)}")
 
 
 def check_expert_inputs(
@@ -31,52 +65,57 @@ def check_expert_inputs(
     b2: torch.Tensor | None,
     pair_scores: torch.Tensor | None = None,
     routing: Routing | None = None,
+    *,
+    allow_float64: bool = False,
 ) -> None:
-    """Validate shapes, dtypes and devices; raise ValueError/TypeError naming the argument."""
-    _check_float("x", x)
+    """Validate types, shapes, dtypes and devices; raise TypeError/ValueError naming the argument.
+
+    Reads no tensor values (no host sync). Shapes: x (T, d); w1 (E, 2n, d); w2 (E, d, n); b1 (E, 2n);
+    b2 (E, d); pair_scores (R,); ``routing`` for T tokens and E experts with arrays of E+1, T+1 and R
+    entries. x, w1, w2 and the biases share one dtype (bf16/fp16/fp32, or float64 when
+    ``allow_float64``); pair_scores may have any of those dtypes.
+    """
+    _check_float("x", x, allow_float64)
     if x.dim() != 2:
         raise ValueError(f"x must have shape (T, d), got {tuple(x.shape)}")
     t, d = x.shape
-    _check_float("w1", w1)
+    _check_float("w1", w1, allow_float64)
     if w1.dim() != 3 or w1.shape[2] != d or w1.shape[1] % 2:
         raise ValueError(
             f"w1 must have shape (E, 2n, d={d}) to match x {tuple(x.shape)}, got {tuple(w1.shape)}"
         )
     e, two_n, _ = w1.shape
-    _check_float("w2", w2)
+    _check_float("w2", w2, allow_float64)
     if tuple(w2.shape) != (e, d, two_n // 2):
         raise ValueError(f"w2 must have shape (E={e}, d={d}, n={two_n // 2}), got {tuple(w2.shape)}")
     for name, b, shape in (("b1", b1, (e, two_n)), ("b2", b2, (e, d))):
         if b is not None:
-            _check_float(name, b)
+            _check_float(name, b, allow_float64)
             if tuple(b.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
     for name, p in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("pair_scores", pair_scores)):
-        if p is not None and p.device != x.device:
+        if isinstance(p, torch.Tensor) and p.device != x.device:
             raise ValueError(f"{name} is on {p.device} but x is on {x.device}; put them on one device")
     for name, p in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
         if p is not None and p.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {p.dtype} but x has {x.dtype}; use one dtype")
     if routing is not None:
-        if routing.num_tokens != t:
-            raise ValueError(f"routing is for T={routing.num_tokens} tokens but x has T={t}")
-        if routing.num_experts != e:
-            raise ValueError(f"routing is for E={routing.num_experts} experts but w1 has E={e}")
-        if routing.expert_offsets.device != x.device:
-            raise ValueError(f"routing is on {routing.expert_offsets.device} but x is on {x.device}")
+        _check_routing(routing, t, e, x.device)
     if pair_scores is not None:
-        _check_float("pair_scores", pair_scores)
+        _check_float("pair_scores", pair_scores, allow_float64)
         r = routing.num_rows if routing is not None else pair_scores.shape[0]
         if pair_scores.dim() != 1 or pair_scores.shape[0] != r:
             raise ValueError(f"pair_scores must have shape (R={r},), got {tuple(pair_scores.shape)}")
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere (and under torch.func/meta)."""
+    """``auto`` -> ``triton`` for CUDA tensors in bf16/fp16/fp32, ``torch`` otherwise (CPU, meta, float64)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
+        return "triton" if x.is_cuda and x.dtype in SUPPORTED_DTYPES else "torch"
     return backend
 
 
@@ -97,25 +136,40 @@ def experts(
     O_t = Σ_{pairs p of token t} S_p · (W2[e_p] SwiGLU(W1[e_p] x_t + b1[e_p]) + b2[e_p]).
 
     Args:
-        x: (T, d) bf16/fp16/fp32.
+        x: (T, d) bf16/fp16/fp32 (float64 with ``backend="torch"``).
         w1: (E, 2n, d) gate/up projection; ``gate_up_layout`` ``"concat"`` ([gate; up] rows) or
             ``"interleaved"`` (row 2i gate, 2i+1 up).
         w2: (E, d, n) down projection.
         routing: :class:`~sonicmoe.routing.Routing` of R pairs (top-k or general routing).
-        pair_scores: (R,) score S of each pair, differentiable.
+        pair_scores: (R,) score S of each pair, differentiable; any of the float dtypes above.
         b1, b2: optional expert biases (E, 2n), (E, d).
-        backend: ``"triton"``, ``"torch"`` or ``"auto"``.
+        backend: ``"triton"``, ``"torch"`` or ``"auto"`` (triton for CUDA tensors in bf16/fp16/fp32,
+            torch otherwise: CPU, meta, float64).
 
     Returns:
         O (T, d) in x's dtype.
 
+    Input contract:
+        * dtypes: x, w1, w2, b1, b2 share one of bf16/fp16/fp32; float64 only with the torch backend
+          (the Triton kernels have no float64 path; ``auto`` picks torch for float64).
+        * strides: any; non-contiguous inputs (e.g. a transposed view of W1) are read through
+          contiguous copies made internally. Nothing the caller passes is modified.
+        * routing: validated for type, sizes, shapes, dtypes and device without reading values
+          (no host sync). Index *values* are not checked here — build it with
+          ``routing_from_pairs(..., check=True)`` (which synchronises) to have them checked.
+        * non-finite values are not checked (that would sync): NaN/Inf in x_t, or in the score of a
+          pair of token t, propagate to O_t only; every other token's output stays as without them.
+          In the backward they reach dX_t and dS of token t's pairs, and the weight gradients of the
+          experts token t was routed to.
+
     Raises:
-        TypeError: unsupported dtype or mixed dtypes. ValueError: a shape or device mismatch.
+        TypeError: unsupported or mixed dtypes, non-tensor arguments, a ``routing`` of the wrong type.
+        ValueError: a shape, size or device mismatch, an unknown ``backend`` or ``gate_up_layout``.
     """
-    check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing)
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     backend = resolve_backend(backend, x)
+    check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=backend == "torch")
     if backend == "torch":
         from .ops.torch_experts import experts_torch
 
@@ -151,14 +205,22 @@ def moe(
     """The MoE layer with top-k routing: router, experts, aggregation (SPEC §2).
 
     Args:
-        x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
-        top_k: K in [1, E].
+        x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout`` (``"concat"``: rows
+        [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up). w2: (E, d, n).
+        b1, b2: optional (E, 2n), (E, d). top_k: K in [1, E].
+
+    Same input contract as :func:`experts` (dtypes, strides, non-finite values); router_weight may
+    have any of the float dtypes the backend takes. No host sync: the routing comes from the router,
+    so its indices are in range by construction.
 
     Raises:
-        TypeError, ValueError: as :func:`experts`; ValueError for top_k out of range.
+        TypeError, ValueError: as :func:`experts`; ValueError for top_k out of range (or not an int).
     """
-    check_expert_inputs(x, w1, w2, b1, b2)  # x, w1, w2, biases first: the messages name the culprit
-    _check_float("router_weight", router_weight)
+    backend = resolve_backend(backend, x)
+    allow_float64 = backend == "torch"
+    # x, w1, w2, biases first: the messages name the culprit
+    check_expert_inputs(x, w1, w2, b1, b2, allow_float64=allow_float64)
+    _check_float("router_weight", router_weight, allow_float64)
     e = w1.shape[0]
     if router_weight.dim() != 2 or tuple(router_weight.shape) != (e, x.shape[1]):
         raise ValueError(
@@ -166,8 +228,10 @@ def moe(
         )
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= e:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
         raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize)
     routing = routing_from_topk(router.topk_ids, e)
     out = experts(x, w1, w2, routing, router.topk_scores.reshape(-1), b1, b2,

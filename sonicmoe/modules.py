@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
-from .functional import _check_float, experts, resolve_backend
+from .functional import SUPPORTED_DTYPES, _check_float, experts, resolve_backend
 from .routing import load_balancing_loss, router_topk, routing_from_pairs, routing_from_topk, z_loss
 
 
@@ -62,9 +62,16 @@ class MoE(nn.Module):
     Args: as :class:`~sonicmoe.config.MoEConfig` (``hidden_size``, ``intermediate_size``,
     ``num_experts``, ``top_k``, ...), plus ``device`` and ``dtype`` of the parameters (``meta`` works).
 
+    Inputs: x of any float dtype the backends know (bf16/fp16/fp32/float64) and any strides; it is
+    cast to the parameters' dtype for the computation and the output cast back. The parameters must
+    be bf16/fp16/fp32 for the triton backend; float64 parameters need ``backend="torch"`` (``"auto"``
+    picks it). NaN/Inf in one token's x reach that token's output only (see :func:`sonicmoe.experts`).
+    The forward reads no tensor values on the top-k path (no host sync; token rounding has one).
+
     Raises:
         ValueError: bad options; x whose last dimension is not hidden_size; x on another device.
-        TypeError: x not floating point (bf16/fp16/fp32).
+        TypeError: x not floating point (bf16/fp16/fp32/float64); float64 parameters with the triton
+            backend.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -88,7 +95,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        _check_float("x", x)
+        _check_float("x", x, allow_float64=True)
         if x.dim() < 1 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"x must have shape (..., hidden_size={c.hidden_size}), got {tuple(x.shape)}")
         if x.device != self.gate.weight.device:
@@ -113,6 +120,9 @@ class MoE(nn.Module):
         backend = resolve_backend(c.backend, x2)
         if x2.device.type == "meta":
             backend = "torch"
+        if backend == "triton" and x2.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"the MoE parameters are {x2.dtype}, which backend='triton' does not run; use "
+                            "bfloat16/float16/float32 parameters or backend='torch'")
         ex = self.experts
         out = experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
                       ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend)

@@ -20,6 +20,7 @@ Invariants (tested in tests/test_routing.py):
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,7 @@ def routing_from_pairs(
     num_experts: int,
     *,
     token_major: bool = False,
+    check: bool = False,
 ) -> Routing:
     """Build :class:`Routing` for general routing: any R (token, expert) pairs (SPEC §5.4).
 
@@ -100,15 +102,39 @@ def routing_from_pairs(
         num_tokens: T.
         num_experts: E.
         token_major: promise that ``pair_token`` is non-decreasing (skips one sort).
+        check: also verify the index ranges with :func:`check_pairs` (ValueError naming the argument).
+            This **synchronises** with the device (min/max are read back to the host), so it is off
+            by default; leave it off inside ``torch.compile`` regions and CUDA-graph captures.
 
-    Pairs must be unique; a token may have any number (0..E) of experts. No host sync; the index
-    ranges are checked by :func:`check_pairs` (which does synchronise) at the public entry points.
+    Pairs must be unique; a token may have any number (0..E) of experts. Without ``check`` nothing is
+    read back (no host sync) and the ranges are the caller's promise: an out-of-range token index
+    makes the kernels read out of bounds, an out-of-range expert index leaves rows that no expert
+    computes (their uninitialised values reach the output). Shapes, dtypes and devices are always
+    checked (no sync).
+
+    Raises:
+        TypeError: non-tensor or non-integer (float, complex, bool) indices.
+        ValueError: indices not 1-D of one length R, on different devices, num_tokens < 0 or
+            num_experts < 1; with ``check``, an index out of range.
     """
+    for name, idx in (("pair_token", pair_token), ("pair_expert", pair_expert)):
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(idx).__name__}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {idx.dtype}")
     if pair_token.dim() != 1 or pair_expert.shape != pair_token.shape:
         raise ValueError(
             f"pair_token and pair_expert must be 1-D of the same length R, got {tuple(pair_token.shape)}"
             f" and {tuple(pair_expert.shape)}"
         )
+    if pair_expert.device != pair_token.device:
+        raise ValueError(f"pair_expert is on {pair_expert.device} but pair_token is on {pair_token.device}; "
+                         "put them on one device")
+    for name, v, lo in (("num_tokens", num_tokens, 0), ("num_experts", num_experts, 1)):
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if check:
+        check_pairs(pair_token, pair_expert, num_tokens, num_experts)
     device = pair_token.device
     pair_expert = pair_expert.to(INDEX_DTYPE)
     pair_token = pair_token.to(INDEX_DTYPE)
@@ -184,6 +210,7 @@ def router_topk(
     *,
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
+    use_kernel: bool | None = None,
 ) -> RouterOutput:
     """Top-k token-choice router (SPEC §2), computed in float32 (float64 inputs stay float64).
 
@@ -194,12 +221,35 @@ def router_topk(
         router_order: ``"topk_then_softmax"``: S = softmax over the K chosen logits.
             ``"softmax_then_topk"``: S = the chosen entries of softmax over all E logits, divided by
             their sum when ``renormalize``.
+        use_kernel: pick the top-K and compute S (T, K) with the fused Triton router kernel
+            (:func:`sonicmoe.ops.router.topk_router`) from the (T, E) logits. ``None`` (default): on
+            CUDA when the environment sets SONICMOE_ROUTER_KERNEL=1 (opt-in until the kernel has been
+            timed and validated on a GPU; torch.topk + softmax otherwise). ``True``: on CUDA, and
+            on CPU under the Triton interpreter (TRITON_INTERPRET=1; tests).
+            ``False``: always torch.topk + softmax. float64 logits always take the torch path.
+
+    The logits GEMM X W_rᵀ and ``probs`` (softmax over all E, for the load-balancing loss) are torch
+    ops on every path; logits, probs and S all carry autograd.
     """
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     logits = F.linear(x.to(compute_dtype), router_weight.to(compute_dtype))
     probs = torch.softmax(logits, dim=-1)
+    if use_kernel is None:
+        use_kernel = os.environ.get("SONICMOE_ROUTER_KERNEL", "0") == "1"
+    kernel = use_kernel is not False and logits.dtype == torch.float32
+    if kernel and not logits.is_cuda:  # CPU: only when asked for, and only under the interpreter
+        kernel = use_kernel is True and logits.device.type == "cpu"
+        if kernel:
+            from .ops.common import interpreting  # imports triton: lazily, off the default CPU path
+
+            kernel = interpreting()
+    if kernel:
+        from .ops.router import topk_router
+
+        topk_ids, scores = topk_router(logits, top_k, router_order, renormalize)
+        return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
     top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
     if router_order == "topk_then_softmax":
         scores = torch.softmax(top_logits, dim=-1)

@@ -14,7 +14,6 @@ import sonicmoe
 from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
 from sonicmoe.ops.dh import dh, dh_ref
 from sonicmoe.ops.grouped_gemm import down_proj, down_proj_ref, varlen_m_gemm, varlen_m_gemm_ref
-from sonicmoe.ops.moe_function import MoEExpertsFunction
 from sonicmoe.ops.up_proj import up_proj, up_proj_ref
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
@@ -177,24 +176,39 @@ def test_general_routing_layer(device):
 
 
 def test_memory_contract(device):
-    """Backward saves X, H, S (row order), weights and int routing metadata: no (R, d) tensor, no A."""
+    """Backward saves X, H, S (row order), weights and int routing metadata: no (R, d) tensor, no A.
+
+    Everything any autograd node packs while ``sonicmoe.experts`` runs is recorded through
+    ``saved_tensors_hooks`` (the custom op's autograd formula saves through ``ctx.save_for_backward``,
+    and nothing else in the call may save anything)."""
     t, d, n, e, k = 33, 48, 16, 4, 2  # d != n, 2n so (R, d), (R, n), (R, 2n) are told apart
     p = random_problem(t, d, n, e, device=device, seed=4)
     _, routing = _topk_routing(p, k, device)
     r = routing.num_rows
     x = p["x"].clone().requires_grad_(True)
     scores = torch.rand(r, device=device, requires_grad=True)
-    out = sonicmoe.experts(x, p["w1"], p["w2"], routing, scores, backend="triton")
-    assert isinstance(out.grad_fn, MoEExpertsFunction._backward_cls)
-    saved = [s for s in out.grad_fn.saved_tensors if s is not None]
+    saved = []
+
+    def pack(s):
+        saved.append(s)
+        return s
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+        out = sonicmoe.experts(x, p["w1"], p["w2"], routing, scores, backend="triton")
+    assert out.grad_fn.name().startswith("GeneratedBackwardFor_sonicmoe_experts_fwd")
+    key = lambda s: (s.data_ptr(), tuple(s.shape), s.dtype)
+    assert [key(s) for s in saved] == [key(s) for s in out.grad_fn.saved_tensors if s is not None]
     float_shapes = sorted(tuple(s.shape) for s in saved if s.dtype.is_floating_point)
     assert float_shapes == sorted([(t, d), (r, 2 * n), (r,), (e, 2 * n, d), (e, d, n)])
+    assert any(s.data_ptr() == x.data_ptr() for s in saved), "X is saved as the caller's tensor, not a copy"
     for s in saved:
         if not s.dtype.is_floating_point:
             assert s.dtype == torch.int32 and s.dim() == 1 and s.numel() <= max(r, t + 1, e + 1)
     activation_bytes = sum(s.numel() * s.element_size() for s in saved
                            if s.dtype.is_floating_point and s.dim() < 3)
     assert activation_bytes == (t * d + r * 2 * n + r) * 4  # fp32 here: 2Td + 4TKn bytes in bf16 + S
+    out.backward(torch.randn_like(out))  # and the saved tensors suffice for the backward
+    assert x.grad is not None and scores.grad is not None
 
 
 def test_deterministic_and_no_mutation(device):

@@ -1,0 +1,247 @@
+"""The Triton expert path as PyTorch custom operators (``torch.library``, namespace ``sonicmoe``).
+
+Two operators, both opaque to ``torch.compile`` (dynamo and AOTAutograd see one node each; the Triton
+kernels run inside) and capturable in CUDA graphs (no host synchronisation, no data-dependent shapes):
+
+``sonicmoe::experts_fwd(x, w1, w2, b1?, b2?, pair_scores, expert_offsets, row_token, row_pair, pair_row,
+token_offsets, token_rows, slot_pair?, gate_up_layout, save_h) -> (out, h)``
+    The forward of SPEC §3: up-projection with the gather and SwiGLU fused (H, A), down-projection
+    (Y), aggregation O_t = Σ S · Y. Returns O (T, d) and H (R, 2n) — or an empty (0, 2n) H when
+    ``save_h`` is False (inference: the up-projection then never writes H). A and Y are freed inside.
+
+``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, row_scores, expert_offsets, row_token, pair_row,
+token_offsets, token_rows, gate_up_layout, scores_dtype, needs) -> (dx, dw1, dw2, db1, db2, dscores)``
+    The backward of SPEC §4 (dH kernel, dW2, dX̃, dW1, dX aggregation, bias terms). ``needs`` holds six
+    bools, one per output; an output that is not needed (or a bias that does not exist) is returned as
+    an empty (0,) tensor and not computed.
+
+Shapes (letters of SPEC §1): x (T, d); w1 (E, 2n, d) with gate/up rows in ``gate_up_layout``
+(``"concat"``: rows [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up); w2 (E, d, n);
+b1 (E, 2n); b2 (E, d); pair_scores (R,); the int32 routing arrays of :class:`~sonicmoe.routing.Routing`
+(expert_offsets (E+1,), token_offsets (T+1,), the others (R,)); H (R, 2n) in W1's layout;
+row_scores (R,) float32 scores in row (expert-major) order. Every output shape follows from the input
+shapes, so the fake (meta) implementations need no data.
+
+The autograd formula of ``experts_fwd`` is registered here too (:func:`torch.library.register_autograd`),
+with ``experts_bwd`` as its backward; :func:`_setup_context` documents the memory contract.
+Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton` / :func:`sonicmoe.experts`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import GATE_UP_LAYOUTS
+from ..routing import Routing
+from .aggregation import gather_sum
+from .dh import dh
+from .grouped_gemm import down_proj, varlen_m_gemm
+from .up_proj import up_proj
+from .weight_grad import varlen_k_gemm
+
+# the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)
+FWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows",
+                      "slot_pair")
+# the subset the backward reads (row_pair and slot_pair only map scores, which are saved in row order)
+BWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "pair_row", "token_offsets", "token_rows")
+
+
+def _routing(num_tokens: int, num_experts: int, **arrays: Tensor | None) -> Routing:
+    """A :class:`Routing` from the operator's tensors (made contiguous: the kernels index them flat)."""
+    fields = {f: (None if v is None else v.contiguous()) for f, v in arrays.items()}
+    fields.setdefault("row_pair", None)  # the backward has no use for it
+    return Routing(num_tokens=num_tokens, num_experts=num_experts, **fields)
+
+
+def _check_layout(gate_up_layout: str) -> None:
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+
+
+def _f32(t: Tensor) -> Tensor:
+    """``t`` as float32 (no ``.float()`` call when it already is: an op below autograd that returned its
+    input unchanged would break the custom op's no-aliasing contract)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The (0,) placeholder returned for a gradient nobody asked for."""
+    return like.new_empty((0,), dtype=dtype if dtype is not None else like.dtype)
+
+
+# ------------------------------------------------------------------------------------------- forward
+
+
+def experts_fwd_impl(
+    x: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    b1: Tensor | None,
+    b2: Tensor | None,
+    pair_scores: Tensor,
+    expert_offsets: Tensor,
+    row_token: Tensor,
+    row_pair: Tensor,
+    pair_row: Tensor,
+    token_offsets: Tensor,
+    token_rows: Tensor,
+    slot_pair: Tensor | None,
+    gate_up_layout: str,
+    save_h: bool,
+) -> tuple[Tensor, Tensor]:
+    """Eager implementation of ``sonicmoe::experts_fwd`` (CUDA, or CPU under TRITON_INTERPRET=1):
+    O (T, d) and H (R, 2n) — or (0, 2n) without ``save_h`` — on the Triton kernels (SPEC §3)."""
+    _check_layout(gate_up_layout)
+    routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
+                       row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
+                       token_rows=token_rows, slot_pair=slot_pair)
+    h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
+    y = down_proj(a, w2, b2, routing)
+    del a
+    out = gather_sum(y, routing, _f32(routing.slot_scores(pair_scores)).contiguous())
+    del y
+    if h is None:
+        h = x.new_empty((0, w1.shape[1]))
+    return out, h
+
+
+experts_fwd = torch.library.custom_op("sonicmoe::experts_fwd", experts_fwd_impl, mutates_args=())
+
+
+@experts_fwd.register_fake
+def _experts_fwd_fake(x, w1, w2, b1, b2, pair_scores, expert_offsets, row_token, row_pair, pair_row,
+                      token_offsets, token_rows, slot_pair, gate_up_layout, save_h):
+    out = x.new_empty(x.shape)
+    h = x.new_empty((row_token.shape[0] if save_h else 0, w1.shape[1]))
+    return out, h
+
+
+# ------------------------------------------------------------------------------------------ backward
+
+
+def experts_bwd_impl(
+    dout: Tensor,
+    x: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    b1: Tensor | None,
+    b2: Tensor | None,
+    h: Tensor,
+    row_scores: Tensor,
+    expert_offsets: Tensor,
+    row_token: Tensor,
+    pair_row: Tensor,
+    token_offsets: Tensor,
+    token_rows: Tensor,
+    gate_up_layout: str,
+    scores_dtype: torch.dtype,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Eager implementation of ``sonicmoe::experts_bwd`` (SPEC §4): (dX (T, d), dW1 (E, 2n, d),
+    dW2 (E, d, n), db1 (E, 2n), db2 (E, d), dS (R,) in pair order and ``scores_dtype``).
+
+    ``needs`` = six bools in that order; an unneeded output is an empty (0,) tensor.
+    """
+    _check_layout(gate_up_layout)
+    need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
+    need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+    routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
+                       pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
+    dout = dout.contiguous()
+    dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout)
+    dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
+    db1 = _empty(b1) if b1 is not None else _empty(x)
+    db2 = _empty(b2) if b2 is not None else _empty(x)
+    dscores = _empty(row_scores, scores_dtype)
+    if need_s:
+        if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩
+            dob2 = dout.float() @ b2.float().t()
+            ds = ds + dob2[routing.row_token.long(), routing.row_expert()]
+        dscores = ds[routing.pair_row.long()].to(scores_dtype)
+    del ds
+    if need_w2:
+        dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
+    if need_b2:  # db2[e] = Σ_t S dO_t
+        s_col = row_scores.to(dout.dtype)[:, None]
+        db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
+    del a_prime
+    if need_x:
+        dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+    if need_w1:
+        dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    if need_b1:  # db1[e] = Σ dH rows of e
+        ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
+        db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
+    return dx, dw1, dw2, db1, db2, dscores
+
+
+experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())
+
+
+@experts_bwd.register_fake
+def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, row_scores, expert_offsets, row_token, pair_row,
+                      token_offsets, token_rows, gate_up_layout, scores_dtype, needs):
+    need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
+    dx = x.new_empty(x.shape) if need_x else _empty(x)
+    dw1 = w1.new_empty(w1.shape) if need_w1 else _empty(w1)
+    dw2 = w2.new_empty(w2.shape) if need_w2 else _empty(w2)
+    db1 = b1.new_empty(b1.shape) if need_b1 and b1 is not None else _empty(b1 if b1 is not None else x)
+    db2 = b2.new_empty(b2.shape) if need_b2 and b2 is not None else _empty(b2 if b2 is not None else x)
+    dscores = row_scores.new_empty(pair_row.shape, dtype=scores_dtype) if need_s else _empty(row_scores,
+                                                                                             scores_dtype)
+    return dx, dw1, dw2, db1, db2, dscores
+
+
+# ------------------------------------------------------------------------------------------ autograd
+
+_NUM_FWD_INPUTS = 15  # x, w1, w2, b1, b2, pair_scores, 7 routing arrays, gate_up_layout, save_h
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    """Autograd of ``sonicmoe::experts_fwd``: what the backward keeps (the memory contract).
+
+    Saved (``ctx.save_for_backward``), and nothing else:
+        * X (T, d) — the layer input as the caller passed it (the caller holds it anyway);
+        * H (R, 2n) — the up-projection output before the activation, in W1's gate/up layout;
+        * S in row order (R,) float32;
+        * the routing metadata the backward reads (int32: expert_offsets (E+1,), row_token (R,),
+          pair_row (R,), token_offsets (T+1,), token_rows (R,));
+        * the weights W1 (E, 2n, d), W2 (E, d, n) and biases b1 (E, 2n), b2 (E, d) — parameters,
+          not activations.
+    So the activations held are 2Td + 4Rn bytes in bf16 (2Td + 4TKn under top-k; plus S and the
+    metadata), the same as a dense MLP with the same activated parameters; never gathered X, A, Y or
+    any (R, d) tensor. H is a non-differentiable output, and its gradient is never materialised.
+
+    Backward (``sonicmoe::experts_bwd``, 5 kernels): dH kernel (dA′ = dO W2[e] with dO rows gathered,
+    A recomputed from H, dS = ⟨dA′, A⟩, dH, A′ = S·A); dW2 and dW1 varlen-K GEMMs with row gathers;
+    dX̃ = dH W1[e]; dX gather-and-sum. Biases: dS += ⟨dO_t, b2[e]⟩, db2[e] = Σ S dO_t,
+    db1[e] = Σ dH rows. Everything is deterministic (no atomics); only the gradients that
+    ``ctx.needs_input_grad`` asks for are computed.
+    """
+    x, w1, w2, b1, b2, pair_scores, *routing_arrays, gate_up_layout, save_h = inputs
+    arrays = dict(zip(FWD_ROUTING_FIELDS, routing_arrays, strict=True))
+    _, h = output
+    if not save_h:
+        raise ValueError("sonicmoe::experts_fwd needs save_h=True when gradients are required "
+                         "(the backward reads H)")
+    row_scores = _f32(pair_scores[arrays["row_pair"].long()])  # S in row order, (R,) float32
+    ctx.save_for_backward(x, h, row_scores, w1, w2, b1, b2, *(arrays[f] for f in BWD_ROUTING_FIELDS))
+    ctx.gate_up_layout = gate_up_layout
+    ctx.scores_dtype = pair_scores.dtype
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)  # no zero-filled (R, 2n) gradient for the unused H output
+
+
+def _backward(ctx, dout, _dh):
+    needs = [bool(v) for v in ctx.needs_input_grad[:6]]
+    if dout is None or not any(needs):
+        return (None,) * _NUM_FWD_INPUTS
+    x, h, row_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
+    grads = torch.ops.sonicmoe.experts_bwd(dout, x, w1, w2, b1, b2, h, row_scores, *routing_arrays,
+                                           ctx.gate_up_layout, ctx.scores_dtype, needs)
+    # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
+    return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))
+
+
+experts_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,257 @@
+"""Fused top-k + softmax router kernel, for both score orders (SPEC §2 router; §4 router backward).
+
+The router GEMM logits = X W_rᵀ stays in torch; this op takes the (T, E) float32 logits and, per
+token, picks the top-K experts and computes their scores S (T, K) in one pass over the logits:
+
+* ``"topk_then_softmax"`` (SonicMoE): S = softmax over the K chosen logits;
+* ``"softmax_then_topk"`` (Qwen3/OLMoE/Mixtral): S = the chosen entries of the softmax over all E
+  logits, divided by their sum when ``renormalize``.
+
+Forward kernel: one program owns BLOCK_T tokens and holds all E logits of each in registers (E_P2 =
+next power of two of E, padded with -inf); K rounds of argmax-and-mask pick the experts by
+decreasing logit, ties broken toward the lower expert index (torch.topk's order for distinct values;
+a NaN logit ranks first, as in torch.topk). Outputs: ids (T, K) int64, S (T, K) float32.
+
+Backward kernel (d S (T, K) -> d logits (T, E), zero outside the chosen experts except where noted),
+with g = d S, s = S and dot_t = Σ_k s_k g_k:
+
+* topk_then_softmax: d logit[e_k] = s_k (g_k − dot);
+* softmax_then_topk: d logits = p ⊙ (G − dot) over all E, p = softmax over all E (recomputed from
+  the logits), G = g scattered to the chosen experts (Σ_e p_e G_e = dot because s_k = p[e_k]);
+* softmax_then_topk with renormalize: s_k = p[e_k] / P, P = Σ_chosen p. Through the renormalisation,
+  ∂L/∂p[e_j] = (g_j − dot) / P at the chosen experts (0 elsewhere); through the softmax,
+  d logits = p ⊙ (∂L/∂p − Σ_e p_e ∂L/∂p_e), and Σ_e p_e ∂L/∂p_e = Σ_j s_j (g_j − dot) = 0 since
+  Σ_j s_j = 1, so d logit[e_j] = s_j (g_j − dot): the topk_then_softmax formula (the two orders are
+  the same function of the logits when renormalising).
+
+Everything is deterministic (no atomics) and free of host synchronisation. E > 1024 falls back to
+the torch twin :func:`topk_router_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import ROUTER_ORDERS
+from .common import check_device, interpreting, new_output, next_pow2
+
+MAX_KERNEL_EXPERTS = 1024  # above this the launcher falls back to torch (registers hold all E logits)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _topk_router_fwd_kernel(
+    logits_ptr, ids_ptr, scores_ptr,
+    T, E, stride_lt, stride_it, stride_st,
+    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < T
+    t64 = t.to(tl.int64)
+    e = tl.arange(0, E_P2)
+    mask_e = e < E
+    x = tl.load(logits_ptr + t64[:, None] * stride_lt + e[None, :], mask=mask_t[:, None] & mask_e[None, :],
+                other=0.0).to(tl.float32)
+    x = tl.where(mask_e[None, :], x, float("-inf"))  # (BLOCK_T, E_P2), padded experts at -inf
+    key = tl.where(x != x, float("inf"), x)  # selection key: NaN ranks first, as in torch.topk
+    kk = tl.arange(0, K_P2)
+    avail = tl.broadcast_to(mask_e[None, :], (BLOCK_T, E_P2))
+    top_val = tl.full((BLOCK_T, K_P2), float("-inf"), tl.float32)
+    top_idx = tl.zeros((BLOCK_T, K_P2), dtype=tl.int32)
+    for k in range(K):
+        # argmax over the experts not yet chosen; ties -> lowest index. `avail` (not a -inf mark) keeps
+        # chosen experts out even when the remaining logits are all -inf.
+        cand = tl.where(avail, key, float("-inf"))
+        m = tl.max(cand, axis=1)
+        idx = tl.min(tl.where(avail & (cand == m[:, None]), e[None, :], E_P2), axis=1)
+        top_val = tl.where(kk[None, :] == k, m[:, None], top_val)
+        top_idx = tl.where(kk[None, :] == k, idx[:, None], top_idx)
+        avail = avail & (e[None, :] != idx[:, None])
+    valid_k = kk[None, :] < K
+    row_max = tl.max(top_val, axis=1)  # the first choice: the max over all E logits
+    ex = tl.exp(top_val - row_max[:, None])  # padded slots: exp(-inf) = 0
+    if SOFTMAX_FIRST:
+        z = tl.sum(tl.exp(x - row_max[:, None]), axis=1)  # padded experts contribute exp(-inf) = 0
+        s = ex / z[:, None]
+        if RENORMALIZE:
+            s = s / tl.sum(tl.where(valid_k, s, 0.0), axis=1)[:, None]
+    else:
+        s = ex / tl.sum(ex, axis=1)[:, None]
+    out_mask = mask_t[:, None] & valid_k
+    tl.store(ids_ptr + t64[:, None] * stride_it + kk[None, :], top_idx.to(tl.int64), mask=out_mask)
+    tl.store(scores_ptr + t64[:, None] * stride_st + kk[None, :], s, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _topk_router_bwd_kernel(
+    logits_ptr, ids_ptr, scores_ptr, dscores_ptr, dlogits_ptr,
+    T, E, stride_lt, stride_it, stride_st, stride_gt, stride_dt,
+    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    DENSE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < T
+    t64 = t.to(tl.int64)
+    kk = tl.arange(0, K_P2)
+    mask_tk = mask_t[:, None] & (kk[None, :] < K)
+    s = tl.load(scores_ptr + t64[:, None] * stride_st + kk[None, :], mask=mask_tk, other=0.0)
+    g = tl.load(dscores_ptr + t64[:, None] * stride_gt + kk[None, :], mask=mask_tk, other=0.0).to(tl.float32)
+    ids = tl.load(ids_ptr + t64[:, None] * stride_it + kk[None, :], mask=mask_tk, other=0).to(tl.int32)
+    dot = tl.sum(s * g, axis=1)  # (BLOCK_T,) Σ_k s_k g_k
+    e = tl.arange(0, E_P2)
+    mask_e = e < E
+    # per-slot values scattered to their experts: g (DENSE) or s (g − dot) (sparse orders)
+    if DENSE:
+        slot = g
+    else:
+        slot = s * (g - dot[:, None])
+    scat = tl.zeros((BLOCK_T, E_P2), dtype=tl.float32)
+    for k in range(K):
+        sel = kk[None, :] == k
+        v = tl.sum(tl.where(sel, slot, 0.0), axis=1)
+        ek = tl.sum(tl.where(sel, ids, 0), axis=1)
+        scat = tl.where(e[None, :] == ek[:, None], v[:, None], scat)
+    mask_te = mask_t[:, None] & mask_e[None, :]
+    if DENSE:
+        # softmax_then_topk without renormalisation: d logits = p ⊙ (G − dot), p over all E
+        x = tl.load(logits_ptr + t64[:, None] * stride_lt + e[None, :], mask=mask_te, other=0.0)
+        x = tl.where(mask_e[None, :], x, float("-inf"))
+        ex = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = ex / tl.sum(ex, axis=1)[:, None]
+        dl = p * (scat - dot[:, None])
+    else:
+        dl = scat
+    tl.store(dlogits_ptr + t64[:, None] * stride_dt + e[None, :], dl, mask=mask_te)
+
+
+def _meta(e_p2: int) -> dict:
+    """Tokens per program and warps: 2048 logits per program on GPU, which ptxas (sm_90) fits in
+    registers without spills for E_P2 = 128..1024 and K up to 32 (not autotuned or timed on a GPU yet;
+    the router is a small share of the layer). The interpreter takes 16 tokens per program."""
+    if interpreting():
+        return {"BLOCK_T": 16}
+    return {"BLOCK_T": max(1, min(32, 2048 // e_p2)), "num_warps": 4 if e_p2 <= 256 else 8}
+
+
+def _launch(kernel, t: int, e: int, args: dict, **const):
+    meta = _meta(next_pow2(e))
+    grid = (triton.cdiv(t, meta["BLOCK_T"]),)
+    kernel[grid](**args, T=t, E=e, E_P2=next_pow2(e), **const, **meta)
+
+
+def _forward(logits: torch.Tensor, top_k: int, softmax_first: bool, renormalize: bool):
+    t, e = logits.shape
+    ids = new_output((t, top_k), device=logits.device, dtype=torch.int64)
+    scores = new_output((t, top_k), device=logits.device, dtype=torch.float32)
+    if t > 0:
+        args = dict(logits_ptr=logits, ids_ptr=ids, scores_ptr=scores, stride_lt=logits.stride(0),
+                    stride_it=ids.stride(0), stride_st=scores.stride(0))
+        _launch(_topk_router_fwd_kernel, t, e, args, K=top_k, K_P2=next_pow2(top_k),
+                SOFTMAX_FIRST=softmax_first, RENORMALIZE=softmax_first and renormalize)
+    return ids, scores
+
+
+def _backward(logits, ids, scores, dscores, num_experts: int) -> torch.Tensor:
+    """d logits (T, E) from d S (T, K); ``logits`` is needed (not None) only for the dense case
+    (softmax_then_topk without renormalisation)."""
+    t, k = ids.shape
+    e = num_experts
+    dscores = dscores.contiguous()
+    dlogits = new_output((t, e), device=ids.device, dtype=torch.float32)
+    dense = logits is not None
+    if not dense:
+        logits = scores  # placeholder pointer, never read
+    if t > 0:
+        args = dict(logits_ptr=logits, ids_ptr=ids, scores_ptr=scores, dscores_ptr=dscores, dlogits_ptr=dlogits,
+                    stride_lt=logits.stride(0), stride_it=ids.stride(0), stride_st=scores.stride(0),
+                    stride_gt=dscores.stride(0), stride_dt=dlogits.stride(0))
+        _launch(_topk_router_bwd_kernel, t, e, args, K=k, K_P2=next_pow2(k), DENSE=dense)
+    return dlogits
+
+
+class TopKRouterFunction(torch.autograd.Function):
+    """(T, E) float32 logits -> (ids (T, K) int64, S (T, K) float32) on the fused kernel; backward
+    d S -> d logits (T, E) on the backward kernel (formulas in the module docstring).
+
+    Saves ids and S, plus the logits for softmax_then_topk without renormalisation (p over all E is
+    recomputed from them). Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, top_k: int, softmax_first: bool, renormalize: bool):
+        ids, scores = _forward(logits, top_k, softmax_first, renormalize)
+        ctx.mark_non_differentiable(ids)
+        dense = softmax_first and not renormalize
+        ctx.save_for_backward(logits if dense else None, ids, scores)
+        ctx.num_experts = logits.shape[1]
+        return ids, scores
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _dids, dscores):
+        logits, ids, scores = ctx.saved_tensors
+        return _backward(logits, ids, scores, dscores, ctx.num_experts), None, None, None
+
+
+def _check(logits: torch.Tensor, top_k: int, router_order: str) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D (T, E) tensor, got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if logits.dtype != torch.float32:
+        raise TypeError(f"logits must be float32, got {logits.dtype}")
+    e = logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
+    if router_order not in ROUTER_ORDERS:
+        raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
+
+
+def topk_router(
+    logits: torch.Tensor,
+    top_k: int,
+    router_order: str = "topk_then_softmax",
+    renormalize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K expert ids and scores S from router logits on the fused Triton kernel (SPEC §2).
+
+    Args:
+        logits: (T, E) float32 router logits X W_rᵀ, on CUDA (or CPU under TRITON_INTERPRET=1).
+        top_k: K in [1, E].
+        router_order: ``"topk_then_softmax"`` (S = softmax over the K chosen logits) or
+            ``"softmax_then_topk"`` (S = chosen entries of the softmax over all E).
+        renormalize: with ``"softmax_then_topk"``, divide S by its sum over the K chosen experts
+            (ignored by ``"topk_then_softmax"``, whose scores already sum to 1).
+    Returns:
+        topk_ids (T, K) int64, experts by decreasing logit (ties toward the lower index);
+        topk_scores (T, K) float32, differentiable with respect to ``logits``.
+    Raises:
+        ValueError / TypeError naming the argument. E > 1024 runs :func:`topk_router_ref` instead.
+    """
+    _check(logits, top_k, router_order)
+    if logits.shape[1] > MAX_KERNEL_EXPERTS:
+        return topk_router_ref(logits, top_k, router_order, renormalize)
+    check_device("logits", logits)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return TopKRouterFunction.apply(logits, top_k, router_order == "softmax_then_topk", bool(renormalize))
+
+
+def topk_router_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    router_order: str = "topk_then_softmax",
+    renormalize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch twin of :func:`topk_router` (torch.topk + softmax, as :func:`router_topk`'s torch
+    path): (T, E) logits -> (topk_ids (T, K) int64, topk_scores (T, K)), autograd through torch."""
+    top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+    if router_order == "topk_then_softmax":
+        return topk_ids, torch.softmax(top_logits, dim=-1)
+    scores = torch.softmax(logits, dim=-1).gather(1, topk_ids)
+    if renormalize:
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return topk_ids, scores

@@ -1,0 +1,233 @@
+"""The fused top-k + softmax router kernel (sonicmoe/ops/router.py, SPEC §2) against its torch twin.
+
+On CPU the kernels run through Triton's interpreter (float32). Logits are distinct within each row
+(a random permutation of the experts plus a jitter smaller than the gaps), so the top-K choice and
+its order are unambiguous and torch.topk's ids are matched exactly. Every output is poisoned with
+NaN before launch (SONICMOE_POISON_OUTPUTS=1), so an element no program writes fails.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import sonicmoe.ops.router as router_mod
+from sonicmoe.ops.common import new_output
+from sonicmoe.ops.router import TopKRouterFunction, topk_router, topk_router_ref
+from sonicmoe.routing import router_topk
+from sonicmoe.testing import rel_err
+
+pytestmark = pytest.mark.interpreter
+
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
+ORDER_IDS = ["topk_softmax", "softmax_topk", "softmax_topk_renorm"]
+# (T, E, K): T=1, K=1, K=E, E not a power of two, T not a multiple of the interpreter's BLOCK_T=16,
+# the largest kernel shape of the spec (E=512, K=32)
+SHAPES = [(1, 7, 1), (1, 7, 7), (16, 5, 1), (37, 60, 5), (20, 8, 8), (33, 128, 8), (3, 512, 32)]
+SHAPE_IDS = [f"T{t}-E{e}-K{k}" for t, e, k in SHAPES]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
+def distinct_logits(t: int, e: int, device="cpu", seed: int = 0) -> torch.Tensor:
+    """(T, E) float32 logits in about [-3, 3], all distinct within a row (gaps >= 3/E)."""
+    g = torch.Generator().manual_seed(seed)
+    rank = torch.rand(t, e, generator=g).argsort(dim=1).double()
+    jitter = 0.5 * torch.rand(t, e, generator=g, dtype=torch.float64)
+    return ((rank + jitter) * (6.0 / e) - 3.0).float().to(device)
+
+
+def names(arg: str) -> str:
+    """Regex: the message names ``arg`` as a word."""
+    return rf"(?<![\w.]){re.escape(arg)}(?!\w)"
+
+
+def _run(fn, logits, k, order, renorm, dscores):
+    """ids, scores and d logits of ``fn`` on a fresh leaf copy of ``logits``."""
+    leaf = logits.detach().clone().requires_grad_(True)
+    ids, scores = fn(leaf, k, order, renorm)
+    scores.backward(dscores)
+    return ids, scores.detach(), leaf.grad
+
+
+def _assert_grad_close(got, ref, dscores, tol):
+    """rel err < tol; where the true gradient is 0 (K=1 with scores summing to 1: S ≡ 1) the ref holds
+    only rounding noise (~1e-8 ‖d S‖), so the error is measured against ‖d S‖ instead."""
+    scale = float(ref.norm())
+    if scale < 1e-6 * float(dscores.norm()):
+        scale = float(dscores.norm())
+    assert torch.isfinite(got).all()
+    assert float((got.double() - ref.double()).norm()) < tol * scale
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS, ids=ORDER_IDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_matches_ref_forward_backward(shape, order, renorm, device):
+    t, e, k = shape
+    logits = distinct_logits(t, e, device, seed=t * 31 + e + k)
+    dscores = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(device)
+    ids, scores, dlogits = _run(topk_router, logits, k, order, renorm, dscores)
+    ids_ref, scores_ref, dlogits_ref = _run(topk_router_ref, logits, k, order, renorm, dscores)
+    assert ids.dtype == torch.int64 and ids.shape == (t, k)
+    assert scores.dtype == torch.float32 and scores.shape == (t, k)
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(scores, scores_ref) < 1e-6
+    assert dlogits.shape == (t, e) and dlogits.dtype == torch.float32
+    _assert_grad_close(dlogits, dlogits_ref, dscores, 1e-6)
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS, ids=ORDER_IDS)
+def test_router_topk_kernel_path_matches_torch_path(order, renorm, device):
+    """router_topk(use_kernel=True) == the torch path: ids, scores, and the gradients of X and W_r
+    through logits, S and probs (the load-balancing loss's input keeps its autograd)."""
+    t, d, e, k = 29, 24, 12, 3
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(t, d, generator=g).to(device)
+    w0 = (torch.randn(e, d, generator=g) * d**-0.5).to(device)
+    dscores = torch.randn(t, k, generator=g).to(device)
+    dprobs = torch.randn(t, e, generator=g).to(device)
+    res = {}
+    for use in (True, False):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        out = router_topk(x, w, k, router_order=order, renormalize=renorm, use_kernel=use)
+        ((out.topk_scores * dscores).sum() + (out.probs * dprobs).sum()).backward()
+        res[use] = (out, x.grad, w.grad)
+    (a, ax, aw), (b, bx, bw) = res[True], res[False]
+    assert torch.equal(a.topk_ids, b.topk_ids)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.probs, b.probs)
+    assert a.probs.requires_grad and a.logits.requires_grad
+    assert rel_err(a.topk_scores, b.topk_scores) < 1e-6
+    assert rel_err(ax, bx) < 1e-6 and rel_err(aw, bw) < 1e-6
+
+
+def test_router_topk_kernel_dispatch(monkeypatch, device):
+    """CPU default (use_kernel=None) keeps the torch path; use_kernel=True takes the kernel under the
+    interpreter; use_kernel=False never does; float64 stays on torch."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args[1:])
+        return topk_router(*args)
+
+    monkeypatch.setattr(router_mod, "topk_router", spy)
+    x, w = torch.randn(6, 8, device=device), torch.randn(5, 8, device=device)
+    router_topk(x, w, 2, use_kernel=False)
+    router_topk(x.double(), w.double(), 2, use_kernel=True)
+    assert calls == []
+    out = router_topk(x, w, 2, router_order="softmax_then_topk", renormalize=True, use_kernel=True)
+    assert calls == [(2, "softmax_then_topk", True)]
+    router_topk(x, w, 2)
+    assert len(calls) == (2 if device.type == "cuda" else 1)
+    assert out.topk_ids.shape == (6, 2)
+
+
+def test_outputs_fully_written_under_poison(device):
+    """Every element of ids, S and d logits is written (T not a multiple of BLOCK_T, E not a power
+    of two, K not a power of two), and with poisoning on, an unwritten one would be NaN / int-min."""
+    assert torch.isnan(new_output((2,), device=device, dtype=torch.float32)).all()
+    t, e, k = 45, 13, 3
+    logits = distinct_logits(t, e, device, seed=9)
+    for order, renorm in ORDERS:
+        ids, scores, dlogits = _run(topk_router, logits, k, order, renorm, torch.ones(t, k, device=device))
+        assert bool(((ids >= 0) & (ids < e)).all())
+        assert torch.isfinite(scores).all() and torch.isfinite(dlogits).all()
+
+
+def test_strided_and_empty_inputs(device):
+    t, e, k = 21, 9, 4
+    wide = distinct_logits(t, e + 3, device, seed=3)
+    sliced = wide[:, :e]  # row stride E+3
+    transposed = distinct_logits(e, t, device, seed=4).t()  # column stride != 1
+    for logits in (sliced, transposed):
+        for order, renorm in ORDERS:
+            ids, scores = topk_router(logits, k, order, renorm)
+            ids_ref, scores_ref = topk_router_ref(logits, k, order, renorm)
+            assert torch.equal(ids, ids_ref) and rel_err(scores, scores_ref) < 1e-6
+    empty = torch.zeros(0, e, device=device, requires_grad=True)
+    ids, scores = topk_router(empty, k, "softmax_then_topk", False)
+    assert ids.shape == (0, k) and scores.shape == (0, k)
+    scores.sum().backward()
+    assert empty.grad.shape == (0, e)
+
+
+def test_minus_inf_logits_and_ties_pick_lower_index(device):
+    """-inf logits (masked experts) are chosen after the finite ones, lowest index first, never twice;
+    equal logits go to the lower expert index."""
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 1.0, -inf, 0.0, -inf], [2.0, 5.0, 2.0, 5.0, 1.0]], device=device)
+    ids, scores = topk_router(logits, 4, "topk_then_softmax", False)
+    assert ids.tolist() == [[1, 3, 0, 2], [1, 3, 0, 2]]
+    e1 = torch.tensor(1.0).exp()
+    torch.testing.assert_close(scores[0].cpu(), torch.stack([e1, torch.tensor(1.0), *torch.zeros(2)]) / (e1 + 1))
+
+
+def test_deterministic(device):
+    logits = distinct_logits(40, 33, device, seed=1)
+    g = torch.randn(40, 6, device=device)
+    for order, renorm in ORDERS:
+        a = _run(topk_router, logits, 6, order, renorm, g)
+        b = _run(topk_router, logits, 6, order, renorm, g)
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_many_experts_fall_back_to_torch(device):
+    """E > 1024: the launcher runs the torch twin, with no error."""
+    logits = distinct_logits(3, 1030, device, seed=2)
+    ids, scores = topk_router(logits, 4, "softmax_then_topk", True)
+    ids_ref, scores_ref = topk_router_ref(logits, 4, "softmax_then_topk", True)
+    assert torch.equal(ids, ids_ref) and torch.equal(scores, scores_ref)
+
+
+def test_bad_inputs_name_the_argument(device):
+    logits = distinct_logits(4, 6, device)
+    with pytest.raises(ValueError, match=names("logits")):
+        topk_router(logits[0], 2)
+    with pytest.raises(ValueError, match=names("logits")):
+        topk_router(logits[None], 2)
+    for dtype in (torch.float64, torch.float16, torch.int64):
+        with pytest.raises(TypeError, match=names("logits")):
+            topk_router(logits.to(dtype), 2)
+    for k in (0, -1, 7, 2.0, True):
+        with pytest.raises(ValueError, match=names("top_k")):
+            topk_router(logits, k)
+    with pytest.raises(ValueError, match=names("router_order")):
+        topk_router(logits, 2, "softmax_topk")
+    with pytest.raises(ValueError, match=names("logits")):
+        topk_router(torch.empty(4, 6, device="meta"), 2)
+
+
+def test_function_saves_logits_only_when_needed(device):
+    """topk_then_softmax and the renormalised order need only ids and S for the backward."""
+    logits = distinct_logits(5, 8, device).requires_grad_(True)
+    for order, renorm, saves_logits in (("topk_then_softmax", False, False), ("softmax_then_topk", True, False),
+                                        ("softmax_then_topk", False, True)):
+        _, scores = topk_router(logits, 3, order, renorm)
+        assert isinstance(scores.grad_fn, TopKRouterFunction._backward_cls)
+        saved = scores.grad_fn.saved_tensors
+        assert (saved[0] is not None) == saves_logits
+        assert [tuple(s.shape) for s in saved[1:]] == [(5, 3), (5, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order,renorm", ORDERS, ids=ORDER_IDS)
+@pytest.mark.parametrize("e", [128, 256])
+def test_gpu_large(e, order, renorm):
+    t, k = 32768, 8
+    logits = distinct_logits(t, e, "cuda", seed=e)
+    dscores = torch.randn(t, k, device="cuda")
+    ids, scores, dlogits = _run(topk_router, logits, k, order, renorm, dscores)
+    ids_ref, scores_ref, dlogits_ref = _run(topk_router_ref, logits, k, order, renorm, dscores)
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(scores, scores_ref) < 1e-5
+    _assert_grad_close(dlogits, dlogits_ref, dscores, 1e-5)
+    x = torch.randn(t, 64, device="cuda")
+    w = torch.randn(e, 64, device="cuda", requires_grad=True)
+    out = router_topk(x, w, k, router_order=order, renormalize=renorm, use_kernel=True)
+    assert isinstance(out.topk_scores.grad_fn, TopKRouterFunction._backward_cls)
+    torch_path = router_topk(x, w, k, router_order=order, renormalize=renorm, use_kernel=False)
+    assert rel_err(out.topk_scores, torch_path.topk_scores) < 1e-5  # ids may swap on exact ties
