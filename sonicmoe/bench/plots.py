@@ -22,6 +22,18 @@ from .report import load_results
 GiB = 2**30
 
 
+
+def _finish(plt, fig, doc, path, drawn: bool) -> Path | None:
+    """Title, lay out and save ``fig`` to ``path`` (or drop it when nothing was drawn)."""
+    if not drawn:
+        plt.close(fig)
+        return None
+    fig.suptitle(_title(doc), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
 def _ok(b: dict | None) -> bool:
     return bool(b) and b.get("status") == "ok"
 
@@ -92,14 +104,7 @@ def _plot_granularity(plt, doc, groups, names, path) -> Path | None:
             ax.grid(alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7)
-    if not drawn:
-        plt.close(fig)
-        return None
-    fig.suptitle(_title(doc), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, doc, path, drawn)
 
 
 def _plot_memory(plt, doc, groups, names, path) -> Path | None:
@@ -128,14 +133,7 @@ def _plot_memory(plt, doc, groups, names, path) -> Path | None:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=6, loc="best")
-    if not drawn:
-        plt.close(fig)
-        return None
-    fig.suptitle(_title(doc), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, doc, path, drawn)
 
 
 def _plot_speedup(plt, doc, records, path) -> Path | None:
@@ -207,14 +205,7 @@ def _plot_token_rounding(plt, doc, records, path) -> Path | None:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    if not drawn:
-        plt.close(fig)
-        return None
-    fig.suptitle(_title(doc), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, doc, path, drawn)
 
 
 def plot_from_file(results_file: str, out_dir: str | None = None, log=print) -> list[Path]:
