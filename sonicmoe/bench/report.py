@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from ..provenance import git_commit, git_dirty
+
 SCHEMA = "sonicmoe-bench/1"
 FLOP_FORMULAS = {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"}
 
@@ -48,13 +50,8 @@ def _run(cmd: list[str], cwd: str | None = None) -> str | None:
 
 
 def git_info() -> dict:
-    """Commit of the sonicmoe checkout (None outside a git checkout) and whether it has local changes."""
-    here = str(Path(__file__).resolve().parent)
-    if shutil.which("git") is None:
-        return {"git_commit": None, "git_dirty": None}
-    commit = _run(["git", "rev-parse", "HEAD"], cwd=here)
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here) if commit else None
-    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+    """Commit of the sonicmoe checkout (SONICMOE_GIT_COMMIT overrides) and whether it has local changes."""
+    return {"git_commit": git_commit(), "git_dirty": git_dirty()}
 
 
 def env_info(device: torch.device) -> dict:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..provenance import git_commit
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -25,13 +27,7 @@ def _version(dist: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+    return git_commit()
 
 
 def device_name(device: torch.device) -> str:
