@@ -7,6 +7,7 @@ comes from the other steps, after a few warm-up steps, excluding evaluation and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -45,11 +46,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The :class:`ModelConfig` a :class:`TrainConfig` describes."""
-    return ModelConfig(vocab_size=VOCAB_SIZE, d_model=cfg.d_model, layers=cfg.layers, heads=cfg.heads,
-                       experts=cfg.experts, top_k=cfg.top_k, expert_size=cfg.expert_size, backend=cfg.backend,
-                       routing=cfg.routing, rounding=cfg.rounding, m_tile=cfg.m_tile,
-                       aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef)
+    """The :class:`ModelConfig` a :class:`TrainConfig` describes (its fields of the same names)."""
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"}
+    return ModelConfig(vocab_size=VOCAB_SIZE, **shared)
 
 
 def lr_at(update: int, cfg: TrainConfig) -> float:
