@@ -1,7 +1,10 @@
 """Time every tile configuration of every kernel on given shapes (GPU); prints the best per kernel.
 
-usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--json OUT.json]
+usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus] [--kernels a,b] [--json OUT.json]
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
+``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times the
+leading tiles of an earlier sweep with and without the TMA weight loads (W_TMA) and, for dH, with the
+H loads issued before the GEMM (H_EARLY).
 """
 
 from __future__ import annotations
@@ -22,7 +25,30 @@ EXTRA_M = [tile_config(128, 128, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8
            tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 4, 2, 2, True)]
 
 
-def sweep(shape):
+def _toggled(cfgs, **toggles):
+    """Every config of ``cfgs`` (triton.Config) with every combination of the boolean ``toggles``."""
+    out = [config_dict(c) for c in cfgs]
+    for name, values in toggles.items():
+        out = [{**c, name: v} for c in out for v in values]
+    return out
+
+
+FOCUS = {
+    "up_proj": _toggled([tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4),
+                         tile_config(128, 128, 64, 8, 3, 1), tile_config(128, 128, 64, 8, 3, 1, True),
+                         tile_config(128, 128, 128, 8, 2), tile_config(128, 64, 64, 4, 3, 2)], W_TMA=(False, True)),
+    "down_proj": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
+                           tile_config(128, 256, 64, 8, 3), tile_config(128, 256, 64, 8, 4, 1, True)],
+                          W_TMA=(False, True)),
+    "dxtilde": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8, 3)],
+                        W_TMA=(False, True)),
+    "dh": _toggled([tile_config(64, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3),
+                    tile_config(128, 64, 64, 4, 3), tile_config(128, 64, 64, 8, 3), tile_config(64, 64, 64, 4, 3)],
+                   W_TMA=(False, True), H_EARLY=(False, True)),
+}
+
+
+def sweep(shape, space="full", only=None):
     t, d, n, e, k = shape
     p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -52,9 +78,15 @@ def sweep(shape):
          0),
     ]
     rows = []
-    for name, space, fn, flops in kernels:
-        for cfg in space:
-            c = config_dict(cfg)
+    for name, cfgs, fn, flops in kernels:
+        if only and name not in only:
+            continue
+        if space == "focus":
+            if name not in FOCUS:
+                continue
+            cfgs = FOCUS[name]
+        for cfg in cfgs:
+            c = cfg if isinstance(cfg, dict) else config_dict(cfg)
             try:
                 ms = do_bench(lambda fn=fn, c=c: fn(c), warmup=10, rep=40, return_mode="median")
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
@@ -67,12 +99,15 @@ def sweep(shape):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", action="append", default=None)
+    ap.add_argument("--space", choices=("full", "focus"), default="full")
+    ap.add_argument("--kernels", default=None, help="comma-separated subset, e.g. dh,up_proj")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    only = set(args.kernels.split(",")) if args.kernels else None
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
     out = {}
     for shape in shapes:
-        rows = sweep(shape)
+        rows = sweep(shape, args.space, only)
         out[",".join(map(str, shape))] = rows
         print(f"== {shape}")
         for name in dict.fromkeys(r["kernel"] for r in rows):
@@ -83,7 +118,8 @@ def main():
                 desc = " ".join(f"{k2}={v}" for k2, v in c.items())
                 print(f"  {name:<10} {r['ms']:7.3f} ms {r['tflops'] or 0:6.1f} TF  {desc}")
             err = f": {bad[0]['error']}" if bad else ""
-            print(f"  {name:<10} worst {ok[-1]['ms']:.3f} ms; {len(bad)} failed{err}")
+            worst = f"worst {ok[-1]['ms']:.3f} ms; " if ok else ""
+            print(f"  {name:<10} {worst}{len(bad)} failed{err}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -16,11 +16,13 @@ Environment (documented in the README):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def interpreting() -> bool:
@@ -34,13 +36,50 @@ def autotune_enabled() -> bool:
 
 
 def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int, pps: int = 0, flatten: bool = False,
-                names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K")) -> triton.Config:
-    """A triton.Config of block sizes, warps, pipeline stages, and persistence (PROGS_PER_SM > 0:
-    that many programs per multiprocessor loop over the tiles; FLATTEN: pipeline across tiles)."""
+                names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K"), tma: bool = False) -> triton.Config:
+    """A triton.Config of block sizes, warps, pipeline stages, persistence (PROGS_PER_SM > 0: that many
+    programs per multiprocessor loop over the tiles; FLATTEN: pipeline across tiles) and, for the
+    varlen-M kernels, W_TMA (load the weight operand through a TMA tensor descriptor)."""
     meta = dict(zip(names, (bm, bn, bk)))
     if names[0] == "BLOCK_M":
-        meta.update(PROGS_PER_SM=pps, FLATTEN=flatten)
+        meta.update(PROGS_PER_SM=pps, FLATTEN=flatten, W_TMA=tma)
     return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+def weight_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
+    """A TMA tensor descriptor over the (strided) weight view ``w`` (E, rows, cols), or None where the
+    copy engine cannot address it (base or leading strides not 16-byte aligned, inner stride not 1).
+
+    Its block shape is set per tile configuration (:func:`set_descriptor_blocks`) before each launch.
+    """
+    elem = w.element_size()
+    if (w.data_ptr() % 16 or w.stride(-1) != 1 or any((s * elem) % 16 for s in w.stride()[:-1])
+            or w.numel() == 0):
+        return None
+    placeholder = [1] * (w.dim() - 1) + [max(16 // elem, 1)]  # the smallest valid box
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), placeholder)
+
+
+def set_descriptor_blocks(desc_blocks, nargs: dict) -> None:
+    """Give each descriptor named by ``desc_blocks(meta)`` (a dict name -> block shape) its block shape."""
+    for name, block in desc_blocks(nargs).items():
+        if nargs.get(name) is not None:
+            nargs[name].block_shape = list(block)
+
+
+def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None):
+    """(autotuner over ``space``, autotuner over its configs without W_TMA) for ``kernel``.
+
+    The second serves weights no TMA descriptor can address. Each config gets a pre-hook that sets the
+    descriptors' block shapes to its tiles.
+    """
+    if desc_blocks is not None:
+        for cfg in space:
+            cfg.pre_hook = functools.partial(set_descriptor_blocks, desc_blocks)
+    plain_space = [cfg for cfg in space if not cfg.kwargs.get("W_TMA")]
+    full = triton.autotune(configs=space, key=key)(kernel)
+    plain = full if len(plain_space) == len(space) else triton.autotune(configs=plain_space, key=key)(kernel)
+    return full, plain
 
 
 def config_dict(cfg: triton.Config) -> dict:
@@ -48,22 +87,29 @@ def config_dict(cfg: triton.Config) -> dict:
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def launch(kernel, tuned_kernel, grid, args: dict, pinned: dict, gpu_default: dict, config: dict | None = None):
-    """Launch ``kernel`` with the pinned config (interpreter / SONICMOE_AUTOTUNE=0) or ``tuned_kernel``.
+def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, config: dict | None = None,
+           desc_blocks=None):
+    """Launch ``kernel`` with the pinned config (interpreter / SONICMOE_AUTOTUNE=0) or autotuned.
 
-    ``grid`` is a callable of the meta-parameters. ``pinned`` is the interpreter's config (small
-    blocks); ``gpu_default`` the pinned GPU config, a dict with block sizes plus num_warps/num_stages.
-    ``config``, when given, is used as is (tuning sweeps).
+    ``tuned`` is the autotuner, or the pair from :func:`autotuners`. ``grid`` is a callable of the
+    meta-parameters. ``pinned`` is the interpreter's config (small blocks); ``gpu_default`` the pinned
+    GPU config, a dict with block sizes plus num_warps/num_stages. ``config``, when given, is used as is
+    (tuning sweeps). ``desc_blocks(meta)`` names the TMA descriptors among ``args`` with their block
+    shapes; a config asking for W_TMA falls back to pointer loads when a descriptor is None.
     """
-    if config is not None:
-        kernel[grid(config)](**args, **config)
-    elif interpreting():
-        kernel[grid(pinned)](**args, **pinned)
-    elif autotune_enabled():
-        tuned_kernel[grid](**args)
-    else:
-        meta = dict(gpu_default)
-        kernel[grid(meta)](**args, **meta)
+    tma_ready = desc_blocks is not None and all(args.get(name) is not None for name in desc_blocks(pinned))
+    if config is None and not interpreting() and autotune_enabled():
+        full, plain = tuned if isinstance(tuned, tuple) else (tuned, tuned)
+        (full if tma_ready else plain)[grid](**args)
+        return
+    meta = dict(config if config is not None else pinned if interpreting() else gpu_default)
+    if desc_blocks is not None:
+        if meta.get("W_TMA") and tma_ready:
+            set_descriptor_blocks(desc_blocks, {**args, **meta})
+        else:  # pointer loads: the descriptors stay unused
+            meta["W_TMA"] = False
+            args = {**args, **{name: None for name in desc_blocks(meta)}}
+    kernel[grid(meta)](**args, **meta)
 
 
 def new_output(shape, *, device, dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton.language as tl
 from ..reference import split_gate_up
 from ..routing import Routing
 from .common import (
+    autotuners,
     check_device,
     dot_precision,
     launch,
@@ -30,19 +31,20 @@ from .common import (
     tile_rows,
     tile_schedule,
     varlen_m_grid,
+    weight_descriptor,
 )
 from .up_proj import layout_rows
 
 
 @triton.jit
 def _dh_kernel(
-    do_ptr, w2_ptr, h_ptr, score_ptr, row_token_ptr, offsets_ptr, dh_ptr, ap_ptr, ds_ptr,
+    do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, offsets_ptr, dh_ptr, ap_ptr, ds_ptr,
     E, N, D, R,
     stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, H_EARLY: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -50,17 +52,17 @@ def _dh_kernel(
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
-        _dh_tile(do_ptr, w2_ptr, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end,
-                 pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
+                 row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
+                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_EARLY)
 
 
 @triton.jit
 def _dh_tile(
-    do_ptr, w2_ptr, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end, pid_n,
+    do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end, pid_n,
     N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, H_EARLY: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -70,20 +72,29 @@ def _dh_tile(
     offs_k = tl.arange(0, BLOCK_K)
     do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]
     w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wd + ch[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
-        mask_k = offs_k < D - k * BLOCK_K
-        dob = tl.load(do_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wb = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
-        do_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wd
     rows64 = rows.to(tl.int64)
     mask = mask_m[:, None] & mask_n[None, :]
     g_cols = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
     u_cols = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
-    g = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if H_EARLY:  # issue the H loads before the GEMM so their latency hides behind it (costs registers)
+        g_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0)
+        u_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        mask_k = offs_k < D - k * BLOCK_K
+        dob = tl.load(do_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if W_TMA:  # (1, BLOCK_K, BLOCK_N) boxes of W2 (E, d, n), zero-filled past d and n
+            wb = tl.reshape(w2_desc.load([e, k * BLOCK_K, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+        else:
+            wb = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
+        do_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wd
+    if not H_EARLY:
+        g_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0)
+        u_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0)
+    g = g_raw.to(tl.float32)
+    u = u_raw.to(tl.float32)
     s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     sig = tl.sigmoid(g)
     silu = g * sig
@@ -114,10 +125,13 @@ TUNING_SPACE = [
     tile_config(64, 64, 64, 4, 3, 2, True), tile_config(128, 64, 64, 4, 3, 2, True),
     tile_config(64, 128, 64, 4, 3, 2, True),
 ]
-_tuned = triton.autotune(
-    configs=TUNING_SPACE,
-    key=["N", "D", "E", "GATE_OFF", "CH_STRIDE"],
-)(_dh_kernel)
+
+
+def _desc_blocks(meta: dict) -> dict:
+    return {"w2_desc": (1, meta["BLOCK_K"], meta["BLOCK_N"])}
+
+
+_tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE"], _desc_blocks)
 
 
 def dh(
@@ -148,7 +162,7 @@ def dh(
     ds_part = new_output((triton.cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
-        do_ptr=dout, w2_ptr=w2, h_ptr=h, score_ptr=row_scores.float().contiguous(),
+        do_ptr=dout, w2_ptr=w2, w2_desc=weight_descriptor(w2), h_ptr=h, score_ptr=row_scores.float().contiguous(),
         row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets, dh_ptr=dh_, ap_ptr=a_prime,
         ds_ptr=ds_part, E=e, N=n, D=d, R=r, stride_dot=dout.stride(0), stride_we=w2.stride(0),
         stride_wd=w2.stride(1), stride_hr=h.stride(0), stride_apr=a_prime.stride(0),
@@ -156,7 +170,8 @@ def dh(
         DOT_PREC=dot_precision(h.dtype),
     )
     if r > 0:
-        launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config)
+        launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
+               _desc_blocks)
     return dh_, a_prime, ds_part.sum(0)
 
 

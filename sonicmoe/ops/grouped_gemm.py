@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..routing import Routing
 from .common import (
+    autotuners,
     check_device,
     dot_precision,
     launch,
@@ -25,17 +26,18 @@ from .common import (
     tile_rows,
     tile_schedule,
     varlen_m_grid,
+    weight_descriptor,
 )
 
 
 @triton.jit
 def _varlen_m_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, offsets_ptr,
+    a_ptr, b_ptr, b_desc, bias_ptr, c_ptr, offsets_ptr,
     E, N, K,
     stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
-    HAS_BIAS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -55,7 +57,13 @@ def _varlen_m_kernel(
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             mask_k = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if W_TMA:  # boxes of B (E, m, k) (B_TRANS) or (E, k, m), zero-filled past its bounds
+                if B_TRANS:
+                    b = tl.reshape(b_desc.load([e, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
+                else:
+                    b = tl.reshape(b_desc.load([e, k * BLOCK_K, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+            else:
+                b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
@@ -76,7 +84,15 @@ TUNING_SPACE = [
     tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 8, 3, 1, True),
     tile_config(128, 256, 64, 8, 3), tile_config(128, 128, 64, 8, 4),
 ]
-_tuned = triton.autotune(configs=TUNING_SPACE, key=["N", "K", "E", "stride_bk", "HAS_BIAS"])(_varlen_m_kernel)
+
+
+def _desc_blocks(meta: dict) -> dict:
+    bn, bk = meta["BLOCK_N"], meta["BLOCK_K"]
+    return {"b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn)}
+
+
+_tuned = autotuners(_varlen_m_kernel, TUNING_SPACE, ["N", "K", "E", "stride_bk", "HAS_BIAS", "B_TRANS"],
+                    _desc_blocks)
 
 
 def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
@@ -102,14 +118,14 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     r = a.shape[0]
     c = new_output((r, m), device=a.device, dtype=a.dtype)
     args = dict(
-        a_ptr=a, b_ptr=b, bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
+        a_ptr=a, b_ptr=b, b_desc=weight_descriptor(b), bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
         offsets_ptr=routing.expert_offsets, E=e, N=m, K=k, stride_ar=a.stride(0), stride_be=b.stride(0),
         stride_bk=stride_bk, stride_bn=stride_bn, stride_cr=c.stride(0), HAS_BIAS=bias is not None,
-        E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),
+        B_TRANS=transpose_b, E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),
     )
     if r > 0:
         launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP, _GPU_DEFAULT,
-               config)
+               config, _desc_blocks)
     return c
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from ..reference import swiglu_ref
 from ..routing import Routing
 from .common import (
+    autotuners,
     check_device,
     dot_precision,
     launch,
@@ -29,6 +30,7 @@ from .common import (
     tile_rows,
     tile_schedule,
     varlen_m_grid,
+    weight_descriptor,
 )
 
 
@@ -39,13 +41,13 @@ def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _up_proj_kernel(
-    x_ptr, w1_ptr, b1_ptr, h_ptr, a_ptr, row_token_ptr, offsets_ptr,
+    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, offsets_ptr,
     E, N, D,
     stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -53,18 +55,18 @@ def _up_proj_kernel(
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
-        _up_proj_tile(x_ptr, w1_ptr, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end, pid_n, N, D,
-                      stride_xt, stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE,
-                      HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end,
+                      pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF,
+                      CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA)
 
 
 @triton.jit
 def _up_proj_tile(
-    x_ptr, w1_ptr, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end, pid_n, N, D,
+    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end, pid_n, N, D,
     stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -83,8 +85,12 @@ def _up_proj_tile(
     for k in range(0, tl.cdiv(D, BLOCK_K)):
         mask_k = offs_k < D - k * BLOCK_K
         xa = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if W_TMA:  # (1, BLOCK_N, BLOCK_K) boxes of the (E, n, d) gate/up views, zero-filled past n and d
+            wg = tl.reshape(wg_desc.load([e, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
+            wu = tl.reshape(wu_desc.load([e, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
+        else:
+            wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
         x_ptrs += BLOCK_K
@@ -115,10 +121,14 @@ TUNING_SPACE = [
     tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4), tile_config(128, 128, 64, 8, 3, 1),
     tile_config(128, 128, 64, 8, 3, 1, True), tile_config(128, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 4),
 ]
-_tuned = triton.autotune(
-    configs=TUNING_SPACE,
-    key=["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
-)(_up_proj_kernel)
+
+
+def _desc_blocks(meta: dict) -> dict:
+    return {"wg_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"]), "wu_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"])}
+
+
+_tuned = autotuners(_up_proj_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
+                    _desc_blocks)
 
 
 def up_proj(
@@ -147,7 +157,9 @@ def up_proj(
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
-        x_ptr=x, w1_ptr=w1, b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,
+        x_ptr=x, w1_ptr=w1, wg_desc=weight_descriptor(w1[:, gate_off::ch_stride][:, :n]),
+        wu_desc=weight_descriptor(w1[:, up_off::ch_stride][:, :n]),
+        b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,
         row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
         E=e, N=n, D=d, stride_xt=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),
         stride_hr=h.stride(0), stride_ar=a.stride(0),
@@ -156,7 +168,7 @@ def up_proj(
     )
     if r > 0:
         launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP, _GPU_DEFAULT,
-               config)
+               config, _desc_blocks)
     return (h if store_h else None), a
 
 
