@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: the GPU work of a session, logs and results under $OUT, a short summary last.
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
-#   quick  environment, every test (GPU-marked ones included) and the 7B kernel breakdown
+#   quick  environment, the GPU-marked tests and the 7B kernel breakdown
 #   tune   tile sweep of the leading configs with/without TMA weight loads (benchmarks/tune_sweep.py)
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trq    token-rounding quality: train top-k and token rounding at E=64, K=2 on the same tokens
-#   train  the h100 preset for 2000 steps on the triton and the torch backend (same seed, same data)
+#   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
+#          1000 of the same schedule on the torch backend (same seed, same data)
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 set -uo pipefail
@@ -20,18 +21,19 @@ SUMMARY=()
   echo "commit ${SONICMOE_GIT_COMMIT:-unknown}"
 } 2>&1 | tee "$OUT/env.txt"
 
-train() {  # train NAME [options...]: one run, its log.json and stdout copied to $OUT/train_NAME.*
+train() {  # train NAME [options...]: one run; its log.json to $OUT/train_NAME.json, stdout to /tmp
   local name=$1; shift
   python3 -m sonicmoe train --preset h100 --no-progress --save-every 0 --out "/tmp/train_$name" "$@" \
-    > "$OUT/train_$name.txt" 2>&1
+    > "/tmp/train_$name.txt" 2>&1
   cp "/tmp/train_$name/log.json" "$OUT/train_$name.json" 2>/dev/null
-  tail -2 "$OUT/train_$name.txt"
 }
 
 for step in "$@"; do
   case $step in
     quick)
-      timeout 420 python3 -m pytest -q -rs tests/ -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+      # the GPU-marked tests (the rest run on CPU in CI; natively each would compile its own kernels)
+      timeout 300 python3 -m pytest -rA -m gpu tests/ tests/test_bench.py::test_triton_backend_through_interpreter \
+        -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       python3 benchmarks/kernel_breakdown.py --json "$OUT/breakdown_7b.json" > "$OUT/breakdown.txt" 2>&1
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests.log" | head -20)" "$(tail -1 "$OUT/gpu_tests.log")"
                 "$(cat "$OUT/breakdown.txt")")
@@ -39,28 +41,30 @@ for step in "$@"; do
     tune)
       for k in up_proj dh down_proj dxtilde; do  # one process per kernel: a fault stays contained
         timeout 150 python3 benchmarks/tune_sweep.py --space focus --kernels $k --shape 24576,1536,256,128,8 \
-          --shape 32768,4096,1024,128,8 --json "/tmp/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
+          --shape 32768,4096,1024,128,8 --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
-      python3 -c "import json,glob; print(json.dumps({p: json.load(open(p)) for p in sorted(glob.glob('/tmp/tune_*.json'))}))" \
-        > "$OUT/tune_focus.json"
       SUMMARY+=("$(grep -E '^==|TF' "$OUT/tune.txt" | grep -v worst)")
       ;;
     tr)
-      timeout 300 python3 -m sonicmoe bench --preset token-rounding --backends triton --no-router-variant \
+      SONICMOE_AUTOTUNE=0 timeout 300 python3 -m sonicmoe bench --preset token-rounding --backends triton --no-router-variant \
         --no-check-grads --no-plot --out "$OUT" --tag token-rounding -q > "$OUT/tr.txt" 2>&1
       SUMMARY+=("$(tail -30 "$OUT/tr.txt")")
       ;;
-    trq)
-      common=(--experts 64 --top-k 2 --steps 600 --warmup 60 --eval-every 100 --profile-every 0)
-      SUMMARY+=("$(train trq_topk "${common[@]}" --routing topk)")
-      SUMMARY+=("$(train trq_tr "${common[@]}" --routing token_rounding)")
-      ;;
-    train)
-      common=(--steps 2000 --warmup 100 --eval-every 250 --profile-every 500)
-      train triton "${common[@]}" --backend triton &
-      train torch "${common[@]}" --backend torch &
+    trq|train)
+      # trq: token-rounding quality, top-k and token rounding at E=64, K=2 on the same tokens (eval: top-k)
+      q=(--experts 64 --top-k 2 --steps 400 --warmup 40 --eval-every 100 --profile-every 0)
+      train trq_topk "${q[@]}" --routing topk &
+      train trq_tr "${q[@]}" --routing token_rounding &
+      if [ "$step" = train ]; then
+        # train: 2000 steps on the triton backend; the torch backend follows the same schedule (same seed,
+        # same batches) for its first 1000 steps (--stop-after) to compare the curves
+        t=(--steps 2000 --warmup 100 --eval-every 250 --profile-every 500)
+        train triton "${t[@]}" --backend triton &
+        train torch "${t[@]}" --backend torch --stop-after 1000 &
+      fi
       wait
-      SUMMARY+=("$(tail -2 "$OUT/train_triton.txt")" "$(tail -2 "$OUT/train_torch.txt")")
+      for f in /tmp/train_*.txt; do { echo "== $f"; tail -40 "$f"; } >> "$OUT/train_stdout.txt"; done
+      for f in /tmp/train_*.txt; do SUMMARY+=("$(basename "$f"): $(tail -1 "$f")"); done
       ;;
     full)
       python3 -m sonicmoe bench --preset granularity,iso-flops --no-plot --out "$OUT" --tag granularity \

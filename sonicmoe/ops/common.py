@@ -16,8 +16,10 @@ Environment (documented in the README):
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -36,13 +38,16 @@ def autotune_enabled() -> bool:
 
 
 def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int, pps: int = 0, flatten: bool = False,
-                names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K"), tma: bool = False) -> triton.Config:
+                names: tuple[str, str, str] = ("BLOCK_M", "BLOCK_N", "BLOCK_K"), tma: bool = False,
+                **extra) -> triton.Config:
     """A triton.Config of block sizes, warps, pipeline stages, persistence (PROGS_PER_SM > 0: that many
-    programs per multiprocessor loop over the tiles; FLATTEN: pipeline across tiles) and, for the
-    varlen-M kernels, W_TMA (load the weight operand through a TMA tensor descriptor)."""
+    programs per multiprocessor loop over the tiles; FLATTEN: pipeline across tiles), for the varlen-M
+    kernels W_TMA (load the weight operand through a TMA tensor descriptor), and any kernel-specific
+    ``extra`` meta-parameters."""
     meta = dict(zip(names, (bm, bn, bk)))
     if names[0] == "BLOCK_M":
         meta.update(PROGS_PER_SM=pps, FLATTEN=flatten, W_TMA=tma)
+    meta.update(extra)
     return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
@@ -58,6 +63,34 @@ def weight_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
         return None
     placeholder = [1] * (w.dim() - 1) + [max(16 // elem, 1)]  # the smallest valid box
     return TensorDescriptor(w, list(w.shape), list(w.stride()), placeholder)
+
+
+_THREAD = threading.local()
+
+
+def ensure_cuda_context(device: torch.device) -> None:
+    """Make the device's primary CUDA context current in this thread (once per thread).
+
+    Triton encodes TMA descriptors with the driver before its launcher binds a context, and threads
+    that PyTorch starts (the autograd engine's backward threads) may have none current yet: the
+    encode then fails with "invalid device context". No stream work and no sync: safe in CUDA-graph
+    capture.
+    """
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    done = getattr(_THREAD, "ctx_devices", None)
+    if done is None:
+        done = _THREAD.ctx_devices = set()
+    if idx in done:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        dev = ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(dev), idx) != 0:
+            raise RuntimeError(f"cuDeviceGet({idx}) failed")
+        if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0 or cuda.cuCtxSetCurrent(ctx) != 0:
+            raise RuntimeError(f"could not make the primary CUDA context of device {idx} current")
+    done.add(idx)
 
 
 def set_descriptor_blocks(desc_blocks, nargs: dict) -> None:
@@ -98,6 +131,10 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
     shapes; a config asking for W_TMA falls back to pointer loads when a descriptor is None.
     """
     tma_ready = desc_blocks is not None and all(args.get(name) is not None for name in desc_blocks(pinned))
+    if tma_ready:
+        base = args[next(iter(desc_blocks(pinned)))].base
+        if base.is_cuda:
+            ensure_cuda_context(base.device)
     if config is None and not interpreting() and autotune_enabled():
         full, plain = tuned if isinstance(tuned, tuple) else (tuned, tuned)
         (full if tma_ready else plain)[grid](**args)

@@ -83,6 +83,7 @@ TUNING_SPACE = [
     tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
     tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 8, 3, 1, True),
     tile_config(128, 256, 64, 8, 3), tile_config(128, 128, 64, 8, 4),
+    tile_config(128, 256, 64, 8, 3, 1, True, tma=True), tile_config(128, 128, 64, 4, 2, 2, True, tma=True),
 ]
 
 
