@@ -169,7 +169,9 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
     t, k = topk_ids.shape
-    pair_token = torch.arange(t, device=topk_ids.device, dtype=INDEX_DTYPE).repeat_interleave(k)
+    # arange // K rather than repeat_interleave: the latter's expand+reshape view trips inductor's
+    # searchsorted lowering under torch.compile (NotImplementedError: View.get_stride, torch 2.11)
+    pair_token = torch.div(torch.arange(t * k, device=topk_ids.device, dtype=INDEX_DTYPE), k, rounding_mode="floor")
     return routing_from_pairs(pair_token, topk_ids.reshape(-1), t, num_experts, token_major=True)
 
 

@@ -316,11 +316,13 @@ def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
 
 
 def _kernel_outputs(p, routing, s, dout, layout, cfg):
-    """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config."""
-    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=cfg)
-    y = down_proj(a, p["w2"], None, routing, config=cfg)
+    """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
+    (H_EARLY is dH's own)."""
+    gemm_cfg = {k: v for k, v in cfg.items() if k != "H_EARLY"}
+    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gemm_cfg)
+    y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
     dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=cfg)
-    dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=cfg)
+    dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=gemm_cfg)
     return {"h": h, "a": a, "y": y, "dh": dh_, "a_prime": ap_, "ds": ds, "dxt": dxt}
 
 

@@ -140,6 +140,12 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         (full if tma_ready else plain)[grid](**args)
         return
     meta = dict(config if config is not None else pinned if interpreting() else gpu_default)
+    if config is None and not interpreting() and _operand_bytes(args) >= 4:
+        # the pinned GPU tiles are sized for 2-byte operands: halve the reduction block for float32 so
+        # the pipeline stages fit in shared memory
+        for key in ("BLOCK_K", "BLOCK_R"):
+            if key in meta:
+                meta[key] = max(16, meta[key] // 2)
     if desc_blocks is not None:
         if meta.get("W_TMA") and tma_ready:
             set_descriptor_blocks(desc_blocks, {**args, **meta})
@@ -147,6 +153,14 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
             meta["W_TMA"] = False
             args = {**args, **{name: None for name in desc_blocks(meta)}}
     kernel[grid(meta)](**args, **meta)
+
+
+def _operand_bytes(args: dict) -> int:
+    """Element size of the first floating-point tensor among a kernel's arguments (its A operand)."""
+    for v in args.values():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.element_size()
+    return 2
 
 
 def new_output(shape, *, device, dtype) -> torch.Tensor:
