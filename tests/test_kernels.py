@@ -273,6 +273,34 @@ def test_gpu_bitwise_deterministic():
             assert torch.equal(grads[key], runs[0][1][key]), key
 
 
+@pytest.mark.gpu
+def test_gpu_bitwise_across_tile_configs(monkeypatch):
+    """Outputs and gradients do not depend on which tile configuration runs: every config the tuner may
+    pick keeps the reduction block (BLOCK_K / BLOCK_R = 64), so only M/N tiling, persistence and the
+    weight-load path change here, and the bits must not."""
+    from sonicmoe.ops import dh as dh_mod
+    from sonicmoe.ops import grouped_gemm, weight_grad
+    from sonicmoe.ops import up_proj as up_mod
+
+    p = random_problem(4096, 1024, 256, 64, device="cuda", seed=5)
+    dout = torch.randn(4096, 1024, device="cuda")
+    first = _layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout)
+    m = {"PROGS_PER_SM": 0, "FLATTEN": False}
+    monkeypatch.setattr(up_mod, "_GPU_DEFAULT", {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, **m,
+                                                 "W_TMA": False, "num_warps": 4, "num_stages": 3})
+    monkeypatch.setattr(grouped_gemm, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, **m,
+                                                       "W_TMA": True, "num_warps": 8, "num_stages": 4})
+    monkeypatch.setattr(dh_mod, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
+                                                 "PROGS_PER_SM": 1, "FLATTEN": False, "W_TMA": True,
+                                                 "num_warps": 8, "num_stages": 3})
+    monkeypatch.setattr(weight_grad, "_GPU_DEFAULT", {"BLOCK_I": 64, "BLOCK_J": 128, "BLOCK_R": 64,
+                                                      "num_warps": 4, "num_stages": 4})
+    second = _layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout)
+    assert torch.equal(first[0], second[0])
+    for key in first[1]:
+        assert torch.equal(first[1][key], second[1][key]), key
+
+
 def test_persistent_schedule_matches(device):
     """Persistent configs (few programs looping over the tiles) compute the same as one program per tile."""
     t, d, n, e, k = 45, 32, 40, 6, 2
@@ -361,3 +389,41 @@ def test_gpu_tma_configs_bf16(layout):
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
             assert rel_err(got[key], ref) < 1e-2, (extra, key)
+
+
+class _RecordingKernel:
+    """Stands in for a JIT kernel: records the meta-parameters and descriptor arguments of a launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def run(**kwargs):
+            self.calls.append(kwargs)
+        return run
+
+
+@pytest.mark.parametrize("dtype,block_k", [(torch.bfloat16, 64), (torch.float32, 32)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
+    """The pinned GPU path halves the reduction block for 4-byte operands (shared memory), and a W_TMA
+    config falls back to pointer loads (descriptor arguments None) when no descriptor exists."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
+    w = torch.randn(2, 32, 64, dtype=dtype)
+    desc = common.weight_descriptor(w) if aligned else None
+    kern = _RecordingKernel()
+    gpu_default = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "W_TMA": True, "num_warps": 8, "num_stages": 4}
+    common.launch(kern, None, lambda meta: (1,), {"a_ptr": w, "w_desc": desc}, {"BLOCK_N": 16, "BLOCK_K": 16},
+                  gpu_default, None, lambda meta: {"w_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"])})
+    (call,) = kern.calls
+    assert call["BLOCK_K"] == block_k and call["BLOCK_M"] == 128
+    assert call["W_TMA"] is aligned
+    if aligned:
+        assert call["w_desc"].block_shape == [1, 128, block_k]
+    else:
+        assert call["w_desc"] is None
+    assert gpu_default["BLOCK_K"] == 64  # the module's default is not modified

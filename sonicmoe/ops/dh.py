@@ -10,6 +10,8 @@ Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written 
 16-channel chunk (cdiv(n, 16), R) and reduced afterwards in a fixed order: no atomics, deterministic,
 and the same bits whatever BLOCK_N the tuner picks.
 dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
+Options of the tile config: ``H_EARLY`` issues the H loads before the GEMM so their latency hides
+behind it (the GPU default); ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n).
 """
 
 from __future__ import annotations

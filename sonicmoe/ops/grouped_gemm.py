@@ -6,6 +6,9 @@ through strides, so one kernel serves
 
 * the down-projection  Y = A W2[e]ᵀ + b2[e]   (A (R, n), W2 (E, d, n)  -> Y (R, d)), and
 * the dX̃ GEMM          dX̃ = dH W1[e]         (dH (R, 2n), W1 (E, 2n, d) -> dX̃ (R, d)).
+
+Configs with ``W_TMA`` read B[e] through a TMA descriptor over B's (E, ·, ·) shape (zero-filled past
+its bounds); the autotuner chooses between them and pointer loads.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ Gate/up layout of W1 (E, 2n, d) and of H (R, 2n), which follows W1's rows:
 ``"concat"`` gate channel i is row i, up channel i is row n + i; ``"interleaved"`` gate channel i is
 row 2i, up channel i is row 2i + 1. A is computed from the rounded (stored) H, so the backward's
 recomputation of A from H gives the same values.
+
+Weight operand: with ``W_TMA`` (the GPU default) the gate and up rows of W1[e] are read through TMA
+tensor descriptors over the (E, n, d) gate/up views, which zero-fill past n and d; weights whose
+strides TMA cannot address (not 16-byte aligned) fall back to pointer loads. X rows are gathered by
+pointer loads either way.
 """
 
 from __future__ import annotations

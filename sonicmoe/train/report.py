@@ -120,6 +120,16 @@ def plot_losses(path: Path, steps: list[dict[str, Any]], evals: list[dict[str, A
 
     Returns False, after printing why, when matplotlib is not installed.
     """
+    return plot_runs(path, [("", steps, evals)], title)
+
+
+def plot_runs(path: Path, runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], title: str,
+              raw: bool | None = None) -> bool:
+    """Several runs' train loss (moving average; per step too when ``raw``, by default for one run) and
+    validation loss on one axis, to a PNG. ``runs``: (label, steps, evals) as in ``log.json``.
+
+    Returns False, after printing why, when matplotlib is not installed.
+    """
     try:
         import matplotlib
     except ImportError:
@@ -128,20 +138,25 @@ def plot_losses(path: Path, steps: list[dict[str, Any]], evals: list[dict[str, A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    raw = len(runs) == 1 if raw is None else raw
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    if steps:
-        xs = [s["step"] for s in steps]
-        ys = [s["loss"] for s in steps]
-        ax.plot(xs, ys, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (per step)")
-        window = max(1, len(ys) // 50)
-        smooth, acc = [], 0.0
-        for i, y in enumerate(ys):
-            acc += y - (ys[i - window] if i >= window else 0.0)
-            smooth.append(acc / min(i + 1, window))
-        ax.plot(xs, smooth, color="tab:blue", linewidth=1.5, label=f"train ({window}-step mean)")
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", color="tab:red",
-                label="validation")
+    for i, (label, steps, evals) in enumerate(runs):
+        color, val_color = (f"C{2 * i}", f"C{2 * i + 1}") if len(runs) > 1 else ("tab:blue", "tab:red")
+        prefix = f"{label} " if label else ""
+        if steps:
+            xs = [s["step"] for s in steps]
+            ys = [s["loss"] for s in steps]
+            if raw:
+                ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label=f"{prefix}train (per step)")
+            window = max(1, len(ys) // 50)
+            smooth, acc = [], 0.0
+            for j, y in enumerate(ys):
+                acc += y - (ys[j - window] if j >= window else 0.0)
+                smooth.append(acc / min(j + 1, window))
+            ax.plot(xs, smooth, color=color, linewidth=1.5, label=f"{prefix}train ({window}-step mean)")
+        if evals:
+            ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", color=val_color,
+                    label=f"{prefix}validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title, fontsize=9)
