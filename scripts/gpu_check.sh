@@ -50,7 +50,7 @@ for step in "$@"; do
       SUMMARY+=("$(grep -E '^==|TF' "$OUT/tune.txt" | grep -v worst)")
       ;;
     tr)
-      SONICMOE_AUTOTUNE=0 timeout 300 python3 -m sonicmoe bench --preset token-rounding --backends triton --no-router-variant \
+      SONICMOE_AUTOTUNE=0 timeout 300 python3 -m sonicmoe bench --preset token-rounding --backends triton \
         --no-check-grads --no-plot --out "$OUT" --tag token-rounding -q > "$OUT/tr.txt" 2>&1
       SUMMARY+=("$(tail -30 "$OUT/tr.txt")")
       ;;
