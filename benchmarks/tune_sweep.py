@@ -4,7 +4,8 @@ usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|foc
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
 ``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times the
 leading tiles of an earlier sweep with and without the TMA weight loads (W_TMA) and, for dH, with the
-H loads issued before the GEMM (H_EARLY).
+H loads issued before the GEMM (H_EARLY) and with the epilogue split in column halves on larger tiles
+(EPI_SPLIT).
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ FOCUS = {
                         W_TMA=(False, True)),
     "dh": _toggled([tile_config(64, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3),
                     tile_config(128, 64, 64, 4, 3), tile_config(128, 64, 64, 8, 3), tile_config(64, 64, 64, 4, 3)],
-                   W_TMA=(False, True), H_EARLY=(False, True)),
+                   W_TMA=(False, True), H_EARLY=(False, True))
+    + _toggled([tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4), tile_config(128, 64, 64, 8, 3),
+                tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3, 1), tile_config(128, 256, 64, 8, 3)],
+               EPI_SPLIT=(True,), W_TMA=(False, True)),
 }
 
 

@@ -346,7 +346,7 @@ def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
 def _kernel_outputs(p, routing, s, dout, layout, cfg):
     """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
     (H_EARLY is dH's own)."""
-    gemm_cfg = {k: v for k, v in cfg.items() if k != "H_EARLY"}
+    gemm_cfg = {k: v for k, v in cfg.items() if k not in ("H_EARLY", "EPI_SPLIT")}
     h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gemm_cfg)
     y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
     dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=cfg)
@@ -357,15 +357,16 @@ def _kernel_outputs(p, routing, s, dout, layout, cfg):
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 @pytest.mark.parametrize("shape", [(37, 48, 40, 5, 2), (9, 20, 12, 3, 3)], ids=["aligned", "misaligned"])
 def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
-    """W_TMA (weights through TMA descriptors, zero-filled past n and d) and H_EARLY give the pointer
-    path's results. The misaligned shape (fp16, rows of 40 bytes) cannot be described for TMA: the
-    launcher falls back to pointer loads."""
+    """W_TMA (weights through TMA descriptors, zero-filled past n and d), H_EARLY and dH's split epilogue
+    give the pointer path's results. The misaligned shape (fp16, rows of 40 bytes) cannot be described
+    for TMA: the launcher falls back to pointer loads."""
     t, d, n, e, k = shape
     dtype = torch.float32 if shape[1] == 48 else torch.float16
     p, routing, s, dout = _tma_problem(t, d, n, e, k, device, dtype)
-    base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+    base = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
-    for extra in ({"W_TMA": True}, {"W_TMA": True, "H_EARLY": True}, {"H_EARLY": True}):
+    for extra in ({"W_TMA": True}, {"W_TMA": True, "H_EARLY": True}, {"H_EARLY": True}, {"EPI_SPLIT": True},
+                  {"EPI_SPLIT": True, "W_TMA": True, "H_EARLY": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -384,7 +385,7 @@ def test_gpu_tma_configs_bf16(layout):
             "num_warps": 8, "num_stages": 3}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
     for extra in ({"W_TMA": True}, {"W_TMA": True, "H_EARLY": True, "BLOCK_M": 64, "num_warps": 4},
-                  {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}):
+                  {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"EPI_SPLIT": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)

@@ -11,7 +11,9 @@ Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written 
 and the same bits whatever BLOCK_N the tuner picks.
 dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
 Options of the tile config: ``H_EARLY`` issues the H loads before the GEMM so their latency hides
-behind it (the GPU default); ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n).
+behind it (the GPU default); ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n);
+``EPI_SPLIT`` runs the epilogue on two column halves of the tile in turn (fewer live registers, for
+larger tiles; BLOCK_N >= 32; H is then loaded after the GEMM whatever H_EARLY says).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _dh_kernel(
     E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, H_EARLY: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -56,7 +59,7 @@ def _dh_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
                  row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_EARLY)
+                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_EARLY, EPI_SPLIT)
 
 
 @triton.jit
@@ -65,6 +68,7 @@ def _dh_tile(
     N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, H_EARLY: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -75,12 +79,8 @@ def _dh_tile(
     do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]
     w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wd + ch[None, :]
     rows64 = rows.to(tl.int64)
-    mask = mask_m[:, None] & mask_n[None, :]
-    g_cols = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
-    u_cols = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
-    if H_EARLY:  # issue the H loads before the GEMM so their latency hides behind it (costs registers)
-        g_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0)
-        u_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0)
+    if H_EARLY and not EPI_SPLIT:  # issue the H loads before the GEMM to hide their latency (costs registers)
+        g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
         mask_k = offs_k < D - k * BLOCK_K
@@ -92,26 +92,59 @@ def _dh_tile(
         acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
         do_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wd
-    if not H_EARLY:
-        g_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + g_cols[None, :], mask=mask, other=0.0)
-        u_raw = tl.load(h_ptr + rows64[:, None] * stride_hr + u_cols[None, :], mask=mask, other=0.0)
+    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    if EPI_SPLIT:  # the epilogue in two column halves: fewer (BLOCK_M, BLOCK_N) tensors live at once
+        HALF: tl.constexpr = BLOCK_N // 2
+        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        for half in tl.static_range(2):
+            acc_h = acc_lo if half == 0 else acc_hi
+            ch_h = pid_n * BLOCK_N + half * HALF + tl.arange(0, HALF)
+            g_h, u_h = _load_gate_up(h_ptr, rows64, mask_m, ch_h, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
+            _dh_epilogue(acc_h, g_h, u_h, s, rows64, mask_m, ch_h, pid_n * BLOCK_N + half * HALF, N, R, dh_ptr,
+                         ap_ptr, ds_ptr, stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, HALF)
+    else:
+        if not H_EARLY:
+            g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
+        _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, pid_n * BLOCK_N, N, R, dh_ptr, ap_ptr, ds_ptr,
+                     stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N)
+
+
+@triton.jit
+def _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr,
+                  GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr):
+    """The gate and up columns of H for channels ``ch`` of the given rows (H's dtype, 0 when masked)."""
+    mask = mask_m[:, None] & (ch < N)[None, :]
+    base = h_ptr + rows64[:, None] * stride_hr
+    g = tl.load(base + (GATE_OFF + ch * CH_STRIDE).to(tl.int64)[None, :], mask=mask, other=0.0)
+    u = tl.load(base + (UP_OFF + ch * CH_STRIDE).to(tl.int64)[None, :], mask=mask, other=0.0)
+    return g, u
+
+
+@triton.jit
+def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                 stride_apr, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
+                 WIDTH: tl.constexpr):
+    """SwiGLU backward, A′ and the dS partials of a block of dA′ = ``acc``: the given rows and the WIDTH
+    channels ``ch`` = ch_start + [0, WIDTH) (ch_start a multiple of 16)."""
+    mask = mask_m[:, None] & (ch < N)[None, :]
     g = g_raw.to(tl.float32)
     u = u_raw.to(tl.float32)
-    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     sig = tl.sigmoid(g)
     silu = g * sig
     a = silu * u
     # dS partial sums per 16-channel chunk: row c of the (cdiv(n, 16), R) buffer holds channels
     # [16c, 16c + 16). Every config writes every row (no leftovers from autotuning runs), and the
     # fixed-order sum over chunks afterwards does not depend on BLOCK_N.
-    CHUNKS: tl.constexpr = BLOCK_N // 16
-    part = tl.sum(tl.reshape(acc * a, (BLOCK_M, CHUNKS, 16)), 2)
-    chunk = pid_n * CHUNKS + tl.arange(0, CHUNKS)
+    CHUNKS: tl.constexpr = WIDTH // 16
+    part = tl.sum(tl.reshape(acc * a, (acc.shape[0], CHUNKS, 16)), 2)
+    chunk = ch_start // 16 + tl.arange(0, CHUNKS)
     tl.store(ds_ptr + chunk[None, :].to(tl.int64) * R + rows64[:, None], part,
              mask=mask_m[:, None] & (chunk[None, :] < tl.cdiv(N, 16)))
     tl.store(ap_ptr + rows64[:, None] * stride_apr + ch[None, :], (a * s).to(ap_ptr.dtype.element_ty), mask=mask)
     da = acc * s
     dh_ty = dh_ptr.dtype.element_ty
+    g_cols = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
+    u_cols = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     tl.store(dh_ptr + rows64[:, None] * stride_hr + u_cols[None, :], (da * silu).to(dh_ty), mask=mask)
     tl.store(dh_ptr + rows64[:, None] * stride_hr + g_cols[None, :], (da * u * (sig + silu * (1.0 - sig))).to(dh_ty),
              mask=mask)
