@@ -68,6 +68,11 @@ def weight_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
 _THREAD = threading.local()
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def ensure_cuda_context(device: torch.device) -> None:
     """Make the device's primary CUDA context current in this thread (once per thread).
 
@@ -82,7 +87,7 @@ def ensure_cuda_context(device: torch.device) -> None:
         done = _THREAD.ctx_devices = set()
     if idx in done:
         return
-    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda = _libcuda()
     ctx = ctypes.c_void_p()
     if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
         dev = ctypes.c_int()
