@@ -2,10 +2,9 @@
 
 usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus] [--kernels a,b] [--json OUT.json]
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
-``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times the
-leading tiles of an earlier sweep with and without the TMA weight loads (W_TMA) and, for dH, with the
-H loads issued before the GEMM (H_EARLY) and with the epilogue split in column halves on larger tiles
-(EPI_SPLIT).
+``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times this
+session's candidates (see FOCUS): larger dH tiles with the epilogue in column blocks (EPI_SPLIT), TMA
+loads of weights (W_TMA) and of contiguous activation rows (A_TMA), persistent weight-gradient GEMMs.
 """
 
 from __future__ import annotations
@@ -34,22 +33,39 @@ def _toggled(cfgs, **toggles):
     return out
 
 
+def _m(bm, bn, warps, stages, pps=0, flatten=False, bk=64, **extra):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PROGS_PER_SM": pps, "FLATTEN": flatten,
+            "num_warps": warps, "num_stages": stages, **extra}
+
+
+def _k(bi, bj, warps, stages, pps=0, flatten=False, br=64):
+    return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "PROGS_PER_SM": pps, "FLATTEN": flatten,
+            "num_warps": warps, "num_stages": stages}
+
+
+# session 3 (2026-11-23): larger dH tiles with the epilogue in 4-16 column blocks (EPI_SPLIT, no spills
+# by the offline resource report), TMA for the contiguous A rows of the down-projection / dX~ (A_TMA),
+# persistent flattened varlen-K weight gradients, 4-stage and BLOCK_K=128 up-projections
 FOCUS = {
-    "up_proj": _toggled([tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4),
-                         tile_config(128, 128, 64, 8, 3, 1), tile_config(128, 128, 64, 8, 3, 1, True),
-                         tile_config(128, 128, 128, 8, 2), tile_config(128, 64, 64, 4, 3, 2)], W_TMA=(False, True)),
+    "up_proj": [_m(128, 128, 8, 4, W_TMA=True), _m(128, 128, 8, 3, W_TMA=True), _m(128, 128, 8, 3, 1, W_TMA=True),
+                _m(128, 128, 8, 3, 1, True, W_TMA=True), _m(128, 128, 8, 2, bk=128, W_TMA=True),
+                _m(128, 128, 8, 4, 1, W_TMA=True), _m(64, 256, 8, 3, W_TMA=True)],
     "down_proj": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
-                           tile_config(128, 256, 64, 8, 3), tile_config(128, 256, 64, 8, 4, 1, True)],
-                          W_TMA=(False, True)),
-    "dxtilde": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8, 3)],
-                        W_TMA=(False, True)),
-    "dh": _toggled([tile_config(64, 64, 64, 4, 4), tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3),
-                    tile_config(128, 64, 64, 4, 3), tile_config(128, 64, 64, 8, 3), tile_config(64, 64, 64, 4, 3)],
-                   W_TMA=(False, True), H_EARLY=(False, True))
-    + _toggled([tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4), tile_config(128, 64, 64, 8, 3),
-                tile_config(64, 128, 64, 4, 3), tile_config(128, 128, 64, 8, 3, 1), tile_config(128, 256, 64, 8, 3)],
-               EPI_SPLIT=(True,), W_TMA=(False, True)),
+                           tile_config(128, 256, 64, 8, 4, 1, True)], W_TMA=(False, True), A_TMA=(False, True)),
+    "dxtilde": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8, 4, 1, True)],
+                        W_TMA=(False, True), A_TMA=(False, True)),
+    "dh": [_m(64, 64, 4, 4, W_TMA=True, H_EARLY=True), _m(128, 128, 8, 3, W_TMA=True, EPI_SPLIT=4),
+           _m(128, 128, 8, 4, W_TMA=True, EPI_SPLIT=8), _m(128, 128, 8, 3, W_TMA=True, EPI_SPLIT=8),
+           _m(128, 256, 8, 3, W_TMA=True, EPI_SPLIT=8), _m(128, 256, 8, 3, W_TMA=True, EPI_SPLIT=16),
+           _m(128, 256, 8, 4, W_TMA=True, EPI_SPLIT=8), _m(64, 256, 4, 3, W_TMA=True, EPI_SPLIT=8),
+           _m(64, 128, 4, 4, W_TMA=True, EPI_SPLIT=4), _m(128, 64, 8, 3, W_TMA=True, H_EARLY=True),
+           _m(128, 128, 8, 3, 1, True, W_TMA=True, EPI_SPLIT=8), _m(128, 256, 8, 3, 1, True, W_TMA=True, EPI_SPLIT=8),
+           _m(128, 128, 8, 3, 2, W_TMA=True, EPI_SPLIT=8)],
+    "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 4), _k(128, 256, 8, 3), _k(256, 128, 8, 3),
+            _k(128, 256, 8, 3, 1, True), _k(128, 128, 8, 3, 2, True), _k(128, 256, 8, 4, 1, True),
+            _k(256, 128, 8, 3, 1, True)],
 }
+FOCUS["dw1"] = FOCUS["dw2"]
 
 
 def sweep(shape, space="full", only=None):

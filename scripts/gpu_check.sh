@@ -2,16 +2,22 @@
 # One device call: the GPU work of a session, logs and results under $OUT, a short summary last.
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
-#   tune   tile sweep of the leading configs with/without TMA weight loads (benchmarks/tune_sweep.py)
+#   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus)
+#   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trq    token-rounding quality: train top-k and token rounding at E=64, K=2 on the same tokens
 #   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
 #          1000 of the same schedule on the torch backend (same seed, same data)
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
+# Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
+# returns at most 8 files); the summary is also $OUT/summary.txt.
 set -uo pipefail
-OUT=${OUT:-/tmp/sonicmoe_out}
-mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/sonicmoe_out}
+OUT=/tmp/sonicmoe_work
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . 2>/dev/null; }
+trap pack EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ $# -eq 0 ] && set -- quick
 SUMMARY=()
@@ -43,11 +49,16 @@ for step in "$@"; do
                 "$(cat "$OUT/breakdown.txt")")
       ;;
     tune)
-      for k in up_proj dh down_proj dxtilde; do  # one process per kernel: a fault stays contained
-        timeout 150 python3 benchmarks/tune_sweep.py --space focus --kernels $k --shape 24576,1536,256,128,8 \
+      for k in ${TUNE_KERNELS:-dh up_proj dw2 dw1 down_proj dxtilde}; do  # one process each: faults stay contained
+        timeout ${TUNE_LIMIT_S:-100} python3 benchmarks/tune_sweep.py --space focus --kernels $k --shape 24576,1536,256,128,8 \
           --shape 32768,4096,1024,128,8 --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
       SUMMARY+=("$(grep -E '^==|TF' "$OUT/tune.txt" | grep -v worst)")
+      ;;
+    ds3)
+      python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
+        --out "$OUT" --tag ds3 > "$OUT/ds3.txt" 2>&1
+      SUMMARY+=("$(tail -12 "$OUT/ds3.txt")")
       ;;
     tr)
       SONICMOE_AUTOTUNE=0 timeout 300 python3 -m sonicmoe bench --preset token-rounding --backends triton \
@@ -80,4 +91,4 @@ for step in "$@"; do
   esac
 done
 echo "=== summary"
-printf '%s\n' "${SUMMARY[@]}"
+printf '%s\n' "${SUMMARY[@]}" | tee "$FINAL/summary.txt"

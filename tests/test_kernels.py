@@ -345,11 +345,12 @@ def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
 
 def _kernel_outputs(p, routing, s, dout, layout, cfg):
     """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
-    (H_EARLY is dH's own)."""
+    (H_EARLY and EPI_SPLIT are dH's own, A_TMA the contiguous-row GEMMs')."""
     gemm_cfg = {k: v for k, v in cfg.items() if k not in ("H_EARLY", "EPI_SPLIT")}
-    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gemm_cfg)
+    gather_cfg = {k: v for k, v in gemm_cfg.items() if k != "A_TMA"}
+    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gather_cfg)
     y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
-    dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=cfg)
+    dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config={k: v for k, v in cfg.items() if k != "A_TMA"})
     dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=gemm_cfg)
     return {"h": h, "a": a, "y": y, "dh": dh_, "a_prime": ap_, "ds": ds, "dxt": dxt}
 
@@ -365,8 +366,9 @@ def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
     p, routing, s, dout = _tma_problem(t, d, n, e, k, device, dtype)
     base = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
-    for extra in ({"W_TMA": True}, {"W_TMA": True, "H_EARLY": True}, {"H_EARLY": True}, {"EPI_SPLIT": True},
-                  {"EPI_SPLIT": True, "W_TMA": True, "H_EARLY": True}):
+    for extra in ({"W_TMA": True}, {"W_TMA": True, "H_EARLY": True}, {"H_EARLY": True}, {"EPI_SPLIT": 2},
+                  {"EPI_SPLIT": 2, "W_TMA": True, "H_EARLY": True}, {"EPI_SPLIT": 4, "BLOCK_N": 64},
+                  {"A_TMA": True}, {"A_TMA": True, "W_TMA": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -385,7 +387,8 @@ def test_gpu_tma_configs_bf16(layout):
             "num_warps": 8, "num_stages": 3}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
     for extra in ({"W_TMA": True}, {"W_TMA": True, "H_EARLY": True, "BLOCK_M": 64, "num_warps": 4},
-                  {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"EPI_SPLIT": True}):
+                  {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"EPI_SPLIT": 2},
+                  {"EPI_SPLIT": 4, "W_TMA": True}, {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -415,7 +418,7 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
     w = torch.randn(2, 32, 64, dtype=dtype)
-    desc = common.weight_descriptor(w) if aligned else None
+    desc = common.tma_descriptor(w) if aligned else None
     kern = _RecordingKernel()
     gpu_default = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "W_TMA": True, "num_warps": 8, "num_stages": 4}
     common.launch(kern, None, lambda meta: (1,), {"a_ptr": w, "w_desc": desc}, {"BLOCK_N": 16, "BLOCK_K": 16},

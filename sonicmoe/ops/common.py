@@ -51,9 +51,10 @@ def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int, pps: int = 0
     return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
-def weight_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
-    """A TMA tensor descriptor over the (strided) weight view ``w`` (E, rows, cols), or None where the
-    copy engine cannot address it (base or leading strides not 16-byte aligned, inner stride not 1).
+def tma_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
+    """A TMA tensor descriptor over the (strided) view ``w`` — a weight (E, rows, cols) or an activation
+    (R, cols) — or None where the copy engine cannot address it (base or leading strides not 16-byte
+    aligned, inner stride not 1).
 
     Its block shape is set per tile configuration (:func:`set_descriptor_blocks`) before each launch.
     """
@@ -64,6 +65,9 @@ def weight_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
     placeholder = [1] * (w.dim() - 1) + [max(16 // elem, 1)]  # the smallest valid box
     return TensorDescriptor(w, list(w.shape), list(w.stride()), placeholder)
 
+
+# meta-parameters that ask for TMA descriptor loads (weights: W_TMA; contiguous activation rows: A_TMA)
+TMA_FLAGS = ("W_TMA", "A_TMA")
 
 _THREAD = threading.local()
 
@@ -106,7 +110,7 @@ def set_descriptor_blocks(desc_blocks, nargs: dict) -> None:
 
 
 def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None):
-    """(autotuner over ``space``, autotuner over its configs without W_TMA) for ``kernel``.
+    """(autotuner over ``space``, autotuner over its configs without TMA loads) for ``kernel``.
 
     The second serves weights no TMA descriptor can address. Each config gets a pre-hook that sets the
     descriptors' block shapes to its tiles.
@@ -114,7 +118,7 @@ def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=N
     if desc_blocks is not None:
         for cfg in space:
             cfg.pre_hook = functools.partial(set_descriptor_blocks, desc_blocks)
-    plain_space = [cfg for cfg in space if not cfg.kwargs.get("W_TMA")]
+    plain_space = [cfg for cfg in space if not any(cfg.kwargs.get(flag) for flag in TMA_FLAGS)]
     full = triton.autotune(configs=space, key=key)(kernel)
     plain = full if len(plain_space) == len(space) else triton.autotune(configs=plain_space, key=key)(kernel)
     return full, plain
@@ -152,10 +156,10 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
             if key in meta:
                 meta[key] = max(16, meta[key] // 2)
     if desc_blocks is not None:
-        if meta.get("W_TMA") and tma_ready:
+        if tma_ready and any(meta.get(flag) for flag in TMA_FLAGS):
             set_descriptor_blocks(desc_blocks, {**args, **meta})
         else:  # pointer loads: the descriptors stay unused
-            meta["W_TMA"] = False
+            meta.update({flag: False for flag in TMA_FLAGS if flag in meta})
             args = {**args, **{name: None for name in desc_blocks(meta)}}
     kernel[grid(meta)](**args, **meta)
 
@@ -246,3 +250,52 @@ def tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M: tl.constexpr):
     row_start = tl.sum(tl.where(sel, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
     row_end = tl.sum(tl.where(sel, hi, 0), 0)
     return e, row_start, row_end
+
+
+def with_even_flags(kernel, **flags: tuple[str, str]):
+    """``kernel`` wrapped so that each ``EVEN_X=(dim, block)`` flag is set per launch to
+    ``dim % block == 0``: a dimension that is a multiple of its block needs no bounds mask."""
+    rules = {name: functools.partial(_divides, dim, block) for name, (dim, block) in flags.items()}
+    return triton.heuristics(rules)(kernel)
+
+
+def _divides(dim: str, block: str, args: dict) -> bool:
+    return args[dim] % args[block] == 0
+
+
+@triton.jit
+def load_row_block(row_ptrs, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of the rows that start at ``row_ptrs`` (BLOCK_M,): a (BLOCK_M, BLOCK_K)
+    block, 0 past K. Every row pointer must be valid (callers point rows they will not store at some
+    valid row), so no row mask is needed and, with EVEN_K, no mask at all."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        return tl.load(row_ptrs[:, None] + kk[None, :])
+    return tl.load(row_ptrs[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def load_weight_block(w_base, w_desc, e, k0, c0, K, N, stride_k, stride_n, B_TRANS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, W_TMA: tl.constexpr):
+    """The (BLOCK_K, BLOCK_N) block B[k0:k0+BLOCK_K, c0:c0+BLOCK_N] of expert e's weight, 0 past (K, N).
+
+    Pointer loads: B[k, c] = w_base[k * stride_k + c * stride_n] (``w_base`` already at expert e).
+    ``W_TMA``: ``w_desc`` describes the weight as (E, N, K) when ``B_TRANS`` (boxes (1, BLOCK_N, BLOCK_K),
+    transposed in registers) or (E, K, N) otherwise; the copy engine zero-fills past the bounds.
+    """
+    if W_TMA:
+        if B_TRANS:
+            return tl.reshape(w_desc.load([e, c0, k0]), (BLOCK_N, BLOCK_K)).T
+        return tl.reshape(w_desc.load([e, k0, c0]), (BLOCK_K, BLOCK_N))
+    kk = k0 + tl.arange(0, BLOCK_K)
+    cc = c0 + tl.arange(0, BLOCK_N)
+    ptrs = w_base + kk[:, None].to(tl.int64) * stride_k + cc[None, :].to(tl.int64) * stride_n
+    return tl.load(ptrs, mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)
+
+
+@triton.jit
+def column_halves(x):
+    """The left and right column halves of a 2-D block (M, W), W even (register shuffles, no copy)."""
+    M: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, (M, 2, W // 2)), (0, 2, 1)))

@@ -27,15 +27,19 @@ from ..routing import Routing
 from .common import (
     autotuners,
     check_device,
+    column_halves,
     dot_precision,
     launch,
+    load_row_block,
+    load_weight_block,
     new_output,
     next_pow2,
     tile_config,
     tile_rows,
     tile_schedule,
+    tma_descriptor,
     varlen_m_grid,
-    weight_descriptor,
+    with_even_flags,
 )
 from .up_proj import layout_rows
 
@@ -49,7 +53,7 @@ def _dh_kernel(
     E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, H_EARLY: tl.constexpr = False,
-    EPI_SPLIT: tl.constexpr = False,
+    EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -59,7 +63,7 @@ def _dh_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
                  row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_EARLY, EPI_SPLIT)
+                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_EARLY, EPI_SPLIT, EVEN_K)
 
 
 @triton.jit
@@ -68,45 +72,62 @@ def _dh_tile(
     N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, H_EARLY: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = ch < N
-    offs_k = tl.arange(0, BLOCK_K)
-    do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]
-    w_ptrs = w2_ptr + e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wd + ch[None, :]
     rows64 = rows.to(tl.int64)
-    if H_EARLY and not EPI_SPLIT:  # issue the H loads before the GEMM to hide their latency (costs registers)
+    if H_EARLY and EPI_SPLIT == 1:  # issue the H loads before the GEMM to hide their latency (costs registers)
         g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
+    # rows past the expert's end read token 0's dO (tok = 0 there): valid memory, results never stored
+    do_rows = do_ptr + tok * stride_dot
+    w_base = w2_ptr + e.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
-        mask_k = offs_k < D - k * BLOCK_K
-        dob = tl.load(do_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if W_TMA:  # (1, BLOCK_K, BLOCK_N) boxes of W2 (E, d, n), zero-filled past d and n
-            wb = tl.reshape(w2_desc.load([e, k * BLOCK_K, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
-        else:
-            wb = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        dob = load_row_block(do_rows, k * BLOCK_K, D, BLOCK_K, EVEN_K)
+        wb = load_weight_block(w_base, w2_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, stride_wd, 1, False,
+                               BLOCK_K, BLOCK_N, W_TMA)
         acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
-        do_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wd
     s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    if EPI_SPLIT:  # the epilogue in two column halves: fewer (BLOCK_M, BLOCK_N) tensors live at once
-        HALF: tl.constexpr = BLOCK_N // 2
-        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
-        for half in tl.static_range(2):
-            acc_h = acc_lo if half == 0 else acc_hi
-            ch_h = pid_n * BLOCK_N + half * HALF + tl.arange(0, HALF)
-            g_h, u_h = _load_gate_up(h_ptr, rows64, mask_m, ch_h, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
-            _dh_epilogue(acc_h, g_h, u_h, s, rows64, mask_m, ch_h, pid_n * BLOCK_N + half * HALF, N, R, dh_ptr,
-                         ap_ptr, ds_ptr, stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, HALF)
-    else:
+    ch0 = pid_n * BLOCK_N
+    if EPI_SPLIT == 1:
         if not H_EARLY:
             g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
-        _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, pid_n * BLOCK_N, N, R, dh_ptr, ap_ptr, ds_ptr,
+        _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch0, N, R, dh_ptr, ap_ptr, ds_ptr,
                      stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N)
+    else:  # the epilogue on column blocks in turn: fewer (BLOCK_M, ·) tensors live at once
+        _dh_epilogue_split(acc, s, rows64, mask_m, ch0, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
+                           GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N, EPI_SPLIT)
+
+
+@triton.jit
+def _dh_epilogue_split(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
+                       GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, WIDTH: tl.constexpr,
+                       PARTS: tl.constexpr):
+    """The epilogue of channels [ch_start, ch_start + WIDTH) on PARTS (a power of two) column blocks of
+    ``acc``, one after the other, halving recursively."""
+    if PARTS == 1:
+        _dh_epilogue_part(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                          stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
+    else:
+        HALF: tl.constexpr = WIDTH // 2
+        lo, hi = column_halves(acc)
+        _dh_epilogue_split(lo, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
+                           GATE_OFF, UP_OFF, CH_STRIDE, HALF, PARTS // 2)
+        _dh_epilogue_split(hi, s, rows64, mask_m, ch_start + HALF, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                           stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, HALF, PARTS // 2)
+
+
+@triton.jit
+def _dh_epilogue_part(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
+                      GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, WIDTH: tl.constexpr):
+    """Load H for channels [ch_start, ch_start + WIDTH) and run the epilogue on that column block."""
+    ch = ch_start + tl.arange(0, WIDTH)
+    g, u = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
+    _dh_epilogue(acc, g, u, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
+                 GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
 
 
 @triton.jit
@@ -129,7 +150,7 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
     mask = mask_m[:, None] & (ch < N)[None, :]
     g = g_raw.to(tl.float32)
     u = u_raw.to(tl.float32)
-    sig = tl.sigmoid(g)
+    sig = tl.math.fdiv(1.0, 1.0 + tl.exp(-g))
     silu = g * sig
     a = silu * u
     # dS partial sums per 16-channel chunk: row c of the (cdiv(n, 16), R) buffer holds channels
@@ -167,6 +188,7 @@ def _desc_blocks(meta: dict) -> dict:
     return {"w2_desc": (1, meta["BLOCK_K"], meta["BLOCK_N"])}
 
 
+_dh_kernel = with_even_flags(_dh_kernel, EVEN_K=("D", "BLOCK_K"))
 _tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE"], _desc_blocks)
 
 
@@ -198,7 +220,7 @@ def dh(
     ds_part = new_output((triton.cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
-        do_ptr=dout, w2_ptr=w2, w2_desc=weight_descriptor(w2), h_ptr=h, score_ptr=row_scores.float().contiguous(),
+        do_ptr=dout, w2_ptr=w2, w2_desc=tma_descriptor(w2), h_ptr=h, score_ptr=row_scores.float().contiguous(),
         row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets, dh_ptr=dh_, ap_ptr=a_prime,
         ds_ptr=ds_part, E=e, N=n, D=d, R=r, stride_dot=dout.stride(0), stride_we=w2.stride(0),
         stride_wd=w2.stride(1), stride_hr=h.stride(0), stride_apr=a_prime.stride(0),

@@ -8,7 +8,9 @@ through strides, so one kernel serves
 * the dX̃ GEMM          dX̃ = dH W1[e]         (dH (R, 2n), W1 (E, 2n, d) -> dX̃ (R, d)).
 
 Configs with ``W_TMA`` read B[e] through a TMA descriptor over B's (E, ·, ·) shape (zero-filled past
-its bounds); the autotuner chooses between them and pointer loads.
+its bounds), and configs with ``A_TMA`` read the rows of A through a descriptor over (R, k) (rows past
+an expert's end are the next expert's or zeros, and their results are never stored); the autotuner
+chooses between them and pointer loads.
 """
 
 from __future__ import annotations
@@ -23,24 +25,28 @@ from .common import (
     check_device,
     dot_precision,
     launch,
+    load_row_block,
+    load_weight_block,
     new_output,
     next_pow2,
     tile_config,
     tile_rows,
     tile_schedule,
+    tma_descriptor,
     varlen_m_grid,
-    weight_descriptor,
+    with_even_flags,
 )
 
 
 @triton.jit
 def _varlen_m_kernel(
-    a_ptr, b_ptr, b_desc, bias_ptr, c_ptr, offsets_ptr,
+    a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, offsets_ptr,
     E, N, K,
     stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
     HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, A_TMA: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -50,26 +56,21 @@ def _varlen_m_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = rows < row_end
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = cols < N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None] * stride_ar + offs_k[None, :]
-        b_ptrs = (b_ptr + e.to(tl.int64) * stride_be + offs_k[:, None].to(tl.int64) * stride_bk
-                  + cols[None, :].to(tl.int64) * stride_bn)
+        # rows past the expert's end read its last row (pointer loads) or the next expert's rows (TMA,
+        # zero-filled past R): valid memory, results never stored
+        a_rows = a_ptr + tl.minimum(rows, row_end - 1) * stride_ar
+        b_base = b_ptr + e.to(tl.int64) * stride_be
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            mask_k = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if W_TMA:  # boxes of B (E, m, k) (B_TRANS) or (E, k, m), zero-filled past its bounds
-                if B_TRANS:
-                    b = tl.reshape(b_desc.load([e, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
-                else:
-                    b = tl.reshape(b_desc.load([e, k * BLOCK_K, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+            if A_TMA:
+                a = a_desc.load([row_start, k * BLOCK_K])
             else:
-                b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                a = load_row_block(a_rows, k * BLOCK_K, K, BLOCK_K, EVEN_K)
+            b = load_weight_block(b_base, b_desc, e, k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_bk, stride_bn, B_TRANS,
+                                  BLOCK_K, BLOCK_N, W_TMA)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = cols < N
         if HAS_BIAS:
             acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -92,9 +93,10 @@ TUNING_SPACE = [
 
 def _desc_blocks(meta: dict) -> dict:
     bn, bk = meta["BLOCK_N"], meta["BLOCK_K"]
-    return {"b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn)}
+    return {"a_desc": (meta["BLOCK_M"], bk), "b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn)}
 
 
+_varlen_m_kernel = with_even_flags(_varlen_m_kernel, EVEN_K=("K", "BLOCK_K"))
 _tuned = autotuners(_varlen_m_kernel, TUNING_SPACE, ["N", "K", "E", "stride_bk", "HAS_BIAS", "B_TRANS"],
                     _desc_blocks)
 
@@ -122,7 +124,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     r = a.shape[0]
     c = new_output((r, m), device=a.device, dtype=a.dtype)
     args = dict(
-        a_ptr=a, b_ptr=b, b_desc=weight_descriptor(b), bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
+        a_ptr=a, a_desc=tma_descriptor(a), b_ptr=b, b_desc=tma_descriptor(b),
+        bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
         offsets_ptr=routing.expert_offsets, E=e, N=m, K=k, stride_ar=a.stride(0), stride_be=b.stride(0),
         stride_bk=stride_bk, stride_bn=stride_bn, stride_cr=c.stride(0), HAS_BIAS=bias is not None,
         B_TRANS=transpose_b, E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),

@@ -29,13 +29,16 @@ from .common import (
     check_device,
     dot_precision,
     launch,
+    load_row_block,
+    load_weight_block,
     new_output,
     next_pow2,
     tile_config,
     tile_rows,
     tile_schedule,
+    tma_descriptor,
     varlen_m_grid,
-    weight_descriptor,
+    with_even_flags,
 )
 
 
@@ -52,7 +55,7 @@ def _up_proj_kernel(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -62,7 +65,7 @@ def _up_proj_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end,
                       pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF,
-                      CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA)
+                      CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, EVEN_K)
 
 
 @triton.jit
@@ -72,35 +75,30 @@ def _up_proj_tile(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
+    # rows past the expert's end read token 0's row of X (tok = 0 there): valid memory, never stored
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    x_rows = x_ptr + tok * stride_xt
     ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = ch < N
     g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
     u_rows = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     w_base = w1_ptr + e.to(tl.int64) * stride_we
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    wg_ptrs = w_base + g_rows[None, :] * stride_wn + offs_k[:, None]
-    wu_ptrs = w_base + u_rows[None, :] * stride_wn + offs_k[:, None]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
-        mask_k = offs_k < D - k * BLOCK_K
-        xa = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if W_TMA:  # (1, BLOCK_N, BLOCK_K) boxes of the (E, n, d) gate/up views, zero-filled past n and d
-            wg = tl.reshape(wg_desc.load([e, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
-            wu = tl.reshape(wu_desc.load([e, pid_n * BLOCK_N, k * BLOCK_K]), (BLOCK_N, BLOCK_K)).T
-        else:
-            wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        xa = load_row_block(x_rows, k * BLOCK_K, D, BLOCK_K, EVEN_K)
+        # (BLOCK_K, BLOCK_N) blocks of the gate and up rows of W1[e]; through TMA, boxes of the (E, n, d)
+        # gate/up views, zero-filled past n and d
+        wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
+                               CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
+        wu = load_weight_block(w_base + UP_OFF * stride_wn, wu_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
+                               CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
         acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
         acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
-        x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
     if HAS_BIAS:
         b_base = b1_ptr + e.to(tl.int64) * (2 * N)
         acc_g += tl.load(b_base + g_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -134,6 +132,7 @@ def _desc_blocks(meta: dict) -> dict:
     return {"wg_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"]), "wu_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"])}
 
 
+_up_proj_kernel = with_even_flags(_up_proj_kernel, EVEN_K=("D", "BLOCK_K"))
 _tuned = autotuners(_up_proj_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
                     _desc_blocks)
 
@@ -164,8 +163,8 @@ def up_proj(
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
-        x_ptr=x, w1_ptr=w1, wg_desc=weight_descriptor(w1[:, gate_off::ch_stride][:, :n]),
-        wu_desc=weight_descriptor(w1[:, up_off::ch_stride][:, :n]),
+        x_ptr=x, w1_ptr=w1, wg_desc=tma_descriptor(w1[:, gate_off::ch_stride][:, :n]),
+        wu_desc=tma_descriptor(w1[:, up_off::ch_stride][:, :n]),
         b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,
         row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
         E=e, N=n, D=d, stride_xt=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),

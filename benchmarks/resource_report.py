@@ -1,0 +1,174 @@
+"""Registers, spills and shared memory of every kernel config, compiled offline for Hopper (no GPU).
+
+usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus]
+
+Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is
+``cuda:<arch>``; kernels are compiled (``warmup``), never launched, and the cubin's resource usage is
+read with the ``cuobjdump`` that Triton's package carries. A config whose LOCAL (spill) bytes are not
+zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
+sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
+of 16), so the problem is tiny.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+SMEM_LIMIT = 232448  # bytes per block on sm_90
+
+
+class _OfflineDriver:
+    """Just enough of a Triton driver to compile for a target without a GPU."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+_COMPILED: list = []
+
+
+def _install(arch: int) -> None:
+    driver.set_active(_OfflineDriver(arch))
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        _COMPILED.append(run(self, *args, grid=grid, warmup=True, **kwargs))
+
+    JITFunction.run = compile_only
+    from sonicmoe.ops import aggregation, common, dh, grouped_gemm, up_proj, weight_grad
+
+    for mod in (aggregation, common, dh, grouped_gemm, up_proj, weight_grad):
+        if hasattr(mod, "check_device"):
+            mod.check_device = lambda *a: None
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(kernel) -> dict:
+    """REG / STACK / SHARED / LOCAL of a compiled kernel's cubin (cuobjdump -res-usage)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    res = dict(zip(("reg", "stack", "shared_static", "local"), map(int, m.groups()))) if m else {"raw": out}
+    res["shared"] = kernel.metadata.shared
+    res["spills_hint"] = len(re.findall(r"\bSTL\b", _sass(kernel))) if os.environ.get("RR_SASS") else None
+    return res
+
+
+def _sass(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def problem(dtype=torch.bfloat16, t=64, d=1536, n=256, e=4, k=2):
+    import sonicmoe
+    from sonicmoe.testing import random_problem
+
+    p = random_problem(t, d, n, e, dtype=dtype, device="cpu", seed=0)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    routing = sonicmoe.routing_from_topk(ids, e)
+    return p, routing
+
+
+def launchers(p, routing):
+    """name -> (function of a config dict that launches the kernel, the module's sweep configs)."""
+    from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
+
+    x, w1, w2 = p["x"], p["w1"], p["w2"]
+    r, n = routing.num_rows, w2.shape[2]
+    t, d = x.shape
+    h = torch.randn(r, 2 * n, dtype=x.dtype)
+    a = torch.randn(r, n, dtype=x.dtype)
+    dout = torch.randn(t, d, dtype=x.dtype)
+    s_row = torch.rand(r)
+    return {
+        "up_proj": lambda c: up_proj.up_proj(x, w1, None, routing, config=c),
+        "down_proj": lambda c: grouped_gemm.down_proj(a, w2, None, routing, config=c),
+        "dxtilde": lambda c: grouped_gemm.varlen_m_gemm(h, w1, None, routing, transpose_b=False, config=c),
+        "dh": lambda c: dh.dh(dout, w2, h, s_row, routing, config=c),
+        "dw2": lambda c: weight_grad.varlen_k_gemm(dout, a, routing, p_gather=True, q_gather=False,
+                                                   out_dtype=w2.dtype, config=c),
+        "dw1": lambda c: weight_grad.varlen_k_gemm(h, x, routing, p_gather=False, q_gather=True,
+                                                   out_dtype=w1.dtype, config=c),
+        "aggregate": lambda c: aggregation.gather_sum(torch.randn(r, d, dtype=x.dtype), routing, None, config=c),
+    }
+
+
+def spaces(which: str) -> dict:
+    from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
+    from sonicmoe.ops.common import config_dict
+
+    tune = {
+        "up_proj": up_proj.TUNING_SPACE, "down_proj": grouped_gemm.TUNING_SPACE,
+        "dxtilde": grouped_gemm.TUNING_SPACE, "dh": dh.TUNING_SPACE, "dw2": weight_grad.TUNING_SPACE,
+        "dw1": weight_grad.TUNING_SPACE, "aggregate": aggregation.TUNING_SPACE,
+    }
+    out = {k: [config_dict(c) for c in v] for k, v in tune.items()}
+    if which == "focus":
+        import importlib.util
+        import pathlib
+
+        spec = importlib.util.spec_from_file_location(
+            "tune_sweep", pathlib.Path(__file__).with_name("tune_sweep.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out.update(mod.FOCUS)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", default=None, help="comma-separated subset")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--space", choices=("tune", "focus"), default="tune")
+    args = ap.parse_args()
+    _install(args.arch)
+    p, routing = problem()
+    fns = launchers(p, routing)
+    only = set(args.kernels.split(",")) if args.kernels else None
+    for name, cfgs in spaces(args.space).items():
+        if only and name not in only:
+            continue
+        for cfg in cfgs:
+            _COMPILED.clear()
+            try:
+                fns[name](dict(cfg))
+                res = resources(_COMPILED[-1])
+                flag = "  SPILLS" if res.get("local") or res.get("stack") else ""
+                flag += "  SMEM>LIMIT" if res.get("shared", 0) > SMEM_LIMIT else ""
+                print(f"{name:10s} reg {res.get('reg'):>3} stack {res.get('stack'):>5} smem {res['shared']:>6}"
+                      f"{flag}  {cfg}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the sweep
+                print(f"{name:10s} ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:150]}  {cfg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
