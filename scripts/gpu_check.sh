@@ -3,6 +3,7 @@
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
 #   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus)
+#   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trq    token-rounding quality: train top-k and token rounding at E=64, K=2 on the same tokens
@@ -54,6 +55,11 @@ for step in "$@"; do
           --shape 32768,4096,1024,128,8 --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
       SUMMARY+=("$(grep -E '^==|TF' "$OUT/tune.txt" | grep -v worst)")
+      ;;
+    bench7b)
+      python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \
+        --no-plot --out "$OUT" --tag 7b > "$OUT/bench7b.txt" 2>&1
+      SUMMARY+=("$(tail -12 "$OUT/bench7b.txt")")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \

@@ -264,17 +264,6 @@ def _divides(dim: str, block: str, args: dict) -> bool:
 
 
 @triton.jit
-def load_row_block(row_ptrs, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Columns [k0, k0 + BLOCK_K) of the rows that start at ``row_ptrs`` (BLOCK_M,): a (BLOCK_M, BLOCK_K)
-    block, 0 past K. Every row pointer must be valid (callers point rows they will not store at some
-    valid row), so no row mask is needed and, with EVEN_K, no mask at all."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        return tl.load(row_ptrs[:, None] + kk[None, :])
-    return tl.load(row_ptrs[:, None] + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-
-
-@triton.jit
 def load_weight_block(w_base, w_desc, e, k0, c0, K, N, stride_k, stride_n, B_TRANS: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, W_TMA: tl.constexpr):
     """The (BLOCK_K, BLOCK_N) block B[k0:k0+BLOCK_K, c0:c0+BLOCK_N] of expert e's weight, 0 past (K, N).
@@ -291,6 +280,13 @@ def load_weight_block(w_base, w_desc, e, k0, c0, K, N, stride_k, stride_n, B_TRA
     cc = c0 + tl.arange(0, BLOCK_N)
     ptrs = w_base + kk[:, None].to(tl.int64) * stride_k + cc[None, :].to(tl.int64) * stride_n
     return tl.load(ptrs, mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)
+
+
+@triton.jit
+def sigmoid(x):
+    """1 / (1 + exp(-x)) with the fast (non-IEEE) division; float32 in and out. The up-projection and the
+    dH kernel both use it, so the backward's recomputed A equals the forward's."""
+    return tl.math.fdiv(1.0, 1.0 + tl.exp(-x))
 
 
 @triton.jit

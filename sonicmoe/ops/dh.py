@@ -11,9 +11,10 @@ Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written 
 and the same bits whatever BLOCK_N the tuner picks.
 dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
 Options of the tile config: ``H_EARLY`` issues the H loads before the GEMM so their latency hides
-behind it (the GPU default); ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n);
-``EPI_SPLIT`` runs the epilogue on two column halves of the tile in turn (fewer live registers, for
-larger tiles; BLOCK_N >= 32; H is then loaded after the GEMM whatever H_EARLY says).
+behind it (small tiles); ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n);
+``EPI_SPLIT`` (1, 2, 4, ...: a power of two) runs the epilogue on that many column blocks of the tile in
+turn, loading their H columns block by block (fewer live registers: full-width 128 x 256 tiles fit
+without spills at 8 blocks; each block at least 16 channels wide; H_EARLY applies only to EPI_SPLIT = 1).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from .common import (
     column_halves,
     dot_precision,
     launch,
-    load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
+    sigmoid,
     tile_config,
     tile_rows,
     tile_schedule,
@@ -82,11 +83,16 @@ def _dh_tile(
     if H_EARLY and EPI_SPLIT == 1:  # issue the H loads before the GEMM to hide their latency (costs registers)
         g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
     # rows past the expert's end read token 0's dO (tok = 0 there): valid memory, results never stored
-    do_rows = do_ptr + tok * stride_dot
+    offs_k = tl.arange(0, BLOCK_K)
+    do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]  # loop-carried: pipelines under FLATTEN too
     w_base = w2_ptr + e.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
-        dob = load_row_block(do_rows, k * BLOCK_K, D, BLOCK_K, EVEN_K)
+        if EVEN_K:
+            dob = tl.load(do_ptrs)
+        else:
+            dob = tl.load(do_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
+        do_ptrs += BLOCK_K
         wb = load_weight_block(w_base, w2_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, stride_wd, 1, False,
                                BLOCK_K, BLOCK_N, W_TMA)
         acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
@@ -150,7 +156,7 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
     mask = mask_m[:, None] & (ch < N)[None, :]
     g = g_raw.to(tl.float32)
     u = u_raw.to(tl.float32)
-    sig = tl.math.fdiv(1.0, 1.0 + tl.exp(-g))
+    sig = sigmoid(g)
     silu = g * sig
     a = silu * u
     # dS partial sums per 16-channel chunk: row c of the (cdiv(n, 16), R) buffer holds channels
@@ -171,16 +177,18 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
              mask=mask)
 
 
-# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): the epilogue's many live (BLOCK_M, BLOCK_N)
-# tensors favour small tiles (64x64, 4 warps) on the 7B shape and 64x128 on 120B-n1024; issuing the H
-# loads before the GEMM (H_EARLY) took 7B from 0.808 to 0.770 ms; TMA for W2 did not help here
-_GPU_DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
-                "H_EARLY": True, "num_warps": 4, "num_stages": 4}
+# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23): full-width tiles (128 x 256, the
+# gathered dO rows read once per n = 256) with the epilogue in 8 column blocks of 32 (no register spills,
+# benchmarks/resource_report.py): 7B 0.635 ms against 0.77-0.81 for the earlier 64 x 64 tiles
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
+                "W_TMA": True, "EPI_SPLIT": 8, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
-    tile_config(64, 64, 64, 4, 4, H_EARLY=True), tile_config(64, 128, 64, 4, 3, H_EARLY=True),
-    tile_config(64, 64, 64, 4, 4, tma=True, H_EARLY=True), tile_config(64, 64, 64, 4, 4),
-    tile_config(128, 128, 64, 8, 3, 1), tile_config(64, 128, 64, 4, 3, 2, True),
+    tile_config(128, 256, 64, 8, 4, tma=True, EPI_SPLIT=8), tile_config(128, 256, 64, 8, 3, tma=True, EPI_SPLIT=8),
+    tile_config(128, 256, 64, 8, 3, 1, True, tma=True, EPI_SPLIT=8),
+    tile_config(128, 128, 64, 8, 3, 1, True, tma=True, EPI_SPLIT=8),
+    tile_config(128, 128, 64, 8, 4, tma=True, EPI_SPLIT=8),
+    tile_config(64, 64, 64, 4, 4, tma=True, H_EARLY=True), tile_config(128, 128, 64, 8, 4, EPI_SPLIT=8),
 ]
 
 

@@ -25,7 +25,6 @@ from .common import (
     check_device,
     dot_precision,
     launch,
-    load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
@@ -56,16 +55,20 @@ def _varlen_m_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = rows < row_end
-        # rows past the expert's end read its last row (pointer loads) or the next expert's rows (TMA,
-        # zero-filled past R): valid memory, results never stored
-        a_rows = a_ptr + tl.minimum(rows, row_end - 1) * stride_ar
+        # rows past the expert's end: masked (pointer loads) or the next expert's rows / zeros past R
+        # (TMA); their results are never stored
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_ar + offs_k[None, :]
         b_base = b_ptr + e.to(tl.int64) * stride_be
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if A_TMA:
                 a = a_desc.load([row_start, k * BLOCK_K])
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             else:
-                a = load_row_block(a_rows, k * BLOCK_K, K, BLOCK_K, EVEN_K)
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+            a_ptrs += BLOCK_K
             b = load_weight_block(b_base, b_desc, e, k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_bk, stride_bn, B_TRANS,
                                   BLOCK_K, BLOCK_N, W_TMA)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
@@ -77,17 +80,18 @@ def _varlen_m_kernel(
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
-# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): a persistent grid (one program per SM) whose
-# tile loop is flattened into the K loop, so the next tile's loads overlap this tile's epilogue, leads
-# by 15-30% on the short-K down-projection (K = n) and on dX̃
+# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23, results in
+# benchmarks/results/2026-11-23_nvidia-h100_tune/): a persistent grid (one program per SM) whose tile loop
+# is flattened into the K loop, with both operands through TMA descriptors (A_TMA, W_TMA): 7B
+# down-projection 0.368 ms (420 TFLOP/s; pointer-loaded A: 0.683), 120B-n1024 626 TFLOP/s; dX~ 544 / 593
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": True,
-                "num_warps": 8, "num_stages": 3}
+                "W_TMA": True, "A_TMA": True, "num_warps": 8, "num_stages": 3}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
+    tile_config(128, 256, 64, 8, 3, 1, True, tma=True, A_TMA=True),
+    tile_config(128, 256, 64, 8, 4, 1, True, tma=True, A_TMA=True),
+    tile_config(128, 128, 64, 4, 2, 2, True, tma=True, A_TMA=True),
     tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
-    tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 8, 3, 1, True),
-    tile_config(128, 256, 64, 8, 3), tile_config(128, 128, 64, 8, 4),
-    tile_config(128, 256, 64, 8, 3, 1, True, tma=True), tile_config(128, 128, 64, 4, 2, 2, True, tma=True),
 ]
 
 

@@ -29,10 +29,10 @@ from .common import (
     check_device,
     dot_precision,
     launch,
-    load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
+    sigmoid,
     tile_config,
     tile_rows,
     tile_schedule,
@@ -81,7 +81,8 @@ def _up_proj_tile(
     mask_m = rows < row_end
     # rows past the expert's end read token 0's row of X (tok = 0 there): valid memory, never stored
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
-    x_rows = x_ptr + tok * stride_xt
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # loop-carried: pipelines under FLATTEN too
     ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = ch < N
     g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
@@ -90,7 +91,11 @@ def _up_proj_tile(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
-        xa = load_row_block(x_rows, k * BLOCK_K, D, BLOCK_K, EVEN_K)
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+        else:
+            xa = tl.load(x_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
+        x_ptrs += BLOCK_K
         # (BLOCK_K, BLOCK_N) blocks of the gate and up rows of W1[e]; through TMA, boxes of the (E, n, d)
         # gate/up views, zero-filled past n and d
         wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
@@ -111,19 +116,20 @@ def _up_proj_tile(
         tl.store(h_ptr + rows64[:, None] * stride_hr + g_rows[None, :], hg, mask=mask)
         tl.store(h_ptr + rows64[:, None] * stride_hr + u_rows[None, :], hu, mask=mask)
     g = hg.to(tl.float32)
-    a = g * tl.sigmoid(g) * hu.to(tl.float32)
+    a = g * sigmoid(g) * hu.to(tl.float32)
     tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
 
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
                 "W_TMA": True, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
-# measured on H200 (benchmarks/tune_sweep.py --space focus, 2026-11-21): W1 through TMA descriptors,
-# 128x128x64, 8 warps, 4 stages: 0.617 ms (501 TFLOP/s) on 7B against 0.697 ms with pointer loads, and
-# 600 TFLOP/s on (32768, 4096, 1024, 128, 8); the pointer-load configs serve weights TMA cannot address
+# measured on H200 (2026-11-21) and H100 (2026-11-23, benchmarks/tune_sweep.py --space focus): W1 through
+# TMA descriptors, 128x128x64, 8 warps, 4 stages: 7B 0.617 ms (H200) / 0.627-0.634 ms (H100, ~490
+# TFLOP/s), 547-600 TFLOP/s on (32768, 4096, 1024, 128, 8); the pointer-load configs serve weights TMA
+# cannot address; the flattened persistent config pipelines its gathers since 2026-11-23 (untimed)
 TUNING_SPACE = [
-    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 3, 1, tma=True),
-    tile_config(128, 64, 64, 4, 3, 2, tma=True), tile_config(128, 128, 64, 8, 3, tma=True),
+    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 4, 1, tma=True),
+    tile_config(128, 128, 64, 8, 3, tma=True), tile_config(128, 128, 64, 8, 3, 1, True, tma=True),
     tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4), tile_config(128, 64, 64, 4, 4),
 ]
 
