@@ -9,6 +9,7 @@
 #   trq    token-rounding quality: train top-k and token rounding at E=64, K=2 on the same tokens
 #   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
 #          1000 of the same schedule on the torch backend (same seed, same data)
+#   cmp    2000 steps of the h100 preset on triton and torch at once, with the GPU determinism tests
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 # Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
@@ -31,7 +32,7 @@ SUMMARY=()
 train() {  # train NAME [options...]: one run; its log.json to $OUT/train_NAME.json, stdout to /tmp
   local name=$1; shift
   # log.json is rewritten at each save (every 500 steps): a run cut short by the time limit leaves one
-  timeout "${TRAIN_LIMIT_S:-480}" python3 -m sonicmoe train --preset h100 --no-progress --save-every 500 \
+  timeout "${TRAIN_LIMIT_S:-480}" python3 -m sonicmoe train --preset h100 --no-progress --save-every "${SAVE_EVERY:-500}" \
     --out "/tmp/train_$name" "$@" > "/tmp/train_$name.txt" 2>&1
   cp "/tmp/train_$name/log.json" "$OUT/train_$name.json" 2>/dev/null
 }
@@ -85,6 +86,19 @@ for step in "$@"; do
       fi
       wait
       for f in /tmp/train_*.txt; do { echo "== $f"; tail -40 "$f"; } >> "$OUT/train_stdout.txt"; done
+      for f in /tmp/train_*.txt; do SUMMARY+=("$(basename "$f"): $(tail -1 "$f")"); done
+      ;;
+    cmp)
+      # the h100 preset for 2000 steps on the triton and the torch backend at once (same seed, same data),
+      # and meanwhile the GPU determinism tests (bitwise across tile configurations)
+      t=(--steps 2000 --warmup 100 --eval-every 250 --profile-every 0)
+      train triton "${t[@]}" --backend triton &
+      train torch "${t[@]}" --backend torch &
+      timeout 150 python3 -m pytest -rA -m gpu tests/test_kernels.py -k "bitwise or tma_configs" \
+        -p no:cacheprovider > "$OUT/gpu_tests_det.log" 2>&1
+      wait
+      for f in /tmp/train_*.txt; do { echo "== $f"; tail -40 "$f"; } >> "$OUT/train_stdout.txt"; done
+      SUMMARY+=("$(grep -E '^(FAILED|ERROR|PASSED)' "$OUT/gpu_tests_det.log")" "$(tail -1 "$OUT/gpu_tests_det.log")")
       for f in /tmp/train_*.txt; do SUMMARY+=("$(basename "$f"): $(tail -1 "$f")"); done
       ;;
     full)

@@ -148,6 +148,20 @@ def _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr,
 
 
 @triton.jit
+def _sum16(x):
+    """(M, C, 16) -> (M, C): each row of 16 summed in one fixed pairwise order, ((x0 + x1) + (x2 + x3)) + ...,
+    whatever the register layout (tl.sum's order follows the layout, which changes with the tile shape:
+    the dS bits would then depend on the tile configuration)."""
+    M: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    lo, hi = tl.split(tl.reshape(x, (M, C, 8, 2)))
+    lo, hi = tl.split(tl.reshape(lo + hi, (M, C, 4, 2)))
+    lo, hi = tl.split(tl.reshape(lo + hi, (M, C, 2, 2)))
+    lo, hi = tl.split(lo + hi)
+    return lo + hi
+
+
+@triton.jit
 def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
                  stride_apr, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
                  WIDTH: tl.constexpr):
@@ -163,7 +177,7 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
     # [16c, 16c + 16). Every config writes every row (no leftovers from autotuning runs), and the
     # fixed-order sum over chunks afterwards does not depend on BLOCK_N.
     CHUNKS: tl.constexpr = WIDTH // 16
-    part = tl.sum(tl.reshape(acc * a, (acc.shape[0], CHUNKS, 16)), 2)
+    part = _sum16(tl.reshape(acc * a, (acc.shape[0], CHUNKS, 16)))
     chunk = ch_start // 16 + tl.arange(0, CHUNKS)
     tl.store(ds_ptr + chunk[None, :].to(tl.int64) * R + rows64[:, None], part,
              mask=mask_m[:, None] & (chunk[None, :] < tl.cdiv(N, 16)))
