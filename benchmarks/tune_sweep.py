@@ -3,7 +3,7 @@
 usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus] [--kernels a,b] [--json OUT.json]
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
 ``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times this
-session's candidates (see FOCUS): larger dH tiles with the epilogue in column blocks (EPI_SPLIT), TMA
+session's candidates (see FOCUS): larger dH tiles (epilogue in 32-channel column blocks), TMA
 loads of weights (W_TMA) and of contiguous activation rows (A_TMA), persistent weight-gradient GEMMs.
 """
 
@@ -43,7 +43,7 @@ def _k(bi, bj, warps, stages, pps=0, flatten=False, br=64):
             "num_warps": warps, "num_stages": stages}
 
 
-# session 3 (2026-11-23): larger dH tiles with the epilogue in 4-16 column blocks (EPI_SPLIT, no spills
+# session 3 (2026-11-23): larger dH tiles with the epilogue in 32-channel column blocks (no spills
 # by the offline resource report), TMA for the contiguous A rows of the down-projection / dX~ (A_TMA),
 # persistent flattened varlen-K weight gradients, 4-stage and BLOCK_K=128 up-projections
 FOCUS = {
@@ -53,10 +53,8 @@ FOCUS = {
                            tile_config(128, 256, 64, 8, 4, 1, True)], W_TMA=(False, True), A_TMA=(False, True)),
     "dxtilde": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8, 4, 1, True)],
                         W_TMA=(False, True), A_TMA=(False, True)),
-    "dh": [_m(64, 64, 4, 4, W_TMA=True, H_EARLY=True), _m(128, 256, 8, 4, W_TMA=True, EPI_SPLIT=8),
-           _m(128, 256, 8, 3, W_TMA=True, EPI_SPLIT=8), _m(128, 256, 8, 3, W_TMA=True, EPI_SPLIT=16),
-           _m(128, 256, 8, 3, 1, True, W_TMA=True, EPI_SPLIT=8), _m(128, 128, 8, 3, 1, True, W_TMA=True, EPI_SPLIT=8),
-           _m(128, 128, 8, 4, W_TMA=True, EPI_SPLIT=8)],
+    "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(128, 256, 8, 3, W_TMA=True), _m(128, 256, 8, 3, 1, True, W_TMA=True),
+           _m(128, 128, 8, 3, 1, True, W_TMA=True), _m(128, 128, 8, 4, W_TMA=True)],
     "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 4), _k(128, 256, 8, 3), _k(256, 128, 8, 3),
             _k(128, 256, 8, 3, 1, True), _k(128, 128, 8, 3, 2, True), _k(128, 256, 8, 4, 1, True),
             _k(256, 128, 8, 3, 1, True)],

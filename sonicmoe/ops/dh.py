@@ -10,11 +10,12 @@ Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written 
 16-channel chunk (cdiv(n, 16), R) and reduced afterwards in a fixed order: no atomics, deterministic,
 and the same bits whatever BLOCK_N the tuner picks.
 dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
-Options of the tile config: ``H_EARLY`` issues the H loads before the GEMM so their latency hides
-behind it (small tiles); ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n);
-``EPI_SPLIT`` (1, 2, 4, ...: a power of two) runs the epilogue on that many column blocks of the tile in
-turn, loading their H columns block by block (fewer live registers: full-width 128 x 256 tiles fit
-without spills at 8 blocks; each block at least 16 channels wide; H_EARLY applies only to EPI_SPLIT = 1).
+Options of the tile config: ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n). The epilogue
+always runs on column blocks of EPI_WIDTH = 32 channels in turn (EPI_SPLIT = BLOCK_N / 32 blocks, set
+per launch), loading their H columns block by block: full-width 128 x 256 tiles fit in registers without
+spills (benchmarks/resource_report.py), and every tile shape runs the same block code, so the dS bits do
+not depend on the configuration (a whole-tile epilogue let the compiler fuse the products of the dS sums
+into multiply-adds differently per tile shape).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _dh_kernel(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, H_EARLY: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
     EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
@@ -64,7 +65,7 @@ def _dh_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
                  row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_EARLY, EPI_SPLIT, EVEN_K)
+                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, EPI_SPLIT, EVEN_K)
 
 
 @triton.jit
@@ -72,16 +73,13 @@ def _dh_tile(
     do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end, pid_n,
     N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, H_EARLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
     EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
-    ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
-    if H_EARLY and EPI_SPLIT == 1:  # issue the H loads before the GEMM to hide their latency (costs registers)
-        g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
     # rows past the expert's end read token 0's dO (tok = 0 there): valid memory, results never stored
     offs_k = tl.arange(0, BLOCK_K)
     do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]  # loop-carried: pipelines under FLATTEN too
@@ -97,15 +95,10 @@ def _dh_tile(
                                BLOCK_K, BLOCK_N, W_TMA)
         acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
     s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
-    ch0 = pid_n * BLOCK_N
-    if EPI_SPLIT == 1:
-        if not H_EARLY:
-            g_raw, u_raw = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
-        _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch0, N, R, dh_ptr, ap_ptr, ds_ptr,
-                     stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N)
-    else:  # the epilogue on column blocks in turn: fewer (BLOCK_M, ·) tensors live at once
-        _dh_epilogue_split(acc, s, rows64, mask_m, ch0, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
-                           GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N, EPI_SPLIT)
+    # the epilogue on EPI_SPLIT column blocks of EPI_WIDTH channels in turn: few (BLOCK_M, ·) tensors live at
+    # once, and the same code for every tile shape (the dS bits do not depend on the configuration)
+    _dh_epilogue_split(acc, s, rows64, mask_m, pid_n * BLOCK_N, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                       stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N, EPI_SPLIT)
 
 
 @triton.jit
@@ -113,7 +106,7 @@ def _dh_epilogue_split(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap
                        GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, WIDTH: tl.constexpr,
                        PARTS: tl.constexpr):
     """The epilogue of channels [ch_start, ch_start + WIDTH) on PARTS (a power of two) column blocks of
-    ``acc``, one after the other, halving recursively."""
+    ``acc``, one after the other, halving recursively (register shuffles: no copy through shared memory)."""
     if PARTS == 1:
         _dh_epilogue_part(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
                           stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
@@ -195,22 +188,26 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
 # gathered dO rows read once per n = 256) with the epilogue in 8 column blocks of 32 (no register spills,
 # benchmarks/resource_report.py): 7B 0.635 ms against 0.77-0.81 for the earlier 64 x 64 tiles
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
-                "W_TMA": True, "EPI_SPLIT": 8, "num_warps": 8, "num_stages": 4}
+                "W_TMA": True, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
-    tile_config(128, 256, 64, 8, 4, tma=True, EPI_SPLIT=8), tile_config(128, 256, 64, 8, 3, tma=True, EPI_SPLIT=8),
-    tile_config(128, 256, 64, 8, 3, 1, True, tma=True, EPI_SPLIT=8),
-    tile_config(128, 128, 64, 8, 3, 1, True, tma=True, EPI_SPLIT=8),
-    tile_config(128, 128, 64, 8, 4, tma=True, EPI_SPLIT=8),
-    tile_config(64, 64, 64, 4, 4, tma=True, H_EARLY=True), tile_config(128, 128, 64, 8, 4, EPI_SPLIT=8),
+    tile_config(128, 256, 64, 8, 4, tma=True), tile_config(128, 256, 64, 8, 3, tma=True),
+    tile_config(128, 256, 64, 8, 3, 1, True, tma=True), tile_config(128, 128, 64, 8, 3, 1, True, tma=True),
+    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 4),
 ]
+EPI_WIDTH = 32  # channels per epilogue block (a multiple of 16; the GPU configs' BLOCK_N are multiples of it)
+
+
+def _epi_split(args: dict) -> int:
+    """EPI_SPLIT = BLOCK_N / EPI_WIDTH column blocks (1 for narrower tiles, as the interpreter's)."""
+    return max(1, args["BLOCK_N"] // EPI_WIDTH)
 
 
 def _desc_blocks(meta: dict) -> dict:
     return {"w2_desc": (1, meta["BLOCK_K"], meta["BLOCK_N"])}
 
 
-_dh_kernel = with_even_flags(_dh_kernel, EVEN_K=("D", "BLOCK_K"))
+_dh_kernel = triton.heuristics({"EPI_SPLIT": _epi_split})(with_even_flags(_dh_kernel, EVEN_K=("D", "BLOCK_K")))
 _tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE"], _desc_blocks)
 
 
