@@ -137,7 +137,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
     meta-parameters. ``pinned`` is the interpreter's config (small blocks); ``gpu_default`` the pinned
     GPU config, a dict with block sizes plus num_warps/num_stages. ``config``, when given, is used as is
     (tuning sweeps). ``desc_blocks(meta)`` names the TMA descriptors among ``args`` with their block
-    shapes; a config asking for W_TMA falls back to pointer loads when a descriptor is None.
+    shapes; a config asking for TMA loads (W_TMA, A_TMA) falls back to pointer loads when a descriptor is None.
     """
     tma_ready = desc_blocks is not None and all(args.get(name) is not None for name in desc_blocks(pinned))
     if tma_ready:

@@ -7,7 +7,10 @@ varies by expert (varlen-K). Either operand may be gathered by token inside its 
 * dW1[e] (2n, d) = Σ_r dH[r]ᵀ x_{token(r)}       (P = dH, Q = X gathered)
 
 One program owns one output tile of one expert and loops over that expert's rows: deterministic,
-no atomics; experts with no rows get zero gradients.
+no atomics; experts with no rows get zero gradients. Configs with PROGS_PER_SM > 0 run a persistent
+grid (that many programs per multiprocessor loop over the tiles; FLATTEN pipelines across tiles); the
+bits do not change. Columns are masked only where I or J is not a multiple of the block (EVEN_I /
+EVEN_J, set per launch), and rows past an expert's end only in the Q operand.
 """
 
 from __future__ import annotations
