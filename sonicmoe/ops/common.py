@@ -291,7 +291,7 @@ def sigmoid(x):
 
 @triton.jit
 def column_halves(x):
-    """The left and right column halves of a 2-D block (M, W), W even (register shuffles, no copy)."""
+    """The left and right column halves of a 2-D block (M, W), W even."""
     M: tl.constexpr = x.shape[0]
     W: tl.constexpr = x.shape[1]
     return tl.split(tl.permute(tl.reshape(x, (M, 2, W // 2)), (0, 2, 1)))

@@ -106,7 +106,7 @@ def _dh_epilogue_split(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap
                        GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, WIDTH: tl.constexpr,
                        PARTS: tl.constexpr):
     """The epilogue of channels [ch_start, ch_start + WIDTH) on PARTS (a power of two) column blocks of
-    ``acc``, one after the other, halving recursively (register shuffles: no copy through shared memory)."""
+    ``acc``, one after the other, halving recursively (each block goes to the store layout on its own)."""
     if PARTS == 1:
         _dh_epilogue_part(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
                           stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
