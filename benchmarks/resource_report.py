@@ -4,7 +4,7 @@ usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 9
 
 Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is
 ``cuda:<arch>``; kernels are compiled (``warmup``), never launched, and the cubin's resource usage is
-read with the ``cuobjdump`` that Triton's package carries. A config whose LOCAL (spill) bytes are not
+read with the ``cuobjdump`` that Triton's package carries. A config whose STACK or LOCAL (spill) bytes are not
 zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
 sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
 of 16), so the problem is tiny.
@@ -69,7 +69,8 @@ def _cuobjdump() -> str:
 
 
 def resources(kernel) -> dict:
-    """REG / STACK / SHARED / LOCAL of a compiled kernel's cubin (cuobjdump -res-usage)."""
+    """REG / STACK / SHARED / LOCAL of a compiled kernel's cubin (cuobjdump -res-usage); a non-zero
+    STACK (spilled registers live in the stack frame) or LOCAL means spills."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -77,15 +78,7 @@ def resources(kernel) -> dict:
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     res = dict(zip(("reg", "stack", "shared_static", "local"), map(int, m.groups()))) if m else {"raw": out}
     res["shared"] = kernel.metadata.shared
-    res["spills_hint"] = len(re.findall(r"\bSTL\b", _sass(kernel))) if os.environ.get("RR_SASS") else None
     return res
-
-
-def _sass(kernel) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True).stdout
 
 
 def problem(dtype=torch.bfloat16, t=64, d=1536, n=256, e=4, k=2):

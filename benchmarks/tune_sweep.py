@@ -4,7 +4,7 @@ usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|foc
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
 ``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times this
 session's candidates (see FOCUS): larger dH tiles (epilogue in 32-channel column blocks), TMA
-loads of weights (W_TMA) and of contiguous activation rows (A_TMA), persistent weight-gradient GEMMs.
+loads of weights (W_TMA) and of contiguous activation rows (A_TMA), larger weight-gradient tiles.
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ def _m(bm, bn, warps, stages, pps=0, flatten=False, bk=64, **extra):
             "num_warps": warps, "num_stages": stages, **extra}
 
 
-def _k(bi, bj, warps, stages, pps=0, flatten=False, br=64):
-    return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "PROGS_PER_SM": pps, "FLATTEN": flatten,
-            "num_warps": warps, "num_stages": stages}
+def _k(bi, bj, warps, stages, br=64):
+    return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "num_warps": warps, "num_stages": stages}
 
 
 # session 3 (2026-11-23): larger dH tiles with the epilogue in 32-channel column blocks (no spills
 # by the offline resource report), TMA for the contiguous A rows of the down-projection / dX~ (A_TMA),
-# persistent flattened varlen-K weight gradients, 4-stage and BLOCK_K=128 up-projections
+# larger varlen-K weight-gradient tiles, persistent up-projections
 FOCUS = {
     "up_proj": [_m(128, 128, 8, 4, W_TMA=True), _m(128, 128, 8, 3, 1, True, W_TMA=True),
                 _m(128, 128, 8, 4, 1, True, W_TMA=True), _m(128, 128, 8, 4, 1, W_TMA=True)],
@@ -55,9 +54,7 @@ FOCUS = {
                         W_TMA=(False, True), A_TMA=(False, True)),
     "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(128, 256, 8, 3, W_TMA=True), _m(128, 256, 8, 3, 1, True, W_TMA=True),
            _m(128, 128, 8, 3, 1, True, W_TMA=True), _m(128, 128, 8, 4, W_TMA=True)],
-    "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 4), _k(128, 256, 8, 3), _k(256, 128, 8, 3),
-            _k(128, 256, 8, 3, 1, True), _k(128, 128, 8, 3, 2, True), _k(128, 256, 8, 4, 1, True),
-            _k(256, 128, 8, 3, 1, True)],
+    "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 4), _k(128, 256, 8, 3), _k(256, 128, 8, 3)],
 }
 FOCUS["dw1"] = FOCUS["dw2"]
 

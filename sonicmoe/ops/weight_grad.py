@@ -7,10 +7,9 @@ varies by expert (varlen-K). Either operand may be gathered by token inside its 
 * dW1[e] (2n, d) = Σ_r dH[r]ᵀ x_{token(r)}       (P = dH, Q = X gathered)
 
 One program owns one output tile of one expert and loops over that expert's rows: deterministic,
-no atomics; experts with no rows get zero gradients. Configs with PROGS_PER_SM > 0 run a persistent
-grid (that many programs per multiprocessor loop over the tiles; FLATTEN pipelines across tiles); the
-bits do not change. Columns are masked only where I or J is not a multiple of the block (EVEN_I /
-EVEN_J, set per launch), and rows past an expert's end only in the Q operand.
+no atomics; experts with no rows get zero gradients. Columns are masked only where I or J is not a
+multiple of the block (EVEN_I / EVEN_J, set per launch). A persistent, flattened variant was timed on
+an H100 (2026-11-23) and was no faster, so the grid is one program per tile.
 """
 
 from __future__ import annotations
@@ -20,37 +19,24 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, dot_precision, launch, new_output, sm_count, tile_config, with_even_flags
+from .common import check_device, dot_precision, launch, new_output, tile_config, with_even_flags
 
 
 @triton.jit
 def _varlen_k_kernel(
     p_ptr, q_ptr, out_ptr, row_token_ptr, offsets_ptr,
-    E, I, J, stride_p, stride_q, stride_oe, stride_oi,
-    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr = 0, FLATTEN: tl.constexpr = False,
-    EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False,
-):
-    tiles_j = tl.cdiv(J, BLOCK_J)
-    tiles = tl.cdiv(I, BLOCK_I) * tiles_j
-    for tile in tl.range(tl.program_id(0), E * tiles, tl.num_programs(0), flatten=FLATTEN):
-        e = tile // tiles
-        pid_i = (tile % tiles) // tiles_j
-        pid_j = tile % tiles_j
-        _varlen_k_tile(p_ptr, q_ptr, out_ptr, row_token_ptr, offsets_ptr, e, pid_i, pid_j, I, J, stride_p,
-                       stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, BLOCK_I, BLOCK_J, BLOCK_R,
-                       EVEN_I, EVEN_J)
-
-
-@triton.jit
-def _varlen_k_tile(
-    p_ptr, q_ptr, out_ptr, row_token_ptr, offsets_ptr, e, pid_i, pid_j,
     I, J, stride_p, stride_q, stride_oe, stride_oi,
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
+    EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False,
 ):
+    pid = tl.program_id(0)
+    tiles_j = tl.cdiv(J, BLOCK_J)
+    tiles = tl.cdiv(I, BLOCK_I) * tiles_j
+    e = pid // tiles
+    tile = pid % tiles
+    pid_i = tile // tiles_j
+    pid_j = tile % tiles_j
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
     ii = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -61,24 +47,23 @@ def _varlen_k_tile(
     for r0 in range(lo, hi, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         mask_r = rr < hi
-        # Rows past the expert's end must add nothing: the Q block is zeroed there (masked load), while
-        # the P block reads a valid row (the expert's last row, or token 0) unmasked.
         if P_GATHER or Q_GATHER:
             tok = tl.load(row_token_ptr + rr, mask=mask_r, other=0).to(tl.int64)
         if P_GATHER:
             pr = tok
         else:
-            pr = tl.minimum(rr, hi - 1).to(tl.int64)
+            pr = rr.to(tl.int64)
         if Q_GATHER:
             qr = tok
         else:
             qr = rr.to(tl.int64)
+        # rows past the expert's end are masked in both operands: they add exactly nothing
         p_ptrs = p_ptr + pr[None, :] * stride_p + ii[:, None]
         q_ptrs = q_ptr + qr[:, None] * stride_q + jj[None, :]
         if EVEN_I:
-            pb = tl.load(p_ptrs)
+            pb = tl.load(p_ptrs, mask=mask_r[None, :], other=0.0)
         else:
-            pb = tl.load(p_ptrs, mask=mask_i[:, None], other=0.0)
+            pb = tl.load(p_ptrs, mask=mask_i[:, None] & mask_r[None, :], other=0.0)
         if EVEN_J:
             qb = tl.load(q_ptrs, mask=mask_r[:, None], other=0.0)
         else:
@@ -120,13 +105,10 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
     args = dict(
         p_ptr=p, q_ptr=q, out_ptr=out, row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
-        E=e, I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
+        I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
         stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
     )
-    def grid(meta):
-        tiles = e * triton.cdiv(i_dim, meta["BLOCK_I"]) * triton.cdiv(j_dim, meta["BLOCK_J"])
-        pps = meta.get("PROGS_PER_SM", 0)
-        return (min(tiles, pps * sm_count(p.device)) if pps else tiles,)
+    grid = lambda m: (e * triton.cdiv(i_dim, m["BLOCK_I"]) * triton.cdiv(j_dim, m["BLOCK_J"]),)
 
     launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT, config)
     return out
