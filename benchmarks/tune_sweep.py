@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 from triton.testing import do_bench
@@ -38,30 +39,60 @@ def _m(bm, bn, warps, stages, pps=0, flatten=False, bk=64, **extra):
             "num_warps": warps, "num_stages": stages, **extra}
 
 
-def _k(bi, bj, warps, stages, br=64):
-    return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "num_warps": warps, "num_stages": stages}
+def _k(bi, bj, warps, stages, br=64, **extra):
+    return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "num_warps": warps, "num_stages": stages, **extra}
 
 
-# session 3 (2026-11-23): larger dH tiles with the epilogue in 32-channel column blocks (no spills
-# by the offline resource report), TMA for the contiguous A rows of the down-projection / dX~ (A_TMA),
-# larger varlen-K weight-gradient tiles, persistent up-projections
+def _agg(bt, bd, warps, unroll):
+    return {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
+
+
+# session 4 (2026-11-24); the first config of each kernel is the current default (the baseline every other
+# config's output is checked against): TMA stores of full output tiles (C_TMA, persistent without FLATTEN,
+# where Triton pipelines them across tiles), deeper varlen-K pipelines (the gathered operand's index load
+# costs pipeline stages: num_stages 5 / 7 prefetch 2 / 3 chunks ahead) with TMA for the contiguous operand
+# (P_TMA / Q_TMA), two-programs-per-SM dH tiles, the aggregation's unrolled slot loop (UNROLL)
+_TMA = {"W_TMA": True, "A_TMA": True}
 FOCUS = {
-    "up_proj": [_m(128, 128, 8, 4, W_TMA=True), _m(128, 128, 8, 3, 1, True, W_TMA=True),
-                _m(128, 128, 8, 4, 1, True, W_TMA=True), _m(128, 128, 8, 4, 1, W_TMA=True)],
-    "down_proj": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
-                           tile_config(128, 256, 64, 8, 4, 1, True)], W_TMA=(False, True), A_TMA=(False, True)),
-    "dxtilde": _toggled([tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8, 4, 1, True)],
-                        W_TMA=(False, True), A_TMA=(False, True)),
-    "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(128, 256, 8, 3, W_TMA=True), _m(128, 256, 8, 3, 1, True, W_TMA=True),
-           _m(128, 128, 8, 3, 1, True, W_TMA=True), _m(128, 128, 8, 4, W_TMA=True)],
-    "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 4), _k(128, 256, 8, 3), _k(256, 128, 8, 3)],
+    "up_proj": [_m(128, 128, 8, 4, W_TMA=True), _m(128, 128, 8, 4, 1, W_TMA=True, C_TMA=True),
+                _m(128, 128, 8, 3, 1, W_TMA=True, C_TMA=True), _m(128, 128, 8, 2, 1, W_TMA=True, C_TMA=True),
+                _m(128, 128, 8, 4, 1, bk=32, W_TMA=True, C_TMA=True),
+                _m(128, 128, 8, 6, 1, bk=32, W_TMA=True, C_TMA=True), _m(128, 128, 8, 4, W_TMA=True, C_TMA=True),
+                _m(64, 128, 4, 2, 2, W_TMA=True, C_TMA=True)],
+    "down_proj": [_m(128, 256, 8, 4, 1, True, **_TMA), _m(128, 256, 8, 3, 1, **_TMA, C_TMA=True),
+                  _m(128, 256, 8, 6, 1, bk=32, **_TMA, C_TMA=True), _m(128, 256, 8, 4, 1, bk=32, **_TMA, C_TMA=True),
+                  _m(128, 128, 8, 4, 1, **_TMA, C_TMA=True), _m(128, 128, 4, 2, 2, **_TMA, C_TMA=True)],
+    "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(64, 256, 4, 2, W_TMA=True), _m(64, 256, 4, 4, bk=32, W_TMA=True),
+           _m(64, 128, 4, 3, W_TMA=True), _m(128, 256, 8, 4, 1, W_TMA=True)],
+    "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 5), _k(128, 128, 8, 7), _k(128, 128, 8, 5, P_TMA=True, Q_TMA=True),
+            _k(128, 128, 8, 7, P_TMA=True, Q_TMA=True), _k(128, 256, 8, 5, P_TMA=True, Q_TMA=True),
+            _k(256, 128, 8, 5, P_TMA=True, Q_TMA=True), _k(128, 256, 8, 7, P_TMA=True, Q_TMA=True),
+            _k(128, 128, 4, 5, P_TMA=True, Q_TMA=True)],
+    "aggregate": [_agg(4, 512, 4, 1), _agg(4, 512, 4, 8), _agg(2, 1024, 4, 8), _agg(8, 256, 4, 8), _agg(4, 512, 4, 4),
+                  _agg(1, 1024, 4, 8)],
 }
+FOCUS["dxtilde"] = FOCUS["down_proj"]
 FOCUS["dw1"] = FOCUS["dw2"]
 
 
-def sweep(shape, space="full", only=None):
+def _rel_err(got, ref) -> float:
+    """Largest ‖got − ref‖ / ‖ref‖ over the outputs (inf when got has a NaN)."""
+    got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+    worst = 0.0
+    for g, r in zip(got, ref):
+        if g is None:
+            continue
+        g, r = g.float(), r.float()
+        if torch.isnan(g).any():
+            return float("inf")
+        worst = max(worst, ((g - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def sweep(shape, space="full", only=None, device="cuda"):
     t, d, n, e, k = shape
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot is wrong on bf16
+    p = random_problem(t, d, n, e, dtype=dtype, device=device, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
     routing = sonicmoe.routing_from_topk(router.topk_ids, e)
     s_pair = router.topk_scores.reshape(-1).detach()
@@ -70,7 +101,7 @@ def sweep(shape, space="full", only=None):
     x, w1, w2 = p["x"], p["w1"], p["w2"]
     h, a = up_proj.up_proj(x, w1, None, routing)
     y = grouped_gemm.down_proj(a, w2, None, routing)
-    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(t, d, device=device, dtype=dtype)
     dh_, ap_, _ = dh.dh(dout, w2, h, s_row, routing)
     gemm = 2 * r * n * d
     kernels = [
@@ -96,14 +127,26 @@ def sweep(shape, space="full", only=None):
             if name not in FOCUS:
                 continue
             cfgs = FOCUS[name]
+        ref = None
         for cfg in cfgs:
             c = cfg if isinstance(cfg, dict) else config_dict(cfg)
             try:
-                ms = do_bench(lambda fn=fn, c=c: fn(c), warmup=10, rep=40, return_mode="median")
+                out = fn(c)
+                ref = out if ref is None else ref
+                err = _rel_err(out, ref)
+                del out
+                if device == "cuda":
+                    ms = do_bench(lambda fn=fn, c=c: fn(c), warmup=10, rep=40, return_mode="median")
+                else:  # a dry run: one call, wall clock
+                    t0 = time.perf_counter()
+                    fn(c)
+                    ms = (time.perf_counter() - t0) * 1e3
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 rows.append({"kernel": name, "config": c, "error": str(exc)[:120]})
                 continue
-            rows.append({"kernel": name, "config": c, "ms": ms, "tflops": flops / ms / 1e9 if flops else None})
+            rows.append({"kernel": name, "config": c, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+                         "rel_err_vs_first": err})
+        del ref
     return rows
 
 
@@ -113,21 +156,29 @@ def main():
     ap.add_argument("--space", choices=("full", "focus"), default="full")
     ap.add_argument("--kernels", default=None, help="comma-separated subset, e.g. dh,up_proj")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run through TRITON_INTERPRET=1 (float32)")
     args = ap.parse_args()
     only = set(args.kernels.split(",")) if args.kernels else None
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
     out = {}
     for shape in shapes:
-        rows = sweep(shape, args.space, only)
+        rows = sweep(shape, args.space, only, args.device)
         out[",".join(map(str, shape))] = rows
         print(f"== {shape}")
         for name in dict.fromkeys(r["kernel"] for r in rows):
             ok = sorted((r for r in rows if r["kernel"] == name and "ms" in r), key=lambda r: r["ms"])
             bad = [r for r in rows if r["kernel"] == name and "error" in r]
+            first = next((r for r in rows if r["kernel"] == name), None)
+            if first is not None and "ms" in first:
+                print(f"  {name:<10} {first['ms']:7.3f} ms  (first config, the baseline)")
             for r in ok[:3]:
                 c = r["config"]
-                desc = " ".join(f"{k2}={v}" for k2, v in c.items())
-                print(f"  {name:<10} {r['ms']:7.3f} ms {r['tflops'] or 0:6.1f} TF  {desc}")
+                desc = " ".join(f"{k2}={v}" for k2, v in c.items() if v not in (False, 0) or k2 == "PROGS_PER_SM")
+                err = r["rel_err_vs_first"]
+                print(f"  {name:<10} {r['ms']:7.3f} ms {r['tflops'] or 0:6.1f} TF err {err:.1e}  {desc}")
+            wrong = [r for r in ok if not r["rel_err_vs_first"] < 2e-2]
+            if wrong:
+                print(f"  {name:<10} WRONG vs baseline: {[(r['config'], r['rel_err_vs_first']) for r in wrong]}")
             err = f": {bad[0]['error']}" if bad else ""
             worst = f"worst {ok[-1]['ms']:.3f} ms; " if ok else ""
             print(f"  {name:<10} {worst}{len(bad)} failed{err}")

@@ -2,7 +2,9 @@
 # One device call: the GPU work of a session, logs and results under $OUT, a short summary last.
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
-#   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus)
+#   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus) on
+#          TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8))
+#   overlap  the 7B layer (triton, pinned tiles) with the backward's side stream off and on (SONICMOE_OVERLAP)
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
@@ -10,6 +12,8 @@
 #   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
 #          1000 of the same schedule on the torch backend (same seed, same data)
 #   cmp    2000 steps of the h100 preset on triton and torch at once, with the GPU determinism tests
+#   noise  a second triton run of cmp's schedule (same seed, same data: run-to-run noise) and the
+#          token-rounding quality runs of trq for each seed in TRQ_SEEDS (default "0 1"), all at once
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 # Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
@@ -51,11 +55,20 @@ for step in "$@"; do
                 "$(cat "$OUT/breakdown.txt")")
       ;;
     tune)
-      for k in ${TUNE_KERNELS:-dh up_proj dw2 dw1 down_proj dxtilde}; do  # one process each: faults stay contained
-        timeout ${TUNE_LIMIT_S:-100} python3 benchmarks/tune_sweep.py --space focus --kernels $k --shape 24576,1536,256,128,8 \
-          --shape 32768,4096,1024,128,8 --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
+      shapes=()
+      for sh in ${TUNE_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
+      for k in ${TUNE_KERNELS:-dh up_proj dw2 dw1 down_proj dxtilde aggregate}; do  # one process each: faults stay contained
+        timeout ${TUNE_LIMIT_S:-100} python3 benchmarks/tune_sweep.py --space focus --kernels $k "${shapes[@]}" \
+          --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
-      SUMMARY+=("$(grep -E '^==|TF' "$OUT/tune.txt" | grep -v worst)")
+      SUMMARY+=("$(grep -E '^==|TF|baseline|WRONG|failed' "$OUT/tune.txt" | grep -v ' 0 failed')")
+      ;;
+    overlap)
+      for ov in 0 1; do
+        SONICMOE_AUTOTUNE=0 SONICMOE_OVERLAP=$ov python3 -m sonicmoe bench --preset 7b --backends triton --no-plot \
+          --out "$OUT" --tag "overlap$ov" > "$OUT/overlap$ov.txt" 2>&1
+        SUMMARY+=("SONICMOE_OVERLAP=$ov: $(grep -E '^7B ' "$OUT/overlap$ov.txt")")
+      done
       ;;
     bench7b)
       python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \
@@ -68,15 +81,23 @@ for step in "$@"; do
       SUMMARY+=("$(tail -12 "$OUT/ds3.txt")")
       ;;
     tr)
-      SONICMOE_AUTOTUNE=0 timeout 300 python3 -m sonicmoe bench --preset token-rounding --backends triton \
+      SONICMOE_AUTOTUNE=0 timeout ${TR_LIMIT_S:-300} python3 -m sonicmoe bench --preset token-rounding --backends triton \
         --no-check-grads --no-plot --out "$OUT" --tag token-rounding -q > "$OUT/tr.txt" 2>&1
       SUMMARY+=("$(tail -30 "$OUT/tr.txt")")
       ;;
-    trq|train)
+    trq|train|noise)
       # trq: token-rounding quality, top-k and token rounding at E=64, K=2 on the same tokens (eval: top-k)
       q=(--experts 64 --top-k 2 --steps 400 --warmup 40 --eval-every 100 --profile-every 0)
-      train trq_topk "${q[@]}" --routing topk &
-      train trq_tr "${q[@]}" --routing token_rounding &
+      if [ "$step" = noise ]; then
+        for s in ${TRQ_SEEDS:-0 1}; do
+          train "trq_topk_s$s" "${q[@]}" --seed "$s" --routing topk &
+          train "trq_tr_s$s" "${q[@]}" --seed "$s" --routing token_rounding &
+        done
+        train triton_rerun --steps 2000 --warmup 100 --eval-every 250 --profile-every 0 --backend triton &
+      else
+        train trq_topk "${q[@]}" --routing topk &
+        train trq_tr "${q[@]}" --routing token_rounding &
+      fi
       if [ "$step" = train ]; then
         # train: 2000 steps on the triton backend; the torch backend follows the same schedule (same seed,
         # same batches) for its first 1000 steps (--stop-after) to compare the curves

@@ -392,7 +392,7 @@ def test_gpu_tma_configs_bf16(layout):
             "num_warps": 8, "num_stages": 3}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
     for extra in ({"W_TMA": True}, {"W_TMA": True, "BLOCK_M": 64, "num_warps": 4},
-                  {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"BLOCK_N": 256, "W_TMA": True},
+                  {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"BLOCK_N": 256, "W_TMA": True, "num_stages": 2},
                   {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
@@ -427,7 +427,8 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     kern = _RecordingKernel()
     gpu_default = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "W_TMA": True, "num_warps": 8, "num_stages": 4}
     common.launch(kern, None, lambda meta: (1,), {"a_ptr": w, "w_desc": desc}, {"BLOCK_N": 16, "BLOCK_K": 16},
-                  gpu_default, None, lambda meta: {"w_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"])})
+                  gpu_default, None, lambda meta: {"w_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"])},
+                  {"W_TMA": ("w_desc",)})
     (call,) = kern.calls
     assert call["BLOCK_K"] == block_k and call["BLOCK_M"] == 128
     assert call["W_TMA"] is aligned
@@ -436,3 +437,29 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     else:
         assert call["w_desc"] is None
     assert gpu_default["BLOCK_K"] == 64  # the module's default is not modified
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_launch_switches_flags_off_one_by_one(monkeypatch, flatten):
+    """A TMA flag whose descriptor is missing falls back alone: the other flags stay on, the missing and
+    unused descriptors are passed as None; C_TMA is never combined with FLATTEN (a Triton 3.6 compile
+    failure)."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
+    w = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    c = torch.randn(64, 32, dtype=torch.bfloat16)
+    args = {"a_ptr": w, "w_desc": common.tma_descriptor(w), "a_desc": None, "c_desc": common.tma_descriptor(c)}
+    kern = _RecordingKernel()
+    gpu_default = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "W_TMA": True, "A_TMA": True, "C_TMA": True,
+                   "FLATTEN": flatten, "num_warps": 4, "num_stages": 3}
+    blocks = lambda meta: {"w_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"]), "a_desc": (meta["BLOCK_M"], 64),
+                           "c_desc": (meta["BLOCK_M"], meta["BLOCK_N"])}
+    common.launch(kern, None, lambda meta: (1,), args, {}, gpu_default, None, blocks,
+                  {"W_TMA": ("w_desc",), "A_TMA": ("a_desc",), "C_TMA": ("c_desc",)})
+    (call,) = kern.calls
+    assert call["W_TMA"] is True and call["A_TMA"] is False and call["C_TMA"] is (not flatten)
+    assert call["a_desc"] is None and (call["c_desc"] is None) is flatten
+    assert call["w_desc"].block_shape == [1, 32, 64]

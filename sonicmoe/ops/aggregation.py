@@ -19,7 +19,7 @@ from .common import check_device, launch, new_output, next_pow2
 def _gather_sum_kernel(
     y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
     T, D, stride_yr, stride_ot,
-    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -30,14 +30,18 @@ def _gather_sum_kernel(
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for j in range(0, tl.max(cnt, 0)):
-        valid = mask_t & (j < cnt)
-        row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-        y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
-                    other=0.0).to(tl.float32)
-        if HAS_W:
-            y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
-        acc += y
+    # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
+    # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
+    for j0 in range(0, tl.max(cnt, 0), UNROLL):
+        for u in tl.static_range(UNROLL):
+            j = j0 + u
+            valid = mask_t & (j < cnt)
+            row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+            y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
+                        other=0.0).to(tl.float32)
+            if HAS_W:
+                y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+            acc += y
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_t[:, None] & mask_d[None, :])
 
@@ -48,24 +52,27 @@ TUNING_SPACE = [
     triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
     for bt, bd, w in ((4, 512, 4), (2, 1024, 4), (8, 256, 4), (8, 512, 4))
 ]
-_tuned = triton.autotune(configs=TUNING_SPACE, key=["D", "HAS_W"])(_gather_sum_kernel)
+_tuned = triton.autotune(configs=TUNING_SPACE, key=["D", "HAS_W", "UNROLL"])(_gather_sum_kernel)
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
         y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) float32 weights in token-slot order, or None.
         config: explicit block configuration (tuning sweeps), else pinned/autotuned.
+        out: a contiguous (T, d) tensor of y's dtype to write (allocated by the caller, e.g. on another
+            stream than the one that runs the kernel), else a new one.
     Returns:
         (T, d) in y's dtype; tokens with no rows get zeros.
     """
     check_device("y", y)
     y = y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
-    out = new_output((t, d), device=y.device, dtype=y.dtype)
+    if out is None:
+        out = new_output((t, d), device=y.device, dtype=y.dtype)
     if t == 0:
         return out
     args = dict(
@@ -75,6 +82,8 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     )
     grid = lambda m: (triton.cdiv(t, m["BLOCK_T"]), triton.cdiv(d, m["BLOCK_D"]))
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
+    # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), <= 8
+    args["UNROLL"] = min(next_pow2(-(-routing.num_rows // t)), 8)
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config)
     return out
 

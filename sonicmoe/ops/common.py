@@ -12,6 +12,8 @@ Environment (documented in the README):
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
+    SONICMOE_OVERLAP=0         run the backward's dX gather-and-sum on the main stream (by default it runs
+                               on a side stream, beside the dW1 GEMM).
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def tma_descriptor(w: torch.Tensor) -> TensorDescriptor | None:
     return TensorDescriptor(w, list(w.shape), list(w.stride()), placeholder)
 
 
-# meta-parameters that ask for TMA descriptor loads (weights: W_TMA; contiguous activation rows: A_TMA)
-TMA_FLAGS = ("W_TMA", "A_TMA")
+# meta-parameters that ask for TMA descriptors: weight loads (W_TMA), loads of contiguous activation rows
+# (A_TMA), stores of full output tiles (C_TMA), the varlen-K GEMM's contiguous operand (P_TMA, Q_TMA)
+TMA_FLAGS = ("W_TMA", "A_TMA", "C_TMA", "P_TMA", "Q_TMA")
 
 _THREAD = threading.local()
 
@@ -109,19 +112,54 @@ def set_descriptor_blocks(desc_blocks, nargs: dict) -> None:
             nargs[name].block_shape = list(block)
 
 
-def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None):
-    """(autotuner over ``space``, autotuner over its configs without TMA loads) for ``kernel``.
+def available_flags(flag_descs: dict[str, tuple[str, ...]], args: dict) -> frozenset[str]:
+    """The TMA flags whose descriptors (``flag_descs``: flag -> descriptor argument names) all exist."""
+    return frozenset(flag for flag, names in flag_descs.items() if all(args.get(n) is not None for n in names))
 
-    The second serves weights no TMA descriptor can address. Each config gets a pre-hook that sets the
+
+def restrict_config(meta: dict, available: frozenset[str]) -> dict:
+    """``meta`` with every TMA flag that is not ``available`` switched off (pointer loads / stores instead).
+
+    ``C_TMA`` (pipelined TMA stores) is also switched off under ``FLATTEN``: Triton 3.6's nested-loop
+    fusion fails on the store's branch (full tile: TMA store, last tile of an expert: masked store).
+    """
+    out = dict(meta)
+    for flag in TMA_FLAGS:
+        if out.get(flag) and (flag not in available or (flag == "C_TMA" and out.get("FLATTEN"))):
+            out[flag] = False
+    return out
+
+
+class Tuners:
+    """The autotuners of one kernel, one per set of available TMA flags (built on first use).
+
+    Configs asking for a flag whose descriptors are missing (a weight or an output TMA cannot address, a
+    layout with no box shape) are tuned with that flag off. Each config gets a pre-hook that sets the
     descriptors' block shapes to its tiles.
     """
-    if desc_blocks is not None:
-        for cfg in space:
-            cfg.pre_hook = functools.partial(set_descriptor_blocks, desc_blocks)
-    plain_space = [cfg for cfg in space if not any(cfg.kwargs.get(flag) for flag in TMA_FLAGS)]
-    full = triton.autotune(configs=space, key=key)(kernel)
-    plain = full if len(plain_space) == len(space) else triton.autotune(configs=plain_space, key=key)(kernel)
-    return full, plain
+
+    def __init__(self, kernel, space: list[triton.Config], key: list[str], desc_blocks=None):
+        self.kernel, self.space, self.key, self.desc_blocks = kernel, space, key, desc_blocks
+        self._by_flags: dict[frozenset[str], object] = {}
+
+    def get(self, available: frozenset[str]):
+        if available not in self._by_flags:
+            configs, seen = [], set()
+            for cfg in self.space:
+                meta = restrict_config(cfg.kwargs, available)
+                sig = (tuple(sorted(meta.items())), cfg.num_warps, cfg.num_stages)
+                if sig in seen:
+                    continue
+                seen.add(sig)
+                pre = functools.partial(set_descriptor_blocks, self.desc_blocks) if self.desc_blocks else None
+                configs.append(triton.Config(meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages, pre_hook=pre))
+            self._by_flags[available] = triton.autotune(configs=configs, key=self.key)(self.kernel)
+        return self._by_flags[available]
+
+
+def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None) -> Tuners:
+    """The :class:`Tuners` of ``kernel`` over ``space`` keyed on ``key``."""
+    return Tuners(kernel, space, key, desc_blocks)
 
 
 def config_dict(cfg: triton.Config) -> dict:
@@ -130,23 +168,25 @@ def config_dict(cfg: triton.Config) -> dict:
 
 
 def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, config: dict | None = None,
-           desc_blocks=None):
+           desc_blocks=None, flag_descs: dict[str, tuple[str, ...]] | None = None):
     """Launch ``kernel`` with the pinned config (interpreter / SONICMOE_AUTOTUNE=0) or autotuned.
 
-    ``tuned`` is the autotuner, or the pair from :func:`autotuners`. ``grid`` is a callable of the
-    meta-parameters. ``pinned`` is the interpreter's config (small blocks); ``gpu_default`` the pinned
-    GPU config, a dict with block sizes plus num_warps/num_stages. ``config``, when given, is used as is
-    (tuning sweeps). ``desc_blocks(meta)`` names the TMA descriptors among ``args`` with their block
-    shapes; a config asking for TMA loads (W_TMA, A_TMA) falls back to pointer loads when a descriptor is None.
+    ``tuned`` is a :class:`Tuners` or a plain autotuner. ``grid`` is a callable of the meta-parameters.
+    ``pinned`` is the interpreter's config (small blocks); ``gpu_default`` the pinned GPU config, a dict
+    with block sizes plus num_warps/num_stages. ``config``, when given, is used as is (tuning sweeps).
+    ``desc_blocks(meta)`` names the TMA descriptors among ``args`` with their block shapes, and
+    ``flag_descs`` maps each TMA flag (W_TMA, A_TMA, C_TMA) to the descriptors it needs: a flag whose
+    descriptors are None (the tensor cannot be described) falls back to pointer loads / stores alone,
+    and descriptors no flag of the launch uses are passed as None.
     """
-    tma_ready = desc_blocks is not None and all(args.get(name) is not None for name in desc_blocks(pinned))
-    if tma_ready:
-        base = args[next(iter(desc_blocks(pinned)))].base
+    flag_descs = flag_descs or {}
+    available = available_flags(flag_descs, args)
+    if desc_blocks is not None and available:
+        base = args[next(iter(flag_descs[next(iter(available))]))].base
         if base.is_cuda:
             ensure_cuda_context(base.device)
     if config is None and not interpreting() and autotune_enabled():
-        full, plain = tuned if isinstance(tuned, tuple) else (tuned, tuned)
-        (full if tma_ready else plain)[grid](**args)
+        (tuned.get(available) if isinstance(tuned, Tuners) else tuned)[grid](**args)
         return
     meta = dict(config if config is not None else pinned if interpreting() else gpu_default)
     if config is None and not interpreting() and _operand_bytes(args) >= 4:
@@ -156,12 +196,11 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
             if key in meta:
                 meta[key] = max(16, meta[key] // 2)
     if desc_blocks is not None:
-        if tma_ready and any(meta.get(flag) for flag in TMA_FLAGS):
-            set_descriptor_blocks(desc_blocks, {**args, **meta})
-        else:  # pointer loads: the descriptors stay unused
-            meta.update({flag: False for flag in TMA_FLAGS if flag in meta})
-            args = {**args, **{name: None for name in desc_blocks(meta)}}
-    kernel[grid(meta)](**args, **meta)
+        meta = restrict_config(meta, available)
+        used = {name for flag, names in flag_descs.items() if meta.get(flag) for name in names}
+        args = {**args, **{name: None for name in desc_blocks(meta) if name not in used}}
+        set_descriptor_blocks(desc_blocks, {**args, **meta})
+    kernel[grid(meta)](**{**args, **meta})  # the config's values win over same-named launcher defaults
 
 
 def _operand_bytes(args: dict) -> int:
@@ -178,6 +217,20 @@ def new_output(shape, *, device, dtype) -> torch.Tensor:
     if os.environ.get("SONICMOE_POISON_OUTPUTS", "0") == "1":
         out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
     return out
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def overlap_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream on which the backward runs its memory-bound dX gather-and-sum beside the dW1
+    GEMM (created on first use, one per device), or None: not CUDA, or SONICMOE_OVERLAP=0."""
+    if device.type != "cuda" or os.environ.get("SONICMOE_OVERLAP", "1") == "0":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -248,7 +248,7 @@ def dh(
     )
     if r > 0:
         launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
-               _desc_blocks)
+               _desc_blocks, {"W_TMA": ("w2_desc",)})
     return dh_, a_prime, ds_part.sum(0)
 
 

@@ -39,13 +39,13 @@ from .common import (
 
 @triton.jit
 def _varlen_m_kernel(
-    a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, offsets_ptr,
+    a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, offsets_ptr,
     E, N, K,
     stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
     HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, A_TMA: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
+    C_TMA: tl.constexpr = False, EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -76,8 +76,13 @@ def _varlen_m_kernel(
         mask_n = cols < N
         if HAS_BIAS:
             acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+        c = acc.to(c_ptr.dtype.element_ty)
+        if C_TMA and row_end - row_start >= BLOCK_M:
+            # a full tile: one asynchronous TMA store (the copy engine clips columns past N); inside the
+            # persistent loop it drains while the next tile's main loop runs
+            c_desc.store([row_start, pid_n * BLOCK_N], c)
+        else:
+            tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], c, mask=mask_m[:, None] & mask_n[None, :])
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23, results in
@@ -97,9 +102,11 @@ TUNING_SPACE = [
 
 def _desc_blocks(meta: dict) -> dict:
     bn, bk = meta["BLOCK_N"], meta["BLOCK_K"]
-    return {"a_desc": (meta["BLOCK_M"], bk), "b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn)}
+    return {"a_desc": (meta["BLOCK_M"], bk), "b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn),
+            "c_desc": (meta["BLOCK_M"], bn)}
 
 
+_FLAG_DESCS = {"W_TMA": ("b_desc",), "A_TMA": ("a_desc",), "C_TMA": ("c_desc",)}
 _varlen_m_kernel = with_even_flags(_varlen_m_kernel, EVEN_K=("K", "BLOCK_K"))
 _tuned = autotuners(_varlen_m_kernel, TUNING_SPACE, ["N", "K", "E", "stride_bk", "HAS_BIAS", "B_TRANS"],
                     _desc_blocks)
@@ -129,14 +136,14 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     c = new_output((r, m), device=a.device, dtype=a.dtype)
     args = dict(
         a_ptr=a, a_desc=tma_descriptor(a), b_ptr=b, b_desc=tma_descriptor(b),
-        bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c,
+        bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c, c_desc=tma_descriptor(c),
         offsets_ptr=routing.expert_offsets, E=e, N=m, K=k, stride_ar=a.stride(0), stride_be=b.stride(0),
         stride_bk=stride_bk, stride_bn=stride_bn, stride_cr=c.stride(0), HAS_BIAS=bias is not None,
         B_TRANS=transpose_b, E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),
     )
     if r > 0:
         launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP, _GPU_DEFAULT,
-               config, _desc_blocks)
+               config, _desc_blocks, _FLAG_DESCS)
     return c
 
 

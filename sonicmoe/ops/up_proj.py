@@ -49,13 +49,14 @@ def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _up_proj_kernel(
-    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, offsets_ptr,
+    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr, offsets_ptr,
     E, N, D,
     stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, C_TMA: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -63,19 +64,20 @@ def _up_proj_kernel(
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
-        _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end,
-                      pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF,
-                      CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, EVEN_K)
+        _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
+                      row_token_ptr, e, row_start, row_end, pid_n, N, D, stride_xt, stride_we, stride_wn,
+                      stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M,
+                      BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K)
 
 
 @triton.jit
 def _up_proj_tile(
-    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, row_token_ptr, e, row_start, row_end, pid_n, N, D,
-    stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
+    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr, e, row_start,
+    row_end, pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    C_TMA: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -110,14 +112,22 @@ def _up_proj_tile(
         acc_u += tl.load(b_base + u_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     hg = acc_g.to(h_ptr.dtype.element_ty)
     hu = acc_u.to(h_ptr.dtype.element_ty)
-    rows64 = rows.to(tl.int64)
-    mask = mask_m[:, None] & mask_n[None, :]
-    if STORE_H:
-        tl.store(h_ptr + rows64[:, None] * stride_hr + g_rows[None, :], hg, mask=mask)
-        tl.store(h_ptr + rows64[:, None] * stride_hr + u_rows[None, :], hu, mask=mask)
     g = hg.to(tl.float32)
-    a = g * sigmoid(g) * hu.to(tl.float32)
-    tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+    a = (g * sigmoid(g) * hu.to(tl.float32)).to(a_ptr.dtype.element_ty)
+    if C_TMA and row_end - row_start >= BLOCK_M:
+        # a full tile: asynchronous TMA stores of the (BLOCK_M, BLOCK_N) blocks of H's gate and up columns
+        # (concat layout) and of A; in the persistent loop they drain during the next tile's main loop
+        if STORE_H:
+            hg_desc.store([row_start, pid_n * BLOCK_N], hg)
+            hu_desc.store([row_start, pid_n * BLOCK_N], hu)
+        ao_desc.store([row_start, pid_n * BLOCK_N], a)
+    else:
+        rows64 = rows.to(tl.int64)
+        mask = mask_m[:, None] & mask_n[None, :]
+        if STORE_H:
+            tl.store(h_ptr + rows64[:, None] * stride_hr + g_rows[None, :], hg, mask=mask)
+            tl.store(h_ptr + rows64[:, None] * stride_hr + u_rows[None, :], hu, mask=mask)
+        tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a, mask=mask)
 
 
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
@@ -135,7 +145,12 @@ TUNING_SPACE = [
 
 
 def _desc_blocks(meta: dict) -> dict:
-    return {"wg_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"]), "wu_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"])}
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    return {"wg_desc": (1, bn, bk), "wu_desc": (1, bn, bk), "hg_desc": (bm, bn), "hu_desc": (bm, bn),
+            "ao_desc": (bm, bn)}
+
+
+_FLAG_DESCS = {"W_TMA": ("wg_desc", "wu_desc"), "C_TMA": ("hg_desc", "hu_desc", "ao_desc")}
 
 
 _up_proj_kernel = with_even_flags(_up_proj_kernel, EVEN_K=("D", "BLOCK_K"))
@@ -168,10 +183,20 @@ def up_proj(
     a = new_output((r, n), device=x.device, dtype=x.dtype)
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
+    # TMA stores (C_TMA) need H's gate and up columns as boxes (the concat layout); without H (inference)
+    # A's descriptor stands in for the unused H ones
+    ao_desc = tma_descriptor(a)
+    if not store_h:
+        hg_desc = hu_desc = ao_desc
+    elif gate_up_layout == "concat":
+        hg_desc, hu_desc = tma_descriptor(h[:, :n]), tma_descriptor(h[:, n:])
+    else:
+        hg_desc = hu_desc = None
     args = dict(
         x_ptr=x, w1_ptr=w1, wg_desc=tma_descriptor(w1[:, gate_off::ch_stride][:, :n]),
         wu_desc=tma_descriptor(w1[:, up_off::ch_stride][:, :n]),
         b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,
+        hg_desc=hg_desc, hu_desc=hu_desc, ao_desc=ao_desc,
         row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
         E=e, N=n, D=d, stride_xt=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),
         stride_hr=h.stride(0), stride_ar=a.stride(0),
@@ -180,7 +205,7 @@ def up_proj(
     )
     if r > 0:
         launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP, _GPU_DEFAULT,
-               config, _desc_blocks)
+               config, _desc_blocks, _FLAG_DESCS)
     return (h if store_h else None), a
 
 

@@ -19,15 +19,80 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, dot_precision, launch, new_output, tile_config, with_even_flags
+from .common import (
+    autotuners,
+    check_device,
+    dot_precision,
+    launch,
+    new_output,
+    tile_config,
+    tma_descriptor,
+    with_even_flags,
+)
+
+
+@triton.jit
+def _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, r0, hi, i0, j0, I, J, stride_p, stride_q,
+                P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                BLOCK_R: tl.constexpr, P_TMA: tl.constexpr, Q_TMA: tl.constexpr, TAIL: tl.constexpr,
+                EVEN_I: tl.constexpr, EVEN_J: tl.constexpr):
+    """The operands of rows [r0, r0 + BLOCK_R): Pᵀ (BLOCK_I, BLOCK_R) and Q (BLOCK_R, BLOCK_J).
+
+    A full chunk (``TAIL`` False) lies inside the expert: no row mask, and a contiguous operand may come
+    through its TMA descriptor (P_TMA / Q_TMA; the copy engine zero-fills columns past I / J). The tail
+    chunk masks rows past the expert's end (``hi``) in both operands, so they add exactly nothing.
+    """
+    rr = r0 + tl.arange(0, BLOCK_R)
+    mask_r = rr < hi
+    if P_GATHER or Q_GATHER:
+        if TAIL:
+            tok = tl.load(row_token_ptr + rr, mask=mask_r, other=0).to(tl.int64)
+        else:
+            tok = tl.load(row_token_ptr + rr).to(tl.int64)
+    ii = i0 + tl.arange(0, BLOCK_I)
+    jj = j0 + tl.arange(0, BLOCK_J)
+    if P_TMA and not TAIL:
+        pb = p_desc.load([r0, i0]).T
+    else:
+        if P_GATHER:
+            pr = tok
+        else:
+            pr = rr.to(tl.int64)
+        p_ptrs = p_ptr + pr[None, :] * stride_p + ii[:, None]
+        if TAIL and EVEN_I:
+            pb = tl.load(p_ptrs, mask=mask_r[None, :], other=0.0)
+        elif TAIL:
+            pb = tl.load(p_ptrs, mask=(ii < I)[:, None] & mask_r[None, :], other=0.0)
+        elif EVEN_I:
+            pb = tl.load(p_ptrs)
+        else:
+            pb = tl.load(p_ptrs, mask=(ii < I)[:, None], other=0.0)
+    if Q_TMA and not TAIL:
+        qb = q_desc.load([r0, j0])
+    else:
+        if Q_GATHER:
+            qr = tok
+        else:
+            qr = rr.to(tl.int64)
+        q_ptrs = q_ptr + qr[:, None] * stride_q + jj[None, :]
+        if TAIL and EVEN_J:
+            qb = tl.load(q_ptrs, mask=mask_r[:, None], other=0.0)
+        elif TAIL:
+            qb = tl.load(q_ptrs, mask=mask_r[:, None] & (jj < J)[None, :], other=0.0)
+        elif EVEN_J:
+            qb = tl.load(q_ptrs)
+        else:
+            qb = tl.load(q_ptrs, mask=(jj < J)[None, :], other=0.0)
+    return pb, qb
 
 
 @triton.jit
 def _varlen_k_kernel(
-    p_ptr, q_ptr, out_ptr, row_token_ptr, offsets_ptr,
+    p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr,
     I, J, stride_p, stride_q, stride_oe, stride_oi,
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+    P_TMA: tl.constexpr = False, Q_TMA: tl.constexpr = False,
     EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -35,42 +100,26 @@ def _varlen_k_kernel(
     tiles = tl.cdiv(I, BLOCK_I) * tiles_j
     e = pid // tiles
     tile = pid % tiles
-    pid_i = tile // tiles_j
-    pid_j = tile % tiles_j
+    i0 = (tile // tiles_j) * BLOCK_I
+    j0 = (tile % tiles_j) * BLOCK_J
     lo = tl.load(offsets_ptr + e)
     hi = tl.load(offsets_ptr + e + 1)
-    ii = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    jj = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
-    mask_i = ii < I
-    mask_j = jj < J
+    full = (hi - lo) // BLOCK_R
     acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
-    for r0 in range(lo, hi, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        mask_r = rr < hi
-        if P_GATHER or Q_GATHER:
-            tok = tl.load(row_token_ptr + rr, mask=mask_r, other=0).to(tl.int64)
-        if P_GATHER:
-            pr = tok
-        else:
-            pr = rr.to(tl.int64)
-        if Q_GATHER:
-            qr = tok
-        else:
-            qr = rr.to(tl.int64)
-        # rows past the expert's end are masked in both operands: they add exactly nothing
-        p_ptrs = p_ptr + pr[None, :] * stride_p + ii[:, None]
-        q_ptrs = q_ptr + qr[:, None] * stride_q + jj[None, :]
-        if EVEN_I:
-            pb = tl.load(p_ptrs, mask=mask_r[None, :], other=0.0)
-        else:
-            pb = tl.load(p_ptrs, mask=mask_i[:, None] & mask_r[None, :], other=0.0)
-        if EVEN_J:
-            qb = tl.load(q_ptrs, mask=mask_r[:, None], other=0.0)
-        else:
-            qb = tl.load(q_ptrs, mask=mask_r[:, None] & mask_j[None, :], other=0.0)
+    for c in range(0, full):  # whole chunks of the expert's rows: no row masks
+        pb, qb = _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, lo + c * BLOCK_R, hi, i0, j0, I, J,
+                             stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, False,
+                             EVEN_I, EVEN_J)
         acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
+    if lo + full * BLOCK_R < hi:  # the expert's last, partial chunk
+        pb, qb = _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, lo + full * BLOCK_R, hi, i0, j0, I, J,
+                             stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, True,
+                             EVEN_I, EVEN_J)
+        acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
+    ii = i0 + tl.arange(0, BLOCK_I)
+    jj = j0 + tl.arange(0, BLOCK_J)
     out = out_ptr + e.to(tl.int64) * stride_oe + ii[:, None].to(tl.int64) * stride_oi + jj[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_i[:, None] & mask_j[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ii < I)[:, None] & (jj < J)[None, :])
 
 
 _GPU_DEFAULT = {"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
@@ -81,11 +130,15 @@ TUNING_SPACE = [
     tile_config(*c, names=_NAMES) for c in
     ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
 ]
+
+
+def _desc_blocks(meta: dict) -> dict:
+    return {"p_desc": (meta["BLOCK_R"], meta["BLOCK_I"]), "q_desc": (meta["BLOCK_R"], meta["BLOCK_J"])}
+
+
+_FLAG_DESCS = {"P_TMA": ("p_desc",), "Q_TMA": ("q_desc",)}
 _varlen_k_kernel = with_even_flags(_varlen_k_kernel, EVEN_I=("I", "BLOCK_I"), EVEN_J=("J", "BLOCK_J"))
-_tuned = triton.autotune(
-    configs=TUNING_SPACE,
-    key=["I", "J", "P_GATHER", "Q_GATHER"],
-)(_varlen_k_kernel)
+_tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["I", "J", "P_GATHER", "Q_GATHER"], _desc_blocks)
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
@@ -103,14 +156,17 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
+    # the operand that is not gathered is read through a TMA descriptor in configs with P_TMA / Q_TMA
     args = dict(
-        p_ptr=p, q_ptr=q, out_ptr=out, row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
+        p_ptr=p, p_desc=None if p_gather else tma_descriptor(p), q_ptr=q,
+        q_desc=None if q_gather else tma_descriptor(q), out_ptr=out, row_token_ptr=routing.row_token,
+        offsets_ptr=routing.expert_offsets,
         I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
         stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
     )
     grid = lambda m: (e * triton.cdiv(i_dim, m["BLOCK_I"]) * triton.cdiv(j_dim, m["BLOCK_J"]),)
 
-    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT, config)
+    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT, config, _desc_blocks, _FLAG_DESCS)
     return out
 
 
