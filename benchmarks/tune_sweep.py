@@ -47,31 +47,17 @@ def _agg(bt, bd, warps, unroll):
     return {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
 
 
-# session 4 (2026-11-24); the first config of each kernel is the current default (the baseline every other
-# config's output is checked against): TMA stores of full output tiles (C_TMA, persistent without FLATTEN,
-# where Triton pipelines them across tiles), deeper varlen-K pipelines (the gathered operand's index load
-# costs pipeline stages: num_stages 5 / 7 prefetch 2 / 3 chunks ahead) with TMA for the contiguous operand
-# (P_TMA / Q_TMA), two-programs-per-SM dH tiles, the aggregation's unrolled slot loop (UNROLL)
-_TMA = {"W_TMA": True, "A_TMA": True}
+# session 4 (2026-11-24), second round; the first config of each kernel is the current default (the baseline
+# every other config's output is checked against): 16-warp up-projection and dH tiles (twice the threads for
+# their epilogues, 128 registers each; larger 16-warp tiles spill, benchmarks/resource_report.py), the new
+# varlen-K space on every shape. Round one (TMA stores, deeper varlen-K pipelines, 2-programs-per-SM dH,
+# unrolled aggregation) is in benchmarks/results/2026-11-24_nvidia-h100_tune/.
 FOCUS = {
-    "up_proj": [_m(128, 128, 8, 4, W_TMA=True), _m(128, 128, 8, 4, 1, W_TMA=True, C_TMA=True),
-                _m(128, 128, 8, 3, 1, W_TMA=True, C_TMA=True), _m(128, 128, 8, 2, 1, W_TMA=True, C_TMA=True),
-                _m(128, 128, 8, 4, 1, bk=32, W_TMA=True, C_TMA=True),
-                _m(128, 128, 8, 6, 1, bk=32, W_TMA=True, C_TMA=True), _m(128, 128, 8, 4, W_TMA=True, C_TMA=True),
-                _m(64, 128, 4, 2, 2, W_TMA=True, C_TMA=True)],
-    "down_proj": [_m(128, 256, 8, 4, 1, True, **_TMA), _m(128, 256, 8, 3, 1, **_TMA, C_TMA=True),
-                  _m(128, 256, 8, 6, 1, bk=32, **_TMA, C_TMA=True), _m(128, 256, 8, 4, 1, bk=32, **_TMA, C_TMA=True),
-                  _m(128, 128, 8, 4, 1, **_TMA, C_TMA=True), _m(128, 128, 4, 2, 2, **_TMA, C_TMA=True)],
-    "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(64, 256, 4, 2, W_TMA=True), _m(64, 256, 4, 4, bk=32, W_TMA=True),
-           _m(64, 128, 4, 3, W_TMA=True), _m(128, 256, 8, 4, 1, W_TMA=True)],
-    "dw2": [_k(128, 128, 8, 3), _k(128, 128, 8, 5), _k(128, 128, 8, 7), _k(128, 128, 8, 5, P_TMA=True, Q_TMA=True),
-            _k(128, 128, 8, 7, P_TMA=True, Q_TMA=True), _k(128, 256, 8, 5, P_TMA=True, Q_TMA=True),
-            _k(256, 128, 8, 5, P_TMA=True, Q_TMA=True), _k(128, 256, 8, 7, P_TMA=True, Q_TMA=True),
-            _k(128, 128, 4, 5, P_TMA=True, Q_TMA=True)],
-    "aggregate": [_agg(4, 512, 4, 1), _agg(4, 512, 4, 8), _agg(2, 1024, 4, 8), _agg(8, 256, 4, 8), _agg(4, 512, 4, 4),
-                  _agg(1, 1024, 4, 8)],
+    "up_proj": [_m(128, 128, 8, 4, 1, W_TMA=True, C_TMA=True), _m(128, 128, 16, 4, 1, W_TMA=True, C_TMA=True),
+                _m(128, 128, 16, 4, W_TMA=True), _m(128, 128, 16, 3, 1, W_TMA=True, C_TMA=True)],
+    "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(128, 256, 16, 4, W_TMA=True), _m(128, 256, 16, 3, W_TMA=True)],
+    "dw2": [config_dict(c) for c in weight_grad.TUNING_SPACE],
 }
-FOCUS["dxtilde"] = FOCUS["down_proj"]
 FOCUS["dw1"] = FOCUS["dw2"]
 
 
@@ -164,6 +150,9 @@ def main():
     for shape in shapes:
         rows = sweep(shape, args.space, only, args.device)
         out[",".join(map(str, shape))] = rows
+        if args.json:  # after every shape: a run cut short by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
         print(f"== {shape}")
         for name in dict.fromkeys(r["kernel"] for r in rows):
             ok = sorted((r for r in rows if r["kernel"] == name and "ms" in r), key=lambda r: r["ms"])
@@ -182,9 +171,6 @@ def main():
             err = f": {bad[0]['error']}" if bad else ""
             worst = f"worst {ok[-1]['ms']:.3f} ms; " if ok else ""
             print(f"  {name:<10} {worst}{len(bad)} failed{err}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,38 @@ def test_grouped_gemms(shape, dtype, device):
         assert torch.all(got[empty] == 0), "experts with no rows must get zero gradients"
 
 
+@pytest.mark.parametrize("cfg", [{"BLOCK_I": 16, "BLOCK_J": 32, "BLOCK_R": 16, "P_TMA": True, "Q_TMA": True},
+                                 {"BLOCK_I": 32, "BLOCK_J": 16, "BLOCK_R": 32, "P_TMA": True, "Q_TMA": True},
+                                 {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}], ids=["tma-16", "tma-32", "pointer"])
+def test_varlen_k_chunks_and_tails(cfg, device):
+    """Varlen-K over whole chunks (TMA for the contiguous operand) then the masked tail: equals the
+    reference with ragged counts (multiples of BLOCK_R, not, and empty experts) and I, J not block multiples,
+    and a non-finite row of one expert never reaches another expert's gradient."""
+    t, d, n, e = 90, 40, 24, 5
+    g = torch.Generator().manual_seed(11)
+    counts = [32, 0, 45, 16, 3]  # whole chunks; empty; chunks and a tail; exactly one chunk; a tail only
+    tok = torch.cat([torch.randperm(t, generator=g)[:c] for c in counts])
+    exp = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    routing = routing_from_pairs(tok.to(device), exp.to(device), t, e)
+    r = routing.num_rows
+    x = torch.randn(t, d, generator=g).to(device)
+    dh_ = torch.randn(r, 2 * n, generator=g).to(device)
+    dout = torch.randn(t, d, generator=g).to(device)
+    ap = torch.randn(r, n, generator=g).to(device)
+    for pg, qg, pm, qm in ((True, False, dout, ap), (False, True, dh_, x)):
+        got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32, config=cfg)
+        ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
+        assert not torch.isnan(got).any() and rel_err(got, ref) < 1e-5
+        assert torch.all(got[1] == 0)
+    # an Inf in expert 3's first dH row: only expert 3's dW1 may see it
+    off = routing.expert_offsets.tolist()
+    bad = dh_.clone()
+    bad[off[3]] = float("inf")
+    got = varlen_k_gemm(bad, x, routing, p_gather=False, q_gather=True, out_dtype=torch.float32, config=cfg)
+    others = [i for i in range(e) if i != 3]
+    assert torch.isfinite(got[others]).all()
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 def test_dh_kernel(shape, layout, device):
@@ -364,16 +396,19 @@ def _kernel_outputs(p, routing, s, dout, layout, cfg):
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 @pytest.mark.parametrize("shape", [(37, 48, 40, 5, 2), (9, 20, 12, 3, 3)], ids=["aligned", "misaligned"])
 def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
-    """W_TMA (weights through TMA descriptors, zero-filled past n and d), dH's epilogue in column blocks
-    give the pointer path's results. The misaligned shape (fp16, rows of 40 bytes) cannot be described
-    for TMA: the launcher falls back to pointer loads."""
+    """W_TMA (weights through TMA descriptors, zero-filled past n and d), A_TMA, C_TMA (TMA stores of full
+    tiles, masked stores for an expert's last tile; switched off under FLATTEN), dH's epilogue in column
+    blocks give the pointer path's results. The misaligned shape (fp16, rows of 40 bytes) cannot be
+    described for TMA: the launcher falls back to pointer loads and stores."""
     t, d, n, e, k = shape
     dtype = torch.float32 if shape[1] == 48 else torch.float16
     p, routing, s, dout = _tma_problem(t, d, n, e, k, device, dtype)
     base = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
     for extra in ({"W_TMA": True}, {"BLOCK_N": 64}, {"BLOCK_N": 128, "W_TMA": True},
-                  {"A_TMA": True}, {"A_TMA": True, "W_TMA": True}):
+                  {"A_TMA": True}, {"A_TMA": True, "W_TMA": True},
+                  {"W_TMA": True, "A_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1},
+                  {"W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -393,7 +428,8 @@ def test_gpu_tma_configs_bf16(layout):
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
     for extra in ({"W_TMA": True}, {"W_TMA": True, "BLOCK_M": 64, "num_warps": 4},
                   {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"BLOCK_N": 256, "W_TMA": True, "num_stages": 2},
-                  {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}):
+                  {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True},
+                  {"A_TMA": True, "W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -431,6 +467,7 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
                   {"W_TMA": ("w_desc",)})
     (call,) = kern.calls
     assert call["BLOCK_K"] == block_k and call["BLOCK_M"] == 128
+    assert call["num_stages"] == (4 if dtype == torch.bfloat16 else 3)
     assert call["W_TMA"] is aligned
     if aligned:
         assert call["w_desc"].block_shape == [1, 128, block_k]

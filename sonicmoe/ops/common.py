@@ -117,15 +117,18 @@ def available_flags(flag_descs: dict[str, tuple[str, ...]], args: dict) -> froze
     return frozenset(flag for flag, names in flag_descs.items() if all(args.get(n) is not None for n in names))
 
 
-def restrict_config(meta: dict, available: frozenset[str]) -> dict:
-    """``meta`` with every TMA flag that is not ``available`` switched off (pointer loads / stores instead).
+def restrict_config(meta: dict, available: frozenset[str], known=TMA_FLAGS) -> dict:
+    """``meta`` with every TMA flag that is not ``available`` switched off (pointer loads / stores instead)
+    and the TMA flags the kernel does not take (not in ``known``) removed.
 
     ``C_TMA`` (pipelined TMA stores) is also switched off under ``FLATTEN``: Triton 3.6's nested-loop
     fusion fails on the store's branch (full tile: TMA store, last tile of an expert: masked store).
     """
     out = dict(meta)
     for flag in TMA_FLAGS:
-        if out.get(flag) and (flag not in available or (flag == "C_TMA" and out.get("FLATTEN"))):
+        if flag not in known:
+            out.pop(flag, None)
+        elif out.get(flag) and (flag not in available or (flag == "C_TMA" and out.get("FLATTEN"))):
             out[flag] = False
     return out
 
@@ -190,13 +193,14 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         return
     meta = dict(config if config is not None else pinned if interpreting() else gpu_default)
     if config is None and not interpreting() and _operand_bytes(args) >= 4:
-        # the pinned GPU tiles are sized for 2-byte operands: halve the reduction block for float32 so
-        # the pipeline stages fit in shared memory
+        # the pinned GPU tiles are sized for 2-byte operands: halve the reduction block and keep at most
+        # three pipeline stages for float32 so the stages (and a TMA store buffer) fit in shared memory
         for key in ("BLOCK_K", "BLOCK_R"):
             if key in meta:
                 meta[key] = max(16, meta[key] // 2)
+        meta["num_stages"] = min(meta.get("num_stages", 3), 3)
     if desc_blocks is not None:
-        meta = restrict_config(meta, available)
+        meta = restrict_config(meta, available, tuple(flag_descs))
         used = {name for flag, names in flag_descs.items() if meta.get(flag) for name in names}
         args = {**args, **{name: None for name in desc_blocks(meta) if name not in used}}
         set_descriptor_blocks(desc_blocks, {**args, **meta})

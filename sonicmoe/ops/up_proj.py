@@ -13,7 +13,9 @@ recomputation of A from H gives the same values.
 Weight operand: with ``W_TMA`` (the GPU default) the gate and up rows of W1[e] are read through TMA
 tensor descriptors over the (E, n, d) gate/up views, which zero-fill past n and d; weights whose
 strides TMA cannot address (not 16-byte aligned) fall back to pointer loads. X rows are gathered by
-pointer loads either way.
+pointer loads either way. Outputs: with ``C_TMA`` (the GPU default) full tiles of H (concat layout) and A
+are written by TMA stores, which the persistent tile loop overlaps with the next tile's main loop; an
+expert's last, partial tile (and the interleaved layout's H) uses masked pointer stores.
 """
 
 from __future__ import annotations
@@ -130,19 +132,19 @@ def _up_proj_tile(
         tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a, mask=mask)
 
 
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
-                "W_TMA": True, "num_warps": 8, "num_stages": 4}
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": False,
+                "W_TMA": True, "C_TMA": True, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
-# measured on H200 (2026-11-21) and H100 (2026-11-23, benchmarks/tune_sweep.py --space focus): W1 through
-# TMA descriptors, 128x128x64, 8 warps, 4 stages: 7B 0.617 ms (H200) / 0.627-0.634 ms (H100, ~490
-# TFLOP/s), 547-600 TFLOP/s on (32768, 4096, 1024, 128, 8); the pointer-load configs serve weights TMA
-# cannot address; the flattened persistent config pipelines its gathers since 2026-11-23 (untimed)
+# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23/24): W1 through TMA descriptors,
+# 128x128x64, 8 warps, 4 stages, one program per SM looping over the tiles, full tiles stored by TMA
+# (C_TMA; the persistent loop overlaps a tile's stores with the next tile's main loop, and the config no
+# longer spills): 7B 0.651 ms (475 TFLOP/s; pointer stores 0.668); on (32768, 4096, 1024, 128, 8) the
+# non-persistent pointer-store config leads (7.92 ms, 556 TFLOP/s; C_TMA 7.99)
 TUNING_SPACE = [
-    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 4, 1, tma=True),
-    tile_config(128, 128, 64, 8, 3, tma=True), tile_config(128, 128, 64, 8, 3, 1, True, tma=True),
-    tile_config(128, 128, 64, 8, 3), tile_config(128, 128, 64, 8, 4), tile_config(128, 64, 64, 4, 4),
+    tile_config(128, 128, 64, 8, 4, 1, tma=True, C_TMA=True), tile_config(128, 128, 64, 8, 4, tma=True, C_TMA=True),
+    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 3, 1, tma=True, C_TMA=True),
+    tile_config(128, 128, 64, 8, 3, tma=True), tile_config(128, 128, 64, 8, 3), tile_config(128, 64, 64, 4, 4),
 ]
-
 
 def _desc_blocks(meta: dict) -> dict:
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]

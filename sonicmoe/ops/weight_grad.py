@@ -7,9 +7,12 @@ varies by expert (varlen-K). Either operand may be gathered by token inside its 
 * dW1[e] (2n, d) = Σ_r dH[r]ᵀ x_{token(r)}       (P = dH, Q = X gathered)
 
 One program owns one output tile of one expert and loops over that expert's rows: deterministic,
-no atomics; experts with no rows get zero gradients. Columns are masked only where I or J is not a
-multiple of the block (EVEN_I / EVEN_J, set per launch). A persistent, flattened variant was timed on
-an H100 (2026-11-23) and was no faster, so the grid is one program per tile.
+no atomics; experts with no rows get zero gradients. The loop runs over whole BLOCK_R-row chunks with no
+row masks, then over the expert's last, partial chunk with rows past its end masked in both operands.
+The operand that is not gathered (dH for dW1, A′ for dW2) is read through a TMA descriptor in full chunks
+(P_TMA / Q_TMA). Columns are masked only where I or J is not a multiple of the block (EVEN_I / EVEN_J, set
+per launch). A persistent, flattened variant was timed on an H100 (2026-11-23) and was no faster, so the
+grid is one program per tile.
 """
 
 from __future__ import annotations
@@ -122,15 +125,21 @@ def _varlen_k_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ii < I)[:, None] & (jj < J)[None, :])
 
 
-_GPU_DEFAULT = {"BLOCK_I": 128, "BLOCK_J": 128, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3}
+# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): the index load of the gathered
+# operand takes pipeline stages, so num_stages 5 / 7 prefetch 2 / 3 chunks ahead (3-4 prefetched one:
+# ~380 TFLOP/s); tiles 256 wide on the contiguous (TMA-loaded) operand, 128 on the gathered one: 7B dW1
+# 0.587 ms (527 TFLOP/s, was 0.763), dW2 0.298 ms (519, was 0.434); (32768, 4096, 1024, 128, 8) dW2 575
+_GPU_DEFAULT_P_GATHERED = {"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_R": 64, "P_TMA": True, "Q_TMA": True,
+                           "num_warps": 8, "num_stages": 5}
+_GPU_DEFAULT = {"BLOCK_I": 256, "BLOCK_J": 128, "BLOCK_R": 64, "P_TMA": True, "Q_TMA": True, "num_warps": 8,
+                "num_stages": 5}
 _PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
 _NAMES = ("BLOCK_I", "BLOCK_J", "BLOCK_R")
-# measured on H200 (benchmarks/tune_sweep.py, 2026-11-21): 128x128x64, 8 warps, 3 stages leads
 TUNING_SPACE = [
-    tile_config(*c, names=_NAMES) for c in
-    ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
-]
-
+    tile_config(*c, names=_NAMES, P_TMA=True, Q_TMA=True) for c in
+    ((256, 128, 64, 8, 5), (128, 256, 64, 8, 5), (256, 128, 64, 8, 7), (128, 256, 64, 8, 7), (128, 128, 64, 8, 5),
+     (128, 128, 64, 4, 5))
+] + [tile_config(128, 128, 64, 8, 5, names=_NAMES)]
 
 def _desc_blocks(meta: dict) -> dict:
     return {"p_desc": (meta["BLOCK_R"], meta["BLOCK_I"]), "q_desc": (meta["BLOCK_R"], meta["BLOCK_J"])}
@@ -166,7 +175,9 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     )
     grid = lambda m: (e * triton.cdiv(i_dim, m["BLOCK_I"]) * triton.cdiv(j_dim, m["BLOCK_J"]),)
 
-    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, _GPU_DEFAULT, config, _desc_blocks, _FLAG_DESCS)
+    # pinned tiles: 256 wide on the operand that is not gathered
+    gpu_default = _GPU_DEFAULT_P_GATHERED if p_gather else _GPU_DEFAULT
+    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, gpu_default, config, _desc_blocks, _FLAG_DESCS)
     return out
 
 
