@@ -4,7 +4,6 @@
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
 #   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus) on
 #          TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8))
-#   overlap  the 7B layer (triton, pinned tiles) with the backward's side stream off and on (SONICMOE_OVERLAP)
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
@@ -62,13 +61,6 @@ for step in "$@"; do
           --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
       SUMMARY+=("$(grep -E '^==|TF|baseline|WRONG|failed' "$OUT/tune.txt" | grep -v ' 0 failed')")
-      ;;
-    overlap)
-      for ov in 0 1; do
-        SONICMOE_AUTOTUNE=0 SONICMOE_OVERLAP=$ov python3 -m sonicmoe bench --preset 7b --backends triton --no-plot \
-          --out "$OUT" --tag "overlap$ov" > "$OUT/overlap$ov.txt" 2>&1
-        SUMMARY+=("SONICMOE_OVERLAP=$ov: $(grep -E '^7B ' "$OUT/overlap$ov.txt")")
-      done
       ;;
     bench7b)
       python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \

@@ -58,23 +58,20 @@ _tuned = triton.autotune(configs=TUNING_SPACE, key=["D", "HAS_W", "UNROLL"])(_ga
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-               config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               config: dict | None = None) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
         y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) float32 weights in token-slot order, or None.
         config: explicit block configuration (tuning sweeps), else pinned/autotuned.
-        out: a contiguous (T, d) tensor of y's dtype to write (allocated by the caller, e.g. on another
-            stream than the one that runs the kernel), else a new one.
     Returns:
         (T, d) in y's dtype; tokens with no rows get zeros.
     """
     check_device("y", y)
     y = y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
-    if out is None:
-        out = new_output((t, d), device=y.device, dtype=y.dtype)
+    out = new_output((t, d), device=y.device, dtype=y.dtype)
     if t == 0:
         return out
     args = dict(

@@ -12,8 +12,6 @@ Environment (documented in the README):
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
-    SONICMOE_OVERLAP=0         run the backward's dX gather-and-sum on the main stream (by default it runs
-                               on a side stream, beside the dW1 GEMM).
 """
 
 from __future__ import annotations
@@ -221,20 +219,6 @@ def new_output(shape, *, device, dtype) -> torch.Tensor:
     if os.environ.get("SONICMOE_POISON_OUTPUTS", "0") == "1":
         out.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min)
     return out
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def overlap_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The side stream on which the backward runs its memory-bound dX gather-and-sum beside the dW1
-    GEMM (created on first use, one per device), or None: not CUDA, or SONICMOE_OVERLAP=0."""
-    if device.type != "cuda" or os.environ.get("SONICMOE_OVERLAP", "1") == "0":
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -35,7 +35,6 @@ from torch import Tensor
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from .aggregation import gather_sum
-from .common import new_output, overlap_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -167,26 +166,13 @@ def experts_bwd_impl(
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    side = overlap_stream(dh_.device) if need_x and (need_w1 or need_b1) else None
     if need_x:
-        dx_tilde = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
-        dx = new_output(x.shape, device=x.device, dtype=x.dtype)
-        if side is None:
-            gather_sum(dx_tilde, routing, None, out=dx)
-        else:
-            # the memory-bound dX gather-and-sum on a side stream, beside the compute-bound dW1 GEMM; every
-            # tensor it touches was allocated on this stream and stays referenced until the join below
-            side.wait_stream(torch.cuda.current_stream(dh_.device))
-            with torch.cuda.stream(side):
-                gather_sum(dx_tilde, routing, None, out=dx)
+        dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
     if need_w1:
         dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
-    if side is not None:
-        torch.cuda.current_stream(dh_.device).wait_stream(side)
-        del dx_tilde
     return dx, dw1, dw2, db1, db2, dscores
 
 

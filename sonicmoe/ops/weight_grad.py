@@ -128,9 +128,10 @@ def _varlen_k_kernel(
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): the index load of the gathered
 # operand takes pipeline stages, so num_stages 5 / 7 prefetch 2 / 3 chunks ahead (3-4 prefetched one:
 # ~380 TFLOP/s); tiles 256 wide on the contiguous (TMA-loaded) operand, 128 on the gathered one: 7B dW1
-# 0.587 ms (527 TFLOP/s, was 0.763), dW2 0.298 ms (519, was 0.434); (32768, 4096, 1024, 128, 8) dW2 575
+# 0.58 ms (530 TFLOP/s, was 0.763), dW2 (7 stages) 0.297 ms (520, was 0.434); (32768, 4096, 1024, 128, 8)
+# dW2 3.5-3.8 ms (575-633)
 _GPU_DEFAULT_P_GATHERED = {"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_R": 64, "P_TMA": True, "Q_TMA": True,
-                           "num_warps": 8, "num_stages": 5}
+                           "num_warps": 8, "num_stages": 7}
 _GPU_DEFAULT = {"BLOCK_I": 256, "BLOCK_J": 128, "BLOCK_R": 64, "P_TMA": True, "Q_TMA": True, "num_warps": 8,
                 "num_stages": 5}
 _PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
