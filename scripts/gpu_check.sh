@@ -11,6 +11,7 @@
 #   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
 #          1000 of the same schedule on the torch backend (same seed, same data)
 #   cmp    2000 steps of the h100 preset on triton and torch at once, with the GPU determinism tests
+#          (CMP_TESTS: other pytest arguments for the tests run meanwhile)
 #   noise  a second triton run of cmp's schedule (same seed, same data: run-to-run noise) and the
 #          token-rounding quality runs of trq for each seed in TRQ_SEEDS (default "0 1"), all at once
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
@@ -107,12 +108,26 @@ for step in "$@"; do
       t=(--steps 2000 --warmup 100 --eval-every 250 --profile-every 0)
       train triton "${t[@]}" --backend triton &
       train torch "${t[@]}" --backend torch &
-      timeout 150 python3 -m pytest -rA -m gpu tests/test_kernels.py -k "bitwise or tma_configs" \
+      if [ "${CMP_TRACE:-0}" = 1 ]; then  # the launch traces too (float32, bfloat16), in the background
+        for dt in float32 bfloat16; do
+          SONICMOE_AUTOTUNE=0 timeout 240 python3 scripts/launch_trace.py --dtype $dt > "$OUT/trace_$dt.txt" 2>&1 &
+        done
+      fi
+      # shellcheck disable=SC2086
+      timeout "${CMP_TESTS_LIMIT_S:-150}" python3 -m pytest -rA -m gpu ${CMP_TESTS:-tests/test_kernels.py -k "bitwise or tma_configs"} \
         -p no:cacheprovider > "$OUT/gpu_tests_det.log" 2>&1
       wait
       for f in /tmp/train_*.txt; do { echo "== $f"; tail -40 "$f"; } >> "$OUT/train_stdout.txt"; done
       SUMMARY+=("$(grep -E '^(FAILED|ERROR|PASSED)' "$OUT/gpu_tests_det.log")" "$(tail -1 "$OUT/gpu_tests_det.log")")
       for f in /tmp/train_*.txt; do SUMMARY+=("$(basename "$f"): $(tail -1 "$f")"); done
+      for f in "$OUT"/trace_*.txt; do [ -f "$f" ] && SUMMARY+=("$(basename "$f"): $(tail -2 "$f" | tr '\n' ' ')"); done
+      ;;
+    trace)
+      # every Triton launch of one training step logged and synchronised (float32, bfloat16): names a kernel that hangs
+      for dt in float32 bfloat16; do
+        SONICMOE_AUTOTUNE=0 timeout 150 python3 scripts/launch_trace.py --dtype $dt > "$OUT/trace_$dt.txt" 2>&1
+        SUMMARY+=("trace $dt: rc $? $(tail -2 "$OUT/trace_$dt.txt" | tr '\n' ' ')")
+      done
       ;;
     full)
       python3 -m sonicmoe bench --preset granularity,iso-flops --no-plot --out "$OUT" --tag granularity \
