@@ -12,8 +12,9 @@
 #          1000 of the same schedule on the torch backend (same seed, same data)
 #   cmp    2000 steps of the h100 preset on triton and torch at once, with the GPU determinism tests
 #          (CMP_TESTS: other pytest arguments for the tests run meanwhile)
-#   noise  a second triton run of cmp's schedule (same seed, same data: run-to-run noise) and the
-#          token-rounding quality runs of trq for each seed in TRQ_SEEDS (default "0 1"), all at once
+#   noise  a triton run of cmp's schedule with seed 1 (other initialisation and batches: the seed noise that
+#          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
+#          seed in TRQ_SEEDS (default "0 1"), all at once
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 # Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
@@ -86,7 +87,7 @@ for step in "$@"; do
           train "trq_topk_s$s" "${q[@]}" --seed "$s" --routing topk &
           train "trq_tr_s$s" "${q[@]}" --seed "$s" --routing token_rounding &
         done
-        train triton_rerun --steps 2000 --warmup 100 --eval-every 250 --profile-every 0 --backend triton &
+        train triton_s1 --steps 2000 --warmup 100 --eval-every 250 --profile-every 0 --backend triton --seed 1 &
       else
         train trq_topk "${q[@]}" --routing topk &
         train trq_tr "${q[@]}" --routing token_rounding &
