@@ -46,7 +46,7 @@ for step in "$@"; do
   case $step in
     quick)
       # the GPU-marked tests (the rest run on CPU in CI; natively each would compile its own kernels)
-      timeout 300 python3 -m pytest -rA -m gpu tests/ \
+      timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m gpu tests/ \
         -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       # SKIP_BREAKDOWN=1 when something else shares the GPU (its timings would mean nothing)
       [ "${SKIP_BREAKDOWN:-0}" = 1 ] ||
