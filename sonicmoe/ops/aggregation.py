@@ -1,7 +1,9 @@
 """Aggregation: a deterministic gather-and-sum over each token's rows (SPEC §3 kernel 3, §4 kernel 5).
 
 O_t = Σ_{slots j of token t} w_j · Y[token_rows[j]], summed in slot order in float32: no atomics,
-bitwise reproducible. Forward: Y the expert outputs, w the scores S. Backward: dX_t = Σ dX̃ rows
+bitwise reproducible. The slot loop is unrolled by UNROLL (the mean slots per token, at most 8, set per
+launch) so that several rows' loads are in flight at once; the additions keep slot order.
+Forward: Y the expert outputs, w the scores S. Backward: dX_t = Σ dX̃ rows
 (w = 1). Works for any number of experts per token (general routing, token rounding).
 """
 

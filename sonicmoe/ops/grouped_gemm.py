@@ -9,8 +9,10 @@ through strides, so one kernel serves
 
 Configs with ``W_TMA`` read B[e] through a TMA descriptor over B's (E, ·, ·) shape (zero-filled past
 its bounds), and configs with ``A_TMA`` read the rows of A through a descriptor over (R, k) (rows past
-an expert's end are the next expert's or zeros, and their results are never stored); the autotuner
-chooses between them and pointer loads.
+an expert's end are the next expert's or zeros, and their results are never stored); configs with
+``C_TMA`` (persistent, without FLATTEN) write full tiles of C by TMA stores and an expert's last tile by
+masked stores. The default is the flattened persistent loop with pointer stores (faster on the 7B shape);
+the autotuner chooses among them.
 """
 
 from __future__ import annotations

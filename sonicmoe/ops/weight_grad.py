@@ -153,13 +153,17 @@ _tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["I", "J", "P_GATHER", "Q_GA
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
                   out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
-    """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)].
+    """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] (varlen-K grouped GEMM, SPEC §4 kernels 2, 4).
 
     Args:
         p: (T or R, I); rows gathered by ``routing.row_token`` when ``p_gather``.
         q: (T or R, J); likewise with ``q_gather``.
         out_dtype: dtype of the gradient (the weight's); accumulation is float32.
-        config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
+        config: explicit tile configuration (tuning sweeps), else pinned/autotuned. The pinned GPU tiles
+            are 256 wide on the operand that is not gathered (read through a TMA descriptor when its
+            rows are 16-byte aligned, pointer loads otherwise) and 128 on the gathered one.
+    Returns:
+        (E, I, J) in ``out_dtype``; experts with no rows get zeros. Deterministic (no atomics).
     """
     check_device("p", p)
     p, q = p.contiguous(), q.contiguous()
