@@ -26,14 +26,6 @@ EXTRA_M = [tile_config(128, 128, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8
            tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 4, 2, 2, True)]
 
 
-def _toggled(cfgs, **toggles):
-    """Every config of ``cfgs`` (triton.Config) with every combination of the boolean ``toggles``."""
-    out = [config_dict(c) for c in cfgs]
-    for name, values in toggles.items():
-        out = [{**c, name: v} for c in out for v in values]
-    return out
-
-
 def _m(bm, bn, warps, stages, pps=0, flatten=False, bk=64, **extra):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PROGS_PER_SM": pps, "FLATTEN": flatten,
             "num_warps": warps, "num_stages": stages, **extra}

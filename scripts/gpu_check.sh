@@ -42,6 +42,10 @@ train() {  # train NAME [options...]: one run; its log.json to $OUT/train_NAME.j
   cp "/tmp/train_$name/log.json" "$OUT/train_$name.json" 2>/dev/null
 }
 
+trace() {  # trace DTYPE LIMIT_S: every Triton launch of one training step logged and synchronised
+  SONICMOE_AUTOTUNE=0 timeout "$2" python3 scripts/launch_trace.py --dtype "$1" > "$OUT/trace_$1.txt" 2>&1
+}
+
 for step in "$@"; do
   case $step in
     quick)
@@ -110,9 +114,7 @@ for step in "$@"; do
       train triton "${t[@]}" --backend triton &
       train torch "${t[@]}" --backend torch &
       if [ "${CMP_TRACE:-0}" = 1 ]; then  # the launch traces too (float32, bfloat16), in the background
-        for dt in float32 bfloat16; do
-          SONICMOE_AUTOTUNE=0 timeout 240 python3 scripts/launch_trace.py --dtype $dt > "$OUT/trace_$dt.txt" 2>&1 &
-        done
+        for dt in float32 bfloat16; do trace $dt 240 & done
       fi
       # shellcheck disable=SC2086
       timeout "${CMP_TESTS_LIMIT_S:-150}" python3 -m pytest -rA -m gpu ${CMP_TESTS:-tests/test_kernels.py -k "bitwise or tma_configs"} \
@@ -126,7 +128,7 @@ for step in "$@"; do
     trace)
       # every Triton launch of one training step logged and synchronised (float32, bfloat16): names a kernel that hangs
       for dt in float32 bfloat16; do
-        SONICMOE_AUTOTUNE=0 timeout 150 python3 scripts/launch_trace.py --dtype $dt > "$OUT/trace_$dt.txt" 2>&1
+        trace $dt 150
         SUMMARY+=("trace $dt: rc $? $(tail -2 "$OUT/trace_$dt.txt" | tr '\n' ' ')")
       done
       ;;

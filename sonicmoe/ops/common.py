@@ -176,9 +176,10 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
     ``pinned`` is the interpreter's config (small blocks); ``gpu_default`` the pinned GPU config, a dict
     with block sizes plus num_warps/num_stages. ``config``, when given, is used as is (tuning sweeps).
     ``desc_blocks(meta)`` names the TMA descriptors among ``args`` with their block shapes, and
-    ``flag_descs`` maps each TMA flag (W_TMA, A_TMA, C_TMA) to the descriptors it needs: a flag whose
-    descriptors are None (the tensor cannot be described) falls back to pointer loads / stores alone,
-    and descriptors no flag of the launch uses are passed as None.
+    ``flag_descs`` maps each TMA flag of the kernel (among W_TMA, A_TMA, C_TMA, P_TMA, Q_TMA) to the
+    descriptors it needs: a flag whose descriptors are None (the tensor cannot be described) falls back to
+    pointer loads / stores alone, TMA flags the kernel does not take are dropped, and descriptors no flag
+    of the launch uses are passed as None.
     """
     flag_descs = flag_descs or {}
     available = available_flags(flag_descs, args)
