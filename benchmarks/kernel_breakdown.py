@@ -1,8 +1,15 @@
-"""Per-kernel timing of the Triton path on one shape (the paper's Fig. 6 breakdown), GPU only.
+"""Per-kernel timing of the Triton path (the paper's Fig. 6 breakdown), GPU only.
 
-usage: python benchmarks/kernel_breakdown.py [--shape T,d,n,E,K] [--json OUT.json]
-Prints ms and TFLOP/s (useful FLOPs) of each forward and backward kernel, of the whole layer, and of
-the torch backend on the same inputs.
+usage: python benchmarks/kernel_breakdown.py [--shape T,d,n,E,K ...] [--routing topk|token_rounding ...]
+                                             [--row-order token|pair] [--no-layer] [--routing-profile] [--json OUT]
+
+For every (shape, routing): ms and TFLOP/s (useful FLOPs) of each forward and backward kernel and of the
+whole layer (and of the torch backend on the same inputs unless ``--no-layer``). With several routings the
+kernels of one shape are timed in turn on the same inputs, so the comparison is not spread across minutes.
+
+``--row-order pair`` (ablation) builds the token-rounding routing with each expert's rows in the order of
+the pairs (score order) instead of the library's token order. ``--routing-profile`` adds the time of the
+routing itself: router, top-k metadata, token rounding and its metadata, each on its own (do_bench).
 """
 
 from __future__ import annotations
@@ -19,30 +26,60 @@ from sonicmoe.ops.dh import dh
 from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
 from sonicmoe.ops.up_proj import up_proj
 from sonicmoe.ops.weight_grad import varlen_k_gemm
+from sonicmoe.routing import INDEX_DTYPE, Routing
 from sonicmoe.testing import random_problem
+from sonicmoe.token_rounding import token_rounding
+
+M_TILE = 128
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shape", default="24576,1536,256,128,8")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    t, d, n, e, k = (int(v) for v in args.shape.split(","))
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+def _pair_order_routing(pair_token: torch.Tensor, pair_expert: torch.Tensor, t: int, e: int) -> Routing:
+    """The routing of general pairs with each expert's rows in pair order (one stable sort by expert):
+    the layout before rows were put in token order, kept for the ablation."""
+    r = pair_token.shape[0]
+    dev = pair_token.device
+    sorted_expert, row_pair = torch.sort(pair_expert.to(INDEX_DTYPE), stable=True)
+    pair_row = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
+    pair_row[row_pair] = torch.arange(r, dtype=INDEX_DTYPE, device=dev)
+    sorted_token, slot_pair = torch.sort(pair_token.to(INDEX_DTYPE), stable=True)
+
+    def offsets(keys, m):
+        return torch.searchsorted(keys, torch.arange(m + 1, device=dev, dtype=keys.dtype)).to(INDEX_DTYPE)
+
+    return Routing(num_tokens=t, num_experts=e, expert_offsets=offsets(sorted_expert, e),
+                   row_token=pair_token.to(INDEX_DTYPE)[row_pair], row_pair=row_pair.to(INDEX_DTYPE),
+                   pair_row=pair_row, token_offsets=offsets(sorted_token, t),
+                   token_rows=pair_row[slot_pair], slot_pair=slot_pair.to(INDEX_DTYPE))
+
+
+def build_routing(p: dict, k: int, mode: str, row_order: str):
+    """(routing, pair scores (R,)) of the problem's router under ``mode``."""
+    e = p["w1"].shape[0]
+    t = p["x"].shape[0]
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
-    s_pair = router.topk_scores.reshape(-1).detach()
+    if mode == "topk":
+        return sonicmoe.routing_from_topk(router.topk_ids, e), router.topk_scores.reshape(-1).detach()
+    tr = token_rounding(router, m_tile=M_TILE, warn=False)
+    if row_order == "pair":
+        routing = _pair_order_routing(tr.pair_token, tr.pair_expert, t, e)
+    else:
+        routing = sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True)
+    return routing, tr.pair_scores.detach()
+
+
+def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Tensor) -> list:
+    """(name, fn, useful FLOPs) of every kernel of the Triton path on this routing."""
     s_row = routing.row_scores(s_pair).float()
     s_slot = routing.slot_scores(s_pair).float()
     r = routing.num_rows
     x, w1, w2 = p["x"], p["w1"], p["w2"]
+    n, d = w2.shape[2], w2.shape[1]
     h, a = up_proj(x, w1, None, routing)
     y = down_proj(a, w2, None, routing)
-    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     dh_, ap_, _ = dh(dout, w2, h, s_row, routing)
     dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
     gemm = 2 * r * n * d  # FLOPs of one (R, n) x (n, d) GEMM
-    rows = [
+    return [
         ("up-proj (gather+SwiGLU)", lambda: up_proj(x, w1, None, routing), 2 * gemm),
         ("down-proj", lambda: down_proj(a, w2, None, routing), gemm),
         ("aggregation", lambda: gather_sum(y, routing, s_slot), 0),
@@ -54,38 +91,99 @@ def main() -> None:
                                                  out_dtype=w1.dtype), 2 * gemm),
         ("dX aggregation", lambda: gather_sum(dxt, routing, None), 0),
     ]
-    results = []
-    for name, fn, flops in rows:
-        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-        results.append({"kernel": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None})
 
-    def layer(backend, bwd):
-        xs = x.detach().requires_grad_(bwd)
-        w1s = w1.detach().requires_grad_(bwd)
-        w2s = w2.detach().requires_grad_(bwd)
-        ss = s_pair.detach().requires_grad_(bwd)
 
-        def f():
-            out = sonicmoe.experts(xs, w1s, w2s, routing, ss, backend=backend)
-            if bwd:
-                out.backward(dout)
-        return f, [xs, w1s, w2s, ss]
-
-    for backend in ("triton", "torch"):
+def layer_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Tensor, backends) -> list:
+    """(name, fn, FLOPs, grad leaves) of the whole layer, forward and forward+backward, per backend."""
+    r = routing.num_rows
+    n, d = p["w2"].shape[2], p["w2"].shape[1]
+    rows = []
+    for backend in backends:
         for bwd in (False, True):
-            fn, params = layer(backend, bwd)
-            ms = do_bench(fn, warmup=25, rep=100, return_mode="median", grad_to_none=params if bwd else None)
-            flops = (18 if bwd else 6) * r * n * d
-            results.append({"kernel": f"layer {backend} {'fwd+bwd' if bwd else 'fwd'}", "ms": ms,
-                            "tflops": flops / ms / 1e9})
-    print(f"shape T={t} d={d} n={n} E={e} K={k} on {torch.cuda.get_device_name()}")
-    for row in results:
-        tf = f"{row['tflops']:7.1f}" if row["tflops"] else "      -"
-        print(f"  {row['kernel']:<28} {row['ms']:8.3f} ms  {tf} TFLOP/s")
+            leaves = [v.detach().requires_grad_(bwd) for v in (p["x"], p["w1"], p["w2"], s_pair)]
+
+            def f(leaves=leaves, backend=backend, bwd=bwd):
+                out = sonicmoe.experts(leaves[0], leaves[1], leaves[2], routing, leaves[3], backend=backend)
+                if bwd:
+                    out.backward(dout)
+            rows.append((f"layer {backend} {'fwd+bwd' if bwd else 'fwd'}", f, (18 if bwd else 6) * r * n * d,
+                         leaves if bwd else None))
+    return rows
+
+
+def routing_profile(p: dict, k: int) -> list:
+    """(name, fn) of the routing steps on their own: router, top-k metadata, token rounding, its metadata."""
+    e, t = p["w1"].shape[0], p["x"].shape[0]
+    x, wr = p["x"], p["router_weight"]
+    router = sonicmoe.router_topk(x, wr, k)
+    tr = token_rounding(router, m_tile=M_TILE, warn=False)
+    return [
+        ("router (logits, softmax, top-k)", lambda: sonicmoe.router_topk(x, wr, k)),
+        ("top-k routing metadata", lambda: sonicmoe.routing_from_topk(router.topk_ids, e)),
+        ("token rounding (pairs)", lambda: token_rounding(router, m_tile=M_TILE, warn=False)),
+        ("token-rounding routing metadata", lambda: sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e,
+                                                                                      token_major=True)),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=None, help="T,d,n,E,K (repeatable; default the 7B shape)")
+    ap.add_argument("--routing", action="append", choices=("topk", "token_rounding"), default=None)
+    ap.add_argument("--row-order", choices=("token", "pair"), default="token",
+                    help="token-rounding rows per expert: token order (the library's) or pair order (ablation)")
+    ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer timings")
+    ap.add_argument("--routing-profile", action="store_true", help="also time the routing steps")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
+    modes = args.routing or ["topk"]
+    records = []
+    for t, d, n, e, k in shapes:
+        p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+        dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        timed = {}
+        for mode in modes:
+            routing, s_pair = build_routing(p, k, mode, args.row_order)
+            rows = [(name, fn, flops, None) for name, fn, flops in kernel_rows(p, routing, s_pair, dout)]
+            if not args.no_layer:
+                rows += layer_rows(p, routing, s_pair, dout, ("triton",) if mode != "topk" else ("triton", "torch"))
+            timed[mode] = (routing.num_rows, rows)
+        if args.routing_profile:
+            timed["routing"] = (0, [(name, fn, 0, None) for name, fn in routing_profile(p, k)])
+        # the same kernel of every routing back to back, in turn
+        length = max(len(rows) for _, rows in timed.values())
+        results = {mode: [] for mode in timed}
+        for i in range(length):
+            for mode, (_, rows) in timed.items():
+                if i >= len(rows):
+                    continue
+                name, fn, flops, leaves = rows[i]
+                ms = do_bench(fn, warmup=25, rep=args.rep, return_mode="median", grad_to_none=leaves)
+                results[mode].append({"kernel": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None})
+        for mode, rows in results.items():
+            r = timed[mode][0]
+            print(f"shape T={t} d={d} n={n} E={e} K={k} routing={mode} R={r} on {torch.cuda.get_device_name()}")
+            for row in rows:
+                tf = f"{row['tflops']:7.1f}" if row["tflops"] else "      -"
+                print(f"  {row['kernel']:<32} {row['ms']:8.3f} ms  {tf} TFLOP/s")
+            records.append({"shape": [t, d, n, e, k], "routing": mode, "R": r,
+                            "row_order": args.row_order if mode == "token_rounding" else None, "rows": rows})
+        if args.routing_profile:  # the GPU kernels inside one token-rounding call, by total time
+            router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
+            token_rounding(router, m_tile=M_TILE, warn=False)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                token_rounding(router, m_tile=M_TILE, warn=False)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        del p, dout, timed
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": [t, d, n, e, k], "device": torch.cuda.get_device_name(), "rows": results}, f,
-                      indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "records": records,
+                       **({"shape": records[0]["shape"], "rows": records[0]["rows"]} if len(records) == 1 else {})},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
+#   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
+#          on TRPROF_SHAPES (default: the sparsest point of each token_rounding sweep)
 #   trq    token-rounding quality: train top-k and token rounding at E=64, K=2 on the same tokens
 #   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
 #          1000 of the same schedule on the torch backend (same seed, same data)
@@ -82,6 +84,16 @@ for step in "$@"; do
       SONICMOE_AUTOTUNE=0 timeout ${TR_LIMIT_S:-300} python3 -m sonicmoe bench --preset token-rounding --backends triton \
         --no-check-grads --no-plot --out "$OUT" --tag token-rounding -q > "$OUT/tr.txt" 2>&1
       SUMMARY+=("$(tail -30 "$OUT/tr.txt")")
+      ;;
+    trprof)
+      timeout 200 python3 -m pytest -rA tests/test_pad_select.py tests/test_token_rounding.py -p no:cacheprovider \
+        > "$OUT/gpu_tests_tr.log" 2>&1
+      shapes=()
+      for sh in ${TRPROF_SHAPES:-16384,1536,256,512,8 16384,4096,512,512,8 16384,4096,1024,256,4}; do shapes+=(--shape "$sh"); done
+      SONICMOE_AUTOTUNE=0 timeout ${TRPROF_LIMIT_S:-300} python3 benchmarks/kernel_breakdown.py "${shapes[@]}" \
+        --routing topk --routing token_rounding --routing-profile --json "$OUT/tr_breakdown.json" > "$OUT/tr_breakdown.txt" 2>&1
+      SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_tr.log")" "$(tail -1 "$OUT/gpu_tests_tr.log")"
+                "$(grep -E '^shape|layer|token|router|metadata' "$OUT/tr_breakdown.txt")")
       ;;
     trq|train|noise)
       # trq: token-rounding quality, top-k and token rounding at E=64, K=2 on the same tokens (eval: top-k)

@@ -113,7 +113,8 @@ class MoE(nn.Module):
             tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding,
                                 router_order=c.router_order, renormalize=c.renormalize)
             # valid by construction: no range check (it would synchronise with the host)
-            routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e, check=False)
+            routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e, token_major=True,
+                                         check=False)
             pair_scores = tr.pair_scores
         else:
             routing = routing_from_topk(router.topk_ids, e)

@@ -12,7 +12,8 @@ built with sorts and searches on the device, without any host-device synchronisa
 Invariants (tested in tests/test_routing.py):
     * ``pair_row[row_pair[r]] == r`` and ``row_pair[pair_row[p]] == p`` (inverse permutations);
     * ``expert_offsets[0] == 0``, ``expert_offsets[E] == R``, ``diff(expert_offsets)`` = counts T_e;
-    * ``row_token[r]`` is the token of row r; rows of one expert keep the pairs' order;
+    * ``row_token[r]`` is the token of row r; rows of one expert are in ascending token order (pairs
+      of one token and expert, which ``routing_from_pairs`` forbids, would keep the pairs' order);
     * ``token_offsets[T] == R``; ``token_rows[token_offsets[t]:token_offsets[t+1]]`` are the rows of
       token t, in pair order; ``slot_pair`` is the pair behind each of those slots.
 """
@@ -139,18 +140,23 @@ def routing_from_pairs(
     pair_expert = pair_expert.to(INDEX_DTYPE)
     pair_token = pair_token.to(INDEX_DTYPE)
     r = pair_token.shape[0]
-    sorted_expert, row_pair = torch.sort(pair_expert, stable=True)
-    row_pair = row_pair.to(INDEX_DTYPE)
-    pair_row = torch.empty_like(row_pair)
-    pair_row[row_pair.long()] = torch.arange(r, device=device, dtype=INDEX_DTYPE)
+    # Token order first (the slots of each token), then a stable sort of those slots by expert: the rows
+    # of each expert come out in ascending token order. The gathers of X and dO rows then walk the tokens in
+    # the same order in every expert, so the tiles running at once share token rows in L2, whatever order
+    # the pairs came in (with top-k's token-major pairs this is the plain stable sort by expert).
     if token_major:
         slot_pair = None
         sorted_token = pair_token
-        token_rows = pair_row
+        sorted_expert, row_pair = torch.sort(pair_expert, stable=True)
+        row_pair = row_pair.to(INDEX_DTYPE)
     else:
         sorted_token, slot_pair = torch.sort(pair_token, stable=True)
+        sorted_expert, row_slot = torch.sort(pair_expert[slot_pair], stable=True)
+        row_pair = slot_pair[row_slot].to(INDEX_DTYPE)
         slot_pair = slot_pair.to(INDEX_DTYPE)
-        token_rows = pair_row[slot_pair.long()]
+    pair_row = torch.empty_like(row_pair)
+    pair_row[row_pair.long()] = torch.arange(r, device=device, dtype=INDEX_DTYPE)
+    token_rows = pair_row if token_major else pair_row[slot_pair.long()]
     return Routing(
         num_tokens=num_tokens,
         num_experts=num_experts,

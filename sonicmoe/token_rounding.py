@@ -9,7 +9,8 @@ starts from top-k routing and moves each expert's count f_e to a neighbouring mu
 2. Each expert ranks its candidate tokens: the tokens that chose it (top-k) first, by decreasing
    score S, then all other tokens by decreasing router probability ``probs[t, e]`` (softmax over E).
    Ranking compares values rounded to float32 (exact for the usual float32 router; a float64 router's
-   values closer than float32 precision count as equal). Ties are broken by the lower token index.
+   values closer than float32 precision count as equal); a NaN probability ranks last. Ties are broken
+   by the lower token index.
 3. A *subroutine* decides per expert whether to pad (keep ``hi_e``: all chosen tokens plus the best
    ``hi_e − f_e`` non-chosen ones) or not (keep ``lo_e``: drop the ``f_e − lo_e`` lowest-scored
    chosen tokens). An expert with f_e already a multiple of M_tile keeps exactly its top-k tokens.
@@ -55,18 +56,20 @@ Scores of the output pairs (differentiable w.r.t. the router logits):
       ``probs[t, e]``, divided by ``Σ_k probs[t, topk_ids[t, k]]`` when ``renormalize``.
     A token's scores are not renormalised over its final expert set.
 
-Implementation (:func:`token_rounding`): vectorised torch on the router's device.
+Implementation (:func:`token_rounding`), on the router's device:
     * chosen pairs: one stable sort of the T·K pairs by (expert, score descending) gives each
-      pair's rank within its expert; a pair is kept iff its rank < count_e;
-    * added pairs: ``torch.topk`` over tokens of an exact int64 key (router probability bits, then
-      lower token index; chosen pairs masked out) picks each expert's best min(M_tile − 1, T)
-      non-chosen tokens; the first ``count_e − f_e`` of them are added;
-    * the result is first a fixed-capacity candidate list of T·K + E·min(M_tile − 1, T) pairs with a
-      validity mask, computed without any host-device synchronisation; it is compacted with a single
-      ``torch.nonzero`` — **the one host sync**, unavoidable because R (the number of output pairs)
-      is data-dependent and :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs.
-    * memory: one transient (T, E) int64 key (8·T·E bytes, e.g. 128 MiB at T=32768, E=512) plus a
-      few (T·K,) arrays.
+      pair's rank within its expert; a pair is kept iff its rank < count_e. Kept pairs are marked in
+      a (T, E) bool *routed* mask;
+    * added pairs: each padded expert's best ``count_e − f_e`` non-chosen tokens are marked in the
+      same mask by :func:`sonicmoe.ops.pad_select.pad_select` (a Triton kernel, one program per
+      expert: a binary search for the threshold key, no sort) on CUDA, or by its torch twin (one
+      ``torch.topk`` per expert over an exact int64 key) on CPU;
+    * ``torch.nonzero`` of the mask lists the pairs in token-major order — **the one host sync**,
+      unavoidable because R (the number of output pairs) is data-dependent and
+      :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs. Each pair's top-k slot (if any)
+      comes from comparing it with the token's K chosen experts.
+    * memory: transient (T, E) bool and (E, T) float32/int32 arrays (9·T·E bytes, 72 MiB at
+      T = 16384, E = 512) plus a few (R, K) and (T·K,) arrays.
 
 :func:`token_rounding_ref` is a plain Python/PyTorch per-expert loop with the same signature and
 output, used as the test oracle.
@@ -103,10 +106,8 @@ def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
 class TokenRoundingOutput:
     """Routed pairs after token rounding (R pairs over T tokens and E experts).
 
-    Pair order: first the kept top-k pairs, expert by expert (ascending e), each expert's by
-    decreasing score; then the added pairs, expert by expert, each expert's by decreasing router
-    probability. So, after the stable sort by expert in ``routing_from_pairs``, the rows of expert e
-    follow its ranking.
+    Pair order: token-major, sorted by (token, expert) — pass ``token_major=True`` to
+    :func:`~sonicmoe.routing.routing_from_pairs`, which skips a sort then.
 
     Attributes:
         pair_token: (R,) int32 token of each pair, in [0, T).
@@ -216,6 +217,7 @@ def token_rounding(
     renormalize: bool = False,
     generator: torch.Generator | None = None,
     warn: bool = True,
+    use_kernel: bool | None = None,
 ) -> TokenRoundingOutput:
     """Token-rounding routing (SPEC §5): each expert's top-k count rounded to a multiple of M_tile.
 
@@ -233,58 +235,52 @@ def token_rounding(
         generator: ``torch.Generator`` on the router's device for ``"stochastic"`` (one uniform draw
             per expert); ``None`` uses the default generator. Ignored by the other subroutines.
         warn: warn when T·K/E < 2·M_tile (where quality drops).
+        use_kernel: pick the added tokens with the Triton kernel :func:`sonicmoe.ops.pad_select.pad_select`
+            (``None``: on CUDA; ``True``: also on CPU under TRITON_INTERPRET=1; ``False``: the torch
+            twin, one ``torch.topk`` per expert). Both give the same pairs.
 
     Returns:
-        :class:`TokenRoundingOutput` with R pairs. Guarantees: every expert is within one tile of
-        top-k (``|count_e − f_e| < M_tile``) and its count is a multiple of M_tile, except a padded
-        expert capped at T tokens (module docstring, "Cap edge").
+        :class:`TokenRoundingOutput` with R pairs in token-major order (sorted by token, then expert:
+        pass ``token_major=True`` to :func:`~sonicmoe.routing.routing_from_pairs`). Guarantees: every
+        expert is within one tile of top-k (``|count_e − f_e| < M_tile``) and its count is a multiple of
+        M_tile, except a padded expert capped at T tokens (module docstring, "Cap edge").
 
-    Host syncs: exactly one (``torch.nonzero`` compacting the fixed-capacity candidate list, as R
-    is data-dependent). Memory: a transient (T, E) int64 key.
+    Host syncs: exactly one (``torch.nonzero`` over the (T, E) routed mask, as R is data-dependent).
+    Memory: transient (T, E) bool and (E, T) float32/int32 arrays (9·T·E bytes; 72 MiB at T = 16384,
+    E = 512), plus an (E, T) int64 key on the torch path.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
+    from .ops.pad_select import candidate_keys, pad_select, pad_select_ref, use_pad_kernel
+
     device = router.logits.device
-    ids = router.topk_ids.reshape(-1).long()  # (T·K,) expert of pair p = t·K + k
+    ids2 = router.topk_ids.long()  # (T, K)
+    ids = ids2.reshape(-1)  # (T·K,) expert of pair p = t·K + k
     tk = ids.shape[0]
 
-    # Chosen pairs: sort by (expert ascending, score descending, pair index ascending).
+    # Chosen pairs: rank within their expert by (score descending, pair index ascending); keep rank < count_e.
     key = ids * _U32 + (_U32 - 1 - _float_key(router.topk_scores.reshape(-1)))
     order = torch.sort(key, stable=True).indices  # (T·K,) pair indices
     sorted_expert = ids[order]
     bounds = torch.searchsorted(sorted_expert, torch.arange(e + 1, device=device))  # no atomics
     start, f = bounds[:-1], bounds[1:] - bounds[:-1]  # f_e: top-k tokens per expert
     keep, pad = _round_counts(f, m_tile, t, subroutine, generator)
-    rank = torch.arange(tk, device=device) - start[sorted_expert]
-    chosen_valid = rank < keep[sorted_expert]
+    kept = torch.empty(tk, dtype=torch.bool, device=device)
+    kept[order] = (torch.arange(tk, device=device) - start[sorted_expert]) < keep[sorted_expert]
 
-    # Added pairs: each expert's best non-chosen tokens by probability (ties: lower token first).
-    n_add = min(m_tile - 1, t)
-    if n_add > 0:
-        pkey = _float_key(router.probs).mul_(_I31)  # (T, E)
-        pkey.add_((_I31 - 1) - torch.arange(t, device=device, dtype=torch.int64)[:, None])
-        pkey.scatter_(1, router.topk_ids.long(), -1)  # chosen pairs rank below every valid key (>= 0)
-        add_token = torch.topk(pkey, n_add, dim=0).indices.t().reshape(-1)  # (E·n_add,) expert-major
-        del pkey
-        slot = torch.arange(n_add, device=device)
-        add_valid = (slot[None, :] < (keep - f)[:, None]).reshape(-1)
-        add_expert = torch.arange(e, device=device).repeat_interleave(n_add)
-    else:
-        add_token = add_expert = ids.new_zeros(0)
-        add_valid = torch.zeros(0, dtype=torch.bool, device=device)
+    # The routed (T, E) mask: kept chosen pairs, then each padded expert's best non-chosen tokens.
+    routed = torch.zeros(t, e, dtype=torch.bool, device=device)
+    routed[torch.arange(t, device=device)[:, None], ids2] = kept.view(t, k)
+    if m_tile > 1 and t > 0:
+        select = pad_select if use_pad_kernel(device, use_kernel) else pad_select_ref
+        select(candidate_keys(router.probs, ids2), (keep - f).clamp_min(0), routed, m_tile - 1)
 
-    # Fixed-capacity candidate list (T·K + E·n_add), compacted by the single host sync.
-    cand_token = torch.cat([torch.div(order, k, rounding_mode="floor"), add_token])
-    cand_expert = torch.cat([sorted_expert, add_expert])
-    cand_pair = torch.cat([order, torch.zeros_like(add_token)])
-    cand_added = torch.cat([torch.zeros(tk, dtype=torch.bool, device=device),
-                            torch.ones(add_token.shape[0], dtype=torch.bool, device=device)])
-    sel = torch.nonzero(torch.cat([chosen_valid, add_valid])).squeeze(1)  # host sync: R is data-dependent
-
-    pair_token, pair_expert = cand_token[sel], cand_expert[sel]
-    pair_added = cand_added[sel]
-    chosen_scores = router.topk_scores.reshape(-1)[cand_pair[sel]]
+    pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
+    pair_token, pair_expert = pair[:, 0], pair[:, 1]
+    match = ids2[pair_token] == pair_expert[:, None]  # (R, K): which chosen slot, if any
+    pair_added = ~match.any(dim=1)
+    chosen_scores = router.topk_scores[pair_token, match.to(torch.int32).argmax(dim=1)]
     added_scores = _added_scores(router, pair_token, pair_expert, router_order, renormalize)
     pair_scores = torch.where(pair_added, added_scores.to(chosen_scores.dtype), chosen_scores)
     return TokenRoundingOutput(
@@ -322,7 +318,7 @@ def token_rounding_ref(
     m = m_tile
     ids = router.topk_ids.tolist()
     scores = router.topk_scores.detach().float().tolist()
-    probs = router.probs.detach().float().tolist()
+    probs = router.probs.detach().float().nan_to_num(nan=float("-inf")).tolist()  # NaN ranks last
 
     chosen: list[list[tuple[int, int]]] = [[] for _ in range(e)]  # (token, slot k) per expert
     for tok in range(t):
@@ -371,7 +367,7 @@ def token_rounding_ref(
         ext = router.probs
         if renormalize:
             ext = ext / router.probs.gather(1, topk_ids).sum(dim=1, keepdim=True)
-    pairs = kept_pairs + added_pairs
+    pairs = sorted(kept_pairs + added_pairs, key=lambda p: (p[0], p[1]))  # token-major, as the fast path
     vals = [router.topk_scores[tok, j] if j >= 0 else ext[tok, x] for tok, x, j in pairs]
     pair_scores = torch.stack(vals) if vals else router.topk_scores.new_zeros(0)
     idx = torch.tensor([[tok, x] for tok, x, _ in pairs], dtype=INDEX_DTYPE, device=device).reshape(-1, 2)

@@ -67,10 +67,11 @@ def check_routing(r: Routing, pair_token: list[int], pair_expert: list[int], T: 
     assert torch.equal(r.expert_counts().long(), counts)
     assert torch.equal(torch.diff(r.expert_offsets.long()), counts)
 
-    # rows of expert e are contiguous, hold exactly e's pairs, in pair order
+    # rows of expert e are contiguous, hold exactly e's pairs, in ascending token order
     for e in range(E):
         rows_e = row_pair[offs[e]:offs[e + 1]]
-        assert rows_e == [p for p in range(R) if pair_expert[p] == e], f"expert {e}"
+        assert rows_e == sorted((p for p in range(R) if pair_expert[p] == e), key=lambda p: pair_token[p]), \
+            f"expert {e}"
 
     # row_expert() and row_token
     row_expert = r.row_expert()
@@ -195,8 +196,9 @@ def test_routing_from_pairs_zero_expert_tokens_and_empty_experts():
     check_routing(r, tok.tolist(), exp.tolist(), T, E)
     assert r.token_offsets.tolist() == [0, 2, 2, 4, 4, 7]
     assert r.expert_offsets.tolist() == [0, 0, 3, 3, 6, 7]
-    # rows of expert 1 are pairs 0, 3, 5 in pair order -> tokens 4, 0, 2
-    assert r.row_token[0:3].tolist() == [4, 0, 2]
+    # rows of expert 1 are pairs 3, 5, 0 (its pairs in token order) -> tokens 0, 2, 4
+    assert r.row_token[0:3].tolist() == [0, 2, 4]
+    assert r.row_pair[0:3].tolist() == [3, 5, 0]
     assert r.slot_pair.tolist() == [1, 3, 2, 5, 0, 4, 6]
 
 

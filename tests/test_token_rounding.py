@@ -265,12 +265,12 @@ def test_routing_from_pairs_accepts_output():
     out = token_rounding(router, m_tile=8)
     routing = routing_from_pairs(out.pair_token, out.pair_expert, 128, 8)
     assert torch.equal(routing.expert_counts(), out.counts)
-    # rows of each expert follow its ranking: chosen by score first, then added
-    rows_added = out.pair_added[routing.row_pair.long()]
+    # the rows of each expert are its pairs (kept and added) in ascending token order
     for x in range(8):
         a, b = routing.expert_offsets[x].item(), routing.expert_offsets[x + 1].item()
-        seg = rows_added[a:b].int()
-        assert torch.equal(seg, seg.sort().values)
+        mine = out.pair_expert == x
+        assert torch.equal(routing.row_token[a:b], out.pair_token[mine].sort().values)
+        assert torch.equal(routing.row_pair[a:b].sort().values.long(), mine.nonzero().squeeze(1))
 
 
 def test_bad_arguments():

@@ -70,7 +70,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
         pt, pe, ps = _unpack_pairs(token_rounding(router, m_tile=m_tile, subroutine=rounding))
-        return Routed(routing_from_pairs(pt, pe, T, E, check=False), ps, pt, pe, None)  # valid by construction
+        # valid by construction, token-major
+        return Routed(routing_from_pairs(pt, pe, T, E, token_major=True, check=False), ps, pt, pe, None)
     raise ValueError(f"routing must be 'topk' or 'token_rounding', got {mode!r}")
 
 
