@@ -56,20 +56,20 @@ Scores of the output pairs (differentiable w.r.t. the router logits):
       ``probs[t, e]``, divided by ``Σ_k probs[t, topk_ids[t, k]]`` when ``renormalize``.
     A token's scores are not renormalised over its final expert set.
 
-Implementation (:func:`token_rounding`), on the router's device:
-    * chosen pairs: one stable sort of the T·K pairs by (expert, score descending) gives each
-      pair's rank within its expert; a pair is kept iff its rank < count_e. Kept pairs are marked in
-      a (T, E) bool *routed* mask;
-    * added pairs: each padded expert's best ``count_e − f_e`` non-chosen tokens are marked in the
-      same mask by :func:`sonicmoe.ops.pad_select.pad_select` (a Triton kernel, one program per
-      expert: a binary search for the threshold key, no sort) on CUDA, or by its torch twin (one
-      ``torch.topk`` per expert over an exact int64 key) on CPU;
+Implementation (:func:`token_rounding`), on the router's device, in three steps (:mod:`sonicmoe.ops.tr_select`;
+Triton kernels on CUDA, their torch twins elsewhere):
+    * keys: each expert's row of candidates as exact int32 keys — the top-k score of its chosen
+      tokens, the router probability of the others — and the counts f_e;
+    * the rounding decision per expert (a few (E,) torch ops, no sync);
+    * selection: per expert, the ``count_e`` best chosen tokens (rounded down) or all chosen plus the
+      ``count_e − f_e`` best others (rounded up), found by a binary search for the threshold key (no
+      sort), marked in a (T, E) bool *routed* mask;
     * ``torch.nonzero`` of the mask lists the pairs in token-major order — **the one host sync**,
       unavoidable because R (the number of output pairs) is data-dependent and
       :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs. Each pair's top-k slot (if any)
       comes from comparing it with the token's K chosen experts.
-    * memory: transient (T, E) bool and (E, T) float32/int32 arrays (9·T·E bytes, 72 MiB at
-      T = 16384, E = 512) plus a few (R, K) and (T·K,) arrays.
+    * memory: two transient (E, T) int32 key arrays and the (T, E) bool mask (9·T·E bytes, 72 MiB at
+      T = 16384, E = 512) plus a few (R, K) arrays.
 
 :func:`token_rounding_ref` is a plain Python/PyTorch per-expert loop with the same signature and
 output, used as the test oracle.
@@ -84,9 +84,6 @@ import torch
 
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
 from .routing import INDEX_DTYPE, RouterOutput
-
-_U32 = 1 << 32
-_I31 = 1 << 31
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -184,17 +181,6 @@ def _round_counts(f: torch.Tensor, m: int, t: int, subroutine: str,
     return keep, pad
 
 
-def _float_key(x: torch.Tensor) -> torch.Tensor:
-    """Order-preserving int64 key in [0, 2^32) of a float tensor (exact on float32, total on non-NaN).
-
-    The float32 bit pattern read as int32 is ordered for non-negative floats; flipping the magnitude
-    bits of negative ones orders those too; adding 2^31 makes the key non-negative.
-    """
-    bits = x.detach().float().contiguous().view(torch.int32)
-    bits = torch.bitwise_xor(bits, torch.bitwise_and(torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF))
-    return bits.to(torch.int64).add_(_I31)
-
-
 def _added_scores(router: RouterOutput, token: torch.Tensor, expert: torch.Tensor, router_order: str,
                   renormalize: bool) -> torch.Tensor:
     """Score of pair (token, expert) under top-k's normalisation, extended to non-chosen experts."""
@@ -235,9 +221,9 @@ def token_rounding(
         generator: ``torch.Generator`` on the router's device for ``"stochastic"`` (one uniform draw
             per expert); ``None`` uses the default generator. Ignored by the other subroutines.
         warn: warn when T·K/E < 2·M_tile (where quality drops).
-        use_kernel: pick the added tokens with the Triton kernel :func:`sonicmoe.ops.pad_select.pad_select`
-            (``None``: on CUDA; ``True``: also on CPU under TRITON_INTERPRET=1; ``False``: the torch
-            twin, one ``torch.topk`` per expert). Both give the same pairs.
+        use_kernel: rank and select with the Triton kernels of :mod:`sonicmoe.ops.tr_select`
+            (``None``: on CUDA; ``True``: also on CPU under TRITON_INTERPRET=1; ``False``: their torch
+            twins, a sort per expert). Both give the same pairs.
 
     Returns:
         :class:`TokenRoundingOutput` with R pairs in token-major order (sorted by token, then expert:
@@ -246,35 +232,23 @@ def token_rounding(
         M_tile, except a padded expert capped at T tokens (module docstring, "Cap edge").
 
     Host syncs: exactly one (``torch.nonzero`` over the (T, E) routed mask, as R is data-dependent).
-    Memory: transient (T, E) bool and (E, T) float32/int32 arrays (9·T·E bytes; 72 MiB at T = 16384,
-    E = 512), plus an (E, T) int64 key on the torch path.
+    Memory: two transient (E, T) int32 key arrays and the (T, E) bool mask (9·T·E bytes; 72 MiB at
+    T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
-    from .ops.pad_select import candidate_keys, pad_select, pad_select_ref, use_pad_kernel
+    from .ops import tr_select
 
-    device = router.logits.device
     ids2 = router.topk_ids.long()  # (T, K)
-    ids = ids2.reshape(-1)  # (T·K,) expert of pair p = t·K + k
-    tk = ids.shape[0]
-
-    # Chosen pairs: rank within their expert by (score descending, pair index ascending); keep rank < count_e.
-    key = ids * _U32 + (_U32 - 1 - _float_key(router.topk_scores.reshape(-1)))
-    order = torch.sort(key, stable=True).indices  # (T·K,) pair indices
-    sorted_expert = ids[order]
-    bounds = torch.searchsorted(sorted_expert, torch.arange(e + 1, device=device))  # no atomics
-    start, f = bounds[:-1], bounds[1:] - bounds[:-1]  # f_e: top-k tokens per expert
+    if tr_select.use_select_kernels(router.logits.device, use_kernel):
+        keys, select = tr_select.candidate_keys, tr_select.select_routed
+    else:
+        keys, select = tr_select.candidate_keys_ref, tr_select.select_routed_ref
+    prob_key, score_key, f = keys(router.probs, ids2, router.topk_scores)  # f_e: top-k tokens per expert
     keep, pad = _round_counts(f, m_tile, t, subroutine, generator)
-    kept = torch.empty(tk, dtype=torch.bool, device=device)
-    kept[order] = (torch.arange(tk, device=device) - start[sorted_expert]) < keep[sorted_expert]
-
-    # The routed (T, E) mask: kept chosen pairs, then each padded expert's best non-chosen tokens.
-    routed = torch.zeros(t, e, dtype=torch.bool, device=device)
-    routed[torch.arange(t, device=device)[:, None], ids2] = kept.view(t, k)
-    if m_tile > 1 and t > 0:
-        select = pad_select if use_pad_kernel(device, use_kernel) else pad_select_ref
-        select(candidate_keys(router.probs, ids2), (keep - f).clamp_min(0), routed, m_tile - 1)
+    routed = select(prob_key, score_key, f, keep)  # (T, E) bool: the kept and the added pairs
+    del prob_key, score_key
 
     pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
     pair_token, pair_expert = pair[:, 0], pair[:, 1]

@@ -1,0 +1,260 @@
+"""Token rounding's selection kernels: which (token, expert) pairs each expert keeps (SPEC §5).
+
+Token rounding moves each expert's top-k count f_e to ``keep[e]``, a neighbouring multiple of M_tile
+(the decision itself is in :mod:`sonicmoe.token_rounding`). An expert rounded down keeps its ``keep[e]``
+best chosen tokens by top-k score; an expert rounded up keeps all its chosen tokens and adds its
+``keep[e] − f_e`` best non-chosen tokens by router probability. Ties go to the lower token index.
+
+Both steps work on per-(expert, token) int32 *keys* that compare exactly as the float32 values behind
+them (the bits, with the magnitude bits of negative values flipped; NaN counts as −inf; −0.0 sits just
+below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every real key.
+
+:func:`candidate_keys` (kernel: one program per block of tokens, all E experts in column blocks)
+    reads probs (T, E), topk_ids (T, K) and topk_scores (T, K) once and writes, transposed so each
+    expert's row is contiguous: ``prob_key`` (E, T) — the probability key of non-chosen pairs, NO_KEY
+    for chosen ones; ``score_key`` (E, T) — the score key of chosen pairs, NO_KEY elsewhere; and the
+    per-block counts of chosen pairs, summed (in a fixed order) into f (E,).
+:func:`select_routed` (kernel: one program per expert, no sort, no atomics)
+    finds the n-th largest key of a row by a binary search over the 2^32 key values (32 counting passes
+    over the row, which stays in L2), takes every key above it and the lowest-indexed keys equal to it,
+    and writes ``routed[t, e] = True`` for the kept and added pairs.
+
+No host synchronisation in either. ``*_ref`` twins (torch sorts, no sync) have the same signatures and
+results; they are the path on CPU and the oracles of the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check_device, interpreting, next_pow2
+
+NO_KEY = -(2**31)  # "not a candidate": below the key of every float
+_NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
+_ROW_BLOCK = 1024  # keys per load in the selection kernel
+
+
+# ------------------------------------------------------------------------------------------- keys
+
+
+@triton.jit
+def _float_key(x):
+    """Order-preserving int32 key of float32 ``x`` (NaN -> key of -inf)."""
+    x = tl.where(x != x, float("-inf"), x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _candidate_keys_kernel(
+    probs_ptr, ids_ptr, scores_ptr, prob_key_ptr, score_key_ptr, count_ptr,
+    T, E, stride_pt,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < T
+    t64 = t.to(tl.int64)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        mask = mask_t[:, None] & (e < E)[None, :]
+        p = tl.load(probs_ptr + t64[:, None] * stride_pt + e[None, :], mask=mask, other=0.0).to(tl.float32)
+        chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+        skey = tl.full((BLOCK_T, BLOCK_E), _NO_KEY, tl.int32)
+        for k in tl.static_range(K):
+            idk = tl.load(ids_ptr + t64 * K + k, mask=mask_t, other=-1).to(tl.int32)
+            sk = _float_key(tl.load(scores_ptr + t64 * K + k, mask=mask_t, other=0.0).to(tl.float32))
+            hit = e[None, :] == idk[:, None]
+            chosen = chosen | hit
+            skey = tl.where(hit, sk[:, None], skey)
+        pkey = tl.where(chosen, _NO_KEY, _float_key(p))
+        out = e[None, :].to(tl.int64) * T + t64[:, None]  # (E, T) layout: each expert's row contiguous
+        tl.store(prob_key_ptr + out, pkey, mask=mask)
+        tl.store(score_key_ptr + out, skey, mask=mask)
+        tl.store(count_ptr + pid * E + e, tl.sum((chosen & mask).to(tl.int32), axis=0), mask=e < E)
+
+
+def _check_router(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor) -> tuple[int, int, int]:
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be (T, E), got {tuple(probs.shape)}")
+    t, e = probs.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_scores.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_scores must both be (T={t}, K), got {tuple(topk_ids.shape)} and "
+                         f"{tuple(topk_scores.shape)}")
+    return t, e, topk_ids.shape[1]
+
+
+def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor):
+    """Keys of the candidates of every expert and the top-k counts, on the Triton kernel.
+
+    Args:
+        probs: (T, E) router probabilities (any float dtype; ranked as float32).
+        topk_ids: (T, K) integer chosen experts (distinct per token, in [0, E)).
+        topk_scores: (T, K) float scores S of the chosen experts.
+
+    Returns:
+        ``prob_key`` (E, T) int32, ``score_key`` (E, T) int32 (see the module docstring) and f (E,)
+        int64, the number of tokens that chose each expert.
+
+    Raises:
+        ValueError: shapes that do not match the above.
+    """
+    t, e, k = _check_router(probs, topk_ids, topk_scores)
+    for name, x in (("probs", probs), ("topk_ids", topk_ids), ("topk_scores", topk_scores)):
+        check_device(name, x)
+    probs = probs.detach()
+    if probs.stride(1) != 1:
+        probs = probs.contiguous()
+    prob_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
+    score_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
+    block_e = min(next_pow2(e), 32)
+    block_t = max(1, min(1024 // block_e, next_pow2(t)))
+    grid = triton.cdiv(t, block_t)
+    counts = torch.empty(grid, e, dtype=torch.int32, device=probs.device)
+    if t > 0:
+        _candidate_keys_kernel[(grid,)](
+            probs, topk_ids.contiguous(), topk_scores.detach().contiguous(), prob_key, score_key, counts,
+            t, e, probs.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    return prob_key, score_key, counts.sum(0, dtype=torch.int64)
+
+
+def _float_key_torch(x: torch.Tensor) -> torch.Tensor:
+    """Torch twin of the kernels' ``_float_key`` (int32, same order)."""
+    bits = torch.nan_to_num(x.detach().float(), nan=float("-inf")).contiguous().view(torch.int32)
+    return torch.bitwise_xor(bits, torch.bitwise_and(torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF))
+
+
+def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor):
+    """Torch twin of :func:`candidate_keys` (same arguments and results)."""
+    t, e, _ = _check_router(probs, topk_ids, topk_scores)
+    ids = topk_ids.long()
+    tokens = torch.arange(t, device=probs.device)[:, None]
+    prob_key = _float_key_torch(probs).t().contiguous()
+    prob_key[ids, tokens] = NO_KEY
+    score_key = torch.full((e, t), NO_KEY, dtype=torch.int32, device=probs.device)
+    score_key[ids, tokens] = _float_key_torch(topk_scores)
+    return prob_key, score_key, (score_key != NO_KEY).sum(1)
+
+
+# -------------------------------------------------------------------------------------- selection
+
+
+@triton.jit(do_not_specialize=["T"])
+def _count_at_least(row_ptr, threshold, T, BLOCK: tl.constexpr):
+    """#{t : key[t] >= threshold} over a row of T int32 keys."""
+    cnt = tl.zeros((), dtype=tl.int32)
+    for start in range(0, T, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
+        cnt += tl.sum((k.to(tl.int64) >= threshold).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr):
+    """routed[t, e] = 1 for the n largest keys of the row (ties: lower t first); n <= #real keys."""
+    # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1
+    lo = tl.full((), _NO_KEY + 1, tl.int64)
+    hi = tl.full((), 2**31, tl.int64)
+    for _ in range(32):  # hi - lo < 2^32 halves to 1
+        mid = (lo + hi) >> 1
+        enough = _count_at_least(row_ptr, mid, T, BLOCK) >= n
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    # lo = the n-th largest key: every key above it is taken, and the lowest-indexed keys equal to it fill up
+    ties = n - _count_at_least(row_ptr, lo + 1, T, BLOCK)
+    seen = tl.zeros((), dtype=tl.int32)
+    for start in range(0, T, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
+        eq = (k == lo).to(tl.int32)
+        take = (k > lo) | ((eq > 0) & (tl.cumsum(eq, axis=0) + seen <= ties))
+        tl.store(routed_ptr + offs.to(tl.int64) * E + e, tl.full((BLOCK,), 1, tl.int8), mask=take)
+        seen += tl.sum(eq, axis=0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr):
+    e = tl.program_id(0)
+    f = tl.load(count_ptr + e).to(tl.int32)
+    keep = tl.load(keep_ptr + e).to(tl.int32)
+    row = e.to(tl.int64) * T
+    if keep < f:  # rounded down: the `keep` best chosen tokens by score
+        if keep > 0:
+            _mark_best(score_key_ptr + row, routed_ptr, e, keep, T, E, BLOCK)
+    else:  # every chosen token, then the keep - f best non-chosen ones by probability
+        for start in range(0, T, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            k = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY)
+            tl.store(routed_ptr + offs.to(tl.int64) * E + e, tl.full((BLOCK,), 1, tl.int8), mask=k != _NO_KEY)
+        if keep > f:
+            _mark_best(prob_key_ptr + row, routed_ptr, e, keep - f, T, E, BLOCK)
+
+
+def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
+    e, t = prob_key.shape
+    for name, x in (("prob_key", prob_key), ("score_key", score_key)):
+        if x.shape != (e, t) or x.dtype != torch.int32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous (E={e}, T={t}) int32 tensor, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+    for name, x in (("f", f), ("keep", keep)):
+        if x.shape != (e,) or x.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an (E={e},) integer tensor, got {x.dtype} {tuple(x.shape)}")
+    return e, t
+
+
+def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
+                  keep: torch.Tensor) -> torch.Tensor:
+    """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel.
+
+    Args:
+        prob_key, score_key: (E, T) int32 from :func:`candidate_keys`.
+        f: (E,) integer top-k counts. keep: (E,) integer tokens each expert keeps, in
+            [0, T] (below f: the best chosen by score; above: all chosen plus the best others by probability).
+
+    Raises:
+        ValueError: shapes or dtypes that do not match the above.
+    """
+    e, t = _check_select(prob_key, score_key, f, keep)
+    for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
+        check_device(name, x)
+    routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
+    if e and t:
+        _select_kernel[(e,)](prob_key, score_key, f.contiguous(), keep.contiguous(), routed.view(torch.int8), t, e,
+                             BLOCK=min(_ROW_BLOCK, next_pow2(t)), num_warps=4)
+    return routed
+
+
+def _best_mask(key: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """(E, T) bool: the n[e] largest real keys of each row (ties: lower token first)."""
+    t = key.shape[1]
+    tokens = torch.arange(t, device=key.device)
+    exact = (key.long() - NO_KEY).mul_(2**31).add_((2**31 - 1) - tokens)  # unique per row; NO_KEY lowest
+    order = torch.argsort(exact, dim=1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, tokens.expand_as(order).contiguous())
+    return (rank < n[:, None]) & (key != NO_KEY)
+
+
+def select_routed_ref(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
+                      keep: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`select_routed` (same arguments and result): a sort of each row by an exact
+    int64 key (value, then lower token). Memory: transient (E, T) int64 arrays."""
+    e, t = _check_select(prob_key, score_key, f, keep)
+    f, keep = f.long(), keep.long()
+    down = (keep < f)[:, None]
+    kept = torch.where(down, _best_mask(score_key, keep), score_key != NO_KEY)
+    added = _best_mask(prob_key, (keep - f).clamp_min(0)) & ~down
+    return (kept | added).t().contiguous()
+
+
+def use_select_kernels(device: torch.device, use_kernel: bool | None) -> bool:
+    """Whether token rounding runs the kernels of this module: on CUDA unless ``use_kernel`` is False;
+    on CPU only when ``use_kernel`` is True and the Triton interpreter is on (tests)."""
+    if use_kernel is False:
+        return False
+    if device.type == "cuda":
+        return True
+    return use_kernel is True and interpreting()
