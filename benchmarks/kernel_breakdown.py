@@ -1,15 +1,14 @@
 """Per-kernel timing of the Triton path (the paper's Fig. 6 breakdown), GPU only.
 
 usage: python benchmarks/kernel_breakdown.py [--shape T,d,n,E,K ...] [--routing topk|token_rounding ...]
-                                             [--row-order token|pair] [--no-layer] [--routing-profile] [--json OUT]
+                                             [--no-layer] [--routing-profile] [--json OUT]
 
 For every (shape, routing): ms and TFLOP/s (useful FLOPs) of each forward and backward kernel and of the
 whole layer (and of the torch backend on the same inputs unless ``--no-layer``). With several routings the
 kernels of one shape are timed in turn on the same inputs, so the comparison is not spread across minutes.
 
-``--row-order pair`` (ablation) builds the token-rounding routing with each expert's rows in the order of
-the pairs (score order) instead of the library's token order. ``--routing-profile`` adds the time of the
-routing itself: router, top-k metadata, token rounding and its metadata, each on its own (do_bench).
+``--routing-profile`` adds the time of the routing itself: router, top-k metadata, token rounding and
+its metadata, each on its own (do_bench), and a profiler table of one token-rounding call's kernels.
 """
 
 from __future__ import annotations
@@ -26,33 +25,14 @@ from sonicmoe.ops.dh import dh
 from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
 from sonicmoe.ops.up_proj import up_proj
 from sonicmoe.ops.weight_grad import varlen_k_gemm
-from sonicmoe.routing import INDEX_DTYPE, Routing
+from sonicmoe.routing import Routing
 from sonicmoe.testing import random_problem
 from sonicmoe.token_rounding import token_rounding
 
 M_TILE = 128
 
 
-def _pair_order_routing(pair_token: torch.Tensor, pair_expert: torch.Tensor, t: int, e: int) -> Routing:
-    """The routing of general pairs with each expert's rows in pair order (one stable sort by expert):
-    the layout before rows were put in token order, kept for the ablation."""
-    r = pair_token.shape[0]
-    dev = pair_token.device
-    sorted_expert, row_pair = torch.sort(pair_expert.to(INDEX_DTYPE), stable=True)
-    pair_row = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
-    pair_row[row_pair] = torch.arange(r, dtype=INDEX_DTYPE, device=dev)
-    sorted_token, slot_pair = torch.sort(pair_token.to(INDEX_DTYPE), stable=True)
-
-    def offsets(keys, m):
-        return torch.searchsorted(keys, torch.arange(m + 1, device=dev, dtype=keys.dtype)).to(INDEX_DTYPE)
-
-    return Routing(num_tokens=t, num_experts=e, expert_offsets=offsets(sorted_expert, e),
-                   row_token=pair_token.to(INDEX_DTYPE)[row_pair], row_pair=row_pair.to(INDEX_DTYPE),
-                   pair_row=pair_row, token_offsets=offsets(sorted_token, t),
-                   token_rows=pair_row[slot_pair], slot_pair=slot_pair.to(INDEX_DTYPE))
-
-
-def build_routing(p: dict, k: int, mode: str, row_order: str):
+def build_routing(p: dict, k: int, mode: str):
     """(routing, pair scores (R,)) of the problem's router under ``mode``."""
     e = p["w1"].shape[0]
     t = p["x"].shape[0]
@@ -60,11 +40,7 @@ def build_routing(p: dict, k: int, mode: str, row_order: str):
     if mode == "topk":
         return sonicmoe.routing_from_topk(router.topk_ids, e), router.topk_scores.reshape(-1).detach()
     tr = token_rounding(router, m_tile=M_TILE, warn=False)
-    if row_order == "pair":
-        routing = _pair_order_routing(tr.pair_token, tr.pair_expert, t, e)
-    else:
-        routing = sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True)
-    return routing, tr.pair_scores.detach()
+    return sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True), tr.pair_scores.detach()
 
 
 def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Tensor) -> list:
@@ -130,8 +106,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None, help="T,d,n,E,K (repeatable; default the 7B shape)")
     ap.add_argument("--routing", action="append", choices=("topk", "token_rounding"), default=None)
-    ap.add_argument("--row-order", choices=("token", "pair"), default="token",
-                    help="token-rounding rows per expert: token order (the library's) or pair order (ablation)")
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer timings")
     ap.add_argument("--routing-profile", action="store_true", help="also time the routing steps")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
@@ -145,7 +119,7 @@ def main() -> None:
         dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         timed = {}
         for mode in modes:
-            routing, s_pair = build_routing(p, k, mode, args.row_order)
+            routing, s_pair = build_routing(p, k, mode)
             rows = [(name, fn, flops, None) for name, fn, flops in kernel_rows(p, routing, s_pair, dout)]
             if not args.no_layer:
                 rows += layer_rows(p, routing, s_pair, dout, ("triton",) if mode != "topk" else ("triton", "torch"))
@@ -168,8 +142,7 @@ def main() -> None:
             for row in rows:
                 tf = f"{row['tflops']:7.1f}" if row["tflops"] else "      -"
                 print(f"  {row['kernel']:<32} {row['ms']:8.3f} ms  {tf} TFLOP/s")
-            records.append({"shape": [t, d, n, e, k], "routing": mode, "R": r,
-                            "row_order": args.row_order if mode == "token_rounding" else None, "rows": rows})
+            records.append({"shape": [t, d, n, e, k], "routing": mode, "R": r, "rows": rows})
         if args.routing_profile:  # the GPU kernels inside one token-rounding call, by total time
             router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
             token_rounding(router, m_tile=M_TILE, warn=False)
