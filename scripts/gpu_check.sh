@@ -86,7 +86,8 @@ for step in "$@"; do
       SUMMARY+=("$(tail -30 "$OUT/tr.txt")")
       ;;
     trprof)
-      timeout 200 python3 -m pytest -rA tests/test_tr_select.py tests/test_token_rounding.py -p no:cacheprovider \
+      timeout 200 python3 -m pytest -rA tests/test_tr_select.py tests/test_tr_scores.py tests/test_token_rounding.py \
+        -p no:cacheprovider \
         > "$OUT/gpu_tests_tr.log" 2>&1
       shapes=()
       for sh in ${TRPROF_SHAPES:-16384,1536,256,512,8 16384,4096,512,512,8 16384,4096,1024,256,4}; do shapes+=(--shape "$sh"); done

@@ -66,8 +66,10 @@ Triton kernels on CUDA, their torch twins elsewhere):
       sort), marked in a (T, E) bool *routed* mask;
     * ``torch.nonzero`` of the mask lists the pairs in token-major order — **the one host sync**,
       unavoidable because R (the number of output pairs) is data-dependent and
-      :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs. Each pair's top-k slot (if any)
-      comes from comparing it with the token's K chosen experts.
+      :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs.
+    * scores (:mod:`sonicmoe.ops.tr_scores`): each pair's top-k slot (if any) and score in one kernel,
+      and in the backward the gradients of the router's logits (or probs) and top-k scores in one more
+      (per token, dense rows: no scatter, no atomics, no sort).
     * memory: two transient (E, T) int32 key arrays and the (T, E) bool mask (9·T·E bytes, 72 MiB at
       T = 16384, E = 512) plus a few (R, K) arrays.
 
@@ -181,19 +183,6 @@ def _round_counts(f: torch.Tensor, m: int, t: int, subroutine: str,
     return keep, pad
 
 
-def _added_scores(router: RouterOutput, token: torch.Tensor, expert: torch.Tensor, router_order: str,
-                  renormalize: bool) -> torch.Tensor:
-    """Score of pair (token, expert) under top-k's normalisation, extended to non-chosen experts."""
-    ids = router.topk_ids.long()
-    if router_order == "topk_then_softmax":
-        lse = router.logits.gather(1, ids).logsumexp(dim=1)
-        return torch.exp(router.logits[token, expert] - lse[token])
-    s = router.probs[token, expert]
-    if renormalize:
-        s = s / router.probs.gather(1, ids).sum(dim=1)[token]
-    return s
-
-
 def token_rounding(
     router: RouterOutput,
     *,
@@ -221,9 +210,10 @@ def token_rounding(
         generator: ``torch.Generator`` on the router's device for ``"stochastic"`` (one uniform draw
             per expert); ``None`` uses the default generator. Ignored by the other subroutines.
         warn: warn when T·K/E < 2·M_tile (where quality drops).
-        use_kernel: rank and select with the Triton kernels of :mod:`sonicmoe.ops.tr_select`
-            (``None``: on CUDA; ``True``: also on CPU under TRITON_INTERPRET=1; ``False``: their torch
-            twins, a sort per expert). Both give the same pairs.
+        use_kernel: rank and select with the Triton kernels of :mod:`sonicmoe.ops.tr_select` and score
+            with those of :mod:`sonicmoe.ops.tr_scores` (``None``: on CUDA; ``True``: also on CPU under
+            TRITON_INTERPRET=1; ``False``: their torch twins, a sort per expert and advanced indexing).
+            Both give the same pairs; the added pairs' scores agree to float32 rounding.
 
     Returns:
         :class:`TokenRoundingOutput` with R pairs in token-major order (sorted by token, then expert:
@@ -238,7 +228,7 @@ def token_rounding(
     t, e, k = _check_args(router, m_tile, subroutine, router_order)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
-    from .ops import tr_select
+    from .ops import tr_scores, tr_select
 
     ids2 = router.topk_ids.long()  # (T, K)
     if tr_select.use_select_kernels(router.logits.device, use_kernel):
@@ -252,11 +242,8 @@ def token_rounding(
 
     pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
     pair_token, pair_expert = pair[:, 0], pair[:, 1]
-    match = ids2[pair_token] == pair_expert[:, None]  # (R, K): which chosen slot, if any
-    pair_added = ~match.any(dim=1)
-    chosen_scores = router.topk_scores[pair_token, match.to(torch.int32).argmax(dim=1)]
-    added_scores = _added_scores(router, pair_token, pair_expert, router_order, renormalize)
-    pair_scores = torch.where(pair_added, added_scores.to(chosen_scores.dtype), chosen_scores)
+    scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
+    pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize)
     return TokenRoundingOutput(
         pair_token=pair_token.to(INDEX_DTYPE),
         pair_expert=pair_expert.to(INDEX_DTYPE),

@@ -158,8 +158,8 @@ def test_token_rounding_nan_probabilities_rank_last():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,e,k", [(16384, 512, 8), (4099, 64, 2)])
 def test_gpu_kernel_path_equals_torch_path(t, e, k):
-    """At benchmark sizes on the GPU: the kernel's pairs equal the torch twin's, for every subroutine,
-    with repeated tokens (exact ties); and two runs give the same pairs."""
+    """At benchmark sizes on the GPU: the kernels' pairs equal the torch twins', for every subroutine,
+    with repeated tokens (exact ties), and their scores agree; two kernel runs give the same bits."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, 64, device="cuda", generator=g)
     x[t // 2:] = x[: t - t // 2].clone()
@@ -170,4 +170,6 @@ def test_gpu_kernel_path_equals_torch_path(t, e, k):
         for other in outs[1:]:
             for name in ("pair_token", "pair_expert", "pair_added", "counts"):
                 assert torch.equal(getattr(outs[0], name), getattr(other, name)), (s, name)
-            assert torch.equal(outs[0].pair_scores, other.pair_scores), s
+            # added pairs' scores: the kernel's float32 logsumexp may differ from torch's in the last bit
+            torch.testing.assert_close(outs[0].pair_scores, other.pair_scores, rtol=1e-6, atol=1e-7)
+        assert torch.equal(outs[0].pair_scores, outs[2].pair_scores), s

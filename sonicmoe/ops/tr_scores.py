@@ -1,0 +1,226 @@
+"""Token rounding's pair scores: each routed (token, expert) pair's score S and its gradient (SPEC §5).
+
+After the selection (:mod:`sonicmoe.ops.tr_select`) token rounding holds R token-major pairs
+(t_p, e_p), sorted by token, then expert. Each pair needs
+
+    slot_p = k where topk_ids[t_p, k] == e_p, or -1 for a pair top-k did not choose (an *added* pair);
+    S_p    = topk_scores[t_p, slot_p]                                     for a chosen pair,
+             exp(logits[t_p, e_p] − logsumexp_k logits[t_p, topk_ids[t_p, k]])  (``"topk_then_softmax"``)
+             probs[t_p, e_p]  (÷ Σ_k probs[t_p, topk_ids[t_p, k]] with ``renormalize``)
+                                                                          for an added pair.
+
+:func:`pair_scores` does this in one Triton kernel (one program per block of pairs), and its backward
+in one more (one program per token, its pairs walked in order: the gradient of the token's row of
+``logits`` (or ``probs``) and of its K top-k scores, written densely — no scatter, no atomics, no
+sort, so the bits are reproducible). The torch twin :func:`pair_scores_ref` (advanced indexing, the
+gradients by autograd) has the same signature and is the path on CPU and for float64 routers.
+
+Shapes (letters of SPEC §1): topk_ids, topk_scores (T, K); logits, probs (T, E); pair_token,
+pair_expert (R,) integer, token-major (pair_token non-decreasing). Scores come out in
+``topk_scores``' dtype; the added pairs' are computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import check_device, next_pow2
+
+_BLOCK_PAIRS = 128
+
+
+@triton.jit
+def _chosen_stats(src_ptr, t64, ids, kmask, stride_st, ORDER_LOGITS: tl.constexpr):
+    """The token's K chosen logits (or probs) as float32, and their logsumexp (or sum): along the last axis."""
+    cs = tl.load(src_ptr + t64 * stride_st + tl.maximum(ids, 0), mask=kmask, other=0.0).to(tl.float32)
+    if ORDER_LOGITS:
+        mx = tl.max(tl.where(kmask, cs, float("-inf")), axis=-1)
+        red = mx + tl.log(tl.sum(tl.where(kmask, tl.exp(cs - tl.expand_dims(mx, -1)), 0.0), axis=-1))
+    else:
+        red = tl.sum(tl.where(kmask, cs, 0.0), axis=-1)
+    return cs, red
+
+
+@triton.jit(do_not_specialize=["R"])
+def _pair_scores_fwd_kernel(
+    token_ptr, expert_ptr, ids_ptr, ts_ptr, src_ptr, score_ptr, slot_ptr, R, stride_st,
+    K: tl.constexpr, K_P2: tl.constexpr, ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < R
+    t64 = tl.load(token_ptr + p, mask=mask, other=0).to(tl.int64)
+    e = tl.load(expert_ptr + p, mask=mask, other=0).to(tl.int32)
+    kk = tl.arange(0, K_P2)
+    # pairs past R read token 0's row (t64 = 0 there): valid memory and finite statistics, never stored
+    kmask = tl.zeros((BLOCK, K_P2), dtype=tl.int1) | (kk < K)[None, :]
+    ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
+    slot = tl.max(tl.where(ids == e[:, None], kk[None, :], -1), axis=1)
+    chosen = tl.load(ts_ptr + t64 * K + tl.maximum(slot, 0), mask=mask, other=0.0)
+    _, red = _chosen_stats(src_ptr, t64[:, None], ids, kmask, stride_st, ORDER_LOGITS)
+    v = tl.load(src_ptr + t64 * stride_st + e, mask=mask, other=0.0).to(tl.float32)
+    if ORDER_LOGITS:
+        added = tl.exp(v - red)
+    elif RENORM:
+        added = v / red
+    else:
+        added = v
+    tl.store(score_ptr + p, tl.where(slot >= 0, chosen, added.to(chosen.dtype)), mask=mask)
+    tl.store(slot_ptr + p, slot, mask=mask)
+
+
+@triton.jit
+def _pair_scores_bwd_kernel(
+    grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, dts_ptr, dsrc_ptr, E, stride_st, stride_dt,
+    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr,
+):
+    t64 = tl.program_id(0).to(tl.int64)
+    start = tl.load(start_ptr + t64)
+    end = tl.load(start_ptr + t64 + 1)
+    kk = tl.arange(0, K_P2)
+    kmask = kk < K
+    ids = tl.load(ids_ptr + t64 * K + kk, mask=kmask, other=-1).to(tl.int32)
+    cs, red = _chosen_stats(src_ptr, t64, ids, kmask, stride_st, ORDER_LOGITS)
+    cols = tl.arange(0, E_P2)
+    d_row = tl.zeros((E_P2,), dtype=tl.float32)  # d logits[t, :] (or d probs[t, :]) from the added pairs
+    d_ts = tl.zeros((K_P2,), dtype=tl.float32)  # d topk_scores[t, :] from the chosen pairs
+    d_red = tl.zeros((), dtype=tl.float32)  # d of the logsumexp (or of the sum) of the chosen entries
+    for p in range(start, end):  # the token's pairs, in order: a fixed summation order
+        g = tl.load(grad_ptr + p).to(tl.float32)
+        e = tl.load(expert_ptr + p).to(tl.int32)
+        slot = tl.load(slot_ptr + p)
+        d_ts = tl.where(kk == slot, g, d_ts)
+        is_added = slot < 0
+        v = tl.load(src_ptr + t64 * stride_st + e).to(tl.float32)
+        if ORDER_LOGITS:  # S = exp(v - lse): dS/dv = S, dS/dlse = -S
+            s = tl.exp(v - red)
+            d_v = g * s
+            d_red -= tl.where(is_added, g * s, 0.0)
+        elif RENORM:  # S = v / z: dS/dv = 1/z, dS/dz = -v/z²
+            d_v = g / red
+            d_red -= tl.where(is_added, g * v / (red * red), 0.0)
+        else:
+            d_v = g
+        d_row = tl.where((cols == e) & is_added, d_row + d_v, d_row)
+    if ORDER_LOGITS or RENORM:
+        if ORDER_LOGITS:  # d lse / d chosen logit k = softmax over the chosen logits
+            d_chosen = d_red * tl.exp(cs - red)
+        else:
+            d_chosen = tl.zeros((K_P2,), dtype=tl.float32) + d_red
+        # each column is at most one chosen expert (the K ids are distinct) and never an added pair's
+        hit = (ids[:, None] == cols[None, :]) & kmask[:, None]
+        d_row += tl.sum(tl.where(hit, d_chosen[:, None], 0.0), axis=0)
+    tl.store(dsrc_ptr + t64 * stride_dt + cols, d_row.to(dsrc_ptr.dtype.element_ty), mask=cols < E)
+    tl.store(dts_ptr + t64 * K + kk, d_ts.to(dts_ptr.dtype.element_ty), mask=kmask)
+
+
+class _PairScores(torch.autograd.Function):
+    """Autograd of the pair scores. Saves (no copies): ``src`` (T, E) — the router's logits (or probs),
+    which the router's own graph holds anyway —, topk_ids (T, K), pair_token, pair_expert and the int32
+    slots (R,). Backward: d topk_scores (T, K) and d src (T, E), dense, from one kernel."""
+
+    @staticmethod
+    def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm):
+        t, k = topk_ids.shape
+        r = pair_token.shape[0]
+        scores = torch.empty(r, dtype=topk_scores.dtype, device=src.device)
+        slot = torch.empty(r, dtype=torch.int32, device=src.device)
+        if r:
+            grid = (triton.cdiv(r, _BLOCK_PAIRS),)
+            _pair_scores_fwd_kernel[grid](
+                pair_token, pair_expert, topk_ids, topk_scores, src, scores, slot, r, src.stride(0),
+                K=k, K_P2=next_pow2(k), ORDER_LOGITS=order_logits, RENORM=renorm, BLOCK=_BLOCK_PAIRS, num_warps=4)
+        ctx.save_for_backward(src, topk_ids, pair_token, pair_expert, slot)
+        ctx.order_logits, ctx.renorm = order_logits, renorm
+        ctx.ts_dtype = topk_scores.dtype
+        ctx.mark_non_differentiable(slot)
+        return scores, slot
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        src, topk_ids, pair_token, pair_expert, slot = ctx.saved_tensors
+        t, k = topk_ids.shape
+        e = src.shape[1]
+        d_ts = torch.empty(t, k, dtype=ctx.ts_dtype, device=src.device)
+        d_src = torch.empty(t, e, dtype=src.dtype, device=src.device)
+        # each token's pairs [start[t], start[t + 1]) of the token-major list
+        start = torch.searchsorted(pair_token, torch.arange(t + 1, device=src.device, dtype=pair_token.dtype))
+        if t:
+            _pair_scores_bwd_kernel[(t,)](
+                grad.contiguous(), pair_expert, slot, start, topk_ids, src, d_ts, d_src, e, src.stride(0),
+                d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e), ORDER_LOGITS=ctx.order_logits,
+                RENORM=ctx.renorm, num_warps=4)
+        needs = ctx.needs_input_grad
+        return (d_ts if needs[0] else None), (d_src if needs[1] else None), None, None, None, None, None
+
+
+def _check(pair_token: torch.Tensor, pair_expert: torch.Tensor) -> None:
+    if pair_token.dim() != 1 or pair_expert.shape != pair_token.shape:
+        raise ValueError(f"pair_token and pair_expert must both be (R,), got {tuple(pair_token.shape)} and "
+                         f"{tuple(pair_expert.shape)}")
+    for name, x in (("pair_token", pair_token), ("pair_expert", pair_expert)):
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+
+
+def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, router_order: str,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores S (R,) and the added flags (R,) bool of token-major pairs, on the Triton kernels.
+
+    Args:
+        router: :class:`~sonicmoe.routing.RouterOutput` — logits, probs (T, E) and topk_ids, topk_scores
+            (T, K) of T tokens (float32/bfloat16/float16; float64 routers take :func:`pair_scores_ref`).
+        pair_token, pair_expert: (R,) integer pairs, sorted by token (the backward finds each token's
+            pairs by a binary search), unique.
+        router_order: ``"topk_then_softmax"`` or ``"softmax_then_topk"`` (see the module docstring).
+        renormalize: with ``"softmax_then_topk"``, divide added pairs' probabilities by the sum of the
+            token's chosen ones.
+
+    Returns:
+        (S (R,) in topk_scores' dtype, differentiable w.r.t. ``topk_scores`` and ``logits`` (or
+        ``probs``); pair_added (R,) bool, True where top-k did not choose the pair).
+
+    Raises:
+        ValueError / TypeError: pair arrays that are not (R,) integer tensors.
+    """
+    _check(pair_token, pair_expert)
+    order_logits = router_order == "topk_then_softmax"
+    src = router.logits if order_logits else router.probs
+    for name, x in (("router.logits" if order_logits else "router.probs", src), ("pair_token", pair_token)):
+        check_device(name, x)
+    if src.stride(1) != 1:
+        src = src.contiguous()
+    scores, slot = _PairScores.apply(router.topk_scores.contiguous(), src, router.topk_ids.contiguous(),
+                                     pair_token.contiguous(), pair_expert.contiguous(), order_logits,
+                                     bool(renormalize) and not order_logits)
+    return scores, slot < 0
+
+
+def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, router_order: str,
+                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`pair_scores` (same arguments and results; gradients by autograd)."""
+    _check(pair_token, pair_expert)
+    pair_token, pair_expert = pair_token.long(), pair_expert.long()
+    ids = router.topk_ids.long()
+    match = ids[pair_token] == pair_expert[:, None]  # (R, K): which chosen slot, if any
+    pair_added = ~match.any(dim=1)
+    chosen = router.topk_scores[pair_token, match.to(torch.int32).argmax(dim=1)]
+    if router_order == "topk_then_softmax":
+        lse = router.logits.gather(1, ids).logsumexp(dim=1)
+        added = torch.exp(router.logits[pair_token, pair_expert] - lse[pair_token])
+    else:
+        added = router.probs[pair_token, pair_expert]
+        if renormalize:
+            added = added / router.probs.gather(1, ids).sum(dim=1)[pair_token]
+    return torch.where(pair_added, added.to(chosen.dtype), chosen), pair_added
+
+
+def use_score_kernels(router, use_kernel: bool | None) -> bool:
+    """Whether :func:`pair_scores` (the kernels) applies: as the selection kernels
+    (:func:`~sonicmoe.ops.tr_select.use_select_kernels`), and never for float64 routers."""
+    from .tr_select import use_select_kernels
+
+    if torch.float64 in (router.logits.dtype, router.probs.dtype, router.topk_scores.dtype):
+        return False
+    return use_select_kernels(router.logits.device, use_kernel)

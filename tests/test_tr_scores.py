@@ -1,0 +1,133 @@
+"""Token rounding's pair-score kernels (sonicmoe.ops.tr_scores) against their torch twin, values and gradients.
+
+On CPU the kernels run through Triton's interpreter (no tl.dot involved, so float32 and float16 both work).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops.tr_scores import pair_scores, pair_scores_ref, use_score_kernels
+from sonicmoe.routing import router_topk
+
+pytestmark = pytest.mark.interpreter
+
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
+
+
+def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_tokens=True):
+    """A router with differentiable logits and random token-major unique pairs: for each token a random
+    subset of the experts (chosen and not), some tokens with none."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, 16, generator=g)
+    w = torch.randn(e, 16, generator=g) * 2
+    router = router_topk(x.to(device), w.to(device).requires_grad_(True), k, router_order=order,
+                         renormalize=renorm)
+    if dtype != torch.float32:
+        router.topk_scores = router.topk_scores.to(dtype)
+    take = torch.rand(t, e, generator=g) < 0.4
+    if empty_tokens and t > 2:
+        take[1] = False
+    take[0] = True  # a token with every expert: all chosen ones and every other
+    pairs = take.nonzero()
+    return router, pairs[:, 0].to(device), pairs[:, 1].to(device)
+
+
+def grads(fn, router, pt, pe, order, renorm, cot):
+    src = router.logits if order == "topk_then_softmax" else router.probs
+    scores, added = fn(router, pt, pe, order, renorm)
+    d_ts, d_src = torch.autograd.grad(scores, (router.topk_scores, src), cot.to(scores.dtype), allow_unused=True,
+                                      retain_graph=True)
+    return scores, added, d_ts, d_src
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS)
+@pytest.mark.parametrize("t,e,k,seed", [(1, 4, 2, 0), (37, 6, 1, 1), (50, 5, 5, 2), (200, 33, 4, 3)])
+def test_kernel_equals_twin_values_and_gradients(device, order, renorm, t, e, k, seed):
+    router, pt, pe = make_case(t, e, k, seed, order, renorm, device)
+    cot = torch.randn(pt.shape[0], generator=torch.Generator().manual_seed(seed + 100)).to(device)
+    before = [x.detach().clone() for x in (router.logits, router.probs, router.topk_scores, pt, pe)]
+    s_k, a_k, dts_k, dsrc_k = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    s_r, a_r, dts_r, dsrc_r = grads(pair_scores_ref, router, pt, pe, order, renorm, cot)
+    assert torch.equal(a_k, a_r)
+    assert (~a_k).any() and (a_k.any() or k == e), "the case has chosen and (unless K = E) added pairs"
+    torch.testing.assert_close(s_k, s_r, rtol=1e-6, atol=1e-7)
+    assert torch.equal(s_k[~a_k], s_r[~a_r]), "chosen pairs carry their top-k score unchanged"
+    torch.testing.assert_close(dts_k, dts_r, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dsrc_k, dsrc_r, rtol=1e-5, atol=1e-7)
+    after = (router.logits, router.probs, router.topk_scores, pt, pe)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(after, before)), "inputs untouched"
+    # the same inputs give the same bits
+    s2, _, dts2, dsrc2 = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    assert torch.equal(s2, s_k) and torch.equal(dts2, dts_k) and torch.equal(dsrc2, dsrc_k)
+
+
+def test_float16_scores_and_no_pairs(device):
+    router, pt, pe = make_case(40, 8, 3, 7, "topk_then_softmax", False, device, dtype=torch.float16)
+    s_k, a_k = pair_scores(router, pt, pe, "topk_then_softmax", False)
+    s_r, a_r = pair_scores_ref(router, pt, pe, "topk_then_softmax", False)
+    assert s_k.dtype == torch.float16 and torch.equal(a_k, a_r)
+    torch.testing.assert_close(s_k, s_r, rtol=1e-3, atol=1e-4)
+    none = pt[:0]
+    s0, a0 = pair_scores(router, none, none, "topk_then_softmax", False)
+    assert s0.shape == (0,) and a0.shape == (0,)
+    (d,) = torch.autograd.grad(s0.sum(), router.logits, allow_unused=True)
+    assert d is None or not d.any()
+
+
+def test_bad_arguments(device):
+    router, pt, pe = make_case(10, 4, 2, 0, "topk_then_softmax", False, device)
+    with pytest.raises(ValueError, match="pair_token and pair_expert"):
+        pair_scores(router, pt, pe[:-1], "topk_then_softmax", False)
+    with pytest.raises(TypeError, match="pair_expert"):
+        pair_scores_ref(router, pt, pe.float(), "topk_then_softmax", False)
+
+
+def test_float64_router_takes_the_twin():
+    router, _, _ = make_case(10, 4, 2, 0, "topk_then_softmax", False, "cpu")
+    assert use_score_kernels(router, True) == (torch.device("cpu").type == "cuda" or _interpreting())
+    router.logits = router.logits.double()
+    assert not use_score_kernels(router, True)
+
+
+def _interpreting() -> bool:
+    from sonicmoe.ops.common import interpreting
+
+    return interpreting()
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_token_rounding_gradients_kernel_path_equal_torch_path(order, renorm):
+    """Through token_rounding: the router weight's gradient is the same on the kernel and the torch path."""
+    from sonicmoe.token_rounding import token_rounding
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(90, 8, generator=g), torch.randn(7, 8, generator=g)
+    cot = torch.randn(400, generator=g)
+    out_grads = []
+    for use in (True, False):
+        wr = w.clone().requires_grad_(True)
+        router = router_topk(x, wr, 2, router_order=order, renormalize=renorm)
+        out = token_rounding(router, m_tile=16, subroutine="up", router_order=order, renormalize=renorm,
+                             use_kernel=use, warn=False)
+        assert out.pair_added.any()
+        (out.pair_scores * cot[: out.num_pairs]).sum().backward()
+        out_grads.append(wr.grad)
+    torch.testing.assert_close(out_grads[0], out_grads[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_gpu_benchmark_size(order, renorm):
+    """T = 16384, E = 512, K = 8 on the GPU: values and gradients against the twin, bits reproducible."""
+    router, pt, pe = make_case(16384, 512, 8, 0, order, renorm, "cuda", empty_tokens=True)
+    cot = torch.randn(pt.shape[0], device="cuda")
+    s_k, a_k, dts_k, dsrc_k = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    s_r, a_r, dts_r, dsrc_r = grads(pair_scores_ref, router, pt, pe, order, renorm, cot)
+    assert torch.equal(a_k, a_r)
+    torch.testing.assert_close(s_k, s_r, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dts_k, dts_r, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dsrc_k, dsrc_r, rtol=1e-5, atol=1e-7)
+    s2, _, dts2, dsrc2 = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    assert torch.equal(s2, s_k) and torch.equal(dts2, dts_k) and torch.equal(dsrc2, dsrc_k)
