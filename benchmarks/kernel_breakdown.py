@@ -93,12 +93,21 @@ def routing_profile(p: dict, k: int) -> list:
     x, wr = p["x"], p["router_weight"]
     router = sonicmoe.router_topk(x, wr, k)
     tr = token_rounding(router, m_tile=M_TILE, warn=False)
+    wg = wr.detach().clone().requires_grad_(True)
+
+    def router_fwd_bwd(rounding: bool):  # the router weight's gradient through the scores the layer uses
+        r = sonicmoe.router_topk(x, wg, k)
+        scores = token_rounding(r, m_tile=M_TILE, warn=False).pair_scores if rounding else r.topk_scores
+        return torch.autograd.grad(scores.float().sum(), wg)
+
     return [
         ("router (logits, softmax, top-k)", lambda: sonicmoe.router_topk(x, wr, k)),
         ("top-k routing metadata", lambda: sonicmoe.routing_from_topk(router.topk_ids, e)),
         ("token rounding (pairs)", lambda: token_rounding(router, m_tile=M_TILE, warn=False)),
         ("token-rounding routing metadata", lambda: sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e,
                                                                                       token_major=True)),
+        ("router fwd+bwd, top-k scores", lambda: router_fwd_bwd(False)),
+        ("router + token rounding fwd+bwd", lambda: router_fwd_bwd(True)),
     ]
 
 
