@@ -73,7 +73,6 @@ def tile_table(offsets: torch.Tensor, num_rows: int, block_m: int):
 
 
 def ws_gemm(a, b, routing, *, transpose_b, bm, bn, bk, warps, stages, outer, table=None):
-    e = b.shape[0]
     k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
     r = a.shape[0]
     c = torch.empty(r, m, device=a.device, dtype=a.dtype)
@@ -83,7 +82,6 @@ def ws_gemm(a, b, routing, *, transpose_b, bm, bn, bk, warps, stages, outer, tab
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     _ws_kernel[(sms,)](a_desc, b_desc, c, tab, total, maxt, m, k, c.stride(0), transpose_b, bm, bn, bk, outer,
                        num_warps=warps, num_stages=stages)
-    del e
     return c
 
 

@@ -241,12 +241,12 @@ def token_rounding(
     del prob_key, score_key
 
     pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
-    pair_token, pair_expert = pair[:, 0], pair[:, 1]
+    pair_token, pair_expert = pair[:, 0].to(INDEX_DTYPE), pair[:, 1].to(INDEX_DTYPE)  # contiguous int32
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
     pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize)
     return TokenRoundingOutput(
-        pair_token=pair_token.to(INDEX_DTYPE),
-        pair_expert=pair_expert.to(INDEX_DTYPE),
+        pair_token=pair_token,
+        pair_expert=pair_expert,
         pair_scores=pair_scores,
         pair_added=pair_added,
         counts=keep.to(INDEX_DTYPE),

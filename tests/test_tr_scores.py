@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sonicmoe.ops.common import interpreting
 from sonicmoe.ops.tr_scores import pair_scores, pair_scores_ref, use_score_kernels
 from sonicmoe.routing import router_topk
 
@@ -86,15 +87,22 @@ def test_bad_arguments(device):
 
 def test_float64_router_takes_the_twin():
     router, _, _ = make_case(10, 4, 2, 0, "topk_then_softmax", False, "cpu")
-    assert use_score_kernels(router, True) == (torch.device("cpu").type == "cuda" or _interpreting())
+    assert use_score_kernels(router, True) == interpreting()
     router.logits = router.logits.double()
     assert not use_score_kernels(router, True)
 
 
-def _interpreting() -> bool:
-    from sonicmoe.ops.common import interpreting
-
-    return interpreting()
+def test_saved_tensors_are_the_inputs_and_the_slots(device):
+    """The memory contract of the autograd Function: it keeps the router's logits, topk_ids and the pair
+    arrays by reference, and allocates only the (R,) int32 slots."""
+    router, pt, pe = make_case(30, 6, 2, 4, "topk_then_softmax", False, device)
+    pt, pe = pt.to(torch.int32), pe.to(torch.int32)
+    scores, _ = pair_scores(router, pt, pe, "topk_then_softmax", False)
+    saved = scores.grad_fn.saved_tensors
+    assert len(saved) == 5
+    for got, want in zip(saved[:4], (router.logits, router.topk_ids, pt, pe)):
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+    assert saved[4].shape == pt.shape and saved[4].dtype == torch.int32
 
 
 @pytest.mark.parametrize("order,renorm", ORDERS)
