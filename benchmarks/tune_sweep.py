@@ -47,7 +47,10 @@ def _agg(bt, bd, warps, unroll):
 FOCUS = {
     "up_proj": [_m(128, 128, 8, 4, 1, W_TMA=True, C_TMA=True), _m(128, 128, 16, 4, 1, W_TMA=True, C_TMA=True),
                 _m(128, 128, 16, 4, W_TMA=True), _m(128, 128, 16, 3, 1, W_TMA=True, C_TMA=True)],
-    "dh": [_m(128, 256, 8, 4, W_TMA=True), _m(128, 256, 16, 4, W_TMA=True), _m(128, 256, 16, 3, W_TMA=True)],
+    "dh": [_m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=0), _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=1),
+           _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=2), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=0),
+           _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=2),
+           _m(128, 256, 8, 3, W_TMA=True, H_PREFETCH=1)],
     "dw2": [config_dict(c) for c in weight_grad.TUNING_SPACE],
 }
 FOCUS["dw1"] = FOCUS["dw2"]

@@ -324,7 +324,7 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
                                                        "W_TMA": True, "num_warps": 8, "num_stages": 4})
     monkeypatch.setattr(dh_mod, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
                                                  "PROGS_PER_SM": 1, "FLATTEN": False, "W_TMA": True,
-                                                 "num_warps": 8, "num_stages": 3})
+                                                 "H_PREFETCH": False, "num_warps": 8, "num_stages": 3})
     monkeypatch.setattr(weight_grad, "_GPU_DEFAULT", {"BLOCK_I": 64, "BLOCK_J": 128, "BLOCK_R": 64,
                                                       "num_warps": 4, "num_stages": 4})
     second = _layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout)
@@ -371,6 +371,28 @@ def test_ds_independent_of_block_n(device):
     # configurations is tested on the GPU (test_gpu_bitwise_across_tile_configs)
     assert rel_err(ds32, ds16) < 1e-6 and rel_err(ds64, ds16) < 1e-6
     assert rel_err(ds16, dh_ref(dout, p["w2"], h, s, routing)[2]) < 1e-5
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+def test_dh_h_prefetch_matches(device, block_n):
+    """H_PREFETCH (H's first column block loaded before the main loop, each later block one block ahead,
+    masked past the tile and past n) gives the same bits as loading each block where it is used; n = 80
+    leaves the last tile's second block partly and its third/fourth block wholly past n."""
+    t, d, n, e, k = 33, 48, 80, 5, 2
+    p = random_problem(t, d, n, e, device=device, seed=14)
+    router, routing = _topk_routing(p, k, device)
+    h = torch.randn(routing.num_rows, 2 * n, device=device)
+    s = routing.row_scores(router.topk_scores.reshape(-1))
+    dout = torch.randn(t, d, device=device)
+    base = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+    on = dh(dout, p["w2"], h, s, routing, config={**base, "H_PREFETCH": True})
+    off = dh(dout, p["w2"], h, s, routing, config={**base, "H_PREFETCH": False})
+    for got, want in zip(on, off):
+        assert not torch.isnan(got).any()
+        assert torch.equal(got, want)
+    ref = dh_ref(dout, p["w2"], h, s, routing)
+    for got, want in zip(on, ref):
+        assert rel_err(got, want) < 1e-5
 
 
 def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):

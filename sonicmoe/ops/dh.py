@@ -55,7 +55,7 @@ def _dh_kernel(
     E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
-    EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
+    H_PREFETCH: tl.constexpr = 1, EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -65,7 +65,7 @@ def _dh_kernel(
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
                  row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, EPI_SPLIT, EVEN_K)
+                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_PREFETCH, EPI_SPLIT, EVEN_K)
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _dh_tile(
     N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    H_PREFETCH: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -84,6 +84,17 @@ def _dh_tile(
     offs_k = tl.arange(0, BLOCK_K)
     do_ptrs = do_ptr + tok[:, None] * stride_dot + offs_k[None, :]  # loop-carried: pipelines under FLATTEN too
     w_base = w2_ptr + e.to(tl.int64) * stride_we
+    ch_start = pid_n * BLOCK_N
+    ch_end = tl.minimum(N, ch_start + BLOCK_N)  # the tile's channels: [ch_start, ch_end)
+    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    PART: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if H_PREFETCH == 2:
+        # H of the epilogue's first column block, loaded before the main loop: the GEMM hides its latency
+        g0, u0 = _load_gate_up(h_ptr, rows64, mask_m, ch_start + tl.arange(0, PART), ch_end, stride_hr, GATE_OFF,
+                               UP_OFF, CH_STRIDE)
+    else:
+        g0 = tl.zeros((BLOCK_M, PART), dtype=h_ptr.dtype.element_ty)  # unused: each block loads its own
+        u0 = g0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
         if EVEN_K:
@@ -94,46 +105,58 @@ def _dh_tile(
         wb = load_weight_block(w_base, w2_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, stride_wd, 1, False,
                                BLOCK_K, BLOCK_N, W_TMA)
         acc = tl.dot(dob, wb, acc, input_precision=DOT_PREC)
-    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    if H_PREFETCH == 1:
+        g0, u0 = _load_gate_up(h_ptr, rows64, mask_m, ch_start + tl.arange(0, PART), ch_end, stride_hr, GATE_OFF,
+                               UP_OFF, CH_STRIDE)
     # the epilogue on EPI_SPLIT column blocks of EPI_WIDTH channels in turn: few (BLOCK_M, ·) tensors live at
     # once, and the same code for every tile shape (the dS bits do not depend on the configuration)
-    _dh_epilogue_split(acc, s, rows64, mask_m, pid_n * BLOCK_N, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
-                       stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, BLOCK_N, EPI_SPLIT)
+    _dh_epilogue_split(acc, g0, u0, s, rows64, mask_m, ch_start, ch_end, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr,
+                       stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, H_PREFETCH, BLOCK_N, EPI_SPLIT)
 
 
 @triton.jit
-def _dh_epilogue_split(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
-                       GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, WIDTH: tl.constexpr,
-                       PARTS: tl.constexpr):
+def _dh_epilogue_split(acc, g, u, s, rows64, mask_m, ch_start, ch_end, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                       stride_apr, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
+                       H_PREFETCH: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr):
     """The epilogue of channels [ch_start, ch_start + WIDTH) on PARTS (a power of two) column blocks of
-    ``acc``, one after the other, halving recursively (each block goes to the store layout on its own)."""
+    ``acc``, one after the other, halving recursively (each block goes to the store layout on its own).
+
+    ``H_PREFETCH``: ``g``, ``u`` are H's gate and up columns of the first block (loaded earlier), and each
+    block loads the next block's columns before its own arithmetic and stores, so one load is in flight
+    while a block computes (the compiler keeps loads behind earlier stores: H and dH might alias); the
+    columns after the last block (masked past ``ch_end``: no memory traffic) are returned. Otherwise each
+    block loads its own columns and ``g``, ``u`` pass through unused.
+    """
     if PARTS == 1:
-        _dh_epilogue_part(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
-                          stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
+        ch = ch_start + tl.arange(0, WIDTH)
+        if H_PREFETCH:
+            g_next, u_next = _load_gate_up(h_ptr, rows64, mask_m, ch + WIDTH, ch_end, stride_hr, GATE_OFF, UP_OFF,
+                                           CH_STRIDE)
+            _dh_epilogue(acc, g, u, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                         stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
+        else:
+            g_cur, u_cur = _load_gate_up(h_ptr, rows64, mask_m, ch, ch_end, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
+            _dh_epilogue(acc, g_cur, u_cur, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
+                         stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
+            g_next, u_next = g, u
     else:
         HALF: tl.constexpr = WIDTH // 2
         lo, hi = column_halves(acc)
-        _dh_epilogue_split(lo, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
-                           GATE_OFF, UP_OFF, CH_STRIDE, HALF, PARTS // 2)
-        _dh_epilogue_split(hi, s, rows64, mask_m, ch_start + HALF, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
-                           stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, HALF, PARTS // 2)
+        g_mid, u_mid = _dh_epilogue_split(lo, g, u, s, rows64, mask_m, ch_start, ch_end, N, R, h_ptr, dh_ptr, ap_ptr,
+                                          ds_ptr, stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, H_PREFETCH,
+                                          HALF, PARTS // 2)
+        g_next, u_next = _dh_epilogue_split(hi, g_mid, u_mid, s, rows64, mask_m, ch_start + HALF, ch_end, N, R, h_ptr,
+                                            dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr, GATE_OFF, UP_OFF,
+                                            CH_STRIDE, H_PREFETCH, HALF, PARTS // 2)
+    return g_next, u_next
 
 
 @triton.jit
-def _dh_epilogue_part(acc, s, rows64, mask_m, ch_start, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
-                      GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, WIDTH: tl.constexpr):
-    """Load H for channels [ch_start, ch_start + WIDTH) and run the epilogue on that column block."""
-    ch = ch_start + tl.arange(0, WIDTH)
-    g, u = _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
-    _dh_epilogue(acc, g, u, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr,
-                 GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
-
-
-@triton.jit
-def _load_gate_up(h_ptr, rows64, mask_m, ch, N, stride_hr,
+def _load_gate_up(h_ptr, rows64, mask_m, ch, ch_end, stride_hr,
                   GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr):
-    """The gate and up columns of H for channels ``ch`` of the given rows (H's dtype, 0 when masked)."""
-    mask = mask_m[:, None] & (ch < N)[None, :]
+    """The gate and up columns of H for channels ``ch`` (those < ``ch_end``) of the given rows (H's dtype, 0
+    when masked)."""
+    mask = mask_m[:, None] & (ch < ch_end)[None, :]
     base = h_ptr + rows64[:, None] * stride_hr
     g = tl.load(base + (GATE_OFF + ch * CH_STRIDE).to(tl.int64)[None, :], mask=mask, other=0.0)
     u = tl.load(base + (UP_OFF + ch * CH_STRIDE).to(tl.int64)[None, :], mask=mask, other=0.0)
