@@ -15,7 +15,10 @@ always runs on column blocks of EPI_WIDTH = 32 channels in turn (EPI_SPLIT = BLO
 per launch), loading their H columns block by block: full-width 128 x 256 tiles fit in registers without
 spills (benchmarks/resource_report.py), and every tile shape runs the same block code, so the dS bits do
 not depend on the configuration (a whole-tile epilogue let the compiler fuse the products of the dS sums
-into multiply-adds differently per tile shape).
+into multiply-adds differently per tile shape). ``H_PREFETCH=1`` (the default) has each block load the next
+block's H columns before its own arithmetic and stores, so a load is always in flight (the compiler cannot
+move a load of H above a store of dH: the two might alias); ``2`` also loads the first block before the
+main loop; ``0`` loads each block where it is used.
 """
 
 from __future__ import annotations
@@ -207,18 +210,20 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
              mask=mask)
 
 
-# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23/24): full-width tiles (128 x 256, the
-# gathered dO rows read once per n = 256) with the epilogue in 8 column blocks of 32 (no register spills at 8
-# warps, benchmarks/resource_report.py): 7B 0.635 ms against 0.77-0.81 for the earlier 64 x 64 tiles; 16 warps
-# (twice the threads for the latency-bound epilogue): 0.606 ms, and 4.63 ms (475 TFLOP/s) on
-# (32768, 4096, 1024, 128, 8); two programs per SM (64 x 256, 4 warps) and persistent tiles were slower
+# measured on H100 (benchmarks/tune_sweep.py --space focus): full-width tiles (128 x 256, the gathered dO rows
+# read once per n = 256) with the epilogue in 8 column blocks of 32: 7B 0.635 ms against 0.77-0.81 for 64 x 64
+# tiles (2026-11-23); 16 warps (more threads for the latency-bound epilogue): 0.606 ms. 2026-11-24 (later): each
+# block loading the next block's H before its own arithmetic and stores (H_PREFETCH=1) brings 8 warps to
+# 0.536 ms against 0.586 ms for the 16-warp config without it (16 warps with it: 0.554; the first block also
+# loaded before the main loop, H_PREFETCH=2: 0.555). Two programs per SM (64 x 256, 4 warps) and persistent
+# tiles were slower.
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
-                "W_TMA": True, "num_warps": 16, "num_stages": 4}
+                "W_TMA": True, "H_PREFETCH": 1, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
-    tile_config(128, 256, 64, 16, 4, tma=True), tile_config(128, 256, 64, 8, 4, tma=True),
-    tile_config(128, 256, 64, 8, 3, tma=True), tile_config(128, 256, 64, 8, 3, 1, True, tma=True),
-    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 4),
+    tile_config(128, 256, 64, 8, 4, tma=True, H_PREFETCH=1), tile_config(128, 256, 64, 16, 4, tma=True, H_PREFETCH=1),
+    tile_config(128, 256, 64, 16, 4, tma=True, H_PREFETCH=0), tile_config(128, 256, 64, 8, 4, tma=True, H_PREFETCH=2),
+    tile_config(128, 256, 64, 8, 3, tma=True, H_PREFETCH=1), tile_config(128, 128, 64, 8, 4, tma=True, H_PREFETCH=1),
 ]
 EPI_WIDTH = 32  # channels per epilogue block (a multiple of 16; the GPU configs' BLOCK_N are multiples of it)
 
