@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import check_device, launch, new_output, next_pow2
+from .common import autotuners, check_device, launch, new_output, next_pow2
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -56,7 +56,7 @@ TUNING_SPACE = [
     triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
     for bt, bd, w in ((1, 1024, 4), (2, 1024, 4), (4, 512, 4), (1, 512, 4))
 ]
-_tuned = triton.autotune(configs=TUNING_SPACE, key=["D", "HAS_W", "UNROLL"])(_gather_sum_kernel)
+_tuned = autotuners(_gather_sum_kernel, TUNING_SPACE, ["D", "HAS_W", "UNROLL"])
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,

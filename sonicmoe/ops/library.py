@@ -233,15 +233,40 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # no zero-filled (R, 2n) gradient for the unused H output
 
 
-def _backward(ctx, dout, _dh):
+def _backward_through(bwd, ctx, dout):
+    """The input gradients of the forward from ``bwd`` (the ``experts_bwd`` operator or its implementation)."""
     needs = [bool(v) for v in ctx.needs_input_grad[:6]]
     if dout is None or not any(needs):
         return (None,) * _NUM_FWD_INPUTS
     x, h, row_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
-    grads = torch.ops.sonicmoe.experts_bwd(dout, x, w1, w2, b1, b2, h, row_scores, *routing_arrays,
-                                           ctx.gate_up_layout, ctx.scores_dtype, needs)
+    grads = bwd(dout, x, w1, w2, b1, b2, h, row_scores, *routing_arrays, ctx.gate_up_layout, ctx.scores_dtype, needs)
     # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
     return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))
 
 
+def _backward(ctx, dout, _dh):
+    return _backward_through(torch.ops.sonicmoe.experts_bwd, ctx, dout)
+
+
 experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class ExpertsFunction(torch.autograd.Function):
+    """Eager twin of ``sonicmoe::experts_fwd`` with its autograd formula: the same implementations
+    (:func:`experts_fwd_impl`, :func:`experts_bwd_impl`), inputs, outputs and memory contract
+    (:func:`_setup_context`), without the custom operators' dispatch, which costs host time on every call
+    (about 15% of a layer call's host time, measured on CPU). :func:`sonicmoe.ops.moe_function.experts_triton`
+    takes it outside ``torch.compile``; compiled graphs keep the opaque operators.
+    """
+
+    @staticmethod
+    def forward(*inputs):
+        return experts_fwd_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, _dh):
+        return _backward_through(experts_bwd_impl, ctx, dout)

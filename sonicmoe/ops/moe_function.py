@@ -1,9 +1,11 @@
-"""The expert layer on the Triton kernels (SPEC §3 forward, §4 backward), through custom operators.
+"""The expert layer on the Triton kernels (SPEC §3 forward, §4 backward).
 
-:func:`experts_triton` calls ``torch.ops.sonicmoe.experts_fwd``, whose autograd formula (backward
-``sonicmoe::experts_bwd``) and memory contract live in :mod:`sonicmoe.ops.library`
-(:func:`sonicmoe.ops.library._setup_context`). Being custom operators, forward and backward are single
-opaque nodes to ``torch.compile`` (``fullgraph=True`` works) and contain no host synchronisation, so a
+Under ``torch.compile``, :func:`experts_triton` calls the custom operator ``torch.ops.sonicmoe.experts_fwd``,
+whose autograd formula (backward ``sonicmoe::experts_bwd``) and memory contract live in
+:mod:`sonicmoe.ops.library` (:func:`sonicmoe.ops.library._setup_context`): forward and backward are single
+opaque nodes to the compiler (``fullgraph=True`` works). In eager mode it calls the same implementations
+through :class:`sonicmoe.ops.library.ExpertsFunction` (same saved tensors, less host time per call), or, when
+no gradient is needed, the forward implementation alone. Neither path synchronises with the host, so a
 training step through them can be captured in a CUDA graph.
 """
 
@@ -13,7 +15,7 @@ import torch
 
 from ..routing import Routing
 from . import library  # noqa: F401  (registers the sonicmoe:: operators)
-from .library import FWD_ROUTING_FIELDS
+from .library import FWD_ROUTING_FIELDS, ExpertsFunction, experts_fwd_impl
 
 
 def experts_triton(
@@ -45,5 +47,11 @@ def experts_triton(
         t is not None and t.requires_grad for t in (x, w1, w2, b1, b2, pair_scores)
     )
     arrays = [getattr(routing, f) for f in FWD_ROUTING_FIELDS]
-    out, _ = torch.ops.sonicmoe.experts_fwd(x, w1, w2, b1, b2, pair_scores, *arrays, gate_up_layout, needs_grad)
+    inputs = (x, w1, w2, b1, b2, pair_scores, *arrays, gate_up_layout, needs_grad)
+    if torch.compiler.is_compiling():
+        out, _ = torch.ops.sonicmoe.experts_fwd(*inputs)
+    elif needs_grad:
+        out, _ = ExpertsFunction.apply(*inputs)
+    else:
+        out, _ = experts_fwd_impl(*inputs)
     return out
