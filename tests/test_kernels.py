@@ -176,7 +176,10 @@ def _ref_grads(p, k, layout, dout, dtype=torch.float64):
 def test_layer_forward_backward(shape, layout, bias, dtype, device):
     t, d, n, e, k, _ = shape
     p = random_problem(t, d, n, e, bias=bias, device=device, seed=11)
-    dout = torch.randn(t, d, device=device)
+    # dout from its own generator, not the global one (which earlier tests, hypothesis's among them, leave in
+    # varying states): at T = 1, K = E the router-weight gradient is a difference of near-equal terms
+    # (softmax over every expert), and about 1 in 200 random dout puts its float32 error above 1e-5
+    dout = torch.randn(t, d, generator=torch.Generator().manual_seed(12)).to(device)
     out, grads = _layer_grads(p, k, layout, "triton", dtype, dout)
     ref, ref_grads = _ref_grads(p, k, layout, dout)
     tol = _tol(dtype) * (1 if dtype == torch.float32 else 3)
