@@ -327,7 +327,7 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
                                                        "W_TMA": True, "num_warps": 8, "num_stages": 4})
     monkeypatch.setattr(dh_mod, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
                                                  "PROGS_PER_SM": 1, "FLATTEN": False, "W_TMA": True,
-                                                 "H_PREFETCH": False, "num_warps": 8, "num_stages": 3})
+                                                 "H_PREFETCH": 0, "num_warps": 8, "num_stages": 3})
     monkeypatch.setattr(weight_grad, "_GPU_DEFAULT", {"BLOCK_I": 64, "BLOCK_J": 128, "BLOCK_R": 64,
                                                       "num_warps": 4, "num_stages": 4})
     second = _layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout)
@@ -355,16 +355,21 @@ def test_persistent_schedule_matches(device):
         assert torch.equal(x1, x2)
 
 
+def _dh_inputs(t, d, n, e, k, device, seed):
+    """(problem, routing, H (R, 2n), row scores (R,), dO (T, d)) for the dH kernel's tests."""
+    p = random_problem(t, d, n, e, device=device, seed=seed)
+    router, routing = _topk_routing(p, k, device)
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(routing.num_rows, 2 * n, generator=g).to(device)
+    dout = torch.randn(t, d, generator=g).to(device)
+    return p, routing, h, routing.row_scores(router.topk_scores.reshape(-1)), dout
+
+
 def test_ds_independent_of_block_n(device):
     """dS partials live in fixed 16-channel chunks that every config writes in full and sums in one fixed
     order (a config that left rows unwritten, stale rows of another config, or a layout-dependent sum
     order would show as NaN or as differing bits)."""
-    t, d, n, e, k = 30, 32, 48, 4, 2
-    p = random_problem(t, d, n, e, device=device, seed=12)
-    router, routing = _topk_routing(p, k, device)
-    h = torch.randn(routing.num_rows, 2 * n, device=device)
-    s = routing.row_scores(router.topk_scores.reshape(-1))
-    dout = torch.randn(t, d, device=device)
+    p, routing, h, s, dout = _dh_inputs(30, 32, 48, 4, 2, device, seed=12)
     base = {"BLOCK_M": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
     ds16 = dh(dout, p["w2"], h, s, routing, config={**base, "BLOCK_N": 16})[2]
     ds32 = dh(dout, p["w2"], h, s, routing, config={**base, "BLOCK_N": 32})[2]
@@ -376,20 +381,16 @@ def test_ds_independent_of_block_n(device):
     assert rel_err(ds16, dh_ref(dout, p["w2"], h, s, routing)[2]) < 1e-5
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
 @pytest.mark.parametrize("block_n", [32, 64, 128])
-def test_dh_h_prefetch_matches(device, block_n):
-    """H_PREFETCH (H's first column block loaded before the main loop, each later block one block ahead,
-    masked past the tile and past n) gives the same bits as loading each block where it is used; n = 80
-    leaves the last tile's second block partly and its third/fourth block wholly past n."""
-    t, d, n, e, k = 33, 48, 80, 5, 2
-    p = random_problem(t, d, n, e, device=device, seed=14)
-    router, routing = _topk_routing(p, k, device)
-    h = torch.randn(routing.num_rows, 2 * n, device=device)
-    s = routing.row_scores(router.topk_scores.reshape(-1))
-    dout = torch.randn(t, d, device=device)
+def test_dh_h_prefetch_matches(device, block_n, prefetch):
+    """H_PREFETCH (1: each column block loads the next block's H; 2: also the first block before the main
+    loop; masked past the tile and past n) gives the same bits as loading each block where it is used (0);
+    n = 80 leaves the last tile's second block partly and its third/fourth block wholly past n."""
+    p, routing, h, s, dout = _dh_inputs(33, 48, 80, 5, 2, device, seed=14)
     base = {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
-    on = dh(dout, p["w2"], h, s, routing, config={**base, "H_PREFETCH": True})
-    off = dh(dout, p["w2"], h, s, routing, config={**base, "H_PREFETCH": False})
+    on = dh(dout, p["w2"], h, s, routing, config={**base, "H_PREFETCH": prefetch})
+    off = dh(dout, p["w2"], h, s, routing, config={**base, "H_PREFETCH": 0})
     for got, want in zip(on, off):
         assert not torch.isnan(got).any()
         assert torch.equal(got, want)
