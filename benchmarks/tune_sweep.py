@@ -39,11 +39,10 @@ def _agg(bt, bd, warps, unroll):
     return {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
 
 
-# session 4 (2026-11-24), second round; the first config of each kernel is the current default (the baseline
-# every other config's output is checked against): 16-warp up-projection and dH tiles (twice the threads for
-# their epilogues, 128 registers each; larger 16-warp tiles spill, benchmarks/resource_report.py), the new
-# varlen-K space on every shape. Round one (TMA stores, deeper varlen-K pipelines, 2-programs-per-SM dH,
-# unrolled aggregation) is in benchmarks/results/2026-11-24_nvidia-h100_tune/.
+# the first config of each kernel is the baseline every other config's output is checked against. Session 4
+# (2026-11-24, second round): 16-warp up-projection tiles, the new varlen-K space on every shape (round one:
+# benchmarks/results/2026-11-24_nvidia-h100_tune/). Session 7: dH with and without H_PREFETCH at 8 and 16 warps,
+# the old default first (benchmarks/results/2026-11-24_nvidia-h100_dh-prefetch/).
 FOCUS = {
     "up_proj": [_m(128, 128, 8, 4, 1, W_TMA=True, C_TMA=True), _m(128, 128, 16, 4, 1, W_TMA=True, C_TMA=True),
                 _m(128, 128, 16, 4, W_TMA=True), _m(128, 128, 16, 3, 1, W_TMA=True, C_TMA=True)],

@@ -4,10 +4,11 @@ usage: python scripts/host_overhead.py [--shape T,d,n,E,K ...] [--profile]
 
 For the Triton layer's forward and forward+backward (routing precomputed, top-k): the host time to
 enqueue one call (perf_counter over calls with no synchronisation), the wall time per call once the GPU
-has finished them, do_bench's median, and the kernels' summed time per call (torch profiler). When the
-enqueue time is the larger, timings of the eager layer measure the host, not the kernels. ``--profile``:
-the 30 host functions with the most cumulative time (cProfile) over 20 forward+backward
-calls, and torch's CPU-side operator table over 10.
+has finished them, do_bench's median, and the kernels' summed time per call (torch profiler); then the
+host time of the forward operator against its implementation called directly (per launcher:
+``scripts/launch_overhead.py``). When the enqueue time is the larger, timings of the eager layer measure the
+host, not the kernels. ``--profile``: the 30 host functions with the most cumulative time (cProfile) over
+20 forward+backward calls, and torch's CPU-side operator table over 10.
 """
 
 from __future__ import annotations
@@ -61,45 +62,18 @@ def measure(spec: str, profile: bool) -> None:
         busy = sum(ev.self_device_time_total for ev in prof.key_averages()) / 5e3  # us -> ms per call
         print(f"{spec} {name:8s} host enqueue {1e3 * (t1 - t0) / calls:7.3f} ms/call   wall "
               f"{1e3 * (t2 - t0) / calls:7.3f} ms/call   do_bench {bench:7.3f} ms   kernels {busy:7.3f} ms")
-    # host time of the pieces: the operator through the dispatcher, its implementation called directly,
-    # and each kernel launcher on its own (no gradients; enqueue only)
-    from sonicmoe.ops import library
-    from sonicmoe.ops.aggregation import gather_sum
-    from sonicmoe.ops.dh import dh
-    from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
-    from sonicmoe.ops.up_proj import up_proj
-    from sonicmoe.ops.weight_grad import varlen_k_gemm
+    # the operator through the dispatcher against its implementation called directly (no gradients); each
+    # kernel launcher's host time on its own: scripts/launch_overhead.py
+    from launch_overhead import host_us
 
-    x, w1, w2 = p["x"], p["w1"], p["w2"]
-    arrays = [getattr(routing, f) for f in library.FWD_ROUTING_FIELDS]
-    h, a = up_proj(x, w1, None, routing)
-    s_row = routing.row_scores(s_pair).float()
-    s_slot = routing.slot_scores(s_pair).float()
-    y = down_proj(a, w2, None, routing)
-    pieces = {
-        "experts_fwd op": lambda: torch.ops.sonicmoe.experts_fwd(x, w1, w2, None, None, s_pair, *arrays, "concat",
-                                                                 True),
-        "experts_fwd_impl": lambda: library.experts_fwd_impl(x, w1, w2, None, None, s_pair, *arrays, "concat", True),
-        "up_proj": lambda: up_proj(x, w1, None, routing),
-        "down_proj": lambda: down_proj(a, w2, None, routing),
-        "gather_sum": lambda: gather_sum(y, routing, s_slot),
-        "dh": lambda: dh(dout, w2, h, s_row, routing),
-        "varlen_m_gemm (dX~)": lambda: varlen_m_gemm(h, w1, None, routing, transpose_b=False),
-        "varlen_k_gemm (dW1)": lambda: varlen_k_gemm(h, x, routing, p_gather=False, q_gather=True,
-                                                     out_dtype=w1.dtype),
-        "row_scores": lambda: routing.row_scores(s_pair),
-    }
+    from sonicmoe.ops import library
+
+    args = (p["x"], p["w1"], p["w2"], None, None, s_pair,
+            *(getattr(routing, f) for f in library.FWD_ROUTING_FIELDS), "concat", True)
     with torch.no_grad():
-        for name, fn in pieces.items():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            print(f"{spec}   host {name:22s} {1e3 * (t1 - t0) / 20:7.3f} ms/call")
+        for name, fn in (("experts_fwd op", lambda: torch.ops.sonicmoe.experts_fwd(*args)),
+                         ("experts_fwd_impl", lambda: library.experts_fwd_impl(*args))):
+            print(f"{spec}   host {name:22s} {host_us(fn, 20) / 1e3:7.3f} ms/call")
     if profile:
         prof = cProfile.Profile()
         torch.cuda.synchronize()

@@ -32,9 +32,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def autotune_enabled() -> bool:
-    """Autotuning is on unless SONICMOE_AUTOTUNE=0 or under the interpreter (read at each launch)."""
-    return os.environ.get("SONICMOE_AUTOTUNE", "1") != "0" and not interpreting()
+def autotune_enabled(interp: bool | None = None) -> bool:
+    """Autotuning is on unless SONICMOE_AUTOTUNE=0 or under the interpreter (read at each launch; ``interp``:
+    :func:`interpreting` when the caller has it already)."""
+    if interp is None:
+        interp = interpreting()
+    return not interp and os.environ.get("SONICMOE_AUTOTUNE", "1") != "0"
 
 
 def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int, pps: int = 0, flatten: bool = False,
@@ -212,7 +215,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         if base.is_cuda:
             ensure_cuda_context(base.device)
     interp = interpreting()
-    if config is None and not interp and os.environ.get("SONICMOE_AUTOTUNE", "1") != "0":  # autotune_enabled()
+    if config is None and autotune_enabled(interp):
         tuned.run(available, grid, args)
         return
     meta = dict(config if config is not None else pinned if interp else gpu_default)

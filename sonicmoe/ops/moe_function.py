@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..routing import Routing
-from . import library  # noqa: F401  (registers the sonicmoe:: operators)
-from .library import FWD_ROUTING_FIELDS, ExpertsFunction, experts_fwd_impl
+from .library import FWD_ROUTING_FIELDS, ExpertsFunction, experts_fwd_impl  # also registers the sonicmoe:: ops
 
 
 def experts_triton(
