@@ -32,6 +32,14 @@ from sonicmoe.token_rounding import token_rounding
 M_TILE = 128
 
 
+def tuned_configs() -> dict[str, list[str]]:
+    """The configs the autotuner chose for each kernel in this process (one per key), as text."""
+    from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
+
+    return {mod.__name__.rsplit(".", 1)[1]: [str(c) for c in mod._tuned._chosen.values()]
+            for mod in (up_proj, grouped_gemm, dh, weight_grad, aggregation)}
+
+
 def build_routing(p: dict, k: int, mode: str):
     """(routing, pair scores (R,)) of the problem's router under ``mode``."""
     e = p["w1"].shape[0]
@@ -161,9 +169,13 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
         del p, dout, timed
         torch.cuda.empty_cache()
+    chosen = tuned_configs()
+    for name, cfgs in chosen.items():
+        for cfg in cfgs:
+            print(f"  tuned {name}: {cfg}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "records": records,
+            json.dump({"device": torch.cuda.get_device_name(), "records": records, "tuned": chosen,
                        **({"shape": records[0]["shape"], "rows": records[0]["rows"]} if len(records) == 1 else {})},
                       f, indent=1)
 

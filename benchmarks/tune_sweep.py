@@ -52,7 +52,16 @@ FOCUS = {
            _m(128, 256, 8, 3, W_TMA=True, H_PREFETCH=1)],
     "dw2": [config_dict(c) for c in weight_grad.TUNING_SPACE],
 }
-FOCUS["dw1"] = FOCUS["dw2"]
+# session 8: the tile loop written as one loop over (tile, K-block) steps (STEPS), which pipelines across
+# tiles and allows TMA stores (C_TMA; C_SPLIT=2 stores the tile in two column halves: less shared memory)
+_VM = dict(W_TMA=True, A_TMA=True)
+FOCUS["down_proj"] = [_m(128, 256, 8, 3, 1, True, **_VM), _m(128, 256, 8, 3, 1, STEPS=True, **_VM),
+                      _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM),
+                      _m(128, 256, 8, 2, 1, STEPS=True, C_TMA=True, **_VM),
+                      _m(128, 256, 8, 4, 1, STEPS=True, **_VM),
+                      _m(128, 128, 8, 4, 1, STEPS=True, C_TMA=True, **_VM),
+                      _m(128, 128, 4, 4, 1, STEPS=True, C_TMA=True, **_VM)]
+FOCUS["dxtilde"] = FOCUS["down_proj"]
 
 
 def _rel_err(got, ref) -> float:

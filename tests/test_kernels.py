@@ -337,17 +337,20 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
 
 
 def test_persistent_schedule_matches(device):
-    """Persistent configs (few programs looping over the tiles) compute the same as one program per tile."""
+    """Persistent configs (few programs looping over the tiles, as nested loops or as one loop over
+    (tile, K-block) steps) compute the same as one program per tile."""
     t, d, n, e, k = 45, 32, 40, 6, 2
-    p = random_problem(t, d, n, e, device=device, seed=6)
+    p = random_problem(t, d, n, e, bias=True, device=device, seed=6)
     router, routing = _topk_routing(p, k, device)
     base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "FLATTEN": False}
     one, few = {**base, "PROGS_PER_SM": 0}, {**base, "PROGS_PER_SM": 3}
     _, a1 = up_proj(p["x"], p["w1"], None, routing, config=one)
     _, a2 = up_proj(p["x"], p["w1"], None, routing, config=few)
     assert torch.equal(a1, a2)
-    assert torch.equal(down_proj(a1, p["w2"], None, routing, config=one),
-                       down_proj(a1, p["w2"], None, routing, config=few))
+    y1 = down_proj(a1, p["w2"], p["b2"], routing, config=one)
+    assert torch.equal(y1, down_proj(a1, p["w2"], p["b2"], routing, config=few))
+    assert torch.equal(y1, down_proj(a1, p["w2"], p["b2"], routing, config={**few, "STEPS": True}))
+    assert rel_err(y1, down_proj_ref(a1, p["w2"], p["b2"], routing)) < 1e-5
     h = torch.randn(routing.num_rows, 2 * n, device=device)
     s = routing.row_scores(router.topk_scores.reshape(-1))
     dout = torch.randn(t, d, device=device)
@@ -411,10 +414,11 @@ def _kernel_outputs(p, routing, s, dout, layout, cfg):
     """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
     (A_TMA is the contiguous-row GEMMs')."""
     gemm_cfg = dict(cfg)
-    gather_cfg = {k: v for k, v in gemm_cfg.items() if k != "A_TMA"}
+    gather_cfg = {k: v for k, v in gemm_cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
     h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gather_cfg)
     y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
-    dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config={k: v for k, v in cfg.items() if k != "A_TMA"})
+    dh_cfg = {k: v for k, v in cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
+    dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=dh_cfg)
     dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=gemm_cfg)
     return {"h": h, "a": a, "y": y, "dh": dh_, "a_prime": ap_, "ds": ds, "dxt": dxt}
 
@@ -434,7 +438,10 @@ def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
     for extra in ({"W_TMA": True}, {"BLOCK_N": 64}, {"BLOCK_N": 128, "W_TMA": True},
                   {"A_TMA": True}, {"A_TMA": True, "W_TMA": True},
                   {"W_TMA": True, "A_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1},
-                  {"W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}):
+                  {"W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True},
+                  {"STEPS": True, "PROGS_PER_SM": 1}, {"STEPS": True, "PROGS_PER_SM": 0, "BLOCK_N": 64},
+                  {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True},
+                  {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True, "C_SPLIT": 2}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -455,7 +462,9 @@ def test_gpu_tma_configs_bf16(layout):
     for extra in ({"W_TMA": True}, {"W_TMA": True, "BLOCK_M": 64, "num_warps": 4},
                   {"W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True}, {"BLOCK_N": 256, "W_TMA": True, "num_stages": 2},
                   {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True},
-                  {"A_TMA": True, "W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4}):
+                  {"A_TMA": True, "W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4},
+                  {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "STEPS": True, "num_stages": 4},
+                  {"A_TMA": True, "W_TMA": True, "C_TMA": True, "C_SPLIT": 2, "PROGS_PER_SM": 1, "STEPS": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)

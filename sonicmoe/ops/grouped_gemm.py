@@ -10,9 +10,12 @@ through strides, so one kernel serves
 Configs with ``W_TMA`` read B[e] through a TMA descriptor over B's (E, ·, ·) shape (zero-filled past
 its bounds), and configs with ``A_TMA`` read the rows of A through a descriptor over (R, k) (rows past
 an expert's end are the next expert's or zeros, and their results are never stored); configs with
-``C_TMA`` (persistent, without FLATTEN) write full tiles of C by TMA stores and an expert's last tile by
-masked stores. The default is the flattened persistent loop with pointer stores (faster on the 7B shape);
-the autotuner chooses among them.
+``C_TMA`` (persistent, without FLATTEN) write full tiles of C by TMA stores (in ``C_SPLIT`` column
+blocks: less shared memory) and an expert's last tile by masked stores. ``STEPS`` runs a program's tiles as
+one loop over (tile, K-block) steps written out in the kernel, so the software pipeline crosses tile
+boundaries (as Triton's ``FLATTEN`` does) and TMA stores are allowed (which ``FLATTEN`` cannot compile in
+Triton 3.6). The default is that step loop with pointer stores (fastest on the 7B shape); the autotuner
+chooses among the configs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..routing import Routing
 from .common import (
     autotuners,
     check_device,
+    column_halves,
     dot_precision,
     launch,
     load_weight_block,
@@ -47,10 +51,16 @@ def _varlen_m_kernel(
     HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, A_TMA: tl.constexpr = False,
-    C_TMA: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+    C_TMA: tl.constexpr = False, EVEN_K: tl.constexpr = False, STEPS: tl.constexpr = False,
+    C_SPLIT: tl.constexpr = 1,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    if STEPS:
+        _varlen_m_steps(a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, eidx, lo, hi, ntiles, cum,
+                        total_m * num_pid_n, num_pid_n, N, K, stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
+                        HAS_BIAS, B_TRANS, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, C_TMA, EVEN_K, C_SPLIT)
+        return
     for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
@@ -64,42 +74,106 @@ def _varlen_m_kernel(
         b_base = b_ptr + e.to(tl.int64) * stride_be
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if A_TMA:
-                a = a_desc.load([row_start, k * BLOCK_K])
-            elif EVEN_K:
-                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+            a = _a_block(a_desc, a_ptrs, row_start, k, mask_m, offs_k, K, BLOCK_K, A_TMA, EVEN_K)
             a_ptrs += BLOCK_K
             b = load_weight_block(b_base, b_desc, e, k * BLOCK_K, pid_n * BLOCK_N, K, N, stride_bk, stride_bn, B_TRANS,
                                   BLOCK_K, BLOCK_N, W_TMA)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = cols < N
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c = acc.to(c_ptr.dtype.element_ty)
-        if C_TMA and row_end - row_start >= BLOCK_M:
-            # a full tile: one asynchronous TMA store (the copy engine clips columns past N); inside the
-            # persistent loop it drains while the next tile's main loop runs
-            c_desc.store([row_start, pid_n * BLOCK_N], c)
+        _c_epilogue(acc, bias_ptr, c_ptr, c_desc, e, rows, mask_m, row_start, row_end, pid_n, N, stride_cr, HAS_BIAS,
+                    BLOCK_M, BLOCK_N, C_TMA, C_SPLIT)
+
+
+@triton.jit
+def _varlen_m_steps(
+    a_ptr, a_desc, b_ptr, b_desc, bias_ptr, c_ptr, c_desc, eidx, lo, hi, ntiles, cum, num_tiles, num_pid_n, N, K,
+    stride_ar, stride_be, stride_bk, stride_bn, stride_cr,
+    HAS_BIAS: tl.constexpr, B_TRANS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr, A_TMA: tl.constexpr, C_TMA: tl.constexpr, EVEN_K: tl.constexpr, C_SPLIT: tl.constexpr,
+):
+    """The persistent tile loop written as one loop over (tile, K-block) steps: the software pipeline
+    runs across tile boundaries (the next tile's first blocks load during this tile's epilogue), and the
+    epilogue may end in a TMA store (which Triton 3.6's own loop flattening, ``FLATTEN``, cannot compile)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    my_tiles = tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    tile = pid - nprog
+    ki = -1
+    e = 0
+    row_start = 0
+    row_end = 0
+    pid_n = 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, k_tiles * my_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            tile += nprog
+            pid_n = tile % num_pid_n
+            e, row_start, row_end = tile_rows(tile // num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
+        rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask_m = rows < row_end
+        a_ptrs = a_ptr + rows[:, None] * stride_ar + (ki * BLOCK_K + offs_k)[None, :]
+        a = _a_block(a_desc, a_ptrs, row_start, ki, mask_m, offs_k, K, BLOCK_K, A_TMA, EVEN_K)
+        b = load_weight_block(b_ptr + e.to(tl.int64) * stride_be, b_desc, e, ki * BLOCK_K, pid_n * BLOCK_N, K, N,
+                              stride_bk, stride_bn, B_TRANS, BLOCK_K, BLOCK_N, W_TMA)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if ki == k_tiles - 1:
+            _c_epilogue(acc, bias_ptr, c_ptr, c_desc, e, rows, mask_m, row_start, row_end, pid_n, N, stride_cr,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, C_TMA, C_SPLIT)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _a_block(a_desc, a_ptrs, row_start, k, mask_m, offs_k, K, BLOCK_K: tl.constexpr, A_TMA: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) block k of the tile's A rows (rows past the expert's end: masked to 0 by
+    pointer loads, the next expert's rows or zeros past R through TMA; never stored)."""
+    if A_TMA:
+        return a_desc.load([row_start, k * BLOCK_K])
+    if EVEN_K:
+        return tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+    return tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+
+
+@triton.jit
+def _c_epilogue(acc, bias_ptr, c_ptr, c_desc, e, rows, mask_m, row_start, row_end, pid_n, N, stride_cr,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_TMA: tl.constexpr,
+                C_SPLIT: tl.constexpr):
+    """Bias, cast and store of a (BLOCK_M, BLOCK_N) tile of C."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = acc.to(c_ptr.dtype.element_ty)
+    if C_TMA and row_end - row_start >= BLOCK_M:
+        # a full tile: asynchronous TMA stores, of the whole tile or of its C_SPLIT column halves (the copy
+        # engine clips columns past N); inside the persistent loop they drain while the next tile's main loop runs
+        if C_SPLIT == 2:
+            c0, c1 = column_halves(c)
+            c_desc.store([row_start, pid_n * BLOCK_N], c0)
+            c_desc.store([row_start, pid_n * BLOCK_N + BLOCK_N // 2], c1)
         else:
-            tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], c, mask=mask_m[:, None] & mask_n[None, :])
+            c_desc.store([row_start, pid_n * BLOCK_N], c)
+    else:
+        tl.store(c_ptr + rows[:, None] * stride_cr + cols[None, :], c, mask=mask_m[:, None] & mask_n[None, :])
 
 
-# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23, results in
-# benchmarks/results/2026-11-23_nvidia-h100_tune/): a persistent grid (one program per SM) whose tile loop
-# is flattened into the K loop, with both operands through TMA descriptors (A_TMA, W_TMA): 7B
-# down-projection 0.368 ms (420 TFLOP/s; pointer-loaded A: 0.683), 120B-n1024 626 TFLOP/s; dX~ 544 / 593
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": True,
-                "W_TMA": True, "A_TMA": True, "num_warps": 8, "num_stages": 3}
+# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24 session 8, results in
+# benchmarks/results/2026-11-24_nvidia-h100_steps/): a persistent grid (one program per SM) running its tiles
+# as one loop over (tile, K-block) steps (STEPS), both operands through TMA descriptors (A_TMA, W_TMA),
+# 4 stages, pointer stores: 7B down-projection 0.349 ms (443 TFLOP/s) against 0.415 for the previous
+# default (Triton's own flattening, FLATTEN, 3 stages), dX~ 0.546 against 0.578. On (32768, 4096, 1024,
+# 128, 8) the 3-stage step loop with TMA stores in two column halves (C_TMA, C_SPLIT=2) leads: down-projection
+# 3.49 ms (629 TFLOP/s; previous default 3.72), dX~ 7.25 ms (7.31).
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": False,
+                "STEPS": True, "W_TMA": True, "A_TMA": True, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
-# (2026-11-24) full tiles stored by TMA (C_TMA, persistent without FLATTEN) lose on the 7B shape (0.49 ms: each
-# tile's pipeline refills) and tie the FLATTEN configs on (32768, 4096, 1024, 128, 8) (dX~ 7.34 ms)
 TUNING_SPACE = [
+    tile_config(128, 256, 64, 8, 4, 1, tma=True, A_TMA=True, STEPS=True),
+    tile_config(128, 256, 64, 8, 3, 1, tma=True, A_TMA=True, STEPS=True, C_TMA=True, C_SPLIT=2),
     tile_config(128, 256, 64, 8, 3, 1, True, tma=True, A_TMA=True),
-    tile_config(128, 256, 64, 8, 3, 1, tma=True, A_TMA=True, C_TMA=True),
-    tile_config(128, 256, 64, 8, 4, 1, True, tma=True, A_TMA=True),
     tile_config(128, 128, 64, 4, 2, 2, True, tma=True, A_TMA=True),
     tile_config(128, 256, 64, 8, 3, 1, True), tile_config(128, 128, 64, 4, 2, 2, True),
 ]
@@ -108,7 +182,7 @@ TUNING_SPACE = [
 def _desc_blocks(meta: dict) -> dict:
     bn, bk = meta["BLOCK_N"], meta["BLOCK_K"]
     return {"a_desc": (meta["BLOCK_M"], bk), "b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn),
-            "c_desc": (meta["BLOCK_M"], bn)}
+            "c_desc": (meta["BLOCK_M"], bn // meta.get("C_SPLIT", 1))}
 
 
 _FLAG_DESCS = {"W_TMA": ("b_desc",), "A_TMA": ("a_desc",), "C_TMA": ("c_desc",)}
