@@ -36,7 +36,7 @@ def tuned_configs() -> dict[str, list[str]]:
     """The configs the autotuner chose for each kernel in this process (one per key), as text."""
     from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
 
-    return {mod.__name__.rsplit(".", 1)[1]: [str(c) for c in mod._tuned._chosen.values()]
+    return {mod.__name__.rsplit(".", 1)[1]: [str(c) for c in mod._tuned.chosen()]
             for mod in (up_proj, grouped_gemm, dh, weight_grad, aggregation)}
 
 

@@ -52,6 +52,7 @@ FOCUS = {
            _m(128, 256, 8, 3, W_TMA=True, H_PREFETCH=1)],
     "dw2": [config_dict(c) for c in weight_grad.TUNING_SPACE],
 }
+FOCUS["dw1"] = FOCUS["dw2"]
 # session 8: the tile loop written as one loop over (tile, K-block) steps (STEPS), which pipelines across
 # tiles and allows TMA stores (C_TMA; C_SPLIT=2 stores the tile in two column halves: less shared memory)
 _VM = dict(W_TMA=True, A_TMA=True)

@@ -412,13 +412,12 @@ def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
 
 def _kernel_outputs(p, routing, s, dout, layout, cfg):
     """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
-    (A_TMA is the contiguous-row GEMMs')."""
+    (A_TMA, STEPS and C_SPLIT are the contiguous-row GEMMs' only)."""
     gemm_cfg = dict(cfg)
     gather_cfg = {k: v for k, v in gemm_cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
     h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gather_cfg)
     y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
-    dh_cfg = {k: v for k, v in cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
-    dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=dh_cfg)
+    dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=gather_cfg)
     dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=gemm_cfg)
     return {"h": h, "a": a, "y": y, "dh": dh_, "a_prime": ap_, "ds": ds, "dxt": dxt}
 

@@ -170,6 +170,10 @@ class Tuners:
             cfg.pre_hook({**args, **meta})
         self.kernel[grid](**args, **meta)
 
+    def chosen(self) -> list[triton.Config]:
+        """The configs the autotuner chose so far in this process, one per key."""
+        return list(self._chosen.values())
+
     def get(self, available: frozenset[str]):
         if available not in self._by_flags:
             configs, seen = [], set()
