@@ -77,6 +77,16 @@ def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Ten
     ]
 
 
+FWD_KERNELS = 3  # the first rows of kernel_rows: up-projection, down-projection, aggregation
+
+
+def kernel_sums(rows: list[dict], n_kernels: int) -> dict:
+    """Kernel time of the layer without host time: the sum of the forward kernels' medians and of all
+    ``n_kernels`` kernels' (forward + backward), in ms. The router and the routing metadata are not in it."""
+    ms = [row["ms"] for row in rows[:n_kernels]]
+    return {"fwd": sum(ms[:FWD_KERNELS]), "fwd+bwd": sum(ms)}
+
+
 def layer_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Tensor, backends) -> list:
     """(name, fn, FLOPs, grad leaves) of the whole layer, forward and forward+backward, per backend."""
     r = routing.num_rows
@@ -138,6 +148,7 @@ def main() -> None:
         for mode in modes:
             routing, s_pair = build_routing(p, k, mode)
             rows = [(name, fn, flops, None) for name, fn, flops in kernel_rows(p, routing, s_pair, dout)]
+            n_kernels = len(rows)
             if not args.no_layer:
                 rows += layer_rows(p, routing, s_pair, dout, ("triton",) if mode != "topk" else ("triton", "torch"))
             timed[mode] = (routing.num_rows, rows)
@@ -159,7 +170,19 @@ def main() -> None:
             for row in rows:
                 tf = f"{row['tflops']:7.1f}" if row["tflops"] else "      -"
                 print(f"  {row['kernel']:<32} {row['ms']:8.3f} ms  {tf} TFLOP/s")
-            records.append({"shape": [t, d, n, e, k], "routing": mode, "R": r, "rows": rows})
+            rec = {"shape": [t, d, n, e, k], "routing": mode, "R": r, "rows": rows}
+            if mode != "routing":
+                rec["kernel_sums"] = kernel_sums(rows, n_kernels)
+                print(f"  {'kernels fwd (sum)':<32} {rec['kernel_sums']['fwd']:8.3f} ms")
+                print(f"  {'kernels fwd+bwd (sum)':<32} {rec['kernel_sums']['fwd+bwd']:8.3f} ms")
+            records.append(rec)
+        shape_recs = {rec["routing"]: rec for rec in records[-len(results):]}
+        if "topk" in shape_recs and "token_rounding" in shape_recs:  # token rounding's speed-up in kernel time
+            top, tr = shape_recs["topk"]["kernel_sums"], shape_recs["token_rounding"]["kernel_sums"]
+            up = {ph: top[ph] / tr[ph] for ph in ("fwd", "fwd+bwd")}
+            shape_recs["token_rounding"]["kernel_speedup_vs_topk"] = up
+            print(f"  token rounding kernel-time speed-up vs top-k: fwd {up['fwd']:.3f}x, "
+                  f"fwd+bwd {up['fwd+bwd']:.3f}x")
         if args.routing_profile:  # the GPU kernels inside one token-rounding call, by total time
             router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
             token_rounding(router, m_tile=M_TILE, warn=False)

@@ -14,9 +14,9 @@ import json
 import time
 
 import torch
+from kernel_breakdown import build_routing  # benchmarks/ is on sys.path when run as a script
 from triton.testing import do_bench
 
-import sonicmoe
 from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
 from sonicmoe.ops.common import config_dict, tile_config
 from sonicmoe.testing import random_problem
@@ -50,9 +50,12 @@ FOCUS = {
            _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=2), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=0),
            _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=2),
            _m(128, 256, 8, 3, W_TMA=True, H_PREFETCH=1)],
-    "dw2": [config_dict(c) for c in weight_grad.TUNING_SPACE],
 }
-FOCUS["dw1"] = FOCUS["dw2"]
+_VK = dict(P_TMA=True, Q_TMA=True)
+_VK_STEPS = [_k(bi, bj, 8, st, **_VK, STEPS=True, PROGS_PER_SM=1)
+             for bi, bj in ((128, 256), (256, 128)) for st in (4, 5)]
+FOCUS["dw2"] = [_k(128, 256, 8, 7, **_VK), _k(256, 128, 8, 5, **_VK), *_VK_STEPS]
+FOCUS["dw1"] = [_k(256, 128, 8, 5, **_VK), _k(128, 256, 8, 7, **_VK), *_VK_STEPS]
 # session 8: the tile loop written as one loop over (tile, K-block) steps (STEPS), which pipelines across
 # tiles and allows TMA stores (C_TMA; C_SPLIT=2 stores the tile in two column halves: less shared memory)
 _VM = dict(W_TMA=True, A_TMA=True)
@@ -79,13 +82,11 @@ def _rel_err(got, ref) -> float:
     return worst
 
 
-def sweep(shape, space="full", only=None, device="cuda"):
+def sweep(shape, space="full", only=None, device="cuda", routing_mode="topk"):
     t, d, n, e, k = shape
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's dot is wrong on bf16
     p = random_problem(t, d, n, e, dtype=dtype, device=device, seed=0)
-    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
-    s_pair = router.topk_scores.reshape(-1).detach()
+    routing, s_pair = build_routing(p, k, routing_mode)
     s_row, s_slot = routing.row_scores(s_pair).float(), routing.slot_scores(s_pair).float()
     r = routing.num_rows
     x, w1, w2 = p["x"], p["w1"], p["w2"]
@@ -147,12 +148,14 @@ def main():
     ap.add_argument("--kernels", default=None, help="comma-separated subset, e.g. dh,up_proj")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run through TRITON_INTERPRET=1 (float32)")
+    ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk",
+                    help="expert counts of top-k or of token rounding (multiples of its M_tile)")
     args = ap.parse_args()
     only = set(args.kernels.split(",")) if args.kernels else None
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
     out = {}
     for shape in shapes:
-        rows = sweep(shape, args.space, only, args.device)
+        rows = sweep(shape, args.space, only, args.device, args.routing)
         out[",".join(map(str, shape))] = rows
         if args.json:  # after every shape: a run cut short by a time limit keeps what it measured
             with open(args.json, "w") as f:

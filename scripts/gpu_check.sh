@@ -66,6 +66,7 @@ for step in "$@"; do
       for sh in ${TUNE_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
       for k in ${TUNE_KERNELS:-dh up_proj dw2 dw1 down_proj dxtilde aggregate}; do  # one process each: faults stay contained
         timeout ${TUNE_LIMIT_S:-100} python3 benchmarks/tune_sweep.py --space focus --kernels $k "${shapes[@]}" \
+          --routing ${TUNE_ROUTING:-topk} \
           --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
       SUMMARY+=("$(grep -E '^==|TF|baseline|WRONG|failed' "$OUT/tune.txt" | grep -v ' 0 failed')")

@@ -93,13 +93,24 @@ def test_grouped_gemms(shape, dtype, device):
         assert torch.all(got[empty] == 0), "experts with no rows must get zero gradients"
 
 
+_STEPS3 = {"STEPS": True, "PROGS_PER_SM": 3}
+
+
 @pytest.mark.parametrize("cfg", [{"BLOCK_I": 16, "BLOCK_J": 32, "BLOCK_R": 16, "P_TMA": True, "Q_TMA": True},
                                  {"BLOCK_I": 32, "BLOCK_J": 16, "BLOCK_R": 32, "P_TMA": True, "Q_TMA": True},
-                                 {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}], ids=["tma-16", "tma-32", "pointer"])
+                                 {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16},
+                                 {"BLOCK_I": 16, "BLOCK_J": 32, "BLOCK_R": 16, "P_TMA": True, "Q_TMA": True, **_STEPS3},
+                                 {"BLOCK_I": 32, "BLOCK_J": 16, "BLOCK_R": 32, "P_TMA": True, "Q_TMA": True, **_STEPS3},
+                                 {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16, **_STEPS3},
+                                 {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16, "STEPS": True, "PROGS_PER_SM": 0}],
+                         ids=["tma-16", "tma-32", "pointer", "steps-tma-16", "steps-tma-32", "steps-pointer",
+                              "steps-per-tile"])
 def test_varlen_k_chunks_and_tails(cfg, device):
     """Varlen-K over whole chunks (TMA for the contiguous operand) then the masked tail: equals the
     reference with ragged counts (multiples of BLOCK_R, not, and empty experts) and I, J not block multiples,
-    and a non-finite row of one expert never reaches another expert's gradient."""
+    and a non-finite row of one expert never reaches another expert's gradient. The persistent step loop
+    (STEPS; 3 programs over the tiles, so each runs tiles of several experts, including the empty one and the
+    one with no whole chunk) gives bitwise the per-tile grid's results."""
     t, d, n, e = 90, 40, 24, 5
     g = torch.Generator().manual_seed(11)
     counts = [32, 0, 45, 16, 3]  # whole chunks; empty; chunks and a tail; exactly one chunk; a tail only
@@ -116,6 +127,10 @@ def test_varlen_k_chunks_and_tails(cfg, device):
         ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
         assert not torch.isnan(got).any() and rel_err(got, ref) < 1e-5
         assert torch.all(got[1] == 0)
+        if cfg.get("STEPS"):
+            per_tile = {k: v for k, v in cfg.items() if k not in _STEPS3}
+            assert torch.equal(got, varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg,
+                                                  out_dtype=torch.float32, config=per_tile))
     # an Inf in expert 3's first dH row: only expert 3's dW1 may see it
     off = routing.expert_offsets.tolist()
     bad = dh_.clone()
@@ -470,6 +485,35 @@ def test_gpu_tma_configs_bf16(layout):
             assert rel_err(got[key], ref) < 1e-2, (extra, key)
 
 
+@pytest.mark.gpu
+def test_gpu_varlen_k_steps_bitwise():
+    """The weight gradients' persistent step loop compiles natively and gives bitwise the per-tile grid's
+    dW1 and dW2 in bf16, at about 256 rows per expert (where it is the pinned default): top-k counts (ragged,
+    with tails) and counts that are multiples of 128 (token rounding's), with an empty expert."""
+    from sonicmoe.ops import weight_grad
+
+    t, d, n, e, k = 4096, 768, 320, 64, 4
+    p, topk_routing, _, dout = _tma_problem(t, d, n, e, k, "cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    counts = (torch.randint(0, 4, (e,), generator=g) * 128).tolist()
+    counts[3] = 0
+    tok = torch.cat([torch.randperm(t, generator=g)[:c] for c in counts])
+    expert = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    rounded = routing_from_pairs(tok.cuda(), expert.cuda(), t, e)
+    for routing in (topk_routing, rounded):
+        r = routing.num_rows
+        dh_ = torch.randn(r, 2 * n, device="cuda", dtype=torch.bfloat16)
+        ap = torch.randn(r, n, device="cuda", dtype=torch.bfloat16)
+        for pg, qg, pm, qm, cfg in ((True, False, dout, ap, weight_grad._GPU_DEFAULT_P_GATHERED),
+                                    (False, True, dh_, p["x"], weight_grad._GPU_DEFAULT)):
+            per_tile = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.bfloat16, config=cfg)
+            steps = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.bfloat16,
+                                  config={**cfg, **weight_grad._STEPS})
+            assert torch.equal(per_tile, steps), (pg, routing is rounded)
+            ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
+            assert rel_err(steps, ref) < 1e-2
+
+
 class _RecordingKernel:
     """Stands in for a JIT kernel: records the meta-parameters and descriptor arguments of a launch."""
 
@@ -478,7 +522,7 @@ class _RecordingKernel:
 
     def __getitem__(self, grid):
         def run(**kwargs):
-            self.calls.append(kwargs)
+            self.calls.append({**kwargs, "_grid": grid})
         return run
 
 
@@ -508,6 +552,32 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     else:
         assert call["w_desc"] is None
     assert gpu_default["BLOCK_K"] == 64  # the module's default is not modified
+
+
+@pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])
+def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
+    """The pinned GPU config of the weight gradients runs the persistent step loop (one program per
+    multiprocessor) when experts have at most STEPS_MAX_ROWS_PER_EXPERT rows on average, and one program per
+    tile otherwise; the choice needs no device sync (row counts are known on the host)."""
+    from sonicmoe.ops import common, weight_grad
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
+    monkeypatch.setattr(weight_grad, "sm_count", lambda device: 132)
+    monkeypatch.setattr(weight_grad, "check_device", lambda name, t: None)
+    kern = _RecordingKernel()
+    monkeypatch.setattr(weight_grad, "_varlen_k_kernel", kern)
+    e, i_dim, j_dim = 2, 2048, 4096
+    r = rows_per_expert * e
+    routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
+    dh_ = torch.empty(r, i_dim, dtype=torch.bfloat16)
+    x = torch.empty(r, j_dim, dtype=torch.bfloat16)
+    varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=torch.bfloat16)
+    (call,) = kern.calls
+    tiles = e * (i_dim // call["BLOCK_I"]) * (j_dim // call["BLOCK_J"])
+    assert bool(call.get("STEPS")) is steps
+    assert call["_grid"] == ((min(tiles, 132),) if steps else (tiles,))
 
 
 @pytest.mark.parametrize("flatten", [False, True])

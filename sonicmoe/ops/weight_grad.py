@@ -11,8 +11,14 @@ no atomics; experts with no rows get zero gradients. The loop runs over whole BL
 row masks, then over the expert's last, partial chunk with rows past its end masked in both operands.
 The operand that is not gathered (dH for dW1, A′ for dW2) is read through a TMA descriptor in full chunks
 (P_TMA / Q_TMA). Columns are masked only where I or J is not a multiple of the block (EVEN_I / EVEN_J, set
-per launch). A persistent, flattened variant was timed on an H100 (2026-11-23) and was no faster, so the
-grid is one program per tile.
+per launch).
+
+Two schedules. By default the grid is one program per tile. With ``STEPS`` (the default when an expert has
+at most ``STEPS_MAX_ROWS_PER_EXPERT`` rows on average) one program per multiprocessor runs its tiles as one
+loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries: the next tile's
+chunks load while this tile finishes and stores. That pays where the reduction is short (few chunks per
+tile: fine-grained experts, token rounding's sparse points) and costs where it is long (its stages hold
+fewer chunks). Its results are bitwise those of the per-tile grid.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from .common import (
     dot_precision,
     launch,
     new_output,
+    next_pow2,
+    sm_count,
     tile_config,
     tma_descriptor,
     with_even_flags,
@@ -38,17 +46,20 @@ from .common import (
 def _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, r0, hi, i0, j0, I, J, stride_p, stride_q,
                 P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
                 BLOCK_R: tl.constexpr, P_TMA: tl.constexpr, Q_TMA: tl.constexpr, TAIL: tl.constexpr,
-                EVEN_I: tl.constexpr, EVEN_J: tl.constexpr):
+                EVEN_I: tl.constexpr, EVEN_J: tl.constexpr, IN_BOUNDS: tl.constexpr = False):
     """The operands of rows [r0, r0 + BLOCK_R): Pᵀ (BLOCK_I, BLOCK_R) and Q (BLOCK_R, BLOCK_J).
 
     A full chunk (``TAIL`` False) lies inside the expert: no row mask, and a contiguous operand may come
     through its TMA descriptor (P_TMA / Q_TMA; the copy engine zero-fills columns past I / J). The tail
     chunk masks rows past the expert's end (``hi``) in both operands, so they add exactly nothing.
+    ``IN_BOUNDS`` (a step whose chunk may not lie inside the expert, its product then discarded) masks the
+    row indices and the contiguous operand's pointer loads only, so every address is valid; rows inside
+    the expert load as in a full chunk.
     """
     rr = r0 + tl.arange(0, BLOCK_R)
     mask_r = rr < hi
     if P_GATHER or Q_GATHER:
-        if TAIL:
+        if TAIL or IN_BOUNDS:
             tok = tl.load(row_token_ptr + rr, mask=mask_r, other=0).to(tl.int64)
         else:
             tok = tl.load(row_token_ptr + rr).to(tl.int64)
@@ -62,7 +73,9 @@ def _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, r0, hi, i0, j0, I, 
         else:
             pr = rr.to(tl.int64)
         p_ptrs = p_ptr + pr[None, :] * stride_p + ii[:, None]
-        if TAIL and EVEN_I:
+        if IN_BOUNDS and not P_GATHER:
+            pb = tl.load(p_ptrs, mask=(ii < I)[:, None] & mask_r[None, :], other=0.0)
+        elif TAIL and EVEN_I:
             pb = tl.load(p_ptrs, mask=mask_r[None, :], other=0.0)
         elif TAIL:
             pb = tl.load(p_ptrs, mask=(ii < I)[:, None] & mask_r[None, :], other=0.0)
@@ -78,7 +91,9 @@ def _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, r0, hi, i0, j0, I, 
         else:
             qr = rr.to(tl.int64)
         q_ptrs = q_ptr + qr[:, None] * stride_q + jj[None, :]
-        if TAIL and EVEN_J:
+        if IN_BOUNDS and not Q_GATHER:
+            qb = tl.load(q_ptrs, mask=mask_r[:, None] & (jj < J)[None, :], other=0.0)
+        elif TAIL and EVEN_J:
             qb = tl.load(q_ptrs, mask=mask_r[:, None], other=0.0)
         elif TAIL:
             qb = tl.load(q_ptrs, mask=mask_r[:, None] & (jj < J)[None, :], other=0.0)
@@ -92,15 +107,21 @@ def _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, r0, hi, i0, j0, I, 
 @triton.jit
 def _varlen_k_kernel(
     p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr,
-    I, J, stride_p, stride_q, stride_oe, stride_oi,
-    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr,
+    E, I, J, stride_p, stride_q, stride_oe, stride_oi,
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
     P_TMA: tl.constexpr = False, Q_TMA: tl.constexpr = False,
-    EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False,
+    EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False, STEPS: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr = 0,
 ):
-    pid = tl.program_id(0)
     tiles_j = tl.cdiv(J, BLOCK_J)
     tiles = tl.cdiv(I, BLOCK_I) * tiles_j
+    if STEPS:
+        _varlen_k_steps(p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, E, I, J, tiles, tiles_j,
+                        stride_p, stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, E_P2, BLOCK_I,
+                        BLOCK_J, BLOCK_R, P_TMA, Q_TMA, EVEN_I, EVEN_J)
+        return
+    pid = tl.program_id(0)
     e = pid // tiles
     tile = pid % tiles
     i0 = (tile // tiles_j) * BLOCK_I
@@ -114,15 +135,89 @@ def _varlen_k_kernel(
                              stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, False,
                              EVEN_I, EVEN_J)
         acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
-    if lo + full * BLOCK_R < hi:  # the expert's last, partial chunk
-        pb, qb = _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, lo + full * BLOCK_R, hi, i0, j0, I, J,
-                             stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, True,
+    acc = _tail_and_store(acc, p_ptr, q_ptr, out_ptr, row_token_ptr, e, lo, hi, full, i0, j0, I, J, stride_p,
+                          stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, BLOCK_I, BLOCK_J, BLOCK_R,
+                          EVEN_I, EVEN_J)
+
+
+@triton.jit
+def _tail_and_store(acc, p_ptr, q_ptr, out_ptr, row_token_ptr, e, lo, hi, full, i0, j0, I, J, stride_p, stride_q,
+                    stride_oe, stride_oi, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr,
+                    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_I: tl.constexpr,
+                    EVEN_J: tl.constexpr):
+    """Adds the expert's last, partial chunk (rows past ``hi`` masked in both operands, pointer loads) to
+    ``acc`` and stores the (BLOCK_I, BLOCK_J) tile of dW[e]; returns a zeroed accumulator."""
+    if lo + full * BLOCK_R < hi:
+        pb, qb = _load_chunk(p_ptr, None, q_ptr, None, row_token_ptr, lo + full * BLOCK_R, hi, i0, j0, I, J,
+                             stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, False, False, True,
                              EVEN_I, EVEN_J)
         acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
     ii = i0 + tl.arange(0, BLOCK_I)
     jj = j0 + tl.arange(0, BLOCK_J)
     out = out_ptr + e.to(tl.int64) * stride_oe + ii[:, None].to(tl.int64) * stride_oi + jj[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ii < I)[:, None] & (jj < J)[None, :])
+    return tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+
+
+@triton.jit
+def _varlen_k_steps(
+    p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, E, I, J, tiles, tiles_j,
+    stride_p, stride_q, stride_oe, stride_oi,
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr, E_P2: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, P_TMA: tl.constexpr, Q_TMA: tl.constexpr,
+    EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
+):
+    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert t // tiles) and
+    runs them as one loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries.
+    A tile takes max(whole chunks, 1) steps; a tile without a whole chunk (fewer than BLOCK_R rows, or none)
+    discards its one step's product. The expert's last, partial chunk is added before the store, with
+    masked loads of both operands, as in the one-program-per-tile kernel: results are bitwise the same."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # this program's steps: sum over experts of (its tiles of expert e) * max(whole chunks of e, 1); its tiles
+    # of e are those pid + j * nprog in [e * tiles, (e + 1) * tiles)
+    eidx = tl.arange(0, E_P2)
+    emask = eidx < E
+    lo_v = tl.load(offsets_ptr + eidx, mask=emask, other=0)
+    hi_v = tl.load(offsets_ptr + eidx + 1, mask=emask, other=0)
+    steps_v = tl.maximum((hi_v - lo_v) // BLOCK_R, 1)
+    below_hi = (tl.maximum((eidx + 1) * tiles - pid, 0) + nprog - 1) // nprog
+    below_lo = (tl.maximum(eidx * tiles - pid, 0) + nprog - 1) // nprog
+    total = tl.sum(tl.where(emask, (below_hi - below_lo) * steps_v, 0), 0)
+    tile = pid - nprog
+    ci = -1
+    nsteps = 0
+    e = 0
+    lo = 0
+    hi = 0
+    i0 = 0
+    j0 = 0
+    acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    for _ in range(0, total):
+        ci = tl.where(ci == nsteps - 1, 0, ci + 1)
+        if ci == 0:
+            tile += nprog
+            e = tile // tiles
+            sel = eidx == e
+            lo = tl.sum(tl.where(sel, lo_v, 0), 0)
+            hi = tl.sum(tl.where(sel, hi_v, 0), 0)
+            nsteps = tl.maximum((hi - lo) // BLOCK_R, 1)
+            t = tile % tiles
+            i0 = (t // tiles_j) * BLOCK_I
+            j0 = (t % tiles_j) * BLOCK_J
+        # a whole chunk (or, in a tile without one, a step whose product is discarded; its row indices are
+        # masked, so the loads stay in bounds)
+        pb, qb = _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, lo + ci * BLOCK_R, hi, i0, j0, I, J,
+                             stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, False,
+                             EVEN_I, EVEN_J, True)
+        acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
+        if ci == nsteps - 1:
+            full = (hi - lo) // BLOCK_R
+            if full == 0:
+                acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+            acc = _tail_and_store(acc, p_ptr, q_ptr, out_ptr, row_token_ptr, e, lo, hi, full, i0, j0, I, J,
+                                  stride_p, stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, BLOCK_I,
+                                  BLOCK_J, BLOCK_R, EVEN_I, EVEN_J)
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): the index load of the gathered
@@ -134,13 +229,22 @@ _GPU_DEFAULT_P_GATHERED = {"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_R": 64, "P_TMA
                            "num_warps": 8, "num_stages": 7}
 _GPU_DEFAULT = {"BLOCK_I": 256, "BLOCK_J": 128, "BLOCK_R": 64, "P_TMA": True, "Q_TMA": True, "num_warps": 8,
                 "num_stages": 5}
+# Few rows per expert (short reduction loops, where a tile's pipeline fill and store are a large share of its
+# time): the persistent step loop, 5 stages (session 9, benchmarks/results/2026-11-24_nvidia-h100_varlen-k-steps/:
+# (16384, 1536, 256, 512, 8) with token-rounded counts, 256 rows per expert: dW1 0.715 -> 0.640 ms, dW2 0.361 ->
+# 0.340; on the 7B shape, 1536 rows per expert, it is slower: dW1 0.59 -> 0.71, dW2 0.30 -> 0.37)
+STEPS_MAX_ROWS_PER_EXPERT = 512
+_STEPS = {"STEPS": True, "PROGS_PER_SM": 1, "num_stages": 5}
 _PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
 _NAMES = ("BLOCK_I", "BLOCK_J", "BLOCK_R")
 TUNING_SPACE = [
     tile_config(*c, names=_NAMES, P_TMA=True, Q_TMA=True) for c in
     ((256, 128, 64, 8, 5), (128, 256, 64, 8, 5), (256, 128, 64, 8, 7), (128, 256, 64, 8, 7), (128, 128, 64, 8, 5),
      (128, 128, 64, 4, 5))
-] + [tile_config(128, 128, 64, 8, 5, names=_NAMES)]
+] + [tile_config(128, 128, 64, 8, 5, names=_NAMES)] + [
+    tile_config(*c, names=_NAMES, P_TMA=True, Q_TMA=True, STEPS=True, PROGS_PER_SM=1) for c in
+    ((256, 128, 64, 8, 5), (128, 256, 64, 8, 5))
+]
 
 def _desc_blocks(meta: dict) -> dict:
     return {"p_desc": (meta["BLOCK_R"], meta["BLOCK_I"]), "q_desc": (meta["BLOCK_R"], meta["BLOCK_J"])}
@@ -148,7 +252,7 @@ def _desc_blocks(meta: dict) -> dict:
 
 _FLAG_DESCS = {"P_TMA": ("p_desc",), "Q_TMA": ("q_desc",)}
 _varlen_k_kernel = with_even_flags(_varlen_k_kernel, EVEN_I=("I", "BLOCK_I"), EVEN_J=("J", "BLOCK_J"))
-_tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["I", "J", "P_GATHER", "Q_GATHER"], _desc_blocks)
+_tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["E", "I", "J", "P_GATHER", "Q_GATHER"], _desc_blocks)
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
@@ -175,13 +279,20 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         p_ptr=p, p_desc=None if p_gather else tma_descriptor(p), q_ptr=q,
         q_desc=None if q_gather else tma_descriptor(q), out_ptr=out, row_token_ptr=routing.row_token,
         offsets_ptr=routing.expert_offsets,
-        I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
+        E=e, I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
         stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
+        E_P2=next_pow2(e),
     )
-    grid = lambda m: (e * triton.cdiv(i_dim, m["BLOCK_I"]) * triton.cdiv(j_dim, m["BLOCK_J"]),)
 
-    # pinned tiles: 256 wide on the operand that is not gathered
+    def grid(meta):
+        tiles = e * triton.cdiv(i_dim, meta["BLOCK_I"]) * triton.cdiv(j_dim, meta["BLOCK_J"])
+        pps = meta.get("PROGS_PER_SM", 0) if meta.get("STEPS") else 0
+        return (min(tiles, pps * sm_count(p.device)) if pps else tiles,)
+
+    # pinned tiles: 256 wide on the operand that is not gathered; the step loop for few rows per expert
     gpu_default = _GPU_DEFAULT_P_GATHERED if p_gather else _GPU_DEFAULT
+    if routing.num_rows <= STEPS_MAX_ROWS_PER_EXPERT * e:
+        gpu_default = {**gpu_default, **_STEPS}
     launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, gpu_default, config, _desc_blocks, _FLAG_DESCS)
     return out
 
