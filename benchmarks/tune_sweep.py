@@ -66,6 +66,11 @@ FOCUS["down_proj"] = [_m(128, 256, 8, 3, 1, True, **_VM), _m(128, 256, 8, 3, 1, 
                       _m(128, 128, 8, 4, 1, STEPS=True, C_TMA=True, **_VM),
                       _m(128, 128, 4, 4, 1, STEPS=True, C_TMA=True, **_VM)]
 FOCUS["dxtilde"] = FOCUS["down_proj"]
+# session 9: the varlen-M schedules on token-rounded counts (every tile full), the current default first
+FOCUS["down_proj"] = FOCUS["dxtilde"] = [
+    _m(128, 256, 8, 4, 1, STEPS=True, **_VM), _m(128, 256, 8, 3, 1, True, **_VM),
+    _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), _m(128, 256, 8, 3, **_VM),
+    _m(128, 256, 8, 4, 1, **_VM)]
 
 
 def _rel_err(got, ref) -> float:

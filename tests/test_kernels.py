@@ -338,8 +338,8 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
     m = {"PROGS_PER_SM": 0, "FLATTEN": False}
     monkeypatch.setattr(up_mod, "_GPU_DEFAULT", {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, **m,
                                                  "W_TMA": False, "num_warps": 4, "num_stages": 3})
-    monkeypatch.setattr(grouped_gemm, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, **m,
-                                                       "W_TMA": True, "num_warps": 8, "num_stages": 4})
+    gemm_cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, **m, "W_TMA": True, "num_warps": 8, "num_stages": 4}
+    monkeypatch.setattr(grouped_gemm, "pinned_gpu_config", lambda rows, experts, width: gemm_cfg)
     monkeypatch.setattr(dh_mod, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
                                                  "PROGS_PER_SM": 1, "FLATTEN": False, "W_TMA": True,
                                                  "H_PREFETCH": 0, "num_warps": 8, "num_stages": 3})
@@ -578,6 +578,33 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     tiles = e * (i_dim // call["BLOCK_I"]) * (j_dim // call["BLOCK_J"])
     assert bool(call.get("STEPS")) is steps
     assert call["_grid"] == ((min(tiles, 132),) if steps else (tiles,))
+
+
+@pytest.mark.parametrize("rows_per_expert,width,tma_stores",
+                         [(1536, 1536, False), (513, 2048, False), (512, 1536, True), (2048, 4096, True)])
+def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores):
+    """The pinned GPU config of the contiguous-row grouped GEMM: the 4-stage step loop with pointer stores for
+    many rows per expert and a narrow C, else the 3-stage one with TMA stores in column halves."""
+    from sonicmoe.ops import common, grouped_gemm
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
+    monkeypatch.setattr(grouped_gemm, "check_device", lambda name, t: None)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    kern = _RecordingKernel()
+    monkeypatch.setattr(grouped_gemm, "_varlen_m_kernel", kern)
+    e, k = 2, 256
+    r = rows_per_expert * e
+    routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
+    a = torch.empty(r, k, dtype=torch.bfloat16)
+    w2 = torch.empty(e, width, k, dtype=torch.bfloat16)
+    down_proj(a, w2, None, routing)
+    (call,) = kern.calls
+    assert call["STEPS"] and call["PROGS_PER_SM"] == 1
+    assert bool(call.get("C_TMA")) is tma_stores and call.get("C_SPLIT", 1) == (2 if tma_stores else 1)
+    assert call["num_stages"] == (3 if tma_stores else 4)
+    assert (call["c_desc"] is not None) is tma_stores
 
 
 @pytest.mark.parametrize("flatten", [False, True])

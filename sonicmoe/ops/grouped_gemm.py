@@ -14,8 +14,9 @@ an expert's end are the next expert's or zeros, and their results are never stor
 blocks: less shared memory) and an expert's last tile by masked stores. ``STEPS`` runs a program's tiles as
 one loop over (tile, K-block) steps written out in the kernel, so the software pipeline crosses tile
 boundaries (as Triton's ``FLATTEN`` does) and TMA stores are allowed (which ``FLATTEN`` cannot compile in
-Triton 3.6). The default is that step loop with pointer stores (fastest on the 7B shape); the autotuner
-chooses among the configs.
+Triton 3.6). The pinned default is that step loop: with pointer stores where experts have many rows and C
+is narrow (the 7B shape), with TMA stores in column halves elsewhere (:func:`pinned_gpu_config`); the
+autotuner chooses among the configs.
 """
 
 from __future__ import annotations
@@ -169,6 +170,23 @@ def _c_epilogue(acc, bias_ptr, c_ptr, c_desc, e, rows, mask_m, row_start, row_en
 # 3.49 ms (629 TFLOP/s; previous default 3.72), dX~ 7.25 ms (7.31).
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": False,
                 "STEPS": True, "W_TMA": True, "A_TMA": True, "num_warps": 8, "num_stages": 4}
+# Session 9 (benchmarks/results/2026-11-24_nvidia-h100_varlen-k-steps/tune_vm*): the 4-stage pointer-store default
+# above leads only where experts have many rows and C is narrow (the 7B shape: 1536 rows per expert, m = 1536).
+# With few rows per expert or a wide C the 3-stage step loop with TMA stores in halves leads or is within 3% of
+# the best: (16384, 4096, 512, 512, 8) down-projection 1.54 -> 1.26 ms with token-rounded counts, 1.73 -> 1.41
+# top-k; dX~ 2.74 -> 2.30 and 3.32 -> 2.49; (16384, 1536, 256, 512, 8) token rounding: down-projection 0.372 ->
+# 0.353, dX~ 0.574 -> 0.476 (top-k: 0.350 -> 0.325 and 0.484 -> 0.519).
+_GPU_DEFAULT_TMA_STORES = {**_GPU_DEFAULT, "num_stages": 3, "C_TMA": True, "C_SPLIT": 2}
+POINTER_STORES_MIN_ROWS_PER_EXPERT = 512
+POINTER_STORES_MAX_WIDTH = 2048
+
+
+def pinned_gpu_config(num_rows: int, num_experts: int, width: int) -> dict:
+    """The pinned GPU config for R rows over E experts writing C (R, m = ``width``): host values only."""
+    if num_rows > POINTER_STORES_MIN_ROWS_PER_EXPERT * num_experts and width <= POINTER_STORES_MAX_WIDTH:
+        return _GPU_DEFAULT
+    return _GPU_DEFAULT_TMA_STORES
+
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
     tile_config(128, 256, 64, 8, 4, 1, tma=True, A_TMA=True, STEPS=True),
@@ -221,7 +239,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         B_TRANS=transpose_b, E_P2=next_pow2(e), DOT_PREC=dot_precision(a.dtype),
     )
     if r > 0:
-        launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP, _GPU_DEFAULT,
+        launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP,
+               pinned_gpu_config(r, e, m),
                config, _desc_blocks, _FLAG_DESCS)
     return c
 
