@@ -56,16 +56,9 @@ _VK_STEPS = [_k(bi, bj, 8, st, **_VK, STEPS=True, PROGS_PER_SM=1)
              for bi, bj in ((128, 256), (256, 128)) for st in (4, 5)]
 FOCUS["dw2"] = [_k(128, 256, 8, 7, **_VK), _k(256, 128, 8, 5, **_VK), *_VK_STEPS]
 FOCUS["dw1"] = [_k(256, 128, 8, 5, **_VK), _k(128, 256, 8, 7, **_VK), *_VK_STEPS]
-# session 8: the tile loop written as one loop over (tile, K-block) steps (STEPS), which pipelines across
-# tiles and allows TMA stores (C_TMA; C_SPLIT=2 stores the tile in two column halves: less shared memory)
+# session 8 (benchmarks/results/2026-11-24_nvidia-h100_steps/): the tile loop as one loop over (tile, K-block)
+# steps (STEPS), with TMA stores in column halves (C_TMA, C_SPLIT=2)
 _VM = dict(W_TMA=True, A_TMA=True)
-FOCUS["down_proj"] = [_m(128, 256, 8, 3, 1, True, **_VM), _m(128, 256, 8, 3, 1, STEPS=True, **_VM),
-                      _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM),
-                      _m(128, 256, 8, 2, 1, STEPS=True, C_TMA=True, **_VM),
-                      _m(128, 256, 8, 4, 1, STEPS=True, **_VM),
-                      _m(128, 128, 8, 4, 1, STEPS=True, C_TMA=True, **_VM),
-                      _m(128, 128, 4, 4, 1, STEPS=True, C_TMA=True, **_VM)]
-FOCUS["dxtilde"] = FOCUS["down_proj"]
 # session 9: the varlen-M schedules on token-rounded counts (every tile full), the current default first
 FOCUS["down_proj"] = FOCUS["dxtilde"] = [
     _m(128, 256, 8, 4, 1, STEPS=True, **_VM), _m(128, 256, 8, 3, 1, True, **_VM),

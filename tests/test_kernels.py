@@ -557,14 +557,14 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
 @pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])
 def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     """The pinned GPU config of the weight gradients runs the persistent step loop (one program per
-    multiprocessor) when experts have at most STEPS_MAX_ROWS_PER_EXPERT rows on average, and one program per
+    multiprocessor) when experts have at most common.FEW_ROWS_PER_EXPERT rows on average, and one program per
     tile otherwise; the choice needs no device sync (row counts are known on the host)."""
     from sonicmoe.ops import common, weight_grad
 
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
-    monkeypatch.setattr(weight_grad, "sm_count", lambda device: 132)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
     monkeypatch.setattr(weight_grad, "check_device", lambda name, t: None)
     kern = _RecordingKernel()
     monkeypatch.setattr(weight_grad, "_varlen_k_kernel", kern)

@@ -291,14 +291,30 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def programs(tiles: int, progs_per_sm: int, device: torch.device) -> int:
+    """Programs of a grid over ``tiles`` tiles: one per tile, or for a persistent config (``progs_per_sm``
+    > 0) that many per multiprocessor, looping over the tiles (never more programs than tiles)."""
+    return min(tiles, progs_per_sm * sm_count(device)) if progs_per_sm else tiles
+
+
+# Mean rows per expert at or below which the pinned GPU configs treat experts as "few-row" (short reduction
+# loops in the weight gradients, many partly used weight tiles in the grouped GEMMs); measured in session 9,
+# benchmarks/results/2026-11-24_nvidia-h100_varlen-k-steps/
+FEW_ROWS_PER_EXPERT = 512
+
+
+def few_rows_per_expert(num_rows: int, num_experts: int) -> bool:
+    """Whether R routed rows over E experts average at most FEW_ROWS_PER_EXPERT (host values: no sync)."""
+    return num_rows <= FEW_ROWS_PER_EXPERT * num_experts
+
+
 def varlen_m_grid(num_rows: int, num_experts: int, n: int, device: torch.device):
     """Grid of a varlen-M kernel: one program per (M-tile, N-tile) upper bound, or, for persistent
     configs (PROGS_PER_SM > 0), PROGS_PER_SM programs per multiprocessor looping over the tiles."""
 
     def grid(meta):
         upper = max_m_tiles(num_rows, num_experts, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
-        pps = meta.get("PROGS_PER_SM", 0)
-        return (min(upper, pps * sm_count(device)) if pps else upper,)
+        return (programs(upper, meta.get("PROGS_PER_SM", 0), device),)
 
     return grid
 

@@ -31,6 +31,7 @@ from .common import (
     check_device,
     column_halves,
     dot_precision,
+    few_rows_per_expert,
     launch,
     load_weight_block,
     new_output,
@@ -177,13 +178,12 @@ _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1
 # top-k; dX~ 2.74 -> 2.30 and 3.32 -> 2.49; (16384, 1536, 256, 512, 8) token rounding: down-projection 0.372 ->
 # 0.353, dX~ 0.574 -> 0.476 (top-k: 0.350 -> 0.325 and 0.484 -> 0.519).
 _GPU_DEFAULT_TMA_STORES = {**_GPU_DEFAULT, "num_stages": 3, "C_TMA": True, "C_SPLIT": 2}
-POINTER_STORES_MIN_ROWS_PER_EXPERT = 512
 POINTER_STORES_MAX_WIDTH = 2048
 
 
 def pinned_gpu_config(num_rows: int, num_experts: int, width: int) -> dict:
     """The pinned GPU config for R rows over E experts writing C (R, m = ``width``): host values only."""
-    if num_rows > POINTER_STORES_MIN_ROWS_PER_EXPERT * num_experts and width <= POINTER_STORES_MAX_WIDTH:
+    if not few_rows_per_expert(num_rows, num_experts) and width <= POINTER_STORES_MAX_WIDTH:
         return _GPU_DEFAULT
     return _GPU_DEFAULT_TMA_STORES
 

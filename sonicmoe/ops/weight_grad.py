@@ -14,7 +14,7 @@ The operand that is not gathered (dH for dW1, A′ for dW2) is read through a TM
 per launch).
 
 Two schedules. By default the grid is one program per tile. With ``STEPS`` (the default when an expert has
-at most ``STEPS_MAX_ROWS_PER_EXPERT`` rows on average) one program per multiprocessor runs its tiles as one
+at most ``common.FEW_ROWS_PER_EXPERT`` rows on average) one program per multiprocessor runs its tiles as one
 loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries: the next tile's
 chunks load while this tile finishes and stores. That pays where the reduction is short (few chunks per
 tile: fine-grained experts, token rounding's sparse points) and costs where it is long (its stages hold
@@ -32,11 +32,13 @@ from .common import (
     autotuners,
     check_device,
     dot_precision,
+    few_rows_per_expert,
     launch,
     new_output,
     next_pow2,
-    sm_count,
+    programs,
     tile_config,
+    tile_schedule,
     tma_descriptor,
     with_even_flags,
 )
@@ -135,9 +137,8 @@ def _varlen_k_kernel(
                              stride_p, stride_q, P_GATHER, Q_GATHER, BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, False,
                              EVEN_I, EVEN_J)
         acc = tl.dot(pb, qb, acc, input_precision=DOT_PREC)
-    acc = _tail_and_store(acc, p_ptr, q_ptr, out_ptr, row_token_ptr, e, lo, hi, full, i0, j0, I, J, stride_p,
-                          stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, BLOCK_I, BLOCK_J, BLOCK_R,
-                          EVEN_I, EVEN_J)
+    _tail_and_store(acc, p_ptr, q_ptr, out_ptr, row_token_ptr, e, lo, hi, full, i0, j0, I, J, stride_p, stride_q,
+                    stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, BLOCK_I, BLOCK_J, BLOCK_R, EVEN_I, EVEN_J)
 
 
 @triton.jit
@@ -176,10 +177,8 @@ def _varlen_k_steps(
     nprog = tl.num_programs(0)
     # this program's steps: sum over experts of (its tiles of expert e) * max(whole chunks of e, 1); its tiles
     # of e are those pid + j * nprog in [e * tiles, (e + 1) * tiles)
-    eidx = tl.arange(0, E_P2)
+    eidx, lo_v, hi_v, _, _, _ = tile_schedule(offsets_ptr, E, E_P2, BLOCK_R)
     emask = eidx < E
-    lo_v = tl.load(offsets_ptr + eidx, mask=emask, other=0)
-    hi_v = tl.load(offsets_ptr + eidx + 1, mask=emask, other=0)
     steps_v = tl.maximum((hi_v - lo_v) // BLOCK_R, 1)
     below_hi = (tl.maximum((eidx + 1) * tiles - pid, 0) + nprog - 1) // nprog
     below_lo = (tl.maximum(eidx * tiles - pid, 0) + nprog - 1) // nprog
@@ -232,8 +231,8 @@ _GPU_DEFAULT = {"BLOCK_I": 256, "BLOCK_J": 128, "BLOCK_R": 64, "P_TMA": True, "Q
 # Few rows per expert (short reduction loops, where a tile's pipeline fill and store are a large share of its
 # time): the persistent step loop, 5 stages (session 9, benchmarks/results/2026-11-24_nvidia-h100_varlen-k-steps/:
 # (16384, 1536, 256, 512, 8) with token-rounded counts, 256 rows per expert: dW1 0.715 -> 0.640 ms, dW2 0.361 ->
-# 0.340; on the 7B shape, 1536 rows per expert, it is slower: dW1 0.59 -> 0.71, dW2 0.30 -> 0.37)
-STEPS_MAX_ROWS_PER_EXPERT = 512
+# 0.340; on the 7B shape, 1536 rows per expert, it is slower: dW1 0.59 -> 0.71, dW2 0.30 -> 0.37); pinned for
+# few rows per expert (common.few_rows_per_expert)
 _STEPS = {"STEPS": True, "PROGS_PER_SM": 1, "num_stages": 5}
 _PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
 _NAMES = ("BLOCK_I", "BLOCK_J", "BLOCK_R")
@@ -286,12 +285,11 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
 
     def grid(meta):
         tiles = e * triton.cdiv(i_dim, meta["BLOCK_I"]) * triton.cdiv(j_dim, meta["BLOCK_J"])
-        pps = meta.get("PROGS_PER_SM", 0) if meta.get("STEPS") else 0
-        return (min(tiles, pps * sm_count(p.device)) if pps else tiles,)
+        return (programs(tiles, meta.get("PROGS_PER_SM", 0) if meta.get("STEPS") else 0, p.device),)
 
     # pinned tiles: 256 wide on the operand that is not gathered; the step loop for few rows per expert
     gpu_default = _GPU_DEFAULT_P_GATHERED if p_gather else _GPU_DEFAULT
-    if routing.num_rows <= STEPS_MAX_ROWS_PER_EXPERT * e:
+    if few_rows_per_expert(routing.num_rows, e):
         gpu_default = {**gpu_default, **_STEPS}
     launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, gpu_default, config, _desc_blocks, _FLAG_DESCS)
     return out
