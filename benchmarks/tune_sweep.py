@@ -43,9 +43,13 @@ def _agg(bt, bd, warps, unroll):
 # (2026-11-24, second round): 16-warp up-projection tiles, the new varlen-K space on every shape (round one:
 # benchmarks/results/2026-11-24_nvidia-h100_tune/). Session 7: dH with and without H_PREFETCH at 8 and 16 warps,
 # the old default first (benchmarks/results/2026-11-24_nvidia-h100_dh-prefetch/).
+_GU = dict(W_TMA=True, GU_FUSED=True)
 FOCUS = {
-    "up_proj": [_m(128, 128, 8, 4, 1, W_TMA=True, C_TMA=True), _m(128, 128, 16, 4, 1, W_TMA=True, C_TMA=True),
-                _m(128, 128, 16, 4, W_TMA=True), _m(128, 128, 16, 3, 1, W_TMA=True, C_TMA=True)],
+    # session 10: gate and up rows of W1 in one TMA box and one dot (GU_FUSED), the current default first;
+    # round 2: shallower K-steps with deeper pipelines, persistent pointer stores
+    "up_proj": [_m(128, 128, 8, 4, **_GU), _m(128, 128, 8, 4, 1, C_TMA=True, **_GU), _m(128, 128, 8, 3, **_GU),
+                _m(128, 128, 8, 4, 1, **_GU), _m(128, 128, 8, 8, bk=32, **_GU), _m(128, 128, 8, 6, bk=32, **_GU),
+                _m(128, 128, 8, 7, 1, bk=32, C_TMA=True, **_GU)],
     "dh": [_m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=0), _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=1),
            _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=2), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=0),
            _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=2),

@@ -427,10 +427,11 @@ def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
 
 def _kernel_outputs(p, routing, s, dout, layout, cfg):
     """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
-    (A_TMA, STEPS and C_SPLIT are the contiguous-row GEMMs' only)."""
-    gemm_cfg = dict(cfg)
-    gather_cfg = {k: v for k, v in gemm_cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
-    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=gather_cfg)
+    (A_TMA, STEPS and C_SPLIT are the contiguous-row GEMMs' only, GU_FUSED the up-projection's)."""
+    up_cfg = {k: v for k, v in cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
+    gemm_cfg = {k: v for k, v in cfg.items() if k != "GU_FUSED"}
+    gather_cfg = {k: v for k, v in up_cfg.items() if k != "GU_FUSED"}
+    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=up_cfg)
     y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
     dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=gather_cfg)
     dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=gemm_cfg)
@@ -442,7 +443,9 @@ def _kernel_outputs(p, routing, s, dout, layout, cfg):
 def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
     """W_TMA (weights through TMA descriptors, zero-filled past n and d), A_TMA, C_TMA (TMA stores of full
     tiles, masked stores for an expert's last tile; switched off under FLATTEN), dH's epilogue in column
-    blocks give the pointer path's results. The misaligned shape (fp16, rows of 40 bytes) cannot be
+    blocks, the up-projection's one-box gate/up load and one dot (GU_FUSED; n = 40 leaves the second
+    64-channel box half past n, zero-filled in both its gate and up halves) give the pointer path's
+    results. The misaligned shape (fp16, rows of 40 bytes) cannot be
     described for TMA: the launcher falls back to pointer loads and stores."""
     t, d, n, e, k = shape
     dtype = torch.float32 if shape[1] == 48 else torch.float16
@@ -455,7 +458,9 @@ def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
                   {"W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True},
                   {"STEPS": True, "PROGS_PER_SM": 1}, {"STEPS": True, "PROGS_PER_SM": 0, "BLOCK_N": 64},
                   {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True},
-                  {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True, "C_SPLIT": 2}):
+                  {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True, "C_SPLIT": 2},
+                  {"W_TMA": True, "GU_FUSED": True}, {"W_TMA": True, "GU_FUSED": True, "BLOCK_N": 64},
+                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "PROGS_PER_SM": 1}, {"GU_FUSED": True}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -478,7 +483,9 @@ def test_gpu_tma_configs_bf16(layout):
                   {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "FLATTEN": True},
                   {"A_TMA": True, "W_TMA": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4},
                   {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "STEPS": True, "num_stages": 4},
-                  {"A_TMA": True, "W_TMA": True, "C_TMA": True, "C_SPLIT": 2, "PROGS_PER_SM": 1, "STEPS": True}):
+                  {"A_TMA": True, "W_TMA": True, "C_TMA": True, "C_SPLIT": 2, "PROGS_PER_SM": 1, "STEPS": True},
+                  {"W_TMA": True, "GU_FUSED": True, "num_stages": 4},
+                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)

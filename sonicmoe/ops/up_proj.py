@@ -12,7 +12,11 @@ recomputation of A from H gives the same values.
 
 Weight operand: with ``W_TMA`` (the GPU default) the gate and up rows of W1[e] are read through TMA
 tensor descriptors over the (E, n, d) gate/up views, which zero-fill past n and d; weights whose
-strides TMA cannot address (not 16-byte aligned) fall back to pointer loads. X rows are gathered by
+strides TMA cannot address (not 16-byte aligned) fall back to pointer loads. With ``GU_FUSED`` (the GPU
+default; needs ``W_TMA``) one box of a 4-D view of W1 — (E, 2, n, d) for concat, (E, n, 2, d) for
+interleaved — brings a tile's gate and up rows together, so each K-step is one (BLOCK_M, 2·BLOCK_N) dot
+(one wide tensor-core instruction chain instead of two) and the accumulator is split into its gate and up
+halves in registers afterwards. X rows are gathered by
 pointer loads either way. Outputs: with ``C_TMA`` (the GPU default) full tiles of H (concat layout) and A
 are written by TMA stores, which the persistent tile loop overlaps with the next tile's main loop; an
 expert's last, partial tile (and the interleaved layout's H) uses masked pointer stores.
@@ -29,6 +33,7 @@ from ..routing import Routing
 from .common import (
     autotuners,
     check_device,
+    column_halves,
     dot_precision,
     launch,
     load_weight_block,
@@ -51,14 +56,14 @@ def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _up_proj_kernel(
-    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr, offsets_ptr,
-    E, N, D,
+    x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr,
+    offsets_ptr, E, N, D,
     stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, C_TMA: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -66,20 +71,20 @@ def _up_proj_kernel(
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
-        _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
+        _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
                       row_token_ptr, e, row_start, row_end, pid_n, N, D, stride_xt, stride_we, stride_wn,
                       stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M,
-                      BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K)
+                      BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K, GU_FUSED and W_TMA)
 
 
 @triton.jit
 def _up_proj_tile(
-    x_ptr, w1_ptr, wg_desc, wu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr, e, row_start,
-    row_end, pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
+    x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr, e,
+    row_start, row_end, pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    C_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+    C_TMA: tl.constexpr, EVEN_K: tl.constexpr, GU_FUSED: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -92,22 +97,44 @@ def _up_proj_tile(
     g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
     u_rows = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     w_base = w1_ptr + e.to(tl.int64) * stride_we
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            xa = tl.load(x_ptrs)
+    if GU_FUSED:
+        # one (BLOCK_K, 2 BLOCK_N) TMA box holding the gate and the up rows of the tile's channels, one dot
+        # into a (BLOCK_M, 2 BLOCK_N) accumulator, split in registers afterwards: concat layout, the (E, 2, n, d)
+        # view's box (1, 2, BLOCK_N, BLOCK_K) = [gate rows; up rows]; interleaved, the (E, n, 2, d) view's
+        # box (1, BLOCK_N, 2, BLOCK_K) = gate and up rows alternating
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+            else:
+                xa = tl.load(x_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
+            x_ptrs += BLOCK_K
+            if CH_STRIDE == 1:
+                wgu = wgu_desc.load([e, 0, pid_n * BLOCK_N, k * BLOCK_K])
+            else:
+                wgu = wgu_desc.load([e, pid_n * BLOCK_N, 0, k * BLOCK_K])
+            acc = tl.dot(xa, tl.reshape(wgu, (2 * BLOCK_N, BLOCK_K)).T, acc, input_precision=DOT_PREC)
+        if CH_STRIDE == 1:
+            acc_g, acc_u = column_halves(acc)
         else:
-            xa = tl.load(x_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
-        x_ptrs += BLOCK_K
-        # (BLOCK_K, BLOCK_N) blocks of the gate and up rows of W1[e]; through TMA, boxes of the (E, n, d)
-        # gate/up views, zero-filled past n and d
-        wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
-                               CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
-        wu = load_weight_block(w_base + UP_OFF * stride_wn, wu_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
-                               CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
-        acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                xa = tl.load(x_ptrs)
+            else:
+                xa = tl.load(x_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
+            x_ptrs += BLOCK_K
+            # (BLOCK_K, BLOCK_N) blocks of the gate and up rows of W1[e]; through TMA, boxes of the (E, n, d)
+            # gate/up views, zero-filled past n and d
+            wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N,
+                                   1, CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
+            wu = load_weight_block(w_base + UP_OFF * stride_wn, wu_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
+                                   CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
+            acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
     if HAS_BIAS:
         b_base = b1_ptr + e.to(tl.int64) * (2 * N)
         acc_g += tl.load(b_base + g_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -132,27 +159,32 @@ def _up_proj_tile(
         tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a, mask=mask)
 
 
-_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 1, "FLATTEN": False,
-                "W_TMA": True, "C_TMA": True, "num_warps": 8, "num_stages": 4}
+_GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
+                "W_TMA": True, "GU_FUSED": True, "num_warps": 8, "num_stages": 4}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
-# measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-23/24): W1 through TMA descriptors,
-# 128x128x64, 8 warps, 4 stages, one program per SM looping over the tiles, full tiles stored by TMA
-# (C_TMA; the persistent loop overlaps a tile's stores with the next tile's main loop, and the config no
-# longer spills): 7B 0.651 ms (475 TFLOP/s; pointer stores 0.668); on (32768, 4096, 1024, 128, 8) the
-# non-persistent pointer-store config leads (7.92 ms, 556 TFLOP/s; C_TMA 7.99)
+# measured on H100 (benchmarks/tune_sweep.py --space focus): 2026-11-23/24, W1 through TMA descriptors,
+# 128x128x64, 8 warps, 4 stages, one program per SM looping over the tiles with full tiles stored by TMA
+# (C_TMA): 7B 0.648 ms; on (32768, 4096, 1024, 128, 8) the non-persistent pointer-store config led (7.92 ms).
+# 2026-11-24 (session 10): the gate and up rows in one TMA box and one (128 x 256) dot (GU_FUSED): 7B
+# 0.584 ms (530 TFLOP/s) non-persistent with pointer stores, 0.608 persistent with C_TMA; (32768, 4096, 1024,
+# 128, 8) 7.37 ms (597 TFLOP/s) persistent with C_TMA, 7.47 non-persistent (benchmarks/results/
+# 2026-11-24_nvidia-h100_gu-fused/)
 TUNING_SPACE = [
-    tile_config(128, 128, 64, 8, 4, 1, tma=True, C_TMA=True), tile_config(128, 128, 64, 8, 4, tma=True, C_TMA=True),
-    tile_config(128, 128, 64, 8, 4, tma=True), tile_config(128, 128, 64, 8, 3, 1, tma=True, C_TMA=True),
-    tile_config(128, 128, 64, 8, 3, tma=True), tile_config(128, 128, 64, 8, 3), tile_config(128, 64, 64, 4, 4),
+    tile_config(128, 128, 64, 8, 4, tma=True, GU_FUSED=True),
+    tile_config(128, 128, 64, 8, 4, 1, tma=True, C_TMA=True, GU_FUSED=True),
+    tile_config(128, 128, 64, 8, 3, 1, tma=True, C_TMA=True, GU_FUSED=True),
+    tile_config(128, 128, 64, 8, 4, 1, tma=True, C_TMA=True), tile_config(128, 128, 64, 8, 4, tma=True),
+    tile_config(128, 128, 64, 8, 3), tile_config(128, 64, 64, 4, 4),
 ]
 
 def _desc_blocks(meta: dict) -> dict:
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-    return {"wg_desc": (1, bn, bk), "wu_desc": (1, bn, bk), "hg_desc": (bm, bn), "hu_desc": (bm, bn),
-            "ao_desc": (bm, bn)}
+    gu = (1, 2, bn, bk) if meta.get("CH_STRIDE", 1) == 1 else (1, bn, 2, bk)
+    return {"wg_desc": (1, bn, bk), "wu_desc": (1, bn, bk), "wgu_desc": gu, "hg_desc": (bm, bn),
+            "hu_desc": (bm, bn), "ao_desc": (bm, bn)}
 
 
-_FLAG_DESCS = {"W_TMA": ("wg_desc", "wu_desc"), "C_TMA": ("hg_desc", "hu_desc", "ao_desc")}
+_FLAG_DESCS = {"W_TMA": ("wg_desc", "wu_desc", "wgu_desc"), "C_TMA": ("hg_desc", "hu_desc", "ao_desc")}
 
 
 _up_proj_kernel = with_even_flags(_up_proj_kernel, EVEN_K=("D", "BLOCK_K"))
@@ -197,6 +229,7 @@ def up_proj(
     args = dict(
         x_ptr=x, w1_ptr=w1, wg_desc=tma_descriptor(w1[:, gate_off::ch_stride][:, :n]),
         wu_desc=tma_descriptor(w1[:, up_off::ch_stride][:, :n]),
+        wgu_desc=tma_descriptor(w1.view(e, 2, n, d) if ch_stride == 1 else w1.view(e, n, 2, d)),
         b1_ptr=b1.contiguous() if b1 is not None else w1, h_ptr=h, a_ptr=a,
         hg_desc=hg_desc, hu_desc=hu_desc, ao_desc=ao_desc,
         row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets,
