@@ -64,6 +64,9 @@ FOCUS["dw1"] = [_k(256, 128, 8, 5, **_VK), _k(128, 256, 8, 7, **_VK), *_VK_STEPS
 # steps (STEPS), with TMA stores in column halves (C_TMA, C_SPLIT=2)
 _VM = dict(W_TMA=True, A_TMA=True)
 # session 9: the varlen-M schedules on token-rounded counts (every tile full), the current default first
+# session 10: the aggregation's block per program (d = 1536: 1024 leaves half the second block masked)
+FOCUS["aggregate"] = [_agg(1, 1024, 4, 8), _agg(1, 512, 4, 8), _agg(1, 512, 2, 8), _agg(2, 512, 4, 8),
+                      _agg(1, 2048, 8, 8), _agg(1, 256, 2, 8), _agg(1, 1024, 4, 4)]
 FOCUS["down_proj"] = FOCUS["dxtilde"] = [
     _m(128, 256, 8, 4, 1, STEPS=True, **_VM), _m(128, 256, 8, 3, 1, True, **_VM),
     _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), _m(128, 256, 8, 3, **_VM),

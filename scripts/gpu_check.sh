@@ -17,6 +17,7 @@
 #   noise  a triton run of cmp's schedule with seed 1 (other initialisation and batches: the seed noise that
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
+#   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 # Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
@@ -25,7 +26,12 @@ set -uo pipefail
 FINAL=${OUT:-/tmp/sonicmoe_out}
 OUT=/tmp/sonicmoe_work
 rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
-pack() { tar czf "$FINAL/results.tgz" -C "$OUT" . 2>/dev/null; }
+# SM clock, power, temperature and the reasons the clock is held down, once a second: timings of one machine
+# differ from another's by several percent (power and thermal limits), and this says why
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+  --format=csv -l 1 > "$OUT/gpu_clocks.csv" 2>&1 &
+SMI_PID=$!
+pack() { kill "$SMI_PID" 2>/dev/null; tar czf "$FINAL/results.tgz" -C "$OUT" . 2>/dev/null; }
 trap pack EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ $# -eq 0 ] && set -- quick
@@ -80,6 +86,12 @@ for step in "$@"; do
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
         --out "$OUT" --tag ds3 > "$OUT/ds3.txt" 2>&1
       SUMMARY+=("$(tail -12 "$OUT/ds3.txt")")
+      ;;
+    profile)
+      # every kernel of a 7B layer call with its in-layer time, autotuned and with the pinned configs
+      timeout 200 python3 scripts/layer_profile.py > "$OUT/profile_tuned.txt" 2>&1
+      SONICMOE_AUTOTUNE=0 timeout 120 python3 scripts/layer_profile.py > "$OUT/profile_pinned.txt" 2>&1
+      SUMMARY+=("$(grep -hE '^==|us  x' "$OUT/profile_tuned.txt" "$OUT/profile_pinned.txt" | grep -v 'at::')")
       ;;
     tr)
       SONICMOE_AUTOTUNE=0 timeout ${TR_LIMIT_S:-300} python3 -m sonicmoe bench --preset token-rounding --backends triton \
