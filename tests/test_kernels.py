@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import sonicmoe
 from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
@@ -559,6 +560,41 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     else:
         assert call["w_desc"] is None
     assert gpu_default["BLOCK_K"] == 64  # the module's default is not modified
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("gu_fused,c_tma", [(True, False), (True, True), (False, False), (False, True)])
+def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma):
+    """After tuning, a key's launches pass None for the TMA descriptors the chosen config does not read (the
+    launcher would encode each one on every launch): the up-projection's gate/up box of the 4-D view of W1
+    under GU_FUSED, else its separate gate and up boxes; the store descriptors only under C_TMA. The ones it
+    reads get the config's block shapes (the 4-D box follows the gate/up layout)."""
+    from sonicmoe.ops import common
+    from sonicmoe.ops import up_proj as up_mod
+
+    w1 = torch.randn(3, 2 * 32, 64, dtype=torch.bfloat16)
+    view = w1.view(3, 2, 32, 64) if layout == "concat" else w1.view(3, 32, 2, 64)
+    out = torch.empty(40, 32, dtype=torch.bfloat16)
+    descs = {"wg_desc": common.tma_descriptor(w1[:, :32]), "wu_desc": common.tma_descriptor(w1[:, 32:]),
+             "wgu_desc": common.tma_descriptor(view), "hg_desc": common.tma_descriptor(out),
+             "hu_desc": common.tma_descriptor(out), "ao_desc": common.tma_descriptor(out)}
+    args = {"x_ptr": out, **descs, "N": 32, "CH_STRIDE": 1 if layout == "concat" else 2}
+    kern = _RecordingKernel()
+    tuners = common.autotuners(kern, [], ["N"], up_mod._desc_blocks)
+    available = common.available_flags(up_mod._FLAG_DESCS, args)
+    assert available == {"W_TMA", "C_TMA"}
+    meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "W_TMA": True, "C_TMA": c_tma, "GU_FUSED": gu_fused}
+    tuners._chosen[(available, 32, torch.bfloat16)] = triton.Config(
+        meta, pre_hook=lambda nargs: common.set_descriptor_blocks(up_mod._desc_blocks, nargs))
+    tuners.run(available, lambda m: (1,), args, up_mod._FLAG_DESCS)
+    (call,) = kern.calls
+    read = {"wgu_desc"} if gu_fused else {"wg_desc", "wu_desc"}
+    read |= {"hg_desc", "hu_desc", "ao_desc"} if c_tma else set()
+    assert {name for name in descs if call[name] is not None} == read
+    if gu_fused:
+        box = [1, 2, 32, 16] if layout == "concat" else [1, 32, 2, 16]
+        assert call["wgu_desc"].block_shape == box
+    assert all(args[name] is descs[name] for name in descs)  # the caller's dict is not modified
 
 
 @pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])

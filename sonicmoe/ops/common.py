@@ -117,6 +117,15 @@ def set_descriptor_blocks(desc_blocks, nargs: dict) -> None:
             nargs[name].block_shape = list(block)
 
 
+def drop_unused_descriptors(args: dict, meta: dict, desc_blocks, flag_descs: dict[str, tuple[str, ...]]) -> dict:
+    """``args`` with None for every TMA descriptor the config ``meta`` does not read: those of its TMA flags
+    that are off, and those ``desc_blocks`` does not name for it. Triton's launcher encodes each descriptor
+    it is passed on every launch, used or not (host time)."""
+    named = desc_blocks({**args, **meta})
+    used = {name for flag, names in flag_descs.items() if meta.get(flag) for name in names if name in named}
+    return {**args, **{name: None for names in flag_descs.values() for name in names if name not in used}}
+
+
 def available_flags(flag_descs: dict[str, tuple[str, ...]], args: dict) -> frozenset[str]:
     """The TMA flags whose descriptors (``flag_descs``: flag -> descriptor argument names) all exist."""
     return frozenset(flag for flag, names in flag_descs.items() if all(args.get(n) is not None for n in names))
@@ -151,12 +160,13 @@ class Tuners:
         self._by_flags: dict[frozenset[str], object] = {}
         self._chosen: dict[tuple, triton.Config] = {}
 
-    def run(self, available: frozenset[str], grid, args: dict) -> None:
+    def run(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None) -> None:
         """Launch with the tuned config. The first call of a key (the autotuner's key values and the dtypes
         of the tensor arguments, as the autotuner forms it, plus the available flags) goes through the
         autotuner, which benchmarks the space once; later calls launch its choice directly, without the
         autotuner's per-call argument bookkeeping (host time: the layer's launches are host-bound on slow
-        hosts otherwise)."""
+        hosts otherwise), and with None for the TMA descriptors the choice does not read
+        (:func:`drop_unused_descriptors`; ``flag_descs`` as in :func:`launch`)."""
         key = (available, *(args[k] for k in self.key),
                *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)))
         cfg = self._chosen.get(key)
@@ -166,6 +176,8 @@ class Tuners:
             self._chosen[key] = tuner.best_config
             return
         meta = cfg.all_kwargs()
+        if flag_descs and self.desc_blocks is not None:
+            args = drop_unused_descriptors(args, meta, self.desc_blocks, flag_descs)
         if cfg.pre_hook is not None:
             cfg.pre_hook({**args, **meta})
         self.kernel[grid](**args, **meta)
@@ -220,7 +232,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
             ensure_cuda_context(base.device)
     interp = interpreting()
     if config is None and autotune_enabled(interp):
-        tuned.run(available, grid, args)
+        tuned.run(available, grid, args, flag_descs)
         return
     meta = dict(config if config is not None else pinned if interp else gpu_default)
     if config is None and not interp and _operand_bytes(args) >= 4:
@@ -232,8 +244,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         meta["num_stages"] = min(meta.get("num_stages", 3), 3)
     if desc_blocks is not None:
         meta = restrict_config(meta, available, tuple(flag_descs))
-        used = {name for flag, names in flag_descs.items() if meta.get(flag) for name in names}
-        args = {**args, **{name: None for name in desc_blocks(meta) if name not in used}}
+        args = drop_unused_descriptors(args, meta, desc_blocks, flag_descs)
         set_descriptor_blocks(desc_blocks, {**args, **meta})
     kernel[grid(meta)](**{**args, **meta})  # the config's values win over same-named launcher defaults
 

@@ -178,10 +178,14 @@ TUNING_SPACE = [
 ]
 
 def _desc_blocks(meta: dict) -> dict:
+    """Block shapes of the descriptors a config reads: the gate/up box of the 4-D view of W1 (GU_FUSED) or
+    the gate and up boxes, and the TMA stores' blocks."""
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-    gu = (1, 2, bn, bk) if meta.get("CH_STRIDE", 1) == 1 else (1, bn, 2, bk)
-    return {"wg_desc": (1, bn, bk), "wu_desc": (1, bn, bk), "wgu_desc": gu, "hg_desc": (bm, bn),
-            "hu_desc": (bm, bn), "ao_desc": (bm, bn)}
+    if meta.get("GU_FUSED"):
+        w = {"wgu_desc": (1, 2, bn, bk) if meta.get("CH_STRIDE", 1) == 1 else (1, bn, 2, bk)}
+    else:
+        w = {"wg_desc": (1, bn, bk), "wu_desc": (1, bn, bk)}
+    return {**w, "hg_desc": (bm, bn), "hu_desc": (bm, bn), "ao_desc": (bm, bn)}
 
 
 _FLAG_DESCS = {"W_TMA": ("wg_desc", "wu_desc", "wgu_desc"), "C_TMA": ("hg_desc", "hu_desc", "ao_desc")}
