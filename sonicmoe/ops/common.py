@@ -384,6 +384,17 @@ def load_weight_block(w_base, w_desc, e, k0, c0, K, N, stride_k, stride_n, B_TRA
 
 
 @triton.jit
+def load_row_block(ptrs, offs_k, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Block ``k`` along the reduction dimension of (gathered) rows: ``ptrs`` (BLOCK_M, BLOCK_K) already at
+    column k·BLOCK_K of each row, 0 past column K (no mask when ``EVEN_K``: K is a multiple of BLOCK_K)."""
+    if EVEN_K:
+        block = tl.load(ptrs)
+    else:
+        block = tl.load(ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+    return block
+
+
+@triton.jit
 def sigmoid(x):
     """1 / (1 + exp(-x)) with the fast (non-IEEE) division; float32 in and out. The up-projection and the
     dH kernel both use it, so the backward's recomputed A equals the forward's."""

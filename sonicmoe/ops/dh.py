@@ -35,6 +35,7 @@ from .common import (
     column_halves,
     dot_precision,
     launch,
+    load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
@@ -100,10 +101,7 @@ def _dh_tile(
         u0 = g0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            dob = tl.load(do_ptrs)
-        else:
-            dob = tl.load(do_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
+        dob = load_row_block(do_ptrs, offs_k, k, D, BLOCK_K, EVEN_K)
         do_ptrs += BLOCK_K
         wb = load_weight_block(w_base, w2_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, stride_wd, 1, False,
                                BLOCK_K, BLOCK_N, W_TMA)

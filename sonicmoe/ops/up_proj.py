@@ -36,6 +36,7 @@ from .common import (
     column_halves,
     dot_precision,
     launch,
+    load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
@@ -97,44 +98,37 @@ def _up_proj_tile(
     g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
     u_rows = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     w_base = w1_ptr + e.to(tl.int64) * stride_we
+    # GU_FUSED: one (BLOCK_K, 2 BLOCK_N) TMA box holding the gate and the up rows of the tile's channels, one
+    # dot into a (BLOCK_M, 2 BLOCK_N) accumulator, split in registers afterwards: concat layout, the (E, 2, n, d)
+    # view's box (1, 2, BLOCK_N, BLOCK_K) = [gate rows; up rows]; interleaved, the (E, n, 2, d) view's box
+    # (1, BLOCK_N, 2, BLOCK_K) = gate and up rows alternating. Otherwise two (BLOCK_K, BLOCK_N) blocks (through
+    # TMA, boxes of the (E, n, d) gate/up views, zero-filled past n and d) and two dots.
     if GU_FUSED:
-        # one (BLOCK_K, 2 BLOCK_N) TMA box holding the gate and the up rows of the tile's channels, one dot
-        # into a (BLOCK_M, 2 BLOCK_N) accumulator, split in registers afterwards: concat layout, the (E, 2, n, d)
-        # view's box (1, 2, BLOCK_N, BLOCK_K) = [gate rows; up rows]; interleaved, the (E, n, 2, d) view's
-        # box (1, BLOCK_N, 2, BLOCK_K) = gate and up rows alternating
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_K:
-                xa = tl.load(x_ptrs)
-            else:
-                xa = tl.load(x_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
-            x_ptrs += BLOCK_K
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        xa = load_row_block(x_ptrs, offs_k, k, D, BLOCK_K, EVEN_K)
+        x_ptrs += BLOCK_K
+        if GU_FUSED:
             if CH_STRIDE == 1:
                 wgu = wgu_desc.load([e, 0, pid_n * BLOCK_N, k * BLOCK_K])
             else:
                 wgu = wgu_desc.load([e, pid_n * BLOCK_N, 0, k * BLOCK_K])
             acc = tl.dot(xa, tl.reshape(wgu, (2 * BLOCK_N, BLOCK_K)).T, acc, input_precision=DOT_PREC)
-        if CH_STRIDE == 1:
-            acc_g, acc_u = column_halves(acc)
         else:
-            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_K:
-                xa = tl.load(x_ptrs)
-            else:
-                xa = tl.load(x_ptrs, mask=(offs_k < D - k * BLOCK_K)[None, :], other=0.0)
-            x_ptrs += BLOCK_K
-            # (BLOCK_K, BLOCK_N) blocks of the gate and up rows of W1[e]; through TMA, boxes of the (E, n, d)
-            # gate/up views, zero-filled past n and d
-            wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N,
-                                   1, CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
+            wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
+                                   CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
             wu = load_weight_block(w_base + UP_OFF * stride_wn, wu_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
                                    CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
             acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
             acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
+    if GU_FUSED:
+        if CH_STRIDE == 1:
+            acc_g, acc_u = column_halves(acc)
+        else:
+            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     if HAS_BIAS:
         b_base = b1_ptr + e.to(tl.int64) * (2 * N)
         acc_g += tl.load(b_base + g_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
