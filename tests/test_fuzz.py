@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sonicmoe
@@ -147,21 +147,45 @@ def score_grad_scale(c: Case, routing, dout, device) -> torch.Tensor:
     return per_row[routing.pair_row.long()]
 
 
+def score_norm(c: Case, routing, dout, device, ref: torch.Tensor) -> float:
+    """The denominator of dS's relative error: ‖dS_ref‖, at least ‖score_grad_scale‖/√d — what ‖dS‖ is
+    when the terms of each inner product do not cancel — so a few pairs whose ⟨dO_t, Y_p⟩ cancel to near
+    zero (tiny T·K) cannot fail a result that is exact up to rounding; for many pairs this is ‖dS_ref‖."""
+    floor = float(score_grad_scale(c, routing, dout, device).norm()) / c.d**0.5
+    return max(float(ref.double().norm()), floor, 1e-30)
+
+
 def grad_errors(c: Case, routing, dout, device, grads, ref_grads) -> dict[str, float]:
-    """Relative error of each gradient against the reference. For dS the norm in the denominator is at
-    least ‖score_grad_scale‖/√d — what ‖dS‖ is when the terms of each inner product do not cancel — so
-    a few pairs whose ⟨dO_t, Y_p⟩ cancel to near zero (tiny T·K) cannot fail a result that is exact up
-    to rounding; for many pairs this is the plain relative error."""
+    """Relative error of each gradient against the reference (dS over :func:`score_norm`)."""
     errs = {}
     for name, ref in ref_grads.items():
         got = grads[name]
         assert got.shape == ref.shape, name
         if name == "scores" and torch.isfinite(got).all():
-            floor = float(score_grad_scale(c, routing, dout, device).norm()) / c.d**0.5
-            errs[name] = float((got.double() - ref.double()).norm()) / max(float(ref.double().norm()), floor, 1e-30)
+            errs[name] = float((got.double() - ref.double()).norm()) / score_norm(c, routing, dout, device, ref)
         else:
             errs[name] = rel_err(got, ref)
     return errs
+
+
+def h_rounding_error(c: Case, routing, dout, device, dtype, ref: torch.Tensor) -> float:
+    """How far storing H in ``dtype`` moves dS by itself, relative to :func:`score_norm`: the backward of the
+    method recomputes A from the stored H (SPEC §4), so its dS_p = ⟨dA′_p, A(round(H_p))⟩ where the float64
+    reference has ⟨dA′_p, A(H_p)⟩. Computed in float64 on the inputs as :func:`run` rounds them. With few
+    pairs this one rounding can outweigh the torch backend's whole error, which does not round H."""
+    p = random_problem(c.t, c.d, c.n, c.e, bias=c.bias, device=device, seed=c.seed % 10_000)
+    x, w1, w2 = (p[k].to(dtype).double() for k in ("x", "w1", "w2"))
+    b1 = p["b1"].to(dtype).double() if c.bias else None
+    do = dout.to(dtype).double()
+    rows = routing.row_token.long()
+    offsets = routing.expert_offsets.tolist()
+    shift = torch.zeros(routing.num_rows, dtype=torch.float64, device=device)
+    for i in range(c.e):
+        lo, hi = offsets[i], offsets[i + 1]
+        h = x[rows[lo:hi]] @ w1[i].t() + (b1[i] if b1 is not None else 0.0)
+        a_stored = swiglu_ref(h.to(dtype).double(), c.layout)
+        shift[lo:hi] = ((a_stored - swiglu_ref(h, c.layout)) * (do[rows[lo:hi]] @ w2[i])).sum(1)
+    return float(shift.norm()) / score_norm(c, routing, dout, device, ref)
 
 
 @pytest.mark.interpreter
@@ -193,9 +217,13 @@ GPU_DIMS = [64, 96, 128, 192, 256, 384, 512]
 @pytest.mark.gpu
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases(t_max=3000, dims=GPU_DIMS, e_max=64))
+# one pair whose dS the bf16 rounding of H moves by 4.2e-3 (H100, 2026-11-24), against a torch error of 9e-4
+@example(c=Case(t=1, d=64, n=64, e=58, k=1, routing="topk", keep=0.0, token_major=False, bias=False,
+                layout="concat", seed=0))
 def test_gpu_fuzz_bf16_vs_torch_backend(c):
     """bf16: the triton backend's error (against float64 on the same bf16-rounded inputs) is at most twice
-    the torch backend's bf16 error plus 2e-3, for O and every gradient (dS as in :func:`grad_errors`)."""
+    the torch backend's bf16 error plus 2e-3, for O and every gradient (dS as in :func:`grad_errors`, with
+    twice the shift that storing H in bf16 makes by itself added: :func:`h_rounding_error`)."""
     c.k = min(c.k, 8)
     routing, scores = make_routing(c, "cuda")
     dout = torch.randn(c.t, c.d, generator=torch.Generator().manual_seed(c.seed % 997)).cuda()
@@ -206,5 +234,6 @@ def test_gpu_fuzz_bf16_vs_torch_backend(c):
     assert rel_err(out, ref) <= 2 * rel_err(tout, ref) + 2e-3, "O"
     errs = grad_errors(c, routing, dout, "cuda", grads, rgrads)
     terrs = grad_errors(c, routing, dout, "cuda", tgrads, rgrads)
+    allow = {"scores": 2 * h_rounding_error(c, routing, dout, "cuda", torch.bfloat16, rgrads["scores"])}
     for name in rgrads:
-        assert errs[name] <= 2 * terrs[name] + 2e-3, (name, errs[name], terrs[name])
+        assert errs[name] <= 2 * terrs[name] + 2e-3 + allow.get(name, 0.0), (name, errs[name], terrs[name], allow)
