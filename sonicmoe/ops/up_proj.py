@@ -17,9 +17,10 @@ default; needs ``W_TMA``) one box of a 4-D view of W1 — (E, 2, n, d) for conca
 interleaved — brings a tile's gate and up rows together, so each K-step is one (BLOCK_M, 2·BLOCK_N) dot
 (one wide tensor-core instruction chain instead of two) and the accumulator is split into its gate and up
 halves in registers afterwards. X rows are gathered by
-pointer loads either way. Outputs: with ``C_TMA`` (the GPU default) full tiles of H (concat layout) and A
-are written by TMA stores, which the persistent tile loop overlaps with the next tile's main loop; an
-expert's last, partial tile (and the interleaved layout's H) uses masked pointer stores.
+pointer loads either way. Outputs: masked pointer stores in the pinned GPU config; with ``C_TMA`` (in the
+tuning space, chosen for long reductions such as d = 4096) full tiles of H (concat layout) and A are written
+by TMA stores, which the persistent tile loop overlaps with the next tile's main loop, and an expert's last,
+partial tile (and the interleaved layout's H) uses masked pointer stores.
 """
 
 from __future__ import annotations
