@@ -60,7 +60,7 @@ def main() -> None:
     for label, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
         ms = do_bench(fn, warmup=25, rep=100)
         rows, span = profile(fn, args.calls)
-        busy = sum(us * 1.0 for _, us, _ in rows)
+        busy = sum(us for _, us, _ in rows)
         print(f"== {label} T,d,n,E,K={args.shape}: do_bench {ms * 1e3:.0f} us, profiler span {span:.0f} us/call, "
               f"kernels busy {busy:.0f} us/call")
         for name, us, launches in rows:

@@ -117,12 +117,15 @@ def set_descriptor_blocks(desc_blocks, nargs: dict) -> None:
             nargs[name].block_shape = list(block)
 
 
-def drop_unused_descriptors(args: dict, meta: dict, desc_blocks, flag_descs: dict[str, tuple[str, ...]]) -> dict:
-    """``args`` with None for every TMA descriptor the config ``meta`` does not read: those of its TMA flags
-    that are off, and those ``desc_blocks`` does not name for it. Triton's launcher encodes each descriptor
-    it is passed on every launch, used or not (host time)."""
-    named = desc_blocks({**args, **meta})
-    used = {name for flag, names in flag_descs.items() if meta.get(flag) for name in names if name in named}
+def bind_descriptors(args: dict, meta: dict, desc_blocks, flag_descs: dict[str, tuple[str, ...]]) -> dict:
+    """``args`` for a launch with config ``meta``: the TMA descriptors it reads (those of its TMA flags that
+    are on, among the ones ``desc_blocks`` names for it) get its block shapes; every other descriptor is None,
+    since Triton's launcher encodes each descriptor it is passed on every launch, used or not (host time)."""
+    blocks = desc_blocks({**args, **meta})
+    used = {name for flag, names in flag_descs.items() if meta.get(flag) for name in names if name in blocks}
+    for name in used:
+        if args.get(name) is not None:
+            args[name].block_shape = list(blocks[name])
     return {**args, **{name: None for names in flag_descs.values() for name in names if name not in used}}
 
 
@@ -166,7 +169,7 @@ class Tuners:
         autotuner, which benchmarks the space once; later calls launch its choice directly, without the
         autotuner's per-call argument bookkeeping (host time: the layer's launches are host-bound on slow
         hosts otherwise), and with None for the TMA descriptors the choice does not read
-        (:func:`drop_unused_descriptors`; ``flag_descs`` as in :func:`launch`)."""
+        (:func:`bind_descriptors`; ``flag_descs`` as in :func:`launch`)."""
         key = (available, *(args[k] for k in self.key),
                *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)))
         cfg = self._chosen.get(key)
@@ -177,8 +180,8 @@ class Tuners:
             return
         meta = cfg.all_kwargs()
         if flag_descs and self.desc_blocks is not None:
-            args = drop_unused_descriptors(args, meta, self.desc_blocks, flag_descs)
-        if cfg.pre_hook is not None:
+            args = bind_descriptors(args, meta, self.desc_blocks, flag_descs)
+        elif cfg.pre_hook is not None:
             cfg.pre_hook({**args, **meta})
         self.kernel[grid](**args, **meta)
 
@@ -244,8 +247,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         meta["num_stages"] = min(meta.get("num_stages", 3), 3)
     if desc_blocks is not None:
         meta = restrict_config(meta, available, tuple(flag_descs))
-        args = drop_unused_descriptors(args, meta, desc_blocks, flag_descs)
-        set_descriptor_blocks(desc_blocks, {**args, **meta})
+        args = bind_descriptors(args, meta, desc_blocks, flag_descs)
     kernel[grid(meta)](**{**args, **meta})  # the config's values win over same-named launcher defaults
 
 

@@ -2,25 +2,24 @@
 
 For each row r of expert e (rows sorted by expert): H[r] = W1[e] x_{token(r)} (+ b1[e]) and
 A[r] = silu(gate(H[r])) * up(H[r]). The rows of X are gathered by index inside the operand load;
-no gathered copy of X exists. Each program computes a (BLOCK_M, BLOCK_N) tile of A from two
-accumulators — the matching gate and up channels — so the SwiGLU runs in registers.
+no gathered copy of X exists. Each program computes a (BLOCK_M, BLOCK_N) tile of A from the matching gate
+and up channels (two accumulators, or one split in two under ``GU_FUSED``), so the SwiGLU runs in registers.
 
 Gate/up layout of W1 (E, 2n, d) and of H (R, 2n), which follows W1's rows:
 ``"concat"`` gate channel i is row i, up channel i is row n + i; ``"interleaved"`` gate channel i is
 row 2i, up channel i is row 2i + 1. A is computed from the rounded (stored) H, so the backward's
 recomputation of A from H gives the same values.
 
-Weight operand: with ``W_TMA`` (the GPU default) the gate and up rows of W1[e] are read through TMA
-tensor descriptors over the (E, n, d) gate/up views, which zero-fill past n and d; weights whose
-strides TMA cannot address (not 16-byte aligned) fall back to pointer loads. With ``GU_FUSED`` (the GPU
-default; needs ``W_TMA``) one box of a 4-D view of W1 — (E, 2, n, d) for concat, (E, n, 2, d) for
-interleaved — brings a tile's gate and up rows together, so each K-step is one (BLOCK_M, 2·BLOCK_N) dot
-(one wide tensor-core instruction chain instead of two) and the accumulator is split into its gate and up
-halves in registers afterwards. X rows are gathered by
-pointer loads either way. Outputs: masked pointer stores in the pinned GPU config; with ``C_TMA`` (in the
-tuning space, chosen for long reductions such as d = 4096) full tiles of H (concat layout) and A are written
-by TMA stores, which the persistent tile loop overlaps with the next tile's main loop, and an expert's last,
-partial tile (and the interleaved layout's H) uses masked pointer stores.
+Weight operand: with ``W_TMA`` (the GPU default) the gate and up rows of W1[e] are read through TMA tensor
+descriptors over the (E, n, d) gate/up views, which zero-fill past n and d; weights whose strides TMA cannot
+address (not 16-byte aligned) fall back to pointer loads. With ``GU_FUSED`` (the GPU default; needs ``W_TMA``)
+one box of a 4-D view of W1 — (E, 2, n, d) for concat, (E, n, 2, d) for interleaved — brings a tile's gate and
+up rows together, so each K-step is one (BLOCK_M, 2·BLOCK_N) dot (one wide tensor-core instruction chain
+instead of two) and the accumulator is split into its gate and up halves in registers afterwards. X rows are
+gathered by pointer loads either way. Outputs: masked pointer stores in the pinned GPU config; with ``C_TMA``
+(in the tuning space, chosen for long reductions such as d = 4096) full tiles of H (concat layout) and A are
+written by TMA stores, which the persistent tile loop overlaps with the next tile's main loop, and an expert's
+last, partial tile (and the interleaved layout's H) uses masked pointer stores.
 """
 
 from __future__ import annotations
@@ -177,7 +176,7 @@ def _desc_blocks(meta: dict) -> dict:
     the gate and up boxes, and the TMA stores' blocks."""
     bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     if meta.get("GU_FUSED"):
-        w = {"wgu_desc": (1, 2, bn, bk) if meta.get("CH_STRIDE", 1) == 1 else (1, bn, 2, bk)}
+        w = {"wgu_desc": (1, 2, bn, bk) if meta["CH_STRIDE"] == 1 else (1, bn, 2, bk)}
     else:
         w = {"wg_desc": (1, bn, bk), "wu_desc": (1, bn, bk)}
     return {**w, "hg_desc": (bm, bn), "hu_desc": (bm, bn), "ao_desc": (bm, bn)}
