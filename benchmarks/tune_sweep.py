@@ -50,11 +50,11 @@ FOCUS = {
     "up_proj": [_m(128, 128, 8, 4, **_GU), _m(128, 128, 8, 4, 1, C_TMA=True, **_GU), _m(128, 128, 8, 3, **_GU),
                 _m(128, 128, 8, 4, 1, **_GU), _m(128, 128, 8, 8, bk=32, **_GU), _m(128, 128, 8, 6, bk=32, **_GU),
                 _m(128, 128, 8, 7, 1, bk=32, C_TMA=True, **_GU)],
-    # session 11: the window-group tile order (GROUP_W: concurrent programs gather few slices of the batch)
-    "dh": [_m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1, GROUP_W=gw) for gw in (0, 2, 3, 4, 6, 8)],
+    "dh": [_m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=0), _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=1),
+           _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=2), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=0),
+           _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=2),
+           _m(128, 256, 8, 3, W_TMA=True, H_PREFETCH=1)],
 }
-FOCUS["up_proj"] = [FOCUS["up_proj"][0], *(_m(128, 128, 8, 4, **_GU, GROUP_W=gw) for gw in (3, 4, 6)),
-                    FOCUS["up_proj"][1], _m(128, 128, 8, 4, 1, C_TMA=True, **_GU, GROUP_W=4)]
 _VK = dict(P_TMA=True, Q_TMA=True)
 _VK_STEPS = [_k(bi, bj, 8, st, **_VK, STEPS=True, PROGS_PER_SM=1)
              for bi, bj in ((128, 256), (256, 128)) for st in (4, 5)]

@@ -10,11 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-import triton.language as tl
 
 import sonicmoe
 from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
-from sonicmoe.ops.common import tile_rows, tile_schedule
 from sonicmoe.ops.dh import dh, dh_ref
 from sonicmoe.ops.grouped_gemm import down_proj, down_proj_ref, varlen_m_gemm, varlen_m_gemm_ref
 from sonicmoe.ops.up_proj import up_proj, up_proj_ref
@@ -675,59 +673,3 @@ def test_launch_switches_flags_off_one_by_one(monkeypatch, flatten):
     assert call["W_TMA"] is True and call["A_TMA"] is False and call["C_TMA"] is (not flatten)
     assert call["a_desc"] is None and (call["c_desc"] is None) is flatten
     assert call["w_desc"].block_shape == [1, 32, 64]
-
-
-@triton.jit
-def _record_tiles(offsets_ptr, out_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_W: tl.constexpr):
-    eidx, lo, hi, ntiles, cum, total = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
-    pid = tl.program_id(0)
-    if pid < total:
-        e, row_start, row_end = tile_rows(pid, eidx, lo, hi, ntiles, cum, BLOCK_M, GROUP_W)
-        tl.store(out_ptr + 3 * pid, e)
-        tl.store(out_ptr + 3 * pid + 1, row_start)
-        tl.store(out_ptr + 3 * pid + 2, row_end)
-
-
-@pytest.mark.parametrize("counts", [[5, 0, 40, 17, 0, 3], [0, 0, 0, 1], [130, 2, 2, 2, 2, 64, 0]],
-                         ids=["mixed", "one-row", "skewed"])
-@pytest.mark.parametrize("group_w", [1, 2, 3])
-def test_window_group_tile_order(device, counts, group_w):
-    """The window-group tile order (GROUP_W > 0) visits every M-tile of the expert-major order exactly once,
-    in the order of (window group, expert, tile): group g = tile index // GROUP_W."""
-    block_m = 8
-    offsets = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
-    e = len(counts)
-    total = sum(triton.cdiv(c, block_m) for c in counts)
-    got = {}
-    for gw in (0, group_w):
-        out = torch.full((total, 3), -1, dtype=torch.int32, device=device)
-        _record_tiles[(total + 2,)](offsets, out, e, triton.next_power_of_2(e), block_m, gw)
-        got[gw] = [tuple(r) for r in out.cpu().tolist()]
-    starts = offsets.cpu().tolist()
-    canonical = [(ex, starts[ex] + m * block_m, starts[ex + 1]) for ex in range(e)
-                 for m in range(triton.cdiv(counts[ex], block_m))]
-    assert got[0] == canonical
-    grouped = sorted(canonical, key=lambda t: (((t[1] - starts[t[0]]) // block_m) // group_w, t[0], t[1]))
-    assert got[group_w] == grouped
-
-
-@pytest.mark.parametrize("group_w", [1, 2])
-def test_window_group_order_same_outputs(device, group_w):
-    """The up-projection and dH compute the same bits in the window-group tile order as in the expert-major
-    one (one program per tile and persistent), on routing with empty experts and an expert of many tiles."""
-    t, d, n, e = 40, 32, 24, 8
-    p = random_problem(t, d, n, e, device=device, seed=21)
-    routing = _skewed_routing(t, e, device)
-    g = torch.Generator().manual_seed(21)
-    h = torch.randn(routing.num_rows, 2 * n, generator=g).to(device)
-    s = torch.rand(routing.num_rows, generator=g).to(device)
-    dout = torch.randn(t, d, generator=g).to(device)
-    base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "FLATTEN": False, "PROGS_PER_SM": 0}
-    ref_up = up_proj(p["x"], p["w1"], None, routing, config=base)
-    ref_dh = dh(dout, p["w2"], h, s, routing, config=base)
-    for pps in (0, 2):
-        cfg = {**base, "PROGS_PER_SM": pps, "GROUP_W": group_w}
-        for x1, x2 in zip(ref_up, up_proj(p["x"], p["w1"], None, routing, config=cfg)):
-            assert torch.equal(x1, x2)
-        for x1, x2 in zip(ref_dh, dh(dout, p["w2"], h, s, routing, config=cfg)):
-            assert torch.equal(x1, x2)

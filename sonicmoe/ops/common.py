@@ -345,54 +345,14 @@ def tile_schedule(offsets_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M: tl.constexpr, GROUP_W: tl.constexpr = 0):
-    """(expert, first row, end row) of M-tile ``pid_m`` (< total) from :func:`tile_schedule`.
-
-    ``GROUP_W = 0``: expert-major order (an expert's tiles one after the other). ``GROUP_W > 0``: window
-    groups: group g holds the tiles g·GROUP_W .. (g + 1)·GROUP_W − 1 of every expert (expert-major inside the
-    group), so the programs running at once cover few windows of each expert's rows but many experts. An
-    expert's rows are sorted by token, so its m-th tile gathers tokens from about the m-th slice of the
-    batch: the gathered rows (of X or dO) that concurrent programs read are then a few slices, small enough
-    to stay in L2 for the K experts that read each token, at the price of reading each expert's weights
-    cdiv(tiles, GROUP_W) times instead of once (see :func:`_window_group`).
-    """
-    if GROUP_W > 0:
-        e, m = _window_group(pid_m, eidx, ntiles, GROUP_W)
-        sel = eidx == e
-    else:
-        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        sel = eidx == e
-        m = pid_m - tl.sum(tl.where(sel, cum - ntiles, 0), 0)
-    row_start = tl.sum(tl.where(sel, lo, 0), 0) + m * BLOCK_M
+def tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of M-tile ``pid_m`` (< total) from :func:`tile_schedule`."""
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    sel = eidx == e
+    first_tile = tl.sum(tl.where(sel, cum - ntiles, 0), 0)
+    row_start = tl.sum(tl.where(sel, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
     row_end = tl.sum(tl.where(sel, hi, 0), 0)
     return e, row_start, row_end
-
-
-@triton.jit
-def _window_group(pid_m, eidx, ntiles, GROUP_W: tl.constexpr):
-    """(expert, tile index within the expert) of tile ``pid_m`` in the window-group order of :func:`tile_rows`.
-
-    The tiles before group g number C(g) = Σ_e min(ntiles_e, g·GROUP_W); the group of ``pid_m`` is the largest g
-    with C(g) <= pid_m, found by bisection on [0, cdiv(max_e ntiles_e, GROUP_W)] (C of the upper end is the
-    total, above ``pid_m``): a few reductions over the experts even for skewed routing.
-    """
-    g_lo = pid_m * 0
-    g_hi = tl.cdiv(tl.max(ntiles, 0), GROUP_W)
-    before = pid_m * 0  # C(g_lo)
-    while g_hi - g_lo > 1:
-        mid = (g_lo + g_hi) // 2
-        c_mid = tl.sum(tl.minimum(ntiles, mid * GROUP_W), 0)
-        if c_mid <= pid_m:
-            g_lo = mid
-            before = c_mid
-        else:
-            g_hi = mid
-    in_group = tl.minimum(tl.maximum(ntiles - g_lo * GROUP_W, 0), GROUP_W)  # tiles of each expert in group g_lo
-    scan = tl.cumsum(in_group, 0)
-    r = pid_m - before
-    e = tl.sum((scan <= r).to(tl.int32), 0)
-    m = g_lo * GROUP_W + r - tl.sum(tl.where(eidx == e, scan - in_group, 0), 0)
-    return e, m
 
 
 def with_even_flags(kernel, **flags: tuple[str, str]):

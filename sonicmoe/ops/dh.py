@@ -60,14 +60,13 @@ def _dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
     H_PREFETCH: tl.constexpr = 1, EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
-    GROUP_W: tl.constexpr = 0,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
-        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M, GROUP_W)
+        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
                  row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
                  CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_PREFETCH, EPI_SPLIT, EVEN_K)

@@ -64,14 +64,14 @@ def _up_proj_kernel(
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, C_TMA: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False, GROUP_W: tl.constexpr = 0,
+    EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
-        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M, GROUP_W)
+        e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
         _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
                       row_token_ptr, e, row_start, row_end, pid_n, N, D, stride_xt, stride_we, stride_wn,
                       stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M,
