@@ -148,21 +148,21 @@ def routing_from_pairs(
     if token_major:
         slot_pair = None
         sorted_token = pair_token
-        sorted_expert, row_pair = torch.sort(pair_expert, stable=True)
-        row_pair = row_pair.to(INDEX_DTYPE)
+        sorted_expert, row_pair64 = torch.sort(pair_expert, stable=True)
     else:
         sorted_token, slot_pair = torch.sort(pair_token, stable=True)
         sorted_expert, row_slot = torch.sort(pair_expert[slot_pair], stable=True)
-        row_pair = slot_pair[row_slot].to(INDEX_DTYPE)
+        row_pair64 = slot_pair[row_slot]
         slot_pair = slot_pair.to(INDEX_DTYPE)
+    row_pair = row_pair64.to(INDEX_DTYPE)
     pair_row = torch.empty_like(row_pair)
-    pair_row[row_pair.long()] = torch.arange(r, device=device, dtype=INDEX_DTYPE)
-    token_rows = pair_row if token_major else pair_row[slot_pair.long()]
+    pair_row[row_pair64] = torch.arange(r, device=device, dtype=INDEX_DTYPE)  # the sort's int64 indices: no copy
+    token_rows = pair_row if token_major else pair_row.index_select(0, slot_pair)
     return Routing(
         num_tokens=num_tokens,
         num_experts=num_experts,
         expert_offsets=_offsets(sorted_expert, num_experts),
-        row_token=pair_token[row_pair.long()],
+        row_token=pair_token.index_select(0, row_pair),
         row_pair=row_pair,
         pair_row=pair_row,
         token_offsets=_offsets(sorted_token, num_tokens),

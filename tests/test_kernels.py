@@ -165,6 +165,9 @@ def test_gather_sum(device):
         out = gather_sum(y, routing, weights)
         assert rel_err(out, gather_sum_ref(y, routing, weights)) < 1e-6
     assert torch.all(out[0] == 0), "a token with no experts aggregates to zero"
+    # half-precision weights are read as float32 in the kernel: the same bits as weights cast beforehand
+    w16 = w.half()
+    assert torch.equal(gather_sum(y, routing, w16), gather_sum(y, routing, w16.float()))
 
 
 def _layer_grads(p, k, layout, backend, dtype, dout):

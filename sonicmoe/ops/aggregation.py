@@ -65,7 +65,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
 
     Args:
         y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
-        slot_weights: (R,) float32 weights in token-slot order, or None.
+        slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
         config: explicit block configuration (tuning sweeps), else pinned/autotuned.
     Returns:
         (T, d) in y's dtype; tokens with no rows get zeros.

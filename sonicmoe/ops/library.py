@@ -99,7 +99,7 @@ def experts_fwd_impl(
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     y = down_proj(a, w2, b2, routing)
     del a
-    out = gather_sum(y, routing, _f32(routing.slot_scores(pair_scores)).contiguous())
+    out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
     del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
@@ -158,7 +158,7 @@ def experts_bwd_impl(
         if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩
             dob2 = dout.float() @ b2.float().t()
             ds = ds + dob2[routing.row_token.long(), routing.row_expert()]
-        dscores = ds[routing.pair_row.long()].to(scores_dtype)
+        dscores = ds.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     del ds
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
@@ -225,7 +225,7 @@ def _setup_context(ctx, inputs, output) -> None:
     if not save_h:
         raise ValueError("sonicmoe::experts_fwd needs save_h=True when gradients are required "
                          "(the backward reads H)")
-    row_scores = _f32(pair_scores[arrays["row_pair"].long()])  # S in row order, (R,) float32
+    row_scores = _f32(pair_scores.index_select(0, arrays["row_pair"]))  # S in row order, (R,) float32
     ctx.save_for_backward(x, h, row_scores, w1, w2, b1, b2, *(arrays[f] for f in BWD_ROUTING_FIELDS))
     ctx.gate_up_layout = gate_up_layout
     ctx.scores_dtype = pair_scores.dtype
