@@ -18,7 +18,8 @@
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
-#   full   the layer benchmark on the granularity, iso-FLOPs and model shapes
+#   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
+#          GRAN_PRESETS to choose; models: the last)
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 # Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
 # returns at most 8 files); the summary is also $OUT/summary.txt.
@@ -58,7 +59,8 @@ for step in "$@"; do
   case $step in
     quick)
       # the GPU-marked tests (the rest run on CPU in CI; natively each would compile its own kernels)
-      timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m gpu tests/ \
+      # TESTS_PATHS: other test files or node ids (default: all of tests/)
+      timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m gpu --durations=0 ${TESTS_PATHS:-tests/} \
         -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       # SKIP_BREAKDOWN=1 when something else shares the GPU (its timings would mean nothing)
       [ "${SKIP_BREAKDOWN:-0}" = 1 ] ||
@@ -158,11 +160,19 @@ for step in "$@"; do
         SUMMARY+=("trace $dt: rc $? $(tail -2 "$OUT/trace_$dt.txt" | tr '\n' ' ')")
       done
       ;;
-    full)
-      python3 -m sonicmoe bench --preset granularity,iso-flops --no-plot --out "$OUT" --tag granularity \
-        > "$OUT/bench.txt" 2>&1
-      python3 -m sonicmoe bench --preset models --no-plot --out "$OUT" --tag models > "$OUT/bench_models.txt" 2>&1
-      SUMMARY+=("$(tail -30 "$OUT/bench.txt")" "$(tail -12 "$OUT/bench_models.txt")")
+    full|granularity|models)
+      # BENCH_LIMIT_S: a time limit per preset run; the results file is rewritten after every shape, so a run
+      # cut short leaves the shapes it finished
+      if [ "$step" != models ]; then
+        timeout "${BENCH_LIMIT_S:-3000}" python3 -m sonicmoe bench --preset ${GRAN_PRESETS:-granularity,iso-flops} \
+          --no-plot --out "$OUT" --tag granularity > "$OUT/bench.txt" 2>&1
+        SUMMARY+=("$(tail -30 "$OUT/bench.txt")")
+      fi
+      if [ "$step" != granularity ]; then
+        timeout "${BENCH_LIMIT_S:-3000}" python3 -m sonicmoe bench --preset models --no-plot --out "$OUT" --tag models \
+          > "$OUT/bench_models.txt" 2>&1
+        SUMMARY+=("$(tail -12 "$OUT/bench_models.txt")")
+      fi
       ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
