@@ -62,7 +62,7 @@ Triton kernels on CUDA, their torch twins elsewhere):
       tokens, the router probability of the others — and the counts f_e;
     * the rounding decision per expert (a few (E,) torch ops, no sync);
     * selection: per expert, the ``count_e`` best chosen tokens (rounded down) or all chosen plus the
-      ``count_e − f_e`` best others (rounded up), found by a binary search for the threshold key (no
+      ``count_e − f_e`` best others (rounded up), found by a 4-way search for the threshold key (no
       sort), marked in a (T, E) bool *routed* mask;
     * ``torch.nonzero`` of the mask lists the pairs in token-major order — **the one host sync**,
       unavoidable because R (the number of output pairs) is data-dependent and

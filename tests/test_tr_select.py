@@ -68,6 +68,8 @@ def test_select_equals_twin_and_oracle(device, e, t, values, seed):
     args = [x.to(device) for x in (prob_key, score_key, f, keep)]
     for fn in (select_routed, select_routed_ref):
         assert torch.equal(fn(*args).cpu(), expect), fn.__name__
+    for fanout in (2, 8):  # bisection, and a fanout whose passes do not split the 32 bits evenly
+        assert torch.equal(select_routed(*args, fanout=fanout).cpu(), expect), fanout
     assert all(torch.equal(a.cpu(), b) for a, b in zip(args, (prob_key, score_key, f, keep)))  # inputs untouched
 
 
@@ -80,8 +82,10 @@ def test_extreme_keys(device):
     f = torch.tensor([1, 0])
     for keep in ([3, 4], [9, 9], [0, 1], [1, 0]):
         keep = torch.tensor(keep)
-        got = select_routed(prob_key.to(device), score_key.to(device), f.to(device), keep.to(device))
-        assert torch.equal(got.cpu(), oracle(prob_key, score_key, keep)), keep
+        for fanout in (2, 16, 32):
+            got = select_routed(prob_key.to(device), score_key.to(device), f.to(device), keep.to(device),
+                                fanout=fanout)
+            assert torch.equal(got.cpu(), oracle(prob_key, score_key, keep)), (keep, fanout)
 
 
 @pytest.mark.parametrize("t,e,k", [(1, 1, 1), (37, 5, 2), (300, 12, 3), (64, 200, 7), (5, 3, 3)])
@@ -117,6 +121,9 @@ def test_bad_arguments():
         select_routed(keys, keys[:, :4], z, z)
     with pytest.raises(ValueError, match="keep"):
         select_routed(keys, keys, z, z[:2])
+    for fanout in (1, 3, 0, True):
+        with pytest.raises(ValueError, match="fanout"):
+            select_routed(keys, keys, z, z, fanout=fanout)
     with pytest.raises(ValueError, match="topk_ids"):
         candidate_keys_ref(torch.zeros(5, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
 

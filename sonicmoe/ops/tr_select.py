@@ -15,9 +15,11 @@ below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every rea
     for chosen ones; ``score_key`` (E, T) — the score key of chosen pairs, NO_KEY elsewhere; and the
     per-block counts of chosen pairs, summed (in a fixed order) into f (E,).
 :func:`select_routed` (kernel: one program per expert, no sort, no atomics)
-    finds the n-th largest key of a row by a binary search over the 2^32 key values (32 counting passes
-    over the row, which stays in L2), takes every key above it and the lowest-indexed keys equal to it,
-    and writes ``routed[t, e] = True`` for the kept and added pairs.
+    finds the n-th largest key of a row by a search over the 2^32 key values that counts the keys at or
+    above 4 thresholds per pass over the row (16 passes; the row stays in L2), takes every key above it
+    and the lowest-indexed keys equal to it, and writes ``routed[t, e] = True`` for the kept and added
+    pairs. Measured on an H100 (``benchmarks/tr_select_fanout.py``, 2026-11-24): 219 µs at T = 16384,
+    E = 512 against 294 µs for the earlier bisection (32 passes, a block-wide sum per load).
 
 No host synchronisation in either. ``*_ref`` twins (torch sorts, no sync) have the same signatures and
 results; they are the path on CPU and the oracles of the tests.
@@ -34,6 +36,11 @@ from .common import check_device, interpreting, next_pow2
 NO_KEY = -(2**31)  # "not a candidate": below the key of every float
 _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
 _ROW_BLOCK = 1024  # keys per load in the selection kernel
+_COUNT_BLOCK = 1024  # keys per load in its multi-threshold counting passes (a (1024, FANOUT) compare)
+# thresholds per counting pass of the selection (a power of two; 2 = bisection). H100, T = 16384, E = 512
+# (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
+# 512-key loads: 254), 16: 300
+SELECT_FANOUT = 4
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -143,26 +150,51 @@ def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores:
 
 @triton.jit(do_not_specialize=["T"])
 def _count_at_least(row_ptr, threshold, T, BLOCK: tl.constexpr):
-    """#{t : key[t] >= threshold} over a row of T int32 keys."""
-    cnt = tl.zeros((), dtype=tl.int32)
+    """#{t : key[t] >= threshold} over a row of T int32 keys (int64 threshold), summed once after the loop."""
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for start in range(0, T, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
-        cnt += tl.sum((k.to(tl.int64) >= threshold).to(tl.int32), axis=0)
-    return cnt
+        acc += (k.to(tl.int64) >= threshold).to(tl.int32)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr):
+def _count_at_least_each(row_ptr, thresholds, T, BLOCK: tl.constexpr):
+    """#{t : key[t] >= thresholds[j]} for every j, over a row of T int32 keys (int32 thresholds).
+
+    Counts accumulate per lane and are summed across the block once, after the loop (a block-wide sum per
+    load would cost a shared-memory round trip and a barrier each time)."""
+    acc = tl.zeros((BLOCK, thresholds.shape[0]), dtype=tl.int32)
+    for start in range(0, T, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
+        acc += (k[:, None] >= thresholds[None, :]).to(tl.int32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+               FANOUT: tl.constexpr, PASSES: tl.constexpr):
     """routed[t, e] = 1 for the n largest keys of the row (ties: lower t first); n <= #real keys."""
-    # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1
+    # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1. Each pass counts
+    # the keys at or above FANOUT evenly spaced thresholds of [lo, hi) at once and keeps the sub-range
+    # holding the n-th largest key: the range shrinks FANOUT-fold per pass over the row (PASSES =
+    # ceil(32 / log2 FANOUT) passes for the 2^32 key values: 16 with FANOUT = 4, 32 for a bisection)
     lo = tl.full((), _NO_KEY + 1, tl.int64)
     hi = tl.full((), 2**31, tl.int64)
-    for _ in range(32):  # hi - lo < 2^32 halves to 1
-        mid = (lo + hi) >> 1
-        enough = _count_at_least(row_ptr, mid, T, BLOCK) >= n
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
+    j = tl.arange(0, FANOUT).to(tl.int64)
+    for _ in range(PASSES):
+        step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1
+        thr = lo + j * step  # thr[0] = lo; thresholds >= hi are not counted
+        valid = thr < hi
+        # every threshold is in [lo, hi) subset of [NO_KEY + 1, 2^31): it fits int32
+        cnt = _count_at_least_each(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, COUNT_BLOCK)
+        # counts fall with j: the last threshold with >= n keys at or above it is the new lo
+        best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
+        lo_next = lo + best * step
+        hi = tl.minimum(hi, lo_next + step)
+        lo = lo_next
     # lo = the n-th largest key: every key above it is taken, and the lowest-indexed keys equal to it fill up
     ties = n - _count_at_least(row_ptr, lo + 1, T, BLOCK)
     seen = tl.zeros((), dtype=tl.int32)
@@ -176,21 +208,22 @@ def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr):
+def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr,
+                   COUNT_BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
     e = tl.program_id(0)
     f = tl.load(count_ptr + e).to(tl.int32)
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
     if keep < f:  # rounded down: the `keep` best chosen tokens by score
         if keep > 0:
-            _mark_best(score_key_ptr + row, routed_ptr, e, keep, T, E, BLOCK)
+            _mark_best(score_key_ptr + row, routed_ptr, e, keep, T, E, BLOCK, COUNT_BLOCK, FANOUT, PASSES)
     else:  # every chosen token, then the keep - f best non-chosen ones by probability
         for start in range(0, T, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             k = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY)
             tl.store(routed_ptr + offs.to(tl.int64) * E + e, tl.full((BLOCK,), 1, tl.int8), mask=k != _NO_KEY)
         if keep > f:
-            _mark_best(prob_key_ptr + row, routed_ptr, e, keep - f, T, E, BLOCK)
+            _mark_best(prob_key_ptr + row, routed_ptr, e, keep - f, T, E, BLOCK, COUNT_BLOCK, FANOUT, PASSES)
 
 
 def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
@@ -206,24 +239,31 @@ def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
 
 
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
-                  keep: torch.Tensor) -> torch.Tensor:
+                  keep: torch.Tensor, *, fanout: int = SELECT_FANOUT) -> torch.Tensor:
     """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel.
 
     Args:
         prob_key, score_key: (E, T) int32 from :func:`candidate_keys`.
         f: (E,) integer top-k counts. keep: (E,) integer tokens each expert keeps, in
             [0, T] (below f: the best chosen by score; above: all chosen plus the best others by probability).
+        fanout: thresholds per counting pass of the search for each row's n-th largest key, a power of
+            two >= 2 (2: a bisection, 32 passes; 4: 16 passes). The result does not depend on it.
 
     Raises:
-        ValueError: shapes or dtypes that do not match the above.
+        ValueError: shapes or dtypes that do not match the above, or a fanout that is not a power of two >= 2.
     """
     e, t = _check_select(prob_key, score_key, f, keep)
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 2 or fanout & (fanout - 1):
+        raise ValueError(f"fanout must be a power of two >= 2, got {fanout!r}")
+    bits = fanout.bit_length() - 1
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
     if e and t:
+        block = min(_ROW_BLOCK, next_pow2(t))
         _select_kernel[(e,)](prob_key, score_key, f.contiguous(), keep.contiguous(), routed.view(torch.int8), t, e,
-                             BLOCK=min(_ROW_BLOCK, next_pow2(t)), num_warps=4)
+                             BLOCK=block, COUNT_BLOCK=min(_COUNT_BLOCK, block), FANOUT=fanout,
+                             PASSES=-(-32 // bits), num_warps=4)
     return routed
 
 

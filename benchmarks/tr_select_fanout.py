@@ -1,0 +1,61 @@
+"""Time token rounding's selection kernel for several search fanouts on a real router's keys (GPU).
+
+usage: python benchmarks/tr_select_fanout.py [--shape T,d,E,K ...] [--fanout 2 --fanout 16 ...] [--json OUT]
+
+For each shape: a random router (float32 logits of random X and W_r, top-k then softmax), its candidate
+keys and the ``nearest`` rounding decision (M_tile = 128), then :func:`sonicmoe.ops.tr_select.select_routed`
+timed (do_bench median) for each fanout. Every fanout's mask must equal the torch twin's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from triton.testing import do_bench
+
+from sonicmoe.ops import tr_select
+from sonicmoe.routing import router_topk
+from sonicmoe.token_rounding import _round_counts
+
+
+def run(t: int, d: int, e: int, k: int, fanouts: list[int]) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(t, d, device="cuda", generator=g)
+    wr = torch.randn(e, d, device="cuda", generator=g) / d**0.5
+    router = router_topk(x, wr, k)
+    prob_key, score_key, f = tr_select.candidate_keys(router.probs, router.topk_ids.long(), router.topk_scores)
+    keep, _ = _round_counts(f.long(), 128, t, "nearest", None)
+    expect = tr_select.select_routed_ref(prob_key, score_key, f, keep)
+    out = {"T": t, "d": d, "E": e, "K": k, "ms": {}}
+    for fan in fanouts:
+        got = tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan)
+        if not torch.equal(got, expect):
+            raise AssertionError(f"fanout {fan}: the mask differs from the torch twin's")
+        out["ms"][fan] = do_bench(lambda fan=fan: tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan),
+                                  warmup=25, rep=200, return_mode="median")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", action="append", default=None, help="T,d,E,K (repeatable)")
+    ap.add_argument("--fanout", action="append", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["16384,1536,512,8", "16384,4096,256,4"])]
+    fanouts = args.fanout or [2, 4, 8, 16]
+    rows = []
+    for shape in shapes:
+        row = run(*shape, fanouts)
+        rows.append(row)
+        print(f"T={row['T']} d={row['d']} E={row['E']} K={row['K']}: "
+              + "  ".join(f"fanout {f}: {ms * 1e3:.1f} us" for f, ms in row["ms"].items()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
