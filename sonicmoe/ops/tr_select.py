@@ -35,8 +35,7 @@ from .common import check_device, interpreting, next_pow2
 
 NO_KEY = -(2**31)  # "not a candidate": below the key of every float
 _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
-_ROW_BLOCK = 1024  # keys per load in the selection kernel
-_COUNT_BLOCK = 1024  # keys per load in its multi-threshold counting passes (a (1024, FANOUT) compare)
+_ROW_BLOCK = 1024  # keys per load in the selection kernel (its counting passes compare (1024, FANOUT) blocks)
 # thresholds per counting pass of the selection (a power of two; 2 = bisection). H100, T = 16384, E = 512
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
 # 512-key loads: 254), 16: 300
@@ -149,33 +148,25 @@ def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _count_at_least(row_ptr, threshold, T, BLOCK: tl.constexpr):
-    """#{t : key[t] >= threshold} over a row of T int32 keys (int64 threshold), summed once after the loop."""
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, T, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
-        acc += (k.to(tl.int64) >= threshold).to(tl.int32)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _count_at_least_each(row_ptr, thresholds, T, BLOCK: tl.constexpr):
-    """#{t : key[t] >= thresholds[j]} for every j, over a row of T int32 keys (int32 thresholds).
+def _count_keys(row_ptr, thresholds, T, BLOCK: tl.constexpr, ABOVE: tl.constexpr = False):
+    """#{t : key[t] >= thresholds[j]} (``> thresholds[j]`` with ABOVE) for every j, over a row of T int32
+    keys (int32 thresholds).
 
     Counts accumulate per lane and are summed across the block once, after the loop (a block-wide sum per
     load would cost a shared-memory round trip and a barrier each time)."""
     acc = tl.zeros((BLOCK, thresholds.shape[0]), dtype=tl.int32)
     for start in range(0, T, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
-        acc += (k[:, None] >= thresholds[None, :]).to(tl.int32)
+        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)[:, None]
+        if ABOVE:
+            acc += (k > thresholds[None, :]).to(tl.int32)
+        else:
+            acc += (k >= thresholds[None, :]).to(tl.int32)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-               FANOUT: tl.constexpr, PASSES: tl.constexpr):
+def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
     """routed[t, e] = 1 for the n largest keys of the row (ties: lower t first); n <= #real keys."""
     # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1. Each pass counts
     # the keys at or above FANOUT evenly spaced thresholds of [lo, hi) at once and keeps the sub-range
@@ -189,14 +180,15 @@ def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr, COUNT_BLOCK
         thr = lo + j * step  # thr[0] = lo; thresholds >= hi are not counted
         valid = thr < hi
         # every threshold is in [lo, hi) subset of [NO_KEY + 1, 2^31): it fits int32
-        cnt = _count_at_least_each(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, COUNT_BLOCK)
+        cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
         # counts fall with j: the last threshold with >= n keys at or above it is the new lo
         best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
         lo_next = lo + best * step
         hi = tl.minimum(hi, lo_next + step)
         lo = lo_next
     # lo = the n-th largest key: every key above it is taken, and the lowest-indexed keys equal to it fill up
-    ties = n - _count_at_least(row_ptr, lo + 1, T, BLOCK)
+    above = _count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True)  # lo fits int32
+    ties = n - tl.sum(above, axis=0)
     seen = tl.zeros((), dtype=tl.int32)
     for start in range(0, T, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -209,21 +201,21 @@ def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr, COUNT_BLOCK
 
 @triton.jit(do_not_specialize=["T"])
 def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr,
-                   COUNT_BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
+                   FANOUT: tl.constexpr, PASSES: tl.constexpr):
     e = tl.program_id(0)
     f = tl.load(count_ptr + e).to(tl.int32)
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
     if keep < f:  # rounded down: the `keep` best chosen tokens by score
         if keep > 0:
-            _mark_best(score_key_ptr + row, routed_ptr, e, keep, T, E, BLOCK, COUNT_BLOCK, FANOUT, PASSES)
+            _mark_best(score_key_ptr + row, routed_ptr, e, keep, T, E, BLOCK, FANOUT, PASSES)
     else:  # every chosen token, then the keep - f best non-chosen ones by probability
         for start in range(0, T, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             k = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY)
             tl.store(routed_ptr + offs.to(tl.int64) * E + e, tl.full((BLOCK,), 1, tl.int8), mask=k != _NO_KEY)
         if keep > f:
-            _mark_best(prob_key_ptr + row, routed_ptr, e, keep - f, T, E, BLOCK, COUNT_BLOCK, FANOUT, PASSES)
+            _mark_best(prob_key_ptr + row, routed_ptr, e, keep - f, T, E, BLOCK, FANOUT, PASSES)
 
 
 def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
@@ -260,10 +252,9 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
     if e and t:
-        block = min(_ROW_BLOCK, next_pow2(t))
         _select_kernel[(e,)](prob_key, score_key, f.contiguous(), keep.contiguous(), routed.view(torch.int8), t, e,
-                             BLOCK=block, COUNT_BLOCK=min(_COUNT_BLOCK, block), FANOUT=fanout,
-                             PASSES=-(-32 // bits), num_warps=4)
+                             BLOCK=min(_ROW_BLOCK, next_pow2(t)), FANOUT=fanout, PASSES=-(-32 // bits),
+                             num_warps=4)
     return routed
 
 
