@@ -29,6 +29,8 @@ Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -166,14 +168,61 @@ def experts_bwd_impl(
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    if need_x:
-        dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
-    if need_w1:
-        dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    if need_x and need_w1 and overlap_enabled(x):
+        dx, dw1 = _dx_overlapping_dw1(dh_, x, w1, routing)
+    else:
+        if need_x:
+            dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+        if need_w1:
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
     return dx, dw1, dw2, db1, db2, dscores
+
+
+def overlap_enabled(x: Tensor) -> bool:
+    """Whether the backward runs the dX aggregation beside the dW1 GEMM (CUDA, unless SONICMOE_OVERLAP=0)."""
+    return x.is_cuda and os.environ.get("SONICMOE_OVERLAP", "1") != "0"
+
+
+_GEMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _gemm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's high-priority stream for the dW1 GEMM (created at first use, never at import)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _GEMM_STREAMS.get(idx)
+    if stream is None:
+        _, greatest = torch.cuda.Stream.priority_range()
+        stream = _GEMM_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=greatest)
+    return stream
+
+
+def _dx_overlapping_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
+    """dX (T, d) and dW1 (E, 2n, d), with the memory-bound dX aggregation running while the compute-bound
+    dW1 GEMM does.
+
+    dX̃ = dH W1[e] runs first on the caller's stream; then dW1 is launched on a high-priority stream that
+    waits for it, and the aggregation dX_t = Σ dX̃ rows on the caller's stream, so the aggregation's small
+    programs fill the room (registers, load bandwidth) the GEMM's programs leave on each multiprocessor,
+    and a finished GEMM program's place goes to the next GEMM program first. The caller's stream then waits
+    for dW1. Both kernels are those of the sequential path: the same bits (no atomics anywhere). No host
+    sync; the fork and join are stream events, so CUDA-graph capture keeps working.
+    """
+    main = torch.cuda.current_stream(x.device)
+    dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
+    side = _gemm_stream(x.device)
+    side.wait_stream(main)  # dH, X and the routing arrays are ready
+    with torch.cuda.stream(side):
+        dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    dx = gather_sum(dxt, routing, None)
+    main.wait_stream(side)
+    # dW1 comes from the side stream's memory pool: its block is not reused there before the caller's
+    # stream is done with it. dH, X and the routing arrays came from the caller's stream, which now waits
+    # for the side stream before any later work, so their blocks are safe when freed.
+    dw1.record_stream(main)
+    return dx, dw1
 
 
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())
