@@ -3,8 +3,8 @@
 usage: python benchmarks/overlap_ab.py [--shape T,d,n,E,K ...] [--rounds 3] [--json OUT]
 
 For each shape: the Triton layer's forward+backward on a precomputed top-k routing (as ``sonicmoe bench``
-calls it), timed with do_bench (median, L2 flushed) with SONICMOE_OVERLAP=1 and =0 in turn, ``rounds``
-times each, so drifting clocks hit both alike; the gradients of both must be bitwise equal. Prints and
+calls it), timed with do_bench (median, L2 flushed) with each SONICMOE_OVERLAP value of ``--modes`` in turn,
+``rounds`` times each, so drifting clocks hit both alike; the gradients of all must be bitwise equal. Prints and
 records the median of each setting's rounds and their TFLOP/s (18·TK·n·d, SPEC §7).
 """
 
@@ -25,7 +25,7 @@ from sonicmoe.bench.shapes import Shape
 from sonicmoe.provenance import git_commit
 
 
-def run(shape: str, rounds: int) -> dict:
+def run(shape: str, rounds: int, modes: list[str]) -> dict:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = make_problem(Shape("ab", t, d, n, e, k), dtype=torch.bfloat16, device="cuda")
     leaves = [p.x, p.w1, p.w2, p.pair_scores]
@@ -35,22 +35,22 @@ def run(shape: str, rounds: int) -> dict:
             leaf.grad = None
         functional.experts(p.x, p.w1, p.w2, p.routing, p.pair_scores, backend="triton").backward(p.dout)
 
-    grads, ms = {}, {"1": [], "0": []}
+    grads, ms = {}, {m: [] for m in modes}
     for _ in range(rounds):
-        for flag in ("1", "0"):
+        for flag in modes:
             os.environ["SONICMOE_OVERLAP"] = flag
             fwdbwd()
             grads[flag] = [leaf.grad.clone() for leaf in leaves]
             ms[flag].append(do_bench(fwdbwd, warmup=25, rep=200, return_mode="median"))
     os.environ.pop("SONICMOE_OVERLAP")
-    if not all(torch.equal(a, b) for a, b in zip(grads["1"], grads["0"])):
-        raise AssertionError(f"{shape}: overlapped and sequential gradients differ")
+    for flag in modes[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(grads[modes[0]], grads[flag])):
+            raise AssertionError(f"{shape}: gradients of SONICMOE_OVERLAP={flag} and ={modes[0]} differ")
     flops = 18 * t * k * n * d
-    out = {"shape": shape, "ms_overlap": ms["1"], "ms_sequential": ms["0"]}
-    for flag, name in (("1", "overlap"), ("0", "sequential")):
-        med = statistics.median(ms[flag])
-        out[f"median_ms_{name}"] = med
-        out[f"tflops_{name}"] = flops / med / 1e9
+    out = {"shape": shape, "ms": ms, "median_ms": {}, "tflops": {}}
+    for flag in modes:
+        out["median_ms"][flag] = statistics.median(ms[flag])
+        out["tflops"][flag] = flops / out["median_ms"][flag] / 1e9
     return out
 
 
@@ -58,15 +58,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None, help="T,d,n,E,K (repeatable; default 7B)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="1,0", help="SONICMOE_OVERLAP values, alternated in this order")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
     for shape in args.shape or ["24576,1536,256,128,8"]:
-        row = run(shape, args.rounds)
+        row = run(shape, args.rounds, args.modes.split(","))
         rows.append(row)
-        print(f"{shape}: fwd+bwd overlap {row['median_ms_overlap']:.3f} ms ({row['tflops_overlap']:.1f} TFLOP/s), "
-              f"sequential {row['median_ms_sequential']:.3f} ms ({row['tflops_sequential']:.1f}); "
-              f"{row['median_ms_sequential'] / row['median_ms_overlap']:.3f}x", flush=True)
+        print(f"{shape} fwd+bwd: " + ", ".join(f"SONICMOE_OVERLAP={m} {ms:.3f} ms ({row['tflops'][m]:.1f} TFLOP/s)"
+                                               for m, ms in row["median_ms"].items()), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -162,28 +162,58 @@ def experts_bwd_impl(
             ds = ds + dob2[routing.row_token.long(), routing.row_expert()]
         dscores = ds.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     del ds
-    if need_w2:
-        dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
-    if need_b2:  # db2[e] = Σ_t S dO_t
-        s_col = row_scores.to(dout.dtype)[:, None]
-        db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
-    del a_prime
-    if need_x and need_w1 and overlap_enabled(x):
-        dx, dw1 = _dx_overlapping_dw1(dh_, x, w1, routing)
-    else:
-        if need_x:
-            dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+    def weight_grads_w2():
+        nonlocal dw2, db2
+        if need_w2:
+            dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
+        if need_b2:  # db2[e] = Σ_t S dO_t
+            s_col = row_scores.to(dout.dtype)[:, None]
+            db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
+
+    def weight_grads_w1():
+        nonlocal dw1, db1
         if need_w1:
             dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
-    if need_b1:  # db1[e] = Σ dH rows of e
-        ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
-        db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
+        if need_b1:  # db1[e] = Σ dH rows of e
+            ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
+            db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
+
+    mode = overlap_mode(x) if need_x else 0
+    if mode == 0:
+        weight_grads_w2()
+        del a_prime
+        if need_x:
+            dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+        weight_grads_w1()
+    else:
+        if mode == 1:
+            weight_grads_w2()
+            del a_prime
+            beside = [weight_grads_w1]
+        else:
+            beside = [weight_grads_w2, weight_grads_w1]
+        dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
+        main = torch.cuda.current_stream(x.device)
+        side = _gemm_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for fn in beside:
+                fn()
+        dx = gather_sum(dxt, routing, None)
+        main.wait_stream(side)
+        for g in (dw1, db1, dw2, db2):
+            if g.numel():
+                g.record_stream(main)
     return dx, dw1, dw2, db1, db2, dscores
 
 
+def overlap_mode(x: Tensor) -> int:
+    """0: sequential backward; 1: dX aggregation beside dW1; 2: beside dW2 and dW1 (SONICMOE_OVERLAP)."""
+    return int(os.environ.get("SONICMOE_OVERLAP", "1")) if x.is_cuda else 0
+
+
 def overlap_enabled(x: Tensor) -> bool:
-    """Whether the backward runs the dX aggregation beside the dW1 GEMM (CUDA, unless SONICMOE_OVERLAP=0)."""
-    return x.is_cuda and os.environ.get("SONICMOE_OVERLAP", "1") != "0"
+    return overlap_mode(x) > 0
 
 
 _GEMM_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -197,32 +227,6 @@ def _gemm_stream(device: torch.device) -> torch.cuda.Stream:
         _, greatest = torch.cuda.Stream.priority_range()
         stream = _GEMM_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=greatest)
     return stream
-
-
-def _dx_overlapping_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing) -> tuple[Tensor, Tensor]:
-    """dX (T, d) and dW1 (E, 2n, d), with the memory-bound dX aggregation running while the compute-bound
-    dW1 GEMM does.
-
-    dX̃ = dH W1[e] runs first on the caller's stream; then dW1 is launched on a high-priority stream that
-    waits for it, and the aggregation dX_t = Σ dX̃ rows on the caller's stream, so the aggregation's small
-    programs fill the room (registers, load bandwidth) the GEMM's programs leave on each multiprocessor,
-    and a finished GEMM program's place goes to the next GEMM program first. The caller's stream then waits
-    for dW1. Both kernels are those of the sequential path: the same bits (no atomics anywhere). No host
-    sync; the fork and join are stream events, so CUDA-graph capture keeps working.
-    """
-    main = torch.cuda.current_stream(x.device)
-    dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
-    side = _gemm_stream(x.device)
-    side.wait_stream(main)  # dH, X and the routing arrays are ready
-    with torch.cuda.stream(side):
-        dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
-    dx = gather_sum(dxt, routing, None)
-    main.wait_stream(side)
-    # dW1 comes from the side stream's memory pool: its block is not reused there before the caller's
-    # stream is done with it. dH, X and the routing arrays came from the caller's stream, which now waits
-    # for the side stream before any later work, so their blocks are safe when freed.
-    dw1.record_stream(main)
-    return dx, dw1
 
 
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())
