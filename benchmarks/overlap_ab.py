@@ -1,4 +1,4 @@
-"""The backward's dX aggregation beside the dW1 GEMM (two CUDA streams) against after it (one stream) (GPU).
+"""The backward's dX aggregation beside the weight-gradient GEMMs (two CUDA streams) or after them (GPU).
 
 usage: python benchmarks/overlap_ab.py [--shape T,d,n,E,K ...] [--rounds 3] [--json OUT]
 

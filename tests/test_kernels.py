@@ -329,11 +329,12 @@ def test_gpu_bitwise_deterministic():
 
 @pytest.mark.gpu
 def test_gpu_overlapped_backward_bitwise(monkeypatch):
-    """The backward's dX aggregation running beside the dW1 GEMM on a second stream (the default) gives
-    bitwise the sequential path's gradients (SONICMOE_OVERLAP=0), and overlap is really on by default."""
+    """The backward's dX aggregation running beside the weight-gradient GEMMs (on a second stream; the
+    default) gives bitwise the sequential path's gradients (SONICMOE_OVERLAP=0), biases included, and
+    overlap is really on by default."""
     from sonicmoe.ops import library
 
-    p = random_problem(4096, 1024, 256, 64, device="cuda", seed=4)
+    p = random_problem(4096, 1024, 256, 64, bias=True, device="cuda", seed=4)
     dout = torch.randn(4096, 1024, device="cuda")
     assert library.overlap_enabled(p["x"])
     overlapped = _layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout)

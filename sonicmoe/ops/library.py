@@ -162,6 +162,7 @@ def experts_bwd_impl(
             ds = ds + dob2[routing.row_token.long(), routing.row_expert()]
         dscores = ds.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     del ds
+
     def weight_grads_w2():
         nonlocal dw2, db2
         if need_w2:
@@ -178,49 +179,53 @@ def experts_bwd_impl(
             ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
             db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
 
-    mode = overlap_mode(x) if need_x else 0
-    if mode == 0:
+    if not (need_x and overlap_enabled(x)):
         weight_grads_w2()
         del a_prime
         if need_x:
             dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
         weight_grads_w1()
     else:
-        if mode == 1:
-            weight_grads_w2()
-            del a_prime
-            beside = [weight_grads_w1]
-        else:
-            beside = [weight_grads_w2, weight_grads_w1]
+        # dX̃ first; then the weight-gradient GEMMs on a high-priority stream and the memory-bound dX
+        # aggregation on the caller's stream at the same time (see overlap_enabled)
         dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
         main = torch.cuda.current_stream(x.device)
         side = _gemm_stream(x.device)
-        side.wait_stream(main)
+        side.wait_stream(main)  # dO, dH, A′, X, dX̃ and the routing arrays are ready
         with torch.cuda.stream(side):
-            for fn in beside:
-                fn()
+            weight_grads_w2()
+            weight_grads_w1()
         dx = gather_sum(dxt, routing, None)
         main.wait_stream(side)
+        # the gradients come from the side stream's memory pool: their blocks are not reused there before the
+        # caller's stream is done with them. The inputs the side stream read came from the caller's stream,
+        # which now waits for the side stream before any later work, so their blocks are safe when freed.
         for g in (dw1, db1, dw2, db2):
             if g.numel():
                 g.record_stream(main)
     return dx, dw1, dw2, db1, db2, dscores
 
 
-def overlap_mode(x: Tensor) -> int:
-    """0: sequential backward; 1: dX aggregation beside dW1; 2: beside dW2 and dW1 (SONICMOE_OVERLAP)."""
-    return int(os.environ.get("SONICMOE_OVERLAP", "1")) if x.is_cuda else 0
-
-
 def overlap_enabled(x: Tensor) -> bool:
-    return overlap_mode(x) > 0
+    """Whether the backward runs the dX aggregation beside the weight-gradient GEMMs (CUDA tensors, unless
+    the environment sets SONICMOE_OVERLAP=0; read at each call).
+
+    With overlap, dX̃ = dH W1[e] runs first; then dW2, db2, dW1 and db1 run on a high-priority second
+    stream while the aggregation dX_t = Σ dX̃ rows runs on the caller's stream: the aggregation's small
+    programs fill the room (registers, load bandwidth) that the GEMMs' programs leave on each
+    multiprocessor, and a finished GEMM program's place goes to the next GEMM program first. The caller's
+    stream then waits for the side stream. The kernels are those of the sequential path, so the bits are the
+    same (no atomics anywhere); there is no host sync, and the fork and join are stream events, so CUDA-graph
+    capture keeps working. Peak memory grows by A′ (R, n), which lives until dW2 instead of before dX̃.
+    """
+    return x.is_cuda and os.environ.get("SONICMOE_OVERLAP", "1") != "0"
 
 
 _GEMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _gemm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's high-priority stream for the dW1 GEMM (created at first use, never at import)."""
+    """The device's high-priority stream for the weight-gradient GEMMs (created at first use, never at import)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     stream = _GEMM_STREAMS.get(idx)
     if stream is None:
