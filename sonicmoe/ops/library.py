@@ -37,6 +37,7 @@ from torch import Tensor
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from .aggregation import gather_sum
+from .common import new_output
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -163,46 +164,50 @@ def experts_bwd_impl(
         dscores = ds.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     del ds
 
-    def weight_grads_w2():
-        nonlocal dw2, db2
-        if need_w2:
-            dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
-        if need_b2:  # db2[e] = Σ_t S dO_t
+    def weight_grads(bufs: dict[str, Tensor], second: bool, first: bool) -> None:
+        """dW2, db2 (``second``: W2's) and dW1, db1 (``first``), those asked for, written into ``bufs`` where it
+        has them."""
+        nonlocal dw1, dw2, db1, db2
+        if need_w2 and second:
+            dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype,
+                                out=bufs.get("dw2"))
+        if need_b2 and second:  # db2[e] = Σ_t S dO_t
             s_col = row_scores.to(dout.dtype)[:, None]
-            db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
-
-    def weight_grads_w1():
-        nonlocal dw1, db1
-        if need_w1:
-            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
-        if need_b1:  # db1[e] = Σ dH rows of e
+            db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype,
+                                out=bufs.get("db2"))[:, 0]
+        if need_w1 and first:
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype,
+                                out=bufs.get("dw1"))
+        if need_b1 and first:  # db1[e] = Σ dH rows of e
             ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
-            db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
+            db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype,
+                                out=bufs.get("db1"))[:, 0]
 
     if not (need_x and overlap_enabled(x)):
-        weight_grads_w2()
-        del a_prime
+        weight_grads({}, second=True, first=False)
+        del a_prime  # before dX̃ is allocated
         if need_x:
             dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
-        weight_grads_w1()
+        weight_grads({}, second=False, first=True)
     else:
         # dX̃ first; then the weight-gradient GEMMs on a high-priority stream and the memory-bound dX
-        # aggregation on the caller's stream at the same time (see overlap_enabled)
+        # aggregation on the caller's stream at the same time (see overlap_enabled). The gradients are
+        # allocated here, on the caller's stream, like every tensor the side stream reads: their blocks go back
+        # to the caller's stream, which waits for the side stream before any later work (no record_stream,
+        # whose deferred frees keep the allocator from reusing the blocks).
         dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
+        e, two_n, d = w1.shape
+        bufs = {name: new_output(shape, device=x.device, dtype=dtype) for name, need, shape, dtype in (
+            ("dw2", need_w2, w2.shape, w2.dtype), ("db2", need_b2, (e, 1, d), b2.dtype if need_b2 else None),
+            ("dw1", need_w1, w1.shape, w1.dtype), ("db1", need_b1, (e, 1, two_n), b1.dtype if need_b1 else None),
+        ) if need}
         main = torch.cuda.current_stream(x.device)
         side = _gemm_stream(x.device)
-        side.wait_stream(main)  # dO, dH, A′, X, dX̃ and the routing arrays are ready
+        side.wait_stream(main)  # dO, dH, A′, X, dX̃, the routing arrays and the gradients' blocks are ready
         with torch.cuda.stream(side):
-            weight_grads_w2()
-            weight_grads_w1()
+            weight_grads(bufs, second=True, first=True)
         dx = gather_sum(dxt, routing, None)
         main.wait_stream(side)
-        # the gradients come from the side stream's memory pool: their blocks are not reused there before the
-        # caller's stream is done with them. The inputs the side stream read came from the caller's stream,
-        # which now waits for the side stream before any later work, so their blocks are safe when freed.
-        for g in (dw1, db1, dw2, db2):
-            if g.numel():
-                g.record_stream(main)
     return dx, dw1, dw2, db1, db2, dscores
 
 
