@@ -190,24 +190,26 @@ def experts_bwd_impl(
             dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
         weight_grads({}, second=False, first=True)
     else:
-        # dX̃ first; then the weight-gradient GEMMs on a high-priority stream and the memory-bound dX
-        # aggregation on the caller's stream at the same time (see overlap_enabled). The gradients are
-        # allocated here, on the caller's stream, like every tensor the side stream reads: their blocks go back
-        # to the caller's stream, which waits for the side stream before any later work (no record_stream,
-        # whose deferred frees keep the allocator from reusing the blocks).
+        # dX̃ first; then dW2 (and db2) on a high-priority stream and the memory-bound dX aggregation on the
+        # caller's stream at the same time (see overlap_enabled); dW1 after both, once dX̃ and A′ are freed.
+        # dW2 and db2 are allocated here, on the caller's stream, like every tensor the side stream reads: their
+        # blocks go back to the caller's stream, which waits for the side stream before any later work (no
+        # record_stream, whose deferred frees keep the allocator from reusing the blocks)
         dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
-        e, two_n, d = w1.shape
-        bufs = {name: new_output(shape, device=x.device, dtype=dtype) for name, need, shape, dtype in (
-            ("dw2", need_w2, w2.shape, w2.dtype), ("db2", need_b2, (e, 1, d), b2.dtype if need_b2 else None),
-            ("dw1", need_w1, w1.shape, w1.dtype), ("db1", need_b1, (e, 1, two_n), b1.dtype if need_b1 else None),
-        ) if need}
+        bufs = {}
+        if need_w2:
+            bufs["dw2"] = new_output(w2.shape, device=x.device, dtype=w2.dtype)
+        if need_b2:
+            bufs["db2"] = new_output((w2.shape[0], 1, w2.shape[1]), device=x.device, dtype=b2.dtype)
         main = torch.cuda.current_stream(x.device)
         side = _gemm_stream(x.device)
-        side.wait_stream(main)  # dO, dH, A′, X, dX̃, the routing arrays and the gradients' blocks are ready
+        side.wait_stream(main)  # dO, A′, the scores, the routing arrays and the gradients' blocks are ready
         with torch.cuda.stream(side):
-            weight_grads(bufs, second=True, first=True)
+            weight_grads(bufs, second=True, first=False)
         dx = gather_sum(dxt, routing, None)
         main.wait_stream(side)
+        del dxt, a_prime
+        weight_grads({}, second=False, first=True)
     return dx, dw1, dw2, db1, db2, dscores
 
 
@@ -215,13 +217,13 @@ def overlap_enabled(x: Tensor) -> bool:
     """Whether the backward runs the dX aggregation beside the weight-gradient GEMMs (CUDA tensors, unless
     the environment sets SONICMOE_OVERLAP=0; read at each call).
 
-    With overlap, dX̃ = dH W1[e] runs first; then dW2, db2, dW1 and db1 run on a high-priority second
-    stream while the aggregation dX_t = Σ dX̃ rows runs on the caller's stream: the aggregation's small
-    programs fill the room (registers, load bandwidth) that the GEMMs' programs leave on each
-    multiprocessor, and a finished GEMM program's place goes to the next GEMM program first. The caller's
-    stream then waits for the side stream. The kernels are those of the sequential path, so the bits are the
-    same (no atomics anywhere); there is no host sync, and the fork and join are stream events, so CUDA-graph
-    capture keeps working. Peak memory grows by A′ (R, n), which lives until dW2 instead of before dX̃.
+    With overlap, dX̃ = dH W1[e] runs first; then dW2 (and db2) run on a high-priority second stream while
+    the aggregation dX_t = Σ dX̃ rows runs on the caller's stream: the aggregation's small programs fill the
+    room (registers, load bandwidth) that the GEMM's programs leave on each multiprocessor, and a finished GEMM
+    program's place goes to the next GEMM program first. The caller's stream then waits for the side stream,
+    and dW1 (and db1) follow. The kernels are those of the sequential path, so the bits are the same (no
+    atomics anywhere); there is no host sync, and the fork and join are stream events, so CUDA-graph capture
+    keeps working. Peak memory grows by A′ (R, n), which lives until dW2, after dX̃, instead of before it.
     """
     return x.is_cuda and os.environ.get("SONICMOE_OVERLAP", "1") != "0"
 
@@ -230,7 +232,7 @@ _GEMM_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _gemm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's high-priority stream for the weight-gradient GEMMs (created at first use, never at import)."""
+    """The device's high-priority stream for the dW2 GEMM (created at first use, never at import)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     stream = _GEMM_STREAMS.get(idx)
     if stream is None:
