@@ -5,8 +5,6 @@
 #   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus) on
 #          TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8))
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
-#   overlap  fwd+bwd with the backward's dX aggregation beside the weight-gradient GEMMs and after them
-#          (benchmarks/overlap_ab.py, each in its own process) on OVERLAP_SHAPES (default: 7B)
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -85,14 +83,6 @@ for step in "$@"; do
       python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \
         --no-plot --out "$OUT" --tag 7b > "$OUT/bench7b.txt" 2>&1
       SUMMARY+=("$(tail -12 "$OUT/bench7b.txt")")
-      ;;
-    overlap)
-      # the backward's dX aggregation beside the weight-gradient GEMMs or after them, each run in its own process
-      shapes=()
-      for sh in ${OVERLAP_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
-      timeout ${BENCH_LIMIT_S:-300} python3 benchmarks/overlap_ab.py "${shapes[@]}" --rounds ${OVERLAP_ROUNDS:-2} \
-        --json "$OUT/overlap_ab.json" > "$OUT/overlap_ab.txt" 2>&1
-      SUMMARY+=("$(cat "$OUT/overlap_ab.txt")")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \

@@ -39,10 +39,8 @@ def _gather_sum_kernel(
             j = j0 + u
             valid = mask_t & (j < cnt)
             row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-            # each row is read once: evict_first keeps it from pushing other kernels' operands out of L2
-            # (the backward's aggregation runs beside the weight-gradient GEMMs)
             y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
-                        other=0.0, eviction_policy="evict_first").to(tl.float32)
+                        other=0.0).to(tl.float32)
             if HAS_W:
                 y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
             acc += y

@@ -12,8 +12,6 @@ Environment (documented in the README):
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
-    SONICMOE_OVERLAP=0         run the backward's dX aggregation after the weight-gradient GEMMs instead of
-                               beside them (the same bits either way; ops/library.py, overlap_enabled).
 """
 
 from __future__ import annotations

@@ -29,15 +29,12 @@ Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from .aggregation import gather_sum
-from .common import new_output
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -163,82 +160,20 @@ def experts_bwd_impl(
             ds = ds + dob2[routing.row_token.long(), routing.row_expert()]
         dscores = ds.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     del ds
-
-    def weight_grads(bufs: dict[str, Tensor], second: bool, first: bool) -> None:
-        """dW2, db2 (``second``: W2's) and dW1, db1 (``first``), those asked for, written into ``bufs`` where it
-        has them."""
-        nonlocal dw1, dw2, db1, db2
-        if need_w2 and second:
-            dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype,
-                                out=bufs.get("dw2"))
-        if need_b2 and second:  # db2[e] = Σ_t S dO_t
-            s_col = row_scores.to(dout.dtype)[:, None]
-            db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype,
-                                out=bufs.get("db2"))[:, 0]
-        if need_w1 and first:
-            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype,
-                                out=bufs.get("dw1"))
-        if need_b1 and first:  # db1[e] = Σ dH rows of e
-            ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
-            db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype,
-                                out=bufs.get("db1"))[:, 0]
-
-    if not (need_x and overlap_enabled(x)):
-        weight_grads({}, second=True, first=False)
-        del a_prime  # before dX̃ is allocated
-        if need_x:
-            dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
-        weight_grads({}, second=False, first=True)
-    else:
-        # dX̃ first; then dW2 (and db2) on a high-priority stream and the memory-bound dX aggregation on the
-        # caller's stream at the same time (see overlap_enabled); dW1 after both, once dX̃ and A′ are freed.
-        # dW2 and db2 are allocated here, on the caller's stream, like every tensor the side stream reads: their
-        # blocks go back to the caller's stream, which waits for the side stream before any later work (no
-        # record_stream, whose deferred frees keep the allocator from reusing the blocks)
-        dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
-        bufs = {}
-        if need_w2:
-            bufs["dw2"] = new_output(w2.shape, device=x.device, dtype=w2.dtype)
-        if need_b2:
-            bufs["db2"] = new_output((w2.shape[0], 1, w2.shape[1]), device=x.device, dtype=b2.dtype)
-        main = torch.cuda.current_stream(x.device)
-        side = _gemm_stream(x.device)
-        side.wait_stream(main)  # dO, A′, the scores, the routing arrays and the gradients' blocks are ready
-        with torch.cuda.stream(side):
-            weight_grads(bufs, second=True, first=False)
-        dx = gather_sum(dxt, routing, None)
-        main.wait_stream(side)
-        del dxt, a_prime
-        weight_grads({}, second=False, first=True)
+    if need_w2:
+        dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
+    if need_b2:  # db2[e] = Σ_t S dO_t
+        s_col = row_scores.to(dout.dtype)[:, None]
+        db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
+    del a_prime
+    if need_x:
+        dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+    if need_w1:
+        dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    if need_b1:  # db1[e] = Σ dH rows of e
+        ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
+        db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
     return dx, dw1, dw2, db1, db2, dscores
-
-
-def overlap_enabled(x: Tensor) -> bool:
-    """Whether the backward runs the dX aggregation beside the weight-gradient GEMMs (CUDA tensors, unless
-    the environment sets SONICMOE_OVERLAP=0; read at each call).
-
-    With overlap, dX̃ = dH W1[e] runs first; then dW2 (and db2) run on a high-priority second stream while
-    the aggregation dX_t = Σ dX̃ rows runs on the caller's stream: the aggregation's small programs fill the
-    room (registers, load bandwidth) that the GEMM's programs leave on each multiprocessor, and a finished GEMM
-    program's place goes to the next GEMM program first. The caller's stream then waits for the side stream,
-    and dW1 (and db1) follow. The kernels are those of the sequential path, so the bits are the same (no
-    atomics anywhere); there is no host sync, and the fork and join are stream events, so CUDA-graph capture
-    keeps working. Peak memory grows by A′ (R, n), which lives until dW2, after dX̃, instead of before it.
-    """
-    return x.is_cuda and os.environ.get("SONICMOE_OVERLAP", "1") != "0"
-
-
-_GEMM_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _gemm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's high-priority stream for the dW2 GEMM (created at first use, never at import)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _GEMM_STREAMS.get(idx)
-    if stream is None:
-        _, greatest = torch.cuda.Stream.priority_range()
-        stream = _GEMM_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=greatest)
-    return stream
 
 
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())

@@ -255,7 +255,7 @@ _tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["E", "I", "J", "P_GATHER", 
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                  out_dtype: torch.dtype, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
     """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] (varlen-K grouped GEMM, SPEC §4 kernels 2, 4).
 
     Args:
@@ -265,8 +265,6 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned. The pinned GPU tiles
             are 256 wide on the operand that is not gathered (read through a TMA descriptor when its
             rows are 16-byte aligned, pointer loads otherwise) and 128 on the gathered one.
-        out: a contiguous (E, I, J) ``out_dtype`` tensor to write (allocated by the caller, e.g. on another
-            stream than the one launching), else a new one.
     Returns:
         (E, I, J) in ``out_dtype``; experts with no rows get zeros. Deterministic (no atomics).
     """
@@ -274,11 +272,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     p, q = p.contiguous(), q.contiguous()
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
-    if out is None:
-        out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
-    elif out.shape != (e, i_dim, j_dim) or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(e, i_dim, j_dim)} {out_dtype} tensor, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
     # the operand that is not gathered is read through a TMA descriptor in configs with P_TMA / Q_TMA
     args = dict(
         p_ptr=p, p_desc=None if p_gather else tma_descriptor(p), q_ptr=q,
