@@ -61,6 +61,7 @@ def test_cpu_smoke_writes_valid_json(tmp_path):
         assert key in env, key
     assert env["torch"] == torch.__version__
     assert doc["timer"] == "time.perf_counter"
+    assert doc["autotune"] is False and doc["tile_configs"] == {}  # nothing is autotuned on CPU
     assert doc["args"]["dtype"] == "fp32"
     (rec,) = doc["results"]
     assert (rec["T"], rec["d"], rec["n"], rec["E"], rec["K"]) == (64, 32, 16, 4, 2)

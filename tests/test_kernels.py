@@ -599,6 +599,34 @@ def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma):
     assert all(args[name] is descs[name] for name in descs)  # the caller's dict is not modified
 
 
+def test_tuned_configs_names_each_choice(monkeypatch):
+    """tuned_configs() lists each autotuner choice under its kernel's name, with the key arguments, the
+    tensors' dtypes, the TMA flags available and the whole config; the choice is then launched directly."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "_ALL_TUNERS", [])
+    assert common.tuned_configs() == {}
+    kern = _RecordingKernel()
+    tuners = common.autotuners(kern, [], ["N", "D"])
+    assert tuners.name == "_RecordingKernel"
+    cfg = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3)
+    key = (frozenset({"W_TMA"}), 256, 1536, torch.bfloat16, torch.int32)
+    tuners.record(key, cfg, {"N": 256, "D": 1536}, frozenset({"W_TMA"}))
+    assert common.tuned_configs() == {"_RecordingKernel": [{
+        "key": {"N": 256, "D": 1536}, "dtypes": ["bfloat16", "int32"], "tma_available": ["W_TMA"],
+        "config": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}}]}
+    assert tuners.chosen() == [cfg]
+    x = torch.empty(2, dtype=torch.bfloat16)
+    idx = torch.empty(2, dtype=torch.int32)
+    tuners.run(frozenset({"W_TMA"}), lambda m: (1,), {"N": 256, "D": 1536, "x": x, "idx": idx})
+    (call,) = kern.calls
+    assert call["BLOCK_M"] == 64 and call["N"] == 256
+    # the real kernels' tuners carry their kernels' names
+    from sonicmoe.ops import up_proj as up_mod
+
+    assert up_mod._tuned.name == "_up_proj_kernel"
+
+
 @pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])
 def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     """The pinned GPU config of the weight gradients runs the persistent step loop (one program per

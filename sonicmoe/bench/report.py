@@ -8,7 +8,11 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
              "git_commit", "git_dirty"},
      "timer": "triton.testing.do_bench" | "time.perf_counter",
      "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
+     "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tma_available, config}, ...]},
      "results": [shape record, ...]}
+
+``tile_configs`` lists every tile configuration the autotuners chose during the run
+(:func:`sonicmoe.ops.common.tuned_configs`; empty with ``autotune`` false: the pinned configs ran).
 
 A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, TK (= R routed
 pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
@@ -134,6 +138,8 @@ def sanitize(obj):
 
 def build_results(records: list[dict], env: dict, argv: list[str], args: dict, now: _dt.datetime) -> dict:
     """The whole results document (see the module docstring)."""
+    from ..ops.common import autotune_enabled, tuned_configs
+
     return {
         "schema": SCHEMA,
         "date": now.isoformat(timespec="seconds"),
@@ -143,6 +149,8 @@ def build_results(records: list[dict], env: dict, argv: list[str], args: dict, n
         "env": env,
         "timer": "triton.testing.do_bench" if env.get("device_type") == "cuda" else "time.perf_counter",
         "flops": dict(FLOP_FORMULAS),
+        "autotune": autotune_enabled() and env.get("device_type") == "cuda",
+        "tile_configs": tuned_configs(),
         "results": records,
     }
 

@@ -162,6 +162,12 @@ class Tuners:
         self.kernel, self.space, self.key, self.desc_blocks = kernel, space, key, desc_blocks
         self._by_flags: dict[frozenset[str], object] = {}
         self._chosen: dict[tuple, triton.Config] = {}
+        self._records: list[dict] = []  # the choices as JSON-friendly dicts, for results files
+        fn = kernel
+        while hasattr(fn, "fn"):  # heuristics wrap the JITFunction, which wraps the Python function
+            fn = fn.fn
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        _ALL_TUNERS.append(self)
 
     def run(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None) -> None:
         """Launch with the tuned config. The first call of a key (the autotuner's key values and the dtypes
@@ -176,7 +182,7 @@ class Tuners:
         if cfg is None:
             tuner = self.get(available)
             tuner[grid](**args)
-            self._chosen[key] = tuner.best_config
+            self.record(key, tuner.best_config, {k: args[k] for k in self.key}, available)
             return
         meta = cfg.all_kwargs()
         if flag_descs and self.desc_blocks is not None:
@@ -188,6 +194,15 @@ class Tuners:
     def chosen(self) -> list[triton.Config]:
         """The configs the autotuner chose so far in this process, one per key."""
         return list(self._chosen.values())
+
+    def record(self, key: tuple, cfg: triton.Config, key_args: dict, available: frozenset[str]) -> None:
+        """Keep the autotuner's choice ``cfg`` for ``key`` (launched directly from then on) and its
+        description for :func:`tuned_configs`."""
+        self._chosen[key] = cfg
+        dtypes = [str(v).removeprefix("torch.") for v in key[1 + len(self.key):]]
+        self._records.append({"key": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
+                                      for k, v in key_args.items()},
+                              "dtypes": dtypes, "tma_available": sorted(available), "config": config_dict(cfg)})
 
     def get(self, available: frozenset[str]):
         if available not in self._by_flags:
@@ -202,6 +217,18 @@ class Tuners:
                 configs.append(triton.Config(meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages, pre_hook=pre))
             self._by_flags[available] = triton.autotune(configs=configs, key=self.key)(self.kernel)
         return self._by_flags[available]
+
+
+_ALL_TUNERS: list[Tuners] = []
+
+
+def tuned_configs() -> dict[str, list[dict]]:
+    """Every tile configuration the autotuners chose so far in this process, by kernel name: a list of
+    {"key": the autotuner's key arguments (shape letters of that kernel), "dtypes": of its tensor arguments,
+    "tma_available": the TMA flags whose descriptors existed, "config": block sizes, flags, warps, stages}.
+    Empty when nothing was autotuned (SONICMOE_AUTOTUNE=0, the interpreter). Benchmarks record it next to
+    their timings, so a result names the tiles that produced it."""
+    return {t.name: [dict(r) for r in t._records] for t in _ALL_TUNERS if t._records}
 
 
 def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None) -> Tuners:
