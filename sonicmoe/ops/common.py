@@ -162,7 +162,6 @@ class Tuners:
         self.kernel, self.space, self.key, self.desc_blocks = kernel, space, key, desc_blocks
         self._by_flags: dict[frozenset[str], object] = {}
         self._chosen: dict[tuple, triton.Config] = {}
-        self._records: list[dict] = []  # the choices as JSON-friendly dicts, for results files
         fn = kernel
         while hasattr(fn, "fn"):  # heuristics wrap the JITFunction, which wraps the Python function
             fn = fn.fn
@@ -182,7 +181,7 @@ class Tuners:
         if cfg is None:
             tuner = self.get(available)
             tuner[grid](**args)
-            self.record(key, tuner.best_config, {k: args[k] for k in self.key}, available)
+            self._chosen[key] = tuner.best_config
             return
         meta = cfg.all_kwargs()
         if flag_descs and self.desc_blocks is not None:
@@ -195,14 +194,13 @@ class Tuners:
         """The configs the autotuner chose so far in this process, one per key."""
         return list(self._chosen.values())
 
-    def record(self, key: tuple, cfg: triton.Config, key_args: dict, available: frozenset[str]) -> None:
-        """Keep the autotuner's choice ``cfg`` for ``key`` (launched directly from then on) and its
-        description for :func:`tuned_configs`."""
-        self._chosen[key] = cfg
-        dtypes = [str(v).removeprefix("torch.") for v in key[1 + len(self.key):]]
-        self._records.append({"key": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
-                                      for k, v in key_args.items()},
-                              "dtypes": dtypes, "tma_available": sorted(available), "config": config_dict(cfg)})
+    def described(self) -> list[dict]:
+        """The choices so far as JSON-friendly dicts (see :func:`tuned_configs`), read off their keys."""
+        n = len(self.key)
+        return [{"key": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
+                         for k, v in zip(self.key, key[1:1 + n])},
+                 "dtypes": [str(v).removeprefix("torch.") for v in key[1 + n:]],
+                 "tma_available": sorted(key[0]), "config": config_dict(cfg)} for key, cfg in self._chosen.items()]
 
     def get(self, available: frozenset[str]):
         if available not in self._by_flags:
@@ -228,7 +226,7 @@ def tuned_configs() -> dict[str, list[dict]]:
     "tma_available": the TMA flags whose descriptors existed, "config": block sizes, flags, warps, stages}.
     Empty when nothing was autotuned (SONICMOE_AUTOTUNE=0, the interpreter). Benchmarks record it next to
     their timings, so a result names the tiles that produced it."""
-    return {t.name: [dict(r) for r in t._records] for t in _ALL_TUNERS if t._records}
+    return {t.name: t.described() for t in _ALL_TUNERS if t._chosen}
 
 
 def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None) -> Tuners:
