@@ -45,15 +45,15 @@ def _agg(bt, bd, warps, unroll):
 # the old default first (benchmarks/results/2026-11-24_nvidia-h100_dh-prefetch/).
 _GU = dict(W_TMA=True, GU_FUSED=True)
 FOCUS = {
-    # session 10: gate and up rows of W1 in one TMA box and one dot (GU_FUSED), the current default first;
-    # round 2: shallower K-steps with deeper pipelines, persistent pointer stores
-    "up_proj": [_m(128, 128, 8, 4, **_GU), _m(128, 128, 8, 4, 1, C_TMA=True, **_GU), _m(128, 128, 8, 3, **_GU),
-                _m(128, 128, 8, 4, 1, **_GU), _m(128, 128, 8, 8, bk=32, **_GU), _m(128, 128, 8, 6, bk=32, **_GU),
-                _m(128, 128, 8, 7, 1, bk=32, C_TMA=True, **_GU)],
-    "dh": [_m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=0), _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=1),
-           _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=2), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=0),
-           _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=2),
-           _m(128, 256, 8, 3, W_TMA=True, H_PREFETCH=1)],
+    # session 14: the persistent step loop (STEPS) with pipelined X gathers, and 2 programs per SM (128 x 64
+    # channels, 4 warps), the current default first
+    "up_proj": [_m(128, 128, 8, 4, **_GU), _m(128, 128, 8, 4, 1, C_TMA=True, **_GU),
+                _m(128, 128, 8, 4, 1, STEPS=True, **_GU), _m(128, 128, 8, 3, 1, STEPS=True, **_GU),
+                _m(128, 128, 8, 3, 1, STEPS=True, C_TMA=True, **_GU), _m(128, 64, 4, 3, **_GU),
+                _m(128, 64, 4, 3, 2, STEPS=True, **_GU)],
+    # session 14 also timed dH as a step loop (STEPS, 8 and 16 warps, 3 and 4 stages, H_PREFETCH 0 and 1): slower
+    # than the per-tile default on all three shapes (benchmarks/results/2026-11-24_nvidia-h100_session14/)
+    "dh": [_m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 16, 4, W_TMA=True, H_PREFETCH=1)],
 }
 _VK = dict(P_TMA=True, Q_TMA=True)
 _VK_STEPS = [_k(bi, bj, 8, st, **_VK, STEPS=True, PROGS_PER_SM=1)

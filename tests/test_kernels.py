@@ -363,9 +363,10 @@ def test_persistent_schedule_matches(device):
     router, routing = _topk_routing(p, k, device)
     base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "FLATTEN": False}
     one, few = {**base, "PROGS_PER_SM": 0}, {**base, "PROGS_PER_SM": 3}
-    _, a1 = up_proj(p["x"], p["w1"], None, routing, config=one)
-    _, a2 = up_proj(p["x"], p["w1"], None, routing, config=few)
-    assert torch.equal(a1, a2)
+    h1, a1 = up_proj(p["x"], p["w1"], None, routing, config=one)
+    for cfg in (few, {**few, "STEPS": True}, {**one, "STEPS": True}):
+        h2, a2 = up_proj(p["x"], p["w1"], None, routing, config=cfg)
+        assert torch.equal(h1, h2) and torch.equal(a1, a2), cfg
     y1 = down_proj(a1, p["w2"], p["b2"], routing, config=one)
     assert torch.equal(y1, down_proj(a1, p["w2"], p["b2"], routing, config=few))
     assert torch.equal(y1, down_proj(a1, p["w2"], p["b2"], routing, config={**few, "STEPS": True}))
@@ -431,10 +432,11 @@ def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
 
 def _kernel_outputs(p, routing, s, dout, layout, cfg):
     """Every varlen-M kernel that can read its weight through a TMA descriptor, under one config
-    (A_TMA, STEPS and C_SPLIT are the contiguous-row GEMMs' only, GU_FUSED the up-projection's)."""
-    up_cfg = {k: v for k, v in cfg.items() if k not in ("A_TMA", "C_SPLIT", "STEPS")}
+    (A_TMA and C_SPLIT are the contiguous-row GEMMs' only, STEPS theirs and the up-projection's, GU_FUSED the
+    up-projection's)."""
+    up_cfg = {k: v for k, v in cfg.items() if k not in ("A_TMA", "C_SPLIT")}
     gemm_cfg = {k: v for k, v in cfg.items() if k != "GU_FUSED"}
-    gather_cfg = {k: v for k, v in up_cfg.items() if k != "GU_FUSED"}
+    gather_cfg = {k: v for k, v in up_cfg.items() if k not in ("GU_FUSED", "STEPS")}
     h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=up_cfg)
     y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
     dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=gather_cfg)
@@ -464,7 +466,9 @@ def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
                   {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True},
                   {"STEPS": True, "PROGS_PER_SM": 1, "W_TMA": True, "A_TMA": True, "C_TMA": True, "C_SPLIT": 2},
                   {"W_TMA": True, "GU_FUSED": True}, {"W_TMA": True, "GU_FUSED": True, "BLOCK_N": 64},
-                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "PROGS_PER_SM": 1}, {"GU_FUSED": True}):
+                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "PROGS_PER_SM": 1}, {"GU_FUSED": True},
+                  {"W_TMA": True, "GU_FUSED": True, "STEPS": True, "PROGS_PER_SM": 1},
+                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "STEPS": True, "PROGS_PER_SM": 0, "BLOCK_N": 64}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -489,7 +493,10 @@ def test_gpu_tma_configs_bf16(layout):
                   {"A_TMA": True, "W_TMA": True, "PROGS_PER_SM": 1, "STEPS": True, "num_stages": 4},
                   {"A_TMA": True, "W_TMA": True, "C_TMA": True, "C_SPLIT": 2, "PROGS_PER_SM": 1, "STEPS": True},
                   {"W_TMA": True, "GU_FUSED": True, "num_stages": 4},
-                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4}):
+                  {"W_TMA": True, "GU_FUSED": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 4},
+                  {"W_TMA": True, "GU_FUSED": True, "STEPS": True, "PROGS_PER_SM": 1, "num_stages": 4},
+                  {"W_TMA": True, "GU_FUSED": True, "STEPS": True, "C_TMA": True, "PROGS_PER_SM": 1, "num_stages": 3},
+                  {"W_TMA": True, "GU_FUSED": True, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
         got = _kernel_outputs(p, routing, s, dout, layout, {**base, **extra})
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
@@ -678,6 +685,32 @@ def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores)
     assert bool(call.get("C_TMA")) is tma_stores and call.get("C_SPLIT", 1) == (2 if tma_stores else 1)
     assert call["num_stages"] == (3 if tma_stores else 4)
     assert (call["c_desc"] is not None) is tma_stores
+
+
+@pytest.mark.parametrize("rows_per_expert,steps", [(256, False), (512, False), (513, True), (1536, True)])
+def test_up_proj_pinned_config(monkeypatch, rows_per_expert, steps):
+    """The up-projection's pinned GPU config runs the persistent step loop (one program per multiprocessor)
+    when experts average more than common.FEW_ROWS_PER_EXPERT rows, one program per tile otherwise; the same
+    tiles either way, chosen from host values (no device sync)."""
+    from sonicmoe.ops import common
+    from sonicmoe.ops import up_proj as up_mod
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(up_mod, "check_device", lambda name, t: None)
+    kern = _RecordingKernel()
+    monkeypatch.setattr(up_mod, "_up_proj_kernel", kern)
+    e, n, d = 2, 256, 512
+    r = rows_per_expert * e
+    routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
+    up_proj(torch.empty(r, d, dtype=torch.bfloat16), torch.empty(e, 2 * n, d, dtype=torch.bfloat16), None, routing)
+    (call,) = kern.calls
+    tiles = (-(-r // 128) + e) * (n // 128)  # the grid bound: cdiv(R, BLOCK_M) + E M-tiles
+    assert bool(call.get("STEPS")) is steps
+    assert call["_grid"] == ((min(tiles, 132),) if steps else (tiles,))
+    assert (call["BLOCK_M"], call["BLOCK_N"], call["num_stages"], call["GU_FUSED"]) == (128, 128, 4, True)
 
 
 @pytest.mark.parametrize("flatten", [False, True])

@@ -20,6 +20,10 @@ gathered by pointer loads either way. Outputs: masked pointer stores in the pinn
 (in the tuning space, chosen for long reductions such as d = 4096) full tiles of H (concat layout) and A are
 written by TMA stores, which the persistent tile loop overlaps with the next tile's main loop, and an expert's
 last, partial tile (and the interleaved layout's H) uses masked pointer stores.
+
+Schedule: one program per (M-tile, N-tile), or with ``STEPS`` (pinned where experts have many rows) one
+program per multiprocessor running its tiles as one loop over (tile, K-block) steps, so the software pipeline
+crosses tile boundaries: the next tile's X gathers and W1 boxes are in flight during this tile's epilogue.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .common import (
     check_device,
     column_halves,
     dot_precision,
+    few_rows_per_expert,
     launch,
     load_row_block,
     load_weight_block,
@@ -64,10 +69,16 @@ def _up_proj_kernel(
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, E_P2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, C_TMA: tl.constexpr = False,
-    EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False, STEPS: tl.constexpr = False,
 ):
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    if STEPS:
+        _up_proj_steps(x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
+                       row_token_ptr, eidx, lo, hi, ntiles, cum, total_m * num_pid_n, num_pid_n, N, D, stride_xt,
+                       stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H,
+                       DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K, GU_FUSED and W_TMA)
+        return
     for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
@@ -93,16 +104,9 @@ def _up_proj_tile(
     tok = tl.load(row_token_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # loop-carried: pipelines under FLATTEN too
-    ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = ch < N
-    g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
-    u_rows = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     w_base = w1_ptr + e.to(tl.int64) * stride_we
-    # GU_FUSED: one (BLOCK_K, 2 BLOCK_N) TMA box holding the gate and the up rows of the tile's channels, one
-    # dot into a (BLOCK_M, 2 BLOCK_N) accumulator, split in registers afterwards: concat layout, the (E, 2, n, d)
-    # view's box (1, 2, BLOCK_N, BLOCK_K) = [gate rows; up rows]; interleaved, the (E, n, 2, d) view's box
-    # (1, BLOCK_N, 2, BLOCK_K) = gate and up rows alternating. Otherwise two (BLOCK_K, BLOCK_N) blocks (through
-    # TMA, boxes of the (E, n, d) gate/up views, zero-filled past n and d) and two dots.
+    # GU_FUSED: one gate/up box and one dot per K-step, the accumulator split in registers afterwards
+    # (:func:`_gate_up_dot`); otherwise two weight blocks and two dots (:func:`_gate_up_dots`)
     if GU_FUSED:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     else:
@@ -112,23 +116,130 @@ def _up_proj_tile(
         xa = load_row_block(x_ptrs, offs_k, k, D, BLOCK_K, EVEN_K)
         x_ptrs += BLOCK_K
         if GU_FUSED:
-            if CH_STRIDE == 1:
-                wgu = wgu_desc.load([e, 0, pid_n * BLOCK_N, k * BLOCK_K])
-            else:
-                wgu = wgu_desc.load([e, pid_n * BLOCK_N, 0, k * BLOCK_K])
-            acc = tl.dot(xa, tl.reshape(wgu, (2 * BLOCK_N, BLOCK_K)).T, acc, input_precision=DOT_PREC)
+            acc = _gate_up_dot(xa, wgu_desc, e, k, pid_n, acc, CH_STRIDE, DOT_PREC, BLOCK_N, BLOCK_K)
         else:
-            wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
-                                   CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
-            wu = load_weight_block(w_base + UP_OFF * stride_wn, wu_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
-                                   CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
-            acc_g = tl.dot(xa, wg, acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(xa, wu, acc_u, input_precision=DOT_PREC)
+            acc_g, acc_u = _gate_up_dots(xa, w_base, wg_desc, wu_desc, e, k, pid_n, N, D, stride_wn, acc_g, acc_u,
+                                         GATE_OFF, UP_OFF, CH_STRIDE, DOT_PREC, BLOCK_N, BLOCK_K, W_TMA)
     if GU_FUSED:
-        if CH_STRIDE == 1:
-            acc_g, acc_u = column_halves(acc)
+        acc_g, acc_u = _gate_up_halves(acc, CH_STRIDE, BLOCK_M, BLOCK_N)
+    _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, e, rows, mask_m, row_start,
+                      row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H,
+                      BLOCK_M, BLOCK_N, C_TMA)
+
+
+@triton.jit
+def _up_proj_steps(
+    x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, row_token_ptr,
+    eidx, lo, hi, ntiles, cum, num_tiles, num_pid_n, N, D, stride_xt, stride_we, stride_wn, stride_hr, stride_ar,
+    GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    C_TMA: tl.constexpr, EVEN_K: tl.constexpr, GU_FUSED: tl.constexpr,
+):
+    """The persistent tile loop as one loop over (tile, K-block) steps (as the varlen-M GEMM's ``STEPS``): the
+    software pipeline crosses tile boundaries, so the next tile's first X gathers and W1 boxes load during this
+    tile's SwiGLU epilogue, and the epilogue may end in TMA stores. Each tile's gathered token indices are read
+    at its first step and carried (one index per row, not a pointer per loaded element: fewer live registers)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    k_tiles = tl.cdiv(D, BLOCK_K)
+    my_tiles = tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    tile = pid - nprog
+    ki = -1
+    e = 0
+    row_start = 0
+    row_end = 0
+    pid_n = 0
+    tok = tl.zeros((BLOCK_M,), dtype=tl.int64)
+    if GU_FUSED:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, k_tiles * my_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            tile += nprog
+            pid_n = tile % num_pid_n
+            e, row_start, row_end = tile_rows(tile // num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
+            rows0 = row_start + tl.arange(0, BLOCK_M)
+            # rows past the expert's end read token 0's row of X (tok = 0 there): valid memory, never stored
+            tok = tl.load(row_token_ptr + rows0, mask=rows0 < row_end, other=0).to(tl.int64)
+        # the row offsets are multiplied by the stride here, not carried as pointers: the compiler then knows
+        # each row start is 16-byte aligned, and the gather becomes pipelined asynchronous copies
+        xa = load_row_block(x_ptr + tok[:, None] * stride_xt + (ki * BLOCK_K + offs_k)[None, :], offs_k, ki, D,
+                            BLOCK_K, EVEN_K)
+        if GU_FUSED:
+            acc = _gate_up_dot(xa, wgu_desc, e, ki, pid_n, acc, CH_STRIDE, DOT_PREC, BLOCK_N, BLOCK_K)
         else:
-            acc_g, acc_u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            acc_g, acc_u = _gate_up_dots(xa, w1_ptr + e.to(tl.int64) * stride_we, wg_desc, wu_desc, e, ki, pid_n,
+                                         N, D, stride_wn, acc_g, acc_u, GATE_OFF, UP_OFF, CH_STRIDE, DOT_PREC,
+                                         BLOCK_N, BLOCK_K, W_TMA)
+        if ki == k_tiles - 1:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            if GU_FUSED:
+                out_g, out_u = _gate_up_halves(acc, CH_STRIDE, BLOCK_M, BLOCK_N)
+            else:
+                out_g, out_u = acc_g, acc_u
+            _up_proj_epilogue(out_g, out_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, e, rows,
+                              rows < row_end, row_start, row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF, UP_OFF,
+                              CH_STRIDE, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, C_TMA)
+            # the next tile's accumulators, zeroed after the epilogue so the two are never live together
+            if GU_FUSED:
+                acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            else:
+                acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _gate_up_dot(xa, wgu_desc, e, k, pid_n, acc, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GU_FUSED K-step: one (BLOCK_K, 2 BLOCK_N) TMA box holding the gate and the up rows of the tile's
+    channels and one dot into the (BLOCK_M, 2 BLOCK_N) accumulator. Concat layout: the (E, 2, n, d) view's box
+    (1, 2, BLOCK_N, BLOCK_K) = [gate rows; up rows]; interleaved: the (E, n, 2, d) view's box
+    (1, BLOCK_N, 2, BLOCK_K) = gate and up rows alternating."""
+    if CH_STRIDE == 1:
+        wgu = wgu_desc.load([e, 0, pid_n * BLOCK_N, k * BLOCK_K])
+    else:
+        wgu = wgu_desc.load([e, pid_n * BLOCK_N, 0, k * BLOCK_K])
+    return tl.dot(xa, tl.reshape(wgu, (2 * BLOCK_N, BLOCK_K)).T, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _gate_up_dots(xa, w_base, wg_desc, wu_desc, e, k, pid_n, N, D, stride_wn, acc_g, acc_u,
+                  GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr):
+    """K-step with two (BLOCK_K, BLOCK_N) weight blocks (through TMA, boxes of the (E, n, d) gate/up views,
+    zero-filled past n and d; or pointer loads from ``w_base`` = W1[e]) and two dots."""
+    wg = load_weight_block(w_base + GATE_OFF * stride_wn, wg_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
+                           CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
+    wu = load_weight_block(w_base + UP_OFF * stride_wn, wu_desc, e, k * BLOCK_K, pid_n * BLOCK_N, D, N, 1,
+                           CH_STRIDE * stride_wn, True, BLOCK_K, BLOCK_N, W_TMA)
+    return (tl.dot(xa, wg, acc_g, input_precision=DOT_PREC), tl.dot(xa, wu, acc_u, input_precision=DOT_PREC))
+
+
+@triton.jit
+def _gate_up_halves(acc, CH_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The gate and up accumulators of a GU_FUSED (BLOCK_M, 2 BLOCK_N) accumulator (split in registers)."""
+    if CH_STRIDE == 1:
+        g, u = column_halves(acc)
+    else:
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    return g, u
+
+
+@triton.jit
+def _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, e, rows, mask_m, row_start,
+                      row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr,
+                      CH_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, C_TMA: tl.constexpr):
+    """Bias, rounding to H's dtype, SwiGLU from the rounded H, and the stores of a tile's H and A."""
+    ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = ch < N
+    g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
+    u_rows = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
     if HAS_BIAS:
         b_base = b1_ptr + e.to(tl.int64) * (2 * N)
         acc_g += tl.load(b_base + g_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -152,9 +263,13 @@ def _up_proj_tile(
             tl.store(h_ptr + rows64[:, None] * stride_hr + u_rows[None, :], hu, mask=mask)
         tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a, mask=mask)
 
-
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
                 "W_TMA": True, "GU_FUSED": True, "num_warps": 8, "num_stages": 4}
+# session 14 (2026-11-24, H100, benchmarks/results/2026-11-24_nvidia-h100_session14/): the same tiles as a
+# persistent step loop (STEPS; the X gathers pipelined across tiles): 7B 0.566 ms against 0.584, (32768, 4096,
+# 1024, 128, 8) 7.36 against 7.34; with few rows per expert ((16384, 1536, 256, 512, 8): 256) it is slower,
+# 0.646 against 0.557, so it is pinned only for experts with more than common.FEW_ROWS_PER_EXPERT rows
+_GPU_DEFAULT_STEPS = {**_GPU_DEFAULT, "PROGS_PER_SM": 1, "STEPS": True}
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 # measured on H100 (benchmarks/tune_sweep.py --space focus): 2026-11-23/24, W1 through TMA descriptors,
 # 128x128x64, 8 warps, 4 stages, one program per SM looping over the tiles with full tiles stored by TMA
@@ -169,7 +284,15 @@ TUNING_SPACE = [
     tile_config(128, 128, 64, 8, 3, 1, tma=True, C_TMA=True, GU_FUSED=True),
     tile_config(128, 128, 64, 8, 4, 1, tma=True, C_TMA=True), tile_config(128, 128, 64, 8, 4, tma=True),
     tile_config(128, 128, 64, 8, 3), tile_config(128, 64, 64, 4, 4),
+    tile_config(128, 128, 64, 8, 4, 1, tma=True, GU_FUSED=True, STEPS=True),
 ]
+
+
+def pinned_gpu_config(num_rows: int, num_experts: int) -> dict:
+    """The pinned GPU config for R rows over E experts (host values only): the step loop when experts
+    average more than common.FEW_ROWS_PER_EXPERT rows, one program per tile otherwise."""
+    return _GPU_DEFAULT if few_rows_per_expert(num_rows, num_experts) else _GPU_DEFAULT_STEPS
+
 
 def _desc_blocks(meta: dict) -> dict:
     """Block shapes of the descriptors a config reads: the gate/up box of the 4-D view of W1 (GU_FUSED) or
@@ -237,8 +360,8 @@ def up_proj(
         STORE_H=store_h, E_P2=next_pow2(e), DOT_PREC=dot_precision(x.dtype),
     )
     if r > 0:
-        launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP, _GPU_DEFAULT,
-               config, _desc_blocks, _FLAG_DESCS)
+        launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP,
+               pinned_gpu_config(r, e), config, _desc_blocks, _FLAG_DESCS)
     return (h if store_h else None), a
 
 
