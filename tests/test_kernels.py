@@ -687,11 +687,12 @@ def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores)
     assert (call["c_desc"] is not None) is tma_stores
 
 
-@pytest.mark.parametrize("rows_per_expert,steps", [(256, False), (512, False), (513, True), (1536, True)])
-def test_up_proj_pinned_config(monkeypatch, rows_per_expert, steps):
+@pytest.mark.parametrize("rows_per_expert,d,steps", [(256, 512, False), (512, 512, False), (513, 512, True),
+                                                     (1536, 2048, True), (1536, 2112, False)])
+def test_up_proj_pinned_config(monkeypatch, rows_per_expert, d, steps):
     """The up-projection's pinned GPU config runs the persistent step loop (one program per multiprocessor)
-    when experts average more than common.FEW_ROWS_PER_EXPERT rows, one program per tile otherwise; the same
-    tiles either way, chosen from host values (no device sync)."""
+    when experts average more than common.FEW_ROWS_PER_EXPERT rows and d <= STEPS_MAX_D, one program per tile
+    otherwise; the same tiles either way, chosen from host values (no device sync)."""
     from sonicmoe.ops import common
     from sonicmoe.ops import up_proj as up_mod
 
@@ -702,7 +703,7 @@ def test_up_proj_pinned_config(monkeypatch, rows_per_expert, steps):
     monkeypatch.setattr(up_mod, "check_device", lambda name, t: None)
     kern = _RecordingKernel()
     monkeypatch.setattr(up_mod, "_up_proj_kernel", kern)
-    e, n, d = 2, 256, 512
+    e, n = 2, 256
     r = rows_per_expert * e
     routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
     up_proj(torch.empty(r, d, dtype=torch.bfloat16), torch.empty(e, 2 * n, d, dtype=torch.bfloat16), None, routing)

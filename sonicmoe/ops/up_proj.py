@@ -21,7 +21,8 @@ gathered by pointer loads either way. Outputs: masked pointer stores in the pinn
 written by TMA stores, which the persistent tile loop overlaps with the next tile's main loop, and an expert's
 last, partial tile (and the interleaved layout's H) uses masked pointer stores.
 
-Schedule: one program per (M-tile, N-tile), or with ``STEPS`` (pinned where experts have many rows) one
+Schedule: one program per (M-tile, N-tile), or with ``STEPS`` (pinned where experts have many rows and d is
+short, :func:`pinned_gpu_config`) one
 program per multiprocessor running its tiles as one loop over (tile, K-block) steps, so the software pipeline
 crosses tile boundaries: the next tile's X gathers and W1 boxes are in flight during this tile's epilogue.
 """
@@ -266,10 +267,13 @@ def _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_d
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
                 "W_TMA": True, "GU_FUSED": True, "num_warps": 8, "num_stages": 4}
 # session 14 (2026-11-24, H100, benchmarks/results/2026-11-24_nvidia-h100_session14/): the same tiles as a
-# persistent step loop (STEPS; the X gathers pipelined across tiles): 7B 0.566 ms against 0.584, (32768, 4096,
-# 1024, 128, 8) 7.36 against 7.34; with few rows per expert ((16384, 1536, 256, 512, 8): 256) it is slower,
-# 0.646 against 0.557, so it is pinned only for experts with more than common.FEW_ROWS_PER_EXPERT rows
+# persistent step loop (STEPS; the X gathers pipelined across tiles, so the next tile's loads overlap this
+# tile's epilogue). 7B: faster in 6 of 6 alternating rounds, median 0.609 ms against 0.619 (first sweep 0.566
+# against 0.584). Slower where the epilogue is a smaller share of a tile or experts have few rows: (32768, 4096,
+# 1024, 128, 8) median 8.02 against 7.59 ms (5 of 6 rounds), (16384, 1536, 256, 512, 8) 0.646 against 0.557.
+# Pinned only for d <= STEPS_MAX_D with more than common.FEW_ROWS_PER_EXPERT rows per expert.
 _GPU_DEFAULT_STEPS = {**_GPU_DEFAULT, "PROGS_PER_SM": 1, "STEPS": True}
+STEPS_MAX_D = 2048
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 # measured on H100 (benchmarks/tune_sweep.py --space focus): 2026-11-23/24, W1 through TMA descriptors,
 # 128x128x64, 8 warps, 4 stages, one program per SM looping over the tiles with full tiles stored by TMA
@@ -288,10 +292,13 @@ TUNING_SPACE = [
 ]
 
 
-def pinned_gpu_config(num_rows: int, num_experts: int) -> dict:
-    """The pinned GPU config for R rows over E experts (host values only): the step loop when experts
-    average more than common.FEW_ROWS_PER_EXPERT rows, one program per tile otherwise."""
-    return _GPU_DEFAULT if few_rows_per_expert(num_rows, num_experts) else _GPU_DEFAULT_STEPS
+def pinned_gpu_config(num_rows: int, num_experts: int, d: int) -> dict:
+    """The pinned GPU config for R rows over E experts and a reduction over d (host values only): the step
+    loop when experts average more than common.FEW_ROWS_PER_EXPERT rows and d <= STEPS_MAX_D (a short main
+    loop, so the epilogue the step loop overlaps is a large share of a tile), one program per tile otherwise."""
+    if few_rows_per_expert(num_rows, num_experts) or d > STEPS_MAX_D:
+        return _GPU_DEFAULT
+    return _GPU_DEFAULT_STEPS
 
 
 def _desc_blocks(meta: dict) -> dict:
@@ -361,7 +368,7 @@ def up_proj(
     )
     if r > 0:
         launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP,
-               pinned_gpu_config(r, e), config, _desc_blocks, _FLAG_DESCS)
+               pinned_gpu_config(r, e, d), config, _desc_blocks, _FLAG_DESCS)
     return (h if store_h else None), a
 
 
