@@ -149,7 +149,8 @@ def sweep(shape, space="full", only=None, device="cuda", routing_mode="topk", re
         timed = [r for r in rows if r["kernel"] == name and "ms" in r]
         for _ in range(repeat - 1 if device == "cuda" else 0):
             for r in timed:
-                r["ms_runs"].append(do_bench(lambda fn=fn, c=r["config"]: fn(c), warmup=10, rep=40, return_mode="median"))
+                ms = do_bench(lambda fn=fn, c=r["config"]: fn(c), warmup=10, rep=40, return_mode="median")
+                r["ms_runs"].append(ms)
         for r in timed:
             r["ms"] = statistics.median(r["ms_runs"])
             r["tflops"] = flops / r["ms"] / 1e9 if flops else None
