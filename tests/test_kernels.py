@@ -572,6 +572,48 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     assert gpu_default["BLOCK_K"] == 64  # the module's default is not modified
 
 
+def test_tuner_rounds_choose_least_median(monkeypatch):
+    """Autotuning times the configs in TUNE_ROUNDS round-robin rounds and keeps the least median: a config
+    whose one slow round (a clock dip) would lose a single pass still wins, one that fails to fit is
+    skipped, the launch after tuning uses the choice, and later calls of the key launch it without timing."""
+    from triton.runtime.errors import OutOfResources
+
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "_ALL_TUNERS", [])  # the fake stays out of tuned_configs() elsewhere
+    times = {16: [1.0, 1.0, 1.0], 32: [5.0, 0.5, 0.5], 64: [0.9, 0.9, 2.0]}
+
+    class Kernel(_RecordingKernel):
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                if kwargs["BLOCK"] == 128:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                self.calls.append({**kwargs, "_grid": grid})
+            return run
+
+    kern = Kernel()
+    order = []
+
+    def fake_bench(call):
+        call()
+        block = kern.calls[-1]["BLOCK"]
+        order.append(block)
+        return times[block][sum(b == block for b in order) - 1]
+
+    monkeypatch.setattr(common, "_bench_ms", fake_bench)
+    space = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=2) for b in (16, 32, 128, 64)]
+    tuners = common.Tuners(kern, space, ["N"])
+    args = {"x_ptr": torch.empty(4), "N": 4}
+    tuners.run(frozenset(), lambda meta: (1,), args)
+    assert order == [16, 32, 64] * common.TUNE_ROUNDS
+    assert kern.calls[-1]["BLOCK"] == 32
+    assert [c.kwargs for c in tuners.chosen()] == [{"BLOCK": 32}]
+    assert common.tuned_configs()["Kernel"][0]["config"]["BLOCK"] == 32
+    n = len(kern.calls)
+    tuners.run(frozenset(), lambda meta: (1,), args)
+    assert len(kern.calls) == n + 1 and kern.calls[-1]["BLOCK"] == 32 and len(order) == 9
+
+
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 @pytest.mark.parametrize("gu_fused,c_tma", [(True, False), (True, True), (False, False), (False, True)])
 def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma):
