@@ -420,6 +420,33 @@ def tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M: tl.constexpr):
     return e, row_start, row_end
 
 
+@triton.jit
+def first_step(num_tiles, K, BLOCK_K: tl.constexpr):
+    """The state of a persistent (tile, K-block) step loop before its first :func:`next_step`: (steps of this
+    program, K-blocks per tile, ki = -1, tile = program_id - num_programs, expert, row_start, row_end, pid_n)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    zero = pid * 0
+    steps = k_tiles * tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)
+    return steps, k_tiles, zero - 1, pid - nprog, zero, zero, zero, zero
+
+
+@triton.jit
+def next_step(ki, tile, e, row_start, row_end, pid_n, k_tiles, num_pid_n, eidx, lo, hi, ntiles, cum,
+              BLOCK_M: tl.constexpr):
+    """One step of a persistent loop over (tile, K-block) steps (the ``STEPS`` schedules): the K-block index
+    ``ki`` advances, and at a tile's first block (``ki`` back to 0) the program's next tile (``tile`` +
+    num_programs) with its expert, rows [row_start, row_end) and N-tile. Start from ``ki`` = -1 and
+    ``tile`` = program_id - num_programs; a program runs k_tiles · cdiv(tiles - program_id, num_programs) steps."""
+    ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+    if ki == 0:
+        tile += tl.num_programs(0)
+        pid_n = tile % num_pid_n
+        e, row_start, row_end = tile_rows(tile // num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
+    return ki, tile, e, row_start, row_end, pid_n
+
+
 def with_even_flags(kernel, **flags: tuple[str, str]):
     """``kernel`` wrapped so that each ``EVEN_X=(dim, block)`` flag is set per launch to
     ``dim % block == 0``: a dimension that is a multiple of its block needs no bounds mask."""

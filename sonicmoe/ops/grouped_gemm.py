@@ -32,10 +32,12 @@ from .common import (
     column_halves,
     dot_precision,
     few_rows_per_expert,
+    first_step,
     launch,
     load_weight_block,
     new_output,
     next_pow2,
+    next_step,
     tile_config,
     tile_rows,
     tile_schedule,
@@ -96,24 +98,12 @@ def _varlen_m_steps(
     """The persistent tile loop written as one loop over (tile, K-block) steps: the software pipeline
     runs across tile boundaries (the next tile's first blocks load during this tile's epilogue), and the
     epilogue may end in a TMA store (which Triton 3.6's own loop flattening, ``FLATTEN``, cannot compile)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    my_tiles = tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)
+    steps, k_tiles, ki, tile, e, row_start, row_end, pid_n = first_step(num_tiles, K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    tile = pid - nprog
-    ki = -1
-    e = 0
-    row_start = 0
-    row_end = 0
-    pid_n = 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, k_tiles * my_tiles):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:
-            tile += nprog
-            pid_n = tile % num_pid_n
-            e, row_start, row_end = tile_rows(tile // num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
+    for _ in range(0, steps):
+        ki, tile, e, row_start, row_end, pid_n = next_step(ki, tile, e, row_start, row_end, pid_n, k_tiles,
+                                                           num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask_m = rows < row_end
         a_ptrs = a_ptr + rows[:, None] * stride_ar + (ki * BLOCK_K + offs_k)[None, :]

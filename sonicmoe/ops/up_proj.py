@@ -41,11 +41,13 @@ from .common import (
     column_halves,
     dot_precision,
     few_rows_per_expert,
+    first_step,
     launch,
     load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
+    next_step,
     sigmoid,
     tile_config,
     tile_rows,
@@ -141,29 +143,18 @@ def _up_proj_steps(
     software pipeline crosses tile boundaries, so the next tile's first X gathers and W1 boxes load during this
     tile's SwiGLU epilogue, and the epilogue may end in TMA stores. Each tile's gathered token indices are read
     at its first step and carried (one index per row, not a pointer per loaded element: fewer live registers)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    k_tiles = tl.cdiv(D, BLOCK_K)
-    my_tiles = tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)
+    steps, k_tiles, ki, tile, e, row_start, row_end, pid_n = first_step(num_tiles, D, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    tile = pid - nprog
-    ki = -1
-    e = 0
-    row_start = 0
-    row_end = 0
-    pid_n = 0
     tok = tl.zeros((BLOCK_M,), dtype=tl.int64)
     if GU_FUSED:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, k_tiles * my_tiles):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+    for _ in range(0, steps):
+        ki, tile, e, row_start, row_end, pid_n = next_step(ki, tile, e, row_start, row_end, pid_n, k_tiles,
+                                                           num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
         if ki == 0:
-            tile += nprog
-            pid_n = tile % num_pid_n
-            e, row_start, row_end = tile_rows(tile // num_pid_n, eidx, lo, hi, ntiles, cum, BLOCK_M)
             rows0 = row_start + tl.arange(0, BLOCK_M)
             # rows past the expert's end read token 0's row of X (tok = 0 there): valid memory, never stored
             tok = tl.load(row_token_ptr + rows0, mask=rows0 < row_end, other=0).to(tl.int64)
