@@ -611,7 +611,7 @@ def test_tuner_rounds_choose_least_median(monkeypatch):
     assert common.tuned_configs()["Kernel"][0]["config"]["BLOCK"] == 32
     n = len(kern.calls)
     tuners.run(frozenset(), lambda meta: (1,), args)
-    assert len(kern.calls) == n + 1 and kern.calls[-1]["BLOCK"] == 32 and len(order) == 9
+    assert len(kern.calls) == n + 1 and kern.calls[-1]["BLOCK"] == 32 and len(order) == 3 * common.TUNE_ROUNDS
 
 
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
@@ -676,20 +676,29 @@ def test_tuned_configs_names_each_choice(monkeypatch):
     assert up_mod._tuned.name == "_up_proj_kernel"
 
 
-@pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])
-def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
-    """The pinned GPU config of the weight gradients runs the persistent step loop (one program per
-    multiprocessor) when experts have at most common.FEW_ROWS_PER_EXPERT rows on average, and one program per
-    tile otherwise; the choice needs no device sync (row counts are known on the host)."""
-    from sonicmoe.ops import common, weight_grad
+def _record_pinned_launch(monkeypatch, module, kernel_name: str) -> _RecordingKernel:
+    """Make ``module``'s launcher take the pinned GPU path on CPU (no interpreter, SONICMOE_AUTOTUNE=0, no CUDA
+    context, 132 multiprocessors) and record its kernel's launches instead of running them."""
+    from sonicmoe.ops import common
 
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
     monkeypatch.setattr(common, "sm_count", lambda device: 132)
-    monkeypatch.setattr(weight_grad, "check_device", lambda name, t: None)
+    monkeypatch.setattr(module, "check_device", lambda name, t: None)
     kern = _RecordingKernel()
-    monkeypatch.setattr(weight_grad, "_varlen_k_kernel", kern)
+    monkeypatch.setattr(module, kernel_name, kern)
+    return kern
+
+
+@pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])
+def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
+    """The pinned GPU config of the weight gradients runs the persistent step loop (one program per
+    multiprocessor) when experts have at most common.FEW_ROWS_PER_EXPERT rows on average, and one program per
+    tile otherwise; the choice needs no device sync (row counts are known on the host)."""
+    from sonicmoe.ops import weight_grad
+
+    kern = _record_pinned_launch(monkeypatch, weight_grad, "_varlen_k_kernel")
     e, i_dim, j_dim = 2, 2048, 4096
     r = rows_per_expert * e
     routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
@@ -707,15 +716,9 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
 def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores):
     """The pinned GPU config of the contiguous-row grouped GEMM: the 4-stage step loop with pointer stores for
     many rows per expert and a narrow C, else the 3-stage one with TMA stores in column halves."""
-    from sonicmoe.ops import common, grouped_gemm
+    from sonicmoe.ops import grouped_gemm
 
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
-    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
-    monkeypatch.setattr(grouped_gemm, "check_device", lambda name, t: None)
-    monkeypatch.setattr(common, "sm_count", lambda device: 132)
-    kern = _RecordingKernel()
-    monkeypatch.setattr(grouped_gemm, "_varlen_m_kernel", kern)
+    kern = _record_pinned_launch(monkeypatch, grouped_gemm, "_varlen_m_kernel")
     e, k = 2, 256
     r = rows_per_expert * e
     routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
@@ -735,16 +738,9 @@ def test_up_proj_pinned_config(monkeypatch, rows_per_expert, d, steps):
     """The up-projection's pinned GPU config runs the persistent step loop (one program per multiprocessor)
     when experts average more than common.FEW_ROWS_PER_EXPERT rows and d <= STEPS_MAX_D, one program per tile
     otherwise; the same tiles either way, chosen from host values (no device sync)."""
-    from sonicmoe.ops import common
     from sonicmoe.ops import up_proj as up_mod
 
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
-    monkeypatch.setattr(common, "ensure_cuda_context", lambda device: None)
-    monkeypatch.setattr(common, "sm_count", lambda device: 132)
-    monkeypatch.setattr(up_mod, "check_device", lambda name, t: None)
-    kern = _RecordingKernel()
-    monkeypatch.setattr(up_mod, "_up_proj_kernel", kern)
+    kern = _record_pinned_launch(monkeypatch, up_mod, "_up_proj_kernel")
     e, n = 2, 256
     r = rows_per_expert * e
     routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)

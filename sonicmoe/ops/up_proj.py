@@ -22,9 +22,9 @@ written by TMA stores, which the persistent tile loop overlaps with the next til
 last, partial tile (and the interleaved layout's H) uses masked pointer stores.
 
 Schedule: one program per (M-tile, N-tile), or with ``STEPS`` (pinned where experts have many rows and d is
-short, :func:`pinned_gpu_config`) one
-program per multiprocessor running its tiles as one loop over (tile, K-block) steps, so the software pipeline
-crosses tile boundaries: the next tile's X gathers and W1 boxes are in flight during this tile's epilogue.
+short, :func:`pinned_gpu_config`) one program per multiprocessor running its tiles as one loop over (tile,
+K-block) steps, so the software pipeline crosses tile boundaries: the next tile's X gathers and W1 boxes are
+in flight during this tile's epilogue.
 """
 
 from __future__ import annotations
@@ -254,6 +254,7 @@ def _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_d
             tl.store(h_ptr + rows64[:, None] * stride_hr + g_rows[None, :], hg, mask=mask)
             tl.store(h_ptr + rows64[:, None] * stride_hr + u_rows[None, :], hu, mask=mask)
         tl.store(a_ptr + rows64[:, None] * stride_ar + ch[None, :], a, mask=mask)
+
 
 _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PROGS_PER_SM": 0, "FLATTEN": False,
                 "W_TMA": True, "GU_FUSED": True, "num_warps": 8, "num_stages": 4}
