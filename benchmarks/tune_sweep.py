@@ -1,7 +1,7 @@
 """Time every tile configuration of every kernel on given shapes (GPU); prints the best per kernel.
 
-usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus] [--kernels a,b] [--repeat N]
-                                      [--json OUT.json]
+usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus|focus2|focus3]
+                                      [--kernels a,b] [--repeat N] [--json OUT.json]
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
 ``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times this
 session's candidates (see FOCUS): larger dH tiles (epilogue in 32-channel column blocks), TMA
@@ -68,10 +68,50 @@ _VM = dict(W_TMA=True, A_TMA=True)
 # session 10: the aggregation's block per program (d = 1536: 1024 leaves half the second block masked)
 FOCUS["aggregate"] = [_agg(1, 1024, 4, 8), _agg(1, 512, 4, 8), _agg(1, 512, 2, 8), _agg(2, 512, 4, 8),
                       _agg(1, 2048, 8, 8), _agg(1, 256, 2, 8), _agg(1, 1024, 4, 4)]
+# session 15: TMA stores of the whole tile (C_SPLIT=1) from one buffer, so a tile's store drains during the next
+# tile's main loop (with C_SPLIT=2 the two halves share one buffer and the second waits for the first), paid
+# for with shallower K-blocks (BLOCK_K=32) or fewer stages; the two current defaults first. Rounds 1-3 and a
+# dH epilogue loop (round 4): no candidate led on a second machine (benchmarks/results/
+# 2026-11-24_nvidia-h200_session15/)
 FOCUS["down_proj"] = FOCUS["dxtilde"] = [
-    _m(128, 256, 8, 4, 1, STEPS=True, **_VM), _m(128, 256, 8, 3, 1, True, **_VM),
-    _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), _m(128, 256, 8, 3, **_VM),
-    _m(128, 256, 8, 4, 1, **_VM)]
+    _m(128, 256, 8, 4, 1, STEPS=True, **_VM), _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM),
+    _m(128, 256, 8, 4, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=1, **_VM),
+    _m(128, 256, 8, 5, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=1, **_VM),
+    _m(128, 256, 8, 2, 1, STEPS=True, C_TMA=True, C_SPLIT=1, **_VM),
+    _m(128, 256, 8, 6, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM)]
+
+
+# session 15, round 2: two programs per SM (64-row tiles, 4 warps, at most 255 registers, about 82 KB of shared
+# memory), so one program's epilogue runs beside the other's main loop; the current pinned configs first
+_VM2 = [_m(64, 256, 4, 2, **_VM), _m(64, 256, 4, 4, bk=32, **_VM), _m(64, 256, 4, 2, 2, STEPS=True, **_VM),
+        _m(64, 256, 4, 4, 2, bk=32, STEPS=True, **_VM)]
+FOCUS2 = {
+    "dh": [_m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(64, 256, 4, 2, W_TMA=True, H_PREFETCH=1),
+           _m(64, 256, 4, 4, bk=32, W_TMA=True, H_PREFETCH=1), _m(64, 256, 4, 3, bk=32, W_TMA=True, H_PREFETCH=1),
+           _m(64, 256, 4, 2, W_TMA=True, H_PREFETCH=0), _m(64, 256, 4, 4, bk=32, W_TMA=True, H_PREFETCH=2)],
+    "up_proj": [_m(128, 128, 8, 4, 1, STEPS=True, **_GU), _m(64, 128, 4, 2, **_GU), _m(64, 128, 4, 4, bk=32, **_GU),
+                _m(64, 128, 4, 2, 2, STEPS=True, **_GU), _m(64, 128, 4, 4, 2, bk=32, STEPS=True, **_GU)],
+    "down_proj": [_m(128, 256, 8, 4, 1, STEPS=True, **_VM),
+                  _m(128, 256, 8, 6, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), *_VM2],
+    "dxtilde": [_m(128, 256, 8, 4, 1, STEPS=True, **_VM),
+                _m(128, 256, 8, 6, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), *_VM2],
+}
+
+
+# session 15, round 3: half-depth K-blocks (32) with twice the stages (the same bytes in flight, in finer steps);
+# the pinned configs first
+FOCUS3 = {
+    "up_proj": [_m(128, 128, 8, 4, 1, STEPS=True, **_GU), _m(128, 128, 8, 8, 1, bk=32, STEPS=True, **_GU),
+                _m(128, 128, 8, 6, 1, bk=32, STEPS=True, **_GU), _m(128, 128, 8, 8, bk=32, **_GU)],
+    "dh": [_m(128, 256, 8, 4, W_TMA=True, H_PREFETCH=1), _m(128, 256, 8, 8, bk=32, W_TMA=True, H_PREFETCH=1),
+           _m(128, 256, 8, 6, bk=32, W_TMA=True, H_PREFETCH=1)],
+    "down_proj": [_m(128, 256, 8, 4, 1, STEPS=True, **_VM), _m(128, 256, 8, 8, 1, bk=32, STEPS=True, **_VM),
+                  _m(128, 256, 8, 6, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM),
+                  _m(128, 256, 8, 5, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=1, **_VM)],
+    "dw1": [_k(256, 128, 8, 5, **_VK), _k(256, 128, 8, 10, br=32, **_VK), _k(256, 128, 8, 14, br=32, **_VK)],
+    "dw2": [_k(128, 256, 8, 7, **_VK), _k(128, 256, 8, 12, br=32, **_VK), _k(128, 256, 8, 14, br=32, **_VK)],
+}
+FOCUS3["dxtilde"] = FOCUS3["down_proj"]
 
 
 def _rel_err(got, ref) -> float:
@@ -120,10 +160,11 @@ def sweep(shape, space="full", only=None, device="cuda", routing_mode="topk", re
     for name, cfgs, fn, flops in kernels:
         if only and name not in only:
             continue
-        if space == "focus":
-            if name not in FOCUS:
+        if space.startswith("focus"):
+            table = {"focus": FOCUS, "focus2": FOCUS2, "focus3": FOCUS3}[space]
+            if name not in table:
                 continue
-            cfgs = FOCUS[name]
+            cfgs = table[name]
         ref = None
         for cfg in cfgs:
             c = cfg if isinstance(cfg, dict) else config_dict(cfg)
@@ -160,7 +201,7 @@ def sweep(shape, space="full", only=None, device="cuda", routing_mode="topk", re
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", action="append", default=None)
-    ap.add_argument("--space", choices=("full", "focus"), default="full")
+    ap.add_argument("--space", choices=("full", "focus", "focus2", "focus3"), default="full")
     ap.add_argument("--kernels", default=None, help="comma-separated subset, e.g. dh,up_proj")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run through TRITON_INTERPRET=1 (float32)")

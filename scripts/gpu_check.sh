@@ -3,7 +3,8 @@
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
 #   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus) on
-#          TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8)); TUNE_REPEAT rounds, medians
+#          TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8)); TUNE_SPACE (focus, focus2: the
+#          tune_sweep.py table); TUNE_REPEAT rounds, medians
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
@@ -73,7 +74,7 @@ for step in "$@"; do
       shapes=()
       for sh in ${TUNE_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
       for k in ${TUNE_KERNELS:-dh up_proj dw2 dw1 down_proj dxtilde aggregate}; do  # one process each: faults stay contained
-        timeout ${TUNE_LIMIT_S:-100} python3 benchmarks/tune_sweep.py --space focus --kernels $k "${shapes[@]}" \
+        timeout ${TUNE_LIMIT_S:-100} python3 benchmarks/tune_sweep.py --space ${TUNE_SPACE:-focus} --kernels $k "${shapes[@]}" \
           --routing ${TUNE_ROUTING:-topk} --repeat ${TUNE_REPEAT:-1} \
           --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
