@@ -15,12 +15,10 @@ import argparse
 import os
 import statistics
 
-import torch
+from host_overhead import layer_calls  # scripts/ is on sys.path when run as a script
 from triton.testing import do_bench
 
-import sonicmoe
 from sonicmoe.ops import aggregation, grouped_gemm, up_proj
-from sonicmoe.testing import random_problem
 
 # name -> (module, launcher): "varlen_m" pins the down-projection and dX~ (both go through varlen_m_gemm)
 _PINNABLE = {"aggregation": (aggregation, "gather_sum"), "varlen_m": (grouped_gemm, "varlen_m_gemm"),
@@ -64,18 +62,7 @@ def main() -> None:
     ap.add_argument("--pin-one", default="aggregation,varlen_m,up_proj")
     args = ap.parse_args()
     t, d, n, e, k = (int(v) for v in args.shape.split(","))
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
-    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
-    s_pair = router.topk_scores.reshape(-1).detach()
-    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    leaves = [v.detach().requires_grad_(True) for v in (p["x"], p["w1"], p["w2"], s_pair)]
-
-    def fwd():
-        return sonicmoe.experts(*leaves[:3], routing, leaves[3], backend="triton")
-
-    def fwd_bwd():
-        fwd().backward(dout)
+    _, _, _, leaves, fwd, fwd_bwd = layer_calls(args.shape)
 
     modes = ["autotuned", "pinned"] + [f"autotuned+pinned {m}" for m in args.pin_one.split(",") if m]
     times: dict[str, dict[str, list[float]]] = {m: {"fwd": [], "fwd+bwd": []} for m in modes}

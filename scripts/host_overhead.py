@@ -25,8 +25,10 @@ import sonicmoe
 from sonicmoe.testing import random_problem
 
 
-def measure(spec: str, profile: bool) -> None:
-    """Print the host, wall and do_bench times of one shape ``spec`` = "T,d,n,E,K"."""
+def layer_calls(spec: str):
+    """A random bf16 problem of ``spec`` = "T,d,n,E,K" on the GPU with its top-k routing precomputed: returns
+    (problem dict, routing, pair scores S (TK,), grad leaves [x, W1, W2, S], forward call, forward+backward
+    call) of the Triton layer (the forward+backward call resets the leaves' gradients first)."""
     t, d, n, e, k = (int(v) for v in spec.split(","))
     p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -42,6 +44,13 @@ def measure(spec: str, profile: bool) -> None:
         for v in leaves:
             v.grad = None
         fwd().backward(dout)
+
+    return p, routing, s_pair, leaves, fwd, fwd_bwd
+
+
+def measure(spec: str, profile: bool) -> None:
+    """Print the host, wall and do_bench times of one shape ``spec`` = "T,d,n,E,K"."""
+    p, routing, s_pair, leaves, fwd, fwd_bwd = layer_calls(spec)
 
     for name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
         for _ in range(5):
