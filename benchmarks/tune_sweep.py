@@ -3,9 +3,10 @@
 usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus|focus2|focus3]
                                       [--kernels a,b] [--repeat N] [--json OUT.json]
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
-``--space full`` times each module's TUNING_SPACE plus persistent extras; ``--space focus`` times this
-session's candidates (see FOCUS): larger dH tiles (epilogue in 32-channel column blocks), TMA
-loads of weights (W_TMA) and of contiguous activation rows (A_TMA), larger weight-gradient tiles.
+``--space full`` times each module's TUNING_SPACE plus persistent extras; ``focus2`` and ``focus3`` time
+session 15's rounds 2 and 3 (FOCUS2, FOCUS3); ``--space focus`` times the candidates of FOCUS: larger dH
+tiles (epilogue in 32-channel column blocks), TMA loads of weights (W_TMA) and of contiguous activation
+rows (A_TMA), larger weight-gradient tiles.
 """
 
 from __future__ import annotations
@@ -93,9 +94,8 @@ FOCUS2 = {
                 _m(64, 128, 4, 2, 2, STEPS=True, **_GU), _m(64, 128, 4, 4, 2, bk=32, STEPS=True, **_GU)],
     "down_proj": [_m(128, 256, 8, 4, 1, STEPS=True, **_VM),
                   _m(128, 256, 8, 6, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), *_VM2],
-    "dxtilde": [_m(128, 256, 8, 4, 1, STEPS=True, **_VM),
-                _m(128, 256, 8, 6, 1, bk=32, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM), *_VM2],
 }
+FOCUS2["dxtilde"] = FOCUS2["down_proj"]
 
 
 # session 15, round 3: half-depth K-blocks (32) with twice the stages (the same bytes in flight, in finer steps);

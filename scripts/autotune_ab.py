@@ -39,17 +39,15 @@ def _pin(name: str):
                 os.environ["SONICMOE_AUTOTUNE"] = "1"
         return orig(*args, **kwargs)
 
-    setattr(mod, attr, pinned)
-    # the layer imports the launchers by name: patch its references too
+    # the layer's module imports the launchers by name: its reference is patched too, where it has one
     from sonicmoe.ops import library
 
-    patched = [m for m in (library,) if getattr(m, attr, None) is orig]
-    for m in patched:
+    modules = (mod, library) if getattr(library, attr, None) is orig else (mod,)
+    for m in modules:
         setattr(m, attr, pinned)
 
     def undo():
-        setattr(mod, attr, orig)
-        for m in patched:
+        for m in modules:
             setattr(m, attr, orig)
 
     return undo

@@ -2,9 +2,9 @@
 # One device call: the GPU work of a session, logs and results under $OUT, a short summary last.
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
-#   tune   tile sweep of this session's candidate configs (benchmarks/tune_sweep.py --space focus) on
-#          TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8)); TUNE_SPACE (focus, focus2: the
-#          tune_sweep.py table); TUNE_REPEAT rounds, medians
+#   tune   tile sweep of candidate configs (benchmarks/tune_sweep.py --space TUNE_SPACE: focus (default),
+#          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
+#          TUNE_REPEAT rounds, medians
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
