@@ -9,10 +9,12 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
      "timer": "triton.testing.do_bench" | "time.perf_counter",
      "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
      "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tma_available, config}, ...]},
+     "gluon_kernels": [{m, k, E, dtype, transpose_b, config}, ...],
      "results": [shape record, ...]}
 
 ``tile_configs`` lists every tile configuration the autotuners chose during the run
-(:func:`sonicmoe.ops.common.tuned_configs`; empty with ``autotune`` false: the pinned configs ran).
+(:func:`sonicmoe.ops.common.tuned_configs`; empty with ``autotune`` false: the pinned configs ran), and
+``gluon_kernels`` every shape the Gluon down-projection kernel served (:func:`sonicmoe.ops.grouped_gemm_ws.ws_calls`).
 
 A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, TK (= R routed
 pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
@@ -139,6 +141,7 @@ def sanitize(obj):
 def build_results(records: list[dict], env: dict, argv: list[str], args: dict, now: _dt.datetime) -> dict:
     """The whole results document (see the module docstring)."""
     from ..ops.common import autotune_enabled, tuned_configs
+    from ..ops.grouped_gemm_ws import ws_calls
 
     return {
         "schema": SCHEMA,
@@ -151,6 +154,7 @@ def build_results(records: list[dict], env: dict, argv: list[str], args: dict, n
         "flops": dict(FLOP_FORMULAS),
         "autotune": autotune_enabled() and env.get("device_type") == "cuda",
         "tile_configs": tuned_configs(),
+        "gluon_kernels": ws_calls(),
         "results": records,
     }
 

@@ -12,6 +12,8 @@ Environment (documented in the README):
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
+    SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) down-projection kernel
+                               of grouped_gemm_ws; the Triton kernel then serves every shape.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ boundaries (as Triton's ``FLATTEN`` does) and TMA stores are allowed (which ``FL
 Triton 3.6). The pinned default is that step loop: with pointer stores where experts have many rows and C
 is narrow (the 7B shape), with TMA stores in column halves elsewhere (:func:`pinned_gpu_config`); the
 autotuner chooses among the configs.
+
+On Hopper (sm_90) the down-projection of shapes with a short reduction (k ≤ 256) and many rows per expert runs
+instead the warp-specialised ping-pong kernel of :mod:`sonicmoe.ops.grouped_gemm_ws` (Gluon), which overlaps
+each tile's stores with the next tile's MMAs and gives the same bits (:func:`varlen_m_gemm`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
+from . import grouped_gemm_ws
 from .common import (
     autotuners,
     check_device,
@@ -206,9 +211,14 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     Args:
         a: (R, k) rows sorted by expert. b: (E, m, k) with ``transpose_b`` (C = A B[e]ᵀ, the
             down-projection with W2) or (E, k, m) without (C = A B[e], the dX̃ GEMM with W1).
-        bias: (E, m) or None. config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
+        bias: (E, m) or None. config: explicit tile configuration of the Triton kernel (tuning sweeps), else
+            pinned/autotuned.
     Returns:
         C (R, m) in a's dtype.
+
+    Without ``config``, on sm_90 the down-projection form of shapes with k ≤ 256 and experts averaging at least
+    :data:`grouped_gemm_ws.MIN_ROWS_PER_EXPERT` rows runs the warp-specialised ping-pong Gluon kernel
+    (:func:`grouped_gemm_ws.ws_supported`; ``SONICMOE_GLUON=0`` turns it off); it gives the same bits.
     """
     check_device("a", a)
     a, b = a.contiguous(), b.contiguous()
@@ -220,6 +230,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         k, m = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     r = a.shape[0]
+    if config is None and grouped_gemm_ws.ws_supported(a, b, r, transpose_b=transpose_b):
+        return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b)
     c = new_output((r, m), device=a.device, dtype=a.dtype)
     args = dict(
         a_ptr=a, a_desc=tma_descriptor(a), b_ptr=b, b_desc=tma_descriptor(b),

@@ -1,0 +1,194 @@
+"""The warp-specialised ping-pong varlen-M GEMM (sonicmoe/ops/grouped_gemm_ws.py).
+
+The Gluon kernel needs an sm_90 GPU (tests marked ``gpu``); its tile table, config, dispatch rule and
+reference run on CPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops import grouped_gemm, grouped_gemm_ws
+from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.grouped_gemm import varlen_m_gemm, varlen_m_gemm_ref
+from sonicmoe.ops.grouped_gemm_ws import (
+    tile_table,
+    tile_table_ref,
+    ws_config,
+    ws_smem_bytes,
+    ws_supported,
+    ws_varlen_m_gemm,
+    ws_varlen_m_gemm_ref,
+)
+from sonicmoe.routing import routing_from_pairs, routing_from_topk
+from sonicmoe.testing import rel_err
+
+
+def _offsets(counts: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,block_m", [
+    ([5, 0, 130, 64, 0, 1], 64),  # empty experts, a count that is a tile multiple, a single row
+    ([0, 0, 0], 64),  # no rows at all
+    ([200], 16),
+    ([(i * 37) % 11 for i in range(300)], 64),  # E > 256: the table kernel's narrower blocks
+])
+def test_tile_table_matches_reference(counts, block_m, device):
+    off = _offsets(counts, device)
+    got = tile_table(off, sum(counts), block_m)
+    ref = tile_table_ref(off.cpu(), sum(counts), block_m)
+    assert got.shape == ref.shape
+    assert torch.equal(got.cpu(), ref)
+    assert int(ref[0, 0]) == sum((c + block_m - 1) // block_m for c in counts)
+
+
+def test_ws_config_fits_shared_memory():
+    for k in range(64, grouped_gemm_ws.MAX_K + 1, 64):
+        cfg = ws_config(k)
+        assert cfg is not None and 1 <= cfg["STAGES"] <= grouped_gemm_ws.MAX_STAGES
+        assert ws_smem_bytes(k, cfg["STAGES"], cfg["BLOCK_N"]) <= grouped_gemm_ws.SMEM_BUDGET
+        assert ws_smem_bytes(k, cfg["STAGES"] + 1, cfg["BLOCK_N"]) > grouped_gemm_ws.SMEM_BUDGET or \
+            cfg["STAGES"] == grouped_gemm_ws.MAX_STAGES
+    assert ws_config(256)["STAGES"] == 16
+    for k in (0, 32, 100, 320, 512):
+        assert ws_config(k) is None
+
+
+def test_reference_matches_varlen_m_reference():
+    """The twin's float32 per-expert loop is the Triton kernel's reference, with empty experts."""
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, 30, (90,), generator=g)
+    exp = torch.tensor([1, 3, 4] * 30)
+    routing = routing_from_pairs(tok, exp, 30, 6)
+    r = routing.num_rows
+    for tb, b_shape in ((True, (6, 24, 16)), (False, (6, 16, 24))):
+        a = torch.randn(r, 16, generator=g)
+        b = torch.randn(*b_shape, generator=g)
+        bias = torch.randn(6, 24, generator=g)
+        got = ws_varlen_m_gemm_ref(a, b, bias, routing.expert_offsets, transpose_b=tb)
+        assert torch.equal(got, varlen_m_gemm_ref(a, b, bias, routing, transpose_b=tb))
+
+
+def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
+    """CPU tensors, float32, k outside the config, few rows per expert, the dX~ form or SONICMOE_GLUON=0
+    never reach the Gluon kernel."""
+    e, m, k = 4, 256, 256
+    a = torch.zeros(e * grouped_gemm_ws.MIN_ROWS_PER_EXPERT, k, dtype=torch.bfloat16)
+    b = torch.zeros(e, m, k, dtype=torch.bfloat16)
+    assert not ws_supported(a, b, a.shape[0], transpose_b=True)  # CPU
+    if torch.cuda.is_available():
+        a, b = a.cuda(), b.cuda()
+        assert not ws_supported(a.float(), b.float(), a.shape[0], transpose_b=True)
+        assert not ws_supported(a[:-1], b, a.shape[0] - 1, transpose_b=True)
+        assert not ws_supported(a, b.transpose(1, 2).contiguous(), a.shape[0], transpose_b=False)
+        wide = torch.zeros(e, m, 320, dtype=torch.bfloat16, device="cuda")
+        assert not ws_supported(torch.zeros(a.shape[0], 320, dtype=torch.bfloat16, device="cuda"), wide,
+                                a.shape[0], transpose_b=True)
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert ws_supported(a, b, a.shape[0], transpose_b=True) == (hopper and grouped_gemm_ws.HAVE_GLUON)
+        monkeypatch.setenv("SONICMOE_GLUON", "0")
+        assert not ws_supported(a, b, a.shape[0], transpose_b=True)
+
+
+@pytest.mark.interpreter
+def test_dispatch(monkeypatch, device):
+    """varlen_m_gemm hands the product to the Gluon kernel where ws_supported says so, and never with an
+    explicit Triton config."""
+    calls = []
+
+    def fake(a, b, bias, offsets, *, transpose_b):
+        calls.append((a.shape, offsets, transpose_b))
+        return ws_varlen_m_gemm_ref(a, b, bias, offsets, transpose_b=transpose_b)
+
+    monkeypatch.setattr(grouped_gemm_ws, "ws_supported", lambda a, b, r, transpose_b: transpose_b)
+    monkeypatch.setattr(grouped_gemm_ws, "ws_varlen_m_gemm", fake)
+    routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
+    a = torch.randn(6, 16, device=device)
+    b = torch.randn(3, 8, 16, device=device)
+    out = varlen_m_gemm(a, b, None, routing, transpose_b=True)
+    assert len(calls) == 1 and calls[0][2] is True and calls[0][1] is routing.expert_offsets
+    assert torch.equal(out, varlen_m_gemm_ref(a, b, None, routing, transpose_b=True))
+    cfg = grouped_gemm._PINNED_INTERP if interpreting() else grouped_gemm.pinned_gpu_config(6, 3, 8)
+    tri = varlen_m_gemm(a, b, None, routing, transpose_b=True, config=cfg)
+    assert len(calls) == 1
+    assert rel_err(tri, out) < 1e-5
+
+
+# (T, d, n, E, K, reason) on the GPU
+GPU_CASES = [
+    (1, 128, 128, 4, 1, "T=1, K=1"),
+    (300, 256, 128, 8, 8, "K=E"),
+    (1000, 384, 192, 16, 4, "k=192, d=384: three N-tiles, partial tiles"),
+    (777, 200, 256, 40, 2, "d=200 not a multiple of 8 columns per thread block, empty experts"),
+    (4096, 1536, 256, 32, 8, "the 7B widths, 1024 rows per expert"),
+    (2500, 640, 64, 3, 2, "k=64: one K-block"),
+]
+
+
+def _routing(t, e, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return routing_from_topk(torch.randn(t, e, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
+    """Both B forms, with and without bias: within rounding of the float32 loop, no NaN left by the poison
+    fill, bitwise equal to the Triton kernel and to a second run."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    if d % 8:
+        pytest.skip("TMA needs 16-byte rows of C")
+    routing = _routing(t, e, k, seed=t)
+    r = routing.num_rows
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for tb, b_shape in ((True, (e, d, n)), (False, (e, n, d))):
+        a = torch.randn(r, n, device="cuda", dtype=dtype, generator=g)
+        b = (torch.randn(*b_shape, device="cuda", generator=g) / n ** 0.5).to(dtype)
+        for bias in (None, torch.randn(e, d, device="cuda", generator=g).to(dtype)):
+            a0, b0 = a.clone(), b.clone()
+            got = ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=tb)
+            ref = ws_varlen_m_gemm_ref(a, b, bias, routing.expert_offsets, transpose_b=tb)
+            assert rel_err(got, ref) < 2e-3, (tb, bias is not None)
+            monkeypatch.setenv("SONICMOE_GLUON", "0")
+            tri = varlen_m_gemm(a, b, bias, routing, transpose_b=tb)
+            monkeypatch.delenv("SONICMOE_GLUON")
+            assert torch.equal(got, tri)
+            assert torch.equal(got, ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=tb))
+            assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
+    """At a shape the rule selects, the layer's forward and backward run the Gluon down-projection and give
+    the same bits as with SONICMOE_GLUON=0."""
+    import sonicmoe
+    from sonicmoe.testing import random_problem
+
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    t, d, n, e, k = 4096, 1536, 256, 32, 8
+    p = random_problem(t, d, n, e, device="cuda", bias=True, seed=3)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
+                           backend="triton")
+        res.out.backward(dout)
+        return res.out.detach(), {key: v.grad for key, v in ins.items()}
+
+    grouped_gemm_ws._CALLS.clear()
+    on = run()
+    assert any(c["m"] == d and c["k"] == n and c["E"] == e for c in grouped_gemm_ws.ws_calls())
+    monkeypatch.setenv("SONICMOE_GLUON", "0")
+    off = run()
+    assert torch.equal(on[0], off[0])
+    for name in on[1]:
+        assert torch.equal(on[1][name], off[1][name]), name
