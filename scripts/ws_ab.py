@@ -1,0 +1,77 @@
+"""A/B of the Gluon ping-pong down-projection in the layer: SONICMOE_GLUON=1 against 0, alternating rounds on
+the same inputs (forward without grad, forward+backward), and the host time of one ws_varlen_m_gemm call.
+
+usage: python scripts/ws_ab.py [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from triton.testing import do_bench
+
+import sonicmoe
+from sonicmoe.ops import grouped_gemm_ws as ws
+from sonicmoe.testing import random_problem
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "results": []}
+    for shape in args.shape or ["24576,1536,256,128,8"]:
+        t, d, n, e, k = (int(v) for v in shape.split(","))
+        p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
+        router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
+        routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+        s_pair = router.topk_scores.reshape(-1).to(torch.bfloat16)  # pairs p = t·K + k, token-major
+        dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        r = routing.num_rows
+        fns = {}
+        for bwd in (False, True):
+            leaves = [v.detach().requires_grad_(bwd) for v in (p["x"], p["w1"], p["w2"], s_pair)]
+
+            def f(leaves=leaves, bwd=bwd, routing=routing, dout=dout):
+                out = sonicmoe.experts(leaves[0], leaves[1], leaves[2], routing, leaves[3], backend="triton")
+                if bwd:
+                    out.backward(dout)
+            fns["fwd+bwd" if bwd else "fwd"] = (f, leaves if bwd else None, (18 if bwd else 6) * r * n * d)
+        times = {(name, g): [] for name in fns for g in ("1", "0")}
+        for _ in range(args.rounds):
+            for name, (f, leaves, _fl) in fns.items():
+                for g in ("1", "0"):
+                    os.environ["SONICMOE_GLUON"] = g
+                    times[(name, g)].append(do_bench(f, warmup=25, rep=200, return_mode="median",
+                                                     grad_to_none=leaves))
+        os.environ["SONICMOE_GLUON"] = "1"
+        a = torch.randn(r, n, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            ws.ws_varlen_m_gemm(a, p["w2"], None, routing.expert_offsets, transpose_b=True)
+        host_us = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+        for (name, g), ts in times.items():
+            ms = statistics.median(ts)
+            rec = {"shape": [t, d, n, e, k], "what": name, "gluon": g == "1", "ms": ms, "rounds": ts,
+                   "tflops": fns[name][2] / ms / 1e9}
+            res["results"].append(rec)
+            print(f"{shape:>22} {name:<8} gluon={g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
+                  f"{[round(x, 4) for x in ts]}", flush=True)
+        print(f"{shape:>22} host time of one ws_varlen_m_gemm call (queued): {host_us:.0f} us", flush=True)
+        res["results"].append({"shape": [t, d, n, e, k], "what": "ws host us per call", "us": host_us})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
