@@ -122,7 +122,7 @@ GPU_CASES = [
     (1, 128, 128, 4, 1, "T=1, K=1"),
     (300, 256, 128, 8, 8, "K=E"),
     (1000, 384, 192, 16, 4, "k=192, d=384: three N-tiles, partial tiles"),
-    (777, 200, 256, 40, 2, "d=200 not a multiple of 8 columns per thread block, empty experts"),
+    (777, 200, 256, 40, 2, "d=200: a partial N-tile, empty experts"),
     (4096, 1536, 256, 32, 8, "the 7B widths, 1024 rows per expert"),
     (2500, 640, 64, 3, 2, "k=64: one K-block"),
 ]

@@ -62,8 +62,9 @@ BLOCK_N = 128
 BLOCK_K = 64
 MAX_K = 256  # B[e]'s (k × BLOCK_N) block stays resident: k ≤ 256 is 64 KiB
 MAX_STAGES = 16
-# measured on H100 (session 17): faster than the Triton kernel where experts average >= 1536 rows (7B -6%, 1.4B
-# -4%, (32768, 4096, 256, 256, 16) -19%), slower at 256 rows (+6%: B[e] is reloaded every few M-tiles)
+# measured on H100 (session 17, benchmarks/results/2026-11-24_nvidia-h100_session17/): against the Triton kernel,
+# 7B (1536 rows per expert) 0.337 vs 0.359 ms, 1.4B (2560) 0.294 vs 0.303, (32768, 4096, 256, 256, 16) (2048)
+# 2.143 vs 2.634; slower at (16384, 1536, 256, 512, 8) (256 rows: B[e] reloaded every 4 M-tiles) 0.346 vs 0.324
 MIN_ROWS_PER_EXPERT = 1024
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 CONSUMER_REGS = 232
