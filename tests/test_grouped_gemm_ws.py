@@ -57,18 +57,23 @@ def test_ws_config_fits_shared_memory():
         assert ws_config(k) is None
 
 
-def test_reference_matches_varlen_m_reference():
-    """The twin's float32 per-expert loop is the Triton kernel's reference, with empty experts."""
+def test_reference_matches_per_row_products():
+    """The twin (the float32 per-expert loop both varlen-M references share) equals row-by-row products with
+    each row's expert read off the offsets, with empty experts (0, 2, 5) and a bias."""
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, 30, (90,), generator=g)
     exp = torch.tensor([1, 3, 4] * 30)
     routing = routing_from_pairs(tok, exp, 30, 6)
     r = routing.num_rows
+    row_expert = torch.bucketize(torch.arange(r), routing.expert_offsets[1:].long(), right=True)
     for tb, b_shape in ((True, (6, 24, 16)), (False, (6, 16, 24))):
         a = torch.randn(r, 16, generator=g)
         b = torch.randn(*b_shape, generator=g)
         bias = torch.randn(6, 24, generator=g)
         got = ws_varlen_m_gemm_ref(a, b, bias, routing.expert_offsets, transpose_b=tb)
+        want = torch.stack([a[i] @ (b[e].t() if tb else b[e]) + bias[e] for i, e in enumerate(row_expert.tolist())])
+        assert sorted(set(row_expert.tolist())) == [1, 3, 4]
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got, varlen_m_gemm_ref(a, b, bias, routing, transpose_b=tb))
 
 

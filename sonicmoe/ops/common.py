@@ -334,6 +334,19 @@ def new_output(shape, *, device, dtype) -> torch.Tensor:
     return out
 
 
+def per_expert_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,
+                        transpose_b: bool) -> torch.Tensor:
+    """Float32 per-expert loop of a varlen-M grouped GEMM, output in a's dtype (the ``*_ref`` twins' core):
+    rows [off[e], off[e+1]) of A (R, k) times B[e] ((E, m, k) used transposed, or (E, k, m)), plus bias[e]."""
+    offsets = expert_offsets.tolist()
+    outs = []
+    for i in range(b.shape[0]):
+        bi = b[i].float().t() if transpose_b else b[i].float()
+        y = a[offsets[i]:offsets[i + 1]].float() @ bi
+        outs.append(y + bias[i].float() if bias is not None else y)
+    return torch.cat(outs, 0).to(a.dtype)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 operands use exact fp32 products ("ieee"); bf16/fp16 use the tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"

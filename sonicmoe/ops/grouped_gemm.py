@@ -43,6 +43,7 @@ from .common import (
     new_output,
     next_pow2,
     next_step,
+    per_expert_gemm_ref,
     tile_config,
     tile_rows,
     tile_schedule,
@@ -250,13 +251,7 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
 def varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
                       *, transpose_b: bool) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`varlen_m_gemm` (float32 per-expert loop, output in a's dtype)."""
-    offsets = routing.expert_offsets.tolist()
-    outs = []
-    for i in range(b.shape[0]):
-        bi = b[i].float().t() if transpose_b else b[i].float()
-        y = a[offsets[i]:offsets[i + 1]].float() @ bi
-        outs.append(y + bias[i].float() if bias is not None else y)
-    return torch.cat(outs, 0).to(a.dtype)
+    return per_expert_gemm_ref(a, b, bias, routing.expert_offsets, transpose_b)
 
 
 def down_proj(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing,

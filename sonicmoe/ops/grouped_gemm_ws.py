@@ -38,7 +38,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import interpreting, max_m_tiles, new_output, next_pow2, sm_count, tile_schedule
+from .common import (
+    interpreting,
+    max_m_tiles,
+    new_output,
+    next_pow2,
+    per_expert_gemm_ref,
+    sm_count,
+    tile_schedule,
+)
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every shape
     from triton.experimental import gluon
@@ -399,15 +407,4 @@ def ws_varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
                          *, transpose_b: bool, config: dict | None = None) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`ws_varlen_m_gemm` (float32 per-expert loop, output in a's dtype; runs on
     CPU; ``config`` is ignored)."""
-    offsets = expert_offsets.tolist()
-    m = b.shape[1] if transpose_b else b.shape[2]
-    out = torch.zeros((a.shape[0], m), dtype=torch.float32, device=a.device)
-    for i in range(b.shape[0]):
-        lo, hi = offsets[i], offsets[i + 1]
-        if hi == lo:
-            continue
-        w = b[i].float().t() if transpose_b else b[i].float()
-        out[lo:hi] = a[lo:hi].float() @ w
-        if bias is not None:
-            out[lo:hi] += bias[i].float()
-    return out.to(a.dtype)
+    return per_expert_gemm_ref(a, b, bias, expert_offsets, transpose_b)
