@@ -1,7 +1,8 @@
-"""A/B of the Gluon ping-pong down-projection in the layer: SONICMOE_GLUON=1 against 0, alternating rounds on
-the same inputs (forward without grad, forward+backward), and the host time of one ws_varlen_m_gemm call.
+"""A/B of a library switch in the layer: ``--env`` (default SONICMOE_GLUON, the Gluon ping-pong down-projection;
+SONICMOE_PDL, programmatic dependent launch) = 1 against 0, alternating rounds on the same inputs (forward
+without grad, forward+backward); for SONICMOE_GLUON also the host time of one ws_varlen_m_gemm call.
 
-usage: python scripts/ws_ab.py [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
+usage: python scripts/ws_ab.py [--env NAME] [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--env", default="SONICMOE_GLUON")
     args = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name(), "results": []}
+    env = args.env
+    res = {"device": torch.cuda.get_device_name(), "env": env, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         t, d, n, e, k = (int(v) for v in shape.split(","))
         p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
@@ -48,10 +51,19 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (f, leaves, _fl) in fns.items():
                 for g in ("1", "0"):
-                    os.environ["SONICMOE_GLUON"] = g
+                    os.environ[env] = g
                     times[(name, g)].append(do_bench(f, warmup=25, rep=200, return_mode="median",
                                                      grad_to_none=leaves))
-        os.environ["SONICMOE_GLUON"] = "1"
+        os.environ[env] = "1"
+        for (name, g), ts in times.items():
+            ms = statistics.median(ts)
+            rec = {"shape": [t, d, n, e, k], "what": name, env: g == "1", "ms": ms, "rounds": ts,
+                   "tflops": fns[name][2] / ms / 1e9}
+            res["results"].append(rec)
+            print(f"{shape:>22} {name:<8} {env}={g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
+                  f"{[round(x, 4) for x in ts]}", flush=True)
+        if env != "SONICMOE_GLUON":
+            continue
         a = torch.randn(r, n, device="cuda", dtype=torch.bfloat16)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -59,13 +71,6 @@ def main() -> None:
             ws.ws_varlen_m_gemm(a, p["w2"], None, routing.expert_offsets, transpose_b=True)
         host_us = (time.perf_counter() - t0) / 50 * 1e6
         torch.cuda.synchronize()
-        for (name, g), ts in times.items():
-            ms = statistics.median(ts)
-            rec = {"shape": [t, d, n, e, k], "what": name, "gluon": g == "1", "ms": ms, "rounds": ts,
-                   "tflops": fns[name][2] / ms / 1e9}
-            res["results"].append(rec)
-            print(f"{shape:>22} {name:<8} gluon={g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
-                  f"{[round(x, 4) for x in ts]}", flush=True)
         print(f"{shape:>22} host time of one ws_varlen_m_gemm call (queued): {host_us:.0f} us", flush=True)
         res["results"].append({"shape": [t, d, n, e, k], "what": "ws host us per call", "us": host_us})
     if args.json:

@@ -355,6 +355,37 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
         assert torch.equal(first[1][key], second[1][key]), key
 
 
+def test_pdl_off_without_a_hopper_gpu(monkeypatch):
+    """Programmatic dependent launch is never requested for CPU tensors (the interpreter) nor when
+    SONICMOE_PDL=0, so the kernels there run with PDL=False (their griddepcontrol prologue compiled out)."""
+    from sonicmoe.ops.common import pdl_enabled
+
+    assert not pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("SONICMOE_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_same_bits(monkeypatch):
+    """With programmatic dependent launch (the default on sm_90+) every kernel waits for its predecessor
+    before touching memory, so outputs and gradients are bitwise those of plain launches (SONICMOE_PDL=0),
+    with outputs poisoned before every launch; T not a tile multiple, bias terms included."""
+    from sonicmoe.ops.common import pdl_enabled
+
+    if not pdl_enabled(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0 or newer")
+    p = random_problem(3001, 1024, 256, 64, device="cuda", seed=11, bias=True)
+    dout = torch.randn(3001, 1024, device="cuda")
+    runs = []
+    for flag in ("1", "0", "1"):
+        monkeypatch.setenv("SONICMOE_PDL", flag)
+        runs.append(_layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout))
+    for out, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        for key in grads:
+            assert torch.equal(grads[key], runs[0][1][key]), key
+
+
 def test_persistent_schedule_matches(device):
     """Persistent configs (few programs looping over the tiles, as nested loops or as one loop over
     (tile, K-block) steps) compute the same as one program per tile."""

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import autotuners, check_device, launch, new_output, next_pow2
+from .common import autotuners, check_device, launch, new_output, next_pow2, pdl_prologue
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -22,7 +22,9 @@ def _gather_sum_kernel(
     y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
     T, D, stride_yr, stride_ot,
     HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -85,7 +87,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), <= 8
     args["UNROLL"] = min(next_pow2(-(-routing.num_rows // t)), 8)
-    launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config)
+    launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 
 

@@ -12,6 +12,8 @@ Environment (documented in the README):
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
+    SONICMOE_PDL=0             launch the expert kernels without programmatic dependent launch (default on
+                               sm_90 and newer: see :func:`pdl_enabled`).
     SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) down-projection kernel
                                of grouped_gemm_ws; the Triton kernel then serves every shape.
 """
@@ -27,6 +29,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
@@ -188,28 +191,31 @@ class Tuners:
         self.name = getattr(fn, "__name__", type(fn).__name__)
         _ALL_TUNERS.append(self)
 
-    def run(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None) -> None:
+    def run(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None,
+            extra: dict | None = None) -> None:
         """Launch with the tuned config. The first call of a key (the key values, the dtypes of the tensor
         arguments and the available flags) times the space (:meth:`tune`); every call then launches the
         choice directly, with None for the TMA descriptors it does not read (:func:`bind_descriptors`;
         ``flag_descs`` as in :func:`launch`): no per-call bookkeeping (host time: the layer's launches are
-        host-bound on slow hosts otherwise)."""
+        host-bound on slow hosts otherwise). ``extra``: launch options added to every launch, tuning
+        included (the programmatic-dependent-launch pair of :func:`launch`)."""
         key = (available, *(args[k] for k in self.key),
                *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)))
         cfg = self._chosen.get(key)
         if cfg is None:
-            cfg = self._chosen[key] = self.tune(available, grid, args, flag_descs)
-        self._launch(cfg, grid, args, flag_descs)
+            cfg = self._chosen[key] = self.tune(available, grid, args, flag_descs, extra)
+        self._launch(cfg, grid, args, flag_descs, extra)
 
-    def _launch(self, cfg: triton.Config, grid, args: dict, flag_descs: dict | None) -> None:
-        meta = cfg.all_kwargs()
+    def _launch(self, cfg: triton.Config, grid, args: dict, flag_descs: dict | None, extra: dict | None = None) -> None:
+        meta = cfg.all_kwargs() | (extra or {})
         if flag_descs and self.desc_blocks is not None:
             args = bind_descriptors(args, meta, self.desc_blocks, flag_descs)
         elif self.desc_blocks is not None:
             set_descriptor_blocks(self.desc_blocks, {**args, **meta})
         self.kernel[grid](**args, **meta)
 
-    def tune(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None) -> triton.Config:
+    def tune(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None,
+             extra: dict | None = None) -> triton.Config:
         """The fastest config of the space for these arguments: each config compiled and launched once
         (configs that do not compile or do not fit, e.g. in shared memory, are skipped), then timed in
         TUNE_ROUNDS rounds, all configs in turn within a round; the least median wins (the first on a tie).
@@ -219,7 +225,7 @@ class Tuners:
 
         calls = []
         for cfg in self.get(available):
-            call = functools.partial(self._launch, cfg, grid, args, flag_descs)
+            call = functools.partial(self._launch, cfg, grid, args, flag_descs, extra)
             try:
                 call()
             except (OutOfResources, CompileTimeAssertionFailure, PTXASError):
@@ -282,7 +288,8 @@ def config_dict(cfg: triton.Config) -> dict:
 
 
 def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, config: dict | None = None,
-           desc_blocks=None, flag_descs: dict[str, tuple[str, ...]] | None = None):
+           desc_blocks=None, flag_descs: dict[str, tuple[str, ...]] | None = None,
+           pdl_device: torch.device | None = None):
     """Launch ``kernel`` with the pinned config (interpreter / SONICMOE_AUTOTUNE=0) or autotuned.
 
     ``tuned`` is the kernel's :class:`Tuners`. ``grid`` is a callable of the meta-parameters.
@@ -292,9 +299,12 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
     ``flag_descs`` maps each TMA flag of the kernel (among W_TMA, A_TMA, C_TMA, P_TMA, Q_TMA) to the
     descriptors it needs: a flag whose descriptors are None (the tensor cannot be described) falls back to
     pointer loads / stores alone, TMA flags the kernel does not take are dropped, and descriptors no flag
-    of the launch uses are passed as None.
+    of the launch uses are passed as None. ``pdl_device``: the device of a kernel that starts with
+    :func:`pdl_prologue` (its ``PDL`` meta-parameter); where :func:`pdl_enabled`, it is launched with
+    programmatic dependent launch and ``PDL=True``.
     """
     flag_descs = flag_descs or {}
+    extra = {"PDL": True, "launch_pdl": True} if pdl_device is not None and pdl_enabled(pdl_device) else {}
     available = available_flags(flag_descs, args)
     if desc_blocks is not None and available:
         base = args[next(iter(flag_descs[next(iter(available))]))].base
@@ -302,7 +312,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
             ensure_cuda_context(base.device)
     interp = interpreting()
     if config is None and autotune_enabled(interp):
-        tuned.run(available, grid, args, flag_descs)
+        tuned.run(available, grid, args, flag_descs, extra)
         return
     meta = dict(config if config is not None else pinned if interp else gpu_default)
     if config is None and not interp and _operand_bytes(args) >= 4:
@@ -315,7 +325,7 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
     if desc_blocks is not None:
         meta = restrict_config(meta, available, tuple(flag_descs))
         args = bind_descriptors(args, meta, desc_blocks, flag_descs)
-    kernel[grid(meta)](**{**args, **meta})  # the config's values win over same-named launcher defaults
+    kernel[grid(meta)](**{**args, **meta, **extra})  # the config's values win over same-named launcher defaults
 
 
 def _operand_bytes(args: dict) -> int:
@@ -372,6 +382,24 @@ def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 _SM_COUNT: dict[int, int] = {}
+_PDL_OK: dict[int, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL): a CUDA GPU of compute
+    capability 9.0 or newer (queried once per device, at the first launch), unless SONICMOE_PDL=0; never
+    under the interpreter.
+
+    With PDL a kernel may be scheduled while the kernel before it in the stream drains its last tiles; its
+    programs wait (:func:`pdl_prologue`) for that kernel to finish and its writes to be visible before they
+    touch memory, so results are unchanged: only the launch latency between the layer's kernels is hidden.
+    """
+    if device.type != "cuda" or interpreting() or os.environ.get("SONICMOE_PDL", "1") == "0":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_OK:
+        _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _PDL_OK[idx]
 
 
 def sm_count(device: torch.device) -> int:
@@ -516,3 +544,15 @@ def column_halves(x):
     M: tl.constexpr = x.shape[0]
     W: tl.constexpr = x.shape[1]
     return tl.split(tl.permute(tl.reshape(x, (M, 2, W // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a kernel launched by :func:`launch` with ``pdl_device``: under PDL, wait until the
+    previous kernel of the stream has finished and its writes are visible (``griddepcontrol.wait``) — before
+    any load or store, so neither read-after-write nor write-after-read hazards on reused buffers arise —
+    then let the next kernel be scheduled (``griddepcontrol.launch_dependents``; it waits in turn). A no-op
+    without PDL (the interpreter, SONICMOE_PDL=0, pre-Hopper GPUs)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -39,6 +39,7 @@ from .common import (
     load_weight_block,
     new_output,
     next_pow2,
+    pdl_prologue,
     sigmoid,
     tile_config,
     tile_rows,
@@ -60,7 +61,9 @@ def _dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
     H_PREFETCH: tl.constexpr = 1, EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
@@ -276,7 +279,7 @@ def dh(
     )
     if r > 0:
         launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
-               _desc_blocks, {"W_TMA": ("w2_desc",)})
+               _desc_blocks, {"W_TMA": ("w2_desc",)}, pdl_device=h.device)
     return dh_, a_prime, ds_part.sum(0)
 
 

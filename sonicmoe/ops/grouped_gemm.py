@@ -43,6 +43,7 @@ from .common import (
     new_output,
     next_pow2,
     next_step,
+    pdl_prologue,
     per_expert_gemm_ref,
     tile_config,
     tile_rows,
@@ -62,8 +63,9 @@ def _varlen_m_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, A_TMA: tl.constexpr = False,
     C_TMA: tl.constexpr = False, EVEN_K: tl.constexpr = False, STEPS: tl.constexpr = False,
-    C_SPLIT: tl.constexpr = 1,
+    C_SPLIT: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if STEPS:
@@ -243,8 +245,7 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     )
     if r > 0:
         launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP,
-               pinned_gpu_config(r, e, m),
-               config, _desc_blocks, _FLAG_DESCS)
+               pinned_gpu_config(r, e, m), config, _desc_blocks, _FLAG_DESCS, pdl_device=a.device)
     return c
 
 

@@ -48,6 +48,7 @@ from .common import (
     new_output,
     next_pow2,
     next_step,
+    pdl_prologue,
     sigmoid,
     tile_config,
     tile_rows,
@@ -73,7 +74,9 @@ def _up_proj_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, C_TMA: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False, STEPS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if STEPS:
@@ -360,7 +363,7 @@ def up_proj(
     )
     if r > 0:
         launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP,
-               pinned_gpu_config(r, e, d), config, _desc_blocks, _FLAG_DESCS)
+               pinned_gpu_config(r, e, d), config, _desc_blocks, _FLAG_DESCS, pdl_device=x.device)
     return (h if store_h else None), a
 
 

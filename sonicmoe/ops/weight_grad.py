@@ -36,6 +36,7 @@ from .common import (
     launch,
     new_output,
     next_pow2,
+    pdl_prologue,
     programs,
     tile_config,
     tile_schedule,
@@ -114,8 +115,9 @@ def _varlen_k_kernel(
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
     P_TMA: tl.constexpr = False, Q_TMA: tl.constexpr = False,
     EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False, STEPS: tl.constexpr = False,
-    PROGS_PER_SM: tl.constexpr = 0,
+    PROGS_PER_SM: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     tiles_j = tl.cdiv(J, BLOCK_J)
     tiles = tl.cdiv(I, BLOCK_I) * tiles_j
     if STEPS:
@@ -291,7 +293,8 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     gpu_default = _GPU_DEFAULT_P_GATHERED if p_gather else _GPU_DEFAULT
     if few_rows_per_expert(routing.num_rows, e):
         gpu_default = {**gpu_default, **_STEPS}
-    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, gpu_default, config, _desc_blocks, _FLAG_DESCS)
+    launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, gpu_default, config, _desc_blocks, _FLAG_DESCS,
+           pdl_device=p.device)
     return out
 
 
