@@ -106,8 +106,9 @@ def test_router_topk_kernel_path_matches_torch_path(order, renorm, device):
 
 
 def test_router_topk_kernel_dispatch(monkeypatch, device):
-    """CPU default (use_kernel=None) keeps the torch path; use_kernel=True takes the kernel under the
-    interpreter; use_kernel=False never does; float64 stays on torch."""
+    """The default (use_kernel=None) takes the kernel on CUDA unless SONICMOE_ROUTER_KERNEL=0 and keeps the
+    torch path on CPU; use_kernel=True takes the kernel under the interpreter; use_kernel=False never does;
+    float64 stays on torch."""
     calls = []
 
     def spy(*args):
@@ -121,6 +122,9 @@ def test_router_topk_kernel_dispatch(monkeypatch, device):
     assert calls == []
     out = router_topk(x, w, 2, router_order="softmax_then_topk", renormalize=True, use_kernel=True)
     assert calls == [(2, "softmax_then_topk", True)]
+    router_topk(x, w, 2)  # the default: the kernel on CUDA, torch on CPU
+    assert len(calls) == (2 if device.type == "cuda" else 1)
+    monkeypatch.setenv("SONICMOE_ROUTER_KERNEL", "0")  # the switch: torch everywhere
     router_topk(x, w, 2)
     assert len(calls) == (2 if device.type == "cuda" else 1)
     assert out.topk_ids.shape == (6, 2)
