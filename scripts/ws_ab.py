@@ -1,8 +1,9 @@
 """A/B of a library switch in the layer: ``--env`` (default SONICMOE_GLUON, the Gluon ping-pong down-projection;
-SONICMOE_PDL, programmatic dependent launch) = 1 against 0, alternating rounds on the same inputs (forward
-without grad, forward+backward); for SONICMOE_GLUON also the host time of one ws_varlen_m_gemm call.
+SONICMOE_PDL, programmatic dependent launch; SONICMOE_OVERLAP, the backward's side stream) at each of --values
+(default 1,0), alternating rounds on the same inputs (forward without grad, forward+backward); for SONICMOE_GLUON
+also the host time of one ws_varlen_m_gemm call.
 
-usage: python scripts/ws_ab.py [--env NAME] [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
+usage: python scripts/ws_ab.py [--env NAME] [--values 1,0] [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--env", default="SONICMOE_GLUON")
+    ap.add_argument("--values", default="1,0")
     args = ap.parse_args()
     env = args.env
+    values = args.values.split(",")
     res = {"device": torch.cuda.get_device_name(), "env": env, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         t, d, n, e, k = (int(v) for v in shape.split(","))
@@ -47,17 +50,17 @@ def main() -> None:
                 if bwd:
                     out.backward(dout)
             fns["fwd+bwd" if bwd else "fwd"] = (f, leaves if bwd else None, (18 if bwd else 6) * r * n * d)
-        times = {(name, g): [] for name in fns for g in ("1", "0")}
+        times = {(name, g): [] for name in fns for g in values}
         for _ in range(args.rounds):
             for name, (f, leaves, _fl) in fns.items():
-                for g in ("1", "0"):
+                for g in values:
                     os.environ[env] = g
                     times[(name, g)].append(do_bench(f, warmup=25, rep=200, return_mode="median",
                                                      grad_to_none=leaves))
         os.environ[env] = "1"
         for (name, g), ts in times.items():
             ms = statistics.median(ts)
-            rec = {"shape": [t, d, n, e, k], "what": name, env: g == "1", "ms": ms, "rounds": ts,
+            rec = {"shape": [t, d, n, e, k], "what": name, env: g, "ms": ms, "rounds": ts,
                    "tflops": fns[name][2] / ms / 1e9}
             res["results"].append(rec)
             print(f"{shape:>22} {name:<8} {env}={g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "

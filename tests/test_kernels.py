@@ -13,6 +13,7 @@ import triton
 
 import sonicmoe
 from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
+from sonicmoe.ops.common import interpreting
 from sonicmoe.ops.dh import dh, dh_ref
 from sonicmoe.ops.grouped_gemm import down_proj, down_proj_ref, varlen_m_gemm, varlen_m_gemm_ref
 from sonicmoe.ops.up_proj import up_proj, up_proj_ref
@@ -154,6 +155,12 @@ def test_dh_kernel(shape, layout, device):
     ref = dh_ref(dout, p["w2"], h, s, routing, layout)
     for name, g, r in zip(("dH", "A'", "dS"), got, ref):
         assert rel_err(g, r) < 1e-5, name
+    # reduce_ds=False hands back the partial sums (one row per 16-channel chunk; one row for the twin) whose
+    # fixed-order sum the backward runs on its side stream: the same bits as the kernel's own dS
+    parts = dh(dout, p["w2"], h, s, routing, layout, reduce_ds=False)[2]
+    assert parts.shape == (triton.cdiv(n, 16), routing.num_rows)
+    assert torch.equal(parts.sum(0), got[2])
+    assert torch.equal(dh_ref(dout, p["w2"], h, s, routing, layout, reduce_ds=False)[2], ref[2][None])
 
 
 def test_gather_sum(device):
@@ -365,20 +372,57 @@ def test_pdl_off_without_a_hopper_gpu(monkeypatch):
     assert not pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
 
 
+def test_overlap_off_on_cpu(monkeypatch):
+    """The backward's side stream (dX aggregation beside dW1) is never used for CPU tensors (the interpreter);
+    on CUDA SONICMOE_OVERLAP sets the aggregation's programs per multiprocessor (read before any device query);
+    anything but a small integer turns it off."""
+    from sonicmoe.ops.common import overlap_mode
+
+    assert overlap_mode(torch.device("cpu")) == 0
+    if interpreting():
+        assert overlap_mode(torch.device("cuda", 0)) == 0
+        return
+    for flag, mode in (("0", 0), ("1", 1), ("4", 4), ("yes", 0), ("-1", 0)):
+        monkeypatch.setenv("SONICMOE_OVERLAP", flag)
+        assert overlap_mode(torch.device("cuda", 0)) == mode
+
+
+def test_gather_sum_into_out(device):
+    """``out=`` receives exactly the result of a fresh call (poisoned first), as does a persistent grid
+    (``progs_per_sm``: on CPU one program looping over every tile), and a wrong ``out`` is refused by name."""
+    t, d, n, e, k = 37, 48, 16, 5, 3
+    p = random_problem(t, d, n, e, device=device, seed=12)
+    _, routing = _topk_routing(p, k, device)
+    y = torch.randn(routing.num_rows, d, device=device)
+    out = torch.full((t, d), float("nan"), device=device)
+    assert gather_sum(y, routing, None, out=out) is out
+    assert torch.equal(out, gather_sum(y, routing, None))
+    w = torch.rand(routing.num_rows, device=device)
+    cfg = {"BLOCK_T": 4, "BLOCK_D": 16}  # several tiles along both T and d, the last ones partial
+    assert torch.equal(gather_sum(y, routing, w, config=cfg, progs_per_sm=1), gather_sum(y, routing, w, config=cfg))
+    for bad in (torch.empty(t, d + 1, device=device), torch.empty(t, d, device=device, dtype=torch.float16),
+                torch.empty(d, t, device=device).t()):
+        with pytest.raises(ValueError, match="out"):
+            gather_sum(y, routing, None, out=bad)
+
+
 @pytest.mark.gpu
-def test_gpu_pdl_same_bits(monkeypatch):
-    """With programmatic dependent launch (the default on sm_90+) every kernel waits for its predecessor
-    before touching memory, so outputs and gradients are bitwise those of plain launches (SONICMOE_PDL=0),
-    with outputs poisoned before every launch; T not a tile multiple, bias terms included."""
+@pytest.mark.parametrize("env, flags", [("SONICMOE_PDL", ("1", "0", "1")), ("SONICMOE_OVERLAP", ("2", "0", "1", "2"))])
+def test_gpu_launch_switches_same_bits(monkeypatch, env, flags):
+    """Launch-level switches leave every bit alone: with programmatic dependent launch (SONICMOE_PDL, the
+    default on sm_90+) every kernel waits for its predecessor before touching memory; with the dX aggregation
+    on a side stream beside dW1 (SONICMOE_OVERLAP: 1 or 2 programs per multiprocessor) the streams join before
+    the gradients are returned. Outputs and gradients are bitwise those of the plain launches (0), with
+    outputs poisoned before every launch; T not a tile multiple, bias terms included."""
     from sonicmoe.ops.common import pdl_enabled
 
-    if not pdl_enabled(torch.device("cuda")):
+    if env == "SONICMOE_PDL" and not pdl_enabled(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0 or newer")
     p = random_problem(3001, 1024, 256, 64, device="cuda", seed=11, bias=True)
     dout = torch.randn(3001, 1024, device="cuda")
     runs = []
-    for flag in ("1", "0", "1"):
-        monkeypatch.setenv("SONICMOE_PDL", flag)
+    for flag in flags:
+        monkeypatch.setenv(env, flag)
         runs.append(_layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout))
     for out, grads in runs[1:]:
         assert torch.equal(out, runs[0][0])

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import autotuners, check_device, launch, new_output, next_pow2, pdl_prologue
+from .common import autotuners, check_device, launch, new_output, next_pow2, pdl_prologue, programs
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -25,29 +25,31 @@ def _gather_sum_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = t < T
-    start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
-    cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = cols < D
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
-    # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
-    for j0 in range(0, tl.max(cnt, 0), UNROLL):
-        for u in tl.static_range(UNROLL):
-            j = j0 + u
-            valid = mask_t & (j < cnt)
-            row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-            y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
-                        other=0.0).to(tl.float32)
-            if HAS_W:
-                y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
-            acc += y
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_d[None, :])
+    num_d = tl.cdiv(D, BLOCK_D)
+    # one (BLOCK_T tokens, BLOCK_D channels) tile per step: a program per tile, or a persistent grid
+    # (fewer programs, each looping over tiles in steps of the grid) that stays resident beside another kernel
+    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * num_d, tl.num_programs(0)):
+        t = (tile // num_d) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = t < T
+        start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
+        cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
+        cols = (tile % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = cols < D
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
+        # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
+        for j0 in range(0, tl.max(cnt, 0), UNROLL):
+            for u in tl.static_range(UNROLL):
+                j = j0 + u
+                valid = mask_t & (j < cnt)
+                row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
+                            other=0.0).to(tl.float32)
+                if HAS_W:
+                    y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+                acc += y
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_d[None, :])
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): one token x 1024 channels per program
@@ -62,20 +64,32 @@ _tuned = autotuners(_gather_sum_kernel, TUNING_SPACE, ["D", "HAS_W", "UNROLL"])
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
         y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
         config: explicit block configuration (tuning sweeps), else pinned/autotuned.
+        out: a contiguous (T, d) tensor of y's dtype and device to write O into (the backward allocates it on
+            its own stream before launching this on a side stream), else a new one.
+        progs_per_sm: 0 (default) launches one program per tile; k > 0 a persistent grid of k programs per
+            multiprocessor looping over the tiles, which all become resident at once and leave room for a kernel
+            running beside them (the backward's dW1 GEMM; :func:`sonicmoe.ops.library.experts_bwd_impl`).
     Returns:
-        (T, d) in y's dtype; tokens with no rows get zeros.
+        (T, d) in y's dtype (``out`` when given); tokens with no rows get zeros.
+
+    Raises:
+        ValueError: ``out`` of another shape, dtype or device, or not contiguous.
     """
     check_device("y", y)
     y = y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
-    out = new_output((t, d), device=y.device, dtype=y.dtype)
+    if out is None:
+        out = new_output((t, d), device=y.device, dtype=y.dtype)
+    elif out.shape != (t, d) or out.dtype != y.dtype or out.device != y.device or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous ({t}, {d}) {y.dtype} tensor on {y.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if t == 0:
         return out
     args = dict(
@@ -83,7 +97,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         token_offsets_ptr=routing.token_offsets, token_rows_ptr=routing.token_rows, T=t, D=d,
         stride_yr=y.stride(0), stride_ot=out.stride(0), HAS_W=slot_weights is not None,
     )
-    grid = lambda m: (triton.cdiv(t, m["BLOCK_T"]), triton.cdiv(d, m["BLOCK_D"]))
+    grid = lambda m: (programs(triton.cdiv(t, m["BLOCK_T"]) * triton.cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), <= 8
     args["UNROLL"] = min(next_pow2(-(-routing.num_rows // t)), 8)
@@ -91,8 +105,10 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     return out
 
 
-def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
-    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add)."""
+def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
+                   config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config`` and ``progs_per_sm``
+    are ignored)."""
     t = routing.num_tokens
     slot_token = torch.repeat_interleave(
         torch.arange(t, device=y.device), (routing.token_offsets[1:] - routing.token_offsets[:-1]).long()
@@ -100,5 +116,5 @@ def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor
     rows = y[routing.token_rows.long()].float()
     if slot_weights is not None:
         rows = rows * slot_weights.float()[:, None]
-    out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
-    return out.index_add(0, slot_token, rows).to(y.dtype)
+    res = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device).index_add(0, slot_token, rows)
+    return res.to(y.dtype) if out is None else out.copy_(res)

@@ -402,6 +402,35 @@ def pdl_enabled(device: torch.device) -> bool:
     return _PDL_OK[idx]
 
 
+_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def overlap_mode(device: torch.device) -> int:
+    """Programs per multiprocessor of the backward's dX aggregation when it runs on a side stream beside the
+    dW1 GEMM on ``device`` (SONICMOE_OVERLAP, default 2), or 0: no side stream (always on CPU and under the
+    interpreter; SONICMOE_OVERLAP=0 or a value that is not a small integer).
+
+    Why a persistent grid: the block scheduler dispatches a grid's programs before those of a grid queued
+    after it, so a kernel of many programs only shares the machine at its tail. The aggregation's few
+    programs (registers only, no shared memory) all become resident at once, queued first on a
+    high-priority stream, and dW1's programs (one per multiprocessor: shared memory) fill the room beside them.
+    """
+    if device.type != "cuda" or interpreting():
+        return 0
+    mode = os.environ.get("SONICMOE_OVERLAP", "2")
+    return int(mode) if mode.isdigit() and int(mode) <= 16 else 0
+
+
+def side_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
+    """The side CUDA stream of ``device`` (one per device and priority, created at first use, never at
+    import) for work that may run beside the current stream's kernels."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, int(high_priority))
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(idx, priority=-1 if high_priority else 0)
+    return _SIDE_STREAMS[key]
+
+
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (cached; queried at the first launch, never at import)."""
     if device.type != "cuda":

@@ -250,6 +250,7 @@ def dh(
     routing: Routing,
     gate_up_layout: str = "concat",
     config: dict | None = None,
+    reduce_ds: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and dS from dO, W2, H and the scores (SPEC §4 kernel 1).
 
@@ -257,6 +258,8 @@ def dh(
         dout: (T, d) gradient of O. w2: (E, d, n). h: (R, 2n) saved up-projection output (layout of W1).
         row_scores: (R,) float32 scores S in row order. routing: the expert-sorted rows.
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
+        reduce_ds: False returns dS as float32 partial sums (P, R) with dS = partials.sum(0) (the fixed-order
+            reduction left to the caller: the backward runs it on a side stream).
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 (without
         the bias term ⟨dO_t, b2[e]⟩).
@@ -280,7 +283,7 @@ def dh(
     if r > 0:
         launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
                _desc_blocks, {"W_TMA": ("w2_desc",)}, pdl_device=h.device)
-    return dh_, a_prime, ds_part.sum(0)
+    return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
 
 
 def dh_ref(
@@ -291,8 +294,10 @@ def dh_ref(
     routing: Routing,
     gate_up_layout: str = "concat",
     config: dict | None = None,
+    reduce_ds: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop)."""
+    """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop; without ``reduce_ds`` dS is returned
+    as one row of partials, (1, R))."""
     e = w2.shape[0]
     offsets = routing.expert_offsets.tolist()
     dap = torch.empty(routing.num_rows, w2.shape[2], dtype=torch.float32, device=h.device)
@@ -305,4 +310,4 @@ def dh_ref(
     s = row_scores.float()[:, None]
     (dhf,) = torch.autograd.grad(a, hf, grad_outputs=dap * s)
     ds = (dap * a.detach()).sum(1)
-    return dhf.to(h.dtype), (a.detach() * s).to(h.dtype), ds
+    return dhf.to(h.dtype), (a.detach() * s).to(h.dtype), ds if reduce_ds else ds[None]

@@ -29,12 +29,15 @@ Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from .aggregation import gather_sum
+from .common import new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -149,31 +152,73 @@ def experts_bwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
-    dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout)
+    side = side_stream(dout.device, high_priority=True) if overlap_mode(dout.device) else None
+    dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
     dscores = _empty(row_scores, scores_dtype)
     if need_s:
-        if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩
-            dob2 = dout.float() @ b2.float().t()
-            ds = ds + dob2[routing.row_token.long(), routing.row_expert()]
-        dscores = ds.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
-    del ds
+        with _beside(side):  # off the GEMMs' stream (a few small torch kernels between dH and dW2 otherwise)
+            ds_row = ds.sum(0) if side is not None else ds  # from the dH kernel's partials: the same fixed order
+            if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩
+                dob2 = dout.float() @ b2.float().t()
+                ds_row = ds_row + dob2[routing.row_token.long(), routing.row_expert()]
+            dscores = ds_row.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
     if need_b2:  # db2[e] = Σ_t S dO_t
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    if need_x:
-        dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
-    if need_w1:
-        dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    if need_x and need_w1 and side is not None:
+        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, overlap_mode(dh_.device))
+    else:
+        if need_x:
+            dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+        if need_w1:
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
     return dx, dw1, dw2, db1, db2, dscores
+
+
+@contextlib.contextmanager
+def _beside(side: torch.cuda.Stream | None):
+    """Run the body on the side stream ``side`` (after everything queued so far on the current stream), or on
+    the current stream when None.
+
+    Memory safety with the caching allocator: a tensor made on the current stream and read on the side stream
+    stays referenced until the caller joins the streams (the current stream waits for the side stream) before
+    returning. A tensor made on the side stream (returned, e.g. dS) goes back to the side stream's pool when
+    freed, and that pool is only written again by a later body, which starts by waiting for everything queued
+    on the current stream until then: its readers there included."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: torch.cuda.Stream,
+                   progs_per_sm: int) -> tuple[Tensor, Tensor]:
+    """dX = Σ_slots dX̃ (dX̃ = dH W1[e]) and dW1, with the memory-bound dX aggregation on the high-priority side
+    stream ``side`` beside the compute-bound dW1 GEMM: a persistent grid of ``progs_per_sm`` programs per
+    multiprocessor (``common.overlap_mode``), queued before dW1, so that dW1's programs fill the room beside it.
+
+    dX is allocated on the current stream; the side stream waits for dX̃ and for it. The caller joins the
+    streams before returning; dX̃ is only freed after that join (it is handed back with the results' owner:
+    see :func:`experts_bwd_impl`). The kernels and their inputs are those of the one-stream path: the same bits.
+    """
+    dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
+    dx = new_output((routing.num_tokens, dxt.shape[1]), device=dxt.device, dtype=dxt.dtype)
+    with _beside(side):
+        gather_sum(dxt, routing, None, out=dx, progs_per_sm=progs_per_sm)
+    dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    torch.cuda.current_stream(dxt.device).wait_stream(side)  # dxt is freed on return, after this join
+    return dx, dw1
 
 
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())
@@ -217,7 +262,9 @@ def _setup_context(ctx, inputs, output) -> None:
     A recomputed from H, dS = ⟨dA′, A⟩, dH, A′ = S·A); dW2 and dW1 varlen-K GEMMs with row gathers;
     dX̃ = dH W1[e]; dX gather-and-sum. Biases: dS += ⟨dO_t, b2[e]⟩, db2[e] = Σ S dO_t,
     db1[e] = Σ dH rows. Everything is deterministic (no atomics); only the gradients that
-    ``ctx.needs_input_grad`` asks for are computed.
+    ``ctx.needs_input_grad`` asks for are computed. On CUDA (SONICMOE_OVERLAP, default on) the memory-bound dX
+    aggregation runs on a high-priority side stream beside the dW1 GEMM, and the dS reduction and score
+    gradient beside dW2; the streams join before the gradients are returned (the same bits either way).
     """
     x, w1, w2, b1, b2, pair_scores, *routing_arrays, gate_up_layout, save_h = inputs
     arrays = dict(zip(FWD_ROUTING_FIELDS, routing_arrays, strict=True))
