@@ -181,6 +181,8 @@ def experts_bwd_impl(
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
+    if side is not None:  # join: ds (the partials made here and read there) and the inputs are freed after this
+        torch.cuda.current_stream(dout.device).wait_stream(side)
     return dx, dw1, dw2, db1, db2, dscores
 
 
