@@ -32,6 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     env = args.env
     values = args.values.split(",")
+    original = os.environ.get(env)
     res = {"device": torch.cuda.get_device_name(), "env": env, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         t, d, n, e, k = (int(v) for v in shape.split(","))
@@ -57,7 +58,10 @@ def main() -> None:
                     os.environ[env] = g
                     times[(name, g)].append(do_bench(f, warmup=25, rep=200, return_mode="median",
                                                      grad_to_none=leaves))
-        os.environ[env] = "1"
+        if original is None:  # back to what the caller set (or the library's default)
+            os.environ.pop(env)
+        else:
+            os.environ[env] = original
         for (name, g), ts in times.items():
             ms = statistics.median(ts)
             rec = {"shape": [t, d, n, e, k], "what": name, env: g, "ms": ms, "rounds": ts,
