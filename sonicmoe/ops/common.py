@@ -402,7 +402,7 @@ def pdl_enabled(device: torch.device) -> bool:
     return _PDL_OK[idx]
 
 
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def overlap_mode(device: torch.device) -> int:
@@ -421,14 +421,13 @@ def overlap_mode(device: torch.device) -> int:
     return int(mode) if mode.isdigit() and int(mode) <= 16 else 0
 
 
-def side_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
-    """The side CUDA stream of ``device`` (one per device and priority, created at first use, never at
-    import) for work that may run beside the current stream's kernels."""
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The high-priority side CUDA stream of ``device`` (one per device, created at first use, never at import)
+    for work that runs beside the current stream's kernels: its pending programs are dispatched first."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, int(high_priority))
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(idx, priority=-1 if high_priority else 0)
-    return _SIDE_STREAMS[key]
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(idx, priority=-1)
+    return _SIDE_STREAMS[idx]
 
 
 def sm_count(device: torch.device) -> int:

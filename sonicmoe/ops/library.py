@@ -152,7 +152,8 @@ def experts_bwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
-    side = side_stream(dout.device, high_priority=True) if overlap_mode(dout.device) else None
+    progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
+    side = side_stream(dout.device) if progs_per_sm else None
     dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
@@ -172,7 +173,7 @@ def experts_bwd_impl(
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
     if need_x and need_w1 and side is not None:
-        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, overlap_mode(dh_.device))
+        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:
             dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
@@ -210,9 +211,9 @@ def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: t
     stream ``side`` beside the compute-bound dW1 GEMM: a persistent grid of ``progs_per_sm`` programs per
     multiprocessor (``common.overlap_mode``), queued before dW1, so that dW1's programs fill the room beside it.
 
-    dX is allocated on the current stream; the side stream waits for dX̃ and for it. The caller joins the
-    streams before returning; dX̃ is only freed after that join (it is handed back with the results' owner:
-    see :func:`experts_bwd_impl`). The kernels and their inputs are those of the one-stream path: the same bits.
+    dX is allocated on the current stream; the side stream waits for dX̃ and for it. The current stream waits
+    for the side stream before this returns, since dX̃ (made here, read there) is freed on return. The kernels
+    and their inputs are those of the one-stream path: the same bits.
     """
     dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
     dx = new_output((routing.num_tokens, dxt.shape[1]), device=dxt.device, dtype=dxt.dtype)
