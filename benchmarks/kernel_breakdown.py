@@ -1,7 +1,7 @@
 """Per-kernel timing of the Triton path (the paper's Fig. 6 breakdown), GPU only.
 
 usage: python benchmarks/kernel_breakdown.py [--shape T,d,n,E,K ...] [--routing topk|token_rounding ...]
-                                             [--no-layer] [--routing-profile] [--json OUT]
+                                             [--no-layer] [--routing-profile] [--dense] [--json OUT]
 
 For every (shape, routing): ms and TFLOP/s (useful FLOPs) of each forward and backward kernel and of the
 whole layer (and of the torch backend on the same inputs unless ``--no-layer``). With several routings the
@@ -9,6 +9,11 @@ kernels of one shape are timed in turn on the same inputs, so the comparison is 
 
 ``--routing-profile`` adds the time of the routing itself: router, top-k metadata, token rounding and
 its metadata, each on its own (do_bench), and a profiler table of one token-rounding call's kernels.
+
+``--dense`` adds, per kernel, its cuBLAS ceiling on this machine: the same GEMM as ``torch.bmm`` over E
+perfectly balanced experts with contiguous operands (no gather, no varlen, no epilogue), and for the two
+aggregations a contiguous ``sum`` over K of a (T, K, d) tensor. Same FLOP counts as the kernel rows, so the
+two TFLOP/s columns compare directly.
 """
 
 from __future__ import annotations
@@ -77,6 +82,32 @@ def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Ten
     ]
 
 
+def dense_rows(t: int, d: int, n: int, e: int, k: int, dtype=torch.bfloat16) -> list:
+    """(name, fn, FLOPs) of the cuBLAS ceiling of each row of :func:`kernel_rows` (same order and FLOPs):
+    batched GEMMs over E experts of R/E = T·K/E rows each, contiguous, and contiguous K-sums."""
+    m = max(1, t * k // e)
+    r = m * e
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    xg, w1, h = rand(e, m, d), rand(e, d, 2 * n), rand(e, m, 2 * n)
+    a, w2t, w2 = rand(e, m, n), rand(e, n, d), rand(e, d, n)
+    at, xt, y = a.transpose(1, 2).contiguous(), xg.transpose(1, 2).contiguous(), rand(t, k, d)
+    w1t = w1.transpose(1, 2).contiguous()
+    gemm = 2 * r * n * d
+    return [
+        ("up-proj (gather+SwiGLU)", lambda: torch.bmm(xg, w1), 2 * gemm),
+        ("down-proj", lambda: torch.bmm(a, w2t), gemm),
+        ("aggregation", lambda: y.sum(1), 0),
+        ("dH (dA', dS, dH, A')", lambda: torch.bmm(xg, w2), gemm),
+        ("dW2 (varlen-K)", lambda: torch.bmm(at, xg), gemm),
+        ("dX~ = dH W1", lambda: torch.bmm(h, w1t), 2 * gemm),
+        ("dW1 (varlen-K)", lambda: torch.bmm(xt, h), 2 * gemm),
+        ("dX aggregation", lambda: y.sum(1), 0),
+    ]
+
+
 FWD_KERNELS = 3  # the first rows of kernel_rows: up-projection, down-projection, aggregation
 
 
@@ -135,6 +166,7 @@ def main() -> None:
     ap.add_argument("--routing", action="append", choices=("topk", "token_rounding"), default=None)
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer timings")
     ap.add_argument("--routing-profile", action="store_true", help="also time the routing steps")
+    ap.add_argument("--dense", action="store_true", help="also time each kernel's dense cuBLAS ceiling")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -152,6 +184,9 @@ def main() -> None:
             if not args.no_layer:
                 rows += layer_rows(p, routing, s_pair, dout, ("triton",) if mode != "topk" else ("triton", "torch"))
             timed[mode] = (routing.num_rows, rows)
+        if args.dense:
+            timed["dense"] = (max(1, t * k // e) * e, [(name, fn, flops, None) for name, fn, flops in
+                                                         dense_rows(t, d, n, e, k)])
         if args.routing_profile:
             timed["routing"] = (0, [(name, fn, 0, None) for name, fn in routing_profile(p, k)])
         # the same kernel of every routing back to back, in turn

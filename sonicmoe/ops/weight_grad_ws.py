@@ -1,0 +1,272 @@
+"""Warp-specialised varlen-K grouped GEMM for the expert weight gradients on Hopper, in Gluon (SPEC §4 kernels 2, 4).
+
+The same product as :func:`sonicmoe.ops.weight_grad.varlen_k_gemm` — dW[e] (I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)],
+with exactly one operand gathered by token inside its load:
+
+* dW1[e] (2n, d) = Σ_r dH[r]ᵀ X[token(r)]      (Q = X gathered; P = dH by TMA)
+* dW2[e] (d, n)  = Σ_r dO[token(r)]ᵀ A′[r]     (P = dO gathered; Q = A′ by TMA)
+
+Why a second kernel (benchmarks/results/2026-11-25_nvidia-h200_session21/): the Triton kernel brings the gathered
+rows in by ``cp.async`` from the MMA warps themselves, and every K-step then ends in a barrier across the whole
+program before the tensor cores may read them. On an H200 the same Triton kernel on a pre-gathered, contiguous copy
+of X (both operands by TMA) takes 0.50-0.57 ms for the 7B dW1 against 0.65 ms gathered, and 7.6 against 8.8 ms at
+(32768, 4096, 1024, 128, 8).
+
+Here each persistent program splits its warps by role:
+
+* a **loader** (one warp) walks the program's tiles and their BLOCK_R-row chunks: the contiguous operand's chunk by
+  TMA, the gathered operand's rows by 16-byte ``cp.async`` (row index from ``row_token``, loaded one chunk ahead),
+  into a ring of ``STAGES`` slots. A slot has a ``tma_ready`` mbarrier (TMA bytes), a ``cp_ready`` one (each loader
+  thread arrives once its copies have landed) and an ``empty`` one (the MMA that read it is done). An expert's
+  last, partial chunk comes by masked ``cp.async`` in both operands (rows past the expert's end are zeros in both,
+  so they add exactly nothing, as in the Triton kernel);
+* the **MMA warps** (two warpgroups) run the asynchronous wgmma chain of each tile over the ring, one chunk in
+  flight, then write the tile (cast to the output dtype) through shared memory by one TMA store, while the loader
+  already fills the ring with the next tile's chunks.
+
+Tiles are numbered expert by expert, (BLOCK_I, BLOCK_J) output blocks within an expert, J fastest; program p takes
+tiles p, p + P, ... Chunks are added in row order, BLOCK_R rows at a time, so the result is bitwise that of the
+Triton kernel (which adds the same chunks in the same order; the wgmma k-steps do not depend on BLOCK_R). No
+atomics; experts with no rows get zeros. I and J must be multiples of the tile (:func:`wgrad_ws_supported`); other
+shapes run the Triton kernel. Gluon kernels do not run under Triton's interpreter: the kernel is tested on the GPU
+against the Triton kernel and the float32 reference (tests/test_weight_grad_ws.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import new_output, sm_count
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, ws_enabled
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+LOADER_WARPS = 1
+LOADER_REGS = 152
+MMA_WARPS = 8  # two warpgroups
+MAX_STAGES = 8
+SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
+
+
+def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2) -> int:
+    """Shared memory of one program: the ring (a P chunk and a Q chunk per slot) and the output tile's buffer."""
+    return elem * (stages * block_r * (block_i + block_j) + block_i * block_j)
+
+
+def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = 32) -> dict | None:
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} for dW (E, I, J), or None where the kernel does not apply.
+
+    The tile is 128 × 256 (I × J) or 256 × 128, the wider side on the operand that is not gathered where both
+    fit; STAGES is the deepest ring that fits shared memory beside the output buffer (at most MAX_STAGES)."""
+    shapes = ((256, 128), (128, 256)) if not p_gather else ((128, 256), (256, 128))
+    for bi, bj in shapes:
+        if i_dim > 0 and j_dim > 0 and i_dim % bi == 0 and j_dim % bj == 0:
+            base = wgrad_ws_smem_bytes(bi, bj, block_r, 0)
+            stages = min(MAX_STAGES, (SMEM_BUDGET - base) // (wgrad_ws_smem_bytes(bi, bj, block_r, 1) - base))
+            if stages >= 2:
+                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGES": stages}
+    return None
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr):
+        """(expert, first row, end row, I offset, J offset) of tile ``tile``."""
+        e = tile // tiles_per_e
+        t = tile - e * tiles_per_e
+        ti = t // tiles_j
+        return (e, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1), ti * BLOCK_I,
+                (t - ti * tiles_j) * BLOCK_J)
+
+    @gluon.jit
+    def _copy_rows(buf, base_ptr, rows, row_ok, col0, stride, layout: gl.constexpr):
+        """cp.async of rows ``rows`` (int64 row indices, (BLOCK_R,) in ``layout``'s row slice) of a row-major
+        operand, columns [col0, col0 + buf's width), into ``buf``; rows where ``row_ok`` is False are zero-filled."""
+        W: gl.constexpr = buf.shape[1]
+        cols = col0 + gl.arange(0, W, layout=gl.SliceLayout(0, layout))
+        ptrs = base_ptr + rows[:, None] * stride + cols[None, :]
+        async_copy.async_copy_global_to_shared(buf, ptrs, mask=row_ok[:, None] & (cols >= 0)[None, :])
+
+    @gluon.jit
+    def _loader(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready, empty,
+                total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER: gl.constexpr,
+                BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
+                WARPS: gl.constexpr):
+        """Loader partition: every chunk of every tile of this program into the next ring slot, once the MMA
+        that read the slot's previous chunk is done."""
+        TPI: gl.constexpr = BLOCK_I // 8 if BLOCK_I < 256 else 32  # threads along a row: 16 bytes each
+        TPJ: gl.constexpr = BLOCK_J // 8 if BLOCK_J < 256 else 32
+        lp: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPI, TPI], [WARPS, 1], [1, 0])
+        lq: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPJ, TPJ], [WARPS, 1], [1, 0])
+        lg: gl.constexpr = lp if P_GATHER else lq
+        offs_g = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, lg))
+        offs_p = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, lp))
+        offs_q = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, lq))
+        CHUNK_BYTES: gl.constexpr = BLOCK_R * (BLOCK_J if P_GATHER else BLOCK_I) * 2
+        step = 0
+        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+            full = (hi - lo) // BLOCK_R
+            chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
+            rg = lo + offs_g
+            tok_next = gl.load(row_token_ptr + rg, mask=rg < hi, other=0)
+            for c in range(chunks):
+                r0 = lo + c * BLOCK_R
+                rg = r0 + offs_g
+                tok = tok_next.to(gl.int64)
+                rn = rg + BLOCK_R
+                tok_next = gl.load(row_token_ptr + rn, mask=rn < hi, other=0)  # the next chunk's, in flight
+                s = step % STAGES
+                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                if c < full:  # a whole chunk: the contiguous operand by TMA
+                    mbarrier.expect(tma_ready.index(s), CHUNK_BYTES)
+                    if P_GATHER:
+                        tma.async_copy_global_to_shared(q_desc, [r0, j0], tma_ready.index(s), q_bufs.index(s))
+                    else:
+                        tma.async_copy_global_to_shared(p_desc, [r0, i0], tma_ready.index(s), p_bufs.index(s))
+                else:  # the expert's last, partial chunk: rows past its end zero-filled in both operands
+                    if P_GATHER:
+                        rq = r0 + offs_q
+                        _copy_rows(q_bufs.index(s), q_ptr, rq.to(gl.int64), rq < hi, j0, stride_q, lq)
+                    else:
+                        rp = r0 + offs_p
+                        _copy_rows(p_bufs.index(s), p_ptr, rp.to(gl.int64), rp < hi, i0, stride_p, lp)
+                    mbarrier.arrive(tma_ready.index(s))
+                if P_GATHER:
+                    _copy_rows(p_bufs.index(s), p_ptr, tok, rg < hi, i0, stride_p, lp)
+                else:
+                    _copy_rows(q_bufs.index(s), q_ptr, tok, rg < hi, j0, stride_q, lq)
+                # fires once this thread's copies have landed (the barrier counts every loader thread)
+                async_copy.mbarrier_arrive(cp_ready.index(s), increment_count=False)
+                step += 1
+
+    @gluon.jit
+    def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
+             tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+             STAGES: gl.constexpr, WARPS: gl.constexpr):
+        """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
+        to the loader), then the tile by TMA store from ``out_smem``."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_J, 16])
+        step = 0
+        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+            chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
+            acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
+            for c in range(chunks):
+                s = step % STAGES
+                ph = (step // STAGES) & 1
+                mbarrier.wait(tma_ready.index(s), ph)
+                mbarrier.wait(cp_ready.index(s), ph)
+                # the cp.async writes (generic proxy) before the wgmma's reads (async proxy)
+                fence_async_shared()
+                acc = warpgroup_mma(p_bufs.index(s).permute((1, 0)), q_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
+            # the buffer's previous TMA store has finished reading it
+            tma.store_wait(pendings=0)
+            out_smem.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [e * I + i0, j0], out_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _wgrad_ws_kernel(p_ptr, p_desc, q_ptr, q_desc, out_desc, row_token_ptr, offsets_ptr, total_tiles, tiles_j,
+                         tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
+                         Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
+                         BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
+                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        dtype: gl.constexpr = p_ptr.dtype.element_ty
+        p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
+        out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_I, BLOCK_J], out_desc.layout)
+        tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(tma_ready.index(i), count=1)
+            mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
+                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS)),
+            (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready,
+                       empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
+                       BLOCK_R, STAGES, LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(tma_ready.index(i))
+            mbarrier.invalidate(cp_ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_gather: bool,
+                       out_dtype: torch.dtype) -> bool:
+    """Whether :func:`wgrad_ws` serves this weight gradient (host checks only, no sync).
+
+    True on an sm_90 GPU with Gluon (:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled`, so ``SONICMOE_GLUON=0``
+    turns it off) for bf16/fp16 contiguous, 16-byte aligned operands of one dtype and an output of that dtype,
+    exactly one operand gathered, and I, J multiples of a tile (:func:`wgrad_ws_config`).
+    """
+    if p_gather == q_gather or not ws_enabled() or not p.is_cuda or p.dtype not in _GL_DTYPES:
+        return False
+    if q.dtype != p.dtype or out_dtype != p.dtype or p.dim() != 2 or q.dim() != 2:
+        return False
+    if not (p.is_contiguous() and q.is_contiguous()) or wgrad_ws_config(p.shape[1], q.shape[1], p_gather) is None:
+        return False
+    if torch.cuda.get_device_capability(p.device) != (9, 0):
+        return False
+    return p.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
+
+
+def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_offsets: torch.Tensor, *,
+             p_gather: bool, config: dict | None = None) -> torch.Tensor:
+    """dW (E, I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] by the warp-specialised kernel (see the module doc).
+
+    The caller has checked :func:`wgrad_ws_supported` (exactly one operand gathered: Q when not ``p_gather``).
+
+    Args:
+        p: (T or R, I) bf16/fp16, contiguous; rows gathered by ``row_token`` when ``p_gather``.
+        q: (T or R, J), p's dtype; rows gathered when not ``p_gather``.
+        row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
+            per-expert row counts.
+        config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} (default :func:`wgrad_ws_config`).
+    Returns:
+        (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
+        on every run.
+    """
+    e = expert_offsets.shape[0] - 1
+    i_dim, j_dim = p.shape[1], q.shape[1]
+    cfg = config or wgrad_ws_config(i_dim, j_dim, p_gather)
+    bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
+    out = new_output((e, i_dim, j_dim), device=p.device, dtype=p.dtype)
+    tiles_j = j_dim // bj
+    tiles_per_e = (i_dim // bi) * tiles_j
+    total = e * tiles_per_e
+    if total == 0:
+        return out
+    gl_dtype = getattr(gl, _GL_DTYPES[p.dtype])
+    p_layout = gl.NVMMASharedLayout.get_default_for([br, bi], gl_dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([br, bj], gl_dtype)
+    _wgrad_ws_kernel[(min(total, sm_count(p.device)),)](
+        p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
+        _descriptor(out.view(e * i_dim, j_dim), [bi, bj]), row_token, expert_offsets, total, tiles_j, tiles_per_e,
+        i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout, Q_LAYOUT=q_layout, BLOCK_I=bi,
+        BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
+        LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
+        num_warps=MMA_WARPS)
+    return out
