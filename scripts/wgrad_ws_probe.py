@@ -22,7 +22,10 @@ from sonicmoe.ops import weight_grad_ws as ws
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.routing import Routing
 
-LOADER_WARPS = (2, 4)
+GLUON_VARIANTS = [  # BLOCK_R, STAGES, loader warps, loader registers, direct stores
+    (64, 3, 4, 80, False), (64, 4, 4, 80, True), (64, 3, 8, 56, False), (64, 4, 8, 56, True),
+    (32, 6, 8, 56, False), (32, 8, 8, 56, True),
+]
 
 
 def routing_of(t: int, e: int, k: int, empty: int = 0, seed: int = 0) -> Routing:
@@ -105,17 +108,14 @@ def time_shapes(shapes) -> list[dict]:
             os.environ["SONICMOE_AUTOTUNE"] = "0"
             variants.append(("triton (pinned)", lambda: tri()))
             i_dim, j_dim = p.shape[1], q.shape[1]
-            for lw in LOADER_WARPS:
-                for br in (32, 64):
-                    for bi, bj in ((256, 128), (128, 256)):
-                        if i_dim % bi or j_dim % bj:
-                            continue
-                        base_b = ws.wgrad_ws_smem_bytes(bi, bj, br, 0)
-                        per_stage = ws.wgrad_ws_smem_bytes(bi, bj, br, 1) - base_b
-                        st = min(ws.MAX_STAGES, (ws.SMEM_BUDGET - base_b) // per_stage)
-                        cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "STAGES": st, "LOADER_WARPS": lw,
-                               "LOADER_REGS": 96 if lw <= 2 else 80}
-                        variants.append((f"gluon {bi}x{bj} R{br} S{st} L{lw}", lambda cfg=cfg: glu(cfg)))
+            narrow_i = pg  # the gathered operand's side 128 wide, the other 256
+            bi, bj = (128, 256) if narrow_i else (256, 128)
+            if i_dim % bi == 0 and j_dim % bj == 0:
+                for br, st, lw, lr, direct in GLUON_VARIANTS:
+                    cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "STAGES": st, "LOADER_WARPS": lw,
+                           "LOADER_REGS": lr, "DIRECT": direct}
+                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}{' direct' if direct else ''}"
+                    variants.append((label, lambda cfg=cfg: glu(cfg)))
             for label, fn in variants:
                 out = fn()
                 torch.cuda.synchronize()
