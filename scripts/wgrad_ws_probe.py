@@ -23,8 +23,8 @@ from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.routing import Routing
 
 GLUON_VARIANTS = [  # BLOCK_R, STAGES, loader warps, loader registers, direct stores
-    (64, 3, 4, 80, False), (64, 4, 4, 80, True), (64, 3, 8, 56, False), (64, 4, 8, 56, True),
-    (32, 6, 8, 56, False), (32, 8, 8, 56, True),
+    (64, 3, 4, 80, False), (64, 4, 4, 80, True), (32, 6, 4, 80, False), (32, 8, 4, 80, True),
+    (64, 4, 4, 56, True),
 ]
 
 
@@ -117,8 +117,12 @@ def time_shapes(shapes) -> list[dict]:
                     label = f"gluon {bi}x{bj} R{br} S{st} L{lw}{' direct' if direct else ''}"
                     variants.append((label, lambda cfg=cfg: glu(cfg)))
             for label, fn in variants:
-                out = fn()
-                torch.cuda.synchronize()
+                try:
+                    out = fn()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a config that does not compile (registers) is reported and skipped
+                    print(f"  {name} {label:<28} failed: {type(exc).__name__}")
+                    continue
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 same = torch.equal(out, base)
                 print(f"  {name} {label:<28} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s  same bits {same}")
