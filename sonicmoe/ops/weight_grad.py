@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
+from . import weight_grad_ws
 from .common import (
     autotuners,
     check_device,
@@ -269,9 +270,16 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
             rows are 16-byte aligned, pointer loads otherwise) and 128 on the gathered one.
     Returns:
         (E, I, J) in ``out_dtype``; experts with no rows get zeros. Deterministic (no atomics).
+
+    On Hopper (sm_90), without an explicit ``config``, bf16/fp16 products whose I and J are tile multiples run
+    the warp-specialised Gluon kernel (:func:`sonicmoe.ops.weight_grad_ws.wgrad_ws`, a loader warpgroup for
+    the gathered rows); it gives the same bits. ``SONICMOE_GLUON=0`` or ``SONICMOE_GLUON_WGRAD=0`` turns it off.
     """
     check_device("p", p)
     p, q = p.contiguous(), q.contiguous()
+    if config is None and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather,
+                                                              out_dtype=out_dtype):
+        return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather)
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)

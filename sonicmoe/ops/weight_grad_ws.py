@@ -34,6 +34,8 @@ against the Triton kernel and the float32 reference (tests/test_weight_grad_ws.p
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .common import new_output, sm_count
@@ -51,10 +53,14 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-LOADER_WARPS = 1
-LOADER_REGS = 152
+# measured on an H200 (session 21, benchmarks/results/2026-11-25_nvidia-h200_session21/): 4 loader warps against
+# 1-2 (one warp cannot issue a 64-row chunk's copies in the time of its MMAs: 0.78-0.81 ms for the 7B dW1, 2 warps
+# 0.70), 64-row chunks in 3 slots against 32-row chunks in 6 (0.66) or stores from registers with a 4th slot (0.63)
+LOADER_WARPS = 4
+LOADER_REGS = 80
 MMA_WARPS = 8  # two warpgroups
 MAX_STAGES = 8
+BLOCK_R = 64
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
@@ -63,11 +69,12 @@ def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, e
     return elem * (stages * block_r * (block_i + block_j) + block_i * block_j)
 
 
-def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = 32) -> dict | None:
+def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R) -> dict | None:
     """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} for dW (E, I, J), or None where the kernel does not apply.
 
-    The tile is 128 × 256 (I × J) or 256 × 128, the wider side on the operand that is not gathered where both
-    fit; STAGES is the deepest ring that fits shared memory beside the output buffer (at most MAX_STAGES)."""
+    The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
+    are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
+    MAX_STAGES)."""
     shapes = ((256, 128), (128, 256)) if not p_gather else ((128, 256), (256, 128))
     for bi, bj in shapes:
         if i_dim > 0 and j_dim > 0 and i_dim % bi == 0 and j_dim % bj == 0:
@@ -220,15 +227,31 @@ if HAVE_GLUON:
             mbarrier.invalidate(empty.index(i))
 
 
+_CALLS: dict[tuple, dict] = {}
+
+
+def wgrad_ws_calls() -> list[dict]:
+    """The shapes this process ran through :func:`wgrad_ws` (I, J, E, dtype, which operand gathered) with their
+    config; benchmarks and tests read it (host bookkeeping, no sync)."""
+    return [{"I": i, "J": j, "E": e, "dtype": dt, "p_gather": pg, "config": cfg}
+            for (i, j, e, dt, pg), cfg in _CALLS.items()]
+
+
+def wgrad_ws_enabled() -> bool:
+    """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
+    ``SONICMOE_GLUON_WGRAD=0`` turns off this one alone (read at each call)."""
+    return ws_enabled() and os.environ.get("SONICMOE_GLUON_WGRAD", "1") != "0"
+
+
 def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_gather: bool,
                        out_dtype: torch.dtype) -> bool:
     """Whether :func:`wgrad_ws` serves this weight gradient (host checks only, no sync).
 
-    True on an sm_90 GPU with Gluon (:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled`, so ``SONICMOE_GLUON=0``
-    turns it off) for bf16/fp16 contiguous, 16-byte aligned operands of one dtype and an output of that dtype,
-    exactly one operand gathered, and I, J multiples of a tile (:func:`wgrad_ws_config`).
+    True on an sm_90 GPU with Gluon (:func:`wgrad_ws_enabled`) for bf16/fp16 contiguous, 16-byte aligned
+    operands of one dtype and an output of that dtype, exactly one operand gathered, and I, J multiples of a tile
+    (:func:`wgrad_ws_config`).
     """
-    if p_gather == q_gather or not ws_enabled() or not p.is_cuda or p.dtype not in _GL_DTYPES:
+    if p_gather == q_gather or not wgrad_ws_enabled() or not p.is_cuda or p.dtype not in _GL_DTYPES:
         return False
     if q.dtype != p.dtype or out_dtype != p.dtype or p.dim() != 2 or q.dim() != 2:
         return False
@@ -265,6 +288,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     total = e * tiles_per_e
     if total == 0:
         return out
+    _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
     gl_dtype = getattr(gl, _GL_DTYPES[p.dtype])
     p_layout = gl.NVMMASharedLayout.get_default_for([br, bi], gl_dtype)
     q_layout = gl.NVMMASharedLayout.get_default_for([br, bj], gl_dtype)

@@ -1,0 +1,175 @@
+"""The warp-specialised varlen-K weight-gradient GEMM (sonicmoe/ops/weight_grad_ws.py).
+
+The Gluon kernel needs an sm_90 GPU (tests marked ``gpu``); its config, dispatch rule and the launcher's hand-off
+run on CPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops import weight_grad, weight_grad_ws
+from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
+from sonicmoe.ops.weight_grad_ws import (
+    wgrad_ws,
+    wgrad_ws_calls,
+    wgrad_ws_config,
+    wgrad_ws_smem_bytes,
+    wgrad_ws_supported,
+)
+from sonicmoe.routing import routing_from_topk
+from sonicmoe.testing import rel_err
+
+
+def _hopper_gluon() -> bool:
+    return (weight_grad_ws.HAVE_GLUON and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+def test_config_fits_shared_memory():
+    """Every config fits the budget with its ring, one more slot would not (or it is at MAX_STAGES), the
+    gathered operand's side is the 128-wide one where both tiles fit, and shapes that are no tile multiple
+    get none."""
+    for i_dim, j_dim in ((512, 1536), (1536, 256), (2048, 4096), (4096, 1024), (256, 256), (128, 512)):
+        for p_gather in (False, True):
+            cfg = wgrad_ws_config(i_dim, j_dim, p_gather)
+            assert cfg is not None, (i_dim, j_dim, p_gather)
+            bi, bj, br, st = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["STAGES"]
+            assert i_dim % bi == 0 and j_dim % bj == 0 and {bi, bj} == {128, 256}
+            assert 2 <= st <= weight_grad_ws.MAX_STAGES
+            assert wgrad_ws_smem_bytes(bi, bj, br, st) <= weight_grad_ws.SMEM_BUDGET
+            assert (wgrad_ws_smem_bytes(bi, bj, br, st + 1) > weight_grad_ws.SMEM_BUDGET
+                    or st == weight_grad_ws.MAX_STAGES)
+            if i_dim % 256 == 0 and j_dim % 256 == 0:
+                assert (bi == 128) == p_gather
+    for i_dim, j_dim in ((100, 256), (256, 200), (64, 512), (0, 256)):
+        assert wgrad_ws_config(i_dim, j_dim, False) is None
+
+
+def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
+    """CPU tensors, float32, both or neither operand gathered, another output dtype, no tile multiple, or
+    SONICMOE_GLUON(_WGRAD)=0 never reach the Gluon kernel."""
+    p = torch.zeros(64, 256, dtype=torch.bfloat16)
+    q = torch.zeros(64, 512, dtype=torch.bfloat16)
+    kw = {"p_gather": False, "q_gather": True, "out_dtype": torch.bfloat16}
+    assert not wgrad_ws_supported(p, q, **kw)  # CPU
+    if torch.cuda.is_available():
+        p, q = p.cuda(), q.cuda()
+        assert not wgrad_ws_supported(p.float(), q.float(), **{**kw, "out_dtype": torch.float32})
+        assert not wgrad_ws_supported(p, q, **{**kw, "p_gather": True})
+        assert not wgrad_ws_supported(p, q, **{**kw, "q_gather": False})
+        assert not wgrad_ws_supported(p, q, **{**kw, "out_dtype": torch.float32})
+        assert not wgrad_ws_supported(p[:, :200], q, **kw)
+        assert wgrad_ws_supported(p, q, **kw) == _hopper_gluon()
+        monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "0")
+        assert not wgrad_ws_supported(p, q, **kw)
+        monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
+        monkeypatch.setenv("SONICMOE_GLUON", "0")
+        assert not wgrad_ws_supported(p, q, **kw)
+
+
+@pytest.mark.interpreter
+def test_dispatch(monkeypatch, device):
+    """varlen_k_gemm hands the product to the Gluon kernel where wgrad_ws_supported says so (with the routing's
+    row tokens and offsets and the gathered side), and never with an explicit Triton config."""
+    calls = []
+
+    def fake(p, q, row_token, offsets, *, p_gather):
+        calls.append((row_token, offsets, p_gather))
+        return varlen_k_gemm_ref(p, q, routing, p_gather=p_gather, q_gather=not p_gather, out_dtype=p.dtype)
+
+    monkeypatch.setattr(weight_grad_ws, "wgrad_ws_supported", lambda p, q, **kw: True)
+    monkeypatch.setattr(weight_grad_ws, "wgrad_ws", fake)
+    routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, 16, device=device, generator=g)
+    dh = torch.randn(6, 32, device=device, generator=g)
+    out = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype)
+    assert len(calls) == 1 and calls[0] == (routing.row_token, routing.expert_offsets, False)
+    assert torch.equal(out, varlen_k_gemm_ref(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype))
+    cfg = weight_grad._PINNED_INTERP if interpreting() else weight_grad._GPU_DEFAULT
+    tri = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype, config=cfg)
+    assert len(calls) == 1
+    assert rel_err(tri, out) < 1e-5
+
+
+# (T, d, n, E, K, experts left without tokens, reason) on the GPU
+GPU_CASES = [
+    (1, 256, 128, 4, 1, 0, "T=1, K=1: one row, a partial chunk only"),
+    (500, 256, 128, 6, 6, 0, "K=E: every token in every expert"),
+    (3000, 768, 256, 16, 4, 3, "empty experts, counts no chunk multiple"),
+    (777, 512, 128, 1, 1, 0, "E=1"),
+    (333, 1024, 512, 8, 2, 0, "n=512"),
+    (4096, 1536, 256, 128, 8, 5, "the 7B widths, 256 rows per expert, empty experts"),
+]
+GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[2], torch.float16)]
+
+
+def _routing(t, e, k, empty, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    logits[:, :empty] = -1e9
+    return routing_from_topk(logits.topk(k, dim=1).indices.to(torch.int32), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
+def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
+    """dW1 (X gathered) and dW2 (dO gathered): within rounding of the float32 loop, no NaN left by the poison
+    fill, empty experts exactly zero, bitwise equal to the Triton kernel and to a second run, inputs untouched."""
+    if not _hopper_gluon():
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, empty, _ = case
+    routing = _routing(t, e, k, empty, seed=t)
+    r = routing.num_rows
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
+    dh = torch.randn(r, 2 * n, device="cuda", dtype=dtype, generator=g)
+    ap = torch.randn(r, n, device="cuda", dtype=dtype, generator=g)
+    for p, q, pg in ((dh, x, False), (dout, ap, True)):
+        assert wgrad_ws_supported(p, q, p_gather=pg, q_gather=not pg, out_dtype=dtype)
+        p0, q0 = p.clone(), q.clone()
+        got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg)
+        ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg, out_dtype=torch.float32)
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) < 4e-3, pg
+        assert (got[:empty] == 0).all()
+        monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "0")
+        tri = varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=dtype)
+        monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
+        assert torch.equal(got, tri), pg
+        assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg))
+        assert torch.equal(p, p0) and torch.equal(q, q0)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_uses_gluon_weight_gradients(monkeypatch):
+    """The layer's backward runs both weight gradients through the Gluon kernel and gives the same bits as with
+    SONICMOE_GLUON_WGRAD=0."""
+    import sonicmoe
+    from sonicmoe.testing import random_problem
+
+    if not _hopper_gluon():
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    t, d, n, e, k = 2048, 1536, 256, 32, 8
+    p = random_problem(t, d, n, e, device="cuda", seed=3)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], top_k=k, backend="triton")
+        res.out.backward(dout)
+        return {key: v.grad for key, v in ins.items()}
+
+    weight_grad_ws._CALLS.clear()
+    on = run()
+    seen = {(c["I"], c["J"], c["p_gather"]) for c in wgrad_ws_calls()}
+    assert (2 * n, d, False) in seen and (d, n, True) in seen
+    monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "0")
+    off = run()
+    for key in on:
+        assert torch.equal(on[key], off[key]), key
