@@ -61,6 +61,10 @@ LOADER_REGS = 80
 MMA_WARPS = 8  # two warpgroups
 MAX_STAGES = 8
 BLOCK_R = 64
+# registers per thread at launch (the MMA warps get more inside the warp-specialised region, the loader's 80 less):
+# 144 × 384 threads leaves room on each SM for the dX aggregation's two 4-warp programs that run beside dW1
+# (library.SONICMOE_OVERLAP); a 256-wide wgmma (BLOCK_J = 256) does not compile below 154
+MAXNREG = {128: 144, 256: 160}
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
@@ -70,7 +74,8 @@ def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, e
 
 
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} for dW (E, I, J), or None where the kernel does not apply.
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES", "MAXNREG"} for dW (E, I, J), or None where the kernel does not
+    apply.
 
     The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
     are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
@@ -81,7 +86,7 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
             base = wgrad_ws_smem_bytes(bi, bj, block_r, 0)
             stages = min(MAX_STAGES, (SMEM_BUDGET - base) // (wgrad_ws_smem_bytes(bi, bj, block_r, 1) - base))
             if stages >= 2:
-                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGES": stages}
+                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGES": stages, "MAXNREG": MAXNREG[bj]}
     return None
 
 
@@ -273,7 +278,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         q: (T or R, J), p's dtype; rows gathered when not ``p_gather``.
         row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
             per-expert row counts.
-        config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} (default :func:`wgrad_ws_config`).
+        config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS",
+            "LOADER_REGS", "DIRECT" (default :func:`wgrad_ws_config`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -298,5 +304,5 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         tiles_per_e, i_dim, j_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        DIRECT=cfg.get("DIRECT", False), num_warps=MMA_WARPS)
+        DIRECT=cfg.get("DIRECT", False), num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
