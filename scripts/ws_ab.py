@@ -3,6 +3,9 @@ SONICMOE_PDL, programmatic dependent launch; SONICMOE_OVERLAP, the backward's si
 (default 1,0), alternating rounds on the same inputs (forward without grad, forward+backward); for SONICMOE_GLUON
 also the host time of one ws_varlen_m_gemm call.
 
+A value may also set several switches at once, as NAME=V joined by '+': e.g. --values
+SONICMOE_GLUON_WGRAD=0+SONICMOE_OVERLAP=2,SONICMOE_GLUON_WGRAD=1+SONICMOE_OVERLAP=0.
+
 usage: python scripts/ws_ab.py [--env NAME] [--values 1,0] [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
 """
 
@@ -22,6 +25,13 @@ from sonicmoe.ops import grouped_gemm_ws as ws
 from sonicmoe.testing import random_problem
 
 
+def assignments(env: str, value: str) -> dict[str, str]:
+    """The switches one --values entry sets: {env: value}, or NAME=V pairs joined by '+'."""
+    if "=" not in value:
+        return {env: value}
+    return dict(item.split("=", 1) for item in value.split("+"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
@@ -32,7 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     env = args.env
     values = args.values.split(",")
-    original = os.environ.get(env)
+    touched = {name for v in values for name in assignments(env, v)}
+    original = {name: os.environ.get(name) for name in touched}
     res = {"device": torch.cuda.get_device_name(), "env": env, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         t, d, n, e, k = (int(v) for v in shape.split(","))
@@ -55,13 +66,14 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (f, leaves, _fl) in fns.items():
                 for g in values:
-                    os.environ[env] = g
+                    os.environ.update(assignments(env, g))
                     times[(name, g)].append(do_bench(f, warmup=25, rep=200, return_mode="median",
                                                      grad_to_none=leaves))
-        if original is None:  # back to what the caller set (or the library's default)
-            os.environ.pop(env)
-        else:
-            os.environ[env] = original
+        for name, value in original.items():  # back to what the caller set (or the library's default)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         for (name, g), ts in times.items():
             ms = statistics.median(ts)
             rec = {"shape": [t, d, n, e, k], "what": name, env: g, "ms": ms, "rounds": ts,
