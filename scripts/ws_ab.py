@@ -79,9 +79,9 @@ def main() -> None:
             rec = {"shape": [t, d, n, e, k], "what": name, env: g, "ms": ms, "rounds": ts,
                    "tflops": fns[name][2] / ms / 1e9}
             res["results"].append(rec)
-            print(f"{shape:>22} {name:<8} {env}={g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
+            print(f"{shape:>22} {name:<8} {g if '=' in g else env + '=' + g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
                   f"{[round(x, 4) for x in ts]}", flush=True)
-        if env != "SONICMOE_GLUON":
+        if env != "SONICMOE_GLUON" or any("=" in v for v in values) or ws.ws_config(n) is None:
             continue
         a = torch.randn(r, n, device="cuda", dtype=torch.bfloat16)
         torch.cuda.synchronize()
