@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
+from . import weight_grad_ws
 from .aggregation import gather_sum
 from .common import new_output, overlap_mode, side_stream
 from .dh import dh
@@ -172,7 +173,11 @@ def experts_bwd_impl(
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    if need_x and need_w1 and side is not None:
+    # the dX aggregation beside dW1 only where dW1 is the Triton kernel (a grid of one program per tile): beside the
+    # persistent Gluon kernel, whose tiles are split among the SMs in advance, it made the 7B backward 1.5% slower,
+    # and the Gluon dW1 alone 1% faster, than the Triton dW1 with the aggregation beside it (H200, session 21)
+    gluon_dw1 = weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:
