@@ -44,6 +44,10 @@ from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
 from .weight_grad import varlen_k_gemm
 
+# the expert width n from which dW1 runs the Gluon kernel alone rather than the Triton kernel with the dX aggregation
+# beside it (the aggregation's share of dW1's time goes as 1/n): H200 / H100 A/Bs of session 21 at n = 256 and 1024
+GLUON_DW1_MIN_N = 512
+
 # the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)
 FWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows",
                       "slot_pair")
@@ -173,11 +177,12 @@ def experts_bwd_impl(
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    # the dX aggregation beside dW1 only where dW1 is the Triton kernel (a grid of one program per tile): beside the
-    # persistent Gluon kernel, whose tiles are split among the SMs in advance, it made the 7B backward 1.5% slower,
-    # and the Gluon dW1 alone 1% faster, than the Triton dW1 with the aggregation beside it (H200, session 21)
+    # dW1 by the Gluon kernel (weight_grad_ws) or by the Triton kernel with the dX aggregation beside it. Beside the
+    # persistent Gluon kernel, whose tiles are split among the SMs in advance, the aggregation slows it more than it
+    # gains (7B backward +1.5%, H200, session 21), so it is one or the other: the overlap where the aggregation is a
+    # large share of dW1's time (n < GLUON_DW1_MIN_N), the Gluon kernel alone elsewhere
     gluon_dw1 = weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True, out_dtype=w1.dtype)
-    if need_x and need_w1 and side is not None and not gluon_dw1:
+    if need_x and need_w1 and side is not None and (not gluon_dw1 or w2.shape[2] < GLUON_DW1_MIN_N):
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:
@@ -224,7 +229,7 @@ def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: t
     dx = new_output((routing.num_tokens, dxt.shape[1]), device=dxt.device, dtype=dxt.dtype)
     with _beside(side):
         gather_sum(dxt, routing, None, out=dx, progs_per_sm=progs_per_sm)
-    dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+    dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=False)
     torch.cuda.current_stream(dxt.device).wait_stream(side)  # dxt is freed on return, after this join
     return dx, dw1
 

@@ -258,13 +258,14 @@ _tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["E", "I", "J", "P_GATHER", 
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                  out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype, config: dict | None = None, gluon: bool = True) -> torch.Tensor:
     """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] (varlen-K grouped GEMM, SPEC §4 kernels 2, 4).
 
     Args:
         p: (T or R, I); rows gathered by ``routing.row_token`` when ``p_gather``.
         q: (T or R, J); likewise with ``q_gather``.
         out_dtype: dtype of the gradient (the weight's); accumulation is float32.
+        gluon: False keeps the Triton kernel where the Gluon one would serve (see below).
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned. The pinned GPU tiles
             are 256 wide on the operand that is not gathered (read through a TMA descriptor when its
             rows are 16-byte aligned, pointer loads otherwise) and 128 on the gathered one.
@@ -277,7 +278,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     """
     check_device("p", p)
     p, q = p.contiguous(), q.contiguous()
-    if config is None and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather,
+    if gluon and config is None and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather,
                                                               out_dtype=out_dtype):
         return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather)
     e = routing.num_experts
@@ -307,7 +308,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
 
 
 def varlen_k_gemm_ref(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                      out_dtype: torch.dtype, config: dict | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype, config: dict | None = None, gluon: bool = True) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`varlen_k_gemm` (float32 per-expert loop)."""
     offsets = routing.expert_offsets.tolist()
     out = torch.zeros(routing.num_experts, p.shape[1], q.shape[1], dtype=torch.float32, device=p.device)
