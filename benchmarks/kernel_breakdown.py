@@ -28,6 +28,7 @@ import sonicmoe
 from sonicmoe.ops.aggregation import gather_sum
 from sonicmoe.ops.dh import dh
 from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
+from sonicmoe.ops.library import GLUON_WGRAD_MIN_N
 from sonicmoe.ops.up_proj import up_proj
 from sonicmoe.ops.weight_grad import varlen_k_gemm
 from sonicmoe.routing import Routing
@@ -68,16 +69,17 @@ def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Ten
     dh_, ap_, _ = dh(dout, w2, h, s_row, routing)
     dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
     gemm = 2 * r * n * d  # FLOPs of one (R, n) x (n, d) GEMM
+    gluon = n >= GLUON_WGRAD_MIN_N  # the weight-gradient kernels the layer runs (library.experts_bwd_impl)
     return [
         ("up-proj (gather+SwiGLU)", lambda: up_proj(x, w1, None, routing), 2 * gemm),
         ("down-proj", lambda: down_proj(a, w2, None, routing), gemm),
         ("aggregation", lambda: gather_sum(y, routing, s_slot), 0),
         ("dH (dA', dS, dH, A')", lambda: dh(dout, w2, h, s_row, routing), gemm),
         ("dW2 (varlen-K)", lambda: varlen_k_gemm(dout, ap_, routing, p_gather=True, q_gather=False,
-                                                 out_dtype=w2.dtype), gemm),
+                                                 out_dtype=w2.dtype, gluon=gluon), gemm),
         ("dX~ = dH W1", lambda: varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), 2 * gemm),
         ("dW1 (varlen-K)", lambda: varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True,
-                                                 out_dtype=w1.dtype), 2 * gemm),
+                                                 out_dtype=w1.dtype, gluon=gluon), 2 * gemm),
         ("dX aggregation", lambda: gather_sum(dxt, routing, None), 0),
     ]
 

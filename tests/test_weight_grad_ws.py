@@ -148,18 +148,20 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_layer_uses_gluon_weight_gradients(monkeypatch):
-    """The layer's backward runs both weight gradients through the Gluon kernel and gives the same bits as with
-    SONICMOE_GLUON_WGRAD=0."""
+    """For experts of width n >= library.GLUON_WGRAD_MIN_N the layer's backward runs both weight gradients through
+    the Gluon kernel and gives the same bits as with SONICMOE_GLUON_WGRAD=0; for narrower ones it does not."""
     import sonicmoe
     from sonicmoe.testing import random_problem
 
     if not _hopper_gluon():
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    t, d, n, e, k = 2048, 1536, 256, 32, 8
+    from sonicmoe.ops.library import GLUON_WGRAD_MIN_N
+
+    t, d, n, e, k = 2048, 1024, GLUON_WGRAD_MIN_N, 16, 4
     p = random_problem(t, d, n, e, device="cuda", seed=3)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
 
-    def run():
+    def run(p=p, dout=dout, k=k):
         ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
         res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], top_k=k, backend="triton")
         res.out.backward(dout)
@@ -173,3 +175,8 @@ def test_gpu_layer_uses_gluon_weight_gradients(monkeypatch):
     off = run()
     for key in on:
         assert torch.equal(on[key], off[key]), key
+    monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
+    weight_grad_ws._CALLS.clear()
+    narrow = random_problem(512, 1024, 256, 8, device="cuda", seed=4)
+    run(narrow, torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16), 2)
+    assert wgrad_ws_calls() == []

@@ -44,9 +44,13 @@ from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
 from .weight_grad import varlen_k_gemm
 
-# the expert width n from which dW1 runs the Gluon kernel alone rather than the Triton kernel with the dX aggregation
-# beside it (the aggregation's share of dW1's time goes as 1/n): H200 / H100 A/Bs of session 21 at n = 256 and 1024
-GLUON_DW1_MIN_N = 512
+# the expert width n from which the weight gradients run the warp-specialised Gluon kernel (weight_grad_ws). Session 21
+# layer A/Bs (7B: n = 256; 120B-n1024: n = 1024), fwd+bwd against the Triton kernels with the dX aggregation beside
+# dW1: at n = 1024 the Gluon kernels are 2.3% (H200) and 13% (H100, noisy) faster; at n = 256 they are not: 0.8% faster
+# (H200) and 1.2% slower (H100) without the overlap, 1.5% slower with the aggregation beside the persistent Gluon dW1
+# (its tiles are split among the SMs in advance), and the Gluon dW2 alone is 0.8% slower (H100). The aggregation's
+# share of dW1's time goes as 1/n.
+GLUON_WGRAD_MIN_N = 512
 
 # the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)
 FWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows",
@@ -157,6 +161,9 @@ def experts_bwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
+    # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) for wide experts; else by the
+    # Triton kernel, dW1 with the dX aggregation beside it (GLUON_WGRAD_MIN_N)
+    gluon = w2.shape[2] >= GLUON_WGRAD_MIN_N
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
     dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
@@ -172,23 +179,20 @@ def experts_bwd_impl(
                 ds_row = ds_row + dob2[routing.row_token.long(), routing.row_expert()]
             dscores = ds_row.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
     if need_w2:
-        dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype)
+        dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    # dW1 by the Gluon kernel (weight_grad_ws) or by the Triton kernel with the dX aggregation beside it. Beside the
-    # persistent Gluon kernel, whose tiles are split among the SMs in advance, the aggregation slows it more than it
-    # gains (7B backward +1.5%, H200, session 21), so it is one or the other: the overlap where the aggregation is a
-    # large share of dW1's time (n < GLUON_DW1_MIN_N), the Gluon kernel alone elsewhere
-    gluon_dw1 = weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True, out_dtype=w1.dtype)
-    if need_x and need_w1 and side is not None and (not gluon_dw1 or w2.shape[2] < GLUON_DW1_MIN_N):
+    gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
+                                                            out_dtype=w1.dtype)
+    if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:
             dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
         if need_w1:
-            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype)
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
