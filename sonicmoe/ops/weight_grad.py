@@ -278,8 +278,8 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     """
     check_device("p", p)
     p, q = p.contiguous(), q.contiguous()
-    if gluon and config is None and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather,
-                                                              out_dtype=out_dtype):
+    use_gluon = gluon and config is None
+    if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
         return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather)
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
