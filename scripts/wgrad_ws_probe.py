@@ -22,10 +22,10 @@ from sonicmoe.ops import weight_grad_ws as ws
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.routing import Routing
 
-GLUON_VARIANTS = [  # BLOCK_R, STAGES, loader warps, loader registers, direct stores
-    (64, 3, 4, 80, False), (64, 4, 4, 80, True), (32, 6, 4, 80, False), (32, 8, 4, 80, True),
-    (64, 4, 4, 56, True),
-]
+# BLOCK_R, STAGES, loader warps, loader registers (session 21's sweeps, results in
+# benchmarks/results/2026-11-25_nvidia-h200_session21/, also tried 1-2 loader warps and stores from registers; both
+# slower, and the latter is no longer in the kernel)
+GLUON_VARIANTS = [(64, 3, 4, 80), (32, 6, 4, 80), (64, 3, 2, 96)]
 
 
 def routing_of(t: int, e: int, k: int, empty: int = 0, seed: int = 0) -> Routing:
@@ -111,10 +111,10 @@ def time_shapes(shapes) -> list[dict]:
             narrow_i = pg  # the gathered operand's side 128 wide, the other 256
             bi, bj = (128, 256) if narrow_i else (256, 128)
             if i_dim % bi == 0 and j_dim % bj == 0:
-                for br, st, lw, lr, direct in GLUON_VARIANTS:
+                for br, st, lw, lr in GLUON_VARIANTS:
                     cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "STAGES": st, "LOADER_WARPS": lw,
-                           "LOADER_REGS": lr, "DIRECT": direct}
-                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}{' direct' if direct else ''}"
+                           "LOADER_REGS": lr}
+                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}"
                     variants.append((label, lambda cfg=cfg: glu(cfg)))
             for label, fn in variants:
                 try:

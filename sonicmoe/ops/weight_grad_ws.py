@@ -65,8 +65,9 @@ MMA_WARPS = 8  # two warpgroups
 MAX_STAGES = 8
 BLOCK_R = 64
 # registers per thread at launch (the MMA warps get more inside the warp-specialised region, the loader's 80 less):
-# 144 × 384 threads leaves room on each SM for the dX aggregation's two 4-warp programs that run beside dW1
-# (library.SONICMOE_OVERLAP); a 256-wide wgmma (BLOCK_J = 256) does not compile below 154
+# 144 × 384 threads leaves room on an SM for small kernels of another stream (it was sized for the dX aggregation's
+# two 4-warp programs, which the layer no longer runs beside this kernel: library.GLUON_WGRAD_MIN_N); every timing of
+# session 21 from f31550a on is with these values; a 256-wide wgmma (BLOCK_J = 256) does not compile below 154
 MAXNREG = {128: 144, 256: 160}
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
@@ -167,9 +168,9 @@ if HAVE_GLUON:
                 step += 1
 
     @gluon.jit
-    def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, out_ptr, offsets_ptr, total_tiles,
-             tiles_j, tiles_per_e, I, J, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, DIRECT: gl.constexpr):
+    def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
+             tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+             STAGES: gl.constexpr, WARPS: gl.constexpr):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
         to the loader), then the tile by TMA store from ``out_smem``."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -192,29 +193,23 @@ if HAVE_GLUON:
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
-            if DIRECT:  # stores from the accumulator's registers (no output buffer: a deeper ring)
-                ii = (e * I + i0 + gl.arange(0, BLOCK_I, layout=gl.SliceLayout(1, acc_layout))).to(gl.int64)
-                jj = j0 + gl.arange(0, BLOCK_J, layout=gl.SliceLayout(0, acc_layout))
-                gl.store(out_ptr + ii[:, None] * J + jj[None, :], acc.to(out_ptr.dtype.element_ty))
-            else:
-                # the buffer's previous TMA store has finished reading it
-                tma.store_wait(pendings=0)
-                out_smem.store(acc.to(out_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [e * I + i0, j0], out_smem)
-        if not DIRECT:
+            # the buffer's previous TMA store has finished reading it
             tma.store_wait(pendings=0)
+            out_smem.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [e * I + i0, j0], out_smem)
+        tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _wgrad_ws_kernel(p_ptr, p_desc, q_ptr, q_desc, out_desc, out_ptr, row_token_ptr, offsets_ptr, total_tiles,
-                         tiles_j, tiles_per_e, I, J, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
+    def _wgrad_ws_kernel(p_ptr, p_desc, q_ptr, q_desc, out_desc, row_token_ptr, offsets_ptr, total_tiles, tiles_j,
+                         tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, DIRECT: gl.constexpr):
+                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, [1 if DIRECT else BLOCK_I, BLOCK_J], out_desc.layout)
+        out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_I, BLOCK_J], out_desc.layout)
         tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -223,8 +218,8 @@ if HAVE_GLUON:
             mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, out_ptr, offsets_ptr, total_tiles,
-                    tiles_j, tiles_per_e, I, J, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, DIRECT)),
+            (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
+                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS)),
             (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready,
                        empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
                        BLOCK_R, STAGES, LOADER_WARPS)),
@@ -282,7 +277,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS",
-            "LOADER_REGS", "DIRECT" (default :func:`wgrad_ws_config`).
+            "LOADER_REGS" (default :func:`wgrad_ws_config`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -303,9 +298,9 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     q_layout = gl.NVMMASharedLayout.get_default_for([br, bj], gl_dtype)
     _wgrad_ws_kernel[(min(total, sm_count(p.device)),)](
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
-        _descriptor(out.view(e * i_dim, j_dim), [bi, bj]), out, row_token, expert_offsets, total, tiles_j,
-        tiles_per_e, i_dim, j_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
+        _descriptor(out.view(e * i_dim, j_dim), [bi, bj]), row_token, expert_offsets, total, tiles_j,
+        tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        DIRECT=cfg.get("DIRECT", False), num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
+        num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
