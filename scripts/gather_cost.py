@@ -1,16 +1,20 @@
-"""What the row gather costs the weight-gradient (varlen-K) GEMMs, GPU only.
+"""What the row gather costs the weight-gradient (varlen-K) GEMMs and the dH kernel, GPU only.
 
-usage: python scripts/gather_cost.py [--shape T,d,n,E,K ...] [--json OUT]
+usage: python scripts/gather_cost.py [--shape T,d,n,E,K ...] [--kernels dH,dW1,dW2] [--json OUT]
 
 For dW1 = dHᵀ X[tok] and dW2 = dO[tok]ᵀ A′, each on the same routing: the kernel as the layer runs it (gathered
 operand, pointer loads) and the same kernel on a pre-gathered, contiguous copy of that operand (both operands
 through TMA descriptors), over a few tile configs each, against ``torch.bmm`` over E balanced experts (the
 cuBLAS ceiling). Every config's output is checked bitwise against the first config's of its kind.
+
+The dH kernel (dA′ = dO[tok] W2[e] and its epilogue) the same way: as the layer runs it, and on dO[tok] made
+contiguous beforehand with the identity as row tokens (the rows then come in order; the same bits).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -33,7 +37,7 @@ def config(c) -> dict:
     return {"BLOCK_I": i, "BLOCK_J": j, "BLOCK_R": r, "P_TMA": True, "Q_TMA": True, "num_warps": w, "num_stages": s}
 
 
-def time_shape(t: int, d: int, n: int, e: int, k: int) -> list[dict]:
+def time_shape(t: int, d: int, n: int, e: int, k: int, kernels=("dH", "dW1", "dW2")) -> list[dict]:
     """The rows of one shape (printed as they come)."""
     p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
     x, w1, w2 = p["x"], p["w1"], p["w2"]
@@ -63,11 +67,23 @@ def time_shape(t: int, d: int, n: int, e: int, k: int) -> list[dict]:
     rows = []
     shape = [t, d, n, e, k]
     print(f"shape T={t} d={d} n={n} E={e} K={k} R={r} on {torch.cuda.get_device_name()}")
+    in_order = dataclasses.replace(routing, row_token=torch.arange(r, device="cuda", dtype=routing.row_token.dtype))
+    ref = dh(dout, w2, h, s_row, routing)
+    for kind, fn in (("gathered", lambda: dh(dout, w2, h, s_row, routing)),
+                     ("pre-gathered", lambda: dh(dog, w2, h, s_row, in_order))) if "dH" in kernels else ():
+        same = all(torch.equal(a, b) for a, b in zip(fn(), ref))
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        print(f"  dH   {kind:<12} {'pinned/autotuned':<26} {ms:7.3f} ms {gemm / ms / 1e9:6.1f} TFLOP/s"
+              f"  same bits {same}")
+        rows.append({"shape": shape, "kernel": "dH", "kind": kind, "config": "pinned/autotuned", "ms": ms,
+                     "bitwise_equal_first": same})
     for kern, fn in bmm.items():
+        if kern not in kernels:
+            continue
         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
         print(f"  {kern:<4} cuBLAS bmm (balanced)        {ms:7.3f} ms {flops[kern] / ms / 1e9:6.1f} TFLOP/s")
         rows.append({"shape": shape, "kernel": kern, "kind": "bmm", "ms": ms})
-    for kern in ("dW1", "dW2"):
+    for kern in [kn for kn in ("dW1", "dW2") if kn in kernels]:
         for gathered in (True, False):
             kind = "gathered" if gathered else "pre-gathered"
             first = None
@@ -92,13 +108,14 @@ def time_shape(t: int, d: int, n: int, e: int, k: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None, help="T,d,n,E,K (default: 7B and 120B-n1024)")
+    ap.add_argument("--kernels", default="dH,dW1,dW2", help="comma-separated subset of dH, dW1, dW2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in
               (args.shape or ["24576,1536,256,128,8", "32768,4096,1024,128,8"])]
     out = []
     for shape in shapes:
-        out += time_shape(*shape)
+        out += time_shape(*shape, kernels=tuple(args.kernels.split(",")))
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
