@@ -1,6 +1,6 @@
 """What the row gather costs the weight-gradient (varlen-K) GEMMs and the dH kernel, GPU only.
 
-usage: python scripts/gather_cost.py [--shape T,d,n,E,K ...] [--kernels dH,dW1,dW2] [--json OUT]
+usage: python scripts/gather_cost.py [--shape T,d,n,E,K ...] [--kernels up,dH,dW1,dW2] [--json OUT]
 
 For dW1 = dHᵀ X[tok] and dW2 = dO[tok]ᵀ A′, each on the same routing: the kernel as the layer runs it (gathered
 operand, pointer loads) and the same kernel on a pre-gathered, contiguous copy of that operand (both operands
@@ -8,7 +8,8 @@ through TMA descriptors), over a few tile configs each, against ``torch.bmm`` ov
 cuBLAS ceiling). Every config's output is checked bitwise against the first config's of its kind.
 
 The dH kernel (dA′ = dO[tok] W2[e] and its epilogue) the same way: as the layer runs it, and on dO[tok] made
-contiguous beforehand with the identity as row tokens (the rows then come in order; the same bits).
+contiguous beforehand with the identity as row tokens (the rows then come in order; the same bits). The
+up-projection (``up``: H = X[tok] W1[e]ᵀ with the SwiGLU epilogue) likewise, on X[tok] made contiguous.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def config(c) -> dict:
     return {"BLOCK_I": i, "BLOCK_J": j, "BLOCK_R": r, "P_TMA": True, "Q_TMA": True, "num_warps": w, "num_stages": s}
 
 
-def time_shape(t: int, d: int, n: int, e: int, k: int, kernels=("dH", "dW1", "dW2")) -> list[dict]:
+KERNELS = ("up", "dH", "dW1", "dW2")
+
+
+def time_shape(t: int, d: int, n: int, e: int, k: int, kernels=KERNELS) -> list[dict]:
     """The rows of one shape (printed as they come)."""
     p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
     x, w1, w2 = p["x"], p["w1"], p["w2"]
@@ -67,16 +71,20 @@ def time_shape(t: int, d: int, n: int, e: int, k: int, kernels=("dH", "dW1", "dW
     rows = []
     shape = [t, d, n, e, k]
     print(f"shape T={t} d={d} n={n} E={e} K={k} R={r} on {torch.cuda.get_device_name()}")
-    if "dH" in kernels:  # "same bits": against a first run on the gathered rows (also run-to-run determinism)
-        in_order = dataclasses.replace(routing, row_token=torch.arange(r, device="cuda", dtype=routing.row_token.dtype))
-        ref = dh(dout, w2, h, s_row, routing)
-        for kind, fn in (("gathered", lambda: dh(dout, w2, h, s_row, routing)),
-                         ("pre-gathered", lambda: dh(dog, w2, h, s_row, in_order))):
+    in_order = dataclasses.replace(routing, row_token=torch.arange(r, device="cuda", dtype=routing.row_token.dtype))
+    # "same bits": against a first run on the gathered rows (also run-to-run determinism)
+    row_kernels = {"up": (2 * gemm, lambda: up_proj(x, w1, None, routing), lambda: up_proj(xg, w1, None, in_order)),
+                   "dH": (gemm, lambda: dh(dout, w2, h, s_row, routing), lambda: dh(dog, w2, h, s_row, in_order))}
+    for kern, (fl, gathered_fn, contiguous_fn) in row_kernels.items():
+        if kern not in kernels:
+            continue
+        ref = gathered_fn()
+        for kind, fn in (("gathered", gathered_fn), ("pre-gathered", contiguous_fn)):
             same = all(torch.equal(a, b) for a, b in zip(fn(), ref))
             ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-            print(f"  dH   {kind:<12} {'pinned/autotuned':<26} {ms:7.3f} ms {gemm / ms / 1e9:6.1f} TFLOP/s"
+            print(f"  {kern:<4} {kind:<12} {'pinned/autotuned':<26} {ms:7.3f} ms {fl / ms / 1e9:6.1f} TFLOP/s"
                   f"  same bits {same}")
-            rows.append({"shape": shape, "kernel": "dH", "kind": kind, "config": "pinned/autotuned", "ms": ms,
+            rows.append({"shape": shape, "kernel": kern, "kind": kind, "config": "pinned/autotuned", "ms": ms,
                          "bitwise_equal_first": same})
     for kern, fn in bmm.items():
         if kern not in kernels:
@@ -109,12 +117,12 @@ def time_shape(t: int, d: int, n: int, e: int, k: int, kernels=("dH", "dW1", "dW
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None, help="T,d,n,E,K (default: 7B and 120B-n1024)")
-    ap.add_argument("--kernels", default="dH,dW1,dW2", help="comma-separated subset of dH, dW1, dW2")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ", ".join(KERNELS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     kernels = tuple(args.kernels.split(","))
-    if not set(kernels) <= {"dH", "dW1", "dW2"}:
-        ap.error(f"--kernels: expected a subset of dH,dW1,dW2, got {args.kernels}")
+    if not set(kernels) <= set(KERNELS):
+        ap.error(f"--kernels: expected a subset of {','.join(KERNELS)}, got {args.kernels}")
     shapes = [tuple(int(v) for v in s.split(",")) for s in
               (args.shape or ["24576,1536,256,128,8", "32768,4096,1024,128,8"])]
     out = []

@@ -57,6 +57,19 @@ def test_ws_config_fits_shared_memory():
         assert ws_config(k) is None
 
 
+def test_ws_config_dxt_form_fits_shared_memory():
+    """The dX̃ form (B not transposed) takes k up to MAX_K_DXT (k = 2n = 512 at the 7B shape: an 8-slot ring)."""
+    for k in range(64, grouped_gemm_ws.MAX_K_DXT + 1, 64):
+        cfg = ws_config(k, transpose_b=False)
+        assert cfg is not None and 1 <= cfg["STAGES"] <= grouped_gemm_ws.MAX_STAGES
+        assert ws_smem_bytes(k, cfg["STAGES"], cfg["BLOCK_N"]) <= grouped_gemm_ws.SMEM_BUDGET
+        if k <= grouped_gemm_ws.MAX_K:
+            assert cfg == ws_config(k)
+    assert ws_config(512, transpose_b=False)["STAGES"] == 8
+    for k in (0, 32, 100, 576, 1024):
+        assert ws_config(k, transpose_b=False) is None
+
+
 def test_reference_matches_per_row_products():
     """The twin (the float32 per-expert loop both varlen-M references share) equals row-by-row products with
     each row's expert read off the offsets, with empty experts (0, 2, 5) and a bias."""
@@ -78,8 +91,8 @@ def test_reference_matches_per_row_products():
 
 
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
-    """CPU tensors, float32, k outside the config, few rows per expert, the dX~ form or SONICMOE_GLUON=0
-    never reach the Gluon kernel."""
+    """CPU tensors, float32, k outside the config, few rows per expert or SONICMOE_GLUON=0 never reach the Gluon
+    kernel; the dX̃ form (B (E, k, m)) does up to k = 512 unless SONICMOE_GLUON_DXT=0."""
     e, m, k = 4, 256, 256
     a = torch.zeros(e * grouped_gemm_ws.MIN_ROWS_PER_EXPERT, k, dtype=torch.bfloat16)
     b = torch.zeros(e, m, k, dtype=torch.bfloat16)
@@ -88,14 +101,26 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         a, b = a.cuda(), b.cuda()
         assert not ws_supported(a.float(), b.float(), a.shape[0], transpose_b=True)
         assert not ws_supported(a[:-1], b, a.shape[0] - 1, transpose_b=True)
-        assert not ws_supported(a, b.transpose(1, 2).contiguous(), a.shape[0], transpose_b=False)
         wide = torch.zeros(e, m, 320, dtype=torch.bfloat16, device="cuda")
         assert not ws_supported(torch.zeros(a.shape[0], 320, dtype=torch.bfloat16, device="cuda"), wide,
                                 a.shape[0], transpose_b=True)
-        hopper = torch.cuda.get_device_capability() == (9, 0)
-        assert ws_supported(a, b, a.shape[0], transpose_b=True) == (hopper and grouped_gemm_ws.HAVE_GLUON)
+        hopper = torch.cuda.get_device_capability() == (9, 0) and grouped_gemm_ws.HAVE_GLUON
+        assert ws_supported(a, b, a.shape[0], transpose_b=True) == hopper
+        # the dX̃ form: B (E, k, m), k = 512 taken, 576 not; too few rows per expert not
+        a512 = torch.zeros(a.shape[0], 512, dtype=torch.bfloat16, device="cuda")
+        b512 = torch.zeros(e, 512, m, dtype=torch.bfloat16, device="cuda")
+        assert ws_supported(a512, b512, a.shape[0], transpose_b=False) == hopper
+        assert not ws_supported(a512[:-64], b512, a.shape[0] - 64, transpose_b=False)
+        assert not ws_supported(torch.zeros(a.shape[0], 576, dtype=torch.bfloat16, device="cuda"),
+                                torch.zeros(e, 576, m, dtype=torch.bfloat16, device="cuda"), a.shape[0],
+                                transpose_b=False)
+        monkeypatch.setenv("SONICMOE_GLUON_DXT", "0")
+        assert not ws_supported(a512, b512, a.shape[0], transpose_b=False)
+        assert ws_supported(a, b, a.shape[0], transpose_b=True) == hopper
+        monkeypatch.setenv("SONICMOE_GLUON_DXT", "1")
         monkeypatch.setenv("SONICMOE_GLUON", "0")
         assert not ws_supported(a, b, a.shape[0], transpose_b=True)
+        assert not ws_supported(a512, b512, a.shape[0], transpose_b=False)
 
 
 @pytest.mark.interpreter
@@ -130,6 +155,7 @@ GPU_CASES = [
     (777, 200, 256, 40, 2, "d=200: a partial N-tile, empty experts"),
     (4096, 1536, 256, 32, 8, "the 7B widths, 1024 rows per expert"),
     (2500, 640, 64, 3, 2, "k=64: one K-block"),
+    (3000, 768, 512, 5, 2, "k=512: the dX~ form only (8-slot ring), partial tiles"),
 ]
 
 
@@ -157,6 +183,8 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     r = routing.num_rows
     g = torch.Generator(device="cuda").manual_seed(1)
     for tb, b_shape in ((True, (e, d, n)), (False, (e, n, d))):
+        if ws_config(n, tb) is None:  # k = 512: the dX̃ form only
+            continue
         a = torch.randn(r, n, device="cuda", dtype=dtype, generator=g)
         b = (torch.randn(*b_shape, device="cuda", generator=g) / n ** 0.5).to(dtype)
         for bias in (None, torch.randn(e, d, device="cuda", generator=g).to(dtype)):
@@ -174,8 +202,8 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
-    """At a shape the rule selects, the layer's forward and backward run the Gluon down-projection and give
-    the same bits as with SONICMOE_GLUON=0."""
+    """At a shape the rule selects, the layer's forward and backward run the Gluon down-projection and dX̃
+    GEMM and give the same bits as with SONICMOE_GLUON_DXT=0 and with SONICMOE_GLUON=0."""
     import sonicmoe
     from sonicmoe.testing import random_problem
 
@@ -194,9 +222,13 @@ def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
 
     grouped_gemm_ws._CALLS.clear()
     on = run()
-    assert any(c["m"] == d and c["k"] == n and c["E"] == e for c in grouped_gemm_ws.ws_calls())
-    monkeypatch.setenv("SONICMOE_GLUON", "0")
-    off = run()
-    assert torch.equal(on[0], off[0])
-    for name in on[1]:
-        assert torch.equal(on[1][name], off[1][name]), name
+    calls = grouped_gemm_ws.ws_calls()
+    assert any(c["m"] == d and c["k"] == n and c["E"] == e and c["transpose_b"] for c in calls)
+    # the backward's dX̃ = dH W1[e] (k = 2n = 512)
+    assert any(c["m"] == d and c["k"] == 2 * n and c["E"] == e and not c["transpose_b"] for c in calls)
+    for switch in ("SONICMOE_GLUON_DXT", "SONICMOE_GLUON"):
+        monkeypatch.setenv(switch, "0")
+        off = run()
+        assert torch.equal(on[0], off[0])
+        for name in on[1]:
+            assert torch.equal(on[1][name], off[1][name]), (switch, name)

@@ -14,8 +14,10 @@ Environment (documented in the README):
                                so an element no program writes shows up as NaN.
     SONICMOE_PDL=0             launch the expert kernels without programmatic dependent launch (default on
                                sm_90 and newer: see :func:`pdl_enabled`).
-    SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) down-projection kernel
-                               of grouped_gemm_ws; the Triton kernel then serves every shape.
+    SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) kernels: the ping-pong
+                               varlen-M GEMM of grouped_gemm_ws (down-projection and dX̃) and the weight
+                               gradients' weight_grad_ws; the Triton kernels then serve every shape.
+    SONICMOE_GLUON_DXT=0       the dX̃ GEMM alone back on the Triton kernel.
 """
 
 from __future__ import annotations

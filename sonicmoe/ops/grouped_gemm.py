@@ -219,9 +219,10 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     Returns:
         C (R, m) in a's dtype.
 
-    Without ``config``, on sm_90 the down-projection form of shapes with k ≤ 256 and experts averaging at least
-    :data:`grouped_gemm_ws.MIN_ROWS_PER_EXPERT` rows runs the warp-specialised ping-pong Gluon kernel
-    (:func:`grouped_gemm_ws.ws_supported`; ``SONICMOE_GLUON=0`` turns it off); it gives the same bits.
+    Without ``config``, on sm_90 the down-projection form with k ≤ 256 and the dX̃ form with k ≤ 512, of shapes
+    whose experts average at least :data:`grouped_gemm_ws.MIN_ROWS_PER_EXPERT` rows, run the warp-specialised
+    ping-pong Gluon kernel (:func:`grouped_gemm_ws.ws_supported`; ``SONICMOE_GLUON=0`` turns it off,
+    ``SONICMOE_GLUON_DXT=0`` the dX̃ form alone); it gives the same bits.
     """
     check_device("a", a)
     a, b = a.contiguous(), b.contiguous()

@@ -1,9 +1,10 @@
 """Warp-specialised ping-pong varlen-M grouped GEMM for Hopper, in Gluon (SPEC §3 kernel 2).
 
 The same product as :func:`sonicmoe.ops.grouped_gemm.varlen_m_gemm` — C[r] = A[r] op(B[e]) (+ bias[e]) over
-expert-contiguous rows — for grouped GEMMs with a short reduction (k ≤ 256), where the output's stores, not the
-tensor cores, set the pace. On sm_90 it serves the down-projection Y = A W2[e]ᵀ of shapes whose experts
-average many rows (:func:`ws_supported`); everything else runs the Triton kernel.
+expert-contiguous rows — for grouped GEMMs with a short reduction, where the output's stores, not the
+tensor cores, set the pace. On sm_90 it serves, for shapes whose experts average many rows
+(:func:`ws_supported`), the down-projection Y = A W2[e]ᵀ (k = n ≤ 256) and the backward's dX̃ = dH W1[e]
+(B not transposed, k = 2n ≤ 512); everything else runs the Triton kernel.
 
 Each persistent program owns one N-tile (BLOCK_N columns of C) and a contiguous range of M-tiles (BLOCK_M rows
 of one expert each), and splits its warps by role:
@@ -21,7 +22,10 @@ The measured reason (benchmarks/results/2026-11-24_nvidia-h100_session17/): at t
 down-projection's loads and MMAs alone take about half its time and writing Y the other half; DRAM traffic is
 at its minimum (ncu: A and W2 read once, Y written once). What helped was overlapping each tile's stores with
 the other consumer's MMAs, and a deep A ring (16 slots) that keeps loads in flight while stores load the
-memory system.
+memory system. The dX̃ GEMM at the 7B shape (k = 512, B[e] 128 KiB resident, an 8-slot ring), session 23
+(benchmarks/results/2026-11-25_nvidia-h200_session23/): 0.577 ms against 0.635 for the Triton kernel on an H200,
+0.473 against 0.543 at (40960, 768, 256, 128, 8); a 6-slot ring 0.601, 4 slots 0.739, BLOCK_N = 64 (16 slots)
+0.746: the deepest ring that fits wins, as for the down-projection.
 
 The tile schedule is a table built by one small Triton kernel (:func:`tile_table`) from ``expert_offsets``,
 with no host sync. B[e] is read through a 2-D TMA view of the weight, (E·m, k) for B (E, m, k) used
@@ -69,6 +73,7 @@ BLOCK_M = 64  # one warpgroup's wgmma M: each consumer's tile height
 BLOCK_N = 128
 BLOCK_K = 64
 MAX_K = 256  # B[e]'s (k × BLOCK_N) block stays resident: k ≤ 256 is 64 KiB
+MAX_K_DXT = 512  # the dX̃ form (B not transposed, k = 2n): 128 KiB resident, an 8-slot A ring
 MAX_STAGES = 16
 # measured on H100 (session 17, benchmarks/results/2026-11-24_nvidia-h100_session17/): against the Triton kernel,
 # 7B (1536 rows per expert) 0.337 vs 0.359 ms, 1.4B (2560) 0.294 vs 0.303, (32768, 4096, 256, 256, 16) (2048)
@@ -311,35 +316,40 @@ def ws_smem_bytes(k: int, stages: int, block_n: int = BLOCK_N, elem: int = 2) ->
     return elem * (k * block_n + stages * BLOCK_M * BLOCK_K + 2 * BLOCK_M * block_n)
 
 
-def ws_config(k: int) -> dict | None:
+def ws_config(k: int, transpose_b: bool = True) -> dict | None:
     """The kernel's config for a reduction of size k: {"BLOCK_N", "STAGES"} (the deepest A ring that fits,
-    at most MAX_STAGES), or None where k is not a multiple of BLOCK_K or exceeds MAX_K."""
-    if k % BLOCK_K or k > MAX_K or k <= 0:
+    at most MAX_STAGES), or None where k is not a multiple of BLOCK_K or exceeds MAX_K (MAX_K_DXT for the dX̃
+    form, ``transpose_b`` False)."""
+    if k % BLOCK_K or k > (MAX_K if transpose_b else MAX_K_DXT) or k <= 0:
         return None
     stages = min(MAX_STAGES, (SMEM_BUDGET - ws_smem_bytes(k, 0)) // (2 * BLOCK_M * BLOCK_K))
     return {"BLOCK_N": BLOCK_N, "STAGES": stages}
 
 
-def ws_enabled() -> bool:
-    """The Gluon kernel is used unless SONICMOE_GLUON=0 (read at each call), and never under the interpreter."""
-    return HAVE_GLUON and not interpreting() and os.environ.get("SONICMOE_GLUON", "1") != "0"
+def ws_enabled(transpose_b: bool = True) -> bool:
+    """The Gluon kernel is used unless SONICMOE_GLUON=0 (read at each call; SONICMOE_GLUON_DXT=0 turns off the
+    dX̃ form alone, ``transpose_b`` False), and never under the interpreter."""
+    if not HAVE_GLUON or interpreting() or os.environ.get("SONICMOE_GLUON", "1") == "0":
+        return False
+    return transpose_b or os.environ.get("SONICMOE_GLUON_DXT", "1") != "0"
 
 
 def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b: bool) -> bool:
     """Whether :func:`ws_varlen_m_gemm` serves this product (host checks only, no sync).
 
-    True for the down-projection form (``transpose_b``, B (E, m, k)) on an sm_90 GPU with Gluon
-    (:func:`ws_enabled`), bf16/fp16 contiguous operands of one dtype with 16-byte aligned rows, a config
-    (:func:`ws_config`: k ≤ 256 and a multiple of 64), and experts averaging at least MIN_ROWS_PER_EXPERT rows
+    True for the down-projection form (``transpose_b``, B (E, m, k)) and the dX̃ form (B (E, k, m)) on an sm_90
+    GPU with Gluon (:func:`ws_enabled`), bf16/fp16 contiguous operands of one dtype with 16-byte aligned rows, a
+    config (:func:`ws_config`: k a multiple of 64, ≤ 256 for the down-projection form, ≤ 512 for the dX̃ form),
+    and experts averaging at least MIN_ROWS_PER_EXPERT rows
     (R = ``num_rows`` over E experts): below that B[e] would be reloaded every few M-tiles and the Triton
     kernel is faster.
     """
-    if not transpose_b or not ws_enabled() or not a.is_cuda or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
+    if not ws_enabled(transpose_b) or not a.is_cuda or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
         return False
     if a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
         return False
-    e, m, k = b.shape
-    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k) is None or a.shape[1] != k:
+    e, m, k = b.shape if transpose_b else (b.shape[0], b.shape[2], b.shape[1])
+    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None or a.shape[1] != k:
         return False
     if torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
@@ -383,7 +393,7 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         m, k = b.shape[1], b.shape[2]
     else:
         k, m = b.shape[1], b.shape[2]
-    cfg = config or ws_config(k)
+    cfg = config or ws_config(k, transpose_b)
     bn = cfg["BLOCK_N"]
     b2d, b_block = (b.view(e * m, k), [bn, BLOCK_K]) if transpose_b else (b.view(e * k, m), [BLOCK_K, bn])
     r = a.shape[0]

@@ -1,0 +1,96 @@
+"""The dX̃ GEMM (dX̃ = dH W1[e], varlen-M, B not transposed) on the Gluon ping-pong kernel against the Triton one.
+
+usage: python scripts/dxt_ws_probe.py [--shape T,d,n,E,K ...] [--configs BN:STAGES,...] [--rounds 5] [--json F]
+
+The layer runs dX̃ on the Triton kernel (``varlen_m_gemm(..., transpose_b=False)``); the ping-pong kernel of
+``grouped_gemm_ws`` serves the down-projection only. This probe runs ``ws_varlen_m_gemm(transpose_b=False)``
+with explicit configs (B[e]'s k × BLOCK_N block resident: k = 2n up to 512), checks its output bitwise against
+the Triton kernel's and by relative error against the float32 per-expert reference, and times both in
+alternating rounds on the same inputs (do_bench medians); ``default`` is what varlen_m_gemm picks now. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+import sonicmoe
+from sonicmoe.ops import grouped_gemm_ws as ws
+from sonicmoe.ops.grouped_gemm import varlen_m_gemm, varlen_m_gemm_ref
+from sonicmoe.testing import random_problem
+
+
+def triton_dxt(dh_, w1, routing):
+    """dX̃ on the Triton kernel as the layer ran it before (pinned/autotuned config): SONICMOE_GLUON_DXT=0."""
+    old = os.environ.get("SONICMOE_GLUON_DXT")
+    os.environ["SONICMOE_GLUON_DXT"] = "0"
+    try:
+        return varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
+    finally:
+        if old is None:
+            os.environ.pop("SONICMOE_GLUON_DXT")
+        else:
+            os.environ["SONICMOE_GLUON_DXT"] = old
+
+
+def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
+    """The check and timing rows of one shape (printed as they come)."""
+    t, d, n, e, k = (int(v) for v in shape.split(","))
+    p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
+    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
+    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+    r = routing.num_rows
+    dh_ = torch.randn(r, 2 * n, device="cuda", dtype=torch.bfloat16)
+    w1 = p["w1"]
+    flops = 2 * r * 2 * n * d
+    ref = varlen_m_gemm_ref(dh_, w1, None, routing, transpose_b=False).float()
+    fns = {"triton": lambda: triton_dxt(dh_, w1, routing),
+           "default": lambda: varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)}
+    for cfg in configs:
+        fns[f"gluon BN={cfg['BLOCK_N']} S={cfg['STAGES']}"] = (
+            lambda cfg=cfg: ws.ws_varlen_m_gemm(dh_, w1, None, routing.expert_offsets, transpose_b=False, config=cfg))
+    base = fns["triton"]()
+    checks = {}
+    for name, fn in fns.items():
+        out = fn()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        checks[name] = {"same_bits_as_triton": torch.equal(out, base), "rel_err": err,
+                        "deterministic": torch.equal(out, fn())}
+        print(f"{shape} {name:<22} check {checks[name]}", flush=True)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    rows = []
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"shape": [t, d, n, e, k], "kernel": name, "ms": ms, "tflops": flops / ms / 1e9, "rounds": ts,
+                     **checks[name]})
+        print(f"{shape} {name:<22} {ms:.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s {[round(x, 4) for x in ts]}",
+              flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=None)
+    ap.add_argument("--configs", default="128:8,128:6,128:4,64:16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    configs = [dict(zip(("BLOCK_N", "STAGES"), map(int, c.split(":")))) for c in args.configs.split(",")]
+    res = {"device": torch.cuda.get_device_name(), "results": []}
+    for shape in args.shape or ["24576,1536,256,128,8"]:
+        res["results"] += probe_shape(shape, configs, args.rounds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
