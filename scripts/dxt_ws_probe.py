@@ -2,8 +2,8 @@
 
 usage: python scripts/dxt_ws_probe.py [--shape T,d,n,E,K ...] [--configs BN:STAGES,...] [--rounds 5] [--json F]
 
-The layer runs dX̃ on the Triton kernel (``varlen_m_gemm(..., transpose_b=False)``); the ping-pong kernel of
-``grouped_gemm_ws`` serves the down-projection only. This probe runs ``ws_varlen_m_gemm(transpose_b=False)``
+On sm_90 the layer runs dX̃ on the ping-pong kernel of ``grouped_gemm_ws`` where it applies (``default``; the
+Triton kernel with ``SONICMOE_GLUON_DXT=0``). This probe runs ``ws_varlen_m_gemm(transpose_b=False)``
 with explicit configs (B[e]'s k × BLOCK_N block resident: k = 2n up to 512), checks its output bitwise against
 the Triton kernel's and by relative error against the float32 per-expert reference, and times both in
 alternating rounds on the same inputs (do_bench medians); ``default`` is what varlen_m_gemm picks now. GPU only.

@@ -30,8 +30,6 @@ Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 
 import torch
 from torch import Tensor
@@ -180,29 +178,21 @@ def experts_bwd_impl(
                 dob2 = dout.float() @ b2.float().t()
                 ds_row = ds_row + dob2[routing.row_token.long(), routing.row_expert()]
             dscores = ds_row.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
-    # where the dX aggregation runs beside a GEMM: beside the Triton dW2 (dX̃ first; dW1 then free to take the
-    # persistent Gluon kernel) or beside the Triton dW1
-    beside_dw2 = side is not None and need_x and need_w2 and dx_beside() == "dw2"
-    if beside_dw2:
-        dx, dw2 = _dx_beside(dh_, w1, routing, side, progs_per_sm, functools.partial(
-            varlen_k_gemm, dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=False))
-    elif need_w2:
+    if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
-    gluon_dw1 = (gluon or beside_dw2) and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
-                                                                           out_dtype=w1.dtype)
-    if need_x and need_w1 and side is not None and not gluon_dw1 and not beside_dw2:
-        dx, dw1 = _dx_beside(dh_, w1, routing, side, progs_per_sm, functools.partial(
-            varlen_k_gemm, dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=False))
+    gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
+                                                            out_dtype=w1.dtype)
+    if need_x and need_w1 and side is not None and not gluon_dw1:
+        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
-        if need_x and not beside_dw2:
+        if need_x:
             dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
         if need_w1:
-            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype,
-                                gluon=gluon_dw1)
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
@@ -229,19 +219,11 @@ def _beside(side: torch.cuda.Stream | None):
         yield
 
 
-def dx_beside() -> str:
-    """The weight-gradient GEMM the backward's dX aggregation runs beside on the side stream (SONICMOE_DX_BESIDE,
-    read at each call): ``"dw1"`` (default) or ``"dw2"`` (dX̃ computed before dW2, the aggregation beside the
-    Triton dW2, and dW1 on the Gluon kernel where it applies)."""
-    return "dw2" if os.environ.get("SONICMOE_DX_BESIDE", "dw1") == "dw2" else "dw1"
-
-
-def _dx_beside(dh_: Tensor, w1: Tensor, routing: Routing, side: torch.cuda.Stream, progs_per_sm: int,
-               gemm) -> tuple[Tensor, Tensor]:
-    """dX = Σ_slots dX̃ (dX̃ = dH W1[e]) and ``gemm()`` (a weight gradient on the Triton kernel), with the
-    memory-bound dX aggregation on the high-priority side stream ``side`` beside the compute-bound GEMM: a
-    persistent grid of ``progs_per_sm`` programs per multiprocessor (``common.overlap_mode``), queued before
-    the GEMM, so that the GEMM's programs (one per tile) fill the room beside it.
+def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: torch.cuda.Stream,
+                   progs_per_sm: int) -> tuple[Tensor, Tensor]:
+    """dX = Σ_slots dX̃ (dX̃ = dH W1[e]) and dW1, with the memory-bound dX aggregation on the high-priority side
+    stream ``side`` beside the compute-bound dW1 GEMM: a persistent grid of ``progs_per_sm`` programs per
+    multiprocessor (``common.overlap_mode``), queued before dW1, so that dW1's programs fill the room beside it.
 
     dX is allocated on the current stream; the side stream waits for dX̃ and for it. The current stream waits
     for the side stream before this returns, since dX̃ (made here, read there) is freed on return. The kernels
@@ -251,9 +233,9 @@ def _dx_beside(dh_: Tensor, w1: Tensor, routing: Routing, side: torch.cuda.Strea
     dx = new_output((routing.num_tokens, dxt.shape[1]), device=dxt.device, dtype=dxt.dtype)
     with _beside(side):
         gather_sum(dxt, routing, None, out=dx, progs_per_sm=progs_per_sm)
-    dw = gemm()
+    dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=False)
     torch.cuda.current_stream(dxt.device).wait_stream(side)  # dxt is freed on return, after this join
-    return dx, dw
+    return dx, dw1
 
 
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())
