@@ -22,10 +22,10 @@ The measured reason (benchmarks/results/2026-11-24_nvidia-h100_session17/): at t
 down-projection's loads and MMAs alone take about half its time and writing Y the other half; DRAM traffic is
 at its minimum (ncu: A and W2 read once, Y written once). What helped was overlapping each tile's stores with
 the other consumer's MMAs, and a deep A ring (16 slots) that keeps loads in flight while stores load the
-memory system. The dX̃ GEMM at the 7B shape (k = 512, B[e] 128 KiB resident, an 8-slot ring), session 23
-(benchmarks/results/2026-11-25_nvidia-h200_session23/): 0.577 ms against 0.635 for the Triton kernel on an H200,
-0.473 against 0.543 at (40960, 768, 256, 128, 8); a 6-slot ring 0.601, 4 slots 0.739, BLOCK_N = 64 (16 slots)
-0.746: the deepest ring that fits wins, as for the down-projection.
+memory system. The dX̃ GEMM at the 7B shape (k = 512, B[e] 128 KiB resident, an 8-slot ring), session 23 on
+H100s (benchmarks/results/2026-11-25_nvidia-h100_session23/): 0.617 ms against 0.652 for the Triton kernel, 0.504
+against 0.523 at (40960, 768, 256, 128, 8); a 6-slot ring 0.662, 4 slots 0.812, BLOCK_N = 64 (16 slots) 0.714:
+the deepest ring that fits wins, as for the down-projection. In the 7B layer the gain is within noise there.
 
 The tile schedule is a table built by one small Triton kernel (:func:`tile_table`) from ``expert_offsets``,
 with no host sync. B[e] is read through a 2-D TMA view of the weight, (E·m, k) for B (E, m, k) used
