@@ -57,6 +57,21 @@ def test_ws_config_fits_shared_memory():
         assert ws_config(k) is None
 
 
+@pytest.mark.skipif(not grouped_gemm_ws.HAVE_GLUON, reason="Gluon ships with Triton >= 3.5")
+def test_shared_layout_is_built_once_and_equals_the_default():
+    """The cached NVMMA layout of the Gluon launches equals Gluon's default for the block and dtype (swizzle
+    from the row's bytes: 64 bf16 and 64 fp16 elements 128 B, 32 of them 64 B) and is one object per pair."""
+    from triton.experimental.gluon import language as gl
+
+    for block, dtype, gl_dtype in (((64, 64), torch.bfloat16, gl.bfloat16), ((64, 128), torch.float16, gl.float16),
+                                   ((128, 32), torch.bfloat16, gl.bfloat16)):
+        got = grouped_gemm_ws.shared_layout(block, dtype)
+        assert got == gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+        assert grouped_gemm_ws.shared_layout(block, dtype) is got
+    assert grouped_gemm_ws.shared_layout((64, 64), torch.bfloat16).swizzle_byte_width == 128
+    assert grouped_gemm_ws.shared_layout((128, 32), torch.bfloat16).swizzle_byte_width == 64
+
+
 def test_ws_config_dxt_form_fits_shared_memory():
     """The dX̃ form (B not transposed) takes k up to MAX_K_DXT (k = 2n = 512 at the 7B shape: an 8-slot ring)."""
     for k in range(64, grouped_gemm_ws.MAX_K_DXT + 1, 64):

@@ -42,7 +42,7 @@ import os
 import torch
 
 from .common import new_output, sm_count
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, ws_enabled
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -293,9 +293,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     if total == 0:
         return out
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
-    gl_dtype = getattr(gl, _GL_DTYPES[p.dtype])
-    p_layout = gl.NVMMASharedLayout.get_default_for([br, bi], gl_dtype)
-    q_layout = gl.NVMMASharedLayout.get_default_for([br, bj], gl_dtype)
+    p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     _wgrad_ws_kernel[(min(total, sm_count(p.device)),)](
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
         _descriptor(out.view(e * i_dim, j_dim), [bi, bj]), row_token, expert_offsets, total, tiles_j,
