@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonicmoe
-from sonicmoe.ops import library
+from sonicmoe.ops import grouped_gemm_ws, library
 from sonicmoe.ops.library import BWD_ROUTING_FIELDS, FWD_ROUTING_FIELDS
 from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
 from sonicmoe.testing import random_problem, rel_err
@@ -119,7 +119,10 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
     args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, row_scores,
             *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", torch.float32, needs)
     monkeypatch.setenv("SONICMOE_OVERLAP", "0")
+    grouped_gemm_ws._CALLS.clear()
     ref = library.experts_bwd_impl(*args)
+    if dtype == torch.bfloat16 and needs[0] and grouped_gemm_ws.ws_supported(h, p["w1"], r, transpose_b=False):
+        assert any(not c["transpose_b"] for c in grouped_gemm_ws.ws_calls())  # dX̃ ran on the Gluon kernel
     monkeypatch.setenv("SONICMOE_OVERLAP", "2")
     for _ in range(3):
         got = library.experts_bwd_impl(*args)

@@ -370,7 +370,9 @@ def ws_calls() -> list[dict]:
 @functools.lru_cache(maxsize=64)
 def shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The NVMMA shared-memory layout of a ``block`` tile of ``dtype`` (bf16/fp16), built once per pair: building
-    it costs about 19 µs of host time (Python), three or more times per Gluon launch otherwise."""
+    it costs about 9 µs of host time (Python; a descriptor 12-14 µs with it, 3 µs without, on a CI-kind CPU:
+    benchmarks/results/2026-11-25_nvidia-h100_session23/layout_host_cpu.txt), three or more times per Gluon
+    launch otherwise."""
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, _GL_DTYPES[dtype]))
 
 
