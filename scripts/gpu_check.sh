@@ -6,6 +6,7 @@
 #          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
 #          TUNE_REPEAT rounds, medians
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
+#   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -84,6 +85,16 @@ for step in "$@"; do
       python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \
         --no-plot --out "$OUT" --tag 7b > "$OUT/bench7b.txt" 2>&1
       SUMMARY+=("$(tail -12 "$OUT/bench7b.txt")")
+      ;;
+    graph)
+      # the eager layer against CUDA-graph replay of the same kernels (the kernel-bound time), a host profile, and
+      # each launcher's host time
+      shapes=()
+      for sh in ${GRAPH_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
+      timeout ${GRAPH_LIMIT_S:-300} python3 scripts/graph_bound.py "${shapes[@]}" --profile --json "$OUT/graph_bound.json" \
+        > "$OUT/graph_bound.txt" 2>&1
+      timeout 120 python3 scripts/launch_overhead.py > "$OUT/launch_overhead.txt" 2>&1
+      SUMMARY+=("$(grep -E 'median|Error' "$OUT/graph_bound.txt")" "$(cat "$OUT/launch_overhead.txt")")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
