@@ -7,6 +7,7 @@
 #          TUNE_REPEAT rounds, medians
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
+#   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -95,6 +96,19 @@ for step in "$@"; do
         > "$OUT/graph_bound.txt" 2>&1
       timeout 120 python3 scripts/launch_overhead.py > "$OUT/launch_overhead.txt" 2>&1
       SUMMARY+=("$(grep -E 'median|Error' "$OUT/graph_bound.txt")" "$(cat "$OUT/launch_overhead.txt")")
+      ;;
+    upws)
+      # the Gluon up-projection: probe (bits, error, alternating timings against the Triton kernel), GPU tests, layer A/B
+      shapes=()
+      for sh in ${UPWS_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
+      timeout ${UPWS_LIMIT_S:-240} python3 scripts/up_ws_probe.py "${shapes[@]}" ${UPWS_CONFIGS:+--configs $UPWS_CONFIGS} \
+        --json "$OUT/up_ws_probe.json" > "$OUT/up_ws_probe.txt" 2>&1
+      timeout 300 python3 -m pytest -rA -m gpu tests/test_up_proj_ws.py -p no:cacheprovider > "$OUT/gpu_tests_upws.log" 2>&1
+      [ "${UPWS_AB:-1}" = 1 ] && timeout 240 python3 scripts/ws_ab.py --env SONICMOE_GLUON_UP --values 1,0 --rounds 7 \
+        --json "$OUT/ab_up_7b.json" > "$OUT/ab_up_7b.txt" 2>&1
+      SUMMARY+=("$(grep -vE 'check' "$OUT/up_ws_probe.txt" | tail -12)" "$(grep -E 'check' "$OUT/up_ws_probe.txt" | cut -c1-220)"
+                "$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_upws.log")" "$(tail -1 "$OUT/gpu_tests_upws.log")"
+                "$(tail -8 "$OUT/ab_up_7b.txt" 2>/dev/null)")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \

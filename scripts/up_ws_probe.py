@@ -1,0 +1,100 @@
+"""The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
+
+usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--configs STAGES:LOADER_WARPS:MAXNREG,...]
+                                     [--rounds 5] [--json F]
+
+Runs ``up_proj_ws`` with explicit configs, checks H and A bitwise against the Triton kernel's (autotuned, or
+pinned under SONICMOE_AUTOTUNE=0) and by relative error against the float32 per-expert reference, then times
+both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``up_proj`` picks now.
+GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+import sonicmoe
+from sonicmoe.ops import up_proj as up
+from sonicmoe.ops import up_proj_ws as uw
+from sonicmoe.testing import random_problem
+
+
+def triton_up(x, w1, routing):
+    """The Triton kernel (SONICMOE_GLUON_UP=0)."""
+    old = os.environ.get("SONICMOE_GLUON_UP")
+    os.environ["SONICMOE_GLUON_UP"] = "0"
+    try:
+        return up.up_proj(x, w1, None, routing)
+    finally:
+        if old is None:
+            os.environ.pop("SONICMOE_GLUON_UP")
+        else:
+            os.environ["SONICMOE_GLUON_UP"] = old
+
+
+def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
+    t, d, n, e, k = (int(v) for v in shape.split(","))
+    p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
+    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
+    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+    x, w1 = p["x"], p["w1"]
+    r = routing.num_rows
+    flops = 2 * r * 2 * n * d
+    sub = torch.arange(0, r, max(r // 4096, 1), device="cuda")  # reference on a subset of rows (memory)
+    h_ref, a_ref = up.up_proj_ref(x, w1, None, routing)
+    h_ref, a_ref = h_ref[sub].float(), a_ref[sub].float()
+    fns = {"triton": lambda: triton_up(x, w1, routing), "default": lambda: up.up_proj(x, w1, None, routing)}
+    for cfg in configs:
+        fns[f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']}"] = (
+            lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg))
+    hb, ab = fns["triton"]()
+    checks = {}
+    for name, fn in fns.items():
+        h, a = fn()
+        h2, a2 = fn()
+        checks[name] = {"same_bits_as_triton": bool(torch.equal(h, hb) and torch.equal(a, ab)),
+                        "h_rel_err": ((h[sub].float() - h_ref).norm() / h_ref.norm()).item(),
+                        "a_rel_err": ((a[sub].float() - a_ref).norm() / a_ref.norm()).item(),
+                        "deterministic": bool(torch.equal(h, h2) and torch.equal(a, a2)),
+                        "a_max_diff_vs_triton": (a.float() - ab.float()).abs().max().item()}
+        print(f"{shape} {name:<28} check {checks[name]}", flush=True)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    rows = []
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"shape": [t, d, n, e, k], "kernel": name, "ms": ms, "tflops": flops / ms / 1e9, "rounds": ts,
+                     **checks[name]})
+        print(f"{shape} {name:<28} {ms:.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s {[round(v, 4) for v in ts]}",
+              flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=None)
+    ap.add_argument("--configs", default="4:2:200,4:4:168,3:2:200")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names = ("STAGES", "LOADER_WARPS", "MAXNREG")
+    configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
+    for shape in args.shape or ["24576,1536,256,128,8"]:
+        res["results"] += probe_shape(shape, configs, args.rounds)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

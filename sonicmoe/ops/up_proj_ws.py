@@ -1,0 +1,277 @@
+"""Warp-specialised up-projection for Hopper, in Gluon: gather-fused varlen-M grouped GEMM with a SwiGLU epilogue
+(SPEC §3 kernel 1).
+
+The same product as :func:`sonicmoe.ops.up_proj.up_proj` — for each row r of expert e, H[r] = W1[e] x_{token(r)}
+(+ b1[e]) and A[r] = silu(gate(H[r])) · up(H[r]), A computed from the rounded H — for the concat gate/up layout.
+
+Why a second kernel: the Triton kernel gathers X rows by ``cp.async`` from its MMA warps, and every K-step ends in
+a barrier across the program before the tensor cores may read them; the weight gradients' warp-specialised kernel
+(:mod:`.weight_grad_ws`) showed that moving such gathers to loader warps pays on Hopper. Here each persistent
+program splits its warps by role:
+
+* a **loader** (four warps) walks the program's tiles: per K-block, the tile's BLOCK_M gathered X rows by 16-byte
+  ``cp.async`` (rows past the expert's end zero-filled) and W1[e]'s gate and up (BLOCK_N × BLOCK_K) boxes by TMA,
+  into a ring of ``STAGES`` slots. A slot has a ``tma_ready`` mbarrier (the TMA bytes), a ``cp_ready`` one (each
+  loader thread arrives once its copies have landed) and an ``empty`` one (the MMAs that read it are done);
+* the **MMA warps** (two warpgroups, BLOCK_M = 128 rows) run two asynchronous wgmma chains per tile, gate and up
+  (one K-block in flight), then the epilogue in registers: bias, rounding to H's dtype, SwiGLU from the rounded
+  values (the dH kernel recomputes A the same way), and the stores. A full tile's H gate block, H up block and A
+  block leave by TMA stores through one staging buffer (each store drains while the next is computed; the loader
+  meanwhile fills the ring with the next tile's blocks); an expert's last, partial tile by masked stores.
+
+Tiles are (M-tile, N-tile) pairs, N fastest, M-tiles numbered expert after expert from the table of
+:func:`sonicmoe.ops.grouped_gemm_ws.tile_table` (no host sync); program p takes tiles p, p + P, .... K-blocks are
+added in order, so H has the Triton kernel's bits where both use 64-wide K-blocks. No atomics.
+
+Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
+of BLOCK_N, 16-byte aligned contiguous operands; every other case runs the Triton kernel. Gluon kernels do not run
+under Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
+(tests/test_up_proj_ws.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..routing import Routing
+from .common import new_output, sm_count
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_M = 128  # two warpgroups of 64 rows
+BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
+BLOCK_K = 64
+LOADER_WARPS = 2
+LOADER_REGS = 80
+MMA_WARPS = 8
+MAXNREG = 200  # registers per thread at launch: (8 + 2) warps x 32 x 200 <= 64 K
+MAX_STAGES = 6
+SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
+
+
+def up_ws_smem_bytes(stages: int, elem: int = 2) -> int:
+    """Shared memory of one program: the ring (an X block and the gate and up W1 boxes per slot) and one staging
+    buffer for the TMA stores."""
+    return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + BLOCK_M * BLOCK_N)
+
+
+def up_ws_config() -> dict:
+    """{"STAGES": the deepest ring that fits shared memory beside the staging buffer (at most MAX_STAGES)}."""
+    per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
+    return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0)) // per_stage)}
+
+
+def up_ws_enabled() -> bool:
+    """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
+    ``SONICMOE_GLUON_UP`` (default 1) this one alone (read at each call)."""
+    return ws_enabled() and os.environ.get("SONICMOE_GLUON_UP", "1") != "0"
+
+
+def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
+    """Whether :func:`up_proj_ws` serves this up-projection (host checks only, no sync): an sm_90 GPU with Gluon
+    (:func:`up_ws_enabled`), x (T, d) and w1 (E, 2n, d) bf16/fp16 of one dtype, contiguous and 16-byte aligned,
+    the concat layout, d a multiple of BLOCK_K and n of BLOCK_N, a bias (if any) of x's dtype."""
+    if gate_up_layout != "concat" or not up_ws_enabled() or not x.is_cuda or x.dtype not in _GL_DTYPES:
+        return False
+    if w1.dtype != x.dtype or x.dim() != 2 or w1.dim() != 3 or not (x.is_contiguous() and w1.is_contiguous()):
+        return False
+    if b1 is not None and b1.dtype != x.dtype:
+        return False
+    d, n = x.shape[1], w1.shape[1] // 2
+    if d % BLOCK_K or n % BLOCK_N or n == 0 or w1.shape[2] != d:
+        return False
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    return x.data_ptr() % 16 == 0 and w1.data_ptr() % 16 == 0
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile_of(tile, table_ptr, num_pid_n):
+        """(expert, first row, end row, N-tile) of tile ``tile`` (N-tiles fastest)."""
+        mt = tile // num_pid_n
+        entry = table_ptr + (mt + 1) * 4
+        return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), tile - mt * num_pid_n
+
+    @gluon.jit
+    def _up_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty,
+                   num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, WARPS: gl.constexpr):
+        """Loader partition: for every K-block of every tile of this program, the gathered X rows (cp.async) and
+        W1[e]'s gate and up boxes (TMA) into the next ring slot, once the MMAs that read its previous content
+        are done."""
+        TPK: gl.constexpr = BLOCK_K // 8  # threads along a row: 16 bytes each
+        lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPK, TPK], [WARPS, 1], [1, 0])
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
+        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lx))
+        total = gl.load(table_ptr) * num_pid_n
+        k_tiles = D // BLOCK_K
+        step = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
+            rows = row_start + offs_m
+            ok = rows < row_end
+            tok = gl.load(row_token_ptr + rows, mask=ok, other=0).to(gl.int64)
+            x_rows = x_ptr + tok * stride_x
+            mask = ok[:, None] & (offs_k >= 0)[None, :]
+            w_row = e * (2 * N) + pid_n * BLOCK_N
+            for ki in range(k_tiles):
+                s = step % STAGES
+                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(tma_ready.index(s), 2 * w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_desc, [w_row, ki * BLOCK_K], tma_ready.index(s), wg_bufs.index(s))
+                tma.async_copy_global_to_shared(w_desc, [w_row + N, ki * BLOCK_K], tma_ready.index(s),
+                                                wu_bufs.index(s))
+                cols = ki * BLOCK_K + offs_k
+                async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask)
+                # fires once this thread's copies have landed (the barrier counts every loader thread)
+                async_copy.mbarrier_arrive(cp_ready.index(s), increment_count=False)
+                step += 1
+
+    @gluon.jit
+    def _up_mma(x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr, b1_ptr,
+                table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                WARPS: gl.constexpr):
+        """MMA partition: each tile's gate and up wgmma chains over the ring (one K-block in flight; the slot before
+        it goes back to the loader), then the SwiGLU epilogue and the stores."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        dtype: gl.constexpr = a_ptr.dtype.element_ty
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        total = gl.load(table_ptr) * num_pid_n
+        k_tiles = D // BLOCK_K
+        step = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
+            acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for ki in range(k_tiles):
+                s = step % STAGES
+                ph = (step // STAGES) & 1
+                mbarrier.wait(tma_ready.index(s), ph)
+                mbarrier.wait(cp_ready.index(s), ph)
+                # the cp.async writes (generic proxy) before the wgmma's reads (async proxy)
+                fence_async_shared()
+                acc_g = warpgroup_mma(x_bufs.index(s), wg_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(x_bufs.index(s), wu_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                # this K-block's two MMAs in flight: the previous block's are done, its slot goes back
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
+            cols = pid_n * BLOCK_N + offs_n
+            if HAS_BIAS:
+                b_base = b1_ptr + e.to(gl.int64) * (2 * N)
+                acc_g = acc_g + gl.load(b_base + cols).to(gl.float32)[None, :]
+                acc_u = acc_u + gl.load(b_base + N + cols).to(gl.float32)[None, :]
+            hg = acc_g.to(dtype)
+            hu = acc_u.to(dtype)
+            g = hg.to(gl.float32)
+            a = (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(dtype)
+            if row_end - row_start >= BLOCK_M:
+                # a full tile: TMA stores through the staging buffer, each drained before the buffer is rewritten
+                if STORE_H:
+                    tma.store_wait(pendings=0)
+                    c_smem.store(hg)
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(h_desc, [row_start, pid_n * BLOCK_N], c_smem)
+                    tma.store_wait(pendings=0)
+                    c_smem.store(hu)
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(h_desc, [row_start, N + pid_n * BLOCK_N], c_smem)
+                tma.store_wait(pendings=0)
+                c_smem.store(a)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(a_desc, [row_start, pid_n * BLOCK_N], c_smem)
+            else:
+                # an expert's last tile: the rows past its end belong to the next expert, masked
+                rows = (row_start + offs_m).to(gl.int64)
+                mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+                if STORE_H:
+                    gl.store(h_ptr + rows[:, None] * stride_hr + cols[None, :], hg, mask=mask)
+                    gl.store(h_ptr + rows[:, None] * stride_hr + (N + cols)[None, :], hu, mask=mask)
+                gl.store(a_ptr + rows[:, None] * stride_ar + cols[None, :], a, mask=mask)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _up_ws_kernel(x_ptr, w_desc, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, row_token_ptr, table_ptr, num_pid_n, N, D,
+                      stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                      LOADER_REGS: gl.constexpr):
+        dtype: gl.constexpr = x_ptr.dtype.element_ty
+        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
+        wg_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        wu_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
+        tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(tma_ready.index(i), count=1)
+            mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_up_mma, (x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
+                       b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
+                       BLOCK_K, STAGES, MMA_WARPS)),
+            (_up_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready,
+                          empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
+        ], [LOADER_WARPS], [LOADER_REGS])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(tma_ready.index(i))
+            mbarrier.invalidate(cp_ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routing: Routing, store_h: bool = True,
+               config: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """H (R, 2n) (None without ``store_h``) and A (R, n) by the warp-specialised kernel (see the module doc).
+
+    The caller has checked :func:`up_ws_supported` (concat layout).
+
+    Args:
+        x: (T, d) bf16/fp16, contiguous. w1: (E, 2n, d) in the concat layout (gate rows [0, n), up rows [n, 2n)).
+        b1: (E, 2n) or None. routing: rows sorted by expert (``row_token``, ``expert_offsets``).
+        store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
+            "MAXNREG" (default :func:`up_ws_config`).
+    Returns:
+        (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
+    """
+    e, two_n, d = w1.shape
+    n = two_n // 2
+    r = routing.num_rows
+    cfg = config or up_ws_config()
+    a = new_output((r, n), device=x.device, dtype=x.dtype)
+    h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
+    if r == 0:
+        return (h if store_h else None), a
+    table = tile_table(routing.expert_offsets, r, BLOCK_M)
+    num_pid_n = n // BLOCK_N
+    a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
+    _up_ws_kernel[(sm_count(x.device),)](
+        x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]),
+        _descriptor(h, [BLOCK_M, BLOCK_N]) if store_h else a_desc, a_desc, h, a,
+        b1.contiguous() if b1 is not None else a, routing.row_token, table, num_pid_n, n, d, x.stride(0),
+        h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
+        STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
+        MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
+        num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
+    return (h if store_h else None), a

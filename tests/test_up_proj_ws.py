@@ -1,0 +1,158 @@
+"""The warp-specialised Gluon up-projection (sonicmoe/ops/up_proj_ws.py).
+
+The Gluon kernel needs an sm_90 GPU (tests marked ``gpu``); its config, dispatch rule and the dispatch from
+``up_proj`` run on CPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops import grouped_gemm_ws, up_proj, up_proj_ws
+from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.up_proj_ws import up_proj_ws as run_ws
+from sonicmoe.ops.up_proj_ws import up_ws_config, up_ws_smem_bytes, up_ws_supported
+from sonicmoe.routing import routing_from_topk
+from sonicmoe.testing import rel_err
+
+
+def test_config_fits_shared_memory():
+    cfg = up_ws_config()
+    assert 2 <= cfg["STAGES"] <= up_proj_ws.MAX_STAGES
+    assert up_ws_smem_bytes(cfg["STAGES"]) <= up_proj_ws.SMEM_BUDGET
+    assert up_ws_smem_bytes(cfg["STAGES"] + 1) > up_proj_ws.SMEM_BUDGET or cfg["STAGES"] == up_proj_ws.MAX_STAGES
+    # registers at launch: every warp of the program gets MAXNREG
+    assert (up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS) * 32 * up_proj_ws.MAXNREG <= 65536
+
+
+def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
+    """CPU tensors, float32, the interleaved layout, n or d off the tile, a bias of another dtype or
+    SONICMOE_GLUON_UP=0 / SONICMOE_GLUON=0 never reach the Gluon kernel."""
+    e, n, d = 4, 256, 512
+    x = torch.zeros(64, d, dtype=torch.bfloat16)
+    w1 = torch.zeros(e, 2 * n, d, dtype=torch.bfloat16)
+    assert not up_ws_supported(x, w1, None, "concat")  # CPU
+    if torch.cuda.is_available():
+        x, w1 = x.cuda(), w1.cuda()
+        hopper = torch.cuda.get_device_capability() == (9, 0) and grouped_gemm_ws.HAVE_GLUON
+        assert up_ws_supported(x, w1, None, "concat") == hopper
+        assert not up_ws_supported(x, w1, None, "interleaved")
+        assert not up_ws_supported(x.float(), w1.float(), None, "concat")
+        assert not up_ws_supported(x, w1, torch.zeros(e, 2 * n, device="cuda"), "concat")  # float32 bias
+        assert up_ws_supported(x, w1, torch.zeros(e, 2 * n, device="cuda", dtype=torch.bfloat16), "concat") == hopper
+        assert not up_ws_supported(x, torch.zeros(e, 2 * 192, d, dtype=torch.bfloat16, device="cuda"), None,
+                                   "concat")  # n = 192
+        assert not up_ws_supported(x[:, :480].contiguous(), w1[:, :, :480].contiguous(), None, "concat")  # d = 480
+        monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
+        assert not up_ws_supported(x, w1, None, "concat")
+        monkeypatch.setenv("SONICMOE_GLUON_UP", "1")
+        monkeypatch.setenv("SONICMOE_GLUON", "0")
+        assert not up_ws_supported(x, w1, None, "concat")
+
+
+@pytest.mark.interpreter
+def test_dispatch(monkeypatch, device):
+    """up_proj hands the product to the Gluon kernel where up_ws_supported says so, and never with an explicit
+    Triton config."""
+    calls = []
+
+    def fake(x, w1, b1, routing, store_h=True):
+        calls.append((x.shape, store_h))
+        return up_proj.up_proj_ref(x, w1, b1, routing, "concat", store_h)
+
+    monkeypatch.setattr(up_proj, "up_ws_supported", lambda x, w1, b1, layout: layout == "concat")
+    monkeypatch.setattr(up_proj, "up_proj_ws", fake)
+    routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
+    x = torch.randn(3, 16, device=device)
+    w1 = torch.randn(3, 32, 16, device=device)
+    h, a = up_proj.up_proj(x, w1, None, routing, store_h=False)
+    assert calls == [(x.shape, False)] and h is None
+    h_ref, a_ref = up_proj.up_proj_ref(x, w1, None, routing)
+    assert torch.equal(a, a_ref)
+    cfg = up_proj._PINNED_INTERP if interpreting() else up_proj.pinned_gpu_config(6, 3, 16)
+    h2, a2 = up_proj.up_proj(x, w1, None, routing, config=cfg)
+    assert len(calls) == 1
+    assert rel_err(a2, a_ref) < 1e-5 and rel_err(h2, h_ref) < 1e-5
+
+
+# (T, d, n, E, K, reason) on the GPU
+GPU_CASES = [
+    (1, 128, 128, 4, 1, "T=1, K=1"),
+    (300, 256, 128, 8, 8, "K=E"),
+    (1000, 384, 256, 16, 4, "two N-tiles, partial tiles"),
+    (777, 192, 128, 40, 2, "empty experts, three K-blocks"),
+    (4096, 1536, 256, 32, 8, "the 7B widths, 1024 rows per expert (full tiles)"),
+    (2500, 64, 384, 3, 2, "d=64: one K-block, three N-tiles"),
+]
+GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
+
+
+def _routing(t, e, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return routing_from_topk(torch.randn(t, e, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32), e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
+def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
+    """With and without bias and H: H and A within rounding of the float32 loop, no NaN left by the poison fill,
+    A from the rounded H as in the Triton kernel, the same bits on a second run, the inputs untouched."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    routing = _routing(t, e, k, seed=t)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(t, d, device="cuda", generator=g).to(dtype)
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(dtype)):
+        x0, w0 = x.clone(), w1.clone()
+        h, a = run_ws(x, w1, bias, routing)
+        h_ref, a_ref = up_proj.up_proj_ref(x, w1, bias, routing)
+        assert rel_err(h, h_ref) < 5e-3 and rel_err(a, a_ref) < 1e-2, bias is not None
+        # A is SwiGLU of the stored (rounded) H, computed in float32
+        a_from_h = up_proj.swiglu_ref(h.float()).to(dtype)
+        assert rel_err(a, a_from_h) < 2e-3
+        h2, a2 = run_ws(x, w1, bias, routing)
+        assert torch.equal(h, h2) and torch.equal(a, a2)
+        none, a3 = run_ws(x, w1, bias, routing, store_h=False)
+        assert none is None and torch.equal(a, a3)
+        monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
+        h_tri, a_tri = up_proj.up_proj(x, w1, bias, routing)
+        monkeypatch.delenv("SONICMOE_GLUON_UP")
+        assert rel_err(h, h_tri) < 2e-3 and rel_err(a, a_tri) < 5e-3
+        assert torch.equal(x, x0) and torch.equal(w1, w0)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
+    """At a shape the rule selects, the layer's forward runs the Gluon up-projection and its outputs and gradients
+    stay within rounding of those with SONICMOE_GLUON_UP=0."""
+    import sonicmoe
+    from sonicmoe.testing import random_problem
+
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    t, d, n, e, k = 4096, 1536, 256, 32, 8
+    p = random_problem(t, d, n, e, device="cuda", bias=True, seed=3)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(up_proj, "up_proj_ws", lambda *a, **kw: calls.append(1) or run_ws(*a, **kw))
+
+    def run():
+        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
+                           backend="triton")
+        res.out.backward(dout)
+        return res.out.detach(), {key: v.grad for key, v in ins.items()}
+
+    on = run()
+    assert calls
+    monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
+    n_calls = len(calls)
+    off = run()
+    assert len(calls) == n_calls
+    assert rel_err(on[0], off[0]) < 5e-3
+    for name in on[1]:
+        assert rel_err(on[1][name], off[1][name]) < 2e-2, name
