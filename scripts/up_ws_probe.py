@@ -81,7 +81,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
-    ap.add_argument("--configs", default="4:2:200,4:4:168,3:2:200")
+    ap.add_argument("--configs", default="4:4:168,3:4:168")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -54,10 +54,10 @@ if HAVE_GLUON:
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
 BLOCK_K = 64
-LOADER_WARPS = 2
+LOADER_WARPS = 4  # Gluon pads a partition to whole warpgroups: 2 warps would take 4 anyway
 LOADER_REGS = 80
 MMA_WARPS = 8
-MAXNREG = 200  # registers per thread at launch: (8 + 2) warps x 32 x 200 <= 64 K
+MAXNREG = 168  # registers per thread (every warp; no setmaxnreg): 12 warps x 32 x 168 <= 64 K
 MAX_STAGES = 6
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
@@ -143,6 +143,21 @@ if HAVE_GLUON:
                 step += 1
 
     @gluon.jit
+    def _store_rows(c_smem, val, out_ptr, row_start, row_end, col0, stride, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+        """Rows [row_start, row_end) of the (BLOCK_M, BLOCK_N) block ``val`` to out[row, col0 + j], by masked
+        16-byte stores (8 contiguous elements per thread) read back from ``c_smem``."""
+        TPN: gl.constexpr = BLOCK_N // 8 if BLOCK_N < 256 else 32
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
+        tma.store_wait(pendings=0)  # the staging buffer's previous TMA store has read it
+        c_smem.store(val)
+        c = c_smem.load(st)
+        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+        ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride + cols[None, :]
+        gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cols >= 0)[None, :])
+
+    @gluon.jit
     def _up_mma(x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr, b1_ptr,
                 table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -152,7 +167,6 @@ if HAVE_GLUON:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         dtype: gl.constexpr = a_ptr.dtype.element_ty
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
@@ -201,13 +215,14 @@ if HAVE_GLUON:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(a_desc, [row_start, pid_n * BLOCK_N], c_smem)
             else:
-                # an expert's last tile: the rows past its end belong to the next expert, masked
-                rows = (row_start + offs_m).to(gl.int64)
-                mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+                # an expert's last tile: the rows past its end belong to the next expert; masked 16-byte stores
+                # from a row-major register layout, through the staging buffer
                 if STORE_H:
-                    gl.store(h_ptr + rows[:, None] * stride_hr + cols[None, :], hg, mask=mask)
-                    gl.store(h_ptr + rows[:, None] * stride_hr + (N + cols)[None, :], hu, mask=mask)
-                gl.store(a_ptr + rows[:, None] * stride_ar + cols[None, :], a, mask=mask)
+                    _store_rows(c_smem, hg, h_ptr, row_start, row_end, pid_n * BLOCK_N, stride_hr, BLOCK_M, BLOCK_N,
+                                WARPS)
+                    _store_rows(c_smem, hu, h_ptr, row_start, row_end, N + pid_n * BLOCK_N, stride_hr, BLOCK_M,
+                                BLOCK_N, WARPS)
+                _store_rows(c_smem, a, a_ptr, row_start, row_end, pid_n * BLOCK_N, stride_ar, BLOCK_M, BLOCK_N, WARPS)
         tma.store_wait(pendings=0)
 
     @gluon.jit
