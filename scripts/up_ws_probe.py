@@ -1,6 +1,6 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
-usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--configs STAGES:LOADER_WARPS:MAXNREG,...]
+usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED,...]
                                      [--rounds 5] [--json F]
 
 Runs ``up_proj_ws`` with explicit configs, checks H and A bitwise against the Triton kernel's (autotuned, or
@@ -51,7 +51,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
     h_ref, a_ref = h_ref[sub].float(), a_ref[sub].float()
     fns = {"triton": lambda: triton_up(x, w1, routing), "default": lambda: up.up_proj(x, w1, None, routing)}
     for cfg in configs:
-        fns[f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']}"] = (
+        fns[f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"] = (
             lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg))
     hb, ab = fns["triton"]()
     checks = {}
@@ -81,12 +81,14 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
-    ap.add_argument("--configs", default="4:4:168,3:4:168")
+    ap.add_argument("--configs", default="4:4:168:1,4:4:168:0")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = ("STAGES", "LOADER_WARPS", "MAXNREG")
+    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED")
     configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
+    for c in configs:
+        c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         res["results"] += probe_shape(shape, configs, args.rounds)

@@ -59,6 +59,7 @@ LOADER_REGS = 80
 MMA_WARPS = 8
 MAXNREG = 168  # registers per thread (every warp; no setmaxnreg): 12 warps x 32 x 168 <= 64 K
 MAX_STAGES = 6
+GU_FUSED = True  # one (128 x 256) wgmma chain per tile, split into gate and up after the loop (else two 128-wide)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
@@ -108,7 +109,7 @@ if HAVE_GLUON:
         return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), tile - mt * num_pid_n
 
     @gluon.jit
-    def _up_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty,
+    def _up_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                    num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    STAGES: gl.constexpr, WARPS: gl.constexpr):
         """Loader partition: for every K-block of every tile of this program, the gathered X rows (cp.async) and
@@ -133,9 +134,11 @@ if HAVE_GLUON:
                 s = step % STAGES
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
                 mbarrier.expect(tma_ready.index(s), 2 * w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [w_row, ki * BLOCK_K], tma_ready.index(s), wg_bufs.index(s))
+                w_buf = w_bufs.index(s)
+                tma.async_copy_global_to_shared(w_desc, [w_row, ki * BLOCK_K], tma_ready.index(s),
+                                                w_buf.slice(0, BLOCK_N))
                 tma.async_copy_global_to_shared(w_desc, [w_row + N, ki * BLOCK_K], tma_ready.index(s),
-                                                wu_bufs.index(s))
+                                                w_buf.slice(BLOCK_N, BLOCK_N))
                 cols = ki * BLOCK_K + offs_k
                 async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask)
                 # fires once this thread's copies have landed (the barrier counts every loader thread)
@@ -158,23 +161,16 @@ if HAVE_GLUON:
         gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cols >= 0)[None, :])
 
     @gluon.jit
-    def _up_mma(x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr, b1_ptr,
-                table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                WARPS: gl.constexpr):
-        """MMA partition: each tile's gate and up wgmma chains over the ring (one K-block in flight; the slot before
-        it goes back to the loader), then the SwiGLU epilogue and the stores."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        dtype: gl.constexpr = a_ptr.dtype.element_ty
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        total = gl.load(table_ptr) * num_pid_n
-        k_tiles = D // BLOCK_K
-        step = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-            acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+    def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr):
+        """One tile's wgmma chain over the ring from ring step ``step`` (one K-block in flight; the slot before it goes
+        back to the loader): the gate and up accumulators (BLOCK_M, BLOCK_N) float32, and the next ring step.
+        ``GU_FUSED``: one (BLOCK_M, 2·BLOCK_N) product per K-block (the slot's W box holds the gate rows, then the
+        up rows), split in two afterwards; else a gate and an up product."""
+        if GU_FUSED:
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                                 instr_shape=[16, 2 * BLOCK_N, 16])
+            acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for ki in range(k_tiles):
                 s = step % STAGES
                 ph = (step // STAGES) & 1
@@ -182,14 +178,51 @@ if HAVE_GLUON:
                 mbarrier.wait(cp_ready.index(s), ph)
                 # the cp.async writes (generic proxy) before the wgmma's reads (async proxy)
                 fence_async_shared()
-                acc_g = warpgroup_mma(x_bufs.index(s), wg_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-                acc_u = warpgroup_mma(x_bufs.index(s), wu_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+                acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc_g, acc_u = acc.reshape((BLOCK_M, 2, BLOCK_N)).permute((0, 2, 1)).split()
+        else:
+            acc_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                                  instr_shape=[16, BLOCK_N, 16])
+            acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
+            acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
+            for ki in range(k_tiles):
+                s = step % STAGES
+                ph = (step // STAGES) & 1
+                mbarrier.wait(tma_ready.index(s), ph)
+                mbarrier.wait(cp_ready.index(s), ph)
+                fence_async_shared()
+                w_buf = w_bufs.index(s)
+                acc_g = warpgroup_mma(x_bufs.index(s), w_buf.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(x_bufs.index(s), w_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u,
+                                      is_async=True)
                 # this K-block's two MMAs in flight: the previous block's are done, its slot goes back
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
+        return acc_g, acc_u, step
+
+    @gluon.jit
+    def _up_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr, b1_ptr,
+                table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                WARPS: gl.constexpr, GU_FUSED: gl.constexpr):
+        """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
+        SwiGLU epilogue and the stores."""
+        dtype: gl.constexpr = a_ptr.dtype.element_ty
+        total = gl.load(table_ptr) * num_pid_n
+        k_tiles = D // BLOCK_K
+        step = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
+            acc_g, acc_u, step = _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M,
+                                                   BLOCK_N, STAGES, WARPS, GU_FUSED)
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_g.type.layout))
             cols = pid_n * BLOCK_N + offs_n
             if HAS_BIAS:
                 b_base = b1_ptr + e.to(gl.int64) * (2 * N)
@@ -230,11 +263,10 @@ if HAVE_GLUON:
                       stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
-        wg_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-        wu_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
         c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
         tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -244,10 +276,10 @@ if HAVE_GLUON:
             mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_up_mma, (x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
+            (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
                        b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
-                       BLOCK_K, STAGES, MMA_WARPS)),
-            (_up_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, wg_bufs, wu_bufs, tma_ready, cp_ready,
+                       BLOCK_K, STAGES, MMA_WARPS, GU_FUSED)),
+            (_up_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                           empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
         for i in gl.static_range(STAGES):
@@ -266,7 +298,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         x: (T, d) bf16/fp16, contiguous. w1: (E, 2n, d) in the concat layout (gate rows [0, n), up rows [n, 2n)).
         b1: (E, 2n) or None. routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
-            "MAXNREG" (default :func:`up_ws_config`).
+            "MAXNREG", "GU_FUSED" (default :func:`up_ws_config`).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     """
@@ -288,5 +320,5 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
+        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
     return (h if store_h else None), a
