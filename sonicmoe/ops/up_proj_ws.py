@@ -24,8 +24,13 @@ Tiles are (M-tile, N-tile) pairs, N fastest, M-tiles numbered expert after exper
 added in order, so H has the Triton kernel's bits where both use 64-wide K-blocks. No atomics.
 
 Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
-of BLOCK_N, 16-byte aligned contiguous operands; every other case runs the Triton kernel. Gluon kernels do not run
-under Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
+of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it measured faster
+(:func:`up_ws_preferred`: long reductions); every other case runs the Triton kernel. A likely reason it is not
+faster everywhere (an estimate, not measured here): with 128 × 256 tiles the SMs read about 0.012 bytes of operands
+from L2 per FLOP (85 FLOP per byte), about 6 TB/s at 500 TFLOP/s, which is near the L2 bandwidth usually quoted for
+H100. Warp specialisation removes the gather stalls but not that bound; a 2-CTA cluster that shares W1 boxes by TMA
+multicast would lower it. Gluon kernels do not run under Triton's interpreter: the kernel is tested on the GPU
+against the Triton kernel and the float32 reference
 (tests/test_up_proj_ws.py).
 """
 
@@ -36,7 +41,7 @@ import os
 import torch
 
 from ..routing import Routing
-from .common import new_output, sm_count
+from .common import few_rows_per_expert, new_output, sm_count
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 
 if HAVE_GLUON:
@@ -81,11 +86,27 @@ def up_ws_enabled() -> bool:
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_UP", "1") != "0"
 
 
-def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
+def up_ws_preferred(num_rows: int, num_experts: int, d: int) -> bool:
+    """Where the Gluon kernel is the faster one (host values): d ≥ 2048, or d ≥ 1536 with experts averaging more
+    than ``common.FEW_ROWS_PER_EXPERT`` rows. Measured on H100s (session 24, benchmarks/results/
+    2026-11-25_nvidia-h100_session24/), kernel alone, medians of 5 alternating rounds against the Triton kernel:
+    (32768, 4096, 1024, 128, 8) 7.59-7.85 against 8.01-8.05 ms, (16384, 4096, 1024, 256, 4) 2.39 against 2.74;
+    7B (24576, 1536, 256, 128, 8) 0.623-0.644 against 0.625-0.630 (in the 7B layer the forward 1.135 against 1.161
+    ms, 7 of 7 rounds); slower at (16384, 1536, 256, 512, 8) (256 rows per expert) 0.590 against 0.574 and
+    (40960, 768, 256, 128, 8) 0.611 against 0.602: with a short reduction the epilogue, which this kernel does not
+    overlap with the next tile's MMAs, is a larger share of a tile."""
+    return d >= 2048 or (d >= 1536 and not few_rows_per_expert(num_rows, num_experts))
+
+
+def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str,
+                    num_rows: int | None = None) -> bool:
     """Whether :func:`up_proj_ws` serves this up-projection (host checks only, no sync): an sm_90 GPU with Gluon
     (:func:`up_ws_enabled`), x (T, d) and w1 (E, 2n, d) bf16/fp16 of one dtype, contiguous and 16-byte aligned,
-    the concat layout, d a multiple of BLOCK_K and n of BLOCK_N, a bias (if any) of x's dtype."""
+    the concat layout, d a multiple of BLOCK_K and n of BLOCK_N, a bias (if any) of x's dtype; and, given the
+    routed row count ``num_rows`` (R), where :func:`up_ws_preferred` says it is the faster kernel."""
     if gate_up_layout != "concat" or not up_ws_enabled() or not x.is_cuda or x.dtype not in _GL_DTYPES:
+        return False
+    if num_rows is not None and not up_ws_preferred(num_rows, w1.shape[0], x.shape[1]):
         return False
     if w1.dtype != x.dtype or x.dim() != 2 or w1.dim() != 3 or not (x.is_contiguous() and w1.is_contiguous()):
         return False
