@@ -101,15 +101,18 @@ for step in "$@"; do
       # the Gluon up-projection: probe (bits, error, alternating timings against the Triton kernel), GPU tests, layer A/B
       shapes=()
       for sh in ${UPWS_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
-      timeout ${UPWS_LIMIT_S:-240} python3 scripts/up_ws_probe.py "${shapes[@]}" ${UPWS_CONFIGS:+--configs $UPWS_CONFIGS} \
+      [ "${UPWS_PROBE:-1}" = 1 ] && timeout ${UPWS_LIMIT_S:-240} python3 scripts/up_ws_probe.py "${shapes[@]}" ${UPWS_CONFIGS:+--configs $UPWS_CONFIGS} \
         --json "$OUT/up_ws_probe.json" > "$OUT/up_ws_probe.txt" 2>&1
       [ "${UPWS_TESTS:-1}" = 1 ] &&
-        timeout 300 python3 -m pytest -rA -m gpu tests/test_up_proj_ws.py -p no:cacheprovider > "$OUT/gpu_tests_upws.log" 2>&1
-      [ "${UPWS_AB:-1}" = 1 ] && timeout 240 python3 scripts/ws_ab.py --env SONICMOE_GLUON_UP --values 1,0 --rounds 7 \
-        --json "$OUT/ab_up_7b.json" > "$OUT/ab_up_7b.txt" 2>&1
-      SUMMARY+=("$(grep -vE 'check' "$OUT/up_ws_probe.txt" | tail -12)" "$(grep -E 'check' "$OUT/up_ws_probe.txt" | cut -c1-220)"
+        timeout 400 python3 -m pytest -rA -m gpu tests/test_up_proj_ws.py ${UPWS_MORE_TESTS:-} -p no:cacheprovider \
+          > "$OUT/gpu_tests_upws.log" 2>&1
+      ab=()
+      for sh in ${UPWS_AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
+      [ "${UPWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env SONICMOE_GLUON_UP --values 1,0 \
+        --rounds ${UPWS_AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab_up.json" > "$OUT/ab_up.txt" 2>&1
+      SUMMARY+=("$(grep -svE 'check' "$OUT/up_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/up_ws_probe.txt" | cut -c1-220)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_upws.log")" "$(tail -1 "$OUT/gpu_tests_upws.log" 2>/dev/null)"
-                "$(tail -8 "$OUT/ab_up_7b.txt" 2>/dev/null)")
+                "$(grep -E 'SONICMOE_GLUON_UP=' "$OUT/ab_up.txt" 2>/dev/null)")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
