@@ -41,7 +41,7 @@ import os
 import torch
 
 from ..routing import Routing
-from .common import few_rows_per_expert, new_output, sm_count
+from .common import new_output, sm_count
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 
 if HAVE_GLUON:
@@ -64,7 +64,11 @@ LOADER_REGS = 80
 MMA_WARPS = 8
 MAXNREG = 168  # registers per thread (every warp; no setmaxnreg): 12 warps x 32 x 168 <= 64 K
 MAX_STAGES = 6
-GU_FUSED = True  # one (128 x 256) wgmma chain per tile, split into gate and up after the loop (else two 128-wide)
+MIN_D = 2048  # the layer runs this kernel for d >= MIN_D (up_ws_preferred)
+# GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
+# chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
+# 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
+GU_FUSED = False
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
@@ -87,15 +91,15 @@ def up_ws_enabled() -> bool:
 
 
 def up_ws_preferred(num_rows: int, num_experts: int, d: int) -> bool:
-    """Where the Gluon kernel is the faster one (host values): d ≥ 2048, or d ≥ 1536 with experts averaging more
-    than ``common.FEW_ROWS_PER_EXPERT`` rows. Measured on H100s (session 24, benchmarks/results/
-    2026-11-25_nvidia-h100_session24/), kernel alone, medians of 5 alternating rounds against the Triton kernel:
-    (32768, 4096, 1024, 128, 8) 7.59-7.85 against 8.01-8.05 ms, (16384, 4096, 1024, 256, 4) 2.39 against 2.74;
-    7B (24576, 1536, 256, 128, 8) 0.623-0.644 against 0.625-0.630 (in the 7B layer the forward 1.135 against 1.161
-    ms, 7 of 7 rounds); slower at (16384, 1536, 256, 512, 8) (256 rows per expert) 0.590 against 0.574 and
-    (40960, 768, 256, 128, 8) 0.611 against 0.602: with a short reduction the epilogue, which this kernel does not
-    overlap with the next tile's MMAs, is a larger share of a tile."""
-    return d >= 2048 or (d >= 1536 and not few_rows_per_expert(num_rows, num_experts))
+    """Where the Gluon kernel is the faster one: long reductions, d ≥ ``MIN_D`` (host values; ``num_rows`` and
+    ``num_experts`` are there for rules that depend on rows per expert). Measured on H100s (session 24,
+    benchmarks/results/2026-11-25_nvidia-h100_session24/), kernel alone, medians of 5 alternating rounds against the
+    Triton kernel (two-chain form): (32768, 4096, 1024, 128, 8) 7.59-7.77 against 8.01-8.05 ms, (16384, 4096, 1024,
+    256, 4) 2.42 against 2.74, (32768, 7168, 2048, 256, 8) 33.8-35.1 against 35.2-35.6 (power-capped, noisy). At
+    d = 1536 it is not faster: 7B (24576, 1536, 256, 128, 8) 0.635-0.644 against 0.625-0.630, (16384, 1536, 256,
+    512, 8) 0.590 against 0.574; nor at (40960, 768, 256, 128, 8), 0.611 against 0.602. With a short reduction
+    the epilogue, which this kernel does not overlap with the next tile's MMAs, is a larger share of a tile."""
+    return d >= MIN_D
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str,
