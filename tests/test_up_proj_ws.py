@@ -27,10 +27,10 @@ def test_config_fits_shared_memory():
 
 
 def test_preferred_where_measured_faster():
-    """Long reductions (d ≥ MIN_D = 2048) only."""
+    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the DeepSeek-V3 width or d ≤ 1536."""
     assert up_proj_ws.up_ws_preferred(32768 * 8, 128, 4096)
     assert up_proj_ws.up_ws_preferred(16384 * 4, 256, 4096)  # 256 rows per expert
-    assert up_proj_ws.up_ws_preferred(32768 * 8, 256, 7168)
+    assert not up_proj_ws.up_ws_preferred(32768 * 8, 256, 7168)
     assert not up_proj_ws.up_ws_preferred(24576 * 8, 128, 1536)  # 7B
     assert not up_proj_ws.up_ws_preferred(16384 * 8, 512, 1536)
     assert not up_proj_ws.up_ws_preferred(40960 * 8, 128, 768)
@@ -138,14 +138,14 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
-    """At a shape the rule selects (d = 2048), the layer's forward runs the Gluon up-projection, and its outputs and
+    """At a shape the rule selects (d = 4096), the layer's forward runs the Gluon up-projection, and its outputs and
     gradients stay within rounding of those with SONICMOE_GLUON_UP=0."""
     import sonicmoe
     from sonicmoe.testing import random_problem
 
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    t, d, n, e, k = 4096, 2048, 256, 32, 8
+    t, d, n, e, k = 4096, 4096, 256, 32, 8
     p = random_problem(t, d, n, e, device="cuda", bias=True, seed=3)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     calls = []

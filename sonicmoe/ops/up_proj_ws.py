@@ -25,7 +25,7 @@ added in order, so H has the Triton kernel's bits where both use 64-wide K-block
 
 Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
 of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it measured faster
-(:func:`up_ws_preferred`: long reductions); every other case runs the Triton kernel. A likely reason it is not
+(:func:`up_ws_preferred`: d = 4096 so far); every other case runs the Triton kernel. A likely reason it is not
 faster everywhere (an estimate, not measured here): with 128 × 256 tiles the SMs read about 0.012 bytes of operands
 from L2 per FLOP (85 FLOP per byte), about 6 TB/s at 500 TFLOP/s, which is near the L2 bandwidth usually quoted for
 H100. Warp specialisation removes the gather stalls but not that bound; a 2-CTA cluster that shares W1 boxes by TMA
@@ -64,7 +64,7 @@ LOADER_REGS = 80
 MMA_WARPS = 8
 MAXNREG = 168  # registers per thread (every warp; no setmaxnreg): 12 warps x 32 x 168 <= 64 K
 MAX_STAGES = 6
-MIN_D = 2048  # the layer runs this kernel for d >= MIN_D (up_ws_preferred)
+MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_ws_preferred)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
 # 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
@@ -91,15 +91,21 @@ def up_ws_enabled() -> bool:
 
 
 def up_ws_preferred(num_rows: int, num_experts: int, d: int) -> bool:
-    """Where the Gluon kernel is the faster one: long reductions, d ≥ ``MIN_D`` (host values; ``num_rows`` and
+    """Where the Gluon kernel measured faster in the layer: MIN_D ≤ d ≤ MAX_D (host values; ``num_rows`` and
     ``num_experts`` are there for rules that depend on rows per expert). Measured on H100s (session 24,
-    benchmarks/results/2026-11-25_nvidia-h100_session24/), kernel alone, medians of 5 alternating rounds against the
-    Triton kernel (two-chain form): (32768, 4096, 1024, 128, 8) 7.59-7.77 against 8.01-8.05 ms, (16384, 4096, 1024,
-    256, 4) 2.42 against 2.74, (32768, 7168, 2048, 256, 8) 33.8-35.1 against 35.2-35.6 (power-capped, noisy). At
-    d = 1536 it is not faster: 7B (24576, 1536, 256, 128, 8) 0.635-0.644 against 0.625-0.630, (16384, 1536, 256,
-    512, 8) 0.590 against 0.574; nor at (40960, 768, 256, 128, 8), 0.611 against 0.602. With a short reduction
-    the epilogue, which this kernel does not overlap with the next tile's MMAs, is a larger share of a tile."""
-    return d >= MIN_D
+    benchmarks/results/2026-11-25_nvidia-h100_session24/):
+
+    * d = 4096, faster: kernel alone (two-chain form, medians of 5 alternating rounds) (32768, 4096, 1024, 128, 8)
+      7.59-7.77 ms against 8.01-8.05 for the Triton kernel, (16384, 4096, 1024, 256, 4) 2.42 against 2.74; the
+      120B-n1024 layer's forward 11.61 against 12.47 ms (5 of 5 rounds);
+    * d = 7168, slower in the layer: DeepSeek-V3 (32768, 7168, 2048, 256, 8) forward 57.4 against 50.5 ms (3 of 3
+      rounds), though alone it timed 33.8-35.1 against 35.2-35.6 ms (power-capped, noisy);
+    * d ≤ 1536, not faster: 7B (24576, 1536, 256, 128, 8) 0.635-0.644 against 0.625-0.630 ms, (16384, 1536, 256,
+      512, 8) 0.590 against 0.574, (40960, 768, 256, 128, 8) 0.611 against 0.602 (with a short reduction the
+      epilogue, which this kernel does not overlap with the next tile's MMAs, is a larger share of a tile).
+
+    Widths in between are not measured; the bounds move as they are."""
+    return MIN_D <= d <= MAX_D
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str,
