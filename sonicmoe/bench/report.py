@@ -10,11 +10,15 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
      "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
      "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tma_available, config}, ...]},
      "gluon_kernels": [{m, k, E, dtype, transpose_b, config}, ...],
+     "gluon_up_kernels": [{d, n, E, dtype, store_h, config}, ...],
+     "gluon_wgrad_kernels": [{I, J, E, dtype, p_gather, config}, ...],
      "results": [shape record, ...]}
 
 ``tile_configs`` lists every tile configuration the autotuners chose during the run
 (:func:`sonicmoe.ops.common.tuned_configs`; empty with ``autotune`` false: the pinned configs ran), and
-``gluon_kernels`` every shape the Gluon down-projection kernel served (:func:`sonicmoe.ops.grouped_gemm_ws.ws_calls`).
+``gluon_kernels`` every shape the Gluon down-projection kernel served (:func:`sonicmoe.ops.grouped_gemm_ws.ws_calls`),
+``gluon_up_kernels`` those of the Gluon up-projection (:func:`sonicmoe.ops.up_proj_ws.up_ws_calls`) and
+``gluon_wgrad_kernels`` those of the Gluon weight gradients (:func:`sonicmoe.ops.weight_grad_ws.wgrad_ws_calls`).
 
 A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, TK (= R routed
 pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
@@ -142,6 +146,8 @@ def build_results(records: list[dict], env: dict, argv: list[str], args: dict, n
     """The whole results document (see the module docstring)."""
     from ..ops.common import autotune_enabled, tuned_configs
     from ..ops.grouped_gemm_ws import ws_calls
+    from ..ops.up_proj_ws import up_ws_calls
+    from ..ops.weight_grad_ws import wgrad_ws_calls
 
     return {
         "schema": SCHEMA,
@@ -155,6 +161,8 @@ def build_results(records: list[dict], env: dict, argv: list[str], args: dict, n
         "autotune": autotune_enabled() and env.get("device_type") == "cuda",
         "tile_configs": tuned_configs(),
         "gluon_kernels": ws_calls(),
+        "gluon_up_kernels": up_ws_calls(),
+        "gluon_wgrad_kernels": wgrad_ws_calls(),
         "results": records,
     }
 

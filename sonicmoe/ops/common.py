@@ -15,9 +15,12 @@ Environment (documented in the README):
     SONICMOE_PDL=0             launch the expert kernels without programmatic dependent launch (default on
                                sm_90 and newer: see :func:`pdl_enabled`).
     SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) kernels: the ping-pong
-                               varlen-M GEMM of grouped_gemm_ws (down-projection and dX̃) and the weight
-                               gradients' weight_grad_ws; the Triton kernels then serve every shape.
+                               varlen-M GEMM of grouped_gemm_ws (down-projection and dX̃), the up-projection's
+                               up_proj_ws and the weight gradients' weight_grad_ws; the Triton kernels then serve
+                               every shape.
     SONICMOE_GLUON_DXT=0       the dX̃ GEMM alone back on the Triton kernel.
+    SONICMOE_GLUON_UP=0        the up-projection alone back on the Triton kernel (its Gluon kernel serves d = 4096:
+                               up_proj_ws.up_ws_preferred).
 """
 
 from __future__ import annotations

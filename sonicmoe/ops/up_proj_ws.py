@@ -319,6 +319,16 @@ if HAVE_GLUON:
             mbarrier.invalidate(empty.index(i))
 
 
+_CALLS: dict[tuple, dict] = {}
+
+
+def up_ws_calls() -> list[dict]:
+    """The shapes this process ran through :func:`up_proj_ws` (d, n, E, dtype, H stored) with their config;
+    benchmarks record it next to their timings (host bookkeeping, no sync)."""
+    return [{"d": d, "n": n, "E": e, "dtype": dt, "store_h": sh, "config": cfg}
+            for (d, n, e, dt, sh), cfg in _CALLS.items()]
+
+
 def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routing: Routing, store_h: bool = True,
                config: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """H (R, 2n) (None without ``store_h``) and A (R, n) by the warp-specialised kernel (see the module doc).
@@ -341,6 +351,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     if r == 0:
         return (h if store_h else None), a
+    _CALLS[(d, n, e, str(x.dtype).removeprefix("torch."), store_h)] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     num_pid_n = n // BLOCK_N
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
