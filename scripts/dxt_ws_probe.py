@@ -62,6 +62,12 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
         checks[name] = {"same_bits_as_triton": torch.equal(out, base), "rel_err": err,
                         "deterministic": torch.equal(out, fn())}
         print(f"{shape} {name:<22} check {checks[name]}", flush=True)
+    return timing_rows(shape, fns, checks, flops, rounds)
+
+
+def timing_rows(shape: str, fns: dict, checks: dict, flops: int, rounds: int, width: int = 22) -> list[dict]:
+    """Each of ``fns`` timed in ``rounds`` alternating rounds (do_bench medians, every call in turn within a
+    round): one row per name with the median ms, TFLOP/s of ``flops``, the rounds and ``checks[name]`` (printed)."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -69,9 +75,9 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
     rows = []
     for name, ts in times.items():
         ms = statistics.median(ts)
-        rows.append({"shape": [t, d, n, e, k], "kernel": name, "ms": ms, "tflops": flops / ms / 1e9, "rounds": ts,
-                     **checks[name]})
-        print(f"{shape} {name:<22} {ms:.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s {[round(x, 4) for x in ts]}",
+        rows.append({"shape": [int(v) for v in shape.split(",")], "kernel": name, "ms": ms,
+                     "tflops": flops / ms / 1e9, "rounds": ts, **checks[name]})
+        print(f"{shape} {name:<{width}} {ms:.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s {[round(x, 4) for x in ts]}",
               flush=True)
     return rows
 

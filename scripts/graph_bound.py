@@ -12,14 +12,11 @@ The graph holds the implementations the autograd Function calls (``experts_fwd_i
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import statistics
-import time
 
 import torch
-from host_overhead import layer_calls
+from host_overhead import enqueue_ms, layer_calls, profile_calls
 from triton.testing import do_bench
 
 from sonicmoe.ops import library
@@ -39,17 +36,6 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.synchronize()
     return g
-
-
-def host_ms(fn, calls: int = 20) -> float:
-    """Host milliseconds to enqueue one call (no synchronisation inside the loop)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e3 * (t1 - t0) / calls
 
 
 def measure(spec: str, rounds: int, profile: bool) -> dict:
@@ -80,7 +66,7 @@ def measure(spec: str, rounds: int, profile: bool) -> dict:
     for _ in range(rounds):
         for m, fn in modes.items():
             times[m].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    hosts = {m: host_ms(fn) for m, fn in modes.items()}
+    hosts = {m: enqueue_ms(fn) for m, fn in modes.items()}
     tk = routing.row_token.shape[0]
     n = w2.shape[2]
     flops = {"fwd": 6 * tk * n * d, "fwd+bwd": 18 * tk * n * d}
@@ -92,14 +78,7 @@ def measure(spec: str, rounds: int, profile: bool) -> dict:
         print(f"{spec} {m:14s} median {med:7.3f} ms  {tf:6.1f} TFLOP/s  host enqueue {hosts[m]:7.3f} ms  "
               f"rounds {' '.join(f'{v:.3f}' for v in ts)}")
     if profile:
-        prof = cProfile.Profile()
-        torch.cuda.synchronize()
-        prof.enable()
-        for _ in range(20):
-            fwd_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        profile_calls(fwd_bwd, sort="tottime", limit=40)
     del g_fwd, g_fb
     return out
 

@@ -48,6 +48,30 @@ def layer_calls(spec: str):
     return p, routing, s_pair, leaves, fwd, fwd_bwd
 
 
+def enqueue_ms(fn, calls: int = 20) -> float:
+    """Host time to enqueue one call of ``fn``, ms (the GPU drained before; no sync inside the loop)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e3 * (t1 - t0) / calls
+
+
+def profile_calls(fn, calls: int = 20, sort: str = "cumulative", limit: int = 30) -> None:
+    """cProfile of ``calls`` calls of ``fn`` (the GPU drained before and after): the ``limit`` functions with the
+    most ``sort`` time."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats(sort).print_stats(limit)
+
+
 def measure(spec: str, profile: bool) -> None:
     """Print the host, wall and do_bench times of one shape ``spec`` = "T,d,n,E,K"."""
     p, routing, s_pair, leaves, fwd, fwd_bwd = layer_calls(spec)
@@ -84,14 +108,7 @@ def measure(spec: str, profile: bool) -> None:
                          ("experts_fwd_impl", lambda: library.experts_fwd_impl(*args))):
             print(f"{spec}   host {name:22s} {host_us(fn, 20) / 1e3:7.3f} ms/call")
     if profile:
-        prof = cProfile.Profile()
-        torch.cuda.synchronize()
-        prof.enable()
-        for _ in range(20):
-            fwd_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        profile_calls(fwd_bwd)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tprof:
             for _ in range(10):
                 fwd_bwd()

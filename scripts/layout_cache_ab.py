@@ -13,24 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
-from host_overhead import layer_calls
+from host_overhead import enqueue_ms, layer_calls
 from triton.testing import do_bench
 
 from sonicmoe.ops import grouped_gemm_ws, weight_grad_ws
-
-
-def enqueue_ms(fn, calls: int = 20) -> float:
-    """Host time to enqueue one call of ``fn``, ms (the GPU drained before; no sync inside)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e3 * (t1 - t0) / calls
 
 
 def main() -> None:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
-from triton.testing import do_bench
+from dxt_ws_probe import timing_rows
 
 import sonicmoe
 from sonicmoe.ops import up_proj as up
@@ -64,18 +63,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
                         "deterministic": bool(torch.equal(h, h2) and torch.equal(a, a2)),
                         "a_max_diff_vs_triton": (a.float() - ab.float()).abs().max().item()}
         print(f"{shape} {name:<28} check {checks[name]}", flush=True)
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    rows = []
-    for name, ts in times.items():
-        ms = statistics.median(ts)
-        rows.append({"shape": [t, d, n, e, k], "kernel": name, "ms": ms, "tflops": flops / ms / 1e9, "rounds": ts,
-                     **checks[name]})
-        print(f"{shape} {name:<28} {ms:.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s {[round(v, 4) for v in ts]}",
-              flush=True)
-    return rows
+    return timing_rows(shape, fns, checks, flops, rounds, width=28)
 
 
 def main() -> None:
