@@ -43,6 +43,7 @@ import torch
 from ..routing import Routing
 from .common import new_output, sm_count
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
+from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -203,12 +204,7 @@ if HAVE_GLUON:
                                                                  instr_shape=[16, 2 * BLOCK_N, 16])
             acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for ki in range(k_tiles):
-                s = step % STAGES
-                ph = (step // STAGES) & 1
-                mbarrier.wait(tma_ready.index(s), ph)
-                mbarrier.wait(cp_ready.index(s), ph)
-                # the cp.async writes (generic proxy) before the wgmma's reads (async proxy)
-                fence_async_shared()
+                s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
                 acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
@@ -221,11 +217,7 @@ if HAVE_GLUON:
             acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
             acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
             for ki in range(k_tiles):
-                s = step % STAGES
-                ph = (step // STAGES) & 1
-                mbarrier.wait(tma_ready.index(s), ph)
-                mbarrier.wait(cp_ready.index(s), ph)
-                fence_async_shared()
+                s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
                 w_buf = w_bufs.index(s)
                 acc_g = warpgroup_mma(x_bufs.index(s), w_buf.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
                 acc_u = warpgroup_mma(x_bufs.index(s), w_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u,
@@ -299,13 +291,7 @@ if HAVE_GLUON:
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
         c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
-        tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(tma_ready.index(i), count=1)
-            mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
-            mbarrier.init(empty.index(i), count=1)
+        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         gl.warp_specialize([
             (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
                        b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
@@ -313,10 +299,7 @@ if HAVE_GLUON:
             (_up_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                           empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(tma_ready.index(i))
-            mbarrier.invalidate(cp_ready.index(i))
-            mbarrier.invalidate(empty.index(i))
+        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
 
 _CALLS: dict[tuple, dict] = {}

@@ -97,6 +97,40 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
 if HAVE_GLUON:
 
     @gluon.jit
+    def gather_ring_barriers(STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr):
+        """The mbarriers of a ring of ``STAGES`` slots filled partly by TMA and partly by the ``cp.async`` of
+        ``LOADER_WARPS`` loader warps (the Gluon kernels whose loaders gather rows): per slot ``tma_ready`` (one
+        arrival plus the TMA bytes), ``cp_ready`` (every loader thread arrives once its copies have landed) and
+        ``empty`` (the MMAs that read the slot are done)."""
+        tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(tma_ready.index(i), count=1)
+            mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
+            mbarrier.init(empty.index(i), count=1)
+        return tma_ready, cp_ready, empty
+
+    @gluon.jit
+    def invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES: gl.constexpr):
+        """Invalidate the barriers of :func:`gather_ring_barriers` at the kernel's end."""
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(tma_ready.index(i))
+            mbarrier.invalidate(cp_ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+    @gluon.jit
+    def wait_gathered_slot(tma_ready, cp_ready, step, STAGES: gl.constexpr):
+        """Wait until ring step ``step``'s slot is full (its TMA bytes and every loader thread's copies), make the
+        ``cp.async`` writes (generic proxy) visible to the wgmma's reads (async proxy), and return the slot."""
+        s = step % STAGES
+        ph = (step // STAGES) & 1
+        mbarrier.wait(tma_ready.index(s), ph)
+        mbarrier.wait(cp_ready.index(s), ph)
+        fence_async_shared()
+        return s
+
+    @gluon.jit
     def _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr):
         """(expert, first row, end row, I offset, J offset) of tile ``tile``."""
         e = tile // tiles_per_e
@@ -181,12 +215,7 @@ if HAVE_GLUON:
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
             acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
-                s = step % STAGES
-                ph = (step // STAGES) & 1
-                mbarrier.wait(tma_ready.index(s), ph)
-                mbarrier.wait(cp_ready.index(s), ph)
-                # the cp.async writes (generic proxy) before the wgmma's reads (async proxy)
-                fence_async_shared()
+                s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
                 acc = warpgroup_mma(p_bufs.index(s).permute((1, 0)), q_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
@@ -210,13 +239,7 @@ if HAVE_GLUON:
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_I, BLOCK_J], out_desc.layout)
-        tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(tma_ready.index(i), count=1)
-            mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
-            mbarrier.init(empty.index(i), count=1)
+        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         gl.warp_specialize([
             (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
                     tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS)),
@@ -224,10 +247,7 @@ if HAVE_GLUON:
                        empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
                        BLOCK_R, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(tma_ready.index(i))
-            mbarrier.invalidate(cp_ready.index(i))
-            mbarrier.invalidate(empty.index(i))
+        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
 
 _CALLS: dict[tuple, dict] = {}
