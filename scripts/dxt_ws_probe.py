@@ -25,17 +25,22 @@ from sonicmoe.ops.grouped_gemm import varlen_m_gemm, varlen_m_gemm_ref
 from sonicmoe.testing import random_problem
 
 
-def triton_dxt(dh_, w1, routing):
-    """dX̃ on the Triton kernel as the layer ran it before (pinned/autotuned config): SONICMOE_GLUON_DXT=0."""
-    old = os.environ.get("SONICMOE_GLUON_DXT")
-    os.environ["SONICMOE_GLUON_DXT"] = "0"
+def with_env(name: str, value: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the environment variable ``name`` set to ``value`` (restored afterwards)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
-        return varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
+        return fn(*args, **kwargs)
     finally:
         if old is None:
-            os.environ.pop("SONICMOE_GLUON_DXT")
+            os.environ.pop(name)
         else:
-            os.environ["SONICMOE_GLUON_DXT"] = old
+            os.environ[name] = old
+
+
+def triton_dxt(dh_, w1, routing):
+    """dX̃ on the Triton kernel as the layer ran it before (pinned/autotuned config): SONICMOE_GLUON_DXT=0."""
+    return with_env("SONICMOE_GLUON_DXT", "0", varlen_m_gemm, dh_, w1, None, routing, transpose_b=False)
 
 
 def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
-from dxt_ws_probe import timing_rows
+from dxt_ws_probe import timing_rows, with_env
 
 import sonicmoe
 from sonicmoe.ops import up_proj as up
@@ -26,15 +25,7 @@ from sonicmoe.testing import random_problem
 
 def triton_up(x, w1, routing):
     """The Triton kernel (SONICMOE_GLUON_UP=0)."""
-    old = os.environ.get("SONICMOE_GLUON_UP")
-    os.environ["SONICMOE_GLUON_UP"] = "0"
-    try:
-        return up.up_proj(x, w1, None, routing)
-    finally:
-        if old is None:
-            os.environ.pop("SONICMOE_GLUON_UP")
-        else:
-            os.environ["SONICMOE_GLUON_UP"] = old
+    return with_env("SONICMOE_GLUON_UP", "0", up.up_proj, x, w1, None, routing)
 
 
 def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
