@@ -1,13 +1,15 @@
 """Registers, spills and shared memory of every kernel config, compiled offline for Hopper (no GPU).
 
-usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus]
+usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus] [--ptx DIR]
 
 Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is
 ``cuda:<arch>``; kernels are compiled (``warmup``), never launched, and the cubin's resource usage is
 read with the ``cuobjdump`` that Triton's package carries. A config whose STACK or LOCAL (spill) bytes are not
 zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
 sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
-of 16), so the problem is tiny.
+of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``dw1_ws``, ``dw2_ws``) are
+compiled too, with their explicit configs. ``--ptx DIR`` writes each kernel's PTX without debug line info: a refactor
+after which ``diff -r`` of two such folders shows nothing leaves every kernel as it was.
 """
 
 from __future__ import annotations
@@ -81,6 +83,22 @@ def resources(kernel) -> dict:
     return res
 
 
+def strip_line_info(ptx: str) -> str:
+    """PTX without its debug line information (``.loc``/``.file`` directives, ``$L__tmp`` labels, debug sections),
+    which changes whenever the source moves even if the code does not."""
+    ptx = ptx.split(".section\t.debug")[0]
+    lines = [ln for ln in ptx.splitlines()
+             if not re.match(r"\s*\.(loc|file)\b", ln) and not re.match(r"\$L__tmp\d+:", ln)]
+    return re.sub(r"\$L__tmp\d+", "$L__tmp", "\n".join(lines)) + "\n"
+
+
+def write_ptx(kernel, folder: str, stem: str) -> None:
+    """``kernel``'s PTX (:func:`strip_line_info`) to ``folder/stem.ptx``."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{stem}.ptx"), "w") as f:
+        f.write(strip_line_info(kernel.asm["ptx"]))
+
+
 def problem(dtype=torch.bfloat16, t=64, d=1536, n=256, e=4, k=2):
     import sonicmoe
     from sonicmoe.testing import random_problem
@@ -92,8 +110,17 @@ def problem(dtype=torch.bfloat16, t=64, d=1536, n=256, e=4, k=2):
 
 
 def launchers(p, routing):
-    """name -> (function of a config dict that launches the kernel, the module's sweep configs)."""
-    from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
+    """name -> function of a config dict that launches the kernel (the Gluon kernels' names end in ``_ws``)."""
+    from sonicmoe.ops import (
+        aggregation,
+        dh,
+        grouped_gemm,
+        grouped_gemm_ws,
+        up_proj,
+        up_proj_ws,
+        weight_grad,
+        weight_grad_ws,
+    )
 
     x, w1, w2 = p["x"], p["w1"], p["w2"]
     r, n = routing.num_rows, w2.shape[2]
@@ -112,6 +139,16 @@ def launchers(p, routing):
         "dw1": lambda c: weight_grad.varlen_k_gemm(h, x, routing, p_gather=False, q_gather=True,
                                                    out_dtype=w1.dtype, config=c),
         "aggregate": lambda c: aggregation.gather_sum(torch.randn(r, d, dtype=x.dtype), routing, None, config=c),
+        # the Gluon (warp-specialised, sm_90) kernels, with their explicit configs
+        "up_ws": lambda c: up_proj_ws.up_proj_ws(x, w1, None, routing, config=c),
+        "down_ws": lambda c: grouped_gemm_ws.ws_varlen_m_gemm(a, w2, None, routing.expert_offsets, transpose_b=True,
+                                                              config=c),
+        "dxtilde_ws": lambda c: grouped_gemm_ws.ws_varlen_m_gemm(h, w1, None, routing.expert_offsets,
+                                                                 transpose_b=False, config=c),
+        "dw1_ws": lambda c: weight_grad_ws.wgrad_ws(h, x, routing.row_token, routing.expert_offsets, p_gather=False,
+                                                    config=c),
+        "dw2_ws": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
+                                                    p_gather=True, config=c),
     }
 
 
@@ -125,6 +162,17 @@ def spaces(which: str) -> dict:
         "dw1": weight_grad.TUNING_SPACE, "aggregate": aggregation.TUNING_SPACE,
     }
     out = {k: [config_dict(c) for c in v] for k, v in tune.items()}
+    from sonicmoe.ops import grouped_gemm_ws, up_proj_ws, weight_grad_ws
+
+    n, d = 256, 1536  # problem()'s widths
+    out.update({
+        "up_ws": [{"STAGES": s, "GU_FUSED": f} for s in (up_proj_ws.up_ws_config()["STAGES"], 3)
+                  for f in (False, True)],
+        "down_ws": [grouped_gemm_ws.ws_config(n)],
+        "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False)],
+        "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],
+        "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True)],
+    })
     if which == "focus":
         import importlib.util
         import pathlib
@@ -142,11 +190,15 @@ def main() -> None:
     ap.add_argument("--kernels", default=None, help="comma-separated subset")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--space", choices=("tune", "focus"), default="tune")
+    ap.add_argument("--ptx", default=None, metavar="DIR",
+                    help="also write each kernel's PTX, without debug line info, to DIR (a refactor that leaves "
+                         "every file unchanged leaves the kernels unchanged: diff two such folders)")
     args = ap.parse_args()
     _install(args.arch)
     p, routing = problem()
     fns = launchers(p, routing)
     only = set(args.kernels.split(",")) if args.kernels else None
+    done = 0
     for name, cfgs in spaces(args.space).items():
         if only and name not in only:
             continue
@@ -154,7 +206,10 @@ def main() -> None:
             _COMPILED.clear()
             try:
                 fns[name](dict(cfg))
+                done += 1
                 res = resources(_COMPILED[-1])
+                if args.ptx:
+                    write_ptx(_COMPILED[-1], args.ptx, f"{done:03d}_{name}")
                 flag = "  SPILLS" if res.get("local") or res.get("stack") else ""
                 flag += "  SMEM>LIMIT" if res.get("shared", 0) > SMEM_LIMIT else ""
                 print(f"{name:10s} reg {res.get('reg'):>3} stack {res.get('stack'):>5} smem {res['shared']:>6}"

@@ -63,7 +63,10 @@ BLOCK_K = 64
 LOADER_WARPS = 4  # Gluon pads a partition to whole warpgroups: 2 warps would take 4 anyway
 LOADER_REGS = 80
 MMA_WARPS = 8
-MAXNREG = 168  # registers per thread (every warp; no setmaxnreg): 12 warps x 32 x 168 <= 64 K
+# registers per thread (every warp; no setmaxnreg): 12 warps x 32 x 168 <= 64 K. The MMA warps hold two 128 x 128
+# float32 accumulators (128 registers); the kernel with H stored keeps 16 bytes of stack (the offline report,
+# benchmarks/resource_report.py --kernels up_ws)
+MAXNREG = 168
 MAX_STAGES = 6
 MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_ws_preferred)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
