@@ -29,8 +29,9 @@ of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it 
 faster everywhere (an estimate, not measured here): with 128 × 256 tiles the SMs read about 0.012 bytes of operands
 from L2 per FLOP (85 FLOP per byte), about 6 TB/s at 500 TFLOP/s, which is near the L2 bandwidth usually quoted for
 H100. Warp specialisation removes the gather stalls but not that bound; a 2-CTA cluster that shares W1 boxes by TMA
-multicast would lower it. Gluon kernels do not run under Triton's interpreter: the kernel is tested on the GPU
-against the Triton kernel and the float32 reference
+multicast would lower it, but Gluon's Hopper TMA copy in Triton 3.6 takes no multicast argument, and two warpgroups of
+64 × 256 float32 accumulators are already all the registers a wider tile could use. Gluon kernels do not run
+under Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
 (tests/test_up_proj_ws.py).
 """
 
