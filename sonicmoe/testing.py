@@ -1,4 +1,4 @@
-"""Helpers shared by tests and benchmarks: relative error, poisoned buffers, random problems."""
+"""Helpers shared by tests and benchmarks: relative error, poisoned buffers, random problems and routings."""
 
 from __future__ import annotations
 
@@ -33,3 +33,13 @@ def random_problem(t: int, d: int, n: int, e: int, *, dtype=torch.float32, devic
         "b2": rnd(e, d, s=0.1) if bias else None,
     }
     return out
+
+
+def random_topk_routing(t: int, e: int, k: int, *, seed: int, device="cuda"):
+    """Top-k routing (:func:`sonicmoe.routing_from_topk`) of T tokens over E experts from random logits drawn on
+    ``device`` with a generator seeded ``seed``: K distinct experts per token, uneven counts."""
+    from .routing import routing_from_topk
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randn(t, e, device=device, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    return routing_from_topk(ids, e)

@@ -22,7 +22,7 @@ from sonicmoe.ops.grouped_gemm_ws import (
     ws_varlen_m_gemm_ref,
 )
 from sonicmoe.routing import routing_from_pairs, routing_from_topk
-from sonicmoe.testing import rel_err
+from sonicmoe.testing import random_topk_routing, rel_err
 
 
 def _offsets(counts: list[int], device) -> torch.Tensor:
@@ -174,11 +174,6 @@ GPU_CASES = [
 ]
 
 
-def _routing(t, e, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return routing_from_topk(torch.randn(t, e, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32), e)
-
-
 # bf16 everywhere, fp16 once (each dtype, B form, bias and k is its own compiled kernel)
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
 
@@ -194,7 +189,7 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     t, d, n, e, k, _ = case
     if d % 8:
         pytest.skip("TMA needs 16-byte rows of C")
-    routing = _routing(t, e, k, seed=t)
+    routing = random_topk_routing(t, e, k, seed=t)
     r = routing.num_rows
     g = torch.Generator(device="cuda").manual_seed(1)
     for tb, b_shape in ((True, (e, d, n)), (False, (e, n, d))):

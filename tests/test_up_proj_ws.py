@@ -14,7 +14,7 @@ from sonicmoe.ops.common import interpreting
 from sonicmoe.ops.up_proj_ws import up_proj_ws as run_ws
 from sonicmoe.ops.up_proj_ws import up_ws_config, up_ws_smem_bytes, up_ws_supported
 from sonicmoe.routing import routing_from_topk
-from sonicmoe.testing import rel_err
+from sonicmoe.testing import random_topk_routing, rel_err
 
 
 def test_config_fits_shared_memory():
@@ -99,11 +99,6 @@ GPU_CASES = [
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
 
 
-def _routing(t, e, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return routing_from_topk(torch.randn(t, e, device="cuda", generator=g).topk(k, dim=1).indices.to(torch.int32), e)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
 def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
@@ -113,7 +108,7 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
-    routing = _routing(t, e, k, seed=t)
+    routing = random_topk_routing(t, e, k, seed=t)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(t, d, device="cuda", generator=g).to(dtype)
     w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
