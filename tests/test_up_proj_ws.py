@@ -28,12 +28,10 @@ def test_config_fits_shared_memory():
 
 def test_preferred_where_measured_faster():
     """d = 4096 (MIN_D = MAX_D), where it measured faster; not the DeepSeek-V3 width or d ≤ 1536."""
-    assert up_proj_ws.up_ws_preferred(32768 * 8, 128, 4096)
-    assert up_proj_ws.up_ws_preferred(16384 * 4, 256, 4096)  # 256 rows per expert
-    assert not up_proj_ws.up_ws_preferred(32768 * 8, 256, 7168)
-    assert not up_proj_ws.up_ws_preferred(24576 * 8, 128, 1536)  # 7B
-    assert not up_proj_ws.up_ws_preferred(16384 * 8, 512, 1536)
-    assert not up_proj_ws.up_ws_preferred(40960 * 8, 128, 768)
+    assert up_proj_ws.up_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8), (16384, 4096, 1024, 256, 4)
+    assert not up_proj_ws.up_ws_preferred(7168)  # DeepSeek-V3
+    assert not up_proj_ws.up_ws_preferred(1536)  # 7B, (16384, 1536, 256, 512, 8)
+    assert not up_proj_ws.up_ws_preferred(768)
 
 
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
@@ -54,7 +52,7 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         assert not up_ws_supported(x, torch.zeros(e, 2 * 192, d, dtype=torch.bfloat16, device="cuda"), None,
                                    "concat")  # n = 192
         assert not up_ws_supported(x[:, :480].contiguous(), w1[:, :, :480].contiguous(), None, "concat")  # d = 480
-        assert not up_ws_supported(x, w1, None, "concat", num_rows=64)  # d = 512: never preferred in the layer
+        assert not up_proj_ws.up_ws_preferred(x.shape[1])  # d = 512: never preferred in the layer
         monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
         assert not up_ws_supported(x, w1, None, "concat")
         monkeypatch.setenv("SONICMOE_GLUON_UP", "1")
@@ -72,7 +70,8 @@ def test_dispatch(monkeypatch, device):
         calls.append((x.shape, store_h))
         return up_proj.up_proj_ref(x, w1, b1, routing, "concat", store_h)
 
-    monkeypatch.setattr(up_proj, "up_ws_supported", lambda x, w1, b1, layout, rows: layout == "concat" and rows == 6)
+    monkeypatch.setattr(up_proj, "up_ws_supported", lambda x, w1, b1, layout: layout == "concat")
+    monkeypatch.setattr(up_proj, "up_ws_preferred", lambda d: d == 16)
     monkeypatch.setattr(up_proj, "up_proj_ws", fake)
     routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
     x = torch.randn(3, 16, device=device)

@@ -57,7 +57,7 @@ from .common import (
     varlen_m_grid,
     with_even_flags,
 )
-from .up_proj_ws import up_proj_ws, up_ws_supported
+from .up_proj_ws import up_proj_ws, up_ws_preferred, up_ws_supported
 
 
 def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
@@ -332,14 +332,15 @@ def up_proj(
         routing: rows sorted by expert. store_h: False for inference (H is not written).
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
 
-    On sm_90 with the concat layout, where it measured faster (:func:`sonicmoe.ops.up_proj_ws.up_ws_supported`;
+    On sm_90 with the concat layout, where it measured faster (:func:`sonicmoe.ops.up_proj_ws.up_ws_supported` and
+    :func:`~sonicmoe.ops.up_proj_ws.up_ws_preferred`;
     ``SONICMOE_GLUON_UP=0`` turns it off), and no explicit ``config``, the warp-specialised Gluon kernel of
     :mod:`.up_proj_ws` runs instead.
     """
     for name, t in (("x", x), ("w1", w1)):
         check_device(name, t)
     x, w1 = x.contiguous(), w1.contiguous()
-    if config is None and up_ws_supported(x, w1, b1, gate_up_layout, routing.num_rows):  # Hopper, long reductions
+    if config is None and up_ws_preferred(x.shape[1]) and up_ws_supported(x, w1, b1, gate_up_layout):  # Hopper
         return up_proj_ws(x, w1, b1, routing, store_h)
     e, two_n, d = w1.shape
     n = two_n // 2

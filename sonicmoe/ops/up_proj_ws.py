@@ -95,9 +95,9 @@ def up_ws_enabled() -> bool:
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_UP", "1") != "0"
 
 
-def up_ws_preferred(num_rows: int, num_experts: int, d: int) -> bool:
-    """Where the Gluon kernel measured faster in the layer: MIN_D ≤ d ≤ MAX_D (host values; ``num_rows`` and
-    ``num_experts`` are there for rules that depend on rows per expert). Measured on H100s (session 24,
+def up_ws_preferred(d: int) -> bool:
+    """Where the Gluon kernel measured faster in the layer: MIN_D ≤ d ≤ MAX_D (d: the reduction width, a host
+    value). Measured on H100s (session 24,
     benchmarks/results/2026-11-25_nvidia-h100_session24/):
 
     * d = 4096, faster: kernel alone (two-chain form, medians of 5 alternating rounds) (32768, 4096, 1024, 128, 8)
@@ -113,15 +113,12 @@ def up_ws_preferred(num_rows: int, num_experts: int, d: int) -> bool:
     return MIN_D <= d <= MAX_D
 
 
-def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str,
-                    num_rows: int | None = None) -> bool:
-    """Whether :func:`up_proj_ws` serves this up-projection (host checks only, no sync): an sm_90 GPU with Gluon
+def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
+    """Whether :func:`up_proj_ws` can serve this up-projection (host checks only, no sync): an sm_90 GPU with Gluon
     (:func:`up_ws_enabled`), x (T, d) and w1 (E, 2n, d) bf16/fp16 of one dtype, contiguous and 16-byte aligned,
-    the concat layout, d a multiple of BLOCK_K and n of BLOCK_N, a bias (if any) of x's dtype; and, given the
-    routed row count ``num_rows`` (R), where :func:`up_ws_preferred` says it is the faster kernel."""
+    the concat layout, d a multiple of BLOCK_K and n of BLOCK_N, a bias (if any) of x's dtype. The layer also asks
+    :func:`up_ws_preferred`."""
     if gate_up_layout != "concat" or not up_ws_enabled() or not x.is_cuda or x.dtype not in _GL_DTYPES:
-        return False
-    if num_rows is not None and not up_ws_preferred(num_rows, w1.shape[0], x.shape[1]):
         return False
     if w1.dtype != x.dtype or x.dim() != 2 or w1.dim() != 3 or not (x.is_contiguous() and w1.is_contiguous()):
         return False
