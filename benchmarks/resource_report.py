@@ -7,9 +7,9 @@ Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose
 read with the ``cuobjdump`` that Triton's package carries. A config whose STACK or LOCAL (spill) bytes are not
 zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
 sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
-of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``dw1_ws``, ``dw2_ws``) are
-compiled too, with their explicit configs. ``--ptx DIR`` writes each kernel's PTX without debug line info: a refactor
-after which ``diff -r`` of two such folders shows nothing leaves every kernel as it was.
+of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``dh_ws``, ``dw1_ws``,
+``dw2_ws``) are compiled too, with their explicit configs. ``--ptx DIR`` writes each kernel's PTX without debug line
+info: a refactor after which ``diff -r`` of two such folders shows nothing leaves every kernel as it was.
 """
 
 from __future__ import annotations
@@ -114,6 +114,7 @@ def launchers(p, routing):
     from sonicmoe.ops import (
         aggregation,
         dh,
+        dh_ws,
         grouped_gemm,
         grouped_gemm_ws,
         up_proj,
@@ -145,6 +146,7 @@ def launchers(p, routing):
                                                               config=c),
         "dxtilde_ws": lambda c: grouped_gemm_ws.ws_varlen_m_gemm(h, w1, None, routing.expert_offsets,
                                                                  transpose_b=False, config=c),
+        "dh_ws": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c),
         "dw1_ws": lambda c: weight_grad_ws.wgrad_ws(h, x, routing.row_token, routing.expert_offsets, p_gather=False,
                                                     config=c),
         "dw2_ws": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
@@ -162,7 +164,7 @@ def spaces(which: str) -> dict:
         "dw1": weight_grad.TUNING_SPACE, "aggregate": aggregation.TUNING_SPACE,
     }
     out = {k: [config_dict(c) for c in v] for k, v in tune.items()}
-    from sonicmoe.ops import grouped_gemm_ws, up_proj_ws, weight_grad_ws
+    from sonicmoe.ops import dh_ws, grouped_gemm_ws, up_proj_ws, weight_grad_ws
 
     n, d = 256, 1536  # problem()'s widths
     out.update({
@@ -170,6 +172,8 @@ def spaces(which: str) -> dict:
                   for f in (False, True)],
         "down_ws": [grouped_gemm_ws.ws_config(n)],
         "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False)],
+        "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)
+                  if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True)],
     })

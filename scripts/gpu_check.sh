@@ -8,6 +8,7 @@
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
+#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF,...), GPU tests, layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -113,6 +114,23 @@ for step in "$@"; do
       SUMMARY+=("$(grep -svE 'check' "$OUT/up_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/up_ws_probe.txt" | cut -c1-220)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_upws.log")" "$(tail -1 "$OUT/gpu_tests_upws.log" 2>/dev/null)"
                 "$(grep -E 'SONICMOE_GLUON_UP=' "$OUT/ab_up.txt" 2>/dev/null)")
+      ;;
+    dhws)
+      # the Gluon dH kernel: probe (against Triton: bits, error, alternating timings), GPU tests, 7B layer A/B
+      shapes=()
+      for sh in ${DHWS_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
+      timeout ${DHWS_LIMIT_S:-200} python3 scripts/dh_ws_probe.py "${shapes[@]}" ${DHWS_CONFIGS:+--configs $DHWS_CONFIGS} \
+        --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
+      [ "${DHWS_TESTS:-1}" = 1 ] &&
+        timeout 400 python3 -m pytest -rA -m gpu tests/test_dh_ws.py ${DHWS_MORE_TESTS:-} -p no:cacheprovider \
+          > "$OUT/gpu_tests_dhws.log" 2>&1
+      ab=()
+      for sh in ${DHWS_AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
+      [ "${DHWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env SONICMOE_GLUON_DH --values 1,0 \
+        --rounds ${DHWS_AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab_dh.json" > "$OUT/ab_dh.txt" 2>&1
+      SUMMARY+=("$(grep -svE 'check' "$OUT/dh_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/dh_ws_probe.txt" | cut -c1-260)"
+                "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_dhws.log")" "$(tail -1 "$OUT/gpu_tests_dhws.log" 2>/dev/null)"
+                "$(grep -E 'SONICMOE_GLUON_DH=' "$OUT/ab_dh.txt" 2>/dev/null)")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \

@@ -48,6 +48,7 @@ from .common import (
     varlen_m_grid,
     with_even_flags,
 )
+from .dh_ws import dh_ws, dh_ws_preferred, dh_ws_supported
 from .up_proj import layout_rows
 
 
@@ -257,7 +258,9 @@ def dh(
     Args:
         dout: (T, d) gradient of O. w2: (E, d, n). h: (R, 2n) saved up-projection output (layout of W1).
         row_scores: (R,) float32 scores S in row order. routing: the expert-sorted rows.
-        config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
+        config: explicit tile configuration of the Triton kernel (tuning sweeps), else pinned/autotuned; without
+            one, shapes that :func:`sonicmoe.ops.dh_ws.dh_ws_preferred` and ``dh_ws_supported`` accept run the Gluon
+            kernel.
         reduce_ds: False returns dS as float32 partial sums (P, R) with dS = partials.sum(0) (the fixed-order
             reduction left to the caller: the backward runs it on a side stream).
     Returns:
@@ -268,6 +271,10 @@ def dh(
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
+    if config is None and r > 0 and dh_ws_preferred(d) and dh_ws_supported(dout, w2, h, gate_up_layout):
+        # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per 16 or 32 channels
+        dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing)
+        return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
     ds_part = new_output((triton.cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks

@@ -1,0 +1,77 @@
+"""The dH kernel (dA′ GEMM + SwiGLU backward + A′ + dS) on the Gluon warp-specialised kernel against the Triton one.
+
+usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N],...] [--rounds 5] [--json F]
+
+Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
+SONICMOE_AUTOTUNE=0: bits and relative error; tests/test_dh_ws.py compares both with the float32 reference), then
+times both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``dh`` picks now. GPU
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from dxt_ws_probe import timing_rows, with_env
+
+import sonicmoe
+from sonicmoe.ops import dh as dh_mod
+from sonicmoe.ops import dh_ws
+from sonicmoe.testing import random_problem
+
+
+def probe_shape(shape: str, configs: list[tuple[int, int, int]], rounds: int) -> list[dict]:
+    t, d, n, e, k = (int(v) for v in shape.split(","))
+    p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
+    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
+    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+    r = routing.num_rows
+    w2 = p["w2"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dout = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+    h = torch.randn(r, 2 * n, device="cuda", generator=g).to(torch.bfloat16)
+    s = torch.rand(r, device="cuda", generator=g)
+    flops = 2 * r * n * d
+    fns = {"triton": lambda: with_env("SONICMOE_GLUON_DH", "0", dh_mod.dh, dout, w2, h, s, routing),
+           "default": lambda: dh_mod.dh(dout, w2, h, s, routing)}
+    for epi, nbuf, bn in configs:
+        cfg = dh_ws.dh_ws_config(n, epi, nbuf, bn or None)
+        fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']}"] = (
+            lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
+    base = fns["triton"]()
+    checks = {}
+    for name, fn in fns.items():
+        out = fn()
+        out = out[:2] + (out[2] if out[2].dim() == 1 else out[2].sum(0),)
+        again = fn()
+        checks[name] = {
+            "same_bits_as_triton": all(bool(torch.equal(x, y)) for x, y in zip(out, base)),
+            "deterministic": all(bool(torch.equal(x, y)) for x, y in zip(out[:2], again[:2])),
+            **{f"{nm}_rel_err_vs_triton": ((x.float() - y.float()).norm() / y.float().norm()).item()
+               for nm, x, y in zip(("dh", "ap", "ds"), out, base)},
+        }
+        print(f"{shape} {name:<28} check {checks[name]}", flush=True)
+    return timing_rows(shape, fns, checks, flops, rounds, width=28)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=None)
+    ap.add_argument("--configs", default="32:2,16:2")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    configs = [tuple(int(v) for v in (c + ":0").split(":")[:3]) for c in args.configs.split(",")]
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
+    for shape in args.shape or ["24576,1536,256,128,8"]:
+        res["results"] += probe_shape(shape, configs, args.rounds)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

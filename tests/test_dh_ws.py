@@ -1,0 +1,180 @@
+"""The warp-specialised Gluon dH kernel (sonicmoe/ops/dh_ws.py).
+
+The Gluon kernel needs an sm_90 GPU (tests marked ``gpu``); its config, the served shapes and the dispatch from
+``dh`` run on CPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops import dh as dh_mod
+from sonicmoe.ops import dh_ws, grouped_gemm_ws
+from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.dh_ws import dh_ws_config, dh_ws_smem_bytes, dh_ws_supported
+from sonicmoe.routing import routing_from_topk
+from sonicmoe.testing import random_topk_routing, rel_err
+
+
+@pytest.mark.parametrize("n", [128, 256, 384, 512, 1024, 2048])
+def test_config_fits_shared_memory(n):
+    cfg = dh_ws_config(n)
+    assert cfg["BLOCK_N"] == (256 if n % 256 == 0 else 128)
+    assert 3 <= cfg["STAGES"] <= dh_ws.MAX_STAGES
+    assert dh_ws_smem_bytes(cfg["STAGES"], cfg["BLOCK_N"]) <= dh_ws.SMEM_BUDGET
+    assert (dh_ws_smem_bytes(cfg["STAGES"] + 1, cfg["BLOCK_N"]) > dh_ws.SMEM_BUDGET
+            or cfg["STAGES"] == dh_ws.MAX_STAGES)
+    # the epilogue's column blocks: a power of two per tile, a whole number of H buffer rounds
+    nb = cfg["BLOCK_N"] // cfg["EPI"]
+    assert nb & (nb - 1) == 0 and nb % cfg["NBUF"] == 0 and cfg["EPI"] % 8 == 0
+    assert (dh_ws.MMA_WARPS + dh_ws.LOADER_WARPS) * 32 * dh_ws.MAXNREG <= 65536
+    assert dh_ws_config(192) is None and dh_ws_config(64) is None
+
+
+def test_preferred_where_measured_faster():
+    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the 7B width, where it was slower."""
+    assert dh_ws.dh_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8)
+    assert not dh_ws.dh_ws_preferred(1536)  # 7B
+    assert not dh_ws.dh_ws_preferred(7168) and not dh_ws.dh_ws_preferred(768)  # not measured
+
+
+def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
+    """CPU tensors, float32, the interleaved layout, n or d off the tile, or SONICMOE_GLUON_DH=0 /
+    SONICMOE_GLUON=0 never reach the Gluon kernel."""
+    e, n, d, r = 4, 256, 512, 96
+    dout = torch.zeros(64, d, dtype=torch.bfloat16)
+    w2 = torch.zeros(e, d, n, dtype=torch.bfloat16)
+    h = torch.zeros(r, 2 * n, dtype=torch.bfloat16)
+    assert not dh_ws_supported(dout, w2, h, "concat")  # CPU
+    if torch.cuda.is_available():
+        dout, w2, h = dout.cuda(), w2.cuda(), h.cuda()
+        hopper = torch.cuda.get_device_capability() == (9, 0) and grouped_gemm_ws.HAVE_GLUON
+        assert dh_ws_supported(dout, w2, h, "concat") == hopper
+        assert not dh_ws_supported(dout, w2, h, "interleaved")
+        assert not dh_ws_supported(dout.float(), w2.float(), h.float(), "concat")
+        assert not dh_ws_supported(dout, w2, h.half(), "concat")  # mixed dtypes
+        n2 = 192
+        assert not dh_ws_supported(dout, w2[:, :, :n2].contiguous(), h[:, :2 * n2].contiguous(), "concat")
+        assert not dh_ws_supported(dout[:, :480].contiguous(), w2[:, :480].contiguous(), h, "concat")  # d = 480
+        monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
+        assert not dh_ws_supported(dout, w2, h, "concat")
+        monkeypatch.setenv("SONICMOE_GLUON_DH", "1")
+        monkeypatch.setenv("SONICMOE_GLUON", "0")
+        assert not dh_ws_supported(dout, w2, h, "concat")
+
+
+@pytest.mark.interpreter
+def test_dispatch(monkeypatch, device):
+    """dh hands the product to the Gluon kernel where dh_ws_supported says so (reducing its partials, or handing
+    them back with reduce_ds=False), and never with an explicit Triton config."""
+    calls = []
+
+    def fake(dout, w2, h, s, routing):
+        calls.append(h.shape)
+        dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing)
+        return dh_, ap, torch.stack([ds / 2, ds / 2])  # two partial rows
+
+    monkeypatch.setattr(dh_mod, "dh_ws_supported", lambda dout, w2, h, layout: layout == "concat")
+    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda d: d == 16)
+    monkeypatch.setattr(dh_mod, "dh_ws", fake)
+    routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
+    dout = torch.randn(3, 16, device=device)
+    w2 = torch.randn(3, 16, 16, device=device)
+    h = torch.randn(routing.num_rows, 32, device=device)
+    s = torch.rand(routing.num_rows, device=device)
+    ref = dh_mod.dh_ref(dout, w2, h, s, routing)
+    got = dh_mod.dh(dout, w2, h, s, routing)
+    assert calls == [h.shape]
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and rel_err(got[2], ref[2]) < 1e-6
+    parts = dh_mod.dh(dout, w2, h, s, routing, reduce_ds=False)[2]
+    assert parts.shape == (2, routing.num_rows) and len(calls) == 2
+    cfg = dh_mod._PINNED_INTERP if interpreting() else dict(dh_mod._GPU_DEFAULT)
+    got2 = dh_mod.dh(dout, w2, h, s, routing, config=cfg)
+    assert len(calls) == 2
+    for name, g, r in zip(("dH", "A'", "dS"), got2, ref):
+        assert rel_err(g, r) < 1e-5, name
+
+
+# (T, d, n, E, K, reason) on the GPU
+GPU_CASES = [
+    (1, 128, 128, 4, 1, "T=1, K=1"),
+    (300, 256, 128, 8, 8, "K=E"),
+    (1000, 384, 256, 16, 4, "one 256-wide N-tile, partial tiles"),
+    (777, 192, 384, 40, 2, "empty experts, three K-blocks, three 128-wide N-tiles"),
+    (4096, 1536, 256, 32, 8, "the 7B widths, 1024 rows per expert (full tiles)"),
+    (2500, 64, 512, 3, 2, "d=64: one K-block, two N-tiles"),
+]
+GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
+def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
+    """dH, A′ and dS within rounding of the float32 loop and of the Triton kernel, no NaN left by the poison fill,
+    the same bits on a second run, the inputs untouched, every config of the compiled sweep."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    routing = random_topk_routing(t, e, k, seed=t)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r = routing.num_rows
+    dout = torch.randn(t, d, device="cuda", generator=g).to(dtype)
+    w2 = (torch.randn(e, d, n, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    h = torch.randn(r, 2 * n, device="cuda", generator=g).to(dtype)
+    s = torch.rand(r, device="cuda", generator=g)
+    ins = [v.clone() for v in (dout, w2, h, s)]
+    ref = dh_mod.dh_ref(dout, w2, h, s, routing)
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
+    tri = dh_mod.dh(dout, w2, h, s, routing)
+    monkeypatch.delenv("SONICMOE_GLUON_DH")
+    runs = {}
+    for cfg in (None, dh_ws_config(n, 16, 2), dh_ws_config(n, 32, 4, 128)):
+        got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
+        ds = got[2].sum(0)
+        for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):
+            assert not torch.isnan(x).any(), name
+            assert rel_err(x, y) < 1e-2, name
+            assert rel_err(x, z) < 3e-3, name
+        again = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
+        assert all(torch.equal(x, y) for x, y in zip(got, again))
+        runs[cfg is None] = got
+    assert all(torch.equal(x, y) for x, y in zip(ins, (dout, w2, h, s)))
+    # dh() runs this kernel where dh_ws_preferred says so (its partials reduced there)
+    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda d: True)
+    via = dh_mod.dh(dout, w2, h, s, routing)
+    assert torch.equal(via[0], runs[True][0]) and torch.equal(via[2], runs[True][2].sum(0))
+
+
+@pytest.mark.gpu
+def test_gpu_layer_uses_gluon_dh(monkeypatch):
+    """At a shape the rule selects (d = 4096), the layer's backward runs the Gluon dH kernel, and its gradients stay
+    within rounding of those with SONICMOE_GLUON_DH=0 (bias terms included: dS gains ⟨dO, b2⟩ outside the kernel)."""
+    import sonicmoe
+    from sonicmoe.testing import random_problem
+
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    t, d, n, e, k = 2048, 4096, 256, 16, 4
+    p = random_problem(t, d, n, e, device="cuda", bias=True, seed=4)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(dh_mod, "dh_ws", lambda *a, **kw: calls.append(1) or dh_ws.dh_ws(*a, **kw))
+
+    def run():
+        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
+                           backend="triton")
+        res.out.backward(dout)
+        return res.out.detach(), {key: v.grad for key, v in ins.items()}
+
+    on = run()
+    assert calls
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
+    n_calls = len(calls)
+    off = run()
+    assert len(calls) == n_calls
+    assert torch.equal(on[0], off[0])
+    for name in on[1]:
+        assert rel_err(on[1][name], off[1][name]) < 1e-3, name
