@@ -1,11 +1,13 @@
 """The dH kernel (dA′ GEMM + SwiGLU backward + A′ + dS) on the Gluon warp-specialised kernel against the Triton one.
 
-usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N],...] [--rounds 5] [--json F]
+usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N[:PART]],...]
+                                     [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
 SONICMOE_AUTOTUNE=0: bits and relative error; tests/test_dh_ws.py compares both with the float32 reference), then
-times both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``dh`` picks now. GPU
-only.
+times both in alternating rounds on the same inputs (do_bench medians). PART 1 times the MMAs alone, 2 all but the
+global stores of dH and A′ (``dh_ws``'s config; their outputs are not the kernel's). ``default`` is what ``dh`` picks
+now. GPU only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
 
-def probe_shape(shape: str, configs: list[tuple[int, int, int]], rounds: int) -> list[dict]:
+def probe_shape(shape: str, configs: list[tuple[int, int, int, int]], rounds: int) -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -36,9 +38,9 @@ def probe_shape(shape: str, configs: list[tuple[int, int, int]], rounds: int) ->
     flops = 2 * r * n * d
     fns = {"triton": lambda: with_env("SONICMOE_GLUON_DH", "0", dh_mod.dh, dout, w2, h, s, routing),
            "default": lambda: dh_mod.dh(dout, w2, h, s, routing)}
-    for epi, nbuf, bn in configs:
-        cfg = dh_ws.dh_ws_config(n, epi, nbuf, bn or None)
-        fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']}"] = (
+    for epi, nbuf, bn, part in configs:
+        cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None), "PART": part}
+        fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -63,7 +65,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    configs = [tuple(int(v) for v in (c + ":0").split(":")[:3]) for c in args.configs.split(",")]
+    configs = [tuple(int(v) for v in (c + ":0:0").split(":")[:4]) for c in args.configs.split(",")]
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         res["results"] += probe_shape(shape, configs, args.rounds)

@@ -175,7 +175,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _dh_block(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end, ch0,
                   tcount, N, R, stride_hr, stride_apr, J: gl.constexpr, NB: gl.constexpr, EPI: gl.constexpr,
-                  NBUF: gl.constexpr, WARPS: gl.constexpr):
+                  NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32. Its H block is in buffer J % NBUF. The outputs go back through that buffer
         (and ``ap_buf``) to leave by 16-byte masked stores from a row-major layout (pointer stores straight from
@@ -210,9 +210,10 @@ if HAVE_GLUON:
         cols = ch0 + J * EPI + gl.arange(0, EPI, layout=gl.SliceLayout(0, st))
         mask = (rows_s < row_end)[:, None] & (cols >= 0)[None, :]
         r64 = rows_s.to(gl.int64)[:, None]
-        gl.store(dh_ptr + r64 * stride_hr + cols[None, :], g_buf.load(st), mask=mask)
-        gl.store(dh_ptr + r64 * stride_hr + (N + cols)[None, :], u_buf.load(st), mask=mask)
-        gl.store(ap_ptr + r64 * stride_apr + cols[None, :], ap_buf.load(st), mask=mask)
+        if PART != 2:
+            gl.store(dh_ptr + r64 * stride_hr + cols[None, :], g_buf.load(st), mask=mask)
+            gl.store(dh_ptr + r64 * stride_hr + (N + cols)[None, :], u_buf.load(st), mask=mask)
+            gl.store(ap_ptr + r64 * stride_apr + cols[None, :], ap_buf.load(st), mask=mask)
         if J + NBUF < NB:
             gl.thread_barrier()  # every MMA thread has read buffer b back: TMA may refill it
             _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + (J + NBUF) * EPI, N, b)
@@ -220,25 +221,25 @@ if HAVE_GLUON:
     @gluon.jit
     def _dh_blocks(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end, ch0,
                    tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr, NB: gl.constexpr, EPI: gl.constexpr,
-                   NBUF: gl.constexpr, WARPS: gl.constexpr):
+                   NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left."""
         W: gl.constexpr = acc.shape[1]
         if W == EPI:
             _dh_block(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                      ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS)
+                      ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART)
         else:
             lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
             _dh_blocks(lo, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                       ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS)
+                       ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART)
             _dh_blocks(hi, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                       ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS)
+                       ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART)
 
     @gluon.jit
     def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_ptr, ap_ptr, ds_ptr,
                 score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
-                STAGES: gl.constexpr, WARPS: gl.constexpr):
+                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
         """MMA partition: per tile, the H loads of the first two epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`)."""
         NB: gl.constexpr = BLOCK_N // EPI
@@ -251,9 +252,10 @@ if HAVE_GLUON:
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             ch0 = pid_n * BLOCK_N
-            gl.thread_barrier()  # the previous tile's epilogue has read every H buffer
-            for j in gl.static_range(NBUF):
-                _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
+            if PART != 1:
+                gl.thread_barrier()  # the previous tile's epilogue has read every H buffer
+                for j in gl.static_range(NBUF):
+                    _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for ki in range(k_tiles):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
@@ -264,8 +266,12 @@ if HAVE_GLUON:
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
-            _dh_blocks(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                       ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS)
+            if PART == 1:  # the MMAs alone (timing only): the row sums of dA′ keep them from being removed
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                gl.store(ds_ptr + rows, gl.sum(acc, axis=1), mask=rows < row_end)
+            else:
+                _dh_blocks(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
+                           row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART)
             tcount += 1
 
     @gluon.jit
@@ -273,7 +279,7 @@ if HAVE_GLUON:
                       num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, PART: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -286,7 +292,7 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS)),
+                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART)),
             (_dh_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                           num_pid_n, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -315,7 +321,9 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order.
         routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS" (default
-            :func:`dh_ws_config`).
+            :func:`dh_ws_config`), and, to time a part of the kernel alone, "PART": 1 the MMAs only (no H, no
+            epilogue: dH and A′ are left unwritten, dS holds row sums of dA′), 2 all but the global stores of dH
+            and A′ (0, the default: the whole kernel).
     Returns:
         dH (R, 2n) and A′ = S·A (R, n) in h's dtype, and the dS partials (n / EPI, R) float32 with
         dS = partials.sum(0) (without the bias term ⟨dO_t, b2[e]⟩); no atomics, the same bits on every run.
@@ -337,5 +345,5 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         a_prime.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), h.dtype),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
+        PART=cfg.get("PART", 0), num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
     return dh_, a_prime, ds_part
