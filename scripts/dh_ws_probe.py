@@ -1,6 +1,6 @@
 """The dH kernel (dA′ GEMM + SwiGLU backward + A′ + dS) on the Gluon warp-specialised kernel against the Triton one.
 
-usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N[:PART]],...]
+usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
@@ -24,7 +24,7 @@ from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
 
-def probe_shape(shape: str, configs: list[tuple[int, int, int, int]], rounds: int) -> list[dict]:
+def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -38,9 +38,9 @@ def probe_shape(shape: str, configs: list[tuple[int, int, int, int]], rounds: in
     flops = 2 * r * n * d
     fns = {"triton": lambda: with_env("SONICMOE_GLUON_DH", "0", dh_mod.dh, dout, w2, h, s, routing),
            "default": lambda: dh_mod.dh(dout, w2, h, s, routing)}
-    for epi, nbuf, bn, part in configs:
-        cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None), "PART": part}
-        fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part}"] = (
+    for epi, nbuf, bn, part, tma_store in configs:
+        cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None), "PART": part, "TMA_STORE": bool(tma_store)}
+        fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part} T={tma_store}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -58,6 +58,12 @@ def probe_shape(shape: str, configs: list[tuple[int, int, int, int]], rounds: in
     return timing_rows(shape, fns, checks, flops, rounds, width=28)
 
 
+def parse_config(text: str) -> tuple[int, ...]:
+    """EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]] -> (EPI, NBUF, BLOCK_N or 0 (the default), PART (0), TMA_STORE (1))."""
+    vals = [int(v) for v in text.split(":")]
+    return tuple(vals + [0, 0, 1][len(vals) - 2:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
@@ -65,7 +71,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    configs = [tuple(int(v) for v in (c + ":0:0").split(":")[:4]) for c in args.configs.split(",")]
+    configs = [parse_config(c) for c in args.configs.split(",")]
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
         res["results"] += probe_shape(shape, configs, args.rounds)

@@ -49,6 +49,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -64,6 +65,7 @@ LOADER_REGS = 80
 MMA_WARPS = 8
 MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 256 float32) takes 128
 MAX_STAGES = 6
+TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
 MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (dh_ws_preferred)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
@@ -173,9 +175,10 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(h_desc, [row_start, N + col], h_ready.index(b), h_bufs.index(2 * b + 1))
 
     @gluon.jit
-    def _dh_block(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end, ch0,
-                  tcount, N, R, stride_hr, stride_apr, J: gl.constexpr, NB: gl.constexpr, EPI: gl.constexpr,
-                  NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
+    def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
+                  row_end, ch0, tcount, N, R, stride_hr, stride_apr, J: gl.constexpr, NB: gl.constexpr,
+                  EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
+                  TMA_STORE: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32. Its H block is in buffer J % NBUF. The outputs go back through that buffer
         (and ``ap_buf``) to leave by 16-byte masked stores from a row-major layout (pointer stores straight from
@@ -200,46 +203,70 @@ if HAVE_GLUON:
         d_up = (da * silu).to(dtype)
         d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
         gl.thread_barrier()  # every MMA thread has read buffer b (and the previous block's ap_buf)
+        if TMA_STORE:
+            tma.store_wait(pendings=0)  # the previous block's TMA stores have read ap_buf
+            gl.thread_barrier()
         g_buf.store(d_gate)
         u_buf.store(d_up)
         ap_buf.store((a * s).to(dtype))
-        gl.thread_barrier()
-        TPN: gl.constexpr = EPI // 8
-        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
-        rows_s = row_start + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, st))
-        cols = ch0 + J * EPI + gl.arange(0, EPI, layout=gl.SliceLayout(0, st))
-        mask = (rows_s < row_end)[:, None] & (cols >= 0)[None, :]
-        r64 = rows_s.to(gl.int64)[:, None]
-        if PART != 2:
-            gl.store(dh_ptr + r64 * stride_hr + cols[None, :], g_buf.load(st), mask=mask)
-            gl.store(dh_ptr + r64 * stride_hr + (N + cols)[None, :], u_buf.load(st), mask=mask)
-            gl.store(ap_ptr + r64 * stride_apr + cols[None, :], ap_buf.load(st), mask=mask)
-        if J + NBUF < NB:
-            gl.thread_barrier()  # every MMA thread has read buffer b back: TMA may refill it
+        refill: gl.constexpr = J + NBUF < NB
+        if TMA_STORE and row_end - row_start >= acc.shape[0]:
+            # a full tile: the three blocks leave by TMA stores, which drain while the next block computes
+            fence_async_shared()
+            gl.thread_barrier()
+            col = ch0 + J * EPI
+            if PART != 2:
+                tma.async_copy_shared_to_global(dh_desc, [row_start, col], g_buf)
+                tma.async_copy_shared_to_global(dh_desc, [row_start, N + col], u_buf)
+                tma.async_copy_shared_to_global(ap_desc, [row_start, col], ap_buf)
+            if refill:
+                tma.store_wait(pendings=0)  # buffer b read by the stores: TMA may refill it
+                gl.thread_barrier()
+        else:
+            # an expert's last, partial tile (rows past its end belong to the next expert), or TMA_STORE off:
+            # read back in a row-major layout, masked 16-byte stores
+            gl.thread_barrier()
+            TPN: gl.constexpr = EPI // 8
+            st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
+            rows_s = row_start + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, st))
+            cols = ch0 + J * EPI + gl.arange(0, EPI, layout=gl.SliceLayout(0, st))
+            mask = (rows_s < row_end)[:, None] & (cols >= 0)[None, :]
+            r64 = rows_s.to(gl.int64)[:, None]
+            if PART != 2:
+                gl.store(dh_ptr + r64 * stride_hr + cols[None, :], g_buf.load(st), mask=mask)
+                gl.store(dh_ptr + r64 * stride_hr + (N + cols)[None, :], u_buf.load(st), mask=mask)
+                gl.store(ap_ptr + r64 * stride_apr + cols[None, :], ap_buf.load(st), mask=mask)
+            if refill:
+                gl.thread_barrier()  # every MMA thread has read buffer b back: TMA may refill it
+        if refill:
             _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + (J + NBUF) * EPI, N, b)
 
     @gluon.jit
-    def _dh_blocks(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end, ch0,
-                   tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr, NB: gl.constexpr, EPI: gl.constexpr,
-                   NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
+    def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
+                   row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr, NB: gl.constexpr,
+                   EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
+                   TMA_STORE: gl.constexpr):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left."""
         W: gl.constexpr = acc.shape[1]
         if W == EPI:
-            _dh_block(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                      ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART)
+            _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                      row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
+                      TMA_STORE)
         else:
             lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
-            _dh_blocks(lo, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                       ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART)
-            _dh_blocks(hi, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                       ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART)
+            _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
+                       TMA_STORE)
+            _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF,
+                       WARPS, PART, TMA_STORE)
 
     @gluon.jit
-    def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_ptr, ap_ptr, ds_ptr,
-                score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
+    def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_desc, ap_desc, dh_ptr,
+                ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
-                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
+                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
         """MMA partition: per tile, the H loads of the first two epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`)."""
         NB: gl.constexpr = BLOCK_N // EPI
@@ -253,6 +280,8 @@ if HAVE_GLUON:
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             ch0 = pid_n * BLOCK_N
             if PART != 1:
+                if TMA_STORE:
+                    tma.store_wait(pendings=0)  # the previous tile's last TMA stores have read their buffers
                 gl.thread_barrier()  # the previous tile's epilogue has read every H buffer
                 for j in gl.static_range(NBUF):
                     _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
@@ -270,16 +299,18 @@ if HAVE_GLUON:
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
                 gl.store(ds_ptr + rows, gl.sum(acc, axis=1), mask=rows < row_end)
             else:
-                _dh_blocks(acc, h_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
-                           row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART)
+                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                           row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
+                           TMA_STORE)
             tcount += 1
+        tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr, table_ptr,
-                      num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
+    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
+                      table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, PART: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -290,9 +321,10 @@ if HAVE_GLUON:
         for i in gl.static_range(NBUF):
             mbarrier.init(h_ready.index(i), count=1)
         gl.warp_specialize([
-            (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_ptr, ap_ptr,
+            (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_desc, ap_desc,
+                       dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART)),
+                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE)),
             (_dh_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                           num_pid_n, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -340,10 +372,12 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     _dh_ws_kernel[(sm_count(h.device),)](
-        dout, _descriptor(w2.view(e * d, n), [BLOCK_K, bn]), _descriptor(h, [BLOCK_M, epi]), dh_, a_prime, ds_part,
+        dout, _descriptor(w2.view(e * d, n), [BLOCK_K, bn]), _descriptor(h, [BLOCK_M, epi]),
+        _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
         row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
         a_prime.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), h.dtype),
         BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        PART=cfg.get("PART", 0), num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
+        PART=cfg.get("PART", 0), TMA_STORE=cfg.get("TMA_STORE", TMA_STORE), num_warps=MMA_WARPS,
+                     maxnreg=cfg.get("MAXNREG", MAXNREG))
     return dh_, a_prime, ds_part
