@@ -24,7 +24,7 @@ from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
 
-def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
+def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int, pingpong: list[tuple[int, int]]) -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -41,6 +41,10 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list
     for epi, nbuf, bn, part, tma_store in configs:
         cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None), "PART": part, "TMA_STORE": bool(tma_store)}
         fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part} T={tma_store}"] = (
+            lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
+    for epi, nbuf in pingpong:
+        cfg = dh_ws.dh_ws_pp_config(n, epi, nbuf)
+        fns[f"gluon PP EPI={epi} NBUF={nbuf} S={cfg['STAGES']}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -68,13 +72,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="32:2,16:2")
+    ap.add_argument("--pingpong", default="", help="EPI:NBUF,... of the ping-pong form to time too")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
     for shape in args.shape or ["24576,1536,256,128,8"]:
-        res["results"] += probe_shape(shape, configs, args.rounds)
+        pp = [tuple(int(v) for v in c.split(":")) for c in args.pingpong.split(",") if c]
+        res["results"] += probe_shape(shape, configs, args.rounds, pp)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

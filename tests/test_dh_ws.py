@@ -18,6 +18,17 @@ from sonicmoe.testing import random_topk_routing, rel_err
 
 
 @pytest.mark.parametrize("n", [128, 256, 384, 512, 1024, 2048])
+def test_pingpong_config_fits_shared_memory(n):
+    cfg = dh_ws.dh_ws_pp_config(n)
+    assert cfg["PINGPONG"] and cfg["BLOCK_N"] == 128 and 3 <= cfg["STAGES"] <= dh_ws.MAX_STAGES
+    # the ring and each consumer's own H buffers and A′ staging block
+    assert dh_ws_smem_bytes(cfg["STAGES"], 128, cfg["EPI"], cfg["NBUF"]) + dh_ws_smem_bytes(
+        0, 128, cfg["EPI"], cfg["NBUF"]) <= dh_ws.SMEM_BUDGET
+    assert 2 * 128 * dh_ws.PP_CONSUMER_REGS + dh_ws.LOADER_WARPS * 32 * dh_ws.LOADER_REGS <= 65536
+    assert dh_ws.dh_ws_pp_config(192) is None
+
+
+@pytest.mark.parametrize("n", [128, 256, 384, 512, 1024, 2048])
 def test_config_fits_shared_memory(n):
     cfg = dh_ws_config(n)
     assert cfg["BLOCK_N"] == (256 if n % 256 == 0 else 128)
@@ -145,6 +156,32 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda d: True)
     via = dh_mod.dh(dout, w2, h, s, routing)
     assert torch.equal(via[0], runs[True][0]) and torch.equal(via[2], runs[True][2].sum(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
+def test_gpu_pingpong_matches_triton(case, monkeypatch):
+    """The ping-pong form (dh_ws_pp_config, not the default): dH and A′ bitwise the Triton kernel's (the same dA′
+    bits and epilogue arithmetic as the cooperative form), dS within rounding, deterministic, no NaN left."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    routing = random_topk_routing(t, e, k, seed=t)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    r = routing.num_rows
+    dout = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+    w2 = (torch.randn(e, d, n, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    h = torch.randn(r, 2 * n, device="cuda", generator=g).to(torch.bfloat16)
+    s = torch.rand(r, device="cuda", generator=g)
+    coop = dh_ws.dh_ws(dout, w2, h, s, routing)
+    cfg = dh_ws.dh_ws_pp_config(n)
+    got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
+    assert not any(torch.isnan(x).any() for x in got)
+    assert torch.equal(got[0], coop[0]) and torch.equal(got[1], coop[1])
+    assert rel_err(got[2].sum(0), coop[2].sum(0)) < 1e-5
+    again = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
+    assert all(torch.equal(x, y) for x, y in zip(got, again))
 
 
 @pytest.mark.gpu

@@ -6,30 +6,39 @@ dA′[r] = dO_t W2[e]; A = silu(gate(H[r])) · up(H[r]); dS partials of ⟨dA′
 dH = (dA · up · silu′(gate), dA · silu(gate)); A′ = s · A — for the concat gate/up layout.
 
 Why a second kernel: the Triton kernel (one 128 × 256 tile per program, 8 warps) spends much of each tile in its
-epilogue, waiting on loads of H by pointer (128 KB per tile at the 7B shape) while the tensor cores idle; on an
-H100 it ran at 289 TFLOP/s at the 7B shape against 450-500 for the layer's other GEMMs
-(benchmarks/results/2026-11-25_nvidia-h100_session25/). Here each persistent program splits its warps by role:
+epilogue while the tensor cores idle; on an H100 it runs the 7B shape at 288 TFLOP/s against 450-500 for the layer's
+other GEMMs (benchmarks/results/2026-11-25_nvidia-h100_session25/). Here each persistent program splits its warps
+by role:
 
 * a **loader** (four warps) walks the program's tiles: per K-block, the tile's BLOCK_M gathered dO rows by 16-byte
   ``cp.async`` (rows past the expert's end zero-filled) and W2[e]'s (BLOCK_K × BLOCK_N) box by TMA, into a ring
   of ``STAGES`` slots (the barriers of :func:`sonicmoe.ops.weight_grad_ws.gather_ring_barriers`), running ahead
   into the next tile while the MMA warps run this one's epilogue;
 * the **MMA warps** (two warpgroups, BLOCK_M = 128 rows) start each tile by asking TMA for H's gate and up columns
-  of the epilogue's first two EPI-channel blocks (a double buffer), run the asynchronous wgmma chain of the tile,
-  then the epilogue on BLOCK_N / EPI column blocks in turn: each block waits for its H block, frees the buffer for
-  the block two ahead (TMA again), and writes dH's gate and up columns, A′ and its dS partial by masked stores.
-  So H comes from shared memory, loaded while the tensor cores work, instead of by pointer loads in the epilogue.
+  of the epilogue's first NBUF EPI-channel blocks, run the asynchronous wgmma chain of the tile, then the epilogue
+  on BLOCK_N / EPI column blocks in turn: each block waits for its H block, computes, writes dH's gate and up
+  blocks and A′ back into shared memory (the H buffer and a staging block) and its dS partial to memory; full
+  tiles' blocks leave by TMA stores (``TMA_STORE``), an expert's last, partial tile's by masked 16-byte stores;
+  then TMA refills the buffer with the block NBUF ahead.
+
+Where the time goes (the ``PART`` config, 7B shape, H100, session 25): the MMAs alone 0.302 ms (512 TFLOP/s), all
+but the global stores of dH and A′ 0.412, the whole kernel 0.542-0.553 (the Triton kernel 0.537-0.542). The
+epilogue runs after each tile's MMAs, not beside them. :func:`dh_ws_pp_config` selects a ping-pong form that
+overlaps them: two consumer warpgroups (``_dh_pp_consumer``) take alternate (128, 128) tiles, each with its own H
+buffers, and one's epilogue runs while the other's MMAs do. It compiles without spills at EPI = 16 (offline report)
+but has not run on a GPU yet, so no shape uses it by default.
 
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
-(no host sync); program p takes tiles p, p + P, .... dS leaves as float32 partial sums, one row per EPI-channel
-block, (n / EPI, R), which the caller reduces in a fixed order: no atomics, the same bits on every run (not the
-Triton kernel's bits: its partials are per 16 channels and its sums run in another order).
+(no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
+accumulation order and epilogue arithmetic; checked on every probed shape). dS leaves as float32 partial sums, one
+row per EPI-channel block, (n / EPI, R), which the caller reduces in a fixed order: no atomics, the same bits on
+every run (not the Triton kernel's bits: its partials are per 16 channels, summed in another order; relative
+difference about 1e-7).
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
-d = 4096 so far); everything else runs the Triton kernel. Gluon kernels do not run under
-Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
-(tests/test_dh_ws.py).
+d = 4096 so far); everything else runs the Triton kernel. Gluon kernels do not run under Triton's interpreter: the
+kernel is tested on the GPU against the Triton kernel and the float32 reference (tests/test_dh_ws.py).
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ LOADER_REGS = 80
 MMA_WARPS = 8
 MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 256 float32) takes 128
 MAX_STAGES = 6
+PP_CONSUMER_REGS = 216  # the ping-pong form: 2 consumer warpgroups x 128 x 216 + 128 loader threads x 80 <= 64 K
 TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
 MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (dh_ws_preferred)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
@@ -95,6 +105,18 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     return {"BLOCK_N": bn, "EPI": epi, "NBUF": nbuf, "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
 
 
+def dh_ws_pp_config(n: int, epi: int = 16, nbuf: int = NBUF) -> dict | None:
+    """The ping-pong form's config (``"PINGPONG": True``): each consumer warpgroup owns a (BLOCK_M, 128) tile, its
+    own H buffers and A′ staging block; the deepest ring that fits beside them. None where n is not a multiple of
+    128. EPI = 16 by default: with 32 the consumers spill (benchmarks/resource_report.py). Not yet run on a GPU."""
+    if n % 128:
+        return None
+    fixed = 2 * dh_ws_smem_bytes(0, 128, epi, nbuf)
+    per_stage = dh_ws_smem_bytes(1, 128, epi, nbuf) - dh_ws_smem_bytes(0, 128, epi, nbuf)
+    return {"PINGPONG": True, "BLOCK_N": 128, "EPI": epi, "NBUF": nbuf,
+            "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
+
+
 def dh_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
     ``SONICMOE_GLUON_DH`` (default 1) this one alone (read at each call)."""
@@ -106,9 +128,11 @@ def dh_ws_preferred(d: int) -> bool:
     Measured on H100s (session 25, benchmarks/results/2026-11-25_nvidia-h100_session25/), kernel alone, medians of
     5 alternating rounds against the Triton kernel:
 
-    * (32768, 4096, 1024, 128, 8): 4.26-4.31 ms against 4.64-4.67 (faster in every round);
+    * (32768, 4096, 1024, 128, 8): 4.26-4.31 ms against 4.59-4.67 (faster in every round of four calls); in the
+      layer (5 alternating rounds) forward+backward 35.7 against 37.0 ms;
     * (16384, 4096, 1024, 256, 4): 1.57 against 1.58-1.59 (the same);
-    * 7B (24576, 1536, 256, 128, 8): 0.552 against 0.536-0.537 ms, slower.
+    * 7B (24576, 1536, 256, 128, 8): 0.542 against 0.542 with TMA stores (0.552 against 0.537 before them): not
+      faster.
 
     Other widths are not measured; the bounds move as they are."""
     return MIN_D <= d <= MAX_D
@@ -333,6 +357,100 @@ if HAVE_GLUON:
             mbarrier.invalidate(h_ready.index(i))
 
 
+    @gluon.jit
+    def _dh_pp_consumer(x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs, ap_buf, h_ready, h_desc, dh_desc,
+                        ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr,
+                        stride_apr, ME: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, STAGES: gl.constexpr,
+                        TMA_STORE: gl.constexpr):
+        """Ping-pong consumer ``ME`` (one warpgroup): the tiles at even (0) or odd (1) positions of the program's
+        sequence. Each waits for its ``turn`` (the other consumer has issued the previous tile's MMAs, so the ring
+        is consumed in step order), runs its tile's wgmma chain, passes the turn on, then runs the epilogue while
+        the other consumer's MMAs run. H blocks, A′ staging and their barriers are this consumer's own."""
+        NB: gl.constexpr = BLOCK_N // EPI
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        total = gl.load(table_ptr) * num_pid_n
+        k_tiles = D // BLOCK_K
+        pos = 0
+        own = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            if pos % 2 == ME:
+                e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
+                ch0 = pid_n * BLOCK_N
+                if TMA_STORE:
+                    tma.store_wait(pendings=0)  # the previous tile's last TMA stores have read their buffers
+                gl.thread_barrier()  # this consumer's previous epilogue has read every H buffer
+                for j in gl.static_range(NBUF):
+                    _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
+                # consumer 0's first wait passes at once (parity 1 of a fresh barrier)
+                mbarrier.wait(turn.index(ME), (own & 1) ^ (1 - ME))
+                step = pos * k_tiles  # the ring step of this tile's first K-block (the loader's order)
+                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+                for ki in range(k_tiles):
+                    s = wait_gathered_slot(tma_ready, cp_ready, step + ki, STAGES)
+                    acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((step + ki + STAGES - 1) % STAGES), pred=ki > 0)
+                mbarrier.arrive(turn.index(1 - ME))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((step + k_tiles - 1) % STAGES), pred=k_tiles > 0)
+                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ap_buf, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                           row_start, row_end, ch0, own, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, 4, 0,
+                           TMA_STORE)
+                own += 1
+            pos += 1
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _dh_pp_consumer1(x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs, ap_buf, h_ready, h_desc, dh_desc,
+                         ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr,
+                         stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                         EPI: gl.constexpr, NBUF: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr):
+        _dh_pp_consumer(x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs, ap_buf, h_ready, h_desc, dh_desc,
+                        ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr,
+                        stride_apr, 1, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE)
+
+    @gluon.jit
+    def _dh_pp_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
+                      table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
+                      NBUF: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, TMA_STORE: gl.constexpr):
+        dtype: gl.constexpr = do_ptr.dtype.element_ty
+        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+        h_bufs0 = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_M, EPI], h_desc.layout)
+        h_bufs1 = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_M, EPI], h_desc.layout)
+        ap_buf0 = gl.allocate_shared_memory(dtype, [BLOCK_M, EPI], h_desc.layout)
+        ap_buf1 = gl.allocate_shared_memory(dtype, [BLOCK_M, EPI], h_desc.layout)
+        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
+        h_ready0 = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        h_ready1 = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NBUF):
+            mbarrier.init(h_ready0.index(i), count=1)
+            mbarrier.init(h_ready1.index(i), count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        gl.warp_specialize([
+            (_dh_pp_consumer, (x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs0, ap_buf0, h_ready0, h_desc,
+                               dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R,
+                               stride_hr, stride_apr, 0, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE)),
+            (_dh_pp_consumer1, (x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs1, ap_buf1, h_ready1, h_desc,
+                                dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R,
+                                stride_hr, stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE)),
+            (_dh_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+                          num_pid_n, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
+        for i in gl.static_range(NBUF):
+            mbarrier.invalidate(h_ready0.index(i))
+            mbarrier.invalidate(h_ready1.index(i))
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
+
+
 _CALLS: dict[tuple, dict] = {}
 
 
@@ -353,9 +471,10 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order.
         routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS" (default
-            :func:`dh_ws_config`), and, to time a part of the kernel alone, "PART": 1 the MMAs only (no H, no
-            epilogue: dH and A′ are left unwritten, dS holds row sums of dA′), 2 all but the global stores of dH
-            and A′ (0, the default: the whole kernel).
+            :func:`dh_ws_config`), "PINGPONG" (:func:`dh_ws_pp_config`: two consumer warpgroups on alternate
+            tiles, one's epilogue beside the other's MMAs; not yet run on a GPU), and, to time a part of the
+            kernel alone, "PART": 1 the MMAs only (no H, no epilogue: dH and A′ are left unwritten, dS holds row
+            sums of dA′), 2 all but the global stores of dH and A′ (0, the default: the whole kernel).
     Returns:
         dH (R, 2n) and A′ = S·A (R, n) in h's dtype, and the dS partials (n / EPI, R) float32 with
         dS = partials.sum(0) (without the bias term ⟨dO_t, b2[e]⟩); no atomics, the same bits on every run.
@@ -371,13 +490,18 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         return dh_, a_prime, ds_part
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
-    _dh_ws_kernel[(sm_count(h.device),)](
-        dout, _descriptor(w2.view(e * d, n), [BLOCK_K, bn]), _descriptor(h, [BLOCK_M, epi]),
-        _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
-        row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
-        a_prime.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), h.dtype),
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"],
-        MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        PART=cfg.get("PART", 0), TMA_STORE=cfg.get("TMA_STORE", TMA_STORE), num_warps=MMA_WARPS,
-                     maxnreg=cfg.get("MAXNREG", MAXNREG))
+    args = (dout, _descriptor(w2.view(e * d, n), [BLOCK_K, bn]), _descriptor(h, [BLOCK_M, epi]),
+            _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
+            row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
+            a_prime.stride(0))
+    meta = dict(X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+                EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
+                LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
+                maxnreg=cfg.get("MAXNREG", MAXNREG))
+    if cfg.get("PINGPONG"):
+        _dh_pp_kernel[(sm_count(h.device),)](*args, **meta, CONSUMER_REGS=cfg.get("CONSUMER_REGS", PP_CONSUMER_REGS),
+                                             num_warps=4)
+    else:
+        _dh_ws_kernel[(sm_count(h.device),)](*args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
+                                             num_warps=MMA_WARPS)
     return dh_, a_prime, ds_part
