@@ -43,3 +43,16 @@ def random_topk_routing(t: int, e: int, k: int, *, seed: int, device="cuda"):
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randn(t, e, device=device, generator=g).topk(k, dim=1).indices.to(torch.int32)
     return routing_from_topk(ids, e)
+
+
+def layer_grads(p: dict, dout: torch.Tensor, top_k: int, *, dtype=torch.bfloat16, backend: str = "triton"):
+    """The layer's output and the gradients of all its inputs: :func:`sonicmoe.moe` on ``p``
+    (:func:`random_problem`'s dict, biases if present) cast to ``dtype``, backward from ``dout`` (T, d).
+    Returns (out (T, d), {name: grad})."""
+    from .functional import moe
+
+    ins = {key: v.to(dtype).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+    res = moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins.get("b1"), ins.get("b2"), top_k=top_k,
+              backend=backend)
+    res.out.backward(dout)
+    return res.out.detach(), {key: v.grad for key, v in ins.items()}

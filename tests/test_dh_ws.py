@@ -119,29 +119,37 @@ GPU_CASES = [
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
-def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
-    """dH, A′ and dS within rounding of the float32 loop and of the Triton kernel, no NaN left by the poison fill,
-    the same bits on a second run, the inputs untouched, every config of the compiled sweep."""
+def _gpu_inputs(case, dtype, seed, monkeypatch):
+    """Routing, dO, W2, H and row scores of a GPU case (fresh random values; outputs poisoned with NaN before the
+    kernels write them); skips off sm_90."""
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
     routing = random_topk_routing(t, e, k, seed=t)
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     r = routing.num_rows
     dout = torch.randn(t, d, device="cuda", generator=g).to(dtype)
     w2 = (torch.randn(e, d, n, device="cuda", generator=g) / d ** 0.5).to(dtype)
     h = torch.randn(r, 2 * n, device="cuda", generator=g).to(dtype)
-    s = torch.rand(r, device="cuda", generator=g)
+    return routing, dout, w2, h, torch.rand(r, device="cuda", generator=g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
+def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
+    """dH, A′ and dS within rounding of the float32 loop and of the Triton kernel, no NaN left by the poison fill,
+    the same bits on a second run, the inputs untouched; the default config, pointer stores instead of TMA stores,
+    and 128-wide tiles with every H block prefetched."""
+    routing, dout, w2, h, s = _gpu_inputs(case, dtype, 1, monkeypatch)
+    n = w2.shape[2]
     ins = [v.clone() for v in (dout, w2, h, s)]
     ref = dh_mod.dh_ref(dout, w2, h, s, routing)
     monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
     tri = dh_mod.dh(dout, w2, h, s, routing)
     monkeypatch.delenv("SONICMOE_GLUON_DH")
     runs = {}
-    for cfg in (None, dh_ws_config(n, 16, 2), dh_ws_config(n, 32, 4, 128)):
+    for cfg in (None, {**dh_ws_config(n, 16, 2), "TMA_STORE": False}, dh_ws_config(n, 32, 4, 128)):
         got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
         ds = got[2].sum(0)
         for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):
@@ -163,17 +171,8 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 def test_gpu_pingpong_matches_triton(case, monkeypatch):
     """The ping-pong form (dh_ws_pp_config, not the default): dH and A′ bitwise the Triton kernel's (the same dA′
     bits and epilogue arithmetic as the cooperative form), dS within rounding, deterministic, no NaN left."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    r = routing.num_rows
-    dout = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-    w2 = (torch.randn(e, d, n, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
-    h = torch.randn(r, 2 * n, device="cuda", generator=g).to(torch.bfloat16)
-    s = torch.rand(r, device="cuda", generator=g)
+    routing, dout, w2, h, s = _gpu_inputs(case, torch.bfloat16, 2, monkeypatch)
+    n = w2.shape[2]
     coop = dh_ws.dh_ws(dout, w2, h, s, routing)
     cfg = dh_ws.dh_ws_pp_config(n)
     got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
@@ -188,8 +187,7 @@ def test_gpu_pingpong_matches_triton(case, monkeypatch):
 def test_gpu_layer_uses_gluon_dh(monkeypatch):
     """At a shape the rule selects (d = 4096), the layer's backward runs the Gluon dH kernel, and its gradients stay
     within rounding of those with SONICMOE_GLUON_DH=0 (bias terms included: dS gains ⟨dO, b2⟩ outside the kernel)."""
-    import sonicmoe
-    from sonicmoe.testing import random_problem
+    from sonicmoe.testing import layer_grads, random_problem
 
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
@@ -198,19 +196,11 @@ def test_gpu_layer_uses_gluon_dh(monkeypatch):
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     calls = []
     monkeypatch.setattr(dh_mod, "dh_ws", lambda *a, **kw: calls.append(1) or dh_ws.dh_ws(*a, **kw))
-
-    def run():
-        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
-        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
-                           backend="triton")
-        res.out.backward(dout)
-        return res.out.detach(), {key: v.grad for key, v in ins.items()}
-
-    on = run()
+    on = layer_grads(p, dout, k)
     assert calls
     monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
     n_calls = len(calls)
-    off = run()
+    off = layer_grads(p, dout, k)
     assert len(calls) == n_calls
     assert torch.equal(on[0], off[0])
     for name in on[1]:

@@ -134,8 +134,7 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
     """At a shape the rule selects (d = 4096), the layer's forward runs the Gluon up-projection, and its outputs and
     gradients stay within rounding of those with SONICMOE_GLUON_UP=0."""
-    import sonicmoe
-    from sonicmoe.testing import random_problem
+    from sonicmoe.testing import layer_grads, random_problem
 
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
@@ -144,19 +143,11 @@ def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     calls = []
     monkeypatch.setattr(up_proj, "up_proj_ws", lambda *a, **kw: calls.append(1) or run_ws(*a, **kw))
-
-    def run():
-        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
-        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
-                           backend="triton")
-        res.out.backward(dout)
-        return res.out.detach(), {key: v.grad for key, v in ins.items()}
-
-    on = run()
+    on = layer_grads(p, dout, k)
     assert calls
     monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
     n_calls = len(calls)
-    off = run()
+    off = layer_grads(p, dout, k)
     assert len(calls) == n_calls
     assert rel_err(on[0], off[0]) < 5e-3
     for name in on[1]:

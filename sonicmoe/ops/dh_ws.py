@@ -50,13 +50,11 @@ import torch
 from ..routing import Routing
 from .common import new_output, sm_count
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
-from .up_proj_ws import _tile_of
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -64,6 +62,8 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    from .up_proj_ws import _tile_of, gather_loader
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_K = 64
@@ -157,39 +157,6 @@ def dh_ws_supported(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, gate_
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _dh_loader(do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                   num_pid_n, D, stride_do, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr, WARPS: gl.constexpr):
-        """Loader partition: for every K-block of every tile of this program, the gathered dO rows (cp.async) and
-        W2[e]'s (BLOCK_K × BLOCK_N) box (TMA) into the next ring slot, once the MMAs that read its previous
-        content are done."""
-        TPK: gl.constexpr = BLOCK_K // 8  # threads along a row: 16 bytes each
-        lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPK, TPK], [WARPS, 1], [1, 0])
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
-        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lx))
-        total = gl.load(table_ptr) * num_pid_n
-        k_tiles = D // BLOCK_K
-        step = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            rows = row_start + offs_m
-            ok = rows < row_end
-            tok = gl.load(row_token_ptr + rows, mask=ok, other=0).to(gl.int64)
-            do_rows = do_ptr + tok * stride_do
-            mask = ok[:, None] & (offs_k >= 0)[None, :]
-            for ki in range(k_tiles):
-                s = step % STAGES
-                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-                mbarrier.expect(tma_ready.index(s), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [e * D + ki * BLOCK_K, pid_n * BLOCK_N], tma_ready.index(s),
-                                                w_bufs.index(s))
-                cols = ki * BLOCK_K + offs_k
-                async_copy.async_copy_global_to_shared(x_bufs.index(s), do_rows[:, None] + cols[None, :], mask=mask)
-                # fires once this thread's copies have landed (the barrier counts every loader thread)
-                async_copy.mbarrier_arrive(cp_ready.index(s), increment_count=False)
-                step += 1
 
     @gluon.jit
     def _load_h_block(h_desc, h_bufs, h_ready, row_start, col, N, b: gl.constexpr):
@@ -287,6 +254,22 @@ if HAVE_GLUON:
                        WARPS, PART, TMA_STORE)
 
     @gluon.jit
+    def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr):
+        """A tile's dA′ = dO·W2[e] wgmma chain over ring steps ``step`` .. ``step + k_tiles - 1``: one K-block in
+        flight, so once a K-block's MMA is issued the previous one is done and its slot goes back to the loader.
+        Returns the (BLOCK_M, BLOCK_N) float32 accumulator, with the last MMA possibly still in flight, and the next
+        ring step."""
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        for ki in range(k_tiles):
+            s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
+            acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+            step += 1
+        return acc, step
+
+    @gluon.jit
     def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, ap_buf, h_ready, h_desc, dh_desc, ap_desc, dh_ptr,
                 ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
@@ -309,14 +292,8 @@ if HAVE_GLUON:
                 gl.thread_barrier()  # the previous tile's epilogue has read every H buffer
                 for j in gl.static_range(NBUF):
                     _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
-            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-            for ki in range(k_tiles):
-                s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
-                acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s), acc, is_async=True)
-                # this K-block's MMA in flight: the previous block's is done, its slot goes back
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-                step += 1
+            acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
+                                   STAGES, acc_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
             if PART == 1:  # the MMAs alone (timing only): the row sums of dA′ keep them from being removed
@@ -349,8 +326,8 @@ if HAVE_GLUON:
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
                        BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE)),
-            (_dh_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                          num_pid_n, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
+            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
         for i in gl.static_range(NBUF):
@@ -386,12 +363,8 @@ if HAVE_GLUON:
                 # consumer 0's first wait passes at once (parity 1 of a fresh barrier)
                 mbarrier.wait(turn.index(ME), (own & 1) ^ (1 - ME))
                 step = pos * k_tiles  # the ring step of this tile's first K-block (the loader's order)
-                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-                for ki in range(k_tiles):
-                    s = wait_gathered_slot(tma_ready, cp_ready, step + ki, STAGES)
-                    acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s), acc, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    mbarrier.arrive(empty.index((step + ki + STAGES - 1) % STAGES), pred=ki > 0)
+                acc, _ = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
+                                    STAGES, acc_layout)
                 mbarrier.arrive(turn.index(1 - ME))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index((step + k_tiles - 1) % STAGES), pred=k_tiles > 0)
@@ -440,8 +413,8 @@ if HAVE_GLUON:
             (_dh_pp_consumer1, (x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs1, ap_buf1, h_ready1, h_desc,
                                 dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R,
                                 stride_hr, stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE)),
-            (_dh_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                          num_pid_n, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
+            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
         for i in gl.static_range(NBUF):

@@ -142,12 +142,14 @@ if HAVE_GLUON:
         return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), tile - mt * num_pid_n
 
     @gluon.jit
-    def _up_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                   num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr, WARPS: gl.constexpr):
-        """Loader partition: for every K-block of every tile of this program, the gathered X rows (cp.async) and
-        W1[e]'s gate and up boxes (TMA) into the next ring slot, once the MMAs that read its previous content
-        are done."""
+    def gather_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+                      num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr):
+        """Loader partition of the gather-fused varlen-M kernels (this one and :mod:`.dh_ws`): for every K-block of
+        every tile of this program, the tile's gathered rows of ``x`` (X here, dO for dH) by 16-byte cp.async (rows
+        past the expert's end zero-filled) and the weight's boxes by TMA into the next ring slot, once the MMAs that
+        read its previous content are done. ``W_UP``: W1[e]'s gate and up (BLOCK_N × BLOCK_K) boxes from the
+        (E·2n, d) view; else W2[e]'s (BLOCK_K × BLOCK_N) box from the (E·d, n) view."""
         TPK: gl.constexpr = BLOCK_K // 8  # threads along a row: 16 bytes each
         lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPK, TPK], [WARPS, 1], [1, 0])
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
@@ -166,12 +168,17 @@ if HAVE_GLUON:
             for ki in range(k_tiles):
                 s = step % STAGES
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-                mbarrier.expect(tma_ready.index(s), 2 * w_desc.block_type.nbytes)
-                w_buf = w_bufs.index(s)
-                tma.async_copy_global_to_shared(w_desc, [w_row, ki * BLOCK_K], tma_ready.index(s),
-                                                w_buf.slice(0, BLOCK_N))
-                tma.async_copy_global_to_shared(w_desc, [w_row + N, ki * BLOCK_K], tma_ready.index(s),
-                                                w_buf.slice(BLOCK_N, BLOCK_N))
+                if W_UP:
+                    mbarrier.expect(tma_ready.index(s), 2 * w_desc.block_type.nbytes)
+                    w_buf = w_bufs.index(s)
+                    tma.async_copy_global_to_shared(w_desc, [w_row, ki * BLOCK_K], tma_ready.index(s),
+                                                    w_buf.slice(0, BLOCK_N))
+                    tma.async_copy_global_to_shared(w_desc, [w_row + N, ki * BLOCK_K], tma_ready.index(s),
+                                                    w_buf.slice(BLOCK_N, BLOCK_N))
+                else:
+                    mbarrier.expect(tma_ready.index(s), w_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(w_desc, [e * D + ki * BLOCK_K, pid_n * BLOCK_N],
+                                                    tma_ready.index(s), w_bufs.index(s))
                 cols = ki * BLOCK_K + offs_k
                 async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask)
                 # fires once this thread's copies have landed (the barrier counts every loader thread)
@@ -297,8 +304,9 @@ if HAVE_GLUON:
             (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
                        b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
                        BLOCK_K, STAGES, MMA_WARPS, GU_FUSED)),
-            (_up_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
-                          empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS)),
+            (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
+                             empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
+                             True)),
         ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
