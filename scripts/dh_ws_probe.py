@@ -13,10 +13,9 @@ now. GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from dxt_ws_probe import timing_rows, with_env
+from dxt_ws_probe import probe_shapes, timing_rows, with_env
 
 import sonicmoe
 from sonicmoe.ops import dh as dh_mod
@@ -77,14 +76,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
-    for shape in args.shape or ["24576,1536,256,128,8"]:
-        pp = [tuple(int(v) for v in c.split(":")) for c in args.pingpong.split(",") if c]
-        res["results"] += probe_shape(shape, configs, args.rounds, pp)
-        torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    pp = [tuple(int(v) for v in c.split(":")) for c in args.pingpong.split(",") if c]
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, pp), args.json)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,19 @@ def timing_rows(shape: str, fns: dict, checks: dict, flops: int, rounds: int, wi
     return rows
 
 
+def probe_shapes(shapes: list[str] | None, probe, json_path: str | None) -> dict:
+    """``probe(shape)`` (a list of result rows) for each shape (default: the 7B shape), the GPU's memory cache emptied
+    between shapes; the rows with the device and torch version, also written to ``json_path`` if given."""
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
+    for shape in shapes or ["24576,1536,256,128,8"]:
+        res["results"] += probe(shape)
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
@@ -95,12 +108,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [dict(zip(("BLOCK_N", "STAGES"), map(int, c.split(":")))) for c in args.configs.split(",")]
-    res = {"device": torch.cuda.get_device_name(), "results": []}
-    for shape in args.shape or ["24576,1536,256,128,8"]:
-        res["results"] += probe_shape(shape, configs, args.rounds)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from dxt_ws_probe import timing_rows, with_env
+from dxt_ws_probe import probe_shapes, timing_rows, with_env
 
 import sonicmoe
 from sonicmoe.ops import up_proj as up
@@ -68,13 +67,7 @@ def main() -> None:
     configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
     for c in configs:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
-    for shape in args.shape or ["24576,1536,256,128,8"]:
-        res["results"] += probe_shape(shape, configs, args.rounds)
-        torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 
 if __name__ == "__main__":

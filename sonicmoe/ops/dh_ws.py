@@ -274,7 +274,7 @@ if HAVE_GLUON:
                 ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
-        """MMA partition: per tile, the H loads of the first two epilogue blocks, the wgmma chain over the ring,
+        """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`)."""
         NB: gl.constexpr = BLOCK_N // EPI
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
