@@ -139,8 +139,10 @@ def _gpu_inputs(case, dtype, seed, monkeypatch):
 @pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
 def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     """dH, A′ and dS within rounding of the float32 loop and of the Triton kernel, no NaN left by the poison fill,
-    the same bits on a second run, the inputs untouched; the default config, pointer stores instead of TMA stores,
-    and 128-wide tiles with every H block prefetched."""
+    the same bits on a second run, the inputs untouched; dH and A′ bitwise the Triton kernel's (the same dA′
+    accumulation order and epilogue arithmetic); the default config, pointer stores instead of TMA stores, 128-wide
+    tiles with every H block prefetched, and the outputs staged apart from H (OUT_SETS = 2) with TMA stores and with
+    pointer stores."""
     routing, dout, w2, h, s = _gpu_inputs(case, dtype, 1, monkeypatch)
     n = w2.shape[2]
     ins = [v.clone() for v in (dout, w2, h, s)]
@@ -148,8 +150,9 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
     tri = dh_mod.dh(dout, w2, h, s, routing)
     monkeypatch.delenv("SONICMOE_GLUON_DH")
-    runs = {}
-    for cfg in (None, {**dh_ws_config(n, 16, 2), "TMA_STORE": False}, dh_ws_config(n, 32, 4, 128)):
+    runs, bitwise = {}, {}
+    for cfg in (None, {**dh_ws_config(n, 16, 2), "TMA_STORE": False}, dh_ws_config(n, 32, 4, 128),
+                dh_ws_config(n, 32, 2, out_sets=2), {**dh_ws_config(n, 16, 2, out_sets=2), "TMA_STORE": False}):
         got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
         ds = got[2].sum(0)
         for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):
@@ -158,7 +161,9 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
             assert rel_err(x, z) < 3e-3, name
         again = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
         assert all(torch.equal(x, y) for x, y in zip(got, again))
+        bitwise[str(cfg)] = torch.equal(got[0], tri[0]) and torch.equal(got[1], tri[1])
         runs[cfg is None] = got
+    assert all(bitwise.values()), bitwise
     assert all(torch.equal(x, y) for x, y in zip(ins, (dout, w2, h, s)))
     # dh() runs this kernel where dh_ws_preferred says so (its partials reduced there)
     monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda d: True)
@@ -167,14 +172,15 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_sets", [0, 2])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
-def test_gpu_pingpong_matches_triton(case, monkeypatch):
+def test_gpu_pingpong_matches_triton(case, out_sets, monkeypatch):
     """The ping-pong form (dh_ws_pp_config, not the default): dH and A′ bitwise the Triton kernel's (the same dA′
     bits and epilogue arithmetic as the cooperative form), dS within rounding, deterministic, no NaN left."""
     routing, dout, w2, h, s = _gpu_inputs(case, torch.bfloat16, 2, monkeypatch)
     n = w2.shape[2]
     coop = dh_ws.dh_ws(dout, w2, h, s, routing)
-    cfg = dh_ws.dh_ws_pp_config(n)
+    cfg = dh_ws.dh_ws_pp_config(n, out_sets=out_sets)
     got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
     assert not any(torch.isnan(x).any() for x in got)
     assert torch.equal(got[0], coop[0]) and torch.equal(got[1], coop[1])
