@@ -1,14 +1,12 @@
 """The dH kernel (dA′ GEMM + SwiGLU backward + A′ + dS) on the Gluon warp-specialised kernel against the Triton one.
 
-usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...]
-                                     [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:OUT_SETS]]]],...]
+usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
 SONICMOE_AUTOTUNE=0: bits and relative error; tests/test_dh_ws.py compares both with the float32 reference), then
 times both in alternating rounds on the same inputs (do_bench medians). PART 1 times the MMAs alone, 2 all but the
-global stores of dH and A′ (``dh_ws``'s config; their outputs are not the kernel's). OUT_SETS 2 stages the outputs
-apart from H's buffers. ``--pingpong EPI:NBUF[:OUT_SETS]`` times the ping-pong form. ``default`` is what ``dh`` picks
+global stores of dH and A′ (``dh_ws``'s config; their outputs are not the kernel's). ``default`` is what ``dh`` picks
 now. GPU only.
 """
 
@@ -25,7 +23,7 @@ from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
 
-def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int, pingpong: list[tuple[int, int]]) -> list[dict]:
+def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -39,13 +37,9 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int, pingpon
     flops = 2 * r * n * d
     fns = {"triton": lambda: with_env("SONICMOE_GLUON_DH", "0", dh_mod.dh, dout, w2, h, s, routing),
            "default": lambda: dh_mod.dh(dout, w2, h, s, routing)}
-    for epi, nbuf, bn, part, tma_store, out_sets in configs:
-        cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None, out_sets), "PART": part, "TMA_STORE": bool(tma_store)}
-        name = f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part} T={tma_store} O={out_sets}"
-        fns[name] = lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
-    for epi, nbuf, *rest in pingpong:
-        cfg = dh_ws.dh_ws_pp_config(n, epi, nbuf, *rest)
-        fns[f"gluon PP EPI={epi} NBUF={nbuf} S={cfg['STAGES']} O={cfg['OUT_SETS']}"] = (
+    for epi, nbuf, bn, part, tma_store in configs:
+        cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None), "PART": part, "TMA_STORE": bool(tma_store)}
+        fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part} T={tma_store}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -64,23 +58,20 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int, pingpon
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:OUT_SETS]]]] -> (EPI, NBUF, BLOCK_N or 0 (the default), PART (0),
-    TMA_STORE (1), OUT_SETS (dh_ws.OUT_SETS))."""
+    """EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]] -> (EPI, NBUF, BLOCK_N or 0 (the default), PART (0), TMA_STORE (1))."""
     vals = [int(v) for v in text.split(":")]
-    return tuple(vals + [0, 0, 1, dh_ws.OUT_SETS][len(vals) - 2:])
+    return tuple(vals + [0, 0, 1][len(vals) - 2:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="32:2,16:2")
-    ap.add_argument("--pingpong", default="", help="EPI:NBUF,... of the ping-pong form to time too")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
-    pp = [tuple(int(v) for v in c.split(":")) for c in args.pingpong.split(",") if c]
-    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, pp), args.json)
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 
 if __name__ == "__main__":

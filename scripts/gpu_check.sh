@@ -8,8 +8,8 @@
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
-#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...,
-#          DHWS_PP EPI:NBUF,... of the ping-pong form), GPU tests, layer A/B
+#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...),
+#          GPU tests, layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -121,7 +121,6 @@ for step in "$@"; do
       shapes=()
       for sh in ${DHWS_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
       timeout ${DHWS_LIMIT_S:-200} python3 scripts/dh_ws_probe.py "${shapes[@]}" ${DHWS_CONFIGS:+--configs $DHWS_CONFIGS} \
-        ${DHWS_PP:+--pingpong $DHWS_PP} \
         --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
       [ "${DHWS_TESTS:-1}" = 1 ] &&
         timeout 400 python3 -m pytest -rA -m gpu tests/test_dh_ws.py ${DHWS_MORE_TESTS:-} -p no:cacheprovider \

@@ -1,11 +1,14 @@
 """Run each 7B-shape kernel a few times (for ncu: profile one launch of a named kernel).
 
 usage: ncu --clock-control none -k regex:_dh_kernel -c 1 --section SpeedOfLight python scripts/kernel_probe.py
+       [--gluon-dh]   (also the Gluon dH kernel, sonicmoe.ops.dh_ws, with its default config: -k regex:_dh_ws)
 """
+import sys
+
 import torch
 
 import sonicmoe
-from sonicmoe.ops import dh, grouped_gemm, up_proj
+from sonicmoe.ops import dh, dh_ws, grouped_gemm, up_proj
 from sonicmoe.testing import random_problem
 
 t, d, n, e, k = 24576, 1536, 256, 128, 8
@@ -18,5 +21,7 @@ for _ in range(3):
     h, a = up_proj.up_proj(p["x"], p["w1"], None, routing)
     y = grouped_gemm.down_proj(a, p["w2"], None, routing)
     dh.dh(dout, p["w2"], h, s_row, routing)
+    if "--gluon-dh" in sys.argv:
+        dh_ws.dh_ws(dout, p["w2"], h, s_row, routing)
 torch.cuda.synchronize()
 print("done")

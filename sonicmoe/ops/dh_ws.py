@@ -16,17 +16,20 @@ by role:
   into the next tile while the MMA warps run this one's epilogue;
 * the **MMA warps** (two warpgroups, BLOCK_M = 128 rows) start each tile by asking TMA for H's gate and up columns
   of the epilogue's first NBUF EPI-channel blocks, run the asynchronous wgmma chain of the tile, then the epilogue
-  on BLOCK_N / EPI column blocks in turn: each block waits for its H block, computes, writes dH's gate and up
-  blocks and A′ back into shared memory (the H buffer and a staging block) and its dS partial to memory; full
-  tiles' blocks leave by TMA stores (``TMA_STORE``), an expert's last, partial tile's by masked 16-byte stores;
-  then TMA refills the buffer with the block NBUF ahead.
+  on BLOCK_N / EPI column blocks in turn: each block waits for its H block, reads it, hands the buffer back to TMA
+  for the block NBUF ahead, computes, writes its dS partial to memory and dH's gate and up blocks and A′ into one
+  of two staging sets in shared memory; full tiles' blocks leave by TMA stores (``TMA_STORE``), which drain while
+  the next two blocks compute; an expert's last, partial tile's leave by masked 16-byte stores.
 
 Where the time goes (the ``PART`` config, 7B shape, H100, session 25): the MMAs alone 0.302 ms (512 TFLOP/s), all
 but the global stores of dH and A′ 0.412, the whole kernel 0.542-0.553 (the Triton kernel 0.537-0.542). The
-epilogue runs after each tile's MMAs, not beside them. :func:`dh_ws_pp_config` selects a ping-pong form that
-overlaps them: two consumer warpgroups (``_dh_pp_consumer``) take alternate (128, 128) tiles, each with its own H
-buffers, and one's epilogue runs while the other's MMAs do. It compiles without spills at EPI = 16 (offline report)
-but has not run on a GPU yet, so no shape uses it by default.
+epilogue runs after each tile's MMAs, not beside them. Tried and dropped (session 26,
+benchmarks/results/2026-11-25_nvidia-h100_session26/): a ping-pong form, two consumer warpgroups on alternate
+(128, 128) tiles so that one's epilogue runs beside the other's MMAs: bitwise right, but 0.87 ms at 7B against
+0.53 and 5.4 ms against 4.3-4.4 at (32768, 4096, 1024, 128, 8). Its 128-wide tiles gather every dO row twice as
+often as the 256-wide ones. Staging the outputs apart from H's buffers (this form) instead of through them, which
+let each block wait for its own stores before TMA could refill the buffer, measured 0.530 against 0.534 ms at 7B
+and the same at (32768, 4096, 1024, 128, 8).
 
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
 (no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
@@ -74,9 +77,7 @@ LOADER_REGS = 80
 MMA_WARPS = 8
 MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 256 float32) takes 128
 MAX_STAGES = 6
-PP_CONSUMER_REGS = 216  # the ping-pong form: 2 consumer warpgroups x 128 x 216 + 128 loader threads x 80 <= 64 K
 TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
-OUT_SETS = 0  # output staging: 2 sets of (dH gate, dH up, A′) blocks apart from H's buffers, or 0 (through them)
 MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (dh_ws_preferred)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
@@ -89,41 +90,21 @@ def dh_ws_block_n(n: int) -> int | None:
     return 128 if n % 128 == 0 else None
 
 
-def out_blocks(out_sets: int) -> int:
-    """(BLOCK_M, EPI) output staging blocks: 3 per set (dH's gate and up, A′), or A′'s one where OUT_SETS = 0."""
-    return 3 * out_sets if out_sets else 1
-
-
-def dh_ws_smem_bytes(stages: int, block_n: int, epi: int = EPI, nbuf: int = NBUF, elem: int = 2,
-                     out_sets: int = OUT_SETS) -> int:
+def dh_ws_smem_bytes(stages: int, block_n: int, epi: int = EPI, nbuf: int = NBUF, elem: int = 2) -> int:
     """Shared memory of one program: the ring (a dO block and a W2 box per slot), the H buffers (a gate and an up
-    box each) and the output staging blocks (:func:`out_blocks`)."""
-    return elem * (stages * BLOCK_K * (BLOCK_M + block_n) + (2 * nbuf + out_blocks(out_sets)) * BLOCK_M * epi)
+    box each) and two staging sets of the outputs (dH's gate and up blocks and A′'s)."""
+    return elem * (stages * BLOCK_K * (BLOCK_M + block_n) + (2 * nbuf + 2 * 3) * BLOCK_M * epi)
 
 
-def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None,
-                 out_sets: int = OUT_SETS) -> dict | None:
-    """{"BLOCK_N" (default :func:`dh_ws_block_n`), "EPI", "NBUF", "OUT_SETS", "STAGES": the deepest ring that fits
-    beside the H buffers and the staging blocks (at most MAX_STAGES)}, or None where n does not suit the kernel."""
+def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None) -> dict | None:
+    """{"BLOCK_N" (default :func:`dh_ws_block_n`), "EPI", "NBUF", "STAGES": the deepest ring that fits beside the H
+    buffers and the staging sets (at most MAX_STAGES)}, or None where n does not suit the kernel."""
     bn = block_n or dh_ws_block_n(n)
     if bn is None or n % bn:
         return None
-    fixed = dh_ws_smem_bytes(0, bn, epi, nbuf, out_sets=out_sets)
-    per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, out_sets=out_sets) - fixed
-    return {"BLOCK_N": bn, "EPI": epi, "NBUF": nbuf, "OUT_SETS": out_sets,
-            "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
-
-
-def dh_ws_pp_config(n: int, epi: int = 16, nbuf: int = NBUF, out_sets: int = OUT_SETS) -> dict | None:
-    """The ping-pong form's config (``"PINGPONG": True``): each consumer warpgroup owns a (BLOCK_M, 128) tile, its
-    own H buffers and A′ staging block; the deepest ring that fits beside them. None where n is not a multiple of
-    128. EPI = 16 by default: with 32 the consumers spill (benchmarks/resource_report.py). Not yet run on a GPU."""
-    if n % 128:
-        return None
-    one = dh_ws_smem_bytes(0, 128, epi, nbuf, out_sets=out_sets)
-    per_stage = dh_ws_smem_bytes(1, 128, epi, nbuf, out_sets=out_sets) - one
-    return {"PINGPONG": True, "BLOCK_N": 128, "EPI": epi, "NBUF": nbuf, "OUT_SETS": out_sets,
-            "STAGES": min(MAX_STAGES, (SMEM_BUDGET - 2 * one) // per_stage)}
+    fixed = dh_ws_smem_bytes(0, bn, epi, nbuf)
+    per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf) - fixed
+    return {"BLOCK_N": bn, "EPI": epi, "NBUF": nbuf, "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
 
 
 def dh_ws_enabled() -> bool:
@@ -178,16 +159,13 @@ if HAVE_GLUON:
     def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
                   row_end, ch0, tcount, N, R, stride_hr, stride_apr, J: gl.constexpr, NB: gl.constexpr,
                   EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                  TMA_STORE: gl.constexpr, OUT_SETS: gl.constexpr):
+                  TMA_STORE: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
-        dA′ (BLOCK_M, EPI) float32. Its H block is in buffer J % NBUF.
-
-        OUT_SETS = 2: once every thread has read the H block, TMA refills its buffer with the block NBUF ahead; the
-        outputs go into staging set J % 2 of ``o_bufs`` (dH's gate and up blocks and A′'s), which the TMA stores of
-        block J - 2 have finished reading, and leave by TMA stores that drain while the next blocks compute.
-        OUT_SETS = 0: the outputs go back through the H buffer (and ``o_bufs[0]`` for A′), whose stores must finish
-        before TMA refills it.
-        An expert's last, partial tile (rows past its end belong to the next expert), or TMA_STORE off: the staged
+        dA′ (BLOCK_M, EPI) float32. Its H block is in buffer J % NBUF. Once every thread has read the H block, TMA
+        refills the buffer with the block NBUF ahead. The outputs go into staging set J % 2 of ``o_bufs`` (dH's
+        gate and up blocks and A′'s; NB is even, so the sets alternate across tiles too), which the TMA stores of
+        block J - 2 have finished reading, and leave by TMA stores that drain while the next blocks compute. An
+        expert's last, partial tile (rows past its end belong to the next expert), or TMA_STORE off: the staged
         blocks are read back in a row-major layout and leave by masked 16-byte stores (pointer stores straight from
         the accumulator's layout need a 64-bit address per element pair: the MMA warps then spill)."""
         b: gl.constexpr = J % NBUF
@@ -209,24 +187,16 @@ if HAVE_GLUON:
         d_up = (da * silu).to(dtype)
         d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
         refill: gl.constexpr = J + NBUF < NB
-        gl.thread_barrier()  # every MMA thread has read buffer b (and the staging blocks this block overwrites)
-        if OUT_SETS == 2:
-            if refill:
-                _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + (J + NBUF) * EPI, N, b)
-            q: gl.constexpr = J % 2
-            og = o_bufs.index(3 * q)
-            ou = o_bufs.index(3 * q + 1)
-            oa = o_bufs.index(3 * q + 2)
-            if TMA_STORE:
-                tma.store_wait(pendings=3)  # block J - 1's three stores may still run; block J - 2's have read set q
-                gl.thread_barrier()
-        else:
-            og = g_buf
-            ou = u_buf
-            oa = o_bufs.index(0)
-            if TMA_STORE:
-                tma.store_wait(pendings=0)  # the previous block's TMA stores have read the A′ block
-                gl.thread_barrier()
+        gl.thread_barrier()  # every MMA thread has read buffer b (and, from block J - 2, staging set J % 2)
+        if refill:
+            _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + (J + NBUF) * EPI, N, b)
+        q: gl.constexpr = J % 2
+        og = o_bufs.index(3 * q)
+        ou = o_bufs.index(3 * q + 1)
+        oa = o_bufs.index(3 * q + 2)
+        if TMA_STORE:
+            tma.store_wait(pendings=3)  # block J - 1's three stores may still run; block J - 2's have read set q
+            gl.thread_barrier()
         og.store(d_gate)
         ou.store(d_up)
         oa.store((a * s).to(dtype))
@@ -239,9 +209,6 @@ if HAVE_GLUON:
                 tma.async_copy_shared_to_global(dh_desc, [row_start, col], og)
                 tma.async_copy_shared_to_global(dh_desc, [row_start, N + col], ou)
                 tma.async_copy_shared_to_global(ap_desc, [row_start, col], oa)
-            if refill and OUT_SETS == 0:
-                tma.store_wait(pendings=0)  # buffer b read by the stores: TMA may refill it
-                gl.thread_barrier()
         else:
             gl.thread_barrier()
             TPN: gl.constexpr = EPI // 8
@@ -254,31 +221,27 @@ if HAVE_GLUON:
                 gl.store(dh_ptr + r64 * stride_hr + cols[None, :], og.load(st), mask=mask)
                 gl.store(dh_ptr + r64 * stride_hr + (N + cols)[None, :], ou.load(st), mask=mask)
                 gl.store(ap_ptr + r64 * stride_apr + cols[None, :], oa.load(st), mask=mask)
-            if refill and OUT_SETS == 0:
-                gl.thread_barrier()  # every MMA thread has read buffer b back: TMA may refill it
-        if refill and OUT_SETS == 0:
-            _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + (J + NBUF) * EPI, N, b)
 
     @gluon.jit
     def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
                    row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr, NB: gl.constexpr,
                    EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                   TMA_STORE: gl.constexpr, OUT_SETS: gl.constexpr):
+                   TMA_STORE: gl.constexpr):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left."""
         W: gl.constexpr = acc.shape[1]
         if W == EPI:
             _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
-                      TMA_STORE, OUT_SETS)
+                      TMA_STORE)
         else:
             lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
             _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
-                       TMA_STORE, OUT_SETS)
+                       TMA_STORE)
             _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF,
-                       WARPS, PART, TMA_STORE, OUT_SETS)
+                       WARPS, PART, TMA_STORE)
 
     @gluon.jit
     def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
@@ -300,8 +263,7 @@ if HAVE_GLUON:
     def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc, dh_ptr,
                 ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
-                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                OUT_SETS: gl.constexpr):
+                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`)."""
         NB: gl.constexpr = BLOCK_N // EPI
@@ -315,8 +277,6 @@ if HAVE_GLUON:
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             ch0 = pid_n * BLOCK_N
             if PART != 1:
-                if TMA_STORE and OUT_SETS == 0:
-                    tma.store_wait(pendings=0)  # the previous tile's last TMA stores have read their buffers
                 gl.thread_barrier()  # the previous tile's epilogue has read every H buffer
                 for j in gl.static_range(NBUF):
                     _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
@@ -330,7 +290,7 @@ if HAVE_GLUON:
             else:
                 _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
                            row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
-                           TMA_STORE, OUT_SETS)
+                           TMA_STORE)
             tcount += 1
         tma.store_wait(pendings=0)
 
@@ -339,13 +299,12 @@ if HAVE_GLUON:
                       table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      OUT_SETS: gl.constexpr, O_BLOCKS: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
         h_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_M, EPI], h_desc.layout)
-        o_bufs = gl.allocate_shared_memory(dtype, [O_BLOCKS, BLOCK_M, EPI], h_desc.layout)
+        o_bufs = gl.allocate_shared_memory(dtype, [2 * 3, BLOCK_M, EPI], h_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         h_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
@@ -354,107 +313,13 @@ if HAVE_GLUON:
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, OUT_SETS)),
+                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
         for i in gl.static_range(NBUF):
             mbarrier.invalidate(h_ready.index(i))
-
-
-    @gluon.jit
-    def _dh_pp_consumer(x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs, o_bufs, h_ready, h_desc, dh_desc,
-                        ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr,
-                        stride_apr, ME: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, STAGES: gl.constexpr,
-                        TMA_STORE: gl.constexpr, OUT_SETS: gl.constexpr):
-        """Ping-pong consumer ``ME`` (one warpgroup): the tiles at even (0) or odd (1) positions of the program's
-        sequence. Each waits for its ``turn`` (the other consumer has issued the previous tile's MMAs, so the ring
-        is consumed in step order), runs its tile's wgmma chain, passes the turn on, then runs the epilogue while
-        the other consumer's MMAs run. H blocks, A′ staging and their barriers are this consumer's own."""
-        NB: gl.constexpr = BLOCK_N // EPI
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        total = gl.load(table_ptr) * num_pid_n
-        k_tiles = D // BLOCK_K
-        pos = 0
-        own = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            if pos % 2 == ME:
-                e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-                ch0 = pid_n * BLOCK_N
-                if TMA_STORE and OUT_SETS == 0:
-                    tma.store_wait(pendings=0)  # the previous tile's last TMA stores have read their buffers
-                gl.thread_barrier()  # this consumer's previous epilogue has read every H buffer
-                for j in gl.static_range(NBUF):
-                    _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
-                # consumer 0's first wait passes at once (parity 1 of a fresh barrier)
-                mbarrier.wait(turn.index(ME), (own & 1) ^ (1 - ME))
-                step = pos * k_tiles  # the ring step of this tile's first K-block (the loader's order)
-                acc, _ = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
-                                    STAGES, acc_layout)
-                mbarrier.arrive(turn.index(1 - ME))
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((step + k_tiles - 1) % STAGES), pred=k_tiles > 0)
-                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
-                           row_start, row_end, ch0, own, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, 4, 0,
-                           TMA_STORE, OUT_SETS)
-                own += 1
-            pos += 1
-        tma.store_wait(pendings=0)
-
-    @gluon.jit
-    def _dh_pp_consumer1(x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs, o_bufs, h_ready, h_desc, dh_desc,
-                         ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr,
-                         stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                         EPI: gl.constexpr, NBUF: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-                         OUT_SETS: gl.constexpr):
-        _dh_pp_consumer(x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs, o_bufs, h_ready, h_desc, dh_desc,
-                        ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr,
-                        stride_apr, 1, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE, OUT_SETS)
-
-    @gluon.jit
-    def _dh_pp_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
-                      table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                      NBUF: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, TMA_STORE: gl.constexpr,
-                      OUT_SETS: gl.constexpr, O_BLOCKS: gl.constexpr):
-        dtype: gl.constexpr = do_ptr.dtype.element_ty
-        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-        h_bufs0 = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_M, EPI], h_desc.layout)
-        h_bufs1 = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_M, EPI], h_desc.layout)
-        o_bufs0 = gl.allocate_shared_memory(dtype, [O_BLOCKS, BLOCK_M, EPI], h_desc.layout)
-        o_bufs1 = gl.allocate_shared_memory(dtype, [O_BLOCKS, BLOCK_M, EPI], h_desc.layout)
-        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        h_ready0 = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        h_ready1 = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NBUF):
-            mbarrier.init(h_ready0.index(i), count=1)
-            mbarrier.init(h_ready1.index(i), count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        gl.warp_specialize([
-            (_dh_pp_consumer, (x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs0, o_bufs0, h_ready0, h_desc,
-                               dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R,
-                               stride_hr, stride_apr, 0, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE,
-                               OUT_SETS)),
-            (_dh_pp_consumer1, (x_bufs, w_bufs, tma_ready, cp_ready, empty, turn, h_bufs1, o_bufs1, h_ready1, h_desc,
-                                dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R,
-                                stride_hr, stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, TMA_STORE,
-                                OUT_SETS)),
-            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
-        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
-        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
-        for i in gl.static_range(NBUF):
-            mbarrier.invalidate(h_ready0.index(i))
-            mbarrier.invalidate(h_ready1.index(i))
-        mbarrier.invalidate(turn.index(0))
-        mbarrier.invalidate(turn.index(1))
 
 
 _CALLS: dict[tuple, dict] = {}
@@ -477,8 +342,8 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order.
         routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS" (default
-            :func:`dh_ws_config`), "PINGPONG" (:func:`dh_ws_pp_config`: two consumer warpgroups on alternate
-            tiles, one's epilogue beside the other's MMAs; not yet run on a GPU), and, to time a part of the
+            :func:`dh_ws_config`), "TMA_STORE" (default True; False: every tile's outputs by masked pointer
+            stores), and, to time a part of the
             kernel alone, "PART": 1 the MMAs only (no H, no epilogue: dH and A′ are left unwritten, dS holds row
             sums of dA′), 2 all but the global stores of dH and A′ (0, the default: the whole kernel).
     Returns:
@@ -502,13 +367,8 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             a_prime.stride(0))
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
-                LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE), OUT_SETS=cfg.get("OUT_SETS", 0),
-                O_BLOCKS=out_blocks(cfg.get("OUT_SETS", 0)),
+                LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
-    if cfg.get("PINGPONG"):
-        _dh_pp_kernel[(sm_count(h.device),)](*args, **meta, CONSUMER_REGS=cfg.get("CONSUMER_REGS", PP_CONSUMER_REGS),
-                                             num_warps=4)
-    else:
-        _dh_ws_kernel[(sm_count(h.device),)](*args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
-                                             num_warps=MMA_WARPS)
+    _dh_ws_kernel[(sm_count(h.device),)](*args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
+                                         num_warps=MMA_WARPS)
     return dh_, a_prime, ds_part
