@@ -213,12 +213,14 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
     """At a shape the rule selects, the layer's forward and backward run the Gluon down-projection and dX̃
-    GEMM and give the same bits as with SONICMOE_GLUON_DXT=0 and with SONICMOE_GLUON=0."""
+    GEMM and give the same bits as with SONICMOE_GLUON_DXT=0 and with SONICMOE_GLUON=0 (dH on the Triton kernel
+    in every run: the Gluon dH kernel, which SONICMOE_GLUON=0 also turns off, sums dS in another order)."""
     import sonicmoe
     from sonicmoe.testing import random_problem
 
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
     t, d, n, e, k = 4096, 1536, 256, 32, 8
     p = random_problem(t, d, n, e, device="cuda", bias=True, seed=3)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
