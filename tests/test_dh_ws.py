@@ -36,7 +36,7 @@ def test_config_fits_shared_memory(n):
 def test_preferred_where_measured_faster():
     """d = 4096 (MIN_D = MAX_D), where it measured faster; not the 7B width, where it was slower."""
     assert dh_ws.dh_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8)
-    assert dh_ws.dh_ws_preferred(1536)  # 7B (faster since session 26)
+    assert not dh_ws.dh_ws_preferred(1536)  # 7B: faster alone, not in the layer (session 26)
     assert not dh_ws.dh_ws_preferred(7168) and not dh_ws.dh_ws_preferred(768)  # not measured
 
 

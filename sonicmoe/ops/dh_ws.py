@@ -78,7 +78,7 @@ MMA_WARPS = 8
 MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 256 float32) takes 128
 MAX_STAGES = 6
 TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
-MIN_D, MAX_D = 1536, 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (dh_ws_preferred)
+MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (dh_ws_preferred)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
@@ -123,10 +123,12 @@ def dh_ws_preferred(d: int) -> bool:
     * (16384, 4096, 1024, 256, 4): 1.57 against 1.58-1.59 (the same);
     * 7B (24576, 1536, 256, 128, 8): 0.542 against 0.542 with TMA stores (0.552 against 0.537 before them): not
       faster then. With the outputs staged apart from H's buffers (session 26,
-      benchmarks/results/2026-11-25_nvidia-h100_session26/): 0.529 against 0.539 ms (faster in 5 of 5 rounds;
-      same dH and A′ bits), and (32768, 4096, 1024, 128, 8) 4.25 against 4.50.
+      benchmarks/results/2026-11-25_nvidia-h100_session26/): alone 0.527-0.529 against 0.537-0.539 ms (faster in
+      every round of two calls; same dH and A′ bits), but in the layer (7 alternating rounds) forward+backward
+      3.489 against 3.435 ms, within the rounds' spread (3.39-3.90): no gain there, so 7B stays on the Triton
+      kernel. (32768, 4096, 1024, 128, 8): 4.25 against 4.50 ms.
 
-    Widths between 1536 and 4096 are not measured (taken as the ends); below and above, the Triton kernel."""
+    Other widths are not measured; the bounds move as they are."""
     return MIN_D <= d <= MAX_D
 
 
