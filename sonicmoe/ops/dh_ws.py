@@ -160,12 +160,13 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(h_desc, [row_start, N + col], h_ready.index(b), h_bufs.index(2 * b + 1))
 
     @gluon.jit
-    def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
+    def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows, row_start,
                   row_end, ch0, tcount, N, R, stride_hr, stride_apr, J: gl.constexpr, NB: gl.constexpr,
                   EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                   TMA_STORE: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
-        dA′ (BLOCK_M, EPI) float32. Its H block is in buffer J % NBUF. Once every thread has read the H block, TMA
+        dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
+        buffer J % NBUF. Once every thread has read the H block, TMA
         refills the buffer with the block NBUF ahead. The outputs go into staging set J % 2 of ``o_bufs`` (dH's
         gate and up blocks and A′'s; NB is even, so the sets alternate across tiles too), which the TMA stores of
         block J - 2 have finished reading, and leave by TMA stores that drain while the next blocks compute. An
@@ -181,7 +182,7 @@ if HAVE_GLUON:
         u = u_buf.load(lay).to(gl.float32)
         rows = row_start + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, lay))
         mask_m = rows < row_end
-        s = gl.load(score_ptr + rows, mask=mask_m, other=0.0)[:, None]
+        s = gl.convert_layout(s_rows, gl.SliceLayout(1, lay))[:, None]
         sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
         silu = g * sig
         a = silu * u
@@ -227,7 +228,7 @@ if HAVE_GLUON:
                 gl.store(ap_ptr + r64 * stride_apr + cols[None, :], oa.load(st), mask=mask)
 
     @gluon.jit
-    def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start,
+    def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows, row_start,
                    row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr, NB: gl.constexpr,
                    EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                    TMA_STORE: gl.constexpr):
@@ -235,15 +236,15 @@ if HAVE_GLUON:
         of EPI), halving ``acc`` until one block is left."""
         W: gl.constexpr = acc.shape[1]
         if W == EPI:
-            _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+            _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
                       TMA_STORE)
         else:
             lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
-            _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+            _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
                        TMA_STORE)
-            _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+            _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF,
                        WARPS, PART, TMA_STORE)
 
@@ -284,6 +285,8 @@ if HAVE_GLUON:
                 gl.thread_barrier()  # the previous tile's epilogue has read every H buffer
                 for j in gl.static_range(NBUF):
                     _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                s_rows = gl.load(score_ptr + rows, mask=rows < row_end, other=0.0)  # its latency hides behind the MMAs
             acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
                                    STAGES, acc_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -292,7 +295,7 @@ if HAVE_GLUON:
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
                 gl.store(ds_ptr + rows, gl.sum(acc, axis=1), mask=rows < row_end)
             else:
-                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                            row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
                            TMA_STORE)
             tcount += 1
