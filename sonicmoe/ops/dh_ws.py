@@ -29,7 +29,11 @@ benchmarks/results/2026-11-25_nvidia-h100_session26/): a ping-pong form, two con
 0.53 and 5.4 ms against 4.3-4.4 at (32768, 4096, 1024, 128, 8). Its 128-wide tiles gather every dO row twice as
 often as the 256-wide ones. Staging the outputs apart from H's buffers (this form) instead of through them, which
 let each block wait for its own stores before TMA could refill the buffer, measured 0.530 against 0.534 ms at 7B
-and the same at (32768, 4096, 1024, 128, 8).
+and the same at (32768, 4096, 1024, 128, 8). Nsight Compute on that form at 7B: 518 µs, DRAM 62% of peak
+(2.08 TB/s), L2 hit rate 60%, SM throughput 32%, no eligible warp in 80% of cycles, 62% of the warps' stall cycles
+waiting on global loads. Loading each tile's row scores before its MMAs instead of in every epilogue block (one
+load per tile off the epilogue's path) then took 7B to 0.512 ms against 0.538 for the Triton kernel, and all but
+the stores (``PART`` 2) measured 0.410 before it: the stores' 120 µs is what remains to hide.
 
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
 (no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
@@ -125,8 +129,9 @@ def dh_ws_preferred(d: int) -> bool:
       faster then. With the outputs staged apart from H's buffers (session 26,
       benchmarks/results/2026-11-25_nvidia-h100_session26/): alone 0.527-0.529 against 0.537-0.539 ms (faster in
       every round of two calls; same dH and A′ bits), but in the layer (7 alternating rounds) forward+backward
-      3.489 against 3.435 ms, within the rounds' spread (3.39-3.90): no gain there, so 7B stays on the Triton
-      kernel. (32768, 4096, 1024, 128, 8): 4.25 against 4.50 ms.
+      3.489 against 3.435 ms, within the rounds' spread (3.39-3.90): no gain there. With the row scores loaded
+      before the MMAs: alone 0.512 against 0.538 ms (5 of 5 rounds), not yet A/B-tested in the layer, so 7B stays
+      on the Triton kernel. (32768, 4096, 1024, 128, 8): 4.14 against 4.58 ms.
 
     Other widths are not measured; the bounds move as they are."""
     return MIN_D <= d <= MAX_D
