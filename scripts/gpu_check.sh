@@ -127,7 +127,8 @@ for step in "$@"; do
           > "$OUT/gpu_tests_dhws.log" 2>&1
       ab=()
       for sh in ${DHWS_AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
-      [ "${DHWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env SONICMOE_GLUON_DH --values 1,0 \
+      # DHWS_AB_VALUES: the SONICMOE_GLUON_DH values compared (all,0 at widths outside the layer's rule, e.g. 7B)
+      [ "${DHWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env SONICMOE_GLUON_DH --values ${DHWS_AB_VALUES:-1,0} \
         --rounds ${DHWS_AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab_dh.json" > "$OUT/ab_dh.txt" 2>&1
       SUMMARY+=("$(grep -svE 'check' "$OUT/dh_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/dh_ws_probe.txt" | cut -c1-260)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_dhws.log")" "$(tail -1 "$OUT/gpu_tests_dhws.log" 2>/dev/null)"

@@ -33,11 +33,18 @@ def test_config_fits_shared_memory(n):
     assert dh_ws_config(192) is None and dh_ws_config(64) is None
 
 
-def test_preferred_where_measured_faster():
-    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the 7B width, where it was slower."""
+def test_preferred_where_measured_faster(monkeypatch):
+    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the 7B width (no gain in the layer); every width
+    under SONICMOE_GLUON_DH=all, none of them under 0 (dh_ws_enabled)."""
+    monkeypatch.delenv("SONICMOE_GLUON_DH", raising=False)
     assert dh_ws.dh_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8)
     assert not dh_ws.dh_ws_preferred(1536)  # 7B: faster alone, not in the layer (session 26)
     assert not dh_ws.dh_ws_preferred(7168) and not dh_ws.dh_ws_preferred(768)  # not measured
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "all")
+    assert all(dh_ws.dh_ws_preferred(d) for d in (768, 1536, 4096, 7168))
+    assert dh_ws.dh_ws_enabled() == grouped_gemm_ws.ws_enabled()
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
+    assert not dh_ws.dh_ws_enabled() and not dh_ws.dh_ws_preferred(1536)
 
 
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):

@@ -113,12 +113,14 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
 
 def dh_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
-    ``SONICMOE_GLUON_DH`` (default 1) this one alone (read at each call)."""
+    ``SONICMOE_GLUON_DH`` (default 1) this one alone: 0 off, ``all`` wherever :func:`dh_ws_supported` holds
+    (:func:`dh_ws_preferred`; for layer A/B runs at other widths). Read at each call."""
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_DH", "1") != "0"
 
 
 def dh_ws_preferred(d: int) -> bool:
-    """Where the Gluon kernel measured faster: MIN_D ≤ d ≤ MAX_D (d: the model width, the dA′ GEMM's reduction).
+    """Where the Gluon kernel measured faster: MIN_D ≤ d ≤ MAX_D (d: the model width, the dA′ GEMM's reduction), or
+    every d under ``SONICMOE_GLUON_DH=all``.
     Measured on H100s (session 25, benchmarks/results/2026-11-25_nvidia-h100_session25/), kernel alone, medians of
     5 alternating rounds against the Triton kernel:
 
@@ -134,7 +136,7 @@ def dh_ws_preferred(d: int) -> bool:
       on the Triton kernel. (32768, 4096, 1024, 128, 8): 4.14 against 4.58 ms.
 
     Other widths are not measured; the bounds move as they are."""
-    return MIN_D <= d <= MAX_D
+    return MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_DH") == "all"
 
 
 def dh_ws_supported(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, gate_up_layout: str) -> bool:
