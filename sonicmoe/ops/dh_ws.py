@@ -173,8 +173,8 @@ if HAVE_GLUON:
                   TMA_STORE: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
-        buffer J % NBUF. Once every thread has read the H block, TMA
-        refills the buffer with the block NBUF ahead. The outputs go into staging set J % 2 of ``o_bufs`` (dH's
+        buffer J % NBUF. Once every thread has read the H block, TMA refills the buffer with the block NBUF ahead.
+        The outputs go into staging set J % 2 of ``o_bufs`` (dH's
         gate and up blocks and A′'s; NB is even, so the sets alternate across tiles too), which the TMA stores of
         block J - 2 have finished reading, and leave by TMA stores that drain while the next blocks compute. An
         expert's last, partial tile (rows past its end belong to the next expert), or TMA_STORE off: the staged
