@@ -130,6 +130,73 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
     assert not any(g_.isnan().any() for g_ in ref)
 
 
+@pytest.mark.parametrize("d,width", [(16, 8), (40, 16)], ids=["even", "ragged"])
+@pytest.mark.parametrize("bias,layout", [(True, "interleaved"), (False, "concat")])
+def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layout, device, monkeypatch):
+    """The down-projection + aggregation and the dX̃ GEMM + dX aggregation in column blocks of C
+    (SONICMOE_AGG_CHUNK; on CUDA each block's aggregation runs on the side stream beside the next block's GEMM)
+    give the one-pass bits: O, and every gradient. Outputs are poisoned (NaN) first, so a column block that no
+    kernel wrote shows up; ragged: d = 40 in blocks of 16, 16 and 8 columns."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    p = random_problem(T, d, N, E, bias=bias, device=device, seed=11)
+    routing = _topk_routing(p)
+    args = _fwd_args(p, routing, layout, True)
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn(T, d, generator=g).to(device)
+    runs = []
+    for w in ("0", str(width)):
+        monkeypatch.setenv("SONICMOE_AGG_CHUNK", w)
+        out, h = library.experts_fwd_impl(*args)
+        r = routing.num_rows
+        row_scores = args[5].detach()[routing.row_pair.long()].float()
+        grads = library.experts_bwd_impl(dout, args[0].detach(), args[1].detach(), args[2].detach(),
+                                         None if args[3] is None else args[3].detach(),
+                                         None if args[4] is None else args[4].detach(), h, row_scores,
+                                         *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), layout, torch.float32,
+                                         [True] * 6)
+        runs.append((out, *grads))
+        assert h.shape == (r, 2 * N)
+    assert library.gather_chunk_width(d, torch.device(device)) == width
+    for one, chunked in zip(*runs):
+        assert not chunked.isnan().any()
+        assert torch.equal(one, chunked)
+    ref = sonicmoe.experts(*(v.detach() if v is not None else None for v in args[:3]), routing, args[5].detach(),
+                           *(v.detach() if v is not None else None for v in args[3:5]), gate_up_layout=layout,
+                           backend="torch")
+    assert rel_err(runs[1][0], ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_column_chunked_default_matches_one_pass(monkeypatch):
+    """bf16 at d = 2048, n = 1024 (both GEMMs on the Triton kernel): by default the down-projection and the dX̃
+    GEMM run in two column blocks with each block's aggregation beside the next block's GEMM; O and every
+    gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic)."""
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
+    t, d, n, e = 3000, 2048, 1024, 8
+    assert library.gather_chunk_width(d, torch.device("cuda")) == 1024
+    p = random_problem(t, d, n, e, bias=True, device="cuda", dtype=torch.bfloat16, seed=2)
+    routing = _topk_routing(p, 2)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        leaves = [v.detach().clone().requires_grad_(True) for v in (p["x"], p["w1"], p["w2"], p["b1"], p["b2"])]
+        scores = torch.rand(routing.num_rows, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        scores.requires_grad_(True)
+        out = sonicmoe.experts(leaves[0], leaves[1], leaves[2], routing, scores, leaves[3], leaves[4],
+                               backend="triton")
+        out.backward(dout)  # the comparison below reads every result on the current stream right away
+        return [out.detach()] + [v.grad for v in leaves] + [scores.grad]
+
+    first, second = run(), run()
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
+    one_pass = run()
+    for a, b, c in zip(first, second, one_pass):
+        assert not a.isnan().any()
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_fake_shapes_without_data():
     """The fake implementations give every output shape from the input shapes alone (meta tensors)."""
     p = random_problem(T, D, N, E, bias=True, device="meta")

@@ -68,11 +68,14 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
-        y: (R, d) rows sorted by expert. routing: the token CSR (``token_offsets``, ``token_rows``).
+        y: (R, d) rows sorted by expert; a view with a unit inner stride is read through its row stride (a block
+            of columns of a wider Y: :func:`sonicmoe.ops.library.gemm_then_gather_sum`).
+        routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
         config: explicit block configuration (tuning sweeps), else pinned/autotuned.
-        out: a contiguous (T, d) tensor of y's dtype and device to write O into (the backward allocates it on
-            its own stream before launching this on a side stream), else a new one.
+        out: a (T, d) tensor or view of y's dtype and device with a unit inner stride to write O into (the
+            backward allocates it on its own stream before launching this on a side stream; a block of columns of
+            a wider O), else a new one.
         progs_per_sm: 0 (default) launches one program per tile; k > 0 a persistent grid of k programs per
             multiprocessor looping over the tiles, which all become resident at once and leave room for a kernel
             running beside them (the backward's dW1 GEMM; :func:`sonicmoe.ops.library.experts_bwd_impl`).
@@ -80,16 +83,16 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         (T, d) in y's dtype (``out`` when given); tokens with no rows get zeros.
 
     Raises:
-        ValueError: ``out`` of another shape, dtype or device, or not contiguous.
+        ValueError: ``out`` of another shape, dtype or device, or with a non-unit inner stride.
     """
     check_device("y", y)
-    y = y.contiguous()
+    y = y if y.stride(-1) == 1 else y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
     if out is None:
         out = new_output((t, d), device=y.device, dtype=y.dtype)
-    elif out.shape != (t, d) or out.dtype != y.dtype or out.device != y.device or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous ({t}, {d}) {y.dtype} tensor on {y.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    elif out.shape != (t, d) or out.dtype != y.dtype or out.device != y.device or out.stride(-1) != 1:
+        raise ValueError(f"out: expected a ({t}, {d}) {y.dtype} tensor on {y.device} with a unit inner stride, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
     if t == 0:
         return out
     args = dict(

@@ -426,6 +426,30 @@ def overlap_mode(device: torch.device) -> int:
     return int(mode) if mode.isdigit() and int(mode) <= 16 else 0
 
 
+# the column width of the chunks in which the forward's down-projection and the backward's dX̃ GEMM run when their
+# aggregation runs beside them (gather_chunk_width; SONICMOE_AGG_CHUNK)
+AGG_CHUNK = 1024
+
+
+def gather_chunk_width(d: int, device: torch.device) -> int:
+    """Column width of the chunks of a varlen-M GEMM Y (R, d) whose gather-and-sum runs chunk by chunk on the side
+    stream beside the GEMM's next chunk (:func:`sonicmoe.ops.library.gemm_then_gather_sum`), or 0: one GEMM, then
+    one aggregation.
+
+    ``SONICMOE_AGG_CHUNK``: a width in columns (a multiple of 8; 0 turns chunking off), default
+    :data:`AGG_CHUNK`. The default applies on CUDA with the side stream on (:func:`overlap_mode`) and d of at least
+    two chunks; an explicit width also applies on CPU and under the interpreter (the chunks then run one after the
+    other: tests). d must be a multiple of 8 (16-byte aligned column blocks for the TMA descriptors).
+    """
+    env = os.environ.get("SONICMOE_AGG_CHUNK")
+    width = int(env) if env is not None and env.isdigit() else AGG_CHUNK
+    if env is None and overlap_mode(device) == 0:
+        return 0
+    if width <= 0 or width % 8 or d % 8 or d < 2 * width:
+        return 0
+    return width
+
+
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The high-priority side CUDA stream of ``device`` (one per device, created at first use, never at import)
     for work that runs beside the current stream's kernels: its pending programs are dispatched first."""

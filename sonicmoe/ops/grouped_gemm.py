@@ -208,16 +208,23 @@ _tuned = autotuners(_varlen_m_kernel, TUNING_SPACE, ["N", "K", "E", "stride_bk",
 
 
 def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
-                  *, transpose_b: bool, config: dict | None = None) -> torch.Tensor:
+                  *, transpose_b: bool, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM over expert-contiguous rows: C[r] = A[r] op(B[e]) (+ bias[e]).
 
     Args:
         a: (R, k) rows sorted by expert. b: (E, m, k) with ``transpose_b`` (C = A B[e]ᵀ, the
-            down-projection with W2) or (E, k, m) without (C = A B[e], the dX̃ GEMM with W1).
+            down-projection with W2) or (E, k, m) without (C = A B[e], the dX̃ GEMM with W1); a view with a unit
+            inner stride is read through its strides (a block of B's m columns: the column-chunked GEMM of
+            :func:`sonicmoe.ops.library.gemm_then_gather_sum`).
         bias: (E, m) or None. config: explicit tile configuration of the Triton kernel (tuning sweeps), else
             pinned/autotuned.
+        out: an (R, m) view of a's dtype and device with a unit inner stride to write C into (a block of columns
+            of a wider C), else a new tensor.
     Returns:
-        C (R, m) in a's dtype.
+        C (R, m) in a's dtype (``out`` when given).
+
+    Raises:
+        ValueError: ``out`` of another shape, dtype or device, or with a non-unit inner stride.
 
     Without ``config``, on sm_90 the down-projection form with k ≤ 256 and the dX̃ form with k ≤ 512, of shapes
     whose experts average at least :data:`grouped_gemm_ws.MIN_ROWS_PER_EXPERT` rows, run the warp-specialised
@@ -225,7 +232,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     ``SONICMOE_GLUON_DXT=0`` the dX̃ form alone); it gives the same bits.
     """
     check_device("a", a)
-    a, b = a.contiguous(), b.contiguous()
+    a = a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
     e = b.shape[0]
     if transpose_b:
         m, k = b.shape[1], b.shape[2]
@@ -234,9 +242,15 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         k, m = b.shape[1], b.shape[2]
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     r = a.shape[0]
-    if config is None and grouped_gemm_ws.ws_supported(a, b, r, transpose_b=transpose_b):
+    if out is None and config is None and grouped_gemm_ws.ws_supported(a, b, r, transpose_b=transpose_b):
         return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b)
-    c = new_output((r, m), device=a.device, dtype=a.dtype)
+    if out is None:
+        c = new_output((r, m), device=a.device, dtype=a.dtype)
+    elif out.shape != (r, m) or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
+        raise ValueError(f"out: expected an ({r}, {m}) {a.dtype} view on {a.device} with a unit inner stride, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
+    else:
+        c = out
     args = dict(
         a_ptr=a, a_desc=tma_descriptor(a), b_ptr=b, b_desc=tma_descriptor(b),
         bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c, c_desc=tma_descriptor(c),

@@ -36,11 +36,11 @@ from torch import Tensor
 
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
-from . import weight_grad_ws
+from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
-from .common import new_output, overlap_mode, side_stream
+from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
-from .grouped_gemm import down_proj, varlen_m_gemm
+from .grouped_gemm import varlen_m_gemm
 from .up_proj import up_proj
 from .weight_grad import varlen_k_gemm
 
@@ -85,6 +85,45 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 # ------------------------------------------------------------------------------------------- forward
 
 
+def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
+                         *, transpose_b: bool) -> Tensor:
+    """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A B[e] (+ bias[e]): the forward's
+    down-projection and aggregation (A (R, n), B = W2 (E, d, n), ``transpose_b``, weights S) and the backward's
+    dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights). SPEC §3 kernels 2-3, §4 kernel 4.
+
+    Where :func:`~sonicmoe.ops.common.gather_chunk_width` gives a width w (by default on CUDA for d ≥ 2w), the GEMM
+    runs in column blocks of C of width w (B's column block read through its strides, C written in place), and
+    the memory-bound aggregation of each block runs on the high-priority side stream beside the compute-bound
+    GEMM of the next block; only the last block's aggregation is left exposed. The streams join before this
+    returns (C, made here and read there, is freed on return). Else (and for the Gluon down-projection) one GEMM,
+    then one aggregation. Every output element is computed by the same kernels either way.
+
+    Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
+    Returns: O (T, d) in A's dtype.
+    """
+    d = b.shape[1] if transpose_b else b.shape[2]
+    width = gather_chunk_width(d, a.device)
+    if width and a.is_cuda and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
+        width = 0  # the Gluon ping-pong kernel serves the whole GEMM (short reductions, k ≤ 256 / 512)
+    if not width:
+        return gather_sum(varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b), routing, slot_weights)
+    a = a.contiguous()
+    progs_per_sm = overlap_mode(a.device)
+    side = side_stream(a.device) if progs_per_sm else None
+    c = new_output((a.shape[0], d), device=a.device, dtype=a.dtype)
+    out = new_output((routing.num_tokens, d), device=a.device, dtype=a.dtype)
+    for c0 in range(0, d, width):
+        cols = slice(c0, min(c0 + width, d))
+        b_cols = b[:, cols] if transpose_b else b[:, :, cols]
+        bias_cols = bias[:, cols].contiguous() if bias is not None else None
+        varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
+        with _beside(side):
+            gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
+    if side is not None:
+        torch.cuda.current_stream(a.device).wait_stream(side)
+    return out
+
+
 def experts_fwd_impl(
     x: Tensor,
     w1: Tensor,
@@ -109,10 +148,9 @@ def experts_fwd_impl(
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
-    y = down_proj(a, w2, b2, routing)
+    out = gemm_then_gather_sum(a, w2, b2, routing, routing.slot_scores(pair_scores).contiguous(),  # cast in kernel
+                               transpose_b=True)
     del a
-    out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
-    del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
@@ -190,7 +228,7 @@ def experts_bwd_impl(
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:
-            dx = gather_sum(varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), routing, None)
+            dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False)
         if need_w1:
             dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
