@@ -169,13 +169,13 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
 
 @pytest.mark.gpu
 def test_gpu_column_chunked_default_matches_one_pass(monkeypatch):
-    """bf16 at d = 2048, n = 1024 (both GEMMs on the Triton kernel): by default the down-projection and the dX̃
+    """bf16 at d = 4096, n = 1024 (both GEMMs on the Triton kernel): by default the down-projection and the dX̃
     GEMM run in two column blocks with each block's aggregation beside the next block's GEMM; O and every
     gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic)."""
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
-    t, d, n, e = 3000, 2048, 1024, 8
-    assert library.gather_chunk_width(d, torch.device("cuda")) == 1024
+    t, d, n, e = 3000, 4096, 1024, 8
+    assert library.gather_chunk_width(d, torch.device("cuda")) == 2048
     p = random_problem(t, d, n, e, bias=True, device="cuda", dtype=torch.bfloat16, seed=2)
     routing = _topk_routing(p, 2)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

@@ -428,7 +428,7 @@ def overlap_mode(device: torch.device) -> int:
 
 # the column width of the chunks in which the forward's down-projection and the backward's dX̃ GEMM run when their
 # aggregation runs beside them (gather_chunk_width; SONICMOE_AGG_CHUNK)
-AGG_CHUNK = 1024
+AGG_CHUNK = 2048
 
 
 def gather_chunk_width(d: int, device: torch.device) -> int:
