@@ -30,6 +30,7 @@ Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import Tensor
@@ -86,7 +87,7 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
-                         *, transpose_b: bool) -> Tensor:
+                         *, transpose_b: bool, pending: list | None = None) -> Tensor:
     """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A B[e] (+ bias[e]): the forward's
     down-projection and aggregation (A (R, n), B = W2 (E, d, n), ``transpose_b``, weights S) and the backward's
     dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights). SPEC §3 kernels 2-3, §4 kernel 4.
@@ -95,8 +96,11 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     runs in column blocks of C of width w (B's column block read through its strides, C written in place), and
     the memory-bound aggregation of each block runs on the high-priority side stream beside the compute-bound
     GEMM of the next block; only the last block's aggregation is left exposed. The streams join before this
-    returns (C, made here and read there, is freed on return). Else (and for the Gluon down-projection) one GEMM,
-    then one aggregation. Every output element is computed by the same kernels either way.
+    returns (C, made here and read there, is freed on return), unless ``pending`` is a list: C is then appended to
+    it and the last block's aggregation may still run when this returns, beside the caller's next kernels; the
+    caller makes the current stream wait for the side stream before it drops ``pending`` or reads O. Else (and for
+    the Gluon down-projection) one GEMM, then one aggregation. Every output element is computed by the same
+    kernels either way.
 
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
     Returns: O (T, d) in A's dtype.
@@ -119,7 +123,9 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
         varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
         with _beside(side):
             gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
-    if side is not None:
+    if side is not None and pending is not None:
+        pending.append(c)
+    elif side is not None:
         torch.cuda.current_stream(a.device).wait_stream(side)
     return out
 
@@ -224,11 +230,14 @@ def experts_bwd_impl(
     del a_prime
     gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
                                                             out_dtype=w1.dtype)
+    pending: list[Tensor] = []  # tensors the side stream may still read: dropped after the join below
     if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
-        if need_x:
-            dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False)
+        if need_x:  # the last column block's dX aggregation beside dW1 (joined below)
+            beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "1") != "0"
+            dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
+                                      pending=pending if beside else None)
         if need_w1:
             dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
@@ -236,6 +245,7 @@ def experts_bwd_impl(
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
     if side is not None:  # join: ds (the partials made here and read there) and the inputs are freed after this
         torch.cuda.current_stream(dout.device).wait_stream(side)
+    del pending
     return dx, dw1, dw2, db1, db2, dscores
 
 
