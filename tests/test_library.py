@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonicmoe
 from sonicmoe.ops import grouped_gemm_ws, library
+from sonicmoe.ops.aggregation import gather_sum_ref
+from sonicmoe.ops.grouped_gemm import varlen_m_gemm_ref
 from sonicmoe.ops.library import BWD_ROUTING_FIELDS, FWD_ROUTING_FIELDS
 from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
 from sonicmoe.testing import random_problem, rel_err
@@ -133,38 +135,37 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
 @pytest.mark.parametrize("d,width", [(16, 8), (40, 16)], ids=["even", "ragged"])
 @pytest.mark.parametrize("bias,layout", [(True, "interleaved"), (False, "concat")])
 def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layout, device, monkeypatch):
-    """The down-projection + aggregation and the dX̃ GEMM + dX aggregation in column blocks of C
-    (SONICMOE_AGG_CHUNK; on CUDA each block's aggregation runs on the side stream beside the next block's GEMM)
-    give the one-pass bits: O, and every gradient. Outputs are poisoned (NaN) first, so a column block that no
-    kernel wrote shows up; ragged: d = 40 in blocks of 16, 16 and 8 columns."""
+    """A varlen-M GEMM and its aggregation in column blocks of C (SONICMOE_AGG_CHUNK; on CUDA each block's
+    aggregation runs on the side stream beside the next block's GEMM) give the one-pass bits: the down-projection
+    form with bias and slot weights (against the float32 reference too), and the whole backward, whose dX̃ GEMM
+    and dX aggregation run so. Outputs are poisoned (NaN) first, so a column block no kernel wrote shows up;
+    ragged: d = 40 in blocks of 16, 16 and 8 columns."""
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
-    p = random_problem(T, d, N, E, bias=bias, device=device, seed=11)
+    p = random_problem(T, d, N, E, bias=True, device=device, seed=11)
     routing = _topk_routing(p)
-    args = _fwd_args(p, routing, layout, True)
+    r = routing.num_rows
     g = torch.Generator().manual_seed(5)
+    a = torch.randn(r, N, generator=g).to(device)
+    weights = torch.rand(r, generator=g).to(device)
     dout = torch.randn(T, d, generator=g).to(device)
+    h = torch.randn(r, 2 * N, generator=g).to(device)
+    row_scores = torch.rand(r, generator=g).to(device)
+    b1, b2 = (p["b1"], p["b2"]) if bias else (None, None)
     runs = []
     for w in ("0", str(width)):
         monkeypatch.setenv("SONICMOE_AGG_CHUNK", w)
-        out, h = library.experts_fwd_impl(*args)
-        r = routing.num_rows
-        row_scores = args[5].detach()[routing.row_pair.long()].float()
-        grads = library.experts_bwd_impl(dout, args[0].detach(), args[1].detach(), args[2].detach(),
-                                         None if args[3] is None else args[3].detach(),
-                                         None if args[4] is None else args[4].detach(), h, row_scores,
+        out = library.gemm_then_gather_sum(a, p["w2"], b2, routing, weights, transpose_b=True)
+        grads = library.experts_bwd_impl(dout, p["x"], p["w1"], p["w2"], b1, b2, h, row_scores,
                                          *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), layout, torch.float32,
                                          [True] * 6)
         runs.append((out, *grads))
-        assert h.shape == (r, 2 * N)
     assert library.gather_chunk_width(d, torch.device(device)) == width
     for one, chunked in zip(*runs):
         assert not chunked.isnan().any()
         assert torch.equal(one, chunked)
-    ref = sonicmoe.experts(*(v.detach() if v is not None else None for v in args[:3]), routing, args[5].detach(),
-                           *(v.detach() if v is not None else None for v in args[3:5]), gate_up_layout=layout,
-                           backend="torch")
-    assert rel_err(runs[1][0], ref) < 1e-5
+    y_ref = varlen_m_gemm_ref(a, p["w2"], b2, routing, transpose_b=True)
+    assert rel_err(runs[1][0], gather_sum_ref(y_ref, routing, weights)) < 1e-5
 
 
 @pytest.mark.gpu

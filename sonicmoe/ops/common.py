@@ -21,6 +21,9 @@ Environment (documented in the README):
     SONICMOE_GLUON_DXT=0       the dX̃ GEMM alone back on the Triton kernel.
     SONICMOE_GLUON_UP=0        the up-projection alone back on the Triton kernel (its Gluon kernel serves d = 4096:
                                up_proj_ws.up_ws_preferred).
+    SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
+                               the next block's GEMM (gather_chunk_width; default 2048, 0 off).
+    SONICMOE_AGG_BESIDE_DW1=0  join the streams before dW1 instead of running the last block's aggregation beside it.
 """
 
 from __future__ import annotations

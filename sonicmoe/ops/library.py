@@ -41,7 +41,7 @@ from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
 from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
-from .grouped_gemm import varlen_m_gemm
+from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
 from .weight_grad import varlen_k_gemm
 
@@ -88,9 +88,10 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
                          *, transpose_b: bool, pending: list | None = None) -> Tensor:
-    """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A B[e] (+ bias[e]): the forward's
-    down-projection and aggregation (A (R, n), B = W2 (E, d, n), ``transpose_b``, weights S) and the backward's
-    dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights). SPEC §3 kernels 2-3, §4 kernel 4.
+    """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A op(B[e]) (+ bias[e]), with optional
+    slot weights: the backward's dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights;
+    SPEC §4 kernel 4), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
+    ``transpose_b``, weights S; SPEC §3 kernels 2-3), which the forward does not run this way (no faster).
 
     Where :func:`~sonicmoe.ops.common.gather_chunk_width` gives a width w (by default on CUDA for d ≥ 2w), the GEMM
     runs in column blocks of C of width w (B's column block read through its strides, C written in place), and
@@ -154,9 +155,12 @@ def experts_fwd_impl(
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
-    out = gemm_then_gather_sum(a, w2, b2, routing, routing.slot_scores(pair_scores).contiguous(),  # cast in kernel
-                               transpose_b=True)
+    # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
+    # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
+    y = down_proj(a, w2, b2, routing)
     del a
+    out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
+    del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
@@ -328,8 +332,10 @@ def _setup_context(ctx, inputs, output) -> None:
     dX̃ = dH W1[e]; dX gather-and-sum. Biases: dS += ⟨dO_t, b2[e]⟩, db2[e] = Σ S dO_t,
     db1[e] = Σ dH rows. Everything is deterministic (no atomics); only the gradients that
     ``ctx.needs_input_grad`` asks for are computed. On CUDA (SONICMOE_OVERLAP, default on) the memory-bound dX
-    aggregation runs on a high-priority side stream beside the dW1 GEMM, and the dS reduction and score
-    gradient beside dW2; the streams join before the gradients are returned (the same bits either way).
+    aggregation runs on a high-priority side stream beside the dW1 GEMM, or, where dX̃ runs in column blocks
+    (:func:`gemm_then_gather_sum`, d ≥ 4096), block by block beside the next block's dX̃ GEMM and the last beside
+    dW1; the dS reduction and score gradient run beside dW2; the streams join before the gradients are returned
+    (the same bits either way).
     """
     x, w1, w2, b1, b2, pair_scores, *routing_arrays, gate_up_layout, save_h = inputs
     arrays = dict(zip(FWD_ROUTING_FIELDS, routing_arrays, strict=True))
