@@ -23,7 +23,8 @@ Environment (documented in the README):
                                up_proj_ws.up_ws_preferred).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
-    SONICMOE_AGG_BESIDE_DW1=0  join the streams before dW1 instead of running the last block's aggregation beside it.
+    SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before
+                               it (dX̃ then lives until dW1 ends: more peak memory).
 """
 
 from __future__ import annotations

@@ -238,8 +238,8 @@ def experts_bwd_impl(
     if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
-        if need_x:  # the last column block's dX aggregation beside dW1 (joined below)
-            beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "1") != "0"
+        if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
+            beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
             dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
                                       pending=pending if beside else None)
         if need_w1:
@@ -333,9 +333,9 @@ def _setup_context(ctx, inputs, output) -> None:
     db1[e] = Σ dH rows. Everything is deterministic (no atomics); only the gradients that
     ``ctx.needs_input_grad`` asks for are computed. On CUDA (SONICMOE_OVERLAP, default on) the memory-bound dX
     aggregation runs on a high-priority side stream beside the dW1 GEMM, or, where dX̃ runs in column blocks
-    (:func:`gemm_then_gather_sum`, d ≥ 4096), block by block beside the next block's dX̃ GEMM and the last beside
-    dW1; the dS reduction and score gradient run beside dW2; the streams join before the gradients are returned
-    (the same bits either way).
+    (:func:`gemm_then_gather_sum`, d ≥ 4096), block by block beside the next block's dX̃ GEMM (the last one before
+    dW1, or beside it with SONICMOE_AGG_BESIDE_DW1=1, which keeps dX̃ until dW1 ends); the dS reduction and score
+    gradient run beside dW2; the streams join before the gradients are returned (the same bits either way).
     """
     x, w1, w2, b1, b2, pair_scores, *routing_arrays, gate_up_layout, save_h = inputs
     arrays = dict(zip(FWD_ROUTING_FIELDS, routing_arrays, strict=True))
