@@ -169,11 +169,14 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
 
 
 @pytest.mark.gpu
-def test_gpu_column_chunked_default_matches_one_pass(monkeypatch):
-    """bf16 at d = 4096, n = 1024 (both GEMMs on the Triton kernel): by default the down-projection and the dX̃
-    GEMM run in two column blocks with each block's aggregation beside the next block's GEMM; O and every
-    gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic)."""
+@pytest.mark.parametrize("beside_dw1", ["0", "1"])
+def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, monkeypatch):
+    """bf16 at d = 4096, n = 1024 (dX̃ on the Triton kernel, dW1 on the Gluon kernel): by default the backward's
+    dX̃ GEMM runs in two column blocks, the first block's dX aggregation beside the second block's GEMM, and the
+    last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1) beside it; O and every gradient equal the one-pass
+    run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic), each read on the current stream right away."""
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("SONICMOE_AGG_BESIDE_DW1", beside_dw1)
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
     t, d, n, e = 3000, 4096, 1024, 8
     assert library.gather_chunk_width(d, torch.device("cuda")) == 2048
