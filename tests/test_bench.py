@@ -50,7 +50,8 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, dict]:
 # CPU smoke run
 
 
-def test_cpu_smoke_writes_valid_json(tmp_path):
+def test_cpu_smoke_writes_valid_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")  # a library switch: the results file names it
     rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch,loop,upper", "--tag", "ci smoke")
     assert rc == 0
     assert _only_json(tmp_path / "res").name.endswith("_cpu_ci-smoke.json")
@@ -60,6 +61,7 @@ def test_cpu_smoke_writes_valid_json(tmp_path):
     for key in ("device", "driver", "torch", "triton", "python", "git_commit"):
         assert key in env, key
     assert env["torch"] == torch.__version__
+    assert env["switches"]["SONICMOE_AGG_CHUNK"] == "0" and "SONICMOE_GIT_COMMIT" not in env["switches"]
     assert doc["timer"] == "time.perf_counter"
     assert doc["autotune"] is False and doc["tile_configs"] == {}  # nothing is autotuned on CPU
     assert doc["args"]["dtype"] == "fp32"

@@ -132,6 +132,22 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
     assert not any(g_.isnan().any() for g_ in ref)
 
 
+def test_gather_chunk_width_rule(monkeypatch):
+    """Column blocks only for an explicit width on CPU (the default needs the CUDA side stream), a multiple of 8
+    of at most half of d, and d a multiple of 8 (16-byte aligned blocks for the TMA descriptors)."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
+    assert library.gather_chunk_width(4096, cpu) == 0
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "off")  # not a number: as unset
+    assert library.gather_chunk_width(4096, cpu) == 0
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
+    assert [library.gather_chunk_width(d, cpu) for d in (40, 32, 24, 36)] == [16, 16, 0, 0]
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "12")
+    assert library.gather_chunk_width(48, cpu) == 0
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
+    assert library.gather_chunk_width(4096, cpu) == 0
+
+
 @pytest.mark.parametrize("d,width", [(16, 8), (40, 16)], ids=["even", "ragged"])
 @pytest.mark.parametrize("bias,layout", [(True, "interleaved"), (False, "concat")])
 def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layout, device, monkeypatch):

@@ -5,7 +5,7 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
     {"schema": "sonicmoe-bench/1", "date": ISO-8601 UTC, "argv": [...], "args": {...},
      "env": {"device", "device_type", "gpu_count", "capability", "memory_bytes", "driver",
              "cuda_driver_api", "cuda", "torch", "triton", "python", "platform", "sonicmoe",
-             "git_commit", "git_dirty"},
+             "switches" {SONICMOE_* environment variables set for the run}, "git_commit", "git_dirty"},
      "timer": "triton.testing.do_bench" | "time.perf_counter",
      "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
      "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tma_available, config}, ...]},
@@ -90,6 +90,10 @@ def env_info(device: torch.device) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "sonicmoe": __version__,
+        # the library switches set for this run (SONICMOE_AGG_CHUNK=0, SONICMOE_GLUON=0, ...): results of A/B runs
+        # name what they compared
+        "switches": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith("SONICMOE_") and k != "SONICMOE_GIT_COMMIT"},
     }
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
