@@ -83,9 +83,6 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return like.new_empty((0,), dtype=dtype if dtype is not None else like.dtype)
 
 
-# ------------------------------------------------------------------------------------------- forward
-
-
 def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
                          *, transpose_b: bool, pending: list | None = None) -> Tensor:
     """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A op(B[e]) (+ bias[e]), with optional
@@ -108,7 +105,7 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     """
     d = b.shape[1] if transpose_b else b.shape[2]
     width = gather_chunk_width(d, a.device)
-    if width and a.is_cuda and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
+    if width and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
         width = 0  # the Gluon ping-pong kernel serves the whole GEMM (short reductions, k ≤ 256 / 512)
     if not width:
         return gather_sum(varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b), routing, slot_weights)
@@ -124,11 +121,14 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
         varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
         with _beside(side):
             gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
-    if side is not None and pending is not None:
-        pending.append(c)
-    elif side is not None:
+    if side is not None and pending is None:
         torch.cuda.current_stream(a.device).wait_stream(side)
+    elif side is not None:
+        pending.append(c)
     return out
+
+
+# ------------------------------------------------------------------------------------------- forward
 
 
 def experts_fwd_impl(
