@@ -22,6 +22,8 @@
 #   noise  a triton run of cmp's schedule with seed 1 (other initialisation and batches: the seed noise that
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
+#   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
+#          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last)
@@ -133,6 +135,13 @@ for step in "$@"; do
       SUMMARY+=("$(grep -svE 'check' "$OUT/dh_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/dh_ws_probe.txt" | cut -c1-260)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_dhws.log")" "$(tail -1 "$OUT/gpu_tests_dhws.log" 2>/dev/null)"
                 "$(grep -E 'SONICMOE_GLUON_DH=' "$OUT/ab_dh.txt" 2>/dev/null)")
+      ;;
+    ab)
+      ab=()
+      for sh in ${AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
+      timeout ${AB_LIMIT_S:-300} python3 scripts/ws_ab.py --env ${AB_ENV:-SONICMOE_GLUON} --values "$AB_VALUES" \
+        --rounds ${AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
+      SUMMARY+=("$(grep -E ' ms |Error' "$OUT/ab.txt")")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
