@@ -144,8 +144,8 @@ def test_dispatch(monkeypatch, device):
     explicit Triton config."""
     calls = []
 
-    def fake(a, b, bias, offsets, *, transpose_b, table=None):
-        calls.append((a.shape, offsets, transpose_b, table))
+    def fake(a, b, bias, offsets, *, transpose_b):
+        calls.append((a.shape, offsets, transpose_b))
         return ws_varlen_m_gemm_ref(a, b, bias, offsets, transpose_b=transpose_b)
 
     monkeypatch.setattr(grouped_gemm_ws, "ws_supported", lambda a, b, r, transpose_b: transpose_b)
@@ -154,7 +154,7 @@ def test_dispatch(monkeypatch, device):
     a = torch.randn(6, 16, device=device)
     b = torch.randn(3, 8, 16, device=device)
     out = varlen_m_gemm(a, b, None, routing, transpose_b=True)
-    assert len(calls) == 1 and calls[0][2] is True and calls[0][1] is routing.expert_offsets and calls[0][3] is None
+    assert len(calls) == 1 and calls[0][2] is True and calls[0][1] is routing.expert_offsets
     assert torch.equal(out, varlen_m_gemm_ref(a, b, None, routing, transpose_b=True))
     cfg = grouped_gemm._PINNED_INTERP if interpreting() else grouped_gemm.pinned_gpu_config(6, 3, 8)
     tri = varlen_m_gemm(a, b, None, routing, transpose_b=True, config=cfg)

@@ -208,8 +208,7 @@ _tuned = autotuners(_varlen_m_kernel, TUNING_SPACE, ["N", "K", "E", "stride_bk",
 
 
 def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,
-                  *, transpose_b: bool, config: dict | None = None, out: torch.Tensor | None = None,
-                  ws_table: torch.Tensor | None = None) -> torch.Tensor:
+                  *, transpose_b: bool, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM over expert-contiguous rows: C[r] = A[r] op(B[e]) (+ bias[e]).
 
     Args:
@@ -244,8 +243,7 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     r = a.shape[0]
     if out is None and config is None and grouped_gemm_ws.ws_supported(a, b, r, transpose_b=transpose_b):
-        return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b,
-                                                table=ws_table)
+        return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b)
     if out is None:
         c = new_output((r, m), device=a.device, dtype=a.dtype)
     elif out.shape != (r, m) or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
@@ -273,12 +271,12 @@ def varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
 
 
 def down_proj(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing,
-              config: dict | None = None, ws_table: torch.Tensor | None = None) -> torch.Tensor:
-    """Down-projection Y (R, d) = A (R, n) W2[e]ᵀ (+ b2[e]); W2 (E, d, n). ``ws_table``: as :func:`varlen_m_gemm`."""
-    return varlen_m_gemm(a, w2, b2, routing, transpose_b=True, config=config, ws_table=ws_table)
+              config: dict | None = None) -> torch.Tensor:
+    """Down-projection Y (R, d) = A (R, n) W2[e]ᵀ (+ b2[e]); W2 (E, d, n)."""
+    return varlen_m_gemm(a, w2, b2, routing, transpose_b=True, config=config)
 
 
 def down_proj_ref(a: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None, routing: Routing,
-                  config: dict | None = None, ws_table: torch.Tensor | None = None) -> torch.Tensor:
+                  config: dict | None = None) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`down_proj`."""
     return varlen_m_gemm_ref(a, w2, b2, routing, transpose_b=True)

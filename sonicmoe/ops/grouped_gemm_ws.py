@@ -48,7 +48,6 @@ from .common import (
     max_m_tiles,
     new_output,
     next_pow2,
-    pdl_enabled,
     per_expert_gemm_ref,
     sm_count,
     tile_schedule,
@@ -143,17 +142,6 @@ def tile_table_ref(expert_offsets: torch.Tensor, num_rows: int, block_m: int) ->
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def gluon_pdl_prologue():
-        """The Gluon twin of :func:`sonicmoe.ops.common.pdl_prologue`, for kernels launched with ``launch_pdl``:
-        wait until the previous kernel of the stream has finished and its writes are visible
-        (``griddepcontrol.wait``), then let the next kernel be scheduled (``griddepcontrol.launch_dependents``).
-        Called first, before the warp-specialised partitions start, so no partition touches memory earlier."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _chunk(table_ptr, N, BLOCK_N: gl.constexpr):
@@ -286,9 +274,7 @@ if HAVE_GLUON:
                             HAS_BIAS: gl.constexpr, B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_BLOCKS: gl.constexpr,
                             STAGES: gl.constexpr, TPW_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr, PDL: gl.constexpr = False):
-        if PDL:  # programmatic dependent launch: wait for the previous kernel before any load or store
-            gluon_pdl_prologue()
+                            LOADER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_res = gl.allocate_shared_memory(b_desc.dtype, [K_BLOCKS] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
@@ -359,36 +345,16 @@ def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b
     (R = ``num_rows`` over E experts): below that B[e] would be reloaded every few M-tiles and the Triton
     kernel is faster.
     """
-    if a.dim() != 2 or not a.is_contiguous() or a.data_ptr() % 16 or b.dim() != 3:
+    if not ws_enabled(transpose_b) or not a.is_cuda or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
         return False
-    k = b.shape[2] if transpose_b else b.shape[1]
-    return a.shape[1] == k and ws_shape_supported(b, num_rows, a.dtype, a.device, transpose_b=transpose_b)
-
-
-def ws_shape_supported(b: torch.Tensor, num_rows: int, dtype: torch.dtype, device: torch.device, *,
-                       transpose_b: bool) -> bool:
-    """:func:`ws_supported` for a contiguous, aligned A (R = ``num_rows``, k) of ``dtype`` on ``device`` that
-    does not exist yet (the layer builds the kernel's :func:`tile_table` ahead with it)."""
-    if not ws_enabled(transpose_b) or device.type != "cuda" or dtype not in _GL_DTYPES or b.dtype != dtype:
-        return False
-    if b.dim() != 3 or not b.is_contiguous():
+    if a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
         return False
     e, m, k = b.shape if transpose_b else (b.shape[0], b.shape[2], b.shape[1])
-    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None:
+    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None or a.shape[1] != k:
         return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
-    return (m * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0
-
-
-def ws_table_ahead(b: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int, dtype: torch.dtype, *,
-                   transpose_b: bool) -> torch.Tensor | None:
-    """The :func:`tile_table` of a coming :func:`ws_varlen_m_gemm` over B = ``b``, built now (so that it is not
-    launched between that kernel and the one before it: programmatic dependent launch then chains the two), or
-    None where the Gluon kernel will not serve that product (:func:`ws_shape_supported`)."""
-    if not ws_shape_supported(b, num_rows, dtype, expert_offsets.device, transpose_b=transpose_b):
-        return None
-    return tile_table(expert_offsets, num_rows, BLOCK_M)
+    return (m * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
 
 
 _CALLS: dict[tuple, dict] = {}
@@ -415,8 +381,7 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,
-                     *, transpose_b: bool, config: dict | None = None, table: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     *, transpose_b: bool, config: dict | None = None) -> torch.Tensor:
     """C (R, m) = A (R, k) op(B[e]) (+ bias[e]) by the warp-specialised ping-pong kernel (see the module doc).
 
     The caller has checked :func:`ws_supported` (or, for tests, that the dtype, alignment and k suit it; both
@@ -429,8 +394,6 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         bias: (E, m) or None.
         expert_offsets: (E+1,) int32 exclusive prefix sum of the per-expert row counts.
         config: {"BLOCK_N", "STAGES"} (default :func:`ws_config`).
-        table: the tile table of ``expert_offsets`` at BLOCK_M (:func:`tile_table`) when the caller built it
-            ahead (so that it is not launched between this kernel and the one before it), else built here.
     Returns:
         C (R, m) in a's dtype; no atomics, the same bits on every run.
     """
@@ -447,24 +410,16 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     if r == 0:
         return c
     _CALLS[(m, k, e, str(a.dtype).removeprefix("torch."), transpose_b)] = dict(cfg)
-    if table is None:
-        table = tile_table(expert_offsets, r, BLOCK_M)
+    table = tile_table(expert_offsets, r, BLOCK_M)
     num_pid_n = triton.cdiv(m, bn)
-    pdl = gluon_pdl_enabled(a.device)
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
     _ws_varlen_m_kernel[(grid,)](
         _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(c, [BLOCK_M, bn]), c,
         bias.contiguous() if bias is not None else c, table, m, k, c.stride(0),
         HAS_BIAS=bias is not None, B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
         K_BLOCKS=k // BLOCK_K, STAGES=cfg["STAGES"], TPW_N=min(32, bn // 8), CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        LOADER_REGS=LOADER_REGS, num_warps=4)
     return c
-
-
-def gluon_pdl_enabled(device: torch.device) -> bool:
-    """Whether the Gluon kernels launch with programmatic dependent launch: where the Triton kernels do
-    (:func:`~sonicmoe.ops.common.pdl_enabled`), unless SONICMOE_GLUON_PDL=0."""
-    return pdl_enabled(device) and os.environ.get("SONICMOE_GLUON_PDL", "1") != "0"
 
 
 def ws_varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,

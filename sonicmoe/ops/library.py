@@ -67,12 +67,6 @@ def _routing(num_tokens: int, num_experts: int, **arrays: Tensor | None) -> Rout
     return Routing(num_tokens=num_tokens, num_experts=num_experts, **fields)
 
 
-def _env_int(name: str) -> int:
-    """An experiment switch: the integer in environment variable ``name``, 0 when unset or not a number."""
-    v = os.environ.get(name, "")
-    return int(v) if v.isdigit() else 0
-
-
 def _check_layout(gate_up_layout: str) -> None:
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
@@ -90,8 +84,7 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
-                         *, transpose_b: bool, pending: list | None = None, width: int | None = None,
-                         ws_table: Tensor | None = None) -> Tensor:
+                         *, transpose_b: bool, pending: list | None = None) -> Tensor:
     """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A op(B[e]) (+ bias[e]), with optional
     slot weights: the backward's dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights;
     SPEC §4 kernel 4), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
@@ -107,23 +100,15 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     the Gluon down-projection) one GEMM, then one aggregation. Every output element is computed by the same
     kernels either way.
 
-    ``width``: an explicit column width (the Triton kernel in blocks even where the Gluon kernel would serve the
-    whole GEMM; 0 or a width above d/2: one pass), else the default rule above. ``ws_table``: the Gluon kernel's
-    tile table built ahead (:func:`~sonicmoe.ops.grouped_gemm_ws.ws_table_ahead`), for the one-pass GEMM.
-
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
     Returns: O (T, d) in A's dtype.
     """
     d = b.shape[1] if transpose_b else b.shape[2]
-    if width is None:
-        width = gather_chunk_width(d, a.device)
-        if width and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
-            width = 0  # the Gluon ping-pong kernel serves the whole GEMM (short reductions, k ≤ 256 / 512)
-    elif width <= 0 or d < 2 * width:
-        width = 0
+    width = gather_chunk_width(d, a.device)
+    if width and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
+        width = 0  # the Gluon ping-pong kernel serves the whole GEMM (short reductions, k ≤ 256 / 512)
     if not width:
-        c = varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b, ws_table=ws_table)
-        return gather_sum(c, routing, slot_weights)
+        return gather_sum(varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b), routing, slot_weights)
     a = a.contiguous()
     progs_per_sm = overlap_mode(a.device)
     side = side_stream(a.device) if progs_per_sm else None
@@ -169,22 +154,13 @@ def experts_fwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
-    fwd_width = _env_int("SONICMOE_FWD_AGG_CHUNK")
-    # the Gluon down-projection's tile table, built before the up-projection so that the two GEMMs are chained
-    ws_table = None if fwd_width else grouped_gemm_ws.ws_table_ahead(w2, routing.expert_offsets, routing.num_rows,
-                                                                      x.dtype, transpose_b=True)
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
     # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
-    if fwd_width:
-        out = gemm_then_gather_sum(a, w2, b2, routing, routing.slot_scores(pair_scores).contiguous(),
-                                   transpose_b=True, width=fwd_width)
-        del a
-    else:
-        y = down_proj(a, w2, b2, routing, ws_table=ws_table)
-        del a
-        out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
-        del y
+    y = down_proj(a, w2, b2, routing)
+    del a
+    out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
+    del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
@@ -235,12 +211,9 @@ def experts_bwd_impl(
     dout = dout.contiguous()
     # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) for wide experts; else by the
     # Triton kernel, dW1 with the dX aggregation beside it (GLUON_WGRAD_MIN_N)
-    gluon = w2.shape[2] >= (_env_int("SONICMOE_GLUON_WGRAD_MIN_N") or GLUON_WGRAD_MIN_N)
+    gluon = w2.shape[2] >= GLUON_WGRAD_MIN_N
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
-    # the Gluon dX̃ GEMM's tile table (where that kernel serves it), built first: not between dW2 and dX̃
-    ws_table = grouped_gemm_ws.ws_table_ahead(w1, routing.expert_offsets, routing.num_rows, dout.dtype,
-                                              transpose_b=False) if need_x else None
     dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
@@ -263,12 +236,12 @@ def experts_bwd_impl(
                                                             out_dtype=w1.dtype)
     pending: list[Tensor] = []  # tensors the side stream may still read: dropped after the join below
     if need_x and need_w1 and side is not None and not gluon_dw1:
-        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm, ws_table)
+        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
             beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
             dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
-                                      pending=pending if beside else None, ws_table=ws_table)
+                                      pending=pending if beside else None)
         if need_w1:
             dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
@@ -299,7 +272,7 @@ def _beside(side: torch.cuda.Stream | None):
 
 
 def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: torch.cuda.Stream,
-                   progs_per_sm: int, ws_table: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   progs_per_sm: int) -> tuple[Tensor, Tensor]:
     """dX = Σ_slots dX̃ (dX̃ = dH W1[e]) and dW1, with the memory-bound dX aggregation on the high-priority side
     stream ``side`` beside the compute-bound dW1 GEMM: a persistent grid of ``progs_per_sm`` programs per
     multiprocessor (``common.overlap_mode``), queued before dW1, so that dW1's programs fill the room beside it.
@@ -308,7 +281,7 @@ def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: t
     for the side stream before this returns, since dX̃ (made here, read there) is freed on return. The kernels
     and their inputs are those of the one-stream path: the same bits.
     """
-    dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False, ws_table=ws_table)
+    dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
     dx = new_output((routing.num_tokens, dxt.shape[1]), device=dxt.device, dtype=dxt.dtype)
     with _beside(side):
         gather_sum(dxt, routing, None, out=dx, progs_per_sm=progs_per_sm)
