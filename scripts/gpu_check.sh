@@ -24,6 +24,9 @@
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
 #          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds
+#   targets  issue #4's protocol: TARGET_ROUNDS (default 5) rounds, each a fresh process of the layer benchmark
+#          on the 7B shape then one on (32768, 4096, 1024, 128, 8), triton (round 1 also torch and the float32
+#          check); the median over rounds of each shape's fwd+bwd is what counts (scripts/target_summary.py)
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last)
@@ -142,6 +145,17 @@ for step in "$@"; do
       timeout ${AB_LIMIT_S:-300} python3 scripts/ws_ab.py --env ${AB_ENV:-SONICMOE_GLUON} --values "$AB_VALUES" \
         --rounds ${AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
       SUMMARY+=("$(grep -E ' ms |Error' "$OUT/ab.txt")")
+      ;;
+    targets)
+      for i in $(seq 1 "${TARGET_ROUNDS:-5}"); do
+        extra=(--no-check --backends triton); [ "$i" = 1 ] && extra=(--backends triton,torch)
+        for sh in 7b=24576,1536,256,128,8 120b-n1024=32768,4096,1024,128,8; do
+          timeout 200 python3 -m sonicmoe bench --shape "$sh" "${extra[@]}" --no-plot --no-router-variant \
+            --out "$OUT/targets" --tag "round${i}_${sh%%=*}" > "$OUT/targets_round${i}_${sh%%=*}.txt" 2>&1
+        done
+      done
+      python3 scripts/target_summary.py "$OUT"/targets/*.json > "$OUT/targets_summary.txt" 2>&1
+      SUMMARY+=("$(cat "$OUT/targets_summary.txt")")
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \

@@ -1,0 +1,51 @@
+"""Issue #4's targets from the results files of ``gpu_check.sh targets``: per shape, each round's fwd+bwd
+(median ms and TFLOP/s), the median over rounds, the triton/torch ratio where torch ran, and whether the median
+meets the target (7B ≥ 440 TFLOP/s and ≥ 3× torch; (32768, 4096, 1024, 128, 8) ≥ 570 TFLOP/s).
+
+usage: python scripts/target_summary.py RESULTS.json [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+TARGETS = {(24576, 1536, 256, 128, 8): 440.0, (32768, 4096, 1024, 128, 8): 570.0}
+TORCH_RATIO_TARGET = {(24576, 1536, 256, 128, 8): 3.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    runs: dict[tuple, list[tuple[str, float, float]]] = {}
+    ratios: dict[tuple, list[float]] = {}
+    device = set()
+    for path in sorted(args.files):
+        res = json.load(open(path))
+        device.add(res["env"]["device"])
+        for row in res["results"]:
+            key = (row["T"], row["d"], row["n"], row["E"], row["K"])
+            tri = row["backends"].get("triton", {})
+            if tri.get("status") != "ok":
+                continue
+            runs.setdefault(key, []).append((path, tri["total"]["ms"]["p50"], tri["total"]["tflops"]))
+            if "torch" in row.get("ratios", {}):
+                ratios.setdefault(key, []).append(row["ratios"]["torch"]["total"])
+    print(f"device(s): {', '.join(sorted(device))}")
+    for key, rs in runs.items():
+        tf = [r[2] for r in rs]
+        med = statistics.median(tf)
+        target = TARGETS.get(key)
+        verdict = "" if target is None else f"target {target:.0f}: {'met' if med >= target else 'NOT met'}"
+        print(f"{key}: {len(rs)} runs, fwd+bwd TFLOP/s {[round(t, 1) for t in tf]} ms {[round(r[1], 3) for r in rs]}"
+              f" | median {med:.1f} | {verdict}")
+        if key in ratios:
+            rt = TORCH_RATIO_TARGET.get(key)
+            print(f"{key}: vs torch {[round(r, 2) for r in ratios[key]]}" +
+                  ("" if rt is None else f" | target {rt:.0f}x: {'met' if min(ratios[key]) >= rt else 'NOT met'}"))
+
+
+if __name__ == "__main__":
+    main()
