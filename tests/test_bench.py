@@ -349,6 +349,18 @@ def test_plot_from_results_file(tmp_path):
     assert len(list(other.glob("*.png"))) == 4
 
 
+def test_granularity_groups_keep_sweeps_only():
+    """Groups at one (T, d) with two or more G are plotted against G; a group of unrelated shapes (the models
+    preset: d differs) is not, and neither is a group with one G (the token-rounding sweep varies E only)."""
+    from sonicmoe.bench.plots import granularity_groups
+
+    recs = _synthetic_doc()["results"]
+    models = [dict(r, group="models", name=f"m{i}") for i, r in enumerate(recs[:6:2])]  # 7B and 30B rows: d differs
+    groups = granularity_groups(recs + models)
+    assert sorted(groups) == ["30B", "7B"]
+    assert [r["G"] for r in groups["7B"]] == sorted(r["G"] for r in groups["7B"])
+
+
 def test_markdown_from_results_file(tmp_path, capsys, monkeypatch):
     path = report.write_results(_synthetic_doc(), tmp_path / "r.json")
     assert cli.main(["--markdown-from", str(path)]) == 0

@@ -56,12 +56,15 @@ def _backend_names(records: list[dict]) -> list[str]:
 
 
 def granularity_groups(records: list[dict]) -> dict[str, list[dict]]:
-    """Top-k records grouped by ``group``, keeping groups with at least two different G, sorted by G."""
+    """Top-k records grouped by ``group``, keeping the granularity sweeps — groups at one (T, d) with at least two
+    different G — sorted by G. Groups of unrelated shapes (the real-model preset, whose d differ) are left to the
+    speed-up chart: a line through them would read as a trend in G."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if r.get("routing", "topk") == "topk" and r.get("backends"):
             groups[r.get("group", "custom")].append(r)
-    return {g: sorted(rs, key=lambda r: r["G"]) for g, rs in groups.items() if len({r["G"] for r in rs}) >= 2}
+    return {g: sorted(rs, key=lambda r: r["G"]) for g, rs in groups.items()
+            if len({r["G"] for r in rs}) >= 2 and len({(r["T"], r["d"]) for r in rs}) == 1}
 
 
 def _setup():
