@@ -19,32 +19,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
-    runs: dict[tuple, list[tuple[str, float, float]]] = {}
+    runs: dict[tuple, list[tuple[float, float]]] = {}  # (ms, TFLOP/s) per run
     ratios: dict[tuple, list[float]] = {}
     device = set()
     for path in sorted(args.files):
-        res = json.load(open(path))
+        with open(path) as f:
+            res = json.load(f)
         device.add(res["env"]["device"])
         for row in res["results"]:
             key = (row["T"], row["d"], row["n"], row["E"], row["K"])
             tri = row["backends"].get("triton", {})
             if tri.get("status") != "ok":
                 continue
-            runs.setdefault(key, []).append((path, tri["total"]["ms"]["p50"], tri["total"]["tflops"]))
+            runs.setdefault(key, []).append((tri["total"]["ms"]["p50"], tri["total"]["tflops"]))
             if "torch" in row.get("ratios", {}):
                 ratios.setdefault(key, []).append(row["ratios"]["torch"]["total"])
     print(f"device(s): {', '.join(sorted(device))}")
     for key, rs in runs.items():
-        tf = [r[2] for r in rs]
+        tf = [r[1] for r in rs]
         med = statistics.median(tf)
         target = TARGETS.get(key)
         verdict = "" if target is None else f"target {target:.0f}: {'met' if med >= target else 'NOT met'}"
-        print(f"{key}: {len(rs)} runs, fwd+bwd TFLOP/s {[round(t, 1) for t in tf]} ms {[round(r[1], 3) for r in rs]}"
+        print(f"{key}: {len(rs)} runs, fwd+bwd TFLOP/s {[round(t, 1) for t in tf]} ms {[round(r[0], 3) for r in rs]}"
               f" | median {med:.1f} | {verdict}")
         if key in ratios:
             rt = TORCH_RATIO_TARGET.get(key)
-            print(f"{key}: vs torch {[round(r, 2) for r in ratios[key]]}" +
-                  ("" if rt is None else f" | target {rt:.0f}x: {'met' if min(ratios[key]) >= rt else 'NOT met'}"))
+            med_r = statistics.median(ratios[key])
+            print(f"{key}: vs torch {[round(r, 2) for r in ratios[key]]} | median {med_r:.2f}x" +
+                  ("" if rt is None else f" | target {rt:.0f}x: {'met' if med_r >= rt else 'NOT met'}"))
 
 
 if __name__ == "__main__":
