@@ -7,6 +7,7 @@
 #          TUNE_REPEAT rounds, medians
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
+#          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
 #   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...),
 #          GPU tests, layer A/B
@@ -102,7 +103,9 @@ for step in "$@"; do
       timeout ${GRAPH_LIMIT_S:-300} python3 scripts/graph_bound.py "${shapes[@]}" --profile --json "$OUT/graph_bound.json" \
         > "$OUT/graph_bound.txt" 2>&1
       timeout 120 python3 scripts/launch_overhead.py > "$OUT/launch_overhead.txt" 2>&1
-      SUMMARY+=("$(grep -E 'median|Error' "$OUT/graph_bound.txt")" "$(cat "$OUT/launch_overhead.txt")")
+      timeout 120 python3 scripts/launch_overhead.py --breakdown > "$OUT/launch_breakdown.txt" 2>&1
+      SUMMARY+=("$(grep -E 'median|Error' "$OUT/graph_bound.txt")" "$(cat "$OUT/launch_overhead.txt")"
+                "$(cat "$OUT/launch_breakdown.txt")")
       ;;
     upws)
       # the Gluon up-projection: probe (bits, error, alternating timings against the Triton kernel), GPU tests, layer A/B
