@@ -8,6 +8,8 @@
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
+#   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
+#          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
 #   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...),
 #          GPU tests, layer A/B
@@ -106,6 +108,29 @@ for step in "$@"; do
       timeout 120 python3 scripts/launch_overhead.py --breakdown > "$OUT/launch_breakdown.txt" 2>&1
       SUMMARY+=("$(grep -E 'median|Error' "$OUT/graph_bound.txt")" "$(cat "$OUT/launch_overhead.txt")"
                 "$(cat "$OUT/launch_breakdown.txt")")
+      ;;
+    host)
+      # the kernel-launch fast path (sonicmoe/ops/fast_launch.py): its GPU tests, each launcher's host time and the
+      # eager layer against a CUDA-graph replay (HOST_SHAPES) with the fast path off and on, then the h100 training
+      # preset (HOST_TRAIN_STEPS steps) off, on, off, on
+      timeout 400 python3 -m pytest -rA -m gpu tests/test_fast_launch.py ${HOST_TESTS:-} -p no:cacheprovider \
+        > "$OUT/gpu_tests_host.log" 2>&1
+      shapes=()
+      for sh in ${HOST_SHAPES:-32768,768,256,64,8 24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
+      for fl in 0 1; do
+        SONICMOE_FAST_LAUNCH=$fl timeout 120 python3 scripts/launch_overhead.py --breakdown > "$OUT/launch_breakdown_fl$fl.txt" 2>&1
+        SONICMOE_FAST_LAUNCH=$fl timeout 300 python3 scripts/graph_bound.py "${shapes[@]}" --rounds 3 \
+          --json "$OUT/graph_bound_fl$fl.json" > "$OUT/graph_bound_fl$fl.txt" 2>&1
+      done
+      for run in 0a 1a 0b 1b; do
+        SONICMOE_FAST_LAUNCH=${run:0:1} timeout 240 python3 -m sonicmoe train --preset h100 --steps ${HOST_TRAIN_STEPS:-60} \
+          --no-progress --eval-every 0 --out "/tmp/train_fl$run" > "$OUT/train_fl$run.txt" 2>&1
+        cp "/tmp/train_fl$run/log.json" "$OUT/train_fl$run.json" 2>/dev/null
+      done
+      SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_host.log")" "$(tail -1 "$OUT/gpu_tests_host.log")"
+                "$(head -20 "$OUT"/launch_breakdown_fl*.txt)" "$(grep -H median "$OUT"/graph_bound_fl*.txt)"
+                "$(for f in "$OUT"/train_fl*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
+print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"; done)")
       ;;
     upws)
       # the Gluon up-projection: probe (bits, error, alternating timings against the Triton kernel), GPU tests, layer A/B

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import autotuners, check_device, launch, new_output, next_pow2, pdl_prologue, programs
+from .common import autotuners, cdiv, check_device, launch, new_output, next_pow2, pdl_prologue, programs
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -100,7 +100,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         token_offsets_ptr=routing.token_offsets, token_rows_ptr=routing.token_rows, T=t, D=d,
         stride_yr=y.stride(0), stride_ot=out.stride(0), HAS_W=slot_weights is not None,
     )
-    grid = lambda m: (programs(triton.cdiv(t, m["BLOCK_T"]) * triton.cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
+    grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), <= 8
     args["UNROLL"] = min(next_pow2(-(-routing.num_rows // t)), 8)

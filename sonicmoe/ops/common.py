@@ -41,6 +41,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .fast_launch import launch_kernel
+
 
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -221,7 +223,7 @@ class Tuners:
             args = bind_descriptors(args, meta, self.desc_blocks, flag_descs)
         elif self.desc_blocks is not None:
             set_descriptor_blocks(self.desc_blocks, {**args, **meta})
-        self.kernel[grid](**args, **meta)
+        launch_kernel(self.kernel, grid, **args, **meta)
 
     def tune(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None,
              extra: dict | None = None) -> triton.Config:
@@ -334,7 +336,8 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
     if desc_blocks is not None:
         meta = restrict_config(meta, available, tuple(flag_descs))
         args = bind_descriptors(args, meta, desc_blocks, flag_descs)
-    kernel[grid(meta)](**{**args, **meta, **extra})  # the config's values win over same-named launcher defaults
+    # the config's values win over same-named launcher defaults
+    launch_kernel(kernel, grid(meta), **{**args, **meta, **extra})
 
 
 def _operand_bytes(args: dict) -> int:
@@ -382,12 +385,19 @@ def check_device(name: str, t: torch.Tensor) -> None:
 
 
 def next_pow2(x: int) -> int:
-    return triton.next_power_of_2(max(int(x), 1))
+    """The least power of two >= max(x, 1) (plain Python: ``triton.next_power_of_2`` is a constexpr function,
+    several µs of host time per call outside a kernel)."""
+    return 1 << (max(int(x), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host ints (plain Python, like :func:`next_pow2`)."""
+    return -(-a // b)
 
 
 def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
     """Upper bound of Σ_e cdiv(T_e, BLOCK_M): the M-tiles of the varlen-M grid."""
-    return triton.cdiv(num_rows, block_m) + num_experts
+    return cdiv(num_rows, block_m) + num_experts
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -498,7 +508,7 @@ def varlen_m_grid(num_rows: int, num_experts: int, n: int, device: torch.device)
     configs (PROGS_PER_SM > 0), PROGS_PER_SM programs per multiprocessor looping over the tiles."""
 
     def grid(meta):
-        upper = max_m_tiles(num_rows, num_experts, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        upper = max_m_tiles(num_rows, num_experts, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
         return (programs(upper, meta.get("PROGS_PER_SM", 0), device),)
 
     return grid

@@ -31,6 +31,7 @@ from ..reference import split_gate_up
 from ..routing import Routing
 from .common import (
     autotuners,
+    cdiv,
     check_device,
     column_halves,
     dot_precision,
@@ -277,7 +278,7 @@ def dh(
         return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
-    ds_part = new_output((triton.cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
+    ds_part = new_output((cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
         do_ptr=dout, w2_ptr=w2, w2_desc=tma_descriptor(w2), h_ptr=h, score_ptr=row_scores.float().contiguous(),

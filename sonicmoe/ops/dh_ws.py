@@ -56,6 +56,7 @@ import torch
 
 from ..routing import Routing
 from .common import new_output, sm_count
+from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
@@ -383,6 +384,6 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
-    _dh_ws_kernel[(sm_count(h.device),)](*args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
-                                         num_warps=MMA_WARPS)
+    launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
+                  num_warps=MMA_WARPS)
     return dh_, a_prime, ds_part

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    cdiv,
     interpreting,
     max_m_tiles,
     new_output,
@@ -52,6 +53,7 @@ from .common import (
     sm_count,
     tile_schedule,
 )
+from .fast_launch import launch_kernel
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every shape
     from triton.experimental import gluon
@@ -122,8 +124,8 @@ def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> tor
     max_tiles = max_m_tiles(num_rows, e, block_m)
     table = torch.empty((max_tiles + 1, TILE_TABLE_COLS), device=expert_offsets.device, dtype=torch.int32)
     block_t = 32 if e > 256 else 64
-    _tile_table_kernel[(triton.cdiv(max_tiles, block_t),)](expert_offsets, table, e, max_tiles, E_P2=next_pow2(e),
-                                                           BLOCK_M=block_m, BLOCK_T=block_t)
+    launch_kernel(_tile_table_kernel, (cdiv(max_tiles, block_t),), expert_offsets, table, e, max_tiles,
+                  E_P2=next_pow2(e), BLOCK_M=block_m, BLOCK_T=block_t)
     return table
 
 
@@ -411,9 +413,10 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         return c
     _CALLS[(m, k, e, str(a.dtype).removeprefix("torch."), transpose_b)] = dict(cfg)
     table = tile_table(expert_offsets, r, BLOCK_M)
-    num_pid_n = triton.cdiv(m, bn)
+    num_pid_n = cdiv(m, bn)
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
-    _ws_varlen_m_kernel[(grid,)](
+    launch_kernel(
+        _ws_varlen_m_kernel, (grid,),
         _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(c, [BLOCK_M, bn]), c,
         bias.contiguous() if bias is not None else c, table, m, k, c.stride(0),
         HAS_BIAS=bias is not None, B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,

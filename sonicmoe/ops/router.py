@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ..config import ROUTER_ORDERS
-from .common import check_device, interpreting, new_output, next_pow2
+from .common import cdiv, check_device, interpreting, new_output, next_pow2
+from .fast_launch import launch_kernel
 
 MAX_KERNEL_EXPERTS = 1024  # above this the launcher falls back to torch (registers hold all E logits)
 
@@ -139,8 +140,8 @@ def _meta(e_p2: int) -> dict:
 
 def _launch(kernel, t: int, e: int, args: dict, **const):
     meta = _meta(next_pow2(e))
-    grid = (triton.cdiv(t, meta["BLOCK_T"]),)
-    kernel[grid](**args, T=t, E=e, E_P2=next_pow2(e), **const, **meta)
+    grid = (cdiv(t, meta["BLOCK_T"]),)
+    launch_kernel(kernel, grid, **args, T=t, E=e, E_P2=next_pow2(e), **const, **meta)
 
 
 def _forward(logits: torch.Tensor, top_k: int, softmax_first: bool, renormalize: bool):

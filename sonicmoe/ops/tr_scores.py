@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, next_pow2
+from .common import cdiv, check_device, next_pow2
+from .fast_launch import launch_kernel
 
 _BLOCK_PAIRS = 128
 
@@ -127,8 +128,9 @@ class _PairScores(torch.autograd.Function):
         scores = torch.empty(r, dtype=topk_scores.dtype, device=src.device)
         slot = torch.empty(r, dtype=torch.int32, device=src.device)
         if r:
-            grid = (triton.cdiv(r, _BLOCK_PAIRS),)
-            _pair_scores_fwd_kernel[grid](
+            grid = (cdiv(r, _BLOCK_PAIRS),)
+            launch_kernel(
+                _pair_scores_fwd_kernel, grid,
                 pair_token, pair_expert, topk_ids, topk_scores, src, scores, slot, r, src.stride(0),
                 K=k, K_P2=next_pow2(k), ORDER_LOGITS=order_logits, RENORM=renorm, BLOCK=_BLOCK_PAIRS, num_warps=4)
         ctx.save_for_backward(src, topk_ids, pair_token, pair_expert, slot)
@@ -147,7 +149,8 @@ class _PairScores(torch.autograd.Function):
         # each token's pairs [start[t], start[t + 1]) of the token-major list
         start = torch.searchsorted(pair_token, torch.arange(t + 1, device=src.device, dtype=pair_token.dtype))
         if t:
-            _pair_scores_bwd_kernel[(t,)](
+            launch_kernel(
+                _pair_scores_bwd_kernel, (t,),
                 grad.contiguous(), pair_expert, slot, start, topk_ids, src, d_ts, d_src, e, src.stride(0),
                 d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e), ORDER_LOGITS=ctx.order_logits,
                 RENORM=ctx.renorm, num_warps=4)

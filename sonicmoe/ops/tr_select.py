@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_device, interpreting, next_pow2
+from .common import cdiv, check_device, interpreting, next_pow2
+from .fast_launch import launch_kernel
 
 NO_KEY = -(2**31)  # "not a candidate": below the key of every float
 _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
@@ -117,10 +118,11 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
     score_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
     block_e = min(next_pow2(e), 32)
     block_t = max(1, min(1024 // block_e, next_pow2(t)))
-    grid = triton.cdiv(t, block_t)
+    grid = cdiv(t, block_t)
     counts = torch.empty(grid, e, dtype=torch.int32, device=probs.device)
     if t > 0:
-        _candidate_keys_kernel[(grid,)](
+        launch_kernel(
+            _candidate_keys_kernel, (grid,),
             probs, topk_ids.contiguous(), topk_scores.detach().contiguous(), prob_key, score_key, counts,
             t, e, probs.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
     return prob_key, score_key, counts.sum(0, dtype=torch.int64)
@@ -252,9 +254,9 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
     if e and t:
-        _select_kernel[(e,)](prob_key, score_key, f.contiguous(), keep.contiguous(), routed.view(torch.int8), t, e,
-                             BLOCK=min(_ROW_BLOCK, next_pow2(t)), FANOUT=fanout, PASSES=-(-32 // bits),
-                             num_warps=4)
+        launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
+                      routed.view(torch.int8), t, e, BLOCK=min(_ROW_BLOCK, next_pow2(t)), FANOUT=fanout,
+                      PASSES=-(-32 // bits), num_warps=4)
     return routed
 
 

@@ -43,6 +43,7 @@ import torch
 
 from ..routing import Routing
 from .common import new_output, sm_count
+from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
@@ -347,7 +348,8 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     num_pid_n = n // BLOCK_N
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
-    _up_ws_kernel[(sm_count(x.device),)](
+    launch_kernel(
+        _up_ws_kernel, (sm_count(x.device),),
         x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]),
         _descriptor(h, [BLOCK_M, BLOCK_N]) if store_h else a_desc, a_desc, h, a,
         b1.contiguous() if b1 is not None else a, routing.row_token, table, num_pid_n, n, d, x.stride(0),

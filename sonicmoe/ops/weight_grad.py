@@ -31,6 +31,7 @@ from ..routing import Routing
 from . import weight_grad_ws
 from .common import (
     autotuners,
+    cdiv,
     check_device,
     dot_precision,
     few_rows_per_expert,
@@ -295,7 +296,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     )
 
     def grid(meta):
-        tiles = e * triton.cdiv(i_dim, meta["BLOCK_I"]) * triton.cdiv(j_dim, meta["BLOCK_J"])
+        tiles = e * cdiv(i_dim, meta["BLOCK_I"]) * cdiv(j_dim, meta["BLOCK_J"])
         return (programs(tiles, meta.get("PROGS_PER_SM", 0) if meta.get("STEPS") else 0, p.device),)
 
     # pinned tiles: 256 wide on the operand that is not gathered; the step loop for few rows per expert

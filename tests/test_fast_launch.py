@@ -1,0 +1,107 @@
+"""The host fast path for kernel launches (sonicmoe/ops/fast_launch.py).
+
+CPU: the key of each kind of argument is at least as fine as Triton's specialisation, unknown kinds go to
+Triton's path, and under the interpreter every launch takes Triton's path with the same result. GPU: a hit
+launches the kernel Triton would have chosen (``SONICMOE_FAST_LAUNCH=check`` asserts it on every hit) for
+aligned and unaligned tensors, ints 1 / multiples of 16 / others / past int32, and the layer's outputs and
+gradients have the same bits with the fast path on and off.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import sonicmoe
+from sonicmoe.ops import fast_launch
+from sonicmoe.ops.fast_launch import _runtime_key, _Slow, launch_kernel
+from sonicmoe.testing import random_problem
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, stride, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs * stride, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x * alpha + y, mask=mask)
+
+
+def test_runtime_keys_separate_what_triton_specialises():
+    """Ints: 1 apart, multiples of 16 apart from others, int32 apart from int64 and uint64; tensors: dtype and
+    16-byte alignment; bool and float by type only; None by itself; an unknown kind is refused."""
+    keys = [_runtime_key(v) for v in (1, 16, 17, 2**31, 2**31 + 1, 2**63, -16, -17)]
+    assert len({keys[0], keys[1], keys[2], keys[3], keys[4], keys[5]}) == 6
+    assert keys[1] == keys[6] and keys[2] == keys[7] and keys[2] == _runtime_key(33)
+    buf = torch.zeros(64, dtype=torch.float16)
+    assert _runtime_key(buf) == _runtime_key(buf[8:]) != _runtime_key(buf[1:])
+    assert _runtime_key(buf) != _runtime_key(buf.float())
+    assert _runtime_key(True) == _runtime_key(False) != _runtime_key(1)
+    assert _runtime_key(0.5) == _runtime_key(2.0) and _runtime_key(None) is None
+    with pytest.raises(_Slow):
+        _runtime_key("text")
+
+
+def test_interpreter_or_unset_takes_tritons_path(device, monkeypatch):
+    """Every switch value gives the kernel's result (under the interpreter all of them take Triton's path)."""
+    x = torch.randn(100, device=device)
+    y = torch.randn(100, device=device)
+    want = 2.5 * x + y
+    for mode in ("1", "0", "check"):
+        monkeypatch.setenv("SONICMOE_FAST_LAUNCH", mode)
+        out = torch.full_like(x, float("nan"))
+        launch_kernel(_axpy_kernel, lambda m: (triton.cdiv(100, m["BLOCK"]),), x, y, out, 100, 2.5, 1, BLOCK=32)
+        torch.testing.assert_close(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_hits_launch_tritons_kernel(monkeypatch):
+    """Aligned and unaligned operands and ints of every specialisation class, in turn and repeated: each launch is
+    right, every hit picks Triton's kernel (check mode), each class got its own entry, and the direct launches of
+    the hits that follow are right."""
+    fast_launch._LAUNCHES.clear()
+    base = torch.randn(4096 + 1, device="cuda", dtype=torch.float16)
+    other = torch.randn(4096, device="cuda", dtype=torch.float16)
+    cases = []
+    for offset in (0, 1, 8):
+        for n in (1, 16, 1000, 2048):
+            cases.append((offset, n, 1))
+    cases.append((0, 1000, 2))
+    for mode in ("check", "check", "1"):  # a miss records, a checked hit compares, then direct launches
+        monkeypatch.setenv("SONICMOE_FAST_LAUNCH", mode)
+        for offset, n, stride in cases:
+            x = base[offset:offset + n * stride]
+            out = torch.full((n,), float("nan"), device="cuda", dtype=torch.float16)
+            launch_kernel(_axpy_kernel, (triton.cdiv(n, 256),), x, other, out, n, 0.5, stride, BLOCK=256)
+            torch.testing.assert_close(out, x[::stride] * 0.5 + other[:n])
+    entry = fast_launch._LAUNCHES[id(_axpy_kernel)]
+    # offsets 0 and 8 (16 bytes) share a specialisation; n = 1, 16, other; stride 1 / 2
+    assert len(entry.kernels) >= 2 * 3 + 1
+    assert len(set(map(id, entry.kernels.values()))) >= 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(300, 256, 128, 8, 2), (1000, 768, 256, 64, 8), (77, 136, 40, 5, 5)])
+def test_gpu_layer_bits_with_and_without_fast_path(shape, monkeypatch):
+    """bf16, the whole layer (router, experts, aggregation, every gradient): the fast path on, off and checked
+    give the same bits, and the checked run asserts every hit picked Triton's kernel."""
+    t, d, n, e, k = shape
+    p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=3)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        leaves = [v.detach().clone().requires_grad_(True) for v in (p["x"], p["router_weight"], p["w1"], p["w2"])]
+        out = sonicmoe.moe(*leaves, top_k=k, backend="triton")
+        out.backward(dout)
+        return [out.detach()] + [v.grad for v in leaves]
+
+    results = {}
+    for mode in ("0", "1", "check", "1"):
+        monkeypatch.setenv("SONICMOE_FAST_LAUNCH", mode)
+        results.setdefault(mode, []).append(run())
+    ref = results["0"][0]
+    for runs in results.values():
+        for got in runs:
+            for a, b in zip(ref, got):
+                assert not a.isnan().any()
+                assert torch.equal(a, b)
