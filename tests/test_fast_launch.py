@@ -11,6 +11,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import sonicmoe
 from sonicmoe.ops import fast_launch
@@ -54,6 +55,62 @@ def test_interpreter_or_unset_takes_tritons_path(device, monkeypatch):
         torch.testing.assert_close(out, want)
 
 
+def _plain_axpy(x_ptr, y_ptr, out_ptr, n, alpha, stride, BLOCK: tl.constexpr, EXTRA: tl.constexpr = 3):
+    pass
+
+
+class _Compiled:
+    """Stands in for a compiled kernel: records the launches made on it."""
+
+    function, packed_metadata = "fn-handle", "meta"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
+    """With Triton's path and the device stubbed: the first launch of each specialisation takes Triton's path and
+    records its kernel; a repeat hits and launches it directly with every parameter in the kernel's order (the
+    defaults filled in), the grid evaluated on the arguments and no hooks; a change Triton specialises on (an
+    unaligned pointer, an int becoming 1, a constexpr, a launch option) misses; mode 0 never hits."""
+    fn = JITFunction(_plain_axpy)  # a compiled-kernel function even where triton.jit gives the interpreter's
+    made = []
+
+    def tritons_path(*args, grid, warmup, **kwargs):
+        made.append(_Compiled())
+        return made[-1]
+
+    monkeypatch.setattr(fn, "run", tritons_path)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+    buf = torch.zeros(64)
+    y = torch.zeros(64)
+    grid = lambda m: (m["n"] // m["BLOCK"],)  # noqa: E731
+
+    def go(x, n=32, stride=2, block=16, **opts):
+        return launch_kernel(fn, grid, x, y, buf, n=n, alpha=0.5, stride=stride, BLOCK=block, **opts)
+
+    first = go(buf)
+    assert len(made) == 1 and not first.launches
+    assert go(buf) is first and len(made) == 1
+    assert first.launches[-1] == (2, 1, 1, 1234, "fn-handle", "meta", None, None, None,
+                                  buf, y, buf, 32, 0.5, 2, 16, 3)
+    assert go(buf[4:]) is first  # 16 bytes further: the same alignment class
+    for other in (dict(x=buf[1:]), dict(x=buf, n=33), dict(x=buf, stride=1), dict(x=buf, block=32),
+                  dict(x=buf, num_warps=8)):
+        before = len(made)
+        assert go(**other) is made[-1] and len(made) == before + 1
+    assert go(buf, n=48) is first and first.launches[-1][:3] == (3, 1, 1)  # 48 % 16 == 0: first's class
+    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "0")
+    before = len(made)
+    go(buf)
+    assert len(made) == before + 1
+
+
 @pytest.mark.gpu
 def test_gpu_hits_launch_tritons_kernel(monkeypatch):
     """Aligned and unaligned operands and ints of every specialisation class, in turn and repeated: each launch is
@@ -91,7 +148,7 @@ def test_gpu_layer_bits_with_and_without_fast_path(shape, monkeypatch):
 
     def run():
         leaves = [v.detach().clone().requires_grad_(True) for v in (p["x"], p["router_weight"], p["w1"], p["w2"])]
-        out = sonicmoe.moe(*leaves, top_k=k, backend="triton")
+        out = sonicmoe.moe(*leaves, top_k=k, backend="triton").out
         out.backward(dout)
         return [out.detach()] + [v.grad for v in leaves]
 

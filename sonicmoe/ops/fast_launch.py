@@ -89,6 +89,12 @@ def _launches(fn) -> _Launches:
     return entry
 
 
+def _hooked(chain) -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps them in a ``HookChain``, empty unless a profiler such
+    as proton adds one; older versions in a plain attribute, None when unset)."""
+    return bool(getattr(chain, "calls", chain))
+
+
 def _mode() -> str:
     return os.environ.get("SONICMOE_FAST_LAUNCH", "1")
 
@@ -104,7 +110,7 @@ def launch_kernel(kernel, grid, *args, **kwargs):
         args, kwargs: the kernel's arguments (positional ones first, in the kernel's order) and launch options.
     """
     mode = _mode()
-    if mode == "0" or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if mode == "0" or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         return kernel[grid](*args, **kwargs)
     fn, heuristics = kernel, []
     while isinstance(fn, Heuristics):
