@@ -16,10 +16,10 @@ have chosen:
 * every ``constexpr`` argument and every launch option (``num_warps``, ``launch_pdl``, ...): its value;
 * the device, and Triton's ``debug`` and instrumentation knobs.
 
-Anything else (a value of another type, an unhashable constexpr, a missing argument, launch hooks installed by a
-profiler, pre-run hooks) takes Triton's own path, which also compiles and records the kernel on a miss.
-``SONICMOE_FAST_LAUNCH=0`` always takes Triton's path; ``SONICMOE_FAST_LAUNCH=check`` takes it too and asserts
-that Triton chose the kernel the fast path would have (tests). Never under the interpreter.
+Anything else takes Triton's own path, which also compiles and records the kernel on a miss: a value of another
+type, an unhashable constexpr, a missing argument, launch hooks installed by a profiler, pre-run hooks, a launch
+traced by ``torch.compile``. ``SONICMOE_FAST_LAUNCH=0`` always takes Triton's path; ``SONICMOE_FAST_LAUNCH=check``
+takes it too and asserts that Triton chose the kernel the fast path would have (tests). Never under the interpreter.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def launch_kernel(kernel, grid, *args, **kwargs):
         grid: a tuple of up to three ints, or a callable of the launch's arguments (a dict) returning one.
         args, kwargs: the kernel's arguments (positional ones first, in the kernel's order) and launch options.
     """
+    if torch.compiler.is_compiling():  # dynamo traces ``kernel[grid](...)`` itself (a user-defined Triton kernel)
+        return kernel[grid](*args, **kwargs)
     mode = _mode()
     if mode == "0" or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         return kernel[grid](*args, **kwargs)
