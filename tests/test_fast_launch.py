@@ -74,8 +74,9 @@ class _Compiled:
 def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
     """With Triton's path and the device stubbed: the first launch of each specialisation takes Triton's path and
     records its kernel; a repeat hits and launches it directly with every parameter in the kernel's order (the
-    defaults filled in), the grid evaluated on the arguments and no hooks; a change Triton specialises on (an
-    unaligned pointer, an int becoming 1, a constexpr, a launch option) misses; mode 0 never hits."""
+    defaults filled in), the grid evaluated on every parameter and no hooks; a change Triton specialises on (an
+    unaligned pointer, an int becoming 1, a constexpr, a launch option) misses; mode 0 and a Triton version the
+    fast path was not checked against never hit."""
     fn = JITFunction(_plain_axpy)  # a compiled-kernel function even where triton.jit gives the interpreter's
     made = []
 
@@ -86,10 +87,11 @@ def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
     monkeypatch.setattr(fn, "run", tritons_path)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(fast_launch, "SUPPORTED", True)
     monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
     buf = torch.zeros(64)
     y = torch.zeros(64)
-    grid = lambda m: (m["n"] // m["BLOCK"],)  # noqa: E731
+    grid = lambda m: (m["n"] // m["BLOCK"], m["EXTRA"])  # noqa: E731  (EXTRA: a default, filled in as Triton does)
 
     def go(x, n=32, stride=2, block=16, **opts):
         return launch_kernel(fn, grid, x, y, buf, n=n, alpha=0.5, stride=stride, BLOCK=block, **opts)
@@ -97,18 +99,21 @@ def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
     first = go(buf)
     assert len(made) == 1 and not first.launches
     assert go(buf) is first and len(made) == 1
-    assert first.launches[-1] == (2, 1, 1, 1234, "fn-handle", "meta", None, None, None,
+    assert first.launches[-1] == (2, 3, 1, 1234, "fn-handle", "meta", None, None, None,
                                   buf, y, buf, 32, 0.5, 2, 16, 3)
     assert go(buf[4:]) is first  # 16 bytes further: the same alignment class
     for other in (dict(x=buf[1:]), dict(x=buf, n=33), dict(x=buf, stride=1), dict(x=buf, block=32),
                   dict(x=buf, num_warps=8)):
         before = len(made)
         assert go(**other) is made[-1] and len(made) == before + 1
-    assert go(buf, n=48) is first and first.launches[-1][:3] == (3, 1, 1)  # 48 % 16 == 0: first's class
-    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "0")
-    before = len(made)
-    go(buf)
-    assert len(made) == before + 1
+    assert go(buf, n=48) is first and first.launches[-1][:3] == (3, 3, 1)  # 48 % 16 == 0: first's class
+    for switch in (lambda: monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "0"),
+                   lambda: monkeypatch.setattr(fast_launch, "SUPPORTED", False)):  # e.g. an unchecked Triton
+        monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+        switch()
+        before = len(made)
+        go(buf)
+        assert len(made) == before + 1
 
 
 @pytest.mark.gpu

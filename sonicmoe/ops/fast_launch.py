@@ -18,8 +18,9 @@ have chosen:
 
 Anything else takes Triton's own path, which also compiles and records the kernel on a miss: a value of another
 type, an unhashable constexpr, a missing argument, launch hooks installed by a profiler, pre-run hooks, a launch
-traced by ``torch.compile``. ``SONICMOE_FAST_LAUNCH=0`` always takes Triton's path; ``SONICMOE_FAST_LAUNCH=check``
-takes it too and asserts that Triton chose the kernel the fast path would have (tests). Never under the interpreter.
+traced by ``torch.compile``, and every launch on a Triton version outside :data:`CHECKED_TRITON`.
+``SONICMOE_FAST_LAUNCH=0`` always takes Triton's path; ``SONICMOE_FAST_LAUNCH=check`` takes it too and asserts that
+Triton chose the kernel the fast path would have (tests). Never under the interpreter.
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ from __future__ import annotations
 import os
 
 import torch
-from triton import knobs
+import triton
 from triton.runtime.autotuner import Heuristics
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton import knobs
+except ImportError:  # Triton before 3.4
+    knobs = None
+
+# the Triton versions whose compiled-kernel launcher (CompiledKernel.run's arguments, function, packed_metadata) and
+# specialisation rules this module was checked against; elsewhere every launch takes Triton's path
+CHECKED_TRITON = ((3, 6),)
+SUPPORTED = knobs is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) in CHECKED_TRITON
 
 try:  # what Triton's CUDA driver uses for the current stream's handle
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
@@ -112,7 +123,9 @@ def launch_kernel(kernel, grid, *args, **kwargs):
     if torch.compiler.is_compiling():  # dynamo traces ``kernel[grid](...)`` itself (a user-defined Triton kernel)
         return kernel[grid](*args, **kwargs)
     mode = _mode()
-    if mode == "0" or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    if mode == "0" or not SUPPORTED:
+        return kernel[grid](*args, **kwargs)
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         return kernel[grid](*args, **kwargs)
     fn, heuristics = kernel, []
     while isinstance(fn, Heuristics):
@@ -153,7 +166,7 @@ def launch_kernel(kernel, grid, *args, **kwargs):
         if v is _MISSING:
             return kernel[grid](*args, **kwargs)
         values.append(v)
-    g = grid(bound) if callable(grid) else grid
+    g = grid(dict(zip(entry.names, values))) if callable(grid) else grid  # as Triton: every parameter
     g0 = g[0]
     g1 = g[1] if len(g) > 1 else 1
     g2 = g[2] if len(g) > 2 else 1
