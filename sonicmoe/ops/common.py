@@ -12,6 +12,8 @@ Environment (documented in the README):
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
+    SONICMOE_FAST_LAUNCH=0     launch every kernel through Triton's ``kernel[grid](...)`` instead of the host fast path
+                               of :mod:`.fast_launch` (``check``: both, asserting they pick the same kernel).
     SONICMOE_PDL=0             launch the expert kernels without programmatic dependent launch (default on
                                sm_90 and newer: see :func:`pdl_enabled`).
     SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) kernels: the ping-pong
