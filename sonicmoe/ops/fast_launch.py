@@ -2,9 +2,10 @@
 
 Each launch through ``kernel[grid](...)`` costs 20-35 µs of host time in Triton 3.6's ``JITFunction.run`` before
 the driver call, most of it binding the arguments (about 30-45 per expert kernel) and building the kernel cache's
-key. The layer's launches add up to about a millisecond per forward+backward, so small layers time the host
-(benchmarks/results/2026-11-26_nvidia-h100_session29/). :func:`launch_kernel` keeps, per JIT function, the
-compiled kernels it has seen under a key of its own and calls the compiled kernel's launcher directly on a hit.
+key. The layer's launches add up to about a millisecond per forward+backward, enough for small layers on slow hosts
+to time the host (benchmarks/results/2026-11-26_nvidia-h100_session29/). :func:`launch_kernel` keeps, per JIT
+function, the compiled kernels it has seen under a key of its own and calls the compiled kernel's launcher directly
+on a hit.
 
 The key is **at least as specific as Triton's** specialisation, so a hit always launches the binary Triton would
 have chosen:
@@ -40,7 +41,17 @@ except ImportError:  # Triton before 3.4
 # the Triton versions whose compiled-kernel launcher (CompiledKernel.run's arguments, function, packed_metadata) and
 # specialisation rules this module was checked against; elsewhere every launch takes Triton's path
 CHECKED_TRITON = ((3, 6),)
-SUPPORTED = knobs is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) in CHECKED_TRITON
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "3.6.0" or "3.6.0+git1234"; () when it does not parse."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return ()
+
+
+SUPPORTED = knobs is not None and _major_minor(triton.__version__) in CHECKED_TRITON
 
 try:  # what Triton's CUDA driver uses for the current stream's handle
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
