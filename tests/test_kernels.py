@@ -13,7 +13,7 @@ import triton
 
 import sonicmoe
 from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
-from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.common import cdiv, interpreting, next_pow2
 from sonicmoe.ops.dh import dh, dh_ref
 from sonicmoe.ops.grouped_gemm import down_proj, down_proj_ref, varlen_m_gemm, varlen_m_gemm_ref
 from sonicmoe.ops.up_proj import up_proj, up_proj_ref
@@ -851,3 +851,13 @@ def test_launch_switches_flags_off_one_by_one(monkeypatch, flatten):
     assert call["W_TMA"] is True and call["A_TMA"] is False and call["C_TMA"] is (not flatten)
     assert call["a_desc"] is None and (call["c_desc"] is None) is flatten
     assert call["w_desc"].block_shape == [1, 32, 64]
+
+
+def test_host_cdiv_and_next_pow2_match_triton():
+    """The plain-Python host helpers give triton.cdiv's and triton.next_power_of_2's values (next_pow2 also maps
+    x <= 0 to 1)."""
+    for a in range(0, 300):
+        assert next_pow2(a) == triton.next_power_of_2(max(a, 1))
+        for b in (1, 3, 16, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    assert next_pow2(-5) == 1 and next_pow2(2**40 + 1) == 2**41

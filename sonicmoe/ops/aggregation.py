@@ -103,7 +103,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), <= 8
-    args["UNROLL"] = min(next_pow2(-(-routing.num_rows // t)), 8)
+    args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), 8)
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 

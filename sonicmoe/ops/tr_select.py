@@ -256,7 +256,7 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     if e and t:
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
                       routed.view(torch.int8), t, e, BLOCK=min(_ROW_BLOCK, next_pow2(t)), FANOUT=fanout,
-                      PASSES=-(-32 // bits), num_warps=4)
+                      PASSES=cdiv(32, bits), num_warps=4)
     return routed
 
 
