@@ -52,6 +52,8 @@ _COMPILED: list = []
 
 
 def _install(arch: int) -> None:
+    # Triton's own launch path (the one patched below), not the library's fast path, which asks CUDA for the device
+    os.environ["SONICMOE_FAST_LAUNCH"] = "0"
     driver.set_active(_OfflineDriver(arch))
     run = JITFunction.run
 
