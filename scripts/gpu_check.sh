@@ -17,6 +17,8 @@
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
 #          on TRPROF_SHAPES (default: the sparsest point of each token_rounding sweep)
+#   roofline  per-kernel times against their FLOP and DRAM floors (benchmarks/roofline.py) on ROOF_SHAPES (top-k) and
+#          ROOF_TR_SHAPES (top-k and token rounding), with the GPU's peaks measured in the same call
 #   trq    token-rounding quality: train top-k and token rounding at E=64, K=2 on the same tokens
 #   train  trq, and at the same time the h100 preset for 2000 steps on the triton backend and the first
 #          1000 of the same schedule on the torch backend (same seed, same data)
@@ -211,6 +213,25 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         --routing topk --routing token_rounding --routing-profile --json "$OUT/tr_breakdown.json" > "$OUT/tr_breakdown.txt" 2>&1
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_tr.log")" "$(tail -1 "$OUT/gpu_tests_tr.log")"
                 "$(grep -E '^shape|layer|token|router|metadata' "$OUT/tr_breakdown.txt")")
+      ;;
+    roofline)
+      # per-kernel times against their FLOP and DRAM floors on this GPU (benchmarks/roofline.py): kernel breakdowns
+      # (no layer timings) of ROOF_SHAPES under top-k and of ROOF_TR_SHAPES under top-k and token rounding, then the
+      # GPU's peaks (8192^3 bf16 matmul, 2 GiB copy) measured after them
+      i=0
+      for sh in ${ROOF_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do
+        i=$((i + 1))
+        SONICMOE_AUTOTUNE=0 timeout 300 python3 benchmarks/kernel_breakdown.py --shape "$sh" --no-layer \
+          --json "$OUT/roof_breakdown_$i.json" > "$OUT/roof_breakdown_$i.txt" 2>&1
+      done
+      for sh in ${ROOF_TR_SHAPES:-16384,1536,256,512,8 16384,4096,512,512,8 16384,4096,1024,256,4}; do
+        i=$((i + 1))
+        SONICMOE_AUTOTUNE=0 timeout 300 python3 benchmarks/kernel_breakdown.py --shape "$sh" --no-layer \
+          --routing topk --routing token_rounding --json "$OUT/roof_breakdown_$i.json" > "$OUT/roof_breakdown_$i.txt" 2>&1
+      done
+      python3 benchmarks/roofline.py --measure-peaks --peaks-out "$OUT/peaks.json" --breakdown "$OUT"/roof_breakdown_*.json \
+        --json "$OUT/roofline.json" > "$OUT/roofline.txt" 2>&1
+      SUMMARY+=("$(cat "$OUT/roofline.txt")" "$(grep -h 'speed-up' "$OUT"/roof_breakdown_*.txt)")
       ;;
     trq|train|noise)
       # trq: token-rounding quality, top-k and token rounding at E=64, K=2 on the same tokens (eval: top-k)
