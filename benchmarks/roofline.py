@@ -2,7 +2,8 @@
 
 usage: python benchmarks/roofline.py --breakdown B.json [B2.json ...]
                                      (--measure-peaks [--peaks-out P.json] | --peaks P.json | --tflops X --dram-tbs Y)
-                                     [--json OUT]
+                                     [--json OUT] [--plot OUT.png]
+       python benchmarks/roofline.py --plot-from R.json --plot OUT.png    (redraw from a --json file)
 
 For every (shape, routing) record of a ``benchmarks/kernel_breakdown.py --json`` file, and for each of its eight
 kernels: the useful FLOPs (SPEC §6 counts), the bytes that must cross DRAM at least once (every operand read once,
@@ -15,6 +16,7 @@ stays small.
 The peaks are measured on the GPU at hand with ``--measure-peaks`` (a bf16 ``torch.matmul`` of 8192³ and a copy
 of 2 GiB, do_bench medians, under whatever power and clock limits hold at that moment), read from a JSON file
 that such a run wrote (``--peaks``), or given. Only compare floors with timings taken on the same machine.
+``--plot`` draws, per (shape, routing), each kernel's measured time beside its two floors (matplotlib).
 """
 
 from __future__ import annotations
@@ -101,6 +103,43 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(doc: dict, path: str) -> None:
+    """One panel per (shape, routing) of :func:`analyse` results (``doc["results"]``): per kernel a bar of the
+    measured ms and, over it, ticks at the FLOP floor and the DRAM floor; the title gives measured / floor summed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = doc["results"]
+    cols = min(2, len(results))
+    rows = (len(results) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.2 * rows), squeeze=False)
+    short = {UP: "up", DOWN: "down", AGG: "agg", DH: "dH", DW2: "dW2", DXT: "dX~", DW1: "dW1", DX_AGG: "dX agg"}
+    for ax, res in zip(axes.flat, results):
+        names = list(res["kernels"])
+        xs = range(len(names))
+        ms = [res["kernels"][k]["ms"] for k in names]
+        ax.bar(xs, ms, color="#8fb3d9", label="measured")
+        for key, style, label in (("flop_floor_ms", "k_", "FLOP floor"), ("dram_floor_ms", "r_", "DRAM floor")):
+            ax.plot(xs, [res["kernels"][k][key] for k in names], style, markersize=18, mew=2, label=label)
+        ax.set_xticks(list(xs), [short.get(k, k) for k in names], fontsize=8)
+        ax.set_ylabel("ms")
+        t, d, n, e, k = res["shape"]
+        s = res["sums"]["fwd+bwd"]
+        ax.set_title(f"({t}, {d}, {n}, {e}, {k}) {res['routing']}: sum {s['ms']:.2f} ms = "
+                     f"{s['ms'] / s['floor_ms']:.2f}x floor", fontsize=8)
+    for ax in axes.flat[len(results):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    peaks = doc["peaks"]
+    fig.suptitle(f"expert kernels against their floors: {peaks['tflops']:.0f} TFLOP/s, {peaks['dram_tbs']:.2f} TB/s"
+                 + (f" ({peaks['device']})" if "device" in peaks else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def measure_peaks() -> dict:
     """bf16 dense GEMM TFLOP/s (8192³ ``torch.matmul``) and DRAM TB/s (a 2 GiB device copy: read + write), do_bench
     medians on the current GPU."""
@@ -120,8 +159,10 @@ def measure_peaks() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--breakdown", nargs="+", required=True, help="kernel_breakdown.py --json files")
-    src = ap.add_mutually_exclusive_group(required=True)
+    ap.add_argument("--breakdown", nargs="+", default=None, help="kernel_breakdown.py --json files")
+    ap.add_argument("--plot", default=None, help="draw the kernels against their floors to this PNG")
+    ap.add_argument("--plot-from", default=None, help="a --json file of an earlier run: only draw --plot from it")
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--measure-peaks", action="store_true", help="measure the peaks on this GPU")
     src.add_argument("--peaks", default=None, help="a JSON file with 'tflops' and 'dram_tbs'")
     src.add_argument("--tflops", type=float, default=None, help="peak bf16 TFLOP/s (with --dram-tbs)")
@@ -129,6 +170,14 @@ def main() -> None:
     ap.add_argument("--peaks-out", default=None, help="write the measured peaks here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.plot_from:
+        if not args.plot:
+            ap.error("--plot-from needs --plot")
+        with open(args.plot_from) as f:
+            plot(json.load(f), args.plot)
+        return
+    if not args.breakdown:
+        ap.error("--breakdown is required (or --plot-from)")
     if args.measure_peaks:
         peaks = measure_peaks()
         if args.peaks_out:
@@ -138,8 +187,8 @@ def main() -> None:
         with open(args.peaks) as f:
             peaks = json.load(f)
     else:
-        if args.dram_tbs is None:
-            ap.error("--tflops needs --dram-tbs")
+        if args.tflops is None or args.dram_tbs is None:
+            ap.error("give the peaks: --measure-peaks, --peaks or --tflops with --dram-tbs")
         peaks = {"tflops": args.tflops, "dram_tbs": args.dram_tbs}
     print(f"peaks: {peaks['tflops']:.1f} TFLOP/s, {peaks['dram_tbs']:.2f} TB/s"
           + (f" ({peaks['device']})" if "device" in peaks else ""))
@@ -154,9 +203,12 @@ def main() -> None:
             res["breakdown"] = path
             results.append(res)
             print(table(res))
+    doc = {"peaks": peaks, "results": results}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"peaks": peaks, "results": results}, f, indent=1)
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot(doc, args.plot)
 
 
 if __name__ == "__main__":

@@ -230,7 +230,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
           --routing topk --routing token_rounding --json "$OUT/roof_breakdown_$i.json" > "$OUT/roof_breakdown_$i.txt" 2>&1
       done
       python3 benchmarks/roofline.py --measure-peaks --peaks-out "$OUT/peaks.json" --breakdown "$OUT"/roof_breakdown_*.json \
-        --json "$OUT/roofline.json" > "$OUT/roofline.txt" 2>&1
+        --json "$OUT/roofline.json" --plot "$OUT/roofline.png" > "$OUT/roofline.txt" 2>&1
       SUMMARY+=("$(cat "$OUT/roofline.txt")" "$(grep -h 'speed-up' "$OUT"/roof_breakdown_*.txt)")
       ;;
     trq|train|noise)

@@ -60,3 +60,17 @@ def test_cli_reads_a_breakdown_and_writes_json(tmp_path, capsys, monkeypatch):
     assert kern["over_floor"] == pytest.approx(0.5 / kern["floor_ms"])
     assert res[0]["sums"]["fwd+bwd"]["ms"] == pytest.approx(0.5 * 8)
     assert "up-proj" in capsys.readouterr().out
+
+
+def test_plot_from_a_written_result(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    t, d, n, e, k = 256, 64, 32, 8, 2
+    rec = {"shape": [t, d, n, e, k], "routing": "topk", "R": t * k,
+           "rows": [{"kernel": name, "ms": 0.5, "tflops": None} for name in roofline["KERNELS"]]}
+    doc = {"peaks": {"tflops": 1.0, "dram_tbs": 1.0}, "results": [roofline["analyse"](rec, 1.0, 1.0)]}
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(doc))
+    png = tmp_path / "r.png"
+    monkeypatch.setattr(sys, "argv", ["roofline.py", "--plot-from", str(src), "--plot", str(png)])
+    runpy.run_path(str(REPO / "benchmarks" / "roofline.py"), run_name="__main__")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
