@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from ._autocast import autocast_cast, autocast_dtype
 from .config import BACKENDS, GATE_UP_LAYOUTS
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk
 
@@ -147,7 +148,12 @@ def experts(
             torch otherwise: CPU, meta, float64).
 
     Returns:
-        O (T, d) in x's dtype.
+        O (T, d) in x's dtype (under ``torch.autocast``: in the autocast dtype).
+
+    Mixed precision: under ``torch.autocast`` on x's device (CUDA, or CPU), x, w1, w2 and the biases are cast
+    to the autocast dtype (bf16/fp16) first, as ``F.linear`` casts its input and weight, and the experts run in
+    it with autocast turned off inside; gradients return to each input in its own dtype (float32 master
+    weights get float32 gradients). float64 tensors are left as they are, as autocast leaves them.
 
     Input contract:
         * dtypes: x, w1, w2, b1, b2 share one of bf16/fp16/fp32; float64 only with the torch backend
@@ -168,6 +174,10 @@ def experts(
     """
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:
+        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
+        with torch.autocast(x.device.type, enabled=False):
+            return experts(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
     backend = resolve_backend(backend, x)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=backend == "torch")
     if backend == "torch":
@@ -209,13 +219,19 @@ def moe(
         [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up). w2: (E, d, n).
         b1, b2: optional (E, 2n), (E, d). top_k: K in [1, E].
 
-    Same input contract as :func:`experts` (dtypes, strides, non-finite values); router_weight may
-    have any of the float dtypes the backend takes. No host sync: the routing comes from the router,
-    so its indices are in range by construction.
+    Same input contract as :func:`experts` (dtypes, strides, non-finite values, ``torch.autocast``: the experts
+    run in the autocast dtype); router_weight may have any of the float dtypes the backend takes, and the router
+    computes in float32 whatever autocast says (:func:`~sonicmoe.routing.router_topk`). No host sync: the routing
+    comes from the router, so its indices are in range by construction.
 
     Raises:
         TypeError, ValueError: as :func:`experts`; ValueError for top_k out of range (or not an int).
     """
+    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:
+        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
+        with torch.autocast(x.device.type, enabled=False):
+            return moe(x, router_weight, w1, w2, b1, b2, top_k=top_k, router_order=router_order,
+                       renormalize=renormalize, gate_up_layout=gate_up_layout, backend=backend)
     backend = resolve_backend(backend, x)
     allow_float64 = backend == "torch"
     # x, w1, w2, biases first: the messages name the culprit

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from ._autocast import autocast_dtype
 from .config import MoEConfig
 from .functional import SUPPORTED_DTYPES, _check_float, experts, resolve_backend
 from .routing import load_balancing_loss, router_topk, routing_from_pairs, routing_from_topk, z_loss
@@ -63,7 +64,10 @@ class MoE(nn.Module):
     ``num_experts``, ``top_k``, ...), plus ``device`` and ``dtype`` of the parameters (``meta`` works).
 
     Inputs: x of any float dtype the backends know (bf16/fp16/fp32/float64) and any strides; it is
-    cast to the parameters' dtype for the computation and the output cast back. The parameters must
+    cast to the parameters' dtype for the computation and the output cast back. Under ``torch.autocast``
+    (mixed precision with, e.g., float32 parameters) the experts run in the autocast dtype instead: x and the
+    expert weights are cast to it, as ``nn.Linear`` casts its input and weight, the output comes back in it,
+    and the parameters' gradients in their own dtype; the router's logits stay float32. The parameters must
     be bf16/fp16/fp32 for the triton backend; float64 parameters need ``backend="torch"`` (``"auto"``
     picks it). NaN/Inf in one token's x reach that token's output only (see :func:`sonicmoe.experts`).
     The forward reads no tensor values on the top-k path (no host sync; token rounding has one).
@@ -102,8 +106,11 @@ class MoE(nn.Module):
             raise ValueError(f"x is on {x.device} but the MoE parameters are on {self.gate.weight.device}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, c.hidden_size)
-        if x2.dtype != self.gate.weight.dtype:
-            x2 = x2.to(self.gate.weight.dtype)
+        # under torch.autocast the experts run in its dtype (float64 parameters excepted, as autocast leaves them)
+        amp = autocast_dtype(x.device) if self.gate.weight.dtype != torch.float64 else None
+        compute = amp if amp is not None else self.gate.weight.dtype
+        if x2.dtype != compute:
+            x2 = x2.to(compute)
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
                              renormalize=c.renormalize)
         e = c.num_experts
@@ -131,4 +138,4 @@ class MoE(nn.Module):
         self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing)
         self.z_loss = c.z_loss_coef * z_loss(router.logits)
         self.expert_counts = routing.expert_counts().detach()
-        return out.reshape(*lead, c.hidden_size).to(x.dtype)
+        return out.reshape(*lead, c.hidden_size).to(x.dtype if amp is None else amp)

@@ -26,6 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ._autocast import no_autocast
 from .config import ROUTER_ORDERS
 
 INDEX_DTYPE = torch.int32
@@ -239,12 +240,14 @@ def router_topk(
             ``False``: always torch.topk + softmax. float64 logits always take the torch path.
 
     The logits GEMM X W_rᵀ and ``probs`` (softmax over all E, for the load-balancing loss) are torch
-    ops on every path; logits, probs and S all carry autograd.
+    ops on every path; logits, probs and S all carry autograd. Under ``torch.autocast`` the logits are still
+    computed in float32 (autocast is turned off around their GEMM).
     """
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    logits = F.linear(x.to(compute_dtype), router_weight.to(compute_dtype))
+    with no_autocast(x.device):  # float32 logits under torch.autocast too
+        logits = F.linear(x.to(compute_dtype), router_weight.to(compute_dtype))
     probs = torch.softmax(logits, dim=-1)
     if use_kernel is None:
         use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"

@@ -201,3 +201,12 @@ def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert plot_losses(tmp_path / "loss.png", [{"step": 1, "loss": 5.0}], [], "t") is False
     assert not (tmp_path / "loss.png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_autocast_bf16_training(tmp_path):
+    """``--dtype amp-bf16``: float32 parameters, forward under CPU autocast (bfloat16); losses finite and falling."""
+    log = _run(tmp_path, "--steps", "12", "--dtype", "amp-bf16", "--eval-every", "0", "--profile-every", "0")
+    assert log["model"]["dtype"] == "float32" and log["model"]["autocast"] == "bfloat16"
+    losses = _losses(log)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert log["final_val_loss"] is not None and math.isfinite(log["final_val_loss"])

@@ -35,6 +35,7 @@ import os
 import torch
 from torch import Tensor
 
+from .._autocast import no_autocast
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, weight_grad_ws
@@ -357,7 +358,9 @@ def _backward_through(bwd, ctx, dout):
     if dout is None or not any(needs):
         return (None,) * _NUM_FWD_INPUTS
     x, h, row_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
-    grads = bwd(dout, x, w1, w2, b1, b2, h, row_scores, *routing_arrays, ctx.gate_up_layout, ctx.scores_dtype, needs)
+    with no_autocast(dout.device):  # a backward called under torch.autocast: its few torch GEMMs stay as written
+        grads = bwd(dout, x, w1, w2, b1, b2, h, row_scores, *routing_arrays, ctx.gate_up_layout, ctx.scores_dtype,
+                    needs)
     # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
     return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))
 

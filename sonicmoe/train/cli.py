@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=DEVICES, help="auto: cuda when available")
     g.add_argument("--dtype", choices=DTYPES, help="parameter dtype; auto: bfloat16 on CUDA (with float32 "
-                   "master weights in the optimizer), float32 on CPU")
+                   "master weights in the optimizer), float32 on CPU; amp-bf16: float32 parameters, forward "
+                   "under torch.autocast in bfloat16")
     g.add_argument("--eval-every", type=int, help="validate every N steps (0: only at the end)")
     g.add_argument("--eval-batches", type=int, help="validation batches (fixed windows of the val split)")
     g.add_argument("--log-every", type=int, help="read back and log metrics every N steps")

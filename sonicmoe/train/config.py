@@ -12,7 +12,7 @@ from typing import Any
 MIB = 1 << 20
 
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16", "amp-bf16")
 
 # Each preset sets these fields; command-line options override them one by one.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -74,7 +74,8 @@ class TrainConfig:
     global norm ``grad_clip``; each step sees ``batch_size`` sequences of ``seq_len`` bytes.
     MoE options passed to :class:`sonicmoe.MoE`: ``backend``, ``routing``, ``rounding``, ``m_tile``,
     ``aux_loss_coef``, ``z_loss_coef``.
-    Run: ``device``/``dtype`` (``auto``: CUDA + bfloat16 when there is a GPU, else CPU + float32),
+    Run: ``device``/``dtype`` (``auto``: CUDA + bfloat16 when there is a GPU, else CPU + float32;
+    ``amp-bf16``: float32 parameters, forward under ``torch.autocast`` in bfloat16),
     ``eval_every``/``eval_batches``, ``log_every``, ``save_every`` (0: only at the end),
     ``profile_every`` (time the MoE layers on every such step; 0: never), ``stop_after`` (end this
     process after that step, with a checkpoint, as if interrupted; the schedule still runs to

@@ -7,6 +7,7 @@ comes from the other steps, after a few warm-up steps, excluding evaluation and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -39,10 +40,19 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Parameter dtype: ``auto`` -> bfloat16 on CUDA, float32 on CPU."""
+    """Parameter dtype: ``auto`` -> bfloat16 on CUDA, float32 on CPU; ``amp-bf16`` -> float32 (the forward runs
+    under autocast: :func:`autocast_context`)."""
     if name == "auto":
         name = "bfloat16" if device.type == "cuda" else "float32"
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "amp-bf16": torch.float32}[name]
+
+
+def autocast_context(name: str, device: torch.device):
+    """``torch.autocast`` in bfloat16 on ``device`` for ``--dtype amp-bf16`` (the forward passes, training and
+    evaluation; the backward and the optimizer run outside it), a no-op context otherwise."""
+    if name == "amp-bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -199,7 +209,8 @@ def evaluate(model: MoETransformer, corpus: ByteCorpus, cfg: TrainConfig, device
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches, device):
-        total += model(x, y)
+        with autocast_context(cfg.dtype, device):
+            total += model(x, y)
     model.train(was_training)
     return float(total) / cfg.eval_batches
 
@@ -305,7 +316,8 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     warm_steps = min(5, max(0, (end_step - start_step) // 5))
     params = model.num_params()
     title = (f"d={cfg.d_model} L={cfg.layers} E={cfg.experts} K={cfg.top_k} n={cfg.expert_size} "
-             f"T={tokens_per_step} | {device.type} {str(dtype).replace('torch.', '')} | {cfg.routing}")
+             f"T={tokens_per_step} | {device.type} {str(dtype).replace('torch.', '')}"
+             f"{' (autocast bfloat16)' if cfg.dtype == 'amp-bf16' else ''} | {cfg.routing}")
     progress = Progress(cfg.steps, start_step, cfg.progress)
     progress.write(f"sonicmoe train: {title}; {params['total'] / 1e6:.2f}M params "
                    f"({params['active'] / 1e6:.2f}M active); data {corpus.source} ({corpus.num_files} files, "
@@ -326,6 +338,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             "config": cfg.to_dict(),
             "env": environment(device),
             "model": {"params": params, "dtype": str(dtype).replace("torch.", ""),
+                      "autocast": "bfloat16" if cfg.dtype == "amp-bf16" else None,
                       "tokens_per_step": tokens_per_step},
             "data": {"source": corpus.source, "files": corpus.num_files, "train_bytes": corpus.train.numel(),
                      "val_bytes": corpus.val.numel()},
@@ -377,8 +390,9 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
 
         x, y = corpus.train_batch(cfg.batch_size, cfg.seq_len, generator, device)
         lr = lr_at(step - 1, cfg)
-        loss = model(x, y)
-        aux = model.router_loss()
+        with autocast_context(cfg.dtype, device):
+            loss = model(x, y)
+            aux = model.router_loss()
         (loss + aux).backward()
         load += torch.stack([m.expert_counts for m in layers]).to(torch.int64)
         gnorm = opt.step(lr, cfg.grad_clip)

@@ -1,0 +1,168 @@
+"""Mixed precision: the layer, ``experts`` and ``moe`` under ``torch.autocast`` with float32 parameters.
+
+Under autocast the experts must compute exactly what they compute on inputs cast to the autocast dtype by hand
+(the same kernels on the same bits), return the output in that dtype, send float32 gradients to float32
+parameters (the low-precision gradients cast up), and keep the router's logits in float32. CPU tests run the
+torch backend under CPU autocast (bf16) and the Triton kernels through the interpreter (fp16: the interpreter's
+bf16 dot is wrong, triton-lang/triton#11584); the GPU tests run the Triton kernels under CUDA autocast in bf16
+and fp16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sonicmoe
+from sonicmoe import MoE
+from sonicmoe.routing import router_topk, routing_from_topk
+from sonicmoe.testing import random_problem
+
+T, D, N, E, K = 40, 32, 16, 6, 2
+
+
+def _leaves(p: dict, dtype=None, bias=True):
+    """x, w1, w2, b1, b2 as fresh leaves requiring grad (cast to ``dtype`` first when given)."""
+    names = ("x", "w1", "w2", "b1", "b2") if bias else ("x", "w1", "w2")
+    out = [p[k].detach().clone().to(dtype or p[k].dtype).requires_grad_(True) for k in names]
+    return out + [None, None] if not bias else out
+
+
+def _experts_case(device: torch.device, amp: torch.dtype, backend: str, bias: bool):
+    p = random_problem(T, D, N, E, device=device, bias=bias, seed=3)
+    router = router_topk(p["x"], p["router_weight"], K)
+    routing = routing_from_topk(router.topk_ids, E)
+    scores = router.topk_scores.reshape(-1).detach()
+    dout = torch.randn(T, D, device=device, generator=torch.Generator().manual_seed(4)).to(amp) \
+        if device.type == "cpu" else torch.randn(T, D, device=device, dtype=amp)
+
+    # under autocast, float32 leaves
+    x, w1, w2, b1, b2 = _leaves(p, bias=bias)
+    with torch.autocast(device.type, dtype=amp):
+        out = sonicmoe.experts(x, w1, w2, routing, scores, b1, b2, backend=backend)
+    out.backward(dout)
+    # by hand: the same inputs cast to the autocast dtype, autocast off
+    xh, w1h, w2h, b1h, b2h = _leaves(p, amp, bias=bias)
+    ref = sonicmoe.experts(xh, w1h, w2h, routing, scores, b1h, b2h, backend=backend)
+    ref.backward(dout)
+    assert out.dtype == amp and torch.equal(out, ref)
+    for name, a, b in (("x", x, xh), ("w1", w1, w1h), ("w2", w2, w2h), ("b1", b1, b1h), ("b2", b2, b2h)):
+        if a is None:
+            continue
+        assert a.grad.dtype == torch.float32, name  # the parameter's own dtype
+        assert torch.equal(a.grad, b.grad.float()), name
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_under_cpu_autocast_torch_backend(bias):
+    _experts_case(torch.device("cpu"), torch.bfloat16, "torch", bias)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; the GPU test covers CUDA")
+def test_experts_under_cpu_autocast_triton_interpreter():
+    _experts_case(torch.device("cpu"), torch.float16, "triton", bias=True)
+
+
+def test_router_logits_stay_float32_under_autocast():
+    p = random_problem(T, D, N, E, seed=5)
+    plain = router_topk(p["x"], p["router_weight"], K, use_kernel=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = router_topk(p["x"], p["router_weight"], K, use_kernel=False)
+    assert amp.logits.dtype == torch.float32
+    assert torch.equal(amp.logits, plain.logits) and torch.equal(amp.topk_ids, plain.topk_ids)
+
+
+def test_moe_layer_under_autocast_matches_cast_by_hand():
+    torch.manual_seed(0)
+    layer = MoE(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K, backend="torch", bias=True)
+    x = torch.randn(2, T // 2, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    # by hand: x in bf16, the router on it in float32 (its contract), the experts on bf16 copies of the weights
+    xh = x.detach().reshape(-1, D).bfloat16()
+    router = router_topk(xh, layer.gate.weight.detach(), K)
+    ex = layer.experts
+    ref = sonicmoe.experts(xh, ex.gate_up_proj.detach().bfloat16(), ex.down_proj.detach().bfloat16(),
+                           routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1),
+                           ex.gate_up_proj_bias.detach().bfloat16(), ex.down_proj_bias.detach().bfloat16(),
+                           backend="torch")
+    assert torch.equal(y.reshape(-1, D), ref)
+    y.float().square().mean().backward()
+    for prm in layer.parameters():
+        assert prm.grad is not None and prm.grad.dtype == torch.float32 and torch.isfinite(prm.grad).all()
+    assert x.grad.dtype == torch.float32
+
+
+def test_moe_functional_under_autocast():
+    p = random_problem(T, D, N, E, seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = sonicmoe.moe(p["x"], p["router_weight"], p["w1"], p["w2"], top_k=K, backend="torch")
+    assert res.out.dtype == torch.bfloat16 and res.router.logits.dtype == torch.float32
+    ref = sonicmoe.moe(p["x"].bfloat16(), p["router_weight"], p["w1"].bfloat16(), p["w2"].bfloat16(), top_k=K,
+                       backend="torch")
+    assert torch.equal(res.out, ref.out)
+
+
+def test_float64_parameters_ignore_autocast():
+    torch.manual_seed(0)
+    layer = MoE(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K, backend="torch", dtype=torch.float64)
+    x = torch.randn(T, D, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.float64 and torch.equal(y, layer(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_experts_under_cuda_autocast(amp, bias):
+    _experts_case(torch.device("cuda"), amp, "triton", bias)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_layer_under_cuda_autocast():
+    torch.manual_seed(0)
+    layer = MoE(hidden_size=256, intermediate_size=128, num_experts=16, top_k=4, device="cuda")
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    xh = x.detach().bfloat16()
+    router = router_topk(xh, layer.gate.weight.detach(), 4)
+    ex = layer.experts
+    ref = sonicmoe.experts(xh, ex.gate_up_proj.detach().bfloat16(), ex.down_proj.detach().bfloat16(),
+                           routing_from_topk(router.topk_ids, 16), router.topk_scores.reshape(-1), backend="triton")
+    assert torch.equal(y, ref)
+    y.float().square().mean().backward()
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_layer_under_cuda_autocast():
+    """torch.compile(fullgraph=True) of the layer under autocast: one graph, outputs and float32 gradients as in eager
+    under autocast (bf16 rounding apart)."""
+    import copy
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from sonicmoe.testing import rel_err
+
+    torch.manual_seed(0)
+    layer = MoE(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, device="cuda")
+    twin = copy.deepcopy(layer)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, fullgraph=True, backend=counter)
+    for step in range(2):
+        x = torch.randn(384, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = compiled(x)
+            y_ref = twin(x)
+        assert y.dtype == y_ref.dtype == torch.bfloat16
+        y.float().square().mean().backward()
+        y_ref.float().square().mean().backward()
+        assert rel_err(y, y_ref) < 1e-2, step
+        for (name, p), p_ref in zip(layer.named_parameters(), twin.parameters()):
+            assert p.grad.dtype == torch.float32 and rel_err(p.grad, p_ref.grad) < 2e-2, (step, name)
+    assert counter.frame_count == 1
