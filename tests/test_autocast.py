@@ -141,8 +141,12 @@ def test_gpu_moe_layer_under_cuda_autocast():
 
 @pytest.mark.gpu
 def test_gpu_compiled_layer_under_cuda_autocast():
-    """torch.compile(fullgraph=True) of the layer under autocast: one graph, outputs and float32 gradients as in eager
-    under autocast (bf16 rounding apart)."""
+    """torch.compile(fullgraph=True) of the layer under autocast traces one graph with the same semantics as eager:
+    the same outputs bit for bit, and the same float32 gradients (to 1e-5: the joint graph may order a sum
+    differently). The aot_eager backend runs the traced graph's ops as
+    they are; inductor may skip a bf16 rounding inside a fused kernel (``emulate_precision_casts`` is off by
+    default), which moves the router's logits by an ulp and can flip a near-tied top-k choice: that is inductor's
+    numerics, not the layer's (measured: 4.5% relative difference at this size)."""
     import copy
 
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -152,7 +156,7 @@ def test_gpu_compiled_layer_under_cuda_autocast():
     torch.manual_seed(0)
     layer = MoE(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, device="cuda")
     twin = copy.deepcopy(layer)
-    counter = CompileCounterWithBackend("inductor")
+    counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(layer, fullgraph=True, backend=counter)
     for step in range(2):
         x = torch.randn(384, 256, device="cuda")
@@ -160,9 +164,9 @@ def test_gpu_compiled_layer_under_cuda_autocast():
             y = compiled(x)
             y_ref = twin(x)
         assert y.dtype == y_ref.dtype == torch.bfloat16
+        assert torch.equal(y, y_ref), step
         y.float().square().mean().backward()
         y_ref.float().square().mean().backward()
-        assert rel_err(y, y_ref) < 1e-2, step
         for (name, p), p_ref in zip(layer.named_parameters(), twin.parameters()):
-            assert p.grad.dtype == torch.float32 and rel_err(p.grad, p_ref.grad) < 2e-2, (step, name)
+            assert p.grad.dtype == torch.float32 and rel_err(p.grad, p_ref.grad) < 1e-5, (step, name)
     assert counter.frame_count == 1
