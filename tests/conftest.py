@@ -2,7 +2,9 @@
 
 TRITON_INTERPRET must be set before triton is imported; nothing above this file imports it.
 The interpreter's tl.dot is wrong on bfloat16 (triton-lang/triton#11584), so interpreter tests use
-float32/float16 and bf16 is tested on the GPU (tests marked ``gpu``).
+float32/float16 and bf16 is tested on the GPU (tests marked ``gpu``). On a machine with CUDA, the tests of the
+Triton kernels' CPU path (CPU tensors, which only the interpreter runs) are skipped with that reason; the tests
+that take the ``device`` fixture run natively there, and the ``gpu``-marked ones only there.
 """
 
 import os
@@ -21,8 +23,23 @@ if not HAS_CUDA:
 import pytest  # noqa: E402
 
 
+def _cpu_path_only(item) -> bool:
+    """A test of the Triton kernels' CPU path: marked ``interpreter`` or run with ``backend="triton"``, not marked
+    ``gpu``, and without the ``device`` fixture (which puts a test on CUDA where there is one). Such tests build
+    CPU tensors, which only Triton's interpreter runs."""
+    if "gpu" in item.keywords or "device" in getattr(item, "fixturenames", ()):
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "interpreter" in item.keywords or params.get("backend") == "triton"
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
+        skip_cpu = pytest.mark.skip(reason="the Triton kernels' CPU path (the interpreter, used without CUDA); on "
+                                    "this machine the gpu-marked tests run the kernels natively")
+        for item in items:
+            if _cpu_path_only(item):
+                item.add_marker(skip_cpu)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -360,15 +360,15 @@ def test_public_api_exports():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("kw", [{}, {"routing": "token_rounding", "m_tile": 4, "rounding": "stochastic"}],
                          ids=["topk", "token_rounding"])
-def test_activation_checkpointing(backend, kw):
+def test_activation_checkpointing(backend, kw, device):
     """torch.utils.checkpoint around the layer (non-reentrant): the forward re-run in the backward routes the same
     way (top-k; token rounding's stochastic draws too, the RNG state being restored), so output and every gradient
-    equal the plain run's bit for bit. On CUDA the triton backend runs natively; on CPU through the interpreter."""
+    equal the plain run's bit for bit. On CUDA the kernels run natively; on CPU through the interpreter."""
     import copy
 
     from torch.utils.checkpoint import checkpoint
 
-    dev = "cuda" if torch.cuda.is_available() and backend == "triton" else "cpu"
+    dev = device
     m = make(seed=5, backend=backend, bias=True, **kw).to(dev)
     twin = copy.deepcopy(m)
     x = rand_x(24, D).to(dev).requires_grad_(True)
