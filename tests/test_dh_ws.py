@@ -11,7 +11,7 @@ import torch
 
 from sonicmoe.ops import dh as dh_mod
 from sonicmoe.ops import dh_ws, grouped_gemm_ws
-from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.dh_ws import dh_ws_config, dh_ws_smem_bytes, dh_ws_supported
 from sonicmoe.routing import routing_from_topk
 from sonicmoe.testing import random_topk_routing, rel_err
@@ -97,7 +97,8 @@ def test_dispatch(monkeypatch, device):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and rel_err(got[2], ref[2]) < 1e-6
     parts = dh_mod.dh(dout, w2, h, s, routing, reduce_ds=False)[2]
     assert parts.shape == (2, routing.num_rows) and len(calls) == 2
-    cfg = dh_mod._PINNED_INTERP if interpreting() else dict(dh_mod._GPU_DEFAULT)
+    # on the GPU the pinned tile sized for these float32 operands (the bf16-sized one does not fit shared memory)
+    cfg = dh_mod._PINNED_INTERP if interpreting() else sized_for_operands(dh_mod._GPU_DEFAULT, 4)
     got2 = dh_mod.dh(dout, w2, h, s, routing, config=cfg)
     assert len(calls) == 2
     for name, g, r in zip(("dH", "A'", "dS"), got2, ref):

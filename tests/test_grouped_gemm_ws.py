@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sonicmoe.ops import grouped_gemm, grouped_gemm_ws
-from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.grouped_gemm import varlen_m_gemm, varlen_m_gemm_ref
 from sonicmoe.ops.grouped_gemm_ws import (
     tile_table,
@@ -156,7 +156,9 @@ def test_dispatch(monkeypatch, device):
     out = varlen_m_gemm(a, b, None, routing, transpose_b=True)
     assert len(calls) == 1 and calls[0][2] is True and calls[0][1] is routing.expert_offsets
     assert torch.equal(out, varlen_m_gemm_ref(a, b, None, routing, transpose_b=True))
-    cfg = grouped_gemm._PINNED_INTERP if interpreting() else grouped_gemm.pinned_gpu_config(6, 3, 8)
+    # on the GPU the pinned tile sized for these float32 operands (the bf16-sized one does not fit shared memory)
+    cfg = grouped_gemm._PINNED_INTERP if interpreting() else sized_for_operands(grouped_gemm.pinned_gpu_config(6, 3, 8),
+                                                                                 4)
     tri = varlen_m_gemm(a, b, None, routing, transpose_b=True, config=cfg)
     assert len(calls) == 1
     assert rel_err(tri, out) < 1e-5

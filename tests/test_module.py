@@ -363,7 +363,8 @@ def test_public_api_exports():
 def test_activation_checkpointing(backend, kw, device):
     """torch.utils.checkpoint around the layer (non-reentrant): the forward re-run in the backward routes the same
     way (top-k; token rounding's stochastic draws too, the RNG state being restored), so output and every gradient
-    equal the plain run's bit for bit. On CUDA the kernels run natively; on CPU through the interpreter."""
+    equal the plain run's bit for bit (to 1e-5 for the torch baseline on CUDA, whose index_add is not bitwise
+    reproducible). On CUDA the kernels run natively; on CPU through the interpreter."""
     import copy
 
     from torch.utils.checkpoint import checkpoint
@@ -379,6 +380,12 @@ def test_activation_checkpointing(backend, kw, device):
     torch.manual_seed(11)
     y2 = twin(x2)
     (y2.square().mean() + twin.aux_loss).backward()
+    if backend == "torch" and x.is_cuda:
+        # the torch baseline reduces with index_add on CUDA (atomics): its bits vary from run to run
+        assert rel_err(y, y2) < 1e-5 and rel_err(x.grad, x2.grad) < 1e-5
+        for (name, p), p2 in zip(m.named_parameters(), twin.parameters()):
+            assert rel_err(p.grad, p2.grad) < 1e-5, name
+        return
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     for (name, p), p2 in zip(m.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, p2.grad), name

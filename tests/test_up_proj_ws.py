@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sonicmoe.ops import grouped_gemm_ws, up_proj, up_proj_ws
-from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.up_proj_ws import up_proj_ws as run_ws
 from sonicmoe.ops.up_proj_ws import up_ws_config, up_ws_smem_bytes, up_ws_supported
 from sonicmoe.routing import routing_from_topk
@@ -80,7 +80,8 @@ def test_dispatch(monkeypatch, device):
     assert calls == [(x.shape, False)] and h is None
     h_ref, a_ref = up_proj.up_proj_ref(x, w1, None, routing)
     assert torch.equal(a, a_ref)
-    cfg = up_proj._PINNED_INTERP if interpreting() else up_proj.pinned_gpu_config(6, 3, 16)
+    # on the GPU the pinned tile sized for these float32 operands (the bf16-sized one does not fit shared memory)
+    cfg = up_proj._PINNED_INTERP if interpreting() else sized_for_operands(up_proj.pinned_gpu_config(6, 3, 16), 4)
     h2, a2 = up_proj.up_proj(x, w1, None, routing, config=cfg)
     assert len(calls) == 1
     assert rel_err(a2, a_ref) < 1e-5 and rel_err(h2, h_ref) < 1e-5

@@ -102,6 +102,7 @@ def test_other_dtypes_rejected(dtype):
     assert "bfloat16, float16 or float32" in str(info.value)
 
 
+@pytest.mark.interpreter
 def test_module_float64():
     """x of any float dtype is cast to the parameters' dtype; float64 parameters need the torch backend."""
     m = MoE(D, N, E, K, backend="triton")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sonicmoe.ops import weight_grad, weight_grad_ws
-from sonicmoe.ops.common import interpreting
+from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.ops.weight_grad_ws import (
     wgrad_ws,
@@ -89,7 +89,8 @@ def test_dispatch(monkeypatch, device):
     out = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype)
     assert len(calls) == 1 and calls[0] == (routing.row_token, routing.expert_offsets, False)
     assert torch.equal(out, varlen_k_gemm_ref(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype))
-    cfg = weight_grad._PINNED_INTERP if interpreting() else weight_grad._GPU_DEFAULT
+    # on the GPU the pinned tile sized for these float32 operands (the bf16-sized one does not fit shared memory)
+    cfg = weight_grad._PINNED_INTERP if interpreting() else sized_for_operands(weight_grad._GPU_DEFAULT, 4)
     tri = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype, config=cfg)
     assert len(calls) == 1
     assert rel_err(tri, out) < 1e-5

@@ -328,18 +328,28 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         tuned.run(available, grid, args, flag_descs, extra)
         return
     meta = dict(config if config is not None else pinned if interp else gpu_default)
-    if config is None and not interp and _operand_bytes(args) >= 4:
-        # the pinned GPU tiles are sized for 2-byte operands: halve the reduction block and keep at most
-        # three pipeline stages for float32 so the stages (and a TMA store buffer) fit in shared memory
-        for key in ("BLOCK_K", "BLOCK_R"):
-            if key in meta:
-                meta[key] = max(16, meta[key] // 2)
-        meta["num_stages"] = min(meta.get("num_stages", 3), 3)
+    if config is None and not interp:
+        meta = sized_for_operands(meta, _operand_bytes(args))
     if desc_blocks is not None:
         meta = restrict_config(meta, available, tuple(flag_descs))
         args = bind_descriptors(args, meta, desc_blocks, flag_descs)
     # the config's values win over same-named launcher defaults
     launch_kernel(kernel, grid(meta), **{**args, **meta, **extra})
+
+
+def sized_for_operands(meta: dict, operand_bytes: int) -> dict:
+    """A pinned GPU tile config, sized for 2-byte operands, adapted to ``operand_bytes``-byte ones. For 4 bytes
+    (float32) the reduction block (BLOCK_K or BLOCK_R) is halved, to at least 16, and at most three pipeline
+    stages are kept, so the stages and a TMA store buffer fit in shared memory. Otherwise the config is returned
+    as it is. :func:`launch` applies it to the pinned configs; an explicit ``config`` is used as given."""
+    if operand_bytes < 4:
+        return dict(meta)
+    out = dict(meta)
+    for key in ("BLOCK_K", "BLOCK_R"):
+        if key in out:
+            out[key] = max(16, out[key] // 2)
+    out["num_stages"] = min(out.get("num_stages", 3), 3)
+    return out
 
 
 def _operand_bytes(args: dict) -> int:
