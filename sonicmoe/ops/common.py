@@ -342,13 +342,12 @@ def sized_for_operands(meta: dict, operand_bytes: int) -> dict:
     (float32) the reduction block (BLOCK_K or BLOCK_R) is halved, to at least 16, and at most three pipeline
     stages are kept, so the stages and a TMA store buffer fit in shared memory. Otherwise the config is returned
     as it is. :func:`launch` applies it to the pinned configs; an explicit ``config`` is used as given."""
-    if operand_bytes < 4:
-        return dict(meta)
     out = dict(meta)
-    for key in ("BLOCK_K", "BLOCK_R"):
-        if key in out:
-            out[key] = max(16, out[key] // 2)
-    out["num_stages"] = min(out.get("num_stages", 3), 3)
+    if operand_bytes >= 4:
+        for key in ("BLOCK_K", "BLOCK_R"):
+            if key in out:
+                out[key] = max(16, out[key] // 2)
+        out["num_stages"] = min(out.get("num_stages", 3), 3)
     return out
 
 
