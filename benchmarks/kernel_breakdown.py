@@ -25,6 +25,7 @@ import torch
 from triton.testing import do_bench
 
 import sonicmoe
+from sonicmoe.bench.measure import SETTLED_WARMUP_MS
 from sonicmoe.ops.aggregation import gather_sum
 from sonicmoe.ops.dh import dh
 from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--routing-profile", action="store_true", help="also time the routing steps")
     ap.add_argument("--dense", action="store_true", help="also time each kernel's dense cuBLAS ceiling")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--warmup", type=float, default=SETTLED_WARMUP_MS,
+                    help="do_bench warm-up (ms) before each kernel: the GPU clock settles under its power cap")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
@@ -199,7 +202,7 @@ def main() -> None:
                 if i >= len(rows):
                     continue
                 name, fn, flops, leaves = rows[i]
-                ms = do_bench(fn, warmup=25, rep=args.rep, return_mode="median", grad_to_none=leaves)
+                ms = do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median", grad_to_none=leaves)
                 results[mode].append({"kernel": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None})
         for mode, rows in results.items():
             r = timed[mode][0]

@@ -146,13 +146,15 @@ def measure_peaks() -> dict:
     import torch
     from triton.testing import do_bench
 
+    from sonicmoe.bench.measure import SETTLED_WARMUP_MS
+
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    gemm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    gemm_ms = do_bench(lambda: a @ b, warmup=SETTLED_WARMUP_MS, rep=300, return_mode="median")
     src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
     dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=300, return_mode="median")
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=SETTLED_WARMUP_MS, rep=300, return_mode="median")
     return {"device": torch.cuda.get_device_name(), "gemm_8192_ms": gemm_ms, "tflops": 2 * m**3 / gemm_ms / 1e9,
             "copy_2gib_ms": copy_ms, "dram_tbs": 2 * src.numel() * src.element_size() / copy_ms / 1e9}
 

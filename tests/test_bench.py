@@ -397,3 +397,31 @@ def test_list_and_help(capsys):
     out = capsys.readouterr().out
     assert "deepseek-v3" in out and "upper" in out and "scattermoe" in out
     assert cli.main(["--help"]) == 0
+
+
+def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
+    """On a GPU every measurement warms up for SETTLED_WARMUP_MS (the power cap needs ~100 ms to lower the clock;
+    25 ms read the state left by what ran before), and a run without --warmup records that value."""
+    import triton.testing
+
+    from sonicmoe.bench.measure import SETTLED_WARMUP_MS, bench_ms
+
+    seen = {}
+
+    def fake_do_bench(fn, **kwargs):
+        seen.update(kwargs)
+        return [1.0, 2.0, 3.0]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    assert bench_ms(lambda: None, device=torch.device("cuda")) == {"p20": 1.0, "p50": 2.0, "p80": 3.0}
+    assert seen["warmup"] == SETTLED_WARMUP_MS >= 500
+    # the CLI without --warmup: RunOptions' default, recorded in the results file (patched to 50 ms here, a
+    # short CPU loop)
+    from sonicmoe.bench import runner
+
+    monkeypatch.setattr(runner.RunOptions, "warmup", 50.0)
+    out = tmp_path / "res"
+    rc = cli.main(["--out", str(out), "--rep", "0", "--no-plot", "-q", "--device", "cpu", "--preset", "tiny",
+                   "--backends", "torch", "--mode", "fwd", "--no-router-variant"])
+    assert rc == 0
+    assert _strict_load(_only_json(out))["args"]["warmup"] == 50.0

@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                       help="measure held/peak activation memory (CUDA only)")
     timing = p.add_argument_group("timing and checks")
-    timing.add_argument("--warmup", type=float, default=25.0, help="warm-up time per measurement, ms (do_bench)")
+    timing.add_argument("--warmup", type=float, default=None,
+                        help="warm-up time per measurement, ms (do_bench; default 1000: the GPU clock settles "
+                             "under its power cap first)")
     timing.add_argument("--rep", type=float, default=100.0, help="measured time per measurement, ms (do_bench)")
     timing.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="check each backend against the float32 reference before timing it")
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     from .report import build_results, env_info, results_path, terminal_table, write_results
     from .runner import DTYPES, RunOptions, run
 
+    if args.warmup is None:  # recorded in the results file as resolved
+        args.warmup = RunOptions.warmup
     if args.device == "cuda" and not torch.cuda.is_available():
         print("sonicmoe bench: --device cuda but no CUDA GPU is available", file=sys.stderr)
         return 2
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
               "the triton backend needs a GPU")
     opts = RunOptions(
         backends=backends, device=device, dtype=DTYPES[dtype_name], mode=args.mode, routings=routings,
-        m_tile=args.m_tile, rounding=args.rounding, warmup=args.warmup, rep=args.rep, seed=args.seed,
+        m_tile=args.m_tile, rounding=args.rounding, rep=args.rep, seed=args.seed,
+        warmup=args.warmup,
         check=args.check, check_grads=args.check_grads, check_max_T=args.check_max_T, tol=args.tol,
         router_variant=args.router_variant, memory=args.memory, loop_max_E=args.loop_max_E or None,
         poison=args.poison, verbose=not args.quiet,

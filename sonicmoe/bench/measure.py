@@ -212,12 +212,21 @@ def _wall_ms(fn: Callable[[], object], warmup: float, rep: float, device: torch.
     return times
 
 
-def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup: float = 25, rep: float = 100,
+# warm-up before each measurement, ms. Long enough for the GPU's power limiter to settle: an H100 or H200 running
+# these layers sits at its 700 W cap, and the cap lowers the SM clock only some 100 ms after the load starts. With a
+# 25 ms warm-up a timing right after an idle gap read 5% fast and one right after the autotuning call 5% slow (7B
+# shape, H200, 2026-11-26 session 31: 434 and 411 TFLOP/s against 427 over a 3 s window; see the session's README).
+SETTLED_WARMUP_MS = 1000.0
+
+
+def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup: float = SETTLED_WARMUP_MS, rep: float = 100,
              grad_to_none: list[torch.Tensor] | None = None) -> dict[str, float]:
     """Time ``fn`` in milliseconds: ``{"p20", "p50", "p80"}`` (p50 = median).
 
     CUDA: ``triton.testing.do_bench(fn, warmup, rep, grad_to_none, quantiles=[0.2, 0.5, 0.8])``
-    (warmup/rep in ms, L2 cache flushed before each call). Elsewhere: a perf_counter loop.
+    (warmup/rep in ms, L2 cache flushed before each call). The default warm-up, :data:`SETTLED_WARMUP_MS`, runs
+    ``fn`` until the GPU's clock has settled under its power cap, so the median is the sustained speed whatever ran
+    before. Elsewhere: a perf_counter loop.
     """
     if device.type == "cuda":
         from triton.testing import do_bench

@@ -17,6 +17,7 @@ import torch
 
 from .baselines import REGISTRY, Case, Unavailable
 from .measure import (
+    SETTLED_WARMUP_MS,
     bench_error_types,
     bench_ms,
     check_case,
@@ -45,7 +46,7 @@ class RunOptions:
     routings: tuple[str, ...] | None = None
     m_tile: int = 128
     rounding: str = "nearest"
-    warmup: float = 25.0
+    warmup: float = SETTLED_WARMUP_MS
     rep: float = 100.0
     seed: int = 0
     check: bool = True
