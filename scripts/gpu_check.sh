@@ -35,7 +35,8 @@
 #          ratio is what counts (scripts/target_summary.py)
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
-#          GRAN_PRESETS to choose; models: the last)
+#          GRAN_PRESETS to choose; models: the last), backends FULL_BACKENDS (default triton,torch: the loop and
+#          upper-bound backends took a whole call's time in session 31), no router variant
 # The device copy has no .git: pass the commit in, e.g. SONICMOE_GIT_COMMIT=$(git rev-parse HEAD).
 # Everything is written under a work folder and packed into $OUT/results.tgz at exit (the device tool
 # returns at most 8 files); the summary is also $OUT/summary.txt.
@@ -291,11 +292,13 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       # cut short leaves the shapes it finished
       if [ "$step" != models ]; then
         timeout "${BENCH_LIMIT_S:-3000}" python3 -m sonicmoe bench --preset ${GRAN_PRESETS:-granularity,iso-flops} \
-          --no-plot --out "$OUT" --tag granularity > "$OUT/bench.txt" 2>&1
+          --backends "${FULL_BACKENDS:-triton,torch}" --no-router-variant --no-plot --out "$OUT" --tag granularity \
+          > "$OUT/bench.txt" 2>&1
         SUMMARY+=("$(tail -30 "$OUT/bench.txt")")
       fi
       if [ "$step" != granularity ]; then
-        timeout "${BENCH_LIMIT_S:-3000}" python3 -m sonicmoe bench --preset models --no-plot --out "$OUT" --tag models \
+        timeout "${BENCH_LIMIT_S:-3000}" python3 -m sonicmoe bench --preset models \
+          --backends "${FULL_BACKENDS:-triton,torch}" --no-router-variant --no-plot --out "$OUT" --tag models \
           > "$OUT/bench_models.txt" 2>&1
         SUMMARY+=("$(tail -12 "$OUT/bench_models.txt")")
       fi
