@@ -33,6 +33,7 @@
 #          on the 7B shape (triton and torch) then one on (32768, 4096, 1024, 128, 8) (triton; round 1 also torch,
 #          and the float32 check of both); the median over rounds of each shape's fwd+bwd and of the 7B torch
 #          ratio is what counts (scripts/target_summary.py)
+#   checkfx  the forward timed after each step of the bench's float32 check (scripts/check_effect_probe.py)
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last), backends FULL_BACKENDS (default triton,torch: the loop and
@@ -191,6 +192,15 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       done
       python3 scripts/target_summary.py "$OUT"/targets/*.json > "$OUT/targets_summary.txt" 2>&1
       SUMMARY+=("$(cat "$OUT/targets_summary.txt")")
+      ;;
+    checkfx)
+      # why the bench's forward reads slower right after its float32 check (session 31): the forward timed after each
+      # step of the check in turn (scripts/check_effect_probe.py), on CHECKFX_SHAPES (default the 7B shape)
+      for sh in ${CHECKFX_SHAPES:-24576,1536,256,128,8}; do
+        timeout 200 python3 scripts/check_effect_probe.py --shape "$sh" --json "$OUT/checkfx_${sh//,/_}.json" \
+          > "$OUT/checkfx_${sh//,/_}.txt" 2>&1
+        SUMMARY+=("checkfx $sh" "$(cat "$OUT/checkfx_${sh//,/_}.txt")")
+      done
       ;;
     ds3)
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
