@@ -100,6 +100,12 @@ def test_gpu_router_topk_bf16_gemm(t, d, e, k, monkeypatch):
         (out.topk_scores.square().sum() + out.probs.mean()).backward()
         return out.logits.detach(), xl.grad, wl.grad
 
+    # the cuBLAS path's float32 gradients before rounding: float32-accurate (a dropped lo part would be ~2e-3 off,
+    # inside the bf16-level bounds below)
+    dl = torch.randn(t, e, device="cuda") * torch.logspace(-6, 0, e, device="cuda")
+    dx32, dw32 = rl.logits_grads_f32(dl, x, w)
+    assert rel_err(dx32.double(), dl.double() @ w.double()) < 2e-5
+    assert rel_err(dw32.double(), dl.double().t() @ x.double()) < 2e-5
     fast, fast2, slow = run("1"), run("1"), run("0")
     for a, b in zip(fast, fast2):
         assert torch.equal(a, b)
