@@ -70,7 +70,9 @@ class MoE(nn.Module):
     and the parameters' gradients in their own dtype; the router's logits stay float32. The parameters must
     be bf16/fp16/fp32 for the triton backend; float64 parameters need ``backend="torch"`` (``"auto"``
     picks it). NaN/Inf in one token's x reach that token's output only (see :func:`sonicmoe.experts`).
-    The forward reads no tensor values on the top-k path (no host sync; token rounding has one).
+    The forward reads no tensor values (no host sync): token rounding returns a static number of pairs,
+    R_max = :func:`sonicmoe.token_rounding.max_pairs` (the real ones, then padding pairs that no kernel
+    computes), so its (R, ·) buffers are up to that bound long.
 
     Raises:
         ValueError: bad options; x whose last dimension is not hidden_size; x on another device.
@@ -118,10 +120,10 @@ class MoE(nn.Module):
             from .token_rounding import token_rounding
 
             tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding,
-                                router_order=c.router_order, renormalize=c.renormalize)
+                                router_order=c.router_order, renormalize=c.renormalize, static=True)
             # valid by construction: no range check (it would synchronise with the host)
             routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e, token_major=True,
-                                         check=False)
+                                         check=False, padding=True)
             pair_scores = tr.pair_scores
         else:
             routing = routing_from_topk(router.topk_ids, e)

@@ -14,6 +14,9 @@ Invariants (tested in tests/test_routing.py):
     * ``expert_offsets[0] == 0``, ``expert_offsets[E] == R``, ``diff(expert_offsets)`` = counts T_e;
     * ``row_token[r]`` is the token of row r; rows of one expert are in ascending token order (pairs
       of one token and expert, which ``routing_from_pairs`` forbids, would keep the pairs' order);
+    * with padding pairs (``padding=True``: static-length routing, e.g. ``token_rounding(static=True)``)
+      the real rows are ``0 : expert_offsets[E]`` and the real slots ``0 : token_offsets[T]``; the rows
+      and slots after them belong to no expert and no token, so no kernel computes or reads them.
     * ``token_offsets[T] == R``; ``token_rows[token_offsets[t]:token_offsets[t+1]]`` are the rows of
       token t, in pair order; ``slot_pair`` is the pair behind each of those slots.
 """
@@ -47,6 +50,8 @@ class Routing:
         token_rows: (R,) the row of each token slot (token-major order).
         slot_pair: (R,) the pair behind each token slot; ``None`` when it is the identity
             (pairs already token-major, as with plain top-k).
+        padded: the pairs may include padding pairs (token T, expert E), whose rows come after
+            ``expert_offsets[E]`` (their ``row_token`` reads T − 1, a valid index that nothing adds up).
     """
 
     num_tokens: int
@@ -58,10 +63,12 @@ class Routing:
     token_offsets: torch.Tensor
     token_rows: torch.Tensor
     slot_pair: torch.Tensor | None = None
+    padded: bool = False
 
     @property
     def num_rows(self) -> int:
-        """R, the number of routed pairs (rows)."""
+        """R, the number of routed pairs (rows); with padding, the static length (``expert_offsets[E]``
+        is the number of real ones)."""
         return self.row_token.shape[0]
 
     def expert_counts(self) -> torch.Tensor:
@@ -69,9 +76,17 @@ class Routing:
         return self.expert_offsets[1:] - self.expert_offsets[:-1]
 
     def row_expert(self) -> torch.Tensor:
-        """(R,) int64 expert of each row (derived from ``expert_offsets``)."""
+        """(R,) int64 expert of each row (derived from ``expert_offsets``; padding rows read E − 1)."""
         rows = torch.arange(self.num_rows, device=self.row_token.device, dtype=INDEX_DTYPE)
-        return torch.searchsorted(self.expert_offsets[1:], rows, right=True)
+        found = torch.searchsorted(self.expert_offsets[1:], rows, right=True)
+        return found.clamp_(max=self.num_experts - 1) if self.padded else found
+
+    def real_rows(self) -> torch.Tensor | None:
+        """(R,) bool, True for the rows of real pairs; ``None`` without padding (all are real)."""
+        if not self.padded:
+            return None
+        rows = torch.arange(self.num_rows, device=self.row_token.device, dtype=INDEX_DTYPE)
+        return rows < self.expert_offsets[-1]
 
     def slot_scores(self, pair_scores: torch.Tensor) -> torch.Tensor:
         """Scores in token-slot order from scores in pair order (a gather of R values)."""
@@ -95,6 +110,7 @@ def routing_from_pairs(
     *,
     token_major: bool = False,
     check: bool = False,
+    padding: bool = False,
 ) -> Routing:
     """Build :class:`Routing` for general routing: any R (token, expert) pairs (SPEC §5.4).
 
@@ -107,6 +123,11 @@ def routing_from_pairs(
         check: also verify the index ranges with :func:`check_pairs` (ValueError naming the argument).
             This **synchronises** with the device (min/max are read back to the host), so it is off
             by default; leave it off inside ``torch.compile`` regions and CUDA-graph captures.
+        padding: some pairs are *padding pairs* (token T, expert E; always both): a static-length routing
+            (R fixed in advance, the real pairs data-dependent, as ``token_rounding(static=True)``
+            returns), built without reading how many are real (no host sync). Padding pairs belong to
+            no expert and no token: no row of theirs is computed or added, and their scores get zero
+            gradients.
 
     Pairs must be unique; a token may have any number (0..E) of experts. Without ``check`` nothing is
     read back (no host sync) and the ranges are the caller's promise: an out-of-range token index
@@ -136,7 +157,7 @@ def routing_from_pairs(
         if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     if check:
-        check_pairs(pair_token, pair_expert, num_tokens, num_experts)
+        check_pairs(pair_token, pair_expert, num_tokens + padding, num_experts + padding)
     device = pair_token.device
     pair_expert = pair_expert.to(INDEX_DTYPE)
     pair_token = pair_token.to(INDEX_DTYPE)
@@ -159,16 +180,20 @@ def routing_from_pairs(
     pair_row = torch.empty_like(row_pair)
     pair_row[row_pair64] = torch.arange(r, device=device, dtype=INDEX_DTYPE)  # the sort's int64 indices: no copy
     token_rows = pair_row if token_major else pair_row.index_select(0, slot_pair)
+    row_token = pair_token.index_select(0, row_pair)
+    if padding and num_tokens:  # the padding rows' token T -> T - 1: in range for gathers; never added up
+        row_token = row_token.clamp_(max=num_tokens - 1)
     return Routing(
         num_tokens=num_tokens,
         num_experts=num_experts,
         expert_offsets=_offsets(sorted_expert, num_experts),
-        row_token=pair_token.index_select(0, row_pair),
+        row_token=row_token,
         row_pair=row_pair,
         pair_row=pair_row,
         token_offsets=_offsets(sorted_token, num_tokens),
         token_rows=token_rows,
         slot_pair=slot_pair,
+        padded=bool(padding),
     )
 
 

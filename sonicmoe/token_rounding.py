@@ -64,9 +64,12 @@ Triton kernels on CUDA, their torch twins elsewhere):
     * selection: per expert, the ``count_e`` best chosen tokens (rounded down) or all chosen plus the
       ``count_e − f_e`` best others (rounded up), found by a 4-way search for the threshold key (no
       sort), marked in a (T, E) bool *routed* mask;
-    * ``torch.nonzero`` of the mask lists the pairs in token-major order — **the one host sync**,
-      unavoidable because R (the number of output pairs) is data-dependent and
-      :func:`~sonicmoe.routing.routing_from_pairs` needs real pairs.
+    * the mask lists the pairs in token-major order. R (the number of output pairs) is data-dependent:
+      with ``static=False`` ``torch.nonzero`` returns exactly R pairs — **one host sync**; with
+      ``static=True`` (what :class:`sonicmoe.MoE` runs) ``torch.nonzero_static`` returns a fixed
+      R_max = :func:`max_pairs` pairs, the real ones first and then *padding pairs* (T, E) that
+      :func:`~sonicmoe.routing.routing_from_pairs` (``padding=True``) leaves out of every expert and
+      every token — no host sync.
     * scores (:mod:`sonicmoe.ops.tr_scores`): each pair's top-k slot (if any) and score in one kernel,
       and in the backward the gradients of the router's logits (or probs) and top-k scores in one more
       (per token, dense rows: no scatter, no atomics, no sort).
@@ -129,8 +132,29 @@ class TokenRoundingOutput:
 
     @property
     def num_pairs(self) -> int:
-        """R, the number of routed pairs."""
+        """Length of the pair arrays: R, or R_max with ``static=True`` (then ``counts.sum()`` is R)."""
         return self.pair_token.shape[0]
+
+
+def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subroutine: str) -> int:
+    """R_max: the most pairs token rounding can route (the static length of ``token_rounding(static=True)``).
+
+    Top-k routes T·K pairs; rounding adds per expert at most M_tile − 1 tokens (``"up"``,
+    ``"stochastic"``), (M_tile − 1) // 2 (``"nearest"``: it pads only when fewer than M_tile/2 are
+    missing) or none (``"down"``); ``"balance"`` keeps the total within (M_tile − 1) // 2 of T·K. An
+    expert holds at most T tokens, so R_max ≤ T·E. Examples (M_tile = 128, ``"nearest"``): 7B
+    (T = 24576, E = 128, K = 8) 4.1% above T·K; (T = 16384, E = 512, K = 8) 24.6% above.
+    """
+    tk = num_tokens * top_k
+    if subroutine == "down":
+        extra = 0
+    elif subroutine == "balance":
+        extra = (m_tile - 1) // 2
+    elif subroutine == "nearest":
+        extra = num_experts * ((m_tile - 1) // 2)
+    else:  # up, stochastic
+        extra = num_experts * (m_tile - 1)
+    return min(tk + extra, num_tokens * num_experts)
 
 
 def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
@@ -193,6 +217,7 @@ def token_rounding(
     generator: torch.Generator | None = None,
     warn: bool = True,
     use_kernel: bool | None = None,
+    static: bool = False,
 ) -> TokenRoundingOutput:
     """Token-rounding routing (SPEC §5): each expert's top-k count rounded to a multiple of M_tile.
 
@@ -214,14 +239,22 @@ def token_rounding(
             with those of :mod:`sonicmoe.ops.tr_scores` (``None``: on CUDA; ``True``: also on CPU under
             TRITON_INTERPRET=1; ``False``: their torch twins, a sort per expert and advanced indexing).
             Both give the same pairs; the added pairs' scores agree to float32 rounding.
+        static: return R_max = :func:`max_pairs` (T, E, K, M_tile, subroutine) pairs instead of R: the
+            R real pairs, then R_max − R padding pairs with ``pair_token = T``, ``pair_expert = E``,
+            score 0 and ``pair_added`` False. No host sync. Pass ``padding=True`` to
+            :func:`~sonicmoe.routing.routing_from_pairs`; the experts then compute no padding row and
+            give the padding pairs' scores zero gradients. Costs memory: the layer's (R_max, ·) buffers
+            (H is R_max·2n) are up to ``max_pairs − T·K`` rows longer than top-k's.
 
     Returns:
-        :class:`TokenRoundingOutput` with R pairs in token-major order (sorted by token, then expert:
-        pass ``token_major=True`` to :func:`~sonicmoe.routing.routing_from_pairs`). Guarantees: every
-        expert is within one tile of top-k (``|count_e − f_e| < M_tile``) and its count is a multiple of
-        M_tile, except a padded expert capped at T tokens (module docstring, "Cap edge").
+        :class:`TokenRoundingOutput` with R (or R_max) pairs in token-major order (sorted by token, then
+        expert; padding pairs last: pass ``token_major=True`` to
+        :func:`~sonicmoe.routing.routing_from_pairs`). Guarantees: every expert is within one tile of
+        top-k (``|count_e − f_e| < M_tile``) and its count is a multiple of M_tile, except a padded
+        expert capped at T tokens (module docstring, "Cap edge").
 
-    Host syncs: exactly one (``torch.nonzero`` over the (T, E) routed mask, as R is data-dependent).
+    Host syncs: one with ``static=False`` (``torch.nonzero`` over the (T, E) routed mask, as R is
+    data-dependent); none with ``static=True``.
     Memory: two transient (E, T) int32 key arrays and the (T, E) bool mask (9·T·E bytes; 72 MiB at
     T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
     """
@@ -240,8 +273,14 @@ def token_rounding(
     routed = select(prob_key, score_key, f, keep)  # (T, E) bool: the kept and the added pairs
     del prob_key, score_key
 
-    pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
-    pair_token, pair_expert = pair[:, 0].to(INDEX_DTYPE), pair[:, 1].to(INDEX_DTYPE)  # contiguous int32
+    if static:  # R_max pairs, the padding ones (-1, -1) -> (T, E): no sync
+        pair = torch.nonzero_static(routed, size=max_pairs(t, e, k, m_tile, subroutine), fill_value=-1)
+        pad_pair = pair[:, 0] < 0
+        pair_token = torch.where(pad_pair, t, pair[:, 0]).to(INDEX_DTYPE)
+        pair_expert = torch.where(pad_pair, e, pair[:, 1]).to(INDEX_DTYPE)
+    else:
+        pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
+        pair_token, pair_expert = pair[:, 0].to(INDEX_DTYPE), pair[:, 1].to(INDEX_DTYPE)  # contiguous int32
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
     pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize)
     return TokenRoundingOutput(

@@ -366,6 +366,11 @@ def test_moe_warns_with_few_tokens():
         tr(x)
 
 
+# ops with a data-dependent output size or a value read back by the host (on CUDA, a sync), and nonzero_static
+SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "bincount",
+               "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_scatter"}
+
+
 class _OpLog(TorchDispatchMode):
     """Records every aten op and whether any index argument is a boolean mask (which syncs on CUDA)."""
 
@@ -385,13 +390,12 @@ class _OpLog(TorchDispatchMode):
 
 @pytest.mark.parametrize("subroutine", ROUNDING_SUBROUTINES)
 def test_single_host_sync(subroutine):
-    """The only data-dependent-size op is the final nonzero; no scalar reads (.item/.tolist/bool())."""
+    """``static=False``: the only data-dependent-size op is the final nonzero; no scalar reads
+    (.item/.tolist/bool())."""
     router, _ = make_router(256, 16, 4, seed=0)
     log = _OpLog()
     with log:
         token_rounding(router, m_tile=16, subroutine=subroutine, generator=torch.Generator().manual_seed(0))
-    syncing = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "bincount",
-               "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "masked_scatter"}
-    found = [op for op in log.ops if op in syncing]
+    found = [op for op in log.ops if op in SYNCING_OPS]
     assert found == ["nonzero"], found
     assert not log.bool_index

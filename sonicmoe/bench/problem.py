@@ -53,12 +53,13 @@ class Routed:
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_tile: int = 128,
-          rounding: str = "nearest") -> Routed:
+          rounding: str = "nearest", static: bool = False) -> Routed:
     """Router + routing metadata for x (T, d) with router weight W_r (E, d).
 
     ``mode`` ``"topk"``: :func:`sonicmoe.router_topk` then :func:`sonicmoe.routing_from_topk`.
     ``"token_rounding"``: the same router, then ``sonicmoe.token_rounding.token_rounding(router,
-    m_tile=M_tile, subroutine=rounding)`` (SPEC §5) and :func:`sonicmoe.routing_from_pairs`.
+    m_tile=M_tile, subroutine=rounding)`` (SPEC §5) and :func:`sonicmoe.routing_from_pairs`; with
+    ``static``, the static-length, sync-free form the ``MoE`` layer runs (``static=True``, padding pairs).
     Scores are differentiable with respect to x and W_r.
     """
     T, E = x.shape[0], router_weight.shape[0]
@@ -69,9 +70,11 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
                       pair_token, router.topk_ids.reshape(-1), router.topk_ids)
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
-        pt, pe, ps = _unpack_pairs(token_rounding(router, m_tile=m_tile, subroutine=rounding))
+        kw = {"static": True} if static else {}
+        pt, pe, ps = _unpack_pairs(token_rounding(router, m_tile=m_tile, subroutine=rounding, **kw))
         # valid by construction, token-major
-        return Routed(routing_from_pairs(pt, pe, T, E, token_major=True, check=False), ps, pt, pe, None)
+        routing = routing_from_pairs(pt, pe, T, E, token_major=True, check=False, padding=static)
+        return Routed(routing, ps, pt, pe, None)
     raise ValueError(f"routing must be 'topk' or 'token_rounding', got {mode!r}")
 
 
@@ -123,9 +126,10 @@ class Problem:
         return int(self.pair_scores.shape[0])
 
     def route(self, x: torch.Tensor) -> Routed:
-        """Route ``x`` with this problem's router and mode (for timings that include the router)."""
+        """Route ``x`` with this problem's router and mode as the ``MoE`` layer does (for timings that include
+        the router): token rounding in its static-length form, without a host sync."""
         return route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
-                     rounding=self.rounding)
+                     rounding=self.rounding, static=True)
 
     def leaves(self) -> list[torch.Tensor]:
         return [self.x, self.router_weight, self.w1, self.w2, self.pair_scores]

@@ -223,10 +223,14 @@ def experts_bwd_impl(
     if need_s:
         with _beside(side):  # off the GEMMs' stream (a few small torch kernels between dH and dW2 otherwise)
             ds_row = ds.sum(0) if side is not None else ds  # from the dH kernel's partials: the same fixed order
-            if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩
+            if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩ (padding rows, past expert_offsets[E]: clamped to E - 1)
                 dob2 = dout.float() @ b2.float().t()
-                ds_row = ds_row + dob2[routing.row_token.long(), routing.row_expert()]
-            dscores = ds_row.index_select(0, routing.pair_row).to(scores_dtype)  # int32 index: no int64 copy
+                ds_row = ds_row + dob2[routing.row_token.long(), routing.row_expert().clamp_(max=w1.shape[0] - 1)]
+            dscores = ds_row.index_select(0, routing.pair_row)  # int32 index: no int64 copy
+            # padding pairs (rows past expert_offsets[E], which no kernel writes: routing_from_pairs(padding=True))
+            # get 0; with no padding every row is below it and this selects everything
+            real = routing.pair_row < routing.expert_offsets[-1]
+            dscores = torch.where(real, dscores, 0.0).to(scores_dtype)
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t

@@ -33,6 +33,7 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, routing: Routing, use_grou
     offsets = routing.expert_offsets.tolist()
     for e in range(routing.num_experts):
         outs.append(F.linear(a[offsets[e]:offsets[e + 1]], w[e]))
+    outs.append(a.new_zeros(a.shape[0] - offsets[-1], w.shape[1]))  # padding rows (routing.padded), if any
     return torch.cat(outs, dim=0)
 
 
@@ -59,6 +60,10 @@ def experts_torch(
     use_gmm = _grouped_mm_ok(x, w1, w2)
     token = routing.row_token.long()
     xg = x[token]
+    real = routing.real_rows()  # padding rows (routing.padded): zero in, zero out, zero gradients
+    if real is not None:
+        real = real[:, None]
+        xg = torch.where(real, xg, 0)
     h = _grouped_linear(xg, w1, routing, use_gmm)
     row_expert = routing.row_expert() if (b1 is not None or b2 is not None) else None
     if b1 is not None:
@@ -67,6 +72,8 @@ def experts_torch(
     y = _grouped_linear(a, w2, routing, use_gmm)
     if b2 is not None:
         y = y + b2[row_expert]
+    if real is not None:
+        y = torch.where(real, y, 0)
     s = routing.row_scores(pair_scores).to(y.dtype)
     out = torch.zeros(routing.num_tokens, x.shape[1], dtype=y.dtype, device=x.device)
     return out.index_add(0, token, y * s[:, None])

@@ -17,7 +17,8 @@ gradients by autograd) has the same signature and is the path on CPU and for flo
 
 Shapes (letters of SPEC §1): topk_ids, topk_scores (T, K); logits, probs (T, E); pair_token,
 pair_expert (R,) integer, token-major (pair_token non-decreasing). Scores come out in
-``topk_scores``' dtype; the added pairs' are computed in float32.
+``topk_scores``' dtype; the added pairs' are computed in float32. A *padding pair* (token T, expert E; what
+``token_rounding(static=True)`` appends) gets score 0, is not added, and receives no gradient.
 """
 
 from __future__ import annotations
@@ -44,17 +45,19 @@ def _chosen_stats(src_ptr, t64, ids, kmask, stride_st, ORDER_LOGITS: tl.constexp
     return cs, red
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit(do_not_specialize=["R", "T"])
 def _pair_scores_fwd_kernel(
-    token_ptr, expert_ptr, ids_ptr, ts_ptr, src_ptr, score_ptr, slot_ptr, R, stride_st,
+    token_ptr, expert_ptr, ids_ptr, ts_ptr, src_ptr, score_ptr, slot_ptr, R, T, stride_st,
     K: tl.constexpr, K_P2: tl.constexpr, ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = p < R
     t64 = tl.load(token_ptr + p, mask=mask, other=0).to(tl.int64)
-    e = tl.load(expert_ptr + p, mask=mask, other=0).to(tl.int32)
+    real = t64 < T  # padding pairs (token T): score 0, slot -2
+    t64 = tl.where(real, t64, 0)
+    e = tl.where(real, tl.load(expert_ptr + p, mask=mask, other=0).to(tl.int32), 0)
     kk = tl.arange(0, K_P2)
-    # pairs past R read token 0's row (t64 = 0 there): valid memory and finite statistics, never stored
+    # pairs past R and padding pairs read token 0's row (t64 = 0 there): valid memory and finite statistics
     kmask = tl.zeros((BLOCK, K_P2), dtype=tl.int1) | (kk < K)[None, :]
     ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
     slot = tl.max(tl.where(ids == e[:, None], kk[None, :], -1), axis=1)
@@ -67,8 +70,9 @@ def _pair_scores_fwd_kernel(
         added = v / red
     else:
         added = v
-    tl.store(score_ptr + p, tl.where(slot >= 0, chosen, added.to(chosen.dtype)), mask=mask)
-    tl.store(slot_ptr + p, slot, mask=mask)
+    score = tl.where(slot >= 0, chosen, added.to(chosen.dtype))
+    tl.store(score_ptr + p, tl.where(real, score, 0.0), mask=mask)
+    tl.store(slot_ptr + p, tl.where(real, slot, -2), mask=mask)
 
 
 @triton.jit
@@ -119,7 +123,8 @@ def _pair_scores_bwd_kernel(
 class _PairScores(torch.autograd.Function):
     """Autograd of the pair scores. Saves (no copies): ``src`` (T, E) — the router's logits (or probs),
     which the router's own graph holds anyway —, topk_ids (T, K), pair_token, pair_expert and the int32
-    slots (R,). Backward: d topk_scores (T, K) and d src (T, E), dense, from one kernel."""
+    slots (R,) (k, −1 for an added pair, −2 for a padding pair). Backward: d topk_scores (T, K) and d src (T, E),
+    dense, from one kernel; it walks each token's pairs, so padding pairs (token T) are never read."""
 
     @staticmethod
     def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm):
@@ -131,7 +136,7 @@ class _PairScores(torch.autograd.Function):
             grid = (cdiv(r, _BLOCK_PAIRS),)
             launch_kernel(
                 _pair_scores_fwd_kernel, grid,
-                pair_token, pair_expert, topk_ids, topk_scores, src, scores, slot, r, src.stride(0),
+                pair_token, pair_expert, topk_ids, topk_scores, src, scores, slot, r, t, src.stride(0),
                 K=k, K_P2=next_pow2(k), ORDER_LOGITS=order_logits, RENORM=renorm, BLOCK=_BLOCK_PAIRS, num_warps=4)
         ctx.save_for_backward(src, topk_ids, pair_token, pair_expert, slot)
         ctx.order_logits, ctx.renorm = order_logits, renorm
@@ -175,14 +180,15 @@ def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, rou
         router: :class:`~sonicmoe.routing.RouterOutput` — logits, probs (T, E) and topk_ids, topk_scores
             (T, K) of T tokens (float32/bfloat16/float16; float64 routers take :func:`pair_scores_ref`).
         pair_token, pair_expert: (R,) integer pairs, sorted by token (the backward finds each token's
-            pairs by a binary search), unique.
+            pairs by a binary search), unique; padding pairs (T, E) last, if any.
         router_order: ``"topk_then_softmax"`` or ``"softmax_then_topk"`` (see the module docstring).
         renormalize: with ``"softmax_then_topk"``, divide added pairs' probabilities by the sum of the
             token's chosen ones.
 
     Returns:
         (S (R,) in topk_scores' dtype, differentiable w.r.t. ``topk_scores`` and ``logits`` (or
-        ``probs``); pair_added (R,) bool, True where top-k did not choose the pair).
+        ``probs``), 0 for padding pairs; pair_added (R,) bool, True where top-k did not choose the pair,
+        False for padding pairs).
 
     Raises:
         ValueError / TypeError: pair arrays that are not (R,) integer tensors.
@@ -197,17 +203,20 @@ def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, rou
     scores, slot = _PairScores.apply(router.topk_scores.contiguous(), src, router.topk_ids.contiguous(),
                                      pair_token.contiguous(), pair_expert.contiguous(), order_logits,
                                      bool(renormalize) and not order_logits)
-    return scores, slot < 0
+    return scores, slot == -1
 
 
 def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, router_order: str,
                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`pair_scores` (same arguments and results; gradients by autograd)."""
     _check(pair_token, pair_expert)
-    pair_token, pair_expert = pair_token.long(), pair_expert.long()
+    t, e = router.logits.shape
+    real = pair_token < t  # padding pairs (T, E): score 0, not added, no gradient (torch.where)
+    pair_token = pair_token.long().clamp(max=max(t - 1, 0))
+    pair_expert = pair_expert.long().clamp(max=e - 1)
     ids = router.topk_ids.long()
     match = ids[pair_token] == pair_expert[:, None]  # (R, K): which chosen slot, if any
-    pair_added = ~match.any(dim=1)
+    pair_added = ~match.any(dim=1) & real
     chosen = router.topk_scores[pair_token, match.to(torch.int32).argmax(dim=1)]
     if router_order == "topk_then_softmax":
         lse = router.logits.gather(1, ids).logsumexp(dim=1)
@@ -216,7 +225,8 @@ def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor,
         added = router.probs[pair_token, pair_expert]
         if renormalize:
             added = added / router.probs.gather(1, ids).sum(dim=1)[pair_token]
-    return torch.where(pair_added, added.to(chosen.dtype), chosen), pair_added
+    score = torch.where(pair_added, added.to(chosen.dtype), chosen)
+    return torch.where(real, score, torch.zeros_like(score)), pair_added
 
 
 def use_score_kernels(router, use_kernel: bool | None) -> bool:

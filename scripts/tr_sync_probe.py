@@ -1,0 +1,91 @@
+"""Router + routing + experts (the layer's work), top-k against token rounding with and without its host sync.
+
+For each shape, one process times (bench_ms: settled 1000 ms warm-up, median) the forward and the forward+backward
+of: the router (logits, softmax, top-k), the routing, and the experts on the triton backend, with
+  topk         plain top-k routing;
+  tr_sync      token rounding with ``static=False`` (exact R pairs: torch.nonzero, one host sync; the layer until
+               session 32);
+  tr_static    token rounding with ``static=True`` (R_max pairs, padding pairs last; no sync: the layer now).
+Gradients flow to x, the router weight, W1 and W2. Also reported: R, R_max and the kernel-only forward+backward
+(routing given) of both token-rounding forms, so the padding rows' cost (empty tiles of the grid) shows apart.
+
+usage: python scripts/tr_sync_probe.py [--shape T,d,n,E,K ...] [--json F]
+(CPU smoke run: --device cpu --dtype fp32 --shape 64,32,16,4,2 --m-tile 8 --rep 5 --warmup 5)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from sonicmoe.bench.measure import SETTLED_WARMUP_MS, bench_ms, fwdbwd_fn
+from sonicmoe.bench.problem import route
+from sonicmoe.functional import experts
+from sonicmoe.testing import random_problem
+from sonicmoe.token_rounding import max_pairs
+
+MODES = (("topk", "topk", False), ("tr_sync", "token_rounding", False), ("tr_static", "token_rounding", True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="+", default=["24576,1536,256,128,8", "16384,1536,256,512,8",
+                                                   "16384,4096,512,512,8", "16384,4096,1024,256,4"])
+    ap.add_argument("--m-tile", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--rep", type=float, default=100)
+    ap.add_argument("--warmup", type=float, default=SETTLED_WARMUP_MS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dev = torch.device(args.device)
+    rows = []
+    for spec in args.shape:
+        t, d, n, e, k = (int(v) for v in spec.split(","))
+        p = random_problem(t, d, n, e, dtype=dtype, device=dev, seed=0)
+        x = p["x"].detach().requires_grad_(True)
+        wr = p["router_weight"].detach().requires_grad_(True)
+        w1, w2 = p["w1"].detach().requires_grad_(True), p["w2"].detach().requires_grad_(True)
+        dout = torch.randn(t, d, device=dev, dtype=dtype)
+        leaves = [x, wr, w1, w2]
+        row = {"shape": [t, d, n, e, k], "m_tile": args.m_tile,
+               "R_max": max_pairs(t, e, k, args.m_tile, "nearest"), "TK": t * k}
+        for name, mode, static in MODES:
+            def layer(mode=mode, static=static):
+                r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)
+                return experts(x, w1, w2, r.routing, r.pair_scores, backend="triton")
+
+            fwd = bench_ms(layer, device=dev, warmup=args.warmup, rep=args.rep, grad_to_none=leaves)["p50"]
+            tot = bench_ms(fwdbwd_fn(layer, leaves, dout), device=dev, warmup=args.warmup, rep=args.rep,
+                           grad_to_none=leaves)["p50"]
+            row[name] = {"fwd_ms": fwd, "fwdbwd_ms": tot}
+            if mode == "token_rounding":  # the experts alone on the routing given
+                with torch.no_grad():
+                    r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)
+                s = r.pair_scores.detach().requires_grad_(True)
+                row[name]["R" if not static else "R_rows"] = r.routing.num_rows
+                kern = bench_ms(fwdbwd_fn(lambda r=r, s=s: experts(x, w1, w2, r.routing, s, backend="triton"),
+                                          [x, w1, w2, s], dout),
+                                device=dev, warmup=args.warmup, rep=args.rep, grad_to_none=[x, w1, w2, s])["p50"]
+                row[name]["experts_fwdbwd_ms"] = kern
+        rows.append(row)
+        top, sync, stat = row["topk"], row["tr_sync"], row["tr_static"]
+        print(f"shape {spec}  R={sync['R']} R_max={row['R_max']} TK={t * k}", flush=True)
+        for name in ("topk", "tr_sync", "tr_static"):
+            v = row[name]
+            extra = f"  experts only fwd+bwd {v['experts_fwdbwd_ms']:.3f}" if "experts_fwdbwd_ms" in v else ""
+            print(f"  {name:<10} fwd {v['fwd_ms']:.3f} ms  fwd+bwd {v['fwdbwd_ms']:.3f} ms{extra}", flush=True)
+        print(f"  speed-up vs top-k, fwd+bwd with routing: sync {top['fwdbwd_ms'] / sync['fwdbwd_ms']:.3f}x  "
+              f"static {top['fwdbwd_ms'] / stat['fwdbwd_ms']:.3f}x; fwd: sync {top['fwd_ms'] / sync['fwd_ms']:.3f}x  "
+              f"static {top['fwd_ms'] / stat['fwd_ms']:.3f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
