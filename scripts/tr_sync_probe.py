@@ -16,6 +16,7 @@ usage: python scripts/tr_sync_probe.py [--shape T,d,n,E,K ...] [--json F]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -29,6 +30,29 @@ from sonicmoe.token_rounding import max_pairs
 MODES = (("topk", "topk", False), ("tr_sync", "token_rounding", False), ("tr_static", "token_rounding", True))
 
 
+def layer_fn(x, wr, w1, w2, k, mode, m_tile, static):
+    """The layer's work: router + routing (``mode``) + experts; or, with ``mode`` a Routed, the experts alone."""
+    def run():
+        r = route(x, wr, k, mode, m_tile=m_tile, static=static) if isinstance(mode, str) else mode
+        return experts(x, w1, w2, r.routing, r.pair_scores, backend="triton")
+
+    return run
+
+
+def profile_routing(x, wr, k, m_tile, spec) -> None:
+    """The kernels of one router + static token rounding + routing metadata call (warm), by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        route(x, wr, k, "token_rounding", m_tile=m_tile, static=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        route(x, wr, k, "token_rounding", m_tile=m_tile, static=True)
+        torch.cuda.synchronize()
+    print(f"profile {spec}: router + static token rounding + routing metadata", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=["24576,1536,256,128,8", "16384,1536,256,512,8",
@@ -39,6 +63,9 @@ def main() -> None:
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--warmup", type=float, default=SETTLED_WARMUP_MS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the profiler's kernel table of one static token-rounding routing per shape")
+    ap.add_argument("--only-profile", action="store_true", help="the kernel tables alone, no timings")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     dev = torch.device(args.device)
@@ -51,13 +78,14 @@ def main() -> None:
         w1, w2 = p["w1"].detach().requires_grad_(True), p["w2"].detach().requires_grad_(True)
         dout = torch.randn(t, d, device=dev, dtype=dtype)
         leaves = [x, wr, w1, w2]
+        if args.profile or args.only_profile:
+            profile_routing(x, wr, k, args.m_tile, spec)
+            if args.only_profile:
+                continue
         row = {"shape": [t, d, n, e, k], "m_tile": args.m_tile,
                "R_max": max_pairs(t, e, k, args.m_tile, "nearest"), "TK": t * k}
         for name, mode, static in MODES:
-            def layer(mode=mode, static=static):
-                r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)
-                return experts(x, w1, w2, r.routing, r.pair_scores, backend="triton")
-
+            layer = layer_fn(x, wr, w1, w2, k, mode, args.m_tile, static)
             fwd = bench_ms(layer, device=dev, warmup=args.warmup, rep=args.rep, grad_to_none=leaves)["p50"]
             tot = bench_ms(fwdbwd_fn(layer, leaves, dout), device=dev, warmup=args.warmup, rep=args.rep,
                            grad_to_none=leaves)["p50"]
@@ -67,9 +95,10 @@ def main() -> None:
                     r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)
                 s = r.pair_scores.detach().requires_grad_(True)
                 row[name]["R" if not static else "R_rows"] = r.routing.num_rows
-                kern = bench_ms(fwdbwd_fn(lambda r=r, s=s: experts(x, w1, w2, r.routing, s, backend="triton"),
-                                          [x, w1, w2, s], dout),
-                                device=dev, warmup=args.warmup, rep=args.rep, grad_to_none=[x, w1, w2, s])["p50"]
+                given = dataclasses.replace(r, pair_scores=s)
+                alone = layer_fn(x, None, w1, w2, k, given, args.m_tile, static)
+                kern = bench_ms(fwdbwd_fn(alone, [x, w1, w2, s], dout), device=dev, warmup=args.warmup,
+                                rep=args.rep, grad_to_none=[x, w1, w2, s])["p50"]
                 row[name]["experts_fwdbwd_ms"] = kern
         rows.append(row)
         top, sync, stat = row["topk"], row["tr_sync"], row["tr_static"]

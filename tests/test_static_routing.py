@@ -180,8 +180,8 @@ def test_moe_layer_token_rounding_is_static():
 @pytest.mark.parametrize("subroutine", ["nearest", "up", "balance"])
 def test_gpu_token_rounding_layer_has_no_host_sync(subroutine):
     """bf16 on CUDA: the token-rounding layer's forward and backward run under ``torch.cuda.set_sync_debug_mode
-    ("error")`` (any host sync raises), and give the exact routing's bits: output and every gradient, the same
-    tiles on the same rows (static vs ``static=False`` pairs)."""
+    ("error")`` (a host sync it detects raises, as the ``static=False`` form's nonzero does), and give the exact
+    routing's bits: output and every gradient, the same tiles on the same rows (static vs ``static=False``)."""
     torch.manual_seed(0)
     t, d, n, e, k = 2048, 256, 128, 32, 4
     layer = sonicmoe.MoE(d, n, e, k, routing="token_rounding", rounding=subroutine, m_tile=128,
@@ -194,6 +194,8 @@ def test_gpu_token_rounding_layer_has_no_host_sync(subroutine):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the detector sees the exact form's nonzero
+            token_rounding(router_topk(x.detach(), layer.gate.weight, k), m_tile=128, subroutine=subroutine)
         out = layer(x)
         out.backward(dout)
     finally:
