@@ -39,6 +39,22 @@ def layer_fn(x, wr, w1, w2, k, mode, m_tile, static):
     return run
 
 
+def host_ms(fn, calls: int = 10) -> float:
+    """Host time to enqueue one call of ``fn`` (perf_counter over ``calls`` calls, no synchronisation between them;
+    few enough that the launch queue never fills)."""
+    import time
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return ms
+
+
 def profile_routing(x, wr, k, m_tile, spec) -> None:
     """The kernels of one router + static token rounding + routing metadata call (warm), by CUDA time."""
     from torch.profiler import ProfilerActivity, profile
@@ -51,6 +67,11 @@ def profile_routing(x, wr, k, m_tile, spec) -> None:
         torch.cuda.synchronize()
     print(f"profile {spec}: router + static token rounding + routing metadata", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), flush=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        route(x, wr, k, "token_rounding", m_tile=m_tile, static=True)
+        torch.cuda.synchronize()
+    print(f"host ops of the same call ({len(prof.key_averages())} kinds)", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=50), flush=True)
 
 
 def main() -> None:
@@ -89,7 +110,9 @@ def main() -> None:
             fwd = bench_ms(layer, device=dev, warmup=args.warmup, rep=args.rep, grad_to_none=leaves)["p50"]
             tot = bench_ms(fwdbwd_fn(layer, leaves, dout), device=dev, warmup=args.warmup, rep=args.rep,
                            grad_to_none=leaves)["p50"]
-            row[name] = {"fwd_ms": fwd, "fwdbwd_ms": tot}
+            row[name] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "host_fwd_ms": host_ms(layer),
+                         "host_route_ms": host_ms(lambda mode=mode, static=static: route(
+                             x, wr, k, mode, m_tile=args.m_tile, static=static))}
             if mode == "token_rounding":  # the experts alone on the routing given
                 with torch.no_grad():
                     r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)
@@ -106,7 +129,8 @@ def main() -> None:
         for name in ("topk", "tr_sync", "tr_static"):
             v = row[name]
             extra = f"  experts only fwd+bwd {v['experts_fwdbwd_ms']:.3f}" if "experts_fwdbwd_ms" in v else ""
-            print(f"  {name:<10} fwd {v['fwd_ms']:.3f} ms  fwd+bwd {v['fwdbwd_ms']:.3f} ms{extra}", flush=True)
+            print(f"  {name:<10} fwd {v['fwd_ms']:.3f} ms  fwd+bwd {v['fwdbwd_ms']:.3f} ms{extra}  host: fwd "
+                  f"{v['host_fwd_ms']:.3f}, routing {v['host_route_ms']:.3f} ms", flush=True)
         print(f"  speed-up vs top-k, fwd+bwd with routing: sync {top['fwdbwd_ms'] / sync['fwdbwd_ms']:.3f}x  "
               f"static {top['fwdbwd_ms'] / stat['fwdbwd_ms']:.3f}x; fwd: sync {top['fwd_ms'] / sync['fwd_ms']:.3f}x  "
               f"static {top['fwd_ms'] / stat['fwd_ms']:.3f}x", flush=True)
