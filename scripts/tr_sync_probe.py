@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import torch
@@ -44,14 +45,18 @@ def host_ms(fn, calls: int = 10) -> float:
     few enough that the launch queue never fills)."""
     import time
 
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     ms = (time.perf_counter() - t0) * 1e3 / calls
-    torch.cuda.synchronize()
+    sync()
     return ms
 
 
@@ -111,8 +116,8 @@ def main() -> None:
             tot = bench_ms(fwdbwd_fn(layer, leaves, dout), device=dev, warmup=args.warmup, rep=args.rep,
                            grad_to_none=leaves)["p50"]
             row[name] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "host_fwd_ms": host_ms(layer),
-                         "host_route_ms": host_ms(lambda mode=mode, static=static: route(
-                             x, wr, k, mode, m_tile=args.m_tile, static=static))}
+                         "host_route_ms": host_ms(functools.partial(route, x, wr, k, mode, m_tile=args.m_tile,
+                                                                   static=static))}
             if mode == "token_rounding":  # the experts alone on the routing given
                 with torch.no_grad():
                     r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)
