@@ -33,6 +33,18 @@ def host_us(fn, calls: int = 20) -> float:
     return us
 
 
+def pieces(x, w, k) -> dict:
+    """name -> call, for X (T, d) and W_r (E, d) bfloat16 and top-K."""
+    return {
+        "mm out_dtype=float32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
+        "float32 linear (upcast)": lambda: torch.nn.functional.linear(x.float(), w.float()),
+        "bf16 mm": lambda: torch.mm(x, w.t()),
+        "router_topk": lambda: sonicmoe.router_topk(x, w, k),
+        "route topk": lambda: route(x, w, k, "topk"),
+        "route token_rounding static": lambda: route(x, w, k, "token_rounding", static=True),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=["24576,1536,256,128,8", "16384,1536,256,512,8"])
@@ -41,14 +53,7 @@ def main() -> None:
         t, d, _, e, k = (int(v) for v in spec.split(","))
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(e, d, device="cuda", dtype=torch.bfloat16)
-        rows = {
-            "mm out_dtype=float32": lambda: torch.mm(x, w.t(), out_dtype=torch.float32),
-            "float32 linear (upcast)": lambda: torch.nn.functional.linear(x.float(), w.float()),
-            "bf16 mm": lambda: torch.mm(x, w.t()),
-            "router_topk": lambda: sonicmoe.router_topk(x, w, k),
-            "route topk": lambda: route(x, w, k, "topk"),
-            "route token_rounding static": lambda: route(x, w, k, "token_rounding", static=True),
-        }
+        rows = pieces(x, w, k)
         print(f"shape {spec}", flush=True)
         for name, fn in rows.items():
             print(f"  {name:<30} {host_us(fn):8.1f} us host", flush=True)
