@@ -42,7 +42,23 @@ def pieces(x, w, k) -> dict:
         "router_topk": lambda: sonicmoe.router_topk(x, w, k),
         "route topk": lambda: route(x, w, k, "topk"),
         "route token_rounding static": lambda: route(x, w, k, "token_rounding", static=True),
+        "route token_rounding (sync)": lambda: route(x, w, k, "token_rounding"),
     }
+
+
+def blocks_host(fn) -> float:
+    """ms the host spends in ``fn`` right after queueing ~50 ms of GPU work: about 50 when ``fn`` synchronises, far
+    less when it does not."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    fn()
+    torch.cuda.synchronize()
+    for _ in range(60):  # ~1 ms each on an H100
+        a @ a
+    t0 = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    return ms
 
 
 def main() -> None:
@@ -57,6 +73,11 @@ def main() -> None:
         print(f"shape {spec}", flush=True)
         for name, fn in rows.items():
             print(f"  {name:<30} {host_us(fn):8.1f} us host", flush=True)
+        mask = torch.rand(t, e, device="cuda") < k / e
+        for name, fn in (("nonzero_static", lambda: torch.nonzero_static(mask, size=t * k, fill_value=-1)),
+                         ("nonzero", lambda: torch.nonzero(mask)),
+                         ("route token_rounding static", rows["route token_rounding static"])):
+            print(f"  host ms in {name} behind ~50 ms of GPU work: {blocks_host(fn):.2f}", flush=True)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(20):
