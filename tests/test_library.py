@@ -454,10 +454,10 @@ def test_sync_recorder_sees_syncs():
 class _Block(torch.nn.Module):
     """A small residual block around sonicmoe.MoE (what a model would contain)."""
 
-    def __init__(self, d, n, e, k, dtype):
+    def __init__(self, d, n, e, k, dtype, **moe_options):
         super().__init__()
         self.norm = torch.nn.LayerNorm(d, device="cuda", dtype=dtype)
-        self.moe = sonicmoe.MoE(d, n, e, k, backend="triton", bias=True, device="cuda", dtype=dtype)
+        self.moe = sonicmoe.MoE(d, n, e, k, backend="triton", bias=True, device="cuda", dtype=dtype, **moe_options)
         self.head = torch.nn.Linear(d, d, device="cuda", dtype=dtype)
 
     def forward(self, x):
@@ -506,11 +506,14 @@ def test_gpu_no_sync_forward_backward():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_training_step():
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+def test_gpu_cuda_graph_training_step(routing):
     """A whole training step (forward + backward + Adam(capturable=True) step) through the triton backend,
-    captured in one CUDA graph and replayed, matches the same steps run eagerly."""
+    captured in one CUDA graph and replayed, matches the same steps run eagerly; with token rounding too, whose
+    static-length routing (no host sync) makes it capturable."""
     torch.manual_seed(0)
-    model = _Block(256, 128, 8, 2, torch.float32)
+    options = {"routing": "token_rounding", "m_tile": 32} if routing == "token_rounding" else {}
+    model = _Block(256, 128, 8, 2, torch.float32, **options)
     twin = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     opt_twin = torch.optim.Adam(twin.parameters(), lr=1e-3, capturable=True)
