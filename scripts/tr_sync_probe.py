@@ -40,6 +40,34 @@ def layer_fn(x, wr, w1, w2, k, mode, m_tile, static):
     return run
 
 
+def graph_ms(layer, leaves, dout, dev, args) -> float:
+    """Median ms of a CUDA-graph replay of ``layer()`` (and its backward with ``dout`` unless None), captured after
+    three eager calls on a side stream (kernel compilation, allocator pools)."""
+    def step():
+        out = layer()
+        if dout is not None:
+            out.backward(dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            for v in leaves:
+                v.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for v in leaves:
+        v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ms = bench_ms(graph.replay, device=dev, warmup=args.warmup, rep=args.rep)["p50"]
+    del graph
+    for v in leaves:
+        v.grad = None
+    return ms
+
+
 def host_ms(fn, calls: int = 10) -> float:
     """Host time to enqueue one call of ``fn`` (perf_counter over ``calls`` calls, no synchronisation between them;
     few enough that the launch queue never fills)."""
@@ -92,6 +120,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also print the profiler's kernel table of one static token-rounding routing per shape")
     ap.add_argument("--only-profile", action="store_true", help="the kernel tables alone, no timings")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time top-k and static token rounding (router + routing + experts) as CUDA-graph "
+                         "replays: the GPU time without the host's (the sync form cannot be captured)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     dev = torch.device(args.device)
@@ -128,6 +159,12 @@ def main() -> None:
                 kern = bench_ms(fwdbwd_fn(alone, [x, w1, w2, s], dout), device=dev, warmup=args.warmup,
                                 rep=args.rep, grad_to_none=[x, w1, w2, s])["p50"]
                 row[name]["experts_fwdbwd_ms"] = kern
+        if args.graph:
+            for name in ("topk", "tr_static"):
+                mode, static = ("topk", False) if name == "topk" else ("token_rounding", True)
+                layer = layer_fn(x, wr, w1, w2, k, mode, args.m_tile, static)
+                row[name]["graph_fwd_ms"] = graph_ms(layer, leaves, None, dev, args)
+                row[name]["graph_fwdbwd_ms"] = graph_ms(layer, leaves, dout, dev, args)
         rows.append(row)
         top, sync, stat = row["topk"], row["tr_sync"], row["tr_static"]
         print(f"shape {spec}  R={sync['R']} R_max={row['R_max']} TK={t * k}", flush=True)
@@ -136,6 +173,11 @@ def main() -> None:
             extra = f"  experts only fwd+bwd {v['experts_fwdbwd_ms']:.3f}" if "experts_fwdbwd_ms" in v else ""
             print(f"  {name:<10} fwd {v['fwd_ms']:.3f} ms  fwd+bwd {v['fwdbwd_ms']:.3f} ms{extra}  host: fwd "
                   f"{v['host_fwd_ms']:.3f}, routing {v['host_route_ms']:.3f} ms", flush=True)
+        if args.graph:
+            print(f"  CUDA-graph replay: top-k fwd {top['graph_fwd_ms']:.3f} fwd+bwd {top['graph_fwdbwd_ms']:.3f} ms; "
+                  f"token rounding fwd {stat['graph_fwd_ms']:.3f} fwd+bwd {stat['graph_fwdbwd_ms']:.3f} ms; speed-up "
+                  f"fwd {top['graph_fwd_ms'] / stat['graph_fwd_ms']:.3f}x fwd+bwd "
+                  f"{top['graph_fwdbwd_ms'] / stat['graph_fwdbwd_ms']:.3f}x", flush=True)
         print(f"  speed-up vs top-k, fwd+bwd with routing: sync {top['fwdbwd_ms'] / sync['fwdbwd_ms']:.3f}x  "
               f"static {top['fwdbwd_ms'] / stat['fwdbwd_ms']:.3f}x; fwd: sync {top['fwd_ms'] / sync['fwd_ms']:.3f}x  "
               f"static {top['fwd_ms'] / stat['fwd_ms']:.3f}x", flush=True)
