@@ -50,6 +50,10 @@ class MoEConfig:
         routing: ``"topk"`` or ``"token_rounding"`` (SPEC §5; training only, eval uses top-k).
         rounding: token-rounding subroutine (``nearest``, ``up``, ``down``, ``stochastic``, ``balance``).
         m_tile: M_tile, the tile height token rounding rounds each expert's count to (tokens).
+        static_pairs: token rounding in its static-length form (``token_rounding(static=True)``): no host
+            sync, CUDA-graph capturable, but the (R, ·) activations (H is R·2n) are sized for R_max =
+            :func:`sonicmoe.token_rounding.max_pairs` pairs, up to E·(M_tile−1)/2 rows above T·K with
+            ``nearest``. False: exactly R pairs, one host sync per forward.
     """
 
     hidden_size: int
@@ -66,6 +70,7 @@ class MoEConfig:
     routing: RoutingMode = "topk"
     rounding: RoundingSubroutine = "nearest"
     m_tile: int = 128
+    static_pairs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts"):
@@ -78,6 +83,8 @@ class MoEConfig:
             )
         if not isinstance(self.m_tile, int) or self.m_tile < 1:
             raise ValueError(f"m_tile must be a positive int, got {self.m_tile!r}")
+        if not isinstance(self.static_pairs, bool):
+            raise ValueError(f"static_pairs must be a bool, got {self.static_pairs!r}")
         _check_choice("router_order", self.router_order, ROUTER_ORDERS)
         _check_choice("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
         _check_choice("backend", self.backend, BACKENDS)

@@ -72,7 +72,8 @@ class MoE(nn.Module):
     picks it). NaN/Inf in one token's x reach that token's output only (see :func:`sonicmoe.experts`).
     The forward reads no tensor values (no host sync): token rounding returns a static number of pairs,
     R_max = :func:`sonicmoe.token_rounding.max_pairs` (the real ones, then padding pairs that no kernel
-    computes), so its (R, ·) buffers are up to that bound long.
+    computes), so its (R, ·) buffers are up to that bound long; ``static_pairs=False`` sizes them for the
+    exact R instead, at the cost of one host sync per forward.
 
     Raises:
         ValueError: bad options; x whose last dimension is not hidden_size; x on another device.
@@ -120,10 +121,10 @@ class MoE(nn.Module):
             from .token_rounding import token_rounding
 
             tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding,
-                                router_order=c.router_order, renormalize=c.renormalize, static=True)
+                                router_order=c.router_order, renormalize=c.renormalize, static=c.static_pairs)
             # valid by construction: no range check (it would synchronise with the host)
             routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e, token_major=True,
-                                         check=False, padding=True)
+                                         check=False, padding=c.static_pairs)
             pair_scores = tr.pair_scores
         else:
             routing = routing_from_topk(router.topk_ids, e)

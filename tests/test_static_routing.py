@@ -176,6 +176,23 @@ def test_moe_layer_token_rounding_is_static():
     assert torch.isfinite(x.grad).all() and layer.gate.weight.grad.abs().sum() > 0
 
 
+def test_moe_layer_static_pairs_off_is_exact():
+    """``static_pairs=False``: the layer routes exactly R pairs (one host sync) and gives the static form's output
+    and gradients."""
+    outs = []
+    for static in (True, False):
+        torch.manual_seed(0)
+        layer = sonicmoe.MoE(16, 8, 6, 2, routing="token_rounding", m_tile=4, backend="torch", static_pairs=static)
+        x = torch.randn(40, 16, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        out = layer(x)
+        out.square().sum().backward()
+        outs.append((out.detach(), x.grad, layer.gate.weight.grad, layer.experts.gate_up_proj.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="static_pairs"):
+        sonicmoe.MoE(16, 8, 6, 2, static_pairs="yes")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("subroutine", ["nearest", "up", "balance"])
 def test_gpu_token_rounding_layer_has_no_host_sync(subroutine):
