@@ -1,10 +1,13 @@
-"""Time token rounding's selection kernel for several search fanouts on a real router's keys (GPU).
+"""Time token rounding's selection kernel for several search fanouts and tiles on a real router's keys (GPU).
 
-usage: python benchmarks/tr_select_fanout.py [--shape T,d,E,K ...] [--fanout 2 --fanout 16 ...] [--json OUT]
+usage: python benchmarks/tr_select_fanout.py [--shape T,d,E,K ...] [--fanout 2 --fanout 16 ...]
+       [--select-tile KEYS:WARPS ...] [--keys-tile BLOCK_T:BLOCK_E:WARPS ...] [--json OUT]
 
 For each shape: a random router (float32 logits of random X and W_r, top-k then softmax), its candidate
 keys and the ``nearest`` rounding decision (M_tile = 128), then :func:`sonicmoe.ops.tr_select.select_routed`
-timed (do_bench median) for each fanout. Every fanout's mask must equal the torch twin's.
+timed (do_bench median) for each fanout (at the default tile) and each ``--select-tile`` (at the default
+fanout), and :func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``. Every mask and key array
+must equal the torch twin's.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from sonicmoe.routing import router_topk
 from sonicmoe.token_rounding import _round_counts
 
 
-def run(t: int, d: int, e: int, k: int, fanouts: list[int]) -> dict:
+def run(t: int, d: int, e: int, k: int, fanouts: list[int], select_tiles: list[tuple[int, int]] = (),
+        keys_tiles: list[tuple[int, int, int]] = ()) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, d, device="cuda", generator=g)
     wr = torch.randn(e, d, device="cuda", generator=g) / d**0.5
@@ -35,6 +39,21 @@ def run(t: int, d: int, e: int, k: int, fanouts: list[int]) -> dict:
             raise AssertionError(f"fanout {fan}: the mask differs from the torch twin's")
         out["ms"][fan] = do_bench(lambda fan=fan: tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan),
                                   warmup=25, rep=200, return_mode="median")
+    for tile in select_tiles:
+        got = tr_select.select_routed(prob_key, score_key, f, keep, tile=tile)
+        if not torch.equal(got, expect):
+            raise AssertionError(f"select tile {tile}: the mask differs from the torch twin's")
+        out["ms"][f"select {tile[0]}:{tile[1]}"] = do_bench(
+            lambda tile=tile: tr_select.select_routed(prob_key, score_key, f, keep, tile=tile),
+            warmup=25, rep=200, return_mode="median")
+    args = (router.probs, router.topk_ids.long(), router.topk_scores)
+    ref = tr_select.candidate_keys_ref(*args)
+    for tile in keys_tiles:
+        got = tr_select.candidate_keys(*args, tile=tile)
+        if not all(torch.equal(a, b) for a, b in zip(got, ref)):
+            raise AssertionError(f"keys tile {tile}: the keys differ from the torch twin's")
+        out["ms"][f"keys {tile[0]}:{tile[1]}:{tile[2]}"] = do_bench(
+            lambda tile=tile: tr_select.candidate_keys(*args, tile=tile), warmup=25, rep=200, return_mode="median")
     return out
 
 
@@ -42,16 +61,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", default=None, help="T,d,E,K (repeatable)")
     ap.add_argument("--fanout", action="append", type=int, default=None)
+    ap.add_argument("--select-tile", action="append", default=[], help="KEYS:WARPS of the selection kernel")
+    ap.add_argument("--keys-tile", action="append", default=[], help="BLOCK_T:BLOCK_E:WARPS of the keys kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    select_tiles = [tuple(int(v) for v in s.split(":")) for s in args.select_tile]
+    keys_tiles = [tuple(int(v) for v in s.split(":")) for s in args.keys_tile]
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["16384,1536,512,8", "16384,4096,256,4"])]
     fanouts = args.fanout or [2, 4, 8, 16]
     rows = []
     for shape in shapes:
-        row = run(*shape, fanouts)
+        row = run(*shape, fanouts, select_tiles, keys_tiles)
         rows.append(row)
         print(f"T={row['T']} d={row['d']} E={row['E']} K={row['K']}: "
-              + "  ".join(f"fanout {f}: {ms * 1e3:.1f} us" for f, ms in row["ms"].items()))
+              + "  ".join(f"{'' if isinstance(f, str) else 'fanout '}{f}: {ms * 1e3:.1f} us"
+                          for f, ms in row["ms"].items()), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)

@@ -36,7 +36,10 @@ from .fast_launch import launch_kernel
 
 NO_KEY = -(2**31)  # "not a candidate": below the key of every float
 _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
-_ROW_BLOCK = 1024  # keys per load in the selection kernel (its counting passes compare (1024, FANOUT) blocks)
+# (keys per load, warps) of the selection kernel (its counting passes compare (keys, FANOUT) blocks)
+SELECT_TILE = (1024, 4)
+# (BLOCK_T, BLOCK_E, warps) of the candidate-keys kernel
+KEYS_TILE = (32, 32, 4)
 # thresholds per counting pass of the selection (a power of two; 2 = bisection). H100, T = 16384, E = 512
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
 # 512-key loads: 254), 16: 300
@@ -93,13 +96,16 @@ def _check_router(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torc
     return t, e, topk_ids.shape[1]
 
 
-def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor):
+def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor, *,
+                   tile: tuple[int, int, int] | None = None):
     """Keys of the candidates of every expert and the top-k counts, on the Triton kernel.
 
     Args:
         probs: (T, E) router probabilities (any float dtype; ranked as float32).
         topk_ids: (T, K) integer chosen experts (distinct per token, in [0, E)).
         topk_scores: (T, K) float scores S of the chosen experts.
+        tile: (BLOCK_T, BLOCK_E, num_warps) of the kernel, powers of two (tuning; the result does not depend
+            on it). None: :data:`KEYS_TILE` (BLOCK_E capped at next_pow2(E), BLOCK_T at next_pow2(T)).
 
     Returns:
         ``prob_key`` (E, T) int32, ``score_key`` (E, T) int32 (see the module docstring) and f (E,)
@@ -116,15 +122,16 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
         probs = probs.contiguous()
     prob_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
     score_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
-    block_e = min(next_pow2(e), 32)
-    block_t = max(1, min(1024 // block_e, next_pow2(t)))
+    block_t, block_e, warps = tile or KEYS_TILE
+    block_e = min(next_pow2(e), block_e)
+    block_t = max(1, min(block_t, next_pow2(t)))
     grid = cdiv(t, block_t)
     counts = torch.empty(grid, e, dtype=torch.int32, device=probs.device)
     if t > 0:
         launch_kernel(
             _candidate_keys_kernel, (grid,),
             probs, topk_ids.contiguous(), topk_scores.detach().contiguous(), prob_key, score_key, counts,
-            t, e, probs.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+            t, e, probs.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
     return prob_key, score_key, counts.sum(0, dtype=torch.int64)
 
 
@@ -233,7 +240,8 @@ def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
 
 
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
-                  keep: torch.Tensor, *, fanout: int = SELECT_FANOUT) -> torch.Tensor:
+                  keep: torch.Tensor, *, fanout: int = SELECT_FANOUT,
+                  tile: tuple[int, int] | None = None) -> torch.Tensor:
     """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel.
 
     Args:
@@ -242,6 +250,8 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
             [0, T] (below f: the best chosen by score; above: all chosen plus the best others by probability).
         fanout: thresholds per counting pass of the search for each row's n-th largest key, a power of
             two >= 2 (2: a bisection, 32 passes; 4: 16 passes). The result does not depend on it.
+        tile: (keys per load, num_warps) of the kernel, powers of two (tuning; the result does not depend on
+            it). None: :data:`SELECT_TILE` (keys per load capped at next_pow2(T)).
 
     Raises:
         ValueError: shapes or dtypes that do not match the above, or a fanout that is not a power of two >= 2.
@@ -253,10 +263,11 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
+    block, warps = tile or SELECT_TILE
     if e and t:
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
-                      routed.view(torch.int8), t, e, BLOCK=min(_ROW_BLOCK, next_pow2(t)), FANOUT=fanout,
-                      PASSES=cdiv(32, bits), num_warps=4)
+                      routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)), FANOUT=fanout,
+                      PASSES=cdiv(32, bits), num_warps=warps)
     return routed
 
 
