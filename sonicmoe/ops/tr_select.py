@@ -31,15 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, check_device, interpreting, next_pow2
+from .common import cdiv, check_device, interpreting, next_pow2, sm_count
 from .fast_launch import launch_kernel
 
 NO_KEY = -(2**31)  # "not a candidate": below the key of every float
 _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
-# (keys per load, warps) of the selection kernel (its counting passes compare (keys, FANOUT) blocks)
-SELECT_TILE = (1024, 4)
-# (BLOCK_T, BLOCK_E, warps) of the candidate-keys kernel
-KEYS_TILE = (32, 32, 4)
+# (keys per load, warps) of the selection kernel (its counting passes compare (keys, FANOUT) blocks): with more
+# experts than multiprocessors, and with at most one program per multiprocessor (longer loads, fewer passes' worth
+# of latency). H100 (benchmarks/results/2026-11-26_nvidia-h100_session32/call10_tiles_113d2db), us at (T, E):
+# (16384, 512) 218 -> 200, (16384, 256) 135 -> 115, (24576, 128) 148 -> 100, (16384, 64) 100 -> 71 (from 1024:4)
+SELECT_TILE = (2048, 4)
+SELECT_TILE_FEW_EXPERTS = (4096, 8)
+# (BLOCK_T, BLOCK_E, warps) of the candidate-keys kernel. Same calls: (16384, 512) 121 -> 106 us, (16384, 64) 88 ->
+# 29, (16384, 256, K = 4) 60 -> 53, (24576, 128) 58 -> 63 (from 32:32:4)
+KEYS_TILE = (128, 32, 8)
 # thresholds per counting pass of the selection (a power of two; 2 = bisection). H100, T = 16384, E = 512
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
 # 512-key loads: 254), 16: 300
@@ -251,7 +256,8 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
         fanout: thresholds per counting pass of the search for each row's n-th largest key, a power of
             two >= 2 (2: a bisection, 32 passes; 4: 16 passes). The result does not depend on it.
         tile: (keys per load, num_warps) of the kernel, powers of two (tuning; the result does not depend on
-            it). None: :data:`SELECT_TILE` (keys per load capped at next_pow2(T)).
+            it). None: :data:`SELECT_TILE`, or :data:`SELECT_TILE_FEW_EXPERTS` when E is at most the number of
+            multiprocessors (keys per load capped at next_pow2(T)).
 
     Raises:
         ValueError: shapes or dtypes that do not match the above, or a fanout that is not a power of two >= 2.
@@ -263,7 +269,10 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
-    block, warps = tile or SELECT_TILE
+    if tile is None:
+        few = prob_key.is_cuda and e <= sm_count(prob_key.device)
+        tile = SELECT_TILE_FEW_EXPERTS if few else SELECT_TILE
+    block, warps = tile
     if e and t:
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
                       routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)), FANOUT=fanout,
