@@ -36,7 +36,7 @@
 #   checkfx  the forward timed after each step of the bench's float32 check (scripts/check_effect_probe.py)
 #   trsync the static-length (sync-free) token rounding: its GPU tests (TRSYNC_TESTS adds more pytest arguments) and
 #          router + routing + experts timed for top-k, token rounding with its host sync and without
-#          (scripts/tr_sync_probe.py on TRSYNC_SHAPES)
+#          (scripts/tr_sync_probe.py on TRSYNC_SHAPES, with TRSYNC_ARGS)
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last), backends FULL_BACKENDS (default triton,torch: the loop and
@@ -198,9 +198,11 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ;;
     trsync)
       timeout 400 python3 -m pytest -q -m gpu tests/test_static_routing.py tests/test_tr_scores.py tests/test_tr_select.py \
-        ${TRSYNC_TESTS:-} > "$OUT/gpu_tests_trsync.log" 2>&1
+        tests/test_tr_routing.py ${TRSYNC_TESTS:-} > "$OUT/gpu_tests_trsync.log" 2>&1
       SUMMARY+=("trsync tests: $(tail -1 "$OUT/gpu_tests_trsync.log")")
-      timeout 400 python3 scripts/tr_sync_probe.py ${TRSYNC_SHAPES:+--shape $TRSYNC_SHAPES} --json "$OUT/tr_sync.json" \
+      # TRSYNC_ARGS: more probe options (e.g. --graph)
+      timeout 400 python3 scripts/tr_sync_probe.py ${TRSYNC_SHAPES:+--shape $TRSYNC_SHAPES} ${TRSYNC_ARGS:-} \
+        --json "$OUT/tr_sync.json" \
         > "$OUT/tr_sync.txt" 2>&1
       SUMMARY+=("$(cat "$OUT/tr_sync.txt")")
       ;;

@@ -10,7 +10,7 @@ from torch import nn
 from ._autocast import autocast_dtype
 from .config import MoEConfig
 from .functional import SUPPORTED_DTYPES, _check_float, experts, resolve_backend
-from .routing import load_balancing_loss, router_topk, routing_from_pairs, routing_from_topk, z_loss
+from .routing import load_balancing_loss, router_topk, routing_from_topk, z_loss
 
 
 class Experts(nn.Module):
@@ -122,9 +122,7 @@ class MoE(nn.Module):
 
             tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding,
                                 router_order=c.router_order, renormalize=c.renormalize, static=c.static_pairs)
-            # valid by construction: no range check (it would synchronise with the host)
-            routing = routing_from_pairs(tr.pair_token, tr.pair_expert, x2.shape[0], e, token_major=True,
-                                         check=False, padding=c.static_pairs)
+            routing = tr.routing  # routing_from_pairs(..., token_major=True, padding=c.static_pairs), sort-free
             pair_scores = tr.pair_scores
         else:
             routing = routing_from_topk(router.topk_ids, e)

@@ -56,24 +56,23 @@ Scores of the output pairs (differentiable w.r.t. the router logits):
       ``probs[t, e]``, divided by ``Σ_k probs[t, topk_ids[t, k]]`` when ``renormalize``.
     A token's scores are not renormalised over its final expert set.
 
-Implementation (:func:`token_rounding`), on the router's device, in three steps (:mod:`sonicmoe.ops.tr_select`;
-Triton kernels on CUDA, their torch twins elsewhere):
-    * keys: each expert's row of candidates as exact int32 keys — the top-k score of its chosen
-      tokens, the router probability of the others — and the counts f_e;
-    * the rounding decision per expert (a few (E,) torch ops, no sync);
+Implementation (:func:`token_rounding`), on the router's device (Triton kernels on CUDA, their torch twins
+elsewhere), with no sort and, by default, no host sync:
+    * keys (:mod:`sonicmoe.ops.tr_select`): each expert's row of candidates as exact int32 keys — the top-k score of
+      its chosen tokens, the router probability of the others — and per-block counts of the chosen ones;
+    * the decision (:func:`sonicmoe.ops.tr_routing.round_counts`, one program): f_e, the kept count, the padding
+      flag and the experts' row offsets;
     * selection: per expert, the ``count_e`` best chosen tokens (rounded down) or all chosen plus the
-      ``count_e − f_e`` best others (rounded up), found by a 4-way search for the threshold key (no
-      sort), marked in a (T, E) bool *routed* mask;
-    * the mask lists the pairs in token-major order. R (the number of output pairs) is data-dependent:
-      with ``static=False`` ``torch.nonzero`` returns exactly R pairs — **one host sync**; with
-      ``static=True`` (what :class:`sonicmoe.MoE` runs) ``torch.nonzero_static`` returns a fixed
-      R_max = :func:`max_pairs` pairs, the real ones first and then *padding pairs* (T, E) that
-      :func:`~sonicmoe.routing.routing_from_pairs` (``padding=True``) leaves out of every expert and
-      every token — no host sync.
+      ``count_e − f_e`` best others (rounded up), found by a 4-way search for the threshold key (no sort); a (T, E)
+      int32 array holds, at each routed pair, its token's rank within the expert (its row, plus one);
+    * pairs: ``torch.nonzero_static`` of that array lists R_max token-major pairs, padding last (``static=True``,
+      no sync); ``torch.nonzero`` lists exactly R (``static=False``: **one host sync**, since R is data-dependent);
+    * routing (:func:`sonicmoe.ops.tr_routing.pairs_routing`, one kernel): the pair arrays and the
+      :class:`~sonicmoe.routing.Routing` of the pairs, each pair's row read from its rank (no sort);
     * scores (:mod:`sonicmoe.ops.tr_scores`): each pair's top-k slot (if any) and score in one kernel,
       and in the backward the gradients of the router's logits (or probs) and top-k scores in one more
       (per token, dense rows: no scatter, no atomics, no sort).
-    * memory: two transient (E, T) int32 key arrays and the (T, E) bool mask (9·T·E bytes, 72 MiB at
+    * memory: two transient (E, T) int32 key arrays and the (T, E) int32 rank array (12·T·E bytes, 96 MiB at
       T = 16384, E = 512) plus a few (R, K) arrays.
 
 :func:`token_rounding_ref` is a plain Python/PyTorch per-expert loop with the same signature and
@@ -88,7 +87,7 @@ import warnings
 import torch
 
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
-from .routing import INDEX_DTYPE, RouterOutput
+from .routing import INDEX_DTYPE, RouterOutput, Routing
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -120,6 +119,9 @@ class TokenRoundingOutput:
         counts: (E,) int32 tokens kept per expert, T_e (a multiple of M_tile except the cap edge).
         topk_counts: (E,) int32 tokens per expert under plain top-k, f_e.
         padded: (E,) bool, True where the expert was rounded up (tokens added).
+        routing: the :class:`~sonicmoe.routing.Routing` of these pairs, equal to
+            ``routing_from_pairs(pair_token, pair_expert, T, E, token_major=True, padding=static)``, built without a
+            sort (:mod:`sonicmoe.ops.tr_routing`); ``None`` from :func:`token_rounding_ref`.
     """
 
     pair_token: torch.Tensor
@@ -129,6 +131,7 @@ class TokenRoundingOutput:
     counts: torch.Tensor
     topk_counts: torch.Tensor
     padded: torch.Tensor
+    routing: Routing | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -185,9 +188,10 @@ def _round_half_down(x: torch.Tensor, m: int) -> torch.Tensor:
     return -m * torch.div(m - 2 * x, 2 * m, rounding_mode="floor")
 
 
-def _round_counts(f: torch.Tensor, m: int, t: int, subroutine: str,
-                  generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert kept count and padding decision (vectorised, no sync). f: (E,) int64 top-k counts."""
+def _round_counts(f: torch.Tensor, m: int, t: int, subroutine: str, generator,
+                  u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert kept count and padding decision (vectorised, no sync). f: (E,) int64 top-k counts; u: the
+    (E,) uniform draws of ``"stochastic"`` (drawn from ``generator`` when None)."""
     lo = f - torch.remainder(f, m)
     frac = f - lo  # in [0, m); 0 -> nothing to round
     if subroutine == "nearest":
@@ -197,7 +201,8 @@ def _round_counts(f: torch.Tensor, m: int, t: int, subroutine: str,
     elif subroutine == "down":
         pad = torch.zeros_like(f, dtype=torch.bool)
     elif subroutine == "stochastic":
-        u = torch.rand(f.shape, generator=generator, device=f.device)
+        if u is None:
+            u = torch.rand(f.shape, generator=generator, device=f.device)
         pad = u * m < frac
     else:  # balance: round the prefix sums of f on the M_tile grid
         grid = _round_half_down(torch.cumsum(f, 0), m)
@@ -253,34 +258,33 @@ def token_rounding(
         top-k (``|count_e − f_e| < M_tile``) and its count is a multiple of M_tile, except a padded
         expert capped at T tokens (module docstring, "Cap edge").
 
-    Host syncs: one with ``static=False`` (``torch.nonzero`` over the (T, E) routed mask, as R is
+    Host syncs: one with ``static=False`` (``torch.nonzero`` over the (T, E) rank array, as R is
     data-dependent); none with ``static=True``.
-    Memory: two transient (E, T) int32 key arrays and the (T, E) bool mask (9·T·E bytes; 72 MiB at
+    Memory: two transient (E, T) int32 key arrays and the (T, E) int32 rank array (12·T·E bytes; 96 MiB at
     T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
-    from .ops import tr_scores, tr_select
+    from .ops import tr_routing, tr_scores, tr_select
 
     ids2 = router.topk_ids.long()  # (T, K)
-    if tr_select.use_select_kernels(router.logits.device, use_kernel):
-        keys, select = tr_select.candidate_keys, tr_select.select_routed
-    else:
-        keys, select = tr_select.candidate_keys_ref, tr_select.select_routed_ref
-    prob_key, score_key, f = keys(router.probs, ids2, router.topk_scores)  # f_e: top-k tokens per expert
-    keep, pad = _round_counts(f, m_tile, t, subroutine, generator)
-    routed = select(prob_key, score_key, f, keep)  # (T, E) bool: the kept and the added pairs
+    kernels = tr_select.use_select_kernels(router.logits.device, use_kernel)
+    keys = tr_select.candidate_keys if kernels else tr_select.candidate_keys_ref
+    decide = tr_routing.round_counts if kernels else tr_routing.round_counts_ref
+    select = tr_select.select_routed if kernels else tr_select.select_routed_ref
+    prob_key, score_key, counts = keys(router.probs, ids2, router.topk_scores, block_counts=True)
+    u = torch.rand(e, generator=generator, device=counts.device) if subroutine == "stochastic" else None
+    f, keep, pad, offsets = decide(counts, m_tile, t, subroutine, u)  # f_e: top-k tokens per expert
+    ranks = select(prob_key, score_key, f, keep, rank=True)  # (T, E): row within the expert + 1, 0 if not routed
     del prob_key, score_key
 
-    if static:  # R_max pairs, the padding ones (-1, -1) -> (T, E): no sync
-        pair = torch.nonzero_static(routed, size=max_pairs(t, e, k, m_tile, subroutine), fill_value=-1)
-        pad_pair = pair[:, 0] < 0
-        pair_token = torch.where(pad_pair, t, pair[:, 0]).to(INDEX_DTYPE)
-        pair_expert = torch.where(pad_pair, e, pair[:, 1]).to(INDEX_DTYPE)
+    if static:  # R_max pairs, the padding ones (-1, -1): no sync
+        pair = torch.nonzero_static(ranks, size=max_pairs(t, e, k, m_tile, subroutine), fill_value=-1)
     else:
-        pair = torch.nonzero(routed)  # the host sync (R is data-dependent); row-major: token-major pairs
-        pair_token, pair_expert = pair[:, 0].to(INDEX_DTYPE), pair[:, 1].to(INDEX_DTYPE)  # contiguous int32
+        pair = torch.nonzero(ranks)  # the host sync (R is data-dependent); row-major: token-major pairs
+    to_routing = tr_routing.pairs_routing if kernels else tr_routing.pairs_routing_ref
+    pair_token, pair_expert, routing = to_routing(pair, ranks, offsets, padding=static)
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
     pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize)
     return TokenRoundingOutput(
@@ -288,9 +292,10 @@ def token_rounding(
         pair_expert=pair_expert,
         pair_scores=pair_scores,
         pair_added=pair_added,
-        counts=keep.to(INDEX_DTYPE),
-        topk_counts=f.to(INDEX_DTYPE),
+        counts=keep,
+        topk_counts=f,
         padded=pad,
+        routing=routing,
     )
 
 

@@ -71,9 +71,11 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
         kw = {"static": True} if static else {}
-        pt, pe, ps = _unpack_pairs(token_rounding(router, m_tile=m_tile, subroutine=rounding, **kw))
-        # valid by construction, token-major
-        routing = routing_from_pairs(pt, pe, T, E, token_major=True, check=False, padding=static)
+        result = token_rounding(router, m_tile=m_tile, subroutine=rounding, **kw)
+        pt, pe, ps = _unpack_pairs(result)
+        routing = getattr(result, "routing", None)  # the library's own, as the MoE layer uses it
+        if routing is None:  # valid by construction, token-major
+            routing = routing_from_pairs(pt, pe, T, E, token_major=True, check=False, padding=static)
         return Routed(routing, ps, pt, pe, None)
     raise ValueError(f"routing must be 'topk' or 'token_rounding', got {mode!r}")
 

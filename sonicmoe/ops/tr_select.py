@@ -102,7 +102,7 @@ def _check_router(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torc
 
 
 def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor, *,
-                   tile: tuple[int, int, int] | None = None):
+                   tile: tuple[int, int, int] | None = None, block_counts: bool = False):
     """Keys of the candidates of every expert and the top-k counts, on the Triton kernel.
 
     Args:
@@ -112,9 +112,12 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
         tile: (BLOCK_T, BLOCK_E, num_warps) of the kernel, powers of two (tuning; the result does not depend
             on it). None: :data:`KEYS_TILE` (BLOCK_E capped at next_pow2(E), BLOCK_T at next_pow2(T)).
 
+        block_counts: return the kernel's per-block counts (blocks of BLOCK_T tokens, (⌈T/BLOCK_T⌉, E) int32)
+            instead of their sum f (for :func:`sonicmoe.ops.tr_routing.round_counts`, which sums them).
+
     Returns:
         ``prob_key`` (E, T) int32, ``score_key`` (E, T) int32 (see the module docstring) and f (E,)
-        int64, the number of tokens that chose each expert.
+        int64, the number of tokens that chose each expert (or the per-block counts).
 
     Raises:
         ValueError: shapes that do not match the above.
@@ -137,7 +140,7 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
             _candidate_keys_kernel, (grid,),
             probs, topk_ids.contiguous(), topk_scores.detach().contiguous(), prob_key, score_key, counts,
             t, e, probs.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
-    return prob_key, score_key, counts.sum(0, dtype=torch.int64)
+    return prob_key, score_key, (counts if block_counts else counts.sum(0, dtype=torch.int64))
 
 
 def _float_key_torch(x: torch.Tensor) -> torch.Tensor:
@@ -146,8 +149,10 @@ def _float_key_torch(x: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(bits, torch.bitwise_and(torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF))
 
 
-def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor):
-    """Torch twin of :func:`candidate_keys` (same arguments and results)."""
+def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor, *,
+                       tile: tuple[int, int, int] | None = None, block_counts: bool = False):
+    """Torch twin of :func:`candidate_keys` (same arguments and results; ``tile`` is ignored, and the per-block
+    counts are those of a single block, (1, E))."""
     t, e, _ = _check_router(probs, topk_ids, topk_scores)
     ids = topk_ids.long()
     tokens = torch.arange(t, device=probs.device)[:, None]
@@ -155,7 +160,8 @@ def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores:
     prob_key[ids, tokens] = NO_KEY
     score_key = torch.full((e, t), NO_KEY, dtype=torch.int32, device=probs.device)
     score_key[ids, tokens] = _float_key_torch(topk_scores)
-    return prob_key, score_key, (score_key != NO_KEY).sum(1)
+    f = (score_key != NO_KEY).sum(1)
+    return prob_key, score_key, (f.to(torch.int32)[None, :] if block_counts else f)
 
 
 # -------------------------------------------------------------------------------------- selection
@@ -180,56 +186,78 @@ def _count_keys(row_ptr, thresholds, T, BLOCK: tl.constexpr, ABOVE: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["T"])
-def _mark_best(row_ptr, routed_ptr, e, n, T, E, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
-    """routed[t, e] = 1 for the n largest keys of the row (ties: lower t first); n <= #real keys."""
+def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
+    """(lo, ties) for the n largest keys of the row (n <= #real keys): lo is the n-th largest key; every key above
+    it is taken, and the ``ties`` lowest-indexed keys equal to it. n = 0 gives lo = 2^31 (no key is taken)."""
     # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1. Each pass counts
     # the keys at or above FANOUT evenly spaced thresholds of [lo, hi) at once and keeps the sub-range
     # holding the n-th largest key: the range shrinks FANOUT-fold per pass over the row (PASSES =
     # ceil(32 / log2 FANOUT) passes for the 2^32 key values: 16 with FANOUT = 4, 32 for a bisection)
     lo = tl.full((), _NO_KEY + 1, tl.int64)
     hi = tl.full((), 2**31, tl.int64)
-    j = tl.arange(0, FANOUT).to(tl.int64)
-    for _ in range(PASSES):
-        step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1
-        thr = lo + j * step  # thr[0] = lo; thresholds >= hi are not counted
-        valid = thr < hi
-        # every threshold is in [lo, hi) subset of [NO_KEY + 1, 2^31): it fits int32
-        cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
-        # counts fall with j: the last threshold with >= n keys at or above it is the new lo
-        best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
-        lo_next = lo + best * step
-        hi = tl.minimum(hi, lo_next + step)
-        lo = lo_next
-    # lo = the n-th largest key: every key above it is taken, and the lowest-indexed keys equal to it fill up
-    above = _count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True)  # lo fits int32
-    ties = n - tl.sum(above, axis=0)
-    seen = tl.zeros((), dtype=tl.int32)
-    for start in range(0, T, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        k = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
-        eq = (k == lo).to(tl.int32)
-        take = (k > lo) | ((eq > 0) & (tl.cumsum(eq, axis=0) + seen <= ties))
-        tl.store(routed_ptr + offs.to(tl.int64) * E + e, tl.full((BLOCK,), 1, tl.int8), mask=take)
-        seen += tl.sum(eq, axis=0)
+    ties = tl.zeros((), dtype=tl.int32)
+    if n > 0:
+        j = tl.arange(0, FANOUT).to(tl.int64)
+        for _ in range(PASSES):
+            step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1
+            thr = lo + j * step  # thr[0] = lo; thresholds >= hi are not counted
+            valid = thr < hi
+            # every threshold is in [lo, hi) subset of [NO_KEY + 1, 2^31): it fits int32
+            cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
+            # counts fall with j: the last threshold with >= n keys at or above it is the new lo
+            best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
+            lo_next = lo + best * step
+            hi = tl.minimum(hi, lo_next + step)
+            lo = lo_next
+        above = _count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True)
+        ties = n - tl.sum(above, axis=0)
+    else:
+        lo = hi
+    return lo, ties
+
+
+@triton.jit
+def _take(k, lo, ties, seen):
+    """The keys of a block (int64, in token order) that the threshold (lo, ties) takes, and the count of keys
+    equal to lo seen so far (with this block's)."""
+    eq = (k == lo).to(tl.int32)
+    take = (k > lo) | ((eq > 0) & (tl.cumsum(eq, axis=0) + seen <= ties))
+    return take, seen + tl.sum(eq, axis=0)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr,
-                   FANOUT: tl.constexpr, PASSES: tl.constexpr):
+                   FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr):
+    """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
+    token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
+    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed."""
     e = tl.program_id(0)
     f = tl.load(count_ptr + e).to(tl.int32)
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
-    if keep < f:  # rounded down: the `keep` best chosen tokens by score
-        if keep > 0:
-            _mark_best(score_key_ptr + row, routed_ptr, e, keep, T, E, BLOCK, FANOUT, PASSES)
-    else:  # every chosen token, then the keep - f best non-chosen ones by probability
-        for start in range(0, T, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            k = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY)
-            tl.store(routed_ptr + offs.to(tl.int64) * E + e, tl.full((BLOCK,), 1, tl.int8), mask=k != _NO_KEY)
-        if keep > f:
-            _mark_best(prob_key_ptr + row, routed_ptr, e, keep - f, T, E, BLOCK, FANOUT, PASSES)
+    down = keep < f
+    if down:
+        lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
+    else:
+        lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
+    seen = tl.zeros((), dtype=tl.int32)
+    done = tl.zeros((), dtype=tl.int32)  # tokens routed so far (RANK)
+    for start in range(0, T, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        s = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
+        if down:
+            take, seen = _take(s, lo, ties, seen)
+        else:
+            p = tl.load(prob_key_ptr + row + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
+            added, seen = _take(p, lo, ties, seen)
+            take = (s != _NO_KEY) | added
+        dst = routed_ptr + offs.to(tl.int64) * E + e
+        if RANK:
+            ranks = done + tl.cumsum(take.to(tl.int32), axis=0)
+            tl.store(dst, ranks, mask=take)
+            done += tl.sum(take.to(tl.int32), axis=0)
+        else:
+            tl.store(dst, tl.full((BLOCK,), 1, tl.int8), mask=take)
 
 
 def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
@@ -246,8 +274,10 @@ def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
 
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
                   keep: torch.Tensor, *, fanout: int = SELECT_FANOUT,
-                  tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel.
+                  tile: tuple[int, int] | None = None, rank: bool = False) -> torch.Tensor:
+    """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel; with ``rank``, (T, E) int32
+    holding, where (t, e) is routed, the 1-based rank of t among the tokens routed to e in token order (0
+    elsewhere): the row of the pair within its expert, plus one.
 
     Args:
         prob_key, score_key: (E, T) int32 from :func:`candidate_keys`.
@@ -268,15 +298,15 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     bits = fanout.bit_length() - 1
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
-    routed = torch.zeros(t, e, dtype=torch.bool, device=prob_key.device)
+    routed = torch.zeros(t, e, dtype=torch.int32 if rank else torch.bool, device=prob_key.device)
     if tile is None:
         few = prob_key.is_cuda and e <= sm_count(prob_key.device)
         tile = SELECT_TILE_FEW_EXPERTS if few else SELECT_TILE
     block, warps = tile
     if e and t:
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
-                      routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)), FANOUT=fanout,
-                      PASSES=cdiv(32, bits), num_warps=warps)
+                      routed if rank else routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)),
+                      FANOUT=fanout, PASSES=cdiv(32, bits), RANK=rank, num_warps=warps)
     return routed
 
 
@@ -292,7 +322,7 @@ def _best_mask(key: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 def select_routed_ref(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
-                      keep: torch.Tensor) -> torch.Tensor:
+                      keep: torch.Tensor, *, rank: bool = False) -> torch.Tensor:
     """Torch twin of :func:`select_routed` (same arguments and result): a sort of each row by an exact
     int64 key (value, then lower token). Memory: transient (E, T) int64 arrays."""
     e, t = _check_select(prob_key, score_key, f, keep)
@@ -300,7 +330,10 @@ def select_routed_ref(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.
     down = (keep < f)[:, None]
     kept = torch.where(down, _best_mask(score_key, keep), score_key != NO_KEY)
     added = _best_mask(prob_key, (keep - f).clamp_min(0)) & ~down
-    return (kept | added).t().contiguous()
+    routed = (kept | added).t().contiguous()
+    if not rank:
+        return routed
+    return torch.where(routed, torch.cumsum(routed, dim=0, dtype=torch.int32), 0).to(torch.int32)
 
 
 def use_select_kernels(device: torch.device, use_kernel: bool | None) -> bool:

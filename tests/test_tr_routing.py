@@ -1,0 +1,104 @@
+"""Token rounding's decision and routing-metadata kernels (sonicmoe.ops.tr_routing) and the selection's rank output,
+against their torch twins: on CPU through the Triton interpreter (the ``interpreter`` mark), natively on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sonicmoe.config import ROUNDING_SUBROUTINES
+from sonicmoe.ops import tr_routing, tr_select
+from sonicmoe.routing import router_topk, routing_from_pairs
+from sonicmoe.token_rounding import max_pairs, token_rounding
+
+pytestmark = [pytest.mark.filterwarnings("ignore:token rounding with")]
+ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows", "slot_pair")
+
+
+def _assert_routing_equal(a, b):
+    for name in ROUTING_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert (a.num_tokens, a.num_experts, a.padded) == (b.num_tokens, b.num_experts, b.padded)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=40, deadline=None)
+@given(nb=st.integers(1, 9), e=st.integers(1, 70), m=st.integers(1, 40), t=st.integers(1, 300),
+       subroutine=st.sampled_from(ROUNDING_SUBROUTINES), seed=st.integers(0, 10**6))
+def test_round_counts_kernel_equals_torch(nb, e, m, t, subroutine, seed):
+    """f, keep, pad and the expert offsets from the one-program kernel equal the torch decision's, for random
+    per-block counts (many exact multiples of M_tile, zeros, and counts near T: the cap edge)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, t // nb + 1, (nb, e), generator=g, dtype=torch.int32)  # column sums <= T
+    counts[:, ::3] = 0  # every third expert: an exact multiple of M_tile (0, M or 2M, at most T)
+    counts[0, ::3] = (torch.randint(0, 3, (len(range(0, e, 3)),), generator=g, dtype=torch.int32) * m).clamp(max=t)
+    u = torch.rand(e, generator=g)
+    got = tr_routing.round_counts(counts, m, t, subroutine, u)
+    ref = tr_routing.round_counts_ref(counts, m, t, subroutine, u)
+    for name, a, b in zip(("f", "keep", "pad", "offsets"), got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("subroutine", ROUNDING_SUBROUTINES)
+@pytest.mark.parametrize("static", [False, True])
+def test_selection_ranks_and_pairs_routing_kernels(subroutine, static):
+    """The selection's rank output equals its torch twin's (1-based rank of each routed token within its expert, in
+    token order), and the routing built from it without a sort equals routing_from_pairs of the same pairs."""
+    t, e, k, m = 150, 12, 3, 8
+    router = router_topk(torch.randn(t, 16, generator=torch.Generator().manual_seed(3)),
+                         torch.randn(e, 16, generator=torch.Generator().manual_seed(4)), k)
+    prob_key, score_key, counts = tr_select.candidate_keys(router.probs, router.topk_ids, router.topk_scores,
+                                                           block_counts=True)
+    u = torch.rand(e, generator=torch.Generator().manual_seed(5))
+    f, keep, _, offsets = tr_routing.round_counts(counts, m, t, subroutine, u)
+    ranks = tr_select.select_routed(prob_key, score_key, f, keep, rank=True)
+    ref_ranks = tr_select.select_routed_ref(prob_key, score_key, f, keep, rank=True)
+    assert ranks.dtype == torch.int32 and torch.equal(ranks, ref_ranks)
+    assert torch.equal(ranks != 0, tr_select.select_routed(prob_key, score_key, f, keep))
+    r_max = max_pairs(t, e, k, m, subroutine)
+    pair = torch.nonzero_static(ranks, size=r_max, fill_value=-1) if static else torch.nonzero(ranks)
+    got = tr_routing.pairs_routing(pair, ranks, offsets, padding=static)
+    ref = tr_routing.pairs_routing_ref(pair, ranks, offsets, padding=static)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    _assert_routing_equal(got[2], ref[2])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("static", [False, True])
+def test_token_rounding_routing_field(static):
+    """token_rounding's ``routing`` (kernels, interpreter) is routing_from_pairs of its own pairs, and equals the
+    torch path's."""
+    t, e = 90, 7
+    router = router_topk(torch.randn(t, 8, generator=torch.Generator().manual_seed(0)),
+                         torch.randn(e, 8, generator=torch.Generator().manual_seed(1)), 2)
+    fast = token_rounding(router, m_tile=4, use_kernel=True, static=static, warn=False)
+    slow = token_rounding(router, m_tile=4, use_kernel=False, static=static, warn=False)
+    expect = routing_from_pairs(fast.pair_token, fast.pair_expert, t, e, token_major=True, padding=static)
+    _assert_routing_equal(fast.routing, expect)
+    _assert_routing_equal(slow.routing, expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k", [(16384, 512, 8), (24576, 128, 8), (4099, 64, 2)])
+def test_gpu_routing_field_at_benchmark_sizes(t, e, k):
+    """On the GPU at benchmark sizes, for every subroutine and both forms: the kernels' routing equals
+    routing_from_pairs of the kernels' pairs, and their decision equals the torch twin's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    router = router_topk(torch.randn(t, 64, device="cuda", generator=g),
+                         torch.randn(e, 64, device="cuda", generator=g), k)
+    for s in ROUNDING_SUBROUTINES:
+        for static in (False, True):
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            out = token_rounding(router, m_tile=128, subroutine=s, static=static, generator=gen)
+            expect = routing_from_pairs(out.pair_token, out.pair_expert, t, e, token_major=True, padding=static)
+            _assert_routing_equal(out.routing, expect)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            ref = token_rounding(router, m_tile=128, subroutine=s, static=static, generator=gen, use_kernel=False)
+            for name in ("pair_token", "pair_expert", "counts", "topk_counts", "padded"):
+                assert torch.equal(getattr(out, name), getattr(ref, name)), (s, static, name)
