@@ -219,23 +219,6 @@ def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _radix_level(row_ptr, prefix, need, T, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
-    """One radix-select level: the 256-bin histogram of bits [SHIFT, SHIFT + 8) of the keys (+ 2^31) whose higher
-    bits equal ``prefix``; returns (prefix extended by the digit of the need-th largest, need among that digit)."""
-    bins = tl.arange(0, 256)
-    hist = tl.zeros((256,), dtype=tl.int32)
-    for start in range(0, T, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        u = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY).to(tl.int64) + 2**31  # in [0, 2^32)
-        same = (offs < T) & ((u >> (SHIFT + 8)) == prefix)
-        hist += tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256, mask=same)
-    at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # keys with this digit or a larger one
-    digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-    above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-    return prefix * 256 + digit, need - above
-
-
-@triton.jit(do_not_specialize=["T"])
 def _threshold_radix(row_ptr, n, T, BLOCK: tl.constexpr):
     """:func:`_threshold` by a radix select: four passes over the row, each a 256-bin histogram (``tl.histogram``:
     integer counts, the same whatever the order) of the next 8 bits of the keys that share the bits found so far,
@@ -245,10 +228,20 @@ def _threshold_radix(row_ptr, n, T, BLOCK: tl.constexpr):
     if n > 0:
         prefix = tl.zeros((), dtype=tl.int64)  # the top bits of the n-th largest key + 2^31, found so far
         need = n  # how many keys at or above the answer still lie among those sharing the prefix
-        prefix, need = _radix_level(row_ptr, prefix, need, T, BLOCK, 24)
-        prefix, need = _radix_level(row_ptr, prefix, need, T, BLOCK, 16)
-        prefix, need = _radix_level(row_ptr, prefix, need, T, BLOCK, 8)
-        prefix, need = _radix_level(row_ptr, prefix, need, T, BLOCK, 0)
+        bins = tl.arange(0, 256)
+        for level in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * level
+            hist = tl.zeros((256,), dtype=tl.int32)
+            for start in range(0, T, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                u = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY).to(tl.int64) + 2**31  # in [0, 2^32)
+                same = (offs < T) & ((u >> (shift + 8)) == prefix)
+                hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=same)
+            at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # keys with this digit or a larger one
+            digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
+            above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+            need = need - above
+            prefix = prefix * 256 + digit
         lo = prefix - 2**31
         ties = need
     return lo, ties
