@@ -34,25 +34,17 @@ def run(t: int, d: int, e: int, k: int, fanouts: list[int], select_tiles: list[t
     expect = tr_select.select_routed_ref(prob_key, score_key, f, keep)
     out = {"T": t, "d": d, "E": e, "K": k, "ms": {}}
     for fan in fanouts:
-        got = tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan, radix=False)
+        got = tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan)
         if not torch.equal(got, expect):
             raise AssertionError(f"fanout {fan}: the mask differs from the torch twin's")
-        out["ms"][fan] = do_bench(lambda fan=fan: tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan,
-                                                                          radix=False),
+        out["ms"][fan] = do_bench(lambda fan=fan: tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan),
                                   warmup=25, rep=200, return_mode="median")
-    got = tr_select.select_routed(prob_key, score_key, f, keep, radix=True)
-    if not torch.equal(got, expect):
-        raise AssertionError("radix select: the mask differs from the torch twin's")
-    for tile in [None, *select_tiles]:
-        out["ms"][f"radix {tile[0]}:{tile[1]}" if tile else "radix"] = do_bench(
-            lambda tile=tile: tr_select.select_routed(prob_key, score_key, f, keep, tile=tile, radix=True),
-            warmup=25, rep=200, return_mode="median")
     for tile in select_tiles:
         got = tr_select.select_routed(prob_key, score_key, f, keep, tile=tile)
         if not torch.equal(got, expect):
             raise AssertionError(f"select tile {tile}: the mask differs from the torch twin's")
         out["ms"][f"select {tile[0]}:{tile[1]}"] = do_bench(
-            lambda tile=tile: tr_select.select_routed(prob_key, score_key, f, keep, tile=tile, radix=False),
+            lambda tile=tile: tr_select.select_routed(prob_key, score_key, f, keep, tile=tile),
             warmup=25, rep=200, return_mode="median")
     args = (router.probs, router.topk_ids.long(), router.topk_scores)
     ref = tr_select.candidate_keys_ref(*args)

@@ -69,9 +69,7 @@ def test_select_equals_twin_and_oracle(device, e, t, values, seed):
     for fn in (select_routed, select_routed_ref):
         assert torch.equal(fn(*args).cpu(), expect), fn.__name__
     for fanout in (2, 8):  # bisection, and a fanout whose passes do not split the 32 bits evenly
-        assert torch.equal(select_routed(*args, fanout=fanout, radix=False).cpu(), expect), fanout
-    assert torch.equal(select_routed(*args, radix=True).cpu(), expect), "radix"
-    assert torch.equal(select_routed(*args, radix=True, rank=True).cpu(), select_routed_ref(*args, rank=True).cpu())
+        assert torch.equal(select_routed(*args, fanout=fanout).cpu(), expect), fanout
     assert all(torch.equal(a.cpu(), b) for a, b in zip(args, (prob_key, score_key, f, keep)))  # inputs untouched
 
 
@@ -84,10 +82,10 @@ def test_extreme_keys(device):
     f = torch.tensor([1, 0])
     for keep in ([3, 4], [9, 9], [0, 1], [1, 0]):
         keep = torch.tensor(keep)
-        for fanout, radix in ((2, False), (16, False), (32, False), (4, True)):
+        for fanout in (2, 16, 32):
             got = select_routed(prob_key.to(device), score_key.to(device), f.to(device), keep.to(device),
-                                fanout=fanout, radix=radix)
-            assert torch.equal(got.cpu(), oracle(prob_key, score_key, keep)), (keep, fanout, radix)
+                                fanout=fanout)
+            assert torch.equal(got.cpu(), oracle(prob_key, score_key, keep)), (keep, fanout)
 
 
 @pytest.mark.parametrize("t,e,k", [(1, 1, 1), (37, 5, 2), (300, 12, 3), (64, 200, 7), (5, 3, 3)])

@@ -49,8 +49,6 @@ KEYS_TILE = (128, 32, 8)
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
 # 512-key loads: 254), 16: 300
 SELECT_FANOUT = 4
-# find the threshold by a radix select (4 passes of 256-bin histograms) rather than the fanout search
-SELECT_RADIX = False
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -218,35 +216,6 @@ def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES:
     return lo, ties
 
 
-@triton.jit(do_not_specialize=["T"])
-def _threshold_radix(row_ptr, n, T, BLOCK: tl.constexpr):
-    """:func:`_threshold` by a radix select: four passes over the row, each a 256-bin histogram (``tl.histogram``:
-    integer counts, the same whatever the order) of the next 8 bits of the keys that share the bits found so far,
-    instead of 16 counting passes. Same (lo, ties)."""
-    lo = tl.full((), 2**31, tl.int64)
-    ties = tl.zeros((), dtype=tl.int32)
-    if n > 0:
-        prefix = tl.zeros((), dtype=tl.int64)  # the top bits of the n-th largest key + 2^31, found so far
-        need = n  # how many keys at or above the answer still lie among those sharing the prefix
-        bins = tl.arange(0, 256)
-        for level in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * level
-            hist = tl.zeros((256,), dtype=tl.int32)
-            for start in range(0, T, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                u = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY).to(tl.int64) + 2**31  # in [0, 2^32)
-                same = (offs < T) & ((u >> (shift + 8)) == prefix)
-                hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=same)
-            at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # keys with this digit or a larger one
-            digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            need = need - above
-            prefix = prefix * 256 + digit
-        lo = prefix - 2**31
-        ties = need
-    return lo, ties
-
-
 @triton.jit
 def _take(k, lo, ties, seen):
     """The keys of a block (int64, in token order) that the threshold (lo, ties) takes, and the count of keys
@@ -258,7 +227,7 @@ def _take(k, lo, ties, seen):
 
 @triton.jit(do_not_specialize=["T"])
 def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr,
-                   FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr, RADIX: tl.constexpr):
+                   FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr):
     """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
     token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
     1-based rank of t among the expert's routed tokens in token order (int32), where t is routed."""
@@ -267,16 +236,10 @@ def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr,
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
     down = keep < f
-    if RADIX:
-        if down:
-            lo, ties = _threshold_radix(score_key_ptr + row, keep, T, BLOCK)
-        else:
-            lo, ties = _threshold_radix(prob_key_ptr + row, keep - f, T, BLOCK)
+    if down:
+        lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
     else:
-        if down:
-            lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
-        else:
-            lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
+        lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
     seen = tl.zeros((), dtype=tl.int32)
     done = tl.zeros((), dtype=tl.int32)  # tokens routed so far (RANK)
     for start in range(0, T, BLOCK):
@@ -311,8 +274,7 @@ def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
 
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
                   keep: torch.Tensor, *, fanout: int = SELECT_FANOUT,
-                  tile: tuple[int, int] | None = None, rank: bool = False,
-                  radix: bool | None = None) -> torch.Tensor:
+                  tile: tuple[int, int] | None = None, rank: bool = False) -> torch.Tensor:
     """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel; with ``rank``, (T, E) int32
     holding, where (t, e) is routed, the 1-based rank of t among the tokens routed to e in token order (0
     elsewhere): the row of the pair within its expert, plus one.
@@ -323,8 +285,6 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
             [0, T] (below f: the best chosen by score; above: all chosen plus the best others by probability).
         fanout: thresholds per counting pass of the search for each row's n-th largest key, a power of
             two >= 2 (2: a bisection, 32 passes; 4: 16 passes). The result does not depend on it.
-        radix: find each row's threshold by a radix select (4 histogram passes) instead of the fanout search
-            (None: :data:`SELECT_RADIX`). The result does not depend on it.
         tile: (keys per load, num_warps) of the kernel, powers of two (tuning; the result does not depend on
             it). None: :data:`SELECT_TILE`, or :data:`SELECT_TILE_FEW_EXPERTS` when E is at most the number of
             multiprocessors (keys per load capped at next_pow2(T)).
@@ -346,8 +306,7 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     if e and t:
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
                       routed if rank else routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)),
-                      FANOUT=fanout, PASSES=cdiv(32, bits), RANK=rank,
-                      RADIX=SELECT_RADIX if radix is None else bool(radix), num_warps=warps)
+                      FANOUT=fanout, PASSES=cdiv(32, bits), RANK=rank, num_warps=warps)
     return routed
 
 
