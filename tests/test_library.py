@@ -466,13 +466,16 @@ class _Block(torch.nn.Module):
 
 
 @pytest.mark.gpu
-def test_gpu_compile_fullgraph_model():
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+def test_gpu_compile_fullgraph_model(routing):
     """torch.compile(fullgraph=True) (inductor) of a model using sonicmoe.MoE on CUDA: one graph, no
-    recompilation for new data, outputs and gradients equal to eager within float32 rounding."""
+    recompilation for new data, outputs and gradients equal to eager within float32 rounding; with token rounding
+    too (static pairs: no data-dependent shape; its Triton kernels are traced as user-defined kernels)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    model = _Block(256, 128, 8, 2, torch.float32)
+    options = {"routing": "token_rounding", "m_tile": 32} if routing == "token_rounding" else {}
+    model = _Block(256, 128, 8, 2, torch.float32, **options)
     twin = copy.deepcopy(model)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, fullgraph=True, backend=counter)
