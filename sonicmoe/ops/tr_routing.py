@@ -72,7 +72,7 @@ def _round_counts_kernel(count_ptr, u_ptr, f_ptr, keep_ptr, pad_ptr, off_ptr, NB
     keep = tl.where(emask, keep, 0)
     tl.store(f_ptr + e, f, mask=emask)
     tl.store(keep_ptr + e, keep, mask=emask)
-    tl.store(pad_ptr + e, pad.to(tl.int8), mask=emask)
+    tl.store(pad_ptr + e, pad, mask=emask)  # a bool tensor: no int8 view (which inductor cannot lower)
     ends = tl.cumsum(keep, axis=0)
     tl.store(off_ptr + 1 + e, ends, mask=emask)
     tl.store(off_ptr + e, ends - keep, mask=e == 0)
@@ -99,8 +99,8 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
     f, keep, offsets = out[:e], out[e:2 * e], out[2 * e:]
     pad = torch.empty(e, dtype=torch.bool, device=dev)
     e_p2 = next_pow2(e)
-    launch_kernel(_round_counts_kernel, (1,), block_counts, u if u is not None else f, f, keep, pad.view(torch.int8),
-                  offsets, nb, e, num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
+    launch_kernel(_round_counts_kernel, (1,), block_counts, u if u is not None else f, f, keep, pad, offsets, nb, e,
+                  num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
                   BLOCK_R=max(1, min(next_pow2(max(nb, 1)), 8192 // e_p2)), num_warps=4 if e_p2 <= 1024 else 8)
     return f, keep, pad, offsets
 
