@@ -154,8 +154,9 @@ def pairs_routing(pair: torch.Tensor, ranks: torch.Tensor, expert_offsets: torch
     t, e = ranks.shape
     r = pair.shape[0]
     dev = pair.device
-    out = torch.empty(5, r, dtype=INDEX_DTYPE, device=dev)
-    pair_token, pair_expert, pair_row, row_pair, row_token = out.unbind(0)
+    # pair_token on its own: searchsorted of a view of a larger buffer fails in inductor's lowering (torch 2.11)
+    pair_token = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
+    pair_expert, pair_row, row_pair, row_token = torch.empty(4, r, dtype=INDEX_DTYPE, device=dev).unbind(0)
     if r:
         launch_kernel(_pairs_kernel, (cdiv(r, _PAIR_BLOCK),), pair.contiguous(), ranks, expert_offsets, pair_token,
                       pair_expert, pair_row, row_pair, row_token, r, t, e, BLOCK=_PAIR_BLOCK, num_warps=4)
