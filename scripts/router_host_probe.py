@@ -17,21 +17,10 @@ import pstats
 import time
 
 import torch
+from tr_sync_probe import host_ms  # scripts/, beside this file (on sys.path when run as a script)
 
 import sonicmoe
 from sonicmoe.bench.problem import route
-
-
-def host_us(fn, calls: int = 20) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
-    return us
 
 
 def pieces(x, w, k) -> dict:
@@ -73,7 +62,7 @@ def main() -> None:
         rows = pieces(x, w, k)
         print(f"shape {spec}", flush=True)
         for name, fn in rows.items():
-            print(f"  {name:<30} {host_us(fn):8.1f} us host", flush=True)
+            print(f"  {name:<30} {host_ms(fn, calls=20) * 1e3:8.1f} us host", flush=True)
         mask = torch.rand(t, e, device="cuda") < k / e
         for name, fn in (("nonzero_static", functools.partial(torch.nonzero_static, mask, size=t * k, fill_value=-1)),
                          ("nonzero", functools.partial(torch.nonzero, mask)),
