@@ -1,12 +1,13 @@
 """Time token rounding's selection kernel for several search fanouts and tiles on a real router's keys (GPU).
 
 usage: python benchmarks/tr_select_fanout.py [--shape T,d,E,K ...] [--fanout 2 --fanout 16 ...]
-       [--select-tile KEYS:WARPS ...] [--keys-tile BLOCK_T:BLOCK_E:WARPS ...] [--json OUT]
+       [--select-tile KEYS:WARPS ...] [--resident-warps W ...] [--keys-tile BLOCK_T:BLOCK_E:WARPS ...] [--json OUT]
 
 For each shape: a random router (float32 logits of random X and W_r, top-k then softmax), its candidate
 keys and the ``nearest`` rounding decision (M_tile = 128), then :func:`sonicmoe.ops.tr_select.select_routed`
-timed (do_bench median) for each fanout (at the default tile) and each ``--select-tile`` (at the default
-fanout), and :func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``. Every mask and key array
+timed (do_bench median) for each fanout (at the default tile and search: the row held in registers where
+T <= RESIDENT_MAX_T), for each ``--select-tile`` (at the default fanout, the row streamed from memory each pass), for
+each ``--resident-warps`` (the row in registers, that many warps), and :func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``. Every mask and key array
 must equal the torch twin's.
 """
 
@@ -24,7 +25,7 @@ from sonicmoe.token_rounding import _round_counts
 
 
 def run(t: int, d: int, e: int, k: int, fanouts: list[int], select_tiles: list[tuple[int, int]] = (),
-        keys_tiles: list[tuple[int, int, int]] = ()) -> dict:
+        keys_tiles: list[tuple[int, int, int]] = (), resident_warps: list[int] = ()) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, d, device="cuda", generator=g)
     wr = torch.randn(e, d, device="cuda", generator=g) / d**0.5
@@ -39,13 +40,14 @@ def run(t: int, d: int, e: int, k: int, fanouts: list[int], select_tiles: list[t
             raise AssertionError(f"fanout {fan}: the mask differs from the torch twin's")
         out["ms"][fan] = do_bench(lambda fan=fan: tr_select.select_routed(prob_key, score_key, f, keep, fanout=fan),
                                   warmup=25, rep=200, return_mode="median")
-    for tile in select_tiles:
-        got = tr_select.select_routed(prob_key, score_key, f, keep, tile=tile)
-        if not torch.equal(got, expect):
-            raise AssertionError(f"select tile {tile}: the mask differs from the torch twin's")
-        out["ms"][f"select {tile[0]}:{tile[1]}"] = do_bench(
-            lambda tile=tile: tr_select.select_routed(prob_key, score_key, f, keep, tile=tile),
-            warmup=25, rep=200, return_mode="median")
+    variants = {f"select {a}:{b}": {"tile": (a, b), "resident": False} for a, b in select_tiles}
+    variants.update({f"resident {w}w": {"tile": (tr_select.SELECT_TILE[0], w), "resident": True}
+                     for w in resident_warps})
+    for name, kw in variants.items():
+        if not torch.equal(tr_select.select_routed(prob_key, score_key, f, keep, **kw), expect):
+            raise AssertionError(f"{name}: the mask differs from the torch twin's")
+        out["ms"][name] = do_bench(lambda kw=kw: tr_select.select_routed(prob_key, score_key, f, keep, **kw),
+                                   warmup=25, rep=200, return_mode="median")
     args = (router.probs, router.topk_ids.long(), router.topk_scores)
     ref = tr_select.candidate_keys_ref(*args)
     for tile in keys_tiles:
@@ -62,6 +64,8 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=None, help="T,d,E,K (repeatable)")
     ap.add_argument("--fanout", action="append", type=int, default=None)
     ap.add_argument("--select-tile", action="append", default=[], help="KEYS:WARPS of the selection kernel")
+    ap.add_argument("--resident-warps", action="append", type=int, default=[],
+                    help="warps of the selection kernel holding each row in registers")
     ap.add_argument("--keys-tile", action="append", default=[], help="BLOCK_T:BLOCK_E:WARPS of the keys kernel")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -71,7 +75,7 @@ def main() -> None:
     fanouts = args.fanout or [2, 4, 8, 16]
     rows = []
     for shape in shapes:
-        row = run(*shape, fanouts, select_tiles, keys_tiles)
+        row = run(*shape, fanouts, select_tiles, keys_tiles, args.resident_warps)
         rows.append(row)
         print(f"T={row['T']} d={row['d']} E={row['E']} K={row['K']}: "
               + "  ".join(f"{'' if isinstance(f, str) else 'fanout '}{f}: {ms * 1e3:.1f} us"

@@ -69,7 +69,9 @@ def test_select_equals_twin_and_oracle(device, e, t, values, seed):
     for fn in (select_routed, select_routed_ref):
         assert torch.equal(fn(*args).cpu(), expect), fn.__name__
     for fanout in (2, 8):  # bisection, and a fanout whose passes do not split the 32 bits evenly
-        assert torch.equal(select_routed(*args, fanout=fanout).cpu(), expect), fanout
+        for resident in (True, False):  # the row held in registers, or streamed once per counting pass
+            got = select_routed(*args, fanout=fanout, resident=resident)
+            assert torch.equal(got.cpu(), expect), (fanout, resident)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(args, (prob_key, score_key, f, keep)))  # inputs untouched
 
 
@@ -83,9 +85,10 @@ def test_extreme_keys(device):
     for keep in ([3, 4], [9, 9], [0, 1], [1, 0]):
         keep = torch.tensor(keep)
         for fanout in (2, 16, 32):
-            got = select_routed(prob_key.to(device), score_key.to(device), f.to(device), keep.to(device),
-                                fanout=fanout)
-            assert torch.equal(got.cpu(), oracle(prob_key, score_key, keep)), (keep, fanout)
+            for resident in (True, False):
+                got = select_routed(prob_key.to(device), score_key.to(device), f.to(device), keep.to(device),
+                                    fanout=fanout, resident=resident)
+                assert torch.equal(got.cpu(), oracle(prob_key, score_key, keep)), (keep, fanout, resident)
 
 
 @pytest.mark.parametrize("t,e,k", [(1, 1, 1), (37, 5, 2), (300, 12, 3), (64, 200, 7), (5, 3, 3)])

@@ -49,6 +49,10 @@ KEYS_TILE = (128, 32, 8)
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
 # 512-key loads: 254), 16: 300
 SELECT_FANOUT = 4
+# rows of up to this many keys are held in registers by the selection's search (one load per row instead of one per
+# counting pass), at about RESIDENT_KEYS_PER_THREAD keys per thread
+RESIDENT_MAX_T = 32768
+RESIDENT_KEYS_PER_THREAD = 64
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -186,9 +190,13 @@ def _count_keys(row_ptr, thresholds, T, BLOCK: tl.constexpr, ABOVE: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["T"])
-def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
+def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr,
+               ROW: tl.constexpr = 0):
     """(lo, ties) for the n largest keys of the row (n <= #real keys): lo is the n-th largest key; every key above
-    it is taken, and the ``ties`` lowest-indexed keys equal to it. n = 0 gives lo = 2^31 (no key is taken)."""
+    it is taken, and the ``ties`` lowest-indexed keys equal to it. n = 0 gives lo = 2^31 (no key is taken).
+
+    ROW = 0: each counting pass streams the row from memory (L2) in loads of BLOCK keys. ROW > 0 (a power of two
+    >= T): the row is loaded once into registers and every pass counts there (no memory traffic per pass)."""
     # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1. Each pass counts
     # the keys at or above FANOUT evenly spaced thresholds of [lo, hi) at once and keeps the sub-range
     # holding the n-th largest key: the range shrinks FANOUT-fold per pass over the row (PASSES =
@@ -197,20 +205,36 @@ def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES:
     hi = tl.full((), 2**31, tl.int64)
     ties = tl.zeros((), dtype=tl.int32)
     if n > 0:
+        if ROW > 0:
+            offs = tl.arange(0, ROW)
+            row = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
         j = tl.arange(0, FANOUT).to(tl.int64)
         for _ in range(PASSES):
             step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1
             thr = lo + j * step  # thr[0] = lo; thresholds >= hi are not counted
             valid = thr < hi
             # every threshold is in [lo, hi) subset of [NO_KEY + 1, 2^31): it fits int32
-            cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
-            # counts fall with j: the last threshold with >= n keys at or above it is the new lo
-            best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
+            if ROW > 0:
+                # one scalar count per threshold (a 2-D compare of the row against all of them costs registers);
+                # thr[0] = lo needs none: count(key >= lo) >= n
+                best = tl.zeros((), dtype=tl.int64)
+                for i in tl.static_range(1, FANOUT):
+                    thr_i = lo + i * step
+                    cnt_i = tl.sum((row >= tl.where(thr_i < hi, thr_i, lo).to(tl.int32)).to(tl.int32), axis=0)
+                    best = tl.where((thr_i < hi) & (cnt_i >= n), i, best)
+            else:
+                cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
+                # counts fall with j: the last threshold with >= n keys at or above it is the new lo
+                best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
             lo_next = lo + best * step
             hi = tl.minimum(hi, lo_next + step)
             lo = lo_next
-        above = _count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True)
-        ties = n - tl.sum(above, axis=0)
+        if ROW > 0:
+            above = tl.sum((row > lo.to(tl.int32)).to(tl.int32), axis=0)
+        else:
+            above = tl.sum(_count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True),
+                           axis=0)
+        ties = n - above
     else:
         lo = hi
     return lo, ties
@@ -227,19 +251,20 @@ def _take(k, lo, ties, seen):
 
 @triton.jit(do_not_specialize=["T"])
 def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr,
-                   FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr):
+                   FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr, ROW: tl.constexpr):
     """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
     token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
-    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed."""
+    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed. ROW: as
+    :func:`_threshold` (0: the search streams the row each pass; else it holds the row in registers)."""
     e = tl.program_id(0)
     f = tl.load(count_ptr + e).to(tl.int32)
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
     down = keep < f
     if down:
-        lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
+        lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES, ROW)
     else:
-        lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
+        lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES, ROW)
     seen = tl.zeros((), dtype=tl.int32)
     done = tl.zeros((), dtype=tl.int32)  # tokens routed so far (RANK)
     for start in range(0, T, BLOCK):
@@ -272,9 +297,16 @@ def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
     return e, t
 
 
+def resident_warps(t: int) -> int:
+    """Warps of the selection kernel when it holds a row of ``t`` keys in registers: about
+    :data:`RESIDENT_KEYS_PER_THREAD` keys per thread, 4 to 16 warps."""
+    return max(4, min(16, next_pow2(max(t, 1)) // (32 * RESIDENT_KEYS_PER_THREAD)))
+
+
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
                   keep: torch.Tensor, *, fanout: int = SELECT_FANOUT,
-                  tile: tuple[int, int] | None = None, rank: bool = False) -> torch.Tensor:
+                  tile: tuple[int, int] | None = None, rank: bool = False,
+                  resident: bool | None = None) -> torch.Tensor:
     """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel; with ``rank``, (T, E) int32
     holding, where (t, e) is routed, the 1-based rank of t among the tokens routed to e in token order (0
     elsewhere): the row of the pair within its expert, plus one.
@@ -287,7 +319,11 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
             two >= 2 (2: a bisection, 32 passes; 4: 16 passes). The result does not depend on it.
         tile: (keys per load, num_warps) of the kernel, powers of two (tuning; the result does not depend on
             it). None: :data:`SELECT_TILE`, or :data:`SELECT_TILE_FEW_EXPERTS` when E is at most the number of
-            multiprocessors (keys per load capped at next_pow2(T)).
+            multiprocessors (keys per load capped at next_pow2(T)); with ``resident``, the warps of
+            :func:`resident_warps`.
+        resident: whether the search holds each row in registers (one load of the row, every counting pass in
+            registers) instead of streaming it from memory once per pass. None: when T <= :data:`RESIDENT_MAX_T`.
+            The result does not depend on it.
 
     Raises:
         ValueError: shapes or dtypes that do not match the above, or a fanout that is not a power of two >= 2.
@@ -299,14 +335,19 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.int32 if rank else torch.bool, device=prob_key.device)
+    if resident is None:
+        resident = t <= RESIDENT_MAX_T
     if tile is None:
         few = prob_key.is_cuda and e <= sm_count(prob_key.device)
         tile = SELECT_TILE_FEW_EXPERTS if few else SELECT_TILE
+        if resident:
+            tile = (tile[0], resident_warps(t))
     block, warps = tile
     if e and t:
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
                       routed if rank else routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)),
-                      FANOUT=fanout, PASSES=cdiv(32, bits), RANK=rank, num_warps=warps)
+                      FANOUT=fanout, PASSES=cdiv(32, bits), RANK=rank, ROW=next_pow2(t) if resident else 0,
+                      num_warps=warps)
     return routed
 
 
