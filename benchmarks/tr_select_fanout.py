@@ -6,9 +6,10 @@ usage: python benchmarks/tr_select_fanout.py [--shape T,d,E,K ...] [--fanout 2 -
 For each shape: a random router (float32 logits of random X and W_r, top-k then softmax), its candidate
 keys and the ``nearest`` rounding decision (M_tile = 128), then :func:`sonicmoe.ops.tr_select.select_routed`
 timed (do_bench median) for each fanout (at the default tile and search: the row held in registers where
-T <= RESIDENT_MAX_T), for each ``--select-tile`` (at the default fanout, the row streamed from memory each pass), for
-each ``--resident-warps`` (the row in registers, that many warps), and :func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``. Every mask and key array
-must equal the torch twin's.
+T <= RESIDENT_MAX_T), for each ``--select-tile`` (the row streamed from memory each pass, its default fanout), for
+each ``--resident-warps`` (the row in registers, that many warps, its default fanout), and
+:func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``. Every mask and key array must equal the
+torch twin's.
 """
 
 from __future__ import annotations

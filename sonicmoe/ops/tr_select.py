@@ -50,9 +50,14 @@ KEYS_TILE = (128, 32, 8)
 # 512-key loads: 254), 16: 300
 SELECT_FANOUT = 4
 # rows of up to this many keys are held in registers by the selection's search (one load per row instead of one per
-# counting pass), at about RESIDENT_KEYS_PER_THREAD keys per thread
+# counting pass), at about RESIDENT_KEYS_PER_THREAD keys per thread; there each threshold costs a block-wide sum
+# (no memory traffic), so a bisection is fastest. H100 (benchmarks/results/2026-11-26_nvidia-h100_session33/call1),
+# us at (T, E) for fanout 2 / 4 / 8, against the streamed search's 193 / 109 / 100 / 71: (16384, 512) 110 / 145 /
+# 191, (16384, 256) 65 / 80 / 104, (24576, 128) 65 / 78 / 101, (16384, 64) 40 / 46 / 58 (searched over all 2^32 key
+# values; it now starts from the row's range of real keys and stops once that holds one value)
 RESIDENT_MAX_T = 32768
 RESIDENT_KEYS_PER_THREAD = 64
+RESIDENT_FANOUT = 2
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -190,13 +195,9 @@ def _count_keys(row_ptr, thresholds, T, BLOCK: tl.constexpr, ABOVE: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["T"])
-def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr,
-               ROW: tl.constexpr = 0):
+def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr):
     """(lo, ties) for the n largest keys of the row (n <= #real keys): lo is the n-th largest key; every key above
-    it is taken, and the ``ties`` lowest-indexed keys equal to it. n = 0 gives lo = 2^31 (no key is taken).
-
-    ROW = 0: each counting pass streams the row from memory (L2) in loads of BLOCK keys. ROW > 0 (a power of two
-    >= T): the row is loaded once into registers and every pass counts there (no memory traffic per pass)."""
+    it is taken, and the ``ties`` lowest-indexed keys equal to it. n = 0 gives lo = 2^31 (no key is taken)."""
     # invariant: count(key >= lo) >= n > count(key >= hi); every real key is >= NO_KEY + 1. Each pass counts
     # the keys at or above FANOUT evenly spaced thresholds of [lo, hi) at once and keeps the sub-range
     # holding the n-th largest key: the range shrinks FANOUT-fold per pass over the row (PASSES =
@@ -205,38 +206,50 @@ def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES:
     hi = tl.full((), 2**31, tl.int64)
     ties = tl.zeros((), dtype=tl.int32)
     if n > 0:
-        if ROW > 0:
-            offs = tl.arange(0, ROW)
-            row = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
         j = tl.arange(0, FANOUT).to(tl.int64)
         for _ in range(PASSES):
             step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1
             thr = lo + j * step  # thr[0] = lo; thresholds >= hi are not counted
             valid = thr < hi
             # every threshold is in [lo, hi) subset of [NO_KEY + 1, 2^31): it fits int32
-            if ROW > 0:
-                # one scalar count per threshold (a 2-D compare of the row against all of them costs registers);
-                # thr[0] = lo needs none: count(key >= lo) >= n
-                best = tl.zeros((), dtype=tl.int64)
-                for i in tl.static_range(1, FANOUT):
-                    thr_i = lo + i * step
-                    cnt_i = tl.sum((row >= tl.where(thr_i < hi, thr_i, lo).to(tl.int32)).to(tl.int32), axis=0)
-                    best = tl.where((thr_i < hi) & (cnt_i >= n), i, best)
-            else:
-                cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
-                # counts fall with j: the last threshold with >= n keys at or above it is the new lo
-                best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
+            cnt = _count_keys(row_ptr, tl.where(valid, thr, lo).to(tl.int32), T, BLOCK)
+            # counts fall with j: the last threshold with >= n keys at or above it is the new lo
+            best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)
             lo_next = lo + best * step
             hi = tl.minimum(hi, lo_next + step)
             lo = lo_next
-        if ROW > 0:
-            above = tl.sum((row > lo.to(tl.int32)).to(tl.int32), axis=0)
-        else:
-            above = tl.sum(_count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True),
-                           axis=0)
-        ties = n - above
+        above = _count_keys(row_ptr, tl.full((1,), 0, tl.int32) + lo.to(tl.int32), T, BLOCK, ABOVE=True)
+        ties = n - tl.sum(above, axis=0)
     else:
         lo = hi
+    return lo, ties
+
+
+@triton.jit(do_not_specialize=["T"])
+def _threshold_resident(row_ptr, n, T, FANOUT: tl.constexpr, ROW: tl.constexpr):
+    """:func:`_threshold` with the row (T <= ROW keys, ROW a power of two) loaded once into registers: every count
+    is taken there, with no memory traffic per pass. The search starts from the row's range of real keys
+    [min, max + 1) (it keeps the invariant) and stops as soon as that range holds one value."""
+    lo = tl.full((), 2**31, tl.int64)
+    ties = tl.zeros((), dtype=tl.int32)
+    if n > 0:
+        offs = tl.arange(0, ROW)
+        row = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
+        hi = tl.max(row, axis=0).to(tl.int64) + 1
+        lo = tl.min(tl.where(row != _NO_KEY, row, 2**31 - 1), axis=0).to(tl.int64)
+        while hi - lo > 1:
+            step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1
+            # one scalar count per threshold lo + i·step, i >= 1 (a 2-D compare of the row against all of them at once
+            # costs registers; thr 0 = lo needs none): the last with >= n keys at or above it is the new lo
+            best = tl.zeros((), dtype=tl.int64)
+            for i in tl.static_range(1, FANOUT):
+                thr = lo + i * step
+                cnt = tl.sum((row >= tl.where(thr < hi, thr, lo).to(tl.int32)).to(tl.int32), axis=0)
+                best = tl.where((thr < hi) & (cnt >= n), i, best)
+            lo_next = lo + best * step
+            hi = tl.minimum(hi, lo_next + step)
+            lo = lo_next
+        ties = n - tl.sum((row > lo.to(tl.int32)).to(tl.int32), axis=0)
     return lo, ties
 
 
@@ -254,17 +267,24 @@ def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr,
                    FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr, ROW: tl.constexpr):
     """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
     token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
-    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed. ROW: as
-    :func:`_threshold` (0: the search streams the row each pass; else it holds the row in registers)."""
+    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed. ROW = 0: the
+    search streams the row each pass (:func:`_threshold`); else it holds it in registers
+    (:func:`_threshold_resident`)."""
     e = tl.program_id(0)
     f = tl.load(count_ptr + e).to(tl.int32)
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
     down = keep < f
     if down:
-        lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES, ROW)
+        if ROW > 0:
+            lo, ties = _threshold_resident(score_key_ptr + row, keep, T, FANOUT, ROW)
+        else:
+            lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
     else:
-        lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES, ROW)
+        if ROW > 0:
+            lo, ties = _threshold_resident(prob_key_ptr + row, keep - f, T, FANOUT, ROW)
+        else:
+            lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
     seen = tl.zeros((), dtype=tl.int32)
     done = tl.zeros((), dtype=tl.int32)  # tokens routed so far (RANK)
     for start in range(0, T, BLOCK):
@@ -304,7 +324,7 @@ def resident_warps(t: int) -> int:
 
 
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
-                  keep: torch.Tensor, *, fanout: int = SELECT_FANOUT,
+                  keep: torch.Tensor, *, fanout: int | None = None,
                   tile: tuple[int, int] | None = None, rank: bool = False,
                   resident: bool | None = None) -> torch.Tensor:
     """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel; with ``rank``, (T, E) int32
@@ -316,7 +336,8 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
         f: (E,) integer top-k counts. keep: (E,) integer tokens each expert keeps, in
             [0, T] (below f: the best chosen by score; above: all chosen plus the best others by probability).
         fanout: thresholds per counting pass of the search for each row's n-th largest key, a power of
-            two >= 2 (2: a bisection, 32 passes; 4: 16 passes). The result does not depend on it.
+            two >= 2 (2: a bisection, 32 passes; 4: 16 passes). None: :data:`RESIDENT_FANOUT` or, with the
+            row streamed, :data:`SELECT_FANOUT`. The result does not depend on it.
         tile: (keys per load, num_warps) of the kernel, powers of two (tuning; the result does not depend on
             it). None: :data:`SELECT_TILE`, or :data:`SELECT_TILE_FEW_EXPERTS` when E is at most the number of
             multiprocessors (keys per load capped at next_pow2(T)); with ``resident``, the warps of
@@ -329,14 +350,16 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
         ValueError: shapes or dtypes that do not match the above, or a fanout that is not a power of two >= 2.
     """
     e, t = _check_select(prob_key, score_key, f, keep)
+    if resident is None:
+        resident = t <= RESIDENT_MAX_T
+    if fanout is None:
+        fanout = RESIDENT_FANOUT if resident else SELECT_FANOUT
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 2 or fanout & (fanout - 1):
         raise ValueError(f"fanout must be a power of two >= 2, got {fanout!r}")
     bits = fanout.bit_length() - 1
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.int32 if rank else torch.bool, device=prob_key.device)
-    if resident is None:
-        resident = t <= RESIDENT_MAX_T
     if tile is None:
         few = prob_key.is_cuda and e <= sm_count(prob_key.device)
         tile = SELECT_TILE_FEW_EXPERTS if few else SELECT_TILE
