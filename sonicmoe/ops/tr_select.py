@@ -9,7 +9,7 @@ Both steps work on per-(expert, token) int32 *keys* that compare exactly as the 
 them (the bits, with the magnitude bits of negative values flipped; NaN counts as −inf; −0.0 sits just
 below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every real key.
 
-:func:`candidate_keys` (kernel: one program per block of tokens, all E experts in column blocks)
+:func:`candidate_keys` (kernel: one program per block of tokens and block of experts)
     reads probs (T, E), topk_ids (T, K) and topk_scores (T, K) once and writes, transposed so each
     expert's row is contiguous: ``prob_key`` (E, T) — the probability key of non-chosen pairs, NO_KEY
     for chosen ones; ``score_key`` (E, T) — the score key of chosen pairs, NO_KEY elsewhere; and the
@@ -77,27 +77,27 @@ def _candidate_keys_kernel(
     T, E, stride_pt,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
+    """Program (i, j): tokens [i·BLOCK_T, (i+1)·BLOCK_T) x experts [j·BLOCK_E, (j+1)·BLOCK_E)."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < T
     t64 = t.to(tl.int64)
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        mask = mask_t[:, None] & (e < E)[None, :]
-        p = tl.load(probs_ptr + t64[:, None] * stride_pt + e[None, :], mask=mask, other=0.0).to(tl.float32)
-        chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
-        skey = tl.full((BLOCK_T, BLOCK_E), _NO_KEY, tl.int32)
-        for k in tl.static_range(K):
-            idk = tl.load(ids_ptr + t64 * K + k, mask=mask_t, other=-1).to(tl.int32)
-            sk = _float_key(tl.load(scores_ptr + t64 * K + k, mask=mask_t, other=0.0).to(tl.float32))
-            hit = e[None, :] == idk[:, None]
-            chosen = chosen | hit
-            skey = tl.where(hit, sk[:, None], skey)
-        pkey = tl.where(chosen, _NO_KEY, _float_key(p))
-        out = e[None, :].to(tl.int64) * T + t64[:, None]  # (E, T) layout: each expert's row contiguous
-        tl.store(prob_key_ptr + out, pkey, mask=mask)
-        tl.store(score_key_ptr + out, skey, mask=mask)
-        tl.store(count_ptr + pid * E + e, tl.sum((chosen & mask).to(tl.int32), axis=0), mask=e < E)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = mask_t[:, None] & (e < E)[None, :]
+    p = tl.load(probs_ptr + t64[:, None] * stride_pt + e[None, :], mask=mask, other=0.0).to(tl.float32)
+    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+    skey = tl.full((BLOCK_T, BLOCK_E), _NO_KEY, tl.int32)
+    for k in tl.static_range(K):
+        idk = tl.load(ids_ptr + t64 * K + k, mask=mask_t, other=-1).to(tl.int32)
+        sk = _float_key(tl.load(scores_ptr + t64 * K + k, mask=mask_t, other=0.0).to(tl.float32))
+        hit = e[None, :] == idk[:, None]
+        chosen = chosen | hit
+        skey = tl.where(hit, sk[:, None], skey)
+    pkey = tl.where(chosen, _NO_KEY, _float_key(p))
+    out = e[None, :].to(tl.int64) * T + t64[:, None]  # (E, T) layout: each expert's row contiguous
+    tl.store(prob_key_ptr + out, pkey, mask=mask)
+    tl.store(score_key_ptr + out, skey, mask=mask)
+    tl.store(count_ptr + pid * E + e, tl.sum((chosen & mask).to(tl.int32), axis=0), mask=e < E)
 
 
 def _check_router(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: torch.Tensor) -> tuple[int, int, int]:
@@ -142,11 +142,11 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
     block_t, block_e, warps = tile or KEYS_TILE
     block_e = min(next_pow2(e), block_e)
     block_t = max(1, min(block_t, next_pow2(t)))
-    grid = cdiv(t, block_t)
-    counts = torch.empty(grid, e, dtype=torch.int32, device=probs.device)
+    grid = (cdiv(t, block_t), cdiv(e, block_e))
+    counts = torch.empty(grid[0], e, dtype=torch.int32, device=probs.device)
     if t > 0:
         launch_kernel(
-            _candidate_keys_kernel, (grid,),
+            _candidate_keys_kernel, grid,
             probs, topk_ids.contiguous(), topk_scores.detach().contiguous(), prob_key, score_key, counts,
             t, e, probs.stride(0), K=k, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
     return prob_key, score_key, (counts if block_counts else counts.sum(0, dtype=torch.int64))
