@@ -34,7 +34,8 @@
 #          and the float32 check of both); the median over rounds of each shape's fwd+bwd and of the 7B torch
 #          ratio is what counts (scripts/target_summary.py)
 #   trsel  token rounding's selection kernel: the row held in registers against streamed once per counting pass, and
-#          fanouts (benchmarks/tr_select_fanout.py on TRSEL_SHAPES T,d,E,K ...), each mask checked against the twin
+#          fanouts (benchmarks/tr_select_fanout.py on TRSEL_SHAPES T,d,E,K ..., TRSEL_ARGS more options, e.g.
+#          --keys-tile 128:32:8), each mask checked against the twin
 #   checkfx  the forward timed after each step of the bench's float32 check (scripts/check_effect_probe.py)
 #   trsync the static-length (sync-free) token rounding: its GPU tests (TRSYNC_TESTS adds more pytest arguments) and
 #          router + routing + experts timed for top-k, token rounding with its host sync and without
@@ -219,7 +220,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       done
       timeout 300 python3 benchmarks/tr_select_fanout.py "${args[@]}" --fanout 2 --fanout 4 --fanout 8 \
         --select-tile 2048:4 --select-tile 4096:8 --resident-warps 4 --resident-warps 8 --resident-warps 16 \
-        --json "$OUT/tr_select.json" > "$OUT/tr_select.txt" 2>&1
+        ${TRSEL_ARGS:-} --json "$OUT/tr_select.json" > "$OUT/tr_select.txt" 2>&1
       SUMMARY+=("$(cat "$OUT/tr_select.txt")")
       ;;
     checkfx)
