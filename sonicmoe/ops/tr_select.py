@@ -42,9 +42,11 @@ _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
 # (16384, 512) 218 -> 200, (16384, 256) 135 -> 115, (24576, 128) 148 -> 100, (16384, 64) 100 -> 71 (from 1024:4)
 SELECT_TILE = (2048, 4)
 SELECT_TILE_FEW_EXPERTS = (4096, 8)
-# (BLOCK_T, BLOCK_E, warps) of the candidate-keys kernel. Same calls: (16384, 512) 121 -> 106 us, (16384, 64) 88 ->
-# 29, (16384, 256, K = 4) 60 -> 53, (24576, 128) 58 -> 63 (from 32:32:4)
-KEYS_TILE = (128, 32, 8)
+# (BLOCK_T, BLOCK_E, warps) of the candidate-keys kernel (one program per tile). H100
+# (benchmarks/results/2026-11-26_nvidia-h100_session33/call3), us at (T, E) against 128:32:8, the best tile of the
+# earlier loop over expert blocks (106 us at (16384, 512)): (16384, 512) 128 -> 81, (24576, 128) 62 -> 49, (16384, 64)
+# 30 -> 25, (16384, 256, K = 4) 44 -> 45
+KEYS_TILE = (64, 64, 8)
 # thresholds per counting pass of the selection (a power of two; 2 = bisection). H100, T = 16384, E = 512
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
 # 512-key loads: 254), 16: 300
