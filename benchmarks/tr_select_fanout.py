@@ -1,17 +1,15 @@
 """Time token rounding's selection kernel for several search fanouts and tiles on a real router's keys (GPU).
 
 usage: python benchmarks/tr_select_fanout.py [--shape T,d,E,K ...] [--fanout 2 --fanout 16 ...]
-       [--select-tile KEYS:WARPS ...] [--resident-warps W ...] [--keys-tile BLOCK_T:BLOCK_E:WARPS ...]
-       [--round-tile ELEMS:WARPS ...] [--json OUT]
+       [--select-tile KEYS:WARPS ...] [--resident-warps W ...] [--keys-tile BLOCK_T:BLOCK_E:WARPS ...] [--json OUT]
 
 For each shape: a random router (float32 logits of random X and W_r, top-k then softmax), its candidate
 keys and the ``nearest`` rounding decision (M_tile = 128), then :func:`sonicmoe.ops.tr_select.select_routed`
 timed (do_bench median) for each fanout (at the default tile and search: the row held in registers where
 T <= RESIDENT_MAX_T), for each ``--select-tile`` (the row streamed from memory each pass, its default fanout), for
 each ``--resident-warps`` (the row in registers, that many warps, its default fanout), and
-:func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``, and the rounding decision
-:func:`~sonicmoe.ops.tr_routing.round_counts` (on the default keys tile's per-block counts) for each ``--round-tile``.
-Every mask, key array and decision must equal the torch twin's.
+:func:`~sonicmoe.ops.tr_select.candidate_keys` for each ``--keys-tile``. Every mask and key array must equal the
+torch twin's.
 """
 
 from __future__ import annotations
@@ -22,14 +20,13 @@ import json
 import torch
 from triton.testing import do_bench
 
-from sonicmoe.ops import tr_routing, tr_select
+from sonicmoe.ops import tr_select
 from sonicmoe.routing import router_topk
 from sonicmoe.token_rounding import _round_counts
 
 
 def run(t: int, d: int, e: int, k: int, fanouts: list[int], select_tiles: list[tuple[int, int]] = (),
-        keys_tiles: list[tuple[int, int, int]] = (), resident_warps: list[int] = (),
-        round_tiles: list[tuple[int, int]] = ()) -> dict:
+        keys_tiles: list[tuple[int, int, int]] = (), resident_warps: list[int] = ()) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, d, device="cuda", generator=g)
     wr = torch.randn(e, d, device="cuda", generator=g) / d**0.5
@@ -60,15 +57,6 @@ def run(t: int, d: int, e: int, k: int, fanouts: list[int], select_tiles: list[t
             raise AssertionError(f"keys tile {tile}: the keys differ from the torch twin's")
         out["ms"][f"keys {tile[0]}:{tile[1]}:{tile[2]}"] = do_bench(
             lambda tile=tile: tr_select.candidate_keys(*args, tile=tile), warmup=25, rep=200, return_mode="median")
-    blocks = tr_select.candidate_keys(*args, block_counts=True)[2]
-    ref = tr_routing.round_counts_ref(blocks, 128, t, "nearest")
-    for tile in round_tiles:
-        got = tr_routing.round_counts(blocks, 128, t, "nearest", tile=tile)
-        if not all(torch.equal(a, b) for a, b in zip(got, ref)):
-            raise AssertionError(f"round tile {tile}: the decision differs from the torch twin's")
-        out["ms"][f"round {tile[0]}:{tile[1]}"] = do_bench(
-            lambda tile=tile: tr_routing.round_counts(blocks, 128, t, "nearest", tile=tile), warmup=25, rep=200,
-            return_mode="median")
     return out
 
 
@@ -80,17 +68,15 @@ def main() -> None:
     ap.add_argument("--resident-warps", action="append", type=int, default=[],
                     help="warps of the selection kernel holding each row in registers")
     ap.add_argument("--keys-tile", action="append", default=[], help="BLOCK_T:BLOCK_E:WARPS of the keys kernel")
-    ap.add_argument("--round-tile", action="append", default=[], help="ELEMS:WARPS of the rounding decision")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     select_tiles = [tuple(int(v) for v in s.split(":")) for s in args.select_tile]
     keys_tiles = [tuple(int(v) for v in s.split(":")) for s in args.keys_tile]
-    round_tiles = [tuple(int(v) for v in s.split(":")) for s in args.round_tile]
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["16384,1536,512,8", "16384,4096,256,4"])]
     fanouts = args.fanout or [2, 4, 8, 16]
     rows = []
     for shape in shapes:
-        row = run(*shape, fanouts, select_tiles, keys_tiles, args.resident_warps, round_tiles)
+        row = run(*shape, fanouts, select_tiles, keys_tiles, args.resident_warps)
         rows.append(row)
         print(f"T={row['T']} d={row['d']} E={row['E']} K={row['K']}: "
               + "  ".join(f"{'' if isinstance(f, str) else 'fanout '}{f}: {ms * 1e3:.1f} us"

@@ -33,8 +33,6 @@ from .fast_launch import launch_kernel
 
 SUBROUTINE_CODES = {"nearest": 0, "up": 1, "down": 2, "stochastic": 3, "balance": 4}
 _PAIR_BLOCK = 1024
-# (elements per load, warps) of the rounding decision's program (it sums the (NB, E) per-block counts first)
-ROUND_TILE = (8192, 4)
 
 
 @triton.jit
@@ -81,8 +79,7 @@ def _round_counts_kernel(count_ptr, u_ptr, f_ptr, keep_ptr, pad_ptr, off_ptr, NB
 
 
 def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subroutine: str,
-                 u: torch.Tensor | None = None, *, tile: tuple[int, int] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token rounding's decision per expert, on one Triton program (SPEC §5 step 3).
 
     Args:
@@ -91,8 +88,6 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
         m_tile: M_tile. num_tokens: T (caps a padded count).
         subroutine: as :func:`sonicmoe.token_rounding.token_rounding`.
         u: (E,) float32 uniform draws for ``"stochastic"`` (ignored otherwise).
-        tile: (elements per load, num_warps), powers of two (tuning; the result does not depend on it). None:
-            :data:`ROUND_TILE`. A load covers a block of rows of ``block_counts`` (at least one).
 
     Returns:
         f (E,) int32 top-k counts, keep (E,) int32 kept counts, pad (E,) bool (rounded up) and expert_offsets
@@ -104,10 +99,9 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
     f, keep, offsets = out[:e], out[e:2 * e], out[2 * e:]
     pad = torch.empty(e, dtype=torch.bool, device=dev)
     e_p2 = next_pow2(e)
-    elems, warps = tile or ROUND_TILE
     launch_kernel(_round_counts_kernel, (1,), block_counts, u if u is not None else f, f, keep, pad, offsets, nb, e,
                   num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
-                  BLOCK_R=max(1, min(next_pow2(max(nb, 1)), elems // e_p2)), num_warps=warps)
+                  BLOCK_R=max(1, min(next_pow2(max(nb, 1)), 8192 // e_p2)), num_warps=4 if e_p2 <= 1024 else 8)
     return f, keep, pad, offsets
 
 
