@@ -227,14 +227,16 @@ def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES:
     return lo, ties
 
 
-@triton.jit
-def _threshold_resident(row, n, FANOUT: tl.constexpr):
-    """:func:`_threshold` on a row held in registers (``row``: int32 keys, NO_KEY past T): every count is taken
-    there, with no memory traffic per pass. The search starts from the row's range of real keys [min, max + 1) (it
-    keeps the invariant) and stops as soon as that range holds one value."""
+@triton.jit(do_not_specialize=["T"])
+def _threshold_resident(row_ptr, n, T, FANOUT: tl.constexpr, ROW: tl.constexpr):
+    """:func:`_threshold` with the row (T <= ROW keys, ROW a power of two) loaded once into registers: every count
+    is taken there, with no memory traffic per pass. The search starts from the row's range of real keys
+    [min, max + 1) (it keeps the invariant) and stops as soon as that range holds one value."""
     lo = tl.full((), 2**31, tl.int64)
     ties = tl.zeros((), dtype=tl.int32)
     if n > 0:
+        offs = tl.arange(0, ROW)
+        row = tl.load(row_ptr + offs, mask=offs < T, other=_NO_KEY)
         hi = tl.max(row, axis=0).to(tl.int64) + 1
         lo = tl.min(tl.where(row != _NO_KEY, row, 2**31 - 1), axis=0).to(tl.int64)
         while hi - lo > 1:
@@ -268,47 +270,23 @@ def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr,
     """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
     token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
     1-based rank of t among the expert's routed tokens in token order (int32), where t is routed. ROW = 0: the
-    search streams the row each pass (:func:`_threshold`), and the take streams both rows once more; else (a power
-    of two >= T) one row is loaded, held in registers for the search (:func:`_threshold_resident`) and the take."""
+    search streams the row each pass (:func:`_threshold`); else it holds it in registers
+    (:func:`_threshold_resident`)."""
     e = tl.program_id(0)
     f = tl.load(count_ptr + e).to(tl.int32)
     keep = tl.load(keep_ptr + e).to(tl.int32)
     row = e.to(tl.int64) * T
     down = keep < f
-    if ROW > 0:
-        # the row searched stays in registers and also decides the take: rounded down, the score row (NO_KEY where
-        # not chosen); rounded up, the probability row, where NO_KEY within T means chosen (no real key is NO_KEY)
-        offs = tl.arange(0, ROW)
-        in_row = offs < T
-        if down:
-            key = tl.load(score_key_ptr + row + offs, mask=in_row, other=_NO_KEY)
-            n = keep
-        else:
-            key = tl.load(prob_key_ptr + row + offs, mask=in_row, other=_NO_KEY)
-            n = keep - f
-        lo, ties = _threshold_resident(key, n, FANOUT)
-        lo32 = tl.minimum(lo, 2**31 - 1).to(tl.int32)  # n = 0 (lo = 2^31, ties = 0) still takes nothing
-        eq = (key == lo32).to(tl.int32)
-        take = (key > lo32) | ((eq > 0) & (tl.cumsum(eq, axis=0) <= ties))
-        take = take | ((keep >= f) & in_row & (key == _NO_KEY))
-        dst = routed_ptr + offs.to(tl.int64) * E + e
-        if RANK:
-            tl.store(dst, tl.cumsum(take.to(tl.int32), axis=0), mask=take)
-        else:
-            tl.store(dst, tl.full((ROW,), 1, tl.int8), mask=take)
-    else:
-        _select_streamed(prob_key_ptr, score_key_ptr, routed_ptr, row, e, f, keep, T, E, BLOCK, FANOUT, PASSES, RANK)
-
-
-@triton.jit
-def _select_streamed(prob_key_ptr, score_key_ptr, routed_ptr, row, e, f, keep, T, E, BLOCK: tl.constexpr,
-                     FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr):
-    """:func:`_select_kernel`'s expert e with its rows streamed from memory (the search, then the take)."""
-    down = keep < f
     if down:
-        lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
+        if ROW > 0:
+            lo, ties = _threshold_resident(score_key_ptr + row, keep, T, FANOUT, ROW)
+        else:
+            lo, ties = _threshold(score_key_ptr + row, keep, T, BLOCK, FANOUT, PASSES)
     else:
-        lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
+        if ROW > 0:
+            lo, ties = _threshold_resident(prob_key_ptr + row, keep - f, T, FANOUT, ROW)
+        else:
+            lo, ties = _threshold(prob_key_ptr + row, keep - f, T, BLOCK, FANOUT, PASSES)
     seen = tl.zeros((), dtype=tl.int32)
     done = tl.zeros((), dtype=tl.int32)  # tokens routed so far (RANK)
     for start in range(0, T, BLOCK):
@@ -356,8 +334,7 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     elsewhere): the row of the pair within its expert, plus one.
 
     Args:
-        prob_key, score_key: (E, T) int32 from :func:`candidate_keys` (a pair is chosen where its score key is real,
-            and exactly there its probability key is NO_KEY: both searches rely on it).
+        prob_key, score_key: (E, T) int32 from :func:`candidate_keys`.
         f: (E,) integer top-k counts. keep: (E,) integer tokens each expert keeps, in
             [0, T] (below f: the best chosen by score; above: all chosen plus the best others by probability).
         fanout: thresholds per counting pass of the search for each row's n-th largest key, a power of
