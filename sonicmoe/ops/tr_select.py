@@ -15,11 +15,14 @@ below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every rea
     for chosen ones; ``score_key`` (E, T) — the score key of chosen pairs, NO_KEY elsewhere; and the
     per-block counts of chosen pairs, summed (in a fixed order) into f (E,).
 :func:`select_routed` (kernel: one program per expert, no sort, no atomics)
-    finds the n-th largest key of a row by a search over the 2^32 key values that counts the keys at or
-    above 4 thresholds per pass over the row (16 passes; the row stays in L2), takes every key above it
-    and the lowest-indexed keys equal to it, and writes ``routed[t, e] = True`` for the kept and added
-    pairs. Measured on an H100 (``benchmarks/tr_select_fanout.py``, 2026-11-24): 219 µs at T = 16384,
-    E = 512 against 294 µs for the earlier bisection (32 passes, a block-wide sum per load).
+    finds the n-th largest key of a row by a search over the key values that counts the keys at or above
+    FANOUT − 1 thresholds per pass, takes every key above it and the lowest-indexed keys equal to it, and
+    writes ``routed[t, e]`` (True, or the pair's 1-based rank within its expert) for the kept and added pairs.
+    Rows of T <= RESIDENT_MAX_T keys are loaded once and searched in registers: a bisection (32 passes at most,
+    one block-wide sum each) from the row's range of real keys, stopping once that range holds one value. Longer
+    rows are streamed from L2 once per pass (16 passes of 3 thresholds). Then one more pass over the rows takes
+    the pairs. H100 (``benchmarks/tr_select_fanout.py``, session 33): 107 µs at T = 16384, E = 512 against 193 µs
+    streamed (219 µs in session 12, 294 µs for its first bisection).
 
 No host synchronisation in either. ``*_ref`` twins (torch sorts, no sync) have the same signatures and
 results; they are the path on CPU and the oracles of the tests.
@@ -43,9 +46,9 @@ _NO_KEY = tl.constexpr(NO_KEY)  # the same, for the kernels
 SELECT_TILE = (2048, 4)
 SELECT_TILE_FEW_EXPERTS = (4096, 8)
 # (BLOCK_T, BLOCK_E, warps) of the candidate-keys kernel (one program per tile). H100
-# (benchmarks/results/2026-11-26_nvidia-h100_session33/call3), us at (T, E) against 128:32:8, the best tile of the
-# earlier loop over expert blocks (106 us at (16384, 512)): (16384, 512) 128 -> 81, (24576, 128) 62 -> 49, (16384, 64)
-# 30 -> 25, (16384, 256, K = 4) 44 -> 45
+# (benchmarks/results/2026-11-26_nvidia-h100_session33/call3_keys_tiles_419c67f), us at (T, E) against 128:32:8, the
+# best tile of the earlier loop over expert blocks (106 us at (16384, 512)): (16384, 512) 128 -> 81, (24576, 128)
+# 62 -> 49, (16384, 64) 30 -> 25, (16384, 256, K = 4) 44 -> 45
 KEYS_TILE = (64, 64, 8)
 # thresholds per counting pass of the selection (a power of two; 2 = bisection). H100, T = 16384, E = 512
 # (benchmarks/results/2026-11-24_nvidia-h100_session12/tr_select_fanout*): 2: 270 us, 4: 219, 8: 233 (with
@@ -53,10 +56,11 @@ KEYS_TILE = (64, 64, 8)
 SELECT_FANOUT = 4
 # rows of up to this many keys are held in registers by the selection's search (one load per row instead of one per
 # counting pass), at about RESIDENT_KEYS_PER_THREAD keys per thread; there each threshold costs a block-wide sum
-# (no memory traffic), so a bisection is fastest. H100 (benchmarks/results/2026-11-26_nvidia-h100_session33/call1),
-# us at (T, E) for fanout 2 / 4 / 8, against the streamed search's 193 / 109 / 100 / 71: (16384, 512) 110 / 145 /
-# 191, (16384, 256) 65 / 80 / 104, (24576, 128) 65 / 78 / 101, (16384, 64) 40 / 46 / 58 (searched over all 2^32 key
-# values; it now starts from the row's range of real keys and stops once that holds one value)
+# (no memory traffic), so a bisection is fastest. H100 (benchmarks/results/2026-11-26_nvidia-h100_session33/
+# call1_trsel_trsync_8a487ab), us at (T, E) for fanout 2 / 4 / 8, against the streamed search's 193 / 109 / 100 / 71:
+# (16384, 512) 110 / 145 / 191, (16384, 256) 65 / 80 / 104, (24576, 128) 65 / 78 / 101, (16384, 64) 40 / 46 / 58.
+# That searched all 2^32 key values; from the row's range of real keys, stopping once it holds one value (call6_...):
+# (16384, 512) 107, (24576, 128) 60, (16384, 64) 37, (16384, 256, K = 4) 63
 RESIDENT_MAX_T = 32768
 RESIDENT_KEYS_PER_THREAD = 64
 RESIDENT_FANOUT = 2
