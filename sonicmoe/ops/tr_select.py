@@ -235,7 +235,8 @@ def _threshold(row_ptr, n, T, BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES:
 def _threshold_resident(row_ptr, n, T, FANOUT: tl.constexpr, ROW: tl.constexpr):
     """:func:`_threshold` with the row (T <= ROW keys, ROW a power of two) loaded once into registers: every count
     is taken there, with no memory traffic per pass. The search starts from the row's range of real keys
-    [min, max + 1) (it keeps the invariant) and stops as soon as that range holds one value."""
+    [min, max + 1) (it keeps the invariant) and stops as soon as that range holds one value, or as soon as a threshold
+    has exactly n keys at or above it."""
     lo = tl.full((), 2**31, tl.int64)
     ties = tl.zeros((), dtype=tl.int32)
     if n > 0:
@@ -248,13 +249,19 @@ def _threshold_resident(row_ptr, n, T, FANOUT: tl.constexpr, ROW: tl.constexpr):
             # one scalar count per threshold lo + i·step, i >= 1 (a 2-D compare of the row against all of them at once
             # costs registers; thr 0 = lo needs none): the last with >= n keys at or above it is the new lo
             best = tl.zeros((), dtype=tl.int64)
+            best_cnt = tl.zeros((), dtype=tl.int32)
             for i in tl.static_range(1, FANOUT):
                 thr = lo + i * step
                 cnt = tl.sum((row >= tl.where(thr < hi, thr, lo).to(tl.int32)).to(tl.int32), axis=0)
-                best = tl.where((thr < hi) & (cnt >= n), i, best)
+                ok = (thr < hi) & (cnt >= n)
+                best = tl.where(ok, i, best)
+                best_cnt = tl.where(ok, cnt, best_cnt)
             lo_next = lo + best * step
-            hi = tl.minimum(hi, lo_next + step)
-            lo = lo_next
+            # exactly n keys at or above the new lo: they are the n largest, so stop with lo just below it (the take
+            # is then key > lo, no ties); with distinct keys this ends the search long before the range is one value
+            exact = (best > 0) & (best_cnt == n)
+            hi = tl.where(exact, lo_next, tl.minimum(hi, lo_next + step))
+            lo = tl.where(exact, lo_next - 1, lo_next)
         ties = n - tl.sum((row > lo.to(tl.int32)).to(tl.int32), axis=0)
     return lo, ties
 
