@@ -19,10 +19,11 @@ below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every rea
     FANOUT − 1 thresholds per pass, takes every key above it and the lowest-indexed keys equal to it, and
     writes ``routed[t, e]`` (True, or the pair's 1-based rank within its expert) for the kept and added pairs.
     Rows of T <= RESIDENT_MAX_T keys are loaded once and searched in registers: a bisection (32 passes at most,
-    one block-wide sum each) from the row's range of real keys, stopping once that range holds one value. Longer
-    rows are streamed from L2 once per pass (16 passes of 3 thresholds). Then one more pass over the rows takes
-    the pairs. H100 (``benchmarks/tr_select_fanout.py``, session 33): 107 µs at T = 16384, E = 512 against 193 µs
-    streamed (219 µs in session 12, 294 µs for its first bisection).
+    one block-wide sum each) from the row's range of real keys, stopping once that range holds one value or a
+    threshold has exactly n keys at or above it. Longer rows are streamed from L2 once per pass (16 passes of 3
+    thresholds). Then one more pass over the rows takes the pairs. H100 (``benchmarks/tr_select_fanout.py``,
+    session 33): 80 µs at T = 16384, E = 512 against 193 µs streamed (219 µs in session 12, 294 µs for its first
+    bisection).
 
 No host synchronisation in either. ``*_ref`` twins (torch sorts, no sync) have the same signatures and
 results; they are the path on CPU and the oracles of the tests.
@@ -60,7 +61,8 @@ SELECT_FANOUT = 4
 # call1_trsel_trsync_8a487ab), us at (T, E) for fanout 2 / 4 / 8, against the streamed search's 193 / 109 / 100 / 71:
 # (16384, 512) 110 / 145 / 191, (16384, 256) 65 / 80 / 104, (24576, 128) 65 / 78 / 101, (16384, 64) 40 / 46 / 58.
 # That searched all 2^32 key values; from the row's range of real keys, stopping once it holds one value (call6_...):
-# (16384, 512) 107, (24576, 128) 60, (16384, 64) 37, (16384, 256, K = 4) 63
+# (16384, 512) 107, (24576, 128) 60, (16384, 64) 37, (16384, 256, K = 4) 63; stopping also at a threshold with
+# exactly n keys at or above it (call13_exact_exit_9c1d818): 80, 52 (8 warps; 87 in the shape's first timing), 33, 49
 RESIDENT_MAX_T = 32768
 RESIDENT_KEYS_PER_THREAD = 64
 RESIDENT_FANOUT = 2
