@@ -11,6 +11,7 @@ import torch
 from sonicmoe.config import ROUNDING_SUBROUTINES
 from sonicmoe.ops.tr_select import (
     NO_KEY,
+    RESIDENT_MAX_T,
     candidate_keys,
     candidate_keys_ref,
     select_routed,
@@ -127,6 +128,9 @@ def test_bad_arguments():
     for fanout in (1, 3, 0, True):
         with pytest.raises(ValueError, match="fanout"):
             select_routed(keys, keys, z, z, fanout=fanout)
+    long_keys = torch.zeros(1, RESIDENT_MAX_T + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="resident"):
+        select_routed(long_keys, long_keys, z[:1], z[:1], resident=True)
     with pytest.raises(ValueError, match="topk_ids"):
         candidate_keys_ref(torch.zeros(5, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
 

@@ -362,11 +362,14 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
             The result does not depend on it.
 
     Raises:
-        ValueError: shapes or dtypes that do not match the above, or a fanout that is not a power of two >= 2.
+        ValueError: shapes or dtypes that do not match the above, a fanout that is not a power of two >= 2, or
+            ``resident=True`` with T > :data:`RESIDENT_MAX_T`.
     """
     e, t = _check_select(prob_key, score_key, f, keep)
     if resident is None:
         resident = t <= RESIDENT_MAX_T
+    elif resident and t > RESIDENT_MAX_T:
+        raise ValueError(f"resident=True holds a row of T keys in registers: T must be <= {RESIDENT_MAX_T}, got {t}")
     if fanout is None:
         fanout = RESIDENT_FANOUT if resident else SELECT_FANOUT
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 2 or fanout & (fanout - 1):
