@@ -16,14 +16,14 @@ below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every rea
     per-block counts of chosen pairs, summed (in a fixed order) into f (E,).
 :func:`select_routed` (kernel: one program per expert, no sort, no atomics)
     finds the n-th largest key of a row by a search over the key values that counts the keys at or above
-    FANOUT − 1 thresholds per pass, takes every key above it and the lowest-indexed keys equal to it, and
+    a few thresholds per pass, takes every key above it and the lowest-indexed keys equal to it, and
     writes ``routed[t, e]`` (True, or the pair's 1-based rank within its expert) for the kept and added pairs.
     Rows of T <= RESIDENT_MAX_T keys are loaded once and searched in registers: a bisection (32 passes at most,
     one block-wide sum each) from the row's range of real keys, stopping once that range holds one value or a
-    threshold has exactly n keys at or above it. Longer rows are streamed from L2 once per pass (16 passes of 3
-    thresholds). Then one more pass over the rows takes the pairs. H100 (``benchmarks/tr_select_fanout.py``,
-    session 33): 80 µs at T = 16384, E = 512 against 193 µs streamed (219 µs in session 12, 294 µs for its first
-    bisection).
+    threshold has exactly n keys at or above it. Longer rows are streamed from L2 once per pass (16 passes, 4
+    thresholds counted in each). Then one more pass over the rows takes the pairs. H100
+    (``benchmarks/tr_select_fanout.py``, session 33): 80 µs at T = 16384, E = 512 against 193 µs streamed (219 µs in
+    session 12, 294 µs for its first bisection).
 
 No host synchronisation in either. ``*_ref`` twins (torch sorts, no sync) have the same signatures and
 results; they are the path on CPU and the oracles of the tests.
