@@ -76,6 +76,24 @@ def test_select_equals_twin_and_oracle(device, e, t, values, seed):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(args, (prob_key, score_key, f, keep)))  # inputs untouched
 
 
+@pytest.mark.parametrize("subroutine", ["up", "down", "nearest"])
+def test_select_on_router_keys(device, subroutine):
+    """Keys of a real router (distinct float probabilities and scores, so the register-held search mostly ends at a
+    threshold with exactly n keys above it) and a real rounding decision: both searches equal the torch twin."""
+    from sonicmoe.token_rounding import _round_counts
+
+    g = torch.Generator().manual_seed(7)
+    t, e, k, m = 3000, 16, 2, 128
+    router = router_topk(torch.randn(t, 32, generator=g), torch.randn(e, 32, generator=g), k)
+    prob_key, score_key, f = candidate_keys_ref(router.probs, router.topk_ids, router.topk_scores.detach())
+    keep, _ = _round_counts(f, m, t, subroutine, None)
+    args = [x.to(device) for x in (prob_key, score_key, f, keep)]
+    expect = select_routed_ref(*args, rank=True).cpu()
+    assert bool((keep != f).all()), "every expert searched"
+    for resident in (True, False):
+        assert torch.equal(select_routed(*args, rank=True, resident=resident).cpu(), expect), resident
+
+
 def test_extreme_keys(device):
     t = 9
     prob_key = torch.tensor([[2**31 - 1, NO_KEY + 1, 0, -1, 2**31 - 1, NO_KEY, NO_KEY + 1, 5, 5],
