@@ -59,12 +59,14 @@ Scores of the output pairs (differentiable w.r.t. the router logits):
 Implementation (:func:`token_rounding`), on the router's device (Triton kernels on CUDA, their torch twins
 elsewhere), with no sort and, by default, no host sync:
     * keys (:mod:`sonicmoe.ops.tr_select`): each expert's row of candidates as exact int32 keys — the top-k score of
-      its chosen tokens, the router probability of the others — and per-block counts of the chosen ones;
+      its chosen tokens, the router probability of the others — and per-block counts of the chosen ones, which
+      torch sums into f_e;
     * the decision (:func:`sonicmoe.ops.tr_routing.round_counts`, one program): f_e, the kept count, the padding
       flag and the experts' row offsets;
     * selection: per expert, the ``count_e`` best chosen tokens (rounded down) or all chosen plus the
-      ``count_e − f_e`` best others (rounded up), found by a 4-way search for the threshold key (no sort); a (T, E)
-      int32 array holds, at each routed pair, its token's rank within the expert (its row, plus one);
+      ``count_e − f_e`` best others (rounded up), found by a search for the threshold key (no sort; a bisection of
+      the row held in registers for T <= 32768, a 4-way search streaming it beyond); a (T, E) int32 array holds,
+      at each routed pair, its token's rank within the expert (its row, plus one);
     * pairs: ``torch.nonzero_static`` of that array lists R_max token-major pairs, padding last (``static=True``,
       no sync); ``torch.nonzero`` lists exactly R (``static=False``: **one host sync**, since R is data-dependent);
     * routing (:func:`sonicmoe.ops.tr_routing.pairs_routing`, one kernel): the pair arrays and the
