@@ -276,10 +276,6 @@ def token_rounding(
     decide = tr_routing.round_counts if kernels else tr_routing.round_counts_ref
     select = tr_select.select_routed if kernels else tr_select.select_routed_ref
     prob_key, score_key, counts = keys(router.probs, ids2, router.topk_scores, block_counts=True)
-    if counts.shape[0] > 1:
-        # the per-block counts (NB, E) summed by torch's column reduction: round_counts' one program sums them slowly
-        # at large E (H100, session 33: 106 us at NB = 256, E = 512; 6 us at NB = 384, E = 128)
-        counts = counts.sum(0, dtype=torch.int32, keepdim=True)
     u = torch.rand(e, generator=generator, device=counts.device) if subroutine == "stochastic" else None
     f, keep, pad, offsets = decide(counts, m_tile, t, subroutine, u)  # f_e: top-k tokens per expert
     ranks = select(prob_key, score_key, f, keep, rank=True)  # (T, E): row within the expert + 1, 0 if not routed

@@ -6,8 +6,8 @@ twenty small torch operations: the rounding decision (remainders, comparisons, a
 inverse permutation, two searches). Each costs a launch's worth of host time, and the eager layer is host-bound
 at d = 1536 (session 32). Two kernels replace them:
 
-:func:`round_counts` (one program)
-    sums the candidate-keys kernel's per-block counts into f (E,) in a fixed order, takes the rounding decision of
+:func:`round_counts` (torch's column sum, then one program)
+    sums the candidate-keys kernel's per-block counts into f (E,), takes the rounding decision of
     :func:`sonicmoe.token_rounding._round_counts` (same integers, same subroutines, the same uniform draws for
     ``"stochastic"``) and writes f, keep, pad and the experts' row offsets (exclusive prefix sum of keep).
 :func:`pairs_routing` (one program per block of pairs)
@@ -42,16 +42,12 @@ def _floor_div(a, b):
     return tl.where((a % b != 0) & (a < 0), q - 1, q)
 
 
-@triton.jit(do_not_specialize=["NB", "T"])
-def _round_counts_kernel(count_ptr, u_ptr, f_ptr, keep_ptr, pad_ptr, off_ptr, NB, E, T, M,
-                         SUB: tl.constexpr, E_P2: tl.constexpr, BLOCK_R: tl.constexpr):
+@triton.jit(do_not_specialize=["T"])
+def _round_counts_kernel(count_ptr, u_ptr, f_ptr, keep_ptr, pad_ptr, off_ptr, E, T, M,
+                         SUB: tl.constexpr, E_P2: tl.constexpr):
     e = tl.arange(0, E_P2)
     emask = e < E
-    acc = tl.zeros((BLOCK_R, E_P2), dtype=tl.int32)
-    for r0 in range(0, NB, BLOCK_R):  # the per-block counts, summed in a fixed order
-        r = r0 + tl.arange(0, BLOCK_R)
-        acc += tl.load(count_ptr + r[:, None] * E + e[None, :], mask=(r < NB)[:, None] & emask[None, :], other=0)
-    f = tl.sum(acc, axis=0)
+    f = tl.load(count_ptr + e, mask=emask, other=0)
     lo = f - f % M
     frac = f - lo
     if SUB == 0:  # nearest (a tie rounds down)
@@ -80,7 +76,8 @@ def _round_counts_kernel(count_ptr, u_ptr, f_ptr, keep_ptr, pad_ptr, off_ptr, NB
 
 def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subroutine: str,
                  u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token rounding's decision per expert, on one Triton program (SPEC §5 step 3).
+    """Token rounding's decision per expert, on one Triton program after torch's column sum of the per-block
+    counts (SPEC §5 step 3).
 
     Args:
         block_counts: (NB, E) int32 per-block counts of the tokens that chose each expert
@@ -95,13 +92,17 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
     """
     nb, e = block_counts.shape
     dev = block_counts.device
+    if nb != 1:
+        # torch's column sum (integers: any order gives the same bits). The program used to sum the rows itself, and
+        # took 103-106 us at NB = 256, E = 512 (H100, session 33, call 4), against about 11 us for this sum
+        block_counts = block_counts.sum(0, dtype=torch.int32)
     out = torch.empty(3 * e + 1, dtype=torch.int32, device=dev)
     f, keep, offsets = out[:e], out[e:2 * e], out[2 * e:]
     pad = torch.empty(e, dtype=torch.bool, device=dev)
     e_p2 = next_pow2(e)
-    launch_kernel(_round_counts_kernel, (1,), block_counts, u if u is not None else f, f, keep, pad, offsets, nb, e,
-                  num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
-                  BLOCK_R=max(1, min(next_pow2(max(nb, 1)), 8192 // e_p2)), num_warps=4 if e_p2 <= 1024 else 8)
+    launch_kernel(_round_counts_kernel, (1,), block_counts.contiguous(), u if u is not None else f, f, keep, pad,
+                  offsets, e, num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
+                  num_warps=4 if e_p2 <= 1024 else 8)
     return f, keep, pad, offsets
 
 
