@@ -40,6 +40,8 @@
 #   trsync the static-length (sync-free) token rounding: its GPU tests (TRSYNC_TESTS adds more pytest arguments) and
 #          router + routing + experts timed for top-k, token rounding with its host sync and without
 #          (scripts/tr_sync_probe.py on TRSYNC_SHAPES, with TRSYNC_ARGS)
+#   trlayer  every kernel of router + routing + experts forward+backward, top-k beside static token rounding
+#          (scripts/tr_layer_profile.py on TRLAYER_SHAPES T,d,n,E,K ...)
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last), backends FULL_BACKENDS (default triton,torch: the loop and
@@ -236,6 +238,11 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       python3 -m sonicmoe bench --shape deepseek-v3=32768,7168,2048,256,8 --backends triton --no-plot \
         --out "$OUT" --tag ds3 > "$OUT/ds3.txt" 2>&1
       SUMMARY+=("$(tail -12 "$OUT/ds3.txt")")
+      ;;
+    trlayer)
+      timeout ${TRLAYER_LIMIT_S:-240} python3 scripts/tr_layer_profile.py ${TRLAYER_SHAPES:+--shape $TRLAYER_SHAPES} \
+        > "$OUT/tr_layer_profile.txt" 2>&1
+      SUMMARY+=("$(head -c 6000 "$OUT/tr_layer_profile.txt")")
       ;;
     profile)
       # every kernel of a 7B layer call with its in-layer time, autotuned and with the pinned configs
