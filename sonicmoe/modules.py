@@ -120,8 +120,9 @@ class MoE(nn.Module):
         if c.routing == "token_rounding" and self.training:
             from .token_rounding import token_rounding
 
-            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding,
-                                router_order=c.router_order, renormalize=c.renormalize, static=c.static_pairs)
+            # the router is router_topk's with this order: the chosen pairs' score gradient can skip its top-k backward
+            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding, router_order=c.router_order,
+                                renormalize=c.renormalize, static=c.static_pairs, fused_router_grad=True)
             routing = tr.routing  # routing_from_pairs(..., token_major=True, padding=c.static_pairs), sort-free
             pair_scores = tr.pair_scores
         else:

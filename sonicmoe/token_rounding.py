@@ -225,6 +225,7 @@ def token_rounding(
     warn: bool = True,
     use_kernel: bool | None = None,
     static: bool = False,
+    fused_router_grad: bool = False,
 ) -> TokenRoundingOutput:
     """Token-rounding routing (SPEC §5): each expert's top-k count rounded to a multiple of M_tile.
 
@@ -252,6 +253,12 @@ def token_rounding(
             :func:`~sonicmoe.routing.routing_from_pairs`; the experts then compute no padding row and
             give the padding pairs' scores zero gradients. Costs memory: the layer's (R_max, ·) buffers
             (H is R_max·2n) are up to ``max_pairs − T·K`` rows longer than top-k's.
+        fused_router_grad: the kept top-k pairs' score gradient goes straight to ``router.logits`` (or
+            ``router.probs``) by :func:`~sonicmoe.routing.router_topk`'s score formula instead of back through
+            ``router.topk_scores`` (:func:`sonicmoe.ops.tr_scores.pair_scores`): the same gradient, without the
+            router's top-k backward and a (T, E) sum. Only for a router made by ``router_topk`` with this
+            ``router_order`` and ``renormalize`` and unmodified ``topk_scores`` (the ``MoE`` layer's case); the torch
+            path ignores it.
 
     Returns:
         :class:`TokenRoundingOutput` with R (or R_max) pairs in token-major order (sorted by token, then
@@ -288,7 +295,7 @@ def token_rounding(
     to_routing = tr_routing.pairs_routing if kernels else tr_routing.pairs_routing_ref
     pair_token, pair_expert, routing = to_routing(pair, ranks, offsets, padding=static)
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
-    pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize)
+    pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize, fused_router_grad)
     return TokenRoundingOutput(
         pair_token=pair_token,
         pair_expert=pair_expert,

@@ -17,14 +17,14 @@ pytestmark = pytest.mark.interpreter
 ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
 
 
-def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_tokens=True):
+def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_tokens=True, weight=False):
     """A router with differentiable logits and random token-major unique pairs: for each token a random
-    subset of the experts (chosen and not), some tokens with none."""
+    subset of the experts (chosen and not), some tokens with none. ``weight``: also return the router weight (the
+    leaf behind the logits)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, 16, generator=g)
-    w = torch.randn(e, 16, generator=g) * 2
-    router = router_topk(x.to(device), w.to(device).requires_grad_(True), k, router_order=order,
-                         renormalize=renorm)
+    w = (torch.randn(e, 16, generator=g) * 2).to(device).requires_grad_(True)
+    router = router_topk(x.to(device), w, k, router_order=order, renormalize=renorm)
     if dtype != torch.float32:
         router.topk_scores = router.topk_scores.to(dtype)
     take = torch.rand(t, e, generator=g) < 0.4
@@ -32,7 +32,8 @@ def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_t
         take[1] = False
     take[0] = True  # a token with every expert: all chosen ones and every other
     pairs = take.nonzero()
-    return router, pairs[:, 0].to(device), pairs[:, 1].to(device)
+    case = router, pairs[:, 0].to(device), pairs[:, 1].to(device)
+    return (*case, w) if weight else case
 
 
 def grads(fn, router, pt, pe, order, renorm, cot):
@@ -62,6 +63,35 @@ def test_kernel_equals_twin_values_and_gradients(device, order, renorm, t, e, k,
     # the same inputs give the same bits
     s2, _, dts2, dsrc2 = grads(pair_scores, router, pt, pe, order, renorm, cot)
     assert torch.equal(s2, s_k) and torch.equal(dts2, dts_k) and torch.equal(dsrc2, dsrc_k)
+
+
+def check_fused_router_grad(t, e, k, seed, order, renorm, device):
+    """fused_router_grad against the twin's path back through topk_scores and the router's top-k backward: the same
+    scores, the same gradient of the logits and of the router weight, no gradient edge to topk_scores at all, and
+    the same bits on a second run."""
+    router, pt, pe, leaf = make_case(t, e, k, seed, order, renorm, device, weight=True)
+    cot = torch.randn(pt.shape[0], generator=torch.Generator().manual_seed(seed + 7)).to(device)
+    got = {}
+    for fused, fn in ((True, pair_scores), (False, pair_scores_ref)):
+        scores, added = fn(router, pt, pe, order, renorm, fused_router_grad=fused)
+        d_logits, d_w = torch.autograd.grad(scores, (router.logits, leaf), cot, retain_graph=True)
+        got[fused] = (scores, added, d_logits, d_w)
+    assert torch.equal(got[True][1], got[False][1])
+    assert torch.equal(got[True][0][~got[True][1]], got[False][0][~got[False][1]]), "chosen scores unchanged"
+    torch.testing.assert_close(got[True][2], got[False][2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[True][3], got[False][3], rtol=1e-5, atol=1e-5)
+    assert got[True][2].abs().sum() > 0
+    scores, _ = pair_scores(router, pt, pe, order, renorm, fused_router_grad=True)
+    (d_ts,) = torch.autograd.grad(scores, router.topk_scores, cot, allow_unused=True, retain_graph=True)
+    assert d_ts is None, "the router's top-k backward is not in the graph"
+    again = torch.autograd.grad(scores, router.logits, cot)[0]
+    assert torch.equal(again, got[True][2]), "the same bits on every run"
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS)
+@pytest.mark.parametrize("t,e,k,seed", [(1, 4, 2, 0), (50, 5, 5, 2), (200, 33, 4, 3)])
+def test_fused_router_grad_equals_the_gradient_through_topk_scores(device, order, renorm, t, e, k, seed):
+    check_fused_router_grad(t, e, k, seed, order, renorm, device)
 
 
 def test_float16_scores_and_no_pairs(device):
@@ -105,6 +135,15 @@ def test_saved_tensors_are_the_inputs_and_the_slots(device):
     assert saved[4].shape == pt.shape and saved[4].dtype == torch.int32
 
 
+def test_saved_tensors_with_fused_router_grad(device):
+    """With fused_router_grad the Function also keeps topk_scores, by reference (the router holds it anyway)."""
+    router, pt, pe = make_case(30, 6, 2, 4, "topk_then_softmax", False, device)
+    scores, _ = pair_scores(router, pt.to(torch.int32), pe.to(torch.int32), "topk_then_softmax", False,
+                            fused_router_grad=True)
+    saved = scores.grad_fn.saved_tensors
+    assert len(saved) == 6 and saved[5].data_ptr() == router.topk_scores.data_ptr()
+
+
 @pytest.mark.parametrize("order,renorm", ORDERS)
 def test_token_rounding_gradients_kernel_path_equal_torch_path(order, renorm):
     """Through token_rounding: the router weight's gradient is the same on the kernel and the torch path."""
@@ -139,3 +178,10 @@ def test_gpu_benchmark_size(order, renorm):
     torch.testing.assert_close(dsrc_k, dsrc_r, rtol=1e-5, atol=1e-7)
     s2, _, dts2, dsrc2 = grads(pair_scores, router, pt, pe, order, renorm, cot)
     assert torch.equal(s2, s_k) and torch.equal(dts2, dts_k) and torch.equal(dsrc2, dsrc_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_gpu_fused_router_grad_benchmark_size(order, renorm):
+    """fused_router_grad at T = 16384, E = 512, K = 8 on the GPU (what the MoE layer runs)."""
+    check_fused_router_grad(16384, 512, 8, 0, order, renorm, "cuda")

@@ -59,7 +59,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
     ``mode`` ``"topk"``: :func:`sonicmoe.router_topk` then :func:`sonicmoe.routing_from_topk`.
     ``"token_rounding"``: the same router, then ``sonicmoe.token_rounding.token_rounding(router,
     m_tile=M_tile, subroutine=rounding)`` (SPEC §5) and :func:`sonicmoe.routing_from_pairs`; with
-    ``static``, the static-length, sync-free form the ``MoE`` layer runs (``static=True``, padding pairs).
+    ``static``, the static-length, sync-free form the ``MoE`` layer runs (``static=True``, padding pairs, and
+    ``fused_router_grad=True``).
     Scores are differentiable with respect to x and W_r.
     """
     T, E = x.shape[0], router_weight.shape[0]
@@ -70,7 +71,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
                       pair_token, router.topk_ids.reshape(-1), router.topk_ids)
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
-        kw = {"static": True} if static else {}
+        kw = {"static": True, "fused_router_grad": True} if static else {}  # static: as the MoE layer calls it
         result = token_rounding(router, m_tile=m_tile, subroutine=rounding, **kw)
         pt, pe, ps = _unpack_pairs(result)
         routing = getattr(result, "routing", None)  # the library's own, as the MoE layer uses it

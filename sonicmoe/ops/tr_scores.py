@@ -10,10 +10,13 @@ After the selection (:mod:`sonicmoe.ops.tr_select`) token rounding holds R token
                                                                           for an added pair.
 
 :func:`pair_scores` does this in one Triton kernel (one program per block of pairs), and its backward
-in one more (one program per token, its pairs walked in order: the gradient of the token's row of
-``logits`` (or ``probs``) and of its K top-k scores, written densely — no scatter, no atomics, no
-sort, so the bits are reproducible). The torch twin :func:`pair_scores_ref` (advanced indexing, the
-gradients by autograd) has the same signature and is the path on CPU and for float64 routers.
+in one more (one program per token, its pairs taken a block at a time as vectors: the gradient of the
+token's row of ``logits`` (or ``probs``) and of its K top-k scores, written densely — no scatter, no
+atomics, no sort, sums in a fixed order, so the bits are reproducible). With ``fused_router_grad`` that
+kernel also applies the router's own backward to the chosen pairs' gradient, so the router's top-k backward
+kernel and a (T, E) sum of two gradients are skipped (the layer's case). The torch twin
+:func:`pair_scores_ref` (advanced indexing, the gradients by autograd) has the same signature and is the path
+on CPU and for float64 routers.
 
 Shapes (letters of SPEC §1): topk_ids, topk_scores (T, K); logits, probs (T, E); pair_token,
 pair_expert (R,) integer, token-major (pair_token non-decreasing). Scores come out in
@@ -31,6 +34,12 @@ from .common import cdiv, check_device, next_pow2
 from .fast_launch import launch_kernel
 
 _BLOCK_PAIRS = 128
+
+
+def _bwd_pairs(k: int, e: int) -> int:
+    """Pairs per step of the backward's walk over a token's pairs: 2K rounded up to a power of two (token rounding
+    leaves most tokens within a few pairs of K), capped so a step's (pairs, E) tile stays at 16 K elements."""
+    return max(2, min(next_pow2(2 * k), max(2, 16384 // next_pow2(e))))
 
 
 @triton.jit
@@ -77,8 +86,9 @@ def _pair_scores_fwd_kernel(
 
 @triton.jit
 def _pair_scores_bwd_kernel(
-    grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, dts_ptr, dsrc_ptr, E, stride_st, stride_dt,
-    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr,
+    grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, ts_ptr, dts_ptr, dsrc_ptr, E, stride_st, stride_dt,
+    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, PAIRS: tl.constexpr, ORDER_LOGITS: tl.constexpr,
+    RENORM: tl.constexpr, FOLD: tl.constexpr,
 ):
     t64 = tl.program_id(0).to(tl.int64)
     start = tl.load(start_ptr + t64)
@@ -91,43 +101,62 @@ def _pair_scores_bwd_kernel(
     d_row = tl.zeros((E_P2,), dtype=tl.float32)  # d logits[t, :] (or d probs[t, :]) from the added pairs
     d_ts = tl.zeros((K_P2,), dtype=tl.float32)  # d topk_scores[t, :] from the chosen pairs
     d_red = tl.zeros((), dtype=tl.float32)  # d of the logsumexp (or of the sum) of the chosen entries
-    for p in range(start, end):  # the token's pairs, in order: a fixed summation order
-        g = tl.load(grad_ptr + p).to(tl.float32)
-        e = tl.load(expert_ptr + p).to(tl.int32)
-        slot = tl.load(slot_ptr + p)
-        d_ts = tl.where(kk == slot, g, d_ts)
-        is_added = slot < 0
-        v = tl.load(src_ptr + t64 * stride_st + e).to(tl.float32)
+    pp = tl.arange(0, PAIRS)
+    # the token's pairs, PAIRS at a time (one step for most tokens). Pairs are unique, so each slot of d_ts and
+    # each column of d_row receives one pair's term at most: those sums are exact whatever their order; d_red
+    # sums in a fixed tree order, so the bits are the same on every run
+    for p0 in range(start, end, PAIRS):
+        p = p0 + pp
+        m = p < end
+        g = tl.load(grad_ptr + p, mask=m, other=0.0).to(tl.float32)
+        e = tl.load(expert_ptr + p, mask=m, other=0).to(tl.int32)
+        slot = tl.load(slot_ptr + p, mask=m, other=-2)  # k, -1 for an added pair; -2 past the token's pairs
+        d_ts += tl.sum(tl.where(slot[:, None] == kk[None, :], g[:, None], 0.0), axis=0)
+        is_added = slot == -1
+        v = tl.load(src_ptr + t64 * stride_st + e, mask=m, other=0.0).to(tl.float32)
         if ORDER_LOGITS:  # S = exp(v - lse): dS/dv = S, dS/dlse = -S
             s = tl.exp(v - red)
             d_v = g * s
-            d_red -= tl.where(is_added, g * s, 0.0)
+            d_red -= tl.sum(tl.where(is_added, g * s, 0.0), axis=0)
         elif RENORM:  # S = v / z: dS/dv = 1/z, dS/dz = -v/z²
             d_v = g / red
-            d_red -= tl.where(is_added, g * v / (red * red), 0.0)
+            d_red -= tl.sum(tl.where(is_added, g * v / (red * red), 0.0), axis=0)
         else:
             d_v = g
-        d_row = tl.where((cols == e) & is_added, d_row + d_v, d_row)
-    if ORDER_LOGITS or RENORM:
-        if ORDER_LOGITS:  # d lse / d chosen logit k = softmax over the chosen logits
-            d_chosen = d_red * tl.exp(cs - red)
+        d_row += tl.sum(tl.where((e[:, None] == cols[None, :]) & is_added[:, None], d_v[:, None], 0.0), axis=0)
+    d_chosen = tl.zeros((K_P2,), dtype=tl.float32)  # d src at the K chosen experts
+    if ORDER_LOGITS:  # d lse / d chosen logit k = softmax over the chosen logits
+        d_chosen += d_red * tl.exp(cs - red)
+    elif RENORM:
+        d_chosen += d_red
+    if FOLD:  # the chosen pairs' own scores by the router's formula (pair_scores' fused_router_grad): no d topk_scores
+        s_k = tl.load(ts_ptr + t64 * K + kk, mask=kmask, other=0.0).to(tl.float32)
+        dot = tl.sum(s_k * d_ts, axis=0)
+        if ORDER_LOGITS:
+            d_chosen += s_k * (d_ts - dot)
+        elif RENORM:
+            d_chosen += (d_ts - dot) / red
         else:
-            d_chosen = tl.zeros((K_P2,), dtype=tl.float32) + d_red
+            d_chosen += d_ts
+    if ORDER_LOGITS or RENORM or FOLD:
         # each column is at most one chosen expert (the K ids are distinct) and never an added pair's
         hit = (ids[:, None] == cols[None, :]) & kmask[:, None]
         d_row += tl.sum(tl.where(hit, d_chosen[:, None], 0.0), axis=0)
     tl.store(dsrc_ptr + t64 * stride_dt + cols, d_row.to(dsrc_ptr.dtype.element_ty), mask=cols < E)
-    tl.store(dts_ptr + t64 * K + kk, d_ts.to(dts_ptr.dtype.element_ty), mask=kmask)
+    if not FOLD:
+        tl.store(dts_ptr + t64 * K + kk, d_ts.to(dts_ptr.dtype.element_ty), mask=kmask)
 
 
 class _PairScores(torch.autograd.Function):
     """Autograd of the pair scores. Saves (no copies): ``src`` (T, E) — the router's logits (or probs),
     which the router's own graph holds anyway —, topk_ids (T, K), pair_token, pair_expert and the int32
-    slots (R,) (k, −1 for an added pair, −2 for a padding pair). Backward: d topk_scores (T, K) and d src (T, E),
-    dense, from one kernel; it walks each token's pairs, so padding pairs (token T) are never read."""
+    slots (R,) (k, −1 for an added pair, −2 for a padding pair); with ``fold`` also topk_scores (T, K), which the
+    router's graph holds too. Backward: d topk_scores (T, K) and d src (T, E), dense, from one kernel; it reads each
+    token's pairs, so padding pairs (token T) are never read. With ``fold`` the chosen pairs' gradient goes into
+    d src by the router's own score formula and topk_scores gets none (see :func:`pair_scores`)."""
 
     @staticmethod
-    def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm):
+    def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm, fold):
         t, k = topk_ids.shape
         r = pair_token.shape[0]
         scores = torch.empty(r, dtype=topk_scores.dtype, device=src.device)
@@ -138,15 +167,15 @@ class _PairScores(torch.autograd.Function):
                 _pair_scores_fwd_kernel, grid,
                 pair_token, pair_expert, topk_ids, topk_scores, src, scores, slot, r, t, src.stride(0),
                 K=k, K_P2=next_pow2(k), ORDER_LOGITS=order_logits, RENORM=renorm, BLOCK=_BLOCK_PAIRS, num_warps=4)
-        ctx.save_for_backward(src, topk_ids, pair_token, pair_expert, slot)
-        ctx.order_logits, ctx.renorm = order_logits, renorm
+        ctx.save_for_backward(src, topk_ids, pair_token, pair_expert, slot, *((topk_scores,) if fold else ()))
+        ctx.order_logits, ctx.renorm, ctx.fold = order_logits, renorm, fold
         ctx.ts_dtype = topk_scores.dtype
         ctx.mark_non_differentiable(slot)
         return scores, slot
 
     @staticmethod
     def backward(ctx, grad, _):
-        src, topk_ids, pair_token, pair_expert, slot = ctx.saved_tensors
+        src, topk_ids, pair_token, pair_expert, slot, *folded = ctx.saved_tensors
         t, k = topk_ids.shape
         e = src.shape[1]
         d_ts = torch.empty(t, k, dtype=ctx.ts_dtype, device=src.device)
@@ -156,11 +185,12 @@ class _PairScores(torch.autograd.Function):
         if t:
             launch_kernel(
                 _pair_scores_bwd_kernel, (t,),
-                grad.contiguous(), pair_expert, slot, start, topk_ids, src, d_ts, d_src, e, src.stride(0),
-                d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e), ORDER_LOGITS=ctx.order_logits,
-                RENORM=ctx.renorm, num_warps=4)
+                grad.contiguous(), pair_expert, slot, start, topk_ids, src, folded[0] if ctx.fold else d_ts, d_ts,
+                d_src, e, src.stride(0), d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e),
+                PAIRS=_bwd_pairs(k, e), ORDER_LOGITS=ctx.order_logits, RENORM=ctx.renorm, FOLD=ctx.fold, num_warps=4)
         needs = ctx.needs_input_grad
-        return (d_ts if needs[0] else None), (d_src if needs[1] else None), None, None, None, None, None
+        d_ts = d_ts if needs[0] and not ctx.fold else None
+        return d_ts, (d_src if needs[1] else None), None, None, None, None, None, None
 
 
 def _check(pair_token: torch.Tensor, pair_expert: torch.Tensor) -> None:
@@ -173,7 +203,7 @@ def _check(pair_token: torch.Tensor, pair_expert: torch.Tensor) -> None:
 
 
 def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, router_order: str,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalize: bool, fused_router_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores S (R,) and the added flags (R,) bool of token-major pairs, on the Triton kernels.
 
     Args:
@@ -184,10 +214,18 @@ def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, rou
         router_order: ``"topk_then_softmax"`` or ``"softmax_then_topk"`` (see the module docstring).
         renormalize: with ``"softmax_then_topk"``, divide added pairs' probabilities by the sum of the
             token's chosen ones.
+        fused_router_grad: send the chosen pairs' gradient straight to ``logits`` (or ``probs``) by the formula
+            that :func:`~sonicmoe.routing.router_topk` computes ``topk_scores`` with (``router_order``,
+            ``renormalize``; :mod:`sonicmoe.ops.router`), instead of back through ``topk_scores``:
+            ``"topk_then_softmax"`` d logit[e_k] += s_k (g_k − Σ_j s_j g_j); ``"softmax_then_topk"`` d probs[e_k] +=
+            g_k, or (g_k − Σ_j s_j g_j) / Σ_j probs[e_j] with ``renormalize`` (the softmax's backward then gives the
+            router's d logits). The router's top-k backward and one (T, E) sum of gradients then do not run. Only
+            for a router made by ``router_topk`` with the same order and renormalisation and unmodified
+            ``topk_scores`` (as in :class:`~sonicmoe.MoE`): for any other, the gradient would be wrong.
 
     Returns:
-        (S (R,) in topk_scores' dtype, differentiable w.r.t. ``topk_scores`` and ``logits`` (or
-        ``probs``), 0 for padding pairs; pair_added (R,) bool, True where top-k did not choose the pair,
+        (S (R,) in topk_scores' dtype, differentiable w.r.t. ``topk_scores`` (not with ``fused_router_grad``) and
+        ``logits`` (or ``probs``), 0 for padding pairs; pair_added (R,) bool, True where top-k did not choose the pair,
         False for padding pairs).
 
     Raises:
@@ -200,15 +238,17 @@ def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, rou
         check_device(name, x)
     if src.stride(1) != 1:
         src = src.contiguous()
-    scores, slot = _PairScores.apply(router.topk_scores.contiguous(), src, router.topk_ids.contiguous(),
+    ts = router.topk_scores.detach() if fused_router_grad else router.topk_scores  # no edge to the router's top-k
+    scores, slot = _PairScores.apply(ts.contiguous(), src, router.topk_ids.contiguous(),
                                      pair_token.contiguous(), pair_expert.contiguous(), order_logits,
-                                     bool(renormalize) and not order_logits)
+                                     bool(renormalize) and not order_logits, bool(fused_router_grad))
     return scores, slot == -1
 
 
 def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, router_order: str,
-                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`pair_scores` (same arguments and results; gradients by autograd)."""
+                    renormalize: bool, fused_router_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`pair_scores` (same arguments and results; gradients by autograd, always back through
+    ``topk_scores``: ``fused_router_grad`` is ignored, and the router's gradient is the same)."""
     _check(pair_token, pair_expert)
     t, e = router.logits.shape
     real = pair_token < t  # padding pairs (T, E): score 0, not added, no gradient (torch.where)
