@@ -221,7 +221,7 @@ def test_gpu_token_rounding_layer_has_no_host_sync(subroutine):
     leaves = [v.detach().clone().requires_grad_(True) for v in (x, layer.gate.weight, layer.experts.gate_up_proj,
                                                                layer.experts.down_proj)]
     router = router_topk(leaves[0], leaves[1], k)
-    exact = token_rounding(router, m_tile=128, subroutine=subroutine)
+    exact = token_rounding(router, m_tile=128, subroutine=subroutine, fused_router_grad=True)  # as the layer calls it
     rt = routing_from_pairs(exact.pair_token, exact.pair_expert, t, e, token_major=True)
     ref = experts(leaves[0], leaves[2], leaves[3], rt, exact.pair_scores, backend="triton")
     ref_grads = torch.autograd.grad(ref, leaves, dout)

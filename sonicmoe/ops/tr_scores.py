@@ -10,9 +10,9 @@ After the selection (:mod:`sonicmoe.ops.tr_select`) token rounding holds R token
                                                                           for an added pair.
 
 :func:`pair_scores` does this in one Triton kernel (one program per block of pairs), and its backward
-in one more (one program per token, its pairs taken a block at a time as vectors: the gradient of the
-token's row of ``logits`` (or ``probs``) and of its K top-k scores, written densely — no scatter, no
-atomics, no sort, sums in a fixed order, so the bits are reproducible). With ``fused_router_grad`` that
+in one more (one program per block of tokens, each token's pairs walked in order, the tokens in step: the gradient
+of the token's row of ``logits`` (or ``probs``) and of its K top-k scores, written densely — no scatter, no
+atomics, no sort, so the bits are reproducible). With ``fused_router_grad`` that
 kernel also applies the router's own backward to the chosen pairs' gradient, so the router's top-k backward
 kernel and a (T, E) sum of two gradients are skipped (the layer's case). The torch twin
 :func:`pair_scores_ref` (advanced indexing, the gradients by autograd) has the same signature and is the path
@@ -30,16 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, check_device, next_pow2
+from .common import cdiv, check_device, interpreting, next_pow2
 from .fast_launch import launch_kernel
 
 _BLOCK_PAIRS = 128
 
-
-def _bwd_pairs(k: int, e: int) -> int:
-    """Pairs per step of the backward's walk over a token's pairs: 2K rounded up to a power of two (token rounding
-    leaves most tokens within a few pairs of K), capped so a step's (pairs, E) tile stays at 16 K elements."""
-    return max(2, min(next_pow2(2 * k), max(2, 16384 // next_pow2(e))))
 
 
 @triton.jit
@@ -84,67 +79,83 @@ def _pair_scores_fwd_kernel(
     tl.store(slot_ptr + p, tl.where(real, slot, -2), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _pair_scores_bwd_kernel(
-    grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, ts_ptr, dts_ptr, dsrc_ptr, E, stride_st, stride_dt,
-    K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, PAIRS: tl.constexpr, ORDER_LOGITS: tl.constexpr,
-    RENORM: tl.constexpr, FOLD: tl.constexpr,
+    grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, ts_ptr, dts_ptr, dsrc_ptr, T, E, stride_st,
+    stride_dt, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, FOLD: tl.constexpr,
 ):
-    t64 = tl.program_id(0).to(tl.int64)
-    start = tl.load(start_ptr + t64)
-    end = tl.load(start_ptr + t64 + 1)
+    """BLOCK_T tokens per program, their pairs taken in step: step j reads every token's j-th pair at once (the loads
+    of a token's pairs no longer wait on each other), so each token's sums still run in its pair order."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < T
+    t64 = t.to(tl.int64)
+    start = tl.load(start_ptr + t, mask=mask_t, other=0)
+    cnt = tl.load(start_ptr + t + 1, mask=mask_t, other=0) - start
     kk = tl.arange(0, K_P2)
-    kmask = kk < K
-    ids = tl.load(ids_ptr + t64 * K + kk, mask=kmask, other=-1).to(tl.int32)
-    cs, red = _chosen_stats(src_ptr, t64, ids, kmask, stride_st, ORDER_LOGITS)
+    kmask = mask_t[:, None] & (kk < K)[None, :]
+    ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1).to(tl.int32)
+    cs = tl.load(src_ptr + t64[:, None] * stride_st + tl.maximum(ids, 0), mask=kmask, other=0.0).to(tl.float32)
+    if ORDER_LOGITS:  # the logsumexp of the chosen logits (tokens past T: 0)
+        mx = tl.where(mask_t, tl.max(tl.where(kmask, cs, float("-inf")), axis=1), 0.0)
+        red = mx + tl.log(tl.sum(tl.where(kmask, tl.exp(cs - mx[:, None]), 0.0), axis=1) + tl.where(mask_t, 0.0, 1.0))
+    else:  # the sum of the chosen probabilities (tokens past T: 1)
+        red = tl.where(mask_t, tl.sum(tl.where(kmask, cs, 0.0), axis=1), 1.0)
     cols = tl.arange(0, E_P2)
-    d_row = tl.zeros((E_P2,), dtype=tl.float32)  # d logits[t, :] (or d probs[t, :]) from the added pairs
-    d_ts = tl.zeros((K_P2,), dtype=tl.float32)  # d topk_scores[t, :] from the chosen pairs
-    d_red = tl.zeros((), dtype=tl.float32)  # d of the logsumexp (or of the sum) of the chosen entries
-    pp = tl.arange(0, PAIRS)
-    # the token's pairs, PAIRS at a time (one step for most tokens). Pairs are unique, so each slot of d_ts and
-    # each column of d_row receives one pair's term at most: those sums are exact whatever their order; d_red
-    # sums in a fixed tree order, so the bits are the same on every run
-    for p0 in range(start, end, PAIRS):
-        p = p0 + pp
-        m = p < end
+    d_row = tl.zeros((BLOCK_T, E_P2), dtype=tl.float32)  # d logits[t, :] (or d probs[t, :]) from the added pairs
+    d_ts = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)  # d topk_scores[t, :] from the chosen pairs
+    d_red = tl.zeros((BLOCK_T,), dtype=tl.float32)  # d of the logsumexp (or of the sum) of the chosen entries
+    for j in range(0, tl.max(cnt, axis=0)):  # every token's j-th pair: a fixed summation order per token
+        m = j < cnt
+        p = start + j
         g = tl.load(grad_ptr + p, mask=m, other=0.0).to(tl.float32)
         e = tl.load(expert_ptr + p, mask=m, other=0).to(tl.int32)
         slot = tl.load(slot_ptr + p, mask=m, other=-2)  # k, -1 for an added pair; -2 past the token's pairs
-        d_ts += tl.sum(tl.where(slot[:, None] == kk[None, :], g[:, None], 0.0), axis=0)
+        d_ts = tl.where(kk[None, :] == slot[:, None], g[:, None], d_ts)
         is_added = slot == -1
         v = tl.load(src_ptr + t64 * stride_st + e, mask=m, other=0.0).to(tl.float32)
         if ORDER_LOGITS:  # S = exp(v - lse): dS/dv = S, dS/dlse = -S
-            s = tl.exp(v - red)
-            d_v = g * s
-            d_red -= tl.sum(tl.where(is_added, g * s, 0.0), axis=0)
+            sc = tl.exp(v - red)
+            d_v = g * sc
+            d_red -= tl.where(is_added, g * sc, 0.0)
         elif RENORM:  # S = v / z: dS/dv = 1/z, dS/dz = -v/z²
             d_v = g / red
-            d_red -= tl.sum(tl.where(is_added, g * v / (red * red), 0.0), axis=0)
+            d_red -= tl.where(is_added, g * v / (red * red), 0.0)
         else:
             d_v = g
-        d_row += tl.sum(tl.where((e[:, None] == cols[None, :]) & is_added[:, None], d_v[:, None], 0.0), axis=0)
-    d_chosen = tl.zeros((K_P2,), dtype=tl.float32)  # d src at the K chosen experts
+        d_row = tl.where((cols[None, :] == e[:, None]) & is_added[:, None], d_row + d_v[:, None], d_row)
+    d_chosen = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)  # d src at the K chosen experts
     if ORDER_LOGITS:  # d lse / d chosen logit k = softmax over the chosen logits
-        d_chosen += d_red * tl.exp(cs - red)
+        d_chosen += d_red[:, None] * tl.exp(cs - red[:, None])
     elif RENORM:
-        d_chosen += d_red
+        d_chosen += d_red[:, None]
     if FOLD:  # the chosen pairs' own scores by the router's formula (pair_scores' fused_router_grad): no d topk_scores
-        s_k = tl.load(ts_ptr + t64 * K + kk, mask=kmask, other=0.0).to(tl.float32)
-        dot = tl.sum(s_k * d_ts, axis=0)
+        s_k = tl.load(ts_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0.0).to(tl.float32)
+        dot = tl.sum(s_k * d_ts, axis=1)[:, None]
         if ORDER_LOGITS:
             d_chosen += s_k * (d_ts - dot)
         elif RENORM:
-            d_chosen += (d_ts - dot) / red
+            d_chosen += (d_ts - dot) / red[:, None]
         else:
             d_chosen += d_ts
     if ORDER_LOGITS or RENORM or FOLD:
         # each column is at most one chosen expert (the K ids are distinct) and never an added pair's
-        hit = (ids[:, None] == cols[None, :]) & kmask[:, None]
-        d_row += tl.sum(tl.where(hit, d_chosen[:, None], 0.0), axis=0)
-    tl.store(dsrc_ptr + t64 * stride_dt + cols, d_row.to(dsrc_ptr.dtype.element_ty), mask=cols < E)
+        for k in range(K):
+            sel = kk[None, :] == k
+            ek = tl.sum(tl.where(sel, ids, 0), axis=1)  # -1 for tokens past T: no column
+            d_row += tl.where(cols[None, :] == ek[:, None], tl.sum(tl.where(sel, d_chosen, 0.0), axis=1)[:, None], 0.0)
+    tl.store(dsrc_ptr + t64[:, None] * stride_dt + cols[None, :], d_row.to(dsrc_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & (cols < E)[None, :])
     if not FOLD:
-        tl.store(dts_ptr + t64 * K + kk, d_ts.to(dts_ptr.dtype.element_ty), mask=kmask)
+        tl.store(dts_ptr + t64[:, None] * K + kk[None, :], d_ts.to(dts_ptr.dtype.element_ty), mask=kmask)
+
+
+def _bwd_meta(e_p2: int) -> dict:
+    """Tokens per program and warps of the backward: about 2048 (token, expert) entries per program on GPU (the
+    router's backward kernel's shape, :mod:`sonicmoe.ops.router`); 16 tokens under the interpreter."""
+    if interpreting():
+        return {"BLOCK_T": 16}
+    return {"BLOCK_T": max(1, min(32, 2048 // e_p2)), "num_warps": 4 if e_p2 <= 256 else 8}
 
 
 class _PairScores(torch.autograd.Function):
@@ -183,11 +194,12 @@ class _PairScores(torch.autograd.Function):
         # each token's pairs [start[t], start[t + 1]) of the token-major list
         start = torch.searchsorted(pair_token, torch.arange(t + 1, device=src.device, dtype=pair_token.dtype))
         if t:
+            meta = _bwd_meta(next_pow2(e))
             launch_kernel(
-                _pair_scores_bwd_kernel, (t,),
+                _pair_scores_bwd_kernel, (cdiv(t, meta["BLOCK_T"]),),
                 grad.contiguous(), pair_expert, slot, start, topk_ids, src, folded[0] if ctx.fold else d_ts, d_ts,
-                d_src, e, src.stride(0), d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e),
-                PAIRS=_bwd_pairs(k, e), ORDER_LOGITS=ctx.order_logits, RENORM=ctx.renorm, FOLD=ctx.fold, num_warps=4)
+                d_src, t, e, src.stride(0), d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e),
+                ORDER_LOGITS=ctx.order_logits, RENORM=ctx.renorm, FOLD=ctx.fold, **meta)
         needs = ctx.needs_input_grad
         d_ts = d_ts if needs[0] and not ctx.fold else None
         return d_ts, (d_src if needs[1] else None), None, None, None, None, None, None
