@@ -11,8 +11,8 @@ After the selection (:mod:`sonicmoe.ops.tr_select`) token rounding holds R token
 
 :func:`pair_scores` does this in one Triton kernel (one program per block of pairs), and its backward
 in one more (one program per block of tokens, each token's pairs walked in order, the tokens in step: the gradient
-of the token's row of ``logits`` (or ``probs``) and of its K top-k scores, written densely — no scatter, no
-atomics, no sort, so the bits are reproducible). With ``fused_router_grad`` that
+of the token's row of ``logits`` (or ``probs``), written as zeros and then its distinct non-zero entries, and of its
+K top-k scores — no atomics, no sort, so the bits are reproducible). With ``fused_router_grad`` that
 kernel also applies the router's own backward to the chosen pairs' gradient, so the router's top-k backward
 kernel and a (T, E) sum of two gradients are skipped (the layer's case). The torch twin
 :func:`pair_scores_ref` (advanced indexing, the gradients by autograd) has the same signature and is the path
@@ -79,17 +79,55 @@ def _pair_scores_fwd_kernel(
     tl.store(slot_ptr + p, tl.where(real, slot, -2), mask=mask)
 
 
+@triton.jit
+def _load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p, m, t64, stride_st):
+    """Pair p of each token of the block where m: (d S, expert, slot, src value); elsewhere a no-op pair (slot -2)."""
+    g = tl.load(grad_ptr + p, mask=m, other=0.0).to(tl.float32)
+    e = tl.load(expert_ptr + p, mask=m, other=0).to(tl.int32)
+    slot = tl.load(slot_ptr + p, mask=m, other=-2)  # k, -1 for an added pair; -2: past the token's pairs
+    v = tl.load(src_ptr + t64 * stride_st + e, mask=m, other=0.0).to(tl.float32)
+    return g, e, slot, v
+
+
+@triton.jit
+def _pair_step(dsrc_ptr, d_ts, d_red, g, e, slot, v, red, kk, t64, stride_dt, ORDER_LOGITS: tl.constexpr,
+               RENORM: tl.constexpr):
+    """One pair per token: a chosen pair's d S to its top-k slot; an added pair's d src to its (token, expert) entry
+    (stored: no other pair has that entry) and its term of d (logsumexp or sum of the chosen entries)."""
+    d_ts = tl.where(kk[None, :] == slot[:, None], g[:, None], d_ts)
+    is_added = slot == -1
+    if ORDER_LOGITS:  # S = exp(v - lse): dS/dv = S, dS/dlse = -S
+        sc = tl.exp(v - red)
+        d_v = g * sc
+        d_red -= tl.where(is_added, g * sc, 0.0)
+    elif RENORM:  # S = v / z: dS/dv = 1/z, dS/dz = -v/z²
+        d_v = g / red
+        d_red -= tl.where(is_added, g * v / (red * red), 0.0)
+    else:
+        d_v = g
+    tl.store(dsrc_ptr + t64 * stride_dt + e, d_v.to(dsrc_ptr.dtype.element_ty), mask=is_added)
+    return d_ts, d_red
+
+
 @triton.jit(do_not_specialize=["T"])
 def _pair_scores_bwd_kernel(
     grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, ts_ptr, dts_ptr, dsrc_ptr, T, E, stride_st,
-    stride_dt, K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
+    stride_dt, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, FOLD: tl.constexpr,
 ):
-    """BLOCK_T tokens per program, their pairs taken in step: step j reads every token's j-th pair at once (the loads
-    of a token's pairs no longer wait on each other), so each token's sums still run in its pair order."""
+    """BLOCK_T tokens per program. Their rows of d src are written as zeros first; then the tokens' pairs are taken in
+    step (step j reads every token's j-th pair, so each token's sums run in its pair order) and each added pair's
+    entry is stored; last, the K chosen entries. The entries a row receives are distinct (pairs are unique, chosen
+    and added experts differ), and a barrier orders them after the zeros."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < T
     t64 = t.to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    zeros = tl.zeros((BLOCK_T, BLOCK_E), dsrc_ptr.dtype.element_ty)
+    for c0 in range(0, E, BLOCK_E):
+        c = c0 + cols
+        tl.store(dsrc_ptr + t64[:, None] * stride_dt + c[None, :], zeros, mask=mask_t[:, None] & (c < E)[None, :])
+    tl.debug_barrier()  # the zeros land before any entry of the same rows
     start = tl.load(start_ptr + t, mask=mask_t, other=0)
     cnt = tl.load(start_ptr + t + 1, mask=mask_t, other=0) - start
     kk = tl.arange(0, K_P2)
@@ -101,29 +139,17 @@ def _pair_scores_bwd_kernel(
         red = mx + tl.log(tl.sum(tl.where(kmask, tl.exp(cs - mx[:, None]), 0.0), axis=1) + tl.where(mask_t, 0.0, 1.0))
     else:  # the sum of the chosen probabilities (tokens past T: 1)
         red = tl.where(mask_t, tl.sum(tl.where(kmask, cs, 0.0), axis=1), 1.0)
-    cols = tl.arange(0, E_P2)
-    d_row = tl.zeros((BLOCK_T, E_P2), dtype=tl.float32)  # d logits[t, :] (or d probs[t, :]) from the added pairs
     d_ts = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)  # d topk_scores[t, :] from the chosen pairs
     d_red = tl.zeros((BLOCK_T,), dtype=tl.float32)  # d of the logsumexp (or of the sum) of the chosen entries
-    for j in range(0, tl.max(cnt, axis=0)):  # every token's j-th pair: a fixed summation order per token
-        m = j < cnt
+    # every token's j-th and (j+1)-th pairs: both steps' loads in flight at once, then the two steps in pair order
+    for j in range(0, tl.max(cnt, axis=0), 2):
         p = start + j
-        g = tl.load(grad_ptr + p, mask=m, other=0.0).to(tl.float32)
-        e = tl.load(expert_ptr + p, mask=m, other=0).to(tl.int32)
-        slot = tl.load(slot_ptr + p, mask=m, other=-2)  # k, -1 for an added pair; -2 past the token's pairs
-        d_ts = tl.where(kk[None, :] == slot[:, None], g[:, None], d_ts)
-        is_added = slot == -1
-        v = tl.load(src_ptr + t64 * stride_st + e, mask=m, other=0.0).to(tl.float32)
-        if ORDER_LOGITS:  # S = exp(v - lse): dS/dv = S, dS/dlse = -S
-            sc = tl.exp(v - red)
-            d_v = g * sc
-            d_red -= tl.where(is_added, g * sc, 0.0)
-        elif RENORM:  # S = v / z: dS/dv = 1/z, dS/dz = -v/z²
-            d_v = g / red
-            d_red -= tl.where(is_added, g * v / (red * red), 0.0)
-        else:
-            d_v = g
-        d_row = tl.where((cols[None, :] == e[:, None]) & is_added[:, None], d_row + d_v[:, None], d_row)
+        g0, e0, slot0, v0 = _load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p, j < cnt, t64, stride_st)
+        g1, e1, slot1, v1 = _load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p + 1, j + 1 < cnt, t64, stride_st)
+        d_ts, d_red = _pair_step(dsrc_ptr, d_ts, d_red, g0, e0, slot0, v0, red, kk, t64, stride_dt, ORDER_LOGITS,
+                                 RENORM)
+        d_ts, d_red = _pair_step(dsrc_ptr, d_ts, d_red, g1, e1, slot1, v1, red, kk, t64, stride_dt, ORDER_LOGITS,
+                                 RENORM)
     d_chosen = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)  # d src at the K chosen experts
     if ORDER_LOGITS:  # d lse / d chosen logit k = softmax over the chosen logits
         d_chosen += d_red[:, None] * tl.exp(cs - red[:, None])
@@ -138,24 +164,18 @@ def _pair_scores_bwd_kernel(
             d_chosen += (d_ts - dot) / red[:, None]
         else:
             d_chosen += d_ts
-    if ORDER_LOGITS or RENORM or FOLD:
-        # each column is at most one chosen expert (the K ids are distinct) and never an added pair's
-        for k in range(K):
-            sel = kk[None, :] == k
-            ek = tl.sum(tl.where(sel, ids, 0), axis=1)  # -1 for tokens past T: no column
-            d_row += tl.where(cols[None, :] == ek[:, None], tl.sum(tl.where(sel, d_chosen, 0.0), axis=1)[:, None], 0.0)
-    tl.store(dsrc_ptr + t64[:, None] * stride_dt + cols[None, :], d_row.to(dsrc_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & (cols < E)[None, :])
+    if ORDER_LOGITS or RENORM or FOLD:  # the K chosen entries (distinct, and never an added pair's)
+        tl.store(dsrc_ptr + t64[:, None] * stride_dt + ids, d_chosen.to(dsrc_ptr.dtype.element_ty), mask=kmask)
     if not FOLD:
         tl.store(dts_ptr + t64[:, None] * K + kk[None, :], d_ts.to(dts_ptr.dtype.element_ty), mask=kmask)
 
 
 def _bwd_meta(e_p2: int) -> dict:
-    """Tokens per program and warps of the backward: about 2048 (token, expert) entries per program on GPU (the
-    router's backward kernel's shape, :mod:`sonicmoe.ops.router`); 16 tokens under the interpreter."""
-    if interpreting():
-        return {"BLOCK_T": 16}
-    return {"BLOCK_T": max(1, min(32, 2048 // e_p2)), "num_warps": 4 if e_p2 <= 256 else 8}
+    """Tokens per program, the width of the zero stores and warps of the backward (16 tokens under the interpreter).
+    The kernel is bound by the latency of its pair loads, so many tokens per program means few waves of them: with
+    the token's row of d src held in registers, 4 tokens per program at E = 512 took 131 µs, one token 53 µs
+    (H100, session 34)."""
+    return {"BLOCK_T": 16 if interpreting() else 64, "BLOCK_E": min(e_p2, 128), "num_warps": 4}
 
 
 class _PairScores(torch.autograd.Function):
@@ -198,8 +218,8 @@ class _PairScores(torch.autograd.Function):
             launch_kernel(
                 _pair_scores_bwd_kernel, (cdiv(t, meta["BLOCK_T"]),),
                 grad.contiguous(), pair_expert, slot, start, topk_ids, src, folded[0] if ctx.fold else d_ts, d_ts,
-                d_src, t, e, src.stride(0), d_src.stride(0), K=k, K_P2=next_pow2(k), E_P2=next_pow2(e),
-                ORDER_LOGITS=ctx.order_logits, RENORM=ctx.renorm, FOLD=ctx.fold, **meta)
+                d_src, t, e, src.stride(0), d_src.stride(0), K=k, K_P2=next_pow2(k), ORDER_LOGITS=ctx.order_logits,
+                RENORM=ctx.renorm, FOLD=ctx.fold, **meta)
         needs = ctx.needs_input_grad
         d_ts = d_ts if needs[0] and not ctx.fold else None
         return d_ts, (d_src if needs[1] else None), None, None, None, None, None, None
