@@ -73,6 +73,10 @@ def test_select_equals_twin_and_oracle(device, e, t, values, seed):
         for resident in (True, False):  # the row held in registers, or streamed once per counting pass
             got = select_routed(*args, fanout=fanout, resident=resident)
             assert torch.equal(got.cpu(), expect), (fanout, resident)
+    # rounded-down experts searched over the list of their chosen keys (every one, none, or those with f <= 8)
+    for compact in (None, 0, 8):
+        got = select_routed(*args, resident=True, compact=compact, rank=True)
+        assert torch.equal(got.cpu() != 0, expect), compact
     assert all(torch.equal(a.cpu(), b) for a, b in zip(args, (prob_key, score_key, f, keep)))  # inputs untouched
 
 
@@ -92,6 +96,10 @@ def test_select_on_router_keys(device, subroutine):
     assert bool((keep != f).all()), "every expert searched"
     for resident in (True, False):
         assert torch.equal(select_routed(*args, rank=True, resident=resident).cpu(), expect), resident
+    down = keep < f
+    assert bool(down.any()) == (subroutine != "up")
+    for compact in (0, 256, 512):  # the listed search for none, some and all of the rounded-down experts
+        assert torch.equal(select_routed(*args, rank=True, compact=compact).cpu(), expect), compact
 
 
 def test_extreme_keys(device):
@@ -149,6 +157,8 @@ def test_bad_arguments():
     long_keys = torch.zeros(1, RESIDENT_MAX_T + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="resident"):
         select_routed(long_keys, long_keys, z[:1], z[:1], resident=True)
+    with pytest.raises(ValueError, match="compact"):
+        select_routed(keys, keys, z, z, compact=3)
     with pytest.raises(ValueError, match="topk_ids"):
         candidate_keys_ref(torch.zeros(5, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
 

@@ -21,9 +21,11 @@ below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every rea
     Rows of T <= RESIDENT_MAX_T keys are loaded once and searched in registers: a bisection (32 passes at most,
     one block-wide sum each) from the row's range of real keys, stopping once that range holds one value or a
     threshold has exactly n keys at or above it. Longer rows are streamed from L2 once per pass (16 passes, 4
-    thresholds counted in each). Then one more pass over the rows takes the pairs. H100
-    (``benchmarks/tr_select_fanout.py``, session 33): 80 µs at T = 16384, E = 512 against 193 µs streamed (219 µs in
-    session 12, 294 µs for its first bisection).
+    thresholds counted in each). Then one more pass over the rows takes the pairs. With the row in registers, an
+    expert rounded down with f <= :data:`COMPACT_MAX` chosen tokens first gathers its f chosen keys and tokens into a
+    list (one pass over its score row, where the other T - f keys are NO_KEY) and searches and takes over that list.
+    H100 (``benchmarks/tr_select_fanout.py``, session 33): 80 µs at T = 16384, E = 512 against 193 µs streamed (219 µs
+    in session 12, 294 µs for its first bisection).
 
 No host synchronisation in either. ``*_ref`` twins (torch sorts, no sync) have the same signatures and
 results; they are the path on CPU and the oracles of the tests.
@@ -66,6 +68,10 @@ SELECT_FANOUT = 4
 RESIDENT_MAX_T = 32768
 RESIDENT_KEYS_PER_THREAD = 64
 RESIDENT_FANOUT = 2
+# a rounded-down expert (it keeps its best chosen tokens) whose f chosen tokens number at most this is searched over a
+# list of just those f keys, gathered from its row in one pass, instead of over all T keys of the row (where T - f
+# are NO_KEY: at T = 16384, E = 512, K = 8 about 98%); with the row held in registers only
+COMPACT_MAX = 4096
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -278,17 +284,39 @@ def _take(k, lo, ties, seen):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, T, E, BLOCK: tl.constexpr,
-                   FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr, ROW: tl.constexpr):
-    """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
-    token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
-    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed. ROW = 0: the
-    search streams the row each pass (:func:`_threshold`); else it holds it in registers
-    (:func:`_threshold_resident`)."""
-    e = tl.program_id(0)
-    f = tl.load(count_ptr + e).to(tl.int32)
-    keep = tl.load(keep_ptr + e).to(tl.int32)
-    row = e.to(tl.int64) * T
+def _select_listed(score_row_ptr, list_key_ptr, list_tok_ptr, routed_ptr, e, f, keep, T, E, BLOCK: tl.constexpr,
+                   FANOUT: tl.constexpr, RANK: tl.constexpr, CAP: tl.constexpr):
+    """A rounded-down expert with f <= CAP chosen tokens: one pass over its score row writes the chosen tokens' keys
+    and token indices, in token order, into a list of CAP slots; the search (in registers, :func:`_threshold_resident`)
+    and the take then run over the f listed keys instead of the row's T."""
+    n = tl.zeros((), dtype=tl.int32)
+    for start in range(0, T, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        s = tl.load(score_row_ptr + offs, mask=offs < T, other=_NO_KEY)
+        real = s != _NO_KEY
+        pos = n + tl.cumsum(real.to(tl.int32), axis=0) - 1
+        tl.store(list_key_ptr + pos, s, mask=real)
+        tl.store(list_tok_ptr + pos, offs, mask=real)
+        n += tl.sum(real.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the list is whole before any thread reads it
+    lo, ties = _threshold_resident(list_key_ptr, keep, f, FANOUT, CAP)
+    i = tl.arange(0, CAP)
+    k = tl.load(list_key_ptr + i, mask=i < f, other=_NO_KEY).to(tl.int64)
+    tok = tl.load(list_tok_ptr + i, mask=i < f, other=0)
+    take, _ = _take(k, lo, ties, tl.zeros((), dtype=tl.int32))
+    dst = routed_ptr + tok.to(tl.int64) * E + e
+    if RANK:
+        tl.store(dst, tl.cumsum(take.to(tl.int32), axis=0), mask=take)
+    else:
+        tl.store(dst, tl.full((CAP,), 1, tl.int8), mask=take)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _select_row(prob_key_ptr, score_key_ptr, routed_ptr, e, f, keep, row, T, E, BLOCK: tl.constexpr,
+                FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr, ROW: tl.constexpr):
+    """The search over the expert's whole row of T keys, and the take: a pass over the row that writes each routed
+    token's rank (or flag). A rounded-up expert's chosen tokens are where its probability key is NO_KEY, so its take
+    reads that row alone."""
     down = keep < f
     if down:
         if ROW > 0:
@@ -304,13 +332,13 @@ def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr,
     done = tl.zeros((), dtype=tl.int32)  # tokens routed so far (RANK)
     for start in range(0, T, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        s = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
         if down:
+            s = tl.load(score_key_ptr + row + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
             take, seen = _take(s, lo, ties, seen)
         else:
             p = tl.load(prob_key_ptr + row + offs, mask=offs < T, other=_NO_KEY).to(tl.int64)
             added, seen = _take(p, lo, ties, seen)
-            take = (s != _NO_KEY) | added
+            take = ((p == _NO_KEY) & (offs < T)) | added  # chosen, or added
         dst = routed_ptr + offs.to(tl.int64) * E + e
         if RANK:
             ranks = done + tl.cumsum(take.to(tl.int32), axis=0)
@@ -318,6 +346,33 @@ def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr,
             done += tl.sum(take.to(tl.int32), axis=0)
         else:
             tl.store(dst, tl.full((BLOCK,), 1, tl.int8), mask=take)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _select_kernel(prob_key_ptr, score_key_ptr, count_ptr, keep_ptr, routed_ptr, list_key_ptr, list_tok_ptr, T, E,
+                   BLOCK: tl.constexpr, FANOUT: tl.constexpr, PASSES: tl.constexpr, RANK: tl.constexpr,
+                   ROW: tl.constexpr, CAP: tl.constexpr):
+    """Expert e = program: rounded down (keep < f), the ``keep`` best chosen tokens by score; else every chosen
+    token and the ``keep - f`` best others by probability. Writes routed[t, e] = 1 (int8), or with RANK the
+    1-based rank of t among the expert's routed tokens in token order (int32), where t is routed. ROW = 0: the
+    search streams the row each pass (:func:`_threshold`); else it holds it in registers
+    (:func:`_threshold_resident`). CAP > 0: a rounded-down expert with f <= CAP searches a list of its f chosen keys
+    (:func:`_select_listed`; list_key/list_tok (E, CAP) int32 scratch)."""
+    e = tl.program_id(0)
+    f = tl.load(count_ptr + e).to(tl.int32)
+    keep = tl.load(keep_ptr + e).to(tl.int32)
+    row = e.to(tl.int64) * T
+    down = keep < f
+    listed = False
+    if CAP > 0:
+        listed = down & (f <= CAP)
+    if listed:
+        if CAP > 0:
+            at = e.to(tl.int64) * CAP
+            _select_listed(score_key_ptr + row, list_key_ptr + at, list_tok_ptr + at, routed_ptr, e, f, keep, T, E,
+                           BLOCK, FANOUT, RANK, CAP)
+    else:
+        _select_row(prob_key_ptr, score_key_ptr, routed_ptr, e, f, keep, row, T, E, BLOCK, FANOUT, PASSES, RANK, ROW)
 
 
 def _check_select(prob_key, score_key, f, keep) -> tuple[int, int]:
@@ -341,7 +396,7 @@ def resident_warps(t: int) -> int:
 def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tensor,
                   keep: torch.Tensor, *, fanout: int | None = None,
                   tile: tuple[int, int] | None = None, rank: bool = False,
-                  resident: bool | None = None) -> torch.Tensor:
+                  resident: bool | None = None, compact: int | None = None) -> torch.Tensor:
     """The (T, E) bool mask of the pairs token rounding routes, on the Triton kernel; with ``rank``, (T, E) int32
     holding, where (t, e) is routed, the 1-based rank of t among the tokens routed to e in token order (0
     elsewhere): the row of the pair within its expert, plus one.
@@ -360,10 +415,14 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
         resident: whether the search holds each row in registers (one load of the row, every counting pass in
             registers) instead of streaming it from memory once per pass. None: when T <= :data:`RESIDENT_MAX_T`.
             The result does not depend on it.
+        compact: with ``resident``, a rounded-down expert (keep < f) with f <= ``compact`` searches a list of its f
+            chosen keys, gathered from its row in one pass, instead of its whole row; a power of two, 0 turns it
+            off. None: min(next_pow2(T), :data:`COMPACT_MAX`). Scratch: two (E, compact) int32 arrays. The result does
+            not depend on it.
 
     Raises:
-        ValueError: shapes or dtypes that do not match the above, a fanout that is not a power of two >= 2, or
-            ``resident=True`` with T > :data:`RESIDENT_MAX_T`.
+        ValueError: shapes or dtypes that do not match the above, a fanout that is not a power of two >= 2, a
+            compact that is not 0 or a power of two, or ``resident=True`` with T > :data:`RESIDENT_MAX_T`.
     """
     e, t = _check_select(prob_key, score_key, f, keep)
     if resident is None:
@@ -375,6 +434,11 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 2 or fanout & (fanout - 1):
         raise ValueError(f"fanout must be a power of two >= 2, got {fanout!r}")
     bits = fanout.bit_length() - 1
+    if compact is None:
+        compact = min(next_pow2(t), COMPACT_MAX)
+    if isinstance(compact, bool) or not isinstance(compact, int) or compact < 0 or compact & (compact - 1):
+        raise ValueError(f"compact must be 0 or a power of two, got {compact!r}")
+    cap = compact if resident else 0
     for name, x in (("prob_key", prob_key), ("score_key", score_key), ("f", f), ("keep", keep)):
         check_device(name, x)
     routed = torch.zeros(t, e, dtype=torch.int32 if rank else torch.bool, device=prob_key.device)
@@ -385,10 +449,12 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
             tile = (tile[0], resident_warps(t))
     block, warps = tile
     if e and t:
+        # scratch lists of the rounded-down experts' chosen keys and tokens (a placeholder pointer when off)
+        lists = torch.empty(2, e, cap, dtype=torch.int32, device=prob_key.device) if cap else prob_key
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
-                      routed if rank else routed.view(torch.int8), t, e, BLOCK=min(block, next_pow2(t)),
-                      FANOUT=fanout, PASSES=cdiv(32, bits), RANK=rank, ROW=next_pow2(t) if resident else 0,
-                      num_warps=warps)
+                      routed if rank else routed.view(torch.int8), lists[0] if cap else lists,
+                      lists[1] if cap else lists, t, e, BLOCK=min(block, next_pow2(t)), FANOUT=fanout,
+                      PASSES=cdiv(32, bits), RANK=rank, ROW=next_pow2(t) if resident else 0, CAP=cap, num_warps=warps)
     return routed
 
 
