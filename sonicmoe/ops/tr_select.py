@@ -295,8 +295,9 @@ def _select_listed(score_row_ptr, list_key_ptr, list_tok_ptr, routed_ptr, e, f, 
         s = tl.load(score_row_ptr + offs, mask=offs < T, other=_NO_KEY)
         real = s != _NO_KEY
         pos = n + tl.cumsum(real.to(tl.int32), axis=0) - 1
-        tl.store(list_key_ptr + pos, s, mask=real)
-        tl.store(list_tok_ptr + pos, offs, mask=real)
+        inside = real & (pos < CAP)  # a row with more real keys than its f says never writes past its list
+        tl.store(list_key_ptr + pos, s, mask=inside)
+        tl.store(list_tok_ptr + pos, offs, mask=inside)
         n += tl.sum(real.to(tl.int32), axis=0)
     tl.debug_barrier()  # the list is whole before any thread reads it
     lo, ties = _threshold_resident(list_key_ptr, keep, f, FANOUT, CAP)
