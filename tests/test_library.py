@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonicmoe
-from sonicmoe.ops import common, grouped_gemm_ws, library
+from sonicmoe.ops import grouped_gemm_ws, library
 from sonicmoe.ops.aggregation import gather_sum_ref
 from sonicmoe.ops.grouped_gemm import varlen_m_gemm_ref
 from sonicmoe.ops.library import BWD_ROUTING_FIELDS, FWD_ROUTING_FIELDS
@@ -137,36 +137,15 @@ def test_gather_chunk_width_rule(monkeypatch):
     of at most half of d, and d a multiple of 8 (16-byte aligned blocks for the TMA descriptors)."""
     cpu = torch.device("cpu")
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
-    assert common.gather_chunk_width(4096, cpu) == 0
+    assert library.gather_chunk_width(4096, cpu) == 0
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "off")  # not a number: as unset
-    assert common.gather_chunk_width(4096, cpu) == 0
+    assert library.gather_chunk_width(4096, cpu) == 0
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
-    assert [common.gather_chunk_width(d, cpu) for d in (40, 32, 24, 36)] == [16, 16, 0, 0]
+    assert [library.gather_chunk_width(d, cpu) for d in (40, 32, 24, 36)] == [16, 16, 0, 0]
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "12")
-    assert common.gather_chunk_width(48, cpu) == 0
+    assert library.gather_chunk_width(48, cpu) == 0
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
-    assert common.gather_chunk_width(4096, cpu) == 0
-    assert common.gather_chunk_widths(4096, cpu) == []
-
-
-def test_gather_chunk_widths_narrow_towards_the_end(monkeypatch):
-    """The column blocks sum to d; each but the last takes half of what is left, at least SONICMOE_AGG_TAIL (capped
-    at the widest; not a multiple of 8: the default) and at most the widest; the last takes the rest."""
-    cpu = torch.device("cpu")
-    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "2048")
-    cases = {("2048", 4096): [2048, 2048], ("512", 4096): [2048, 1024, 512, 512],
-             ("256", 4096): [2048, 1024, 512, 256, 256], ("512", 7168): [2048, 2048, 1536, 768, 512, 256],
-             ("4096", 4096): [2048, 2048], ("500", 4096): [2048, 2048], ("", 4096): [2048, 2048]}
-    for (tail, d), want in cases.items():
-        monkeypatch.setenv("SONICMOE_AGG_TAIL", tail)
-        got = common.gather_chunk_widths(d, cpu)
-        assert got == want, (tail, d, got)
-        assert sum(got) == d and all(w % 8 == 0 for w in got)
-    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", "8")
-    assert common.gather_chunk_widths(40, cpu) == [16, 8, 8, 8]
-    monkeypatch.delenv("SONICMOE_AGG_TAIL")
-    assert common.gather_chunk_widths(40, cpu) == [16, 16, 8]
+    assert library.gather_chunk_width(4096, cpu) == 0
 
 
 @pytest.mark.parametrize("d,width", [(16, 8), (40, 16)], ids=["even", "ragged"])
@@ -174,9 +153,9 @@ def test_gather_chunk_widths_narrow_towards_the_end(monkeypatch):
 def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layout, device, monkeypatch):
     """A varlen-M GEMM and its aggregation in column blocks of C (SONICMOE_AGG_CHUNK; on CUDA each block's
     aggregation runs on the side stream beside the next block's GEMM) give the one-pass bits: the down-projection
-    form with bias and slot weights (against the float32 reference too), the forward under SONICMOE_FWD_AGG_CHUNK=1,
-    and the whole backward, whose dX̃ GEMM and dX aggregation run so. Outputs are poisoned (NaN) first, so a column
-    block no kernel wrote shows up; ragged: d = 40 in blocks of 16, 16 and 8 columns, or (tail 8) 16, 8, 8 and 8."""
+    form with bias and slot weights (against the float32 reference too), and the whole backward, whose dX̃ GEMM
+    and dX aggregation run so. Outputs are poisoned (NaN) first, so a column block no kernel wrote shows up;
+    ragged: d = 40 in blocks of 16, 16 and 8 columns."""
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     p = random_problem(T, d, N, E, bias=True, device=device, seed=11)
@@ -190,42 +169,33 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
     row_scores = torch.rand(r, generator=g).to(device)
     b1, b2 = (p["b1"], p["b2"]) if bias else (None, None)
     runs = []
-    for w, tail in (("0", ""), (str(width), ""), (str(width), "8")):
+    for w in ("0", str(width)):
         monkeypatch.setenv("SONICMOE_AGG_CHUNK", w)
-        monkeypatch.setenv("SONICMOE_AGG_TAIL", tail)
         out = library.gemm_then_gather_sum(a, p["w2"], b2, routing, weights, transpose_b=True)
-        monkeypatch.setenv("SONICMOE_FWD_AGG_CHUNK", "1")  # the forward's down-projection in the blocks too
-        fwd = library.experts_fwd_impl(*_fwd_args(p, routing, layout, False)[:-1], True)
-        monkeypatch.delenv("SONICMOE_FWD_AGG_CHUNK")
         grads = library.experts_bwd_impl(dout, p["x"], p["w1"], p["w2"], b1, b2, h, row_scores,
                                          *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), layout, torch.float32,
                                          [True] * 6)
-        runs.append((out, *fwd, *grads))
-    assert common.gather_chunk_width(d, torch.device(device)) == width
-    for one, *chunked in zip(*runs):
-        for c in chunked:
-            assert not c.isnan().any()
-            assert torch.equal(one, c)
+        runs.append((out, *grads))
+    assert library.gather_chunk_width(d, torch.device(device)) == width
+    for one, chunked in zip(*runs):
+        assert not chunked.isnan().any()
+        assert torch.equal(one, chunked)
     y_ref = varlen_m_gemm_ref(a, p["w2"], b2, routing, transpose_b=True)
     assert rel_err(runs[1][0], gather_sum_ref(y_ref, routing, weights)) < 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("beside_dw1,tail,fwd", [("0", "", "0"), ("1", "", "0"), ("0", "512", "1")])
-def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, tail, fwd, monkeypatch):
+@pytest.mark.parametrize("beside_dw1", ["0", "1"])
+def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, monkeypatch):
     """bf16 at d = 4096, n = 1024 (dX̃ on the Triton kernel, dW1 on the Gluon kernel): by default the backward's
     dX̃ GEMM runs in two column blocks, the first block's dX aggregation beside the second block's GEMM, and the
-    last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1) beside it; or in blocks narrowing to 512 columns
-    (SONICMOE_AGG_TAIL), with the forward's down-projection in them too (SONICMOE_FWD_AGG_CHUNK=1). O and every
-    gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic), each read on the
-    current stream right away."""
+    last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1) beside it; O and every gradient equal the one-pass
+    run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic), each read on the current stream right away."""
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.setenv("SONICMOE_AGG_BESIDE_DW1", beside_dw1)
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", tail)
-    monkeypatch.setenv("SONICMOE_FWD_AGG_CHUNK", fwd)
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
     t, d, n, e = 3000, 4096, 1024, 8
-    assert common.gather_chunk_widths(d, torch.device("cuda")) == ([2048, 1024, 512, 512] if tail else [2048, 2048])
+    assert library.gather_chunk_width(d, torch.device("cuda")) == 2048
     p = random_problem(t, d, n, e, bias=True, device="cuda", dtype=torch.bfloat16, seed=2)
     routing = _topk_routing(p, 2)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

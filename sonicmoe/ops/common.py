@@ -25,9 +25,6 @@ Environment (documented in the README):
                                up_proj_ws.up_ws_preferred).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
-    SONICMOE_AGG_TAIL=W        width of the last of those blocks, the one whose aggregation nothing hides; the blocks
-                               before it double up to SONICMOE_AGG_CHUNK (gather_chunk_widths; default AGG_TAIL).
-    SONICMOE_FWD_AGG_CHUNK=1   run the forward's down-projection and aggregation in those column blocks too.
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before
                                it (dX̃ then lives until dW1 ends: more peak memory).
 """
@@ -458,21 +455,12 @@ def overlap_mode(device: torch.device) -> int:
 # next block's GEMM (gather_chunk_width; SONICMOE_AGG_CHUNK): of 1024 and 2048, 2048 measured best at
 # (32768, 4096, 1024, 128, 8) on H100s (session 27)
 AGG_CHUNK = 2048
-# the width of the last block (gather_chunk_widths; SONICMOE_AGG_TAIL): its aggregation is the one left exposed
-AGG_TAIL = 2048
-
-
-def _env_width(name: str) -> int | None:
-    """A column width from the environment variable ``name``: a non-negative integer, or None when unset or not a
-    number."""
-    env = os.environ.get(name, "")
-    return int(env) if env.isdigit() else None
 
 
 def gather_chunk_width(d: int, device: torch.device) -> int:
     """Column width of the chunks of a varlen-M GEMM Y (R, d) whose gather-and-sum runs chunk by chunk on the side
     stream beside the GEMM's next chunk (:func:`sonicmoe.ops.library.gemm_then_gather_sum`), or 0: one GEMM, then
-    one aggregation. The widest block; :func:`gather_chunk_widths` gives them all.
+    one aggregation.
 
     ``SONICMOE_AGG_CHUNK``: a width in columns (a multiple of 8; 0 turns chunking off; a value that is not a
     number counts as unset), default :data:`AGG_CHUNK`. The default applies on CUDA with the side stream on
@@ -480,38 +468,14 @@ def gather_chunk_width(d: int, device: torch.device) -> int:
     interpreter (the chunks then run one after the other: tests). d must be a multiple of 8 (16-byte aligned
     column blocks for the TMA descriptors).
     """
-    width = _env_width("SONICMOE_AGG_CHUNK")
-    explicit = width is not None
-    if not explicit:
-        width = AGG_CHUNK
-        if overlap_mode(device) == 0:
-            return 0
+    env = os.environ.get("SONICMOE_AGG_CHUNK", "")
+    explicit = env.isdigit()  # anything else: the default
+    width = int(env) if explicit else AGG_CHUNK
+    if not explicit and overlap_mode(device) == 0:
+        return 0
     if width <= 0 or width % 8 or d % 8 or d < 2 * width:
         return 0
     return width
-
-
-def gather_chunk_widths(d: int, device: torch.device) -> list[int]:
-    """The column blocks of :func:`gather_chunk_width`'s chunked GEMM and aggregation, in order (they sum to d), or
-    [] for one pass.
-
-    Only the last block's aggregation has no GEMM beside it, so the blocks narrow towards the end: while more than
-    the tail width is left, each block takes half of what is left (rounded down to a multiple of 8), at least the
-    tail width and at most the widest w; the last block takes the rest (at most the tail width). The tail width is
-    ``SONICMOE_AGG_TAIL`` (a multiple of 8 up to w; otherwise or unset :data:`AGG_TAIL`, capped at w). E.g.
-    d = 4096, w = 2048: tail 512 gives [2048, 1024, 512, 512]; tail 2048 gives [2048, 2048].
-    """
-    width = gather_chunk_width(d, device)
-    if not width:
-        return []
-    tail = _env_width("SONICMOE_AGG_TAIL")
-    if tail is None or tail <= 0 or tail % 8 or tail > width:
-        tail = min(AGG_TAIL, width)
-    blocks, left = [], d
-    while left > tail:
-        blocks.append(min(width, max(tail, left // 16 * 8)))
-        left -= blocks[-1]
-    return blocks + [left] if left else blocks
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -40,7 +40,7 @@ from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
-from .common import gather_chunk_widths, new_output, overlap_mode, side_stream
+from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -91,35 +91,32 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     SPEC §4 kernel 4), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
     ``transpose_b``, weights S; SPEC §3 kernels 2-3), which the forward does not run this way (no faster).
 
-    Where :func:`~sonicmoe.ops.common.gather_chunk_widths` gives column blocks (by default on CUDA for d ≥ 2w, w
-    the widest block), the GEMM runs block by block of C's columns (B's column block read through its strides, C
-    written in place), and the memory-bound aggregation of each block runs on the high-priority side stream beside
-    the compute-bound GEMM of the next block; only the last block's aggregation is left exposed (so the blocks may
-    narrow towards the end: ``SONICMOE_AGG_TAIL``). The streams join before this returns (C, made here and read
-    there, is freed on return), unless ``pending`` is a list: C is then appended to it and the last block's
-    aggregation may still run when this returns, beside the caller's next kernels; the caller makes the current
-    stream wait for the side stream before it drops ``pending`` or reads O. Else (and for the Gluon
-    down-projection) one GEMM, then one aggregation. Every output element is computed by the same kernels either
-    way.
+    Where :func:`~sonicmoe.ops.common.gather_chunk_width` gives a width w (by default on CUDA for d ≥ 2w), the GEMM
+    runs in column blocks of C of width w (B's column block read through its strides, C written in place), and
+    the memory-bound aggregation of each block runs on the high-priority side stream beside the compute-bound
+    GEMM of the next block; only the last block's aggregation is left exposed. The streams join before this
+    returns (C, made here and read there, is freed on return), unless ``pending`` is a list: C is then appended to
+    it and the last block's aggregation may still run when this returns, beside the caller's next kernels; the
+    caller makes the current stream wait for the side stream before it drops ``pending`` or reads O. Else (and for
+    the Gluon down-projection) one GEMM, then one aggregation. Every output element is computed by the same
+    kernels either way.
 
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
     Returns: O (T, d) in A's dtype.
     """
     d = b.shape[1] if transpose_b else b.shape[2]
-    widths = gather_chunk_widths(d, a.device)
-    if widths and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
-        widths = []  # the Gluon ping-pong kernel serves the whole GEMM (short reductions, k ≤ 256 / 512)
-    if not widths:
+    width = gather_chunk_width(d, a.device)
+    if width and grouped_gemm_ws.ws_supported(a, b, a.shape[0], transpose_b=transpose_b):
+        width = 0  # the Gluon ping-pong kernel serves the whole GEMM (short reductions, k ≤ 256 / 512)
+    if not width:
         return gather_sum(varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b), routing, slot_weights)
     a = a.contiguous()
     progs_per_sm = overlap_mode(a.device)
     side = side_stream(a.device) if progs_per_sm else None
     c = new_output((a.shape[0], d), device=a.device, dtype=a.dtype)
     out = new_output((routing.num_tokens, d), device=a.device, dtype=a.dtype)
-    c0 = 0
-    for width in widths:
-        cols = slice(c0, c0 + width)
-        c0 += width
+    for c0 in range(0, d, width):
+        cols = slice(c0, min(c0 + width, d))
         b_cols = b[:, cols] if transpose_b else b[:, :, cols]
         bias_cols = bias[:, cols].contiguous() if bias is not None else None
         varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
@@ -159,14 +156,12 @@ def experts_fwd_impl(
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
-    slot_weights = routing.slot_scores(pair_scores).contiguous()  # cast in the kernel
-    if os.environ.get("SONICMOE_FWD_AGG_CHUNK", "0") == "1":  # the down-projection in column blocks (A/B runs)
-        out = gemm_then_gather_sum(a, w2, b2, routing, slot_weights, transpose_b=True)
-    else:
-        # one down-projection, then one aggregation: in two column blocks (gemm_then_gather_sum) the forward measured
-        # no faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
-        out = gather_sum(down_proj(a, w2, b2, routing), routing, slot_weights)
+    # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
+    # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
+    y = down_proj(a, w2, b2, routing)
     del a
+    out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
+    del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
