@@ -1,11 +1,16 @@
 """GPU probe of the warp-specialised varlen-K kernel (sonicmoe/ops/weight_grad_ws.py) against the Triton kernel.
 
-usage: python scripts/wgrad_ws_probe.py [--check] [--time] [--shape T,d,n,E,K ...] [--json OUT]
+usage: python scripts/wgrad_ws_probe.py [--check] [--time] [--shape T,d,n,E,K ...] [--rounded] [--epilogue]
+                                       [--json OUT]
 
 ``--check``: edge shapes (empty experts, counts not multiples of BLOCK_R, T = 1, E = 1, K = E), dW1 and dW2, each
 compared bitwise with the Triton kernel and by relative error with the float32 reference; two runs compared
 bitwise. ``--time``: dW1 and dW2 on the shapes (default 7B and 120B-n1024), the Triton kernel (pinned config and
 the autotuner's) against the Gluon kernel in a few configs (do_bench medians); outputs compared bitwise.
+``--rounded``: each timed shape also with every expert's count a multiple of 128 (token rounding's counts: the
+T·K pairs dealt to the experts as evenly as 128-row tiles allow). ``--epilogue``: the Gluon kernel's epilogue
+variants as well: two output buffers (a store may drain while the next tile's MMAs run) and ``PART`` 1, the kernel
+without writing its tiles (the epilogue's exposed cost is the difference).
 """
 
 from __future__ import annotations
@@ -28,9 +33,17 @@ from sonicmoe.routing import Routing
 GLUON_VARIANTS = [(64, 3, 4, 80), (32, 6, 4, 80), (64, 3, 2, 96)]
 
 
-def routing_of(t: int, e: int, k: int, empty: int = 0, seed: int = 0) -> Routing:
-    """Top-k routing of random logits; the first ``empty`` experts get no token."""
+def routing_of(t: int, e: int, k: int, empty: int = 0, seed: int = 0, rounded: bool = False) -> Routing:
+    """Top-k routing of random logits; the first ``empty`` experts get no token. ``rounded``: instead, the T·K
+    pairs dealt to the experts in 128-row tiles (every count but the last expert's a multiple of 128), in random
+    token order, so that each expert's rows are a random set of tokens as under token rounding."""
     g = torch.Generator(device="cuda").manual_seed(seed)
+    if rounded:
+        tiles = torch.arange(t * k, device="cuda") // 128 % e  # tile j of 128 pairs to expert j mod E
+        ids = tiles[torch.randperm(t * k, device="cuda", generator=g)].view(t, k)
+        # a token may meet one expert twice here; the weight-gradient kernels only read rows, which is all timed
+        return sonicmoe.routing_from_pairs(torch.arange(t, device="cuda").repeat_interleave(k), ids.reshape(-1), t, e,
+                                           token_major=True)
     logits = torch.randn(t, e, device="cuda", generator=g)
     logits[:, :empty] = -1e9
     return sonicmoe.routing_from_topk(logits.topk(k, dim=1).indices, e)
@@ -87,13 +100,14 @@ def check() -> list[dict]:
     return rows
 
 
-def time_shapes(shapes) -> list[dict]:
+def time_shapes(shapes, rounded: bool = False, epilogue: bool = False) -> list[dict]:
     rows = []
-    for t, d, n, e, k in shapes:
-        routing = routing_of(t, e, k)
+    for (t, d, n, e, k), rnd in [(sh, r) for sh in shapes for r in ((False, True) if rounded else (False,))]:
+        routing = routing_of(t, e, k, rounded=rnd)
         x, dout, dh, ap = operands(t, d, n, routing)
         r = routing.num_rows
-        print(f"shape T={t} d={d} n={n} E={e} K={k} R={r} on {torch.cuda.get_device_name()}")
+        print(f"shape T={t} d={d} n={n} E={e} K={k} R={r} {'rounded' if rnd else 'top-k'} on "
+              f"{torch.cuda.get_device_name()}")
         for name, p, q, pg in cases(x, dout, dh, ap):
             flops = 2 * r * p.shape[1] * q.shape[1]
 
@@ -116,6 +130,13 @@ def time_shapes(shapes) -> list[dict]:
                            "LOADER_REGS": lr}
                     label = f"gluon {bi}x{bj} R{br} S{st} L{lw}"
                     variants.append((label, lambda cfg=cfg: glu(cfg)))
+                if epilogue:
+                    for extra in ({"BLOCK_R": 32, "STAGES": 4, "OUT_BUFS": 2},
+                                  {"BLOCK_R": 64, "STAGES": 2, "OUT_BUFS": 2}, {"BLOCK_R": 64, "STAGES": 3, "PART": 1}):
+                        cfg = {"BLOCK_I": bi, "BLOCK_J": bj, **extra}
+                        label = f"gluon R{cfg['BLOCK_R']} S{cfg['STAGES']} " + " ".join(
+                            f"{key}{cfg[key]}" for key in ("OUT_BUFS", "PART") if key in cfg)
+                        variants.append((label, lambda cfg=cfg: glu(cfg)))
             for label, fn in variants:
                 try:
                     out = fn()
@@ -126,7 +147,7 @@ def time_shapes(shapes) -> list[dict]:
                 ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 same = torch.equal(out, base)
                 print(f"  {name} {label:<28} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s  same bits {same}")
-                rows.append({"shape": [t, d, n, e, k], "kernel": name, "variant": label, "ms": ms,
+                rows.append({"shape": [t, d, n, e, k], "rounded": rnd, "kernel": name, "variant": label, "ms": ms,
                              "tflops": flops / ms / 1e9, "bitwise_equal_triton": same})
             os.environ.pop("SONICMOE_AUTOTUNE", None)
     return rows
@@ -138,6 +159,8 @@ def main() -> None:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounded", action="store_true")
+    ap.add_argument("--epilogue", action="store_true")
     args = ap.parse_args()
     out = {"device": torch.cuda.get_device_name()}
     if args.check:
@@ -145,7 +168,7 @@ def main() -> None:
     if args.time:
         shapes = [tuple(int(v) for v in s.split(",")) for s in
                   (args.shape or ["24576,1536,256,128,8", "32768,4096,1024,128,8"])]
-        out["time"] = time_shapes(shapes)
+        out["time"] = time_shapes(shapes, args.rounded, args.epilogue)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
