@@ -73,9 +73,9 @@ MAXNREG = {128: 144, 256: 160}
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
-def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2, out_bufs: int = 1) -> int:
-    """Shared memory of one program: the ring (a P chunk and a Q chunk per slot) and the output tile's buffers."""
-    return elem * (stages * block_r * (block_i + block_j) + out_bufs * block_i * block_j)
+def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2) -> int:
+    """Shared memory of one program: the ring (a P chunk and a Q chunk per slot) and the output tile's buffer."""
+    return elem * (stages * block_r * (block_i + block_j) + block_i * block_j)
 
 
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R) -> dict | None:
@@ -205,15 +205,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
              tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, OUT_BUFS: gl.constexpr, PART: gl.constexpr):
+             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
-        to the loader), then the tile by TMA store from one of the ``OUT_BUFS`` buffers of ``out_smem`` (up to
-        OUT_BUFS - 1 earlier stores still draining). ``PART`` 1 (probes only): the tile is not written, which times
-        the kernel without its epilogue (the store stays behind a condition that never holds, so the MMAs stay)."""
+        to the loader), then the tile by TMA store from ``out_smem``. ``PART`` 1 (probes only): the tile is not
+        written, which times the kernel without its epilogue (the store stays behind a condition that never holds,
+        so the MMAs stay)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_J, 16])
         step = 0
-        done = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
@@ -227,38 +226,34 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
             if PART == 0:
-                done = _store_tile(acc, out_smem, out_desc, done, e * I + i0, j0, OUT_BUFS)
+                _store_tile(acc, out_smem, out_desc, e * I + i0, j0)
             elif I < 0:
-                done = _store_tile(acc, out_smem, out_desc, done, e * I + i0, j0, OUT_BUFS)
+                _store_tile(acc, out_smem, out_desc, e * I + i0, j0)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _store_tile(acc, out_smem, out_desc, done, row, col, OUT_BUFS: gl.constexpr):
-        """The tile ``acc`` to ``out_desc`` at (row, col) by TMA store from buffer ``done % OUT_BUFS``, once that
-        buffer's previous store has finished reading it (OUT_BUFS - 1 later stores may still run); returns
-        done + 1."""
-        buf = out_smem.index(done % OUT_BUFS)
-        tma.store_wait(pendings=OUT_BUFS - 1)
-        buf.store(acc.to(out_desc.dtype))
+    def _store_tile(acc, out_smem, out_desc, row, col):
+        """The tile ``acc`` to ``out_desc`` at (row, col) by TMA store from ``out_smem``, once the buffer's previous
+        store has finished reading it."""
+        tma.store_wait(pendings=0)
+        out_smem.store(acc.to(out_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row, col], buf)
-        return done + 1
+        tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
 
     @gluon.jit
     def _wgrad_ws_kernel(p_ptr, p_desc, q_ptr, q_desc, out_desc, row_token_ptr, offsets_ptr, total_tiles, tiles_j,
                          tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, OUT_BUFS: gl.constexpr,
-                         PART: gl.constexpr):
+                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, [OUT_BUFS, BLOCK_I, BLOCK_J], out_desc.layout)
+        out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_I, BLOCK_J], out_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         gl.warp_specialize([
             (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
-                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, OUT_BUFS, PART)),
+                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART)),
             (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready,
                        empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
                        BLOCK_R, STAGES, LOADER_WARPS)),
@@ -313,8 +308,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS",
-            "LOADER_REGS", "OUT_BUFS" (output staging buffers, default 1), "PART" (probes: 1 skips the output)
-            (default :func:`wgrad_ws_config`).
+            "LOADER_REGS", "PART" (probes: 1 skips the output) (default :func:`wgrad_ws_config`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -338,6 +332,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        OUT_BUFS=cfg.get("OUT_BUFS", 1), PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
+        PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
