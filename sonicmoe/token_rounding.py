@@ -67,10 +67,11 @@ elsewhere), with no sort and, by default, no host sync:
       ``count_e − f_e`` best others (rounded up), found by a search for the threshold key (no sort; a bisection of
       the row held in registers for T <= 32768, a 4-way search streaming it beyond); a (T, E) int32 array holds,
       at each routed pair, its token's rank within the expert (its row, plus one);
-    * pairs: ``torch.nonzero_static`` of that array lists R_max token-major pairs, padding last (``static=True``,
-      no sync); ``torch.nonzero`` lists exactly R (``static=False``: **one host sync**, since R is data-dependent);
-    * routing (:func:`sonicmoe.ops.tr_routing.pairs_routing`, one kernel): the pair arrays and the
-      :class:`~sonicmoe.routing.Routing` of the pairs, each pair's row read from its rank (no sort);
+    * pairs and routing (:func:`sonicmoe.ops.tr_routing.ranks_routing`, two kernels): each token's routed experts
+      counted, then R_max token-major pairs listed, padding last (``static=True``, no sync), or exactly R
+      (``static=False``: **one host sync**, since R is data-dependent), with the pair arrays and the
+      :class:`~sonicmoe.routing.Routing` of the pairs, each pair's row read from its rank (no sort); the torch path
+      lists the pairs with ``torch.nonzero_static`` / ``torch.nonzero``;
     * scores (:mod:`sonicmoe.ops.tr_scores`): each pair's top-k slot (if any) and score in one kernel,
       and in the backward the gradients of the router's logits (or probs) and top-k scores in one more
       (per token, dense rows: no scatter, no atomics, no sort).
@@ -288,12 +289,10 @@ def token_rounding(
     ranks = select(prob_key, score_key, f, keep, rank=True)  # (T, E): row within the expert + 1, 0 if not routed
     del prob_key, score_key
 
-    if static:  # R_max pairs, the padding ones (-1, -1): no sync
-        pair = torch.nonzero_static(ranks, size=max_pairs(t, e, k, m_tile, subroutine), fill_value=-1)
-    else:
-        pair = torch.nonzero(ranks)  # the host sync (R is data-dependent); row-major: token-major pairs
-    to_routing = tr_routing.pairs_routing if kernels else tr_routing.pairs_routing_ref
-    pair_token, pair_expert, routing = to_routing(pair, ranks, offsets, padding=static)
+    # static: R_max pairs, padding last, no sync; else exactly R, the one host sync (R is data-dependent)
+    to_routing = tr_routing.ranks_routing if kernels else tr_routing.ranks_routing_ref
+    pair_token, pair_expert, routing = to_routing(
+        ranks, offsets, max_pairs=max_pairs(t, e, k, m_tile, subroutine) if static else None)
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
     pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize, fused_router_grad)
     return TokenRoundingOutput(

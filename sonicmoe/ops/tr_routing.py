@@ -10,13 +10,16 @@ at d = 1536 (session 32). Two kernels replace them:
     sums the candidate-keys kernel's per-block counts into f (E,), takes the rounding decision of
     :func:`sonicmoe.token_rounding._round_counts` (same integers, same subroutines, the same uniform draws for
     ``"stochastic"``) and writes f, keep, pad and the experts' row offsets (exclusive prefix sum of keep).
-:func:`pairs_routing` (one program per block of pairs)
-    turns the token-major pairs that ``torch.nonzero_static`` (or ``torch.nonzero``) finds in the selection's
-    rank array — (t, e) int64 per pair, (−1, −1) for padding — into the pair arrays and the
-    :class:`~sonicmoe.routing.Routing` of those pairs. The rank array holds, at each routed (t, e), the 1-based
-    rank of t among e's routed tokens, so pair p's row is ``expert_offsets[e] + rank − 1`` and no sort is needed.
-    The rows are scattered (``row_pair[row] = p``, ``row_token[row] = t``); every row is written exactly once (a
-    permutation), so no atomics. Padding pairs keep their index as their row, past ``expert_offsets[E]``.
+:func:`ranks_routing` (two kernels over the selection's rank array)
+    turns the rank array — at each routed (t, e) the 1-based rank of t among e's routed tokens, 0 elsewhere — into
+    the token-major pairs (``torch.nonzero``'s order), the pair arrays and the :class:`~sonicmoe.routing.Routing`.
+    The first kernel counts each token's routed experts; the second writes each pair at its token's first pair
+    (the counts' exclusive prefix sum, which is ``token_offsets``) plus the routed experts before it in the row. Pair
+    p's row is ``expert_offsets[e] + rank − 1``, so no sort is needed; the rows are scattered
+    (``row_pair[row] = p``, ``row_token[row] = t``), every row written exactly once (a permutation), so no atomics.
+    Padding pairs (static length) keep their index as their row, past ``expert_offsets[E]``. It replaces
+    ``torch.nonzero_static`` (three kernels), a pair kernel and a search, about 55 µs at T = 16384, E = 512 on an
+    H100 (session 34's layer profile).
 
 The ``*_ref`` twins compute the same results with torch operations; they are the CPU path and the tests' oracles.
 """
@@ -27,12 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..routing import INDEX_DTYPE, Routing, _offsets, routing_from_pairs
+from ..routing import INDEX_DTYPE, Routing, routing_from_pairs
 from .common import cdiv, next_pow2
 from .fast_launch import launch_kernel
 
 SUBROUTINE_CODES = {"nearest": 0, "up": 1, "down": 2, "stochastic": 3, "balance": 4}
-_PAIR_BLOCK = 1024
 
 
 @triton.jit
@@ -117,63 +119,128 @@ def round_counts_ref(block_counts: torch.Tensor, m_tile: int, num_tokens: int, s
     return f.to(INDEX_DTYPE), keep.to(INDEX_DTYPE), pad, offsets.to(INDEX_DTYPE)
 
 
-@triton.jit(do_not_specialize=["R", "T"])
-def _pairs_kernel(pair_ptr, rank_ptr, off_ptr, token_ptr, expert_ptr, pair_row_ptr, row_pair_ptr, row_token_ptr,
-                  R, T, E, BLOCK: tl.constexpr):
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = p < R
-    t = tl.load(pair_ptr + 2 * p.to(tl.int64), mask=mask, other=-1)
-    e = tl.load(pair_ptr + 2 * p.to(tl.int64) + 1, mask=mask, other=-1)
-    real = mask & (t >= 0)
-    t = tl.where(real, t, 0)
-    e = tl.where(real, e, 0)
-    rank = tl.load(rank_ptr + t * E + e, mask=real, other=1)
-    row = tl.where(real, tl.load(off_ptr + e, mask=real, other=0) + rank - 1, p)
-    tl.store(token_ptr + p, tl.where(real, t, T).to(tl.int32), mask=mask)
-    tl.store(expert_ptr + p, tl.where(real, e, E).to(tl.int32), mask=mask)
-    tl.store(pair_row_ptr + p, row.to(tl.int32), mask=mask)
-    tl.store(row_pair_ptr + row, p.to(tl.int32), mask=mask)
-    tl.store(row_token_ptr + row, tl.where(real, t, tl.maximum(T - 1, 0)).to(tl.int32), mask=mask)
+@triton.jit(do_not_specialize=["T"])
+def _token_counts_kernel(rank_ptr, count_ptr, block_sum_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Routed experts of each of this program's BLOCK_T tokens (nonzero ranks in its row), and their sum."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    cnt = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        r = tl.load(rank_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=tmask[:, None] & (e < E)[None, :],
+                    other=0)
+        cnt += tl.sum((r != 0).to(tl.int32), axis=1)
+    tl.store(count_ptr + t, cnt, mask=tmask)
+    tl.store(block_sum_ptr + tl.program_id(0), tl.sum(cnt, axis=0))
 
 
-def pairs_routing(pair: torch.Tensor, ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
-                  padding: bool) -> tuple[torch.Tensor, torch.Tensor, Routing]:
-    """Pair arrays and routing metadata of token rounding's pairs, on one Triton kernel (no sort, no host sync).
+@triton.jit(do_not_specialize=["T", "R"])
+def _ranks_pairs_kernel(rank_ptr, count_ptr, block_sum_ptr, off_ptr, token_ptr, expert_ptr, pair_row_ptr,
+                        row_pair_ptr, row_token_ptr, tok_off_ptr, T, E, R, NB,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NB_P2: tl.constexpr, PAD_BLOCK: tl.constexpr):
+    """This program's tokens' pairs, token-major and by expert within a token (the order of ``nonzero``), at
+    pair index token_offsets[t] + (routed experts of t before e); and padding pairs p in [total, R) of its slice."""
+    pid = tl.program_id(0)
+    b = tl.arange(0, NB_P2)
+    sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
+    before = tl.sum(tl.where(b < pid, sums, 0), axis=0)  # pairs of the tokens before this block
+    total = tl.sum(sums, axis=0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    cnt = tl.load(count_ptr + t, mask=tmask, other=0)
+    pos = before + tl.cumsum(cnt, axis=0) - cnt  # the token's first pair
+    tl.store(tok_off_ptr + t, pos, mask=tmask)
+    tl.store(tok_off_ptr + T, total, mask=pid == 0)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        emask = e < E
+        m = tmask[:, None] & emask[None, :]
+        rank = tl.load(rank_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=m, other=0)
+        real = rank != 0
+        nz = real.to(tl.int32)
+        p = pos[:, None] + tl.cumsum(nz, axis=1) - nz
+        pos += tl.sum(nz, axis=1)
+        row = tl.load(off_ptr + e, mask=emask, other=0)[None, :] + rank - 1
+        tt = t[:, None] + e[None, :] * 0
+        tl.store(token_ptr + p, tt, mask=real)
+        tl.store(expert_ptr + p, e[None, :] + tt * 0, mask=real)
+        tl.store(pair_row_ptr + p, row, mask=real)
+        tl.store(row_pair_ptr + row, p, mask=real)
+        tl.store(row_token_ptr + row, tt, mask=real)
+    # padding pairs (token T, expert E, row = their index, past expert_offsets[E]) in this program's slice of [0, R)
+    for q0 in range(pid * PAD_BLOCK, R, tl.num_programs(0) * PAD_BLOCK):
+        q = q0 + tl.arange(0, PAD_BLOCK)
+        pad = (q >= total) & (q < R)
+        tl.store(token_ptr + q, q * 0 + T, mask=pad)
+        tl.store(expert_ptr + q, q * 0 + E, mask=pad)
+        tl.store(pair_row_ptr + q, q, mask=pad)
+        tl.store(row_pair_ptr + q, q, mask=pad)
+        tl.store(row_token_ptr + q, q * 0 + tl.maximum(T - 1, 0), mask=pad)
+
+
+_RANK_BLOCK_T = 32
+_RANK_BLOCK_E = 128
+_PAD_BLOCK = 1024
+
+
+def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
+                  max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+    """Token rounding's pairs, pair arrays and routing metadata from the selection's rank array, on two Triton
+    kernels (no sort; no host sync with ``max_pairs``).
+
+    The first kernel counts each token's routed experts (and the counts' sum per block of tokens); the second
+    writes the pairs token-major (experts in order within a token: ``torch.nonzero``'s order), each at the token's
+    first pair (the exclusive prefix sum of the counts: ``token_offsets``) plus the routed experts before it in the
+    token's row, with its row ``expert_offsets[e] + rank − 1`` and the scatter ``row_pair[row] = p``,
+    ``row_token[row] = t`` (a permutation: every row written once, no atomics).
 
     Args:
-        pair: (R, 2) int64 token-major (t, e) pairs, (−1, −1) for padding pairs (``torch.nonzero_static(ranks,
-            size=R, fill_value=-1)``; or ``torch.nonzero(ranks)``, without padding).
-        ranks: (T, E) int32 from :func:`~sonicmoe.ops.tr_select.select_routed` with ``rank=True``.
+        ranks: (T, E) int32 from :func:`~sonicmoe.ops.tr_select.select_routed` with ``rank=True``: the 1-based
+            rank of t among e's routed tokens, 0 where (t, e) is not routed.
         expert_offsets: (E+1,) int32 exclusive prefix sum of the experts' counts (:func:`round_counts`).
-        padding: the pairs may end with padding pairs (sets ``Routing.padded``).
+        max_pairs: R_max, the static number of pairs (``token_rounding(static=True)``): the pairs past the real
+            ones are padding pairs (token T, expert E, row = their index). None: exactly the real pairs, whose
+            number is read back to the host (one sync).
 
     Returns:
-        (pair_token (R,) int32 with T for padding, pair_expert (R,) int32 with E for padding, the
-        :class:`~sonicmoe.routing.Routing`), equal to :func:`pairs_routing_ref`'s, i.e. to
-        ``routing_from_pairs(pair_token, pair_expert, T, E, token_major=True, padding=padding)``.
+        (pair_token (R,) int32, pair_expert (R,) int32, the :class:`~sonicmoe.routing.Routing`), equal to
+        :func:`ranks_routing_ref`'s, i.e. to ``routing_from_pairs(pair_token, pair_expert, T, E,
+        token_major=True, padding=max_pairs is not None)`` of the pairs ``torch.nonzero(ranks)`` lists.
     """
     t, e = ranks.shape
-    r = pair.shape[0]
-    dev = pair.device
-    # pair_token on its own: searchsorted of a view of a larger buffer fails in inductor's lowering (torch 2.11)
+    dev = ranks.device
+    nb = max(cdiv(t, _RANK_BLOCK_T), 1)
+    counts = torch.empty(t, dtype=INDEX_DTYPE, device=dev)
+    block_sums = torch.zeros(nb, dtype=INDEX_DTYPE, device=dev)
+    ranks = ranks.contiguous()
+    if t:
+        launch_kernel(_token_counts_kernel, (nb,), ranks, counts, block_sums, t, e, BLOCK_T=_RANK_BLOCK_T,
+                      BLOCK_E=_RANK_BLOCK_E, num_warps=4)
+    r = max_pairs if max_pairs is not None else int(block_sums.sum())  # static: no sync; else the one sync
     pair_token = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
     pair_expert, pair_row, row_pair, row_token = torch.empty(4, r, dtype=INDEX_DTYPE, device=dev).unbind(0)
-    if r:
-        launch_kernel(_pairs_kernel, (cdiv(r, _PAIR_BLOCK),), pair.contiguous(), ranks, expert_offsets, pair_token,
-                      pair_expert, pair_row, row_pair, row_token, r, t, e, BLOCK=_PAIR_BLOCK, num_warps=4)
+    token_offsets = torch.zeros(t + 1, dtype=INDEX_DTYPE, device=dev)
+    if t or r:  # T = 0: padding pairs only
+        launch_kernel(_ranks_pairs_kernel, (nb,), ranks, counts, block_sums, expert_offsets, pair_token, pair_expert,
+                      pair_row, row_pair, row_token, token_offsets, t, e, r, nb, BLOCK_T=_RANK_BLOCK_T,
+                      BLOCK_E=_RANK_BLOCK_E, NB_P2=next_pow2(nb), PAD_BLOCK=_PAD_BLOCK, num_warps=4)
     routing = Routing(num_tokens=t, num_experts=e, expert_offsets=expert_offsets, row_token=row_token,
-                      row_pair=row_pair, pair_row=pair_row, token_offsets=_offsets(pair_token, t),
-                      token_rows=pair_row, slot_pair=None, padded=bool(padding))
+                      row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=pair_row,
+                      slot_pair=None, padded=max_pairs is not None)
     return pair_token, pair_expert, routing
 
 
-def pairs_routing_ref(pair: torch.Tensor, ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
-                      padding: bool) -> tuple[torch.Tensor, torch.Tensor, Routing]:
-    """Torch twin of :func:`pairs_routing` (same arguments and results), through
-    :func:`~sonicmoe.routing.routing_from_pairs`."""
+def ranks_routing_ref(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
+                      max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+    """Torch twin of :func:`ranks_routing` (same arguments and results): ``torch.nonzero_static`` (or
+    ``torch.nonzero``, the sync) of the rank array, then :func:`~sonicmoe.routing.routing_from_pairs`."""
     t, e = ranks.shape
+    if max_pairs is not None:  # R_max pairs, the padding ones (-1, -1): no sync
+        pair = torch.nonzero_static(ranks, size=max_pairs, fill_value=-1)
+    else:
+        pair = torch.nonzero(ranks)  # the host sync (R is data-dependent); row-major: token-major pairs
     pad_pair = pair[:, 0] < 0
     pair_token = torch.where(pad_pair, t, pair[:, 0]).to(INDEX_DTYPE)
     pair_expert = torch.where(pad_pair, e, pair[:, 1]).to(INDEX_DTYPE)
-    routing = routing_from_pairs(pair_token, pair_expert, t, e, token_major=True, padding=padding)
+    routing = routing_from_pairs(pair_token, pair_expert, t, e, token_major=True, padding=max_pairs is not None)
     return pair_token, pair_expert, routing
