@@ -120,55 +120,59 @@ def round_counts_ref(block_counts: torch.Tensor, m_tile: int, num_tokens: int, s
 
 
 @triton.jit(do_not_specialize=["T"])
-def _token_counts_kernel(rank_ptr, count_ptr, block_sum_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Routed experts of each of this program's BLOCK_T tokens (nonzero ranks in its row), and their sum."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _token_counts_kernel(rank_ptr, count_ptr, block_sum_ptr, T, E, NEB,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Routed experts (nonzero ranks) of each of this program's BLOCK_T tokens among its BLOCK_E experts, (T, NEB)
+    with NEB = cdiv(E, BLOCK_E), and their sum, (NTB, NEB)."""
+    tb, eb = tl.program_id(0), tl.program_id(1)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     tmask = t < T
-    cnt = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        r = tl.load(rank_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=tmask[:, None] & (e < E)[None, :],
-                    other=0)
-        cnt += tl.sum((r != 0).to(tl.int32), axis=1)
-    tl.store(count_ptr + t, cnt, mask=tmask)
-    tl.store(block_sum_ptr + tl.program_id(0), tl.sum(cnt, axis=0))
+    r = tl.load(rank_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=tmask[:, None] & (e < E)[None, :], other=0)
+    cnt = tl.sum((r != 0).to(tl.int32), axis=1)
+    tl.store(count_ptr + t * NEB + eb, cnt, mask=tmask)
+    tl.store(block_sum_ptr + tb * NEB + eb, tl.sum(cnt, axis=0))
 
 
 @triton.jit(do_not_specialize=["T", "R"])
 def _ranks_pairs_kernel(rank_ptr, count_ptr, block_sum_ptr, off_ptr, token_ptr, expert_ptr, pair_row_ptr,
-                        row_pair_ptr, row_token_ptr, tok_off_ptr, T, E, R, NB,
-                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NB_P2: tl.constexpr, PAD_BLOCK: tl.constexpr):
-    """This program's tokens' pairs, token-major and by expert within a token (the order of ``nonzero``), at
-    pair index token_offsets[t] + (routed experts of t before e); and padding pairs p in [total, R) of its slice."""
-    pid = tl.program_id(0)
-    b = tl.arange(0, NB_P2)
+                        row_pair_ptr, row_token_ptr, tok_off_ptr, T, E, R, NB, NEB,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NB_P2: tl.constexpr, NEB_P2: tl.constexpr,
+                        PAD_BLOCK: tl.constexpr):
+    """The pairs of this program's (BLOCK_T tokens, BLOCK_E experts) block, token-major and by expert within a token
+    (the order of ``nonzero``): pair index token_offsets[t] + (routed experts of t before e); the eb = 0 programs
+    write token_offsets; each program writes the padding pairs p in [total, R) of its slice of [0, R)."""
+    tb, eb = tl.program_id(0), tl.program_id(1)
+    b = tl.arange(0, NB_P2)  # the (NTB, NEB) block sums, flat
     sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
-    before = tl.sum(tl.where(b < pid, sums, 0), axis=0)  # pairs of the tokens before this block
+    before = tl.sum(tl.where(b < tb * NEB, sums, 0), axis=0)  # pairs of the tokens before this token block
     total = tl.sum(sums, axis=0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
-    cnt = tl.load(count_ptr + t, mask=tmask, other=0)
-    pos = before + tl.cumsum(cnt, axis=0) - cnt  # the token's first pair
-    tl.store(tok_off_ptr + t, pos, mask=tmask)
-    tl.store(tok_off_ptr + T, total, mask=pid == 0)
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        emask = e < E
-        m = tmask[:, None] & emask[None, :]
-        rank = tl.load(rank_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=m, other=0)
-        real = rank != 0
-        nz = real.to(tl.int32)
-        p = pos[:, None] + tl.cumsum(nz, axis=1) - nz
-        pos += tl.sum(nz, axis=1)
-        row = tl.load(off_ptr + e, mask=emask, other=0)[None, :] + rank - 1
-        tt = t[:, None] + e[None, :] * 0
-        tl.store(token_ptr + p, tt, mask=real)
-        tl.store(expert_ptr + p, e[None, :] + tt * 0, mask=real)
-        tl.store(pair_row_ptr + p, row, mask=real)
-        tl.store(row_pair_ptr + row, p, mask=real)
-        tl.store(row_token_ptr + row, tt, mask=real)
+    j = tl.arange(0, NEB_P2)
+    cnt = tl.load(count_ptr + t[:, None] * NEB + j[None, :], mask=tmask[:, None] & (j < NEB)[None, :], other=0)
+    per_token = tl.sum(cnt, axis=1)
+    first = before + tl.cumsum(per_token, axis=0) - per_token  # each token's first pair
+    tl.store(tok_off_ptr + t, first, mask=tmask & (eb == 0))
+    tl.store(tok_off_ptr + T, total, mask=(tb == 0) & (eb == 0))
+    pos = first + tl.sum(tl.where(j[None, :] < eb, cnt, 0), axis=1)  # + the token's pairs in earlier expert blocks
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = e < E
+    rank = tl.load(rank_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=tmask[:, None] & emask[None, :],
+                   other=0)
+    real = rank != 0
+    nz = real.to(tl.int32)
+    p = pos[:, None] + tl.cumsum(nz, axis=1) - nz
+    row = tl.load(off_ptr + e, mask=emask, other=0)[None, :] + rank - 1
+    tt = t[:, None] + e[None, :] * 0
+    tl.store(token_ptr + p, tt, mask=real)
+    tl.store(expert_ptr + p, e[None, :] + tt * 0, mask=real)
+    tl.store(pair_row_ptr + p, row, mask=real)
+    tl.store(row_pair_ptr + row, p, mask=real)
+    tl.store(row_token_ptr + row, tt, mask=real)
     # padding pairs (token T, expert E, row = their index, past expert_offsets[E]) in this program's slice of [0, R)
-    for q0 in range(pid * PAD_BLOCK, R, tl.num_programs(0) * PAD_BLOCK):
+    pid = tb * tl.num_programs(1) + eb
+    for q0 in range(pid * PAD_BLOCK, R, tl.num_programs(0) * tl.num_programs(1) * PAD_BLOCK):
         q = q0 + tl.arange(0, PAD_BLOCK)
         pad = (q >= total) & (q < R)
         tl.store(token_ptr + q, q * 0 + T, mask=pad)
@@ -188,11 +192,12 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
     """Token rounding's pairs, pair arrays and routing metadata from the selection's rank array, on two Triton
     kernels (no sort; no host sync with ``max_pairs``).
 
-    The first kernel counts each token's routed experts (and the counts' sum per block of tokens); the second
-    writes the pairs token-major (experts in order within a token: ``torch.nonzero``'s order), each at the token's
-    first pair (the exclusive prefix sum of the counts: ``token_offsets``) plus the routed experts before it in the
-    token's row, with its row ``expert_offsets[e] + rank − 1`` and the scatter ``row_pair[row] = p``,
-    ``row_token[row] = t`` (a permutation: every row written once, no atomics).
+    Both run one program per (32 tokens, 128 experts) block. The first counts each token's routed experts in the
+    block (and the counts' sum per block); the second writes the pairs token-major (experts in order within a
+    token: ``torch.nonzero``'s order), each at the token's first pair (the exclusive prefix sum of the counts:
+    ``token_offsets``) plus the routed experts before it in the token's row, with its row
+    ``expert_offsets[e] + rank − 1`` and the scatter ``row_pair[row] = p``, ``row_token[row] = t`` (a permutation:
+    every row written once, no atomics).
 
     Args:
         ranks: (T, E) int32 from :func:`~sonicmoe.ops.tr_select.select_routed` with ``rank=True``: the 1-based
@@ -209,21 +214,22 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
     """
     t, e = ranks.shape
     dev = ranks.device
-    nb = max(cdiv(t, _RANK_BLOCK_T), 1)
-    counts = torch.empty(t, dtype=INDEX_DTYPE, device=dev)
-    block_sums = torch.zeros(nb, dtype=INDEX_DTYPE, device=dev)
+    ntb, neb = max(cdiv(t, _RANK_BLOCK_T), 1), cdiv(e, _RANK_BLOCK_E)
+    counts = torch.empty(t * neb, dtype=INDEX_DTYPE, device=dev)
+    block_sums = torch.zeros(ntb * neb, dtype=INDEX_DTYPE, device=dev)
     ranks = ranks.contiguous()
     if t:
-        launch_kernel(_token_counts_kernel, (nb,), ranks, counts, block_sums, t, e, BLOCK_T=_RANK_BLOCK_T,
-                      BLOCK_E=_RANK_BLOCK_E, num_warps=4)
+        launch_kernel(_token_counts_kernel, (ntb, neb), ranks, counts, block_sums, t, e, neb,
+                      BLOCK_T=_RANK_BLOCK_T, BLOCK_E=_RANK_BLOCK_E, num_warps=4)
     r = max_pairs if max_pairs is not None else int(block_sums.sum())  # static: no sync; else the one sync
     pair_token = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
     pair_expert, pair_row, row_pair, row_token = torch.empty(4, r, dtype=INDEX_DTYPE, device=dev).unbind(0)
     token_offsets = torch.zeros(t + 1, dtype=INDEX_DTYPE, device=dev)
     if t or r:  # T = 0: padding pairs only
-        launch_kernel(_ranks_pairs_kernel, (nb,), ranks, counts, block_sums, expert_offsets, pair_token, pair_expert,
-                      pair_row, row_pair, row_token, token_offsets, t, e, r, nb, BLOCK_T=_RANK_BLOCK_T,
-                      BLOCK_E=_RANK_BLOCK_E, NB_P2=next_pow2(nb), PAD_BLOCK=_PAD_BLOCK, num_warps=4)
+        launch_kernel(_ranks_pairs_kernel, (ntb, neb), ranks, counts, block_sums, expert_offsets, pair_token,
+                      pair_expert, pair_row, row_pair, row_token, token_offsets, t, e, r, ntb * neb, neb,
+                      BLOCK_T=_RANK_BLOCK_T, BLOCK_E=_RANK_BLOCK_E, NB_P2=next_pow2(ntb * neb),
+                      NEB_P2=next_pow2(neb), PAD_BLOCK=_PAD_BLOCK, num_warps=4)
     routing = Routing(num_tokens=t, num_experts=e, expert_offsets=expert_offsets, row_token=row_token,
                       row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=pair_row,
                       slot_pair=None, padded=max_pairs is not None)
