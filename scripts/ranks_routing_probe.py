@@ -1,7 +1,7 @@
 """Token rounding's pairs from the rank array: ``ranks_routing`` (two kernels of ours) against ``torch.nonzero_static``
 alone, the first step of session 34's path, on the rank arrays token rounding makes.
 
-usage: python scripts/ranks_routing_probe.py [--shape T,E,K ...] [--json F]
+usage: python scripts/ranks_routing_probe.py [--shape T,E,K ...] [--tile BLOCK_T:BLOCK_E:WARPS ...] [--json F]
 
 Each is timed by CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), static form (R_max pairs), and
 ``ranks_routing``'s outputs are compared with its torch twin's. GPU only.
@@ -26,8 +26,8 @@ def old_path(ranks, offsets, r_max):
     return torch.nonzero_static(ranks, size=r_max, fill_value=-1)
 
 
-def new_path(ranks, offsets, r_max):
-    pt, pe, rt = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max)
+def new_path(ranks, offsets, r_max, tile=None):
+    pt, pe, rt = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max, tile=tile)
     return pt, pe, rt.pair_row, rt.row_pair, rt.row_token, rt.token_offsets
 
 
@@ -35,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tile", action="append", default=[], help="BLOCK_T:BLOCK_E:warps of ranks_routing's kernels")
     args = ap.parse_args()
     rows = []
     for shape in args.shape or ["16384,512,8", "24576,128,8", "16384,256,4"]:
@@ -53,6 +54,11 @@ def main() -> None:
         rec = {"shape": [t, e, k], "r_max": r_max, "same_outputs": same}
         for name, fn in (("nonzero_static alone", old_path), ("ranks_routing", new_path)):
             rec[name] = do_bench_cudagraph(lambda fn=fn, a=(ranks, offsets, r_max): fn(*a), rep=100) * 1e3
+        for tile in args.tile:
+            bt, be, w = (int(v) for v in tile.split(":"))
+            rec[f"ranks_routing {tile}"] = do_bench_cudagraph(
+                lambda a=(ranks, offsets, r_max, (bt, be, w)): new_path(*a), rep=100) * 1e3
+            print(f"  tile {tile}: {rec[f'ranks_routing {tile}']:.1f} us", flush=True)
         rows.append(rec)
         print(f"T={t} E={e} K={k} R_max={r_max}: nonzero_static alone {rec['nonzero_static alone']:.1f} us, "
               f"ranks_routing {rec['ranks_routing']:.1f} us, outputs equal to the torch twin's {same}", flush=True)

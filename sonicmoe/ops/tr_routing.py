@@ -182,20 +182,20 @@ def _ranks_pairs_kernel(rank_ptr, count_ptr, block_sum_ptr, off_ptr, token_ptr, 
         tl.store(row_token_ptr + q, q * 0 + tl.maximum(T - 1, 0), mask=pad)
 
 
-_RANK_BLOCK_T = 32
-_RANK_BLOCK_E = 128
+# (tokens, experts, num_warps) per program of ranks_routing's kernels
+RANKS_TILE = (32, 128, 4)
 _PAD_BLOCK = 1024
 
 
-def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
-                  max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pairs: int | None = None,
+                  tile: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, Routing]:
     """Token rounding's pairs, pair arrays and routing metadata from the selection's rank array, on two Triton
     kernels (no sort; no host sync with ``max_pairs``).
 
-    Both run one program per (32 tokens, 128 experts) block. The first counts each token's routed experts in the
-    block (and the counts' sum per block); the second writes the pairs token-major (experts in order within a
-    token: ``torch.nonzero``'s order), each at the token's first pair (the exclusive prefix sum of the counts:
-    ``token_offsets``) plus the routed experts before it in the token's row, with its row
+    Both run one program per block of tokens and experts (:data:`RANKS_TILE`). The first counts each token's routed
+    experts in the block (and the counts' sum per block); the second writes the pairs token-major (experts in order
+    within a token: ``torch.nonzero``'s order), each at the token's first pair (the exclusive prefix sum of the
+    counts: ``token_offsets``) plus the routed experts before it in the token's row, with its row
     ``expert_offsets[e] + rank − 1`` and the scatter ``row_pair[row] = p``, ``row_token[row] = t`` (a permutation:
     every row written once, no atomics).
 
@@ -206,6 +206,8 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
         max_pairs: R_max, the static number of pairs (``token_rounding(static=True)``): the pairs past the real
             ones are padding pairs (token T, expert E, row = their index). None: exactly the real pairs, whose
             number is read back to the host (one sync).
+        tile: (tokens, experts, num_warps) per program of both kernels, powers of two (tuning; the result does not
+            depend on it). None: :data:`RANKS_TILE`.
 
     Returns:
         (pair_token (R,) int32, pair_expert (R,) int32, the :class:`~sonicmoe.routing.Routing`), equal to
@@ -214,13 +216,14 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
     """
     t, e = ranks.shape
     dev = ranks.device
-    ntb, neb = max(cdiv(t, _RANK_BLOCK_T), 1), cdiv(e, _RANK_BLOCK_E)
+    block_t, block_e, warps = tile or RANKS_TILE
+    ntb, neb = max(cdiv(t, block_t), 1), cdiv(e, block_e)
     counts = torch.empty(t * neb, dtype=INDEX_DTYPE, device=dev)
     block_sums = torch.zeros(ntb * neb, dtype=INDEX_DTYPE, device=dev)
     ranks = ranks.contiguous()
     if t:
         launch_kernel(_token_counts_kernel, (ntb, neb), ranks, counts, block_sums, t, e, neb,
-                      BLOCK_T=_RANK_BLOCK_T, BLOCK_E=_RANK_BLOCK_E, num_warps=4)
+                      BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
     r = max_pairs if max_pairs is not None else int(block_sums.sum())  # static: no sync; else the one sync
     pair_token = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
     pair_expert, pair_row, row_pair, row_token = torch.empty(4, r, dtype=INDEX_DTYPE, device=dev).unbind(0)
@@ -228,8 +231,8 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *,
     if t or r:  # T = 0: padding pairs only
         launch_kernel(_ranks_pairs_kernel, (ntb, neb), ranks, counts, block_sums, expert_offsets, pair_token,
                       pair_expert, pair_row, row_pair, row_token, token_offsets, t, e, r, ntb * neb, neb,
-                      BLOCK_T=_RANK_BLOCK_T, BLOCK_E=_RANK_BLOCK_E, NB_P2=next_pow2(ntb * neb),
-                      NEB_P2=next_pow2(neb), PAD_BLOCK=_PAD_BLOCK, num_warps=4)
+                      BLOCK_T=block_t, BLOCK_E=block_e, NB_P2=next_pow2(ntb * neb),
+                      NEB_P2=next_pow2(neb), PAD_BLOCK=_PAD_BLOCK, num_warps=warps)
     routing = Routing(num_tokens=t, num_experts=e, expert_offsets=expert_offsets, row_token=row_token,
                       row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=pair_row,
                       slot_pair=None, padded=max_pairs is not None)
