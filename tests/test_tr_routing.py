@@ -71,17 +71,18 @@ def test_selection_ranks_and_pairs_routing_kernels(subroutine, static):
 @pytest.mark.interpreter
 @settings(max_examples=30, deadline=None)
 @given(t=st.integers(0, 100), e=st.integers(1, 300), density=st.floats(0.0, 1.0), extra=st.integers(0, 50),
-       static=st.booleans(), seed=st.integers(0, 10**6))
-def test_ranks_routing_kernels_equal_torch(t, e, density, extra, static, seed):
+       static=st.booleans(), seed=st.integers(0, 10**6), tile=st.sampled_from([None, (8, 16, 1), (16, 64, 2)]))
+def test_ranks_routing_kernels_equal_torch(t, e, density, extra, static, seed, tile):
     """The pairs and routing from any rank array (each expert's routed tokens ranked 1, 2, ... in token order):
     the two kernels equal nonzero(_static) + routing_from_pairs, for empty and full rows, E past one 128-wide
-    block, T = 0 and R_max with no padding left (extra = 0) or many padding pairs."""
+    block, T = 0, R_max with no padding left (extra = 0) or many padding pairs, and other tiles (up to 19 blocks of
+    experts per token)."""
     g = torch.Generator().manual_seed(seed)
     routed = torch.rand(t, e, generator=g) < density
     ranks = (routed.cumsum(0) * routed).to(torch.int32)  # rank within the expert's column, 0 where not routed
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), routed.sum(0).cumsum(0)]).to(torch.int32)
     r_max = int(routed.sum()) + extra if static else None
-    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max)
+    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max, tile=tile)
     ref = tr_routing.ranks_routing_ref(ranks, offsets, max_pairs=r_max)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     _assert_routing_equal(got[2], ref[2])
