@@ -219,7 +219,8 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pair
     block_t, block_e, warps = tile or RANKS_TILE
     ntb, neb = max(cdiv(t, block_t), 1), cdiv(e, block_e)
     counts = torch.empty(t * neb, dtype=INDEX_DTYPE, device=dev)
-    block_sums = torch.zeros(ntb * neb, dtype=INDEX_DTYPE, device=dev)
+    # every program of the count kernel writes its block's sum (zeros when T = 0: no launch)
+    block_sums = (torch.empty if t else torch.zeros)(ntb * neb, dtype=INDEX_DTYPE, device=dev)
     ranks = ranks.contiguous()
     if t:
         launch_kernel(_token_counts_kernel, (ntb, neb), ranks, counts, block_sums, t, e, neb,
@@ -227,7 +228,8 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pair
     r = max_pairs if max_pairs is not None else int(block_sums.sum())  # static: no sync; else the one sync
     pair_token = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
     pair_expert, pair_row, row_pair, row_token = torch.empty(4, r, dtype=INDEX_DTYPE, device=dev).unbind(0)
-    token_offsets = torch.zeros(t + 1, dtype=INDEX_DTYPE, device=dev)
+    # the pair kernel writes every token's offset and the end (zeros when it does not run: T = R = 0)
+    token_offsets = (torch.empty if t or r else torch.zeros)(t + 1, dtype=INDEX_DTYPE, device=dev)
     if t or r:  # T = 0: padding pairs only
         launch_kernel(_ranks_pairs_kernel, (ntb, neb), ranks, counts, block_sums, expert_offsets, pair_token,
                       pair_expert, pair_row, row_pair, row_token, token_offsets, t, e, r, ntb * neb, neb,
