@@ -121,3 +121,18 @@ def test_gpu_routing_field_at_benchmark_sizes(t, e, k):
             ref = token_rounding(router, m_tile=128, subroutine=s, static=static, generator=gen, use_kernel=False)
             for name in ("pair_token", "pair_expert", "counts", "topk_counts", "padded"):
                 assert torch.equal(getattr(out, name), getattr(ref, name)), (s, static, name)
+
+
+@pytest.mark.interpreter
+def test_ranks_routing_many_blocks():
+    """More blocks of (tokens, experts) than the pair kernel sums at once (1315 > 1024 block sums): the same
+    pairs and routing as the torch twin."""
+    t, e = 2100, 80
+    routed = torch.rand(t, e, generator=torch.Generator().manual_seed(9)) < 0.05
+    ranks = (routed.cumsum(0) * routed).to(torch.int32)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), routed.sum(0).cumsum(0)]).to(torch.int32)
+    r_max = int(routed.sum()) + 100
+    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max, tile=(8, 16, 1))
+    ref = tr_routing.ranks_routing_ref(ranks, offsets, max_pairs=r_max)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    _assert_routing_equal(got[2], ref[2])

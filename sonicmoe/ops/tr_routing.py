@@ -137,16 +137,19 @@ def _token_counts_kernel(rank_ptr, count_ptr, block_sum_ptr, T, E, NEB,
 @triton.jit(do_not_specialize=["T", "R"])
 def _ranks_pairs_kernel(rank_ptr, count_ptr, block_sum_ptr, off_ptr, token_ptr, expert_ptr, pair_row_ptr,
                         row_pair_ptr, row_token_ptr, tok_off_ptr, T, E, R, NB, NEB,
-                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, NB_P2: tl.constexpr, NEB_P2: tl.constexpr,
-                        PAD_BLOCK: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUM_BLOCK: tl.constexpr,
+                        NEB_P2: tl.constexpr, PAD_BLOCK: tl.constexpr):
     """The pairs of this program's (BLOCK_T tokens, BLOCK_E experts) block, token-major and by expert within a token
     (the order of ``nonzero``): pair index token_offsets[t] + (routed experts of t before e); the eb = 0 programs
     write token_offsets; each program writes the padding pairs p in [total, R) of its slice of [0, R)."""
     tb, eb = tl.program_id(0), tl.program_id(1)
-    b = tl.arange(0, NB_P2)  # the (NTB, NEB) block sums, flat
-    sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
-    before = tl.sum(tl.where(b < tb * NEB, sums, 0), axis=0)  # pairs of the tokens before this token block
-    total = tl.sum(sums, axis=0)
+    before = tb * 0  # pairs of the tokens before this token block
+    total = tb * 0
+    for b0 in range(0, NB, SUM_BLOCK):  # the (NTB, NEB) block sums, flat, a bounded vector at a time
+        b = b0 + tl.arange(0, SUM_BLOCK)
+        sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
+        before += tl.sum(tl.where(b < tb * NEB, sums, 0), axis=0)
+        total += tl.sum(sums, axis=0)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     j = tl.arange(0, NEB_P2)
@@ -233,7 +236,7 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pair
     if t or r:  # T = 0: padding pairs only
         launch_kernel(_ranks_pairs_kernel, (ntb, neb), ranks, counts, block_sums, expert_offsets, pair_token,
                       pair_expert, pair_row, row_pair, row_token, token_offsets, t, e, r, ntb * neb, neb,
-                      BLOCK_T=block_t, BLOCK_E=block_e, NB_P2=next_pow2(ntb * neb),
+                      BLOCK_T=block_t, BLOCK_E=block_e, SUM_BLOCK=min(next_pow2(ntb * neb), 1024),
                       NEB_P2=next_pow2(neb), PAD_BLOCK=_PAD_BLOCK, num_warps=warps)
     routing = Routing(num_tokens=t, num_experts=e, expert_offsets=expert_offsets, row_token=row_token,
                       row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=pair_row,
