@@ -26,6 +26,23 @@ def _assert_routing_equal(a, b):
     assert (a.num_tokens, a.num_experts, a.padded) == (b.num_tokens, b.num_experts, b.padded)
 
 
+def _random_ranks(t, e, density, seed):
+    """A rank array with each (t, e) routed with probability ``density`` (each expert's routed tokens ranked
+    1, 2, ... in token order, 0 elsewhere), and the experts' row offsets."""
+    routed = torch.rand(t, e, generator=torch.Generator().manual_seed(seed)) < density
+    ranks = (routed.cumsum(0) * routed).to(torch.int32)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), routed.sum(0).cumsum(0)]).to(torch.int32)
+    return ranks, offsets, int(routed.sum())
+
+
+def _assert_ranks_routing_equal(ranks, offsets, r_max, tile=None):
+    """ranks_routing's pairs and routing equal its torch twin's."""
+    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max, tile=tile)
+    ref = tr_routing.ranks_routing_ref(ranks, offsets, max_pairs=r_max)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    _assert_routing_equal(got[2], ref[2])
+
+
 @pytest.mark.interpreter
 @settings(max_examples=40, deadline=None)
 @given(nb=st.integers(1, 9), e=st.integers(1, 70), m=st.integers(1, 40), t=st.integers(1, 300),
@@ -61,11 +78,7 @@ def test_selection_ranks_and_pairs_routing_kernels(subroutine, static):
     ref_ranks = tr_select.select_routed_ref(prob_key, score_key, f, keep, rank=True)
     assert ranks.dtype == torch.int32 and torch.equal(ranks, ref_ranks)
     assert torch.equal(ranks != 0, tr_select.select_routed(prob_key, score_key, f, keep))
-    r_max = max_pairs(t, e, k, m, subroutine) if static else None
-    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max)
-    ref = tr_routing.ranks_routing_ref(ranks, offsets, max_pairs=r_max)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    _assert_routing_equal(got[2], ref[2])
+    _assert_ranks_routing_equal(ranks, offsets, max_pairs(t, e, k, m, subroutine) if static else None)
 
 
 @pytest.mark.interpreter
@@ -77,15 +90,8 @@ def test_ranks_routing_kernels_equal_torch(t, e, density, extra, static, seed, t
     the two kernels equal nonzero(_static) + routing_from_pairs, for empty and full rows, E past one 128-wide
     block, T = 0, R_max with no padding left (extra = 0) or many padding pairs, and other tiles (up to 19 blocks of
     experts per token)."""
-    g = torch.Generator().manual_seed(seed)
-    routed = torch.rand(t, e, generator=g) < density
-    ranks = (routed.cumsum(0) * routed).to(torch.int32)  # rank within the expert's column, 0 where not routed
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), routed.sum(0).cumsum(0)]).to(torch.int32)
-    r_max = int(routed.sum()) + extra if static else None
-    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max, tile=tile)
-    ref = tr_routing.ranks_routing_ref(ranks, offsets, max_pairs=r_max)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    _assert_routing_equal(got[2], ref[2])
+    ranks, offsets, real = _random_ranks(t, e, density, seed)
+    _assert_ranks_routing_equal(ranks, offsets, real + extra if static else None, tile)
 
 
 @pytest.mark.interpreter
@@ -127,12 +133,5 @@ def test_gpu_routing_field_at_benchmark_sizes(t, e, k):
 def test_ranks_routing_many_blocks():
     """More blocks of (tokens, experts) than the pair kernel sums at once (1315 > 1024 block sums): the same
     pairs and routing as the torch twin."""
-    t, e = 2100, 80
-    routed = torch.rand(t, e, generator=torch.Generator().manual_seed(9)) < 0.05
-    ranks = (routed.cumsum(0) * routed).to(torch.int32)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), routed.sum(0).cumsum(0)]).to(torch.int32)
-    r_max = int(routed.sum()) + 100
-    got = tr_routing.ranks_routing(ranks, offsets, max_pairs=r_max, tile=(8, 16, 1))
-    ref = tr_routing.ranks_routing_ref(ranks, offsets, max_pairs=r_max)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    _assert_routing_equal(got[2], ref[2])
+    ranks, offsets, real = _random_ranks(2100, 80, 0.05, 9)
+    _assert_ranks_routing_equal(ranks, offsets, real + 100, (8, 16, 1))
