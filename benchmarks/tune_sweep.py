@@ -1,10 +1,11 @@
 """Time every tile configuration of every kernel on given shapes (GPU); prints the best per kernel.
 
-usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus|focus2|focus3]
+usage: python benchmarks/tune_sweep.py [--shape T,d,n,E,K ...] [--space full|focus|focus2|focus3|focus4]
                                       [--kernels a,b] [--repeat N] [--json OUT.json]
 Used to choose the autotuning spaces (TUNING_SPACE in each op module) and the pinned defaults.
 ``--space full`` times each module's TUNING_SPACE plus persistent extras; ``focus2`` and ``focus3`` time
-session 15's rounds 2 and 3 (FOCUS2, FOCUS3); ``--space focus`` times the candidates of FOCUS: larger dH
+session 15's rounds 2 and 3 (FOCUS2, FOCUS3), ``focus4`` session 36's pinned configs for few rows per expert
+(FOCUS4); ``--space focus`` times the candidates of FOCUS: larger dH
 tiles (epilogue in 32-channel column blocks), TMA loads of weights (W_TMA) and of contiguous activation
 rows (A_TMA), larger weight-gradient tiles.
 """
@@ -29,9 +30,10 @@ EXTRA_M = [tile_config(128, 128, 64, 8, 3, 1, True), tile_config(128, 256, 64, 8
            tile_config(64, 128, 64, 4, 3, 2, True), tile_config(128, 128, 64, 4, 2, 2, True)]
 
 
-# slots per unrolled step other than the launcher's (the mean slots per token, at most 8): token rounding gives
-# tokens a varying number of slots, so a token with more than the mean takes a second, mostly masked step
-EXTRA_AGG = [{"BLOCK_T": 1, "BLOCK_D": 1024, "num_warps": 4, "UNROLL": u} for u in (4, 16)]
+# explicit slots per unrolled step (the launcher's: the mean slots per token, at most aggregation.MAX_UNROLL): token
+# rounding gives tokens a varying number of slots, so a token with more than the step takes a second, mostly
+# masked step
+EXTRA_AGG = [{"BLOCK_T": 1, "BLOCK_D": 1024, "num_warps": 4, "UNROLL": u} for u in (4, 8, 16)]
 
 
 def _m(bm, bn, warps, stages, pps=0, flatten=False, bk=64, **extra):
@@ -119,6 +121,20 @@ FOCUS3 = {
 FOCUS3["dxtilde"] = FOCUS3["down_proj"]
 
 
+# session 36: the pinned configs where experts have few rows, as they are (first) and as they were before it (the
+# step loop for the weight gradients, TMA stores for the varlen-M GEMMs), and the aggregation's slots per step
+FOCUS4 = {
+    "dw1": [_k(256, 128, 8, 5, **_VK), _k(256, 128, 8, 5, **_VK, STEPS=True, PROGS_PER_SM=1),
+            _k(128, 128, 8, 5, **_VK)],
+    "dw2": [_k(128, 256, 8, 7, **_VK), _k(128, 256, 8, 5, **_VK, STEPS=True, PROGS_PER_SM=1),
+            _k(128, 128, 8, 5, **_VK)],
+    "dxtilde": [_m(128, 256, 8, 4, 1, STEPS=True, **_VM),
+                _m(128, 256, 8, 3, 1, STEPS=True, C_TMA=True, C_SPLIT=2, **_VM)],
+    "aggregate": [_agg(1, 1024, 4, 4), _agg(1, 1024, 4, 8)],
+}
+FOCUS4["down_proj"] = FOCUS4["dxtilde"]
+
+
 def _rel_err(got, ref) -> float:
     """Largest ‖got − ref‖ / ‖ref‖ over the outputs (inf when got has a NaN)."""
     got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
@@ -166,7 +182,7 @@ def sweep(shape, space="full", only=None, device="cuda", routing_mode="topk", re
         if only and name not in only:
             continue
         if space.startswith("focus"):
-            table = {"focus": FOCUS, "focus2": FOCUS2, "focus3": FOCUS3}[space]
+            table = {"focus": FOCUS, "focus2": FOCUS2, "focus3": FOCUS3, "focus4": FOCUS4}[space]
             if name not in table:
                 continue
             cfgs = table[name]
@@ -206,7 +222,7 @@ def sweep(shape, space="full", only=None, device="cuda", routing_mode="topk", re
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", action="append", default=None)
-    ap.add_argument("--space", choices=("full", "focus", "focus2", "focus3"), default="full")
+    ap.add_argument("--space", choices=("full", "focus", "focus2", "focus3", "focus4"), default="full")
     ap.add_argument("--kernels", default=None, help="comma-separated subset, e.g. dh,up_proj")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run through TRITON_INTERPRET=1 (float32)")

@@ -350,7 +350,7 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
     monkeypatch.setattr(up_mod, "_GPU_DEFAULT", {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, **m,
                                                  "W_TMA": False, "num_warps": 4, "num_stages": 3})
     gemm_cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, **m, "W_TMA": True, "num_warps": 8, "num_stages": 4}
-    monkeypatch.setattr(grouped_gemm, "pinned_gpu_config", lambda rows, experts, width: gemm_cfg)
+    monkeypatch.setattr(grouped_gemm, "pinned_gpu_config", lambda width: gemm_cfg)
     monkeypatch.setattr(dh_mod, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
                                                  "PROGS_PER_SM": 1, "FLATTEN": False, "W_TMA": True,
                                                  "H_PREFETCH": 0, "num_warps": 8, "num_stages": 3})

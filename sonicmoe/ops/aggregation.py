@@ -1,8 +1,9 @@
 """Aggregation: a deterministic gather-and-sum over each token's rows (SPEC §3 kernel 3, §4 kernel 5).
 
 O_t = Σ_{slots j of token t} w_j · Y[token_rows[j]], summed in slot order in float32: no atomics,
-bitwise reproducible. The slot loop is unrolled by UNROLL (the mean slots per token, at most 8, set per
-launch) so that several rows' loads are in flight at once; the additions keep slot order.
+bitwise reproducible. The slot loop is unrolled by UNROLL (the mean slots per token, at most
+:data:`MAX_UNROLL`, set per launch) so that several rows' loads are in flight at once; the additions keep slot
+order.
 Forward: Y the expert outputs, w the scores S. Backward: dX_t = Σ dX̃ rows
 (w = 1). Works for any number of experts per token (general routing, token rounding).
 """
@@ -56,6 +57,11 @@ def _gather_sum_kernel(
 # with 8 slots unrolled: 7B 0.248 ms (was 0.263 with 4 x 512 one slot at a time), (32768, 4096, 1024, 128, 8)
 # 0.819 ms (was 0.908)
 _GPU_DEFAULT = {"BLOCK_T": 1, "BLOCK_D": 1024, "num_warps": 4}
+# slots per unrolled step at most. Session 36 (benchmarks/results/2026-11-27_nvidia-h200_session36/, H200, medians of
+# 5 rounds, that config): 4 against 8 at K = 8, top-k: 7B 0.180 against 0.183 ms, (32768, 4096, 1024, 128, 8)
+# 0.573 against 0.575, (16384, 1536, 256, 512, 8) 0.124 against 0.126; token rounding there, whose tokens have
+# varying slot counts (a token past 8 took a second, mostly masked step of 8): 0.126 against 0.131. 16: 0.163
+MAX_UNROLL = 4
 TUNING_SPACE = [
     triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
     for bt, bd, w in ((1, 1024, 4), (2, 1024, 4), (4, 512, 4), (1, 512, 4))
@@ -102,8 +108,8 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     )
     grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
-    # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), <= 8
-    args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), 8)
+    # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
+    args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), MAX_UNROLL)
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 
