@@ -157,7 +157,7 @@ def test_dispatch(monkeypatch, device):
     assert len(calls) == 1 and calls[0][2] is True and calls[0][1] is routing.expert_offsets
     assert torch.equal(out, varlen_m_gemm_ref(a, b, None, routing, transpose_b=True))
     # on the GPU the pinned tile sized for these float32 operands (the bf16-sized one does not fit shared memory)
-    cfg = grouped_gemm._PINNED_INTERP if interpreting() else sized_for_operands(grouped_gemm.pinned_gpu_config(8),
+    cfg = grouped_gemm._PINNED_INTERP if interpreting() else sized_for_operands(grouped_gemm.pinned_gpu_config(6, 3, 8),
                                                                                  4)
     tri = varlen_m_gemm(a, b, None, routing, transpose_b=True, config=cfg)
     assert len(calls) == 1

@@ -350,7 +350,7 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
     monkeypatch.setattr(up_mod, "_GPU_DEFAULT", {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, **m,
                                                  "W_TMA": False, "num_warps": 4, "num_stages": 3})
     gemm_cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, **m, "W_TMA": True, "num_warps": 8, "num_stages": 4}
-    monkeypatch.setattr(grouped_gemm, "pinned_gpu_config", lambda width: gemm_cfg)
+    monkeypatch.setattr(grouped_gemm, "pinned_gpu_config", lambda rows, experts, width: gemm_cfg)
     monkeypatch.setattr(dh_mod, "_GPU_DEFAULT", {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
                                                  "PROGS_PER_SM": 1, "FLATTEN": False, "W_TMA": True,
                                                  "H_PREFETCH": 0, "num_warps": 8, "num_stages": 3})
@@ -766,7 +766,8 @@ def _record_pinned_launch(monkeypatch, module, kernel_name: str) -> _RecordingKe
     return kern
 
 
-@pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (512, True), (513, False), (1536, False)])
+@pytest.mark.parametrize("rows_per_expert,steps", [(256, True), (384, True), (385, False), (512, False),
+                                                    (1536, False)])
 def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     """The pinned GPU config of the weight gradients runs the persistent step loop (one program per
     multiprocessor) when experts have at most common.FEW_ROWS_PER_EXPERT rows on average, and one program per
@@ -787,7 +788,7 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
 
 
 @pytest.mark.parametrize("rows_per_expert,width,tma_stores",
-                         [(1536, 1536, False), (513, 2048, False), (512, 1536, True), (2048, 4096, True)])
+                         [(1536, 1536, False), (385, 2048, False), (384, 1536, True), (2048, 4096, True)])
 def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores):
     """The pinned GPU config of the contiguous-row grouped GEMM: the 4-stage step loop with pointer stores for
     many rows per expert and a narrow C, else the 3-stage one with TMA stores in column halves."""
@@ -807,7 +808,7 @@ def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores)
     assert (call["c_desc"] is not None) is tma_stores
 
 
-@pytest.mark.parametrize("rows_per_expert,d,steps", [(256, 512, False), (512, 512, False), (513, 512, True),
+@pytest.mark.parametrize("rows_per_expert,d,steps", [(256, 512, False), (384, 512, False), (385, 512, True),
                                                      (1536, 2048, True), (1536, 2112, False)])
 def test_up_proj_pinned_config(monkeypatch, rows_per_expert, d, steps):
     """The up-projection's pinned GPU config runs the persistent step loop (one program per multiprocessor)

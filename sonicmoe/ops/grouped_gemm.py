@@ -14,9 +14,9 @@ an expert's end are the next expert's or zeros, and their results are never stor
 blocks: less shared memory) and an expert's last tile by masked stores. ``STEPS`` runs a program's tiles as
 one loop over (tile, K-block) steps written out in the kernel, so the software pipeline crosses tile
 boundaries (as Triton's ``FLATTEN`` does) and TMA stores are allowed (which ``FLATTEN`` cannot compile in
-Triton 3.6). The pinned default is that step loop: with pointer stores where C is at most 2048 wide (the 7B
-shape), with TMA stores in column halves where it is wider (:func:`pinned_gpu_config`); the autotuner chooses
-among the configs.
+Triton 3.6). The pinned default is that step loop: with pointer stores where experts have many rows and C
+is narrow (the 7B shape), with TMA stores in column halves elsewhere (:func:`pinned_gpu_config`); the
+autotuner chooses among the configs.
 
 On Hopper (sm_90) the down-projection of shapes with a short reduction (k ≤ 256) and many rows per expert runs
 instead the warp-specialised ping-pong kernel of :mod:`sonicmoe.ops.grouped_gemm_ws` (Gluon), which overlaps
@@ -36,6 +36,7 @@ from .common import (
     check_device,
     column_halves,
     dot_precision,
+    few_rows_per_expert,
     first_step,
     launch,
     load_weight_block,
@@ -174,19 +175,15 @@ _GPU_DEFAULT = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PROGS_PER_SM": 1
 # the best: (16384, 4096, 512, 512, 8) down-projection 1.54 -> 1.26 ms with token-rounded counts, 1.73 -> 1.41
 # top-k; dX~ 2.74 -> 2.30 and 3.32 -> 2.49; (16384, 1536, 256, 512, 8) token rounding: down-projection 0.372 ->
 # 0.353, dX~ 0.574 -> 0.476 (top-k: 0.350 -> 0.325 and 0.484 -> 0.519).
-# Session 36 (benchmarks/results/2026-11-27_nvidia-h200_session36/, H200, 3 rounds each): with the present kernels
-# the pointer-store default leads or ties with few rows per expert too, wherever C is at most 2048 wide. dX~ at
-# (16384, 1536, 256, 512, 8): token rounding 0.405 / 0.395 ms against 0.442 / 0.447 with TMA stores, top-k within
-# the rounds' spread (0.483 / 0.516 against 0.513 / 0.505); at E = 256: 0.400 against 0.414 and 0.429 against 0.434.
-# The down-projection ties there (0.245-0.301 ms either way).
 _GPU_DEFAULT_TMA_STORES = {**_GPU_DEFAULT, "num_stages": 3, "C_TMA": True, "C_SPLIT": 2}
 POINTER_STORES_MAX_WIDTH = 2048
 
 
-def pinned_gpu_config(width: int) -> dict:
-    """The pinned GPU config for a C (R, m = ``width``): pointer stores up to POINTER_STORES_MAX_WIDTH columns, TMA
-    stores in column halves beyond (host values only)."""
-    return _GPU_DEFAULT if width <= POINTER_STORES_MAX_WIDTH else _GPU_DEFAULT_TMA_STORES
+def pinned_gpu_config(num_rows: int, num_experts: int, width: int) -> dict:
+    """The pinned GPU config for R rows over E experts writing C (R, m = ``width``): host values only."""
+    if not few_rows_per_expert(num_rows, num_experts) and width <= POINTER_STORES_MAX_WIDTH:
+        return _GPU_DEFAULT
+    return _GPU_DEFAULT_TMA_STORES
 
 _PINNED_INTERP = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
 TUNING_SPACE = [
@@ -263,7 +260,7 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     )
     if r > 0:
         launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP,
-               pinned_gpu_config(m), config, _desc_blocks, _FLAG_DESCS, pdl_device=a.device)
+               pinned_gpu_config(r, e, m), config, _desc_blocks, _FLAG_DESCS, pdl_device=a.device)
     return c
 
 

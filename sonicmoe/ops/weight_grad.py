@@ -13,11 +13,12 @@ The operand that is not gathered (dH for dW1, A′ for dW2) is read through a TM
 (P_TMA / Q_TMA). Columns are masked only where I or J is not a multiple of the block (EVEN_I / EVEN_J, set
 per launch).
 
-Two schedules. By default (pinned) the grid is one program per tile. With ``STEPS`` (in the tuning space) one
-program per multiprocessor runs its tiles as one loop over (tile, whole chunk) steps, so the software pipeline
-crosses tile boundaries: the next tile's chunks load while this tile finishes and stores. It was pinned where
-experts have few rows until session 36 measured the per-tile grid as fast or faster there too (see ``_STEPS``).
-Its results are bitwise those of the per-tile grid.
+Two schedules. By default the grid is one program per tile. With ``STEPS`` (the default when an expert has
+at most ``common.FEW_ROWS_PER_EXPERT`` rows on average) one program per multiprocessor runs its tiles as one
+loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries: the next tile's
+chunks load while this tile finishes and stores. That pays where the reduction is short (few chunks per
+tile: fine-grained experts, token rounding's sparse points) and costs where it is long (its stages hold
+fewer chunks). Its results are bitwise those of the per-tile grid.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .common import (
     cdiv,
     check_device,
     dot_precision,
+    few_rows_per_expert,
     launch,
     new_output,
     next_pow2,
@@ -230,15 +232,11 @@ _GPU_DEFAULT_P_GATHERED = {"BLOCK_I": 128, "BLOCK_J": 256, "BLOCK_R": 64, "P_TMA
                            "num_warps": 8, "num_stages": 7}
 _GPU_DEFAULT = {"BLOCK_I": 256, "BLOCK_J": 128, "BLOCK_R": 64, "P_TMA": True, "Q_TMA": True, "num_warps": 8,
                 "num_stages": 5}
-# The persistent step loop (STEPS), 5 stages: in the tuning space, not pinned. Session 9 (benchmarks/results/
-# 2026-11-24_nvidia-h100_varlen-k-steps/) measured it faster with few rows per expert: (16384, 1536, 256, 512, 8)
-# with token-rounded counts, dW1 0.715 -> 0.640 ms, dW2 0.361 -> 0.340 on an H100, and pinned it there. Session 36
-# (benchmarks/results/2026-11-27_nvidia-h200_session36/, H200, 3 rounds each, the present kernels) found the
-# per-tile defaults as fast or faster with few rows, under both routings: dW1 at (16384, 1536, 256, E, 8), top-k /
-# token rounding, ms: E = 256 0.545 / 0.486 per tile against 0.621 / 0.594 as steps; E = 512 0.803 / 0.661
-# against 0.780 / 0.692; dW2: E = 256 0.275 / 0.240 against 0.308 / 0.268; E = 512 0.421 / 0.330 against
-# 0.408 / 0.326. So the per-tile configs are pinned everywhere; on the 7B shape (1536 rows per expert) the step
-# loop was slower too (dW1 0.59 -> 0.71, dW2 0.30 -> 0.37).
+# Few rows per expert (short reduction loops, where a tile's pipeline fill and store are a large share of its
+# time): the persistent step loop, 5 stages (session 9, benchmarks/results/2026-11-24_nvidia-h100_varlen-k-steps/:
+# (16384, 1536, 256, 512, 8) with token-rounded counts, 256 rows per expert: dW1 0.715 -> 0.640 ms, dW2 0.361 ->
+# 0.340; on the 7B shape, 1536 rows per expert, it is slower: dW1 0.59 -> 0.71, dW2 0.30 -> 0.37); pinned for
+# few rows per expert (common.few_rows_per_expert)
 _STEPS = {"STEPS": True, "PROGS_PER_SM": 1, "num_stages": 5}
 _PINNED_INTERP = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
 _NAMES = ("BLOCK_I", "BLOCK_J", "BLOCK_R")
@@ -301,8 +299,10 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         tiles = e * cdiv(i_dim, meta["BLOCK_I"]) * cdiv(j_dim, meta["BLOCK_J"])
         return (programs(tiles, meta.get("PROGS_PER_SM", 0) if meta.get("STEPS") else 0, p.device),)
 
-    # pinned tiles: 256 wide on the operand that is not gathered
+    # pinned tiles: 256 wide on the operand that is not gathered; the step loop for few rows per expert
     gpu_default = _GPU_DEFAULT_P_GATHERED if p_gather else _GPU_DEFAULT
+    if few_rows_per_expert(routing.num_rows, e):
+        gpu_default = {**gpu_default, **_STEPS}
     launch(_varlen_k_kernel, _tuned, grid, args, _PINNED_INTERP, gpu_default, config, _desc_blocks, _FLAG_DESCS,
            pdl_device=p.device)
     return out
