@@ -177,6 +177,22 @@ def test_gather_sum(device):
     assert torch.equal(gather_sum(y, routing, w16), gather_sum(y, routing, w16.float()))
 
 
+def test_gather_sum_more_slots_than_unrolled(device):
+    """Tokens with more slots than one unrolled step (aggregation.MAX_UNROLL) and a ragged last step: every slot
+    is summed, in slot order (the sum of each token's slots is checked against the reference)."""
+    from sonicmoe.ops import aggregation
+
+    t, e, k = 13, 16, aggregation.MAX_UNROLL * 2 + 1
+    tok = torch.arange(t).repeat_interleave(k)
+    expert = (torch.arange(t)[:, None] * 3 + torch.arange(k)[None, :]).remainder(e).flatten()
+    routing = routing_from_pairs(tok.to(device), expert.to(device), t, e)
+    y = torch.randn(routing.num_rows, 24, device=device)
+    w = torch.rand(routing.num_rows, device=device)
+    out = gather_sum(y, routing, w)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, gather_sum_ref(y, routing, w)) < 1e-6
+
+
 def _layer_grads(p, k, layout, backend, dtype, dout):
     ins = {key: (v.to(dtype).clone().requires_grad_(True) if v is not None else None) for key, v in p.items()}
     res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
