@@ -21,6 +21,7 @@ import torch
 from kernel_breakdown import build_routing  # benchmarks/ is on sys.path when run as a script
 from triton.testing import do_bench
 
+from sonicmoe.bench.report import env_info
 from sonicmoe.ops import aggregation, dh, grouped_gemm, up_proj, weight_grad
 from sonicmoe.ops.common import config_dict, tile_config
 from sonicmoe.testing import random_problem
@@ -233,7 +234,9 @@ def main():
     args = ap.parse_args()
     only = set(args.kernels.split(",")) if args.kernels else None
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["24576,1536,256,128,8"])]
-    out = {}
+    # the GPU, driver, torch and triton versions and the commit, next to the timings (env_info is host-side)
+    out = {"env": env_info(torch.device(args.device)), "routing": args.routing, "space": args.space,
+           "repeat": args.repeat}
     for shape in shapes:
         rows = sweep(shape, args.space, only, args.device, args.routing, args.repeat)
         out[",".join(map(str, shape))] = rows

@@ -506,14 +506,14 @@ def programs(tiles: int, progs_per_sm: int, device: torch.device) -> int:
 # Mean rows per expert at or below which the pinned GPU configs treat experts as "few-row" (short reduction
 # loops in the weight gradients, many partly used weight tiles in the grouped GEMMs); measured in session 9,
 # benchmarks/results/2026-11-24_nvidia-h100_varlen-k-steps/, at 256 rows per expert. Session 36
-# (benchmarks/results/2026-11-27_nvidia-h200_session36/, `tune_sweep.py --space focus4`, 3 rounds each) moved it
-# from 512 to 384: at (16384, 1536, 256, 256, 8), 512 rows per expert, every kernel it decides ran faster with the
-# many-row configs, on an H100 and an H200, under top-k and under token rounding. H100, top-k / token rounding,
-# ms, many-row against few-row config: dW1 0.575 / 0.525 against 0.598 / 0.563, dW2 0.299 / 0.261 against
-# 0.318 / 0.277, dX~ 0.438 / 0.389 against 0.457 / 0.417, down-projection 0.272 / 0.265 against 0.291 / 0.274,
-# up-projection 0.468 / 0.428 against 0.473 / 0.439 (5 rounds). H200: dW1 0.545 / 0.486 against 0.621 / 0.594, dW2
-# 0.275 / 0.240 against 0.308 / 0.268. At 256 rows per expert (E = 512) the few-row configs still lead on the H100
-# (token rounding: dW1 0.643 against 0.722, dX~ 0.480 against 0.570)
+# (benchmarks/results/2026-11-27_nvidia-h100_session36/ and ..._nvidia-h200_session36/, `tune_sweep.py`, 3 rounds
+# each) moved it from 512 to 384: at (16384, 1536, 256, 256, 8), 512 rows per expert, every kernel it decides
+# ran faster with the many-row configs, on an H100 and an H200, under top-k and under token rounding. H100,
+# top-k / token rounding, ms, many-row against few-row config: dW1 0.575 / 0.525 against 0.598 / 0.563, dW2
+# 0.299 / 0.261 against 0.318 / 0.277, dX~ 0.438 / 0.389 against 0.457 / 0.417, down-projection 0.272 / 0.265
+# against 0.291 / 0.274, up-projection 0.468 / 0.428 against 0.473 / 0.439 (5 rounds). H200: dW1 0.545 / 0.486
+# against 0.621 / 0.594, dW2 0.275 / 0.240 against 0.308 / 0.268. At 256 rows per expert (E = 512) the few-row
+# configs still lead on the H100 (token rounding: dW1 0.643 against 0.722, dX~ 0.480 against 0.570)
 FEW_ROWS_PER_EXPERT = 384
 
 
