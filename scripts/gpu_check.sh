@@ -5,6 +5,9 @@
 #   tune   tile sweep of candidate configs (benchmarks/tune_sweep.py --space TUNE_SPACE: focus (default),
 #          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
 #          TUNE_REPEAT rounds, medians
+#   fewrows  the pinned configs where experts have few rows against the many-row ones (tune_sweep.py --space focus4 and
+#          the up-projection's two schedules), under top-k and token rounding, on FEWROWS_SHAPES (default
+#          (16384, 1536, 256, E, 8) at E = 512 and 256: 256 and 512 rows per expert), FEWROWS_REPEAT rounds (3)
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
@@ -104,6 +107,17 @@ for step in "$@"; do
           --json "$OUT/tune_$k.json" 2>&1 | tee -a "$OUT/tune.txt"
       done
       SUMMARY+=("$(grep -E '^==|TF|baseline|WRONG|failed' "$OUT/tune.txt" | grep -v ' 0 failed')")
+      ;;
+    fewrows)
+      shapes=()
+      for sh in ${FEWROWS_SHAPES:-16384,1536,256,512,8 16384,1536,256,256,8}; do shapes+=(--shape "$sh"); done
+      for r in topk token_rounding; do
+        timeout 250 python3 benchmarks/tune_sweep.py --space focus4 --repeat ${FEWROWS_REPEAT:-3} --routing $r \
+          "${shapes[@]}" --json "$OUT/fewrows_$r.json" > "$OUT/fewrows_$r.txt" 2>&1
+        timeout 150 python3 benchmarks/tune_sweep.py --space focus --kernels up_proj --repeat ${FEWROWS_REPEAT:-3} \
+          --routing $r "${shapes[@]}" --json "$OUT/fewrows_up_$r.json" > "$OUT/fewrows_up_$r.txt" 2>&1
+      done
+      SUMMARY+=("$(grep -hE '^==|ms ' "$OUT"/fewrows_*.txt | grep -v worst)")
       ;;
     bench7b)
       python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \
