@@ -122,8 +122,8 @@ FOCUS3 = {
 FOCUS3["dxtilde"] = FOCUS3["down_proj"]
 
 
-# session 36: the pinned configs where experts have few rows, as they are (first) and as they were before it (the
-# step loop for the weight gradients, TMA stores for the varlen-M GEMMs), and the aggregation's slots per step
+# session 36: the pinned many-row configs (first) against the few-row ones (the step loop for the weight gradients,
+# TMA stores for the varlen-M GEMMs), the 128 x 128 weight-gradient tile, and the aggregation's slots per step
 FOCUS4 = {
     "dw1": [_k(256, 128, 8, 5, **_VK), _k(256, 128, 8, 5, **_VK, STEPS=True, PROGS_PER_SM=1),
             _k(128, 128, 8, 5, **_VK)],

@@ -60,7 +60,9 @@ _GPU_DEFAULT = {"BLOCK_T": 1, "BLOCK_D": 1024, "num_warps": 4}
 # slots per unrolled step at most. Session 36 (benchmarks/results/2026-11-27_nvidia-h200_session36/, H200, medians of
 # 5 rounds, that config): 4 against 8 at K = 8, top-k: 7B 0.180 against 0.183 ms, (32768, 4096, 1024, 128, 8)
 # 0.573 against 0.575, (16384, 1536, 256, 512, 8) 0.124 against 0.126; token rounding there, whose tokens have
-# varying slot counts (a token past 8 took a second, mostly masked step of 8): 0.126 against 0.131. 16: 0.163
+# varying slot counts (a token past 8 took a second, mostly masked step of 8): 0.126 against 0.131. 16: 0.163.
+# H100 (..._nvidia-h100_session36/call4_*, 3 rounds), (16384, 1536, 256, E, 8), E = 256 and 512, both routings:
+# 0.166-0.168 against 0.168-0.171
 MAX_UNROLL = 4
 TUNING_SPACE = [
     triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=w)
