@@ -40,6 +40,8 @@
 #          fanouts (benchmarks/tr_select_fanout.py on TRSEL_SHAPES T,d,E,K ..., TRSEL_ARGS more options, e.g.
 #          --keys-tile 128:32:8), each mask checked against the twin
 #   checkfx  the forward timed after each step of the bench's float32 check (scripts/check_effect_probe.py)
+#   ranks  token rounding's pairs from the rank array (scripts/ranks_routing_probe.py --scan-ab): the pair kernel's
+#          block-sum prefix by a scan program against summed in every program
 #   trsync the static-length (sync-free) token rounding: its GPU tests (TRSYNC_TESTS adds more pytest arguments) and
 #          router + routing + experts timed for top-k, token rounding with its host sync and without
 #          (scripts/tr_sync_probe.py on TRSYNC_SHAPES, with TRSYNC_ARGS)
@@ -214,6 +216,13 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       done
       python3 scripts/target_summary.py "$OUT"/targets/*.json > "$OUT/targets_summary.txt" 2>&1
       SUMMARY+=("$(cat "$OUT/targets_summary.txt")")
+      ;;
+    ranks)
+      # token rounding's pairs from the rank array: ranks_routing against nonzero_static, and the block sums' prefix
+      # by one scan program against every pair program summing them (scripts/ranks_routing_probe.py --scan-ab)
+      timeout ${RANKS_LIMIT_S:-150} python3 scripts/ranks_routing_probe.py --scan-ab --json "$OUT/ranks_probe.json" \
+        > "$OUT/ranks_probe.txt" 2>&1
+      SUMMARY+=("$(cat "$OUT/ranks_probe.txt")")
       ;;
     trsync)
       timeout 400 python3 -m pytest -q -m gpu tests/test_static_routing.py tests/test_tr_scores.py tests/test_tr_select.py \
