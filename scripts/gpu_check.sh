@@ -31,7 +31,8 @@
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
-#          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds
+#          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds; AB_ARGS more
+#          options (--graph: CUDA-graph replays; --warmup MS)
 #   targets  issue #4's protocol: TARGET_ROUNDS (default 5) rounds, each a fresh process of the layer benchmark
 #          on the 7B shape (triton and torch) then one on (32768, 4096, 1024, 128, 8) (triton; round 1 also torch,
 #          and the float32 check of both); the median over rounds of each shape's fwd+bwd and of the 7B torch
@@ -40,8 +41,7 @@
 #          fanouts (benchmarks/tr_select_fanout.py on TRSEL_SHAPES T,d,E,K ..., TRSEL_ARGS more options, e.g.
 #          --keys-tile 128:32:8), each mask checked against the twin
 #   checkfx  the forward timed after each step of the bench's float32 check (scripts/check_effect_probe.py)
-#   ranks  token rounding's pairs from the rank array (scripts/ranks_routing_probe.py --scan-ab): the pair kernel's
-#          block-sum prefix by a scan program against summed in every program
+#   ranks  token rounding's pairs from the rank array: ranks_routing against nonzero_static (scripts/ranks_routing_probe.py)
 #   trsync the static-length (sync-free) token rounding: its GPU tests (TRSYNC_TESTS adds more pytest arguments) and
 #          router + routing + experts timed for top-k, token rounding with its host sync and without
 #          (scripts/tr_sync_probe.py on TRSYNC_SHAPES, with TRSYNC_ARGS)
@@ -200,7 +200,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ab=()
       for sh in ${AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
       timeout ${AB_LIMIT_S:-300} python3 scripts/ws_ab.py --env ${AB_ENV:-SONICMOE_GLUON} --values "$AB_VALUES" \
-        --rounds ${AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
+        --rounds ${AB_ROUNDS:-7} "${ab[@]}" ${AB_ARGS:-} --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
       SUMMARY+=("$(grep -E ' ms |Error' "$OUT/ab.txt")")
       ;;
     targets)
@@ -218,9 +218,9 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       SUMMARY+=("$(cat "$OUT/targets_summary.txt")")
       ;;
     ranks)
-      # token rounding's pairs from the rank array: ranks_routing against nonzero_static, and the block sums' prefix
-      # by one scan program against every pair program summing them (scripts/ranks_routing_probe.py --scan-ab)
-      timeout ${RANKS_LIMIT_S:-150} python3 scripts/ranks_routing_probe.py --scan-ab --json "$OUT/ranks_probe.json" \
+      # token rounding's pairs from the rank array: ranks_routing against nonzero_static (scripts/ranks_routing_probe.py;
+      # RANKS_ARGS more options, e.g. --tile 64:128:4)
+      timeout ${RANKS_LIMIT_S:-150} python3 scripts/ranks_routing_probe.py ${RANKS_ARGS:-} --json "$OUT/ranks_probe.json" \
         > "$OUT/ranks_probe.txt" 2>&1
       SUMMARY+=("$(cat "$OUT/ranks_probe.txt")")
       ;;

@@ -1,8 +1,7 @@
 """Token rounding's pairs from the rank array: ``ranks_routing`` (two kernels of ours) against ``torch.nonzero_static``
 alone, the first step of session 34's path, on the rank arrays token rounding makes.
 
-usage: python scripts/ranks_routing_probe.py [--shape T,E,K ...] [--tile BLOCK_T:BLOCK_E:WARPS ...] [--scan-ab]
-       [--json F]
+usage: python scripts/ranks_routing_probe.py [--shape T,E,K ...] [--tile BLOCK_T:BLOCK_E:WARPS ...] [--json F]
 
 Each is timed by CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), static form (R_max pairs), and
 ``ranks_routing``'s outputs are compared with its torch twin's. GPU only.
@@ -37,10 +36,7 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tile", action="append", default=[], help="BLOCK_T:BLOCK_E:warps of ranks_routing's kernels")
-    ap.add_argument("--scan-ab", action="store_true",
-                    help="time tr_routing.SCAN_BLOCK_SUMS False against True (alternating, twice each)")
     args = ap.parse_args()
-    scan_default = tr_routing.SCAN_BLOCK_SUMS
     rows = []
     for shape in args.shape or ["16384,512,8", "24576,128,8", "16384,256,4"]:
         t, e, k = (int(v) for v in shape.split(","))
@@ -58,15 +54,6 @@ def main() -> None:
         rec = {"shape": [t, e, k], "r_max": r_max, "same_outputs": same}
         for name, fn in (("nonzero_static alone", old_path), ("ranks_routing", new_path)):
             rec[name] = do_bench_cudagraph(lambda fn=fn, a=(ranks, offsets, r_max): fn(*a), rep=100) * 1e3
-        if args.scan_ab:  # the block sums' prefix by one scan program against each pair program summing them
-            for scan in (False, True, False, True):
-                tr_routing.SCAN_BLOCK_SUMS = scan
-                same_scan = all(torch.equal(a, b) for a, b in zip(ref, new_path(ranks, offsets, r_max)))
-                us = do_bench_cudagraph(lambda a=(ranks, offsets, r_max): new_path(*a), rep=100) * 1e3
-                rec.setdefault(f"ranks_routing scan={scan}", []).append(us)
-                rec[f"same_outputs scan={scan}"] = same_scan
-                print(f"  scan={scan}: {us:.1f} us, outputs equal {same_scan}", flush=True)
-            tr_routing.SCAN_BLOCK_SUMS = scan_default
         for tile in args.tile:
             bt, be, w = (int(v) for v in tile.split(":"))
             rec[f"ranks_routing {tile}"] = do_bench_cudagraph(

@@ -6,7 +6,10 @@ also the host time of one ws_varlen_m_gemm call.
 A value may also set several switches at once, as NAME=V joined by '+': e.g. --values
 SONICMOE_GLUON_WGRAD=0+SONICMOE_OVERLAP=2,SONICMOE_GLUON_WGRAD=1+SONICMOE_OVERLAP=0.
 
-usage: python scripts/ws_ab.py [--env NAME] [--values 1,0] [--shape T,d,n,E,K ...] [--rounds 5] [--json F]
+usage: python scripts/ws_ab.py [--env NAME] [--values 1,0] [--shape T,d,n,E,K ...] [--rounds 5] [--graph]
+                              [--warmup MS] [--json F]
+
+--graph times CUDA-graph replays of the calls captured under each value (no host time between kernels).
 """
 
 from __future__ import annotations
@@ -32,6 +35,24 @@ def assignments(env: str, value: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in value.split("+"))
 
 
+def graph_of(f, leaves) -> torch.cuda.CUDAGraph:
+    """``f`` (eager calls first, on a side stream: they autotune) captured in a CUDA graph; the leaves' gradients
+    are set to None before the capture, so that each replay writes them afresh (no accumulation kernels)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    for leaf in leaves or []:
+        leaf.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        f()
+    torch.cuda.synchronize()
+    return g
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
@@ -39,6 +60,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--env", default="SONICMOE_GLUON")
     ap.add_argument("--values", default="1,0")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays of each value's calls (the GPU alone) instead of eager calls")
+    ap.add_argument("--warmup", type=float, default=25, help="do_bench warm-up per timing, ms")
     args = ap.parse_args()
     env = args.env
     values = args.values.split(",")
@@ -62,13 +86,23 @@ def main() -> None:
                 if bwd:
                     out.backward(dout)
             fns["fwd+bwd" if bwd else "fwd"] = (f, leaves if bwd else None, (18 if bwd else 6) * r * n * d)
+        graphs = {}
+        if args.graph:  # one graph per (phase, value), captured under that value's switches
+            for name, (f, leaves, _fl) in fns.items():
+                for g in values:
+                    os.environ.update(assignments(env, g))
+                    graphs[(name, g)] = graph_of(f, leaves)
         times = {(name, g): [] for name in fns for g in values}
         for _ in range(args.rounds):
             for name, (f, leaves, _fl) in fns.items():
                 for g in values:
                     os.environ.update(assignments(env, g))
-                    times[(name, g)].append(do_bench(f, warmup=25, rep=200, return_mode="median",
-                                                     grad_to_none=leaves))
+                    if args.graph:
+                        times[(name, g)].append(do_bench(graphs[(name, g)].replay, warmup=args.warmup, rep=200,
+                                                         return_mode="median"))
+                    else:
+                        times[(name, g)].append(do_bench(f, warmup=args.warmup, rep=200, return_mode="median",
+                                                         grad_to_none=leaves))
         for name, value in original.items():  # back to what the caller set (or the library's default)
             if value is None:
                 os.environ.pop(name, None)
@@ -77,7 +111,7 @@ def main() -> None:
         for (name, g), ts in times.items():
             ms = statistics.median(ts)
             rec = {"shape": [t, d, n, e, k], "what": name, env: g, "ms": ms, "rounds": ts,
-                   "tflops": fns[name][2] / ms / 1e9}
+                   "tflops": fns[name][2] / ms / 1e9, "graph": args.graph}
             res["results"].append(rec)
             print(f"{shape:>22} {name:<8} {g if '=' in g else env + '=' + g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
                   f"{[round(x, 4) for x in ts]}", flush=True)

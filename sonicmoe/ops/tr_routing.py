@@ -134,39 +134,22 @@ def _token_counts_kernel(rank_ptr, count_ptr, block_sum_ptr, T, E, NEB,
     tl.store(block_sum_ptr + tb * NEB + eb, tl.sum(cnt, axis=0))
 
 
-@triton.jit
-def _block_scan_kernel(block_sum_ptr, prefix_ptr, NB, SUM_BLOCK: tl.constexpr):
-    """The exclusive prefix sums of the NB block sums, (NB + 1,): prefix[i] = Σ_{b < i} sums[b], prefix[NB] the
-    total. One program, SUM_BLOCK sums at a time (integers: exact in any order)."""
-    carry = tl.program_id(0) * 0
-    tl.store(prefix_ptr, carry)
-    for b0 in range(0, NB, SUM_BLOCK):
-        b = b0 + tl.arange(0, SUM_BLOCK)
-        sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
-        tl.store(prefix_ptr + 1 + b, carry + tl.cumsum(sums, axis=0), mask=b < NB)
-        carry += tl.sum(sums, axis=0)
-
-
 @triton.jit(do_not_specialize=["T", "R"])
 def _ranks_pairs_kernel(rank_ptr, count_ptr, block_sum_ptr, off_ptr, token_ptr, expert_ptr, pair_row_ptr,
                         row_pair_ptr, row_token_ptr, tok_off_ptr, T, E, R, NB, NEB,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUM_BLOCK: tl.constexpr,
-                        NEB_P2: tl.constexpr, PAD_BLOCK: tl.constexpr, SCANNED: tl.constexpr = False):
+                        NEB_P2: tl.constexpr, PAD_BLOCK: tl.constexpr):
     """The pairs of this program's (BLOCK_T tokens, BLOCK_E experts) block, token-major and by expert within a token
     (the order of ``nonzero``): pair index token_offsets[t] + (routed experts of t before e); the eb = 0 programs
     write token_offsets; each program writes the padding pairs p in [total, R) of its slice of [0, R)."""
     tb, eb = tl.program_id(0), tl.program_id(1)
-    if SCANNED:  # block_sum_ptr holds the (NB + 1,) exclusive prefix sums of the block sums (_block_scan_kernel)
-        before = tl.load(block_sum_ptr + tb * NEB)  # pairs of the tokens before this token block
-        total = tl.load(block_sum_ptr + NB)
-    else:
-        before = tb * 0
-        total = tb * 0
-        for b0 in range(0, NB, SUM_BLOCK):  # the (NTB, NEB) block sums, flat, a bounded vector at a time
-            b = b0 + tl.arange(0, SUM_BLOCK)
-            sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
-            before += tl.sum(tl.where(b < tb * NEB, sums, 0), axis=0)
-            total += tl.sum(sums, axis=0)
+    before = tb * 0  # pairs of the tokens before this token block
+    total = tb * 0
+    for b0 in range(0, NB, SUM_BLOCK):  # the (NTB, NEB) block sums, flat, a bounded vector at a time
+        b = b0 + tl.arange(0, SUM_BLOCK)
+        sums = tl.load(block_sum_ptr + b, mask=b < NB, other=0)
+        before += tl.sum(tl.where(b < tb * NEB, sums, 0), axis=0)
+        total += tl.sum(sums, axis=0)
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
     j = tl.arange(0, NEB_P2)
@@ -205,9 +188,6 @@ def _ranks_pairs_kernel(rank_ptr, count_ptr, block_sum_ptr, off_ptr, token_ptr, 
 # (tokens, experts, num_warps) per program of ranks_routing's kernels
 RANKS_TILE = (32, 128, 4)
 _PAD_BLOCK = 1024
-# the pair kernel reads its token block's first pair from the block sums' exclusive prefix sums (one more launch,
-# one program) instead of summing the (NTB, NEB) block sums before it in every program (O(NB^2) loads)
-SCAN_BLOCK_SUMS = True
 
 
 def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pairs: int | None = None,
@@ -254,16 +234,10 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pair
     # the pair kernel writes every token's offset and the end (zeros when it does not run: T = R = 0)
     token_offsets = (torch.empty if t or r else torch.zeros)(t + 1, dtype=INDEX_DTYPE, device=dev)
     if t or r:  # T = 0: padding pairs only
-        sum_block = min(next_pow2(ntb * neb), 1024)
-        if SCAN_BLOCK_SUMS:
-            prefix = torch.empty(ntb * neb + 1, dtype=INDEX_DTYPE, device=dev)
-            launch_kernel(_block_scan_kernel, (1,), block_sums, prefix, ntb * neb, SUM_BLOCK=sum_block,
-                          num_warps=4)
-            block_sums = prefix
         launch_kernel(_ranks_pairs_kernel, (ntb, neb), ranks, counts, block_sums, expert_offsets, pair_token,
                       pair_expert, pair_row, row_pair, row_token, token_offsets, t, e, r, ntb * neb, neb,
-                      BLOCK_T=block_t, BLOCK_E=block_e, SUM_BLOCK=sum_block,
-                      NEB_P2=next_pow2(neb), PAD_BLOCK=_PAD_BLOCK, SCANNED=SCAN_BLOCK_SUMS, num_warps=warps)
+                      BLOCK_T=block_t, BLOCK_E=block_e, SUM_BLOCK=min(next_pow2(ntb * neb), 1024),
+                      NEB_P2=next_pow2(neb), PAD_BLOCK=_PAD_BLOCK, num_warps=warps)
     routing = Routing(num_tokens=t, num_experts=e, expert_offsets=expert_offsets, row_token=row_token,
                       row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=pair_row,
                       slot_pair=None, padded=max_pairs is not None)
