@@ -34,17 +34,16 @@ def test_config_fits_shared_memory(n):
 
 
 def test_preferred_where_measured_faster(monkeypatch):
-    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the 7B width (no gain in the layer); every width
-    under SONICMOE_GLUON_DH=all, none of them under 0 (dh_ws_enabled)."""
+    """256-wide tiles (n a multiple of 256: every width measured faster, session 37), not n = 128 or 384 (128-wide
+    tiles, not measured); every n under SONICMOE_GLUON_DH=all, none of them under 0 (dh_ws_enabled)."""
     monkeypatch.delenv("SONICMOE_GLUON_DH", raising=False)
-    assert dh_ws.dh_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8)
-    assert not dh_ws.dh_ws_preferred(1536)  # 7B: faster alone, not in the layer (session 26)
-    assert not dh_ws.dh_ws_preferred(7168) and not dh_ws.dh_ws_preferred(768)  # not measured
+    assert all(dh_ws.dh_ws_preferred(n) for n in (256, 512, 768, 1024, 2048))
+    assert not dh_ws.dh_ws_preferred(128) and not dh_ws.dh_ws_preferred(384)
     monkeypatch.setenv("SONICMOE_GLUON_DH", "all")
-    assert all(dh_ws.dh_ws_preferred(d) for d in (768, 1536, 4096, 7168))
+    assert all(dh_ws.dh_ws_preferred(n) for n in (128, 256, 384, 1024))
     assert dh_ws.dh_ws_enabled() == grouped_gemm_ws.ws_enabled()
     monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
-    assert not dh_ws.dh_ws_enabled() and not dh_ws.dh_ws_preferred(1536)
+    assert not dh_ws.dh_ws_enabled()
 
 
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
@@ -84,7 +83,7 @@ def test_dispatch(monkeypatch, device):
         return dh_, ap, torch.stack([ds / 2, ds / 2])  # two partial rows
 
     monkeypatch.setattr(dh_mod, "dh_ws_supported", lambda dout, w2, h, layout: layout == "concat")
-    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda d: d == 16)
+    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda n: n == 16)
     monkeypatch.setattr(dh_mod, "dh_ws", fake)
     routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
     dout = torch.randn(3, 16, device=device)
@@ -163,20 +162,21 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     assert all(bitwise.values()), bitwise
     assert all(torch.equal(x, y) for x, y in zip(ins, (dout, w2, h, s)))
     # dh() runs this kernel where dh_ws_preferred says so (its partials reduced there)
-    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda d: True)
+    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda n: True)
     via = dh_mod.dh(dout, w2, h, s, routing)
     assert torch.equal(via[0], runs[True][0]) and torch.equal(via[2], runs[True][2].sum(0))
 
 
 @pytest.mark.gpu
-def test_gpu_layer_uses_gluon_dh(monkeypatch):
-    """At a shape the rule selects (d = 4096), the layer's backward runs the Gluon dH kernel, and its gradients stay
+@pytest.mark.parametrize("d", [1536, 4096])
+def test_gpu_layer_uses_gluon_dh(monkeypatch, d):
+    """At shapes the rule selects (n = 256), the layer's backward runs the Gluon dH kernel, and its gradients stay
     within rounding of those with SONICMOE_GLUON_DH=0 (bias terms included: dS gains ⟨dO, b2⟩ outside the kernel)."""
     from sonicmoe.testing import layer_grads, random_problem
 
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    t, d, n, e, k = 2048, 4096, 256, 16, 4
+    t, n, e, k = 2048, 256, 16, 4
     p = random_problem(t, d, n, e, device="cuda", bias=True, seed=4)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     calls = []

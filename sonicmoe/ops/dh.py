@@ -272,7 +272,7 @@ def dh(
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
-    if config is None and r > 0 and dh_ws_preferred(d) and dh_ws_supported(dout, w2, h, gate_up_layout):
+    if config is None and r > 0 and dh_ws_preferred(n) and dh_ws_supported(dout, w2, h, gate_up_layout):
         # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per 16 or 32 channels
         dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing)
         return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part

@@ -44,8 +44,9 @@ difference about 1e-7).
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
-d = 4096 so far); everything else runs the Triton kernel. Gluon kernels do not run under Triton's interpreter: the
-kernel is tested on the GPU against the Triton kernel and the float32 reference (tests/test_dh_ws.py).
+256-wide tiles, n a multiple of 256); everything else runs the Triton kernel. Gluon kernels do not run under
+Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
+(tests/test_dh_ws.py).
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ MMA_WARPS = 8
 MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 256 float32) takes 128
 MAX_STAGES = 6
 TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
-MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (dh_ws_preferred)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
@@ -115,29 +115,31 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
 def dh_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
     ``SONICMOE_GLUON_DH`` (default 1) this one alone: 0 off, ``all`` wherever :func:`dh_ws_supported` holds
-    (:func:`dh_ws_preferred`; for layer A/B runs at other widths). Read at each call."""
+    (:func:`dh_ws_preferred`; 128-wide tiles too). Read at each call."""
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_DH", "1") != "0"
 
 
-def dh_ws_preferred(d: int) -> bool:
-    """Where the Gluon kernel measured faster: MIN_D ≤ d ≤ MAX_D (d: the model width, the dA′ GEMM's reduction), or
-    every d under ``SONICMOE_GLUON_DH=all``.
-    Measured on H100s (session 25, benchmarks/results/2026-11-25_nvidia-h100_session25/), kernel alone, medians of
-    5 alternating rounds against the Triton kernel:
+def dh_ws_preferred(n: int) -> bool:
+    """Whether the layer runs this kernel where :func:`dh_ws_supported` holds: with 256-wide tiles (n a multiple of
+    256, where it was measured), or at every n under ``SONICMOE_GLUON_DH=all`` (128-wide tiles included: n = 128,
+    384, ..., not measured).
 
-    * (32768, 4096, 1024, 128, 8): 4.26-4.31 ms against 4.59-4.67 (faster in every round of four calls); in the
-      layer (5 alternating rounds) forward+backward 35.7 against 37.0 ms;
-    * (16384, 4096, 1024, 256, 4): 1.57 against 1.58-1.59 (the same);
-    * 7B (24576, 1536, 256, 128, 8): 0.542 against 0.542 with TMA stores (0.552 against 0.537 before them): not
-      faster then. With the outputs staged apart from H's buffers (session 26,
-      benchmarks/results/2026-11-25_nvidia-h100_session26/): alone 0.527-0.529 against 0.537-0.539 ms (faster in
-      every round of two calls; same dH and A′ bits), but in the layer (7 alternating rounds) forward+backward
-      3.489 against 3.435 ms, within the rounds' spread (3.39-3.90): no gain there. With the row scores loaded
-      before the MMAs: alone 0.512 against 0.538 ms (5 of 5 rounds), not yet A/B-tested in the layer, so 7B stays
-      on the Triton kernel. (32768, 4096, 1024, 128, 8): 4.14 against 4.58 ms.
+    Measured on H100s, the kernel alone (``scripts/dh_ws_probe.py``, medians of 5 rounds, the Triton kernel's
+    autotuned config against ``dh_ws_config(n)``), ms, Triton → Gluon:
 
-    Other widths are not measured; the bounds move as they are."""
-    return MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_DH") == "all"
+    * session 25-26 (benchmarks/results/2026-11-25_nvidia-h100_session26/): (32768, 4096, 1024, 128, 8) 4.58 →
+      4.14; 7B (24576, 1536, 256, 128, 8) 0.538 → 0.512. The layer then ran it at d = 4096 only: an earlier form
+      gave no gain in a 7B layer A/B with 25 ms warm-ups (3.489 against 3.435 ms, within the rounds' spread);
+    * session 37 (benchmarks/results/2026-11-27_nvidia-h100_session37/): 7B 0.535 → 0.512; (40960, 768, n, E, K)
+      at n = 256 / 512 / 1024: 0.663 → 0.580, 0.620 → 0.504, 0.615 → 0.479; (24576, 1536, 512, 64, 4) 0.495 → 0.452;
+      OLMoE (32768, 2048, 1024, 64, 8) 2.71 → 2.44; Qwen3-30B-A3B (32768, 2048, 768, 128, 8) 2.21 → 1.90;
+      Qwen3-Next (32768, 2048, 512, 512, 10) 1.99 → 1.89; (16384, 1536, 256, E, 8), 256 and 512 rows per expert:
+      0.391 → 0.379 (E = 256), 0.462 → 0.448 (E = 512); DeepSeek-V3 (32768, 7168, 2048, 256, 8) 16.8 → 14.0.
+      In the layer, 9 alternating rounds with 200 ms warm-ups, forward+backward: 7B 3.476 against 3.480 eager,
+      3.454 against 3.478 replayed from a CUDA graph; (40960, 768, 256, 128, 8) 3.092 against 3.166 eager, 3.084
+      against 3.164 replayed.
+    """
+    return n % 256 == 0 or os.environ.get("SONICMOE_GLUON_DH") == "all"
 
 
 def dh_ws_supported(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, gate_up_layout: str) -> bool:
