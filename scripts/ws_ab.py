@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from graph_bound import graph_of
 from triton.testing import do_bench
 
 import sonicmoe
@@ -35,22 +36,14 @@ def assignments(env: str, value: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in value.split("+"))
 
 
-def graph_of(f, leaves) -> torch.cuda.CUDAGraph:
-    """``f`` (eager calls first, on a side stream: they autotune) captured in a CUDA graph; the leaves' gradients
-    are set to None before the capture, so that each replay writes them afresh (no accumulation kernels)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    for leaf in leaves or []:
-        leaf.grad = None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+def fresh_grads(f, leaves):
+    """``f`` with the leaves' gradients set to None first: captured in a CUDA graph, each replay then writes them
+    afresh (no accumulation kernels)."""
+    def call():
+        for leaf in leaves or []:
+            leaf.grad = None
         f()
-    torch.cuda.synchronize()
-    return g
+    return call
 
 
 def main() -> None:
@@ -91,7 +84,7 @@ def main() -> None:
             for name, (f, leaves, _fl) in fns.items():
                 for g in values:
                     os.environ.update(assignments(env, g))
-                    graphs[(name, g)] = graph_of(f, leaves)
+                    graphs[(name, g)] = graph_of(fresh_grads(f, leaves))
         times = {(name, g): [] for name in fns for g in values}
         for _ in range(args.rounds):
             for name, (f, leaves, _fl) in fns.items():
