@@ -137,7 +137,9 @@ def dh_ws_preferred(n: int) -> bool:
       0.391 → 0.379 (E = 256), 0.462 → 0.448 (E = 512); DeepSeek-V3 (32768, 7168, 2048, 256, 8) 16.8 → 14.0.
       In the layer, 9 alternating rounds with 200 ms warm-ups, forward+backward: 7B 3.476 against 3.480 eager,
       3.454 against 3.478 replayed from a CUDA graph; (40960, 768, 256, 128, 8) 3.092 against 3.166 eager, 3.084
-      against 3.164 replayed.
+      against 3.164 replayed; 7B with 1 s warm-ups (11 rounds) 3.455 against 3.507 eager; replayed (7 rounds)
+      (40960, 768, 512, 64, 4) 2.763 against 2.841, (24576, 1536, 512, 64, 4) 3.077 against 3.160, OLMoE 18.37
+      against 18.50, Qwen3-30B-A3B 14.59 against 14.76; DeepSeek-V3 eager (5 rounds) 139.4 against 141.9.
     """
     return n % 256 == 0 or os.environ.get("SONICMOE_GLUON_DH") == "all"
 
