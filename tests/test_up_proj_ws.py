@@ -26,12 +26,17 @@ def test_config_fits_shared_memory():
     assert (up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS) * 32 * up_proj_ws.MAXNREG <= 65536
 
 
-def test_preferred_where_measured_faster():
-    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the DeepSeek-V3 width or d ≤ 1536."""
+def test_preferred_where_measured_faster(monkeypatch):
+    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the DeepSeek-V3 width or d ≤ 1536; every width under
+    SONICMOE_GLUON_UP=all."""
+    monkeypatch.delenv("SONICMOE_GLUON_UP", raising=False)
     assert up_proj_ws.up_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8), (16384, 4096, 1024, 256, 4)
     assert not up_proj_ws.up_ws_preferred(7168)  # DeepSeek-V3
     assert not up_proj_ws.up_ws_preferred(1536)  # 7B, (16384, 1536, 256, 512, 8)
     assert not up_proj_ws.up_ws_preferred(768)
+    monkeypatch.setenv("SONICMOE_GLUON_UP", "all")
+    assert all(up_proj_ws.up_ws_preferred(d) for d in (768, 1536, 2048, 4096, 7168))
+    assert up_proj_ws.up_ws_enabled() == grouped_gemm_ws.ws_enabled()
 
 
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):

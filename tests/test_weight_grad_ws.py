@@ -48,6 +48,19 @@ def test_config_fits_shared_memory():
         assert wgrad_ws_config(i_dim, j_dim, False) is None
 
 
+def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
+    """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N on (n = 256: the
+    Triton kernels with the dX aggregation beside dW1), at every n under SONICMOE_GLUON_WGRAD=all."""
+    from sonicmoe.ops import library
+
+    monkeypatch.delenv("SONICMOE_GLUON_WGRAD", raising=False)
+    assert library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N) and library.gluon_wgrad_preferred(2048)
+    assert not library.gluon_wgrad_preferred(256) and not library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N - 128)
+    monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "all")
+    assert library.gluon_wgrad_preferred(128) and library.gluon_wgrad_preferred(256)
+    assert weight_grad_ws.wgrad_ws_enabled() == weight_grad_ws.ws_enabled()
+
+
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
     """CPU tensors, float32, both or neither operand gathered, another output dtype, no tile multiple, or
     SONICMOE_GLUON(_WGRAD)=0 never reach the Gluon kernel."""

@@ -18,11 +18,15 @@ Environment (documented in the README):
                                sm_90 and newer: see :func:`pdl_enabled`).
     SONICMOE_GLUON=0           never use the Gluon (warp-specialised, Hopper-only) kernels: the ping-pong
                                varlen-M GEMM of grouped_gemm_ws (down-projection and dX̃), the up-projection's
-                               up_proj_ws and the weight gradients' weight_grad_ws; the Triton kernels then serve
-                               every shape.
+                               up_proj_ws, the dH kernel's dh_ws and the weight gradients' weight_grad_ws; the
+                               Triton kernels then serve every shape.
     SONICMOE_GLUON_DXT=0       the dX̃ GEMM alone back on the Triton kernel.
     SONICMOE_GLUON_UP=0        the up-projection alone back on the Triton kernel (its Gluon kernel serves d = 4096:
-                               up_proj_ws.up_ws_preferred).
+                               up_proj_ws.up_ws_preferred; =all at every width).
+    SONICMOE_GLUON_DH=0        the dH kernel alone back on the Triton kernel (its Gluon kernel serves n a multiple
+                               of 256: dh_ws.dh_ws_preferred; =all at every n).
+    SONICMOE_GLUON_WGRAD=0     the weight gradients alone back on the Triton kernel (the layer's Gluon ones serve
+                               n >= 512: library.gluon_wgrad_preferred; =all at every n).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before

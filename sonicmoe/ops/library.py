@@ -54,6 +54,13 @@ from .weight_grad import varlen_k_gemm
 # share of dW1's time goes as 1/n.
 GLUON_WGRAD_MIN_N = 512
 
+
+def gluon_wgrad_preferred(n: int) -> bool:
+    """Whether the layer's backward runs dW1 and dW2 on the Gluon kernel (where it applies): experts of width
+    n ≥ :data:`GLUON_WGRAD_MIN_N`, or every n under ``SONICMOE_GLUON_WGRAD=all`` (for layer A/Bs; read at each
+    call). ``SONICMOE_GLUON_WGRAD=0`` turns the kernel off everywhere (``weight_grad_ws.wgrad_ws_enabled``)."""
+    return n >= GLUON_WGRAD_MIN_N or os.environ.get("SONICMOE_GLUON_WGRAD") == "all"
+
 # the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)
 FWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows",
                       "slot_pair")
@@ -212,7 +219,7 @@ def experts_bwd_impl(
     dout = dout.contiguous()
     # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) for wide experts; else by the
     # Triton kernel, dW1 with the dX aggregation beside it (GLUON_WGRAD_MIN_N)
-    gluon = w2.shape[2] >= GLUON_WGRAD_MIN_N
+    gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
     dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)

@@ -92,7 +92,8 @@ def up_ws_config() -> dict:
 
 def up_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
-    ``SONICMOE_GLUON_UP`` (default 1) this one alone (read at each call)."""
+    ``SONICMOE_GLUON_UP`` (default 1) this one alone: 0 off, ``all`` at every width (:func:`up_ws_preferred`; read at
+    each call)."""
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_UP", "1") != "0"
 
 
@@ -110,8 +111,9 @@ def up_ws_preferred(d: int) -> bool:
       512, 8) 0.590 against 0.574, (40960, 768, 256, 128, 8) 0.611 against 0.602 (with a short reduction the
       epilogue, which this kernel does not overlap with the next tile's MMAs, is a larger share of a tile).
 
-    Widths in between are not measured; the bounds move as they are."""
-    return MIN_D <= d <= MAX_D
+    Widths in between are not measured; the bounds move as they are. ``SONICMOE_GLUON_UP=all`` runs it at every
+    width (for layer A/Bs; read at each call)."""
+    return MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all"
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:

@@ -273,7 +273,8 @@ def wgrad_ws_calls() -> list[dict]:
 
 def wgrad_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
-    ``SONICMOE_GLUON_WGRAD=0`` turns off this one alone (read at each call)."""
+    ``SONICMOE_GLUON_WGRAD=0`` turns off this one alone; ``all`` keeps it on and has the layer use it at every expert
+    width (``library.gluon_wgrad_preferred``). Read at each call."""
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_WGRAD", "1") != "0"
 
 
