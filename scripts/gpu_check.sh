@@ -34,6 +34,8 @@
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
 #          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds; AB_ARGS more
 #          options (--graph: CUDA-graph replays; --warmup MS)
+#   rules  settled layer A/Bs of the Gluon up-projection and weight gradients outside their rules (SONICMOE_GLUON_UP=all,
+#          SONICMOE_GLUON_WGRAD=all against 1; RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_ROUNDS, RULES_WARMUP_MS)
 #   targets  issue #4's protocol: TARGET_ROUNDS (default 5) rounds, each a fresh process of the layer benchmark
 #          on the 7B shape (triton and torch) then one on (32768, 4096, 1024, 128, 8) (triton; round 1 also torch,
 #          and the float32 check of both); the median over rounds of each shape's fwd+bwd and of the 7B torch
@@ -226,6 +228,21 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       timeout ${AB_LIMIT_S:-300} python3 scripts/ws_ab.py --env ${AB_ENV:-SONICMOE_GLUON} --values "$AB_VALUES" \
         --rounds ${AB_ROUNDS:-7} "${ab[@]}" ${AB_ARGS:-} --json "$OUT/ab.json" > "$OUT/ab.txt" 2>&1
       SUMMARY+=("$(grep -E ' ms |Error' "$OUT/ab.txt")")
+      ;;
+    rules)
+      # the Gluon kernels' layer rules re-checked outside their ranges with settled warm-ups (session 37 found the dH
+      # rule, set from 25 ms warm-ups, too narrow): the up-projection at every d, the weight gradients at every n
+      # (SONICMOE_GLUON_UP=all / SONICMOE_GLUON_WGRAD=all against the rule), RULES_ROUNDS alternating rounds
+      for spec in "SONICMOE_GLUON_UP:${RULES_UP_SHAPES:-24576,1536,256,128,8 32768,2048,1024,64,8 32768,7168,2048,256,8}" \
+                  "SONICMOE_GLUON_WGRAD:${RULES_WGRAD_SHAPES:-24576,1536,256,128,8 40960,768,256,128,8}"; do
+        env_name=${spec%%:*}
+        ab=()
+        for sh in ${spec#*:}; do ab+=(--shape "$sh"); done
+        timeout ${RULES_LIMIT_S:-250} python3 scripts/ws_ab.py --env "$env_name" --values all,1 \
+          --rounds ${RULES_ROUNDS:-5} --warmup ${RULES_WARMUP_MS:-1000} "${ab[@]}" --json "$OUT/rules_$env_name.json" \
+          > "$OUT/rules_$env_name.txt" 2>&1
+        SUMMARY+=("$(grep -E ' ms |Error' "$OUT/rules_$env_name.txt")")
+      done
       ;;
     targets)
       for i in $(seq 1 "${TARGET_ROUNDS:-5}"); do
