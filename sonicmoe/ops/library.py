@@ -61,6 +61,7 @@ def gluon_wgrad_preferred(n: int) -> bool:
     call). ``SONICMOE_GLUON_WGRAD=0`` turns the kernel off everywhere (``weight_grad_ws.wgrad_ws_enabled``)."""
     return n >= GLUON_WGRAD_MIN_N or os.environ.get("SONICMOE_GLUON_WGRAD") == "all"
 
+
 # the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)
 FWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows",
                       "slot_pair")
@@ -218,7 +219,7 @@ def experts_bwd_impl(
                        pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
     # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) for wide experts; else by the
-    # Triton kernel, dW1 with the dX aggregation beside it (GLUON_WGRAD_MIN_N)
+    # Triton kernel, dW1 with the dX aggregation beside it (gluon_wgrad_preferred)
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
