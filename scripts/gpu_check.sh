@@ -2,7 +2,8 @@
 # One device call: the GPU work of a session, logs and results under $OUT, a short summary last.
 # usage (on the GPU machine, from the repo root): bash scripts/gpu_check.sh STEP [STEP ...]
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
-#   split  the GPU-marked tests of every file spread over several GPUs (SPLIT_GPUS, default 0 1 2; SPLIT_GROUPS)
+#   split  the GPU-marked tests of every file spread over several GPUs (SPLIT_GPUS, default 0 1 2; SPLIT_GROUPS, else
+#          the slowest three files one per GPU and the rest dealt out)
 #   tune   tile sweep of candidate configs (benchmarks/tune_sweep.py --space TUNE_SPACE: focus (default),
 #          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
 #          TUNE_REPEAT rounds, medians
@@ -105,14 +106,24 @@ for step in "$@"; do
       ;;
     split)
       # the GPU-marked tests of every file, spread over several GPUs of one machine (a multi-GPU kind): one pytest
-      # process per group of files (SPLIT_GROUPS, ';'-separated) on its own GPU (SPLIT_GPUS, default 0 1 2)
-      IFS=';' read -ra groups <<< "${SPLIT_GROUPS:-tests/test_fuzz.py tests/test_dh_ws.py tests/test_static_routing.py \
-tests/test_router_kernel.py tests/test_router_logits.py;tests/test_library.py tests/test_autocast.py \
-tests/test_fast_launch.py tests/test_tr_scores.py tests/test_tr_select.py tests/test_tr_routing.py;tests/test_kernels.py \
-tests/test_grouped_gemm_ws.py tests/test_weight_grad_ws.py tests/test_up_proj_ws.py tests/test_module.py \
-tests/test_token_rounding.py tests/test_train.py tests/test_bench.py tests/test_validation.py tests/test_errors.py \
-tests/test_routing.py tests/test_reference.py tests/test_roofline.py}"
+      # process per group of files on its own GPU (SPLIT_GPUS, default 0 1 2). Groups: SPLIT_GROUPS (';'-separated),
+      # else the three slowest files (session 37: about 5 minutes each group) one per group and every other
+      # tests/test_*.py dealt out in turn
       read -ra gpus <<< "${SPLIT_GPUS:-0 1 2}"
+      if [ -n "${SPLIT_GROUPS:-}" ]; then
+        IFS=';' read -ra groups <<< "$SPLIT_GROUPS"
+      else
+        groups=()
+        heavy=(tests/test_fuzz.py tests/test_library.py tests/test_kernels.py)
+        for i in "${!gpus[@]}"; do groups[i]="${heavy[i]:-}"; done
+        i=0
+        for f in tests/test_*.py; do
+          case " ${heavy[*]} " in *" $f "*) continue ;; esac
+          groups[i]="${groups[i]} $f"
+          i=$(( (i + 1) % ${#gpus[@]} ))
+        done
+        for f in "${heavy[@]:${#gpus[@]}}"; do groups[0]="${groups[0]} $f"; done  # fewer GPUs than heavy files
+      fi
       pids=()
       for i in "${!groups[@]}"; do
         # shellcheck disable=SC2086
@@ -122,7 +133,7 @@ tests/test_routing.py tests/test_reference.py tests/test_roofline.py}"
       done
       wait "${pids[@]}"
       for i in "${!groups[@]}"; do
-        SUMMARY+=("group $i (GPU ${gpus[$i]}): $(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_g$i.log" | head -20)"
+        SUMMARY+=("group $i (GPU ${gpus[$i]}):${groups[$i]}" "$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_g$i.log" | head -20)"
                   "$(tail -1 "$OUT/gpu_tests_g$i.log")")
       done
       ;;
