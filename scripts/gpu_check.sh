@@ -35,9 +35,11 @@
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
 #          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds; AB_ARGS more
 #          options (--graph: CUDA-graph replays; --warmup MS)
-#   rules  settled layer A/Bs of the Gluon up-projection and weight gradients outside their rules (SONICMOE_GLUON_UP=all,
-#          SONICMOE_GLUON_WGRAD=all against 1; RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_ROUNDS, RULES_WARMUP_MS)
-#   targets  issue #4's protocol: TARGET_ROUNDS (default 5) rounds, each a fresh process of the layer benchmark
+#   rules  settled layer A/Bs of the Gluon up-projection, weight gradients and dH outside their rules (SONICMOE_GLUON_UP=all,
+#          SONICMOE_GLUON_WGRAD=all, SONICMOE_GLUON_DH=all against 1; RULES_ENVS (default "UP WGRAD"; DH too),
+#          RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_DH_SHAPES, RULES_ROUNDS, RULES_WARMUP_MS)
+#   targets  issue #4's protocol (TARGET_SHAPES name=T,d,n,E,K ... to run one of the two): TARGET_ROUNDS (default 5)
+#          rounds, each a fresh process of the layer benchmark
 #          on the 7B shape (triton and torch) then one on (32768, 4096, 1024, 128, 8) (triton; round 1 also torch,
 #          and the float32 check of both); the median over rounds of each shape's fwd+bwd and of the 7B torch
 #          ratio is what counts (scripts/target_summary.py)
@@ -60,14 +62,17 @@
 # returns at most 8 files); the summary is also $OUT/summary.txt.
 set -uo pipefail
 FINAL=${OUT:-/tmp/sonicmoe_out}
-OUT=/tmp/sonicmoe_work
+# GPU_CHECK_TAG keeps instances apart that run at once on one machine, one per GPU (CUDA_VISIBLE_DEVICES): each
+# writes its own work folder, results_TAG.tgz and summary_TAG.txt
+TAG=${GPU_CHECK_TAG:+_$GPU_CHECK_TAG}
+OUT=/tmp/sonicmoe_work$TAG
 rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 # SM clock, power, temperature and the reasons the clock is held down, once a second: timings of one machine
 # differ from another's by several percent (power and thermal limits), and this says why
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
   --format=csv -l 1 > "$OUT/gpu_clocks.csv" 2>&1 &
 SMI_PID=$!
-pack() { kill "$SMI_PID" 2>/dev/null; tar czf "$FINAL/results.tgz" -C "$OUT" . 2>/dev/null; }
+pack() { kill "$SMI_PID" 2>/dev/null; tar czf "$FINAL/results$TAG.tgz" -C "$OUT" . 2>/dev/null; }
 trap pack EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ $# -eq 0 ] && set -- quick
@@ -242,13 +247,19 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ;;
     rules)
       # the Gluon kernels' layer rules re-checked outside their ranges with settled warm-ups (session 37 found the dH
-      # rule, set from 25 ms warm-ups, too narrow): the up-projection at every d, the weight gradients at every n
-      # (SONICMOE_GLUON_UP=all / SONICMOE_GLUON_WGRAD=all against the rule), RULES_ROUNDS alternating rounds
-      for spec in "SONICMOE_GLUON_UP:${RULES_UP_SHAPES:-24576,1536,256,128,8 32768,2048,1024,64,8 32768,7168,2048,256,8}" \
-                  "SONICMOE_GLUON_WGRAD:${RULES_WGRAD_SHAPES:-24576,1536,256,128,8 40960,768,256,128,8}"; do
-        env_name=${spec%%:*}
+      # rule, set from 25 ms warm-ups, too narrow): the up-projection at every d, the weight gradients at every n, the
+      # dH kernel with 128-wide tiles (SONICMOE_GLUON_{UP,WGRAD,DH}=all against 1; RULES_ENVS picks among UP WGRAD DH),
+      # RULES_ROUNDS alternating rounds
+      for which in ${RULES_ENVS:-UP WGRAD}; do
+        case $which in
+          UP) shapes=${RULES_UP_SHAPES:-24576,1536,256,128,8 32768,2048,1024,64,8 32768,7168,2048,256,8} ;;
+          WGRAD) shapes=${RULES_WGRAD_SHAPES:-24576,1536,256,128,8 40960,768,256,128,8} ;;
+          DH) shapes=${RULES_DH_SHAPES:-24576,1536,128,256,16} ;;
+          *) echo "RULES_ENVS: unknown $which (UP, WGRAD or DH)" >&2; exit 2 ;;
+        esac
+        env_name=SONICMOE_GLUON_$which
         ab=()
-        for sh in ${spec#*:}; do ab+=(--shape "$sh"); done
+        for sh in $shapes; do ab+=(--shape "$sh"); done
         timeout ${RULES_LIMIT_S:-250} python3 scripts/ws_ab.py --env "$env_name" --values all,1 \
           --rounds ${RULES_ROUNDS:-5} --warmup ${RULES_WARMUP_MS:-1000} "${ab[@]}" --json "$OUT/rules_$env_name.json" \
           > "$OUT/rules_$env_name.txt" 2>&1
@@ -257,7 +268,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ;;
     targets)
       for i in $(seq 1 "${TARGET_ROUNDS:-5}"); do
-        for sh in 7b=24576,1536,256,128,8 120b-n1024=32768,4096,1024,128,8; do
+        for sh in ${TARGET_SHAPES:-7b=24576,1536,256,128,8 120b-n1024=32768,4096,1024,128,8}; do
           # round 1 checks both backends against the float32 reference; the 7B shape times torch in every round
           # (the 3x target is a median over rounds too)
           extra=(--no-check --backends triton); [ "${sh%%=*}" = 7b ] && extra=(--no-check --backends triton,torch)
@@ -429,4 +440,4 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
   esac
 done
 echo "=== summary"
-printf '%s\n' "${SUMMARY[@]}" | tee "$FINAL/summary.txt"
+printf '%s\n' "${SUMMARY[@]}" | tee "$FINAL/summary$TAG.txt"
