@@ -29,7 +29,7 @@ from sonicmoe.bench.measure import SETTLED_WARMUP_MS
 from sonicmoe.ops.aggregation import gather_sum
 from sonicmoe.ops.dh import dh
 from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
-from sonicmoe.ops.library import GLUON_WGRAD_MIN_N
+from sonicmoe.ops.library import gluon_wgrad_preferred
 from sonicmoe.ops.up_proj import up_proj
 from sonicmoe.ops.weight_grad import varlen_k_gemm
 from sonicmoe.routing import Routing
@@ -70,7 +70,7 @@ def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Ten
     dh_, ap_, _ = dh(dout, w2, h, s_row, routing)
     dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
     gemm = 2 * r * n * d  # FLOPs of one (R, n) x (n, d) GEMM
-    gluon = n >= GLUON_WGRAD_MIN_N  # the weight-gradient kernels the layer runs (library.experts_bwd_impl)
+    gluon = gluon_wgrad_preferred(n)  # the weight-gradient kernels the layer runs (library.experts_bwd_impl)
     return [
         ("up-proj (gather+SwiGLU)", lambda: up_proj(x, w1, None, routing), 2 * gemm),
         ("down-proj", lambda: down_proj(a, w2, None, routing), gemm),

@@ -49,15 +49,16 @@ def test_config_fits_shared_memory():
 
 
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
-    """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N on (n = 256: the
-    Triton kernels with the dX aggregation beside dW1), at every n under SONICMOE_GLUON_WGRAD=all."""
+    """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N = 256 on (n = 128:
+    the Triton kernels), at every n under SONICMOE_GLUON_WGRAD=all."""
     from sonicmoe.ops import library
 
     monkeypatch.delenv("SONICMOE_GLUON_WGRAD", raising=False)
     assert library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N) and library.gluon_wgrad_preferred(2048)
-    assert not library.gluon_wgrad_preferred(256) and not library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N - 128)
+    assert library.gluon_wgrad_preferred(256) and library.GLUON_WGRAD_MIN_N == 256
+    assert not library.gluon_wgrad_preferred(128) and not library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N - 64)
     monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "all")
-    assert library.gluon_wgrad_preferred(128) and library.gluon_wgrad_preferred(256)
+    assert library.gluon_wgrad_preferred(64) and library.gluon_wgrad_preferred(128)
     assert weight_grad_ws.wgrad_ws_enabled() == weight_grad_ws.ws_enabled()
 
 

@@ -26,7 +26,7 @@ Environment (documented in the README):
     SONICMOE_GLUON_DH=0        the dH kernel alone back on the Triton kernel (its Gluon kernel serves n a multiple
                                of 256: dh_ws.dh_ws_preferred; =all at every n).
     SONICMOE_GLUON_WGRAD=0     the weight gradients alone back on the Triton kernel (the layer's Gluon ones serve
-                               n >= 512: library.gluon_wgrad_preferred; =all at every n).
+                               n >= 256: library.gluon_wgrad_preferred; =all at every n).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before

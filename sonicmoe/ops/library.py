@@ -51,8 +51,10 @@ from .weight_grad import varlen_k_gemm
 # dW1: at n = 1024 the Gluon kernels are 2.3% (H200) and 13% (H100, noisy) faster; at n = 256 they are not: 0.8% faster
 # (H200) and 1.2% slower (H100) without the overlap, 1.5% slower with the aggregation beside the persistent Gluon dW1
 # (its tiles are split among the SMs in advance), and the Gluon dW2 alone is 0.8% slower (H100). The aggregation's
-# share of dW1's time goes as 1/n.
-GLUON_WGRAD_MIN_N = 512
+# share of dW1's time goes as 1/n. Since session 30 the dX aggregation runs in column blocks beside the dX̃ GEMM
+# (SONICMOE_AGG_CHUNK), not beside dW1, and session 38's A/Bs (an H200, 1 s warm-ups, 5 rounds) found the Gluon
+# kernels faster at n = 256 too: 7B fwd+bwd 3.28 against 3.40 ms, (40960, 768, 256, 128, 8) 2.97 against 3.18 ms.
+GLUON_WGRAD_MIN_N = 256
 
 
 def gluon_wgrad_preferred(n: int) -> bool:
