@@ -37,7 +37,7 @@
 #          options (--graph: CUDA-graph replays; --warmup MS)
 #   rules  settled layer A/Bs of the Gluon up-projection, weight gradients and dH outside their rules (SONICMOE_GLUON_UP=all,
 #          SONICMOE_GLUON_WGRAD=all, SONICMOE_GLUON_DH=all against 1; RULES_ENVS (default "UP WGRAD"; DH too),
-#          RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_DH_SHAPES, RULES_ROUNDS, RULES_WARMUP_MS)
+#          RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_DH_SHAPES, RULES_VALUES, RULES_ROUNDS, RULES_WARMUP_MS)
 #   targets  issue #4's protocol (TARGET_SHAPES name=T,d,n,E,K ... to run one of the two): TARGET_ROUNDS (default 5)
 #          rounds, each a fresh process of the layer benchmark
 #          on the 7B shape (triton and torch) then one on (32768, 4096, 1024, 128, 8) (triton; round 1 also torch,
@@ -248,8 +248,8 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
     rules)
       # the Gluon kernels' layer rules re-checked outside their ranges with settled warm-ups (session 37 found the dH
       # rule, set from 25 ms warm-ups, too narrow): the up-projection at every d, the weight gradients at every n, the
-      # dH kernel with 128-wide tiles (SONICMOE_GLUON_{UP,WGRAD,DH}=all against 1; RULES_ENVS picks among UP WGRAD DH),
-      # RULES_ROUNDS alternating rounds
+      # dH kernel with 128-wide tiles (SONICMOE_GLUON_{UP,WGRAD,DH}=all against 1, or RULES_VALUES; RULES_ENVS picks among
+      # UP WGRAD DH), RULES_ROUNDS alternating rounds
       for which in ${RULES_ENVS:-UP WGRAD}; do
         case $which in
           UP) shapes=${RULES_UP_SHAPES:-24576,1536,256,128,8 32768,2048,1024,64,8 32768,7168,2048,256,8} ;;
@@ -260,7 +260,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         env_name=SONICMOE_GLUON_$which
         ab=()
         for sh in $shapes; do ab+=(--shape "$sh"); done
-        timeout ${RULES_LIMIT_S:-250} python3 scripts/ws_ab.py --env "$env_name" --values all,1 \
+        timeout ${RULES_LIMIT_S:-250} python3 scripts/ws_ab.py --env "$env_name" --values ${RULES_VALUES:-all,1} \
           --rounds ${RULES_ROUNDS:-5} --warmup ${RULES_WARMUP_MS:-1000} "${ab[@]}" --json "$OUT/rules_$env_name.json" \
           > "$OUT/rules_$env_name.txt" 2>&1
         SUMMARY+=("$(grep -E ' ms |Error' "$OUT/rules_$env_name.txt")")

@@ -34,11 +34,12 @@ def test_config_fits_shared_memory(n):
 
 
 def test_preferred_where_measured_faster(monkeypatch):
-    """256-wide tiles (n a multiple of 256: every width measured faster, session 37), not n = 128 or 384 (128-wide
-    tiles, not measured); every n under SONICMOE_GLUON_DH=all, none of them under 0 (dh_ws_enabled)."""
+    """256-wide tiles (n a multiple of 256: every width measured faster, session 37) and n = 128 (session 38), not
+    n = 384 or 640 (128-wide tiles, not measured); every n under SONICMOE_GLUON_DH=all, none of them under 0
+    (dh_ws_enabled)."""
     monkeypatch.delenv("SONICMOE_GLUON_DH", raising=False)
     assert all(dh_ws.dh_ws_preferred(n) for n in (256, 512, 768, 1024, 2048))
-    assert not dh_ws.dh_ws_preferred(128) and not dh_ws.dh_ws_preferred(384)
+    assert dh_ws.dh_ws_preferred(128) and not dh_ws.dh_ws_preferred(384) and not dh_ws.dh_ws_preferred(640)
     monkeypatch.setenv("SONICMOE_GLUON_DH", "all")
     assert all(dh_ws.dh_ws_preferred(n) for n in (128, 256, 384, 1024))
     assert dh_ws.dh_ws_enabled() == grouped_gemm_ws.ws_enabled()

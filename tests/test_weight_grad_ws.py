@@ -49,16 +49,17 @@ def test_config_fits_shared_memory():
 
 
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
-    """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N = 256 on (n = 128:
+    """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N = 128 on (n = 64:
     the Triton kernels), at every n under SONICMOE_GLUON_WGRAD=all."""
     from sonicmoe.ops import library
 
     monkeypatch.delenv("SONICMOE_GLUON_WGRAD", raising=False)
     assert library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N) and library.gluon_wgrad_preferred(2048)
-    assert library.gluon_wgrad_preferred(256) and library.GLUON_WGRAD_MIN_N == 256
-    assert not library.gluon_wgrad_preferred(128) and not library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N - 64)
+    assert library.GLUON_WGRAD_MIN_N == 128
+    assert library.gluon_wgrad_preferred(128) and library.gluon_wgrad_preferred(256)
+    assert not library.gluon_wgrad_preferred(64) and not library.gluon_wgrad_preferred(library.GLUON_WGRAD_MIN_N - 8)
     monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "all")
-    assert library.gluon_wgrad_preferred(64) and library.gluon_wgrad_preferred(128)
+    assert library.gluon_wgrad_preferred(64) and library.gluon_wgrad_preferred(8)
     assert weight_grad_ws.wgrad_ws_enabled() == weight_grad_ws.ws_enabled()
 
 
@@ -192,6 +193,6 @@ def test_gpu_layer_uses_gluon_weight_gradients(monkeypatch):
         assert torch.equal(on[key], off[key]), key
     monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
     weight_grad_ws._CALLS.clear()
-    narrow = random_problem(512, 1024, 256, 8, device="cuda", seed=4)
+    narrow = random_problem(512, 1024, 64, 8, device="cuda", seed=4)  # below GLUON_WGRAD_MIN_N
     run(narrow, torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16), 2)
     assert wgrad_ws_calls() == []

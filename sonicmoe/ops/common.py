@@ -24,9 +24,9 @@ Environment (documented in the README):
     SONICMOE_GLUON_UP=0        the up-projection alone back on the Triton kernel (its Gluon kernel serves d = 4096:
                                up_proj_ws.up_ws_preferred; =all at every width).
     SONICMOE_GLUON_DH=0        the dH kernel alone back on the Triton kernel (its Gluon kernel serves n a multiple
-                               of 256: dh_ws.dh_ws_preferred; =all at every n).
+                               of 256 and n = 128: dh_ws.dh_ws_preferred; =all at every n).
     SONICMOE_GLUON_WGRAD=0     the weight gradients alone back on the Triton kernel (the layer's Gluon ones serve
-                               n >= 256: library.gluon_wgrad_preferred; =all at every n).
+                               n >= 128: library.gluon_wgrad_preferred; =all at every n).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before

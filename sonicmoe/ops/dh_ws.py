@@ -44,8 +44,8 @@ difference about 1e-7).
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
-256-wide tiles, n a multiple of 256); everything else runs the Triton kernel. Gluon kernels do not run under
-Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
+256-wide tiles, n a multiple of 256, and n = 128); everything else runs the Triton kernel. Gluon kernels do not run
+under Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
 (tests/test_dh_ws.py).
 """
 
@@ -121,8 +121,8 @@ def dh_ws_enabled() -> bool:
 
 def dh_ws_preferred(n: int) -> bool:
     """Whether the layer runs this kernel where :func:`dh_ws_supported` holds: with 256-wide tiles (n a multiple of
-    256, where it was measured), or at every n under ``SONICMOE_GLUON_DH=all`` (128-wide tiles included: n = 128,
-    384, ..., not measured).
+    256) and at n = 128, where it was measured, or at every n under ``SONICMOE_GLUON_DH=all`` (128-wide tiles at
+    n = 384, 640, ..., not measured).
 
     Measured on H100s, the kernel alone (``scripts/dh_ws_probe.py``, medians of 5 rounds, the Triton kernel's
     autotuned config against ``dh_ws_config(n)``), ms, Triton → Gluon:
@@ -140,8 +140,11 @@ def dh_ws_preferred(n: int) -> bool:
       against 3.164 replayed; 7B with 1 s warm-ups (11 rounds) 3.455 against 3.507 eager; replayed (7 rounds)
       (40960, 768, 512, 64, 4) 2.763 against 2.841, (24576, 1536, 512, 64, 4) 3.077 against 3.160, OLMoE 18.37
       against 18.50, Qwen3-30B-A3B 14.59 against 14.76; DeepSeek-V3 eager (5 rounds) 139.4 against 141.9.
+    * session 38 (benchmarks/results/2026-11-27_nvidia-h100_session38/), n = 128, in the layer at the iso-FLOPs
+      shape (24576, 1536, 128, 256, 16), forward+backward: 4.054 against 4.109 ms eager (an H200, 1 s warm-ups, 5
+      rounds), 4.530 against 4.574 replayed from a CUDA graph (an H100, 7 rounds).
     """
-    return n % 256 == 0 or os.environ.get("SONICMOE_GLUON_DH") == "all"
+    return n % 256 == 0 or n == 128 or os.environ.get("SONICMOE_GLUON_DH") == "all"
 
 
 def dh_ws_supported(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, gate_up_layout: str) -> bool:

@@ -53,8 +53,9 @@ from .weight_grad import varlen_k_gemm
 # (its tiles are split among the SMs in advance), and the Gluon dW2 alone is 0.8% slower (H100). The aggregation's
 # share of dW1's time goes as 1/n. Since session 30 the dX aggregation runs in column blocks beside the dX̃ GEMM
 # (SONICMOE_AGG_CHUNK), not beside dW1, and session 38's A/Bs (an H200, 1 s warm-ups, 5 rounds) found the Gluon
-# kernels faster at n = 256 too: 7B fwd+bwd 3.28 against 3.40 ms, (40960, 768, 256, 128, 8) 2.97 against 3.18 ms.
-GLUON_WGRAD_MIN_N = 256
+# kernels faster at n = 256 and 128 too: 7B fwd+bwd 3.28 against 3.40 ms, (40960, 768, 256, 128, 8) 2.97 against
+# 3.18 ms (H200); (24576, 1536, 128, 256, 16) 4.54 against 4.98 ms (H100). The kernel does not serve n = 64.
+GLUON_WGRAD_MIN_N = 128
 
 
 def gluon_wgrad_preferred(n: int) -> bool:

@@ -11,7 +11,7 @@ rows in by ``cp.async`` from the MMA warps themselves, and every K-step then end
 program before the tensor cores may read them. On an H200 the same Triton kernel on a pre-gathered, contiguous copy
 of X (both operands by TMA) takes 0.50-0.57 ms for the 7B dW1 against 0.65 ms gathered, and 7.6 against 8.8 ms at
 (32768, 4096, 1024, 128, 8). This kernel: 0.57-0.59 and 7.7-8.0 ms; dW2 0.28 against 0.30-0.31 and 3.7 against
-4.1. The layer uses it where the expert width n ≥ ``library.GLUON_WGRAD_MIN_N`` (256 since session 38; until then 512,
+4.1. The layer uses it where the expert width n ≥ ``library.GLUON_WGRAD_MIN_N`` (128 since session 38; until then 512,
 while the dX aggregation overlapped the Triton dW1, which it cannot do beside this persistent kernel, whose tiles are
 split among the SMs in advance).
 
