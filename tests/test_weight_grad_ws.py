@@ -163,6 +163,26 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_no_routed_rows_gives_zeros(monkeypatch):
+    """No routed rows (R = 0: general routing that kept no pair; the bf16 fuzz found it once the layer used this
+    kernel at n = 128): every expert's gradient is exactly zero, where a TMA descriptor of zero rows would fail."""
+    from sonicmoe.routing import routing_from_pairs
+
+    if not _hopper_gluon():
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e = 4, 128, 128, 3
+    empty = torch.zeros(0, device="cuda", dtype=torch.int32)
+    routing = routing_from_pairs(empty, empty, t, e)
+    assert routing.num_rows == 0
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(0, 2 * n, device="cuda", dtype=torch.bfloat16)
+    assert wgrad_ws_supported(dh, x, p_gather=False, q_gather=True, out_dtype=torch.bfloat16)
+    got = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=torch.bfloat16)
+    assert got.shape == (e, 2 * n, d) and (got == 0).all()
+
+
+@pytest.mark.gpu
 def test_gpu_layer_uses_gluon_weight_gradients(monkeypatch):
     """For experts of width n >= library.GLUON_WGRAD_MIN_N the layer's backward runs both weight gradients through
     the Gluon kernel and gives the same bits as with SONICMOE_GLUON_WGRAD=0; for narrower ones it does not."""

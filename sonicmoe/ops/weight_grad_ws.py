@@ -324,6 +324,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     total = e * tiles_per_e
     if total == 0:
         return out
+    if p.shape[0] == 0 or q.shape[0] == 0:  # no routed rows (a TMA descriptor needs one): every expert gets zeros
+        return out.zero_()
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     launch_kernel(
