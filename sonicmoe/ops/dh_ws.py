@@ -140,7 +140,7 @@ def dh_ws_preferred(n: int) -> bool:
       against 3.164 replayed; 7B with 1 s warm-ups (11 rounds) 3.455 against 3.507 eager; replayed (7 rounds)
       (40960, 768, 512, 64, 4) 2.763 against 2.841, (24576, 1536, 512, 64, 4) 3.077 against 3.160, OLMoE 18.37
       against 18.50, Qwen3-30B-A3B 14.59 against 14.76; DeepSeek-V3 eager (5 rounds) 139.4 against 141.9.
-    * session 38 (benchmarks/results/2026-11-27_nvidia-h100_session38/), n = 128, in the layer at the iso-FLOPs
+    * session 38 (benchmarks/results/2026-11-27_nvidia-h100-h200_session38/), n = 128, in the layer at the iso-FLOPs
       shape (24576, 1536, 128, 256, 16), forward+backward: 4.054 against 4.109 ms eager (an H200, 1 s warm-ups, 5
       rounds), 4.530 against 4.574 replayed from a CUDA graph (an H100, 7 rounds).
     """

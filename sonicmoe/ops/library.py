@@ -51,10 +51,12 @@ from .weight_grad import varlen_k_gemm
 # dW1: at n = 1024 the Gluon kernels are 2.3% (H200) and 13% (H100, noisy) faster; at n = 256 they are not: 0.8% faster
 # (H200) and 1.2% slower (H100) without the overlap, 1.5% slower with the aggregation beside the persistent Gluon dW1
 # (its tiles are split among the SMs in advance), and the Gluon dW2 alone is 0.8% slower (H100). The aggregation's
-# share of dW1's time goes as 1/n. Since session 30 the dX aggregation runs in column blocks beside the dX̃ GEMM
-# (SONICMOE_AGG_CHUNK), not beside dW1, and session 38's A/Bs (an H200, 1 s warm-ups, 5 rounds) found the Gluon
-# kernels faster at n = 256 and 128 too: 7B fwd+bwd 3.28 against 3.40 ms, (40960, 768, 256, 128, 8) 2.97 against
-# 3.18 ms (H200); (24576, 1536, 128, 256, 16) 4.54 against 4.98 ms (H100). The kernel does not serve n = 64.
+# share of dW1's time goes as 1/n. Those A/Bs used 25 ms warm-ups. With the Gluon kernels the dX aggregation runs
+# after the dX̃ GEMM (beside its column blocks where d ≥ 4096: SONICMOE_AGG_CHUNK), and session 38's layer A/Bs with
+# settled warm-ups (1 s, 5 alternating rounds; benchmarks/results/2026-11-27_nvidia-h100-h200_session38/) found them
+# faster anyway at n = 256 and 128: 7B fwd+bwd 3.518 against 3.630 ms (H100) and 3.235 against 3.381 (H200);
+# (40960, 768, 256, 128, 8) 2.847 against 3.053 (H200); (24576, 1536, 128, 256, 16) 4.537 against 4.977 (H100). The
+# kernel does not serve n = 64 (wgrad_ws_config).
 GLUON_WGRAD_MIN_N = 128
 
 
