@@ -223,8 +223,8 @@ def experts_bwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
-    # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) for wide experts; else by the
-    # Triton kernel, dW1 with the dX aggregation beside it (gluon_wgrad_preferred)
+    # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) from n = GLUON_WGRAD_MIN_N on (or
+    # SONICMOE_GLUON_WGRAD=all: gluon_wgrad_preferred); else by the Triton kernel, dW1 with the dX aggregation beside it
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
