@@ -7,7 +7,9 @@ A value may also set several switches at once, as NAME=V joined by '+': e.g. --v
 SONICMOE_GLUON_WGRAD=0+SONICMOE_OVERLAP=2,SONICMOE_GLUON_WGRAD=1+SONICMOE_OVERLAP=0.
 
 usage: python scripts/ws_ab.py [--env NAME] [--values 1,0] [--shape T,d,n,E,K ...] [--rounds 5] [--graph]
-                              [--warmup MS] [--json F]
+                              [--warmup MS] [--routing topk|token_rounding] [--json F]
+
+--routing token_rounding routes the same router's scores by token rounding (M_tile 128) instead of top-k.
 
 --graph times CUDA-graph replays of the calls captured under each value (no host time between kernels).
 """
@@ -27,6 +29,7 @@ from triton.testing import do_bench
 import sonicmoe
 from sonicmoe.ops import grouped_gemm_ws as ws
 from sonicmoe.testing import random_problem
+from sonicmoe.token_rounding import token_rounding
 
 
 def assignments(env: str, value: str) -> dict[str, str]:
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of each value's calls (the GPU alone) instead of eager calls")
     ap.add_argument("--warmup", type=float, default=25, help="do_bench warm-up per timing, ms")
+    ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
     args = ap.parse_args()
     env = args.env
     values = args.values.split(",")
@@ -66,8 +70,13 @@ def main() -> None:
         t, d, n, e, k = (int(v) for v in shape.split(","))
         p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
         router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-        routing = sonicmoe.routing_from_topk(router.topk_ids, e)
-        s_pair = router.topk_scores.reshape(-1).to(torch.bfloat16)  # pairs p = t·K + k, token-major
+        if args.routing == "topk":
+            routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+            s_pair = router.topk_scores.reshape(-1).to(torch.bfloat16)  # pairs p = t·K + k, token-major
+        else:  # every expert's count a multiple of 128 (pairs token-major)
+            tr = token_rounding(router, m_tile=128, warn=False)
+            routing = sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True)
+            s_pair = tr.pair_scores.detach().to(torch.bfloat16)
         dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         r = routing.num_rows
         fns = {}
@@ -103,10 +112,11 @@ def main() -> None:
                 os.environ[name] = value
         for (name, g), ts in times.items():
             ms = statistics.median(ts)
-            rec = {"shape": [t, d, n, e, k], "what": name, env: g, "ms": ms, "rounds": ts,
+            rec = {"shape": [t, d, n, e, k], "routing": args.routing, "what": name, env: g, "ms": ms, "rounds": ts,
                    "tflops": fns[name][2] / ms / 1e9, "graph": args.graph}
             res["results"].append(rec)
-            print(f"{shape:>22} {name:<8} {g if '=' in g else env + '=' + g} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
+            switch = g if "=" in g else f"{env}={g}"
+            print(f"{shape:>22} {args.routing} {name:<8} {switch} {ms:.4f} ms {rec['tflops']:6.1f} TFLOP/s "
                   f"{[round(x, 4) for x in ts]}", flush=True)
         if env != "SONICMOE_GLUON" or any("=" in v for v in values) or ws.ws_config(n) is None:
             continue
