@@ -72,8 +72,7 @@ _tuned = autotuners(_gather_sum_kernel, TUNING_SPACE, ["D", "HAS_W", "UNROLL"])
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-               config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0,
-               num_programs: int = 0) -> torch.Tensor:
+               config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
@@ -88,9 +87,6 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         progs_per_sm: 0 (default) launches one program per tile; k > 0 a persistent grid of k programs per
             multiprocessor looping over the tiles, which all become resident at once and leave room for a kernel
             running beside them (the backward's dW1 GEMM; :func:`sonicmoe.ops.library.experts_bwd_impl`).
-        num_programs: k > 0 a persistent grid of k programs in all (overrides ``progs_per_sm``): with a config of
-            one program per multiprocessor, the aggregation holds k multiprocessors and leaves the others to a
-            persistent kernel of as many fewer programs beside it (:func:`sonicmoe.ops.library.agg_sms`).
     Returns:
         (T, d) in y's dtype (``out`` when given); tokens with no rows get zeros.
 
@@ -112,10 +108,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         token_offsets_ptr=routing.token_offsets, token_rows_ptr=routing.token_rows, T=t, D=d,
         stride_yr=y.stride(0), stride_ot=out.stride(0), HAS_W=slot_weights is not None,
     )
-    def grid(m):
-        tiles = cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"])
-        return (min(tiles, num_programs) if num_programs else programs(tiles, progs_per_sm, y.device),)
-
+    grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
     args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), MAX_UNROLL)
@@ -124,10 +117,9 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
 
 
 def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-                   config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0,
-                   num_programs: int = 0) -> torch.Tensor:
-    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config``, ``progs_per_sm`` and
-    ``num_programs`` are ignored)."""
+                   config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config`` and ``progs_per_sm``
+    are ignored)."""
     t = routing.num_tokens
     slot_token = torch.repeat_interleave(
         torch.arange(t, device=y.device), (routing.token_offsets[1:] - routing.token_offsets[:-1]).long()

@@ -40,7 +40,7 @@ from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
-from .common import gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
+from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -253,11 +253,8 @@ def experts_bwd_impl(
     gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
                                                             out_dtype=w1.dtype)
     pending: list[Tensor] = []  # tensors the side stream may still read: dropped after the join below
-    sms = agg_sms(dout.device) if need_x and need_w1 and side is not None and gluon_dw1 else 0
     if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
-    elif sms:  # the aggregation on `sms` multiprocessors of its own, the Gluon dW1 on the others
-        dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, 0, agg_programs=sms)
     else:
         if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
             beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
@@ -293,12 +290,10 @@ def _beside(side: torch.cuda.Stream | None):
 
 
 def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: torch.cuda.Stream,
-                   progs_per_sm: int, agg_programs: int = 0) -> tuple[Tensor, Tensor]:
+                   progs_per_sm: int) -> tuple[Tensor, Tensor]:
     """dX = Σ_slots dX̃ (dX̃ = dH W1[e]) and dW1, with the memory-bound dX aggregation on the high-priority side
     stream ``side`` beside the compute-bound dW1 GEMM: a persistent grid of ``progs_per_sm`` programs per
     multiprocessor (``common.overlap_mode``), queued before dW1, so that dW1's programs fill the room beside it.
-    With ``agg_programs`` = k > 0 instead: the aggregation as k programs of a whole multiprocessor each
-    (:func:`agg_sms`) beside the persistent Gluon dW1 on the other multiprocessors.
 
     dX is allocated on the current stream; the side stream waits for dX̃ and for it. The current stream waits
     for the side stream before this returns, since dX̃ (made here, read there) is freed on return. The kernels
@@ -307,35 +302,10 @@ def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: t
     dxt = varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)
     dx = new_output((routing.num_tokens, dxt.shape[1]), device=dxt.device, dtype=dxt.dtype)
     with _beside(side):
-        if agg_programs:
-            gather_sum(dxt, routing, None, out=dx, config=_agg_sms_config(), num_programs=agg_programs)
-        else:
-            gather_sum(dxt, routing, None, out=dx, progs_per_sm=progs_per_sm)
-    dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=agg_programs > 0,
-                        num_programs=sm_count(dxt.device) - agg_programs if agg_programs else 0)
+        gather_sum(dxt, routing, None, out=dx, progs_per_sm=progs_per_sm)
+    dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=False)
     torch.cuda.current_stream(dxt.device).wait_stream(side)  # dxt is freed on return, after this join
     return dx, dw1
-
-
-# the dX aggregation's config where it holds multiprocessors of its own (agg_sms): one program of 16 warps per
-# multiprocessor, 16 tokens x 512 channels per tile (64 KB of row loads in flight with 4 slots unrolled)
-AGG_SMS_CONFIG = {"BLOCK_T": 16, "BLOCK_D": 512, "num_warps": 16}
-
-
-def _agg_sms_config() -> dict:
-    """AGG_SMS_CONFIG, or SONICMOE_AGG_SMS_CONFIG = "BLOCK_T,BLOCK_D,num_warps" (A/Bs)."""
-    env = os.environ.get("SONICMOE_AGG_SMS_CONFIG", "").split(",")
-    if len(env) == 3 and all(v.isdigit() for v in env):
-        return {"BLOCK_T": int(env[0]), "BLOCK_D": int(env[1]), "num_warps": int(env[2])}
-    return AGG_SMS_CONFIG
-
-
-def agg_sms(device: torch.device) -> int:
-    """Multiprocessors the backward's dX aggregation holds for itself beside the persistent Gluon dW1, which then
-    runs on the others (``SONICMOE_AGG_SMS``, default 0: the aggregation runs after the dX̃ GEMM, alone); at most a
-    quarter of them. Read at each call."""
-    env = os.environ.get("SONICMOE_AGG_SMS", "0")
-    return min(int(env), sm_count(device) // 4) if env.isdigit() else 0
 
 
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())

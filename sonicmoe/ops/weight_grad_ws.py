@@ -298,7 +298,7 @@ def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_ga
 
 
 def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_offsets: torch.Tensor, *,
-             p_gather: bool, config: dict | None = None, num_programs: int = 0) -> torch.Tensor:
+             p_gather: bool, config: dict | None = None) -> torch.Tensor:
     """dW (E, I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`wgrad_ws_supported` (exactly one operand gathered: Q when not ``p_gather``).
@@ -310,8 +310,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS",
             "LOADER_REGS", "PART" (probes: 1 skips the output) (default :func:`wgrad_ws_config`).
-        num_programs: the persistent grid's programs (default 0: one per multiprocessor); fewer leave
-            multiprocessors to a kernel running beside this one (:func:`sonicmoe.ops.library.agg_sms`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -331,7 +329,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     launch_kernel(
-        _wgrad_ws_kernel, (min(total, num_programs or sm_count(p.device)),),
+        _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
         _descriptor(out.view(e * i_dim, j_dim), [bi, bj]), row_token, expert_offsets, total, tiles_j,
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
