@@ -34,7 +34,7 @@
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
 #          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds; AB_ARGS more
-#          options (--graph: CUDA-graph replays; --warmup MS)
+#          options (--graph: CUDA-graph replays; --warmup MS; --routing token_rounding)
 #   rules  settled layer A/Bs of the Gluon up-projection, weight gradients and dH outside their rules (SONICMOE_GLUON_UP=all,
 #          SONICMOE_GLUON_WGRAD=all, SONICMOE_GLUON_DH=all against 1; RULES_ENVS (default "UP WGRAD"; DH too),
 #          RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_DH_SHAPES, RULES_VALUES, RULES_ROUNDS, RULES_WARMUP_MS)
