@@ -388,19 +388,6 @@ def test_pdl_off_without_a_hopper_gpu(monkeypatch):
     assert not pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
 
 
-def test_gluon_pdl_off_without_a_hopper_gpu(monkeypatch):
-    """The Gluon kernels launch with programmatic dependent launch only where the Triton kernels do, and
-    SONICMOE_GLUON_PDL=0 turns it off for them alone (read before any device query)."""
-    from sonicmoe.ops.grouped_gemm_ws import gluon_pdl
-
-    assert not gluon_pdl(torch.device("cpu"))
-    monkeypatch.setenv("SONICMOE_PDL", "0")
-    assert not gluon_pdl(torch.device("cuda", 0))
-    monkeypatch.setenv("SONICMOE_PDL", "1")
-    monkeypatch.setenv("SONICMOE_GLUON_PDL", "0")
-    assert not gluon_pdl(torch.device("cuda", 0))
-
-
 def test_overlap_off_on_cpu(monkeypatch):
     """The backward's side stream (dX aggregation beside dW1) is never used for CPU tensors (the interpreter);
     on CUDA SONICMOE_OVERLAP sets the aggregation's programs per multiprocessor (read before any device query);
@@ -453,33 +440,6 @@ def test_gpu_launch_switches_same_bits(monkeypatch, env, flags):
     for flag in flags:
         monkeypatch.setenv(env, flag)
         runs.append(_layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout))
-    for out, grads in runs[1:]:
-        assert torch.equal(out, runs[0][0])
-        for key in grads:
-            assert torch.equal(grads[key], runs[0][1][key]), key
-
-
-@pytest.mark.gpu
-def test_gpu_gluon_pdl_same_bits(monkeypatch):
-    """The Gluon kernels under programmatic dependent launch (SONICMOE_GLUON_PDL, on by default on sm_90: each
-    waits for the kernel before it in the stream, griddepcontrol.wait, before touching memory) give the bits of
-    their plain launches: a layer whose every Gluon kernel runs (up-projection with SONICMOE_GLUON_UP=all,
-    down-projection and dX̃ with 1500 rows per expert, dH, dW1, dW2), outputs poisoned before every launch,
-    T not a tile multiple, bias terms included."""
-    from sonicmoe.ops import dh_ws, grouped_gemm_ws, up_proj_ws, weight_grad_ws
-
-    if not grouped_gemm_ws.gluon_pdl(torch.device("cuda")) or not grouped_gemm_ws.HAVE_GLUON:
-        pytest.skip("needs Gluon and PDL (compute capability 9.0)")
-    monkeypatch.setenv("SONICMOE_GLUON_UP", "all")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    p = random_problem(3001, 1024, 256, 16, device="cuda", seed=13, bias=True)
-    dout = torch.randn(3001, 1024, device="cuda")
-    runs = []
-    for flag in ("1", "0", "1"):
-        monkeypatch.setenv("SONICMOE_GLUON_PDL", flag)
-        runs.append(_layer_grads(p, 8, "concat", "triton", torch.bfloat16, dout))
-    assert up_proj_ws.up_ws_calls() and dh_ws.dh_ws_calls() and weight_grad_ws.wgrad_ws_calls()
-    assert {c["transpose_b"] for c in grouped_gemm_ws.ws_calls() if c["k"] in (256, 512)} == {True, False}
     for out, grads in runs[1:]:
         assert torch.equal(out, runs[0][0])
         for key in grads:

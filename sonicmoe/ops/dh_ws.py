@@ -58,7 +58,7 @@ import torch
 from ..routing import Routing
 from .common import new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, gluon_pdl, shared_layout, tile_table, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -72,7 +72,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import gdc_prologue
     from .up_proj_ws import _tile_of, gather_loader
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -322,8 +321,7 @@ if HAVE_GLUON:
                       table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      PDL: gl.constexpr = False):
+                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -333,7 +331,6 @@ if HAVE_GLUON:
         h_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
             mbarrier.init(h_ready.index(i), count=1)
-        gdc_prologue(PDL)
         gl.warp_specialize([
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
@@ -394,7 +391,6 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
-    pdl = gluon_pdl(h.device)
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
-                  PDL=pdl, num_warps=MMA_WARPS, launch_pdl=pdl)
+                  num_warps=MMA_WARPS)
     return dh_, a_prime, ds_part

@@ -49,8 +49,6 @@ from .common import (
     max_m_tiles,
     new_output,
     next_pow2,
-    pdl_enabled,
-    pdl_prologue,
     per_expert_gemm_ref,
     sm_count,
     tile_schedule,
@@ -91,8 +89,7 @@ LOADER_REGS = 40
 
 @triton.jit
 def _tile_table_kernel(offsets_ptr, table_ptr, E, max_tiles, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_prologue(PDL)
+                       BLOCK_T: tl.constexpr):
     eidx, lo, hi, ntiles, cum, total = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.sum((cum[None, :] <= t[:, None]).to(tl.int32), 1)
@@ -127,9 +124,8 @@ def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> tor
     max_tiles = max_m_tiles(num_rows, e, block_m)
     table = torch.empty((max_tiles + 1, TILE_TABLE_COLS), device=expert_offsets.device, dtype=torch.int32)
     block_t = 32 if e > 256 else 64
-    pdl = pdl_enabled(expert_offsets.device)
     launch_kernel(_tile_table_kernel, (cdiv(max_tiles, block_t),), expert_offsets, table, e, max_tiles,
-                  E_P2=next_pow2(e), BLOCK_M=block_m, BLOCK_T=block_t, PDL=pdl, launch_pdl=pdl)
+                  E_P2=next_pow2(e), BLOCK_M=block_m, BLOCK_T=block_t)
     return table
 
 
@@ -147,24 +143,7 @@ def tile_table_ref(expert_offsets: torch.Tensor, num_rows: int, block_m: int) ->
     return table.to(expert_offsets.device)
 
 
-def gluon_pdl(device: torch.device) -> bool:
-    """Whether the Gluon kernels on ``device`` launch with programmatic dependent launch: where the Triton kernels
-    do (:func:`~sonicmoe.ops.common.pdl_enabled`), unless ``SONICMOE_GLUON_PDL=0`` (read at each call). Their
-    programs then run :func:`gdc_prologue` first: the same bits, less idle time between the layer's kernels."""
-    return pdl_enabled(device) and os.environ.get("SONICMOE_GLUON_PDL", "1") != "0"
-
-
 if HAVE_GLUON:
-
-    @gluon.jit
-    def gdc_prologue(PDL: gl.constexpr):
-        """Gluon twin of :func:`~sonicmoe.ops.common.pdl_prologue`, run by every thread before the kernel touches
-        global memory: under PDL wait until the previous kernel of the stream has finished and its writes are
-        visible (``griddepcontrol.wait``), then let the next kernel be scheduled (``launch_dependents``)."""
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
 
     @gluon.jit
     def _chunk(table_ptr, N, BLOCK_N: gl.constexpr):
@@ -297,7 +276,7 @@ if HAVE_GLUON:
                             HAS_BIAS: gl.constexpr, B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_BLOCKS: gl.constexpr,
                             STAGES: gl.constexpr, TPW_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr, PDL: gl.constexpr = False):
+                            LOADER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_res = gl.allocate_shared_memory(b_desc.dtype, [K_BLOCKS] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
@@ -313,7 +292,6 @@ if HAVE_GLUON:
         mbarrier.init(b_empty.index(0), count=2)
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        gdc_prologue(PDL)
         gl.warp_specialize([
             (_ws_consumer, (a_bufs, b_res, ready, empty, b_ready, b_empty, turn, c_smem, c_desc, c_ptr, bias_ptr,
                             table_ptr, N, stride_cr, 0, HAS_BIAS, B_TRANS, BLOCK_M, BLOCK_N, K_BLOCKS, STAGES,
@@ -437,14 +415,13 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     table = tile_table(expert_offsets, r, BLOCK_M)
     num_pid_n = cdiv(m, bn)
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
-    pdl = gluon_pdl(a.device)
     launch_kernel(
         _ws_varlen_m_kernel, (grid,),
         _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(c, [BLOCK_M, bn]), c,
         bias.contiguous() if bias is not None else c, table, m, k, c.stride(0),
         HAS_BIAS=bias is not None, B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
         K_BLOCKS=k // BLOCK_K, STAGES=cfg["STAGES"], TPW_N=min(32, bn // 8), CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        LOADER_REGS=LOADER_REGS, num_warps=4)
     return c
 
 

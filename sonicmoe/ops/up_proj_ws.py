@@ -44,7 +44,7 @@ import torch
 from ..routing import Routing
 from .common import new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, gluon_pdl, shared_layout, tile_table, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -58,8 +58,6 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    from .grouped_gemm_ws import gdc_prologue
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
@@ -299,13 +297,12 @@ if HAVE_GLUON:
                       stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PDL: gl.constexpr = False):
+                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
         c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        gdc_prologue(PDL)
         gl.warp_specialize([
             (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
                        b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
@@ -353,7 +350,6 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     num_pid_n = n // BLOCK_N
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
-    pdl = gluon_pdl(x.device)
     launch_kernel(
         _up_ws_kernel, (sm_count(x.device),),
         x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]),
@@ -362,6 +358,5 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PDL=pdl, num_warps=MMA_WARPS, launch_pdl=pdl,
-        maxnreg=cfg.get("MAXNREG", MAXNREG))
+        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG))
     return (h if store_h else None), a

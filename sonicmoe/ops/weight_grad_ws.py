@@ -43,7 +43,7 @@ import torch
 
 from .common import new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, gluon_pdl, shared_layout, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, ws_enabled
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -56,8 +56,6 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    from .grouped_gemm_ws import gdc_prologue
 
 # measured on an H200 (session 21, benchmarks/results/2026-11-25_nvidia-h200_session21/): 4 loader warps against
 # 1-2 (one warp cannot issue a 64-row chunk's copies in the time of its MMAs: 0.78-0.81 ms for the 7B dW1, 2 warps
@@ -247,14 +245,12 @@ if HAVE_GLUON:
                          tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
-                         PDL: gl.constexpr = False):
+                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_I, BLOCK_J], out_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        gdc_prologue(PDL)
         gl.warp_specialize([
             (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
                     tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART)),
@@ -332,7 +328,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         return out.zero_()
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
-    pdl = gluon_pdl(p.device)
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
@@ -340,6 +335,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        PART=cfg.get("PART", 0), PDL=pdl, num_warps=MMA_WARPS, launch_pdl=pdl,
+        PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
