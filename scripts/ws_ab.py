@@ -27,9 +27,9 @@ from graph_bound import graph_of
 from triton.testing import do_bench
 
 import sonicmoe
+from sonicmoe.bench.problem import route
 from sonicmoe.ops import grouped_gemm_ws as ws
 from sonicmoe.testing import random_problem
-from sonicmoe.token_rounding import token_rounding
 
 
 def assignments(env: str, value: str) -> dict[str, str]:
@@ -69,14 +69,8 @@ def main() -> None:
     for shape in args.shape or ["24576,1536,256,128,8"]:
         t, d, n, e, k = (int(v) for v in shape.split(","))
         p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
-        router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-        if args.routing == "topk":
-            routing = sonicmoe.routing_from_topk(router.topk_ids, e)
-            s_pair = router.topk_scores.reshape(-1).to(torch.bfloat16)  # pairs p = t·K + k, token-major
-        else:  # every expert's count a multiple of 128 (pairs token-major)
-            tr = token_rounding(router, m_tile=128, warn=False)
-            routing = sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True)
-            s_pair = tr.pair_scores.detach().to(torch.bfloat16)
+        routed = route(p["x"], p["router_weight"], k, args.routing)  # token rounding: M_tile 128, nearest
+        routing, s_pair = routed.routing, routed.pair_scores.detach().to(torch.bfloat16)
         dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         r = routing.num_rows
         fns = {}
