@@ -24,7 +24,7 @@ from sonicmoe.testing import random_problem
 
 
 def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
-                splits: list[tuple[int, ...]] = ()) -> list[dict]:
+                splits: list[tuple[int, ...]] = (), les: list[tuple[int, ...]] = ()) -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -48,6 +48,14 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
         if rest:
             cfg.update(EPI_WARPS=rest[0], EPI_REGS=rest[1], LOADER_REGS=rest[2])
         fns["split " + ":".join(map(str, vals)) + f" S={cfg['STAGES']}"] = (
+            lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
+    for vals in les:
+        cfg = dh_ws.dh_ws_le_config(n, vals[0], vals[1])
+        if cfg is None:
+            continue
+        if len(vals) > 2:
+            cfg["LE_REGS"] = vals[2]
+        fns["le " + ":".join(map(str, vals)) + f" S={cfg['STAGES']}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -76,12 +84,14 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="32:2,16:2")
     ap.add_argument("--split", default="", help="split-form configs, EPI:BLOCK_K[:EPI_WARPS:EPI_REGS:LOADER_REGS]")
+    ap.add_argument("--le", default="", help="configs of the loader-epilogue form, EPI:BLOCK_K[:LE_REGS]")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
     splits = [tuple(int(v) for v in c.split(":")) for c in args.split.split(",") if c]
-    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, splits), args.json)
+    les = [tuple(int(v) for v in c.split(":")) for c in args.le.split(",") if c]
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, splits, les), args.json)
 
 
 if __name__ == "__main__":

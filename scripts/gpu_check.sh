@@ -225,7 +225,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       shapes=()
       for sh in ${DHWS_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
       timeout ${DHWS_LIMIT_S:-200} python3 scripts/dh_ws_probe.py "${shapes[@]}" ${DHWS_CONFIGS:+--configs $DHWS_CONFIGS} \
-        ${DHWS_SPLIT:+--split $DHWS_SPLIT} --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
+        ${DHWS_SPLIT:+--split $DHWS_SPLIT} ${DHWS_LE:+--le $DHWS_LE} --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
       [ "${DHWS_TESTS:-1}" = 1 ] &&
         timeout 400 python3 -m pytest -rA -m gpu tests/test_dh_ws.py ${DHWS_MORE_TESTS:-} -p no:cacheprovider \
           > "$OUT/gpu_tests_dhws.log" 2>&1
