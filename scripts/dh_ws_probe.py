@@ -1,13 +1,13 @@
 """The dH kernel (dA′ GEMM + SwiGLU backward + A′ + dS) on the Gluon warp-specialised kernel against the Triton one.
 
 usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...] [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...]
-                                     [--split EPI:BLOCK_K[:EPI_WARPS:EPI_REGS:LOADER_REGS],...] [--rounds 5] [--json F]
+                                     [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
 SONICMOE_AUTOTUNE=0: bits and relative error; tests/test_dh_ws.py compares both with the float32 reference), then
 times both in alternating rounds on the same inputs (do_bench medians). PART 1 times the MMAs alone, 2 all but the
 global stores of dH and A′ (``dh_ws``'s config; their outputs are not the kernel's). ``default`` is what ``dh`` picks
-now. ``--split`` adds configs of the split form (the epilogue in a partition of its own, 128-wide tiles). GPU only.
+now. GPU only.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
 
-def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
-                splits: list[tuple[int, ...]] = (), les: list[tuple[int, ...]] = ()) -> list[dict]:
+def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
@@ -41,21 +40,6 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
     for epi, nbuf, bn, part, tma_store in configs:
         cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None), "PART": part, "TMA_STORE": bool(tma_store)}
         fns[f"gluon BN={cfg['BLOCK_N']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part} T={tma_store}"] = (
-            lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
-    for vals in splits:
-        epi, bk, *rest = vals
-        cfg = dh_ws.dh_ws_split_config(n, epi, bk)
-        if rest:
-            cfg.update(EPI_WARPS=rest[0], EPI_REGS=rest[1], LOADER_REGS=rest[2])
-        fns["split " + ":".join(map(str, vals)) + f" S={cfg['STAGES']}"] = (
-            lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
-    for vals in les:
-        cfg = dh_ws.dh_ws_le_config(n, vals[0], vals[1])
-        if cfg is None:
-            continue
-        if len(vals) > 2:
-            cfg["LE_REGS"] = vals[2]
-        fns["le " + ":".join(map(str, vals)) + f" S={cfg['STAGES']}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -83,15 +67,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="32:2,16:2")
-    ap.add_argument("--split", default="", help="split-form configs, EPI:BLOCK_K[:EPI_WARPS:EPI_REGS:LOADER_REGS]")
-    ap.add_argument("--le", default="", help="configs of the loader-epilogue form, EPI:BLOCK_K[:LE_REGS]")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
-    splits = [tuple(int(v) for v in c.split(":")) for c in args.split.split(",") if c]
-    les = [tuple(int(v) for v in c.split(":")) for c in args.le.split(",") if c]
-    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, splits, les), args.json)
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
 #          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
-#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...,
-#          DHWS_SPLIT EPI:BLOCK_K[:EPI_WARPS:EPI_REGS:LOADER_REGS],... of the split form), GPU tests, layer A/B
+#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE]]],...),
+#          GPU tests, layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -225,7 +225,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       shapes=()
       for sh in ${DHWS_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
       timeout ${DHWS_LIMIT_S:-200} python3 scripts/dh_ws_probe.py "${shapes[@]}" ${DHWS_CONFIGS:+--configs $DHWS_CONFIGS} \
-        ${DHWS_SPLIT:+--split $DHWS_SPLIT} ${DHWS_LE:+--le $DHWS_LE} --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
+        --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
       [ "${DHWS_TESTS:-1}" = 1 ] &&
         timeout 400 python3 -m pytest -rA -m gpu tests/test_dh_ws.py ${DHWS_MORE_TESTS:-} -p no:cacheprovider \
           > "$OUT/gpu_tests_dhws.log" 2>&1

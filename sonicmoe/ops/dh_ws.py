@@ -64,7 +64,6 @@ from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -111,43 +110,6 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     fixed = dh_ws_smem_bytes(0, bn, epi, nbuf)
     per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf) - fixed
     return {"BLOCK_N": bn, "EPI": epi, "NBUF": nbuf, "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
-
-
-# the split form (``SPLIT``): a third partition of EPI_WARPS warps runs the epilogue while the MMA warps run the next
-# tile; dA′ crosses in shared memory as float32 (two halves of the tile, each with a full and an empty barrier). Its
-# tiles are 128 wide: with 16 warps a thread has at most 128 registers, and a 256-wide wgmma needs more (ptxas).
-SPLIT_BLOCK_N = 128
-SPLIT_BLOCK_K = 64
-SPLIT_EPI = 16
-EPI_WARPS = 4
-EPI_REGS = 152
-SPLIT_LOADER_REGS = 64
-
-
-def dh_ws_split_smem_bytes(stages: int, block_n: int = SPLIT_BLOCK_N, block_k: int = SPLIT_BLOCK_K,
-                           elem: int = 2) -> int:
-    """Shared memory of one program of the split form: the ring (a dO block and a W2 box per slot) and dA′ as
-    float32 (BLOCK_M × BLOCK_N)."""
-    return elem * stages * block_k * (BLOCK_M + block_n) + 4 * BLOCK_M * block_n
-
-
-def dh_ws_le_config(n: int, epi: int = SPLIT_EPI, block_k: int = 32) -> dict | None:
-    """The ``SPLIT="le"`` form's config: 256-wide tiles (n a multiple of 256), the ring beside 128 KB of dA′."""
-    if n % 256 or 128 % epi:
-        return None
-    fixed = dh_ws_split_smem_bytes(0, 256, block_k)
-    stages = min(MAX_STAGES, (SMEM_BUDGET - fixed) // (dh_ws_split_smem_bytes(1, 256, block_k) - fixed))
-    return {"SPLIT": "le", "BLOCK_N": 256, "BLOCK_K": block_k, "EPI": epi, "STAGES": stages, "NBUF": NBUF}
-
-
-def dh_ws_split_config(n: int, epi: int = SPLIT_EPI, block_k: int = SPLIT_BLOCK_K) -> dict | None:
-    """The split form's config ({"SPLIT": True, "BLOCK_N", "BLOCK_K", "EPI", "STAGES"}), or None where n is not a
-    multiple of its 128-wide tiles."""
-    if n % SPLIT_BLOCK_N or (SPLIT_BLOCK_N // 2) % epi:
-        return None
-    fixed = dh_ws_split_smem_bytes(0, SPLIT_BLOCK_N, block_k)
-    stages = min(MAX_STAGES, (SMEM_BUDGET - fixed) // (dh_ws_split_smem_bytes(1, SPLIT_BLOCK_N, block_k) - fixed))
-    return {"SPLIT": True, "BLOCK_N": SPLIT_BLOCK_N, "BLOCK_K": block_k, "EPI": epi, "STAGES": stages, "NBUF": NBUF}
 
 
 def dh_ws_enabled() -> bool:
@@ -382,261 +344,7 @@ if HAVE_GLUON:
             mbarrier.invalidate(h_ready.index(i))
 
 
-    @gluon.jit
-    def _split_acc_store(acc, acc_bufs, J0: gl.constexpr, EPI: gl.constexpr):
-        """Store ``acc`` (BLOCK_M, W) float32, W a power-of-two multiple of EPI, into the (BLOCK_M, EPI) buffers J0,
-        J0 + 1, ... of ``acc_bufs``, halving it until one block is left."""
-        W: gl.constexpr = acc.shape[1]
-        if W == EPI:
-            acc_bufs.index(J0).store(acc)
-        else:
-            lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
-            _split_acc_store(lo, acc_bufs, J0, EPI)
-            _split_acc_store(hi, acc_bufs, J0 + W // (2 * EPI), EPI)
-
-    @gluon.jit
-    def _dh_split_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full, acc_empty, table_ptr, num_pid_n,
-                      D, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                      STAGES: gl.constexpr, WARPS: gl.constexpr):
-        """MMA partition of the split form: per tile, the wgmma chain over the ring, then dA′ into shared memory in
-        two halves, each once the epilogue partition has read the previous tile's half (``acc_empty``), announced by
-        ``acc_full``; then straight on to the next tile."""
-        HB: gl.constexpr = BLOCK_N // (2 * EPI)  # EPI blocks per half
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        total = gl.load(table_ptr) * num_pid_n
-        k_tiles = D // BLOCK_K
-        step = 0
-        tcount = 0
-        for _tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
-                                   STAGES, acc_layout)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
-            lo, hi = acc.reshape((BLOCK_M, 2, BLOCK_N // 2)).permute((0, 2, 1)).split()
-            ph = (tcount & 1) ^ 1
-            mbarrier.wait(acc_empty.index(0), ph)
-            _split_acc_store(lo, acc_bufs, 0, EPI)
-            gl.thread_barrier()
-            mbarrier.arrive(acc_full.index(0))
-            mbarrier.wait(acc_empty.index(1), ph)
-            _split_acc_store(hi, acc_bufs, HB, EPI)
-            gl.thread_barrier()
-            mbarrier.arrive(acc_full.index(1))
-            tcount += 1
-
-    @gluon.jit
-    def _dh_split_epi(acc_bufs, acc_full, acc_empty, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n,
-                      N, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr,
-                      WARPS: gl.constexpr):
-        """Epilogue partition of the split form: per tile and (BLOCK_M, EPI) block J of dA′ (channels
-        ch0 + J·EPI + [0, EPI)), H's gate and up columns by 16-byte loads issued two blocks ahead, the SwiGLU
-        backward, the dS partial, and dH's gate and up columns and A′ by masked 16-byte stores — the arithmetic of
-        :func:`_dh_block`, so the same bits."""
-        NB: gl.constexpr = BLOCK_N // EPI
-        HB: gl.constexpr = NB // 2
-        TPN: gl.constexpr = EPI // 8
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
-        dtype: gl.constexpr = dh_ptr.dtype.element_ty
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
-        offs_c = gl.arange(0, EPI, layout=gl.SliceLayout(0, lay))
-        total = gl.load(table_ptr) * num_pid_n
-        tcount = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            rows = row_start + offs_m
-            mask_m = rows < row_end
-            r64 = rows.to(gl.int64)
-            mask = mask_m[:, None] & (offs_c >= 0)[None, :]
-            h_rows = h_ptr + r64[:, None] * stride_hr
-            dh_rows = dh_ptr + r64[:, None] * stride_hr
-            ap_rows = ap_ptr + r64[:, None] * stride_apr
-            ch0 = pid_n * BLOCK_N
-            cols0 = (ch0 + offs_c)[None, :]
-            s = gl.load(score_ptr + rows, mask=mask_m, other=0.0)[:, None]
-            g_n = gl.load(h_rows + cols0, mask=mask, other=0.0)
-            u_n = gl.load(h_rows + (cols0 + N), mask=mask, other=0.0)
-            for J in gl.static_range(NB):
-                g = g_n.to(gl.float32)
-                u = u_n.to(gl.float32)
-                if J + 1 < NB:  # the next block's H, in flight while this one computes
-                    g_n = gl.load(h_rows + (cols0 + (J + 1) * EPI), mask=mask, other=0.0)
-                    u_n = gl.load(h_rows + (cols0 + (N + (J + 1) * EPI)), mask=mask, other=0.0)
-                if J % HB == 0:
-                    mbarrier.wait(acc_full.index(J // HB), tcount & 1)
-                acc = acc_bufs.index(J).load(lay)
-                sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
-                silu = g * sig
-                a = silu * u
-                gl.store(ds_ptr + (ch0 // EPI + J) * R + r64, gl.sum(acc * a, axis=1), mask=mask_m)
-                da = acc * s
-                d_up = (da * silu).to(dtype)
-                d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
-                cols = cols0 + J * EPI
-                gl.store(dh_rows + cols, d_gate, mask=mask)
-                gl.store(dh_rows + (cols + N), d_up, mask=mask)
-                gl.store(ap_rows + cols, (a * s).to(dtype), mask=mask)
-                if J % HB == HB - 1:
-                    gl.thread_barrier()  # every epilogue thread has read this half of dA′
-                    mbarrier.arrive(acc_empty.index(J // HB))
-            tcount += 1
-
-    @gluon.jit
-    def _le_block(acc_bufs, acc_full, acc_empty, J, ph, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_start, row_end,
-                  ch0, N, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr, HB: gl.constexpr, EPI: gl.constexpr,
-                  WARPS: gl.constexpr):
-        """Epilogue block J (runtime) of a tile whose dA′ the MMA warps stored in ``acc_bufs`` (phase ``ph`` of the
-        half barriers): the arithmetic of :func:`_dh_block`, by 16-byte loads and stores."""
-        TPN: gl.constexpr = EPI // 8
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
-        dtype: gl.constexpr = dh_ptr.dtype.element_ty
-        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
-        offs_c = gl.arange(0, EPI, layout=gl.SliceLayout(0, lay))
-        mask_m = rows < row_end
-        r64 = rows.to(gl.int64)
-        mask = mask_m[:, None] & (offs_c >= 0)[None, :]
-        cols = (ch0 + J * EPI + offs_c)[None, :]
-        h_rows = h_ptr + r64[:, None] * stride_hr
-        g = gl.load(h_rows + cols, mask=mask, other=0.0).to(gl.float32)
-        u = gl.load(h_rows + (cols + N), mask=mask, other=0.0).to(gl.float32)
-        s = gl.load(score_ptr + rows, mask=mask_m, other=0.0)[:, None]
-        if J % HB == 0:
-            mbarrier.wait(acc_full.index(J // HB), ph)
-        acc = acc_bufs.index(J).load(lay)
-        sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
-        silu = g * sig
-        a = silu * u
-        gl.store(ds_ptr + (ch0 // EPI + J) * R + r64, gl.sum(acc * a, axis=1), mask=mask_m)
-        da = acc * s
-        d_up = (da * silu).to(dtype)
-        d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
-        dh_rows = dh_ptr + r64[:, None] * stride_hr
-        gl.store(dh_rows + cols, d_gate, mask=mask)
-        gl.store(dh_rows + (cols + N), d_up, mask=mask)
-        gl.store(ap_ptr + r64[:, None] * stride_apr + cols, (a * s).to(dtype), mask=mask)
-        if J % HB == HB - 1:
-            gl.thread_barrier()  # every thread of the partition has read this half of dA′
-            mbarrier.arrive(acc_empty.index(J // HB))
-
-    @gluon.jit
-    def _dh_le(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full,
-               acc_empty, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, num_pid_n, N, D, R, stride_x, stride_hr,
-               stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-               STAGES: gl.constexpr, WARPS: gl.constexpr):
-        """Loader and epilogue partition of the ``SPLIT="le"`` form: the ring's loads as :func:`gather_loader`, and
-        between them, from ring step STAGES of each tile on, one epilogue block of the previous tile every few
-        K-blocks (the rest after the tile's loads; the last tile's after the loop)."""
-        NB: gl.constexpr = BLOCK_N // EPI
-        HB: gl.constexpr = NB // 2
-        TPK: gl.constexpr = BLOCK_K // 8
-        lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPK, TPK], [WARPS, 1], [1, 0])
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
-        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lx))
-        total = gl.load(table_ptr) * num_pid_n
-        k_tiles = D // BLOCK_K
-        stride = gl.maximum((k_tiles - STAGES) // NB, 1)
-        step = 0
-        tcount = 0
-        p_start = 0
-        p_end = 0
-        p_ch0 = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            rows = row_start + offs_m
-            ok = rows < row_end
-            tok = gl.load(row_token_ptr + rows, mask=ok, other=0).to(gl.int64)
-            x_rows = x_ptr + tok * stride_x
-            mask = ok[:, None] & (offs_k >= 0)[None, :]
-            ph = (tcount - 1) & 1
-            done = 0
-            for ki in range(k_tiles):
-                s = step % STAGES
-                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-                mbarrier.expect(tma_ready.index(s), w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_desc, [e * D + ki * BLOCK_K, pid_n * BLOCK_N], tma_ready.index(s),
-                                                w_bufs.index(s))
-                cols = ki * BLOCK_K + offs_k
-                async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask)
-                async_copy.mbarrier_arrive(cp_ready.index(s), increment_count=False)
-                step += 1
-                if tcount > 0 and ki >= STAGES and done < NB and (ki - STAGES) % stride == 0:
-                    _le_block(acc_bufs, acc_full, acc_empty, done, ph, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr,
-                              p_start, p_end, p_ch0, N, R, stride_hr, stride_apr, BLOCK_M, HB, EPI, WARPS)
-                    done += 1
-            if tcount > 0:
-                for j in range(done, NB):
-                    _le_block(acc_bufs, acc_full, acc_empty, j, ph, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr,
-                              p_start, p_end, p_ch0, N, R, stride_hr, stride_apr, BLOCK_M, HB, EPI, WARPS)
-            p_start = row_start
-            p_end = row_end
-            p_ch0 = pid_n * BLOCK_N
-            tcount += 1
-        if tcount > 0:
-            for j in range(NB):
-                _le_block(acc_bufs, acc_full, acc_empty, j, (tcount - 1) & 1, h_ptr, dh_ptr, ap_ptr, ds_ptr,
-                          score_ptr, p_start, p_end, p_ch0, N, R, stride_hr, stride_apr, BLOCK_M, HB, EPI, WARPS)
-
-    @gluon.jit
-    def _dh_le_kernel(do_ptr, w_desc, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr, table_ptr, num_pid_n,
-                      N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                      STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LE_WARPS: gl.constexpr, LE_REGS: gl.constexpr):
-        dtype: gl.constexpr = do_ptr.dtype.element_ty
-        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-        acc_bufs = gl.allocate_shared_memory(gl.float32, [BLOCK_N // EPI, BLOCK_M, EPI], ACC_LAYOUT)
-        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LE_WARPS)
-        acc_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(acc_full.index(i), count=1)
-            mbarrier.init(acc_empty.index(i), count=1)
-        gl.warp_specialize([
-            (_dh_split_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full, acc_empty, table_ptr,
-                             num_pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, MMA_WARPS)),
-            (_dh_le, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs,
-                      acc_full, acc_empty, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, num_pid_n, N, D, R, stride_do,
-                      stride_hr, stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, LE_WARPS)),
-        ], [LE_WARPS], [LE_REGS])
-        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(acc_full.index(i))
-            mbarrier.invalidate(acc_empty.index(i))
-
-    @gluon.jit
-    def _dh_split_kernel(do_ptr, w_desc, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr, table_ptr, num_pid_n,
-                         N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                         STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, EPI_WARPS: gl.constexpr,
-                         EPI_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        dtype: gl.constexpr = do_ptr.dtype.element_ty
-        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-        acc_bufs = gl.allocate_shared_memory(gl.float32, [BLOCK_N // EPI, BLOCK_M, EPI], ACC_LAYOUT)
-        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        acc_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        acc_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(acc_full.index(i), count=1)
-            mbarrier.init(acc_empty.index(i), count=1)
-        gl.warp_specialize([
-            (_dh_split_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full, acc_empty, table_ptr,
-                             num_pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, MMA_WARPS)),
-            (_dh_split_epi, (acc_bufs, acc_full, acc_empty, h_ptr, dh_ptr, ap_ptr, ds_ptr,
-                             score_ptr, table_ptr, num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N, EPI,
-                             EPI_WARPS)),
-            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
-        ], [EPI_WARPS, LOADER_WARPS], [EPI_REGS, LOADER_REGS])
-        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
-        for i in gl.static_range(2):
-            mbarrier.invalidate(acc_full.index(i))
-            mbarrier.invalidate(acc_empty.index(i))
-
-
 _CALLS: dict[tuple, dict] = {}
-# dA′ blocks (BLOCK_M, EPI) float32 in shared memory, written from the wgmma layout, read by rows of 8
-_SPLIT_ACC_LAYOUT = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]) if HAVE_GLUON else None
 
 
 def dh_ws_calls() -> list[dict]:
@@ -666,9 +374,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     """
     e, d, n = w2.shape
     r = routing.num_rows
-    form = os.environ.get("SONICMOE_GLUON_DH") if config is None else None
-    cfg = config or (dh_ws_split_config(n) if form == "split" else dh_ws_le_config(n) if form == "le" else None) \
-        or dh_ws_config(n)
+    cfg = config or dh_ws_config(n)
     bn, epi = cfg["BLOCK_N"], cfg["EPI"]
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
@@ -677,25 +383,6 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         return dh_, a_prime, ds_part
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
-    if cfg.get("SPLIT"):
-        bk = cfg["BLOCK_K"]
-        ew, lw = cfg.get("EPI_WARPS", EPI_WARPS), cfg.get("LOADER_WARPS", LOADER_WARPS)
-        args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), h, dh_, a_prime, ds_part,
-                row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0),
-                h.stride(0), a_prime.stride(0))
-        meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), ACC_LAYOUT=_SPLIT_ACC_LAYOUT, BLOCK_M=BLOCK_M,
-                    BLOCK_N=bn, BLOCK_K=bk, EPI=epi, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS, EPI_WARPS=ew,
-                    EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), LOADER_WARPS=lw,
-                    LOADER_REGS=cfg.get("LOADER_REGS", SPLIT_LOADER_REGS),
-                    maxnreg=cfg.get("MAXNREG", 65536 // (32 * (MMA_WARPS + ew + lw))))
-        if cfg["SPLIT"] == "le":  # one partition loads the ring and runs the epilogue: 12 warps, 256-wide tiles
-            for key in ("EPI_WARPS", "EPI_REGS", "LOADER_WARPS", "LOADER_REGS"):
-                meta.pop(key)
-            meta.update(LE_WARPS=lw, LE_REGS=cfg.get("LE_REGS", 152), maxnreg=cfg.get("MAXNREG", MAXNREG))
-            launch_kernel(_dh_le_kernel, (sm_count(h.device),), *args, **meta, num_warps=MMA_WARPS)
-        else:
-            launch_kernel(_dh_split_kernel, (sm_count(h.device),), *args, **meta, num_warps=MMA_WARPS)
-        return dh_, a_prime, ds_part
     args = (dout, _descriptor(w2.view(e * d, n), [BLOCK_K, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
