@@ -34,6 +34,11 @@ and the same at (32768, 4096, 1024, 128, 8). Nsight Compute on that form at 7B: 
 waiting on global loads. Loading each tile's row scores before its MMAs instead of in every epilogue block (one
 load per tile off the epilogue's path) then took 7B to 0.512 ms against 0.538 for the Triton kernel, and all but
 the stores (``PART`` 2) measured 0.410 before it: the stores' 120 µs is what remains to hide.
+Session 40 (benchmarks/results/2026-11-27_nvidia-h100-h200_session40/, the patch there) handed dA′ to the epilogue
+through shared memory as float32 so that the MMA warps could go on to the next tile: an epilogue partition of its own
+(16 warps cap every thread at 128 registers, too few for a 256-wide accumulator, so 128-wide tiles: 7B 0.482 against
+0.452 ms on an H200), or the epilogue folded into the loader partition (256-wide tiles; the ring starves: 0.76-0.80
+against 0.51 ms on an H100). Both were bitwise right and slower, and were dropped.
 
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
 (no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
