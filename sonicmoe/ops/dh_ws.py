@@ -100,21 +100,26 @@ def dh_ws_block_n(n: int) -> int | None:
     return 128 if n % 128 == 0 else None
 
 
-def dh_ws_smem_bytes(stages: int, block_n: int, epi: int = EPI, nbuf: int = NBUF, elem: int = 2) -> int:
+def dh_ws_smem_bytes(stages: int, block_n: int, epi: int = EPI, nbuf: int = NBUF, elem: int = 2,
+                     block_k: int = BLOCK_K) -> int:
     """Shared memory of one program: the ring (a dO block and a W2 box per slot), the H buffers (a gate and an up
     box each) and two staging sets of the outputs (dH's gate and up blocks and A′'s)."""
-    return elem * (stages * BLOCK_K * (BLOCK_M + block_n) + (2 * nbuf + 2 * 3) * BLOCK_M * epi)
+    return elem * (stages * block_k * (BLOCK_M + block_n) + (2 * nbuf + 2 * 3) * BLOCK_M * epi)
 
 
-def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None) -> dict | None:
-    """{"BLOCK_N" (default :func:`dh_ws_block_n`), "EPI", "NBUF", "STAGES": the deepest ring that fits beside the H
-    buffers and the staging sets (at most MAX_STAGES)}, or None where n does not suit the kernel."""
+def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None,
+                 block_k: int = BLOCK_K) -> dict | None:
+    """{"BLOCK_N" (default :func:`dh_ws_block_n`), "BLOCK_K", "EPI", "NBUF", "STAGES": the deepest ring that fits
+    beside the H buffers and the staging sets (at most MAX_STAGES slots of BLOCK_K = 64, the same bytes in slots of
+    another depth)}, or None where n does not suit the kernel."""
     bn = block_n or dh_ws_block_n(n)
     if bn is None or n % bn:
         return None
-    fixed = dh_ws_smem_bytes(0, bn, epi, nbuf)
-    per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf) - fixed
-    return {"BLOCK_N": bn, "EPI": epi, "NBUF": nbuf, "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
+    fixed = dh_ws_smem_bytes(0, bn, epi, nbuf, block_k=block_k)
+    per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k) - fixed
+    cap = MAX_STAGES * BLOCK_K // block_k
+    return {"BLOCK_N": bn, "BLOCK_K": block_k, "EPI": epi, "NBUF": nbuf,
+            "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage)}
 
 
 def dh_ws_enabled() -> bool:
@@ -388,11 +393,12 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         return dh_, a_prime, ds_part
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
-    args = (dout, _descriptor(w2.view(e * d, n), [BLOCK_K, bn]), _descriptor(h, [BLOCK_M, epi]),
+    bk = cfg.get("BLOCK_K", BLOCK_K)
+    args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
             a_prime.stride(0))
-    meta = dict(X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
+    meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
