@@ -384,7 +384,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     """
     e, d, n = w2.shape
     r = routing.num_rows
-    cfg = config or dh_ws_config(n, block_k=int(os.environ.get("SONICMOE_DH_BLOCK_K", BLOCK_K)))
+    cfg = config or dh_ws_config(n)
     bn, epi = cfg["BLOCK_N"], cfg["EPI"]
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
