@@ -38,7 +38,10 @@ Session 40 (benchmarks/results/2026-11-27_nvidia-h100-h200_session40/, the patch
 through shared memory as float32 so that the MMA warps could go on to the next tile: an epilogue partition of its own
 (16 warps cap every thread at 128 registers, too few for a 256-wide accumulator, so 128-wide tiles: 7B 0.482 against
 0.452 ms on an H200), or the epilogue folded into the loader partition (256-wide tiles; the ring starves: 0.76-0.80
-against 0.51 ms on an H100). Both were bitwise right and slower, and were dropped.
+against 0.51 ms on an H100). Both were bitwise right and slower, and were dropped. Its Nsight Compute profile at 7B
+(same folder, ``call4_*``) puts most warp stall samples on ring waits: the MMA warps on full slots (gathered dO
+20.5%, W2 8.2%), the loader on empty ones (24.5%). Six 32-deep slots (``block_k=32``) ran the kernel alone 2% faster
+at 7B, level at d = 4096, and level in the layer: the default stays 64.
 
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
 (no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
