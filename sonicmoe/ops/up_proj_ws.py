@@ -145,15 +145,9 @@ if HAVE_GLUON:
         return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), tile - mt * num_pid_n
 
     @gluon.jit
-    def _globaltimer():
-        """The GPU's global nanosecond timer (``%globaltimer``)."""
-        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                         pack=1)
-
-    @gluon.jit
     def gather_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                       num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr, DELAY_NS: gl.constexpr = 0):
+                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr):
         """Loader partition of the gather-fused varlen-M kernels (this one and :mod:`.dh_ws`): for every K-block of
         every tile of this program, the tile's gathered rows of ``x`` (X here, dO for dH) by 16-byte cp.async (rows
         past the expert's end zero-filled) and the weight's boxes by TMA into the next ring slot, once the MMAs that
@@ -166,11 +160,6 @@ if HAVE_GLUON:
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
         step = 0
-        if DELAY_NS > 0:  # odd programs start late, so that their epilogues fall in the even ones' main loops
-            if gl.program_id(0) % 2 == 1:
-                t0 = _globaltimer()
-                while _globaltimer() - t0 < DELAY_NS:
-                    step = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             rows = row_start + offs_m
