@@ -24,17 +24,25 @@ from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
 
-def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
+def dh_problem(shape: str) -> tuple[dict, object, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bf16 problem of ``shape`` ("T,d,n,E,K") on the GPU for the dH kernel: the layer's random problem (x, W1,
+    W2, ...), its top-k routing, and fresh dO (T, d), H (R, 2n) and row scores (R,)."""
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
     routing = sonicmoe.routing_from_topk(router.topk_ids, e)
     r = routing.num_rows
-    w2 = p["w2"]
     g = torch.Generator(device="cuda").manual_seed(1)
     dout = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
     h = torch.randn(r, 2 * n, device="cuda", generator=g).to(torch.bfloat16)
-    s = torch.rand(r, device="cuda", generator=g)
+    return p, routing, dout, h, torch.rand(r, device="cuda", generator=g)
+
+
+def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
+    t, d, n, e, k = (int(v) for v in shape.split(","))
+    p, routing, dout, h, s = dh_problem(shape)
+    r = routing.num_rows
+    w2 = p["w2"]
     flops = 2 * r * n * d
     fns = {"triton": lambda: with_env("SONICMOE_GLUON_DH", "0", dh_mod.dh, dout, w2, h, s, routing),
            "default": lambda: dh_mod.dh(dout, w2, h, s, routing)}

@@ -12,24 +12,15 @@ per source line). Session 40's profiles are in benchmarks/results/2026-11-27_nvi
 import argparse
 
 import torch
+from dh_ws_probe import dh_problem
 
-import sonicmoe
 from sonicmoe.ops import dh_ws
 from sonicmoe.ops.up_proj import up_proj
-from sonicmoe.testing import random_problem
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--op", choices=("dh", "up"), default="dh")
 args = ap.parse_args()
-t, d, n, e, k = 24576, 1536, 256, 128, 8
-p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
-router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-routing = sonicmoe.routing_from_topk(router.topk_ids, e)
-r = routing.num_rows
-g = torch.Generator(device="cuda").manual_seed(1)
-dout = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-h = torch.randn(r, 2 * n, device="cuda", generator=g).to(torch.bfloat16)
-s = torch.rand(r, device="cuda", generator=g)
+p, routing, dout, h, s = dh_problem("24576,1536,256,128,8")
 for _ in range(3):
     if args.op == "dh":
         dh_ws.dh_ws(dout, p["w2"], h, s, routing)
