@@ -39,8 +39,8 @@ def dh_problem(shape: str) -> tuple[dict, object, torch.Tensor, torch.Tensor, to
 
 
 def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
-    t, d, n, e, k = (int(v) for v in shape.split(","))
     p, routing, dout, h, s = dh_problem(shape)
+    d, n = p["w2"].shape[1:]
     r = routing.num_rows
     w2 = p["w2"]
     flops = 2 * r * n * d

@@ -31,6 +31,11 @@ def test_config_fits_shared_memory(n):
     assert nb & (nb - 1) == 0 and nb % cfg["NBUF"] == 0 and nb % 2 == 0 and cfg["EPI"] % 8 == 0
     assert (dh_ws.MMA_WARPS + dh_ws.LOADER_WARPS) * 32 * dh_ws.MAXNREG <= 65536
     assert dh_ws_config(192) is None and dh_ws_config(64) is None
+    # 32-deep K-blocks: the same ring bytes in twice the slots (at most 2·MAX_STAGES), still within shared memory
+    deep = dh_ws_config(n, block_k=32)
+    assert deep["BLOCK_K"] == 32 and deep["STAGES"] <= 2 * dh_ws.MAX_STAGES
+    assert deep["STAGES"] >= 2 * cfg["STAGES"] - 1
+    assert dh_ws_smem_bytes(deep["STAGES"], deep["BLOCK_N"], block_k=32) <= dh_ws.SMEM_BUDGET
 
 
 def test_preferred_where_measured_faster(monkeypatch):
