@@ -12,7 +12,7 @@ import torch
 from sonicmoe.ops import dh as dh_mod
 from sonicmoe.ops import dh_ws, grouped_gemm_ws
 from sonicmoe.ops.common import interpreting, sized_for_operands
-from sonicmoe.ops.dh_ws import dh_ws_config, dh_ws_smem_bytes, dh_ws_supported
+from sonicmoe.ops.dh_ws import dh_ws_config, dh_ws_smem_bytes, dh_ws_supported, stage_fits_slot
 from sonicmoe.routing import routing_from_topk
 from sonicmoe.testing import random_topk_routing, rel_err
 
@@ -22,8 +22,9 @@ def test_config_fits_shared_memory(n):
     cfg = dh_ws_config(n)
     assert cfg["BLOCK_N"] == (256 if n % 256 == 0 else 128)
     assert 3 <= cfg["STAGES"] <= dh_ws.MAX_STAGES
-    assert dh_ws_smem_bytes(cfg["STAGES"], cfg["BLOCK_N"]) <= dh_ws.SMEM_BUDGET
-    assert (dh_ws_smem_bytes(cfg["STAGES"] + 1, cfg["BLOCK_N"]) > dh_ws.SMEM_BUDGET
+    ring = cfg["STAGE_IN_RING"]
+    assert dh_ws_smem_bytes(cfg["STAGES"], cfg["BLOCK_N"], stage_in_ring=ring) <= dh_ws.SMEM_BUDGET
+    assert (dh_ws_smem_bytes(cfg["STAGES"] + 1, cfg["BLOCK_N"], stage_in_ring=ring) > dh_ws.SMEM_BUDGET
             or cfg["STAGES"] == dh_ws.MAX_STAGES)
     # the epilogue's column blocks: a power of two per tile, a whole number of H buffer rounds, an even number (the
     # two output staging sets alternate across tiles)
@@ -35,7 +36,29 @@ def test_config_fits_shared_memory(n):
     deep = dh_ws_config(n, block_k=32)
     assert deep["BLOCK_K"] == 32 and deep["STAGES"] <= 2 * dh_ws.MAX_STAGES
     assert deep["STAGES"] >= 2 * cfg["STAGES"] - 1
-    assert dh_ws_smem_bytes(deep["STAGES"], deep["BLOCK_N"], block_k=32) <= dh_ws.SMEM_BUDGET
+    assert dh_ws_smem_bytes(deep["STAGES"], deep["BLOCK_N"], block_k=32, stage_in_ring=deep["STAGE_IN_RING"]) \
+        <= dh_ws.SMEM_BUDGET
+
+
+@pytest.mark.parametrize("n", [128, 256, 512, 1024])
+@pytest.mark.parametrize("epi", [16, 32])
+def test_staging_in_a_ring_slot(n, epi):
+    """With the staging sets in a ring slot: only where one slot holds all six (BLOCK_M, EPI) blocks (at EPI = 32,
+    256-wide tiles, not 128-wide ones; at EPI = 16 both), and then the ring is one slot deeper than with staging
+    of its own, within the same shared memory."""
+    own = dh_ws_config(n, epi, stage_in_ring=False)
+    ring = dh_ws_config(n, epi, stage_in_ring=True)
+    bn = own["BLOCK_N"]
+    assert ring["STAGE_IN_RING"] == stage_fits_slot(bn, epi) == (bn == 256 or epi == 16)
+    assert not own["STAGE_IN_RING"]
+    if ring["STAGE_IN_RING"]:
+        # six blocks of BLOCK_M x EPI in one slot's dO block and W2 box
+        assert dh_ws.BLOCK_K * (dh_ws.BLOCK_M + bn) >= 6 * dh_ws.BLOCK_M * epi
+        assert ring["STAGES"] == min(own["STAGES"] + 1, dh_ws.MAX_STAGES)
+        assert dh_ws_smem_bytes(ring["STAGES"], bn, epi, stage_in_ring=True) <= dh_ws.SMEM_BUDGET
+        assert dh_ws_smem_bytes(ring["STAGES"] + 1, bn, epi, stage_in_ring=True) > dh_ws.SMEM_BUDGET
+    else:
+        assert ring == {**own, "STAGE_IN_RING": False}
 
 
 def test_preferred_where_measured_faster(monkeypatch):
@@ -155,7 +178,9 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     monkeypatch.delenv("SONICMOE_GLUON_DH")
     runs, bitwise = {}, {}
     for cfg in (None, {**dh_ws_config(n, 16, 2), "TMA_STORE": False}, dh_ws_config(n, 32, 4, 128),
-                dh_ws_config(n, 16, 2), dh_ws_config(n, 32, 2, None, 32), dh_ws_config(n, 16, 2, None, 32)):
+                dh_ws_config(n, 16, 2), dh_ws_config(n, 32, 2, None, 32), dh_ws_config(n, 16, 2, None, 32),
+                dh_ws_config(n, 32, 2, stage_in_ring=True), dh_ws_config(n, 16, 2, stage_in_ring=True),
+                {**dh_ws_config(n, 32, 2, stage_in_ring=True), "TMA_STORE": False}):
         got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
         ds = got[2].sum(0)
         for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):

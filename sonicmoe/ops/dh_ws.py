@@ -93,6 +93,7 @@ MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 2
 MAX_STAGES = 6
 TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
+STAGE_IN_RING = False  # the staging sets in the ring slot of the tile's last K-block (where one slot holds them)
 
 
 def dh_ws_block_n(n: int) -> int | None:
@@ -104,24 +105,40 @@ def dh_ws_block_n(n: int) -> int | None:
 
 
 def dh_ws_smem_bytes(stages: int, block_n: int, epi: int = EPI, nbuf: int = NBUF, elem: int = 2,
-                     block_k: int = BLOCK_K) -> int:
+                     block_k: int = BLOCK_K, stage_in_ring: bool = False) -> int:
     """Shared memory of one program: the ring (a dO block and a W2 box per slot), the H buffers (a gate and an up
-    box each) and two staging sets of the outputs (dH's gate and up blocks and A′'s)."""
-    return elem * (stages * block_k * (BLOCK_M + block_n) + (2 * nbuf + 2 * 3) * BLOCK_M * epi)
+    box each) and two staging sets of the outputs (dH's gate and up blocks and A′'s), which take no bytes of their
+    own under ``stage_in_ring`` (they then lie in a ring slot: :func:`stage_fits_slot`)."""
+    staging = 0 if stage_in_ring else 2 * 3
+    return elem * (stages * block_k * (BLOCK_M + block_n) + (2 * nbuf + staging) * BLOCK_M * epi)
+
+
+def stage_fits_slot(block_n: int, epi: int = EPI, block_k: int = BLOCK_K) -> bool:
+    """Whether one ring slot (a (BLOCK_M, BLOCK_K) dO block and a (BLOCK_K, BLOCK_N) W2 box) holds both staging
+    sets, six (BLOCK_M, EPI) blocks: the dO block whole blocks of EPI columns, the W2 box the rest."""
+    return block_k % epi == 0 and block_k // epi + (block_k * block_n) // (BLOCK_M * epi) >= 6
 
 
 def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None,
-                 block_k: int = BLOCK_K) -> dict | None:
-    """{"BLOCK_N" (default :func:`dh_ws_block_n`), "BLOCK_K", "EPI", "NBUF", "STAGES": the deepest ring that fits
-    beside the H buffers and the staging sets (at most MAX_STAGES slots of BLOCK_K = 64, the same bytes in slots of
-    another depth)}, or None where n does not suit the kernel."""
+                 block_k: int = BLOCK_K, stage_in_ring: bool | None = None) -> dict | None:
+    """{"BLOCK_N" (default :func:`dh_ws_block_n`), "BLOCK_K", "EPI", "NBUF", "STAGE_IN_RING", "STAGES": the deepest
+    ring that fits beside the H buffers and, unless they lie in a ring slot, the staging sets (at most MAX_STAGES
+    slots of BLOCK_K = 64, the same bytes in slots of another depth)}, or None where n does not suit the kernel.
+
+    ``stage_in_ring`` (default: ``SONICMOE_DH_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING): the epilogue
+    stages its outputs in the ring slot of the tile's last K-block, which goes back to the loader once the tile's
+    stores have read it; honoured only where :func:`stage_fits_slot` holds."""
     bn = block_n or dh_ws_block_n(n)
     if bn is None or n % bn:
         return None
-    fixed = dh_ws_smem_bytes(0, bn, epi, nbuf, block_k=block_k)
-    per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k) - fixed
+    if stage_in_ring is None:
+        env = os.environ.get("SONICMOE_DH_STAGE_IN_RING")
+        stage_in_ring = STAGE_IN_RING if env is None else env == "1"
+    alias = stage_in_ring and stage_fits_slot(bn, epi, block_k)
+    fixed = dh_ws_smem_bytes(0, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias)
+    per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias) - fixed
     cap = MAX_STAGES * BLOCK_K // block_k
-    return {"BLOCK_N": bn, "BLOCK_K": block_k, "EPI": epi, "NBUF": nbuf,
+    return {"BLOCK_N": bn, "BLOCK_K": block_k, "EPI": epi, "NBUF": nbuf, "STAGE_IN_RING": alias,
             "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage)}
 
 
@@ -188,15 +205,24 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(h_desc, [row_start, N + col], h_ready.index(b), h_bufs.index(2 * b + 1))
 
     @gluon.jit
-    def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows, row_start,
-                  row_end, ch0, tcount, N, R, stride_hr, stride_apr, J: gl.constexpr, NB: gl.constexpr,
-                  EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
+    def _staging(ox, ow, i: gl.constexpr, XB: gl.constexpr):
+        """Staging block ``i`` (of six (BLOCK_M, EPI) blocks): the i-th of ``ox`` below XB, else of ``ow``."""
+        if i < XB:
+            r = ox.index(i)
+        else:
+            r = ow.index(i - XB)
+        return r
+
+    @gluon.jit
+    def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
+                  s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J: gl.constexpr,
+                  NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                   TMA_STORE: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
         buffer J % NBUF. Once every thread has read the H block, TMA refills the buffer with the block NBUF ahead.
-        The outputs go into staging set J % 2 of ``o_bufs`` (dH's
-        gate and up blocks and A′'s; NB is even, so the sets alternate across tiles too), which the TMA stores of
+        The outputs go into staging set J % 2 (dH's gate and up blocks and A′'s: blocks 3·(J % 2) + 0, 1, 2 of
+        :func:`_staging`; NB is even, so the sets alternate across tiles too), which the TMA stores of
         block J - 2 have finished reading, and leave by TMA stores that drain while the next blocks compute. An
         expert's last, partial tile (rows past its end belong to the next expert), or TMA_STORE off: the staged
         blocks are read back in a row-major layout and leave by masked 16-byte stores (pointer stores straight from
@@ -224,9 +250,9 @@ if HAVE_GLUON:
         if refill:
             _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + (J + NBUF) * EPI, N, b)
         q: gl.constexpr = J % 2
-        og = o_bufs.index(3 * q)
-        ou = o_bufs.index(3 * q + 1)
-        oa = o_bufs.index(3 * q + 2)
+        og = _staging(ox, ow, 3 * q, XB)
+        ou = _staging(ox, ow, 3 * q + 1, XB)
+        oa = _staging(ox, ow, 3 * q + 2, XB)
         if TMA_STORE:
             tma.store_wait(pendings=3)  # block J - 1's three stores may still run; block J - 2's have read set q
             gl.thread_barrier()
@@ -256,23 +282,23 @@ if HAVE_GLUON:
                 gl.store(ap_ptr + r64 * stride_apr + cols[None, :], oa.load(st), mask=mask)
 
     @gluon.jit
-    def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows, row_start,
-                   row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr, NB: gl.constexpr,
-                   EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
+    def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
+                   s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr,
+                   NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                    TMA_STORE: gl.constexpr):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left."""
         W: gl.constexpr = acc.shape[1]
         if W == EPI:
-            _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
+            _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
                       TMA_STORE)
         else:
             lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
-            _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
+            _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
                        TMA_STORE)
-            _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
+            _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF,
                        WARPS, PART, TMA_STORE)
 
@@ -296,9 +322,12 @@ if HAVE_GLUON:
     def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc, dh_ptr,
                 ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
-                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
+                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
+                STAGE_IN_RING: gl.constexpr):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
-        then the epilogue (:func:`_dh_blocks`)."""
+        then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
+        of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
+        the tile's stores have read it; else in ``o_bufs``."""
         NB: gl.constexpr = BLOCK_N // EPI
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -318,14 +347,28 @@ if HAVE_GLUON:
             acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
                                    STAGES, acc_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
+            last = (step + STAGES - 1) % STAGES  # the slot of the tile's last K-block
+            if not STAGE_IN_RING or PART == 1:
+                mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
             if PART == 1:  # the MMAs alone (timing only): the row sums of dA′ keep them from being removed
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
                 gl.store(ds_ptr + rows, gl.sum(acc, axis=1), mask=rows < row_end)
-            else:
-                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
+            elif STAGE_IN_RING:
+                XB: gl.constexpr = BLOCK_K // EPI
+                ox = x_bufs.index(last)._reinterpret(dh_ptr.dtype.element_ty, [XB, BLOCK_M, EPI], h_desc.layout)
+                ow = w_bufs.index(last)._reinterpret(dh_ptr.dtype.element_ty,
+                                                     [BLOCK_K * BLOCK_N // (BLOCK_M * EPI), BLOCK_M, EPI],
+                                                     h_desc.layout)
+                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                            row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
                            TMA_STORE)
+                tma.store_wait(pendings=0)  # the tile's stores have read the slot
+                gl.thread_barrier()  # and every thread is done with it
+                mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
+            else:
+                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, o_bufs, 6, h_ready, dh_ptr, ap_ptr, ds_ptr,
+                           s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF,
+                           WARPS, PART, TMA_STORE)
             tcount += 1
         tma.store_wait(pendings=0)
 
@@ -334,12 +377,16 @@ if HAVE_GLUON:
                       table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
+                      STAGE_IN_RING: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
         h_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_M, EPI], h_desc.layout)
-        o_bufs = gl.allocate_shared_memory(dtype, [2 * 3, BLOCK_M, EPI], h_desc.layout)
+        if STAGE_IN_RING:
+            o_bufs = x_bufs  # not read: the staging sets lie in a ring slot
+        else:
+            o_bufs = gl.allocate_shared_memory(dtype, [2 * 3, BLOCK_M, EPI], h_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         h_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
@@ -348,7 +395,7 @@ if HAVE_GLUON:
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE)),
+                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -404,6 +451,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
+                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)
