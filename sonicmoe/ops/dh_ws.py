@@ -43,6 +43,12 @@ against 0.51 ms on an H100). Both were bitwise right and slower, and were droppe
 20.5%, W2 8.2%), the loader on empty ones (24.5%). Six 32-deep slots (``block_k=32``) ran the kernel alone 2% faster
 at 7B, level at d = 4096, and level in the layer: the default stays 64.
 
+Session 41 (benchmarks/results/2026-11-27_nvidia-h100_session41/) put the two staging sets in the ring slot of the
+tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
+once the tile's TMA stores have read it. The 80 KB of H buffers and staging sets then shrink to 32 KB, and a fourth
+48 KB slot fits: at 7B on an H100 the kernel alone took 0.475 against 0.508 ms (the MMAs alone 0.283 against 0.292),
+with the same bits.
+
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
 (no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
 accumulation order and epilogue arithmetic; checked on every probed shape). dS leaves as float32 partial sums, one
@@ -93,7 +99,10 @@ MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers; the accumulator (128 x 2
 MAX_STAGES = 6
 TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 16-byte pointer stores)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
-STAGE_IN_RING = False  # the staging sets in the ring slot of the tile's last K-block (where one slot holds them)
+# the staging sets in the ring slot of the tile's last K-block (where one slot holds them): 4 ring slots instead of 3
+# at 256-wide tiles; 7B on an H100 (session 41): the kernel alone 0.475 against 0.508 ms, the layer's forward+backward
+# 3.428 against 3.470 ms (7 of 7 alternating rounds); (32768, 4096, 1024, 128, 8) level (4.016 against 4.026 ms)
+STAGE_IN_RING = True
 
 
 def dh_ws_block_n(n: int) -> int | None:
@@ -423,7 +432,8 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         dout: (T, d) bf16/fp16, contiguous. w2: (E, d, n). h: (R, 2n) the saved up-projection output, concat
             layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order.
         routing: rows sorted by expert (``row_token``, ``expert_offsets``).
-        config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS" (default
+        config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "BLOCK_K", "STAGE_IN_RING" (the staging
+            sets in a ring slot; only where :func:`stage_fits_slot` holds), "MAXNREG", "LOADER_WARPS" (default
             :func:`dh_ws_config`), "TMA_STORE" (default True; False: every tile's outputs by masked pointer
             stores), and, to time a part of the
             kernel alone, "PART": 1 the MMAs only (no H, no epilogue: dH and A′ are left unwritten, dS holds row
