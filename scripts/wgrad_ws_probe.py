@@ -32,7 +32,8 @@ from sonicmoe.routing import Routing
 # BLOCK_R, STAGES, loader warps, loader registers (session 21's sweeps, results in
 # benchmarks/results/2026-11-25_nvidia-h200_session21/, also tried 1-2 loader warps and stores from registers; both
 # slower, and the latter is no longer in the kernel)
-GLUON_VARIANTS = [(64, 3, 4, 80), (32, 6, 4, 80), (64, 3, 2, 96)]
+# + whether the tile's right half leaves through a ring slot (STAGE_IN_RING, session 41: a fourth 64-row slot)
+GLUON_VARIANTS = [(64, 3, 4, 80, 0), (64, 4, 4, 80, 1), (32, 6, 4, 80, 0)]
 
 
 def routing_of(t: int, e: int, k: int, empty: int = 0, seed: int = 0, rounded: bool = False) -> Routing:
@@ -83,7 +84,7 @@ def check() -> list[dict]:
             if not ok:
                 print(f"  {name} T={t} d={d} n={n} E={e} K={k}: not supported (skipped)")
                 continue
-            cfgs = [None, {**ws.wgrad_ws_config(p.shape[1], q.shape[1], pg, 64)}]
+            cfgs = [None] + [ws.wgrad_ws_config(p.shape[1], q.shape[1], pg, 64, stage_in_ring=r) for r in (False, True)]
             tri = varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=p.dtype)
             ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg,
                                     out_dtype=torch.float32)
@@ -127,14 +128,16 @@ def time_shapes(shapes, rounded: bool = False, epilogue: bool = False) -> list[d
             narrow_i = pg  # the gathered operand's side 128 wide, the other 256
             bi, bj = (128, 256) if narrow_i else (256, 128)
             if i_dim % bi == 0 and j_dim % bj == 0:
-                for br, st, lw, lr in GLUON_VARIANTS:
+                for br, st, lw, lr, ring in GLUON_VARIANTS:
                     cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "STAGES": st, "LOADER_WARPS": lw,
-                           "LOADER_REGS": lr}
-                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}"
+                           "LOADER_REGS": lr, "STAGE_IN_RING": bool(ring)}
+                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}{' ring' if ring else ''}"
                     variants.append((label, lambda cfg=cfg: glu(cfg)))
                 if epilogue:
-                    cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": 64, "STAGES": 3, "PART": 1}
-                    variants.append(("gluon R64 S3 PART1 (no stores)", lambda cfg=cfg: glu(cfg)))
+                    for st, ring in ((3, False), (4, True)):
+                        cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": 64, "STAGES": st, "PART": 1,
+                               "STAGE_IN_RING": ring}
+                        variants.append((f"gluon R64 S{st} PART1 (no stores)", lambda cfg=cfg: glu(cfg)))
             for label, fn in variants:
                 try:
                     out = fn()

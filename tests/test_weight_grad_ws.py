@@ -39,13 +39,30 @@ def test_config_fits_shared_memory():
             bi, bj, br, st = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["STAGES"]
             assert i_dim % bi == 0 and j_dim % bj == 0 and {bi, bj} == {128, 256}
             assert 2 <= st <= weight_grad_ws.MAX_STAGES
-            assert wgrad_ws_smem_bytes(bi, bj, br, st) <= weight_grad_ws.SMEM_BUDGET
-            assert (wgrad_ws_smem_bytes(bi, bj, br, st + 1) > weight_grad_ws.SMEM_BUDGET
+            ring = cfg["STAGE_IN_RING"]
+            assert wgrad_ws_smem_bytes(bi, bj, br, st, stage_in_ring=ring) <= weight_grad_ws.SMEM_BUDGET
+            assert (wgrad_ws_smem_bytes(bi, bj, br, st + 1, stage_in_ring=ring) > weight_grad_ws.SMEM_BUDGET
                     or st == weight_grad_ws.MAX_STAGES)
             if i_dim % 256 == 0 and j_dim % 256 == 0:
                 assert (bi == 128) == p_gather
     for i_dim, j_dim in ((100, 256), (256, 200), (64, 512), (0, 256)):
         assert wgrad_ws_config(i_dim, j_dim, False) is None
+
+
+def test_staging_in_a_ring_slot():
+    """With the tile's right half in a ring slot: half the tile fits the slot's wider chunk at both tile shapes,
+    the output buffer is half the tile, and the ring is one slot deeper (4) within the same shared memory."""
+    for i_dim, j_dim in ((512, 1536), (1536, 256), (2048, 4096), (4096, 1024)):
+        for p_gather in (False, True):
+            own = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=False)
+            ring = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=True)
+            bi, bj, br = ring["BLOCK_I"], ring["BLOCK_J"], ring["BLOCK_R"]
+            assert not own["STAGE_IN_RING"] and ring["STAGE_IN_RING"] and (bi, bj) == (own["BLOCK_I"], own["BLOCK_J"])
+            assert weight_grad_ws.half_tile_fits_slot(bi, bj, br) and br * max(bi, bj) == bi * bj // 2
+            assert ring["STAGES"] == own["STAGES"] + 1 == 4
+            assert wgrad_ws_smem_bytes(bi, bj, br, 4, stage_in_ring=True) <= weight_grad_ws.SMEM_BUDGET
+            assert wgrad_ws_smem_bytes(bi, bj, br, 5, stage_in_ring=True) > weight_grad_ws.SMEM_BUDGET
+    assert not weight_grad_ws.half_tile_fits_slot(256, 128, 32)  # 32-row chunks: half a tile is two slots' worth
 
 
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
@@ -149,16 +166,19 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     for p, q, pg in ((dh, x, False), (dout, ap, True)):
         assert wgrad_ws_supported(p, q, p_gather=pg, q_gather=not pg, out_dtype=dtype)
         p0, q0 = p.clone(), q.clone()
-        got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg)
         ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg, out_dtype=torch.float32)
-        assert torch.isfinite(got).all()
-        assert rel_err(got, ref) < 4e-3, pg
-        assert (got[:empty] == 0).all()
         monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "0")
         tri = varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=dtype)
         monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
-        assert torch.equal(got, tri), pg
-        assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg))
+        # the default config, and the output tile through a buffer of its own / its right half through a ring slot
+        for cfg in [None] + [wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=r) for r in (False, True)]:
+            got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg, config=cfg)
+            assert torch.isfinite(got).all(), cfg
+            assert rel_err(got, ref) < 4e-3, (pg, cfg)
+            assert (got[:empty] == 0).all(), cfg
+            assert torch.equal(got, tri), (pg, cfg)
+            assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
+                                             config=cfg))
         assert torch.equal(p, p0) and torch.equal(q, q0)
 
 

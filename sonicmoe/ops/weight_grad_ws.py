@@ -73,25 +73,48 @@ MAXNREG = {128: 144, 256: 160}
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 
 
-def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2) -> int:
-    """Shared memory of one program: the ring (a P chunk and a Q chunk per slot) and the output tile's buffer."""
-    return elem * (stages * block_r * (block_i + block_j) + block_i * block_j)
+# the output tile's right half staged in the ring slot of the tile's last chunk, the left half in a buffer of half the
+# tile's size: 4 ring slots instead of 3 (wgrad_ws_config)
+STAGE_IN_RING = False
 
 
-def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES", "MAXNREG"} for dW (E, I, J), or None where the kernel does not
-    apply.
+def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2,
+                        stage_in_ring: bool = False) -> int:
+    """Shared memory of one program: the ring (a P chunk and a Q chunk per slot) and the output tile's buffer (its
+    left half only under ``stage_in_ring``: the right half then lies in a ring slot)."""
+    out = block_i * block_j // (2 if stage_in_ring else 1)
+    return elem * (stages * block_r * (block_i + block_j) + out)
+
+
+def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
+    """Whether half the output tile, (BLOCK_I, BLOCK_J / 2), fits the wider of a ring slot's two chunks (BLOCK_R
+    rows of max(BLOCK_I, BLOCK_J))."""
+    return block_j % 2 == 0 and block_r * max(block_i, block_j) >= block_i * block_j // 2
+
+
+def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R,
+                    stage_in_ring: bool | None = None) -> dict | None:
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "STAGES", "MAXNREG"} for dW (E, I, J), or None where the
+    kernel does not apply.
 
     The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
     are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
-    MAX_STAGES)."""
+    MAX_STAGES). ``stage_in_ring`` (default: ``SONICMOE_WGRAD_STAGE_IN_RING`` 1 or 0 where set, else
+    STAGE_IN_RING; only where :func:`half_tile_fits_slot`): the tile's right half leaves through the ring slot of
+    its last chunk, so the output buffer is half the tile."""
+    if stage_in_ring is None:
+        env = os.environ.get("SONICMOE_WGRAD_STAGE_IN_RING")
+        stage_in_ring = STAGE_IN_RING if env is None else env == "1"
     shapes = ((256, 128), (128, 256)) if not p_gather else ((128, 256), (256, 128))
     for bi, bj in shapes:
         if i_dim > 0 and j_dim > 0 and i_dim % bi == 0 and j_dim % bj == 0:
-            base = wgrad_ws_smem_bytes(bi, bj, block_r, 0)
-            stages = min(MAX_STAGES, (SMEM_BUDGET - base) // (wgrad_ws_smem_bytes(bi, bj, block_r, 1) - base))
+            ring = stage_in_ring and half_tile_fits_slot(bi, bj, block_r)
+            base = wgrad_ws_smem_bytes(bi, bj, block_r, 0, stage_in_ring=ring)
+            per_stage = wgrad_ws_smem_bytes(bi, bj, block_r, 1, stage_in_ring=ring) - base
+            stages = min(MAX_STAGES, (SMEM_BUDGET - base) // per_stage)
             if stages >= 2:
-                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGES": stages, "MAXNREG": MAXNREG[bj]}
+                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring, "STAGES": stages,
+                        "MAXNREG": MAXNREG[bj]}
     return None
 
 
@@ -153,9 +176,10 @@ if HAVE_GLUON:
     def _loader(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready, empty,
                 total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER: gl.constexpr,
                 BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-                WARPS: gl.constexpr):
+                WARPS: gl.constexpr, MIN_CHUNKS: gl.constexpr = 0):
         """Loader partition: every chunk of every tile of this program into the next ring slot, once the MMA
-        that read the slot's previous chunk is done."""
+        that read the slot's previous chunk is done. A tile has at least MIN_CHUNKS chunks (an expert with no rows
+        then gets one chunk of zeros)."""
         TPI: gl.constexpr = BLOCK_I // 8 if BLOCK_I < 256 else 32  # threads along a row: 16 bytes each
         TPJ: gl.constexpr = BLOCK_J // 8 if BLOCK_J < 256 else 32
         lp: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPI, TPI], [WARPS, 1], [1, 0])
@@ -169,7 +193,7 @@ if HAVE_GLUON:
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             full = (hi - lo) // BLOCK_R
-            chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
+            chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             rg = lo + offs_g
             tok_next = gl.load(row_token_ptr + rg, mask=rg < hi, other=0)
             for c in range(chunks):
@@ -205,17 +229,21 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
              tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
+             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
-        to the loader), then the tile by TMA store from ``out_smem``. ``PART`` 1 (probes only): the tile is not
+        to the loader), then the tile by TMA store from ``out_smem``. Under STAGE_IN_RING every tile has at least
+        one chunk (zeros for an expert with no rows), ``out_smem`` holds the tile's left half, the right half goes
+        through the slot of the tile's last chunk (the wider of its two chunks), and that slot goes back to the
+        loader once the right half's store has read it. ``PART`` 1 (probes only): the tile is not
         written, which times the kernel without its epilogue (the store stays behind a condition that never holds,
         so the MMAs stay)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_J, 16])
+        MIN_CHUNKS: gl.constexpr = 1 if STAGE_IN_RING else 0
         step = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
-            chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
+            chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
@@ -224,12 +252,43 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
-            if PART == 0:
-                _store_tile(acc, out_smem, out_desc, e * I + i0, j0)
-            elif I < 0:
-                _store_tile(acc, out_smem, out_desc, e * I + i0, j0)
+            last = (step + STAGES - 1) % STAGES  # the slot of the tile's last chunk
+            if not STAGE_IN_RING:
+                mbarrier.arrive(empty.index(last), pred=chunks > 0)
+                if PART == 0:
+                    _store_tile(acc, out_smem, out_desc, e * I + i0, j0)
+                elif I < 0:
+                    _store_tile(acc, out_smem, out_desc, e * I + i0, j0)
+            else:
+                if BLOCK_I >= BLOCK_J:
+                    wide = p_bufs.index(last)
+                else:
+                    wide = q_bufs.index(last)
+                stage = wide._reinterpret(out_desc.dtype, [BLOCK_I, BLOCK_J // 2], out_desc.layout)
+                if PART == 0:
+                    _store_halves(acc, out_smem, stage, out_desc, e * I + i0, j0)
+                elif I < 0:
+                    _store_halves(acc, out_smem, stage, out_desc, e * I + i0, j0)
+                mbarrier.arrive(empty.index(last))
         tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _store_halves(acc, out_smem, stage, out_desc, row, col):
+        """The tile ``acc`` to ``out_desc`` (whose box is half the tile, (BLOCK_I, BLOCK_J / 2)) at (row, col) by two
+        TMA stores: the right half from ``stage`` (a ring slot), then the left half from ``out_smem`` once its
+        previous store has read it; returns once the right half's store has read ``stage`` and every thread is past
+        its writes, so the slot can go back to the loader."""
+        W: gl.constexpr = acc.shape[1] // 2
+        left, right = acc.reshape((acc.shape[0], 2, W)).permute((0, 2, 1)).split()
+        stage.store(right.to(out_desc.dtype))
+        tma.store_wait(pendings=0)
+        out_smem.store(left.to(out_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [row, col + W], stage)
+        tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
+        tma.store_wait(pendings=1)
+        gl.thread_barrier()
 
     @gluon.jit
     def _store_tile(acc, out_smem, out_desc, row, col):
@@ -245,18 +304,19 @@ if HAVE_GLUON:
                          tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr):
+                         LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
+                         STAGE_IN_RING: gl.constexpr):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_I, BLOCK_J], out_desc.layout)
+        out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         gl.warp_specialize([
             (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
-                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART)),
+                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING)),
             (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready,
                        empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
-                       BLOCK_R, STAGES, LOADER_WARPS)),
+                       BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
         ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
@@ -308,7 +368,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         q: (T or R, J), p's dtype; rows gathered when not ``p_gather``.
         row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
             per-expert row counts.
-        config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "MAXNREG", "LOADER_WARPS",
+        config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
+            through a ring slot; only where :func:`half_tile_fits_slot` holds), "MAXNREG", "LOADER_WARPS",
             "LOADER_REGS", "PART" (probes: 1 skips the output) (default :func:`wgrad_ws_config`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
@@ -328,13 +389,15 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         return out.zero_()
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
+    ring = bool(cfg.get("STAGE_IN_RING", False))
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
-        _descriptor(out.view(e * i_dim, j_dim), [bi, bj]), row_token, expert_offsets, total, tiles_j,
+        _descriptor(out.view(e * i_dim, j_dim), [bi, bj // 2 if ring else bj]), row_token, expert_offsets, total,
+        tiles_j,
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
+        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
