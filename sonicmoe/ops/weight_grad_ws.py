@@ -24,8 +24,10 @@ Here each persistent program splits its warps by role:
   last, partial chunk comes by masked ``cp.async`` in both operands (rows past the expert's end are zeros in both,
   so they add exactly nothing, as in the Triton kernel);
 * the **MMA warps** (two warpgroups) run the asynchronous wgmma chain of each tile over the ring, one chunk in
-  flight, then write the tile (cast to the output dtype) through shared memory by one TMA store, while the loader
-  already fills the ring with the next tile's chunks.
+  flight, then write the tile (cast to the output dtype) through shared memory by TMA stores, while the loader
+  already fills the ring with the next tile's chunks. The tile's left half goes through a buffer of its own, its
+  right half through the ring slot of the tile's last chunk (``STAGE_IN_RING``, session 41), which goes back to the
+  loader once that store has read it: the buffer is half a tile, and the ring has a fourth slot.
 
 Tiles are numbered expert by expert, (BLOCK_I, BLOCK_J) output blocks within an expert, J fastest; program p takes
 tiles p, p + P, ... Chunks are added in row order, BLOCK_R rows at a time, so the result is bitwise that of the
@@ -74,8 +76,11 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 
 
 # the output tile's right half staged in the ring slot of the tile's last chunk, the left half in a buffer of half the
-# tile's size: 4 ring slots instead of 3 (wgrad_ws_config)
-STAGE_IN_RING = False
+# tile's size: 4 ring slots instead of 3 (wgrad_ws_config). Session 41, one H100, the kernel alone (do_bench medians,
+# benchmarks/results/2026-11-27_nvidia-h100_session41/call2_*): 7B dW1 0.569 against 0.589 ms, dW2 0.307 against
+# 0.314; (16384, 1536, 256, 512, 8) dW1 0.589 against 0.639, dW2 0.323 against 0.332; (32768, 4096, 1024, 128, 8)
+# dW1 7.286 against 7.569, dW2 3.675 against 3.634; the same bits
+STAGE_IN_RING = True
 
 
 def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2,
