@@ -33,8 +33,7 @@ from sonicmoe.routing import Routing
 # benchmarks/results/2026-11-25_nvidia-h200_session21/, also tried 1-2 loader warps and stores from registers; both
 # slower, and the latter is no longer in the kernel)
 # + whether the tile's right half leaves through a ring slot (STAGE_IN_RING, session 41: a fourth 64-row slot)
-# (2: also DEFER_RELEASE, the slot going back after the next tile's first MMA)
-GLUON_VARIANTS = [(64, 3, 4, 80, 0), (64, 4, 4, 80, 1), (64, 4, 4, 80, 2), (32, 6, 4, 80, 0)]
+GLUON_VARIANTS = [(64, 3, 4, 80, 0), (64, 4, 4, 80, 1), (32, 6, 4, 80, 0)]
 
 
 def routing_of(t: int, e: int, k: int, empty: int = 0, seed: int = 0, rounded: bool = False) -> Routing:
@@ -86,7 +85,6 @@ def check() -> list[dict]:
                 print(f"  {name} T={t} d={d} n={n} E={e} K={k}: not supported (skipped)")
                 continue
             cfgs = [None] + [ws.wgrad_ws_config(p.shape[1], q.shape[1], pg, 64, stage_in_ring=r) for r in (False, True)]
-            cfgs.append({**ws.wgrad_ws_config(p.shape[1], q.shape[1], pg, 64), "DEFER_RELEASE": True})
             tri = varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=p.dtype)
             ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg,
                                     out_dtype=torch.float32)
@@ -132,8 +130,8 @@ def time_shapes(shapes, rounded: bool = False, epilogue: bool = False) -> list[d
             if i_dim % bi == 0 and j_dim % bj == 0:
                 for br, st, lw, lr, ring in GLUON_VARIANTS:
                     cfg = {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": br, "STAGES": st, "LOADER_WARPS": lw,
-                           "LOADER_REGS": lr, "STAGE_IN_RING": bool(ring), "DEFER_RELEASE": ring == 2}
-                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}{' ring' if ring else ''}{' defer' if ring == 2 else ''}"
+                           "LOADER_REGS": lr, "STAGE_IN_RING": bool(ring)}
+                    label = f"gluon {bi}x{bj} R{br} S{st} L{lw}{' ring' if ring else ''}"
                     variants.append((label, lambda cfg=cfg: glu(cfg)))
                 if epilogue:
                     for st, ring in ((3, False), (4, True)):

@@ -103,8 +103,6 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # at 256-wide tiles; 7B on an H100 (session 41): the kernel alone 0.475 against 0.508 ms, the layer's forward+backward
 # 3.428 against 3.470 ms (7 of 7 alternating rounds); (32768, 4096, 1024, 128, 8) level (4.016 against 4.026 ms)
 STAGE_IN_RING = True
-# under STAGE_IN_RING: the staging slot goes back after the next tile's first MMA is issued, not at the tile's end
-DEFER_RELEASE = False
 
 
 def dh_ws_block_n(n: int) -> int | None:
@@ -314,23 +312,18 @@ if HAVE_GLUON:
                        WARPS, PART, TMA_STORE)
 
     @gluon.jit
-    def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, held, BLOCK_M: gl.constexpr,
+    def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr):
         """A tile's dA′ = dO·W2[e] wgmma chain over ring steps ``step`` .. ``step + k_tiles - 1``: one K-block in
         flight, so once a K-block's MMA is issued the previous one is done and its slot goes back to the loader.
         Returns the (BLOCK_M, BLOCK_N) float32 accumulator, with the last MMA possibly still in flight, and the next
-        ring step. ``held`` ≥ 0: a slot the previous tile's epilogue staged in, which goes back to the loader once
-        the first MMA is issued and the previous tile's stores have read it (``DEFER_RELEASE``)."""
+        ring step."""
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         for ki in range(k_tiles):
             s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
             acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-            if (ki == 0) & (held >= 0):
-                tma.store_wait(pendings=0)
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(held))
             step += 1
         return acc, step
 
@@ -339,12 +332,11 @@ if HAVE_GLUON:
                 ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                STAGE_IN_RING: gl.constexpr, DEFER_RELEASE: gl.constexpr):
+                STAGE_IN_RING: gl.constexpr):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
         of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
-        the tile's stores have read it (at the tile's end, or under DEFER_RELEASE once the next tile's first MMA is
-        issued); else in ``o_bufs``."""
+        the tile's stores have read it; else in ``o_bufs``."""
         NB: gl.constexpr = BLOCK_N // EPI
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
@@ -352,7 +344,6 @@ if HAVE_GLUON:
         k_tiles = D // BLOCK_K
         step = 0
         tcount = 0
-        held = -1
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             ch0 = pid_n * BLOCK_N
@@ -362,9 +353,8 @@ if HAVE_GLUON:
                     _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
                 s_rows = gl.load(score_ptr + rows, mask=rows < row_end, other=0.0)  # its latency hides behind the MMAs
-            acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, held, BLOCK_M,
-                                   BLOCK_N, STAGES, acc_layout)
-            held = -1
+            acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
+                                   STAGES, acc_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             last = (step + STAGES - 1) % STAGES  # the slot of the tile's last K-block
             if not STAGE_IN_RING or PART == 1:
@@ -381,12 +371,9 @@ if HAVE_GLUON:
                 _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                            row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
                            TMA_STORE)
-                if DEFER_RELEASE:
-                    held = last
-                else:
-                    tma.store_wait(pendings=0)  # the tile's stores have read the slot
-                    gl.thread_barrier()  # and every thread is done with it
-                    mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
+                tma.store_wait(pendings=0)  # the tile's stores have read the slot
+                gl.thread_barrier()  # and every thread is done with it
+                mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
             else:
                 _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, o_bufs, 6, h_ready, dh_ptr, ap_ptr, ds_ptr,
                            s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF,
@@ -400,7 +387,7 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr, DEFER_RELEASE: gl.constexpr):
+                      STAGE_IN_RING: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -417,7 +404,7 @@ if HAVE_GLUON:
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING, DEFER_RELEASE)),
+                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -475,7 +462,6 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)),
-                DEFER_RELEASE=bool(cfg.get("STAGE_IN_RING", False) and cfg.get("DEFER_RELEASE", DEFER_RELEASE)),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

@@ -234,21 +234,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
              tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr,
-             DEFER_RELEASE: gl.constexpr):
+             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
         to the loader), then the tile by TMA store from ``out_smem``. Under STAGE_IN_RING every tile has at least
         one chunk (zeros for an expert with no rows), ``out_smem`` holds the tile's left half, the right half goes
         through the slot of the tile's last chunk (the wider of its two chunks), and that slot goes back to the
-        loader once the right half's store has read it (at the tile's end, or under DEFER_RELEASE once the next
-        tile's first MMA is issued). ``PART`` 1 (probes only): the tile is not
+        loader once the right half's store has read it. ``PART`` 1 (probes only): the tile is not
         written, which times the kernel without its epilogue (the store stays behind a condition that never holds,
         so the MMAs stay)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_J, 16])
         MIN_CHUNKS: gl.constexpr = 1 if STAGE_IN_RING else 0
         step = 0
-        held = -1  # the slot the previous tile's right half went through, under DEFER_RELEASE
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
@@ -258,12 +255,7 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(p_bufs.index(s).permute((1, 0)), q_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
-                if (c == 0) & (held >= 0):  # the previous right half's store has read its slot: back to the loader
-                    tma.store_wait(pendings=1)
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index(held))
                 step += 1
-            held = -1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             last = (step + STAGES - 1) % STAGES  # the slot of the tile's last chunk
             if not STAGE_IN_RING:
@@ -279,21 +271,18 @@ if HAVE_GLUON:
                     wide = q_bufs.index(last)
                 stage = wide._reinterpret(out_desc.dtype, [BLOCK_I, BLOCK_J // 2], out_desc.layout)
                 if PART == 0:
-                    _store_halves(acc, out_smem, stage, out_desc, e * I + i0, j0, not DEFER_RELEASE)
+                    _store_halves(acc, out_smem, stage, out_desc, e * I + i0, j0)
                 elif I < 0:
-                    _store_halves(acc, out_smem, stage, out_desc, e * I + i0, j0, not DEFER_RELEASE)
-                if DEFER_RELEASE and PART == 0:
-                    held = last
-                else:
-                    mbarrier.arrive(empty.index(last))
+                    _store_halves(acc, out_smem, stage, out_desc, e * I + i0, j0)
+                mbarrier.arrive(empty.index(last))
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _store_halves(acc, out_smem, stage, out_desc, row, col, WAIT: gl.constexpr):
+    def _store_halves(acc, out_smem, stage, out_desc, row, col):
         """The tile ``acc`` to ``out_desc`` (whose box is half the tile, (BLOCK_I, BLOCK_J / 2)) at (row, col) by two
         TMA stores: the right half from ``stage`` (a ring slot), then the left half from ``out_smem`` once its
-        previous store has read it. ``WAIT``: returns once the right half's store has read ``stage`` and every
-        thread is past its writes, so the slot can go back to the loader."""
+        previous store has read it; returns once the right half's store has read ``stage`` and every thread is past
+        its writes, so the slot can go back to the loader."""
         W: gl.constexpr = acc.shape[1] // 2
         left, right = acc.reshape((acc.shape[0], 2, W)).permute((0, 2, 1)).split()
         stage.store(right.to(out_desc.dtype))
@@ -303,9 +292,8 @@ if HAVE_GLUON:
         gl.thread_barrier()
         tma.async_copy_shared_to_global(out_desc, [row, col + W], stage)
         tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
-        if WAIT:
-            tma.store_wait(pendings=1)
-            gl.thread_barrier()
+        tma.store_wait(pendings=1)
+        gl.thread_barrier()
 
     @gluon.jit
     def _store_tile(acc, out_smem, out_desc, row, col):
@@ -322,7 +310,7 @@ if HAVE_GLUON:
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
-                         STAGE_IN_RING: gl.constexpr, DEFER_RELEASE: gl.constexpr):
+                         STAGE_IN_RING: gl.constexpr):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
@@ -330,8 +318,7 @@ if HAVE_GLUON:
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         gl.warp_specialize([
             (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
-                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING,
-                    DEFER_RELEASE)),
+                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING)),
             (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready,
                        empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
                        BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
@@ -416,7 +403,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, DEFER_RELEASE=ring and bool(cfg.get("DEFER_RELEASE", False)),
-        num_warps=MMA_WARPS,
+        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
