@@ -43,7 +43,7 @@ against 0.51 ms on an H100). Both were bitwise right and slower, and were droppe
 20.5%, W2 8.2%), the loader on empty ones (24.5%). Six 32-deep slots (``block_k=32``) ran the kernel alone 2% faster
 at 7B, level at d = 4096, and level in the layer: the default stays 64.
 
-Session 41 (benchmarks/results/2026-11-27_nvidia-h100_session41/) put the two staging sets in the ring slot of the
+Session 41 (benchmarks/results/2026-11-27_nvidia-h100-h200_session41/) put the two staging sets in the ring slot of the
 tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
 once the tile's TMA stores have read it. The 80 KB of H buffers and staging sets then shrink to 32 KB, and a fourth
 48 KB slot fits: at 7B on an H100 the kernel alone took 0.475 against 0.508 ms (the MMAs alone 0.283 against 0.292),

@@ -77,7 +77,7 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 
 # the output tile's right half staged in the ring slot of the tile's last chunk, the left half in a buffer of half the
 # tile's size: 4 ring slots instead of 3 (wgrad_ws_config). Session 41, one H100, the kernel alone (do_bench medians,
-# benchmarks/results/2026-11-27_nvidia-h100_session41/call2_*): 7B dW1 0.569 against 0.589 ms, dW2 0.307 against
+# benchmarks/results/2026-11-27_nvidia-h100-h200_session41/call2_*): 7B dW1 0.569 against 0.589 ms, dW2 0.307 against
 # 0.314; (16384, 1536, 256, 512, 8) dW1 0.589 against 0.639, dW2 0.323 against 0.332; (32768, 4096, 1024, 128, 8)
 # dW1 7.286 against 7.569, dW2 3.675 against 3.634; the same bits
 STAGE_IN_RING = True
