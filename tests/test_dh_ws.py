@@ -63,6 +63,23 @@ def test_staging_in_a_ring_slot(n, epi):
         assert ring == {**own, "STAGE_IN_RING": False}
 
 
+def test_stage_in_ring_switch(monkeypatch):
+    """SONICMOE_DH_STAGE_IN_RING / SONICMOE_WGRAD_STAGE_IN_RING turn the ring staging off and on (read per call);
+    unset, the module defaults hold; an explicit argument wins over the environment."""
+    from sonicmoe.ops import weight_grad_ws
+
+    monkeypatch.delenv("SONICMOE_DH_STAGE_IN_RING", raising=False)
+    monkeypatch.delenv("SONICMOE_WGRAD_STAGE_IN_RING", raising=False)
+    assert dh_ws_config(256)["STAGE_IN_RING"] == dh_ws.STAGE_IN_RING
+    assert weight_grad_ws.wgrad_ws_config(512, 1536, False)["STAGE_IN_RING"] == weight_grad_ws.STAGE_IN_RING
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv("SONICMOE_DH_STAGE_IN_RING", value)
+        monkeypatch.setenv("SONICMOE_WGRAD_STAGE_IN_RING", value)
+        assert dh_ws_config(256)["STAGE_IN_RING"] is on and dh_ws_config(256)["STAGES"] == (4 if on else 3)
+        assert weight_grad_ws.wgrad_ws_config(512, 1536, False)["STAGE_IN_RING"] is on
+        assert dh_ws_config(256, stage_in_ring=not on)["STAGE_IN_RING"] is (not on)
+
+
 def test_preferred_where_measured_faster(monkeypatch):
     """256-wide tiles (n a multiple of 256: every width measured faster, session 37) and n = 128 (session 38), not
     n = 384 or 640 (128-wide tiles, not measured); every n under SONICMOE_GLUON_DH=all, none of them under 0

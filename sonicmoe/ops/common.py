@@ -55,6 +55,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """The on/off switch ``name`` from the environment: ``1`` on, ``0`` (or any other set value) off, ``default``
+    where unset. Read at each call."""
+    value = os.environ.get(name)
+    return default if value is None else value == "1"
+
+
 def autotune_enabled(interp: bool | None = None) -> bool:
     """Autotuning is on unless SONICMOE_AUTOTUNE=0 or under the interpreter (read at each launch; ``interp``:
     :func:`interpreting` when the caller has it already)."""

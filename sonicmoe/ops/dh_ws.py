@@ -70,7 +70,7 @@ import os
 import torch
 
 from ..routing import Routing
-from .common import new_output, sm_count
+from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
@@ -141,8 +141,7 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     if bn is None or n % bn:
         return None
     if stage_in_ring is None:
-        env = os.environ.get("SONICMOE_DH_STAGE_IN_RING")
-        stage_in_ring = STAGE_IN_RING if env is None else env == "1"
+        stage_in_ring = env_switch("SONICMOE_DH_STAGE_IN_RING", STAGE_IN_RING)
     alias = stage_in_ring and stage_fits_slot(bn, epi, block_k)
     fixed = dh_ws_smem_bytes(0, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias)
     per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias) - fixed
@@ -362,22 +361,24 @@ if HAVE_GLUON:
             if PART == 1:  # the MMAs alone (timing only): the row sums of dA′ keep them from being removed
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
                 gl.store(ds_ptr + rows, gl.sum(acc, axis=1), mask=rows < row_end)
-            elif STAGE_IN_RING:
-                XB: gl.constexpr = BLOCK_K // EPI
-                ox = x_bufs.index(last)._reinterpret(dh_ptr.dtype.element_ty, [XB, BLOCK_M, EPI], h_desc.layout)
-                ow = w_bufs.index(last)._reinterpret(dh_ptr.dtype.element_ty,
-                                                     [BLOCK_K * BLOCK_N // (BLOCK_M * EPI), BLOCK_M, EPI],
-                                                     h_desc.layout)
+            else:
+                # the six staging blocks: the slot's dO block, then its W2 box; or o_bufs
+                XB: gl.constexpr = BLOCK_K // EPI if STAGE_IN_RING else 6
+                if STAGE_IN_RING:
+                    ox = x_bufs.index(last)._reinterpret(dh_ptr.dtype.element_ty, [XB, BLOCK_M, EPI], h_desc.layout)
+                    ow = w_bufs.index(last)._reinterpret(dh_ptr.dtype.element_ty,
+                                                         [BLOCK_K * BLOCK_N // (BLOCK_M * EPI), BLOCK_M, EPI],
+                                                         h_desc.layout)
+                else:
+                    ox = o_bufs
+                    ow = o_bufs
                 _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                            row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
                            TMA_STORE)
-                tma.store_wait(pendings=0)  # the tile's stores have read the slot
-                gl.thread_barrier()  # and every thread is done with it
-                mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
-            else:
-                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, o_bufs, o_bufs, 6, h_ready, dh_ptr, ap_ptr, ds_ptr,
-                           s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF,
-                           WARPS, PART, TMA_STORE)
+                if STAGE_IN_RING:
+                    tma.store_wait(pendings=0)  # the tile's stores have read the slot
+                    gl.thread_barrier()  # and every thread is done with it
+                    mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
             tcount += 1
         tma.store_wait(pendings=0)
 

@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from .common import new_output, sm_count
+from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, ws_enabled
 
@@ -108,8 +108,7 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
     STAGE_IN_RING; only where :func:`half_tile_fits_slot`): the tile's right half leaves through the ring slot of
     its last chunk, so the output buffer is half the tile."""
     if stage_in_ring is None:
-        env = os.environ.get("SONICMOE_WGRAD_STAGE_IN_RING")
-        stage_in_ring = STAGE_IN_RING if env is None else env == "1"
+        stage_in_ring = env_switch("SONICMOE_WGRAD_STAGE_IN_RING", STAGE_IN_RING)
     shapes = ((256, 128), (128, 256)) if not p_gather else ((128, 256), (256, 128))
     for bi, bj in shapes:
         if i_dim > 0 and j_dim > 0 and i_dim % bi == 0 and j_dim % bj == 0:
