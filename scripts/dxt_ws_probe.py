@@ -1,6 +1,10 @@
 """The dX̃ GEMM (dX̃ = dH W1[e], varlen-M, B not transposed) on the Gluon ping-pong kernel against the Triton one.
 
-usage: python scripts/dxt_ws_probe.py [--shape T,d,n,E,K ...] [--configs BN:STAGES,...] [--rounds 5] [--json F]
+usage: python scripts/dxt_ws_probe.py [--shape T,d,n,E,K ...] [--configs BN:STAGES[:RING],...] [--form dxt|down]
+           [--rounds 5] [--json F]
+
+RING 1 stages each tile's output in the ring slots of its last two K-blocks (``STAGE_IN_RING``), 0 (the default) in
+buffers of its own. ``--form down`` probes the down-projection form (Y = A W2[e]ᵀ, k = n) instead.
 
 On sm_90 the layer runs dX̃ on the ping-pong kernel of ``grouped_gemm_ws`` where it applies (``default``; the
 Triton kernel with ``SONICMOE_GLUON_DXT=0``). This probe runs ``ws_varlen_m_gemm(transpose_b=False)``
@@ -38,27 +42,31 @@ def with_env(name: str, value: str, fn, *args, **kwargs):
             os.environ[name] = old
 
 
-def triton_dxt(dh_, w1, routing):
-    """dX̃ on the Triton kernel as the layer ran it before (pinned/autotuned config): SONICMOE_GLUON_DXT=0."""
-    return with_env("SONICMOE_GLUON_DXT", "0", varlen_m_gemm, dh_, w1, None, routing, transpose_b=False)
+def triton_dxt(dh_, w1, routing, transpose_b: bool = False):
+    """dX̃ (or, ``transpose_b``, the down-projection) on the Triton kernel as the layer ran it before (pinned/autotuned
+    config): SONICMOE_GLUON_DXT=0 (SONICMOE_GLUON=0)."""
+    switch = "SONICMOE_GLUON" if transpose_b else "SONICMOE_GLUON_DXT"
+    return with_env(switch, "0", varlen_m_gemm, dh_, w1, None, routing, transpose_b=transpose_b)
 
 
-def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
+def probe_shape(shape: str, configs: list[dict], rounds: int, form: str = "dxt") -> list[dict]:
     """The check and timing rows of one shape (printed as they come)."""
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
     routing = sonicmoe.routing_from_topk(router.topk_ids, e)
     r = routing.num_rows
-    dh_ = torch.randn(r, 2 * n, device="cuda", dtype=torch.bfloat16)
-    w1 = p["w1"]
-    flops = 2 * r * 2 * n * d
-    ref = varlen_m_gemm_ref(dh_, w1, None, routing, transpose_b=False).float()
-    fns = {"triton": lambda: triton_dxt(dh_, w1, routing),
-           "default": lambda: varlen_m_gemm(dh_, w1, None, routing, transpose_b=False)}
+    tb = form == "down"
+    width = n if tb else 2 * n  # the reduction: A (R, n) and W2 (E, d, n), or dH (R, 2n) and W1 (E, 2n, d)
+    a = torch.randn(r, width, device="cuda", dtype=torch.bfloat16)
+    b = p["w2"] if tb else p["w1"]
+    flops = 2 * r * width * d
+    ref = varlen_m_gemm_ref(a, b, None, routing, transpose_b=tb).float()
+    fns = {"triton": lambda: triton_dxt(a, b, routing, tb),
+           "default": lambda: varlen_m_gemm(a, b, None, routing, transpose_b=tb)}
     for cfg in configs:
-        fns[f"gluon BN={cfg['BLOCK_N']} S={cfg['STAGES']}"] = (
-            lambda cfg=cfg: ws.ws_varlen_m_gemm(dh_, w1, None, routing.expert_offsets, transpose_b=False, config=cfg))
+        fns[f"gluon BN={cfg['BLOCK_N']} S={cfg['STAGES']} R={int(cfg['STAGE_IN_RING'])}"] = (
+            lambda cfg=cfg: ws.ws_varlen_m_gemm(a, b, None, routing.expert_offsets, transpose_b=tb, config=cfg))
     base = fns["triton"]()
     checks = {}
     for name, fn in fns.items():
@@ -103,12 +111,16 @@ def probe_shapes(shapes: list[str] | None, probe, json_path: str | None) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
-    ap.add_argument("--configs", default="128:8,128:6,128:4,64:16")
+    ap.add_argument("--configs", default="128:8,128:12:1")
+    ap.add_argument("--form", choices=("dxt", "down"), default="dxt")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    configs = [dict(zip(("BLOCK_N", "STAGES"), map(int, c.split(":")))) for c in args.configs.split(",")]
-    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
+    configs = []
+    for c in args.configs.split(","):
+        bn, stages, ring = (list(map(int, c.split(":"))) + [0])[:3]
+        configs.append({"BLOCK_N": bn, "STAGES": stages, "STAGE_IN_RING": bool(ring)})
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, args.form), args.json)
 
 
 if __name__ == "__main__":
