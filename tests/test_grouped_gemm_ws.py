@@ -276,3 +276,45 @@ def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
         assert torch.equal(on[0], off[0])
         for name in on[1]:
             assert torch.equal(on[1][name], off[1][name]), (switch, name)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetched_tile_table(monkeypatch):
+    """A table built ahead on the side stream equals tile_table's, is taken once (a second take builds a new one on
+    the current stream), and in the layer the prefetch leaves outputs and gradients bitwise alone and every prefetched
+    table is taken (SONICMOE_PREFETCH_TABLES on against off, at a shape where the ping-pong GEMM serves both the
+    down-projection and dX̃)."""
+    import sonicmoe
+    from sonicmoe.ops.common import side_stream
+    from sonicmoe.testing import random_problem
+
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    off = _offsets([1500, 0, 64, 1000, 3], "cuda")
+    r = int(off[-1])
+    grouped_gemm_ws.prefetch_tile_table(off, r, 64, side_stream(off.device))
+    first = grouped_gemm_ws.take_tile_table(off, r, 64)
+    assert torch.equal(first, tile_table(off, r, 64))
+    assert not grouped_gemm_ws._PREFETCHED.get(off)
+    assert torch.equal(grouped_gemm_ws.take_tile_table(off, r, 64), first)
+
+    t, d, n, e, k = 4096, 1536, 256, 32, 8
+    p = random_problem(t, d, n, e, device="cuda", bias=True, seed=5)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for flag in ("1", "0", "1"):
+        monkeypatch.setenv("SONICMOE_PREFETCH_TABLES", flag)
+        monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+        grouped_gemm_ws._CALLS.clear()
+        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
+                           backend="triton")
+        res.out.backward(dout)
+        torch.cuda.synchronize()
+        assert len(grouped_gemm_ws.ws_calls()) == 2  # the down-projection and dX̃ ran on the ping-pong kernel
+        assert not any(grouped_gemm_ws._PREFETCHED.values())  # every prefetched table was taken
+        runs.append((res.out.detach(), {key: v.grad for key, v in ins.items()}))
+    for out, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        for key in grads:
+            assert torch.equal(grads[key], runs[0][1][key]), key

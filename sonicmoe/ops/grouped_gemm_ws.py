@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 import triton
@@ -82,8 +83,11 @@ MAX_STAGES = 20  # the old layout fits 16 at k = 256; staging in the ring, 20
 # STAGE_IN_RING: each consumer stages its tile's two column halves in the ring slots of the tile's last two K-blocks
 # (their MMAs are done; a half has an A block's shape) instead of in a (BLOCK_M × BLOCK_N) buffer of its own, and
 # hands the slots back once its TMA stores have read them: the two buffers' 32 KiB become four more ring slots
-# (dX̃ at k = 512: 12 slots instead of 8; the down-projection at k = 256: 20 instead of 16). Same bits.
-STAGE_IN_RING = True
+# (dX̃ at k = 512: 12 slots instead of 8; the down-projection at k = 256: 20 instead of 16). Same bits. Off by default:
+# session 42 (benchmarks/results/2026-11-27_nvidia-h100-h200_session42/) measured the 7B dX̃ alone 0.605 against
+# 0.616 ms on an H100 (the down-projection level), but the 7B layer level there (fwd+bwd 3.453 against 3.452 ms, 7
+# rounds) and 0.5% slower on an H200 (3.265 against 3.247, 2 of 7 rounds won): each consumer waits for its own stores.
+STAGE_IN_RING = False
 # measured on H100 (session 17, benchmarks/results/2026-11-24_nvidia-h100_session17/): against the Triton kernel,
 # 7B (1536 rows per expert) 0.337 vs 0.359 ms, 1.4B (2560) 0.294 vs 0.303, (32768, 4096, 256, 256, 16) (2048)
 # 2.143 vs 2.634; slower at (16384, 1536, 256, 512, 8) (256 rows: B[e] reloaded every 4 M-tiles) 0.346 vs 0.324
@@ -132,6 +136,39 @@ def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> tor
     block_t = 32 if e > 256 else 64
     launch_kernel(_tile_table_kernel, (cdiv(max_tiles, block_t),), expert_offsets, table, e, max_tiles,
                   E_P2=next_pow2(e), BLOCK_M=block_m, BLOCK_T=block_t)
+    return table
+
+
+# tile tables built ahead of their use on another stream (prefetch_tile_table), by expert_offsets tensor (weakly held:
+# an entry that is never taken dies with its offsets) then (R, BLOCK_M); each is taken once (take_tile_table)
+_PREFETCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prefetch_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int, stream: torch.cuda.Stream) -> None:
+    """Build :func:`tile_table` on ``stream`` (the layer's side stream) now, ahead of the launch that needs it on the
+    current stream, which takes it with :func:`take_tile_table`: the small table kernel then runs beside the kernels
+    queued before that launch (in the tail of their last wave) instead of between two large kernels on the current
+    stream. ``stream`` first waits for the current stream (the offsets may be made there). No host sync."""
+    current = torch.cuda.current_stream(expert_offsets.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        table = tile_table(expert_offsets, num_rows, block_m)
+        done = torch.cuda.Event()
+        done.record(stream)
+    _PREFETCHED.setdefault(expert_offsets, {})[(num_rows, block_m)] = (table, done)
+
+
+def take_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """:func:`tile_table` (E+1 offsets, R rows, BLOCK_M): the one :func:`prefetch_tile_table` built for these offsets,
+    once, with the current stream made to wait for it (and the table's memory kept from reuse until the current
+    stream's work queued so far is done), else a new one built on the current stream."""
+    entry = _PREFETCHED.get(expert_offsets, {}).pop((num_rows, block_m), None)
+    if entry is None:
+        return tile_table(expert_offsets, num_rows, block_m)
+    table, done = entry
+    current = torch.cuda.current_stream(table.device)
+    current.wait_event(done)
+    table.record_stream(current)
     return table
 
 
@@ -414,16 +451,24 @@ def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b
     (R = ``num_rows`` over E experts): below that B[e] would be reloaded every few M-tiles and the Triton
     kernel is faster.
     """
-    if not ws_enabled(transpose_b) or not a.is_cuda or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
-        return False
-    if a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
+    if b.dtype != a.dtype or a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
         return False
     e, m, k = b.shape if transpose_b else (b.shape[0], b.shape[2], b.shape[1])
-    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None or a.shape[1] != k:
-        return False
-    if torch.cuda.get_device_capability(a.device) != (9, 0):
+    if a.shape[1] != k or not ws_applies(a.device, a.dtype, e, k, num_rows, transpose_b=transpose_b):
         return False
     return (m * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+
+
+def ws_applies(device: torch.device, dtype: torch.dtype, num_experts: int, k: int, num_rows: int, *,
+               transpose_b: bool) -> bool:
+    """The shape part of :func:`ws_supported` (no tensors needed: the layer asks it before the operands exist, to
+    prefetch the tile table): Gluon on (:func:`ws_enabled`), a CUDA ``device`` of compute capability 9.0, a bf16/fp16
+    ``dtype``, a config for the reduction ``k`` and at least MIN_ROWS_PER_EXPERT rows per expert on average."""
+    if not ws_enabled(transpose_b) or device.type != "cuda" or dtype not in _GL_DTYPES:
+        return False
+    if num_rows < MIN_ROWS_PER_EXPERT * num_experts or ws_config(k, transpose_b) is None:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 _CALLS: dict[tuple, dict] = {}
@@ -485,7 +530,7 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     if r == 0:
         return c
     _CALLS[(m, k, e, str(a.dtype).removeprefix("torch."), transpose_b)] = dict(cfg)
-    table = tile_table(expert_offsets, r, BLOCK_M)
+    table = take_tile_table(expert_offsets, r, BLOCK_M)
     num_pid_n = cdiv(m, bn)
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
     launch_kernel(
