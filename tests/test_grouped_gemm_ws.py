@@ -295,7 +295,7 @@ def test_gpu_prefetched_tile_table(monkeypatch):
     grouped_gemm_ws.prefetch_tile_table(off, r, 64, side_stream(off.device))
     first = grouped_gemm_ws.take_tile_table(off, r, 64)
     assert torch.equal(first, tile_table(off, r, 64))
-    assert not grouped_gemm_ws._PREFETCHED.get(off)
+    assert not grouped_gemm_ws._prefetched(off)
     assert torch.equal(grouped_gemm_ws.take_tile_table(off, r, 64), first)
 
     t, d, n, e, k = 4096, 1536, 256, 32, 8
@@ -312,7 +312,7 @@ def test_gpu_prefetched_tile_table(monkeypatch):
         res.out.backward(dout)
         torch.cuda.synchronize()
         assert len(grouped_gemm_ws.ws_calls()) == 2  # the down-projection and dX̃ ran on the ping-pong kernel
-        assert not any(grouped_gemm_ws._PREFETCHED.values())  # every prefetched table was taken
+        assert not any(tables for _, tables in grouped_gemm_ws._PREFETCHED.values())  # every table was taken
         runs.append((res.out.detach(), {key: v.grad for key, v in ins.items()}))
     for out, grads in runs[1:]:
         assert torch.equal(out, runs[0][0])

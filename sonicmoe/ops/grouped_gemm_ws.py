@@ -139,9 +139,16 @@ def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> tor
     return table
 
 
-# tile tables built ahead of their use on another stream (prefetch_tile_table), by expert_offsets tensor (weakly held:
-# an entry that is never taken dies with its offsets) then (R, BLOCK_M); each is taken once (take_tile_table)
-_PREFETCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# tile tables built ahead of their use on another stream (prefetch_tile_table): id(expert_offsets) -> (a weak
+# reference to the offsets tensor, {(R, BLOCK_M): (table, event)}); an entry goes when its offsets tensor does (by
+# identity: a WeakKeyDictionary would compare tensors with ==), and each table is taken once (take_tile_table)
+_PREFETCHED: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _prefetched(expert_offsets: torch.Tensor) -> dict:
+    """The prefetched tables of this offsets tensor ({} when none)."""
+    entry = _PREFETCHED.get(id(expert_offsets))
+    return entry[1] if entry is not None and entry[0]() is expert_offsets else {}
 
 
 def prefetch_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int, stream: torch.cuda.Stream) -> None:
@@ -155,14 +162,19 @@ def prefetch_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: in
         table = tile_table(expert_offsets, num_rows, block_m)
         done = torch.cuda.Event()
         done.record(stream)
-    _PREFETCHED.setdefault(expert_offsets, {})[(num_rows, block_m)] = (table, done)
+    key = id(expert_offsets)
+    entry = _PREFETCHED.get(key)
+    if entry is None or entry[0]() is not expert_offsets:
+        entry = (weakref.ref(expert_offsets, lambda _ref, key=key: _PREFETCHED.pop(key, None)), {})
+        _PREFETCHED[key] = entry
+    entry[1][(num_rows, block_m)] = (table, done)
 
 
 def take_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
     """:func:`tile_table` (E+1 offsets, R rows, BLOCK_M): the one :func:`prefetch_tile_table` built for these offsets,
     once, with the current stream made to wait for it (and the table's memory kept from reuse until the current
     stream's work queued so far is done), else a new one built on the current stream."""
-    entry = _PREFETCHED.get(expert_offsets, {}).pop((num_rows, block_m), None)
+    entry = _prefetched(expert_offsets).pop((num_rows, block_m), None)
     if entry is None:
         return tile_table(expert_offsets, num_rows, block_m)
     table, done = entry
