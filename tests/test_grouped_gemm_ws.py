@@ -278,6 +278,23 @@ def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
             assert torch.equal(on[1][name], off[1][name]), (switch, name)
 
 
+def test_prefetched_tables_are_found_by_identity_and_die_with_the_offsets():
+    """The prefetch bookkeeping (no GPU): tables are found for the very offsets tensor they were built for, not for an
+    equal one, and the entry goes when that tensor does."""
+    import gc
+    import weakref
+
+    off = torch.arange(5, dtype=torch.int32)
+    key = id(off)
+    ref = weakref.ref(off, lambda _r, key=key: grouped_gemm_ws._PREFETCHED.pop(key, None))
+    grouped_gemm_ws._PREFETCHED[key] = (ref, {(4, 64): ("table", None)})
+    assert grouped_gemm_ws._prefetched(off) == {(4, 64): ("table", None)}
+    assert grouped_gemm_ws._prefetched(off.clone()) == {}
+    del off
+    gc.collect()
+    assert key not in grouped_gemm_ws._PREFETCHED
+
+
 @pytest.mark.gpu
 def test_gpu_prefetched_tile_table(monkeypatch):
     """A table built ahead on the side stream equals tile_table's, is taken once (a second take builds a new one on
