@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
 
 import torch
 import triton
@@ -136,51 +135,6 @@ def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> tor
     block_t = 32 if e > 256 else 64
     launch_kernel(_tile_table_kernel, (cdiv(max_tiles, block_t),), expert_offsets, table, e, max_tiles,
                   E_P2=next_pow2(e), BLOCK_M=block_m, BLOCK_T=block_t)
-    return table
-
-
-# tile tables built ahead of their use on another stream (prefetch_tile_table): id(expert_offsets) -> (a weak
-# reference to the offsets tensor, {(R, BLOCK_M): (table, event)}); an entry goes when its offsets tensor does (by
-# identity: a WeakKeyDictionary would compare tensors with ==), and each table is taken once (take_tile_table)
-_PREFETCHED: dict[int, tuple[weakref.ref, dict]] = {}
-
-
-def _prefetched(expert_offsets: torch.Tensor) -> dict:
-    """The prefetched tables of this offsets tensor ({} when none)."""
-    entry = _PREFETCHED.get(id(expert_offsets))
-    return entry[1] if entry is not None and entry[0]() is expert_offsets else {}
-
-
-def prefetch_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int, stream: torch.cuda.Stream) -> None:
-    """Build :func:`tile_table` on ``stream`` (the layer's side stream) now, ahead of the launch that needs it on the
-    current stream, which takes it with :func:`take_tile_table`: the small table kernel then runs beside the kernels
-    queued before that launch (in the tail of their last wave) instead of between two large kernels on the current
-    stream. ``stream`` first waits for the current stream (the offsets may be made there). No host sync."""
-    current = torch.cuda.current_stream(expert_offsets.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        table = tile_table(expert_offsets, num_rows, block_m)
-        done = torch.cuda.Event()
-        done.record(stream)
-    key = id(expert_offsets)
-    entry = _PREFETCHED.get(key)
-    if entry is None or entry[0]() is not expert_offsets:
-        entry = (weakref.ref(expert_offsets, lambda _ref, key=key: _PREFETCHED.pop(key, None)), {})
-        _PREFETCHED[key] = entry
-    entry[1][(num_rows, block_m)] = (table, done)
-
-
-def take_tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """:func:`tile_table` (E+1 offsets, R rows, BLOCK_M): the one :func:`prefetch_tile_table` built for these offsets,
-    once, with the current stream made to wait for it (and the table's memory kept from reuse until the current
-    stream's work queued so far is done), else a new one built on the current stream."""
-    entry = _prefetched(expert_offsets).pop((num_rows, block_m), None)
-    if entry is None:
-        return tile_table(expert_offsets, num_rows, block_m)
-    table, done = entry
-    current = torch.cuda.current_stream(table.device)
-    current.wait_event(done)
-    table.record_stream(current)
     return table
 
 
@@ -463,24 +417,16 @@ def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b
     (R = ``num_rows`` over E experts): below that B[e] would be reloaded every few M-tiles and the Triton
     kernel is faster.
     """
-    if b.dtype != a.dtype or a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
+    if not ws_enabled(transpose_b) or not a.is_cuda or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
+        return False
+    if a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
         return False
     e, m, k = b.shape if transpose_b else (b.shape[0], b.shape[2], b.shape[1])
-    if a.shape[1] != k or not ws_applies(a.device, a.dtype, e, k, num_rows, transpose_b=transpose_b):
+    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None or a.shape[1] != k:
+        return False
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
     return (m * a.element_size()) % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-
-
-def ws_applies(device: torch.device, dtype: torch.dtype, num_experts: int, k: int, num_rows: int, *,
-               transpose_b: bool) -> bool:
-    """The shape part of :func:`ws_supported` (no tensors needed: the layer asks it before the operands exist, to
-    prefetch the tile table): Gluon on (:func:`ws_enabled`), a CUDA ``device`` of compute capability 9.0, a bf16/fp16
-    ``dtype``, a config for the reduction ``k`` and at least MIN_ROWS_PER_EXPERT rows per expert on average."""
-    if not ws_enabled(transpose_b) or device.type != "cuda" or dtype not in _GL_DTYPES:
-        return False
-    if num_rows < MIN_ROWS_PER_EXPERT * num_experts or ws_config(k, transpose_b) is None:
-        return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 _CALLS: dict[tuple, dict] = {}
@@ -542,7 +488,7 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     if r == 0:
         return c
     _CALLS[(m, k, e, str(a.dtype).removeprefix("torch."), transpose_b)] = dict(cfg)
-    table = take_tile_table(expert_offsets, r, BLOCK_M)
+    table = tile_table(expert_offsets, r, BLOCK_M)
     num_pid_n = cdiv(m, bn)
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
     launch_kernel(

@@ -40,7 +40,7 @@ from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
-from .common import env_switch, gather_chunk_width, new_output, overlap_mode, side_stream
+from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -58,10 +58,6 @@ from .weight_grad import varlen_k_gemm
 # (40960, 768, 256, 128, 8) 2.847 against 3.053 (H200); (24576, 1536, 128, 256, 16) 4.537 against 4.977 (H100). The
 # kernel does not serve n = 64 (wgrad_ws_config).
 GLUON_WGRAD_MIN_N = 128
-
-# PREFETCH_TABLES (SONICMOE_PREFETCH_TABLES, read at each call): the tile tables of the Gluon ping-pong GEMM (the
-# forward's down-projection, the backward's dX̃) are built on the side stream ahead of their use (_prefetch_ws_table)
-PREFETCH_TABLES = True
 
 
 def gluon_wgrad_preferred(n: int) -> bool:
@@ -146,23 +142,6 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     return out
 
 
-def _prefetch_ws_table(like: Tensor, num_experts: int, k: int, routing: Routing, *, transpose_b: bool) -> bool:
-    """Where the Gluon ping-pong GEMM will serve a varlen-M product of reduction ``k`` over ``routing`` with operands
-    of ``like``'s dtype and device (:func:`grouped_gemm_ws.ws_applies`), build its tile table now on the side stream
-    (:func:`grouped_gemm_ws.prefetch_tile_table`), beside the kernels queued before it; returns whether it did (the
-    caller then joins the side stream before returning, as for any side-stream work). Measured: session 42's
-    profile on an H200 had three tile-table kernels of 6-7 µs each in a 7B forward+backward, each between two large
-    kernels (benchmarks/results/2026-11-27_nvidia-h100-h200_session42/)."""
-    if not env_switch("SONICMOE_PREFETCH_TABLES", PREFETCH_TABLES) or not overlap_mode(like.device):
-        return False
-    if not grouped_gemm_ws.ws_applies(like.device, like.dtype, num_experts, k, routing.num_rows,
-                                      transpose_b=transpose_b):
-        return False
-    grouped_gemm_ws.prefetch_tile_table(routing.expert_offsets, routing.num_rows, grouped_gemm_ws.BLOCK_M,
-                                        side_stream(like.device))
-    return True
-
-
 # ------------------------------------------------------------------------------------------- forward
 
 
@@ -189,7 +168,6 @@ def experts_fwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
-    prefetched = _prefetch_ws_table(x, w1.shape[0], w2.shape[2], routing, transpose_b=True)  # the down-projection's
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
     # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
@@ -197,8 +175,6 @@ def experts_fwd_impl(
     del a
     out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
     del y
-    if prefetched:  # joined (the down-projection took the table, and waited for it, unless it ran elsewhere)
-        torch.cuda.current_stream(x.device).wait_stream(side_stream(x.device))
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
@@ -252,8 +228,6 @@ def experts_bwd_impl(
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
-    if need_x:  # the dX̃ GEMM's
-        _prefetch_ws_table(h, w1.shape[0], w1.shape[1], routing, transpose_b=False)
     dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
