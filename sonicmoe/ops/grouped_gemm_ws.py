@@ -16,7 +16,8 @@ of one expert each), and splits its warps by role:
   asynchronous wgmma chain, the other runs the previous tile's epilogue (bias, cast, store). A pair of
   ``turn`` mbarriers makes the two alternate their MMA phases, which also keeps the shared ring in step order.
   Full tiles leave by TMA store from a per-consumer staging buffer; an expert's last, partial tile by masked
-  16-byte pointer stores.
+  16-byte pointer stores. Under ``STAGE_IN_RING`` (off by default) a consumer stages its tile's two column halves in
+  the ring slots of the tile's last two K-blocks instead, and hands those slots back once the stores have read them.
 
 The measured reason (benchmarks/results/2026-11-24_nvidia-h100_session17/): at the 7B shape the
 down-projection's loads and MMAs alone take about half its time and writing Y the other half; DRAM traffic is
