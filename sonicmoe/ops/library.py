@@ -40,7 +40,7 @@ from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
-from .common import env_switch, gather_chunk_width, new_output, overlap_mode, side_stream
+from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .up_proj import up_proj
@@ -58,13 +58,6 @@ from .weight_grad import varlen_k_gemm
 # (40960, 768, 256, 128, 8) 2.847 against 3.053 (H200); (24576, 1536, 128, 256, 16) 4.537 against 4.977 (H100). The
 # kernel does not serve n = 64 (wgrad_ws_config).
 GLUON_WGRAD_MIN_N = 128
-
-# DX_SIDE (SONICMOE_DX_SIDE): with the Gluon dW1 (or no dW1 asked for), the backward runs dX — the dX̃ GEMM, then
-# its aggregation — on the side stream, queued right after dH, beside dW2 and dW1 on the current stream. The kernels
-# are persistent: a grid of one program per multiprocessor whose tiles do not divide evenly among them ends on a
-# partial wave (the 7B dH: 1601 tiles on 132 SMs), and the other stream's programs fill the multiprocessors it frees.
-# Same kernels, same bits.
-DX_SIDE = False
 
 
 def gluon_wgrad_preferred(n: int) -> bool:
@@ -251,29 +244,19 @@ def experts_bwd_impl(
             # get 0; with no padding every row is below it and this selects everything
             real = routing.pair_row < routing.expert_offsets[-1]
             dscores = torch.where(real, dscores, 0.0).to(scores_dtype)
-    gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
-                                                            out_dtype=w1.dtype)
-    # SONICMOE_DX_SIDE: dX (the dX̃ GEMM and its aggregation) on the side stream, queued before dW2 and dW1 on this
-    # one, so that each kernel's last, partial wave of programs leaves room for the other stream's programs; only
-    # where dX̃ is one GEMM on the ping-pong kernel (the column blocks of gemm_then_gather_sum overlap on their own)
-    dx_side = (need_x and side is not None and (gluon_dw1 or not need_w1)
-               and env_switch("SONICMOE_DX_SIDE", DX_SIDE)
-               and grouped_gemm_ws.ws_supported(dh_, w1, dh_.shape[0], transpose_b=False))
-    if dx_side:
-        with _beside(side):
-            dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False)
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
+    gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
+                                                            out_dtype=w1.dtype)
     pending: list[Tensor] = []  # tensors the side stream may still read: dropped after the join below
     if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
-        # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
-        if need_x and not dx_side:
+        if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
             beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
             dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
                                       pending=pending if beside else None)
