@@ -1,7 +1,7 @@
 """The dH kernel (dA′ GEMM + SwiGLU backward + A′ + dS) on the Gluon warp-specialised kernel against the Triton one.
 
 usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...]
-                                     [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING[:PF]]]]]],...]
+                                     [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
@@ -46,12 +46,12 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list
     flops = 2 * r * n * d
     fns = {"triton": lambda: with_env("SONICMOE_GLUON_DH", "0", dh_mod.dh, dout, w2, h, s, routing),
            "default": lambda: dh_mod.dh(dout, w2, h, s, routing)}
-    for epi, nbuf, bn, part, tma_store, bk, ring, pf in configs:
+    for epi, nbuf, bn, part, tma_store, bk, ring in configs:
         cfg = {**dh_ws.dh_ws_config(n, epi, nbuf, bn or None, bk or dh_ws.BLOCK_K, None if ring < 0 else bool(ring)),
                "PART": part,
-               "TMA_STORE": bool(tma_store), "H_PREFETCH": pf}
+               "TMA_STORE": bool(tma_store)}
         fns[f"gluon BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part}"
-            f" T={tma_store} R={int(cfg['STAGE_IN_RING'])}" + (f" PF={pf}" if pf else "")] = (
+            f" T={tma_store} R={int(cfg['STAGE_IN_RING'])}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -70,12 +70,11 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING[:H_PREFETCH]]]]]] -> (EPI, NBUF, BLOCK_N or 0 (the default),
-    PART (0), TMA_STORE (1), BLOCK_K or 0 (the default), RING: 1 the staging sets in a ring slot, 0 not, -1 (the
-    default) as ``dh_ws_config`` decides, H_PREFETCH: K-blocks before the end of each tile's MMA chain at which the
-    tile's H rows are prefetched into L2, 0 (the default) never)."""
+    """EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]] -> (EPI, NBUF, BLOCK_N or 0 (the default), PART (0),
+    TMA_STORE (1), BLOCK_K or 0 (the default), RING: 1 the staging sets in a ring slot, 0 not, -1 (the default) as
+    ``dh_ws_config`` decides)."""
     vals = [int(v) for v in text.split(":")]
-    return tuple(vals + [0, 0, 1, 0, -1, 0][len(vals) - 2:])
+    return tuple(vals + [0, 0, 1, 0, -1][len(vals) - 2:])
 
 
 def main() -> None:

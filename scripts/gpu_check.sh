@@ -16,7 +16,7 @@
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
 #          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
-#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING[:PF]]]]]],...),
+#   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...),
 #          GPU tests, layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)

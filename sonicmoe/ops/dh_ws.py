@@ -311,35 +311,14 @@ if HAVE_GLUON:
                        WARPS, PART, TMA_STORE)
 
     @gluon.jit
-    def _prefetch_h_rows(h_ptr, row_start, row_end, ch0, N, stride_hr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         WARPS: gl.constexpr):
-        """Ask L2 for the tile's H rows, gate columns ch0 + [0, BLOCK_N) and up columns N + ch0 + [0, BLOCK_N): one
-        ``prefetch.global.L2`` per 128-byte line (rows past the expert's end prefetch its last row again), so that the
-        epilogue's TMA loads of H find them in L2."""
-        LINE: gl.constexpr = 1024 // h_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-        L: gl.constexpr = 2 * BLOCK_N // LINE  # lines per row, gate and up
-        lay: gl.constexpr = gl.BlockedLayout([1, 1], [32 // L, L], [WARPS, 1], [1, 0])
-        rows = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay)), row_end - 1)
-        j = gl.arange(0, L, layout=gl.SliceLayout(0, lay))
-        cols = gl.where(j < L // 2, ch0 + j * LINE, N + ch0 + (j - L // 2) * LINE)
-        ptrs = h_ptr + rows.to(gl.int64)[:, None] * stride_hr + cols[None, :]
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
     def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr, h_ptr, row_start, row_end,
-                   ch0, N, stride_hr, H_PREFETCH: gl.constexpr, WARPS: gl.constexpr):
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr):
         """A tile's dA′ = dO·W2[e] wgmma chain over ring steps ``step`` .. ``step + k_tiles - 1``: one K-block in
         flight, so once a K-block's MMA is issued the previous one is done and its slot goes back to the loader.
-        ``H_PREFETCH`` > 0: H_PREFETCH K-blocks before the end, the tile's H rows are prefetched into L2
-        (:func:`_prefetch_h_rows`). Returns the (BLOCK_M, BLOCK_N) float32 accumulator, with the last MMA possibly
-        still in flight, and the next ring step."""
+        Returns the (BLOCK_M, BLOCK_N) float32 accumulator, with the last MMA possibly still in flight, and the next
+        ring step."""
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         for ki in range(k_tiles):
-            if H_PREFETCH > 0:
-                if ki == k_tiles - H_PREFETCH:
-                    _prefetch_h_rows(h_ptr, row_start, row_end, ch0, N, stride_hr, BLOCK_M, BLOCK_N, WARPS)
             s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
             acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -352,7 +331,7 @@ if HAVE_GLUON:
                 ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                STAGE_IN_RING: gl.constexpr, h_ptr, H_PREFETCH: gl.constexpr):
+                STAGE_IN_RING: gl.constexpr):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
         of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
@@ -374,8 +353,7 @@ if HAVE_GLUON:
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
                 s_rows = gl.load(score_ptr + rows, mask=rows < row_end, other=0.0)  # its latency hides behind the MMAs
             acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
-                                   STAGES, acc_layout, h_ptr, row_start, row_end, ch0, N, stride_hr,
-                                   H_PREFETCH if PART != 1 else 0, WARPS)
+                                   STAGES, acc_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             last = (step + STAGES - 1) % STAGES  # the slot of the tile's last K-block
             if not STAGE_IN_RING or PART == 1:
@@ -406,11 +384,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
-                      table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, h_ptr, X_LAYOUT: gl.constexpr,
+                      table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr, H_PREFETCH: gl.constexpr):
+                      STAGE_IN_RING: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -427,7 +405,7 @@ if HAVE_GLUON:
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING, h_ptr, H_PREFETCH)),
+                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -480,11 +458,11 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
-            a_prime.stride(0), h)
+            a_prime.stride(0))
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
-                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), H_PREFETCH=int(cfg.get("H_PREFETCH", 0)),
+                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)
