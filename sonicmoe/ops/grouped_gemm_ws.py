@@ -79,7 +79,8 @@ BLOCK_N = 128
 BLOCK_K = 64
 MAX_K = 256  # B[e]'s (k × BLOCK_N) block stays resident: k ≤ 256 is 64 KiB
 MAX_K_DXT = 512  # the dX̃ form (B not transposed, k = 2n): 128 KiB resident, an 8-slot A ring
-MAX_STAGES = 20  # the old layout fits 16 at k = 256; staging in the ring, 20
+MAX_STAGES = 16
+MAX_STAGES_RING = 20  # with the staging in the ring (k = 256: 20 slots fit)
 # STAGE_IN_RING: each consumer stages its tile's two column halves in the ring slots of the tile's last two K-blocks
 # (their MMAs are done; a half has an A block's shape) instead of in a (BLOCK_M × BLOCK_N) buffer of its own, and
 # hands the slots back once its TMA stores have read them: the two buffers' 32 KiB become four more ring slots
@@ -384,8 +385,8 @@ def ring_fits_tile(k: int, block_n: int = BLOCK_N) -> bool:
 
 def ws_config(k: int, transpose_b: bool = True, stage_in_ring: bool | None = None) -> dict | None:
     """The kernel's config for a reduction of size k: {"BLOCK_N", "STAGES", "STAGE_IN_RING"} (the deepest A ring
-    that fits, at most MAX_STAGES), or None where k is not a multiple of BLOCK_K or exceeds MAX_K (MAX_K_DXT for
-    the dX̃ form, ``transpose_b`` False).
+    that fits, at most MAX_STAGES, or MAX_STAGES_RING with the staging in the ring), or None where k is not a
+    multiple of BLOCK_K or exceeds MAX_K (MAX_K_DXT for the dX̃ form, ``transpose_b`` False).
 
     ``stage_in_ring`` (default: ``SONICMOE_GEMM_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING): the
     consumers stage their outputs in ring slots, which frees their staging buffers for a deeper ring; honoured
@@ -396,7 +397,7 @@ def ws_config(k: int, transpose_b: bool = True, stage_in_ring: bool | None = Non
         stage_in_ring = env_switch("SONICMOE_GEMM_STAGE_IN_RING", STAGE_IN_RING)
     ring = stage_in_ring and ring_fits_tile(k)
     free = SMEM_BUDGET - ws_smem_bytes(k, 0, stage_in_ring=ring)
-    stages = min(MAX_STAGES, free // (2 * BLOCK_M * BLOCK_K))
+    stages = min(MAX_STAGES_RING if ring else MAX_STAGES, free // (2 * BLOCK_M * BLOCK_K))
     return {"BLOCK_N": BLOCK_N, "STAGES": stages, "STAGE_IN_RING": ring}
 
 
