@@ -86,6 +86,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from .grouped_gemm_ws import column_halves
     from .up_proj_ws import _tile_of, gather_loader
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -302,7 +303,7 @@ if HAVE_GLUON:
                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
                       TMA_STORE)
         else:
-            lo, hi = acc.reshape((acc.shape[0], 2, W // 2)).permute((0, 2, 1)).split()
+            lo, hi = column_halves(acc)
             _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
                        row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
                        TMA_STORE)

@@ -157,6 +157,14 @@ def tile_table_ref(expert_offsets: torch.Tensor, num_rows: int, block_m: int) ->
 if HAVE_GLUON:
 
     @gluon.jit
+    def column_halves(acc):
+        """The left and right column halves of the register tile ``acc`` (rows × 2W → two rows × W tiles), for
+        epilogues that write a tile in halves (the ring-slot staging of this kernel, :mod:`.weight_grad_ws` and
+        :mod:`.dh_ws`)."""
+        W: gl.constexpr = acc.shape[1] // 2
+        return acc.reshape((acc.shape[0], 2, W)).permute((0, 2, 1)).split()
+
+    @gluon.jit
     def _chunk(table_ptr, N, BLOCK_N: gl.constexpr):
         """This program's N-tile and its contiguous range [lo, hi) of M-tiles (the programs of one chunk read
         the same A rows at about the same time, one N-tile each)."""
@@ -295,7 +303,7 @@ if HAVE_GLUON:
         which its MMAs have finished reading: by two TMA stores for a full tile, by masked pointer stores for an
         expert's last one. The slots go back to the loader once the stores have read them."""
         W: gl.constexpr = acc.shape[1] // 2
-        left, right = acc.reshape((acc.shape[0], 2, W)).permute((0, 2, 1)).split()
+        left, right = column_halves(acc)
         buf_l = a_bufs.index(s_left)
         buf_r = a_bufs.index(s_right)
         buf_l.store(left.to(c_ptr.dtype.element_ty))

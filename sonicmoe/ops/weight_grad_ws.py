@@ -59,6 +59,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from .grouped_gemm_ws import column_halves
+
 # measured on an H200 (session 21, benchmarks/results/2026-11-25_nvidia-h200_session21/): 4 loader warps against
 # 1-2 (one warp cannot issue a 64-row chunk's copies in the time of its MMAs: 0.78-0.81 ms for the 7B dW1, 2 warps
 # 0.70), 64-row chunks in 3 slots against 32-row chunks in 6 (0.66) or stores from registers with a 4th slot (0.63)
@@ -283,7 +285,7 @@ if HAVE_GLUON:
         previous store has read it; returns once the right half's store has read ``stage`` and every thread is past
         its writes, so the slot can go back to the loader."""
         W: gl.constexpr = acc.shape[1] // 2
-        left, right = acc.reshape((acc.shape[0], 2, W)).permute((0, 2, 1)).split()
+        left, right = column_halves(acc)
         stage.store(right.to(out_desc.dtype))
         tma.store_wait(pendings=0)
         out_smem.store(left.to(out_desc.dtype))
