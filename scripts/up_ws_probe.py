@@ -1,12 +1,14 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
-usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED,...]
+usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...]
+                                     [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:RING[:PART]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``up_proj_ws`` with explicit configs, checks H and A bitwise against the Triton kernel's (autotuned, or
 pinned under SONICMOE_AUTOTUNE=0) and by relative error against the float32 per-expert reference, then times
 both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``up_proj`` picks now.
-GPU only.
+RING 1 stages the outputs in the tile's last two ring slots (``STAGE_IN_RING``); PART 1 times the MMAs alone (its
+outputs are not H and A: its check fails by design). GPU only.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
     h_ref, a_ref = h_ref[sub].float(), a_ref[sub].float()
     fns = {"triton": lambda: triton_up(x, w1, routing), "default": lambda: up.up_proj(x, w1, None, routing)}
     for cfg in configs:
-        fns[f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"] = (
-            lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg))
+        name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
+        name += " ring" * cfg["STAGE_IN_RING"] + f" part{cfg['PART']}" * (cfg["PART"] != 0)
+        fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
     for name, fn in fns.items():
@@ -63,10 +66,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED")
+    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "STAGE_IN_RING", "PART")
     configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
     for c in configs:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
+        c["STAGE_IN_RING"] = bool(c.get("STAGE_IN_RING", 0))
+        c.setdefault("PART", 0)
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 
