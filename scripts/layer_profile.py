@@ -3,13 +3,22 @@ calls it (``sonicmoe.experts(..., backend="triton")`` on a precomputed top-k rou
 per call from the torch profiler, next to do_bench's median of the whole call — so time spent outside the
 eight main kernels (small ops, gaps between launches) shows up.
 
+``--timeline``: after a settled warm-up (``--warmup`` ms of back-to-back calls, as the benchmark's), one
+forward+backward call's kernels in launch order from a Chrome trace of the profiler: stream, start and duration
+(µs from the call's first kernel), and the time the GPU had no kernel running before each one, so that what lies
+on the critical path and where the GPU idles show up.
+
 usage (GPU): PYTHONPATH=$PWD python scripts/layer_profile.py [--shape T,d,n,E,K] [--calls 20]
+             [--timeline [--warmup 1000] [--trace F.json]]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import tempfile
+import time
 
 import torch
 from triton.testing import do_bench
@@ -40,10 +49,45 @@ def profile(fn, calls: int) -> tuple[list[tuple[str, float, int]], float]:
     return rows, span
 
 
+def timeline(fn, warmup_ms: float, calls: int, trace_path: str | None) -> None:
+    """Print the kernels of the middle one of ``calls`` profiled calls, after ``warmup_ms`` of back-to-back calls."""
+    end = time.perf_counter() + warmup_ms / 1e3
+    while time.perf_counter() < end:
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    path = trace_path or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # every call launches the same kernels: split by count
+    per_call = len(kernels) // calls
+    mid = kernels[per_call * (calls // 2): per_call * (calls // 2 + 1)]
+    t0 = mid[0]["ts"]
+    busy_until = t0
+    idle_total = 0.0
+    print(f"== timeline: {per_call} kernels per call, call {calls // 2} of {calls}")
+    print(f"{'start':>8} {'dur':>7} {'idle':>6} stream  kernel")
+    for e in mid:
+        idle = max(0.0, e["ts"] - busy_until)
+        idle_total += idle
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+        print(f"{e['ts'] - t0:8.1f} {e['dur']:7.1f} {idle:6.1f} {e['args'].get('stream', '?'):>6}  {e['name'][:90]}")
+    print(f"== span {busy_until - t0:.1f} us, GPU idle inside it {idle_total:.1f} us, "
+          f"kernel time {sum(e['dur'] for e in mid):.1f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="24576,1536,256,128,8", help="T,d,n,E,K")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--timeline", action="store_true", help="one forward+backward call's kernels in order")
+    ap.add_argument("--warmup", type=float, default=1000.0, help="ms of back-to-back calls before --timeline")
+    ap.add_argument("--trace", default=None, help="where --timeline writes the Chrome trace")
     args = ap.parse_args()
     t, d, n, e, k = (int(v) for v in args.shape.split(","))
     p = make_problem(Shape("profile", t, d, n, e, k), dtype=torch.bfloat16, device="cuda")
@@ -57,6 +101,10 @@ def main() -> None:
             leaf.grad = None
         fwd().backward(p.dout)
 
+    if args.timeline:
+        fwdbwd()
+        timeline(fwdbwd, args.warmup, 5, args.trace)
+        return
     for label, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
         ms = do_bench(fn, warmup=25, rep=100)
         rows, span = profile(fn, args.calls)
