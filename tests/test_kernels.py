@@ -423,14 +423,12 @@ def test_gather_sum_into_out(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env, flags", [("SONICMOE_PDL", ("1", "0", "1")), ("SONICMOE_OVERLAP", ("2", "0", "1", "2")),
-                                        ("SONICMOE_L2_PERSIST", ("0", "1", "0", "1"))])
+@pytest.mark.parametrize("env, flags", [("SONICMOE_PDL", ("1", "0", "1")), ("SONICMOE_OVERLAP", ("2", "0", "1", "2"))])
 def test_gpu_launch_switches_same_bits(monkeypatch, env, flags):
     """Launch-level switches leave every bit alone: with programmatic dependent launch (SONICMOE_PDL, the
     default on sm_90+) every kernel waits for its predecessor before touching memory; with the dX aggregation
     on a side stream beside dW1 (SONICMOE_OVERLAP: 1 or 2 programs per multiprocessor) the streams join before
-    the gradients are returned; with the gathered operands' L2 access-policy windows (SONICMOE_L2_PERSIST) only the
-    cache policy changes. Outputs and gradients are bitwise those of the plain launches (0), with
+    the gradients are returned. Outputs and gradients are bitwise those of the plain launches (0), with
     outputs poisoned before every launch; T not a tile multiple, bias terms included."""
     from sonicmoe.ops.common import pdl_enabled
 

@@ -43,7 +43,6 @@ from .aggregation import gather_sum
 from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
-from .l2_persist import persisting
 from .up_proj import up_proj
 from .weight_grad import varlen_k_gemm
 
@@ -169,8 +168,7 @@ def experts_fwd_impl(
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
-    with persisting(x):  # SONICMOE_L2_PERSIST: a share of X's rows kept in L2 for their K gathers
-        h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
+    h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
     # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
     y = down_proj(a, w2, b2, routing)
@@ -230,8 +228,7 @@ def experts_bwd_impl(
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
-    with persisting(dout):  # SONICMOE_L2_PERSIST: a share of dO's rows kept in L2 for their gathers
-        dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
+    dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
@@ -248,9 +245,7 @@ def experts_bwd_impl(
             real = routing.pair_row < routing.expert_offsets[-1]
             dscores = torch.where(real, dscores, 0.0).to(scores_dtype)
     if need_w2:
-        with persisting(dout):
-            dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype,
-                                gluon=gluon)
+        dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
         s_col = row_scores.to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
@@ -266,8 +261,7 @@ def experts_bwd_impl(
             dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
                                       pending=pending if beside else None)
         if need_w1:
-            with persisting(x):
-                dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
