@@ -1,14 +1,13 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
 usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...]
-                                     [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:RING[:PART]],...]
+                                     [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:PART],...]
                                      [--rounds 5] [--json F]
 
 Runs ``up_proj_ws`` with explicit configs, checks H and A bitwise against the Triton kernel's (autotuned, or
 pinned under SONICMOE_AUTOTUNE=0) and by relative error against the float32 per-expert reference, then times
 both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``up_proj`` picks now.
-RING 1 stages the outputs in the tile's last two ring slots (``STAGE_IN_RING``); PART 1 times the MMAs alone (its
-outputs are not H and A: its check fails by design). GPU only.
+PART 1 times the MMAs alone (its outputs are not H and A: its check fails by design). GPU only.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
     fns = {"triton": lambda: triton_up(x, w1, routing), "default": lambda: up.up_proj(x, w1, None, routing)}
     for cfg in configs:
         name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
-        name += " ring" * cfg["STAGE_IN_RING"] + f" part{cfg['PART']}" * (cfg["PART"] != 0)
+        name += f" part{cfg['PART']}" * (cfg["PART"] != 0)
         fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
@@ -66,11 +65,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "STAGE_IN_RING", "PART")
+    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART")
     configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
     for c in configs:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
-        c["STAGE_IN_RING"] = bool(c.get("STAGE_IN_RING", 0))
         c.setdefault("PART", 0)
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 

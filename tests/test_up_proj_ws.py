@@ -136,37 +136,6 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         assert torch.equal(x, x0) and torch.equal(w1, w0)
 
 
-def test_ring_staging_needs_two_k_blocks():
-    assert up_proj_ws.up_ring_fits(128) and up_proj_ws.up_ring_fits(4096)
-    assert not up_proj_ws.up_ring_fits(64)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if up_proj_ws.up_ring_fits(c[1])], ids=lambda c: c[-1])
-def test_gpu_ring_staging_same_bits(case, monkeypatch):
-    """STAGE_IN_RING (the outputs staged in the tile's last two ring slots): the same bits as the staging buffer,
-    with and without bias and H, no NaN left by the poison fill; d = 64 (one K-block) is refused by name."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t + 1)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
-    ring = dict(up_ws_config(), STAGE_IN_RING=True)
-    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
-        h, a = run_ws(x, w1, bias, routing)
-        h_r, a_r = run_ws(x, w1, bias, routing, config=ring)
-        assert not torch.isnan(a_r).any() and not torch.isnan(h_r).any()
-        assert torch.equal(h, h_r) and torch.equal(a, a_r)
-        none, a3 = run_ws(x, w1, bias, routing, store_h=False, config=ring)
-        assert none is None and torch.equal(a, a3)
-    x64 = x[:, :64].contiguous()
-    with pytest.raises(ValueError, match="STAGE_IN_RING needs d"):
-        run_ws(x64, w1[:, :, :64].contiguous(), None, routing, config=ring)
-
-
 @pytest.mark.gpu
 def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
     """At a shape the rule selects (d = 4096), the layer's forward runs the Gluon up-projection, and its outputs and

@@ -59,8 +59,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import column_halves
-
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
 BLOCK_K = 64
@@ -84,13 +82,6 @@ def up_ws_smem_bytes(stages: int, elem: int = 2) -> int:
     """Shared memory of one program: the ring (an X block and the gate and up W1 boxes per slot) and one staging
     buffer for the TMA stores."""
     return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + BLOCK_M * BLOCK_N)
-
-
-def up_ring_fits(d: int) -> bool:
-    """Whether a tile's outputs can be staged in the ring slots of its last two K-blocks (``STAGE_IN_RING``): two or
-    more K-blocks (d ≥ 2·BLOCK_K); a slot's W box holds one (BLOCK_M, BLOCK_N) block of H and its X block one column
-    half of A's (BLOCK_N = 2·BLOCK_K)."""
-    return d // BLOCK_K >= 2 and BLOCK_N == 2 * BLOCK_K
 
 
 def up_ws_config() -> dict:
@@ -214,13 +205,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr,
-                          RING: gl.constexpr = False):
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr):
         """One tile's wgmma chain over the ring from ring step ``step`` (one K-block in flight; the slot before it goes
         back to the loader): the gate and up accumulators (BLOCK_M, BLOCK_N) float32, and the next ring step.
         ``GU_FUSED``: one (BLOCK_M, 2·BLOCK_N) product per K-block (the slot's W box holds the gate rows, then the
-        up rows), split in two afterwards; else a gate and an up product. ``RING``: the slots of the tile's last
-        two K-blocks stay with the caller (its epilogue stages the outputs there and hands them back)."""
+        up rows), split in two afterwards; else a gate and an up product."""
         if GU_FUSED:
             acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                                  instr_shape=[16, 2 * BLOCK_N, 16])
@@ -246,55 +235,11 @@ if HAVE_GLUON:
                                       is_async=True)
                 # this K-block's two MMAs in flight: the previous block's are done, its slot goes back
                 acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-                if RING:  # the tile's last two slots stay
-                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=(ki > 0) & (ki < k_tiles - 1))
-                else:
-                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
             acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        if not RING:
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
         return acc_g, acc_u, step
-
-    @gluon.jit
-    def _ring_stores(x_bufs, w_bufs, empty, hg, hu, a, h_desc, ah_desc, h_ptr, a_ptr, row_start, row_end, col0, N,
-                     stride_hr, stride_ar, s_prev, s_last, STORE_H: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
-        """STAGE_IN_RING: the tile's outputs staged in the ring slots of its last two K-blocks (``s_prev``,
-        ``s_last``; their MMAs are done): H's gate and up blocks in the two slots' W boxes (a (2·BLOCK_N, BLOCK_K)
-        box holds a (BLOCK_M, BLOCK_N) block), A's two column halves in their X blocks (a half has an X block's
-        shape, BLOCK_N = 2·BLOCK_K). A full tile leaves by four TMA stores issued together, an expert's last tile by
-        masked stores; the two slots go back to the loader once the stores have read them."""
-        dtype: gl.constexpr = a_ptr.dtype.element_ty
-        HALF: gl.constexpr = BLOCK_N // 2
-        g_buf = w_bufs.index(s_prev)._reinterpret(dtype, [BLOCK_M, BLOCK_N], h_desc.layout)
-        u_buf = w_bufs.index(s_last)._reinterpret(dtype, [BLOCK_M, BLOCK_N], h_desc.layout)
-        al_buf = x_bufs.index(s_prev)
-        ar_buf = x_bufs.index(s_last)
-        a_l, a_r = column_halves(a)
-        if row_end - row_start >= BLOCK_M:
-            if STORE_H:
-                g_buf.store(hg)
-                u_buf.store(hu)
-            al_buf.store(a_l)
-            ar_buf.store(a_r)
-            fence_async_shared()
-            gl.thread_barrier()
-            if STORE_H:
-                tma.async_copy_shared_to_global(h_desc, [row_start, col0], g_buf)
-                tma.async_copy_shared_to_global(h_desc, [row_start, N + col0], u_buf)
-            tma.async_copy_shared_to_global(ah_desc, [row_start, col0], al_buf)
-            tma.async_copy_shared_to_global(ah_desc, [row_start, col0 + HALF], ar_buf)
-            tma.store_wait(pendings=0)
-        else:
-            if STORE_H:
-                _store_rows(g_buf, hg, h_ptr, row_start, row_end, col0, stride_hr, BLOCK_M, BLOCK_N, WARPS)
-                _store_rows(u_buf, hu, h_ptr, row_start, row_end, N + col0, stride_hr, BLOCK_M, BLOCK_N, WARPS)
-            _store_rows(al_buf, a_l, a_ptr, row_start, row_end, col0, stride_ar, BLOCK_M, HALF, WARPS)
-            _store_rows(ar_buf, a_r, a_ptr, row_start, row_end, col0 + HALF, stride_ar, BLOCK_M, HALF, WARPS)
-        gl.thread_barrier()  # every thread is past its reads and writes of the two slots
-        mbarrier.arrive(empty.index(s_prev))
-        mbarrier.arrive(empty.index(s_last))
 
     @gluon.jit
     def _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end, col0, N, stride_hr,
@@ -324,14 +269,13 @@ if HAVE_GLUON:
             _store_rows(c_smem, a, a_ptr, row_start, row_end, col0, stride_ar, BLOCK_M, BLOCK_N, WARPS)
 
     @gluon.jit
-    def _up_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, ah_desc, h_ptr, a_ptr, b1_ptr,
+    def _up_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr, b1_ptr,
                 table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                WARPS: gl.constexpr, GU_FUSED: gl.constexpr, STAGE_IN_RING: gl.constexpr, PART: gl.constexpr):
+                WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr):
         """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
-        SwiGLU epilogue and the stores (through ``c_smem``: :func:`_buffer_stores`, or under STAGE_IN_RING through
-        the tile's last two ring slots: :func:`_ring_stores`). ``PART`` 1 (timing only): the MMAs alone, the row sums
-        of the gate and up products stored in A's column ``pid_n`` (H unwritten)."""
+        SwiGLU epilogue and the stores (:func:`_buffer_stores`). ``PART`` 1 (timing only): the MMAs alone, the row
+        sums of the gate and up products stored in A's column ``pid_n`` (H unwritten)."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
@@ -339,7 +283,7 @@ if HAVE_GLUON:
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             acc_g, acc_u, step = _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M,
-                                                   BLOCK_N, STAGES, WARPS, GU_FUSED, STAGE_IN_RING and PART != 1)
+                                                   BLOCK_N, STAGES, WARPS, GU_FUSED)
             if PART == 1:
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_g.type.layout))
                 gl.store(a_ptr + rows.to(gl.int64) * stride_ar + pid_n, gl.sum(acc_g + acc_u, axis=1).to(dtype),
@@ -354,34 +298,25 @@ if HAVE_GLUON:
                 hu = acc_u.to(dtype)
                 g = hg.to(gl.float32)
                 a = (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(dtype)
-                if STAGE_IN_RING:
-                    _ring_stores(x_bufs, w_bufs, empty, hg, hu, a, h_desc, ah_desc, h_ptr, a_ptr, row_start, row_end,
-                                 pid_n * BLOCK_N, N, stride_hr, stride_ar, (step + STAGES - 2) % STAGES,
-                                 (step + STAGES - 1) % STAGES, STORE_H, BLOCK_M, BLOCK_N, WARPS)
-                else:
-                    _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
+                _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
                                    pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _up_ws_kernel(x_ptr, w_desc, h_desc, a_desc, ah_desc, h_ptr, a_ptr, b1_ptr, row_token_ptr, table_ptr,
-                      num_pid_n, N, D, stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    def _up_ws_kernel(x_ptr, w_desc, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, row_token_ptr, table_ptr, num_pid_n, N, D,
+                      stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, STAGE_IN_RING: gl.constexpr,
-                      PART: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-        if STAGE_IN_RING:
-            c_smem = x_bufs  # not read: the outputs are staged in ring slots
-        else:
-            c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
         gl.warp_specialize([
-            (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, ah_desc, h_ptr, a_ptr,
+            (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
                        b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
-                       BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, STAGE_IN_RING, PART)),
+                       BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART)),
             (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                              empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                              True)),
@@ -409,9 +344,8 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         x: (T, d) bf16/fp16, contiguous. w1: (E, 2n, d) in the concat layout (gate rows [0, n), up rows [n, 2n)).
         b1: (E, 2n) or None. routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
-            "MAXNREG", "GU_FUSED", "STAGE_IN_RING" (the outputs staged in the tile's last two ring slots instead of
-            a buffer of their own; needs :func:`up_ring_fits`), and, to time a part alone, "PART": 1 the MMAs only
-            (H unwritten, A holds row sums) (default :func:`up_ws_config`).
+            "MAXNREG", "GU_FUSED", and, to time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row
+            sums) (default :func:`up_ws_config`).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     """
@@ -426,19 +360,15 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     _CALLS[(d, n, e, str(x.dtype).removeprefix("torch."), store_h)] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     num_pid_n = n // BLOCK_N
-    ring = bool(cfg.get("STAGE_IN_RING", False))
-    if ring and not up_ring_fits(d):
-        raise ValueError(f"config: STAGE_IN_RING needs d >= {2 * BLOCK_K} (two K-blocks per tile), got d={d}")
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
     launch_kernel(
         _up_ws_kernel, (sm_count(x.device),),
         x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]),
-        _descriptor(h, [BLOCK_M, BLOCK_N]) if store_h else a_desc, a_desc,
-        _descriptor(a, [BLOCK_M, BLOCK_N // 2]) if ring else a_desc, h, a,
+        _descriptor(h, [BLOCK_M, BLOCK_N]) if store_h else a_desc, a_desc, h, a,
         b1.contiguous() if b1 is not None else a, routing.row_token, table, num_pid_n, n, d, x.stride(0),
         h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), STAGE_IN_RING=ring, PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
+        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG))
     return (h if store_h else None), a
