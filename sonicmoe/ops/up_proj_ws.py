@@ -25,12 +25,14 @@ added in order, so H has the Triton kernel's bits where both use 64-wide K-block
 
 Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
 of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it measured faster
-(:func:`up_ws_preferred`: d = 4096 so far); every other case runs the Triton kernel. A likely reason it is not
-faster everywhere (an estimate, not measured here): with 128 × 256 tiles the SMs read about 0.012 bytes of operands
-from L2 per FLOP (85 FLOP per byte), about 6 TB/s at 500 TFLOP/s, which is near the L2 bandwidth usually quoted for
-H100. Warp specialisation removes the gather stalls but not that bound; a 2-CTA cluster that shares W1 boxes by TMA
-multicast would lower it, but Gluon's Hopper TMA copy in Triton 3.6 takes no multicast argument, and two warpgroups of
-64 × 256 float32 accumulators are already all the registers a wider tile could use. Gluon kernels do not run
+(:func:`up_ws_preferred`: d = 4096 so far); every other case runs the Triton kernel. Where its time goes (session 43,
+an H200, benchmarks/results/2026-11-27_nvidia-h200_session43/, ``PART`` 1): the MMAs alone take 86% of the kernel at 7B
+(0.536 against 0.622 ms) and 95% at (32768, 4096, 1024, 128, 8), so the main loop, not the epilogue, sets the pace: at
+about 580 TFLOP/s with 128 × 256 tiles it reads about 6.7 TB/s of operands from L2 (85 FLOP per byte). A 2-CTA cluster
+that shares W1 boxes by TMA multicast would lower that, but Gluon's Hopper TMA copy in Triton 3.6 takes no multicast
+argument, and two warpgroups of 64 × 256 float32 accumulators are already all the registers a wider tile could use.
+Staging the outputs in the tile's last two ring slots (four TMA stores issued together instead of three through one
+buffer) was slower at both shapes and was dropped (the patch is in that folder). Gluon kernels do not run
 under Triton's interpreter: the kernel is tested on the GPU against the Triton kernel and the float32 reference
 (tests/test_up_proj_ws.py).
 """
