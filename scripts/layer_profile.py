@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import tempfile
 import time
 
@@ -28,14 +29,20 @@ from sonicmoe.bench.problem import make_problem
 from sonicmoe.bench.shapes import Shape
 
 
-def profile(fn, calls: int) -> tuple[list[tuple[str, float, int]], float]:
-    """(kernel name, mean µs per call, launches per call) by total time, and the span of one call in µs."""
-    fn()
-    torch.cuda.synchronize()
+def _profiled(fn, calls: int) -> torch.profiler.profile:
+    """The profiler (CUDA activity) after ``calls`` back-to-back calls of ``fn``, the GPU drained at the end."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def profile(fn, calls: int) -> tuple[list[tuple[str, float, int]], float]:
+    """(kernel name, mean µs per call, launches per call) by total time, and the span of one call in µs."""
+    fn()
+    torch.cuda.synchronize()
+    prof = _profiled(fn, calls)
     total, count = collections.Counter(), collections.Counter()
     starts, ends = [], []
     for ev in prof.events():
@@ -55,14 +62,12 @@ def timeline(fn, warmup_ms: float, calls: int, trace_path: str | None) -> None:
     while time.perf_counter() < end:
         fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    path = trace_path or tempfile.mktemp(suffix=".json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    prof = _profiled(fn, calls)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace_path or os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     # every call launches the same kernels: split by count
     per_call = len(kernels) // calls
