@@ -137,6 +137,24 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_part_mmas_alone():
+    """PART 1 (timing only) runs the MMAs alone: A's column j holds, for every row, the sum of the gate and up
+    products over N-tile j's channels (H unwritten), within float32 rounding of the reference."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    t, d, n, e, k = 1000, 384, 256, 16, 4
+    routing = random_topk_routing(t, e, k, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    _, a = run_ws(x, w1, None, routing, config=dict(up_ws_config(), PART=1))
+    h_ref, _ = up_proj.up_proj_ref(x.float(), w1.float(), None, routing)
+    nt = n // up_proj_ws.BLOCK_N
+    sums = (h_ref[:, :n] + h_ref[:, n:]).reshape(-1, nt, up_proj_ws.BLOCK_N).sum(-1)
+    assert rel_err(a[:, :nt], sums) < 1e-2
+
+
+@pytest.mark.gpu
 def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
     """At a shape the rule selects (d = 4096), the layer's forward runs the Gluon up-projection, and its outputs and
     gradients stay within rounding of those with SONICMOE_GLUON_UP=0."""
