@@ -16,6 +16,7 @@
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
 #          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
+#          (UPWS_AB_VALUES, default 1,0; UPWS_AB_ARGS more ws_ab.py options, e.g. --warmup 1000)
 #   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...),
 #          GPU tests, layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
@@ -216,8 +217,9 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
           > "$OUT/gpu_tests_upws.log" 2>&1
       ab=()
       for sh in ${UPWS_AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
-      [ "${UPWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env SONICMOE_GLUON_UP --values 1,0 \
-        --rounds ${UPWS_AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab_up.json" > "$OUT/ab_up.txt" 2>&1
+      [ "${UPWS_AB:-1}" = 1 ] && timeout ${UPWS_AB_LIMIT_S:-300} python3 scripts/ws_ab.py --env SONICMOE_GLUON_UP \
+        --values ${UPWS_AB_VALUES:-1,0} --rounds ${UPWS_AB_ROUNDS:-7} ${UPWS_AB_ARGS:-} "${ab[@]}" \
+        --json "$OUT/ab_up.json" > "$OUT/ab_up.txt" 2>&1
       SUMMARY+=("$(grep -svE 'check' "$OUT/up_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/up_ws_probe.txt" | cut -c1-220)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_upws.log")" "$(tail -1 "$OUT/gpu_tests_upws.log" 2>/dev/null)"
                 "$(grep -E 'SONICMOE_GLUON_UP=' "$OUT/ab_up.txt" 2>/dev/null)")

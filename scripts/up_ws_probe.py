@@ -1,13 +1,15 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
 usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...]
-                                     [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:PART],...]
+                                     [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:PART[:EPI_WARPS[:EPI_CHUNK]]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``up_proj_ws`` with explicit configs, checks H and A bitwise against the Triton kernel's (autotuned, or
 pinned under SONICMOE_AUTOTUNE=0) and by relative error against the float32 per-expert reference, then times
 both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``up_proj`` picks now.
-PART 1 times the MMAs alone (its outputs are not H and A: its check fails by design). GPU only.
+PART 1 times the MMAs alone (its outputs are not H and A: its check fails by design). EPI_WARPS 4 moves the
+epilogue to a storer partition (with MAXNREG 128: the partitions set their own counts), EPI_CHUNK rows of A at a
+time. GPU only.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
     for cfg in configs:
         name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
         name += f" part{cfg['PART']}" * (cfg["PART"] != 0)
+        name += f" epi{cfg['EPI_WARPS']}/{cfg.get('EPI_CHUNK', uw.EPI_CHUNK)}" * (cfg.get("EPI_WARPS", 0) != 0)
         fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
@@ -55,7 +58,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
                         "deterministic": bool(torch.equal(h, h2) and torch.equal(a, a2)),
                         "a_max_diff_vs_triton": (a.float() - ab.float()).abs().max().item()}
         print(f"{shape} {name:<28} check {checks[name]}", flush=True)
-    return timing_rows(shape, fns, checks, flops, rounds, width=28)
+    return timing_rows(shape, fns, checks, flops, rounds, width=40)
 
 
 def main() -> None:
@@ -65,11 +68,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART")
+    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART", "EPI_WARPS", "EPI_CHUNK")
     configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
     for c in configs:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
         c.setdefault("PART", 0)
+        c.setdefault("EPI_WARPS", 0)
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 

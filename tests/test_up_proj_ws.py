@@ -24,6 +24,15 @@ def test_config_fits_shared_memory():
     assert up_ws_smem_bytes(cfg["STAGES"] + 1) > up_proj_ws.SMEM_BUDGET or cfg["STAGES"] == up_proj_ws.MAX_STAGES
     # registers at launch: every warp of the program gets MAXNREG
     assert (up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS) * 32 * up_proj_ws.MAXNREG <= 65536
+    # with a storer partition: a ring slot fewer (the gate and up blocks staged), 128 registers per thread at launch
+    # and the partitions' own counts within the register file
+    epi = up_ws_config(epi_warps=4)
+    assert epi["EPI_WARPS"] == 4 and 2 <= epi["STAGES"] <= cfg["STAGES"]
+    assert up_ws_smem_bytes(epi["STAGES"], epi=True) <= up_proj_ws.SMEM_BUDGET < up_ws_smem_bytes(epi["STAGES"] + 1,
+                                                                                                  epi=True)
+    warps = up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS + 4
+    assert warps * 32 * 128 <= 65536
+    assert 32 * (4 * up_proj_ws.LOADER_REGS + 4 * up_proj_ws.EPI_REGS + up_proj_ws.MMA_WARPS * 168) <= 65536
 
 
 def test_preferred_where_measured_faster(monkeypatch):
@@ -134,6 +143,32 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         monkeypatch.delenv("SONICMOE_GLUON_UP")
         assert rel_err(h, h_tri) < 2e-3 and rel_err(a, a_tri) < 5e-3
         assert torch.equal(x, x0) and torch.equal(w1, w0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
+def test_gpu_storer_partition_same_bits(case, chunk, monkeypatch):
+    """With the epilogue in a storer partition (EPI_WARPS 4, a ring slot fewer): H and A within rounding of the
+    float32 loop, no NaN left by the poison fill, and the same bits as the MMA warps' own epilogue (EPI_WARPS 0),
+    with and without bias and H."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    routing = random_topk_routing(t, e, k, seed=t + 1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    epi = dict(up_ws_config(epi_warps=4), EPI_CHUNK=chunk)
+    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
+        h, a = run_ws(x, w1, bias, routing, config=epi)
+        h_ref, a_ref = up_proj.up_proj_ref(x, w1, bias, routing)
+        assert rel_err(h, h_ref) < 5e-3 and rel_err(a, a_ref) < 1e-2
+        h0, a0 = run_ws(x, w1, bias, routing, config=up_ws_config(epi_warps=0))
+        assert torch.equal(h, h0) and torch.equal(a, a0)
+        none, a1 = run_ws(x, w1, bias, routing, store_h=False, config=epi)
+        assert none is None and torch.equal(a1, a0)
 
 
 @pytest.mark.gpu

@@ -78,18 +78,33 @@ MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_w
 # 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
 GU_FUSED = False
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
+# EPI_WARPS: warps of a storer partition that takes each tile's epilogue off the MMA warps (0: the MMA warps run it).
+# The MMA warps then only round the gate and up blocks and stage them (64 KiB: a ring slot fewer); the storer stores
+# H by TMA and computes and stores A, while the MMA warps run the next tile. With 16 warps the kernel is compiled for
+# 128 registers per thread and the partitions' setmaxnreg moves them: loader LOADER_REGS, storer EPI_REGS, MMA warps
+# the rest.
+EPI_WARPS = 0
+EPI_REGS = 80
+EPI_CHUNK = 16  # rows of A per step of the storer
 
 
-def up_ws_smem_bytes(stages: int, elem: int = 2) -> int:
-    """Shared memory of one program: the ring (an X block and the gate and up W1 boxes per slot) and one staging
-    buffer for the TMA stores."""
-    return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + BLOCK_M * BLOCK_N)
+def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
+    """Shared memory of one program: the ring (an X block and the gate and up W1 boxes per slot) and the staging
+    buffer for the stores (one block; the gate and up blocks with a storer partition, ``epi``)."""
+    return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + (2 if epi else 1) * BLOCK_M * BLOCK_N)
 
 
-def up_ws_config() -> dict:
-    """{"STAGES": the deepest ring that fits shared memory beside the staging buffer (at most MAX_STAGES)}."""
+def up_ws_config(epi_warps: int | None = None) -> dict:
+    """{"STAGES": the deepest ring that fits shared memory beside the staging buffers (at most MAX_STAGES),
+    "EPI_WARPS": the storer partition's warps: ``epi_warps``, else ``SONICMOE_UP_EPI`` (0 or 4, read at each call;
+    for A/Bs), else :data:`EPI_WARPS`}."""
+    if epi_warps is None:
+        env = os.environ.get("SONICMOE_UP_EPI", "")
+        epi_warps = int(env) if env in ("0", "4") else EPI_WARPS
+    epi = epi_warps > 0
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
-    return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0)) // per_stage)}
+    return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
+            "EPI_WARPS": epi_warps}
 
 
 def up_ws_enabled() -> bool:
@@ -271,17 +286,20 @@ if HAVE_GLUON:
             _store_rows(c_smem, a, a_ptr, row_start, row_end, col0, stride_ar, BLOCK_M, BLOCK_N, WARPS)
 
     @gluon.jit
-    def _up_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr, b1_ptr,
-                table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr):
+    def _up_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_smem, h_full, h_empty, h_desc, a_desc, h_ptr,
+                a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr,
+                STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr,
+                EPI: gl.constexpr):
         """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
-        SwiGLU epilogue and the stores (:func:`_buffer_stores`). ``PART`` 1 (timing only): the MMAs alone, the row
-        sums of the gate and up products stored in A's column ``pid_n`` (H unwritten)."""
+        SwiGLU epilogue and the stores (:func:`_buffer_stores`); with ``EPI`` (a storer partition), the rounded gate
+        and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone,
+        the row sums of the gate and up products stored in A's column ``pid_n`` (H unwritten)."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
         step = 0
+        i = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             acc_g, acc_u, step = _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M,
@@ -298,31 +316,106 @@ if HAVE_GLUON:
                     acc_u = acc_u + gl.load(b_base + N + cols).to(gl.float32)[None, :]
                 hg = acc_g.to(dtype)
                 hu = acc_u.to(dtype)
+                if EPI:
+                    mbarrier.wait(h_empty.index(0), (i & 1) ^ 1)  # the storer is done with the previous tile
+                    h_smem.index(0).store(hg)
+                    h_smem.index(1).store(hu)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(h_full.index(0))
+                else:
+                    g = hg.to(gl.float32)
+                    a = (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(dtype)
+                    _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
+                                   pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
+            i += 1
+        if not EPI:
+            tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _up_storer(h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr, stride_ar,
+                   STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
+                   CHUNK: gl.constexpr):
+        """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up
+        blocks in ``h_smem``, their TMA stores (a full tile) or masked 16-byte stores (an expert's last tile), and A
+        = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the staging set goes
+        back to the MMA warps once the TMA stores have read it. The MMA warps meanwhile run the next tile."""
+        dtype: gl.constexpr = a_ptr.dtype.element_ty
+        TPN: gl.constexpr = BLOCK_N // 8
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
+        offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld))
+        offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ld))
+        g_buf = h_smem.index(0)
+        u_buf = h_smem.index(1)
+        total = gl.load(table_ptr) * num_pid_n
+        i = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
+            col0 = pid_n * BLOCK_N
+            full = row_end - row_start >= BLOCK_M
+            mbarrier.wait(h_full.index(0), i & 1)
+            if STORE_H:
+                if full:
+                    tma.async_copy_shared_to_global(h_desc, [row_start, col0], g_buf)
+                    tma.async_copy_shared_to_global(h_desc, [row_start, N + col0], u_buf)
+            for r0 in gl.static_range(0, BLOCK_M, CHUNK):
+                hg = g_buf.slice(r0, CHUNK).load(ld)
+                hu = u_buf.slice(r0, CHUNK).load(ld)
+                rows = (row_start + r0 + offs_r).to(gl.int64)
+                ok = ((row_start + r0 + offs_r) < row_end)[:, None] & (offs_c >= 0)[None, :]
+                cols = col0 + offs_c
+                if STORE_H:
+                    if not full:
+                        h_rows = h_ptr + rows[:, None] * stride_hr + cols[None, :]
+                        gl.store(h_rows, hg, mask=ok)
+                        gl.store(h_rows + N, hu, mask=ok)
                 g = hg.to(gl.float32)
                 a = (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(dtype)
-                _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end, pid_n * BLOCK_N,
-                               N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
-        tma.store_wait(pendings=0)
+                gl.store(a_ptr + rows[:, None] * stride_ar + cols[None, :], a, mask=ok)
+            tma.store_wait(pendings=0)  # the TMA stores have read the staging set
+            gl.thread_barrier()  # and every storer thread is done with it
+            mbarrier.arrive(h_empty.index(0))
+            i += 1
 
     @gluon.jit
     def _up_ws_kernel(x_ptr, w_desc, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, row_token_ptr, table_ptr, num_pid_n, N, D,
                       stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
-                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr):
+                      LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
+                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        gl.warp_specialize([
-            (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_desc, a_desc, h_ptr, a_ptr,
-                       b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N,
-                       BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART)),
-            (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
-                             empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
-                             True)),
-        ], [LOADER_WARPS], [LOADER_REGS])
+        if EPI_WARPS > 0:  # a storer partition: H's gate and up blocks handed over through one staging set
+            h_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], a_desc.layout)
+            h_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            h_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(h_full.index(0), count=1)
+            mbarrier.init(h_empty.index(0), count=1)
+            gl.warp_specialize([
+                (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_smem.index(0), h_smem, h_full, h_empty,
+                           h_desc, a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar,
+                           HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True)),
+                (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
+                                 empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
+                                 True)),
+                (_up_storer, (h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr,
+                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK)),
+            ], [LOADER_WARPS, EPI_WARPS], [LOADER_REGS, EPI_REGS])
+            mbarrier.invalidate(h_full.index(0))
+            mbarrier.invalidate(h_empty.index(0))
+        else:
+            c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], a_desc.layout)
+            gl.warp_specialize([
+                (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, c_smem, empty, empty, h_desc, a_desc,
+                           h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False)),
+                (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
+                                 empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
+                                 True)),
+            ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
 
@@ -355,6 +448,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     n = two_n // 2
     r = routing.num_rows
     cfg = config or up_ws_config()
+    epi_warps = cfg.get("EPI_WARPS", 0) if cfg.get("PART", 0) == 0 else 0
     a = new_output((r, n), device=x.device, dtype=x.dtype)
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     if r == 0:
@@ -371,6 +465,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), num_warps=MMA_WARPS,
-        maxnreg=cfg.get("MAXNREG", MAXNREG))
+        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
+        EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK), num_warps=MMA_WARPS,
+        maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
