@@ -17,8 +17,10 @@ from sonicmoe.routing import routing_from_topk
 from sonicmoe.testing import random_topk_routing, rel_err
 
 
-def test_config_fits_shared_memory():
-    cfg = up_ws_config()
+def test_config_fits_shared_memory(monkeypatch):
+    monkeypatch.delenv("SONICMOE_UP_EPI", raising=False)
+    cfg = up_ws_config(4096)  # above EPI_MAX_D: no storer partition
+    assert cfg["EPI_WARPS"] == 0
     assert 2 <= cfg["STAGES"] <= up_proj_ws.MAX_STAGES
     assert up_ws_smem_bytes(cfg["STAGES"]) <= up_proj_ws.SMEM_BUDGET
     assert up_ws_smem_bytes(cfg["STAGES"] + 1) > up_proj_ws.SMEM_BUDGET or cfg["STAGES"] == up_proj_ws.MAX_STAGES
@@ -26,8 +28,13 @@ def test_config_fits_shared_memory():
     assert (up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS) * 32 * up_proj_ws.MAXNREG <= 65536
     # with a storer partition: a ring slot fewer (the gate and up blocks staged), 128 registers per thread at launch
     # and the partitions' own counts within the register file
-    epi = up_ws_config(epi_warps=4)
+    epi = up_ws_config(1536)  # the 7B width: the storer partition by default
+    assert epi == up_ws_config(epi_warps=4) == up_ws_config(up_proj_ws.EPI_MAX_D)
     assert epi["EPI_WARPS"] == 4 and 2 <= epi["STAGES"] <= cfg["STAGES"]
+    monkeypatch.setenv("SONICMOE_UP_EPI", "0")
+    assert up_ws_config(1536) == up_ws_config(4096)
+    monkeypatch.setenv("SONICMOE_UP_EPI", "4")
+    assert up_ws_config(4096) == epi
     assert up_ws_smem_bytes(epi["STAGES"], epi=True) <= up_proj_ws.SMEM_BUDGET < up_ws_smem_bytes(epi["STAGES"] + 1,
                                                                                                   epi=True)
     warps = up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS + 4
@@ -36,13 +43,14 @@ def test_config_fits_shared_memory():
 
 
 def test_preferred_where_measured_faster(monkeypatch):
-    """d = 4096 (MIN_D = MAX_D), where it measured faster; not the DeepSeek-V3 width or d ≤ 1536; every width under
-    SONICMOE_GLUON_UP=all."""
+    """d = 4096 (MIN_D = MAX_D) and, with the storer partition, d ≤ 2048, where it measured faster; not the
+    DeepSeek-V3 width or the unmeasured widths between; every width under SONICMOE_GLUON_UP=all."""
     monkeypatch.delenv("SONICMOE_GLUON_UP", raising=False)
     assert up_proj_ws.up_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8), (16384, 4096, 1024, 256, 4)
     assert not up_proj_ws.up_ws_preferred(7168)  # DeepSeek-V3
-    assert not up_proj_ws.up_ws_preferred(1536)  # 7B, (16384, 1536, 256, 512, 8)
-    assert not up_proj_ws.up_ws_preferred(768)
+    assert up_proj_ws.up_ws_preferred(1536)  # 7B, (16384, 1536, 256, 512, 8)
+    assert up_proj_ws.up_ws_preferred(768) and up_proj_ws.up_ws_preferred(2048)  # 1.4B, OLMoE
+    assert not up_proj_ws.up_ws_preferred(2880) and not up_proj_ws.up_ws_preferred(3072)
     monkeypatch.setenv("SONICMOE_GLUON_UP", "all")
     assert all(up_proj_ws.up_ws_preferred(d) for d in (768, 1536, 2048, 4096, 7168))
     assert up_proj_ws.up_ws_enabled() == grouped_gemm_ws.ws_enabled()
@@ -66,7 +74,7 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         assert not up_ws_supported(x, torch.zeros(e, 2 * 192, d, dtype=torch.bfloat16, device="cuda"), None,
                                    "concat")  # n = 192
         assert not up_ws_supported(x[:, :480].contiguous(), w1[:, :, :480].contiguous(), None, "concat")  # d = 480
-        assert not up_proj_ws.up_ws_preferred(x.shape[1])  # d = 512: never preferred in the layer
+        assert up_proj_ws.up_ws_preferred(x.shape[1])  # d = 512 ≤ EPI_MAX_D
         monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
         assert not up_ws_supported(x, w1, None, "concat")
         monkeypatch.setenv("SONICMOE_GLUON_UP", "1")

@@ -14,10 +14,14 @@ program splits its warps by role:
   into a ring of ``STAGES`` slots. A slot has a ``tma_ready`` mbarrier (the TMA bytes), a ``cp_ready`` one (each
   loader thread arrives once its copies have landed) and an ``empty`` one (the MMAs that read it are done);
 * the **MMA warps** (two warpgroups, BLOCK_M = 128 rows) run two asynchronous wgmma chains per tile, gate and up
-  (one K-block in flight), then the epilogue in registers: bias, rounding to H's dtype, SwiGLU from the rounded
-  values (the dH kernel recomputes A the same way), and the stores. A full tile's H gate block, H up block and A
-  block leave by TMA stores through one staging buffer (each store drains while the next is computed; the loader
-  meanwhile fills the ring with the next tile's blocks); an expert's last, partial tile by masked stores.
+  (one K-block in flight), add the bias and round to H's dtype;
+* with a **storer** (four warps; ``EPI_WARPS``, the default where d ≤ ``EPI_MAX_D``) the MMA warps stage the rounded
+  gate and up blocks in shared memory (one 64 KiB set, handed over by a pair of mbarriers) and go on with the next
+  tile; the storer stores H's two blocks by TMA (a full tile) or masked 16-byte stores (an expert's last, partial
+  tile), computes A = SwiGLU from the staged values (the dH kernel recomputes A the same way) and stores it by
+  16-byte stores, then hands the set back once the TMA stores have read it. Without a storer the MMA warps run that
+  epilogue themselves in registers, the stores of H's gate block, H's up block and A going through one staging
+  buffer, each drained before the next is written, while the tensor cores idle.
 
 Tiles are (M-tile, N-tile) pairs, N fastest, M-tiles numbered expert after expert from the table of
 :func:`sonicmoe.ops.grouped_gemm_ws.tile_table` (no host sync); program p takes tiles p, p + P, .... K-blocks are
@@ -25,7 +29,8 @@ added in order, so H has the Triton kernel's bits where both use 64-wide K-block
 
 Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
 of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it measured faster
-(:func:`up_ws_preferred`: d = 4096 so far); every other case runs the Triton kernel. Where its time goes (session 43,
+(:func:`up_ws_preferred`: d ≤ 2048 with the storer, d = 4096 without); every other case runs the Triton kernel.
+Where its time goes without the storer (session 43,
 an H200, benchmarks/results/2026-11-27_nvidia-h200_session43/, ``PART`` 1): the MMAs alone take 86% of the kernel at 7B
 (0.536 against 0.622 ms) and 95% at (32768, 4096, 1024, 128, 8), so the main loop, not the epilogue, sets the pace: at
 about 580 TFLOP/s with 128 × 256 tiles it reads about 6.7 TB/s of operands from L2 (85 FLOP per byte). A 2-CTA cluster
@@ -72,7 +77,8 @@ MMA_WARPS = 8
 # moved into _buffer_stores; the offline report, benchmarks/resource_report.py --kernels up_ws)
 MAXNREG = 168
 MAX_STAGES = 6
-MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_ws_preferred)
+MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_ws_preferred), and for d <= EPI_MAX_D
+EPI_MAX_D = 2048  # with the storer partition (EPI_WARPS 4) for d <= EPI_MAX_D (up_ws_config, up_ws_preferred)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
 # 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
@@ -82,8 +88,12 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # The MMA warps then only round the gate and up blocks and stage them (64 KiB: a ring slot fewer); the storer stores
 # H by TMA and computes and stores A, while the MMA warps run the next tile. With 16 warps the kernel is compiled for
 # 128 registers per thread and the partitions' setmaxnreg moves them: loader LOADER_REGS, storer EPI_REGS, MMA warps
-# the rest.
-EPI_WARPS = 0
+# the rest (176). The default for d <= EPI_MAX_D (up_ws_config); session 44 (an H200,
+# benchmarks/results/2026-11-27_nvidia-h200_session44/), settled layer A/Bs against the Triton kernel, 7 rounds, ms:
+# 7B forward 1.075 against 1.092 (fwd+bwd 3.262 against 3.269), (16384, 1536, 256, 512, 8) 0.964 against 1.004
+# (2.945 against 2.993), (40960, 768, 256, 128, 8) 0.919 against 0.948 (2.856 against 2.911), OLMoE
+# (32768, 2048, 1024, 64, 8) 5.978 against 6.052 (18.32 against 18.48). Same bits as EPI_WARPS 0 (GPU tests).
+EPI_WARPS = 4
 EPI_REGS = 80
 EPI_CHUNK = 16  # rows of A per step of the storer
 
@@ -94,13 +104,13 @@ def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
     return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + (2 if epi else 1) * BLOCK_M * BLOCK_N)
 
 
-def up_ws_config(epi_warps: int | None = None) -> dict:
+def up_ws_config(d: int = 0, epi_warps: int | None = None) -> dict:
     """{"STAGES": the deepest ring that fits shared memory beside the staging buffers (at most MAX_STAGES),
     "EPI_WARPS": the storer partition's warps: ``epi_warps``, else ``SONICMOE_UP_EPI`` (0 or 4, read at each call;
-    for A/Bs), else :data:`EPI_WARPS`}."""
+    for A/Bs), else :data:`EPI_WARPS` where the reduction width d ≤ :data:`EPI_MAX_D` and 0 above}."""
     if epi_warps is None:
         env = os.environ.get("SONICMOE_UP_EPI", "")
-        epi_warps = int(env) if env in ("0", "4") else EPI_WARPS
+        epi_warps = int(env) if env in ("0", "4") else (EPI_WARPS if d <= EPI_MAX_D else 0)
     epi = epi_warps > 0
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
@@ -115,9 +125,9 @@ def up_ws_enabled() -> bool:
 
 
 def up_ws_preferred(d: int) -> bool:
-    """Where the Gluon kernel measured faster in the layer: MIN_D ≤ d ≤ MAX_D (d: the reduction width, a host
-    value). Measured on H100s (session 24,
-    benchmarks/results/2026-11-25_nvidia-h100_session24/):
+    """Where the Gluon kernel measured faster in the layer: d ≤ :data:`EPI_MAX_D` (with the storer partition, since
+    session 44: see :data:`EPI_WARPS`) and MIN_D ≤ d ≤ MAX_D (d: the reduction width, a host value). Without the
+    storer partition, measured on H100s (session 24, benchmarks/results/2026-11-25_nvidia-h100_session24/):
 
     * d = 4096, faster: kernel alone (two-chain form, medians of 5 alternating rounds) (32768, 4096, 1024, 128, 8)
       7.59-7.77 ms against 8.01-8.05 for the Triton kernel, (16384, 4096, 1024, 256, 4) 2.42 against 2.74; the
@@ -128,9 +138,9 @@ def up_ws_preferred(d: int) -> bool:
       512, 8) 0.590 against 0.574, (40960, 768, 256, 128, 8) 0.611 against 0.602 (with a short reduction the
       epilogue, which this kernel does not overlap with the next tile's MMAs, is a larger share of a tile).
 
-    Widths in between are not measured; the bounds move as they are. ``SONICMOE_GLUON_UP=all`` runs it at every
-    width (for layer A/Bs; read at each call)."""
-    return MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all"
+    Widths between EPI_MAX_D and MIN_D are not measured; the bounds move as they are. ``SONICMOE_GLUON_UP=all`` runs
+    it at every width (for layer A/Bs; read at each call)."""
+    return d <= EPI_MAX_D or MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all"
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
@@ -447,7 +457,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     e, two_n, d = w1.shape
     n = two_n // 2
     r = routing.num_rows
-    cfg = config or up_ws_config()
+    cfg = config or up_ws_config(d)
     epi_warps = cfg.get("EPI_WARPS", 0) if cfg.get("PART", 0) == 0 else 0
     a = new_output((r, n), device=x.device, dtype=x.dtype)
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
