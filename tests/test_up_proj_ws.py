@@ -42,15 +42,20 @@ def test_config_fits_shared_memory(monkeypatch):
     assert 32 * (4 * up_proj_ws.LOADER_REGS + 4 * up_proj_ws.EPI_REGS + up_proj_ws.MMA_WARPS * 168) <= 65536
 
 
-def test_preferred_where_measured_faster(monkeypatch):
-    """d = 4096 (MIN_D = MAX_D) and, with the storer partition, d ≤ 2048, where it measured faster; not the
-    DeepSeek-V3 width or the unmeasured widths between; every width under SONICMOE_GLUON_UP=all."""
+@pytest.mark.parametrize("gpu,small_d", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
+    """d = 4096 (MIN_D = MAX_D), and with the storer partition d ≤ 2048 on an H200 (not on an H100, nor on CPU),
+    where it measured faster; not the DeepSeek-V3 width or the unmeasured widths between; every width under
+    SONICMOE_GLUON_UP=all."""
     monkeypatch.delenv("SONICMOE_GLUON_UP", raising=False)
-    assert up_proj_ws.up_ws_preferred(4096)  # (32768, 4096, 1024, 128, 8), (16384, 4096, 1024, 256, 4)
-    assert not up_proj_ws.up_ws_preferred(7168)  # DeepSeek-V3
-    assert up_proj_ws.up_ws_preferred(1536)  # 7B, (16384, 1536, 256, 512, 8)
-    assert up_proj_ws.up_ws_preferred(768) and up_proj_ws.up_ws_preferred(2048)  # 1.4B, OLMoE
-    assert not up_proj_ws.up_ws_preferred(2880) and not up_proj_ws.up_ws_preferred(3072)
+    monkeypatch.setattr(up_proj_ws, "_gpu_name", lambda index: gpu)
+    cuda = torch.device("cuda", 0)
+    assert up_proj_ws.up_ws_preferred(4096, cuda)  # (32768, 4096, 1024, 128, 8), (16384, 4096, 1024, 256, 4)
+    assert not up_proj_ws.up_ws_preferred(7168, cuda)  # DeepSeek-V3
+    assert up_proj_ws.up_ws_preferred(1536, cuda) == small_d  # 7B, (16384, 1536, 256, 512, 8)
+    assert up_proj_ws.up_ws_preferred(768, cuda) == up_proj_ws.up_ws_preferred(2048, cuda) == small_d  # 1.4B, OLMoE
+    assert not up_proj_ws.up_ws_preferred(2880, cuda) and not up_proj_ws.up_ws_preferred(3072, cuda)
+    assert not up_proj_ws.up_ws_preferred(1536, torch.device("cpu")) and not up_proj_ws.up_ws_preferred(1536)
     monkeypatch.setenv("SONICMOE_GLUON_UP", "all")
     assert all(up_proj_ws.up_ws_preferred(d) for d in (768, 1536, 2048, 4096, 7168))
     assert up_proj_ws.up_ws_enabled() == grouped_gemm_ws.ws_enabled()
@@ -74,7 +79,8 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         assert not up_ws_supported(x, torch.zeros(e, 2 * 192, d, dtype=torch.bfloat16, device="cuda"), None,
                                    "concat")  # n = 192
         assert not up_ws_supported(x[:, :480].contiguous(), w1[:, :, :480].contiguous(), None, "concat")  # d = 480
-        assert up_proj_ws.up_ws_preferred(x.shape[1])  # d = 512 ≤ EPI_MAX_D
+        # d = 512 ≤ EPI_MAX_D: preferred on an H200 only
+        assert up_proj_ws.up_ws_preferred(x.shape[1], x.device) == ("H200" in torch.cuda.get_device_name())
         monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
         assert not up_ws_supported(x, w1, None, "concat")
         monkeypatch.setenv("SONICMOE_GLUON_UP", "1")
@@ -93,7 +99,7 @@ def test_dispatch(monkeypatch, device):
         return up_proj.up_proj_ref(x, w1, b1, routing, "concat", store_h)
 
     monkeypatch.setattr(up_proj, "up_ws_supported", lambda x, w1, b1, layout: layout == "concat")
-    monkeypatch.setattr(up_proj, "up_ws_preferred", lambda d: d == 16)
+    monkeypatch.setattr(up_proj, "up_ws_preferred", lambda d, device=None: d == 16)
     monkeypatch.setattr(up_proj, "up_proj_ws", fake)
     routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
     x = torch.randn(3, 16, device=device)

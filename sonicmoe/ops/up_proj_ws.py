@@ -29,7 +29,8 @@ added in order, so H has the Triton kernel's bits where both use 64-wide K-block
 
 Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
 of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it measured faster
-(:func:`up_ws_preferred`: d ≤ 2048 with the storer, d = 4096 without); every other case runs the Triton kernel.
+(:func:`up_ws_preferred`: d = 4096 without the storer, and d ≤ 2048 with it on H200s); every other case runs the
+Triton kernel.
 Where its time goes without the storer (session 43,
 an H200, benchmarks/results/2026-11-27_nvidia-h200_session43/, ``PART`` 1): the MMAs alone take 86% of the kernel at 7B
 (0.536 against 0.622 ms) and 95% at (32768, 4096, 1024, 128, 8), so the main loop, not the epilogue, sets the pace: at
@@ -44,6 +45,7 @@ under Triton's interpreter: the kernel is tested on the GPU against the Triton k
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -79,6 +81,11 @@ MAXNREG = 168
 MAX_STAGES = 6
 MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_ws_preferred), and for d <= EPI_MAX_D
 EPI_MAX_D = 2048  # with the storer partition (EPI_WARPS 4) for d <= EPI_MAX_D (up_ws_config, up_ws_preferred)
+# the GPUs (a substring of the device name) on which the layer prefers the kernel with its storer at d <= EPI_MAX_D:
+# where it measured faster (session 44). On an H100 the one A/B at 7B was mixed (forward 1.144 against 1.155 ms,
+# forward+backward 3.505 against 3.369 over 5 noisy rounds), so the H100 keeps the Triton kernel there until measured
+# again.
+EPI_PREFERRED_GPUS = ("H200",)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
 # 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
@@ -124,10 +131,24 @@ def up_ws_enabled() -> bool:
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_UP", "1") != "0"
 
 
-def up_ws_preferred(d: int) -> bool:
-    """Where the Gluon kernel measured faster in the layer: d ≤ :data:`EPI_MAX_D` (with the storer partition, since
-    session 44: see :data:`EPI_WARPS`) and MIN_D ≤ d ≤ MAX_D (d: the reduction width, a host value). Without the
-    storer partition, measured on H100s (session 24, benchmarks/results/2026-11-25_nvidia-h100_session24/):
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def epi_preferred_on(device: torch.device | None) -> bool:
+    """Whether ``device`` is a GPU of :data:`EPI_PREFERRED_GPUS` (its name, read once per device; False on CPU)."""
+    if device is None or device.type != "cuda":
+        return False
+    name = _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+    return any(g in name for g in EPI_PREFERRED_GPUS)
+
+
+def up_ws_preferred(d: int, device: torch.device | None = None) -> bool:
+    """Where the Gluon kernel measured faster in the layer: MIN_D ≤ d ≤ MAX_D (d: the reduction width, a host
+    value), and d ≤ :data:`EPI_MAX_D` on the GPUs of :data:`EPI_PREFERRED_GPUS` (with the storer partition, since
+    session 44: see :data:`EPI_WARPS`; ``device``: the operands' device). Without the storer partition, measured on
+    H100s (session 24, benchmarks/results/2026-11-25_nvidia-h100_session24/):
 
     * d = 4096, faster: kernel alone (two-chain form, medians of 5 alternating rounds) (32768, 4096, 1024, 128, 8)
       7.59-7.77 ms against 8.01-8.05 for the Triton kernel, (16384, 4096, 1024, 256, 4) 2.42 against 2.74; the
@@ -140,7 +161,9 @@ def up_ws_preferred(d: int) -> bool:
 
     Widths between EPI_MAX_D and MIN_D are not measured; the bounds move as they are. ``SONICMOE_GLUON_UP=all`` runs
     it at every width (for layer A/Bs; read at each call)."""
-    return d <= EPI_MAX_D or MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all"
+    if MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all":
+        return True
+    return d <= EPI_MAX_D and epi_preferred_on(device)
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
