@@ -170,7 +170,7 @@ def spaces(which: str) -> dict:
 
     n, d = 256, 1536  # problem()'s widths
     out.update({
-        "up_ws": [{"STAGES": s, "GU_FUSED": f} for s in (up_proj_ws.up_ws_config()["STAGES"], 3)
+        "up_ws": [{"STAGES": s, "GU_FUSED": f} for s in (up_proj_ws.up_ws_config(4096)["STAGES"], 3)
                   for f in (False, True)]
                  + [{"STAGES": 4, "PART": 1}]
                  + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],

@@ -95,11 +95,12 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # The MMA warps then only round the gate and up blocks and stage them (64 KiB: a ring slot fewer); the storer stores
 # H by TMA and computes and stores A, while the MMA warps run the next tile. With 16 warps the kernel is compiled for
 # 128 registers per thread and the partitions' setmaxnreg moves them: loader LOADER_REGS, storer EPI_REGS, MMA warps
-# the rest (176). The default for d <= EPI_MAX_D (up_ws_config); session 44 (an H200,
-# benchmarks/results/2026-11-27_nvidia-h200_session44/), settled layer A/Bs against the Triton kernel, 7 rounds, ms:
-# 7B forward 1.075 against 1.092 (fwd+bwd 3.262 against 3.269), (16384, 1536, 256, 512, 8) 0.964 against 1.004
-# (2.945 against 2.993), (40960, 768, 256, 128, 8) 0.919 against 0.948 (2.856 against 2.911), OLMoE
-# (32768, 2048, 1024, 64, 8) 5.978 against 6.052 (18.32 against 18.48). Same bits as EPI_WARPS 0 (GPU tests).
+# the rest (176). The default for d <= EPI_MAX_D (up_ws_config); session 44 (an H200, settled layer A/Bs against the
+# Triton kernel, 7 rounds, ms; benchmarks/results/2026-11-27_nvidia-h100-h200_session44/): 7B forward 1.075 against
+# 1.092 (fwd+bwd 3.262 against 3.269), (16384, 1536, 256, 512, 8) 0.964 against 1.004 (2.945 against 2.993),
+# (40960, 768, 256, 128, 8) 0.919 against 0.948 (2.856 against 2.911), OLMoE (32768, 2048, 1024, 64, 8) 5.978 against
+# 6.052 (18.32 against 18.48). At d = 4096 (120B-n1024) level against EPI_WARPS 0: forward 12.23 against 12.24, so
+# off there. Same bits as EPI_WARPS 0 (GPU tests).
 EPI_WARPS = 4
 EPI_REGS = 80
 EPI_CHUNK = 16  # rows of A per step of the storer
