@@ -286,14 +286,19 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _masked_store(buf, c_ptr, N, stride_cr, row_start, row_end, col0, st_layout: gl.constexpr):
+    def _masked_store(buf, c_ptr, N, stride_cr, row_start, row_end, col0, st_layout: gl.constexpr,
+                      COL_MASK: gl.constexpr = True):
         """The staged block ``buf`` (BLOCK_M × W) to C's rows [row_start, row_end) and columns col0 + [0, W) < N by
-        16-byte pointer stores (an expert's last, partial tile: the rows past its end belong to the next expert)."""
+        16-byte pointer stores (an expert's last, partial tile: the rows past its end belong to the next expert).
+        Without ``COL_MASK`` every column is stored (the caller's block lies within C's width; N is unused)."""
         c = buf.load(st_layout)
         rows = row_start + gl.arange(0, buf.shape[0], layout=gl.SliceLayout(1, st_layout))
         cc = col0 + gl.arange(0, buf.shape[1], layout=gl.SliceLayout(0, st_layout))
         ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cr + cc[None, :]
-        gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cc < N)[None, :])
+        if COL_MASK:
+            gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cc < N)[None, :])
+        else:
+            gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cc >= 0)[None, :])
 
     @gluon.jit
     def _ring_epilogue(acc, a_bufs, empty, s_left, s_right, c_desc, c_ptr, N, stride_cr, row_start, row_end, col0,

@@ -68,6 +68,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    from .grouped_gemm_ws import _masked_store
+
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
 BLOCK_K = 64
@@ -248,11 +250,7 @@ if HAVE_GLUON:
         st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
         tma.store_wait(pendings=0)  # the staging buffer's previous TMA store has read it
         c_smem.store(val)
-        c = c_smem.load(st)
-        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-        ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride + cols[None, :]
-        gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cols >= 0)[None, :])
+        _masked_store(c_smem, out_ptr, 0, stride, row_start, row_end, col0, st, COL_MASK=False)
 
     @gluon.jit
     def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
