@@ -471,8 +471,9 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         x: (T, d) bf16/fp16, contiguous. w1: (E, 2n, d) in the concat layout (gate rows [0, n), up rows [n, 2n)).
         b1: (E, 2n) or None. routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
-            "MAXNREG", "GU_FUSED", and, to time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row
-            sums) (default :func:`up_ws_config`).
+            "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
+            and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", and, to time a part alone, "PART": 1 the MMAs
+            only (H unwritten, A holds row sums; no storer) (default :func:`up_ws_config` for d).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     """
