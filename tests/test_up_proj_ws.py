@@ -42,7 +42,8 @@ def test_config_fits_shared_memory(monkeypatch):
     assert 32 * (4 * up_proj_ws.LOADER_REGS + 4 * up_proj_ws.EPI_REGS + up_proj_ws.MMA_WARPS * 168) <= 65536
 
 
-@pytest.mark.parametrize("gpu,small_d", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False)])
+@pytest.mark.parametrize("gpu,small_d", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True),
+                                         ("NVIDIA H100 80GB HBM3", False), ("NVIDIA GH200 480GB", False)])
 def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
     """d = 4096 (MIN_D = MAX_D), and with the storer partition d ≤ 2048 on an H200 (not on an H100, nor on CPU),
     where it measured faster; not the DeepSeek-V3 width or the unmeasured widths between; every width under

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
@@ -83,7 +84,8 @@ MAXNREG = 168
 MAX_STAGES = 6
 MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_ws_preferred), and for d <= EPI_MAX_D
 EPI_MAX_D = 2048  # with the storer partition (EPI_WARPS 4) for d <= EPI_MAX_D (up_ws_config, up_ws_preferred)
-# the GPUs (a substring of the device name) on which the layer prefers the kernel with its storer at d <= EPI_MAX_D:
+# the GPUs (a word of the device name: "H200" matches "NVIDIA H200" and "NVIDIA H200 NVL", not "NVIDIA GH200 480GB",
+# an H100-class chip) on which the layer prefers the kernel with its storer at d <= EPI_MAX_D:
 # where it measured faster (session 44). On an H100 the one A/B at 7B was mixed (forward 1.144 against 1.155 ms,
 # forward+backward 3.505 against 3.369 over 5 noisy rounds), so the H100 keeps the Triton kernel there until measured
 # again.
@@ -140,11 +142,12 @@ def _gpu_name(index: int) -> str:
 
 
 def epi_preferred_on(device: torch.device | None) -> bool:
-    """Whether ``device`` is a GPU of :data:`EPI_PREFERRED_GPUS` (its name, read once per device; False on CPU)."""
+    """Whether ``device`` is a GPU of :data:`EPI_PREFERRED_GPUS` (a whole word of its name, read once per device;
+    False on CPU)."""
     if device is None or device.type != "cuda":
         return False
     name = _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
-    return any(g in name for g in EPI_PREFERRED_GPUS)
+    return any(re.search(rf"\b{re.escape(g)}\b", name) for g in EPI_PREFERRED_GPUS)
 
 
 def up_ws_preferred(d: int, device: torch.device | None = None) -> bool:
