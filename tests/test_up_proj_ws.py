@@ -33,7 +33,7 @@ def test_config_fits_shared_memory(monkeypatch):
     assert epi["EPI_WARPS"] == 4 and 2 <= epi["STAGES"] <= cfg["STAGES"]
     monkeypatch.setenv("SONICMOE_UP_EPI", "0")
     assert up_ws_config(1536) == up_ws_config(4096)
-    monkeypatch.setenv("SONICMOE_UP_EPI", "4")
+    monkeypatch.setenv("SONICMOE_UP_EPI", "1")
     assert up_ws_config(4096) == epi
     assert up_ws_smem_bytes(epi["STAGES"], epi=True) <= up_proj_ws.SMEM_BUDGET < up_ws_smem_bytes(epi["STAGES"] + 1,
                                                                                                   epi=True)

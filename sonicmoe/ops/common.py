@@ -23,7 +23,7 @@ Environment (documented in the README):
     SONICMOE_GLUON_DXT=0       the dX̃ GEMM alone back on the Triton kernel.
     SONICMOE_GLUON_UP=0        the up-projection alone back on the Triton kernel (its Gluon kernel serves d = 4096,
                                and d <= 2048 on H200s: up_proj_ws.up_ws_preferred; =all at every width).
-    SONICMOE_UP_EPI=0|4        the Gluon up-projection's storer partition off / on at every width (default: on for
+    SONICMOE_UP_EPI=0|1        the Gluon up-projection's storer partition off / on at every width (default: on for
                                d <= 2048, up_proj_ws.up_ws_config; for A/Bs).
     SONICMOE_GLUON_DH=0        the dH kernel alone back on the Triton kernel (its Gluon kernel serves n a multiple
                                of 256 and n = 128: dh_ws.dh_ws_preferred; =all at every n).

@@ -52,7 +52,7 @@ import re
 import torch
 
 from ..routing import Routing
-from .common import new_output, sm_count
+from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
@@ -118,11 +118,11 @@ def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
 
 def up_ws_config(d: int = 0, epi_warps: int | None = None) -> dict:
     """{"STAGES": the deepest ring that fits shared memory beside the staging buffers (at most MAX_STAGES),
-    "EPI_WARPS": the storer partition's warps: ``epi_warps``, else ``SONICMOE_UP_EPI`` (0 or 4, read at each call;
-    for A/Bs), else :data:`EPI_WARPS` where the reduction width d ≤ :data:`EPI_MAX_D` and 0 above}."""
+    "EPI_WARPS": the storer partition's warps: ``epi_warps``, else :data:`EPI_WARPS` where the switch
+    ``SONICMOE_UP_EPI`` is on (1) and 0 where it is off (0; read at each call, for A/Bs), and where it is unset
+    :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above}."""
     if epi_warps is None:
-        env = os.environ.get("SONICMOE_UP_EPI", "")
-        epi_warps = int(env) if env in ("0", "4") else (EPI_WARPS if d <= EPI_MAX_D else 0)
+        epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
     epi = epi_warps > 0
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
