@@ -162,30 +162,37 @@ SPLIT = False  # the layer's default form (SONICMOE_DH_SPLIT 1 or 0 where set); 
 SPLIT_BLOCK_N = 256
 SPLIT_BLOCK_K = 32
 SPLIT_EPI = 16
-SPLIT_NACC = 2
+SPLIT_NACC = 1
+SPLIT_NH = 4  # H blocks (a gate and an up (BLOCK_M, EPI) box each) in flight by TMA ahead of the epilogue
 SPLIT_EPI_WARPS = 4
 SPLIT_EPI_REGS = 112  # the fewest without spills at EPI 16 (offline report); the MMA warps then get 176
 SPLIT_LOADER_REGS = 40
 
 
-def dh_ws_split_smem_bytes(stages: int, block_k: int = SPLIT_BLOCK_K, nacc: int = SPLIT_NACC, elem: int = 2) -> int:
-    """Shared memory of one program of the split form: the ring (a dO block and a W2 box per slot) and ``nacc``
-    float32 halves of dA′ (BLOCK_M × SPLIT_BLOCK_N / 2 each)."""
-    return elem * stages * block_k * (BLOCK_M + SPLIT_BLOCK_N) + nacc * 4 * BLOCK_M * (SPLIT_BLOCK_N // 2)
+def dh_ws_split_smem_bytes(stages: int, block_k: int = SPLIT_BLOCK_K, nacc: int = SPLIT_NACC, nh: int = SPLIT_NH,
+                           epi: int = SPLIT_EPI, elem: int = 2) -> int:
+    """Shared memory of one program of the split form: the ring (a dO block and a W2 box per slot), ``nacc``
+    float32 halves of dA′ (BLOCK_M × SPLIT_BLOCK_N / 2 each) and ``nh`` H slots (a gate and an up (BLOCK_M, epi)
+    box each)."""
+    return (elem * stages * block_k * (BLOCK_M + SPLIT_BLOCK_N) + nacc * 4 * BLOCK_M * (SPLIT_BLOCK_N // 2)
+            + nh * 2 * elem * BLOCK_M * epi)
 
 
-def dh_ws_split_config(n: int, epi: int = SPLIT_EPI, block_k: int = SPLIT_BLOCK_K,
-                       nacc: int = SPLIT_NACC) -> dict | None:
-    """The split form's config ({"SPLIT": True, "BLOCK_N": 256, "BLOCK_K", "EPI", "NACC", "STAGES": the deepest ring
-    that fits beside the dA′ halves}), or None where n is not a multiple of 256."""
+def dh_ws_split_config(n: int, epi: int = SPLIT_EPI, block_k: int = SPLIT_BLOCK_K, nacc: int = SPLIT_NACC,
+                       nh: int = SPLIT_NH) -> dict | None:
+    """The split form's config ({"SPLIT": True, "BLOCK_N": 256, "BLOCK_K", "EPI", "NACC", "NH", "STAGES": the
+    deepest ring that fits beside the dA′ halves and the H slots}), or None where n is not a multiple of 256 or fewer than two
+    ring slots fit."""
     half = SPLIT_BLOCK_N // 2
-    if n % SPLIT_BLOCK_N or half % epi or nacc not in (1, 2):
+    if n % SPLIT_BLOCK_N or half % epi or nacc not in (1, 2) or nh < 1:
         return None
-    fixed = dh_ws_split_smem_bytes(0, block_k, nacc)
-    per_stage = dh_ws_split_smem_bytes(1, block_k, nacc) - fixed
+    fixed = dh_ws_split_smem_bytes(0, block_k, nacc, nh, epi)
+    per_stage = dh_ws_split_smem_bytes(1, block_k, nacc, nh, epi) - fixed
     stages = min(MAX_STAGES * BLOCK_K // block_k, (SMEM_BUDGET - fixed) // per_stage)
-    return {"SPLIT": True, "BLOCK_N": SPLIT_BLOCK_N, "BLOCK_K": block_k, "EPI": epi, "NACC": nacc, "STAGES": stages,
-            "NBUF": NBUF}
+    if stages < 2:
+        return None
+    return {"SPLIT": True, "BLOCK_N": SPLIT_BLOCK_N, "BLOCK_K": block_k, "EPI": epi, "NACC": nacc, "NH": nh,
+            "STAGES": stages, "NBUF": NBUF}
 
 
 def dh_ws_enabled() -> bool:
@@ -506,13 +513,25 @@ if HAVE_GLUON:
             use = _hand_over(hi, acc_bufs, acc_full, acc_empty, use, HALF // EPI, NACC, EPI)
 
     @gluon.jit
-    def _dh_split_epi(acc_bufs, acc_full, acc_empty, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n,
-                      N, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr,
-                      NACC: gl.constexpr, WARPS: gl.constexpr):
+    def _split_h_load(h_desc, h_bufs, h_ready, q, first, step_tiles, table_ptr, num_pid_n, N, NB: gl.constexpr,
+                      NH: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr):
+        """Ask TMA for H's gate and up (BLOCK_M, EPI) boxes of the program's epilogue block ``q`` (block q % NB of its
+        tile q // NB: tile ``first + (q // NB) · step_tiles``) into slot q % NH."""
+        e, row_start, row_end, pid_n = _tile_of(first + (q // NB) * step_tiles, table_ptr, num_pid_n)
+        col = pid_n * BLOCK_N + (q % NB) * EPI
+        b = q % NH
+        mbarrier.expect(h_ready.index(b), 2 * h_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(h_desc, [row_start, col], h_ready.index(b), h_bufs.index(2 * b))
+        tma.async_copy_global_to_shared(h_desc, [row_start, N + col], h_ready.index(b), h_bufs.index(2 * b + 1))
+
+    @gluon.jit
+    def _dh_split_epi(acc_bufs, acc_full, acc_empty, h_desc, h_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                      table_ptr, num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      EPI: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, WARPS: gl.constexpr):
         """Epilogue partition of the split form: per tile and (BLOCK_M, EPI) block J of dA′ (channels
-        ch0 + J·EPI + [0, EPI)), H's gate and up columns by 16-byte loads issued one block ahead, the SwiGLU
-        backward, the dS partial, and dH's gate and up columns and A′ by masked 16-byte stores: the arithmetic of
-        :func:`_dh_block`, so dH and A′ have its bits."""
+        ch0 + J·EPI + [0, EPI)), H's gate and up columns from the TMA boxes asked for NH blocks ahead (across tiles),
+        the SwiGLU backward, the dS partial, and dH's gate and up columns and A′ by masked 16-byte stores: the
+        arithmetic of :func:`_dh_block`, so dH and A′ have its bits."""
         NB: gl.constexpr = BLOCK_N // EPI
         HB: gl.constexpr = NB // 2
         TPN: gl.constexpr = EPI // 8
@@ -521,27 +540,35 @@ if HAVE_GLUON:
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
         offs_c = gl.arange(0, EPI, layout=gl.SliceLayout(0, lay))
         total = gl.load(table_ptr) * num_pid_n
+        first = gl.program_id(0)
+        step_tiles = gl.num_programs(0)
+        n_blocks = gl.maximum(total - first + step_tiles - 1, 0) // step_tiles * NB
+        for q0 in gl.static_range(NH):
+            if q0 < n_blocks:
+                _split_h_load(h_desc, h_bufs, h_ready, q0, first, step_tiles, table_ptr, num_pid_n, N, NB, NH,
+                              BLOCK_N, EPI)
         use = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        q = 0
+        for tile in range(first, total, step_tiles):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             rows = row_start + offs_m
             mask_m = rows < row_end
             r64 = rows.to(gl.int64)
             mask = mask_m[:, None] & (offs_c >= 0)[None, :]
-            h_rows = h_ptr + r64[:, None] * stride_hr
             dh_rows = dh_ptr + r64[:, None] * stride_hr
             ap_rows = ap_ptr + r64[:, None] * stride_apr
             ch0 = pid_n * BLOCK_N
             cols0 = (ch0 + offs_c)[None, :]
             s = gl.load(score_ptr + rows, mask=mask_m, other=0.0)[:, None]
-            g_n = gl.load(h_rows + cols0, mask=mask, other=0.0)
-            u_n = gl.load(h_rows + (cols0 + N), mask=mask, other=0.0)
             for J in range(NB):  # a run-time loop: unrolled, the blocks' addresses would not fit the registers
-                g = g_n.to(gl.float32)
-                u = u_n.to(gl.float32)
-                nxt = gl.minimum(J + 1, NB - 1) * EPI  # the next block's H (the last block's again at the end),
-                g_n = gl.load(h_rows + (cols0 + nxt), mask=mask, other=0.0)  # in flight while this one computes
-                u_n = gl.load(h_rows + (cols0 + (N + nxt)), mask=mask, other=0.0)
+                hb = q % NH
+                mbarrier.wait(h_ready.index(hb), (q // NH) & 1)
+                g = h_bufs.index(2 * hb).load(lay).to(gl.float32)
+                u = h_bufs.index(2 * hb + 1).load(lay).to(gl.float32)
+                gl.thread_barrier()  # every epilogue thread has read slot hb: TMA refills it with block q + NH
+                if q + NH < n_blocks:
+                    _split_h_load(h_desc, h_bufs, h_ready, q + NH, first, step_tiles, table_ptr, num_pid_n, N, NB, NH,
+                                  BLOCK_N, EPI)
                 b = use % NACC
                 if J % HB == 0:
                     mbarrier.wait(acc_full.index(b), (use // NACC) & 1)
@@ -561,18 +588,24 @@ if HAVE_GLUON:
                     gl.thread_barrier()  # every epilogue thread has read this half of dA′
                     mbarrier.arrive(acc_empty.index(b))
                     use += 1
+                q += 1
 
     @gluon.jit
-    def _dh_split_kernel(do_ptr, w_desc, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr, table_ptr, num_pid_n,
+    def _dh_split_kernel(do_ptr, w_desc, h_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr, table_ptr, num_pid_n,
                          N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                         STAGES: gl.constexpr, NACC: gl.constexpr, MMA_WARPS: gl.constexpr, EPI_WARPS: gl.constexpr,
+                         STAGES: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, MMA_WARPS: gl.constexpr,
+                         EPI_WARPS: gl.constexpr,
                          EPI_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
         acc_bufs = gl.allocate_shared_memory(gl.float32, [NACC * (BLOCK_N // 2 // EPI), BLOCK_M, EPI], ACC_LAYOUT)
+        h_bufs = gl.allocate_shared_memory(dtype, [2 * NH, BLOCK_M, EPI], h_desc.layout)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
+        h_ready = gl.allocate_shared_memory(gl.int64, [NH, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NH):
+            mbarrier.init(h_ready.index(i), count=1)
         acc_full = gl.allocate_shared_memory(gl.int64, [NACC, 1], mbarrier.MBarrierLayout())
         acc_empty = gl.allocate_shared_memory(gl.int64, [NACC, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NACC):
@@ -581,8 +614,9 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dh_split_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full, acc_empty, table_ptr,
                              num_pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, NACC, MMA_WARPS)),
-            (_dh_split_epi, (acc_bufs, acc_full, acc_empty, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr,
-                             num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N, EPI, NACC, EPI_WARPS)),
+            (_dh_split_epi, (acc_bufs, acc_full, acc_empty, h_desc, h_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
+                             table_ptr, num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N, EPI, NACC, NH,
+                             EPI_WARPS)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [EPI_WARPS, LOADER_WARPS], [EPI_REGS, LOADER_REGS])
@@ -590,6 +624,8 @@ if HAVE_GLUON:
         for i in gl.static_range(NACC):
             mbarrier.invalidate(acc_full.index(i))
             mbarrier.invalidate(acc_empty.index(i))
+        for i in gl.static_range(NH):
+            mbarrier.invalidate(h_ready.index(i))
 
 
 _CALLS: dict[tuple, dict] = {}
@@ -639,11 +675,12 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     bk = cfg.get("BLOCK_K", BLOCK_K)
     if cfg.get("SPLIT"):
         ew, lw = cfg.get("EPI_WARPS", SPLIT_EPI_WARPS), cfg.get("LOADER_WARPS", LOADER_WARPS)
-        args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), h, dh_, a_prime, ds_part,
+        args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]), dh_, a_prime, ds_part,
                 row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0),
                 h.stride(0), a_prime.stride(0))
         meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), ACC_LAYOUT=_SPLIT_ACC_LAYOUT, BLOCK_M=BLOCK_M,
                     BLOCK_N=bn, BLOCK_K=bk, EPI=epi, STAGES=cfg["STAGES"], NACC=cfg.get("NACC", SPLIT_NACC),
+                    NH=cfg.get("NH", SPLIT_NH),
                     MMA_WARPS=MMA_WARPS, EPI_WARPS=ew, EPI_REGS=cfg.get("EPI_REGS", SPLIT_EPI_REGS), LOADER_WARPS=lw,
                     LOADER_REGS=cfg.get("LOADER_REGS", SPLIT_LOADER_REGS),
                     maxnreg=cfg.get("MAXNREG", 65536 // (32 * (MMA_WARPS + ew + lw))))
