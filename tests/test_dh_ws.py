@@ -201,8 +201,8 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
                 dh_ws_config(n, 16, 2), dh_ws_config(n, 32, 2, None, 32), dh_ws_config(n, 16, 2, None, 32),
                 dh_ws_config(n, 32, 2, stage_in_ring=False), dh_ws_config(n, 16, 2, stage_in_ring=False),
                 {**dh_ws_config(n, 32, 2, stage_in_ring=True), "TMA_STORE": False},
-                *[c for c in (dh_ws_split_config(n), dh_ws_split_config(n, 16, 32, 2, 2), dh_ws_split_config(n, 16, 32, 1, 6))
-                  if c is not None]):
+                *[c for c in (dh_ws_split_config(n), dh_ws_split_config(n, 16, 32, 2, 2),
+                              dh_ws_split_config(n, 16, 32, 1, 6)) if c is not None]):
         got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
         ds = got[2].sum(0)
         for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):

@@ -181,8 +181,8 @@ def dh_ws_split_smem_bytes(stages: int, block_k: int = SPLIT_BLOCK_K, nacc: int 
 def dh_ws_split_config(n: int, epi: int = SPLIT_EPI, block_k: int = SPLIT_BLOCK_K, nacc: int = SPLIT_NACC,
                        nh: int = SPLIT_NH) -> dict | None:
     """The split form's config ({"SPLIT": True, "BLOCK_N": 256, "BLOCK_K", "EPI", "NACC", "NH", "STAGES": the
-    deepest ring that fits beside the dA′ halves and the H slots}), or None where n is not a multiple of 256 or fewer than two
-    ring slots fit."""
+    deepest ring that fits beside the dA′ halves and the H slots}), or None where n is not a multiple of 256 or
+    fewer than two ring slots fit."""
     half = SPLIT_BLOCK_N // 2
     if n % SPLIT_BLOCK_N or half % epi or nacc not in (1, 2) or nh < 1:
         return None
