@@ -2,7 +2,8 @@
 
 usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...]
                                      [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...]
-                                     [--split EPI:BLOCK_K:NACC:NH[:EPI_REGS:LOADER_REGS],...] [--rounds 5] [--json F]
+                                     [--split EPI:BLOCK_K:NACC:NH[:PART[:EPI_REGS:LOADER_REGS]],...]
+                                     [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
 SONICMOE_AUTOTUNE=0: bits and relative error; tests/test_dh_ws.py compares both with the float32 reference), then
@@ -60,7 +61,9 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
         if cfg is None:
             continue
         if len(vals) > 4:
-            cfg.update(EPI_REGS=vals[4], LOADER_REGS=vals[5])
+            cfg["PART"] = vals[4]
+        if len(vals) > 5:
+            cfg.update(EPI_REGS=vals[5], LOADER_REGS=vals[6])
         fns["split " + ":".join(map(str, vals)) + f" S={cfg['STAGES']}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
@@ -91,7 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="32:2,16:2")
-    ap.add_argument("--split", default="", help="split-form configs, EPI:BLOCK_K:NACC:NH[:EPI_REGS:LOADER_REGS],...")
+    ap.add_argument("--split", default="",
+                    help="split-form configs, EPI:BLOCK_K:NACC:NH[:PART[:EPI_REGS:LOADER_REGS]],...")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -18,7 +18,7 @@
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
 #          (UPWS_AB_VALUES, default 1,0; UPWS_AB_ARGS more ws_ab.py options, e.g. --warmup 1000)
 #   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...),
-#          and DHWS_SPLIT EPI:BLOCK_K:NACC:NH[:EPI_REGS:LOADER_REGS],... of the split form; GPU tests; layer A/B of
+#          and DHWS_SPLIT EPI:BLOCK_K:NACC:NH[:PART[:EPI_REGS:LOADER_REGS]],... of the split form; GPU tests; layer A/B of
 #          DHWS_AB_ENV (default SONICMOE_GLUON_DH; SONICMOE_DH_SPLIT for the split form) over DHWS_AB_VALUES
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)

@@ -527,11 +527,22 @@ if HAVE_GLUON:
     @gluon.jit
     def _dh_split_epi(acc_bufs, acc_full, acc_empty, h_desc, h_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
                       table_ptr, num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      EPI: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, WARPS: gl.constexpr):
+                      EPI: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, WARPS: gl.constexpr,
+                      PART: gl.constexpr):
         """Epilogue partition of the split form: per tile and (BLOCK_M, EPI) block J of dA′ (channels
         ch0 + J·EPI + [0, EPI)), H's gate and up columns from the TMA boxes asked for NH blocks ahead (across tiles),
         the SwiGLU backward, the dS partial, and dH's gate and up columns and A′ by masked 16-byte stores: the
-        arithmetic of :func:`_dh_block`, so dH and A′ have its bits."""
+        arithmetic of :func:`_dh_block`, so dH and A′ have its bits. PART 1 (timing only): each half of dA′ is
+        handed back unread (the MMAs, the ring and the hand-over alone)."""
+        if PART == 1:
+            use1 = 0
+            for _tile in range(gl.program_id(0), gl.load(table_ptr) * num_pid_n, gl.num_programs(0)):
+                for _half in range(2):
+                    mbarrier.wait(acc_full.index(use1 % NACC), (use1 // NACC) & 1)
+                    gl.thread_barrier()
+                    mbarrier.arrive(acc_empty.index(use1 % NACC))
+                    use1 += 1
+            return
         NB: gl.constexpr = BLOCK_N // EPI
         HB: gl.constexpr = NB // 2
         TPN: gl.constexpr = EPI // 8
@@ -595,7 +606,7 @@ if HAVE_GLUON:
                          N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                          STAGES: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, MMA_WARPS: gl.constexpr,
-                         EPI_WARPS: gl.constexpr,
+                         PART: gl.constexpr, EPI_WARPS: gl.constexpr,
                          EPI_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
@@ -616,7 +627,7 @@ if HAVE_GLUON:
                              num_pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, NACC, MMA_WARPS)),
             (_dh_split_epi, (acc_bufs, acc_full, acc_empty, h_desc, h_bufs, h_ready, dh_ptr, ap_ptr, ds_ptr, score_ptr,
                              table_ptr, num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N, EPI, NACC, NH,
-                             EPI_WARPS)),
+                             EPI_WARPS, PART)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [EPI_WARPS, LOADER_WARPS], [EPI_REGS, LOADER_REGS])
@@ -684,7 +695,8 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                     MMA_WARPS=MMA_WARPS, EPI_WARPS=ew, EPI_REGS=cfg.get("EPI_REGS", SPLIT_EPI_REGS), LOADER_WARPS=lw,
                     LOADER_REGS=cfg.get("LOADER_REGS", SPLIT_LOADER_REGS),
                     maxnreg=cfg.get("MAXNREG", 65536 // (32 * (MMA_WARPS + ew + lw))))
-        launch_kernel(_dh_split_kernel, (sm_count(h.device),), *args, **meta, num_warps=MMA_WARPS)
+        launch_kernel(_dh_split_kernel, (sm_count(h.device),), *args, **meta, PART=cfg.get("PART", 0),
+                      num_warps=MMA_WARPS)
         return dh_, a_prime, ds_part
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
