@@ -86,9 +86,11 @@ MIN_D = MAX_D = 4096  # the layer runs this kernel for MIN_D <= d <= MAX_D (up_w
 EPI_MAX_D = 2048  # with the storer partition (EPI_WARPS 4) for d <= EPI_MAX_D (up_ws_config, up_ws_preferred)
 # the GPUs (a word of the device name: "H200" matches "NVIDIA H200" and "NVIDIA H200 NVL", not "NVIDIA GH200 480GB",
 # an H100-class chip) on which the layer prefers the kernel with its storer at d <= EPI_MAX_D:
-# where it measured faster (session 44). On an H100 the one A/B at 7B was mixed (forward 1.144 against 1.155 ms,
-# forward+backward 3.505 against 3.369 over 5 noisy rounds), so the H100 keeps the Triton kernel there until measured
-# again.
+# where it measured faster (session 44). On H100s the forward gains but forward+backward does not: session 44 at 7B
+# forward 1.144 against 1.155 ms, forward+backward 3.505 against 3.369 (5 noisy rounds); session 45 (7 rounds, 1 s
+# warm-ups, benchmarks/results/2026-11-27_nvidia-h100-h200_session45/) forward / forward+backward 7B 1.163 / 3.478
+# against 1.168 / 3.468, (16384, 1536, 256, 512, 8) 1.044 / 3.185 against 1.069 / 3.162, (40960, 768, 256, 128, 8)
+# 0.994 / 3.081 against 1.028 / 3.082. So the H100 keeps the Triton kernel there.
 EPI_PREFERRED_GPUS = ("H200",)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
