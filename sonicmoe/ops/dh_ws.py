@@ -43,6 +43,14 @@ against 0.51 ms on an H100). Both were bitwise right and slower, and were droppe
 20.5%, W2 8.2%), the loader on empty ones (24.5%). Six 32-deep slots (``block_k=32``) ran the kernel alone 2% faster
 at 7B, level at d = 4096, and level in the layer: the default stays 64.
 
+Session 45 (benchmarks/results/2026-11-27_nvidia-h100-h200_session45/, the patch there) built the epilogue partition
+at 256-wide tiles after all: the register limit is one 256-wide wgmma instruction, not the accumulator, so two
+128-wide wgmmas on the halves of the W2 box fit once ``setmaxnreg`` gives the MMA warps 176 (the epilogue 112, the
+loader 40). Bitwise right, and slower on an H200: 7B 0.462 against 0.432 ms, (32768, 4096, 1024, 128, 8) 4.80 against
+4.22. Its MMAs, ring (six 32-deep slots) and hand-over alone took 0.31 ms; the four epilogue warps take about as long
+per tile as the MMAs, and a full overlap needs a second 64 KiB dA′ half-buffer, which leaves three ring slots (the
+MMAs alone then 0.39 ms).
+
 Session 41 (benchmarks/results/2026-11-27_nvidia-h100-h200_session41/) put the two staging sets in the ring slot of the
 tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
 once the tile's TMA stores have read it. The 80 KB of H buffers and staging sets then shrink to 32 KB, and a fourth
