@@ -178,9 +178,7 @@ def spaces(which: str) -> dict:
         "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False, stage_in_ring=r) for r in (False, True)],
         "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
-                 + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)]
-                 + [dh_ws.dh_ws_split_config(n, epi, bk, nacc, nh) for epi in (16, 32) for bk in (32, 64)
-                    for nacc, nh in ((1, 2), (1, 4), (1, 6), (2, 2))],
+                 + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r) for r in (False, True)],
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r) for r in (False, True)],
     })

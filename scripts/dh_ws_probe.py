@@ -2,15 +2,13 @@
 
 usage: python scripts/dh_ws_probe.py [--shape T,d,n,E,K ...]
                                      [--configs EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...]
-                                     [--split EPI:BLOCK_K:NACC:NH:RING[:PART[:EPI_REGS:LOADER_REGS]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``dh_ws`` with explicit configs, compares dH, A′ and dS with the Triton kernel's (autotuned, or pinned under
 SONICMOE_AUTOTUNE=0: bits and relative error; tests/test_dh_ws.py compares both with the float32 reference), then
 times both in alternating rounds on the same inputs (do_bench medians). PART 1 times the MMAs alone, 2 all but the
 global stores of dH and A′ (``dh_ws``'s config; their outputs are not the kernel's). ``default`` is what ``dh`` picks
-now. ``--split`` adds configs of the split form (``dh_ws_split_config``: the epilogue in a partition of its own).
-GPU only.
+now. GPU only.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ def dh_problem(shape: str) -> tuple[dict, object, torch.Tensor, torch.Tensor, to
     return p, routing, dout, h, torch.rand(r, device="cuda", generator=g)
 
 
-def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
-                splits: list[tuple[int, ...]] = ()) -> list[dict]:
+def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int) -> list[dict]:
     p, routing, dout, h, s = dh_problem(shape)
     d, n = p["w2"].shape[1:]
     r = routing.num_rows
@@ -55,16 +52,6 @@ def probe_shape(shape: str, configs: list[tuple[int, ...]], rounds: int,
                "TMA_STORE": bool(tma_store)}
         fns[f"gluon BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']} EPI={epi} NBUF={nbuf} S={cfg['STAGES']} P={part}"
             f" T={tma_store} R={int(cfg['STAGE_IN_RING'])}"] = (
-            lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
-    for vals in splits:
-        cfg = dh_ws.dh_ws_split_config(n, *vals[:4], bool(vals[4]))
-        if cfg is None:
-            continue
-        if len(vals) > 5:
-            cfg["PART"] = vals[5]
-        if len(vals) > 6:
-            cfg.update(EPI_REGS=vals[6], LOADER_REGS=vals[7])
-        fns["split " + ":".join(map(str, vals)) + f" S={cfg['STAGES']}"] = (
             lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -94,14 +81,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="32:2,16:2")
-    ap.add_argument("--split", default="",
-                    help="split-form configs, EPI:BLOCK_K:NACC:NH:RING[:PART[:EPI_REGS:LOADER_REGS]],...")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
-    splits = [tuple(int(v) for v in c.split(":")) for c in args.split.split(",") if c]
-    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, splits), args.json)
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
 
 
 if __name__ == "__main__":

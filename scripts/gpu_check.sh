@@ -18,8 +18,7 @@
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
 #          (UPWS_AB_VALUES, default 1,0; UPWS_AB_ARGS more ws_ab.py options, e.g. --warmup 1000)
 #   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...),
-#          and DHWS_SPLIT EPI:BLOCK_K:NACC:NH:RING[:PART[:EPI_REGS:LOADER_REGS]],... of the split form; GPU tests; layer A/B of
-#          DHWS_AB_ENV (default SONICMOE_GLUON_DH; SONICMOE_DH_SPLIT for the split form) over DHWS_AB_VALUES
+#          GPU tests, layer A/B
 #   ds3    the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) forward+backward: check, speed, memory
 #   tr     token rounding vs top-k on the token_rounding sweeps (triton backend)
 #   trprof the token-rounding GPU tests and the per-kernel and routing-step times of top-k and token rounding
@@ -230,18 +229,18 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       shapes=()
       for sh in ${DHWS_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
       timeout ${DHWS_LIMIT_S:-200} python3 scripts/dh_ws_probe.py "${shapes[@]}" ${DHWS_CONFIGS:+--configs $DHWS_CONFIGS} \
-        ${DHWS_SPLIT:+--split $DHWS_SPLIT} --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
+        --json "$OUT/dh_ws_probe.json" > "$OUT/dh_ws_probe.txt" 2>&1
       [ "${DHWS_TESTS:-1}" = 1 ] &&
         timeout 400 python3 -m pytest -rA -m gpu tests/test_dh_ws.py ${DHWS_MORE_TESTS:-} -p no:cacheprovider \
           > "$OUT/gpu_tests_dhws.log" 2>&1
       ab=()
       for sh in ${DHWS_AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
       # DHWS_AB_VALUES: the SONICMOE_GLUON_DH values compared (all,0 at widths outside the layer's rule, e.g. 7B)
-      [ "${DHWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env ${DHWS_AB_ENV:-SONICMOE_GLUON_DH} --values ${DHWS_AB_VALUES:-1,0} \
+      [ "${DHWS_AB:-1}" = 1 ] && timeout 300 python3 scripts/ws_ab.py --env SONICMOE_GLUON_DH --values ${DHWS_AB_VALUES:-1,0} \
         --rounds ${DHWS_AB_ROUNDS:-7} "${ab[@]}" --json "$OUT/ab_dh.json" > "$OUT/ab_dh.txt" 2>&1
       SUMMARY+=("$(grep -svE 'check' "$OUT/dh_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/dh_ws_probe.txt" | cut -c1-260)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_dhws.log")" "$(tail -1 "$OUT/gpu_tests_dhws.log" 2>/dev/null)"
-                "$(grep -E "${DHWS_AB_ENV:-SONICMOE_GLUON_DH}=" "$OUT/ab_dh.txt" 2>/dev/null)")
+                "$(grep -E 'SONICMOE_GLUON_DH=' "$OUT/ab_dh.txt" 2>/dev/null)")
       ;;
     gemmws)
       # the Gluon ping-pong GEMM (down-projection and dX̃ forms): probe (against Triton: bits, error, alternating

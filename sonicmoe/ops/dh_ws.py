@@ -49,7 +49,9 @@ at 256-wide tiles after all: the register limit is one 256-wide wgmma instructio
 loader 40). Bitwise right, and slower on an H200: 7B 0.462 against 0.432 ms, (32768, 4096, 1024, 128, 8) 4.80 against
 4.22. Its MMAs, ring (six 32-deep slots) and hand-over alone took 0.31 ms; the four epilogue warps take about as long
 per tile as the MMAs, and a full overlap needs a second 64 KiB dA′ half-buffer, which leaves three ring slots (the
-MMAs alone then 0.39 ms).
+MMAs alone then 0.39 ms). With the second half in the ring slots of the tile's last three K-blocks instead (full
+overlap, the ring three slots short while the epilogue reads them) it took 0.530: four warps with 16-byte stores run
+the epilogue at about 44 µs per tile, against about 12 for the eight MMA warps with TMA stores here.
 
 Session 41 (benchmarks/results/2026-11-27_nvidia-h100-h200_session41/) put the two staging sets in the ring slot of the
 tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
@@ -157,58 +159,6 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     cap = MAX_STAGES * BLOCK_K // block_k
     return {"BLOCK_N": bn, "BLOCK_K": block_k, "EPI": epi, "NBUF": nbuf, "STAGE_IN_RING": alias,
             "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage)}
-
-
-# The split form (``SPLIT``): a third partition of SPLIT_EPI_WARPS warps runs each tile's epilogue while the MMA warps
-# run the next tile. dA′ crosses in shared memory as float32, in two column halves of the 256-wide tile (each a
-# (BLOCK_M, 128) wgmma accumulator: 16 warps compile for 128 registers per thread, and a single 256-wide wgmma needs a
-# register target of 154, while the partitions' setmaxnreg gives the MMA warps more for two 128-wide ones). NACC
-# half-buffers of 64 KiB: 2, the epilogue reads one tile's dA′ while the MMA warps compute the next (the ring keeps
-# 96 KiB); 1, the MMA warps wait for the first half to be read before writing the second (the ring keeps 160 KiB).
-# The epilogue reads H by 16-byte loads one block ahead and writes dH and A′ by 16-byte stores.
-SPLIT = False  # the layer's default form (SONICMOE_DH_SPLIT 1 or 0 where set); only at n a multiple of 256
-SPLIT_BLOCK_N = 256
-SPLIT_BLOCK_K = 32
-SPLIT_EPI = 16
-SPLIT_NACC = 1
-SPLIT_RING_HALF = True  # dA′'s second half in the ring slots of the tile's last K-blocks (then NACC is 1)
-SPLIT_NH = 4  # H blocks (a gate and an up (BLOCK_M, EPI) box each) in flight by TMA ahead of the epilogue
-SPLIT_EPI_WARPS = 4
-SPLIT_EPI_REGS = 112  # the fewest without spills at EPI 16 (offline report); the MMA warps then get 176
-SPLIT_LOADER_REGS = 40
-
-
-def dh_ws_split_smem_bytes(stages: int, block_k: int = SPLIT_BLOCK_K, nacc: int = SPLIT_NACC, nh: int = SPLIT_NH,
-                           epi: int = SPLIT_EPI, elem: int = 2) -> int:
-    """Shared memory of one program of the split form: the ring (a dO block and a W2 box per slot), ``nacc``
-    float32 halves of dA′ (BLOCK_M × SPLIT_BLOCK_N / 2 each) and ``nh`` H slots (a gate and an up (BLOCK_M, epi)
-    box each)."""
-    return (elem * stages * block_k * (BLOCK_M + SPLIT_BLOCK_N) + nacc * 4 * BLOCK_M * (SPLIT_BLOCK_N // 2)
-            + nh * 2 * elem * BLOCK_M * epi)
-
-
-def dh_ws_split_config(n: int, epi: int = SPLIT_EPI, block_k: int = SPLIT_BLOCK_K, nacc: int = SPLIT_NACC,
-                       nh: int = SPLIT_NH, ring_half: bool = SPLIT_RING_HALF) -> dict | None:
-    """The split form's config ({"SPLIT": True, "BLOCK_N": 256, "BLOCK_K", "EPI", "NACC", "NH", "RH", "STAGES": the
-    deepest ring that fits beside the dA′ half-buffers and the H slots}), or None where n is not a multiple of 256 or
-    the ring would be too shallow. ``ring_half``: dA′'s second half goes into the ring slots of the tile's last RH
-    K-blocks (RH of them hold its 128 / EPI blocks; one half-buffer, NACC 1); else RH is 0 and NACC half-buffers take
-    both halves in turn."""
-    half = SPLIT_BLOCK_N // 2
-    if n % SPLIT_BLOCK_N or half % epi or nacc not in (1, 2) or nh < 1:
-        return None
-    rh = 0
-    if ring_half:
-        nacc = 1
-        per_slot = block_k // (2 * epi) + block_k * SPLIT_BLOCK_N // (2 * BLOCK_M * epi)  # dA′ blocks in a slot
-        rh = -(-(half // epi) // per_slot)
-    fixed = dh_ws_split_smem_bytes(0, block_k, nacc, nh, epi)
-    per_stage = dh_ws_split_smem_bytes(1, block_k, nacc, nh, epi) - fixed
-    stages = min(MAX_STAGES * BLOCK_K // block_k, (SMEM_BUDGET - fixed) // per_stage)
-    if stages < max(2, rh + 2):
-        return None
-    return {"SPLIT": True, "BLOCK_N": SPLIT_BLOCK_N, "BLOCK_K": block_k, "EPI": epi, "NACC": nacc, "NH": nh,
-            "RH": rh, "STAGES": stages, "NBUF": NBUF}
 
 
 def dh_ws_enabled() -> bool:
@@ -475,255 +425,7 @@ if HAVE_GLUON:
             mbarrier.invalidate(h_ready.index(i))
 
 
-    @gluon.jit
-    def _split_acc_store(acc, acc_bufs, J0, EPI: gl.constexpr):
-        """Store ``acc`` (BLOCK_M, W) float32, W a power-of-two multiple of EPI, into the (BLOCK_M, EPI) buffers J0,
-        J0 + 1, ... (J0 at run time) of ``acc_bufs``, halving it until one block is left."""
-        W: gl.constexpr = acc.shape[1]
-        if W == EPI:
-            acc_bufs.index(J0).store(acc)
-        else:
-            lo, hi = column_halves(acc)
-            _split_acc_store(lo, acc_bufs, J0, EPI)
-            _split_acc_store(hi, acc_bufs, J0 + W // (2 * EPI), EPI)
-
-    @gluon.jit
-    def _ring_view(x_bufs, w_bufs, slot, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr, EPI: gl.constexpr, ACC_LAYOUT: gl.constexpr):
-        """Block ``sub`` of ring slot ``slot`` seen as a (BLOCK_M, EPI) float32 block of dA′ (RING_HALF): the slot's
-        dO block holds its first XB blocks, its W2 box the next WB."""
-        XB: gl.constexpr = BLOCK_K // (2 * EPI)
-        WB: gl.constexpr = BLOCK_K * BLOCK_N // (2 * BLOCK_M * EPI)
-        if sub < XB:
-            r = x_bufs.index(slot)._reinterpret(gl.float32, [XB, BLOCK_M, EPI], ACC_LAYOUT).index(sub)
-        else:
-            r = w_bufs.index(slot)._reinterpret(gl.float32, [WB, BLOCK_M, EPI], ACC_LAYOUT).index(sub - XB)
-        return r
-
-    @gluon.jit
-    def _ring_acc_store(acc, x_bufs, w_bufs, end_step, J0: gl.constexpr, RH: gl.constexpr, STAGES: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                        ACC_LAYOUT: gl.constexpr):
-        """Store ``acc`` (BLOCK_M, W) float32 as blocks J0, J0 + 1, ... of dA′'s second half in the ring slots of the
-        tile's last RH K-blocks (ring steps end_step - RH, ...; PB blocks a slot, :func:`_ring_view`)."""
-        W: gl.constexpr = acc.shape[1]
-        if W == EPI:
-            PB: gl.constexpr = BLOCK_K // (2 * EPI) + BLOCK_K * BLOCK_N // (2 * BLOCK_M * EPI)
-            _ring_view(x_bufs, w_bufs, (end_step - RH + J0 // PB) % STAGES, J0 % PB, BLOCK_M, BLOCK_N, BLOCK_K, EPI,
-                       ACC_LAYOUT).store(acc)
-        else:
-            lo, hi = column_halves(acc)
-            _ring_acc_store(lo, x_bufs, w_bufs, end_step, J0, RH, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, EPI, ACC_LAYOUT)
-            _ring_acc_store(hi, x_bufs, w_bufs, end_step, J0 + W // (2 * EPI), RH, STAGES, BLOCK_M, BLOCK_N, BLOCK_K,
-                            EPI, ACC_LAYOUT)
-
-    @gluon.jit
-    def _hand_over(acc, acc_bufs, acc_full, acc_empty, use, HB: gl.constexpr, NACC: gl.constexpr, EPI: gl.constexpr):
-        """Hand one (BLOCK_M, 128) half of dA′ to the epilogue partition: the next half-buffer (use ``use`` of the
-        NACC buffers in turn), once the epilogue has read its previous content; returns the next use."""
-        b = use % NACC
-        mbarrier.wait(acc_empty.index(b), ((use // NACC) & 1) ^ 1)
-        _split_acc_store(acc, acc_bufs, b * HB, EPI)
-        gl.thread_barrier()  # every MMA thread has written its part
-        mbarrier.arrive(acc_full.index(b))
-        return use + 1
-
-    @gluon.jit
-    def _dh_split_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full, acc_empty, ring_full, table_ptr,
-                      num_pid_n, D, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      EPI: gl.constexpr, STAGES: gl.constexpr, NACC: gl.constexpr, RH: gl.constexpr,
-                      ACC_LAYOUT: gl.constexpr, WARPS: gl.constexpr):
-        """MMA partition of the split form: per tile, the wgmma chains of dA′'s two column halves over the ring (two
-        128-wide accumulators, one K-block in flight), then the halves into shared memory (:func:`_hand_over`),
-        and straight on to the next tile. RH > 0 (RING_HALF): the second half goes into the ring slots of the tile's
-        last RH K-blocks instead (:func:`_ring_acc_store`), which the epilogue hands back to the loader once read."""
-        HALF: gl.constexpr = BLOCK_N // 2
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                             instr_shape=[16, HALF, 16])
-        total = gl.load(table_ptr) * num_pid_n
-        k_tiles = D // BLOCK_K
-        step = 0
-        use = 0
-        for _tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            lo = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=acc_layout)
-            hi = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=acc_layout)
-            for ki in range(k_tiles):
-                s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
-                w_buf = w_bufs.index(s)
-                lo = warpgroup_mma(x_bufs.index(s), w_buf.slice(0, HALF, dim=1), lo, is_async=True)
-                hi = warpgroup_mma(x_bufs.index(s), w_buf.slice(HALF, HALF, dim=1), hi, is_async=True)
-                lo, hi = warpgroup_mma_wait(num_outstanding=2, deps=(lo, hi))
-                # the previous K-block's slot goes back, unless it is one of the last RH (they carry dA′'s 2nd half)
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=(ki > 0) & (ki - 1 < k_tiles - RH))
-                step += 1
-            lo, hi = warpgroup_mma_wait(num_outstanding=0, deps=(lo, hi))
-            if RH > 0:
-                _ring_acc_store(hi, x_bufs, w_bufs, step, 0, RH, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, EPI, ACC_LAYOUT)
-                gl.thread_barrier()  # every MMA thread has written its part
-                mbarrier.arrive(ring_full)
-                use = _hand_over(lo, acc_bufs, acc_full, acc_empty, use, HALF // EPI, NACC, EPI)
-            else:
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
-                use = _hand_over(lo, acc_bufs, acc_full, acc_empty, use, HALF // EPI, NACC, EPI)
-                use = _hand_over(hi, acc_bufs, acc_full, acc_empty, use, HALF // EPI, NACC, EPI)
-
-    @gluon.jit
-    def _split_h_load(h_desc, h_bufs, h_ready, q, first, step_tiles, table_ptr, num_pid_n, N, NB: gl.constexpr,
-                      NH: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr):
-        """Ask TMA for H's gate and up (BLOCK_M, EPI) boxes of the program's epilogue block ``q`` (block q % NB of its
-        tile q // NB: tile ``first + (q // NB) · step_tiles``) into slot q % NH."""
-        e, row_start, row_end, pid_n = _tile_of(first + (q // NB) * step_tiles, table_ptr, num_pid_n)
-        col = pid_n * BLOCK_N + (q % NB) * EPI
-        b = q % NH
-        mbarrier.expect(h_ready.index(b), 2 * h_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(h_desc, [row_start, col], h_ready.index(b), h_bufs.index(2 * b))
-        tma.async_copy_global_to_shared(h_desc, [row_start, N + col], h_ready.index(b), h_bufs.index(2 * b + 1))
-
-    @gluon.jit
-    def _split_block(acc_view, J, q, n_blocks, first, step_tiles, h_desc, h_bufs, h_ready, table_ptr, num_pid_n,
-                     dh_rows, ap_rows, ds_ptr, r64, mask_m, mask, cols0, s, ch0, N, R, NB: gl.constexpr,
-                     NH: gl.constexpr, BLOCK_N: gl.constexpr, EPI: gl.constexpr, lay: gl.constexpr):
-        """Epilogue block J of a tile, the program's block ``q``: dA′ from ``acc_view``, H from its TMA slot (then
-        refilled with block q + NH), and the arithmetic of :func:`_dh_block`, so dH and A′ have its bits."""
-        hb = q % NH
-        mbarrier.wait(h_ready.index(hb), (q // NH) & 1)
-        g = h_bufs.index(2 * hb).load(lay).to(gl.float32)
-        u = h_bufs.index(2 * hb + 1).load(lay).to(gl.float32)
-        acc = acc_view.load(lay)
-        gl.thread_barrier()  # every epilogue thread has read H slot hb (and acc_view)
-        if q + NH < n_blocks:
-            _split_h_load(h_desc, h_bufs, h_ready, q + NH, first, step_tiles, table_ptr, num_pid_n, N, NB, NH,
-                          BLOCK_N, EPI)
-        dtype: gl.constexpr = dh_rows.dtype.element_ty
-        sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
-        silu = g * sig
-        a = silu * u
-        gl.store(ds_ptr + (ch0 // EPI + J) * R + r64, gl.sum(acc * a, axis=1), mask=mask_m)
-        da = acc * s
-        d_up = (da * silu).to(dtype)
-        d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
-        cols = cols0 + J * EPI
-        gl.store(dh_rows + cols, d_gate, mask=mask)
-        gl.store(dh_rows + (cols + N), d_up, mask=mask)
-        gl.store(ap_rows + cols, (a * s).to(dtype), mask=mask)
-        return q + 1
-
-    @gluon.jit
-    def _dh_split_epi(acc_bufs, acc_full, acc_empty, ring_full, x_bufs, w_bufs, empty, h_desc, h_bufs, h_ready, dh_ptr,
-                      ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                      STAGES: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, RH: gl.constexpr,
-                      ACC_LAYOUT: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr):
-        """Epilogue partition of the split form: per tile and (BLOCK_M, EPI) block J of dA′ (channels
-        ch0 + J·EPI + [0, EPI)), H's gate and up columns from the TMA boxes asked for NH blocks ahead (across tiles),
-        the SwiGLU backward, the dS partial, and dH's gate and up columns and A′ by masked 16-byte stores
-        (:func:`_split_block`). Under RH > 0 the second half comes from the ring slots of the tile's last RH K-blocks,
-        each handed back to the loader once read. PART 1 (timing only): each half of dA′ is handed back unread (the
-        MMAs, the ring and the hand-over alone)."""
-        NB: gl.constexpr = BLOCK_N // EPI
-        HB: gl.constexpr = NB // 2
-        PB: gl.constexpr = BLOCK_K // (2 * EPI) + BLOCK_K * BLOCK_N // (2 * BLOCK_M * EPI)  # blocks per ring slot
-        k_tiles = D // BLOCK_K
-        TPN: gl.constexpr = EPI // 8
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay))
-        offs_c = gl.arange(0, EPI, layout=gl.SliceLayout(0, lay))
-        total = gl.load(table_ptr) * num_pid_n
-        first = gl.program_id(0)
-        step_tiles = gl.num_programs(0)
-        n_blocks = gl.maximum(total - first + step_tiles - 1, 0) // step_tiles * NB
-        if PART != 1:
-            for q0 in gl.static_range(NH):
-                if q0 < n_blocks:
-                    _split_h_load(h_desc, h_bufs, h_ready, q0, first, step_tiles, table_ptr, num_pid_n, N, NB, NH,
-                                  BLOCK_N, EPI)
-        use = 0
-        q = 0
-        tcount = 0
-        for tile in range(first, total, step_tiles):
-            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            rows = row_start + offs_m
-            mask_m = rows < row_end
-            r64 = rows.to(gl.int64)
-            mask = mask_m[:, None] & (offs_c >= 0)[None, :]
-            dh_rows = dh_ptr + r64[:, None] * stride_hr
-            ap_rows = ap_ptr + r64[:, None] * stride_apr
-            ch0 = pid_n * BLOCK_N
-            cols0 = (ch0 + offs_c)[None, :]
-            s = gl.load(score_ptr + rows, mask=mask_m, other=0.0)[:, None]
-            for half in gl.static_range(2):
-                if half == 1 and RH > 0:  # the second half, in the ring slots of the tile's last RH K-blocks
-                    end_step = (tcount + 1) * k_tiles
-                    mbarrier.wait(ring_full, tcount & 1)
-                    for i in range(RH):  # a run-time loop over the slots, the slot's blocks unrolled
-                        for sub in gl.static_range(PB):
-                            if PART != 1 and i * PB + sub < HB:
-                                view = _ring_view(x_bufs, w_bufs, (end_step - RH + i) % STAGES, sub, BLOCK_M,
-                                                  BLOCK_N, BLOCK_K, EPI, ACC_LAYOUT)
-                                q = _split_block(view, HB + i * PB + sub, q, n_blocks, first, step_tiles, h_desc,
-                                                 h_bufs, h_ready, table_ptr, num_pid_n, dh_rows, ap_rows, ds_ptr, r64,
-                                                 mask_m, mask, cols0, s, ch0, N, R, NB, NH, BLOCK_N, EPI, lay)
-                        gl.thread_barrier()  # every epilogue thread has read the slot
-                        mbarrier.arrive(empty.index((end_step - RH + i) % STAGES))
-                else:
-                    b = use % NACC
-                    mbarrier.wait(acc_full.index(b), (use // NACC) & 1)
-                    if PART != 1:
-                        for j in range(HB):
-                            q = _split_block(acc_bufs.index(b * HB + j), half * HB + j, q, n_blocks, first,
-                                             step_tiles, h_desc, h_bufs, h_ready, table_ptr, num_pid_n, dh_rows,
-                                             ap_rows, ds_ptr, r64, mask_m, mask, cols0, s, ch0, N, R, NB, NH, BLOCK_N,
-                                             EPI, lay)
-                    gl.thread_barrier()  # every epilogue thread has read this half of dA′
-                    mbarrier.arrive(acc_empty.index(b))
-                    use += 1
-            tcount += 1
-
-    @gluon.jit
-    def _dh_split_kernel(do_ptr, w_desc, h_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr, table_ptr, num_pid_n,
-                         N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
-                         STAGES: gl.constexpr, NACC: gl.constexpr, NH: gl.constexpr, RH: gl.constexpr,
-                         MMA_WARPS: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
-                         EPI_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        dtype: gl.constexpr = do_ptr.dtype.element_ty
-        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-        acc_bufs = gl.allocate_shared_memory(gl.float32, [NACC * (BLOCK_N // 2 // EPI), BLOCK_M, EPI], ACC_LAYOUT)
-        h_bufs = gl.allocate_shared_memory(dtype, [2 * NH, BLOCK_M, EPI], h_desc.layout)
-        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        h_ready = gl.allocate_shared_memory(gl.int64, [NH, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NH):
-            mbarrier.init(h_ready.index(i), count=1)
-        acc_full = gl.allocate_shared_memory(gl.int64, [NACC, 1], mbarrier.MBarrierLayout())
-        acc_empty = gl.allocate_shared_memory(gl.int64, [NACC, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NACC):
-            mbarrier.init(acc_full.index(i), count=1)
-            mbarrier.init(acc_empty.index(i), count=1)
-        ring_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(ring_full, count=1)
-        gl.warp_specialize([
-            (_dh_split_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, acc_bufs, acc_full, acc_empty, ring_full,
-                             table_ptr, num_pid_n, D, BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, NACC, RH, ACC_LAYOUT,
-                             MMA_WARPS)),
-            (_dh_split_epi, (acc_bufs, acc_full, acc_empty, ring_full, x_bufs, w_bufs, empty, h_desc, h_bufs, h_ready,
-                             dh_ptr, ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr,
-                             BLOCK_M, BLOCK_N, BLOCK_K, EPI, STAGES, NACC, NH, RH, ACC_LAYOUT, EPI_WARPS, PART)),
-            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
-                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
-        ], [EPI_WARPS, LOADER_WARPS], [EPI_REGS, LOADER_REGS])
-        invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
-        for i in gl.static_range(NACC):
-            mbarrier.invalidate(acc_full.index(i))
-            mbarrier.invalidate(acc_empty.index(i))
-        for i in gl.static_range(NH):
-            mbarrier.invalidate(h_ready.index(i))
-        mbarrier.invalidate(ring_full)
-
-
 _CALLS: dict[tuple, dict] = {}
-# dA′ blocks (BLOCK_M, EPI) float32 in shared memory (the split form), written from the wgmma layout, read by rows of 8
-_SPLIT_ACC_LAYOUT = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]) if HAVE_GLUON else None
 
 
 def dh_ws_calls() -> list[dict]:
@@ -742,9 +444,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         dout: (T, d) bf16/fp16, contiguous. w2: (E, d, n). h: (R, 2n) the saved up-projection output, concat
             layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order.
         routing: rows sorted by expert (``row_token``, ``expert_offsets``).
-        config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} (default: the split form's :func:`dh_ws_split_config` where
-            ``SONICMOE_DH_SPLIT`` / SPLIT ask for it and n suits it, else :func:`dh_ws_config`; a split config also
-            takes "NACC", "EPI_REGS", "LOADER_REGS") and optionally "BLOCK_K", "STAGE_IN_RING" (the staging
+        config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "BLOCK_K", "STAGE_IN_RING" (the staging
             sets in a ring slot; only where :func:`stage_fits_slot` holds), "MAXNREG", "LOADER_WARPS" (default
             :func:`dh_ws_config`), "TMA_STORE" (default True; False: every tile's outputs by masked pointer
             stores), and, to time a part of the
@@ -756,7 +456,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     """
     e, d, n = w2.shape
     r = routing.num_rows
-    cfg = config or (env_switch("SONICMOE_DH_SPLIT", SPLIT) and dh_ws_split_config(n)) or dh_ws_config(n)
+    cfg = config or dh_ws_config(n)
     bn, epi = cfg["BLOCK_N"], cfg["EPI"]
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
@@ -766,20 +466,6 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     bk = cfg.get("BLOCK_K", BLOCK_K)
-    if cfg.get("SPLIT"):
-        ew, lw = cfg.get("EPI_WARPS", SPLIT_EPI_WARPS), cfg.get("LOADER_WARPS", LOADER_WARPS)
-        args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]), dh_, a_prime, ds_part,
-                row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0),
-                h.stride(0), a_prime.stride(0))
-        meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), ACC_LAYOUT=_SPLIT_ACC_LAYOUT, BLOCK_M=BLOCK_M,
-                    BLOCK_N=bn, BLOCK_K=bk, EPI=epi, STAGES=cfg["STAGES"], NACC=cfg.get("NACC", SPLIT_NACC),
-                    NH=cfg.get("NH", SPLIT_NH), RH=cfg.get("RH", 0) if d // bk >= cfg.get("RH", 0) else 0,
-                    MMA_WARPS=MMA_WARPS, EPI_WARPS=ew, EPI_REGS=cfg.get("EPI_REGS", SPLIT_EPI_REGS), LOADER_WARPS=lw,
-                    LOADER_REGS=cfg.get("LOADER_REGS", SPLIT_LOADER_REGS),
-                    maxnreg=cfg.get("MAXNREG", 65536 // (32 * (MMA_WARPS + ew + lw))))
-        launch_kernel(_dh_split_kernel, (sm_count(h.device),), *args, **meta, PART=cfg.get("PART", 0),
-                      num_warps=MMA_WARPS)
-        return dh_, a_prime, ds_part
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
