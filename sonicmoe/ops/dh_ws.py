@@ -51,7 +51,8 @@ loader 40). Bitwise right, and slower on an H200: 7B 0.462 against 0.432 ms, (32
 per tile as the MMAs, and a full overlap needs a second 64 KiB dA′ half-buffer, which leaves three ring slots (the
 MMAs alone then 0.39 ms). With the second half in the ring slots of the tile's last three K-blocks instead (full
 overlap, the ring three slots short while the epilogue reads them) it took 0.530: four warps with 16-byte stores run
-the epilogue at about 44 µs per tile, against about 12 for the eight MMA warps with TMA stores here.
+the epilogue at about 25 µs per tile, against about 12 for the eight MMA warps with TMA stores here, and the slots
+they hold starve the MMAs meanwhile.
 
 Session 41 (benchmarks/results/2026-11-27_nvidia-h100-h200_session41/) put the two staging sets in the ring slot of the
 tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
