@@ -69,7 +69,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import _masked_store
+    from .grouped_gemm_ws import _masked_store, column_halves
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
@@ -258,6 +258,13 @@ if HAVE_GLUON:
         _masked_store(c_smem, out_ptr, 0, stride, row_start, row_end, col0, st, COL_MASK=False)
 
     @gluon.jit
+    def _swiglu(hg, hu):
+        """A = silu(gate) · up in H's dtype from the rounded gate and up blocks (float32 arithmetic; the dH kernels
+        recompute A the same way)."""
+        g = hg.to(gl.float32)
+        return (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(hg.dtype)
+
+    @gluon.jit
     def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr):
         """One tile's wgmma chain over the ring from ring step ``step`` (one K-block in flight; the slot before it goes
@@ -275,7 +282,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc_g, acc_u = acc.reshape((BLOCK_M, 2, BLOCK_N)).permute((0, 2, 1)).split()
+            acc_g, acc_u = column_halves(acc)
         else:
             acc_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                                   instr_shape=[16, BLOCK_N, 16])
@@ -361,8 +368,7 @@ if HAVE_GLUON:
                     gl.thread_barrier()
                     mbarrier.arrive(h_full.index(0))
                 else:
-                    g = hg.to(gl.float32)
-                    a = (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(dtype)
+                    a = _swiglu(hg, hu)
                     _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
                                    pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
             i += 1
@@ -377,7 +383,6 @@ if HAVE_GLUON:
         blocks in ``h_smem``, their TMA stores (a full tile) or masked 16-byte stores (an expert's last tile), and A
         = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the staging set goes
         back to the MMA warps once the TMA stores have read it. The MMA warps meanwhile run the next tile."""
-        dtype: gl.constexpr = a_ptr.dtype.element_ty
         TPN: gl.constexpr = BLOCK_N // 8
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld))
@@ -406,8 +411,7 @@ if HAVE_GLUON:
                         h_rows = h_ptr + rows[:, None] * stride_hr + cols[None, :]
                         gl.store(h_rows, hg, mask=ok)
                         gl.store(h_rows + N, hu, mask=ok)
-                g = hg.to(gl.float32)
-                a = (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(dtype)
+                a = _swiglu(hg, hu)
                 gl.store(a_ptr + rows[:, None] * stride_ar + cols[None, :], a, mask=ok)
             tma.store_wait(pendings=0)  # the TMA stores have read the staging set
             gl.thread_barrier()  # and every storer thread is done with it
