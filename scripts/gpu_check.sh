@@ -56,6 +56,8 @@
 #          (scripts/tr_sync_probe.py on TRSYNC_SHAPES, with TRSYNC_ARGS)
 #   trlayer  every kernel of router + routing + experts forward+backward, top-k beside static token rounding
 #          (scripts/tr_layer_profile.py on TRLAYER_SHAPES T,d,n,E,K ...)
+#   energy joules per call of every kernel of the layer, of its dense cuBLAS twin and of the whole layer, with the
+#          board's watts and SM clock (scripts/energy_probe.py; ENERGY_SHAPE, default the 7B shape)
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last), backends FULL_BACKENDS (default triton,torch: the loop and
@@ -356,6 +358,14 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       timeout ${TRLAYER_LIMIT_S:-240} python3 scripts/tr_layer_profile.py ${TRLAYER_SHAPES:+--shape $TRLAYER_SHAPES} \
         > "$OUT/tr_layer_profile.txt" 2>&1
       SUMMARY+=("$(head -c 6000 "$OUT/tr_layer_profile.txt")")
+      ;;
+    energy)
+      # joules per call of every 7B kernel, of its dense cuBLAS twin and of the whole layer under the power cap
+      # (scripts/energy_probe.py; ENERGY_SHAPE T,d,n,E,K, ENERGY_ARGS more options); the table also lands in $FINAL
+      timeout ${ENERGY_LIMIT_S:-300} python3 scripts/energy_probe.py ${ENERGY_SHAPE:+--shape $ENERGY_SHAPE} \
+        ${ENERGY_ARGS:-} --json "$OUT/energy${ENERGY_SHAPE:+_${ENERGY_SHAPE//,/_}}.json" > "$OUT/energy.txt" 2>&1
+      cp "$OUT/energy.txt" "$FINAL/energy$TAG${ENERGY_SHAPE:+_${ENERGY_SHAPE//,/_}}.txt"
+      SUMMARY+=("$(grep -v Warning "$OUT/energy.txt" | tail -40)")
       ;;
     profile)
       # every kernel of a 7B layer call with its in-layer time, autotuned and with the pinned configs

@@ -1,0 +1,136 @@
+"""Energy per call of each kernel of the Triton layer, of its dense cuBLAS twin, and of the whole layer, under the
+GPU's power cap: where the joules go.
+
+An H100 or H200 running these layers sits at its 700 W cap, so the settled speed is set by the energy a call takes
+(joules per useful FLOP), not only by how well the kernels overlap their loads with their MMAs. Each item runs back
+to back for a settled warm-up, then for a window in which the board's energy counter (NVML
+``nvmlDeviceGetTotalEnergyConsumption``, mJ) and CUDA events are read at both ends and the SM clock is sampled: per
+call, GPU ms, joules and useful GFLOP per joule; per window, mean board watts and mean SM clock. The "dense twin"
+rows are :func:`benchmarks.kernel_breakdown.dense_rows` (the same FLOPs as perfectly balanced contiguous batched
+GEMMs, no gather, no epilogue; contiguous K-sums for the aggregations). An idle window gives the board's floor.
+
+usage (GPU): PYTHONPATH=$PWD python scripts/energy_probe.py [--shape T,d,n,E,K] [--warmup 1.0] [--window 1.5]
+             [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from kernel_breakdown import build_routing, dense_rows, kernel_rows, layer_rows  # noqa: E402
+
+from sonicmoe.testing import random_problem  # noqa: E402
+
+
+class Nvml:
+    """The board's energy counter (mJ since the driver loaded) and SM clock (MHz) through libnvidia-ml."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self.lib.nvmlInit_v2():
+            raise RuntimeError("nvmlInit_v2 failed")
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.handle = ctypes.c_void_p()
+        found = False
+        if hasattr(props, "pci_bus_id"):  # the CUDA device's own board, whatever CUDA_VISIBLE_DEVICES says
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
+            found = not self.lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus), ctypes.byref(self.handle))
+        if not found and self.lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(0), ctypes.byref(self.handle)):
+            raise RuntimeError("no NVML handle for the current device")
+
+    def energy_mj(self) -> int:
+        value = ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(value)):
+            raise RuntimeError("nvmlDeviceGetTotalEnergyConsumption failed")
+        return value.value
+
+    def sm_mhz(self) -> int:
+        value = ctypes.c_uint()
+        self.lib.nvmlDeviceGetClockInfo(self.handle, ctypes.c_uint(1), ctypes.byref(value))  # NVML_CLOCK_SM
+        return value.value
+
+
+def measure(nvml: Nvml, fn, warmup_s: float, window_s: float) -> dict:
+    """Run ``fn`` back to back for ``warmup_s``, then for ``window_s``: GPU ms per call (CUDA events), J per call
+    and mean W (energy counter), mean SM MHz (sampled between calls)."""
+    end = time.perf_counter() + warmup_s
+    while time.perf_counter() < end:
+        fn()
+    torch.cuda.synchronize()
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    clocks = []
+    e0, t0 = nvml.energy_mj(), time.perf_counter()
+    start_ev.record()
+    calls = 0
+    while time.perf_counter() - t0 < window_s:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            clocks.append(nvml.sm_mhz())
+    end_ev.record()
+    torch.cuda.synchronize()
+    e1, t1 = nvml.energy_mj(), time.perf_counter()
+    joules = (e1 - e0) / 1e3
+    return {"calls": calls, "ms": start_ev.elapsed_time(end_ev) / calls, "J": joules / calls,
+            "W": joules / (t1 - t0), "MHz": sum(clocks) / len(clocks) if clocks else float(nvml.sm_mhz())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="24576,1536,256,128,8")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds of back-to-back calls before each window")
+    ap.add_argument("--window", type=float, default=1.5, help="seconds measured per item")
+    ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t, d, n, e, k = (int(v) for v in args.shape.split(","))
+    nvml = Nvml()
+    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    routing, s_pair = build_routing(p, k, "topk")
+    items = [(f"triton {name}", fn, flops) for name, fn, flops in kernel_rows(p, routing, s_pair, dout)]
+    if not args.no_dense:
+        items += [(f"dense  {name}", fn, flops) for name, fn, flops in dense_rows(t, d, n, e, k)]
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        items.append(("dense  GEMM 8192^3", lambda: a @ b, 2 * 8192 ** 3))
+    for name, fn, flops, leaves in layer_rows(p, routing, s_pair, dout, ("triton", "torch")):
+        def call(fn=fn, leaves=leaves):
+            for v in leaves or ():
+                v.grad = None
+            fn()
+        items.append((name, call, flops))
+    for _, fn, _ in items:  # compile and autotune everything before any window
+        fn()
+    torch.cuda.synchronize()
+    rows = []
+    print(f"== {torch.cuda.get_device_name()} shape {args.shape}: warm-up {args.warmup} s, window {args.window} s")
+    print(f"{'item':42s} {'ms':>8s} {'J/call':>8s} {'W':>6s} {'MHz':>6s} {'TFLOP/s':>8s} {'GFLOP/J':>8s}")
+    for name, fn, flops in items:
+        r = measure(nvml, fn, args.warmup, args.window)
+        r.update(item=name, flops=flops, tflops=flops / r["ms"] / 1e9 if flops else 0.0,
+                 gflop_per_j=flops / r["J"] / 1e9 if flops and r["J"] > 0 else 0.0)
+        rows.append(r)
+        print(f"{name:42s} {r['ms']:8.3f} {r['J']:8.4f} {r['W']:6.0f} {r['MHz']:6.0f} {r['tflops']:8.1f} "
+              f"{r['gflop_per_j']:8.0f}", flush=True)
+    torch.cuda.synchronize()
+    e0, t0 = nvml.energy_mj(), time.perf_counter()
+    time.sleep(2.0)
+    idle_w = (nvml.energy_mj() - e0) / 1e3 / (time.perf_counter() - t0)
+    print(f"idle board power over 2 s after the load: {idle_w:.0f} W")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "idle_W": idle_w,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
