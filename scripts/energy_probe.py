@@ -83,12 +83,54 @@ def measure(nvml: Nvml, fn, warmup_s: float, window_s: float) -> dict:
             "W": joules / (t1 - t0), "MHz": sum(clocks) / len(clocks) if clocks else float(nvml.sm_mhz())}
 
 
+# aggregation variants of --agg: (BLOCK_T, BLOCK_D, num_warps, UNROLL, programs or 0 for one per tile)
+AGG_VARIANTS = [
+    (1, 1024, 4, 4, 0), (1, 512, 4, 4, 0), (1, 512, 2, 4, 0), (1, 512, 2, 8, 0), (2, 512, 4, 4, 0),
+    (1, 1024, 4, 4, 132), (1, 1024, 4, 4, 264), (1, 1024, 4, 4, 528), (2, 512, 4, 8, 264),
+    (4, 512, 8, 8, 132), (4, 512, 8, 8, 66), (8, 512, 16, 8, 66), (8, 512, 16, 8, 33),
+]
+
+
+def agg_items(p: dict, routing, s_pair: torch.Tensor) -> list:
+    """(name, fn, 0) of the forward aggregation (7B Y, score-weighted) under each of :data:`AGG_VARIANTS`, launched
+    straight through its kernel: one-program-per-tile grids and persistent grids of a set number of programs (fewer
+    than one per multiprocessor leaves multiprocessors idle: the same bytes from fewer of them)."""
+    from sonicmoe.ops import aggregation
+    from sonicmoe.ops.fast_launch import launch_kernel
+    from sonicmoe.ops.grouped_gemm import down_proj
+    from sonicmoe.ops.up_proj import up_proj
+
+    _, a = up_proj(p["x"], p["w1"], None, routing)
+    y = down_proj(a, p["w2"], None, routing)
+    w = routing.slot_scores(s_pair).float().contiguous()
+    t, d = routing.num_tokens, y.shape[1]
+    out = torch.empty(t, d, device=y.device, dtype=y.dtype)
+    ref = aggregation.gather_sum(y, routing, w)
+    args = dict(y_ptr=y, w_ptr=w, out_ptr=out, token_offsets_ptr=routing.token_offsets,
+                token_rows_ptr=routing.token_rows, T=t, D=d, stride_yr=y.stride(0), stride_ot=out.stride(0),
+                HAS_W=True)
+    items = [("gather_sum as the layer runs it", lambda: aggregation.gather_sum(y, routing, w), 0)]
+    for bt, bd, warps, unroll, progs in AGG_VARIANTS:
+        tiles = -(-t // bt) * -(-d // bd)
+        grid = (min(tiles, progs) if progs else tiles,)
+
+        def fn(grid=grid, bt=bt, bd=bd, warps=warps, unroll=unroll):
+            launch_kernel(aggregation._gather_sum_kernel, grid, **args, BLOCK_T=bt, BLOCK_D=bd, UNROLL=unroll,
+                          num_warps=warps)
+        fn()
+        if not torch.equal(out, ref):
+            raise AssertionError(f"aggregation variant {bt, bd, warps, unroll, progs} differs from gather_sum")
+        items.append((f"agg T{bt} D{bd} w{warps} u{unroll} " + (f"grid {progs}" if progs else "per tile"), fn, 0))
+    return items
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="24576,1536,256,128,8")
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of back-to-back calls before each window")
     ap.add_argument("--window", type=float, default=1.5, help="seconds measured per item")
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--agg", action="store_true", help="the forward aggregation's launch variants instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t, d, n, e, k = (int(v) for v in args.shape.split(","))
@@ -96,13 +138,17 @@ def main() -> None:
     p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     routing, s_pair = build_routing(p, k, "topk")
-    items = [(f"triton {name}", fn, flops) for name, fn, flops in kernel_rows(p, routing, s_pair, dout)]
-    if not args.no_dense:
+    if args.agg:
+        items = agg_items(p, routing, s_pair)
+    else:
+        items = [(f"triton {name}", fn, flops) for name, fn, flops in kernel_rows(p, routing, s_pair, dout)]
+    if not args.no_dense and not args.agg:
         items += [(f"dense  {name}", fn, flops) for name, fn, flops in dense_rows(t, d, n, e, k)]
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         items.append(("dense  GEMM 8192^3", lambda: a @ b, 2 * 8192 ** 3))
-    for name, fn, flops, leaves in layer_rows(p, routing, s_pair, dout, ("triton", "torch")):
+    backends = ("triton",) if args.agg else ("triton", "torch")
+    for name, fn, flops, leaves in layer_rows(p, routing, s_pair, dout, backends):
         def call(fn=fn, leaves=leaves):
             for v in leaves or ():
                 v.grad = None
