@@ -10,6 +10,8 @@ Forward: Y the expert outputs, w the scores S. Backward: dX_t = Σ dX̃ rows
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -71,6 +73,26 @@ TUNING_SPACE = [
 _tuned = autotuners(_gather_sum_kernel, TUNING_SPACE, ["D", "HAS_W", "UNROLL"])
 
 
+def env_config() -> tuple[int, int, int, int] | None:
+    """``SONICMOE_AGG_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:max UNROLL" (e.g. 1:512:2:8) pins every aggregation to
+    that config instead of the autotuned one; unset or ``auto``: None. Read at each call (layer A/Bs).
+
+    Raises:
+        ValueError: a value that is not four positive integers, BLOCK_D and num_warps powers of two.
+    """
+    value = os.environ.get("SONICMOE_AGG_CONFIG", "auto")
+    if value == "auto":
+        return None
+    try:
+        parts = tuple(int(v) for v in value.split(":"))
+    except ValueError:
+        parts = ()
+    if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[1:3]):
+        raise ValueError(f"SONICMOE_AGG_CONFIG: expected 'auto' or BLOCK_T:BLOCK_D:num_warps:UNROLL (positive "
+                         f"integers, BLOCK_D and num_warps powers of two), got {value!r}")
+    return parts
+
+
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
                config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
@@ -110,8 +132,12 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     )
     grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
+    max_unroll = MAX_UNROLL
+    if config is None and (env := env_config()) is not None:
+        *blocks, max_unroll = env
+        config = dict(zip(("BLOCK_T", "BLOCK_D", "num_warps"), blocks, strict=True))
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
-    args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), MAX_UNROLL)
+    args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), max_unroll)
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 
