@@ -193,6 +193,34 @@ def test_gather_sum_more_slots_than_unrolled(device):
     assert rel_err(out, gather_sum_ref(y, routing, w)) < 1e-6
 
 
+def test_gather_sum_config_rule(device, monkeypatch):
+    """The aggregation's config: SLICE_CONFIG on a GPU where d is a multiple of 512, autotuned elsewhere or under
+    SONICMOE_AGG_CONFIG=auto, the variable's own config where set (the same bits: slot order does not depend on
+    it), and a malformed value refused by name."""
+    from sonicmoe.ops import aggregation
+
+    monkeypatch.delenv("SONICMOE_AGG_CONFIG", raising=False)
+    slice_cfg = aggregation.SLICE_CONFIG
+    assert aggregation.pinned_config(1536, True) == (slice_cfg, aggregation.MAX_UNROLL)
+    assert aggregation.pinned_config(4096, True)[0] == slice_cfg
+    assert aggregation.pinned_config(768, True) == (None, aggregation.MAX_UNROLL)
+    assert aggregation.pinned_config(1536, False) == (None, aggregation.MAX_UNROLL)
+    t, e = 29, 7
+    routing = _skewed_routing(t, e, device)
+    y = torch.randn(routing.num_rows, 40, device=device)
+    w = torch.rand(routing.num_rows, device=device)
+    base = gather_sum(y, routing, w)
+    monkeypatch.setenv("SONICMOE_AGG_CONFIG", "auto")
+    assert aggregation.pinned_config(1536, True) == (None, aggregation.MAX_UNROLL)
+    monkeypatch.setenv("SONICMOE_AGG_CONFIG", "2:32:1:2")
+    assert aggregation.pinned_config(768, False) == ({"BLOCK_T": 2, "BLOCK_D": 32, "num_warps": 1}, 2)
+    assert torch.equal(gather_sum(y, routing, w), base)
+    for bad in ("1:512:2", "1:500:2:4", "1:512:3:4", "0:512:2:4", "x"):
+        monkeypatch.setenv("SONICMOE_AGG_CONFIG", bad)
+        with pytest.raises(ValueError, match="SONICMOE_AGG_CONFIG"):
+            gather_sum(y, routing, w)
+
+
 def _layer_grads(p, k, layout, backend, dtype, dout):
     ins = {key: (v.to(dtype).clone().requires_grad_(True) if v is not None else None) for key, v in p.items()}
     res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,
@@ -337,6 +365,23 @@ def test_gpu_bf16_layer(shape, layout):
     assert rel_err(out, ref) < 1e-2
     for key in grads:
         assert rel_err(grads[key], rgrads[key]) <= 2 * rel_err(tgrads[key], rgrads[key]) + 2e-3, key
+
+
+@pytest.mark.gpu
+def test_gpu_gather_sum_slice_config(monkeypatch):
+    """bf16 aggregation at d = 1536 (7B width) under SLICE_CONFIG: near the float32 sum, and bitwise equal to the
+    autotuned and to other pinned configs (each token's slots are summed in slot order whatever the tiling)."""
+    t, d, e, k = 3000, 1536, 64, 8
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
+    routing = routing_from_topk(ids, e)
+    y = torch.randn(routing.num_rows, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(routing.num_rows, device="cuda")
+    monkeypatch.delenv("SONICMOE_AGG_CONFIG", raising=False)
+    base = gather_sum(y, routing, w)
+    assert rel_err(base, gather_sum_ref(y.float(), routing, w)) < 4e-3
+    for value in ("auto", "1:1024:4:4", "2:512:4:8"):
+        monkeypatch.setenv("SONICMOE_AGG_CONFIG", value)
+        assert torch.equal(gather_sum(y, routing, w), base), value
 
 
 @pytest.mark.gpu
