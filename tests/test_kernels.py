@@ -194,17 +194,18 @@ def test_gather_sum_more_slots_than_unrolled(device):
 
 
 def test_gather_sum_config_rule(device, monkeypatch):
-    """The aggregation's config: SLICE_CONFIG on a GPU where d is a multiple of 512, autotuned elsewhere or under
-    SONICMOE_AGG_CONFIG=auto, the variable's own config where set (the same bits: slot order does not depend on
-    it), and a malformed value refused by name."""
+    """The aggregation's config: SLICE_CONFIG on a GPU with one program per tile where d is an odd multiple of 512,
+    autotuned elsewhere (d a multiple of 1024 or not of 512, persistent grids, CPU) or under SONICMOE_AGG_CONFIG=auto,
+    the variable's own config where set (the same bits: slot order does not depend on it), and a malformed value
+    refused by name."""
     from sonicmoe.ops import aggregation
 
     monkeypatch.delenv("SONICMOE_AGG_CONFIG", raising=False)
     slice_cfg = aggregation.SLICE_CONFIG
     assert aggregation.pinned_config(1536, True) == (slice_cfg, aggregation.MAX_UNROLL)
-    assert aggregation.pinned_config(4096, True)[0] == slice_cfg
-    assert aggregation.pinned_config(768, True) == (None, aggregation.MAX_UNROLL)
-    assert aggregation.pinned_config(1536, False) == (None, aggregation.MAX_UNROLL)
+    assert aggregation.pinned_config(2560, True)[0] == slice_cfg
+    for d, on_gpu, progs in ((4096, True, 0), (2048, True, 0), (768, True, 0), (1536, False, 0), (1536, True, 2)):
+        assert aggregation.pinned_config(d, on_gpu, progs) == (None, aggregation.MAX_UNROLL), (d, on_gpu, progs)
     t, e = 29, 7
     routing = _skewed_routing(t, e, device)
     y = torch.randn(routing.num_rows, 40, device=device)

@@ -81,34 +81,40 @@ TUNING_SPACE = [
     for bt, bd, w in ((1, 1024, 4), (2, 1024, 4), (4, 512, 4), (1, 512, 4))
 ]
 _tuned = autotuners(_gather_sum_kernel, TUNING_SPACE, ["D", "HAS_W", "UNROLL"])
-# the config every GPU aggregation runs where d is a multiple of its 512 channels (not autotuned): one token per
-# program, each of 64 threads one 16-byte vector (8 bf16 channels) of each row, no masked lanes. Session 46
+# the config a GPU aggregation with one program per tile runs where d is an odd multiple of 512 (not autotuned): one
+# token per program, each of 64 threads one 16-byte vector (8 bf16 channels) of each row, no masked lanes where the
+# 1024-channel configs leave half of each token's last program masked. Session 46
 # (benchmarks/results/2026-11-27_nvidia-h100-h200_session46/), 7B shape, each config run back to back for 1.5 s after
 # a 1 s warm-up: on an H200 0.165 ms and 0.117 J per call against 0.173-0.175 ms and 0.125 J for (1, 1024, 4), whose
 # second program per token leaves half its lanes masked at d = 1536; on an H100 0.231 against 0.233-0.235 ms; at
 # (32768, 4096, 1024, 128, 8) on the H200 level (0.568 against 0.569 ms). Layer A/Bs against the autotuned config
 # (7 alternating rounds, 1 s warm-ups), 7B forward: 1.0656 against 1.0828 ms on an H200, 1.1515 against 1.1668 on
-# an H100; forward+backward level within the rounds' spread (3.274 against 3.255, 3.455 against 3.444)
+# an H100; forward+backward level within the rounds' spread (3.274 against 3.255, 3.455 against 3.444). Not where d is
+# a multiple of 1024 or in a persistent grid: pinned at every multiple of 512, the 120B-n1024 layer's forward+backward
+# took 37.91 against 36.62 ms on an H100 (5 of 5 rounds slower), its backward's dX aggregation running in 2048-column
+# blocks as a persistent grid of 2 programs per multiprocessor (half the loads in flight of the 4-warp configs)
 SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
 
 
-def pinned_config(d: int, on_gpu: bool) -> tuple[dict | None, int]:
+def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | None, int]:
     """(config, most slots per unrolled step) of an aggregation of width d: ``SONICMOE_AGG_CONFIG`` where set to a
-    config, else on a GPU :data:`SLICE_CONFIG` where d is a multiple of 512; config None means autotuned (or the
-    pinned defaults under ``SONICMOE_AUTOTUNE=0`` and the interpreter)."""
+    config, else :data:`SLICE_CONFIG` on a GPU with one program per tile (``progs_per_sm`` 0) where d is an odd
+    multiple of 512 (1536, 2560, ...); config None means autotuned (or the pinned defaults under
+    ``SONICMOE_AUTOTUNE=0`` and the interpreter)."""
     env = env_config()
     if env is not None:
         *blocks, unroll = env
         return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps"), blocks, strict=True)), unroll
     auto = os.environ.get("SONICMOE_AGG_CONFIG") == "auto"
-    if on_gpu and not auto and d % SLICE_CONFIG["BLOCK_D"] == 0:
+    width = SLICE_CONFIG["BLOCK_D"]
+    if on_gpu and not auto and not progs_per_sm and d % width == 0 and d % (2 * width):
         return dict(SLICE_CONFIG), MAX_UNROLL
     return None, MAX_UNROLL
 
 
 def env_config() -> tuple[int, int, int, int] | None:
     """``SONICMOE_AGG_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:max UNROLL" (e.g. 1:512:2:4) pins every aggregation to
-    that config; ``auto`` autotunes every one (before session 46's :data:`SLICE_CONFIG`); unset: the default rule
+    that config; ``auto`` autotunes every one (as before session 46's :data:`SLICE_CONFIG`); unset: the default rule
     (:func:`pinned_config`). Here: the four integers, or None where unset or ``auto``. Read at each call.
 
     Raises:
@@ -137,7 +143,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
         config: explicit block configuration (tuning sweeps), else :func:`pinned_config` (on a GPU
-            :data:`SLICE_CONFIG` where d is a multiple of 512) or autotuned.
+            :data:`SLICE_CONFIG` where d is an odd multiple of 512, one program per tile) or autotuned.
         out: a (T, d) tensor or view of y's dtype and device with a unit inner stride to write O into (the
             backward allocates it on its own stream before launching this on a side stream; a block of columns of
             a wider O), else a new one.
@@ -169,7 +175,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     max_unroll = MAX_UNROLL
     if config is None:
-        config, max_unroll = pinned_config(d, y.is_cuda and not interpreting())
+        config, max_unroll = pinned_config(d, y.is_cuda and not interpreting(), progs_per_sm)
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
     args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), max_unroll)
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
