@@ -14,23 +14,27 @@ now. GPU only.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 from dxt_ws_probe import probe_shapes, timing_rows, with_env
 
-import sonicmoe
 from sonicmoe.ops import dh as dh_mod
 from sonicmoe.ops import dh_ws
 from sonicmoe.testing import random_problem
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from kernel_breakdown import build_routing  # noqa: E402
 
-def dh_problem(shape: str) -> tuple[dict, object, torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def dh_problem(shape: str, routing_mode: str = "topk") -> tuple[dict, object, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A bf16 problem of ``shape`` ("T,d,n,E,K") on the GPU for the dH kernel: the layer's random problem (x, W1,
-    W2, ...), its top-k routing, and fresh dO (T, d), H (R, 2n) and row scores (R,)."""
+    W2, ...), its router's scores routed by ``routing_mode`` (``topk`` or ``token_rounding``:
+    ``kernel_breakdown.build_routing``), and fresh dO (T, d), H (R, 2n) and row scores (R,)."""
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
-    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+    routing, _ = build_routing(p, k, routing_mode)
     r = routing.num_rows
     g = torch.Generator(device="cuda").manual_seed(1)
     dout = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)

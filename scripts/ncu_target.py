@@ -14,8 +14,6 @@ per source line). Session 40's profiles are in benchmarks/results/2026-11-27_nvi
 """
 
 import argparse
-import os
-import sys
 
 import torch
 from dh_ws_probe import dh_problem
@@ -23,20 +21,12 @@ from dh_ws_probe import dh_problem
 from sonicmoe.ops import dh_ws
 from sonicmoe.ops.up_proj import up_proj
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from kernel_breakdown import build_routing  # noqa: E402
-
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--op", choices=("dh", "up"), default="dh")
 ap.add_argument("--shape", default="24576,1536,256,128,8", help="T,d,n,E,K")
 ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
 args = ap.parse_args()
-p, routing, dout, h, s = dh_problem(args.shape)
-if args.routing != "topk":  # the same router's scores, routed by token rounding; H and S sized to its rows
-    routing, _ = build_routing(p, int(args.shape.split(",")[4]), args.routing)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    h = torch.randn(routing.num_rows, h.shape[1], device="cuda", generator=g).to(h.dtype)
-    s = torch.rand(routing.num_rows, device="cuda", generator=g)
+p, routing, dout, h, s = dh_problem(args.shape, args.routing)
 for _ in range(3):
     if args.op == "dh":
         dh_ws.dh_ws(dout, p["w2"], h, s, routing)
