@@ -83,44 +83,35 @@ def measure(nvml: Nvml, fn, warmup_s: float, window_s: float) -> dict:
             "W": joules / (t1 - t0), "MHz": sum(clocks) / len(clocks) if clocks else float(nvml.sm_mhz())}
 
 
-# aggregation variants of --agg: (BLOCK_T, BLOCK_D, num_warps, UNROLL, programs or 0 for one per tile)
-# (session 46, 7B on an H200: every persistent grid of 33-528 programs took 1.5-5x as long as one program per tile)
+# aggregation variants of --agg: (BLOCK_T, BLOCK_D, num_warps, UNROLL, programs per multiprocessor or 0 for one per
+# tile). Session 46, 7B on an H200: every persistent grid of 33-528 programs took 1.5-5x as long as one per tile
 AGG_VARIANTS = [
     (1, 1024, 4, 4, 0), (1, 1024, 4, 8, 0), (1, 512, 4, 4, 0), (1, 512, 2, 4, 0), (1, 512, 2, 8, 0),
-    (2, 512, 4, 4, 0), (1, 256, 1, 8, 0), (2, 512, 4, 8, 264),
+    (2, 512, 4, 4, 0), (1, 256, 1, 8, 0), (2, 512, 4, 8, 2),
 ]
 
 
 def agg_items(p: dict, routing, s_pair: torch.Tensor) -> list:
-    """(name, fn, 0) of the forward aggregation (7B Y, score-weighted) under each of :data:`AGG_VARIANTS`, launched
-    straight through its kernel: one-program-per-tile grids and persistent grids of a set number of programs (fewer
-    than one per multiprocessor leaves multiprocessors idle: the same bytes from fewer of them)."""
-    from sonicmoe.ops import aggregation
-    from sonicmoe.ops.fast_launch import launch_kernel
+    """(name, fn, 0) of the forward aggregation (Y of the problem, score-weighted) as the layer runs it and under
+    each of :data:`AGG_VARIANTS` (``gather_sum`` with that config, whose UNROLL wins over the launcher's), each
+    checked bitwise against the layer's."""
+    from sonicmoe.ops.aggregation import gather_sum
     from sonicmoe.ops.grouped_gemm import down_proj
     from sonicmoe.ops.up_proj import up_proj
 
     _, a = up_proj(p["x"], p["w1"], None, routing)
     y = down_proj(a, p["w2"], None, routing)
     w = routing.slot_scores(s_pair).float().contiguous()
-    t, d = routing.num_tokens, y.shape[1]
-    out = torch.empty(t, d, device=y.device, dtype=y.dtype)
-    ref = aggregation.gather_sum(y, routing, w)
-    args = dict(y_ptr=y, w_ptr=w, out_ptr=out, token_offsets_ptr=routing.token_offsets,
-                token_rows_ptr=routing.token_rows, T=t, D=d, stride_yr=y.stride(0), stride_ot=out.stride(0),
-                HAS_W=True)
-    items = [("gather_sum as the layer runs it", lambda: aggregation.gather_sum(y, routing, w), 0)]
-    for bt, bd, warps, unroll, progs in AGG_VARIANTS:
-        tiles = -(-t // bt) * -(-d // bd)
-        grid = (min(tiles, progs) if progs else tiles,)
+    ref = gather_sum(y, routing, w)
+    items = [("gather_sum as the layer runs it", lambda: gather_sum(y, routing, w), 0)]
+    for bt, bd, warps, unroll, pps in AGG_VARIANTS:
+        cfg = {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
 
-        def fn(grid=grid, bt=bt, bd=bd, warps=warps, unroll=unroll):
-            launch_kernel(aggregation._gather_sum_kernel, grid, **args, BLOCK_T=bt, BLOCK_D=bd, UNROLL=unroll,
-                          num_warps=warps)
-        fn()
-        if not torch.equal(out, ref):
-            raise AssertionError(f"aggregation variant {bt, bd, warps, unroll, progs} differs from gather_sum")
-        items.append((f"agg T{bt} D{bd} w{warps} u{unroll} " + (f"grid {progs}" if progs else "per tile"), fn, 0))
+        def fn(cfg=cfg, pps=pps):
+            return gather_sum(y, routing, w, config=cfg, progs_per_sm=pps)
+        if not torch.equal(fn(), ref):
+            raise AssertionError(f"aggregation variant {cfg} (progs_per_sm {pps}) differs from the layer's")
+        items.append((f"agg T{bt} D{bd} w{warps} u{unroll} " + (f"{pps}/SM" if pps else "per tile"), fn, 0))
     return items
 
 
