@@ -97,32 +97,23 @@ SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
 
 
 def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | None, int]:
-    """(config, most slots per unrolled step) of an aggregation of width d: ``SONICMOE_AGG_CONFIG`` where set to a
-    config, else :data:`SLICE_CONFIG` on a GPU with one program per tile (``progs_per_sm`` 0) where d is an odd
-    multiple of 512 (1536, 2560, ...); config None means autotuned (or the pinned defaults under
-    ``SONICMOE_AUTOTUNE=0`` and the interpreter)."""
-    env = env_config()
-    if env is not None:
-        *blocks, unroll = env
-        return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps"), blocks, strict=True)), unroll
-    auto = os.environ.get("SONICMOE_AGG_CONFIG") == "auto"
-    width = SLICE_CONFIG["BLOCK_D"]
-    if on_gpu and not auto and not progs_per_sm and d % width == 0 and d % (2 * width):
-        return dict(SLICE_CONFIG), MAX_UNROLL
-    return None, MAX_UNROLL
-
-
-def env_config() -> tuple[int, int, int, int] | None:
-    """``SONICMOE_AGG_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:max UNROLL" (e.g. 1:512:2:4) pins every aggregation to
-    that config; ``auto`` autotunes every one (as before session 46's :data:`SLICE_CONFIG`); unset: the default rule
-    (:func:`pinned_config`). Here: the four integers, or None where unset or ``auto``. Read at each call.
+    """(config, most slots per unrolled step) of an aggregation of width d. ``SONICMOE_AGG_CONFIG`` (read at each
+    call) = "BLOCK_T:BLOCK_D:num_warps:max UNROLL" (e.g. 1:512:2:4) pins every aggregation to that config; ``auto``
+    autotunes every one (as before session 46); unset: :data:`SLICE_CONFIG` on a GPU with one program per tile
+    (``progs_per_sm`` 0) where d is an odd multiple of 512 (1536, 2560, ...), else autotuned. Config None means
+    autotuned (or the pinned defaults under ``SONICMOE_AUTOTUNE=0`` and the interpreter).
 
     Raises:
         ValueError: a value that is not ``auto`` or four positive integers, BLOCK_D and num_warps powers of two.
     """
-    value = os.environ.get("SONICMOE_AGG_CONFIG", "auto")
+    value = os.environ.get("SONICMOE_AGG_CONFIG")
+    if value is None:
+        width = SLICE_CONFIG["BLOCK_D"]
+        if on_gpu and not progs_per_sm and d % width == 0 and d % (2 * width):
+            return dict(SLICE_CONFIG), MAX_UNROLL
+        return None, MAX_UNROLL
     if value == "auto":
-        return None
+        return None, MAX_UNROLL
     try:
         parts = tuple(int(v) for v in value.split(":"))
     except ValueError:
@@ -130,7 +121,8 @@ def env_config() -> tuple[int, int, int, int] | None:
     if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[1:3]):
         raise ValueError(f"SONICMOE_AGG_CONFIG: expected 'auto' or BLOCK_T:BLOCK_D:num_warps:UNROLL (positive "
                          f"integers, BLOCK_D and num_warps powers of two), got {value!r}")
-    return parts
+    *blocks, unroll = parts
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps"), blocks, strict=True)), unroll
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
