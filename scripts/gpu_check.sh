@@ -15,7 +15,8 @@
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
 #          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
-#   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS), GPU tests, 7B layer A/B
+#   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS, UPWS_PROBE_ARGS e.g. --routing
+#          token_rounding, UPWS_PROBE_TAG to keep several probes of one call apart), GPU tests, 7B layer A/B
 #          (UPWS_AB_VALUES, default 1,0; UPWS_AB_ARGS more ws_ab.py options, e.g. --warmup 1000)
 #   dhws   the Gluon dH kernel: probe against Triton (DHWS_SHAPES, DHWS_CONFIGS EPI:NBUF[:BLOCK_N[:PART[:TMA_STORE[:BLOCK_K[:RING]]]]],...),
 #          GPU tests, layer A/B
@@ -58,6 +59,7 @@
 #          (scripts/tr_layer_profile.py on TRLAYER_SHAPES T,d,n,E,K ...)
 #   energy joules per call of every kernel of the layer, of its dense cuBLAS twin and of the whole layer, with the
 #          board's watts and SM clock (scripts/energy_probe.py; ENERGY_SHAPE, default the 7B shape)
+#   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
 #          GRAN_PRESETS to choose; models: the last), backends FULL_BACKENDS (default triton,torch: the loop and
@@ -213,7 +215,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       shapes=()
       for sh in ${UPWS_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
       [ "${UPWS_PROBE:-1}" = 1 ] && timeout ${UPWS_LIMIT_S:-240} python3 scripts/up_ws_probe.py "${shapes[@]}" ${UPWS_CONFIGS:+--configs $UPWS_CONFIGS} \
-        --json "$OUT/up_ws_probe.json" > "$OUT/up_ws_probe.txt" 2>&1
+        ${UPWS_PROBE_ARGS:-} --json "$OUT/up_ws_probe${UPWS_PROBE_TAG:-}.json" > "$OUT/up_ws_probe${UPWS_PROBE_TAG:-}.txt" 2>&1
       [ "${UPWS_TESTS:-1}" = 1 ] &&
         timeout 400 python3 -m pytest -rA -m gpu tests/test_up_proj_ws.py ${UPWS_MORE_TESTS:-} -p no:cacheprovider \
           > "$OUT/gpu_tests_upws.log" 2>&1
@@ -222,7 +224,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       [ "${UPWS_AB:-1}" = 1 ] && timeout ${UPWS_AB_LIMIT_S:-300} python3 scripts/ws_ab.py --env SONICMOE_GLUON_UP \
         --values ${UPWS_AB_VALUES:-1,0} --rounds ${UPWS_AB_ROUNDS:-7} ${UPWS_AB_ARGS:-} "${ab[@]}" \
         --json "$OUT/ab_up.json" > "$OUT/ab_up.txt" 2>&1
-      SUMMARY+=("$(grep -svE 'check' "$OUT/up_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/up_ws_probe.txt" | cut -c1-220)"
+      SUMMARY+=("$(grep -svE 'check' "$OUT/up_ws_probe${UPWS_PROBE_TAG:-}.txt" | tail -12)" "$(grep -sE 'check' "$OUT/up_ws_probe${UPWS_PROBE_TAG:-}.txt" | cut -c1-220)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_upws.log")" "$(tail -1 "$OUT/gpu_tests_upws.log" 2>/dev/null)"
                 "$(grep -E 'SONICMOE_GLUON_UP=' "$OUT/ab_up.txt" 2>/dev/null)")
       ;;
@@ -366,6 +368,20 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         ${ENERGY_ARGS:-} --json "$OUT/energy${ENERGY_SHAPE:+_${ENERGY_SHAPE//,/_}}.json" > "$OUT/energy.txt" 2>&1
       cp "$OUT/energy.txt" "$FINAL/energy$TAG${ENERGY_SHAPE:+_${ENERGY_SHAPE//,/_}}.txt"
       SUMMARY+=("$(grep -v Warning "$OUT/energy.txt" | tail -40)")
+      ;;
+    ncu)
+      # Nsight Compute profiles of one expert kernel each (scripts/ncu_target.py): NCU_RUNS is a list of
+      # NAME:OP:T,d,n,E,K:ROUTING[:ENV=VALUE]; each leaves NAME.ncu-rep, NAME_details.txt and NAME_raw.csv
+      for r in ${NCU_RUNS:-up_topk:up:16384,1536,256,512,8:topk up_tr:up:16384,1536,256,512,8:token_rounding}; do
+        IFS=: read -r name op shape routing envv <<< "$r"
+        kernel=$([ "$op" = dh ] && echo '_dh_ws_kernel' || echo '_up_(ws|proj)_kernel')
+        env ${envv:-} SONICMOE_AUTOTUNE=0 timeout ${NCU_LIMIT_S:-150} ncu -k "regex:$kernel" -s 2 -c 1 --set full \
+          --import-source yes -f -o "$OUT/$name" python3 scripts/ncu_target.py --op "$op" --shape "$shape" \
+          --routing "$routing" > "$OUT/${name}_log.txt" 2>&1
+        ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+        ncu -i "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
+        SUMMARY+=("== ncu $r" "$(grep -E '^  _|Duration|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate |Compute \(SM\) Thr|Warp Cycles Per Issued' "$OUT/${name}_details.txt" | head -12)")
+      done
       ;;
     profile)
       # every kernel of a 7B layer call with its in-layer time, autotuned and with the pinned configs

@@ -1,12 +1,14 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
-usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...]
+usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--routing topk|token_rounding]
                                      [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:PART[:EPI_WARPS[:EPI_CHUNK]]],...]
                                      [--rounds 5] [--json F]
 
 Runs ``up_proj_ws`` with explicit configs, checks H and A bitwise against the Triton kernel's (autotuned, or
 pinned under SONICMOE_AUTOTUNE=0) and by relative error against the float32 per-expert reference, then times
 both in alternating rounds on the same inputs (do_bench medians). ``default`` is what ``up_proj`` picks now.
+``--routing token_rounding`` routes the router's scores by token rounding (M_tile 128,
+``kernel_breakdown.build_routing``) instead of top-k: every expert then holds whole 128-row tiles.
 PART 1 times the MMAs alone (its outputs are not H and A: its check fails by design). EPI_WARPS 4 moves the
 epilogue to a storer partition (with MAXNREG 128: the partitions set their own counts), EPI_CHUNK rows of A at a
 time. GPU only.
@@ -17,9 +19,9 @@ from __future__ import annotations
 import argparse
 
 import torch
+from dh_ws_probe import build_routing  # benchmarks/kernel_breakdown.py's (dh_ws_probe puts benchmarks/ on the path)
 from dxt_ws_probe import probe_shapes, timing_rows, with_env
 
-import sonicmoe
 from sonicmoe.ops import up_proj as up
 from sonicmoe.ops import up_proj_ws as uw
 from sonicmoe.testing import random_problem
@@ -30,11 +32,10 @@ def triton_up(x, w1, routing):
     return with_env("SONICMOE_GLUON_UP", "0", up.up_proj, x, w1, None, routing)
 
 
-def probe_shape(shape: str, configs: list[dict], rounds: int) -> list[dict]:
+def probe_shape(shape: str, configs: list[dict], rounds: int, routing_mode: str = "topk") -> list[dict]:
     t, d, n, e, k = (int(v) for v in shape.split(","))
     p = random_problem(t, d, n, e, device="cuda", dtype=torch.bfloat16, seed=0)
-    router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
-    routing = sonicmoe.routing_from_topk(router.topk_ids, e)
+    routing, _ = build_routing(p, k, routing_mode)
     x, w1 = p["x"], p["w1"]
     r = routing.num_rows
     flops = 2 * r * 2 * n * d
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=None)
     ap.add_argument("--configs", default="4:4:168:1,4:4:168:0")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART", "EPI_WARPS", "EPI_CHUNK")
@@ -74,7 +76,7 @@ def main() -> None:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
         c.setdefault("PART", 0)
         c.setdefault("EPI_WARPS", 0)
-    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds), args.json)
+    probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, args.routing), args.json)
 
 
 if __name__ == "__main__":
