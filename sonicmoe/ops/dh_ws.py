@@ -87,7 +87,7 @@ from .grouped_gemm_ws import (
     _GL_DTYPES,
     HAVE_GLUON,
     _descriptor,
-    gather_prefetch,
+    gather_evict,
     shared_layout,
     tile_table,
     ws_enabled,
@@ -403,12 +403,12 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dh_ws_kernel(do_ptr, w_desc, w_ptr, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
+    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
                       table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr, PREFETCH: gl.constexpr):
+                      STAGE_IN_RING: gl.constexpr, X_EVICT: gl.constexpr):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -426,9 +426,9 @@ if HAVE_GLUON:
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
                        BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING)),
-            (gather_loader, (do_ptr, w_desc, w_ptr, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
-                             empty, num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False,
-                             PREFETCH)),
+            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False,
+                             X_EVICT)),
         ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
         for i in gl.static_range(NBUF):
@@ -476,15 +476,14 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
     table = tile_table(routing.expert_offsets, r, BLOCK_M)
     bk = cfg.get("BLOCK_K", BLOCK_K)
-    args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), w2, _descriptor(h, [BLOCK_M, epi]),
+    args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
             a_prime.stride(0))
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
-                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)),
-                PREFETCH=min(cfg.get("PREFETCH", gather_prefetch()), d // bk),
+                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), X_EVICT=cfg.get("X_EVICT", gather_evict()),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

@@ -58,7 +58,7 @@ from .grouped_gemm_ws import (
     _GL_DTYPES,
     HAVE_GLUON,
     _descriptor,
-    gather_prefetch,
+    gather_evict,
     shared_layout,
     tile_table,
     ws_enabled,
@@ -211,47 +211,19 @@ if HAVE_GLUON:
         return gl.load(entry), gl.load(entry + 1), gl.load(entry + 2), tile - mt * num_pid_n
 
     @gluon.jit
-    def _l2_prefetch(ptrs):
-        """``prefetch.global.L2`` of the 128-byte line at each address of ``ptrs`` (no result, nothing waits)."""
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _prefetch_block(x_ptr, w_ptr, tok, e, pid_n, k0, N, D, stride_x, offs_w, BLOCK_N: gl.constexpr,
-                        W_UP: gl.constexpr):
-        """L2 prefetch of one ring step's operands, K-columns [k0, k0 + BLOCK_K): each gathered row's line of
-        ``x`` (``tok``: the tile's token per row) and the weight box's lines (``offs_w``: one per line; 2-byte
-        elements, 64 per line): W1[e]'s gate and up rows of N-tile ``pid_n``, or W2[e]'s BLOCK_K rows of its
-        BLOCK_N columns."""
-        _l2_prefetch(x_ptr + tok * stride_x + k0)
-        if W_UP:
-            rows = e * (2 * N) + pid_n * BLOCK_N + offs_w + (offs_w >= BLOCK_N).to(gl.int32) * (N - BLOCK_N)
-            _l2_prefetch(w_ptr + rows.to(gl.int64) * D + k0)
-        else:
-            lines: gl.constexpr = BLOCK_N // 64
-            rows = e * D + k0 + offs_w // lines
-            _l2_prefetch(w_ptr + rows.to(gl.int64) * N + pid_n * BLOCK_N + (offs_w % lines) * 64)
-
-    @gluon.jit
-    def gather_loader(x_ptr, w_desc, w_ptr, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+    def gather_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                       num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr, PREFETCH: gl.constexpr):
+                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr, X_EVICT: gl.constexpr):
         """Loader partition of the gather-fused varlen-M kernels (this one and :mod:`.dh_ws`): for every K-block of
         every tile of this program, the tile's gathered rows of ``x`` (X here, dO for dH) by 16-byte cp.async (rows
         past the expert's end zero-filled) and the weight's boxes by TMA into the next ring slot, once the MMAs that
         read its previous content are done. ``W_UP``: W1[e]'s gate and up (BLOCK_N × BLOCK_K) boxes from the
-        (E·2n, d) view; else W2[e]'s (BLOCK_K × BLOCK_N) box from the (E·d, n) view (``w_ptr``: the same weights
-        by address). ``PREFETCH`` > 0 (at most the K-blocks of a tile): at each step, also an L2 prefetch of the
-        operands of the step PREFETCH ring steps later (into this program's next tile), so that the ring's
-        copies, of which only STAGES - 1 can be ahead of the MMAs, find their lines in L2."""
+        (E·2n, d) view; else W2[e]'s (BLOCK_K × BLOCK_N) box from the (E·d, n) view. ``X_EVICT``: the gathers' L2
+        eviction policy ("" normal, "evict_last": :func:`gather_evict`)."""
         TPK: gl.constexpr = BLOCK_K // 8  # threads along a row: 16 bytes each
         lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPK, TPK], [WARPS, 1], [1, 0])
-        lp: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # one prefetched line per thread and row
-        NW: gl.constexpr = 2 * BLOCK_N if W_UP else BLOCK_K * BLOCK_N // 64  # lines of one weight box
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
         offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lx))
-        offs_p = gl.arange(0, BLOCK_M, layout=lp)
-        offs_w = gl.arange(0, NW, layout=lp)
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
         step = 0
@@ -263,23 +235,7 @@ if HAVE_GLUON:
             x_rows = x_ptr + tok * stride_x
             mask = ok[:, None] & (offs_k >= 0)[None, :]
             w_row = e * (2 * N) + pid_n * BLOCK_N
-            if PREFETCH > 0:
-                # this tile's tokens and the next tile's (a tile past the last prefetches token 0's rows of expert
-                # 0's first tile: valid memory)
-                nxt = tile + gl.num_programs(0)
-                e2, row_start2, row_end2, pid_n2 = _tile_of(gl.minimum(nxt, total - 1), table_ptr, num_pid_n)
-                tok_p = gl.load(row_token_ptr + row_start + offs_p, mask=row_start + offs_p < row_end,
-                                other=0).to(gl.int64)
-                tok_p2 = gl.load(row_token_ptr + row_start2 + offs_p,
-                                 mask=(row_start2 + offs_p < row_end2) & (nxt < total), other=0).to(gl.int64)
             for ki in range(k_tiles):
-                if PREFETCH > 0:
-                    if ki + PREFETCH < k_tiles:
-                        _prefetch_block(x_ptr, w_ptr, tok_p, e, pid_n, (ki + PREFETCH) * BLOCK_K, N, D, stride_x,
-                                        offs_w, BLOCK_N, W_UP)
-                    else:
-                        _prefetch_block(x_ptr, w_ptr, tok_p2, e2, pid_n2, (ki + PREFETCH - k_tiles) * BLOCK_K, N, D,
-                                        stride_x, offs_w, BLOCK_N, W_UP)
                 s = step % STAGES
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
                 if W_UP:
@@ -294,7 +250,8 @@ if HAVE_GLUON:
                     tma.async_copy_global_to_shared(w_desc, [e * D + ki * BLOCK_K, pid_n * BLOCK_N],
                                                     tma_ready.index(s), w_bufs.index(s))
                 cols = ki * BLOCK_K + offs_k
-                async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask)
+                async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask,
+                                                       eviction_policy=X_EVICT)
                 # fires once this thread's copies have landed (the barrier counts every loader thread)
                 async_copy.mbarrier_arrive(cp_ready.index(s), increment_count=False)
                 step += 1
@@ -472,12 +429,12 @@ if HAVE_GLUON:
             i += 1
 
     @gluon.jit
-    def _up_ws_kernel(x_ptr, w_desc, w_ptr, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, row_token_ptr, table_ptr, num_pid_n,
-                      N, D, stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    def _up_ws_kernel(x_ptr, w_desc, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, row_token_ptr, table_ptr, num_pid_n, N, D,
+                      stride_x, stride_hr, stride_ar, X_LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr,
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
-                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, PREFETCH: gl.constexpr):
+                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, X_EVICT: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
@@ -492,9 +449,9 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_smem.index(0), h_smem, h_full, h_empty,
                            h_desc, a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar,
                            HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True)),
-                (gather_loader, (x_ptr, w_desc, w_ptr, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready,
-                                 cp_ready, empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                 LOADER_WARPS, True, PREFETCH)),
+                (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
+                                 empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
+                                 True, X_EVICT)),
                 (_up_storer, (h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr,
                               stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK)),
             ], [LOADER_WARPS, EPI_WARPS], [LOADER_REGS, EPI_REGS])
@@ -506,9 +463,9 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, c_smem, empty, empty, h_desc, a_desc,
                            h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H,
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False)),
-                (gather_loader, (x_ptr, w_desc, w_ptr, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready,
-                                 cp_ready, empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                 LOADER_WARPS, True, PREFETCH)),
+                (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
+                                 empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
+                                 True, X_EVICT)),
             ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
@@ -554,7 +511,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
     launch_kernel(
         _up_ws_kernel, (sm_count(x.device),),
-        x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]), w1,
+        x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]),
         _descriptor(h, [BLOCK_M, BLOCK_N]) if store_h else a_desc, a_desc, h, a,
         b1.contiguous() if b1 is not None else a, routing.row_token, table, num_pid_n, n, d, x.stride(0),
         h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
@@ -562,6 +519,6 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
         GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
-        PREFETCH=min(cfg.get("PREFETCH", gather_prefetch()), d // BLOCK_K), num_warps=MMA_WARPS,
+        X_EVICT=cfg.get("X_EVICT", gather_evict()), num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
