@@ -48,7 +48,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int, routing_mode: str 
         name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
         name += f" part{cfg['PART']}" * (cfg["PART"] != 0)
         name += f" epi{cfg['EPI_WARPS']}/{cfg.get('EPI_CHUNK', uw.EPI_CHUNK)}" * (cfg.get("EPI_WARPS", 0) != 0)
-        name += f" {cfg.get('X_EVICT')}" * bool(cfg.get("X_EVICT"))
+        name += f" {cfg['X_EVICT']}" * bool(cfg.get("X_EVICT"))
         fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
