@@ -1,7 +1,6 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
 usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--routing topk|token_rounding]
-                                     [--evict evict_last,...]
                                      [--configs STAGES:LOADER_WARPS:MAXNREG:GU_FUSED[:PART[:EPI_WARPS[:EPI_CHUNK]]],...]
                                      [--rounds 5] [--json F]
 
@@ -48,7 +47,6 @@ def probe_shape(shape: str, configs: list[dict], rounds: int, routing_mode: str 
         name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
         name += f" part{cfg['PART']}" * (cfg["PART"] != 0)
         name += f" epi{cfg['EPI_WARPS']}/{cfg.get('EPI_CHUNK', uw.EPI_CHUNK)}" * (cfg.get("EPI_WARPS", 0) != 0)
-        name += f" {cfg['X_EVICT']}" * bool(cfg.get("X_EVICT"))
         fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
@@ -70,8 +68,6 @@ def main() -> None:
     ap.add_argument("--configs", default="4:4:168:1,4:4:168:0")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
-    ap.add_argument("--evict", default="", help="comma-separated L2 policies of the X gathers (evict_last, "
-                    "evict_first): each config also runs with each (X_EVICT)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART", "EPI_WARPS", "EPI_CHUNK")
@@ -80,7 +76,6 @@ def main() -> None:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
         c.setdefault("PART", 0)
         c.setdefault("EPI_WARPS", 0)
-    configs += [{**c, "X_EVICT": policy} for policy in filter(None, args.evict.split(",")) for c in configs]
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, args.routing), args.json)
 
 

@@ -25,8 +25,6 @@ Environment (documented in the README):
                                and d <= 2048 on H200s: up_proj_ws.up_ws_preferred; =all at every width).
     SONICMOE_UP_EPI=0|1        the Gluon up-projection's storer partition off / on at every width (default: on for
                                d <= 2048, up_proj_ws.up_ws_config; for A/Bs).
-    SONICMOE_GATHER_EVICT=P    L2 eviction policy of the Gluon up-projection's X gathers and the Gluon dH kernel's dO
-                               gathers: normal (default), evict_last or evict_first (grouped_gemm_ws.gather_evict).
     SONICMOE_GLUON_DH=0        the dH kernel alone back on the Triton kernel (its Gluon kernel serves n a multiple
                                of 256 and n = 128: dh_ws.dh_ws_preferred; =all at every n).
     SONICMOE_GLUON_WGRAD=0     the weight gradients alone back on the Triton kernel (the layer's Gluon ones serve

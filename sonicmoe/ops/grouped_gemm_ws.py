@@ -422,19 +422,6 @@ def ws_enabled(transpose_b: bool = True) -> bool:
     return transpose_b or os.environ.get("SONICMOE_GLUON_DXT", "1") != "0"
 
 
-GATHER_EVICT_POLICIES = ("normal", "evict_last", "evict_first")
-
-
-def gather_evict() -> str:
-    """L2 eviction policy of the Gluon kernels' gathered row loads (X in the up-projection, dO in dH), as the
-    kernels' ``eviction_policy`` takes it: "" (normal) unless ``SONICMOE_GATHER_EVICT`` names another of
-    :data:`GATHER_EVICT_POLICIES` (read at each call; for A/Bs). Raises ValueError for any other value."""
-    policy = os.environ.get("SONICMOE_GATHER_EVICT", "normal") or "normal"
-    if policy not in GATHER_EVICT_POLICIES:
-        raise ValueError(f"SONICMOE_GATHER_EVICT must be one of {GATHER_EVICT_POLICIES}, got {policy!r}")
-    return "" if policy == "normal" else policy
-
-
 def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b: bool) -> bool:
     """Whether :func:`ws_varlen_m_gemm` serves this product (host checks only, no sync).
 

@@ -54,15 +54,7 @@ import torch
 from ..routing import Routing
 from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import (
-    _GL_DTYPES,
-    HAVE_GLUON,
-    _descriptor,
-    gather_evict,
-    shared_layout,
-    tile_table,
-    ws_enabled,
-)
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -213,13 +205,12 @@ if HAVE_GLUON:
     @gluon.jit
     def gather_loader(x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                       num_pid_n, N, D, stride_x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr, X_EVICT: gl.constexpr):
+                      STAGES: gl.constexpr, WARPS: gl.constexpr, W_UP: gl.constexpr):
         """Loader partition of the gather-fused varlen-M kernels (this one and :mod:`.dh_ws`): for every K-block of
         every tile of this program, the tile's gathered rows of ``x`` (X here, dO for dH) by 16-byte cp.async (rows
         past the expert's end zero-filled) and the weight's boxes by TMA into the next ring slot, once the MMAs that
         read its previous content are done. ``W_UP``: W1[e]'s gate and up (BLOCK_N × BLOCK_K) boxes from the
-        (E·2n, d) view; else W2[e]'s (BLOCK_K × BLOCK_N) box from the (E·d, n) view. ``X_EVICT``: the gathers' L2
-        eviction policy ("" normal, "evict_last": :func:`gather_evict`)."""
+        (E·2n, d) view; else W2[e]'s (BLOCK_K × BLOCK_N) box from the (E·d, n) view."""
         TPK: gl.constexpr = BLOCK_K // 8  # threads along a row: 16 bytes each
         lx: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPK, TPK], [WARPS, 1], [1, 0])
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lx))
@@ -250,8 +241,7 @@ if HAVE_GLUON:
                     tma.async_copy_global_to_shared(w_desc, [e * D + ki * BLOCK_K, pid_n * BLOCK_N],
                                                     tma_ready.index(s), w_bufs.index(s))
                 cols = ki * BLOCK_K + offs_k
-                async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask,
-                                                       eviction_policy=X_EVICT)
+                async_copy.async_copy_global_to_shared(x_bufs.index(s), x_rows[:, None] + cols[None, :], mask=mask)
                 # fires once this thread's copies have landed (the barrier counts every loader thread)
                 async_copy.mbarrier_arrive(cp_ready.index(s), increment_count=False)
                 step += 1
@@ -434,7 +424,7 @@ if HAVE_GLUON:
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
-                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, X_EVICT: gl.constexpr):
+                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
@@ -451,7 +441,7 @@ if HAVE_GLUON:
                            HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
-                                 True, X_EVICT)),
+                                 True)),
                 (_up_storer, (h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr,
                               stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK)),
             ], [LOADER_WARPS, EPI_WARPS], [LOADER_REGS, EPI_REGS])
@@ -465,7 +455,7 @@ if HAVE_GLUON:
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
-                                 True, X_EVICT)),
+                                 True)),
             ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
@@ -518,7 +508,6 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
         GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
-        EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
-        X_EVICT=cfg.get("X_EVICT", gather_evict()), num_warps=MMA_WARPS,
+        EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK), num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
