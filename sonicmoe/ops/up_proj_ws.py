@@ -110,6 +110,7 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 EPI_WARPS = 4
 EPI_REGS = 80
 EPI_CHUNK = 16  # rows of A per step of the storer
+EPI_H_TMA = True  # the storer stores a full tile's H by TMA (else by 16-byte stores, as an expert's last tile)
 
 
 def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
@@ -378,11 +379,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _up_storer(h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr, stride_ar,
                    STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
-                   CHUNK: gl.constexpr):
+                   CHUNK: gl.constexpr, H_TMA: gl.constexpr):
         """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up
         blocks in ``h_smem``, their TMA stores (a full tile) or masked 16-byte stores (an expert's last tile), and A
         = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the staging set goes
-        back to the MMA warps once the TMA stores have read it. The MMA warps meanwhile run the next tile."""
+        back to the MMA warps once the TMA stores have read it. The MMA warps meanwhile run the next tile. Without
+        ``H_TMA`` a full tile's H goes by 16-byte stores too."""
         TPN: gl.constexpr = BLOCK_N // 8
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld))
@@ -394,7 +396,7 @@ if HAVE_GLUON:
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             col0 = pid_n * BLOCK_N
-            full = row_end - row_start >= BLOCK_M
+            full = (row_end - row_start >= BLOCK_M) & H_TMA
             mbarrier.wait(h_full.index(0), i & 1)
             if STORE_H:
                 if full:
@@ -424,7 +426,7 @@ if HAVE_GLUON:
                       STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
-                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr):
+                      EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, EPI_H_TMA: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
@@ -443,7 +445,7 @@ if HAVE_GLUON:
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
                 (_up_storer, (h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr,
-                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK)),
+                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK, EPI_H_TMA)),
             ], [LOADER_WARPS, EPI_WARPS], [LOADER_REGS, EPI_REGS])
             mbarrier.invalidate(h_full.index(0))
             mbarrier.invalidate(h_empty.index(0))
@@ -481,8 +483,9 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         b1: (E, 2n) or None. routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
             "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
-            and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", and, to time a part alone, "PART": 1 the MMAs
-            only (H unwritten, A holds row sums; no storer) (default :func:`up_ws_config` for d).
+            and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores), and, to
+            time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row sums; no storer) (default
+            :func:`up_ws_config` for d).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     """
@@ -508,6 +511,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
         GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
-        EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK), num_warps=MMA_WARPS,
+        EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
+        EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA), num_warps=MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
