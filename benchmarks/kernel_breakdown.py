@@ -50,12 +50,11 @@ def tuned_configs() -> dict[str, list[str]]:
 def build_routing(p: dict, k: int, mode: str):
     """(routing, pair scores (R,)) of the problem's router under ``mode``."""
     e = p["w1"].shape[0]
-    t = p["x"].shape[0]
     router = sonicmoe.router_topk(p["x"], p["router_weight"], k)
     if mode == "topk":
         return sonicmoe.routing_from_topk(router.topk_ids, e), router.topk_scores.reshape(-1).detach()
     tr = token_rounding(router, m_tile=M_TILE, warn=False)
-    return sonicmoe.routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True), tr.pair_scores.detach()
+    return tr.routing, tr.pair_scores.detach()  # the layer's: routing_from_pairs' equal, with the tile_rows hint
 
 
 def kernel_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Tensor) -> list:

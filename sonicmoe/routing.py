@@ -52,6 +52,9 @@ class Routing:
             (pairs already token-major, as with plain top-k).
         padded: the pairs may include padding pairs (token T, expert E), whose rows come after
             ``expert_offsets[E]`` (their ``row_token`` reads T − 1, a valid index that nothing adds up).
+        tile_rows: a performance hint, 0 (none) or the M_tile to whose multiples the routing that built it
+            rounded every expert's count (token rounding sets it: SPEC §5). Kernels may choose a schedule by
+            it (:func:`sonicmoe.ops.up_proj_ws.up_ws_preferred`); their results never depend on it.
     """
 
     num_tokens: int
@@ -64,6 +67,7 @@ class Routing:
     token_rows: torch.Tensor
     slot_pair: torch.Tensor | None = None
     padded: bool = False
+    tile_rows: int = 0
 
     @property
     def num_rows(self) -> int:

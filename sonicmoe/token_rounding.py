@@ -124,7 +124,8 @@ class TokenRoundingOutput:
         padded: (E,) bool, True where the expert was rounded up (tokens added).
         routing: the :class:`~sonicmoe.routing.Routing` of these pairs, equal to
             ``routing_from_pairs(pair_token, pair_expert, T, E, token_major=True, padding=static)``, built without a
-            sort (:mod:`sonicmoe.ops.tr_routing`); ``None`` from :func:`token_rounding_ref`.
+            sort (:mod:`sonicmoe.ops.tr_routing`), with ``tile_rows`` = M_tile (the kernels' hint);
+            ``None`` from :func:`token_rounding_ref`.
     """
 
     pair_token: torch.Tensor
@@ -293,6 +294,7 @@ def token_rounding(
     to_routing = tr_routing.ranks_routing if kernels else tr_routing.ranks_routing_ref
     pair_token, pair_expert, routing = to_routing(
         ranks, offsets, max_pairs=max_pairs(t, e, k, m_tile, subroutine) if static else None)
+    routing = dataclasses.replace(routing, tile_rows=m_tile)  # the kernels' hint: whole M_tile-row tiles
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
     pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize, fused_router_grad)
     return TokenRoundingOutput(

@@ -248,6 +248,28 @@ def test_experts_triton_eager_paths(device):
     assert again.grad_fn is None and again.shape == out.shape
 
 
+def test_tile_rows_hint_reaches_the_up_projection(monkeypatch, device):
+    """The routing's tile_rows hint (token rounding's M_tile) crosses the operator to the up-projection's kernel
+    choice, eager and through the op; the output does not depend on it."""
+    p = random_problem(T, D, N, E, device=device, seed=9)
+    seen = []
+
+    def spy(x, w1, b1, routing, *args, **kwargs):
+        seen.append(routing.tile_rows)
+        return up_proj(x, w1, b1, routing, *args, **kwargs)
+
+    up_proj = library.up_proj
+    monkeypatch.setattr(library, "up_proj", spy)
+    routing = _topk_routing(p)
+    scores = torch.rand(routing.num_rows, device=device)
+    plain = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, scores, backend="triton")
+    routing.tile_rows = 128
+    hinted = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, scores, backend="triton")
+    args = _fwd_args(p, routing, "concat", False)
+    library.experts_fwd(*args, 128)
+    assert seen == [0, 128, 128] and torch.equal(plain, hinted)
+
+
 def test_op_rejects_bad_layout_and_missing_h(device):
     p = random_problem(T, D, N, E, device=device, seed=8)
     args = list(_fwd_args(p, _topk_routing(p), "concat", True))

@@ -265,6 +265,10 @@ def test_routing_from_pairs_accepts_output():
     out = token_rounding(router, m_tile=8)
     routing = routing_from_pairs(out.pair_token, out.pair_expert, 128, 8)
     assert torch.equal(routing.expert_counts(), out.counts)
+    # the output's own routing is the same, with the kernels' hint of whole M_tile tiles (plain routing: none)
+    assert out.routing.tile_rows == 8 and routing.tile_rows == 0
+    assert torch.equal(out.routing.expert_offsets, routing.expert_offsets)
+    assert torch.equal(out.routing.row_token, routing.row_token)
     # the rows of each expert are its pairs (kept and added) in ascending token order
     for x in range(8):
         a, b = routing.expert_offsets[x].item(), routing.expert_offsets[x + 1].item()

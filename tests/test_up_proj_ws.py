@@ -62,6 +62,31 @@ def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
     assert up_proj_ws.up_ws_enabled() == grouped_gemm_ws.ws_enabled()
 
 
+def test_not_preferred_for_whole_tiles_and_few_rows(monkeypatch):
+    """On an H200 at d ≤ EPI_MAX_D, a routing whose tile_rows hint promises whole BLOCK_M-row tiles (token rounding)
+    with at most FEW_ROWS_PER_EXPERT rows per expert goes to the Triton kernel; more rows per expert, another tile
+    height, no hint or d = 4096 keep the Gluon kernel; SONICMOE_GLUON_UP=all still forces it."""
+    monkeypatch.delenv("SONICMOE_GLUON_UP", raising=False)
+    monkeypatch.setattr(up_proj_ws, "_gpu_name", lambda index: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    e, m = 4, up_proj_ws.BLOCK_M
+
+    def routing(rows_per_expert, tile_rows):
+        ids = torch.arange(e, dtype=torch.int32).repeat_interleave(rows_per_expert)[:, None]  # K = 1
+        r = routing_from_topk(ids, e)
+        r.tile_rows = tile_rows
+        return r
+
+    few = routing(2 * m, m)  # (16384, 1536, 256, 512, 8) under token rounding: 256 rows per expert
+    assert up_proj_ws.whole_tiles_few_rows(few) and not up_proj_ws.up_ws_preferred(1536, cuda, few)
+    assert up_proj_ws.whole_tiles_few_rows(routing(2 * m, 2 * m))
+    for other in (routing(4 * m, m), routing(2 * m, 0), routing(2 * m, m // 2), None):
+        assert not up_proj_ws.whole_tiles_few_rows(other) and up_proj_ws.up_ws_preferred(1536, cuda, other)
+    assert up_proj_ws.up_ws_preferred(4096, cuda, few)  # the kernel without the storer partition
+    monkeypatch.setenv("SONICMOE_GLUON_UP", "all")
+    assert up_proj_ws.up_ws_preferred(1536, cuda, few)
+
+
 def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
     """CPU tensors, float32, the interleaved layout, n or d off the tile, a bias of another dtype or
     SONICMOE_GLUON_UP=0 / SONICMOE_GLUON=0 never reach the Gluon kernel."""
@@ -101,7 +126,7 @@ def test_dispatch(monkeypatch, device):
         return up_proj.up_proj_ref(x, w1, b1, routing, "concat", store_h)
 
     monkeypatch.setattr(up_proj, "up_ws_supported", lambda x, w1, b1, layout: layout == "concat")
-    monkeypatch.setattr(up_proj, "up_ws_preferred", lambda d, device=None: d == 16)
+    monkeypatch.setattr(up_proj, "up_ws_preferred", lambda d, device=None, routing=None: d == 16)
     monkeypatch.setattr(up_proj, "up_proj_ws", fake)
     routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
     x = torch.randn(3, 16, device=device)

@@ -4,10 +4,11 @@ Two operators, both opaque to ``torch.compile`` (dynamo and AOTAutograd see one 
 kernels run inside) and capturable in CUDA graphs (no host synchronisation, no data-dependent shapes):
 
 ``sonicmoe::experts_fwd(x, w1, w2, b1?, b2?, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-token_offsets, token_rows, slot_pair?, gate_up_layout, save_h) -> (out, h)``
+token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0) -> (out, h)``
     The forward of SPEC §3: up-projection with the gather and SwiGLU fused (H, A), down-projection
     (Y), aggregation O_t = Σ S · Y. Returns O (T, d) and H (R, 2n) — or an empty (0, 2n) H when
     ``save_h`` is False (inference: the up-projection then never writes H). A and Y are freed inside.
+    ``tile_rows``: the routing's hint (:attr:`~sonicmoe.routing.Routing.tile_rows`), which may choose a kernel.
 
 ``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, row_scores, expert_offsets, row_token, pair_row,
 token_offsets, token_rows, gate_up_layout, scores_dtype, needs) -> (dx, dw1, dw2, db1, db2, dscores)``
@@ -161,13 +162,16 @@ def experts_fwd_impl(
     slot_pair: Tensor | None,
     gate_up_layout: str,
     save_h: bool,
+    tile_rows: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Eager implementation of ``sonicmoe::experts_fwd`` (CUDA, or CPU under TRITON_INTERPRET=1):
-    O (T, d) and H (R, 2n) — or (0, 2n) without ``save_h`` — on the Triton kernels (SPEC §3)."""
+    O (T, d) and H (R, 2n) — or (0, 2n) without ``save_h`` — on the Triton kernels (SPEC §3). ``tile_rows``:
+    the routing's :attr:`~sonicmoe.routing.Routing.tile_rows` hint (a kernel choice; the same results)."""
     _check_layout(gate_up_layout)
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
+    routing.tile_rows = tile_rows
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
     # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
@@ -185,7 +189,7 @@ experts_fwd = torch.library.custom_op("sonicmoe::experts_fwd", experts_fwd_impl,
 
 @experts_fwd.register_fake
 def _experts_fwd_fake(x, w1, w2, b1, b2, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-                      token_offsets, token_rows, slot_pair, gate_up_layout, save_h):
+                      token_offsets, token_rows, slot_pair, gate_up_layout, save_h, tile_rows=0):
     out = x.new_empty(x.shape)
     h = x.new_empty((row_token.shape[0] if save_h else 0, w1.shape[1]))
     return out, h
@@ -327,7 +331,7 @@ def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, row_scores, expert_offsets, ro
 
 # ------------------------------------------------------------------------------------------ autograd
 
-_NUM_FWD_INPUTS = 15  # x, w1, w2, b1, b2, pair_scores, 7 routing arrays, gate_up_layout, save_h
+_NUM_FWD_INPUTS = 16  # x, w1, w2, b1, b2, pair_scores, 7 routing arrays, gate_up_layout, save_h, tile_rows
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -355,8 +359,9 @@ def _setup_context(ctx, inputs, output) -> None:
     dW1, or beside it with SONICMOE_AGG_BESIDE_DW1=1, which keeps dX̃ until dW1 ends); the dS reduction and score
     gradient run beside dW2; the streams join before the gradients are returned (the same bits either way).
     """
-    x, w1, w2, b1, b2, pair_scores, *routing_arrays, gate_up_layout, save_h = inputs
-    arrays = dict(zip(FWD_ROUTING_FIELDS, routing_arrays, strict=True))
+    x, w1, w2, b1, b2, pair_scores = inputs[:6]
+    arrays = dict(zip(FWD_ROUTING_FIELDS, inputs[6:13], strict=True))
+    gate_up_layout, save_h = inputs[13:15]  # then tile_rows, a kernel choice of the forward only
     _, h = output
     if not save_h:
         raise ValueError("sonicmoe::experts_fwd needs save_h=True when gradients are required "

@@ -46,7 +46,7 @@ def experts_triton(
         t is not None and t.requires_grad for t in (x, w1, w2, b1, b2, pair_scores)
     )
     arrays = [getattr(routing, f) for f in FWD_ROUTING_FIELDS]
-    inputs = (x, w1, w2, b1, b2, pair_scores, *arrays, gate_up_layout, needs_grad)
+    inputs = (x, w1, w2, b1, b2, pair_scores, *arrays, gate_up_layout, needs_grad, routing.tile_rows)
     if torch.compiler.is_compiling():
         out, _ = torch.ops.sonicmoe.experts_fwd(*inputs)
     elif needs_grad:

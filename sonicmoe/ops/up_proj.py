@@ -340,7 +340,7 @@ def up_proj(
     for name, t in (("x", x), ("w1", w1)):
         check_device(name, t)
     x, w1 = x.contiguous(), w1.contiguous()
-    if config is None and up_ws_preferred(x.shape[1], x.device) and up_ws_supported(x, w1, b1, gate_up_layout):
+    if config is None and up_ws_preferred(x.shape[1], x.device, routing) and up_ws_supported(x, w1, b1, gate_up_layout):
         return up_proj_ws(x, w1, b1, routing, store_h)
     e, two_n, d = w1.shape
     n = two_n // 2

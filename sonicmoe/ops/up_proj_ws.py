@@ -52,7 +52,7 @@ import re
 import torch
 
 from ..routing import Routing
-from .common import env_switch, new_output, sm_count
+from .common import env_switch, few_rows_per_expert, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
@@ -153,7 +153,14 @@ def epi_preferred_on(device: torch.device | None) -> bool:
     return any(re.search(rf"\b{re.escape(g)}\b", name) for g in EPI_PREFERRED_GPUS)
 
 
-def up_ws_preferred(d: int, device: torch.device | None = None) -> bool:
+def whole_tiles_few_rows(routing: Routing | None) -> bool:
+    """Whether ``routing`` promises whole BLOCK_M-row tiles (its ``tile_rows`` hint a multiple of BLOCK_M: token
+    rounding) and its experts average at most ``common.FEW_ROWS_PER_EXPERT`` rows (host values only, no sync)."""
+    return (routing is not None and routing.tile_rows > 0 and routing.tile_rows % BLOCK_M == 0
+            and few_rows_per_expert(routing.num_rows, routing.num_experts))
+
+
+def up_ws_preferred(d: int, device: torch.device | None = None, routing: Routing | None = None) -> bool:
     """Where the Gluon kernel measured faster in the layer: MIN_D ≤ d ≤ MAX_D (d: the reduction width, a host
     value), and d ≤ :data:`EPI_MAX_D` on the GPUs of :data:`EPI_PREFERRED_GPUS` (with the storer partition, since
     session 44: see :data:`EPI_WARPS`; ``device``: the operands' device). Without the storer partition, measured on
@@ -169,10 +176,16 @@ def up_ws_preferred(d: int, device: torch.device | None = None) -> bool:
       epilogue, which this kernel does not overlap with the next tile's MMAs, is a larger share of a tile).
 
     Widths between EPI_MAX_D and MIN_D are not measured; the bounds move as they are. ``SONICMOE_GLUON_UP=all`` runs
-    it at every width (for layer A/Bs; read at each call)."""
+    it at every width (for layer A/Bs; read at each call).
+
+    With the storer (d ≤ EPI_MAX_D), not where ``routing`` holds whole tiles and few rows per expert
+    (:func:`whole_tiles_few_rows`: token rounding at 2-3 tiles per expert). There the Triton kernel, one program
+    per tile, measured faster on H200s (session 47, kernel alone, (16384, 1536, 256, 512, 8) under token rounding:
+    0.437-0.474 against 0.480-0.506 ms in four calls; under top-k, whose experts end in partial tiles, this kernel
+    stays faster, 0.531-0.568 against 0.547-0.575)."""
     if MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all":
         return True
-    return d <= EPI_MAX_D and epi_preferred_on(device)
+    return d <= EPI_MAX_D and epi_preferred_on(device) and not whole_tiles_few_rows(routing)
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
