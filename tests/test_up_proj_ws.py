@@ -187,12 +187,12 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("chunk,h_tma", [(16, False), (32, False), (16, True)])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
-def test_gpu_storer_partition_same_bits(case, chunk, monkeypatch):
+def test_gpu_storer_partition_same_bits(case, chunk, h_tma, monkeypatch):
     """With the epilogue in a storer partition (EPI_WARPS 4, a ring slot fewer): H and A within rounding of the
     float32 loop, no NaN left by the poison fill, and the same bits as the MMA warps' own epilogue (EPI_WARPS 0),
-    with and without bias and H."""
+    with and without bias and H, full tiles' H by 16-byte stores (the default) or by TMA (EPI_H_TMA)."""
     if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernel needs an sm_90 GPU")
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
@@ -201,7 +201,7 @@ def test_gpu_storer_partition_same_bits(case, chunk, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
     w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
-    epi = dict(up_ws_config(epi_warps=4), EPI_CHUNK=chunk)
+    epi = dict(up_ws_config(epi_warps=4), EPI_CHUNK=chunk, EPI_H_TMA=h_tma)
     for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
         h, a = run_ws(x, w1, bias, routing, config=epi)
         h_ref, a_ref = up_proj.up_proj_ref(x, w1, bias, routing)

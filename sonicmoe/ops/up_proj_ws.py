@@ -17,9 +17,9 @@ program splits its warps by role:
   (one K-block in flight), add the bias and round to H's dtype;
 * with a **storer** (four warps; ``EPI_WARPS``, the default where d ≤ ``EPI_MAX_D``) the MMA warps stage the rounded
   gate and up blocks in shared memory (one 64 KiB set, handed over by a pair of mbarriers) and go on with the next
-  tile; the storer stores H's two blocks by TMA (a full tile) or masked 16-byte stores (an expert's last, partial
-  tile), computes A = SwiGLU from the staged values (the dH kernel recomputes A the same way) and stores it by
-  16-byte stores, then hands the set back once the TMA stores have read it. Without a storer the MMA warps run that
+  tile; the storer stores H's two blocks by 16-byte stores (masked in an expert's last, partial tile; by TMA for a
+  full tile with ``EPI_H_TMA``), computes A = SwiGLU from the staged values (the dH kernel recomputes A the same way)
+  and stores it by 16-byte stores, then hands the set back. Without a storer the MMA warps run that
   epilogue themselves in registers, the stores of H's gate block, H's up block and A going through one staging
   buffer, each drained before the next is written, while the tensor cores idle.
 
@@ -110,7 +110,11 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 EPI_WARPS = 4
 EPI_REGS = 80
 EPI_CHUNK = 16  # rows of A per step of the storer
-EPI_H_TMA = True  # the storer stores a full tile's H by TMA (else by 16-byte stores, as an expert's last tile)
+# EPI_H_TMA: the storer stores a full tile's H by TMA; off, by 16-byte stores as an expert's last tile. Off since
+# session 47 (an H200, kernel alone, medians of 7 alternating rounds, two calls, ms, TMA against 16-byte stores):
+# 7B 0.625 / 0.632 against 0.614 / 0.618; (16384, 1536, 256, 512, 8) top-k 0.537 / 0.533 against 0.524 / 0.528, token
+# rounding 0.480 / 0.486 against 0.468 / 0.467 (benchmarks/results/2026-11-27_nvidia-h200_session47/). Same bits.
+EPI_H_TMA = False
 
 
 def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
