@@ -186,7 +186,7 @@ def up_ws_preferred(d: int, device: torch.device | None = None, routing: Routing
     (:func:`whole_tiles_few_rows`: token rounding at 2-3 tiles per expert). There the Triton kernel, one program
     per tile, measured faster on H200s (session 47, kernel alone, (16384, 1536, 256, 512, 8) under token rounding:
     0.437-0.474 against 0.480-0.506 ms in four calls; under top-k, whose experts end in partial tiles, this kernel
-    stays faster, 0.531-0.568 against 0.547-0.575)."""
+    stays faster, 0.531-0.568 against 0.543-0.575)."""
     if MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all":
         return True
     return d <= EPI_MAX_D and epi_preferred_on(device) and not whole_tiles_few_rows(routing)
