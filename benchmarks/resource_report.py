@@ -173,9 +173,7 @@ def spaces(which: str) -> dict:
         "up_ws": [{"STAGES": s, "GU_FUSED": f} for s in (up_proj_ws.up_ws_config(4096)["STAGES"], 3)
                   for f in (False, True)]
                  + [{"STAGES": 4, "PART": 1}]
-                 + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)]
-                 + [up_proj_ws.up_ws_config(d, block_k=bk) for bk in (32, 16)]
-                 + [up_proj_ws.up_ws_config(4096, block_k=32)],
+                 + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],
         "down_ws": [grouped_gemm_ws.ws_config(n, stage_in_ring=r) for r in (False, True)],
         "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False, stage_in_ring=r) for r in (False, True)],
         "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)

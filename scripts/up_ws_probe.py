@@ -1,19 +1,18 @@
 """The up-projection (gather + grouped GEMM + SwiGLU) on the Gluon warp-specialised kernel against the Triton one.
 
 usage: python scripts/up_ws_probe.py [--shape T,d,n,E,K ...] [--routing topk|token_rounding]
-                                     [--configs S:LW:REGS:GU_FUSED[:PART[:EPI_WARPS[:EPI_CHUNK[:EPI_H_TMA[:BK]]]]],...]
+                                     [--configs S:LW:MAXNREG:GU_FUSED[:PART[:EPI_WARPS[:EPI_CHUNK[:EPI_H_TMA]]]],...]
                                      [--rounds 5] [--json F]
 
-Runs ``up_proj_ws`` with explicit configs (S: STAGES, LW: LOADER_WARPS, REGS: MAXNREG), checks H and A bitwise
-against the Triton kernel's (autotuned, or pinned under SONICMOE_AUTOTUNE=0) and by relative error against the
-float32 per-expert reference, then times both in alternating rounds on the same inputs (do_bench medians).
-``default`` is what ``up_proj`` picks now.
+Runs ``up_proj_ws`` with explicit configs (S: STAGES, LW: LOADER_WARPS), checks H and A bitwise against the Triton
+kernel's (autotuned, or pinned under SONICMOE_AUTOTUNE=0) and by relative error against the float32 per-expert
+reference, then times both in alternating rounds on the same inputs (do_bench medians). ``default`` is what
+``up_proj`` picks now.
 ``--routing token_rounding`` routes the router's scores by token rounding (M_tile 128,
 ``kernel_breakdown.build_routing``) instead of top-k: every expert then holds whole 128-row tiles.
 PART 1 times the MMAs alone (its outputs are not H and A: its check fails by design). EPI_WARPS 4 moves the
 epilogue to a storer partition (with MAXNREG 128: the partitions set their own counts), EPI_CHUNK rows of A at a
-time, EPI_H_TMA 1 storing full tiles' H by TMA instead of 16-byte stores (the default since session 47), BK the
-ring's K-block depth (BLOCK_K 16/32/64). GPU only.
+time, EPI_H_TMA 0 storing full tiles' H by 16-byte stores instead of TMA. GPU only.
 """
 
 from __future__ import annotations
@@ -49,8 +48,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int, routing_mode: str 
         name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
         name += f" part{cfg['PART']}" * (cfg["PART"] != 0)
         name += f" epi{cfg['EPI_WARPS']}/{cfg.get('EPI_CHUNK', uw.EPI_CHUNK)}" * (cfg.get("EPI_WARPS", 0) != 0)
-        name += " h-tma" * cfg["EPI_H_TMA"]
-        name += f" bk{cfg.get('BLOCK_K')}" * ("BLOCK_K" in cfg)
+        name += " h-stores" * (not cfg["EPI_H_TMA"])
         fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
@@ -74,13 +72,13 @@ def main() -> None:
     ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART", "EPI_WARPS", "EPI_CHUNK", "EPI_H_TMA", "BLOCK_K")
+    names = ("STAGES", "LOADER_WARPS", "MAXNREG", "GU_FUSED", "PART", "EPI_WARPS", "EPI_CHUNK", "EPI_H_TMA")
     configs = [dict(zip(names, map(int, c.split(":")))) for c in args.configs.split(",")]
     for c in configs:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
         c.setdefault("PART", 0)
         c.setdefault("EPI_WARPS", 0)
-        c["EPI_H_TMA"] = bool(c.get("EPI_H_TMA", 0))
+        c["EPI_H_TMA"] = bool(c.get("EPI_H_TMA", 1))
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, args.routing), args.json)
 
 

@@ -213,41 +213,6 @@ def test_gpu_storer_partition_same_bits(case, chunk, h_tma, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_k", [32, 16])
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
-def test_gpu_shallow_k_blocks_same_bits(case, block_k, monkeypatch):
-    """A ring of shallower K-blocks (BLOCK_K 32 or 16, more slots in the same bytes), with and without the storer:
-    no NaN left by the poison fill and the same bits as the default config (the k16 MMAs add up in the same order)."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t + 2)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
-    h0, a0 = run_ws(x, w1, None, routing, config=up_ws_config(epi_warps=4))
-    for epi in (4, 0):
-        h, a = run_ws(x, w1, None, routing, config=up_ws_config(epi_warps=epi, block_k=block_k))
-        assert not a.isnan().any() and torch.equal(h, h0) and torch.equal(a, a0)
-
-
-def test_shallow_k_blocks_config():
-    """block_k keeps the ring's bytes: twice the slots at half the depth (up to the same byte cap), and a launch with
-    a depth that is not 16, 32 or 64, or does not divide d, raises ValueError before any GPU work."""
-    for d in (1536, 4096):
-        base, half = up_ws_config(d), up_ws_config(d, block_k=32)
-        assert half["BLOCK_K"] == 32 and half["STAGES"] >= 2 * base["STAGES"]
-        assert up_ws_smem_bytes(half["STAGES"], epi=half["EPI_WARPS"] > 0, block_k=32) <= up_proj_ws.SMEM_BUDGET
-    assert "BLOCK_K" not in up_ws_config(1536)
-    routing = routing_from_topk(torch.tensor([[0], [1]], dtype=torch.int32), 2)
-    x, w1 = torch.zeros(2, 96, dtype=torch.bfloat16), torch.zeros(2, 256, 96, dtype=torch.bfloat16)
-    for bk in (48, 64):  # 48 is no depth; 64 does not divide d = 96
-        with pytest.raises(ValueError, match="BLOCK_K"):
-            run_ws(x, w1, None, routing, config={"STAGES": 3, "BLOCK_K": bk})
-
-
-@pytest.mark.gpu
 def test_gpu_part_mmas_alone():
     """PART 1 (timing only) runs the MMAs alone: A's column j holds, for every row, the sum of the gate and up
     products over N-tile j's channels (H unwritten), within float32 rounding of the reference."""

@@ -117,26 +117,23 @@ EPI_CHUNK = 16  # rows of A per step of the storer
 EPI_H_TMA = False
 
 
-def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False, block_k: int = BLOCK_K) -> int:
-    """Shared memory of one program: the ring (an X block and the gate and up W1 boxes per slot, ``block_k`` deep)
-    and the staging buffer for the stores (one block; the gate and up blocks with a storer partition, ``epi``)."""
-    return elem * (stages * block_k * (BLOCK_M + 2 * BLOCK_N) + (2 if epi else 1) * BLOCK_M * BLOCK_N)
+def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
+    """Shared memory of one program: the ring (an X block and the gate and up W1 boxes per slot) and the staging
+    buffer for the stores (one block; the gate and up blocks with a storer partition, ``epi``)."""
+    return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + (2 if epi else 1) * BLOCK_M * BLOCK_N)
 
 
-def up_ws_config(d: int = 0, epi_warps: int | None = None, block_k: int | None = None) -> dict:
-    """{"STAGES": the deepest ring that fits shared memory beside the staging buffers (at most MAX_STAGES slots of
-    BLOCK_K, or as many bytes in shallower slots), "EPI_WARPS": the storer partition's warps: ``epi_warps``, else
-    :data:`EPI_WARPS` where the switch ``SONICMOE_UP_EPI`` is on (1) and 0 where it is off (0; read at each call, for
-    A/Bs), and where it is unset :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above}, and with
-    ``block_k`` (a probe's K-block depth, a divisor of BLOCK_K) "BLOCK_K"."""
+def up_ws_config(d: int = 0, epi_warps: int | None = None) -> dict:
+    """{"STAGES": the deepest ring that fits shared memory beside the staging buffers (at most MAX_STAGES),
+    "EPI_WARPS": the storer partition's warps: ``epi_warps``, else :data:`EPI_WARPS` where the switch
+    ``SONICMOE_UP_EPI`` is on (1) and 0 where it is off (0; read at each call, for A/Bs), and where it is unset
+    :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above}."""
     if epi_warps is None:
         epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
     epi = epi_warps > 0
-    bk = block_k or BLOCK_K
-    per_stage = up_ws_smem_bytes(1, block_k=bk) - up_ws_smem_bytes(0)
-    cfg = {"STAGES": min(MAX_STAGES * BLOCK_K // bk, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
-           "EPI_WARPS": epi_warps}
-    return cfg if block_k is None else {**cfg, "BLOCK_K": bk}
+    per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
+    return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
+            "EPI_WARPS": epi_warps}
 
 
 def up_ws_enabled() -> bool:
@@ -503,10 +500,9 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         b1: (E, 2n) or None. routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
             "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
-            and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores),
-            "BLOCK_K" (16 or 32: shallower ring slots, more of them; ValueError otherwise), and, to time a part
-            alone, "PART": 1 the MMAs only (H unwritten, A holds row sums; no storer) (default :func:`up_ws_config`
-            for d).
+            and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores), and, to
+            time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row sums; no storer) (default
+            :func:`up_ws_config` for d).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     """
@@ -514,9 +510,6 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     n = two_n // 2
     r = routing.num_rows
     cfg = config or up_ws_config(d)
-    bk = cfg.get("BLOCK_K", BLOCK_K)
-    if bk not in (16, 32, BLOCK_K) or d % bk:
-        raise ValueError(f"config BLOCK_K must be 16, 32 or {BLOCK_K} and divide d = {d}, got {bk}")
     epi_warps = cfg.get("EPI_WARPS", 0) if cfg.get("PART", 0) == 0 else 0
     a = new_output((r, n), device=x.device, dtype=x.dtype)
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
@@ -528,11 +521,11 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
     launch_kernel(
         _up_ws_kernel, (sm_count(x.device),),
-        x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, bk]),
+        x, _descriptor(w1.view(e * two_n, d), [BLOCK_N, BLOCK_K]),
         _descriptor(h, [BLOCK_M, BLOCK_N]) if store_h else a_desc, a_desc, h, a,
         b1.contiguous() if b1 is not None else a, routing.row_token, table, num_pid_n, n, d, x.stride(0),
-        h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, bk), x.dtype), HAS_BIAS=b1 is not None,
-        STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=bk, STAGES=cfg["STAGES"],
+        h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
+        STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
         GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
