@@ -12,7 +12,8 @@ reference, then times both in alternating rounds on the same inputs (do_bench me
 ``kernel_breakdown.build_routing``) instead of top-k: every expert then holds whole 128-row tiles.
 PART 1 times the MMAs alone (its outputs are not H and A: its check fails by design). EPI_WARPS 4 moves the
 epilogue to a storer partition (with MAXNREG 128: the partitions set their own counts), EPI_CHUNK rows of A at a
-time, EPI_H_TMA 0 storing full tiles' H by 16-byte stores instead of TMA. GPU only.
+time, EPI_H_TMA 1 storing full tiles' H by TMA instead of 16-byte stores (unset: up_proj_ws.EPI_H_TMA, 0 since
+session 47). GPU only.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int, routing_mode: str 
         name = f"gluon S={cfg['STAGES']} LW={cfg['LOADER_WARPS']} R={cfg['MAXNREG']} F={int(cfg['GU_FUSED'])}"
         name += f" part{cfg['PART']}" * (cfg["PART"] != 0)
         name += f" epi{cfg['EPI_WARPS']}/{cfg.get('EPI_CHUNK', uw.EPI_CHUNK)}" * (cfg.get("EPI_WARPS", 0) != 0)
-        name += " h-stores" * (not cfg["EPI_H_TMA"])
+        name += " h-tma" * cfg["EPI_H_TMA"]
         fns[name] = lambda cfg=cfg: uw.up_proj_ws(x, w1, None, routing, config=cfg)
     hb, ab = fns["triton"]()
     checks = {}
@@ -78,7 +79,7 @@ def main() -> None:
         c["GU_FUSED"] = bool(c.get("GU_FUSED", 1))
         c.setdefault("PART", 0)
         c.setdefault("EPI_WARPS", 0)
-        c["EPI_H_TMA"] = bool(c.get("EPI_H_TMA", 1))
+        c["EPI_H_TMA"] = bool(c.get("EPI_H_TMA", uw.EPI_H_TMA))
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, args.routing), args.json)
 
 
