@@ -42,6 +42,10 @@ def _check_routing(routing: Routing, t: int, e: int, device: torch.device) -> No
         raise ValueError(f"routing is for T={routing.num_tokens} tokens but x has T={t}")
     if routing.num_experts != e:
         raise ValueError(f"routing is for E={routing.num_experts} experts but w1 has E={e}")
+    hint = routing.tile_rows
+    if isinstance(hint, bool) or not isinstance(hint, int) or hint < 0:
+        raise ValueError(f"routing.tile_rows must be an int >= 0 (0: no hint; else the M_tile every expert's count "
+                         f"is a multiple of), got {hint!r}")
     r = routing.num_rows
     sizes = {"E+1": e + 1, "T+1": t + 1, "R": r}
     for field, letter in _ROUTING_SHAPES:

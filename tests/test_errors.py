@@ -260,6 +260,16 @@ def test_experts_routing_mismatch(prob):
         call_experts(prob, routing=meta_routing)
 
 
+@pytest.mark.parametrize("hint", [-128, 128.0, "128", True])
+def test_experts_bad_tile_rows_hint(prob, hint):
+    """routing.tile_rows, the kernels' hint, must be an int >= 0; the routing is left as it was."""
+    routing = routing_from_topk(torch.zeros(T, K, dtype=torch.long), E)
+    routing.tile_rows = hint
+    with pytest.raises(ValueError, match="tile_rows"):
+        call_experts(prob, routing=routing)
+    assert routing.tile_rows is hint
+
+
 def test_experts_pair_scores(prob):
     with pytest.raises(ValueError, match="pair_scores"):
         call_experts(prob, pair_scores=torch.rand(T * K + 1))

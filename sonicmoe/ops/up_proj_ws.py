@@ -398,10 +398,10 @@ if HAVE_GLUON:
                    STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
                    CHUNK: gl.constexpr, H_TMA: gl.constexpr):
         """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up
-        blocks in ``h_smem``, their TMA stores (a full tile) or masked 16-byte stores (an expert's last tile), and A
-        = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the staging set goes
-        back to the MMA warps once the TMA stores have read it. The MMA warps meanwhile run the next tile. Without
-        ``H_TMA`` a full tile's H goes by 16-byte stores too."""
+        blocks in ``h_smem``, their 16-byte stores (masked in an expert's last tile; with ``H_TMA``, a full tile's by
+        TMA), and A = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the
+        staging set goes back to the MMA warps once every storer thread (and any TMA store) is done reading it. The
+        MMA warps meanwhile run the next tile."""
         TPN: gl.constexpr = BLOCK_N // 8
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld))
