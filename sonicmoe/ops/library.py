@@ -331,7 +331,8 @@ def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, row_scores, expert_offsets, ro
 
 # ------------------------------------------------------------------------------------------ autograd
 
-_NUM_FWD_INPUTS = 16  # x, w1, w2, b1, b2, pair_scores, 7 routing arrays, gate_up_layout, save_h, tile_rows
+# x, w1, w2, b1, b2, pair_scores, the routing arrays, gate_up_layout, save_h, tile_rows
+_NUM_FWD_INPUTS = 6 + len(FWD_ROUTING_FIELDS) + 3
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -360,8 +361,9 @@ def _setup_context(ctx, inputs, output) -> None:
     gradient run beside dW2; the streams join before the gradients are returned (the same bits either way).
     """
     x, w1, w2, b1, b2, pair_scores = inputs[:6]
-    arrays = dict(zip(FWD_ROUTING_FIELDS, inputs[6:13], strict=True))
-    gate_up_layout, save_h = inputs[13:15]  # then tile_rows, a kernel choice of the forward only
+    end = 6 + len(FWD_ROUTING_FIELDS)
+    arrays = dict(zip(FWD_ROUTING_FIELDS, inputs[6:end], strict=True))
+    gate_up_layout, save_h = inputs[end:end + 2]  # then tile_rows, a kernel choice of the forward only
     _, h = output
     if not save_h:
         raise ValueError("sonicmoe::experts_fwd needs save_h=True when gradients are required "
