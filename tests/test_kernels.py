@@ -16,6 +16,7 @@ from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
 from sonicmoe.ops.common import cdiv, interpreting, next_pow2
 from sonicmoe.ops.dh import dh, dh_ref
 from sonicmoe.ops.grouped_gemm import down_proj, down_proj_ref, varlen_m_gemm, varlen_m_gemm_ref
+from sonicmoe.ops.score_grad import score_grad, score_grad_ref
 from sonicmoe.ops.up_proj import up_proj, up_proj_ref
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
@@ -539,6 +540,51 @@ def test_ds_independent_of_block_n(device):
     # configurations is tested on the GPU (test_gpu_bitwise_across_tile_configs)
     assert rel_err(ds32, ds16) < 1e-6 and rel_err(ds64, ds16) < 1e-6
     assert rel_err(ds16, dh_ref(dout, p["w2"], h, s, routing)[2]) < 1e-5
+
+
+@pytest.mark.parametrize("parts", [1, 3, 16])
+@pytest.mark.parametrize("with_extra", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_score_grad(device, parts, with_extra, out_dtype):
+    """The scores' gradient in pair order from dS partials: the partials summed in order 0..P-1, the bias term
+    added after, gathered through pair_row, and 0 for padding pairs (rows past expert_offsets[E]); the output is
+    poisoned, so an unwritten pair fails, and the inputs are left as they were."""
+    g = torch.Generator().manual_seed(parts * 7 + with_extra)
+    r, real_rows = 1500, 1400  # 100 padding rows, more than one program of pairs
+    part = torch.randn(parts, r, generator=g).to(device)
+    part[:, real_rows:] = float("nan")  # what no kernel wrote: must never reach the output
+    pair_row = torch.randperm(r, generator=g).to(device=device, dtype=torch.int32)
+    offsets = torch.tensor([0, 600, 600, real_rows], device=device, dtype=torch.int32)  # an empty expert too
+    extra = torch.randn(r, generator=g).to(device) if with_extra else None
+    before = (part.clone(), pair_row.clone())
+    got = score_grad(part, pair_row, offsets, extra, out_dtype)
+    want = score_grad_ref(part, pair_row, offsets, extra, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (r,)
+    if out_dtype == torch.float32 or not interpreting():
+        assert torch.equal(got, want)  # the same additions in the same order: the same bits
+    else:  # the interpreter's float32 -> bfloat16 cast truncates where torch rounds to nearest even
+        assert rel_err(got.float(), want.float()) < 1e-2
+    # against an independent float64 sum, and the padding pairs exactly zero
+    rows = pair_row.long()
+    ref = part.double().sum(0) + (extra.double() if with_extra else 0.0)
+    real = rows < real_rows
+    assert (got[~real] == 0).all() and real.sum() == real_rows
+    assert rel_err(got[real].float(), ref[rows[real]].float()) < (1e-6 if out_dtype == torch.float32 else 5e-3)
+    assert torch.equal(part.nan_to_num(), before[0].nan_to_num()) and torch.equal(pair_row, before[1])
+
+
+def test_score_grad_rejects_bad_input(device):
+    part = torch.randn(2, 8, device=device)
+    rows = torch.arange(8, device=device, dtype=torch.int32)
+    offsets = torch.tensor([0, 8], device=device, dtype=torch.int32)
+    with pytest.raises(ValueError, match="ds_part"):
+        score_grad(part.double(), rows, offsets)
+    with pytest.raises(ValueError, match="pair_row"):
+        score_grad(part, rows.long(), offsets)
+    with pytest.raises(ValueError, match="pair_row"):
+        score_grad(part, rows[:5], offsets)
+    with pytest.raises(ValueError, match="extra"):
+        score_grad(part, rows, offsets, torch.randn(5, device=device))
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])

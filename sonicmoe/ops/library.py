@@ -44,6 +44,7 @@ from .aggregation import gather_sum
 from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh
 from .grouped_gemm import down_proj, varlen_m_gemm
+from .score_grad import score_grad
 from .up_proj import up_proj
 from .weight_grad import varlen_k_gemm
 
@@ -232,22 +233,26 @@ def experts_bwd_impl(
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
-    dh_, a_prime, ds = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=side is None)
+    dh_, a_prime, ds_part = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=False)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
     dscores = _empty(row_scores, scores_dtype)
     if need_s:
-        with _beside(side):  # off the GEMMs' stream (a few small torch kernels between dH and dW2 otherwise)
-            ds_row = ds.sum(0) if side is not None else ds  # from the dH kernel's partials: the same fixed order
+        with _beside(side):  # off the GEMMs' stream, beside dW2
+            extra = None
             if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩ (padding rows, past expert_offsets[E]: clamped to E - 1)
                 dob2 = dout.float() @ b2.float().t()
-                ds_row = ds_row + dob2[routing.row_token.long(), routing.row_expert().clamp_(max=w1.shape[0] - 1)]
-            dscores = ds_row.index_select(0, routing.pair_row)  # int32 index: no int64 copy
-            # padding pairs (rows past expert_offsets[E], which no kernel writes: routing_from_pairs(padding=True))
-            # get 0; with no padding every row is below it and this selects everything
-            real = routing.pair_row < routing.expert_offsets[-1]
-            dscores = torch.where(real, dscores, 0.0).to(scores_dtype)
+                extra = dob2[routing.row_token.long(), routing.row_expert().clamp_(max=w1.shape[0] - 1)]
+            # the partials summed in a fixed order, gathered into pair order; padding pairs (rows past
+            # expert_offsets[E], which no kernel writes: routing_from_pairs(padding=True)) get 0
+            if os.environ.get("SONICMOE_AB_SCORE_GRAD", "1") == "1":
+                dscores = score_grad(ds_part, routing.pair_row, routing.expert_offsets, extra, scores_dtype)
+            else:  # A/B only (session 48): the five torch kernels it replaces
+                ds_row = ds_part.sum(0) if extra is None else ds_part.sum(0) + extra
+                dscores = ds_row.index_select(0, routing.pair_row)
+                real = routing.pair_row < routing.expert_offsets[-1]
+                dscores = torch.where(real, dscores, 0.0).to(scores_dtype)
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
@@ -269,7 +274,7 @@ def experts_bwd_impl(
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
-    if side is not None:  # join: ds (the partials made here and read there) and the inputs are freed after this
+    if side is not None:  # join: the dS partials (made here, read there) and the inputs are freed after this
         torch.cuda.current_stream(dout.device).wait_stream(side)
     del pending
     return dx, dw1, dw2, db1, db2, dscores
