@@ -44,10 +44,11 @@ def grouped_order(table: torch.Tensor, expert_offsets: torch.Tensor, block_m: in
 
 
 def ordered(group: int):
-    """A patch of ``tile_table`` in the modules that import it, giving group order ``group``."""
-    def table(expert_offsets, num_rows, block_m):
-        return grouped_order(grouped_gemm_ws.tile_table(expert_offsets, num_rows, block_m), expert_offsets, block_m,
-                             group)
+    """A patch of ``routing_tile_table`` in the modules that import it, giving group order ``group`` (built afresh
+    at every call: no cache on the routing)."""
+    def table(routing, block_m):
+        off = routing.expert_offsets
+        return grouped_order(grouped_gemm_ws.tile_table(off, routing.num_rows, block_m), off, block_m, group)
     return table
 
 
@@ -91,7 +92,7 @@ def probe(shape: str, groups: list[int], rounds: int) -> list[dict]:
 
 
 def _with_order(mod, group: int, fn):
-    with mock.patch.object(mod, "tile_table", ordered(group)):
+    with mock.patch.object(mod, "routing_tile_table", ordered(group)):
         return fn()
 
 

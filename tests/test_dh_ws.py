@@ -125,9 +125,9 @@ def test_dispatch(monkeypatch, device):
     them back with reduce_ds=False), and never with an explicit Triton config."""
     calls = []
 
-    def fake(dout, w2, h, s, routing):
+    def fake(dout, w2, h, s, routing, pair_order=False):
         calls.append(h.shape)
-        dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing)
+        dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing, pair_order=pair_order)
         return dh_, ap, torch.stack([ds / 2, ds / 2])  # two partial rows
 
     monkeypatch.setattr(dh_mod, "dh_ws_supported", lambda dout, w2, h, layout: layout == "concat")
@@ -212,6 +212,13 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         runs[cfg is None] = got
     assert all(bitwise.values()), bitwise
     assert all(torch.equal(x, y) for x, y in zip(ins, (dout, w2, h, s)))
+    # scores in pair order, each row's read through row_pair in the kernel: the same bits (bf16 scores too)
+    pairs = torch.empty_like(s)
+    pairs[routing.row_pair.long()] = s
+    for scores, row_order in ((pairs, s), (pairs.bfloat16(), s.bfloat16().float())):
+        base = dh_ws.dh_ws(dout, w2, h, row_order, routing)
+        gathered = dh_ws.dh_ws(dout, w2, h, scores, routing, pair_order=True)
+        assert all(torch.equal(x, y) for x, y in zip(gathered, base))
     # dh() runs this kernel where dh_ws_preferred says so (its partials reduced there)
     monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda n: True)
     via = dh_mod.dh(dout, w2, h, s, routing)

@@ -13,8 +13,10 @@ from sonicmoe.ops import grouped_gemm, grouped_gemm_ws
 from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.grouped_gemm import varlen_m_gemm, varlen_m_gemm_ref
 from sonicmoe.ops.grouped_gemm_ws import (
+    routing_tile_table,
     tile_table,
     tile_table_ref,
+    tile_tables,
     ws_config,
     ws_smem_bytes,
     ws_supported,
@@ -43,6 +45,44 @@ def test_tile_table_matches_reference(counts, block_m, device):
     assert got.shape == ref.shape
     assert torch.equal(got.cpu(), ref)
     assert int(ref[0, 0]) == sum((c + block_m - 1) // block_m for c in counts)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts", [[5, 0, 130, 64, 0, 1], [(i * 37) % 300 for i in range(300)]], ids=["small", "E300"])
+def test_two_tile_tables_in_one_launch(counts, device):
+    """tile_tables fills both heights' tables in one launch (programs split between them), each equal to the one
+    built alone, for the heights the Gluon kernels use."""
+    off = _offsets(counts, device)
+    r = sum(counts)
+    tables = tile_tables(off, r, (64, 128))
+    for bm, got in zip((64, 128), tables, strict=True):
+        assert torch.equal(got.cpu(), tile_table_ref(off.cpu(), r, bm))
+    with pytest.raises(ValueError, match="block_ms"):
+        tile_tables(off, r, (16, 32, 64))
+
+
+@pytest.mark.interpreter
+def test_routing_tile_table_shared_and_rebuilt(device):
+    """routing_tile_table builds every height of TABLE_HEIGHTS at the first request and hands the same tables to
+    later ones; an in-place change of expert_offsets (its version counter) or a new offsets tensor rebuilds them.
+    The heights are those of the kernels that ask (ping-pong GEMM, up-projection, dH)."""
+    from sonicmoe.ops import dh_ws, up_proj_ws
+
+    assert set(grouped_gemm_ws.TABLE_HEIGHTS) == {grouped_gemm_ws.BLOCK_M, up_proj_ws.BLOCK_M, dh_ws.BLOCK_M}
+    routing = routing_from_pairs(torch.tensor([0, 1, 1, 2, 3, 3], device=device),
+                                 torch.tensor([1, 0, 2, 2, 0, 1], device=device), 4, 3)
+    first = routing_tile_table(routing, 128)
+    small = routing_tile_table(routing, 64)  # built by the same launch: a cache hit
+    assert routing_tile_table(routing, 128) is first and routing_tile_table(routing, 64) is small
+    assert torch.equal(first.cpu(), tile_table_ref(routing.expert_offsets.cpu(), 6, 128))
+    assert torch.equal(small.cpu(), tile_table_ref(routing.expert_offsets.cpu(), 6, 64))
+    odd = routing_tile_table(routing, 32)  # a height outside TABLE_HEIGHTS: built alone
+    assert torch.equal(odd.cpu(), tile_table_ref(routing.expert_offsets.cpu(), 6, 32))
+    routing.expert_offsets[1:] = torch.tensor([0, 0, 6], device=device, dtype=torch.int32)  # all rows to expert 2
+    rebuilt = routing_tile_table(routing, 128)
+    assert rebuilt is not first and int(rebuilt[1, 0]) == 2
+    routing.expert_offsets = torch.tensor([0, 6, 6, 6], device=device, dtype=torch.int32)
+    assert int(routing_tile_table(routing, 64)[1, 0]) == 0
 
 
 @pytest.mark.parametrize("ring", [False, True])
@@ -175,7 +215,7 @@ def test_dispatch(monkeypatch, device):
     explicit Triton config."""
     calls = []
 
-    def fake(a, b, bias, offsets, *, transpose_b):
+    def fake(a, b, bias, offsets, *, transpose_b, table=None):
         calls.append((a.shape, offsets, transpose_b))
         return ws_varlen_m_gemm_ref(a, b, bias, offsets, transpose_b=transpose_b)
 

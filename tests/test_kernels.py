@@ -162,6 +162,15 @@ def test_dh_kernel(shape, layout, device):
     assert parts.shape == (triton.cdiv(n, 16), routing.num_rows)
     assert torch.equal(parts.sum(0), got[2])
     assert torch.equal(dh_ref(dout, p["w2"], h, s, routing, layout, reduce_ds=False)[2], ref[2][None])
+    # scores in pair order, gathered through row_pair in the kernel (the layer's backward): the same bits, in
+    # bf16 too (read as float32)
+    pairs = router.topk_scores.reshape(-1)
+    for scores, row_order in ((pairs, s), (pairs.bfloat16(), s.bfloat16().float())):
+        base = dh(dout, p["w2"], h, row_order, routing, layout)
+        gathered = dh(dout, p["w2"], h, scores, routing, layout, pair_order=True)
+        assert all(torch.equal(x, y) for x, y in zip(gathered, base))
+        twin = dh_ref(dout, p["w2"], h, scores, routing, layout, pair_order=True)
+        assert all(torch.equal(x, y) for x, y in zip(twin, dh_ref(dout, p["w2"], h, row_order, routing, layout)))
 
 
 def test_gather_sum(device):
@@ -283,7 +292,8 @@ def test_general_routing_layer(device):
 
 
 def test_memory_contract(device):
-    """Backward saves X, H, S (row order), weights and int routing metadata: no (R, d) tensor, no A.
+    """Backward saves X, H, S (the caller's tensors: no copies), weights and int routing metadata: no (R, d)
+    tensor, no A.
 
     Everything any autograd node packs while ``sonicmoe.experts`` runs is recorded through
     ``saved_tensors_hooks`` (the eager autograd Function, like the custom op's autograd formula, saves through
@@ -308,12 +318,13 @@ def test_memory_contract(device):
     float_shapes = sorted(tuple(s.shape) for s in saved if s.dtype.is_floating_point)
     assert float_shapes == sorted([(t, d), (r, 2 * n), (r,), (e, 2 * n, d), (e, d, n)])
     assert any(s.data_ptr() == x.data_ptr() for s in saved), "X is saved as the caller's tensor, not a copy"
+    assert any(s.data_ptr() == scores.data_ptr() for s in saved), "S is saved as the caller's tensor (pair order)"
     for s in saved:
         if not s.dtype.is_floating_point:
             assert s.dtype == torch.int32 and s.dim() == 1 and s.numel() <= max(r, t + 1, e + 1)
     activation_bytes = sum(s.numel() * s.element_size() for s in saved
                            if s.dtype.is_floating_point and s.dim() < 3)
-    assert activation_bytes == (t * d + r * 2 * n + r) * 4  # fp32 here: 2Td + 4TKn bytes in bf16 + S
+    assert activation_bytes == (t * d + r * 2 * n + r) * 4  # fp32 here: 2Td + 4TKn bytes in bf16 + S (the caller's)
     out.backward(torch.randn_like(out))  # and the saved tensors suffice for the backward
     assert x.grad is not None and scores.grad is not None
 
@@ -547,30 +558,31 @@ def test_ds_independent_of_block_n(device):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_score_grad(device, parts, with_extra, out_dtype):
     """The scores' gradient in pair order from dS partials: the partials summed in order 0..P-1, the bias term
-    added after, gathered through pair_row, and 0 for padding pairs (rows past expert_offsets[E]); the output is
-    poisoned, so an unwritten pair fails, and the inputs are left as they were."""
+    added after, each row's sum written to its pair (row_pair), and 0 for the pairs of padding rows (rows past
+    expert_offsets[E]); the output is poisoned (NaN), so an unwritten pair fails, and the inputs are left as they
+    were."""
     g = torch.Generator().manual_seed(parts * 7 + with_extra)
     r, real_rows = 1500, 1400  # 100 padding rows, more than one program of pairs
     part = torch.randn(parts, r, generator=g).to(device)
     part[:, real_rows:] = float("nan")  # what no kernel wrote: must never reach the output
-    pair_row = torch.randperm(r, generator=g).to(device=device, dtype=torch.int32)
+    row_pair = torch.randperm(r, generator=g).to(device=device, dtype=torch.int32)
     offsets = torch.tensor([0, 600, 600, real_rows], device=device, dtype=torch.int32)  # an empty expert too
     extra = torch.randn(r, generator=g).to(device) if with_extra else None
-    before = (part.clone(), pair_row.clone())
-    got = score_grad(part, pair_row, offsets, extra, out_dtype)
-    want = score_grad_ref(part, pair_row, offsets, extra, out_dtype)
+    before = (part.clone(), row_pair.clone())
+    got = score_grad(part, row_pair, offsets, extra, out_dtype)
+    want = score_grad_ref(part, row_pair, offsets, extra, out_dtype)
     assert got.dtype == out_dtype and got.shape == (r,)
     if out_dtype == torch.float32 or not interpreting():
         assert torch.equal(got, want)  # the same additions in the same order: the same bits
     else:  # the interpreter's float32 -> bfloat16 cast truncates where torch rounds to nearest even
         assert rel_err(got.float(), want.float()) < 1e-2
     # against an independent float64 sum, and the padding pairs exactly zero
-    rows = pair_row.long()
+    rows = torch.argsort(row_pair.long())  # the row of each pair
     ref = part.double().sum(0) + (extra.double() if with_extra else 0.0)
     real = rows < real_rows
     assert (got[~real] == 0).all() and real.sum() == real_rows
     assert rel_err(got[real].float(), ref[rows[real]].float()) < (1e-6 if out_dtype == torch.float32 else 5e-3)
-    assert torch.equal(part.nan_to_num(), before[0].nan_to_num()) and torch.equal(pair_row, before[1])
+    assert torch.equal(part.nan_to_num(), before[0].nan_to_num()) and torch.equal(row_pair, before[1])
 
 
 def test_score_grad_rejects_bad_input(device):
@@ -579,9 +591,9 @@ def test_score_grad_rejects_bad_input(device):
     offsets = torch.tensor([0, 8], device=device, dtype=torch.int32)
     with pytest.raises(ValueError, match="ds_part"):
         score_grad(part.double(), rows, offsets)
-    with pytest.raises(ValueError, match="pair_row"):
+    with pytest.raises(ValueError, match="row_pair"):
         score_grad(part, rows.long(), offsets)
-    with pytest.raises(ValueError, match="pair_row"):
+    with pytest.raises(ValueError, match="row_pair"):
         score_grad(part, rows[:5], offsets)
     with pytest.raises(ValueError, match="extra"):
         score_grad(part, rows, offsets, torch.randn(5, device=device))

@@ -88,13 +88,13 @@ def test_opcheck_experts_bwd(needs, bias, device):
     g = torch.Generator().manual_seed(2)
     r = routing.num_rows
     h = torch.randn(r, 2 * N, generator=g).to(device)
-    row_scores = torch.rand(r, generator=g).to(device)
+    pair_scores = torch.rand(r, generator=g).to(device)
     dout = torch.randn(T, D, generator=g).to(device)
-    args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, row_scores,
+    args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, pair_scores,
             *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", torch.float16, needs)
     torch.library.opcheck(library.experts_bwd, args)
     grads = library.experts_bwd(*args)
-    for g_, need, full in zip(grads, needs, (p["x"], p["w1"], p["w2"], p["b1"], p["b2"], row_scores)):
+    for g_, need, full in zip(grads, needs, (p["x"], p["w1"], p["w2"], p["b1"], p["b2"], pair_scores)):
         expected = tuple(full.shape) if need and full is not None else (0,)
         assert tuple(g_.shape) == expected
     assert grads[5].dtype == torch.float16  # dS comes back in the scores' dtype
@@ -116,9 +116,9 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(3)
     r = routing.num_rows
     h = torch.randn(r, 2 * 256, device="cuda", generator=g).to(dtype)
-    row_scores = torch.rand(r, device="cuda", generator=g).to(dtype)
+    pair_scores = torch.rand(r, device="cuda", generator=g).to(dtype)
     dout = torch.randn(4099, 512, device="cuda", generator=g).to(dtype)
-    args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, row_scores,
+    args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, pair_scores,
             *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", torch.float32, needs)
     monkeypatch.setenv("SONICMOE_OVERLAP", "0")
     grouped_gemm_ws._CALLS.clear()
@@ -166,13 +166,13 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
     weights = torch.rand(r, generator=g).to(device)
     dout = torch.randn(T, d, generator=g).to(device)
     h = torch.randn(r, 2 * N, generator=g).to(device)
-    row_scores = torch.rand(r, generator=g).to(device)
+    pair_scores = torch.rand(r, generator=g).to(device)
     b1, b2 = (p["b1"], p["b2"]) if bias else (None, None)
     runs = []
     for w in ("0", str(width)):
         monkeypatch.setenv("SONICMOE_AGG_CHUNK", w)
         out = library.gemm_then_gather_sum(a, p["w2"], b2, routing, weights, transpose_b=True)
-        grads = library.experts_bwd_impl(dout, p["x"], p["w1"], p["w2"], b1, b2, h, row_scores,
+        grads = library.experts_bwd_impl(dout, p["x"], p["w1"], p["w2"], b1, b2, h, pair_scores,
                                          *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), layout, torch.float32,
                                          [True] * 6)
         runs.append((out, *grads))
@@ -370,7 +370,7 @@ def test_eager_function_matches_operator(device):
 
 def test_memory_contract_under_compile(device):
     """Compiled (AOTAutograd partitions forward and backward itself), the backward still keeps only X, H,
-    S in row order, the weights and int32 routing metadata: the custom op cannot be recomputed or split."""
+    S (pair order), the weights and int32 routing metadata: the custom op cannot be recomputed or split."""
     t, d, n, e, k = 33, 48, 16, 4, 2
     p = random_problem(t, d, n, e, device=device, seed=4)
     routing = _topk_routing(p, k)

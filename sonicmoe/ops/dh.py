@@ -55,7 +55,7 @@ from .up_proj import layout_rows
 
 @triton.jit
 def _dh_kernel(
-    do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, offsets_ptr, dh_ptr, ap_ptr, ds_ptr,
+    do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, pair_ptr, row_token_ptr, offsets_ptr, dh_ptr, ap_ptr, ds_ptr,
     E, N, D, R,
     stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
@@ -63,7 +63,7 @@ def _dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
     H_PREFETCH: tl.constexpr = 1, EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, GATHER_S: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
@@ -72,18 +72,19 @@ def _dh_kernel(
         pid_m = tile // num_pid_n
         pid_n = tile % num_pid_n
         e, row_start, row_end = tile_rows(pid_m, eidx, lo, hi, ntiles, cum, BLOCK_M)
-        _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start,
-                 row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                 CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_PREFETCH, EPI_SPLIT, EVEN_K)
+        _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, pair_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e,
+                 row_start, row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF,
+                 UP_OFF, CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_PREFETCH, EPI_SPLIT, EVEN_K,
+                 GATHER_S)
 
 
 @triton.jit
 def _dh_tile(
-    do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end, pid_n,
-    N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
+    do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, pair_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e, row_start, row_end,
+    pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr,
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    H_PREFETCH: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    H_PREFETCH: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GATHER_S: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -95,7 +96,11 @@ def _dh_tile(
     w_base = w2_ptr + e.to(tl.int64) * stride_we
     ch_start = pid_n * BLOCK_N
     ch_end = tl.minimum(N, ch_start + BLOCK_N)  # the tile's channels: [ch_start, ch_end)
-    s = tl.load(score_ptr + rows, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    if GATHER_S:  # scores in pair order: each row's through row_pair
+        s = tl.load(score_ptr + tl.load(pair_ptr + rows, mask=mask_m, other=0), mask=mask_m, other=0.0)
+    else:
+        s = tl.load(score_ptr + rows, mask=mask_m, other=0.0)
+    s = s.to(tl.float32)[:, None]
     PART: tl.constexpr = BLOCK_N // EPI_SPLIT
     if H_PREFETCH == 2:
         # H of the epilogue's first column block, loaded before the main loop: the GEMM hides its latency
@@ -253,17 +258,21 @@ def dh(
     gate_up_layout: str = "concat",
     config: dict | None = None,
     reduce_ds: bool = True,
+    pair_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and dS from dO, W2, H and the scores (SPEC §4 kernel 1).
 
     Args:
         dout: (T, d) gradient of O. w2: (E, d, n). h: (R, 2n) saved up-projection output (layout of W1).
-        row_scores: (R,) float32 scores S in row order. routing: the expert-sorted rows.
+        row_scores: (R,) scores S in row order, float32; or, with ``pair_order``, in pair order (any float dtype,
+            read as float32), each row's gathered through ``routing.row_pair`` inside the kernel.
+        routing: the expert-sorted rows.
         config: explicit tile configuration of the Triton kernel (tuning sweeps), else pinned/autotuned; without
             one, shapes that :func:`sonicmoe.ops.dh_ws.dh_ws_preferred` and ``dh_ws_supported`` accept run the Gluon
             kernel.
         reduce_ds: False returns dS as float32 partial sums (P, R) with dS = partials.sum(0) (the fixed-order
             reduction left to the caller: the backward runs it on a side stream).
+        pair_order: see ``row_scores`` (the layer's backward: no gathered copy of S is made or kept).
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 (without
         the bias term ⟨dO_t, b2[e]⟩).
@@ -274,15 +283,17 @@ def dh(
     r = routing.num_rows
     if config is None and r > 0 and dh_ws_preferred(n) and dh_ws_supported(dout, w2, h, gate_up_layout):
         # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per 16 or 32 channels
-        dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing)
+        dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing, pair_order=pair_order)
         return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
     ds_part = new_output((cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
     gate_off, up_off, ch_stride = layout_rows(gate_up_layout, n)
     args = dict(
-        do_ptr=dout, w2_ptr=w2, w2_desc=tma_descriptor(w2), h_ptr=h, score_ptr=row_scores.float().contiguous(),
-        row_token_ptr=routing.row_token, offsets_ptr=routing.expert_offsets, dh_ptr=dh_, ap_ptr=a_prime,
+        do_ptr=dout, w2_ptr=w2, w2_desc=tma_descriptor(w2), h_ptr=h,
+        score_ptr=row_scores.contiguous() if pair_order else row_scores.float().contiguous(),
+        pair_ptr=routing.row_pair, GATHER_S=pair_order, row_token_ptr=routing.row_token,
+        offsets_ptr=routing.expert_offsets, dh_ptr=dh_, ap_ptr=a_prime,
         ds_ptr=ds_part, E=e, N=n, D=d, R=r, stride_dot=dout.stride(0), stride_we=w2.stride(0),
         stride_wd=w2.stride(1), stride_hr=h.stride(0), stride_apr=a_prime.stride(0),
         GATE_OFF=gate_off, UP_OFF=up_off, CH_STRIDE=ch_stride, E_P2=next_pow2(e),
@@ -303,9 +314,12 @@ def dh_ref(
     gate_up_layout: str = "concat",
     config: dict | None = None,
     reduce_ds: bool = True,
+    pair_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop; without ``reduce_ds`` dS is returned
     as one row of partials, (1, R))."""
+    if pair_order:
+        row_scores = routing.row_scores(row_scores)
     e = w2.shape[0]
     offsets = routing.expert_offsets.tolist()
     dap = torch.empty(routing.num_rows, w2.shape[2], dtype=torch.float32, device=h.device)

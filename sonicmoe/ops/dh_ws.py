@@ -83,7 +83,7 @@ import torch
 from ..routing import Routing
 from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -340,10 +340,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc, dh_ptr,
-                ap_ptr, ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr,
-                STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                STAGE_IN_RING: gl.constexpr):
+                ap_ptr, ds_ptr, score_ptr, pair_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
+                NBUF: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
+                TMA_STORE: gl.constexpr, STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
         of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
@@ -363,7 +363,12 @@ if HAVE_GLUON:
                 for j in gl.static_range(NBUF):
                     _load_h_block(h_desc, h_bufs, h_ready, row_start, ch0 + j * EPI, N, j)
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-                s_rows = gl.load(score_ptr + rows, mask=rows < row_end, other=0.0)  # its latency hides behind the MMAs
+                # its latency hides behind the MMAs; GATHER_S: scores in pair order, each row's through row_pair
+                if GATHER_S:
+                    pr = gl.load(pair_ptr + rows, mask=rows < row_end, other=0)
+                    s_rows = gl.load(score_ptr + pr, mask=rows < row_end, other=0.0).to(gl.float32)
+                else:
+                    s_rows = gl.load(score_ptr + rows, mask=rows < row_end, other=0.0).to(gl.float32)
             acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
                                    STAGES, acc_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -395,12 +400,13 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, row_token_ptr,
-                      table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr, X_LAYOUT: gl.constexpr,
+    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, pair_ptr,
+                      row_token_ptr, table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr,
+                      X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr):
+                      STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -416,8 +422,8 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
-                       ds_ptr, score_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING)),
+                       ds_ptr, score_ptr, pair_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M,
+                       BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING, GATHER_S)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -436,14 +442,15 @@ def dh_ws_calls() -> list[dict]:
 
 
 def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor, routing: Routing,
-          config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          config: dict | None = None, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and the dS partials by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`dh_ws_supported` (concat layout).
 
     Args:
         dout: (T, d) bf16/fp16, contiguous. w2: (E, d, n). h: (R, 2n) the saved up-projection output, concat
-            layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order.
+            layout (gate columns [0, n), up columns [n, 2n)). row_scores: (R,) float32 scores S in row order; with
+            ``pair_order``, in pair order (any float dtype), gathered through ``routing.row_pair`` in the kernel.
         routing: rows sorted by expert (``row_token``, ``expert_offsets``).
         config: {"BLOCK_N", "EPI", "NBUF", "STAGES"} and optionally "BLOCK_K", "STAGE_IN_RING" (the staging
             sets in a ring slot; only where :func:`stage_fits_slot` holds), "MAXNREG", "LOADER_WARPS" (default
@@ -465,16 +472,17 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     if r == 0:
         return dh_, a_prime, ds_part
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
-    table = tile_table(routing.expert_offsets, r, BLOCK_M)
+    table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     bk = cfg.get("BLOCK_K", BLOCK_K)
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
-            row_scores.float().contiguous(), routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
+            row_scores.contiguous() if pair_order else row_scores.float().contiguous(), routing.row_pair,
+            routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
             a_prime.stride(0))
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
-                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)),
+                STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), GATHER_S=pair_order,
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

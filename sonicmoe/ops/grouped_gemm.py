@@ -243,7 +243,9 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         stride_bk, stride_bn = b.stride(1), b.stride(2)
     r = a.shape[0]
     if out is None and config is None and grouped_gemm_ws.ws_supported(a, b, r, transpose_b=transpose_b):
-        return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b)
+        table = grouped_gemm_ws.routing_tile_table(routing, grouped_gemm_ws.BLOCK_M)  # shared with the routing's
+        return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b,
+                                                table=table)  # other kernels (one launch)
     if out is None:
         c = new_output((r, m), device=a.device, dtype=a.dtype)
     elif out.shape != (r, m) or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:

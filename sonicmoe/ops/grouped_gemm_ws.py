@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..routing import Routing
 from .common import (
     cdiv,
     env_switch,
@@ -99,10 +100,11 @@ LOADER_REGS = 40
 
 
 @triton.jit
-def _tile_table_kernel(offsets_ptr, table_ptr, E, max_tiles, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
+def _fill_tile_table(offsets_ptr, table_ptr, E, max_tiles, pid, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    """Rows 1 + t of the table for M-tiles t in [pid·BLOCK_T, (pid + 1)·BLOCK_T), and row 0 where pid is 0."""
     eidx, lo, hi, ntiles, cum, total = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.sum((cum[None, :] <= t[:, None]).to(tl.int32), 1)
     sel = eidx[None, :] == e[:, None]
     first_tile = tl.sum(tl.where(sel, (cum - ntiles)[None, :], 0), 1)
@@ -116,28 +118,86 @@ def _tile_table_kernel(offsets_ptr, table_ptr, E, max_tiles, E_P2: tl.constexpr,
     tl.store(rows + 2, tl.where(valid, row_end, 0), mask=in_table)
     tl.store(rows + 3, tl.zeros_like(e), mask=in_table)
     head = tl.arange(0, 4)
-    tl.store(table_ptr + head, tl.where(head == 0, total, 0), mask=(head < 4) & (tl.program_id(0) == 0))
+    tl.store(table_ptr + head, tl.where(head == 0, total, 0), mask=(head < 4) & (pid == 0))
 
 
-def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """The varlen-M tile schedule as a table: (1 + cdiv(R, BLOCK_M) + E, 4) int32 on the offsets' device.
+@triton.jit
+def _tile_table_kernel(offsets_ptr, table_ptr, table2_ptr, E, max_tiles, max_tiles2, progs, E_P2: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_T: tl.constexpr):
+    # programs [0, progs) fill the BLOCK_M table, the rest (if any) the BLOCK_M2 one: two tables, one launch
+    pid = tl.program_id(0)
+    if pid < progs:
+        _fill_tile_table(offsets_ptr, table_ptr, E, max_tiles, pid, E_P2, BLOCK_M, BLOCK_T)
+    else:
+        _fill_tile_table(offsets_ptr, table2_ptr, E, max_tiles2, pid - progs, E_P2, BLOCK_M2, BLOCK_T)
+
+
+def tile_tables(expert_offsets: torch.Tensor, num_rows: int, block_ms: tuple[int, ...]) -> list[torch.Tensor]:
+    """The varlen-M tile schedule for one or two tile heights, in one launch: a list of (1 + cdiv(R, BLOCK_M) + E,
+    4) int32 tables on the offsets' device, one per entry of ``block_ms``.
 
     Row 0 holds (number of M-tiles, 0, 0, 0); row 1 + t holds (expert, first row, end row, 0) of M-tile t
     (M-tiles numbered expert after expert, expert e's rows [off[e], off[e+1]) cut into cdiv(T_e, BLOCK_M)
-    tiles; empty experts have none); rows past the number of M-tiles are zeros. One Triton launch, no host sync.
+    tiles; empty experts have none); rows past the number of M-tiles are zeros. No host sync.
+
+    Args:
+        expert_offsets: (E+1,) int32 exclusive prefix sum of the per-expert row counts T_e.
+        num_rows: R = off[E] (a host value: the routed rows' count).
+        block_ms: one or two tile heights BLOCK_M (powers of two).
+    Raises:
+        ValueError: unless ``block_ms`` holds one or two heights.
+    """
+    if len(block_ms) not in (1, 2):
+        raise ValueError(f"block_ms: expected one or two tile heights, got {block_ms}")
+    e = expert_offsets.shape[0] - 1
+    block_t = 32 if e > 256 else 64
+    tiles = [max_m_tiles(num_rows, e, bm) for bm in block_ms]
+    tables = [torch.empty((t + 1, TILE_TABLE_COLS), device=expert_offsets.device, dtype=torch.int32) for t in tiles]
+    progs = [cdiv(t, block_t) for t in tiles]
+    second = len(block_ms) - 1  # the second table's entries repeat the first's when there is one table
+    launch_kernel(_tile_table_kernel, (sum(progs),), expert_offsets, tables[0], tables[second], e, tiles[0],
+                  tiles[second], progs[0], E_P2=next_pow2(e), BLOCK_M=block_ms[0], BLOCK_M2=block_ms[second],
+                  BLOCK_T=block_t)
+    return tables
+
+
+def tile_table(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """The varlen-M tile schedule as a table: (1 + cdiv(R, BLOCK_M) + E, 4) int32 on the offsets' device (the
+    layout of :func:`tile_tables`, for one tile height). One Triton launch, no host sync.
 
     Args:
         expert_offsets: (E+1,) int32 exclusive prefix sum of the per-expert row counts T_e.
         num_rows: R = off[E] (a host value: the routed rows' count).
         block_m: BLOCK_M, the tile height.
     """
-    e = expert_offsets.shape[0] - 1
-    max_tiles = max_m_tiles(num_rows, e, block_m)
-    table = torch.empty((max_tiles + 1, TILE_TABLE_COLS), device=expert_offsets.device, dtype=torch.int32)
-    block_t = 32 if e > 256 else 64
-    launch_kernel(_tile_table_kernel, (cdiv(max_tiles, block_t),), expert_offsets, table, e, max_tiles,
-                  E_P2=next_pow2(e), BLOCK_M=block_m, BLOCK_T=block_t)
-    return table
+    return tile_tables(expert_offsets, num_rows, (block_m,))[0]
+
+
+# the tile heights of the Gluon kernels' tables: this module's ping-pong GEMM (BLOCK_M) and the 128-row tiles of the
+# up-projection and dH kernels (up_proj_ws.BLOCK_M, dh_ws.BLOCK_M); routing_tile_table builds both in one launch
+TABLE_HEIGHTS = (BLOCK_M, 128)
+
+
+def routing_tile_table(routing: Routing, block_m: int) -> torch.Tensor:
+    """:func:`tile_table` of ``routing`` for ``block_m``, built once per Routing object: the first request builds
+    the tables of every height in :data:`TABLE_HEIGHTS` in one launch (the forward's up- and down-projections,
+    and the backward's dH and dX̃ GEMMs, each need both), and later requests reuse them. The cache holds while
+    ``routing.expert_offsets`` is the same tensor, unmodified (its version counter) — else it is rebuilt.
+
+    Args:
+        routing: the expert-sorted rows (``expert_offsets``, ``num_rows``).
+        block_m: the tile height.
+    """
+    offsets = routing.expert_offsets
+    key = (block_m, routing.num_rows)
+    cache = routing.__dict__.setdefault("_tile_tables", {})
+    hit = cache.get(key)
+    if hit is not None and hit[0] is offsets and hit[1] == offsets._version:
+        return hit[2]
+    heights = TABLE_HEIGHTS if block_m in TABLE_HEIGHTS else (block_m,)
+    for bm, table in zip(heights, tile_tables(offsets, routing.num_rows, heights), strict=True):
+        cache[(bm, routing.num_rows)] = (offsets, offsets._version, table)
+    return cache[key][2]
 
 
 def tile_table_ref(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
@@ -468,7 +528,8 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 
 def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,
-                     *, transpose_b: bool, config: dict | None = None) -> torch.Tensor:
+                     *, transpose_b: bool, config: dict | None = None, table: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """C (R, m) = A (R, k) op(B[e]) (+ bias[e]) by the warp-specialised ping-pong kernel (see the module doc).
 
     The caller has checked :func:`ws_supported` (or, for tests, that the dtype, alignment and k suit it; both
@@ -482,6 +543,8 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         expert_offsets: (E+1,) int32 exclusive prefix sum of the per-expert row counts.
         config: {"BLOCK_N", "STAGES"} and optionally "STAGE_IN_RING" (the outputs staged in ring slots; needs
             :func:`ring_fits_tile`) (default :func:`ws_config`).
+        table: the :func:`tile_table` of ``expert_offsets`` for :data:`BLOCK_M` if the caller has it
+            (:func:`routing_tile_table`), else it is built here.
     Returns:
         C (R, m) in a's dtype; no atomics, the same bits on every run.
     """
@@ -503,7 +566,7 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     if r == 0:
         return c
     _CALLS[(m, k, e, str(a.dtype).removeprefix("torch."), transpose_b)] = dict(cfg)
-    table = tile_table(expert_offsets, r, BLOCK_M)
+    table = tile_table(expert_offsets, r, BLOCK_M) if table is None else table
     num_pid_n = cdiv(m, bn)
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
     launch_kernel(
@@ -517,7 +580,8 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 
 
 def ws_varlen_m_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,
-                         *, transpose_b: bool, config: dict | None = None) -> torch.Tensor:
+                         *, transpose_b: bool, config: dict | None = None, table: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`ws_varlen_m_gemm` (float32 per-expert loop, output in a's dtype; runs on
-    CPU; ``config`` is ignored)."""
+    CPU; ``config`` and ``table`` are ignored)."""
     return per_expert_gemm_ref(a, b, bias, expert_offsets, transpose_b)

@@ -10,7 +10,7 @@ token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0) -> (
     ``save_h`` is False (inference: the up-projection then never writes H). A and Y are freed inside.
     ``tile_rows``: the routing's hint (:attr:`~sonicmoe.routing.Routing.tile_rows`), which may choose a kernel.
 
-``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, row_scores, expert_offsets, row_token, pair_row,
+``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
 token_offsets, token_rows, gate_up_layout, scores_dtype, needs) -> (dx, dw1, dw2, db1, db2, dscores)``
     The backward of SPEC §4 (dH kernel, dW2, dX̃, dW1, dX aggregation, bias terms). ``needs`` holds six
     bools, one per output; an output that is not needed (or a bias that does not exist) is returned as
@@ -18,9 +18,9 @@ token_offsets, token_rows, gate_up_layout, scores_dtype, needs) -> (dx, dw1, dw2
 
 Shapes (letters of SPEC §1): x (T, d); w1 (E, 2n, d) with gate/up rows in ``gate_up_layout``
 (``"concat"``: rows [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up); w2 (E, d, n);
-b1 (E, 2n); b2 (E, d); pair_scores (R,); the int32 routing arrays of :class:`~sonicmoe.routing.Routing`
-(expert_offsets (E+1,), token_offsets (T+1,), the others (R,)); H (R, 2n) in W1's layout;
-row_scores (R,) float32 scores in row (expert-major) order. Every output shape follows from the input
+b1 (E, 2n); b2 (E, d); pair_scores (R,) in pair order (``scores_dtype`` their dtype); the int32 routing arrays
+of :class:`~sonicmoe.routing.Routing` (expert_offsets (E+1,), token_offsets (T+1,), the others (R,)); H (R, 2n)
+in W1's layout. Every output shape follows from the input
 shapes, so the fake (meta) implementations need no data.
 
 The autograd formula of ``experts_fwd`` is registered here too (:func:`torch.library.register_autograd`),
@@ -72,26 +72,20 @@ def gluon_wgrad_preferred(n: int) -> bool:
 # the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)
 FWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows",
                       "slot_pair")
-# the subset the backward reads (row_pair and slot_pair only map scores, which are saved in row order)
-BWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "pair_row", "token_offsets", "token_rows")
+# the subset the backward reads (slot_pair only maps the forward's scores into slot order; the dH kernel reads S
+# through row_pair)
+BWD_ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows")
 
 
 def _routing(num_tokens: int, num_experts: int, **arrays: Tensor | None) -> Routing:
     """A :class:`Routing` from the operator's tensors (made contiguous: the kernels index them flat)."""
     fields = {f: (None if v is None else v.contiguous()) for f, v in arrays.items()}
-    fields.setdefault("row_pair", None)  # the backward has no use for it
     return Routing(num_tokens=num_tokens, num_experts=num_experts, **fields)
 
 
 def _check_layout(gate_up_layout: str) -> None:
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
-
-
-def _f32(t: Tensor) -> Tensor:
-    """``t`` as float32 (no ``.float()`` call when it already is: an op below autograd that returned its
-    input unchanged would break the custom op's no-aliasing contract)."""
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -207,9 +201,10 @@ def experts_bwd_impl(
     b1: Tensor | None,
     b2: Tensor | None,
     h: Tensor,
-    row_scores: Tensor,
+    pair_scores: Tensor,
     expert_offsets: Tensor,
     row_token: Tensor,
+    row_pair: Tensor,
     pair_row: Tensor,
     token_offsets: Tensor,
     token_rows: Tensor,
@@ -226,18 +221,19 @@ def experts_bwd_impl(
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
-                       pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
+                       row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
     # the weight gradients by the Gluon kernel (weight_grad_ws, where it applies) from n = GLUON_WGRAD_MIN_N on (or
     # SONICMOE_GLUON_WGRAD=all: gluon_wgrad_preferred); else by the Triton kernel, dW1 with the dX aggregation beside it
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
-    dh_, a_prime, ds_part = dh(dout, w2, h, row_scores, routing, gate_up_layout, reduce_ds=False)
+    # S read through row_pair inside the dH kernel (no row-order copy)
+    dh_, a_prime, ds_part = dh(dout, w2, h, pair_scores, routing, gate_up_layout, reduce_ds=False, pair_order=True)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
-    dscores = _empty(row_scores, scores_dtype)
+    dscores = _empty(pair_scores, scores_dtype)
     if need_s:
         with _beside(side):  # off the GEMMs' stream, beside dW2
             extra = None
@@ -247,7 +243,7 @@ def experts_bwd_impl(
             # the partials summed in a fixed order, gathered into pair order; padding pairs (rows past
             # expert_offsets[E], which no kernel writes: routing_from_pairs(padding=True)) get 0
             if os.environ.get("SONICMOE_AB_SCORE_GRAD", "1") == "1":
-                dscores = score_grad(ds_part, routing.pair_row, routing.expert_offsets, extra, scores_dtype)
+                dscores = score_grad(ds_part, routing.row_pair, routing.expert_offsets, extra, scores_dtype)
             else:  # A/B only (session 48): the five torch kernels it replaces
                 ds_row = ds_part.sum(0) if extra is None else ds_part.sum(0) + extra
                 dscores = ds_row.index_select(0, routing.pair_row)
@@ -256,7 +252,7 @@ def experts_bwd_impl(
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
-        s_col = row_scores.to(dout.dtype)[:, None]
+        s_col = routing.row_scores(pair_scores).to(dout.dtype)[:, None]
         db2 = varlen_k_gemm(s_col, dout, routing, p_gather=False, q_gather=True, out_dtype=b2.dtype)[:, 0]
     del a_prime
     gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
@@ -321,7 +317,7 @@ experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl,
 
 
 @experts_bwd.register_fake
-def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, row_scores, expert_offsets, row_token, pair_row,
+def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
                       token_offsets, token_rows, gate_up_layout, scores_dtype, needs):
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     dx = x.new_empty(x.shape) if need_x else _empty(x)
@@ -329,8 +325,8 @@ def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, row_scores, expert_offsets, ro
     dw2 = w2.new_empty(w2.shape) if need_w2 else _empty(w2)
     db1 = b1.new_empty(b1.shape) if need_b1 and b1 is not None else _empty(b1 if b1 is not None else x)
     db2 = b2.new_empty(b2.shape) if need_b2 and b2 is not None else _empty(b2 if b2 is not None else x)
-    dscores = row_scores.new_empty(pair_row.shape, dtype=scores_dtype) if need_s else _empty(row_scores,
-                                                                                             scores_dtype)
+    dscores = pair_scores.new_empty(pair_row.shape, dtype=scores_dtype) if need_s else _empty(pair_scores,
+                                                                                               scores_dtype)
     return dx, dw1, dw2, db1, db2, dscores
 
 
@@ -346,14 +342,15 @@ def _setup_context(ctx, inputs, output) -> None:
     Saved (``ctx.save_for_backward``), and nothing else:
         * X (T, d) — the layer input as the caller passed it (the caller holds it anyway);
         * H (R, 2n) — the up-projection output before the activation, in W1's gate/up layout;
-        * S in row order (R,) float32;
-        * the routing metadata the backward reads (int32: expert_offsets (E+1,), row_token (R,),
+        * the scores S (R,) as the caller passed them (pair order; the caller holds them anyway: the dH kernel
+          reads each row's through row_pair, so no row-order copy is made);
+        * the routing metadata the backward reads (int32: expert_offsets (E+1,), row_token (R,), row_pair (R,),
           pair_row (R,), token_offsets (T+1,), token_rows (R,));
         * the weights W1 (E, 2n, d), W2 (E, d, n) and biases b1 (E, 2n), b2 (E, d) — parameters,
           not activations.
-    So the activations held are 2Td + 4Rn bytes in bf16 (2Td + 4TKn under top-k; plus S and the
-    metadata), the same as a dense MLP with the same activated parameters; never gathered X, A, Y or
-    any (R, d) tensor. H is a non-differentiable output, and its gradient is never materialised.
+    So the activations held are 2Td + 4Rn bytes in bf16 (2Td + 4TKn under top-k; plus the metadata), the
+    same as a dense MLP with the same activated parameters; never gathered X, A, Y or any (R, d) tensor. H is a
+    non-differentiable output, and its gradient is never materialised.
 
     Backward (``sonicmoe::experts_bwd``, 5 kernels): dH kernel (dA′ = dO W2[e] with dO rows gathered,
     A recomputed from H, dS = ⟨dA′, A⟩, dH, A′ = S·A); dW2 and dW1 varlen-K GEMMs with row gathers;
@@ -373,8 +370,7 @@ def _setup_context(ctx, inputs, output) -> None:
     if not save_h:
         raise ValueError("sonicmoe::experts_fwd needs save_h=True when gradients are required "
                          "(the backward reads H)")
-    row_scores = _f32(pair_scores.index_select(0, arrays["row_pair"]))  # S in row order, (R,) float32
-    ctx.save_for_backward(x, h, row_scores, w1, w2, b1, b2, *(arrays[f] for f in BWD_ROUTING_FIELDS))
+    ctx.save_for_backward(x, h, pair_scores, w1, w2, b1, b2, *(arrays[f] for f in BWD_ROUTING_FIELDS))
     ctx.gate_up_layout = gate_up_layout
     ctx.scores_dtype = pair_scores.dtype
     ctx.mark_non_differentiable(h)
@@ -386,9 +382,9 @@ def _backward_through(bwd, ctx, dout):
     needs = [bool(v) for v in ctx.needs_input_grad[:6]]
     if dout is None or not any(needs):
         return (None,) * _NUM_FWD_INPUTS
-    x, h, row_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
+    x, h, pair_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
     with no_autocast(dout.device):  # a backward called under torch.autocast: its few torch GEMMs stay as written
-        grads = bwd(dout, x, w1, w2, b1, b2, h, row_scores, *routing_arrays, ctx.gate_up_layout, ctx.scores_dtype,
+        grads = bwd(dout, x, w1, w2, b1, b2, h, pair_scores, *routing_arrays, ctx.gate_up_layout, ctx.scores_dtype,
                     needs)
     # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
     return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))

@@ -54,7 +54,7 @@ import torch
 from ..routing import Routing
 from .common import env_switch, few_rows_per_expert, new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, tile_table, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -516,7 +516,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     if r == 0:
         return (h if store_h else None), a
     _CALLS[(d, n, e, str(x.dtype).removeprefix("torch."), store_h)] = dict(cfg)
-    table = tile_table(routing.expert_offsets, r, BLOCK_M)
+    table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     num_pid_n = n // BLOCK_N
     a_desc = _descriptor(a, [BLOCK_M, BLOCK_N])
     launch_kernel(
