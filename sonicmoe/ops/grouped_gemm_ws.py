@@ -150,14 +150,17 @@ def tile_tables(expert_offsets: torch.Tensor, num_rows: int, block_ms: tuple[int
     if len(block_ms) not in (1, 2):
         raise ValueError(f"block_ms: expected one or two tile heights, got {block_ms}")
     e = expert_offsets.shape[0] - 1
-    block_t = 32 if e > 256 else 64
+    # 16 M-tiles per program, one warp per 128 experts: each program's (BLOCK_T, E) compare-and-sum is its time.
+    # Session 48 (H100, 7B routing, scripts/tile_table_probe.py): both tables 3.1 us against 6.1 with 64 tiles per
+    # program and 4 warps (one table: 2.6 against 5.9)
+    block_t, warps = 16, min(8, max(1, next_pow2(e) // 128))
     tiles = [max_m_tiles(num_rows, e, bm) for bm in block_ms]
     tables = [torch.empty((t + 1, TILE_TABLE_COLS), device=expert_offsets.device, dtype=torch.int32) for t in tiles]
     progs = [cdiv(t, block_t) for t in tiles]
     second = len(block_ms) - 1  # the second table's entries repeat the first's when there is one table
     launch_kernel(_tile_table_kernel, (sum(progs),), expert_offsets, tables[0], tables[second], e, tiles[0],
                   tiles[second], progs[0], E_P2=next_pow2(e), BLOCK_M=block_ms[0], BLOCK_M2=block_ms[second],
-                  BLOCK_T=block_t)
+                  BLOCK_T=block_t, num_warps=warps)
     return tables
 
 
