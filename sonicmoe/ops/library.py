@@ -242,13 +242,7 @@ def experts_bwd_impl(
                 extra = dob2[routing.row_token.long(), routing.row_expert().clamp_(max=w1.shape[0] - 1)]
             # the partials summed in a fixed order, gathered into pair order; padding pairs (rows past
             # expert_offsets[E], which no kernel writes: routing_from_pairs(padding=True)) get 0
-            if os.environ.get("SONICMOE_AB_SCORE_GRAD", "1") == "1":
-                dscores = score_grad(ds_part, routing.row_pair, routing.expert_offsets, extra, scores_dtype)
-            else:  # A/B only (session 48): the five torch kernels it replaces
-                ds_row = ds_part.sum(0) if extra is None else ds_part.sum(0) + extra
-                dscores = ds_row.index_select(0, routing.pair_row)
-                real = routing.pair_row < routing.expert_offsets[-1]
-                dscores = torch.where(real, dscores, 0.0).to(scores_dtype)
+            dscores = score_grad(ds_part, routing.row_pair, routing.expert_offsets, extra, scores_dtype)
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
