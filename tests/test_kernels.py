@@ -7,6 +7,8 @@ output is poisoned with NaN before launch (SONICMOE_POISON_OUTPUTS=1), so an unw
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -171,6 +173,9 @@ def test_dh_kernel(shape, layout, device):
         assert all(torch.equal(x, y) for x, y in zip(gathered, base))
         twin = dh_ref(dout, p["w2"], h, scores, routing, layout, pair_order=True)
         assert all(torch.equal(x, y) for x, y in zip(twin, dh_ref(dout, p["w2"], h, row_order, routing, layout)))
+    no_pairs = dataclasses.replace(routing, row_pair=None)
+    with pytest.raises(ValueError, match="row_pair"):
+        dh(dout, p["w2"], h, pairs, no_pairs, layout, pair_order=True)
 
 
 def test_gather_sum(device):

@@ -276,8 +276,13 @@ def dh(
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 (without
         the bias term ⟨dO_t, b2[e]⟩).
+    Raises:
+        ValueError: ``pair_order`` with a routing whose ``row_pair`` is None; ``dout`` on the CPU outside the
+        interpreter.
     """
     check_device("dout", dout)
+    if pair_order and routing.row_pair is None:
+        raise ValueError("routing.row_pair: pair_order=True reads each row's score through it; got None")
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
@@ -292,7 +297,8 @@ def dh(
     args = dict(
         do_ptr=dout, w2_ptr=w2, w2_desc=tma_descriptor(w2), h_ptr=h,
         score_ptr=row_scores.contiguous() if pair_order else row_scores.float().contiguous(),
-        pair_ptr=routing.row_pair, GATHER_S=pair_order, row_token_ptr=routing.row_token,
+        pair_ptr=routing.row_pair if pair_order else routing.row_token, GATHER_S=pair_order,
+        row_token_ptr=routing.row_token,
         offsets_ptr=routing.expert_offsets, dh_ptr=dh_, ap_ptr=a_prime,
         ds_ptr=ds_part, E=e, N=n, D=d, R=r, stride_dot=dout.stride(0), stride_we=w2.stride(0),
         stride_wd=w2.stride(1), stride_hr=h.stride(0), stride_apr=a_prime.stride(0),

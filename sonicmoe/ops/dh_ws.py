@@ -476,9 +476,9 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     bk = cfg.get("BLOCK_K", BLOCK_K)
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
-            row_scores.contiguous() if pair_order else row_scores.float().contiguous(), routing.row_pair,
-            routing.row_token, table, n // bn, n, d, r, dout.stride(0), h.stride(0),
-            a_prime.stride(0))
+            row_scores.contiguous() if pair_order else row_scores.float().contiguous(),
+            routing.row_pair if pair_order else routing.row_token, routing.row_token, table, n // bn, n, d, r,
+            dout.stride(0), h.stride(0), a_prime.stride(0))
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
