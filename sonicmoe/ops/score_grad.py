@@ -10,8 +10,9 @@ dS_row = Σ_j ds_part[j, row] (:func:`sonicmoe.ops.dh.dh` with ``reduce_ds=False
 summed in j order in float32, then cast to the scores' dtype. ``extra`` is an optional (R,) float32 addend in row
 order (the expert bias's term ⟨dO_t, b2[e]⟩). One program per BLOCK rows: the partials are read in row order
 (coalesced), and each pair is written once (``row_pair`` is a permutation): no atomics, the same bits every run.
-It replaces five small torch kernels (the partials' sum, the gather, the padding mask, the select and the cast),
-which ran beside the dW2 GEMM and took about 80 µs of it at the 7B shape (session 43's timeline, H200).
+It replaces five small torch kernels (the partials' sum, the gather, the padding mask, the select and the cast)
+that ran beside the dW2 GEMM: at the 7B shape 36 µs against this kernel's 30 µs there (session 48, H100 timeline).
+Neither is on the layer's critical path.
 """
 
 from __future__ import annotations
