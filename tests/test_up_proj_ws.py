@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sonicmoe.ops import grouped_gemm_ws, up_proj, up_proj_ws
+from sonicmoe.ops import common, grouped_gemm_ws, up_proj, up_proj_ws
 from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.up_proj_ws import up_proj_ws as run_ws
 from sonicmoe.ops.up_proj_ws import up_ws_config, up_ws_smem_bytes, up_ws_supported
@@ -62,6 +62,31 @@ def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
     assert up_proj_ws.up_ws_enabled() == grouped_gemm_ws.ws_enabled()
 
 
+def _rows_routing(e, rows_per_expert, tile_rows=0):
+    """A K = 1 routing with ``rows_per_expert`` rows in each of ``e`` experts and the tile_rows hint."""
+    ids = torch.arange(e, dtype=torch.int32).repeat_interleave(rows_per_expert)[:, None]
+    r = routing_from_topk(ids, e)
+    r.tile_rows = tile_rows
+    return r
+
+
+@pytest.mark.parametrize("gpu,many,few", [("NVIDIA H100 80GB HBM3", True, False), ("NVIDIA H200", True, True),
+                                          ("NVIDIA GH200 480GB", False, False)])
+def test_preferred_by_rows_per_expert(monkeypatch, gpu, many, few):
+    """With the storer (d ≤ EPI_MAX_D) an H100 takes the kernel where the experts average more than
+    FEW_ROWS_PER_EXPERT rows (7B: 1536) and not at or below it (256); an H200 at both; a GH200 (unmeasured) at
+    neither; d above EPI_MAX_D (and not MIN_D) never."""
+    monkeypatch.delenv("SONICMOE_GLUON_UP", raising=False)
+    monkeypatch.setattr(up_proj_ws, "_gpu_name", lambda index: gpu)
+    cuda = torch.device("cuda", 0)
+    at = common.FEW_ROWS_PER_EXPERT
+    for d in (768, 1536, 2048):
+        assert up_proj_ws.up_ws_preferred(d, cuda, _rows_routing(4, at + 1)) == many
+        assert up_proj_ws.up_ws_preferred(d, cuda, _rows_routing(4, at)) == few
+    assert not up_proj_ws.up_ws_preferred(3072, cuda, _rows_routing(4, at + 1))
+    assert not up_proj_ws.up_ws_preferred(1536, torch.device("cpu"), _rows_routing(4, at + 1))
+
+
 def test_not_preferred_for_whole_tiles_and_few_rows(monkeypatch):
     """On an H200 at d ≤ EPI_MAX_D, a routing whose tile_rows hint promises whole BLOCK_M-row tiles (token rounding)
     with at most FEW_ROWS_PER_EXPERT rows per expert goes to the Triton kernel; more rows per expert, another tile
@@ -72,10 +97,7 @@ def test_not_preferred_for_whole_tiles_and_few_rows(monkeypatch):
     e, m = 4, up_proj_ws.BLOCK_M
 
     def routing(rows_per_expert, tile_rows):
-        ids = torch.arange(e, dtype=torch.int32).repeat_interleave(rows_per_expert)[:, None]  # K = 1
-        r = routing_from_topk(ids, e)
-        r.tile_rows = tile_rows
-        return r
+        return _rows_routing(e, rows_per_expert, tile_rows)
 
     few = routing(2 * m, m)  # (16384, 1536, 256, 512, 8) under token rounding: 256 rows per expert
     assert up_proj_ws.whole_tiles_few_rows(few) and not up_proj_ws.up_ws_preferred(1536, cuda, few)

@@ -22,7 +22,8 @@ Environment (documented in the README):
                                Triton kernels then serve every shape.
     SONICMOE_GLUON_DXT=0       the dX̃ GEMM alone back on the Triton kernel.
     SONICMOE_GLUON_UP=0        the up-projection alone back on the Triton kernel (its Gluon kernel serves d = 4096,
-                               and d <= 2048 on H200s: up_proj_ws.up_ws_preferred; =all at every width).
+                               and d <= 2048 on H200s, and on H100s with over 384 rows per expert:
+                               up_proj_ws.up_ws_preferred; =all at every width).
     SONICMOE_UP_EPI=0|1        the Gluon up-projection's storer partition off / on at every width (default: on for
                                d <= 2048, up_proj_ws.up_ws_config; for A/Bs).
     SONICMOE_GLUON_DH=0        the dH kernel alone back on the Triton kernel (its Gluon kernel serves n a multiple

@@ -29,7 +29,8 @@ added in order, so H has the Triton kernel's bits where both use 64-wide K-block
 
 Served shapes (:func:`up_ws_supported`): sm_90, bf16/fp16, concat layout, d a multiple of BLOCK_K, n a multiple
 of BLOCK_N, 16-byte aligned contiguous operands, and in the layer only where it measured faster
-(:func:`up_ws_preferred`: d = 4096 without the storer, and d ≤ 2048 with it on H200s); every other case runs the
+(:func:`up_ws_preferred`: d = 4096 without the storer, and d ≤ 2048 with it on H200s, and on H100s where the experts
+average more than 384 rows); every other case runs the
 Triton kernel.
 Where its time goes without the storer (session 43,
 an H200, benchmarks/results/2026-11-27_nvidia-h200_session43/, ``PART`` 1): the MMAs alone take 86% of the kernel at 7B
@@ -90,8 +91,17 @@ EPI_MAX_D = 2048  # with the storer partition (EPI_WARPS 4) for d <= EPI_MAX_D (
 # forward 1.144 against 1.155 ms, forward+backward 3.505 against 3.369 (5 noisy rounds); session 45 (7 rounds, 1 s
 # warm-ups, benchmarks/results/2026-11-27_nvidia-h100-h200_session45/) forward / forward+backward 7B 1.163 / 3.478
 # against 1.168 / 3.468, (16384, 1536, 256, 512, 8) 1.044 / 3.185 against 1.069 / 3.162, (40960, 768, 256, 128, 8)
-# 0.994 / 3.081 against 1.028 / 3.082. So the H100 keeps the Triton kernel there.
+# 0.994 / 3.081 against 1.028 / 3.082. So the H100 kept the Triton kernel there until session 48.
 EPI_PREFERRED_GPUS = ("H200",)
+# the GPUs on which the layer prefers the kernel with its storer at d <= EPI_MAX_D only where the experts average more
+# than common.FEW_ROWS_PER_EXPERT rows. Session 48 (one H100, fresh-process layer A/Bs against the Triton kernel,
+# after session 47's 16-byte H stores; benchmarks/results/2026-11-27_nvidia-h100-h200_session48/, medians, ms):
+# * 7B (1536 rows per expert): forward 1.189 against 1.232 (6 of 6 rounds), forward+backward 3.467 against 3.497
+#   (4 of 6);
+# * (40960, 768, 256, 128, 8) (2560 rows): forward 1.101 against 1.126 (4 of 4), forward+backward 3.052 against
+#   3.066 (level);
+# * (16384, 1536, 256, 512, 8) (256 rows): forward 1.085 against 1.072 (slower, 4 of 4), forward+backward level.
+EPI_MANY_ROWS_GPUS = ("H100",)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
 # 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
@@ -148,13 +158,13 @@ def _gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def epi_preferred_on(device: torch.device | None) -> bool:
-    """Whether ``device`` is a GPU of :data:`EPI_PREFERRED_GPUS` (a whole word of its name, read once per device;
-    False on CPU)."""
+def epi_preferred_on(device: torch.device | None, gpus: tuple[str, ...] = EPI_PREFERRED_GPUS) -> bool:
+    """Whether ``device`` is one of ``gpus`` (default :data:`EPI_PREFERRED_GPUS`; each a whole word of the device
+    name, read once per device; False on CPU)."""
     if device is None or device.type != "cuda":
         return False
     name = _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
-    return any(re.search(rf"\b{re.escape(g)}\b", name) for g in EPI_PREFERRED_GPUS)
+    return any(re.search(rf"\b{re.escape(g)}\b", name) for g in gpus)
 
 
 def whole_tiles_few_rows(routing: Routing | None) -> bool:
@@ -186,10 +196,18 @@ def up_ws_preferred(d: int, device: torch.device | None = None, routing: Routing
     (:func:`whole_tiles_few_rows`: token rounding at 2-3 tiles per expert). There the Triton kernel, one program
     per tile, measured faster on H200s (session 47, kernel alone, (16384, 1536, 256, 512, 8) under token rounding:
     0.437-0.474 against 0.480-0.506 ms in four calls; under top-k, whose experts end in partial tiles, this kernel
-    stays faster, 0.531-0.568 against 0.543-0.575)."""
+    stays faster, 0.531-0.568 against 0.543-0.575).
+
+    On the GPUs of :data:`EPI_MANY_ROWS_GPUS` (H100s), with the storer only where ``routing``'s experts average more
+    than ``common.FEW_ROWS_PER_EXPERT`` rows (session 48; without a routing, not)."""
     if MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all":
         return True
-    return d <= EPI_MAX_D and epi_preferred_on(device) and not whole_tiles_few_rows(routing)
+    if d > EPI_MAX_D or whole_tiles_few_rows(routing):
+        return False
+    if epi_preferred_on(device):
+        return True
+    return (routing is not None and epi_preferred_on(device, EPI_MANY_ROWS_GPUS)
+            and not few_rows_per_expert(routing.num_rows, routing.num_experts))
 
 
 def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, gate_up_layout: str) -> bool:
