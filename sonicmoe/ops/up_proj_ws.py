@@ -101,8 +101,10 @@ EPI_PREFERRED_GPUS = ("H200",)
 # * (40960, 768, 256, 128, 8) (2560 rows): forward 1.101 against 1.126 (4 of 4), forward+backward 3.052 against
 #   3.066 (level);
 # * (16384, 1536, 256, 512, 8) (256 rows): forward 1.085 against 1.072 (slower, 4 of 4), forward+backward level.
-# On a second H100 (call 11), 7B: forward 1.184 against 1.217 (5 of 5), forward+backward 3.462 against 3.427 (2 of 5).
-# So the forward gains and forward+backward is level.
+# On a second H100 (call 11), 7B: forward 1.184 against 1.217 (5 of 5), forward+backward 3.462 against 3.427 (2 of 5);
+# on a third (call 12, 3 rounds): OLMoE forward 6.009 against 6.081, forward+backward 17.40 against 17.65; Qwen3-Next
+# (32768, 2048, 512, 512, 10) forward 4.721 against 4.890, forward+backward level. So the forward gains and
+# forward+backward is level or faster.
 EPI_MANY_ROWS_GPUS = ("H100",)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
