@@ -56,7 +56,7 @@ def measure(spec: str, rounds: int, profile: bool) -> dict:
     def impl_fwd_bwd():
         _, h = library.experts_fwd_impl(*fargs)
         return library.experts_bwd_impl(dout, x, w1, w2, None, None, h, s_pair, *bwd_routing, "concat",
-                                        s_pair.dtype, [True] * 6)
+                                        [True] * 6)
 
     with torch.no_grad():
         g_fwd, g_fb = graph_of(impl_fwd), graph_of(impl_fwd_bwd)

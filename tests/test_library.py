@@ -88,10 +88,10 @@ def test_opcheck_experts_bwd(needs, bias, device):
     g = torch.Generator().manual_seed(2)
     r = routing.num_rows
     h = torch.randn(r, 2 * N, generator=g).to(device)
-    pair_scores = torch.rand(r, generator=g).to(device)
+    pair_scores = torch.rand(r, generator=g).to(device=device, dtype=torch.float16)  # float16 scores: float16 dS
     dout = torch.randn(T, D, generator=g).to(device)
     args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, pair_scores,
-            *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", torch.float16, needs)
+            *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", needs)
     torch.library.opcheck(library.experts_bwd, args)
     grads = library.experts_bwd(*args)
     for g_, need, full in zip(grads, needs, (p["x"], p["w1"], p["w2"], p["b1"], p["b2"], pair_scores)):
@@ -119,7 +119,7 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
     pair_scores = torch.rand(r, device="cuda", generator=g).to(dtype)
     dout = torch.randn(4099, 512, device="cuda", generator=g).to(dtype)
     args = (dout, p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h, pair_scores,
-            *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", torch.float32, needs)
+            *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", needs)
     monkeypatch.setenv("SONICMOE_OVERLAP", "0")
     grouped_gemm_ws._CALLS.clear()
     ref = library.experts_bwd_impl(*args)
@@ -173,8 +173,7 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
         monkeypatch.setenv("SONICMOE_AGG_CHUNK", w)
         out = library.gemm_then_gather_sum(a, p["w2"], b2, routing, weights, transpose_b=True)
         grads = library.experts_bwd_impl(dout, p["x"], p["w1"], p["w2"], b1, b2, h, pair_scores,
-                                         *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), layout, torch.float32,
-                                         [True] * 6)
+                                         *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), layout, [True] * 6)
         runs.append((out, *grads))
     assert library.gather_chunk_width(d, torch.device(device)) == width
     for one, chunked in zip(*runs):
@@ -228,8 +227,7 @@ def test_fake_shapes_without_data():
         assert out.shape == (T, D) and h.shape == (h_rows, 2 * N) and out.device.type == "meta"
     grads = library.experts_bwd(torch.empty(T, D, device="meta"), p["x"], p["w1"], p["w2"], None, p["b2"],
                                 torch.empty(r, 2 * N, device="meta"), torch.empty(r, device="meta"),
-                                *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", torch.float32,
-                                [True] * 6)
+                                *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", [True] * 6)
     assert [tuple(g.shape) for g in grads] == [(T, D), (E, 2 * N, D), (E, D, N), (0,), (E, D), (r,)]
 
 
@@ -453,7 +451,7 @@ def test_no_host_sync_forward_backward(device):
         library.experts_bwd_impl(torch.ones_like(out), p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h,
                                  torch.rand(routing.num_rows, device=device),
                                  *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "interleaved",
-                                 torch.float32, [True] * 6)
+                                 [True] * 6)
     assert rec.ops and rec.syncs() == []
 
 

@@ -11,14 +11,14 @@ token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0) -> (
     ``tile_rows``: the routing's hint (:attr:`~sonicmoe.routing.Routing.tile_rows`), which may choose a kernel.
 
 ``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-token_offsets, token_rows, gate_up_layout, scores_dtype, needs) -> (dx, dw1, dw2, db1, db2, dscores)``
+token_offsets, token_rows, gate_up_layout, needs) -> (dx, dw1, dw2, db1, db2, dscores)``
     The backward of SPEC §4 (dH kernel, dW2, dX̃, dW1, dX aggregation, bias terms). ``needs`` holds six
     bools, one per output; an output that is not needed (or a bias that does not exist) is returned as
     an empty (0,) tensor and not computed.
 
 Shapes (letters of SPEC §1): x (T, d); w1 (E, 2n, d) with gate/up rows in ``gate_up_layout``
 (``"concat"``: rows [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up); w2 (E, d, n);
-b1 (E, 2n); b2 (E, d); pair_scores (R,) in pair order (``scores_dtype`` their dtype); the int32 routing arrays
+b1 (E, 2n); b2 (E, d); pair_scores (R,) in pair order (dS comes back in their dtype); the int32 routing arrays
 of :class:`~sonicmoe.routing.Routing` (expert_offsets (E+1,), token_offsets (T+1,), the others (R,)); H (R, 2n)
 in W1's layout. Every output shape follows from the input
 shapes, so the fake (meta) implementations need no data.
@@ -209,11 +209,10 @@ def experts_bwd_impl(
     token_offsets: Tensor,
     token_rows: Tensor,
     gate_up_layout: str,
-    scores_dtype: torch.dtype,
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Eager implementation of ``sonicmoe::experts_bwd`` (SPEC §4): (dX (T, d), dW1 (E, 2n, d),
-    dW2 (E, d, n), db1 (E, 2n), db2 (E, d), dS (R,) in pair order and ``scores_dtype``).
+    dW2 (E, d, n), db1 (E, 2n), db2 (E, d), dS (R,) in pair order and pair_scores' dtype).
 
     ``needs`` = six bools in that order; an unneeded output is an empty (0,) tensor.
     """
@@ -233,7 +232,7 @@ def experts_bwd_impl(
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
-    dscores = _empty(pair_scores, scores_dtype)
+    dscores = _empty(pair_scores)
     if need_s:
         with _beside(side):  # off the GEMMs' stream, beside dW2
             extra = None
@@ -242,7 +241,8 @@ def experts_bwd_impl(
                 extra = dob2[routing.row_token.long(), routing.row_expert().clamp_(max=w1.shape[0] - 1)]
             # the partials summed in a fixed order, gathered into pair order; padding pairs (rows past
             # expert_offsets[E], which no kernel writes: routing_from_pairs(padding=True)) get 0
-            dscores = score_grad(ds_part, routing.row_pair, routing.expert_offsets, extra, scores_dtype)
+            dscores = score_grad(ds_part, routing.row_pair, routing.expert_offsets, extra,
+                                 pair_scores.dtype)
     if need_w2:
         dw2 = varlen_k_gemm(dout, a_prime, routing, p_gather=True, q_gather=False, out_dtype=w2.dtype, gluon=gluon)
     if need_b2:  # db2[e] = Σ_t S dO_t
@@ -312,15 +312,14 @@ experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl,
 
 @experts_bwd.register_fake
 def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-                      token_offsets, token_rows, gate_up_layout, scores_dtype, needs):
+                      token_offsets, token_rows, gate_up_layout, needs):
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     dx = x.new_empty(x.shape) if need_x else _empty(x)
     dw1 = w1.new_empty(w1.shape) if need_w1 else _empty(w1)
     dw2 = w2.new_empty(w2.shape) if need_w2 else _empty(w2)
     db1 = b1.new_empty(b1.shape) if need_b1 and b1 is not None else _empty(b1 if b1 is not None else x)
     db2 = b2.new_empty(b2.shape) if need_b2 and b2 is not None else _empty(b2 if b2 is not None else x)
-    dscores = pair_scores.new_empty(pair_row.shape, dtype=scores_dtype) if need_s else _empty(pair_scores,
-                                                                                               scores_dtype)
+    dscores = pair_scores.new_empty(pair_row.shape) if need_s else _empty(pair_scores)
     return dx, dw1, dw2, db1, db2, dscores
 
 
@@ -366,7 +365,6 @@ def _setup_context(ctx, inputs, output) -> None:
                          "(the backward reads H)")
     ctx.save_for_backward(x, h, pair_scores, w1, w2, b1, b2, *(arrays[f] for f in BWD_ROUTING_FIELDS))
     ctx.gate_up_layout = gate_up_layout
-    ctx.scores_dtype = pair_scores.dtype
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # no zero-filled (R, 2n) gradient for the unused H output
 
@@ -378,8 +376,7 @@ def _backward_through(bwd, ctx, dout):
         return (None,) * _NUM_FWD_INPUTS
     x, h, pair_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
     with no_autocast(dout.device):  # a backward called under torch.autocast: its few torch GEMMs stay as written
-        grads = bwd(dout, x, w1, w2, b1, b2, h, pair_scores, *routing_arrays, ctx.gate_up_layout, ctx.scores_dtype,
-                    needs)
+        grads = bwd(dout, x, w1, w2, b1, b2, h, pair_scores, *routing_arrays, ctx.gate_up_layout, needs)
     # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
     return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))
 
