@@ -13,19 +13,6 @@ import torch
 
 import sonicmoe
 from sonicmoe.ops import grouped_gemm_ws as ws
-from sonicmoe.ops.common import cdiv, max_m_tiles, next_pow2
-
-
-def launch(offsets, r, heights, block_t, warps):
-    e = offsets.shape[0] - 1
-    tiles = [max_m_tiles(r, e, bm) for bm in heights]
-    tables = [torch.empty((t + 1, 4), device=offsets.device, dtype=torch.int32) for t in tiles]
-    progs = [cdiv(t, block_t) for t in tiles]
-    second = len(heights) - 1
-    ws._tile_table_kernel[(sum(progs),)](offsets, tables[0], tables[second], e, tiles[0], tiles[second], progs[0],
-                                         E_P2=next_pow2(e), BLOCK_M=heights[0], BLOCK_M2=heights[second],
-                                         BLOCK_T=block_t, num_warps=warps)
-    return tables
 
 
 def kernel_us(fn, calls: int) -> float:
@@ -53,9 +40,10 @@ def main() -> None:
         ref = ws.tile_tables(off, r, heights)
         for block_t in (16, 32, 64, 128):
             for warps in (1, 2, 4, 8):
-                got = launch(off, r, heights, block_t, warps)
+                cfg = {"BLOCK_T": block_t, "num_warps": warps}
+                got = ws.tile_tables(off, r, heights, cfg)
                 same = all(torch.equal(a, b) for a, b in zip(got, ref))
-                us = kernel_us(lambda bt=block_t, w=warps, hs=heights: launch(off, r, hs, bt, w), args.calls)
+                us = kernel_us(lambda c=cfg, hs=heights: ws.tile_tables(off, r, hs, c), args.calls)
                 print(f"  heights {heights!s:<10} BLOCK_T {block_t:>3} warps {warps}: {us:6.2f} us  same {same}",
                       flush=True)
 

@@ -68,6 +68,9 @@ class Routing:
     slot_pair: torch.Tensor | None = None
     padded: bool = False
     tile_rows: int = 0
+    # kernel tile tables of this routing, built once and shared by its kernels
+    # (:func:`sonicmoe.ops.grouped_gemm_ws.routing_tile_table`); not a field of the metadata
+    _tile_tables: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:

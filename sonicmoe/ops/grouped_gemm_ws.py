@@ -132,7 +132,8 @@ def _tile_table_kernel(offsets_ptr, table_ptr, table2_ptr, E, max_tiles, max_til
         _fill_tile_table(offsets_ptr, table2_ptr, E, max_tiles2, pid - progs, E_P2, BLOCK_M2, BLOCK_T)
 
 
-def tile_tables(expert_offsets: torch.Tensor, num_rows: int, block_ms: tuple[int, ...]) -> list[torch.Tensor]:
+def tile_tables(expert_offsets: torch.Tensor, num_rows: int, block_ms: tuple[int, ...],
+                config: dict | None = None) -> list[torch.Tensor]:
     """The varlen-M tile schedule for one or two tile heights, in one launch: a list of (1 + cdiv(R, BLOCK_M) + E,
     4) int32 tables on the offsets' device, one per entry of ``block_ms``.
 
@@ -144,6 +145,7 @@ def tile_tables(expert_offsets: torch.Tensor, num_rows: int, block_ms: tuple[int
         expert_offsets: (E+1,) int32 exclusive prefix sum of the per-expert row counts T_e.
         num_rows: R = off[E] (a host value: the routed rows' count).
         block_ms: one or two tile heights BLOCK_M (powers of two).
+        config: {"BLOCK_T": M-tiles per program, "num_warps"} (probes), else the default below.
     Raises:
         ValueError: unless ``block_ms`` holds one or two heights.
     """
@@ -153,7 +155,8 @@ def tile_tables(expert_offsets: torch.Tensor, num_rows: int, block_ms: tuple[int
     # 16 M-tiles per program, one warp per 128 experts: each program's (BLOCK_T, E) compare-and-sum is its time.
     # Session 48 (H100, 7B routing, scripts/tile_table_probe.py): both tables 3.1 us against 6.1 with 64 tiles per
     # program and 4 warps (one table: 2.6 against 5.9)
-    block_t, warps = 16, min(8, max(1, next_pow2(e) // 128))
+    cfg = config or {"BLOCK_T": 16, "num_warps": min(8, max(1, next_pow2(e) // 128))}
+    block_t, warps = cfg["BLOCK_T"], cfg["num_warps"]
     tiles = [max_m_tiles(num_rows, e, bm) for bm in block_ms]
     tables = [torch.empty((t + 1, TILE_TABLE_COLS), device=expert_offsets.device, dtype=torch.int32) for t in tiles]
     progs = [cdiv(t, block_t) for t in tiles]
@@ -193,7 +196,7 @@ def routing_tile_table(routing: Routing, block_m: int) -> torch.Tensor:
     """
     offsets = routing.expert_offsets
     key = (block_m, routing.num_rows)
-    cache = routing.__dict__.setdefault("_tile_tables", {})
+    cache = routing._tile_tables
     hit = cache.get(key)
     if hit is not None and hit[0] is offsets and hit[1] == offsets._version:
         return hit[2]
