@@ -13,6 +13,7 @@ from sonicmoe.ops import dh as dh_mod
 from sonicmoe.ops import dh_ws, grouped_gemm_ws
 from sonicmoe.ops.common import interpreting, sized_for_operands
 from sonicmoe.ops.dh_ws import dh_ws_config, dh_ws_smem_bytes, dh_ws_supported, stage_fits_slot
+from sonicmoe.ops.score_grad import score_grad
 from sonicmoe.routing import routing_from_topk
 from sonicmoe.testing import random_topk_routing, rel_err
 
@@ -122,11 +123,15 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """dh hands the product to the Gluon kernel where dh_ws_supported says so (reducing its partials, or handing
-    them back with reduce_ds=False), and never with an explicit Triton config."""
+    them back with reduce_ds=False; with ds_pairs, asking the kernel for dS in pair order where its tiles span all n
+    channels, else summing its partials with score_grad), and never with an explicit Triton config."""
     calls = []
 
-    def fake(dout, w2, h, s, routing, pair_order=False):
+    def fake(dout, w2, h, s, routing, pair_order=False, ds_pairs=None):
         calls.append(h.shape)
+        if ds_pairs is not None:  # the kernel's own dS, marked so that the test can tell it from score_grad's
+            dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing, pair_order=pair_order, ds_pairs=ds_pairs)
+            return dh_, ap, ds + 1000
         dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing, pair_order=pair_order)
         return dh_, ap, torch.stack([ds / 2, ds / 2])  # two partial rows
 
@@ -150,6 +155,16 @@ def test_dispatch(monkeypatch, device):
     assert len(calls) == 2
     for name, g, r in zip(("dH", "A'", "dS"), got2, ref):
         assert rel_err(g, r) < 1e-5, name
+    # ds_pairs: from the kernel where its tiles span all n channels, else its partials summed by score_grad
+    pairs = torch.empty_like(s)
+    pairs[routing.row_pair.long()] = s
+    want = dh_mod.dh_ref(dout, w2, h, pairs, routing, pair_order=True, ds_pairs=torch.float32)[2]
+    for in_kernel in (False, True):
+        monkeypatch.setattr(dh_mod, "ds_pairs_in_kernel", lambda n, in_kernel=in_kernel: in_kernel)
+        assert dh_mod.ds_pairs_in_dh_kernel(dout, w2, h, routing) is in_kernel
+        got3 = dh_mod.dh(dout, w2, h, pairs, routing, pair_order=True, ds_pairs=torch.float32)[2]
+        assert rel_err(got3, want + (1000 if in_kernel else 0)) < 1e-6
+    assert len(calls) == 4
 
 
 # (T, d, n, E, K, reason) on the GPU
@@ -223,6 +238,80 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda n: True)
     via = dh_mod.dh(dout, w2, h, s, routing)
     assert torch.equal(via[0], runs[True][0]) and torch.equal(via[2], runs[True][2].sum(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
+@pytest.mark.parametrize("padding", [False, True], ids=["", "padding"])
+def test_gpu_ds_pairs(case, padding, monkeypatch):
+    """``ds_pairs``: where a tile spans all n channels the kernel writes dS itself, each row's block partials added
+    in block order, in pair order and the scores' dtype — the bits of ``score_grad`` on the kernel's own partials,
+    with dH and A′ unchanged, every poisoned element overwritten (padding pairs: 0) and the same bits again; where
+    it does not, ``dh_ws`` refuses and ``dh`` sums the partials after it."""
+    from sonicmoe.routing import routing_from_pairs
+
+    routing, dout, w2, h, s = _gpu_inputs(case, torch.bfloat16, 2, monkeypatch)
+    t, e, n = dout.shape[0], w2.shape[0], w2.shape[2]
+    if padding:  # 37 padding pairs (token T, expert E) after the real ones: rows past expert_offsets[E]
+        real = routing.num_rows
+        pad = torch.full((37,), t, device="cuda", dtype=torch.int64)
+        pair_token = torch.cat([routing.row_token.long()[routing.pair_row.long()], pad])
+        pair_expert = torch.cat([routing.row_expert()[routing.pair_row.long()], pad * 0 + e])
+        routing = routing_from_pairs(pair_token, pair_expert, t, e, padding=True)
+        assert routing.num_rows == real + 37 and routing.padded
+        h = torch.cat([h, torch.randn(37, 2 * n, device="cuda").to(h.dtype)])
+        s = torch.cat([s, torch.rand(37, device="cuda")])
+    pairs = torch.empty_like(s)
+    pairs[routing.row_pair.long()] = s
+    monkeypatch.setattr(dh_mod, "dh_ws_preferred", lambda n: True)
+    for scores in (pairs, pairs.bfloat16()):
+        base = dh_ws.dh_ws(dout, w2, h, scores, routing, pair_order=True)
+        want = score_grad(base[2], routing.row_pair, routing.expert_offsets, None, scores.dtype)
+        via = dh_mod.dh(dout, w2, h, scores, routing, pair_order=True, ds_pairs=scores.dtype)
+        assert torch.equal(via[2], want) and torch.equal(via[0], base[0]) and torch.equal(via[1], base[1])
+        if not dh_ws.ds_pairs_in_kernel(n):
+            with pytest.raises(ValueError, match="ds_pairs"):
+                dh_ws.dh_ws(dout, w2, h, scores, routing, pair_order=True, ds_pairs=scores.dtype)
+            assert not dh_mod.ds_pairs_in_dh_kernel(dout, w2, h, routing)
+            continue
+        assert dh_mod.ds_pairs_in_dh_kernel(dout, w2, h, routing)
+        got = dh_ws.dh_ws(dout, w2, h, scores, routing, pair_order=True, ds_pairs=scores.dtype)
+        assert got[2].dtype == scores.dtype and got[2].shape == (routing.num_rows,)
+        assert not torch.isnan(got[2]).any()
+        assert torch.equal(got[2], want) and torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
+        if padding:
+            assert torch.all(got[2][routing.row_pair[real:].long()] == 0)
+        again = dh_ws.dh_ws(dout, w2, h, scores, routing, pair_order=True, ds_pairs=scores.dtype)
+        assert all(torch.equal(x, y) for x, y in zip(got, again))
+    with pytest.raises(ValueError, match="ds_pairs"):
+        dh_ws.dh_ws(dout, w2, h, s, routing, ds_pairs=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [256, 512])
+def test_gpu_layer_ds_in_dh_kernel(monkeypatch, n):
+    """Without expert biases, where the Gluon dH kernel's tiles span all n channels (n = 256), the layer's backward
+    takes dS from that kernel and launches no ``score_grad``; at n = 512 (two 256-wide tiles per row) it sums the
+    partials with ``score_grad``. The router's and X's gradients stay within rounding of SONICMOE_GLUON_DH=0's."""
+    from sonicmoe.ops import library
+    from sonicmoe.testing import layer_grads, random_problem
+
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    t, d, e, k = 2048, 1536, 16, 4
+    p = random_problem(t, d, n, e, device="cuda", bias=False, seed=6)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    sums = []
+    monkeypatch.setattr(library, "score_grad", lambda *a, **kw: sums.append(1) or score_grad(*a, **kw))
+    on = layer_grads(p, dout, k)
+    assert (not sums) == (n == 256), sums
+    again = layer_grads(p, dout, k)
+    assert all(torch.equal(on[1][name], again[1][name]) for name in on[1])
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
+    off = layer_grads(p, dout, k)
+    assert torch.equal(on[0], off[0])
+    for name in on[1]:
+        assert rel_err(on[1][name], off[1][name]) < 1e-3, name
 
 
 @pytest.mark.gpu

@@ -176,6 +176,23 @@ def test_dh_kernel(shape, layout, device):
     no_pairs = dataclasses.replace(routing, row_pair=None)
     with pytest.raises(ValueError, match="row_pair"):
         dh(dout, p["w2"], h, pairs, no_pairs, layout, pair_order=True)
+    # ds_pairs: dS summed and in pair order in the scores' dtype (the layer's backward), the bits of score_grad on
+    # the partials; dH and A′ unchanged; the twin within rounding
+    parts = dh(dout, p["w2"], h, pairs, routing, layout, reduce_ds=False, pair_order=True)
+    for dt in (torch.float32, torch.bfloat16):
+        got_p = dh(dout, p["w2"], h, pairs, routing, layout, pair_order=True, ds_pairs=dt)
+        want = score_grad(parts[2], routing.row_pair, routing.expert_offsets, None, dt)
+        assert got_p[2].dtype == dt and torch.equal(got_p[2], want)
+        assert torch.equal(got_p[0], parts[0]) and torch.equal(got_p[1], parts[1])
+        twin = dh_ref(dout, p["w2"], h, pairs, routing, layout, pair_order=True, ds_pairs=dt)
+        assert twin[2].dtype == dt and rel_err(got_p[2].float(), twin[2].float()) < (1e-5 if dt == torch.float32
+                                                                                       else 1e-2)
+        by_pair = torch.empty_like(ref[2])
+        by_pair[routing.row_pair.long()] = ref[2]  # the row-order reference, scattered to pair order
+        assert rel_err(twin[2].float(), by_pair) < (1e-6 if dt == torch.float32 else 1e-2)
+    for fn in (dh, dh_ref):
+        with pytest.raises(ValueError, match="ds_pairs"):
+            fn(dout, p["w2"], h, s, routing, layout, ds_pairs=torch.float32)
 
 
 def test_gather_sum(device):

@@ -49,7 +49,8 @@ from .common import (
     varlen_m_grid,
     with_even_flags,
 )
-from .dh_ws import dh_ws, dh_ws_preferred, dh_ws_supported
+from .dh_ws import dh_ws, dh_ws_preferred, dh_ws_supported, ds_pairs_in_kernel
+from .score_grad import score_grad, score_grad_ref
 from .up_proj import layout_rows
 
 
@@ -259,6 +260,7 @@ def dh(
     config: dict | None = None,
     reduce_ds: bool = True,
     pair_order: bool = False,
+    ds_pairs: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and dS from dO, W2, H and the scores (SPEC §4 kernel 1).
 
@@ -273,22 +275,35 @@ def dh(
         reduce_ds: False returns dS as float32 partial sums (P, R) with dS = partials.sum(0) (the fixed-order
             reduction left to the caller: the backward runs it on a side stream).
         pair_order: see ``row_scores`` (the layer's backward: no gathered copy of S is made or kept).
+        ds_pairs: None, or a dtype: dS comes back in pair order in that dtype (needs ``pair_order``; 0 for padding
+            pairs), the partials summed in a fixed order in float32 (:func:`sonicmoe.ops.score_grad.score_grad`'s
+            bits) — by the dH kernel itself where :func:`ds_pairs_in_dh_kernel` holds, else by ``score_grad`` after
+            it. ``reduce_ds`` is then ignored.
     Returns:
-        dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 (without
-        the bias term ⟨dO_t, b2[e]⟩).
+        dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 in row order (without
+        the bias term ⟨dO_t, b2[e]⟩), or as ``reduce_ds`` and ``ds_pairs`` say.
     Raises:
-        ValueError: ``pair_order`` with a routing whose ``row_pair`` is None; ``dout`` on the CPU outside the
-        interpreter.
+        ValueError: ``pair_order`` with a routing whose ``row_pair`` is None, or ``ds_pairs`` without
+        ``pair_order``; ``dout`` on the CPU outside the interpreter.
     """
     check_device("dout", dout)
     if pair_order and routing.row_pair is None:
         raise ValueError("routing.row_pair: pair_order=True reads each row's score through it; got None")
+    if ds_pairs is not None and not pair_order:
+        raise ValueError(f"ds_pairs={ds_pairs}: dS in pair order needs pair_order=True")
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
     if config is None and r > 0 and dh_ws_preferred(n) and dh_ws_supported(dout, w2, h, gate_up_layout):
-        # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per 16 or 32 channels
-        dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing, pair_order=pair_order)
+        # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per 16 or 32 channels, or,
+        # where a tile spans all n channels, dS itself in pair order
+        fused = ds_pairs is not None and ds_pairs_in_kernel(n)
+        dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing, pair_order=pair_order,
+                                      ds_pairs=ds_pairs if fused else None)
+        if fused:
+            return dh_, a_prime, ds_part
+        if ds_pairs is not None:
+            return dh_, a_prime, score_grad(ds_part, routing.row_pair, routing.expert_offsets, None, ds_pairs)
         return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
@@ -308,7 +323,21 @@ def dh(
     if r > 0:
         launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
                _desc_blocks, {"W_TMA": ("w2_desc",)}, pdl_device=h.device)
+    if ds_pairs is not None:
+        return dh_, a_prime, score_grad(ds_part, routing.row_pair, routing.expert_offsets, None, ds_pairs)
     return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
+
+
+def ds_pairs_in_dh_kernel(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, routing: Routing,
+                          gate_up_layout: str = "concat") -> bool:
+    """Whether :func:`dh` with ``ds_pairs`` (and no ``config``) writes dS from inside the dH kernel: the Gluon kernel
+    serves the shape (:func:`~sonicmoe.ops.dh_ws.dh_ws_preferred`, :func:`~sonicmoe.ops.dh_ws.dh_ws_supported`)
+    and its tiles span all n channels (:func:`~sonicmoe.ops.dh_ws.ds_pairs_in_kernel`; n = 256 at the 7B shape).
+    Host checks only, no sync; operands that are not contiguous answer False (:func:`dh` runs on contiguous
+    copies of them, so the answer then errs towards the partials)."""
+    n = w2.shape[-1]
+    return (routing.num_rows > 0 and dh_ws_preferred(n) and ds_pairs_in_kernel(n)
+            and dh_ws_supported(dout, w2, h, gate_up_layout))
 
 
 def dh_ref(
@@ -321,9 +350,12 @@ def dh_ref(
     config: dict | None = None,
     reduce_ds: bool = True,
     pair_order: bool = False,
+    ds_pairs: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop; without ``reduce_ds`` dS is returned
-    as one row of partials, (1, R))."""
+    as one row of partials, (1, R); with ``ds_pairs``, in pair order in that dtype, 0 for padding pairs)."""
+    if ds_pairs is not None and not pair_order:
+        raise ValueError(f"ds_pairs={ds_pairs}: dS in pair order needs pair_order=True")
     if pair_order:
         row_scores = routing.row_scores(row_scores)
     e = w2.shape[0]
@@ -338,4 +370,7 @@ def dh_ref(
     s = row_scores.float()[:, None]
     (dhf,) = torch.autograd.grad(a, hf, grad_outputs=dap * s)
     ds = (dap * a.detach()).sum(1)
+    if ds_pairs is not None:
+        ds = score_grad_ref(ds[None], routing.row_pair, routing.expert_offsets, None, ds_pairs)
+        return dhf.to(h.dtype), (a.detach() * s).to(h.dtype), ds
     return dhf.to(h.dtype), (a.detach() * s).to(h.dtype), ds if reduce_ds else ds[None]

@@ -17,7 +17,8 @@ by role:
 * the **MMA warps** (two warpgroups, BLOCK_M = 128 rows) start each tile by asking TMA for H's gate and up columns
   of the epilogue's first NBUF EPI-channel blocks, run the asynchronous wgmma chain of the tile, then the epilogue
   on BLOCK_N / EPI column blocks in turn: each block waits for its H block, reads it, hands the buffer back to TMA
-  for the block NBUF ahead, computes, writes its dS partial to memory and dH's gate and up blocks and A′ into one
+  for the block NBUF ahead, computes, writes its dS partial to memory (or, with ``DS_PAIRS``, adds it to the
+  row's running sum, which leaves after the last block) and dH's gate and up blocks and A′ into one
   of two staging sets in shared memory; full tiles' blocks leave by TMA stores (``TMA_STORE``), which drain while
   the next two blocks compute; an expert's last, partial tile's leave by masked 16-byte stores.
 
@@ -65,7 +66,11 @@ Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.o
 accumulation order and epilogue arithmetic; checked on every probed shape). dS leaves as float32 partial sums, one
 row per EPI-channel block, (n / EPI, R), which the caller reduces in a fixed order: no atomics, the same bits on
 every run (not the Triton kernel's bits: its partials are per 16 channels, summed in another order; relative
-difference about 1e-7).
+difference about 1e-7). Where one tile spans all n channels of its rows (``BLOCK_N`` = n: n = 256 at the 7B shape,
+:func:`ds_pairs_in_kernel`), ``ds_pairs`` has the kernel add a row's partials itself, in the same block order, and
+write dS in pair order and the scores' dtype (padding pairs 0): the bits of
+:func:`sonicmoe.ops.score_grad.score_grad` on the partials, without that launch, the (n / EPI, R) buffer, or the side
+stream it ran on beside dW2, whose persistent programs waited for its programs to leave the multiprocessors.
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
@@ -235,9 +240,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
-                  s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J: gl.constexpr,
+                  s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J: gl.constexpr,
                   NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                  TMA_STORE: gl.constexpr):
+                  TMA_STORE: gl.constexpr, DS_PAIRS: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
         buffer J % NBUF. Once every thread has read the H block, TMA refills the buffer with the block NBUF ahead.
@@ -246,7 +251,11 @@ if HAVE_GLUON:
         block J - 2 have finished reading, and leave by TMA stores that drain while the next blocks compute. An
         expert's last, partial tile (rows past its end belong to the next expert), or TMA_STORE off: the staged
         blocks are read back in a row-major layout and leave by masked 16-byte stores (pointer stores straight from
-        the accumulator's layout need a 64-bit address per element pair: the MMA warps then spill)."""
+        the accumulator's layout need a 64-bit address per element pair: the MMA warps then spill).
+
+        Returns the tile's dS sum over its blocks up to this one (float32, (BLOCK_M,)): ``ds_in`` (the sum up to
+        block J - 1; not read at J = 0) plus this block's partial, in block order. Without DS_PAIRS the partial
+        also goes to row ch0 / EPI + J of the (n / EPI, R) partials at ``ds_ptr``."""
         b: gl.constexpr = J % NBUF
         g_buf = h_bufs.index(2 * b)
         u_buf = h_bufs.index(2 * b + 1)
@@ -260,7 +269,15 @@ if HAVE_GLUON:
         sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
         silu = g * sig
         a = silu * u
-        gl.store(ds_ptr + (ch0 // EPI + J) * R + rows.to(gl.int64), gl.sum(acc * a, axis=1), mask=mask_m)
+        part = gl.sum(acc * a, axis=1)
+        if DS_PAIRS:
+            if J == 0:
+                ds_out = part
+            else:
+                ds_out = ds_in + part
+        else:
+            gl.store(ds_ptr + (ch0 // EPI + J) * R + rows.to(gl.int64), part, mask=mask_m)
+            ds_out = part
         dtype: gl.constexpr = dh_ptr.dtype.element_ty
         da = acc * s
         d_up = (da * silu).to(dtype)
@@ -300,27 +317,30 @@ if HAVE_GLUON:
                 gl.store(dh_ptr + r64 * stride_hr + cols[None, :], og.load(st), mask=mask)
                 gl.store(dh_ptr + r64 * stride_hr + (N + cols)[None, :], ou.load(st), mask=mask)
                 gl.store(ap_ptr + r64 * stride_apr + cols[None, :], oa.load(st), mask=mask)
+        return ds_out
 
     @gluon.jit
     def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
-                   s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0: gl.constexpr,
+                   s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0: gl.constexpr,
                    NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                   TMA_STORE: gl.constexpr):
+                   TMA_STORE: gl.constexpr, DS_PAIRS: gl.constexpr):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
-        of EPI), halving ``acc`` until one block is left."""
+        of EPI), halving ``acc`` until one block is left, in block order; returns the tile's running dS sum
+        (:func:`_dh_block`)."""
         W: gl.constexpr = acc.shape[1]
         if W == EPI:
-            _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
-                      row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
-                      TMA_STORE)
+            ds_out = _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
+                               s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
+                               EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
         else:
             lo, hi = column_halves(acc)
-            _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
-                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0, NB, EPI, NBUF, WARPS, PART,
-                       TMA_STORE)
-            _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
-                       row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, J0 + W // (2 * EPI), NB, EPI, NBUF,
-                       WARPS, PART, TMA_STORE)
+            ds_mid = _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
+                                s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
+                                EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+            ds_out = _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
+                                s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_mid,
+                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+        return ds_out
 
     @gluon.jit
     def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
@@ -340,17 +360,31 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dh_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc, dh_ptr,
-                ap_ptr, ds_ptr, score_ptr, pair_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
+                ap_ptr, ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_hr,
+                stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                 NBUF: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                TMA_STORE: gl.constexpr, STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr):
+                TMA_STORE: gl.constexpr, STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr,
+                DS_PAIRS: gl.constexpr):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
         of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
-        the tile's stores have read it; else in ``o_bufs``."""
+        the tile's stores have read it; else in ``o_bufs``.
+
+        DS_PAIRS (one N-tile per row, scores in pair order): each tile's dS row sums, its blocks' partials added in
+        block order, go to ``ds_ptr[row_pair[row]]`` in ``ds_ptr``'s dtype, and the pairs of the padding rows
+        (rows expert_offsets[E] .. R - 1, in no tile) get 0 first."""
         NB: gl.constexpr = BLOCK_N // EPI
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
+        if DS_PAIRS:
+            pad_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+            PAD: gl.constexpr = 32 * WARPS
+            offs_pad = gl.arange(0, PAD, layout=pad_layout)
+            for r0 in range(gl.load(offsets_ptr + E) + gl.program_id(0) * PAD, R, gl.num_programs(0) * PAD):
+                pad_rows = r0 + offs_pad
+                pad_ok = pad_rows < R
+                pad_pairs = gl.load(pair_ptr + pad_rows, mask=pad_ok, other=0)
+                gl.store(ds_ptr + pad_pairs, gl.zeros((PAD,), ds_ptr.dtype.element_ty, pad_layout), mask=pad_ok)
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
         step = 0
@@ -389,9 +423,14 @@ if HAVE_GLUON:
                 else:
                     ox = o_bufs
                     ow = o_bufs
-                _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr, s_rows,
-                           row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, 0, NB, EPI, NBUF, WARPS, PART,
-                           TMA_STORE)
+                ds_sum = _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr,
+                                    ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
+                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+                if DS_PAIRS:
+                    ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
+                    ds_ok = ds_rows < row_end
+                    ds_pairs = gl.load(pair_ptr + ds_rows, mask=ds_ok, other=0)
+                    gl.store(ds_ptr + ds_pairs, ds_sum.to(ds_ptr.dtype.element_ty), mask=ds_ok)
                 if STAGE_IN_RING:
                     tma.store_wait(pendings=0)  # the tile's stores have read the slot
                     gl.thread_barrier()  # and every thread is done with it
@@ -401,12 +440,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, pair_ptr,
-                      row_token_ptr, table_ptr, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr,
+                      row_token_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr,
                       X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False):
+                      STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False, DS_PAIRS: gl.constexpr = False):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -422,8 +461,9 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
                        dh_ptr, ap_ptr,
-                       ds_ptr, score_ptr, pair_ptr, table_ptr, num_pid_n, N, D, R, stride_hr, stride_apr, BLOCK_M,
-                       BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE, STAGE_IN_RING, GATHER_S)),
+                       ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_hr,
+                       stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE,
+                       STAGE_IN_RING, GATHER_S, DS_PAIRS)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -441,9 +481,19 @@ def dh_ws_calls() -> list[dict]:
     return [{"d": d, "n": n, "E": e, "dtype": dt, "config": cfg} for (d, n, e, dt), cfg in _CALLS.items()]
 
 
+def ds_pairs_in_kernel(n: int, config: dict | None = None) -> bool:
+    """Whether :func:`dh_ws` can write dS itself, summed and in pair order (``ds_pairs``): where one tile spans
+    all n channels of its rows (BLOCK_N = n, e.g. n = 256 at 256-wide tiles), so that one program sees every
+    partial of a row. Host values only."""
+    cfg = config or dh_ws_config(n)
+    return cfg is not None and cfg["BLOCK_N"] == n
+
+
 def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor, routing: Routing,
-          config: dict | None = None, pair_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dH, A′ and the dS partials by the warp-specialised kernel (see the module doc).
+          config: dict | None = None, pair_order: bool = False,
+          ds_pairs: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dH, A′ and the dS partials (or, with ``ds_pairs``, dS itself) by the warp-specialised kernel (see the module
+    doc).
 
     The caller has checked :func:`dh_ws_supported` (concat layout).
 
@@ -458,17 +508,31 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             stores), and, to time a part of the
             kernel alone, "PART": 1 the MMAs only (no H, no epilogue: dH and A′ are left unwritten, dS holds row
             sums of dA′), 2 all but the global stores of dH and A′ (0, the default: the whole kernel).
+        ds_pairs: None, or the dtype of dS written by the kernel in pair order (needs ``pair_order`` and
+            :func:`ds_pairs_in_kernel`; the layer's backward passes the scores' dtype). Each row's partials are
+            added in channel-block order in float32, then cast: the bits of
+            :func:`sonicmoe.ops.score_grad.score_grad` on the partials, without its launch or the partials' buffer.
     Returns:
         dH (R, 2n) and A′ = S·A (R, n) in h's dtype, and the dS partials (n / EPI, R) float32 with
-        dS = partials.sum(0) (without the bias term ⟨dO_t, b2[e]⟩); no atomics, the same bits on every run.
+        dS = partials.sum(0) (without the bias term ⟨dO_t, b2[e]⟩); with ``ds_pairs``, dS (R,) of that dtype in
+        pair order instead, 0 for padding pairs (rows at or past ``expert_offsets[E]``). No atomics, the same bits
+        on every run.
+    Raises:
+        ValueError: ``ds_pairs`` without ``pair_order``, or where a tile does not span all n channels.
     """
     e, d, n = w2.shape
     r = routing.num_rows
     cfg = config or dh_ws_config(n)
     bn, epi = cfg["BLOCK_N"], cfg["EPI"]
+    if ds_pairs is not None and not (pair_order and ds_pairs_in_kernel(n, cfg)):
+        raise ValueError(f"ds_pairs: needs pair_order=True and BLOCK_N = n = {n} (got pair_order={pair_order}, "
+                         f"BLOCK_N={bn})")
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
-    ds_part = new_output((n // epi, r), device=h.device, dtype=torch.float32)
+    if ds_pairs is not None:
+        ds_part = new_output((r,), device=h.device, dtype=ds_pairs)
+    else:
+        ds_part = new_output((n // epi, r), device=h.device, dtype=torch.float32)
     if r == 0:
         return dh_, a_prime, ds_part
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
@@ -477,12 +541,13 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
             _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.contiguous() if pair_order else row_scores.float().contiguous(),
-            routing.row_pair if pair_order else routing.row_token, routing.row_token, table, n // bn, n, d, r,
-            dout.stride(0), h.stride(0), a_prime.stride(0))
+            routing.row_pair if pair_order else routing.row_token, routing.row_token, table, routing.expert_offsets,
+            e, n // bn, n, d, r, dout.stride(0), h.stride(0), a_prime.stride(0))
     meta = dict(X_LAYOUT=shared_layout((BLOCK_M, bk), h.dtype), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), GATHER_S=pair_order,
+                DS_PAIRS=ds_pairs is not None,
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

@@ -42,7 +42,7 @@ from ..routing import Routing
 from . import grouped_gemm_ws, weight_grad_ws
 from .aggregation import gather_sum
 from .common import gather_chunk_width, new_output, overlap_mode, side_stream
-from .dh import dh
+from .dh import dh, ds_pairs_in_dh_kernel
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .score_grad import score_grad
 from .up_proj import up_proj
@@ -227,13 +227,16 @@ def experts_bwd_impl(
     gluon = gluon_wgrad_preferred(w2.shape[2])
     progs_per_sm = overlap_mode(dout.device)  # of the dX aggregation beside dW1; 0: one stream
     side = side_stream(dout.device) if progs_per_sm else None
-    # S read through row_pair inside the dH kernel (no row-order copy)
-    dh_, a_prime, ds_part = dh(dout, w2, h, pair_scores, routing, gate_up_layout, reduce_ds=False, pair_order=True)
+    # S read through row_pair inside the dH kernel (no row-order copy); where the Gluon dH kernel's tiles span all
+    # n channels (n = 256 at 7B) and there is no b2, dS leaves that kernel summed and in pair order (ds_pairs)
+    ds_in_dh = need_s and b2 is None and ds_pairs_in_dh_kernel(dout, w2, h, routing, gate_up_layout)
+    dh_, a_prime, ds_part = dh(dout, w2, h, pair_scores, routing, gate_up_layout, reduce_ds=False, pair_order=True,
+                               ds_pairs=pair_scores.dtype if ds_in_dh else None)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
-    dscores = _empty(pair_scores)
-    if need_s:
+    dscores = ds_part if ds_in_dh else _empty(pair_scores)
+    if need_s and not ds_in_dh:
         with _beside(side):  # off the GEMMs' stream, beside dW2
             extra = None
             if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩ (padding rows, past expert_offsets[E]: clamped to E - 1)
@@ -353,7 +356,9 @@ def _setup_context(ctx, inputs, output) -> None:
     aggregation runs on a high-priority side stream beside the dW1 GEMM, or, where dX̃ runs in column blocks
     (:func:`gemm_then_gather_sum`, d ≥ 4096), block by block beside the next block's dX̃ GEMM (the last one before
     dW1, or beside it with SONICMOE_AGG_BESIDE_DW1=1, which keeps dX̃ until dW1 ends); the dS reduction and score
-    gradient run beside dW2; the streams join before the gradients are returned (the same bits either way).
+    gradient run beside dW2 — unless the Gluon dH kernel's tiles span all n channels and there is no b2 (n = 256 at
+    the 7B shape: :func:`sonicmoe.ops.dh.ds_pairs_in_dh_kernel`), where that kernel writes the scores' gradient
+    itself, with the same bits; the streams join before the gradients are returned (the same bits either way).
     """
     x, w1, w2, b1, b2, pair_scores = inputs[:6]
     end = 6 + len(FWD_ROUTING_FIELDS)
