@@ -149,6 +149,10 @@ def launchers(p, routing):
         "dxtilde_ws": lambda c: grouped_gemm_ws.ws_varlen_m_gemm(h, w1, None, routing.expert_offsets,
                                                                  transpose_b=False, config=c),
         "dh_ws": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c),
+        # the layer's form: scores in pair order; and with dS written by the kernel in pair order (ds_pairs)
+        "dh_ws_pair": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c, pair_order=True),
+        "dh_ws_ds_pairs": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c, pair_order=True,
+                                                ds_pairs=x.dtype),
         "dw1_ws": lambda c: weight_grad_ws.wgrad_ws(h, x, routing.row_token, routing.expert_offsets, p_gather=False,
                                                     config=c),
         "dw2_ws": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
@@ -179,6 +183,8 @@ def spaces(which: str) -> dict:
         "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
                  + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)],
+        "dh_ws_pair": [dh_ws.dh_ws_config(n)],
+        "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r) for r in (False, True)],
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r) for r in (False, True)],
     })

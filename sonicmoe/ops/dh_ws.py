@@ -426,11 +426,10 @@ if HAVE_GLUON:
                 ds_sum = _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr,
                                     ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
                                     s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
-                if DS_PAIRS:
+                if DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
                     ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
-                    ds_ok = ds_rows < row_end
-                    ds_pairs = gl.load(pair_ptr + ds_rows, mask=ds_ok, other=0)
-                    gl.store(ds_ptr + ds_pairs, ds_sum.to(ds_ptr.dtype.element_ty), mask=ds_ok)
+                    gl.store(ds_ptr + gl.convert_layout(pr, ds_sum.type.layout), ds_sum.to(ds_ptr.dtype.element_ty),
+                             mask=ds_rows < row_end)
                 if STAGE_IN_RING:
                     tma.store_wait(pendings=0)  # the tile's stores have read the slot
                     gl.thread_barrier()  # and every thread is done with it
