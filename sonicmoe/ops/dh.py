@@ -295,7 +295,7 @@ def dh(
     e, d, n = w2.shape
     r = routing.num_rows
     if config is None and r > 0 and dh_ws_preferred(n) and dh_ws_supported(dout, w2, h, gate_up_layout):
-        # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per 16 or 32 channels, or,
+        # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per N-tile (128 or 256), or,
         # where a tile spans all n channels, dS itself in pair order
         fused = ds_pairs is not None and ds_pairs_in_kernel(n)
         dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing, pair_order=pair_order,

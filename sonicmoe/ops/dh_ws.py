@@ -17,8 +17,8 @@ by role:
 * the **MMA warps** (two warpgroups, BLOCK_M = 128 rows) start each tile by asking TMA for H's gate and up columns
   of the epilogue's first NBUF EPI-channel blocks, run the asynchronous wgmma chain of the tile, then the epilogue
   on BLOCK_N / EPI column blocks in turn: each block waits for its H block, reads it, hands the buffer back to TMA
-  for the block NBUF ahead, computes, writes its dS partial to memory (or, with ``DS_PAIRS``, adds it to the
-  row's running sum, which leaves after the last block) and dH's gate and up blocks and A′ into one
+  for the block NBUF ahead, computes, adds its dS partial to the rows' running sum (stored once per tile, after
+  the last block) and writes dH's gate and up blocks and A′ into one
   of two staging sets in shared memory; full tiles' blocks leave by TMA stores (``TMA_STORE``), which drain while
   the next two blocks compute; an expert's last, partial tile's leave by masked 16-byte stores.
 
@@ -64,13 +64,16 @@ with the same bits.
 Tiles are (M-tile, N-tile) pairs, N fastest, from the table of :func:`sonicmoe.ops.grouped_gemm_ws.tile_table`
 (no host sync); program p takes tiles p, p + P, .... dH and A′ have the Triton kernel's bits (the same dA′
 accumulation order and epilogue arithmetic; checked on every probed shape). dS leaves as float32 partial sums, one
-row per EPI-channel block, (n / EPI, R), which the caller reduces in a fixed order: no atomics, the same bits on
-every run (not the Triton kernel's bits: its partials are per 16 channels, summed in another order; relative
-difference about 1e-7). Where one tile spans all n channels of its rows (``BLOCK_N`` = n: n = 256 at the 7B shape,
-:func:`ds_pairs_in_kernel`), ``ds_pairs`` has the kernel add a row's partials itself, in the same block order, and
-write dS in pair order and the scores' dtype (padding pairs 0): the bits of
-:func:`sonicmoe.ops.score_grad.score_grad` on the partials, without that launch, the (n / EPI, R) buffer, or the side
-stream it ran on beside dW2, whose persistent programs waited for its programs to leave the multiprocessors.
+row per N-tile, (n / BLOCK_N, R), each the tile's EPI-channel blocks added in block order in registers; the caller
+reduces them in a fixed order: no atomics, the same bits on every run (not the Triton kernel's bits: its partials
+are per 16 channels, summed in another order; relative difference about 1e-7). Until session 49 each EPI-channel
+block stored its own partial row, (n / EPI, R): those stores cost the MMA warps a 40-byte stack at EPI = 32
+(``benchmarks/resource_report.py``), gone with one store per tile. Where one tile spans all n channels of its rows
+(``BLOCK_N`` = n: n = 256 at the 7B shape, :func:`ds_pairs_in_kernel`), ``ds_pairs`` has the kernel write that sum
+as dS itself, in pair order and the scores' dtype (padding pairs 0): the bits of
+:func:`sonicmoe.ops.score_grad.score_grad` on the partials, without that launch, the partials' buffer, or the side
+stream it ran on beside dW2, whose persistent programs waited for its programs to leave the multiprocessors
+(7B on an H200, dH with the scores' gradient: 0.4365 against 0.4585 ms, session 49).
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
@@ -254,8 +257,9 @@ if HAVE_GLUON:
         the accumulator's layout need a 64-bit address per element pair: the MMA warps then spill).
 
         Returns the tile's dS sum over its blocks up to this one (float32, (BLOCK_M,)): ``ds_in`` (the sum up to
-        block J - 1; not read at J = 0) plus this block's partial, in block order. Without DS_PAIRS the partial
-        also goes to row ch0 / EPI + J of the (n / EPI, R) partials at ``ds_ptr``."""
+        block J - 1; not read at J = 0) plus this block's partial, in block order. The caller stores the tile's
+        sum once (one 64-bit address per row instead of one per block: the per-block stores cost the MMA warps a
+        40-byte stack at EPI = 32)."""
         b: gl.constexpr = J % NBUF
         g_buf = h_bufs.index(2 * b)
         u_buf = h_bufs.index(2 * b + 1)
@@ -263,21 +267,15 @@ if HAVE_GLUON:
         lay: gl.constexpr = acc.type.layout
         g = g_buf.load(lay).to(gl.float32)
         u = u_buf.load(lay).to(gl.float32)
-        rows = row_start + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, lay))
-        mask_m = rows < row_end
         s = gl.convert_layout(s_rows, gl.SliceLayout(1, lay))[:, None]
         sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
         silu = g * sig
         a = silu * u
         part = gl.sum(acc * a, axis=1)
-        if DS_PAIRS:
-            if J == 0:
-                ds_out = part
-            else:
-                ds_out = ds_in + part
-        else:
-            gl.store(ds_ptr + (ch0 // EPI + J) * R + rows.to(gl.int64), part, mask=mask_m)
+        if J == 0:
             ds_out = part
+        else:
+            ds_out = ds_in + part
         dtype: gl.constexpr = dh_ptr.dtype.element_ty
         da = acc * s
         d_up = (da * silu).to(dtype)
@@ -426,10 +424,12 @@ if HAVE_GLUON:
                 ds_sum = _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr,
                                     ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
                                     s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+                ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
                 if DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
-                    ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
                     gl.store(ds_ptr + gl.convert_layout(pr, ds_sum.type.layout), ds_sum.to(ds_ptr.dtype.element_ty),
                              mask=ds_rows < row_end)
+                else:  # the tile's partial: row pid_n of the (n / BLOCK_N, R) partials
+                    gl.store(ds_ptr + pid_n.to(gl.int64) * R + ds_rows, ds_sum, mask=ds_rows < row_end)
                 if STAGE_IN_RING:
                     tma.store_wait(pendings=0)  # the tile's stores have read the slot
                     gl.thread_barrier()  # and every thread is done with it
@@ -512,7 +512,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             added in channel-block order in float32, then cast: the bits of
             :func:`sonicmoe.ops.score_grad.score_grad` on the partials, without its launch or the partials' buffer.
     Returns:
-        dH (R, 2n) and A′ = S·A (R, n) in h's dtype, and the dS partials (n / EPI, R) float32 with
+        dH (R, 2n) and A′ = S·A (R, n) in h's dtype, and the dS partials (n / BLOCK_N, R) float32 with
         dS = partials.sum(0) (without the bias term ⟨dO_t, b2[e]⟩); with ``ds_pairs``, dS (R,) of that dtype in
         pair order instead, 0 for padding pairs (rows at or past ``expert_offsets[E]``). No atomics, the same bits
         on every run.
@@ -531,7 +531,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     if ds_pairs is not None:
         ds_part = new_output((r,), device=h.device, dtype=ds_pairs)
     else:
-        ds_part = new_output((n // epi, r), device=h.device, dtype=torch.float32)
+        ds_part = new_output((n // bn, r), device=h.device, dtype=torch.float32)
     if r == 0:
         return dh_, a_prime, ds_part
     _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
