@@ -72,8 +72,10 @@ block stored its own partial row, (n / EPI, R): those stores cost the MMA warps 
 (``BLOCK_N`` = n: n = 256 at the 7B shape, :func:`ds_pairs_in_kernel`), ``ds_pairs`` has the kernel write that sum
 as dS itself, in pair order and the scores' dtype (padding pairs 0): the bits of
 :func:`sonicmoe.ops.score_grad.score_grad` on the partials, without that launch, the partials' buffer, or the side
-stream it ran on beside dW2, whose persistent programs waited for its programs to leave the multiprocessors
-(7B on an H200, dH with the scores' gradient: 0.4365 against 0.4585 ms, session 49).
+stream it ran on beside dW2, whose persistent programs waited for its programs to leave the multiprocessors. Timed
+(session 49, 7B, H200s, ``scripts/ds_pairs_probe.py``, medians of 7 alternating rounds whose spread is about ±5%): dH
+with the scores' gradient 0.4365 against 0.4585 ms on one machine, 0.4232 against 0.4184 on another (after the
+partials went to one row per tile); the layer level in alternating fresh-process A/Bs on an H200 and an H100.
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
