@@ -179,11 +179,25 @@ GPU_CASES = [
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
 
 
+def _need_gluon():
+    """Skip the test off an sm_90 GPU with Gluon."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+
+
+def _layer_problem(d, n, bias, seed):
+    """A bf16 layer's problem at T = 2048, E = 16 (for K = 4) and a dO (T, d); skips off sm_90."""
+    from sonicmoe.testing import random_problem
+
+    _need_gluon()
+    p = random_problem(2048, d, n, 16, device="cuda", bias=bias, seed=seed)
+    return p, torch.randn(2048, d, device="cuda", dtype=torch.bfloat16)
+
+
 def _gpu_inputs(case, dtype, seed, monkeypatch):
     """Routing, dO, W2, H and row scores of a GPU case (fresh random values; outputs poisoned with NaN before the
     kernels write them); skips off sm_90."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    _need_gluon()
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
     routing = random_topk_routing(t, e, k, seed=t)
@@ -297,13 +311,10 @@ def test_gpu_layer_ds_in_dh_kernel(monkeypatch, n):
     takes dS from that kernel and launches no ``score_grad``; at n = 512 (two 256-wide tiles per row) it sums the
     partials with ``score_grad``. The router's and X's gradients stay within rounding of SONICMOE_GLUON_DH=0's."""
     from sonicmoe.ops import library
-    from sonicmoe.testing import layer_grads, random_problem
+    from sonicmoe.testing import layer_grads
 
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    t, d, e, k = 2048, 1536, 16, 4
-    p = random_problem(t, d, n, e, device="cuda", bias=False, seed=6)
-    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    p, dout = _layer_problem(1536, n, False, 6)
+    k = 4
     sums = []
     monkeypatch.setattr(library, "score_grad", lambda *a, **kw: sums.append(1) or score_grad(*a, **kw))
     on = layer_grads(p, dout, k)
@@ -322,13 +333,10 @@ def test_gpu_layer_ds_in_dh_kernel(monkeypatch, n):
 def test_gpu_layer_uses_gluon_dh(monkeypatch, d):
     """At shapes the rule selects (n = 256), the layer's backward runs the Gluon dH kernel, and its gradients stay
     within rounding of those with SONICMOE_GLUON_DH=0 (bias terms included: dS gains ⟨dO, b2⟩ outside the kernel)."""
-    from sonicmoe.testing import layer_grads, random_problem
+    from sonicmoe.testing import layer_grads
 
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    t, n, e, k = 2048, 256, 16, 4
-    p = random_problem(t, d, n, e, device="cuda", bias=True, seed=4)
-    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    p, dout = _layer_problem(d, 256, True, 4)
+    k = 4
     calls = []
     monkeypatch.setattr(dh_mod, "dh_ws", lambda *a, **kw: calls.append(1) or dh_ws.dh_ws(*a, **kw))
     on = layer_grads(p, dout, k)
