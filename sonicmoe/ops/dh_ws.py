@@ -247,7 +247,7 @@ if HAVE_GLUON:
     def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
                   s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J: gl.constexpr,
                   NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                  TMA_STORE: gl.constexpr, DS_PAIRS: gl.constexpr):
+                  TMA_STORE: gl.constexpr):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
         buffer J % NBUF. Once every thread has read the H block, TMA refills the buffer with the block NBUF ahead.
@@ -323,7 +323,7 @@ if HAVE_GLUON:
     def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
                    s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0: gl.constexpr,
                    NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                   TMA_STORE: gl.constexpr, DS_PAIRS: gl.constexpr):
+                   TMA_STORE: gl.constexpr):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left, in block order; returns the tile's running dS sum
         (:func:`_dh_block`)."""
@@ -331,15 +331,15 @@ if HAVE_GLUON:
         if W == EPI:
             ds_out = _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
-                               EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+                               EPI, NBUF, WARPS, PART, TMA_STORE)
         else:
             lo, hi = column_halves(acc)
             ds_mid = _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                 s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
-                                EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+                                EPI, NBUF, WARPS, PART, TMA_STORE)
             ds_out = _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                 s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_mid,
-                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE)
         return ds_out
 
     @gluon.jit
@@ -425,7 +425,7 @@ if HAVE_GLUON:
                     ow = o_bufs
                 ds_sum = _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr,
                                     ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
-                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, DS_PAIRS)
+                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE)
                 ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
                 if DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
                     gl.store(ds_ptr + gl.convert_layout(pr, ds_sum.type.layout), ds_sum.to(ds_ptr.dtype.element_ty),
