@@ -43,7 +43,7 @@
 #          SONICMOE_GLUON_WGRAD=all, SONICMOE_GLUON_DH=all against 1; RULES_ENVS (default "UP WGRAD"; DH too),
 #          RULES_UP_SHAPES, RULES_WGRAD_SHAPES, RULES_DH_SHAPES, RULES_VALUES, RULES_ROUNDS, RULES_WARMUP_MS)
 #   targets  issue #4's protocol (TARGET_SHAPES name=T,d,n,E,K ... to run one of the two): TARGET_ROUNDS (default 5)
-#          rounds, each a fresh process of the layer benchmark
+#          rounds, each a fresh process of the layer benchmark (TARGET_REP: its --rep, ms)
 #          on the 7B shape (triton and torch) then one on (32768, 4096, 1024, 128, 8) (triton; round 1 also torch,
 #          and the float32 check of both); the median over rounds of each shape's fwd+bwd and of the 7B torch
 #          ratio is what counts (scripts/target_summary.py)
@@ -305,7 +305,8 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
           extra=(--no-check --backends triton); [ "${sh%%=*}" = 7b ] && extra=(--no-check --backends triton,torch)
           [ "$i" = 1 ] && extra=(--backends triton,torch)
           timeout 200 python3 -m sonicmoe bench --shape "$sh" "${extra[@]}" --no-plot --no-router-variant \
-            --out "$OUT/targets" --tag "round${i}_${sh%%=*}" > "$OUT/targets_round${i}_${sh%%=*}.txt" 2>&1
+            ${TARGET_REP:+--rep $TARGET_REP} --out "$OUT/targets" --tag "round${i}_${sh%%=*}" \
+            > "$OUT/targets_round${i}_${sh%%=*}.txt" 2>&1
         done
       done
       python3 scripts/target_summary.py "$OUT"/targets/*.json > "$OUT/targets_summary.txt" 2>&1
