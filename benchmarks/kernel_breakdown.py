@@ -25,7 +25,7 @@ import torch
 from triton.testing import do_bench
 
 import sonicmoe
-from sonicmoe.bench.measure import SETTLED_WARMUP_MS
+from sonicmoe.bench.measure import SETTLED_REP_MS, SETTLED_WARMUP_MS
 from sonicmoe.ops.aggregation import gather_sum
 from sonicmoe.ops.dh import dh
 from sonicmoe.ops.grouped_gemm import down_proj, varlen_m_gemm
@@ -169,7 +169,8 @@ def main() -> None:
     ap.add_argument("--no-layer", action="store_true", help="skip the whole-layer timings")
     ap.add_argument("--routing-profile", action="store_true", help="also time the routing steps")
     ap.add_argument("--dense", action="store_true", help="also time each kernel's dense cuBLAS ceiling")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--rep", type=float, default=SETTLED_REP_MS,
+                    help="do_bench rep (ms): a window long enough for the sustained speed under the power cap")
     ap.add_argument("--warmup", type=float, default=SETTLED_WARMUP_MS,
                     help="do_bench warm-up (ms) before each kernel: the GPU clock settles under its power cap")
     ap.add_argument("--json", default=None)

@@ -401,10 +401,11 @@ def test_list_and_help(capsys):
 
 def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
     """On a GPU every measurement warms up for SETTLED_WARMUP_MS (the power cap needs ~100 ms to lower the clock;
-    25 ms read the state left by what ran before), and a run without --warmup records that value."""
+    25 ms read the state left by what ran before) and times a SETTLED_REP_MS window, and a run without --warmup or
+    --rep records those values."""
     import triton.testing
 
-    from sonicmoe.bench.measure import SETTLED_WARMUP_MS, bench_ms
+    from sonicmoe.bench.measure import SETTLED_REP_MS, SETTLED_WARMUP_MS, bench_ms
 
     seen = {}
 
@@ -415,13 +416,16 @@ def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
     assert bench_ms(lambda: None, device=torch.device("cuda")) == {"p20": 1.0, "p50": 2.0, "p80": 3.0}
     assert seen["warmup"] == SETTLED_WARMUP_MS >= 500
+    assert seen["rep"] == SETTLED_REP_MS >= 500  # a 100 ms window reads one phase of the limiter's clock
     # the CLI without --warmup: RunOptions' default, recorded in the results file (patched to 50 ms here, a
     # short CPU loop)
     from sonicmoe.bench import runner
 
     monkeypatch.setattr(runner.RunOptions, "warmup", 50.0)
+    monkeypatch.setattr(runner.RunOptions, "rep", 0.0)
     out = tmp_path / "res"
-    rc = cli.main(["--out", str(out), "--rep", "0", "--no-plot", "-q", "--device", "cpu", "--preset", "tiny",
+    rc = cli.main(["--out", str(out), "--no-plot", "-q", "--device", "cpu", "--preset", "tiny",
                    "--backends", "torch", "--mode", "fwd", "--no-router-variant"])
     assert rc == 0
-    assert _strict_load(_only_json(out))["args"]["warmup"] == 50.0
+    args = _strict_load(_only_json(out))["args"]
+    assert args["warmup"] == 50.0 and args["rep"] == 0.0

@@ -218,15 +218,23 @@ def _wall_ms(fn: Callable[[], object], warmup: float, rep: float, device: torch.
 # shape, H200, 2026-11-26 session 31: 434 and 411 TFLOP/s against 427 over a 3 s window; see the session's README).
 SETTLED_WARMUP_MS = 1000.0
 
+# measured time per measurement, ms. Under the power cap the limiter's clock wanders over seconds even once settled:
+# back-to-back 100 ms windows of the 7B layer's forward+backward in one process read 3.34-3.58 ms (H100) and
+# 3.13-3.26 ms (H200), while 1000 ms windows read 3.39-3.42 and 3.21-3.22, the median of a 4-6 s run of single
+# calls (session 50, scripts/window_probe.py; benchmarks/results/2026-11-27_nvidia-h100-h200_session50/). Until
+# session 50 the default was 100 ms, and one slow window decided a protocol run.
+SETTLED_REP_MS = 1000.0
 
-def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup: float = SETTLED_WARMUP_MS, rep: float = 100,
-             grad_to_none: list[torch.Tensor] | None = None) -> dict[str, float]:
+
+def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup: float = SETTLED_WARMUP_MS,
+             rep: float = SETTLED_REP_MS, grad_to_none: list[torch.Tensor] | None = None) -> dict[str, float]:
     """Time ``fn`` in milliseconds: ``{"p20", "p50", "p80"}`` (p50 = median).
 
     CUDA: ``triton.testing.do_bench(fn, warmup, rep, grad_to_none, quantiles=[0.2, 0.5, 0.8])``
     (warmup/rep in ms, L2 cache flushed before each call). The default warm-up, :data:`SETTLED_WARMUP_MS`, runs
-    ``fn`` until the GPU's clock has settled under its power cap, so the median is the sustained speed whatever ran
-    before. Elsewhere: a perf_counter loop.
+    ``fn`` until the GPU's clock has settled under its power cap, and the default window, :data:`SETTLED_REP_MS`,
+    is long enough that the median is the sustained speed, not one phase of the power limiter's wandering clock.
+    Elsewhere: a perf_counter loop.
     """
     if device.type == "cuda":
         from triton.testing import do_bench

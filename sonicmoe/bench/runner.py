@@ -17,6 +17,7 @@ import torch
 
 from .baselines import REGISTRY, Case, Unavailable
 from .measure import (
+    SETTLED_REP_MS,
     SETTLED_WARMUP_MS,
     bench_error_types,
     bench_ms,
@@ -47,7 +48,7 @@ class RunOptions:
     m_tile: int = 128
     rounding: str = "nearest"
     warmup: float = SETTLED_WARMUP_MS
-    rep: float = 100.0
+    rep: float = SETTLED_REP_MS
     seed: int = 0
     check: bool = True
     check_grads: bool = True
