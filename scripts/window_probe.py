@@ -53,17 +53,19 @@ class Sampler(threading.Thread):
         self.reasons_fn = getattr(self.lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
             self.lib.nvmlDeviceGetCurrentClocksThrottleReasons
         self.period = period
-        self.samples: list[tuple[float, int, int, int, int]] = []
+        self.samples: list[tuple[float, int, int, int, int, int]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        mhz, mw, mj, why = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        mhz, mw, mj, why, temp = (ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong(), ctypes.c_ulonglong(),
+                                  ctypes.c_uint())
         while not self.stop.is_set():
             self.lib.nvmlDeviceGetClockInfo(self.h, ctypes.c_uint(1), ctypes.byref(mhz))
             self.lib.nvmlDeviceGetPowerUsage(self.h, ctypes.byref(mw))
             self.lib.nvmlDeviceGetTotalEnergyConsumption(self.h, ctypes.byref(mj))
             self.reasons_fn(self.h, ctypes.byref(why))
-            self.samples.append((time.perf_counter(), mhz.value, mw.value, mj.value, why.value))
+            self.lib.nvmlDeviceGetTemperature(self.h, ctypes.c_uint(0), ctypes.byref(temp))  # NVML_TEMPERATURE_GPU
+            self.samples.append((time.perf_counter(), mhz.value, mw.value, mj.value, why.value, temp.value))
             time.sleep(self.period)
 
     def between(self, t0: float, t1: float) -> dict:
@@ -81,7 +83,7 @@ class Sampler(threading.Thread):
 
 def trace(fn, leaves, seconds: float, sampler: Sampler) -> list[dict]:
     """``fn`` called back to back for ``seconds``, each call timed by CUDA events after do_bench's L2 flush; returns
-    per call {t (host s, start on the GPU), ms, MHz (the nearest NVML sample)}."""
+    per call {t (host s, start on the GPU), ms, MHz and C (the nearest NVML sample)}."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
     n = int(seconds * 1000 / 2) + 16
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -107,7 +109,8 @@ def trace(fn, leaves, seconds: float, sampler: Sampler) -> list[dict]:
         t = t_host + origin.elapsed_time(starts[i]) / 1e3
         while j + 1 < len(samples) and samples[j + 1][0] <= t:
             j += 1
-        out.append({"t": t, "ms": starts[i].elapsed_time(ends[i]), "MHz": samples[j][1] if samples else None})
+        out.append({"t": t, "ms": starts[i].elapsed_time(ends[i]), "MHz": samples[j][1] if samples else None,
+                    "C": samples[j][5] if samples else None})
     return out
 
 
@@ -156,26 +159,22 @@ def main() -> None:
         res["long"].append(window(case, problem, 1000.0, f"long{i}"))
     tr = trace(fwdbwd_fn(case.forward, case.leaves, problem.dout), case.leaves, args.trace, sampler)
     res["trace"] = tr
-    # 100 ms slices of the trace: median ms and mean clock
-    slices = []
+    # slices of the trace (100 ms, or 10 calls where calls are longer than 10 ms): median ms, mean clock, temperature
+    res["trace_slices"] = slices = []
+    width = max(0.1, 10 * statistics.median(x["ms"] for x in tr) / 1e3)
     t0 = tr[0]["t"]
-    k = 0
-    while k < len(tr):
-        j = k
-        while j < len(tr) and tr[j]["t"] - t0 < (len(slices) + 1) * 0.1:
-            j += 1
-        if j - k >= 5:
-            part = tr[k:j]
-            slices.append({"ms": statistics.median(x["ms"] for x in part),
-                           "MHz": statistics.fmean(x["MHz"] for x in part if x["MHz"] is not None)})
-        k = j if j > k else k + 1
-    res["trace_slices"] = slices
+    for k in range(int((tr[-1]["t"] - t0) / width) + 1):
+        part = [x for x in tr if k * width <= x["t"] - t0 < (k + 1) * width]
+        if len(part) >= 3:
+            slices.append({"t": k * width, "ms": statistics.median(x["ms"] for x in part),
+                           "MHz": statistics.fmean(x["MHz"] for x in part), "C": max(x["C"] for x in part)})
     ms = [s["ms"] for s in slices]
-    print(f"trace {len(tr)} calls, {len(slices)} slices of 100 ms: slice medians min {min(ms):.3f} "
+    print(f"trace {len(tr)} calls, {len(slices)} slices of {width * 1e3:.0f} ms: slice medians min {min(ms):.3f} "
           f"p50 {statistics.median(ms):.3f} max {max(ms):.3f} ms; all calls median "
           f"{statistics.median(x['ms'] for x in tr):.3f}", flush=True)
     for s in slices:
-        print(f"  slice {s['ms']:.3f} ms {s['MHz']:6.0f} MHz  ms*GHz {s['ms'] * s['MHz'] / 1e3:.3f}")
+        print(f"  slice {s['t']:6.2f} s {s['ms']:.3f} ms {s['MHz']:6.0f} MHz {s['C']} C  "
+              f"ms*GHz {s['ms'] * s['MHz'] / 1e3:.3f}")
     for r in range(args.replace):
         del case, problem
         free_memory()
