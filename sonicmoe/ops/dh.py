@@ -294,17 +294,13 @@ def dh(
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
-    if config is None and r > 0 and dh_ws_preferred(n) and dh_ws_supported(dout, w2, h, gate_up_layout):
+    if config is None and _gluon_serves(dout, w2, h, routing, gate_up_layout):
         # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per N-tile (128 or 256), or,
         # where a tile spans all n channels, dS itself in pair order
         fused = ds_pairs is not None and ds_pairs_in_kernel(n)
         dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing, pair_order=pair_order,
                                       ds_pairs=ds_pairs if fused else None)
-        if fused:
-            return dh_, a_prime, ds_part
-        if ds_pairs is not None:
-            return dh_, a_prime, score_grad(ds_part, routing.row_pair, routing.expert_offsets, None, ds_pairs)
-        return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
+        return dh_, a_prime, ds_part if fused else _reduced_ds(ds_part, routing, reduce_ds, ds_pairs)
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
     ds_part = new_output((cdiv(n, 16), r), device=h.device, dtype=torch.float32)  # 16-channel chunks
@@ -323,9 +319,22 @@ def dh(
     if r > 0:
         launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
                _desc_blocks, {"W_TMA": ("w2_desc",)}, pdl_device=h.device)
+    return dh_, a_prime, _reduced_ds(ds_part, routing, reduce_ds, ds_pairs)
+
+
+def _gluon_serves(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, routing: Routing,
+                  gate_up_layout: str) -> bool:
+    """Whether :func:`dh` without a ``config`` runs the Gluon kernel (host checks only)."""
+    return (routing.num_rows > 0 and dh_ws_preferred(w2.shape[-1])
+            and dh_ws_supported(dout, w2, h, gate_up_layout))
+
+
+def _reduced_ds(ds_part: torch.Tensor, routing: Routing, reduce_ds: bool,
+                ds_pairs: torch.dtype | None) -> torch.Tensor:
+    """dS from the kernels' float32 partials (P, R), as :func:`dh`'s ``reduce_ds`` and ``ds_pairs`` ask."""
     if ds_pairs is not None:
-        return dh_, a_prime, score_grad(ds_part, routing.row_pair, routing.expert_offsets, None, ds_pairs)
-    return dh_, a_prime, ds_part.sum(0) if reduce_ds else ds_part
+        return score_grad(ds_part, routing.row_pair, routing.expert_offsets, None, ds_pairs)
+    return ds_part.sum(0) if reduce_ds else ds_part
 
 
 def ds_pairs_in_dh_kernel(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, routing: Routing,
@@ -335,9 +344,7 @@ def ds_pairs_in_dh_kernel(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
     and its tiles span all n channels (:func:`~sonicmoe.ops.dh_ws.ds_pairs_in_kernel`; n = 256 at the 7B shape).
     Host checks only, no sync; operands that are not contiguous answer False (:func:`dh` runs on contiguous
     copies of them, so the answer then errs towards the partials)."""
-    n = w2.shape[-1]
-    return (routing.num_rows > 0 and dh_ws_preferred(n) and ds_pairs_in_kernel(n)
-            and dh_ws_supported(dout, w2, h, gate_up_layout))
+    return ds_pairs_in_kernel(w2.shape[-1]) and _gluon_serves(dout, w2, h, routing, gate_up_layout)
 
 
 def dh_ref(
