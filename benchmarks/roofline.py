@@ -38,19 +38,20 @@ def kernel_costs(t: int, d: int, n: int, e: int, r: int, elem_bytes: int = 2) ->
 
     FLOPs: 2·R·d·2n for the up-projection, dX̃ and dW1, 2·R·n·d for the down-projection, dH and dW2 (their sum is
     18·R·n·d, SPEC §6); the aggregations count none. Bytes: X or dO (T, d) once, W1 (E, 2n, d) and W2 (E, d, n) once,
-    and each (R, ·) activation once per read or write: H, A, Y, dH, A′, dX̃, plus dS's float32 partial sums
-    (one per 16 channels and row) in dH and the weight gradients written once.
+    and each (R, ·) activation once per read or write: H, A, Y, dH, A′, dX̃, plus dS (R,) float32 written once by
+    dH (what the Gluon dH kernel writes where its tiles span all n channels; elsewhere its partials are one per
+    N-tile and row, the Triton kernel's one per 16 channels) and the weight gradients written once.
     """
     b = elem_bytes
     x = t * d * b
     w1, w2 = e * 2 * n * d * b, e * d * n * b
     h, a, y = r * 2 * n * b, r * n * b, r * d * b
-    ds_partials = 4 * r * ((n + 15) // 16)
+    ds = 4 * r
     return {
         UP: (4.0 * r * d * n, x + w1 + h + a),
         DOWN: (2.0 * r * n * d, a + w2 + y),
         AGG: (0.0, y + x),
-        DH: (2.0 * r * n * d, x + w2 + 2 * h + a + ds_partials),
+        DH: (2.0 * r * n * d, x + w2 + 2 * h + a + ds),
         DW2: (2.0 * r * n * d, x + a + w2),
         DXT: (4.0 * r * d * n, h + w1 + y),
         DW1: (4.0 * r * d * n, h + x + w1),
