@@ -16,7 +16,6 @@ usage (GPU): PYTHONPATH=$PWD python scripts/energy_probe.py [--shape T,d,n,E,K] 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -27,35 +26,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from kernel_breakdown import build_routing, dense_rows, kernel_rows, layer_rows  # noqa: E402
 
+from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.testing import random_problem  # noqa: E402
-
-
-class Nvml:
-    """The board's energy counter (mJ since the driver loaded) and SM clock (MHz) through libnvidia-ml."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        if self.lib.nvmlInit_v2():
-            raise RuntimeError("nvmlInit_v2 failed")
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        self.handle = ctypes.c_void_p()
-        found = False
-        if hasattr(props, "pci_bus_id"):  # the CUDA device's own board, whatever CUDA_VISIBLE_DEVICES says
-            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
-            found = not self.lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus), ctypes.byref(self.handle))
-        if not found and self.lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(0), ctypes.byref(self.handle)):
-            raise RuntimeError("no NVML handle for the current device")
-
-    def energy_mj(self) -> int:
-        value = ctypes.c_ulonglong()
-        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(value)):
-            raise RuntimeError("nvmlDeviceGetTotalEnergyConsumption failed")
-        return value.value
-
-    def sm_mhz(self) -> int:
-        value = ctypes.c_uint()
-        self.lib.nvmlDeviceGetClockInfo(self.handle, ctypes.c_uint(1), ctypes.byref(value))  # NVML_CLOCK_SM
-        return value.value
 
 
 def measure(nvml: Nvml, fn, warmup_s: float, window_s: float) -> dict:

@@ -21,67 +21,20 @@ usage (GPU): PYTHONPATH=$PWD python scripts/window_probe.py [--shape T,d,n,E,K] 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
-import threading
 import time
 
 import torch
 
 from sonicmoe.bench.baselines import REGISTRY
+from sonicmoe.bench.gpu_state import GpuWatch
 from sonicmoe.bench.measure import bench_ms, free_memory, fwdbwd_fn
 from sonicmoe.bench.problem import make_problem
 from sonicmoe.bench.shapes import Shape
 
 
-class Sampler(threading.Thread):
-    """NVML samples every ``period`` s on a thread of its own: (host time, SM MHz, board mW, energy mJ, reasons).
-    ctypes releases the GIL during each NVML call, so the launching thread is barely disturbed."""
-
-    def __init__(self, period: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        if self.lib.nvmlInit_v2():
-            raise RuntimeError("nvmlInit_v2 failed")
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        self.h = ctypes.c_void_p()
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
-        if self.lib.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus), ctypes.byref(self.h)):
-            if self.lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(0), ctypes.byref(self.h)):
-                raise RuntimeError("no NVML handle")
-        self.reasons_fn = getattr(self.lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            self.lib.nvmlDeviceGetCurrentClocksThrottleReasons
-        self.period = period
-        self.samples: list[tuple[float, int, int, int, int, int]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        mhz, mw, mj, why, temp = (ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong(), ctypes.c_ulonglong(),
-                                  ctypes.c_uint())
-        while not self.stop.is_set():
-            self.lib.nvmlDeviceGetClockInfo(self.h, ctypes.c_uint(1), ctypes.byref(mhz))
-            self.lib.nvmlDeviceGetPowerUsage(self.h, ctypes.byref(mw))
-            self.lib.nvmlDeviceGetTotalEnergyConsumption(self.h, ctypes.byref(mj))
-            self.reasons_fn(self.h, ctypes.byref(why))
-            self.lib.nvmlDeviceGetTemperature(self.h, ctypes.c_uint(0), ctypes.byref(temp))  # NVML_TEMPERATURE_GPU
-            self.samples.append((time.perf_counter(), mhz.value, mw.value, mj.value, why.value, temp.value))
-            time.sleep(self.period)
-
-    def between(self, t0: float, t1: float) -> dict:
-        """Mean SM MHz, mean W from the energy counter, and the OR of the clock-event reasons over [t0, t1]."""
-        s = [x for x in self.samples if t0 <= x[0] <= t1]
-        if len(s) < 2:
-            return {"MHz": None, "W": None, "reasons": None, "n": len(s)}
-        dt = s[-1][0] - s[0][0]
-        reasons = 0
-        for x in s:
-            reasons |= x[4]
-        return {"MHz": statistics.fmean(x[1] for x in s), "W": (s[-1][3] - s[0][3]) / 1e3 / dt if dt > 0 else None,
-                "reasons": hex(reasons), "n": len(s)}
-
-
-def trace(fn, leaves, seconds: float, sampler: Sampler) -> list[dict]:
+def trace(fn, leaves, seconds: float, sampler: GpuWatch) -> list[dict]:
     """``fn`` called back to back for ``seconds``, each call timed by CUDA events after do_bench's L2 flush; returns
     per call {t (host s, start on the GPU), ms, MHz and C (the nearest NVML sample)}."""
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
@@ -110,7 +63,7 @@ def trace(fn, leaves, seconds: float, sampler: Sampler) -> list[dict]:
         while j + 1 < len(samples) and samples[j + 1][0] <= t:
             j += 1
         out.append({"t": t, "ms": starts[i].elapsed_time(ends[i]), "MHz": samples[j][1] if samples else None,
-                    "C": samples[j][5] if samples else None})
+                    "C": samples[j][3] if samples else None})
     return out
 
 
@@ -129,8 +82,9 @@ def main() -> None:
     dev = torch.device("cuda")
     T, d, n, E, K = dims
     flop = 18 * T * K * n * d
-    sampler = Sampler()
-    sampler.start()
+    sampler = GpuWatch(dev, period=0.005).start()  # NVML every 5 ms on its own thread
+    if sampler.nvml is None:
+        raise SystemExit("NVML (libnvidia-ml.so.1) did not open: the probe needs the GPU's clock")
     res: dict = {"shape": dims, "gpu": torch.cuda.get_device_name(), "windows": [], "long": [], "replaced": []}
 
     def build():
@@ -143,8 +97,9 @@ def main() -> None:
         q = bench_ms(fn, device=dev, rep=rep, grad_to_none=case.leaves)
         t_end = time.perf_counter()
         # the measured part is the last `rep` ms (do_bench runs its warm-up first)
-        row = {"label": label, **q, "tflops": flop / q["p50"] / 1e9,
-               **sampler.between(t_end - rep / 1e3 - 0.02, t_end)}
+        state = sampler.between(t_end - rep / 1e3 - 0.02, t_end) or {}
+        row = {"label": label, **q, "tflops": flop / q["p50"] / 1e9, "MHz": state.get("sm_mhz"),
+               "W": state.get("watts"), "reasons": state.get("clock_reasons"), "C": state.get("temp_c")}
         row["warm_s"] = t_end - t_start
         print(f"{label:<14} p20 {q['p20']:.3f} p50 {q['p50']:.3f} p80 {q['p80']:.3f} ms  {row['tflops']:6.1f} TF/s  "
               f"{row['MHz'] or 0:6.0f} MHz {row['W'] or 0:6.0f} W  {row['reasons']}", flush=True)
@@ -184,7 +139,7 @@ def main() -> None:
         for i in range(args.per_replace):
             res["replaced"].append(window(case, problem, 100.0, f"pad{r + 1}-w{i}"))
         del pad
-    sampler.stop.set()
+    sampler.stop()
     for key in ("windows", "long", "replaced"):
         v = [x["p50"] for x in res[key]]
         if v:

@@ -429,3 +429,96 @@ def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
     assert rc == 0
     args = _strict_load(_only_json(out))["args"]
     assert args["warmup"] == 50.0 and args["rep"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# the GPU's clock, power and temperature beside each timing (sonicmoe.bench.gpu_state)
+
+
+class _FakeNvml:
+    """NVML's readings as a board at 700 W would give them: energy rises 700 mJ per host millisecond, the clock and
+    the power-cap reason alternate between samples, the temperature climbs."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def sm_mhz(self):
+        self.calls += 1
+        return 1500 if self.calls % 2 else 1700
+
+    def energy_mj(self):
+        import time
+
+        return int(time.perf_counter() * 700_000.0)  # mJ
+
+    def temperature_c(self):
+        return 40 + self.calls
+
+    def clock_reasons(self):
+        return 0x4 if self.calls % 2 else 0x0
+
+
+def test_gpu_watch_summarises_its_window():
+    import time
+
+    from sonicmoe.bench.gpu_state import GpuWatch, open_nvml
+
+    assert open_nvml(torch.device("cpu")) is None
+    fake = _FakeNvml()
+    with GpuWatch(nvml=fake, period=0.002) as watch:
+        time.sleep(0.2)
+    n = len(watch.samples)
+    assert n >= 10
+    time.sleep(0.01)
+    assert len(watch.samples) == n  # the thread stopped with the block
+    g = watch.last(1.0)
+    clocks = [s[1] for s in watch.samples]
+    assert g["samples"] == n and g["sm_mhz"] == pytest.approx(sum(clocks) / n, abs=0.05)
+    assert 1500 < g["sm_mhz"] < 1700
+    assert g["watts"] == pytest.approx(700.0, rel=0.05)
+    assert g["temp_c"] == max(s[3] for s in watch.samples) and g["clock_reasons"] == "0x4"
+    # a window that holds under two samples says nothing
+    assert watch.between(watch.samples[-1][0] + 1.0, watch.samples[-1][0] + 2.0) is None
+    # without NVML nothing is sampled and nothing is claimed
+    with GpuWatch(torch.device("cpu")) as none:
+        time.sleep(0.01)
+    assert none.samples == [] and none.last(1.0) is None
+
+
+def test_bench_records_the_gpu_state_of_each_timing(tmp_path, monkeypatch, capsys):
+    """Each timed phase carries the clock, power and temperature over its window where NVML answers (a fake one
+    here), and null where it does not; the log line names the clock."""
+    from sonicmoe.bench import runner
+
+    monkeypatch.setattr(runner, "open_nvml", lambda device: _FakeNvml())
+    out = tmp_path / "res"
+    rc = cli.main(["--out", str(out), "--warmup", "50", "--rep", "200", "--no-plot", "--device", "cpu",
+                   "--preset", "tiny", "--backends", "torch", "--no-router-variant", "--no-check"])
+    assert rc == 0
+    row = _strict_load(_only_json(out))["results"][0]["backends"]["torch"]
+    for phase in ("fwd", "total"):
+        g = row[phase]["gpu"]
+        assert 1500 < g["sm_mhz"] < 1700 and g["samples"] >= 2 and g["clock_reasons"] == "0x4"
+    assert " MHz, " in capsys.readouterr().out
+    monkeypatch.setattr(runner, "open_nvml", lambda device: None)
+    out2 = tmp_path / "res2"
+    assert cli.main(["--out", str(out2), *FAST, "--preset", "tiny", "--backends", "torch", "--no-router-variant",
+                     "--no-check"]) == 0
+    row = _strict_load(_only_json(out2))["results"][0]["backends"]["torch"]
+    assert row["fwd"]["gpu"] is None and row["total"]["gpu"] is None
+
+
+@pytest.mark.gpu
+def test_gpu_watch_reads_the_board():
+    from sonicmoe.bench.gpu_state import GpuWatch, open_nvml
+
+    nvml = open_nvml(torch.device("cuda"))
+    assert nvml is not None, "NVML (libnvidia-ml.so.1) did not open on a CUDA machine"
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with GpuWatch(nvml=nvml, period=0.01) as watch:
+        for _ in range(200):
+            a @ a
+        torch.cuda.synchronize()
+    g = watch.last(10.0)
+    assert g is not None and 200 < g["sm_mhz"] < 3000 and 10 < g["temp_c"] < 110
+    assert g["watts"] is None or g["watts"] >= 0

@@ -27,8 +27,10 @@ pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min,
 padded_rows, status, message, backends {name: row}, ratio_base, ratios {name: {fwd, bwd, total}}``.
 A backend row: ``status`` (ok | FAIL | error | oom | skipped), ``message``, ``kind``, ``check``
 {errors {out, dx, dw1, dw2, ds}, tol, passed, worst, T}, ``fwd``/``total`` {ms {p20, p50, p80},
-tflops}, ``bwd`` {ms {p50}, tflops} (total − fwd), ``router`` {fwd, total} (router + metadata
-included), ``memory`` {held_bytes, fwd_peak_bytes, peak_bytes, grad_bytes, out_bytes}, ``info``.
+tflops, gpu}, ``gpu`` the GPU's state over that timing window {sm_mhz (mean), watts (board, from the energy
+counter), temp_c (highest), clock_reasons (hex: NVML's clock-event reasons, 0x4 = the software power cap), samples}
+or null without NVML (:mod:`sonicmoe.bench.gpu_state`), ``bwd`` {ms {p50}, tflops} (total − fwd), ``router`` {fwd,
+total} (router + metadata included), ``memory`` {held_bytes, fwd_peak_bytes, peak_bytes, grad_bytes, out_bytes}, ``info``.
 Ratios are other_ms / base_ms (> 1: the base, ours, is faster; vs ``upper``: fraction of the bound).
 """
 

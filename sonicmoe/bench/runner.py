@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .baselines import REGISTRY, Case, Unavailable
+from .gpu_state import GpuWatch, Nvml, open_nvml
 from .measure import (
     SETTLED_REP_MS,
     SETTLED_WARMUP_MS,
@@ -72,6 +73,25 @@ def _phase(ms: dict[str, float] | None, flops: int) -> dict | None:
     return {"ms": ms, "tflops": tflops(flops, ms["p50"])}
 
 
+def _timed(fn: Callable[[], object], leaves: list[torch.Tensor], flops: int, opts: RunOptions,
+           device: torch.device, nvml: Nvml | None) -> dict:
+    """One measurement (:func:`bench_ms`) as a phase: ``{"ms", "tflops", "gpu"}``, ``gpu`` the SM clock, board
+    power and temperature over its timing window (:meth:`GpuWatch.last`; None without NVML)."""
+    with GpuWatch(device, nvml=nvml) as watch:
+        ms = bench_ms(fn, device=device, warmup=opts.warmup, rep=opts.rep, grad_to_none=leaves)
+    phase = _phase(ms, flops)
+    phase["gpu"] = watch.last(opts.rep / 1e3)
+    return phase
+
+
+def _gpu_note(phase: dict | None) -> str:
+    g = (phase or {}).get("gpu")
+    if not g:
+        return ""
+    watts = f", {g['watts']:.0f} W" if g.get("watts") is not None else ""
+    return f"  [{g['sm_mhz']:.0f} MHz{watts}, {g['temp_c']} °C]"
+
+
 def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, int],
                 log: Callable[[str], None]) -> dict:
     """Check, time and measure one backend on ``problem``; returns its JSON row (never raises the
@@ -106,33 +126,29 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
                 return row
         step = "time fwd"
         dev = problem.device
-        fwd_ms = bench_ms(case.forward, device=dev, warmup=opts.warmup, rep=opts.rep,
-                          grad_to_none=case.leaves)
-        row["fwd"] = _phase(fwd_ms, flops["fwd"])
+        nvml = open_nvml(dev)
+        row["fwd"] = _timed(case.forward, case.leaves, flops["fwd"], opts, dev, nvml)
         if backward:
             step = "time fwd+bwd"
-            tot_ms = bench_ms(fwdbwd_fn(case.forward, case.leaves, problem.dout), device=dev,
-                              warmup=opts.warmup, rep=opts.rep, grad_to_none=case.leaves)
-            row["total"] = _phase(tot_ms, flops["total"])
-            bwd = tot_ms["p50"] - fwd_ms["p50"]
+            row["total"] = _timed(fwdbwd_fn(case.forward, case.leaves, problem.dout), case.leaves, flops["total"],
+                                  opts, dev, nvml)
+            bwd = row["total"]["ms"]["p50"] - row["fwd"]["ms"]["p50"]
             row["bwd"] = {"ms": {"p50": bwd}, "tflops": tflops(flops["bwd"], bwd)}
             free_memory(*case.leaves)
         if opts.router_variant and spec.router_variant:
             step = "time router variant"
             leaves = case.router_leaves
-            r_fwd = bench_ms(case.forward_with_router, device=dev, warmup=opts.warmup, rep=opts.rep,
-                             grad_to_none=leaves)
-            row["router"] = {"fwd": _phase(r_fwd, flops["fwd"])}
+            row["router"] = {"fwd": _timed(case.forward_with_router, leaves, flops["fwd"], opts, dev, nvml)}
             if backward:
-                r_tot = bench_ms(fwdbwd_fn(case.forward_with_router, leaves, problem.dout), device=dev,
-                                 warmup=opts.warmup, rep=opts.rep, grad_to_none=leaves)
-                row["router"]["total"] = _phase(r_tot, flops["total"])
+                row["router"]["total"] = _timed(fwdbwd_fn(case.forward_with_router, leaves, problem.dout), leaves,
+                                                flops["total"], opts, dev, nvml)
             free_memory(*leaves)
         if opts.memory and dev.type == "cuda":
             step = "memory"
             row["memory"] = measure_memory(case, problem.dout, backward=backward)
-        log(f"  {name}: ok  fwd {fwd_ms['p50']:.4g} ms"
-            + (f", fwd+bwd {row['total']['ms']['p50']:.4g} ms" if row["total"] else ""))
+        log(f"  {name}: ok  fwd {row['fwd']['ms']['p50']:.4g} ms"
+            + (f", fwd+bwd {row['total']['ms']['p50']:.4g} ms" if row["total"] else "")
+            + _gpu_note(row["total"] or row["fwd"]))
     except Unavailable as exc:
         row["status"], row["message"] = "skipped", str(exc)
         log(f"  {name}: skipped ({exc})")
