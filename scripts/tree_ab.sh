@@ -3,7 +3,7 @@
 # _base/ ("base"; e.g. `git archive REV sonicmoe | tar -x -C _base`, carried to the device), each run a fresh process
 # of `python -m sonicmoe bench` on one shape (triton backend, no check, no plot), rounds in ABBA order so that a drift
 # of the machine's clock over the call falls on both trees alike.
-# usage (device, repo root): AB_ROUNDS=6 AB_SHAPE=7b=24576,1536,256,128,8 bash scripts/tree_ab.sh OUTDIR
+# usage (device, repo root): AB_ROUNDS=6 AB_SHAPE=7b=24576,1536,256,128,8 [AB_REP=1000] bash scripts/tree_ab.sh OUTDIR
 # Writes OUTDIR/<tag>.json per run and OUTDIR/ab_summary.txt (one line per run, then the medians).
 set -uo pipefail
 out=${1:?usage: tree_ab.sh OUTDIR}
@@ -13,13 +13,22 @@ mkdir -p "$out"
 [ -d _base/sonicmoe ] || { echo "no _base/sonicmoe: unpack the base tree there first" >&2; exit 2; }
 summary="$out/ab_summary.txt"
 : > "$summary"
+out=$(cd "$out" && pwd)
+# `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: each tree's runs start in its own
+# root (until session 50 both arms ran from the repo root, so "base" imported the working tree too)
+for tree in base new; do
+  root=$PWD; [ "$tree" = base ] && root=$PWD/_base
+  where=$(cd "$root" && python -c "import os, sonicmoe; print(os.path.dirname(sonicmoe.__file__))")
+  echo "$tree imports sonicmoe from $where" | tee -a "$summary"
+  [ "$where" = "$root/sonicmoe" ] || { echo "the $tree tree's runs would not import its own sonicmoe" >&2; exit 2; }
+done
 for r in $(seq 1 "$rounds"); do
   if (( r % 2 )); then order="base new"; else order="new base"; fi
   for tree in $order; do
     root=$PWD; [ "$tree" = base ] && root=$PWD/_base
     start=$(date +%s)
-    line=$(PYTHONPATH=$root python -m sonicmoe bench --shape "$shape" --backends triton --no-check --no-plot \
-      --no-router-variant --out "$out" --tag "r$r-$tree" 2>&1 | grep -m1 "triton: ")
+    line=$(cd "$root" && python -m sonicmoe bench --shape "$shape" --backends triton --no-check --no-plot \
+      --no-router-variant --rep "${AB_REP:-1000}" --out "$out" --tag "r$r-$tree" 2>&1 | grep -m1 "triton: ")
     echo "r$r $tree $line ($(( $(date +%s) - start )) s)" | tee -a "$summary"
   done
 done
