@@ -30,7 +30,8 @@ A backend row: ``status`` (ok | FAIL | error | oom | skipped), ``message``, ``ki
 tflops, gpu}, ``gpu`` the GPU's state over that timing window {sm_mhz (mean), watts (board, from the energy
 counter), temp_c (highest), clock_reasons (hex: NVML's clock-event reasons, 0x4 = the software power cap), samples}
 or null without NVML (:mod:`sonicmoe.bench.gpu_state`), ``bwd`` {ms {p50}, tflops} (total − fwd), ``router`` {fwd,
-total} (router + metadata included), ``memory`` {held_bytes, fwd_peak_bytes, peak_bytes, grad_bytes, out_bytes}, ``info``.
+total} (router + metadata included), ``memory`` {held_bytes, fwd_peak_bytes, peak_bytes, grad_bytes, out_bytes},
+``info``.
 Ratios are other_ms / base_ms (> 1: the base, ours, is faster; vs ``upper``: fraction of the bound).
 """
 

@@ -75,7 +75,8 @@ as dS itself, in pair order and the scores' dtype (padding pairs 0): the bits of
 stream it ran on beside dW2, whose persistent programs waited for its programs to leave the multiprocessors. Timed
 (session 49, 7B, H200s, ``scripts/ds_pairs_probe.py``, medians of 7 alternating rounds whose spread is about ±5%): dH
 with the scores' gradient 0.4365 against 0.4585 ms on one machine, 0.4232 against 0.4184 on another (after the
-partials went to one row per tile); the layer level in alternating fresh-process A/Bs on an H200 and an H100.
+partials went to one row per tile). The layer against session 48's tree (session 50, 7B, one H200, 3 fresh-process
+rounds; session 49's own A/Bs had run the new tree in both arms): 3.159 against 3.184 ms, faster in 2 of 3.
 
 Served shapes (:func:`dh_ws_supported`): sm_90, bf16/fp16, the concat layout, d a multiple of BLOCK_K, n a multiple
 of 128, contiguous 16-byte aligned operands, and in the layer only where it measured faster (:func:`dh_ws_preferred`:
