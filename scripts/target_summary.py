@@ -1,6 +1,8 @@
 """Issue #4's targets from the results files of ``gpu_check.sh targets``: per shape, each round's fwd+bwd
 (median ms and TFLOP/s), the median over rounds, the triton/torch ratio where torch ran, and whether the median
-meets the target (7B ≥ 440 TFLOP/s and ≥ 3× torch; (32768, 4096, 1024, 128, 8) ≥ 570 TFLOP/s).
+meets the target (7B ≥ 440 TFLOP/s and ≥ 3× torch; (32768, 4096, 1024, 128, 8) ≥ 570 TFLOP/s). Also each run's
+timing window (``--rep``, ms) and, where the results file has it (since session 50), the SM clock and temperature
+over the fwd+bwd window.
 
 usage: python scripts/target_summary.py RESULTS.json [...]
 """
@@ -21,20 +23,25 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[tuple, list[tuple[float, float]]] = {}  # (ms, TFLOP/s) per run
     ratios: dict[tuple, list[float]] = {}
-    device = set()
+    clocks: dict[tuple, list[str]] = {}  # "MHz/°C" per run, "?" where not recorded
+    device, windows = set(), set()
     for path in sorted(args.files):
         with open(path) as f:
             res = json.load(f)
         device.add(res["env"]["device"])
+        windows.add(res.get("args", {}).get("rep"))
         for row in res["results"]:
             key = (row["T"], row["d"], row["n"], row["E"], row["K"])
             tri = row["backends"].get("triton", {})
             if tri.get("status") != "ok":
                 continue
             runs.setdefault(key, []).append((tri["total"]["ms"]["p50"], tri["total"]["tflops"]))
+            g = tri["total"].get("gpu")
+            clocks.setdefault(key, []).append(f"{g['sm_mhz']:.0f}/{g['temp_c']}" if g else "?")
             if "torch" in row.get("ratios", {}):
                 ratios.setdefault(key, []).append(row["ratios"]["torch"]["total"])
-    print(f"device(s): {', '.join(sorted(device))}")
+    print(f"device(s): {', '.join(sorted(device))} | timing window (ms): "
+          f"{', '.join(str(w) for w in sorted(windows, key=str))}")
     for key, rs in runs.items():
         tf = [r[1] for r in rs]
         med = statistics.median(tf)
@@ -42,6 +49,8 @@ def main() -> None:
         verdict = "" if target is None else f"target {target:.0f}: {'met' if med >= target else 'NOT met'}"
         print(f"{key}: {len(rs)} runs, fwd+bwd TFLOP/s {[round(t, 1) for t in tf]} ms {[round(r[0], 3) for r in rs]}"
               f" | median {med:.1f} | {verdict}")
+        if any(c != "?" for c in clocks[key]):
+            print(f"{key}: SM MHz / °C over each fwd+bwd window {clocks[key]}")
         if key in ratios:
             rt = TORCH_RATIO_TARGET.get(key)
             med_r = statistics.median(ratios[key])

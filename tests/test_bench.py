@@ -522,3 +522,27 @@ def test_gpu_watch_reads_the_board():
     g = watch.last(10.0)
     assert g is not None and 200 < g["sm_mhz"] < 3000 and 10 < g["temp_c"] < 110
     assert g["watts"] is None or g["watts"] >= 0
+
+
+def test_target_summary_reads_the_protocol_files(tmp_path, monkeypatch, capsys):
+    """scripts/target_summary.py: the median over runs judged against issue #4's targets, the timing window, and
+    each run's clock where the results file has it."""
+    def results(tflops, ratio, gpu):
+        row = {"T": 24576, "d": 1536, "n": 256, "E": 128, "K": 8,
+               "backends": {"triton": {"status": "ok", "total": {"ms": {"p50": 1391.569 / tflops}, "tflops": tflops,
+                                                                 "gpu": gpu}}},
+               "ratios": {"torch": {"total": ratio}}}
+        return {"env": {"device": "NVIDIA H200"}, "args": {"rep": 1000.0}, "results": [row]}
+
+    files = []
+    for i, (tf, ratio) in enumerate([(441.0, 3.1), (438.0, 2.9), (445.0, 3.2)]):
+        path = tmp_path / f"r{i}.json"
+        gpu = {"sm_mhz": 1500.0 + i, "temp_c": 50 + i} if i else None
+        path.write_text(json.dumps(results(tf, ratio, gpu)))
+        files.append(str(path))
+    monkeypatch.setattr(sys, "argv", ["target_summary.py", *files])
+    runpy.run_path(str(REPO / "scripts" / "target_summary.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "timing window (ms): 1000.0" in out
+    assert "median 441.0 | target 440: met" in out and "median 3.10x | target 3x: met" in out
+    assert "['?', '1501/51', '1502/52']" in out
