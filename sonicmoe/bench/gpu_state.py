@@ -102,8 +102,11 @@ class GpuWatch:
     def _run(self) -> None:
         nv = self.nvml
         while True:
-            self.samples.append((time.perf_counter(), nv.sm_mhz(), nv.energy_mj(), nv.temperature_c(),
-                                 nv.clock_reasons()))
+            try:
+                self.samples.append((time.perf_counter(), nv.sm_mhz(), nv.energy_mj(), nv.temperature_c(),
+                                     nv.clock_reasons()))
+            except (OSError, RuntimeError):  # e.g. a board without an energy counter: record what came so far
+                return
             if self._stop.wait(self.period):
                 break
 
