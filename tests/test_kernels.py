@@ -8,7 +8,6 @@ output is poisoned with NaN before launch (SONICMOE_POISON_OUTPUTS=1), so an unw
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -830,43 +829,6 @@ def test_tuner_rounds_choose_least_median(monkeypatch):
     n = len(kern.calls)
     tuners.run(frozenset(), lambda meta: (1,), args)
     assert len(kern.calls) == n + 1 and kern.calls[-1]["BLOCK"] == 32 and len(order) == 3 * common.TUNE_ROUNDS
-
-
-def test_tune_settle_ms_reads_the_switch(monkeypatch):
-    """SONICMOE_TUNE_SETTLE_MS sets the tuner's settling time per key (read at each tuning); unset, the module's
-    default; a negative or non-numeric value raises a ValueError naming the switch."""
-    from sonicmoe.ops import common
-
-    monkeypatch.delenv("SONICMOE_TUNE_SETTLE_MS", raising=False)
-    assert common.tune_settle_ms() == common.TUNE_SETTLE_MS > 0
-    monkeypatch.setenv("SONICMOE_TUNE_SETTLE_MS", "250")
-    assert common.tune_settle_ms() == 250.0
-    monkeypatch.setenv("SONICMOE_TUNE_SETTLE_MS", "0")
-    assert common.tune_settle_ms() == 0.0
-    for bad in ("-1", "fast", "nan"):
-        monkeypatch.setenv("SONICMOE_TUNE_SETTLE_MS", bad)
-        with pytest.raises(ValueError, match="SONICMOE_TUNE_SETTLE_MS"):
-            common.tune_settle_ms()
-
-
-def test_settle_runs_the_configs_in_turn_on_cuda_only(monkeypatch):
-    """The tuner's settling runs every config's launch in turn, one synchronisation per pass, for about
-    tune_settle_ms of wall time, and nothing off CUDA or with the switch at 0."""
-    from sonicmoe.ops import common
-
-    order, syncs = [], []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
-    calls = [lambda i=i: order.append(i) for i in range(3)]
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setenv("SONICMOE_TUNE_SETTLE_MS", "30")
-    start = time.perf_counter()
-    passes = common._settle(calls, cuda)
-    assert time.perf_counter() - start >= 0.03
-    assert passes >= 1 and order == [0, 1, 2] * passes and syncs == [cuda] * passes
-    order.clear()
-    assert common._settle(calls, torch.device("cpu")) == 0 and common._settle(calls, None) == 0
-    monkeypatch.setenv("SONICMOE_TUNE_SETTLE_MS", "0")
-    assert common._settle(calls, cuda) == 0 and order == []
 
 
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])

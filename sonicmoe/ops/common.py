@@ -43,7 +43,6 @@ import functools
 import os
 import statistics
 import threading
-import time
 
 import torch
 import triton
@@ -191,49 +190,6 @@ def restrict_config(meta: dict, available: frozenset[str], known=TMA_FLAGS) -> d
 # benchmarks/results/2026-11-24_nvidia-h200_session14/).
 TUNE_ROUNDS = 3
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25
-# Under sustained load an H100 or H200 runs at its 700 W power cap, well below its boost clock, and configs can rank
-# otherwise there than at boost. Session 51 (one H100, (32768, 4096, 1024, 128, 8), settled 1.5 s windows,
-# scripts/dxt_layout_probe.py, benchmarks/results/2026-11-27_nvidia-h100_session51/): the dX̃ GEMM's 4-stage
-# pointer-store config, which the 25 ms rounds had chosen, ran at 8.29 ms (1317 MHz) against 7.77 for the 3-stage
-# TMA-store config and 7.73 for the 3-stage flattened one. So before its timed rounds the tuner runs a key's configs
-# back to back, in turn, for TUNE_SETTLE_MS of wall time (SONICMOE_TUNE_SETTLE_MS; 0 turns it off): the rounds are then
-# timed at the clock the layer trains at. It adds that much to the first call of each key, on CUDA only.
-TUNE_SETTLE_MS = 500
-
-
-def tune_settle_ms() -> float:
-    """The autotuner's settling time per key in ms: ``SONICMOE_TUNE_SETTLE_MS`` (read at each tuning), else
-    :data:`TUNE_SETTLE_MS`.
-
-    Raises:
-        ValueError: ``SONICMOE_TUNE_SETTLE_MS`` is not a number ≥ 0.
-    """
-    raw = os.environ.get("SONICMOE_TUNE_SETTLE_MS")
-    if raw is None:
-        return TUNE_SETTLE_MS
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:
-        raise ValueError(f"SONICMOE_TUNE_SETTLE_MS: expected a number of milliseconds >= 0, got {raw!r}")
-    return ms
-
-
-def _settle(calls: list, device: torch.device | None) -> int:
-    """Run ``calls`` (one launch of each config) in turn, synchronising ``device`` after each pass, until
-    :func:`tune_settle_ms` of wall time has passed; nothing unless ``device`` is a CUDA device. Returns the passes."""
-    ms = tune_settle_ms()
-    if ms <= 0 or device is None or device.type != "cuda":
-        return 0
-    passes = 0
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        for call in calls:
-            call()
-        torch.cuda.synchronize(device)
-        passes += 1
-    return passes
 
 
 def _bench_ms(call) -> float:
@@ -288,9 +244,8 @@ class Tuners:
     def tune(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None,
              extra: dict | None = None) -> triton.Config:
         """The fastest config of the space for these arguments: each config compiled and launched once
-        (configs that do not compile or do not fit, e.g. in shared memory, are skipped), run in turn for
-        :func:`tune_settle_ms` (:func:`_settle`: the GPU's settled clock), then timed in TUNE_ROUNDS rounds, all
-        configs in turn within a round; the least median wins (the first on a tie).
+        (configs that do not compile or do not fit, e.g. in shared memory, are skipped), then timed in
+        TUNE_ROUNDS rounds, all configs in turn within a round; the least median wins (the first on a tie).
         The kernel's outputs are overwritten by every launch; the caller's launch afterwards writes them."""
         from triton.compiler.errors import CompileTimeAssertionFailure
         from triton.runtime.errors import OutOfResources, PTXASError
@@ -305,9 +260,6 @@ class Tuners:
             calls.append((cfg, call, []))
         if not calls:
             raise RuntimeError(f"{self.name}: no config of the tuning space compiles for these arguments")
-        if len(calls) > 1:
-            _settle([call for _cfg, call, _times in calls],
-                    next((v.device for v in args.values() if isinstance(v, torch.Tensor)), None))
         for _ in range(TUNE_ROUNDS if len(calls) > 1 else 0):
             for _cfg, call, times in calls:
                 times.append(_bench_ms(call))
