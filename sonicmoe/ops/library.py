@@ -39,7 +39,7 @@ from torch import Tensor
 from .._autocast import no_autocast
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
-from . import grouped_gemm_ws, weight_grad_ws
+from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
 from .aggregation import gather_sum
 from .common import gather_chunk_width, new_output, overlap_mode, side_stream
 from .dh import dh, ds_pairs_in_dh_kernel
@@ -126,9 +126,13 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     out = new_output((routing.num_tokens, d), device=a.device, dtype=a.dtype)
     for c0 in range(0, d, width):
         cols = slice(c0, min(c0 + width, d))
-        b_cols = b[:, cols] if transpose_b else b[:, :, cols]
-        bias_cols = bias[:, cols].contiguous() if bias is not None else None
-        varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
+        w = cols.stop - c0
+        if varlen_m_ws.long_supported(a, b, bias, a.shape[0], transpose_b=transpose_b, width=w):
+            varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=c0, width=w)
+        else:
+            b_cols = b[:, cols] if transpose_b else b[:, :, cols]
+            bias_cols = bias[:, cols].contiguous() if bias is not None else None
+            varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
         with _beside(side):
             gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
     if side is not None and pending is None:

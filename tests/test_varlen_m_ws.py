@@ -1,0 +1,146 @@
+"""The warp-specialised varlen-M GEMM with a streamed B (sonicmoe/ops/varlen_m_ws.py).
+
+The Gluon kernel needs an sm_90 GPU (tests marked ``gpu``); its config, dispatch rule and reference run on CPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops import grouped_gemm_ws, varlen_m_ws
+from sonicmoe.ops.grouped_gemm import varlen_m_gemm
+from sonicmoe.ops.varlen_m_ws import long_config, long_gemm, long_gemm_ref, long_smem_bytes, long_supported
+from sonicmoe.testing import random_topk_routing, rel_err
+
+
+def test_config_fits_shared_memory():
+    """Each staging split gets the deepest ring that fits beside its staging buffer, and one slot more would not."""
+    for split in (1, 2):
+        cfg = long_config(split)
+        assert cfg["C_SPLIT"] == split and 2 <= cfg["STAGES"] <= varlen_m_ws.MAX_STAGES
+        assert long_smem_bytes(cfg["STAGES"], split) <= varlen_m_ws.SMEM_BUDGET
+        assert (cfg["STAGES"] == varlen_m_ws.MAX_STAGES
+                or long_smem_bytes(cfg["STAGES"] + 1, split) > varlen_m_ws.SMEM_BUDGET)
+    assert long_config(2)["STAGES"] > long_config(1)["STAGES"]
+    assert long_config(1, stages=2)["STAGES"] == 2
+
+
+def test_supported_rejects_on_cpu_and_bad_operands(monkeypatch):
+    """Off an sm_90 GPU (here: CPU tensors), with a bias, or SONICMOE_GLUON_LONG=0, the layer keeps the Triton
+    kernel (the operand checks run on the GPU: test_gpu_supported_rule)."""
+    a = torch.zeros(16, 1024, dtype=torch.bfloat16)
+    b = torch.zeros(4, 1024, 512, dtype=torch.bfloat16)
+    assert not long_supported(a, b, None, 4096, transpose_b=False)  # CPU
+    assert not long_supported(a, b, torch.zeros(4, 512, dtype=torch.bfloat16), 4096, transpose_b=False)
+    monkeypatch.setenv("SONICMOE_GLUON_LONG", "0")
+    assert not varlen_m_ws.long_enabled()
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_reference_column_block(transpose_b):
+    """long_gemm_ref's column block equals that block of the whole product, written into ``out`` when given."""
+    routing = random_topk_routing(40, 4, 2, seed=0, device="cpu")
+    r, k, m = routing.num_rows, 64, 48
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(r, k, generator=g)
+    b = torch.randn(4, m, k, generator=g) if transpose_b else torch.randn(4, k, m, generator=g)
+    full = long_gemm_ref(a, b, None, routing, transpose_b=transpose_b)
+    assert full.shape == (r, m)
+    block = long_gemm_ref(a, b, None, routing, transpose_b=transpose_b, col0=16, width=16)
+    assert torch.equal(block, full[:, 16:32])
+    out = torch.full((r, 2 * m), float("nan"))
+    long_gemm_ref(a, b, None, routing, transpose_b=transpose_b, out=out[:, m:m + 16], col0=32, width=16)
+    assert torch.equal(out[:, m:m + 16], full[:, 32:48]) and out[:, :m].isnan().all()
+    with pytest.raises(ValueError, match="bias"):
+        long_gemm(a, b, torch.zeros(4, m), routing, transpose_b=transpose_b)
+
+
+GPU_CASES = [  # T, d, n, E, K: dX̃ has k = 2n, m = d; the down-projection k = n, m = d
+    (2048, 512, 384, 8, 2),  # 2n = 768 (k > 512): experts with uneven counts, partial last tiles
+    (1000, 768, 640, 16, 4),  # counts not tile multiples, some experts with under 128 rows
+    (300, 256, 512, 64, 8),  # many experts with few or no rows
+]
+
+
+def _gpu_skip():
+    if not torch.cuda.is_available() or not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}x{c[3]}x{c[4]}" for c in GPU_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
+    """Both B forms (dX̃: B (E, 2n, d) MN-major; the down-projection form: B (E, d, n) K-major), both staging
+    splits, whole and in column blocks written into a wider C: within rounding of the float32 loop, bitwise equal
+    to the Triton kernel and to a second run, no NaN left by the poison fill, the inputs untouched."""
+    _gpu_skip()
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    monkeypatch.setenv("SONICMOE_GLUON_LONG", "0")  # the Triton kernel below
+    t, d, n, e, k = case
+    routing = random_topk_routing(t, e, k, seed=t)
+    r = routing.num_rows
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for tb, kk, b_shape in ((False, 2 * n, (e, 2 * n, d)), (True, n, (e, d, n))):
+        a = torch.randn(r, kk, device="cuda", dtype=dtype, generator=g)
+        b = (torch.randn(*b_shape, device="cuda", generator=g) / kk ** 0.5).to(dtype)
+        a0, b0 = a.clone(), b.clone()
+        ref = long_gemm_ref(a, b, None, routing, transpose_b=tb)
+        tri = varlen_m_gemm(a, b, None, routing, transpose_b=tb)
+        for split in (1, 2):
+            cfg = long_config(split)
+            got = long_gemm(a, b, None, routing, transpose_b=tb, config=cfg)
+            assert not got.isnan().any()
+            assert rel_err(got, ref) < 2e-3, (tb, split)
+            assert torch.equal(got, tri), (tb, split)
+            assert torch.equal(got, long_gemm(a, b, None, routing, transpose_b=tb, config=cfg))
+            # column blocks of 256 written into a wider poisoned C, as gemm_then_gather_sum runs them
+            wide = torch.full((r, d + 256), float("nan"), device="cuda", dtype=dtype)
+            for c0 in range(0, d, 256):
+                long_gemm(a, b, None, routing, transpose_b=tb, out=wide[:, 128 + c0:128 + c0 + 256], col0=c0,
+                          width=256, config=cfg)
+            assert torch.equal(wide[:, 128:128 + d], tri), (tb, split)
+            assert wide[:, :128].isnan().all() and wide[:, 128 + d:].isnan().all()
+        assert torch.equal(a, a0) and torch.equal(b, b0)
+
+
+@pytest.mark.gpu
+def test_gpu_supported_rule():
+    """On an sm_90 GPU the rule takes the dX̃ and down-projection forms with long reductions and many rows per
+    expert, and rejects k short or not a multiple of BLOCK_K, a width off BLOCK_N, few rows per expert, a bias,
+    non-contiguous or mixed-dtype operands."""
+    _gpu_skip()
+    dev, bf = "cuda", torch.bfloat16
+    a = torch.zeros(4096, 1024, dtype=bf, device=dev)
+    b = torch.zeros(4, 1024, 512, dtype=bf, device=dev)
+    assert long_supported(a, b, None, 4096, transpose_b=False)
+    assert long_supported(a, torch.zeros(4, 512, 1024, dtype=bf, device=dev), None, 4096, transpose_b=True)
+    assert long_supported(a, b, None, 4096, transpose_b=False, width=256)
+    assert not long_supported(a, b, None, 4096, transpose_b=False, width=128)
+    assert not long_supported(a, b, None, 4 * 384, transpose_b=False)  # few rows per expert
+    assert not long_supported(a[:, :512], b[:, :512], None, 4096, transpose_b=False)  # k = 512: ping-pong's
+    assert not long_supported(a[:, :1000].contiguous(), b[:, :1000].contiguous(), None, 4096, transpose_b=False)
+    assert not long_supported(a, b.half(), None, 4096, transpose_b=False)
+    assert not long_supported(a, b, torch.zeros(4, 512, dtype=bf, device=dev), 4096, transpose_b=False)
+    assert not long_supported(a.t(), b, None, 4096, transpose_b=False)
+
+
+@pytest.mark.gpu
+def test_gpu_empty_and_single_row():
+    """No rows at all returns an empty C without a launch; T = 1, K = 1 gives the one row of the float32 loop."""
+    _gpu_skip()
+    e, n, d = 4, 384, 256
+    b = (torch.randn(e, 2 * n, d, device="cuda") / (2 * n) ** 0.5).to(torch.bfloat16)
+    routing = random_topk_routing(1, e, 1, seed=0)
+    a = torch.randn(routing.num_rows, 2 * n, device="cuda", dtype=torch.bfloat16)
+    got = long_gemm(a, b, None, routing, transpose_b=False)
+    assert got.shape == (1, d) and rel_err(got, long_gemm_ref(a, b, None, routing, transpose_b=False)) < 2e-3
+    empty = long_gemm(a[:0], b, None, _no_rows(e), transpose_b=False)
+    assert empty.shape == (0, d)
+
+
+def _no_rows(e: int):
+    from sonicmoe.routing import routing_from_topk
+
+    return routing_from_topk(torch.zeros(0, 1, dtype=torch.int32, device="cuda"), e)
