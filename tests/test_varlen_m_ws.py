@@ -37,6 +37,14 @@ def test_supported_rejects_on_cpu_and_bad_operands(monkeypatch):
     assert not varlen_m_ws.long_enabled()
 
 
+def test_layer_prefers_the_down_projection_form(monkeypatch):
+    """The layer's rule takes the down-projection form only, both forms under SONICMOE_GLUON_LONG=all."""
+    monkeypatch.delenv("SONICMOE_GLUON_LONG", raising=False)
+    assert varlen_m_ws.long_preferred(True) and not varlen_m_ws.long_preferred(False)
+    monkeypatch.setenv("SONICMOE_GLUON_LONG", "all")
+    assert varlen_m_ws.long_preferred(False)
+
+
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_reference_column_block(transpose_b):
     """long_gemm_ref's column block equals that block of the whole product, written into ``out`` when given."""

@@ -229,9 +229,10 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     Without ``config``, on sm_90 the down-projection form with k ≤ 256 and the dX̃ form with k ≤ 512, of shapes
     whose experts average at least :data:`grouped_gemm_ws.MIN_ROWS_PER_EXPERT` rows, run the warp-specialised
     ping-pong Gluon kernel (:func:`grouped_gemm_ws.ws_supported`; ``SONICMOE_GLUON=0`` turns it off,
-    ``SONICMOE_GLUON_DXT=0`` the dX̃ form alone); it gives the same bits. Longer reductions of shapes whose experts
-    average many rows run the warp-specialised kernel with a streamed B (:func:`varlen_m_ws.long_supported`;
-    ``SONICMOE_GLUON_LONG=0`` turns it off), with the same bits too.
+    ``SONICMOE_GLUON_DXT=0`` the dX̃ form alone); it gives the same bits. The down-projection form with a longer
+    reduction, of shapes whose experts average many rows, runs the warp-specialised kernel with a streamed B
+    (:func:`varlen_m_ws.long_preferred`, :func:`varlen_m_ws.long_supported`; ``SONICMOE_GLUON_LONG=0`` turns it off),
+    with the same bits too.
     """
     check_device("a", a)
     a = a.contiguous()
@@ -248,7 +249,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
         table = grouped_gemm_ws.routing_tile_table(routing, grouped_gemm_ws.BLOCK_M)  # shared with the routing's
         return grouped_gemm_ws.ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=transpose_b,
                                                 table=table)  # other kernels (one launch)
-    if out is None and config is None and varlen_m_ws.long_supported(a, b, bias, r, transpose_b=transpose_b):
+    if (out is None and config is None and varlen_m_ws.long_preferred(transpose_b)
+            and varlen_m_ws.long_supported(a, b, bias, r, transpose_b=transpose_b)):
         return varlen_m_ws.long_gemm(a, b, bias, routing, transpose_b=transpose_b)
     if out is None:
         c = new_output((r, m), device=a.device, dtype=a.dtype)

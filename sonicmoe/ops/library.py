@@ -127,7 +127,8 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     for c0 in range(0, d, width):
         cols = slice(c0, min(c0 + width, d))
         w = cols.stop - c0
-        if varlen_m_ws.long_supported(a, b, bias, a.shape[0], transpose_b=transpose_b, width=w):
+        if varlen_m_ws.long_preferred(transpose_b) and varlen_m_ws.long_supported(a, b, bias, a.shape[0],
+                                                                                  transpose_b=transpose_b, width=w):
             varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=c0, width=w)
         else:
             b_cols = b[:, cols] if transpose_b else b[:, :, cols]

@@ -87,6 +87,21 @@ def long_enabled() -> bool:
     return ws_enabled() and os.environ.get("SONICMOE_GLUON_LONG", "1") != "0"
 
 
+def long_preferred(transpose_b: bool) -> bool:
+    """Whether the layer runs this kernel where :func:`long_supported` holds: for the down-projection form
+    (``transpose_b``), or for both forms under ``SONICMOE_GLUON_LONG=all`` (for layer A/Bs; read at each call).
+
+    Measured on H100s at (32768, 4096, 1024, 128, 8) (session 51, benchmarks/results/2026-11-27_nvidia-h100_session51/):
+    alone, in settled 1.5 s windows, the down-projection 3.733 ms against 3.821 for the Triton kernel as autotuned,
+    dX̃ 7.48 against 7.85-7.86 for the Triton kernel's best configs and 8.29 for the one its autotuner chose. In the
+    layer (fresh-process A/B of whole trees, 1000 ms windows, 6 rounds) the forward ran 11.83 against 11.96 ms (6 of
+    6 rounds), but forward+backward with dX̃ on this kernel too 35.38 against 35.19 (slower in 4 of 6): the backward
+    runs dX̃ in 2048-column blocks with each block's dX aggregation beside the next block's GEMM, and that form was
+    no faster on this kernel (8.22 against 8.23 ms with the aggregation, alone). So the backward keeps the Triton
+    kernel."""
+    return transpose_b or os.environ.get("SONICMOE_GLUON_LONG") == "all"
+
+
 def long_supported(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, num_rows: int, *,
                    transpose_b: bool, width: int | None = None) -> bool:
     """Whether :func:`long_gemm` serves C = A op(B[e]) in the layer (host checks only, no sync): an sm_90 GPU with
