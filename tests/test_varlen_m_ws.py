@@ -152,3 +152,36 @@ def _no_rows(e: int):
     from sonicmoe.routing import routing_from_topk
 
     return routing_from_topk(torch.zeros(0, 1, dtype=torch.int32, device="cuda"), e)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_runs_it_for_the_down_projection(monkeypatch):
+    """At a shape the rule selects (n > 256, many rows per expert), the layer's forward runs the down-projection on
+    this kernel, its backward keeps dX̃ on the Triton kernel, and the output and every gradient have the same bits as
+    with SONICMOE_GLUON_LONG=0 and with dX̃ on this kernel too (``all``)."""
+    import sonicmoe
+    from sonicmoe.testing import random_problem
+
+    _gpu_skip()
+    t, d, n, e, k = 4096, 512, 640, 16, 4  # the down-projection's k = n = 640 >= MIN_K
+    p = random_problem(t, d, n, e, device="cuda", seed=5)
+    dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        ins = {key: v.to(torch.bfloat16).clone().requires_grad_(True) for key, v in p.items() if v is not None}
+        res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], top_k=k, backend="triton")
+        res.out.backward(dout)
+        return res.out.detach(), {key: v.grad for key, v in ins.items()}
+
+    varlen_m_ws._CALLS.clear()
+    on = run()
+    calls = varlen_m_ws.long_calls()
+    assert [(c["m"], c["k"], c["transpose_b"]) for c in calls] == [(d, n, True)]
+    for value in ("0", "all"):
+        monkeypatch.setenv("SONICMOE_GLUON_LONG", value)
+        varlen_m_ws._CALLS.clear()
+        other = run()
+        assert any(not c["transpose_b"] for c in varlen_m_ws.long_calls()) == (value == "all")
+        assert torch.equal(on[0], other[0]), value
+        for name in on[1]:
+            assert torch.equal(on[1][name], other[1][name]), (value, name)

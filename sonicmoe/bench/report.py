@@ -13,14 +13,16 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
      "gluon_up_kernels": [{d, n, E, dtype, store_h, config}, ...],
      "gluon_wgrad_kernels": [{I, J, E, dtype, p_gather, config}, ...],
      "gluon_dh_kernels": [{d, n, E, dtype, config}, ...],
+     "gluon_long_kernels": [{m, k, E, dtype, transpose_b, width, config}, ...],
      "results": [shape record, ...]}
 
 ``tile_configs`` lists every tile configuration the autotuners chose during the run
 (:func:`sonicmoe.ops.common.tuned_configs`; empty with ``autotune`` false: the pinned configs ran), and
 ``gluon_kernels`` every shape the Gluon down-projection kernel served (:func:`sonicmoe.ops.grouped_gemm_ws.ws_calls`),
 ``gluon_up_kernels`` those of the Gluon up-projection (:func:`sonicmoe.ops.up_proj_ws.up_ws_calls`),
-``gluon_wgrad_kernels`` those of the Gluon weight gradients (:func:`sonicmoe.ops.weight_grad_ws.wgrad_ws_calls`) and
-``gluon_dh_kernels`` those of the Gluon dH kernel (:func:`sonicmoe.ops.dh_ws.dh_ws_calls`).
+``gluon_wgrad_kernels`` those of the Gluon weight gradients (:func:`sonicmoe.ops.weight_grad_ws.wgrad_ws_calls`),
+``gluon_dh_kernels`` those of the Gluon dH kernel (:func:`sonicmoe.ops.dh_ws.dh_ws_calls`) and ``gluon_long_kernels``
+those of the streamed-B Gluon GEMM (:func:`sonicmoe.ops.varlen_m_ws.long_calls`).
 
 A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, TK (= R routed
 pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
@@ -157,6 +159,7 @@ def build_results(records: list[dict], env: dict, argv: list[str], args: dict, n
     from ..ops.dh_ws import dh_ws_calls
     from ..ops.grouped_gemm_ws import ws_calls
     from ..ops.up_proj_ws import up_ws_calls
+    from ..ops.varlen_m_ws import long_calls
     from ..ops.weight_grad_ws import wgrad_ws_calls
 
     return {
@@ -174,6 +177,7 @@ def build_results(records: list[dict], env: dict, argv: list[str], args: dict, n
         "gluon_up_kernels": up_ws_calls(),
         "gluon_wgrad_kernels": wgrad_ws_calls(),
         "gluon_dh_kernels": dh_ws_calls(),
+        "gluon_long_kernels": long_calls(),
         "results": records,
     }
 
