@@ -8,10 +8,10 @@ rows, written into columns [col0, col0 + w) of C (the column blocks of
 :func:`sonicmoe.ops.library.gemm_then_gather_sum`) or all of them.
 
 Why a third kernel: at (32768, 4096, 1024, 128, 8) on an H100 under the power cap (session 51, settled 1.5 s windows,
-scripts/dxt_layout_probe.py) the Triton kernel ran dX̃ at 530 TFLOP/s (8.29 ms) with the config its autotuner
-chose, 566-569 with the best of its space, while cuBLAS ran the same FLOPs as a balanced batched GEMM at 653 and the
-gather-fused warp-specialised kernels of this library ran their GEMMs at 567-585 (``energy_probe.py``). Each
-persistent program here splits its warps by role:
+scripts/dxt_layout_probe.py, benchmarks/results/2026-11-27_nvidia-h100_session51/) the Triton kernel ran dX̃ at 530
+TFLOP/s (8.29 ms) with the config its autotuner chose and 566-569 with the best of its space, while cuBLAS ran the
+same FLOPs as a balanced batched GEMM at 653. This kernel ran it at 588 (7.48 ms) and the down-projection at 589
+against 576. Each persistent program splits its warps by role:
 
 * a **loader** (one warp) walks the program's tiles and, per K-block, asks TMA for A's (BLOCK_M × BLOCK_K) block of
   the tile's rows (rows past the expert's end are the next expert's or, past R, zeros: their products are never
@@ -26,9 +26,11 @@ Tiles are (M-tile, N-tile) pairs, N fastest, M-tiles numbered expert after exper
 :func:`sonicmoe.ops.grouped_gemm_ws.tile_table` (no host sync); program p takes tiles p, p + P, .... K-blocks are
 added in order with BLOCK_K = 64, as in the Triton kernel. No atomics: the same bits on every run.
 
-Served shapes (:func:`long_supported`): sm_90, bf16/fp16, no bias, k a multiple of BLOCK_K, the written width a
-multiple of BLOCK_N, contiguous 16-byte aligned operands. Gluon kernels do not run under Triton's interpreter: the
-kernel is tested on the GPU against the Triton kernel and the float32 reference (tests/test_varlen_m_ws.py).
+Served shapes (:func:`long_supported`): sm_90, bf16/fp16, no bias, k a multiple of BLOCK_K (at least MIN_K in the
+layer), the written width a multiple of BLOCK_N, contiguous 16-byte aligned operands, experts averaging many rows.
+The layer runs it for the down-projection only (:func:`long_preferred`: in the backward's column-blocked dX̃ it was
+no faster). Gluon kernels do not run under Triton's interpreter: the kernel is tested on the GPU against the Triton
+kernel and the float32 reference (tests/test_varlen_m_ws.py).
 """
 
 from __future__ import annotations
