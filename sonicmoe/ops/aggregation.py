@@ -23,8 +23,8 @@ from .common import (
     check_device,
     interpreting,
     launch,
-    new_output,
     next_pow2,
+    output_or_new,
     pdl_prologue,
     programs,
 )
@@ -151,11 +151,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     check_device("y", y)
     y = y if y.stride(-1) == 1 else y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
-    if out is None:
-        out = new_output((t, d), device=y.device, dtype=y.dtype)
-    elif out.shape != (t, d) or out.dtype != y.dtype or out.device != y.device or out.stride(-1) != 1:
-        raise ValueError(f"out: expected a ({t}, {d}) {y.dtype} tensor on {y.device} with a unit inner stride, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
+    out = output_or_new(out, (t, d), y)
     if t == 0:
         return out
     args = dict(

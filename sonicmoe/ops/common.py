@@ -381,6 +381,22 @@ def new_output(shape, *, device, dtype) -> torch.Tensor:
     return out
 
 
+def output_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A kernel's output: ``out`` where the caller gave one (checked: ``shape``, ``like``'s dtype and device, a unit
+    inner stride; a view into a wider tensor is fine), else :func:`new_output` of ``shape`` like ``like``.
+
+    Raises:
+        ValueError: ``out`` of another shape, dtype or device, or with a non-unit inner stride.
+    """
+    if out is None:
+        return new_output(shape, device=like.device, dtype=like.dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device or out.stride(-1) != 1:
+        raise ValueError(f"out: expected a {tuple(shape)} {like.dtype} tensor or view on {like.device} with a unit "
+                         f"inner stride, got {tuple(out.shape)} {out.dtype} on {out.device} with strides "
+                         f"{tuple(out.stride())}")
+    return out
+
+
 def per_expert_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,
                         transpose_b: bool) -> torch.Tensor:
     """Float32 per-expert loop of a varlen-M grouped GEMM, output in a's dtype (the ``*_ref`` twins' core):

@@ -40,9 +40,9 @@ from .common import (
     first_step,
     launch,
     load_weight_block,
-    new_output,
     next_pow2,
     next_step,
+    output_or_new,
     pdl_prologue,
     per_expert_gemm_ref,
     tile_config,
@@ -252,13 +252,7 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     if (out is None and config is None and varlen_m_ws.long_preferred(transpose_b)
             and varlen_m_ws.long_supported(a, b, bias, r, transpose_b=transpose_b)):
         return varlen_m_ws.long_gemm(a, b, bias, routing, transpose_b=transpose_b)
-    if out is None:
-        c = new_output((r, m), device=a.device, dtype=a.dtype)
-    elif out.shape != (r, m) or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
-        raise ValueError(f"out: expected an ({r}, {m}) {a.dtype} view on {a.device} with a unit inner stride, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
-    else:
-        c = out
+    c = output_or_new(out, (r, m), a)
     args = dict(
         a_ptr=a, a_desc=tma_descriptor(a), b_ptr=b, b_desc=tma_descriptor(b),
         bias_ptr=bias.contiguous() if bias is not None else b, c_ptr=c, c_desc=tma_descriptor(c),

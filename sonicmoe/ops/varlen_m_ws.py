@@ -40,7 +40,7 @@ import os
 import torch
 
 from ..routing import Routing
-from .common import few_rows_per_expert, new_output, per_expert_gemm_ref, sm_count
+from .common import few_rows_per_expert, output_or_new, per_expert_gemm_ref, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, ws_enabled
 
@@ -275,11 +275,7 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
     k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
     w = m - col0 if width is None else width
     r = a.shape[0]
-    if out is None:
-        out = new_output((r, w), device=a.device, dtype=a.dtype)
-    elif out.shape != (r, w) or out.dtype != a.dtype or out.device != a.device or out.stride(-1) != 1:
-        raise ValueError(f"out: expected an ({r}, {w}) {a.dtype} view on {a.device} with a unit inner stride, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {tuple(out.stride())}")
+    out = output_or_new(out, (r, w), a)
     if r == 0:
         return out
     cfg = config or long_config()
