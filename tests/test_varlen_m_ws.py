@@ -64,6 +64,26 @@ def test_reference_column_block(transpose_b):
         long_gemm(a, b, torch.zeros(4, m), routing, transpose_b=transpose_b)
 
 
+def test_long_gemm_rejects_bad_operands_before_any_launch():
+    """long_gemm names the argument and what it expects: float32 operands, a reduction that does not match or is off
+    BLOCK_K, non-contiguous operands, and column blocks off BLOCK_N or past B's columns."""
+    routing = random_topk_routing(40, 4, 2, seed=0, device="cpu")
+    r = routing.num_rows
+    a = torch.zeros(r, 128, dtype=torch.bfloat16)
+    b = torch.zeros(4, 128, 512, dtype=torch.bfloat16)
+    cases = [
+        (a.float(), b.float(), {}, "bf16 or fp16"),
+        (a[:, :64].contiguous(), b, {}, "reduction"),
+        (torch.zeros(r, 96, dtype=torch.bfloat16), torch.zeros(4, 96, 512, dtype=torch.bfloat16), {}, "multiple of 64"),
+        (a, b.transpose(1, 2).contiguous().transpose(1, 2), {}, "contiguous"),
+        (a, b, {"col0": 0, "width": 128}, "col0, width"),
+        (a, b, {"col0": 256, "width": 512}, "col0, width"),
+    ]
+    for aa, bb, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            long_gemm(aa, bb, None, routing, transpose_b=False, **kw)
+
+
 GPU_CASES = [  # T, d, n, E, K: dX̃ has k = 2n, m = d; the down-projection k = n, m = d
     (2048, 512, 384, 8, 2),  # 2n = 768 (k > 512): experts with uneven counts, partial last tiles
     (1000, 768, 640, 16, 4),  # counts not tile multiples, some experts with under 128 rows

@@ -101,14 +101,15 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     ``transpose_b``, weights S; SPEC §3 kernels 2-3), which the forward does not run this way (no faster).
 
     Where :func:`~sonicmoe.ops.common.gather_chunk_width` gives a width w (by default on CUDA for d ≥ 2w), the GEMM
-    runs in column blocks of C of width w (B's column block read through its strides, C written in place), and
-    the memory-bound aggregation of each block runs on the high-priority side stream beside the compute-bound
-    GEMM of the next block; only the last block's aggregation is left exposed. The streams join before this
-    returns (C, made here and read there, is freed on return), unless ``pending`` is a list: C is then appended to
-    it and the last block's aggregation may still run when this returns, beside the caller's next kernels; the
-    caller makes the current stream wait for the side stream before it drops ``pending`` or reads O. Else (and for
-    the Gluon down-projection) one GEMM, then one aggregation. Every output element is computed by the same
-    kernels either way.
+    runs in column blocks of C of width w (B's column block read through its strides, C written in place), and the
+    memory-bound aggregation of each block runs on the high-priority side stream beside the compute-bound GEMM of
+    the next block (each block's GEMM on the Triton kernel, or on :func:`varlen_m_ws.long_gemm` where
+    :func:`varlen_m_ws.long_preferred` takes the form: ``SONICMOE_GLUON_LONG=all`` for dX̃); only the last block's
+    aggregation is left exposed. The streams join before this returns (C, made here and read there, is freed on
+    return), unless ``pending`` is a list: C is then appended to it and the last block's aggregation may still run
+    when this returns, beside the caller's next kernels; the caller makes the current stream wait for the side
+    stream before it drops ``pending`` or reads O. Else (and for the Gluon down-projection) one GEMM, then one
+    aggregation. Every output element is computed by the same kernels either way.
 
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
     Returns: O (T, d) in A's dtype.

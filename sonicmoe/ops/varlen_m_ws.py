@@ -267,13 +267,24 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
     Returns:
         C[:, col0:col0 + width] (R, width) in a's dtype; no atomics, the same bits on every run.
     Raises:
-        ValueError: a bias, or an ``out`` of another shape, dtype or device or with a non-unit inner stride.
+        ValueError: a bias; operands of other ranks, dtypes or reduction sizes, not contiguous, or k not a multiple
+            of BLOCK_K; a column block off BLOCK_N or outside B's columns; an ``out`` of another shape, dtype or
+            device or with a non-unit inner stride.
     """
     if bias is not None:
         raise ValueError("bias: long_gemm has no bias epilogue; expected None")
+    if a.dim() != 2 or b.dim() != 3 or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
+        raise ValueError(f"a, b: expected a (R, k) and b (E, m, k) / (E, k, m) of one dtype, bf16 or fp16, got "
+                         f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
     e = b.shape[0]
     k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
     w = m - col0 if width is None else width
+    if a.shape[1] != k or k % BLOCK_K or not (a.is_contiguous() and b.is_contiguous()):
+        raise ValueError(f"a, b: expected contiguous operands with a's {a.shape[1]} columns = B's reduction k = {k}, a "
+                         f"multiple of {BLOCK_K}")
+    if w <= 0 or w % BLOCK_N or col0 < 0 or col0 + w > m:
+        raise ValueError(f"col0, width: expected a block of B's {m} columns of a positive width that is a multiple of "
+                         f"{BLOCK_N}, got col0={col0}, width={w}")
     r = a.shape[0]
     out = output_or_new(out, (r, w), a)
     if r == 0:
