@@ -16,7 +16,6 @@ usage (GPU): PYTHONPATH=$PWD python scripts/dxt_layout_probe.py [--shape T,d,n,E
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure  # noqa: E402
+from energy_probe import measure_items, write_rows  # noqa: E402
 from kernel_breakdown import build_routing  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
@@ -114,18 +113,9 @@ def main() -> None:
     for key, cfg in grouped_gemm._tuned._chosen.items():  # what the autotuner chose for the untuned calls
         print("autotuned:", [v for v in key if isinstance(v, int)], cfg)
     print(f"== {torch.cuda.get_device_name()} shape {args.shape}: warm-up {args.warmup} s, window {args.window} s")
-    print(f"{'item':42s} {'ms':>8s} {'J/call':>8s} {'W':>6s} {'MHz':>6s} {'TFLOP/s':>8s} {'GFLOP/J':>8s} bits")
-    rows = []
-    for name, fn, flops, _ in its:
-        row = measure(nvml, fn, args.warmup, args.window)
-        row.update(item=name, tflops=flops / row["ms"] / 1e9, gflop_per_j=flops / row["J"] / 1e9 if row["J"] else 0,
-                   same_bits=checks.get(name))
-        rows.append(row)
-        print(f"{name:42s} {row['ms']:8.3f} {row['J']:8.4f} {row['W']:6.0f} {row['MHz']:6.0f} {row['tflops']:8.1f} "
-              f"{row['gflop_per_j']:8.0f} {checks.get(name, '')}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows}, f, indent=1)
+    rows = measure_items(nvml, [(name, fn, flops) for name, fn, flops, _ in its], args.warmup, args.window,
+                         {name: {"same_bits": ok} for name, ok in checks.items()})
+    write_rows(args.json, args.shape, rows)
 
 
 if __name__ == "__main__":

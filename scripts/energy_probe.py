@@ -55,6 +55,31 @@ def measure(nvml: Nvml, fn, warmup_s: float, window_s: float) -> dict:
             "W": joules / (t1 - t0), "MHz": sum(clocks) / len(clocks) if clocks else float(nvml.sm_mhz())}
 
 
+def measure_items(nvml: Nvml, items: list, warmup_s: float, window_s: float, notes: dict | None = None) -> list[dict]:
+    """Each (name, fn, useful FLOPs) of ``items`` in turn through :func:`measure`, with TFLOP/s and GFLOP/J added (0
+    where the FLOPs are 0), each printed as a table row as soon as it is measured. ``notes``: per name, more fields
+    for its row (printed last)."""
+    notes = notes or {}
+    print(f"{'item':42s} {'ms':>8s} {'J/call':>8s} {'W':>6s} {'MHz':>6s} {'TFLOP/s':>8s} {'GFLOP/J':>8s}")
+    rows = []
+    for name, fn, flops in items:
+        r = measure(nvml, fn, warmup_s, window_s)
+        r.update(item=name, flops=flops, tflops=flops / r["ms"] / 1e9 if flops else 0.0,
+                 gflop_per_j=flops / r["J"] / 1e9 if flops and r["J"] > 0 else 0.0, **notes.get(name, {}))
+        rows.append(r)
+        extra = " ".join(f"{k}={v}" for k, v in notes.get(name, {}).items())
+        print(f"{name:42s} {r['ms']:8.3f} {r['J']:8.4f} {r['W']:6.0f} {r['MHz']:6.0f} {r['tflops']:8.1f} "
+              f"{r['gflop_per_j']:8.0f} {extra}", flush=True)
+    return rows
+
+
+def write_rows(path: str | None, shape: str, rows: list[dict], **extra) -> None:
+    """The probe's rows as JSON ({"device", "shape", "rows", ...extra}) at ``path`` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": shape, **extra, "rows": rows}, f, indent=1)
+
+
 # aggregation variants of --agg: (BLOCK_T, BLOCK_D, num_warps, UNROLL, programs per multiprocessor or 0 for one per
 # tile). Session 46, 7B on an H200: every persistent grid of 33-528 programs took 1.5-5x as long as one per tile
 AGG_VARIANTS = [
@@ -120,25 +145,14 @@ def main() -> None:
     for _, fn, _ in items:  # compile and autotune everything before any window
         fn()
     torch.cuda.synchronize()
-    rows = []
     print(f"== {torch.cuda.get_device_name()} shape {args.shape}: warm-up {args.warmup} s, window {args.window} s")
-    print(f"{'item':42s} {'ms':>8s} {'J/call':>8s} {'W':>6s} {'MHz':>6s} {'TFLOP/s':>8s} {'GFLOP/J':>8s}")
-    for name, fn, flops in items:
-        r = measure(nvml, fn, args.warmup, args.window)
-        r.update(item=name, flops=flops, tflops=flops / r["ms"] / 1e9 if flops else 0.0,
-                 gflop_per_j=flops / r["J"] / 1e9 if flops and r["J"] > 0 else 0.0)
-        rows.append(r)
-        print(f"{name:42s} {r['ms']:8.3f} {r['J']:8.4f} {r['W']:6.0f} {r['MHz']:6.0f} {r['tflops']:8.1f} "
-              f"{r['gflop_per_j']:8.0f}", flush=True)
+    rows = measure_items(nvml, items, args.warmup, args.window)
     torch.cuda.synchronize()
     e0, t0 = nvml.energy_mj(), time.perf_counter()
     time.sleep(2.0)
     idle_w = (nvml.energy_mj() - e0) / 1e3 / (time.perf_counter() - t0)
     print(f"idle board power over 2 s after the load: {idle_w:.0f} W")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "idle_W": idle_w,
-                       "rows": rows}, f, indent=1)
+    write_rows(args.json, args.shape, rows, idle_W=idle_w)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ usage (GPU): PYTHONPATH=$PWD python scripts/settled_configs.py [--shape T,d,n,E,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure  # noqa: E402
+from energy_probe import measure_items, write_rows  # noqa: E402
 from kernel_breakdown import build_routing  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
@@ -76,16 +75,7 @@ def main() -> None:
         fn()
     torch.cuda.synchronize()
     print(f"== {torch.cuda.get_device_name()} shape {args.shape}: warm-up {args.warmup} s, window {args.window} s")
-    rows = []
-    for name, fn, flops in its:
-        row = measure(nvml, fn, args.warmup, args.window)
-        row.update(item=name, tflops=flops / row["ms"] / 1e9, gflop_per_j=flops / row["J"] / 1e9 if row["J"] else 0)
-        rows.append(row)
-        print(f"{row['ms']:8.3f} ms {row['J']:7.4f} J {row['W']:5.0f} W {row['MHz']:5.0f} MHz {row['tflops']:6.1f} "
-              f"TFLOP/s  {name}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows}, f, indent=1)
+    write_rows(args.json, args.shape, measure_items(nvml, its, args.warmup, args.window))
 
 
 if __name__ == "__main__":
