@@ -111,19 +111,32 @@ def long_supported(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, 
     one dtype, contiguous and 16-byte aligned, no bias, k a multiple of BLOCK_K and at least MIN_K, the written
     width (``width``, default m) a multiple of BLOCK_N, and experts averaging more than
     :data:`~sonicmoe.ops.common.FEW_ROWS_PER_EXPERT` rows (R = ``num_rows`` over E; where it was measured)."""
-    if bias is not None or not long_enabled() or not a.is_cuda or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
+    if bias is not None or not long_enabled() or not a.is_cuda or _operand_error(a, b, transpose_b, 0, width):
         return False
-    if few_rows_per_expert(num_rows, b.shape[0]):
-        return False
-    if a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
-        return False
-    k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
-    w = m if width is None else width
-    if a.shape[1] != k or k % BLOCK_K or k < MIN_K or w % BLOCK_N or w <= 0:
+    if few_rows_per_expert(num_rows, b.shape[0]) or a.shape[1] < MIN_K:
         return False
     if torch.cuda.get_device_capability(a.device) != (9, 0):
         return False
     return a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+
+
+def _operand_error(a: torch.Tensor, b: torch.Tensor, transpose_b: bool, col0: int, width: int | None) -> str | None:
+    """What :func:`long_gemm` cannot take in these operands and column block (the message of its ValueError), or
+    None: ranks, dtypes (bf16/fp16, one dtype), a's columns against B's reduction k (a multiple of BLOCK_K),
+    contiguity, and the block [col0, col0 + width) of B's m columns (width default m - col0, a multiple of
+    BLOCK_N)."""
+    if a.dim() != 2 or b.dim() != 3 or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
+        return (f"a, b: expected a (R, k) and b (E, m, k) / (E, k, m) of one dtype, bf16 or fp16, got "
+                f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
+    if a.shape[1] != k or k % BLOCK_K or not (a.is_contiguous() and b.is_contiguous()):
+        return (f"a, b: expected contiguous operands with a's {a.shape[1]} columns = B's reduction k = {k}, a multiple "
+                f"of {BLOCK_K}")
+    w = m - col0 if width is None else width
+    if w <= 0 or w % BLOCK_N or col0 < 0 or col0 + w > m:
+        return (f"col0, width: expected a block of B's {m} columns of a positive width that is a multiple of "
+                f"{BLOCK_N}, got col0={col0}, width={w}")
+    return None
 
 
 if HAVE_GLUON:
@@ -273,18 +286,12 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
     """
     if bias is not None:
         raise ValueError("bias: long_gemm has no bias epilogue; expected None")
-    if a.dim() != 2 or b.dim() != 3 or a.dtype not in _GL_DTYPES or b.dtype != a.dtype:
-        raise ValueError(f"a, b: expected a (R, k) and b (E, m, k) / (E, k, m) of one dtype, bf16 or fp16, got "
-                         f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}")
+    problem = _operand_error(a, b, transpose_b, col0, width)
+    if problem:
+        raise ValueError(problem)
     e = b.shape[0]
     k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
     w = m - col0 if width is None else width
-    if a.shape[1] != k or k % BLOCK_K or not (a.is_contiguous() and b.is_contiguous()):
-        raise ValueError(f"a, b: expected contiguous operands with a's {a.shape[1]} columns = B's reduction k = {k}, a "
-                         f"multiple of {BLOCK_K}")
-    if w <= 0 or w % BLOCK_N or col0 < 0 or col0 + w > m:
-        raise ValueError(f"col0, width: expected a block of B's {m} columns of a positive width that is a multiple of "
-                         f"{BLOCK_N}, got col0={col0}, width={w}")
     r = a.shape[0]
     out = output_or_new(out, (r, w), a)
     if r == 0:
