@@ -458,6 +458,37 @@ def test_gpu_bitwise_across_tile_configs(monkeypatch):
         assert torch.equal(first[1][key], second[1][key]), key
 
 
+@pytest.mark.gpu
+def test_gpu_varlen_m_env_config_bits(monkeypatch):
+    """Each config SONICMOE_VARLEN_M_CONFIG can pin gives the autotuned launch's bits, in both forms (the
+    down-projection and dX̃, into a column block of a poisoned wider C too), near the float32 reference."""
+    from sonicmoe.ops import grouped_gemm
+
+    t, d, n, e, k = 2048, 1024, 512, 8, 4
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
+    routing = routing_from_topk(ids, e)
+    r = routing.num_rows
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a_dn = torch.randn(r, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    w2 = torch.randn(e, d, n, device="cuda", dtype=torch.bfloat16, generator=g) / n**0.5
+    a_dx = torch.randn(r, 2 * n, device="cuda", dtype=torch.bfloat16, generator=g)
+    w1 = torch.randn(e, 2 * n, d, device="cuda", dtype=torch.bfloat16, generator=g) / (2 * n) ** 0.5
+    forms = ((a_dn, w2, True), (a_dx, w1, False))
+    monkeypatch.setenv("SONICMOE_GLUON", "0")
+    monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", "auto")
+    base = [varlen_m_gemm(a, b, None, routing, transpose_b=tb) for a, b, tb in forms]
+    for (a, b, tb), c in zip(forms, base, strict=True):
+        assert rel_err(c, varlen_m_gemm_ref(a.float(), b.float(), None, routing, transpose_b=tb)) < 1e-2
+    for i in range(len(grouped_gemm.TUNING_SPACE)):
+        monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", str(i))
+        for (a, b, tb), c in zip(forms, base, strict=True):
+            assert torch.equal(varlen_m_gemm(a, b, None, routing, transpose_b=tb), c), (i, tb)
+        wide = torch.full((r, d + 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+        varlen_m_gemm(a_dx, w1[:, :, 256:768], None, routing, transpose_b=False, out=wide[:, 256:768])
+        assert torch.equal(wide[:, 256:768], base[1][:, 256:768]), i
+        assert wide[:, :256].isnan().all() and wide[:, 768:].isnan().all(), i
+
+
 def test_pdl_off_without_a_hopper_gpu(monkeypatch):
     """Programmatic dependent launch is never requested for CPU tensors (the interpreter) nor when
     SONICMOE_PDL=0, so the kernels there run with PDL=False (their griddepcontrol prologue compiled out)."""
@@ -948,6 +979,32 @@ def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores)
     assert bool(call.get("C_TMA")) is tma_stores and call.get("C_SPLIT", 1) == (2 if tma_stores else 1)
     assert call["num_stages"] == (3 if tma_stores else 4)
     assert (call["c_desc"] is not None) is tma_stores
+
+
+def test_varlen_m_env_config(monkeypatch):
+    """SONICMOE_VARLEN_M_CONFIG pins the Triton kernel's config to an entry of TUNING_SPACE for every launch
+    without an explicit config (the dX̃ form too), ``auto`` leaves the pinned/autotuned choice, and a value that
+    is not an index of the space is refused by name."""
+    from sonicmoe.ops import grouped_gemm
+
+    kern = _record_pinned_launch(monkeypatch, grouped_gemm, "_varlen_m_kernel")
+    e, k, m, rows = 2, 256, 2048, 1536
+    routing = routing_from_pairs(torch.arange(rows * e), torch.arange(rows * e) // rows, rows * e, e)
+    a = torch.empty(rows * e, k, dtype=torch.bfloat16)
+    w1 = torch.empty(e, k, m, dtype=torch.bfloat16)
+    monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", "auto")
+    varlen_m_gemm(a, w1, None, routing, transpose_b=False)
+    assert kern.calls[-1]["num_stages"] == 4 and not kern.calls[-1]["FLATTEN"]  # the pinned default
+    for i, cfg in enumerate(grouped_gemm.TUNING_SPACE):
+        monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", str(i))
+        varlen_m_gemm(a, w1, None, routing, transpose_b=False)
+        call = kern.calls[-1]
+        assert {key: call[key] for key in cfg.kwargs} == cfg.kwargs, i
+        assert (call["num_warps"], call["num_stages"]) == (cfg.num_warps, cfg.num_stages), i
+    for bad in (str(len(grouped_gemm.TUNING_SPACE)), "-1", "cfg2", ""):
+        monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", bad)
+        with pytest.raises(ValueError, match="SONICMOE_VARLEN_M_CONFIG"):
+            varlen_m_gemm(a, w1, None, routing, transpose_b=False)
 
 
 @pytest.mark.parametrize("rows_per_expert,d,steps", [(256, 512, False), (384, 512, False), (385, 512, True),

@@ -25,6 +25,8 @@ each tile's stores with the next tile's MMAs and gives the same bits (:func:`var
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,7 @@ from .common import (
     autotuners,
     check_device,
     column_halves,
+    config_dict,
     dot_precision,
     few_rows_per_expert,
     first_step,
@@ -195,6 +198,24 @@ TUNING_SPACE = [
 ]
 
 
+def env_config() -> dict | None:
+    """The Triton kernel's config pinned by ``SONICMOE_VARLEN_M_CONFIG`` (read at each call): an index into
+    :data:`TUNING_SPACE` pins that config for every launch without an explicit ``config`` (for A/Bs of the configs
+    in the layer; the config is used as is, so 2-byte operands); unset or ``auto``: None (autotuned or pinned as
+    usual).
+
+    Raises:
+        ValueError: a value that is neither ``auto`` nor an index of :data:`TUNING_SPACE`.
+    """
+    value = os.environ.get("SONICMOE_VARLEN_M_CONFIG", "auto")
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) >= len(TUNING_SPACE):
+        raise ValueError(f"SONICMOE_VARLEN_M_CONFIG: expected 'auto' or an index 0..{len(TUNING_SPACE) - 1} of "
+                         f"grouped_gemm.TUNING_SPACE, got {value!r}")
+    return config_dict(TUNING_SPACE[int(value)])
+
+
 def _desc_blocks(meta: dict) -> dict:
     bn, bk = meta["BLOCK_N"], meta["BLOCK_K"]
     return {"a_desc": (meta["BLOCK_M"], bk), "b_desc": (1, bn, bk) if meta.get("B_TRANS", True) else (1, bk, bn),
@@ -262,7 +283,8 @@ def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, r
     )
     if r > 0:
         launch(_varlen_m_kernel, _tuned, varlen_m_grid(r, e, m, a.device), args, _PINNED_INTERP,
-               pinned_gpu_config(r, e, m), config, _desc_blocks, _FLAG_DESCS, pdl_device=a.device)
+               pinned_gpu_config(r, e, m), config if config is not None else env_config(), _desc_blocks,
+               _FLAG_DESCS, pdl_device=a.device)
     return c
 
 
