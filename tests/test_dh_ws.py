@@ -79,19 +79,6 @@ def test_stage_in_ring_switch(monkeypatch):
         assert dh_ws_config(256)["STAGE_IN_RING"] is on and dh_ws_config(256)["STAGES"] == (4 if on else 3)
         assert weight_grad_ws.wgrad_ws_config(512, 1536, False)["STAGE_IN_RING"] is on
         assert dh_ws_config(256, stage_in_ring=not on)["STAGE_IN_RING"] is (not on)
-        assert dh_ws_config(1024, d=4096)["STAGE_IN_RING"] is on  # the switch wins over the rule on d
-
-
-def test_stage_apart_for_long_reductions(monkeypatch):
-    """Unset, the staging sets lie in a ring slot (4 slots) where d < STAGE_APART_MIN_D (7B: d = 1536) and take
-    buffers of their own (3 slots) from it on ((32768, 4096, 1024, 128, 8)); d = 0 (unknown) keeps the ring."""
-    monkeypatch.delenv("SONICMOE_DH_STAGE_IN_RING", raising=False)
-    apart = dh_ws.STAGE_APART_MIN_D
-    for n, d in ((256, 1536), (1024, 2048), (1024, apart - dh_ws.BLOCK_K), (1024, 0)):
-        assert dh_ws_config(n, d=d)["STAGE_IN_RING"] is dh_ws.STAGE_IN_RING, (n, d)
-    for n, d in ((1024, apart), (2048, 7168)):
-        cfg = dh_ws_config(n, d=d)
-        assert cfg == dh_ws_config(n, stage_in_ring=False) and cfg["STAGES"] == 3, (n, d)
 
 
 def test_preferred_where_measured_faster(monkeypatch):

@@ -124,14 +124,11 @@ TMA_STORE = True  # full tiles' dH and A′ blocks leave by TMA stores (else by 
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 # the staging sets in the ring slot of the tile's last K-block (where one slot holds them): 4 ring slots instead of 3
 # at 256-wide tiles; 7B on an H100 (session 41): the kernel alone 0.475 against 0.508 ms, the layer's forward+backward
-# 3.428 against 3.470 ms (7 of 7 alternating rounds); (32768, 4096, 1024, 128, 8) level (4.016 against 4.026 ms)
+# 3.428 against 3.470 ms (7 of 7 alternating rounds); (32768, 4096, 1024, 128, 8) level (4.016 against 4.026 ms).
+# At that shape, staging of its own (3 slots) was 1.2% faster alone in settled 1.5 s windows (session 51: 4.200
+# against 4.250 ms), but in session 52's fresh-process layer A/Bs (1000 ms windows) it was faster on one H100
+# (34.725 against 34.865 ms, 3 of 4 rounds) and slower on another (35.00 against 34.89, 1 of 7): kept in the ring.
 STAGE_IN_RING = True
-# ... except for long reductions, d ≥ STAGE_APART_MIN_D (64 K-blocks or more): there the staging sets take buffers of
-# their own. (32768, 4096, 1024, 128, 8) on H100s (session 51, settled 1.5 s windows): the kernel alone 4.200 against
-# 4.250 ms; session 52, the layer's forward+backward in fresh processes with 1000 ms windows: 34.725 against 34.865 ms
-# (3 of 4 rounds) and, with the dX̃ GEMM's config pinned to TUNING_SPACE[1] in both arms, 34.605 against 34.735
-# (6 of 6 rounds; that config alone was level, 34.730)
-STAGE_APART_MIN_D = 4096
 
 
 def dh_ws_block_n(n: int) -> int | None:
@@ -158,20 +155,19 @@ def stage_fits_slot(block_n: int, epi: int = EPI, block_k: int = BLOCK_K) -> boo
 
 
 def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None,
-                 block_k: int = BLOCK_K, stage_in_ring: bool | None = None, d: int = 0) -> dict | None:
+                 block_k: int = BLOCK_K, stage_in_ring: bool | None = None) -> dict | None:
     """{"BLOCK_N" (default :func:`dh_ws_block_n`), "BLOCK_K", "EPI", "NBUF", "STAGE_IN_RING", "STAGES": the deepest
     ring that fits beside the H buffers and, unless they lie in a ring slot, the staging sets (at most MAX_STAGES
     slots of BLOCK_K = 64, the same bytes in slots of another depth)}, or None where n does not suit the kernel.
 
-    ``stage_in_ring`` (default: ``SONICMOE_DH_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING where the
-    reduction d (0: unknown) is shorter than STAGE_APART_MIN_D): the epilogue stages its outputs in the ring slot of
-    the tile's last K-block, which goes back to the loader once the tile's stores have read it; honoured only where
-    :func:`stage_fits_slot` holds."""
+    ``stage_in_ring`` (default: ``SONICMOE_DH_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING): the epilogue
+    stages its outputs in the ring slot of the tile's last K-block, which goes back to the loader once the tile's
+    stores have read it; honoured only where :func:`stage_fits_slot` holds."""
     bn = block_n or dh_ws_block_n(n)
     if bn is None or n % bn:
         return None
     if stage_in_ring is None:
-        stage_in_ring = env_switch("SONICMOE_DH_STAGE_IN_RING", STAGE_IN_RING and d < STAGE_APART_MIN_D)
+        stage_in_ring = env_switch("SONICMOE_DH_STAGE_IN_RING", STAGE_IN_RING)
     alias = stage_in_ring and stage_fits_slot(bn, epi, block_k)
     fixed = dh_ws_smem_bytes(0, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias)
     per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias) - fixed
@@ -531,7 +527,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     """
     e, d, n = w2.shape
     r = routing.num_rows
-    cfg = config or dh_ws_config(n, d=d)
+    cfg = config or dh_ws_config(n)
     bn, epi = cfg["BLOCK_N"], cfg["EPI"]
     if ds_pairs is not None and not (pair_order and ds_pairs_in_kernel(n, cfg)):
         raise ValueError(f"ds_pairs: needs pair_order=True and BLOCK_N = n = {n} (got pair_order={pair_order}, "
