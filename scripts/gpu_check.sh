@@ -4,6 +4,8 @@
 #   quick  environment, the GPU-marked tests and the 7B kernel breakdown
 #   split  the GPU-marked tests of every file spread over several GPUs (SPLIT_GPUS, default 0 1 2; SPLIT_GROUPS, else
 #          the slowest three files one per GPU and the rest dealt out)
+#   splitx the GPU-marked tests on several GPUs through pytest-xdist, one worker per GPU (SPLIT_GPUS, default 0 1 2 3),
+#          tests handed out one at a time (not yet run on a GPU)
 #   tune   tile sweep of candidate configs (benchmarks/tune_sweep.py --space TUNE_SPACE: focus (default),
 #          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
 #          TUNE_REPEAT rounds, medians
@@ -148,6 +150,18 @@ for step in "$@"; do
         SUMMARY+=("group $i (GPU ${gpus[$i]}):${groups[$i]}" "$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_g$i.log" | head -20)"
                   "$(tail -1 "$OUT/gpu_tests_g$i.log")")
       done
+      ;;
+    splitx)
+      # every GPU-marked test, one pytest-xdist worker per GPU (SPLIT_GPUS, default 0 1 2 3), tests handed out one at a
+      # time to whichever worker is free (tests/conftest.py pins worker gwI to the I-th GPU through SONICMOE_TEST_GPUS):
+      # `split` deals whole files without their durations, and its group with test_kernels.py ran out of time in
+      # session 52. Needs pytest-xdist on the machine (the GPU image has it). Not yet run on a GPU (session 52).
+      read -ra gpus <<< "${SPLIT_GPUS:-0 1 2 3}"
+      list=$(IFS=,; echo "${gpus[*]}")
+      SONICMOE_TEST_GPUS=$list timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m gpu -n "${#gpus[@]}" --dist load \
+        --durations=0 tests -p no:cacheprovider > "$OUT/gpu_tests_xdist.log" 2>&1
+      SUMMARY+=("GPU tests on ${#gpus[@]} workers ($list):" "$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_xdist.log" | head -20)"
+                "$(tail -1 "$OUT/gpu_tests_xdist.log")")
       ;;
     tune)
       shapes=()

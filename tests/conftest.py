@@ -9,7 +9,14 @@ that take the ``device`` fixture run natively there, and the ``gpu``-marked ones
 
 import os
 
-import torch
+# pytest-xdist on a machine of several GPUs (`gpu_check.sh splitx`): SONICMOE_TEST_GPUS="0,1,2,3" gives worker gwI
+# the I-th of them (modulo their number) as its only visible GPU, before anything here asks CUDA for devices
+_TEST_GPUS = [g for g in os.environ.get("SONICMOE_TEST_GPUS", "").split(",") if g.strip()]
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _TEST_GPUS and _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    os.environ["CUDA_VISIBLE_DEVICES"] = _TEST_GPUS[int(_WORKER[2:]) % len(_TEST_GPUS)].strip()
+
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 # tests use each kernel's pinned tile configuration (fast to compile); autotuned configurations are
