@@ -527,6 +527,16 @@ def test_gather_sum_into_out(device):
     w = torch.rand(routing.num_rows, device=device)
     cfg = {"BLOCK_T": 4, "BLOCK_D": 16}  # several tiles along both T and d, the last ones partial
     assert torch.equal(gather_sum(y, routing, w, config=cfg, progs_per_sm=1), gather_sum(y, routing, w, config=cfg))
+    # a persistent grid of a given size (num_programs, winning over progs_per_sm), and the reserved-multiprocessor
+    # config of the column-block form (aggregation.RESERVE_CONFIG, 8 tokens x 1024 columns: one partial tile here)
+    from sonicmoe.ops.aggregation import RESERVE_CONFIG
+
+    for programs in (1, 3, 1000):
+        assert torch.equal(gather_sum(y, routing, w, config=cfg, progs_per_sm=2, num_programs=programs),
+                           gather_sum(y, routing, w, config=cfg))
+    assert torch.equal(gather_sum(y, routing, w, config=RESERVE_CONFIG, num_programs=2), gather_sum(y, routing, w))
+    with pytest.raises(ValueError, match="num_programs"):
+        gather_sum(y, routing, w, num_programs=-1)
     for bad in (torch.empty(t, d + 1, device=device), torch.empty(t, d, device=device, dtype=torch.float16),
                 torch.empty(d, t, device=device).t()):
         with pytest.raises(ValueError, match="out"):

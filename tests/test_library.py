@@ -132,6 +132,26 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
     assert not any(g_.isnan().any() for g_ in ref)
 
 
+def test_agg_reserve_rule(monkeypatch):
+    """Multiprocessors left to the column blocks' aggregations: none off CUDA or without the side stream
+    (SONICMOE_OVERLAP=0); on CUDA the default, or SONICMOE_AGG_RESERVE's count where it is a number below the
+    device's multiprocessors (0 turns it off), read at each call."""
+    from sonicmoe.ops import common
+
+    monkeypatch.delenv("SONICMOE_AGG_RESERVE", raising=False)
+    assert common.agg_reserve(torch.device("cpu")) == 0
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(common, "overlap_mode", lambda device: 2)
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    assert common.agg_reserve(cuda) == common.AGG_RESERVE > 0
+    for value, want in (("0", 0), ("8", 8), ("131", 131), ("132", common.AGG_RESERVE), ("x", common.AGG_RESERVE),
+                        ("-4", common.AGG_RESERVE)):
+        monkeypatch.setenv("SONICMOE_AGG_RESERVE", value)
+        assert common.agg_reserve(cuda) == want, value
+    monkeypatch.setattr(common, "overlap_mode", lambda device: 0)
+    assert common.agg_reserve(cuda) == 0
+
+
 def test_gather_chunk_width_rule(monkeypatch):
     """Column blocks only for an explicit width on CPU (the default needs the CUDA side stream), a multiple of 8
     of at most half of d, and d a multiple of 8 (16-byte aligned blocks for the TMA descriptors)."""
@@ -184,15 +204,25 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reserve", ["default", "0"])
 @pytest.mark.parametrize("beside_dw1", ["0", "1"])
-def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, monkeypatch):
-    """bf16 at d = 4096, n = 1024 (dX̃ on the Triton kernel, dW1 on the Gluon kernel): by default the backward's
-    dX̃ GEMM runs in two column blocks, the first block's dX aggregation beside the second block's GEMM, and the
-    last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1) beside it; O and every gradient equal the one-pass
-    run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic), each read on the current stream right away."""
+def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, reserve, monkeypatch):
+    """bf16 at d = 4096, n = 1024 (dW1 on the Gluon kernel): by default the backward's dX̃ GEMM runs in two
+    column blocks on the streamed-B Gluon kernel, the first block's dX aggregation on agg_reserve multiprocessors
+    beside the second block's GEMM on the others (SONICMOE_AGG_RESERVE=0: both blocks on the Triton kernel, the
+    aggregation's persistent grid beside), and the last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1)
+    beside it; O and every gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over
+    (deterministic), each read on the current stream right away."""
+    from sonicmoe.ops import common, varlen_m_ws
+
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.setenv("SONICMOE_AGG_BESIDE_DW1", beside_dw1)
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
+    if reserve == "default":
+        monkeypatch.delenv("SONICMOE_AGG_RESERVE", raising=False)
+    else:
+        monkeypatch.setenv("SONICMOE_AGG_RESERVE", reserve)
+    dxt_blocks = [c for c in varlen_m_ws.long_calls() if not c["transpose_b"] and c["width"] == 2048]
     t, d, n, e = 3000, 4096, 1024, 8
     assert library.gather_chunk_width(d, torch.device("cuda")) == 2048
     p = random_problem(t, d, n, e, bias=True, device="cuda", dtype=torch.bfloat16, seed=2)
@@ -209,6 +239,11 @@ def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, monkeypatch):
         return [out.detach()] + [v.grad for v in leaves] + [scores.grad]
 
     first, second = run(), run()
+    dxt_after = [c for c in varlen_m_ws.long_calls() if not c["transpose_b"] and c["width"] == 2048]
+    if reserve == "default" and common.agg_reserve(torch.device("cuda")) and varlen_m_ws.long_enabled():
+        assert dxt_after, "the dX̃ column blocks did not run on the Gluon kernel"
+    elif reserve == "0" and not dxt_blocks:
+        assert not dxt_after, "SONICMOE_AGG_RESERVE=0 ran the dX̃ column blocks on the Gluon kernel"
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
     one_pass = run()
     for a, b, c in zip(first, second, one_pass):

@@ -94,6 +94,12 @@ _tuned = autotuners(_gather_sum_kernel, TUNING_SPACE, ["D", "HAS_W", "UNROLL"])
 # took 37.91 against 36.62 ms on an H100 (5 of 5 rounds slower), its backward's dX aggregation running in 2048-column
 # blocks as a persistent grid of 2 programs per multiprocessor (half the loads in flight of the 4-warp configs)
 SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
+# the config of an aggregation kept to a few multiprocessors beside a persistent GEMM on the others (``num_programs``
+# programs; :func:`sonicmoe.ops.common.agg_reserve`): 1024 threads per program, each one 16-byte vector of each of 4
+# rows in flight. Session 53 (benchmarks/results/2026-11-28_nvidia-h100_session53/, one H100, scripts/reserve_probe.py)
+# at (32768, 4096, 1024, 128, 8), half the columns on 16 / 24 / 32 programs alone: 2.09 / 1.43 / 1.11 ms (dX), against
+# 3.68 / 2.47 / 1.87 for (4, 1024, 16 warps, 8 rows); beside the dX̃ GEMM 7.67 against 8.53 ms with 16
+RESERVE_CONFIG = {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 32, "UNROLL": 4}
 
 
 def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | None, int]:
@@ -126,7 +132,8 @@ def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | N
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-               config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
+               config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0,
+               num_programs: int = 0) -> torch.Tensor:
     """O (T, d) with O_t = Σ_j w_j Y[token_rows[j]] over the slots j of token t (w = 1 when None).
 
     Args:
@@ -142,13 +149,19 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         progs_per_sm: 0 (default) launches one program per tile; k > 0 a persistent grid of k programs per
             multiprocessor looping over the tiles, which all become resident at once and leave room for a kernel
             running beside them (the backward's dW1 GEMM; :func:`sonicmoe.ops.library.experts_bwd_impl`).
+        num_programs: k > 0 a persistent grid of k programs in all (wins over ``progs_per_sm``): with a config
+            whose program fills a multiprocessor, the aggregation then keeps to about k multiprocessors beside a
+            persistent GEMM on the others (:func:`sonicmoe.ops.library.gemm_then_gather_sum`).
     Returns:
         (T, d) in y's dtype (``out`` when given); tokens with no rows get zeros.
 
     Raises:
-        ValueError: ``out`` of another shape, dtype or device, or with a non-unit inner stride.
+        ValueError: ``out`` of another shape, dtype or device, or with a non-unit inner stride; a negative
+            ``num_programs``.
     """
     check_device("y", y)
+    if num_programs < 0:
+        raise ValueError(f"num_programs: expected 0 (not persistent) or a positive grid size, got {num_programs}")
     y = y if y.stride(-1) == 1 else y.contiguous()
     t, d = routing.num_tokens, y.shape[1]
     out = output_or_new(out, (t, d), y)
@@ -159,11 +172,14 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         token_offsets_ptr=routing.token_offsets, token_rows_ptr=routing.token_rows, T=t, D=d,
         stride_yr=y.stride(0), stride_ot=out.stride(0), HAS_W=slot_weights is not None,
     )
-    grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
+    if num_programs:
+        grid = lambda m: (min(num_programs, cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"])),)
+    else:
+        grid = lambda m: (programs(cdiv(t, m["BLOCK_T"]) * cdiv(d, m["BLOCK_D"]), progs_per_sm, y.device),)
     pinned = {"BLOCK_T": 8, "BLOCK_D": min(next_pow2(d), 32)}
     max_unroll = MAX_UNROLL
     if config is None:
-        config, max_unroll = pinned_config(d, y.is_cuda and not interpreting(), progs_per_sm)
+        config, max_unroll = pinned_config(d, y.is_cuda and not interpreting(), progs_per_sm or num_programs)
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
     args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), max_unroll)
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
@@ -171,9 +187,10 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
 
 
 def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
-                   config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0) -> torch.Tensor:
-    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config`` and ``progs_per_sm``
-    are ignored)."""
+                   config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0,
+                   num_programs: int = 0) -> torch.Tensor:
+    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config``, ``progs_per_sm`` and
+    ``num_programs`` are ignored)."""
     t = routing.num_tokens
     slot_token = torch.repeat_interleave(
         torch.arange(t, device=y.device), (routing.token_offsets[1:] - routing.token_offsets[:-1]).long()

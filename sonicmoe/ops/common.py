@@ -34,6 +34,8 @@ Environment (documented in the README):
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before
                                it (dX̃ then lives until dW1 ends: more peak memory).
+    SONICMOE_AGG_RESERVE=S     multiprocessors left to each column block's aggregation beside the next block's
+                               streamed-B Gluon GEMM (agg_reserve; default 16, 0: the blocks on the Triton kernel).
 """
 
 from __future__ import annotations
@@ -485,6 +487,38 @@ def overlap_mode(device: torch.device) -> int:
 # next block's GEMM (gather_chunk_width; SONICMOE_AGG_CHUNK): of 1024 and 2048, 2048 measured best at
 # (32768, 4096, 1024, 128, 8) on H100s (session 27)
 AGG_CHUNK = 2048
+
+
+# multiprocessors the column-block form of the backward's dX̃ leaves to each block's dX aggregation beside the next
+# block's streamed-B Gluon GEMM (agg_reserve). Session 53 (benchmarks/results/2026-11-28_nvidia-h100_session53/, one
+# H100, scripts/reserve_probe.py, settled 1 s windows) at (32768, 4096, 1024, 128, 8): dX̃ and the dX aggregation in
+# two 2048-column blocks took 7.67 ms with 16 left to the aggregation, 7.85 with 24, 8.04 with 32, against 8.05 for
+# the Triton kernel's blocks with the aggregation beside them as a grid of 2 programs per multiprocessor (the form
+# before) and 8.15 for one Gluon GEMM, then one aggregation
+AGG_RESERVE = 16
+
+
+def agg_reserve(device: torch.device) -> int:
+    """Multiprocessors that the column-block form of a varlen-M GEMM and its aggregation
+    (:func:`sonicmoe.ops.library.gemm_then_gather_sum`) leaves to each block's aggregation, which runs as that many
+    programs of :data:`sonicmoe.ops.aggregation.RESERVE_CONFIG` (each fills a multiprocessor) beside the next
+    block's streamed-B Gluon GEMM on the others (:func:`sonicmoe.ops.varlen_m_ws.long_gemm` with ``programs``), or
+    0: the blocks keep the Triton kernel with the aggregation's persistent grid of :func:`overlap_mode` programs per
+    multiprocessor beside them.
+
+    Why: the Gluon GEMM's persistent programs take every multiprocessor's shared memory and registers, so an
+    aggregation queued beside it runs between its programs, not beside them; under the power cap a GEMM on fewer
+    multiprocessors runs at a higher clock and loses less than their share (:data:`AGG_RESERVE`).
+
+    ``SONICMOE_AGG_RESERVE`` (read at each call): a count below the device's multiprocessors (anything else counts
+    as unset), default :data:`AGG_RESERVE`. Always 0 off CUDA, under the interpreter and without the side stream
+    (``SONICMOE_OVERLAP=0``).
+    """
+    if not overlap_mode(device):
+        return 0
+    env = os.environ.get("SONICMOE_AGG_RESERVE", "")
+    value = int(env) if env.isdigit() else AGG_RESERVE
+    return value if value < sm_count(device) else AGG_RESERVE
 
 
 def gather_chunk_width(d: int, device: torch.device) -> int:

@@ -40,8 +40,8 @@ from .._autocast import no_autocast
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
-from .aggregation import gather_sum
-from .common import gather_chunk_width, new_output, overlap_mode, side_stream
+from .aggregation import RESERVE_CONFIG, gather_sum
+from .common import agg_reserve, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
 from .dh import dh, ds_pairs_in_dh_kernel
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .score_grad import score_grad
@@ -103,9 +103,13 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     Where :func:`~sonicmoe.ops.common.gather_chunk_width` gives a width w (by default on CUDA for d ≥ 2w), the GEMM
     runs in column blocks of C of width w (B's column block read through its strides, C written in place), and the
     memory-bound aggregation of each block runs on the high-priority side stream beside the compute-bound GEMM of
-    the next block (each block's GEMM on the Triton kernel, or on :func:`varlen_m_ws.long_gemm` where
-    :func:`varlen_m_ws.long_preferred` takes the form: ``SONICMOE_GLUON_LONG=all`` for dX̃); only the last block's
-    aggregation is left exposed. The streams join before this returns (C, made here and read there, is freed on
+    the next block; only the last block's aggregation is left exposed. Each block's GEMM runs on
+    :func:`varlen_m_ws.long_gemm` where :func:`varlen_m_ws.long_supported` holds and either
+    :func:`~sonicmoe.ops.common.agg_reserve` leaves S > 0 multiprocessors to the aggregations (the default on
+    sm_90; the block after an aggregation then runs on all but S, and that aggregation on S programs of
+    :data:`~sonicmoe.ops.aggregation.RESERVE_CONFIG`) or :func:`varlen_m_ws.long_preferred` takes the form; else on
+    the Triton kernel, with the aggregation's persistent grid of :func:`~sonicmoe.ops.common.overlap_mode` programs
+    per multiprocessor beside it. The streams join before this returns (C, made here and read there, is freed on
     return), unless ``pending`` is a list: C is then appended to it and the last block's aggregation may still run
     when this returns, beside the caller's next kernels; the caller makes the current stream wait for the side
     stream before it drops ``pending`` or reads O. Else (and for the Gluon down-projection) one GEMM, then one
@@ -123,20 +127,32 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     a = a.contiguous()
     progs_per_sm = overlap_mode(a.device)
     side = side_stream(a.device) if progs_per_sm else None
+    reserve = agg_reserve(a.device)
     c = new_output((a.shape[0], d), device=a.device, dtype=a.dtype)
     out = new_output((routing.num_tokens, d), device=a.device, dtype=a.dtype)
-    for c0 in range(0, d, width):
-        cols = slice(c0, min(c0 + width, d))
-        w = cols.stop - c0
-        if varlen_m_ws.long_preferred(transpose_b) and varlen_m_ws.long_supported(a, b, bias, a.shape[0],
-                                                                                  transpose_b=transpose_b, width=w):
-            varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=c0, width=w)
+    blocks = [slice(c0, min(c0 + width, d)) for c0 in range(0, d, width)]
+    # per block: on the streamed-B Gluon kernel (where the layer prefers it, or with multiprocessors reserved for
+    # the aggregations), else on the Triton kernel
+    on_long = [(varlen_m_ws.long_preferred(transpose_b) or reserve > 0)
+               and varlen_m_ws.long_supported(a, b, bias, a.shape[0], transpose_b=transpose_b,
+                                              width=cols.stop - cols.start) for cols in blocks]
+    # aggregation i on `reserve` multiprocessors beside block i + 1's Gluon GEMM on the others
+    reserved = [i + 1 < len(blocks) and reserve > 0 and on_long[i] and on_long[i + 1] for i in range(len(blocks))]
+    for i, cols in enumerate(blocks):
+        c0, w = cols.start, cols.stop - cols.start
+        if on_long[i]:
+            varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=c0, width=w,
+                                  programs=sm_count(a.device) - reserve if i and reserved[i - 1] else None)
         else:
             b_cols = b[:, cols] if transpose_b else b[:, :, cols]
             bias_cols = bias[:, cols].contiguous() if bias is not None else None
             varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
         with _beside(side):
-            gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
+            if reserved[i]:
+                gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], config=RESERVE_CONFIG,
+                           num_programs=reserve)
+            else:
+                gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
     if side is not None and pending is None:
         torch.cuda.current_stream(a.device).wait_stream(side)
     elif side is not None:
