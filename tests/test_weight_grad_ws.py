@@ -105,11 +105,11 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """varlen_k_gemm hands the product to the Gluon kernel where wgrad_ws_supported says so (with the routing's
-    row tokens and offsets, the gathered side and the grid size), and never with an explicit Triton config."""
+    row tokens and offsets and the gathered side), and never with an explicit Triton config."""
     calls = []
 
-    def fake(p, q, row_token, offsets, *, p_gather, num_programs=None):
-        calls.append((row_token, offsets, p_gather, num_programs))
+    def fake(p, q, row_token, offsets, *, p_gather):
+        calls.append((row_token, offsets, p_gather))
         return varlen_k_gemm_ref(p, q, routing, p_gather=p_gather, q_gather=not p_gather, out_dtype=p.dtype)
 
     monkeypatch.setattr(weight_grad_ws, "wgrad_ws_supported", lambda p, q, **kw: True)
@@ -119,11 +119,8 @@ def test_dispatch(monkeypatch, device):
     x = torch.randn(3, 16, device=device, generator=g)
     dh = torch.randn(6, 32, device=device, generator=g)
     out = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype)
-    assert len(calls) == 1 and calls[0] == (routing.row_token, routing.expert_offsets, False, None)
+    assert len(calls) == 1 and calls[0] == (routing.row_token, routing.expert_offsets, False)
     assert torch.equal(out, varlen_k_gemm_ref(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype))
-    varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype, num_programs=5)
-    assert len(calls) == 2 and calls[1][3] == 5
-    calls.pop()
     # on the GPU the pinned tile sized for these float32 operands (the bf16-sized one does not fit shared memory)
     cfg = weight_grad._PINNED_INTERP if interpreting() else sized_for_operands(weight_grad._GPU_DEFAULT, 4)
     tri = varlen_k_gemm(dh, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype, config=cfg)

@@ -94,7 +94,7 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
-                         *, transpose_b: bool, pending: list | None = None, tail_reserved: bool = False) -> Tensor:
+                         *, transpose_b: bool, pending: list | None = None) -> Tensor:
     """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A op(B[e]) (+ bias[e]), with optional
     slot weights: the backward's dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights;
     SPEC §4 kernel 4), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
@@ -112,10 +112,8 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     per multiprocessor beside it. The streams join before this returns (C, made here and read there, is freed on
     return), unless ``pending`` is a list: C is then appended to it and the last block's aggregation may still run
     when this returns, beside the caller's next kernels; the caller makes the current stream wait for the side
-    stream before it drops ``pending`` or reads O; with ``tail_reserved`` as well, the caller's next kernel leaves
-    :func:`~sonicmoe.ops.common.agg_reserve` multiprocessors free, and the last block's aggregation runs on them as
-    the others do (the backward's dW1 under ``SONICMOE_AGG_BESIDE_DW1=1``). Else (and for the Gluon
-    down-projection) one GEMM, then one aggregation. Every output element is computed by the same kernels either way.
+    stream before it drops ``pending`` or reads O. Else (and for the Gluon down-projection) one GEMM, then one
+    aggregation. Every output element is computed by the same kernels either way.
 
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
     Returns: O (T, d) in A's dtype.
@@ -140,12 +138,11 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
                                               width=cols.stop - cols.start) for cols in blocks]
     # aggregation i on `reserve` multiprocessors beside block i + 1's Gluon GEMM on the others
     reserved = [i + 1 < len(blocks) and reserve > 0 and on_long[i] and on_long[i + 1] for i in range(len(blocks))]
-    reserved[-1] = reserve > 0 and tail_reserved and pending is not None
     for i, cols in enumerate(blocks):
         c0, w = cols.start, cols.stop - cols.start
         if on_long[i]:
             varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=c0, width=w,
-                                  num_programs=sm_count(a.device) - reserve if i and reserved[i - 1] else None)
+                                  programs=sm_count(a.device) - reserve if i and reserved[i - 1] else None)
         else:
             b_cols = b[:, cols] if transpose_b else b[:, :, cols]
             bias_cols = bias[:, cols].contiguous() if bias is not None else None
@@ -283,16 +280,12 @@ def experts_bwd_impl(
     if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
-        # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below); with the
-        # Gluon dW1 on all but agg_reserve multiprocessors, the aggregation on those
-        beside = need_x and os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
-        reserve = agg_reserve(dh_.device) if beside and need_w1 and gluon_dw1 else 0
-        if need_x:
+        if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
+            beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
             dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
-                                      pending=pending if beside else None, tail_reserved=reserve > 0)
+                                      pending=pending if beside else None)
         if need_w1:
-            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon,
-                                num_programs=sm_count(dh_.device) - reserve if reserve else None)
+            dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]

@@ -259,8 +259,7 @@ _tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["E", "I", "J", "P_GATHER", 
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                  out_dtype: torch.dtype, config: dict | None = None, gluon: bool = True,
-                  num_programs: int | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype, config: dict | None = None, gluon: bool = True) -> torch.Tensor:
     """dW (E, I, J) with dW[e] = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] (varlen-K grouped GEMM, SPEC §4 kernels 2, 4).
 
     Args:
@@ -271,9 +270,6 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned. The pinned GPU tiles
             are 256 wide on the operand that is not gathered (read through a TMA descriptor when its
             rows are 16-byte aligned, pointer loads otherwise) and 128 on the gathered one.
-        num_programs: the Gluon kernel's persistent grid size (default one program per multiprocessor; fewer leave
-            multiprocessors to a kernel beside it: the dX aggregation, :func:`sonicmoe.ops.common.agg_reserve`);
-            the Triton kernel ignores it.
     Returns:
         (E, I, J) in ``out_dtype``; experts with no rows get zeros. Deterministic (no atomics).
 
@@ -285,8 +281,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     p, q = p.contiguous(), q.contiguous()
     use_gluon = gluon and config is None
     if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
-        return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather,
-                                       num_programs=num_programs)
+        return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather)
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
@@ -314,8 +309,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
 
 
 def varlen_k_gemm_ref(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
-                      out_dtype: torch.dtype, config: dict | None = None, gluon: bool = True,
-                      num_programs: int | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype, config: dict | None = None, gluon: bool = True) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`varlen_k_gemm` (float32 per-expert loop)."""
     offsets = routing.expert_offsets.tolist()
     out = torch.zeros(routing.num_experts, p.shape[1], q.shape[1], dtype=torch.float32, device=p.device)

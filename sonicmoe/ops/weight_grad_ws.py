@@ -364,7 +364,7 @@ def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_ga
 
 
 def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_offsets: torch.Tensor, *,
-             p_gather: bool, config: dict | None = None, num_programs: int | None = None) -> torch.Tensor:
+             p_gather: bool, config: dict | None = None) -> torch.Tensor:
     """dW (E, I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`wgrad_ws_supported` (exactly one operand gathered: Q when not ``p_gather``).
@@ -377,16 +377,10 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
             through a ring slot; only where :func:`half_tile_fits_slot` holds), "MAXNREG", "LOADER_WARPS",
             "LOADER_REGS", "PART" (probes: 1 skips the output) (default :func:`wgrad_ws_config`).
-        num_programs: the persistent grid's size (default one program per multiprocessor; fewer leave
-            multiprocessors to a kernel running beside this one; any size gives the same bits).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
-    Raises:
-        ValueError: ``num_programs`` below 1.
     """
-    if num_programs is not None and num_programs < 1:
-        raise ValueError(f"num_programs: expected a positive grid size or None, got {num_programs}")
     e = expert_offsets.shape[0] - 1
     i_dim, j_dim = p.shape[1], q.shape[1]
     cfg = config or wgrad_ws_config(i_dim, j_dim, p_gather)
@@ -403,7 +397,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     ring = bool(cfg.get("STAGE_IN_RING", False))
     launch_kernel(
-        _wgrad_ws_kernel, (min(total, num_programs or sm_count(p.device)),),
+        _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
         _descriptor(out.view(e * i_dim, j_dim), [bi, bj // 2 if ring else bj]), row_token, expert_offsets, total,
         tiles_j,
