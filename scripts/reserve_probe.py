@@ -8,7 +8,7 @@ does not run beside it but between its programs (session 51: its column-block fo
 aggregation). Under the 700 W cap, though, a GEMM on fewer multiprocessors runs at a higher clock and loses less
 than their share. This probe times, in settled windows with their energy per call (``energy_probe.measure``):
 
-* the GEMM alone on P = all, and fewer, multiprocessors (``long_gemm(programs=P)``): what a multiprocessor is worth;
+* the GEMM alone on P = all, and fewer, multiprocessors (``long_gemm(num_programs=P)``): what a multiprocessor is worth;
 * the aggregation alone as the layer runs it, and on S multiprocessors (``gather_sum(num_programs=S)`` with a
   config whose program fills one);
 * one GEMM, then one aggregation (the layer's forward);
@@ -61,7 +61,7 @@ def reserve_fn(a, b, routing, weights, transpose_b: bool, blocks: int, reserve: 
         for i in range(blocks):
             cols = slice(i * width, (i + 1) * width)
             varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=i * width,
-                                  width=width, programs=sms - reserve if i else None)
+                                  width=width, num_programs=sms - reserve if i else None)
             if i < blocks - 1:
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
@@ -97,7 +97,7 @@ def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int)
     out = []
     for programs in (sms, sms - 8, sms - 16, sms - 32, sms - 48):
         out.append((f"{form} gemm P={programs}", lambda programs=programs: varlen_m_ws.long_gemm(
-            a, b, None, routing, transpose_b=trans, programs=programs), flops))
+            a, b, None, routing, transpose_b=trans, num_programs=programs), flops))
     out.append((f"{form} agg whole (layer config)", lambda: gather_sum(c, routing, weights), 0))
     out.append((f"{form} agg 1/{blocks} (layer config)", lambda: gather_sum(half, routing, weights), 0))
     for name, (bt, bd, warps, unroll) in FAT_CONFIGS.items():

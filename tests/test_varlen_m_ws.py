@@ -78,7 +78,7 @@ def test_long_gemm_rejects_bad_operands_before_any_launch():
         (a, b.transpose(1, 2).contiguous().transpose(1, 2), {}, "contiguous"),
         (a, b, {"col0": 0, "width": 128}, "col0, width"),
         (a, b, {"col0": 256, "width": 512}, "col0, width"),
-        (a, b, {"programs": 0}, "programs"),
+        (a, b, {"num_programs": 0}, "num_programs"),
     ]
     for aa, bb, kw, msg in cases:
         with pytest.raises(ValueError, match=msg):

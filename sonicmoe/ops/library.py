@@ -142,7 +142,7 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
         c0, w = cols.start, cols.stop - cols.start
         if on_long[i]:
             varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=transpose_b, out=c[:, cols], col0=c0, width=w,
-                                  programs=sm_count(a.device) - reserve if i and reserved[i - 1] else None)
+                                  num_programs=sm_count(a.device) - reserve if i and reserved[i - 1] else None)
         else:
             b_cols = b[:, cols] if transpose_b else b[:, :, cols]
             bias_cols = bias[:, cols].contiguous() if bias is not None else None

@@ -262,7 +262,7 @@ def long_calls() -> list[dict]:
 
 def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing, *, transpose_b: bool,
               out: torch.Tensor | None = None, col0: int = 0, width: int | None = None,
-              config: dict | None = None, programs: int | None = None) -> torch.Tensor:
+              config: dict | None = None, num_programs: int | None = None) -> torch.Tensor:
     """Columns [col0, col0 + width) of C = A op(B[e]) by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`long_supported` (for tests: dtype, alignment, k and width).
@@ -277,22 +277,22 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
             column block of a wider C), else a new (R, width) tensor.
         col0, width: the block of C's columns to compute (default: all m).
         config: {"C_SPLIT", "STAGES"} (default :func:`long_config`).
-        programs: the persistent grid's size (default one program per multiprocessor); fewer leave
+        num_programs: the persistent grid's size (default one program per multiprocessor); fewer leave
             multiprocessors to a kernel running beside this one (each program takes a whole multiprocessor).
     Returns:
-        C[:, col0:col0 + width] (R, width) in a's dtype; no atomics, the same bits on every run (any ``programs``).
+        C[:, col0:col0 + width] (R, width) in a's dtype; no atomics, the same bits on every run (any ``num_programs``).
     Raises:
         ValueError: a bias; operands of other ranks, dtypes or reduction sizes, not contiguous, or k not a multiple
             of BLOCK_K; a column block off BLOCK_N or outside B's columns; an ``out`` of another shape, dtype or
-            device or with a non-unit inner stride; ``programs`` below 1.
+            device or with a non-unit inner stride; ``num_programs`` below 1.
     """
     if bias is not None:
         raise ValueError("bias: long_gemm has no bias epilogue; expected None")
     problem = _operand_error(a, b, transpose_b, col0, width)
     if problem:
         raise ValueError(problem)
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs: expected a positive grid size or None, got {programs}")
+    if num_programs is not None and num_programs < 1:
+        raise ValueError(f"num_programs: expected a positive grid size or None, got {num_programs}")
     e = b.shape[0]
     k, m = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
     w = m - col0 if width is None else width
@@ -306,7 +306,7 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
     b2d, b_block = (b.view(e * m, k), [BLOCK_N, BLOCK_K]) if transpose_b else (b.view(e * k, m), [BLOCK_K, BLOCK_N])
     table = routing_tile_table(routing, BLOCK_M)
     launch_kernel(
-        _long_kernel, (programs or sm_count(a.device),),
+        _long_kernel, (num_programs or sm_count(a.device),),
         _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(out, [BLOCK_M, BLOCK_N // split]),
         out, table, w // BLOCK_N, k, m, col0, out.stride(0),
         B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
@@ -317,9 +317,9 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
 
 def long_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing, *,
                   transpose_b: bool, out: torch.Tensor | None = None, col0: int = 0, width: int | None = None,
-                  config: dict | None = None, programs: int | None = None) -> torch.Tensor:
+                  config: dict | None = None, num_programs: int | None = None) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`long_gemm` (float32 per-expert loop, output in a's dtype; runs on CPU; ``config``
-    and ``programs`` are ignored)."""
+    and ``num_programs`` are ignored)."""
     full = per_expert_gemm_ref(a, b, bias, routing.expert_offsets, transpose_b)
     m = full.shape[1]
     c = full[:, col0:col0 + (m - col0 if width is None else width)]
