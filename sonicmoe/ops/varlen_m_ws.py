@@ -28,9 +28,11 @@ added in order with BLOCK_K = 64, as in the Triton kernel. No atomics: the same 
 
 Served shapes (:func:`long_supported`): sm_90, bf16/fp16, no bias, k a multiple of BLOCK_K (at least MIN_K in the
 layer), the written width a multiple of BLOCK_N, contiguous 16-byte aligned operands, experts averaging many rows.
-The layer runs it for the down-projection only (:func:`long_preferred`: in the backward's column-blocked dX̃ it was
-no faster). Gluon kernels do not run under Triton's interpreter: the kernel is tested on the GPU against the Triton
-kernel and the float32 reference (tests/test_varlen_m_ws.py).
+The layer runs it for the down-projection (:func:`long_preferred`) and, since session 53, for the backward's
+dX̃ column blocks with multiprocessors left to the dX aggregation beside them (``num_programs``;
+:func:`sonicmoe.ops.common.agg_reserve`, :func:`sonicmoe.ops.library.gemm_then_gather_sum`).
+Gluon kernels do not run under Triton's interpreter: the kernel is tested on the GPU against the Triton kernel
+and the float32 reference (tests/test_varlen_m_ws.py).
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ def long_preferred(transpose_b: bool) -> bool:
     layer (fresh-process A/B of whole trees, 1000 ms windows, 6 rounds) the forward ran 11.83 against 11.96 ms (6 of
     6 rounds), but forward+backward with dX̃ on this kernel too 35.38 against 35.19 (slower in 4 of 6): the backward
     runs dX̃ in 2048-column blocks with each block's dX aggregation beside the next block's GEMM, and that form was
-    no faster on this kernel (8.22 against 8.23 ms with the aggregation, alone). So the backward keeps the Triton
-    kernel."""
+    no faster on this kernel (8.22 against 8.23 ms with the aggregation, alone). So this rule keeps the Triton
+    kernel for dX̃; the column-block form takes this kernel anyway where it leaves multiprocessors to the
+    aggregation (:func:`sonicmoe.ops.common.agg_reserve`, session 53: 7.67 against 8.05 ms)."""
     return transpose_b or os.environ.get("SONICMOE_GLUON_LONG") == "all"
 
 
