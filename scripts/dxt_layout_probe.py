@@ -23,13 +23,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure_items, write_rows  # noqa: E402
-from kernel_breakdown import build_routing  # noqa: E402
+from energy_probe import measure_items, probe_problem, write_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.ops import grouped_gemm, varlen_m_ws  # noqa: E402
 from sonicmoe.ops.library import gemm_then_gather_sum  # noqa: E402
-from sonicmoe.testing import random_problem  # noqa: E402
 
 
 def items(p: dict, routing, configs: list[int], kmajor: bool) -> list:
@@ -98,10 +96,8 @@ def main() -> None:
     ap.add_argument("--kmajor", action="store_true", help="also a K-major copy of W1 for each Triton config")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    t, d, n, e, k = (int(v) for v in args.shape.split(","))
     nvml = Nvml()
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
-    routing, _ = build_routing(p, k, "topk")
+    p, routing, _ = probe_problem(args.shape)
     its = items(p, routing, [int(c) for c in args.configs.split(",") if c], args.kmajor)
     ref = its[0][1]().clone()
     checks = {}

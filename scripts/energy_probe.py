@@ -30,6 +30,15 @@ from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.testing import random_problem  # noqa: E402
 
 
+def probe_problem(shape: str) -> tuple[dict, object, torch.Tensor]:
+    """(problem dict of :func:`sonicmoe.testing.random_problem`, top-k routing, pair scores S) of the probes' bf16
+    problem at ``shape`` = "T,d,n,E,K" on the GPU (seed 0)."""
+    t, d, n, e, k = (int(v) for v in shape.split(","))
+    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+    routing, s_pair = build_routing(p, k, "topk")
+    return p, routing, s_pair
+
+
 def measure(nvml: Nvml, fn, warmup_s: float, window_s: float) -> dict:
     """Run ``fn`` back to back for ``warmup_s``, then for ``window_s``: GPU ms per call (CUDA events), J per call
     and mean W (energy counter), mean SM MHz (sampled between calls)."""
@@ -123,9 +132,8 @@ def main() -> None:
     args = ap.parse_args()
     t, d, n, e, k = (int(v) for v in args.shape.split(","))
     nvml = Nvml()
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
+    p, routing, s_pair = probe_problem(args.shape)
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
-    routing, s_pair = build_routing(p, k, "topk")
     if args.agg:
         items = agg_items(p, routing, s_pair)
     else:

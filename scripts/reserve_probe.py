@@ -31,15 +31,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure_items, write_rows  # noqa: E402
-from kernel_breakdown import build_routing  # noqa: E402
+from energy_probe import measure_items, probe_problem, write_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.ops import varlen_m_ws  # noqa: E402
 from sonicmoe.ops.aggregation import gather_sum  # noqa: E402
 from sonicmoe.ops.common import side_stream, sm_count  # noqa: E402
 from sonicmoe.ops.library import gemm_then_gather_sum  # noqa: E402
-from sonicmoe.testing import random_problem  # noqa: E402
 
 # aggregation configs whose one program fills a multiprocessor's threads (BLOCK_T, BLOCK_D, num_warps, UNROLL)
 FAT_CONFIGS = {"t8w32u4": (8, 1024, 32, 4), "t4w16u8": (4, 1024, 16, 8)}
@@ -132,10 +130,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    t, d, n, e, k = (int(v) for v in args.shape.split(","))
     nvml = Nvml()
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
-    routing, s_pair = build_routing(p, k, "topk")
+    p, routing, s_pair = probe_problem(args.shape)
     reserves = [int(v) for v in args.reserve.split(",")]
     rows = []
     for form in args.form.split(","):

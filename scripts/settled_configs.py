@@ -21,12 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure_items, write_rows  # noqa: E402
-from kernel_breakdown import build_routing  # noqa: E402
+from energy_probe import measure_items, probe_problem, write_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.ops import dh_ws, up_proj_ws, weight_grad_ws  # noqa: E402
-from sonicmoe.testing import random_problem  # noqa: E402
 
 
 def items(p: dict, routing, s_pair: torch.Tensor) -> list:
@@ -66,10 +64,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    t, d, n, e, k = (int(v) for v in args.shape.split(","))
     nvml = Nvml()
-    p = random_problem(t, d, n, e, dtype=torch.bfloat16, device="cuda", seed=0)
-    routing, s_pair = build_routing(p, k, "topk")
+    p, routing, s_pair = probe_problem(args.shape)
     its = items(p, routing, s_pair)
     for _, fn, _ in its:  # compile everything before any window
         fn()
