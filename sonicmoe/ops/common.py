@@ -502,7 +502,7 @@ def agg_reserve(device: torch.device) -> int:
     """Multiprocessors that the column-block form of a varlen-M GEMM and its aggregation
     (:func:`sonicmoe.ops.library.gemm_then_gather_sum`) leaves to each block's aggregation, which runs as that many
     programs of :data:`sonicmoe.ops.aggregation.RESERVE_CONFIG` (each fills a multiprocessor) beside the next
-    block's streamed-B Gluon GEMM on the others (:func:`sonicmoe.ops.varlen_m_ws.long_gemm` with ``programs``), or
+    block's streamed-B Gluon GEMM on the others (:func:`sonicmoe.ops.varlen_m_ws.long_gemm` with ``num_programs``), or
     0: the blocks keep the Triton kernel with the aggregation's persistent grid of :func:`overlap_mode` programs per
     multiprocessor beside them.
 
