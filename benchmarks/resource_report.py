@@ -121,6 +121,7 @@ def launchers(p, routing):
         grouped_gemm_ws,
         up_proj,
         up_proj_ws,
+        varlen_m_ws,
         weight_grad,
         weight_grad_ws,
     )
@@ -148,6 +149,8 @@ def launchers(p, routing):
                                                               config=c),
         "dxtilde_ws": lambda c: grouped_gemm_ws.ws_varlen_m_gemm(h, w1, None, routing.expert_offsets,
                                                                  transpose_b=False, config=c),
+        "long_down": lambda c: varlen_m_ws.long_gemm(a, w2, None, routing, transpose_b=True, config=c),
+        "long_dxt": lambda c: varlen_m_ws.long_gemm(h, w1, None, routing, transpose_b=False, config=c),
         "dh_ws": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c),
         # the layer's form: scores in pair order; and with dS written by the kernel in pair order (ds_pairs)
         "dh_ws_pair": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c, pair_order=True),
@@ -170,7 +173,7 @@ def spaces(which: str) -> dict:
         "dw1": weight_grad.TUNING_SPACE, "aggregate": aggregation.TUNING_SPACE,
     }
     out = {k: [config_dict(c) for c in v] for k, v in tune.items()}
-    from sonicmoe.ops import dh_ws, grouped_gemm_ws, up_proj_ws, weight_grad_ws
+    from sonicmoe.ops import dh_ws, grouped_gemm_ws, up_proj_ws, varlen_m_ws, weight_grad_ws
 
     n, d = 256, 1536  # problem()'s widths
     out.update({
@@ -183,6 +186,10 @@ def spaces(which: str) -> dict:
         "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
                  + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)],
+        "long_down": [varlen_m_ws.long_config(), dict(varlen_m_ws.long_config(1), WARPS_N=2)],
+        "long_dxt": [varlen_m_ws.long_config(), dict(varlen_m_ws.long_config(1), WARPS_N=2),
+                     {"C_SPLIT": 1, "STAGES": 6, "BLOCK_K": 32, "WARPS_N": 2},
+                     {"C_SPLIT": 2, "STAGES": 8, "BLOCK_K": 32}],
         "dh_ws_pair": [dh_ws.dh_ws_config(n)],
         "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r) for r in (False, True)],
