@@ -7,9 +7,10 @@ Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose
 read with the ``cuobjdump`` that Triton's package carries. A config whose STACK or LOCAL (spill) bytes are not
 zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
 sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
-of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``dh_ws``, ``dw1_ws``,
-``dw2_ws``) are compiled too, with their explicit configs. ``--ptx DIR`` writes each kernel's PTX without debug line
-info: a refactor after which ``diff -r`` of two such folders shows nothing leaves every kernel as it was.
+of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``long_down``, ``long_dxt``,
+``dh_ws``, ``dw1_ws``, ``dw2_ws``) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
+kernel's PTX without debug line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves
+every kernel as it was.
 """
 
 from __future__ import annotations
@@ -186,10 +187,8 @@ def spaces(which: str) -> dict:
         "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
                  + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)],
-        "long_down": [varlen_m_ws.long_config(), dict(varlen_m_ws.long_config(1), WARPS_N=2)],
-        "long_dxt": [varlen_m_ws.long_config(), dict(varlen_m_ws.long_config(1), WARPS_N=2),
-                     {"C_SPLIT": 1, "STAGES": 6, "BLOCK_K": 32, "WARPS_N": 2},
-                     {"C_SPLIT": 2, "STAGES": 8, "BLOCK_K": 32}],
+        "long_down": [varlen_m_ws.long_config()],
+        "long_dxt": [varlen_m_ws.long_config()],
         "dh_ws_pair": [dh_ws.dh_ws_config(n)],
         "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r) for r in (False, True)],

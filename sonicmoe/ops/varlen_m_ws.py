@@ -192,14 +192,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _long_mma(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, num_pid_n, K, stride_cr,
                   B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr, C_SPLIT: gl.constexpr, WARPS_N: gl.constexpr):
+                  STAGES: gl.constexpr, WARPS: gl.constexpr, C_SPLIT: gl.constexpr):
         """MMA partition: per tile, the wgmma chain over the ring (one K-block in flight: once a K-block's MMA is
         issued the previous one is done and its slot goes back to the loader), then the rounded tile out through
         the staging buffer (:func:`_long_store`) at C's columns pid_n·BLOCK_N + [0, BLOCK_N) (C the written block
         of columns)."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
-                                                             warps_per_cta=[WARPS // WARPS_N, WARPS_N],
-                                                             instr_shape=[16, BLOCK_N // WARPS_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
         dtype: gl.constexpr = c_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = K // BLOCK_K
@@ -234,7 +233,7 @@ if HAVE_GLUON:
     def _long_kernel(a_desc, b_desc, c_desc, c_ptr, table_ptr, num_pid_n, K, M_B, col0, stride_cr,
                      B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                      STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, C_SPLIT: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, WARPS_N: gl.constexpr):
+                     LOADER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -245,7 +244,7 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_long_mma, (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, num_pid_n, K, stride_cr,
-                         B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, C_SPLIT, WARPS_N)),
+                         B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, C_SPLIT)),
             (_long_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table_ptr, num_pid_n, K, M_B, col0,
                             B_TRANS, BLOCK_N, BLOCK_K, STAGES)),
         ], [1], [LOADER_REGS])
@@ -307,16 +306,14 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
     cfg = config or long_config()
     split = cfg["C_SPLIT"]
     _CALLS[(m, k, e, str(a.dtype).removeprefix("torch."), transpose_b, w)] = dict(cfg)
-    bk = cfg.get("BLOCK_K", BLOCK_K)
-    b2d, b_block = (b.view(e * m, k), [BLOCK_N, bk]) if transpose_b else (b.view(e * k, m), [bk, BLOCK_N])
+    b2d, b_block = (b.view(e * m, k), [BLOCK_N, BLOCK_K]) if transpose_b else (b.view(e * k, m), [BLOCK_K, BLOCK_N])
     table = routing_tile_table(routing, BLOCK_M)
     launch_kernel(
         _long_kernel, (num_programs or sm_count(a.device),),
-        _descriptor(a, [BLOCK_M, bk]), _descriptor(b2d, b_block), _descriptor(out, [BLOCK_M, BLOCK_N // split]),
+        _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(out, [BLOCK_M, BLOCK_N // split]),
         out, table, w // BLOCK_N, k, m, col0, out.stride(0),
-        B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=bk, STAGES=cfg["STAGES"],
-        MMA_WARPS=MMA_WARPS, C_SPLIT=split, LOADER_REGS=LOADER_REGS, WARPS_N=cfg.get("WARPS_N", 1),
-        maxnreg=cfg.get("MAXNREG", MAXNREG),
+        B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
+        MMA_WARPS=MMA_WARPS, C_SPLIT=split, LOADER_REGS=LOADER_REGS, maxnreg=cfg.get("MAXNREG", MAXNREG),
         num_warps=MMA_WARPS)
     return out
 

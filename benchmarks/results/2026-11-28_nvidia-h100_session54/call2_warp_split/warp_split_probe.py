@@ -11,6 +11,9 @@ leaves through one 128 × 256 staging buffer (``C_SPLIT`` 1): three 64-deep ring
 Every config is checked bitwise against the default, then timed in settled windows with its energy per call
 (``energy_probe.measure``), the configs of one form in turn, in ``--passes`` passes.
 
+Session 54 measured it and reverted the kernel's ``WARPS_N`` / ``BLOCK_K`` config keys; to rerun, apply
+``warps_n.patch`` (beside this file) to commit 4dfe1b2's tree and copy this file to scripts/.
+
 usage (GPU): PYTHONPATH=$PWD python scripts/warp_split_probe.py [--shape T,d,n,E,K] [--form down,dxt] [--passes 2]
              [--warmup 0.7] [--window 1.0] [--json F]
 """
