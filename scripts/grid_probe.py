@@ -11,8 +11,11 @@ Triton kernels and of the column blocks' reserve (:mod:`sonicmoe.ops.library`) a
 
 Items run kernel by kernel, each at every program count in turn, in ``--passes`` passes (settled windows with energy,
 ``energy_probe.measure``), so the counts of one kernel are compared within a minute of each other.
+Session 54 (one H100, 120B-n1024): every kernel measured was slower on fewer programs, e.g. the up-projection 7.83 /
+8.20 / 8.53 ms on 132 / 124 / 116 and dW2 3.96 / 4.11 / 4.29; the setup (compiling, the bitwise checks) takes
+about two minutes before the first window.
 
-usage (GPU): PYTHONPATH=$PWD python scripts/grid_probe.py [--shape T,d,n,E,K] [--trim 0,8,16,24] [--passes 2]
+usage (GPU): PYTHONPATH=$PWD python scripts/grid_probe.py [--shape T,d,n,E,K] [--trim 0,8,16,24] [--passes 1]
              [--warmup 0.7] [--window 1.0] [--json F]
 """
 
@@ -61,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
     ap.add_argument("--trim", default="0,8,16,24", help="multiprocessors left idle")
-    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--warmup", type=float, default=0.7)
     ap.add_argument("--window", type=float, default=1.0)
     ap.add_argument("--json", default=None)
