@@ -82,6 +82,18 @@ def measure_items(nvml: Nvml, items: list, warmup_s: float, window_s: float, not
     return rows
 
 
+def measure_passes(nvml: Nvml, items: list, passes: int, warmup_s: float, window_s: float, shape: str) -> list[dict]:
+    """:func:`measure_items` over ``items`` ``passes`` times in a row (each row tagged with its pass, ``run``), after a
+    header line naming the device and ``shape``."""
+    torch.cuda.synchronize()
+    print(f"== {torch.cuda.get_device_name()} shape {shape}: warm-up {warmup_s} s, window {window_s} s")
+    rows = []
+    for i in range(passes):
+        print(f"-- pass {i + 1}")
+        rows += [dict(r, run=i) for r in measure_items(nvml, items, warmup_s, window_s)]
+    return rows
+
+
 def write_rows(path: str | None, shape: str, rows: list[dict], **extra) -> None:
     """The probe's rows as JSON ({"device", "shape", "rows", ...extra}) at ``path`` (nothing without one)."""
     if path:

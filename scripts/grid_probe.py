@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure_items, probe_problem, write_rows  # noqa: E402
+from energy_probe import measure_passes, probe_problem, write_rows  # noqa: E402
 from kernel_breakdown import kernel_rows, layer_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
@@ -95,12 +95,7 @@ def main() -> None:
             if not same(out, ref):
                 raise AssertionError(f"{name} on {sms - trim} programs differs from all {sms}")
             items.append((f"{name} P={sms - trim}", g, flops))
-    torch.cuda.synchronize()
-    print(f"== {torch.cuda.get_device_name()} shape {args.shape}: warm-up {args.warmup} s, window {args.window} s")
-    rows = []
-    for i in range(args.passes):
-        print(f"-- pass {i + 1}")
-        rows += [dict(r, run=i) for r in measure_items(nvml, items, args.warmup, args.window)]
+    rows = measure_passes(nvml, items, args.passes, args.warmup, args.window, args.shape)
     write_rows(args.json, args.shape, rows)
 
 

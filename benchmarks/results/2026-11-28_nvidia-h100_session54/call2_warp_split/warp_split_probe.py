@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from energy_probe import measure_items, probe_problem, write_rows  # noqa: E402
+from energy_probe import measure_passes, probe_problem, write_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.ops import varlen_m_ws  # noqa: E402
@@ -72,12 +72,7 @@ def main() -> None:
     nvml = Nvml()
     p, routing, _ = probe_problem(args.shape)
     its = [it for form in args.form.split(",") for it in items(p, routing, form)]
-    torch.cuda.synchronize()
-    print(f"== {torch.cuda.get_device_name()} shape {args.shape}: warm-up {args.warmup} s, window {args.window} s")
-    rows = []
-    for i in range(args.passes):
-        print(f"-- pass {i + 1}")
-        rows += [dict(r, run=i) for r in measure_items(nvml, its, args.warmup, args.window)]
+    rows = measure_passes(nvml, its, args.passes, args.warmup, args.window, args.shape)
     write_rows(args.json, args.shape, rows)
 
 
