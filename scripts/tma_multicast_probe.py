@@ -9,6 +9,7 @@ its rows (``[[1, 0]]``) and both holding all of it (``[[0, 0]]``, a broadcast), 
 instruction and cluster directives. Session 52 on Triton 3.6.0: the broadcast compiles, but each CTA issues its own
 load of the whole box (no ``multicast``); no cluster barrier or remote mbarrier is emitted either. Rerun it after a
 Triton upgrade: a ``multicast::cluster`` line under ``broadcast`` means the 2-CTA B sharing can be built from Gluon.
+Until then, ``tma_multicast_toy.py`` (session 54) issues the multicast load from Gluon by inline PTX.
 
 usage: python scripts/tma_multicast_probe.py
 """
