@@ -20,8 +20,12 @@ How, with Triton 3.6's Gluon (which has no multicast, see ``tma_multicast_toy.py
 * inline PTX takes shared-memory addresses as ``global_smem`` plus the allocations' offsets, read from the
   ``allocation.offset`` attributes of a first compile's IR dump (``MLIR_ENABLE_DUMP``, in a subprocess);
 * the tensor maps are Triton's ``CUtensorMap`` objects copied into CUDA tensors (``tma_multicast_toy.tensormap``);
-* a cluster barrier after the barriers' initialisation; at the end each CTA waits until its "empty" barriers have
-  taken the peer's last arrivals.
+* a cluster barrier at the start of each partition, after the barriers' initialisation; at the end each CTA waits
+  until its "empty" barriers have taken the peer's last arrivals.
+
+Session 54: compiled for sm_90 (no spills checked), then its one GPU run hung before the first output. The cluster
+barrier sat before ``gl.warp_specialize``, where the parked loader warp never arrives; it now runs at the start of
+both partitions. That fix is compiled, not yet run on a GPU.
 
 It checks the output bitwise against :func:`sonicmoe.ops.varlen_m_ws.long_gemm` (same K order), then times both in
 settled windows with energy (``energy_probe.measure``). Host set-up (tables, maps) is outside the timed call.
@@ -61,7 +65,10 @@ CGA2 = [[0, 0]]
 CGA1 = [[0]]
 
 RANK = gl.constexpr("mov.u32 $0, %cluster_ctarank;")
+# every thread of both CTAs, at the start of each partition (the loader warp is parked until warp_specialize, so a
+# cluster barrier before it never completes: session 54's first GPU run of this probe hung there)
 SYNC = gl.constexpr("""{
+    fence.mbarrier_init.release.cluster;
     barrier.cluster.arrive.release.aligned;
     barrier.cluster.wait.acquire.aligned;
     mov.u32 $0, 0;
@@ -148,6 +155,7 @@ def _mc_loader(
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0], cga_layout=[[0]])
     lane = gl.arange(0, 32, layout=lay)
     zero = lane * 0
+    gl.inline_asm_elementwise(SYNC, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     rank = gl.inline_asm_elementwise(RANK, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
     total = num_pairs * num_pid_n
     k_tiles = K // BLOCK_K
@@ -226,6 +234,7 @@ def _mc_mma(
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0], cga_layout=[[0]])
     lane = gl.arange(0, 32 * WARPS, layout=lay)
     zero = lane * 0
+    gl.inline_asm_elementwise(SYNC, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     rank = gl.inline_asm_elementwise(RANK, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
     peer = zero + (rank ^ 1)
     total = num_pairs * num_pid_n
@@ -332,7 +341,6 @@ def _mc_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared(cluster=True)
-    gl.inline_asm_elementwise(SYNC, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     gl.warp_specialize(
         [
             (
