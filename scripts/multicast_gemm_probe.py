@@ -25,7 +25,9 @@ How, with Triton 3.6's Gluon (which has no multicast, see ``tma_multicast_toy.py
 
 Session 54: compiled for sm_90 (no spills checked), then its one GPU run hung before the first output. The cluster
 barrier sat before ``gl.warp_specialize``, where the parked loader warp never arrives; it now runs at the start of
-both partitions. That fix is compiled, not yet run on a GPU.
+both partitions. That fix is compiled, not yet run on a GPU. (Compiles take under a minute, so 220 s without the
+first check's line reads as a hang; the probe now prints before and after the first launch.) Next run: one form,
+e.g. ``timeout 150 ... --form dxt --passes 1``.
 
 It checks the output bitwise against :func:`sonicmoe.ops.varlen_m_ws.long_gemm` (same K order), then times both in
 settled windows with energy (``energy_probe.measure``). Host set-up (tables, maps) is outside the timed call.
@@ -533,7 +535,7 @@ def main() -> None:
     args = ap.parse_args()
     forms = args.form.split(",")
     offs = {form: allocation_offsets(form == "down") for form in forms}
-    print("allocation offsets:", offs)
+    print("allocation offsets:", offs, flush=True)
     if args.compile_only:
         for form in forms:
             ptx = compile_only(form == "down", offs[form]).asm["ptx"]
@@ -566,8 +568,10 @@ def main() -> None:
         ref = varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=trans)
         mc = MulticastGemm(a, b, routing, trans, offs[form], sm_count(a.device))
         mc.out.fill_(float("nan"))
+        print(f"{form}: first multicast launch (compiles first)", flush=True)
         out = mc()
         torch.cuda.synchronize()
+        print(f"{form}: first multicast launch done", flush=True)
         bad = (out != ref).any(1).sum().item()
         print(
             f"{form}: multicast kernel vs long_gemm: {bad} rows differ of {out.shape[0]}, "
