@@ -136,24 +136,8 @@ def _pair_tile(pt, table_ptr, num_pid_n, rank):
 
 
 @gluon.jit
-def _mc_loader(
-    a_desc,
-    bmap_ptr,
-    a_bufs,
-    ready,
-    empty,
-    table_ptr,
-    num_pairs,
-    num_pid_n,
-    K,
-    M_B,
-    off_b,
-    off_ready,
-    B_TRANS: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-    B_SLOT: gl.constexpr,
-):
+def _mc_loader(a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num_pid_n, K, M_B, off_b, off_ready,
+               B_TRANS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_SLOT: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0], cga_layout=[[0]])
     lane = gl.arange(0, 32, layout=lay)
     zero = lane * 0
@@ -209,27 +193,9 @@ def _mc_loader(
 
 
 @gluon.jit
-def _mc_mma(
-    a_bufs,
-    b_bufs,
-    c_smem,
-    ready,
-    empty,
-    cmap_ptr,
-    offsets_ptr,
-    table_ptr,
-    num_pairs,
-    num_pid_n,
-    K,
-    off_c,
-    off_empty,
-    B_TRANS: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-    WARPS: gl.constexpr,
-):
+def _mc_mma(a_bufs, b_bufs, c_smem, ready, empty, cmap_ptr, offsets_ptr, table_ptr, num_pairs, num_pid_n, K, off_c,
+            off_empty, B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            STAGES: gl.constexpr, WARPS: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16], cga_layout=[[0, 0]]
     )
@@ -307,30 +273,10 @@ def _mc_mma(
 
 
 @gluon.jit
-def _mc_kernel(
-    a_desc,
-    bmap_ptr,
-    cmap_ptr,
-    offsets_ptr,
-    table_ptr,
-    num_pairs,
-    num_pid_n,
-    K,
-    M_B,
-    OFF_B: gl.constexpr,
-    OFF_C: gl.constexpr,
-    OFF_READY: gl.constexpr,
-    OFF_EMPTY: gl.constexpr,
-    B_TRANS: gl.constexpr,
-    B_LAYOUT: gl.constexpr,
-    C_LAYOUT: gl.constexpr,
-    BAR: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
-    MMA_WARPS: gl.constexpr,
-):
+def _mc_kernel(a_desc, bmap_ptr, cmap_ptr, offsets_ptr, table_ptr, num_pairs, num_pid_n, K, M_B, OFF_B: gl.constexpr,
+               OFF_C: gl.constexpr, OFF_READY: gl.constexpr, OFF_EMPTY: gl.constexpr, B_TRANS: gl.constexpr,
+               B_LAYOUT: gl.constexpr, C_LAYOUT: gl.constexpr, BAR: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if B_TRANS:
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], B_LAYOUT)
@@ -343,57 +289,12 @@ def _mc_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared(cluster=True)
-    gl.warp_specialize(
-        [
-            (
-                _mc_mma,
-                (
-                    a_bufs,
-                    b_bufs,
-                    c_smem,
-                    ready,
-                    empty,
-                    cmap_ptr,
-                    offsets_ptr,
-                    table_ptr,
-                    num_pairs,
-                    num_pid_n,
-                    K,
-                    OFF_C,
-                    OFF_EMPTY,
-                    B_TRANS,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_K,
-                    STAGES,
-                    MMA_WARPS,
-                ),
-            ),
-            (
-                _mc_loader,
-                (
-                    a_desc,
-                    bmap_ptr,
-                    a_bufs,
-                    ready,
-                    empty,
-                    table_ptr,
-                    num_pairs,
-                    num_pid_n,
-                    K,
-                    M_B,
-                    OFF_B,
-                    OFF_READY,
-                    B_TRANS,
-                    BLOCK_K,
-                    STAGES,
-                    BLOCK_K * BLOCK_N * 2,
-                ),
-            ),
-        ],
-        [1],
-        [40],
-    )
+    gl.warp_specialize([
+        (_mc_mma, (a_bufs, b_bufs, c_smem, ready, empty, cmap_ptr, offsets_ptr, table_ptr, num_pairs, num_pid_n, K,
+                   OFF_C, OFF_EMPTY, B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS)),
+        (_mc_loader, (a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num_pid_n, K, M_B, OFF_B,
+                      OFF_READY, B_TRANS, BLOCK_K, STAGES, BLOCK_K * BLOCK_N * 2)),
+    ], [1], [40])
 
 
 def layouts(trans: bool) -> dict:
