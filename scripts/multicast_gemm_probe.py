@@ -23,11 +23,12 @@ How, with Triton 3.6's Gluon (which has no multicast, see ``tma_multicast_toy.py
 * a cluster barrier at the start of each partition, after the barriers' initialisation; at the end each CTA waits
   until its "empty" barriers have taken the peer's last arrivals.
 
-Session 54: compiled for sm_90 (no spills checked), then its one GPU run hung before the first output. The cluster
-barrier sat before ``gl.warp_specialize``, where the parked loader warp never arrives; it now runs at the start of
-both partitions. That fix is compiled, not yet run on a GPU. (Compiles take under a minute, so 220 s without the
-first check's line reads as a hang; the probe now prints before and after the first launch.) Next run: one form,
-e.g. ``timeout 150 ... --form dxt --passes 1``.
+Session 54: compiled for sm_90, then its one GPU run hung before the first output. The likely cause is the cluster
+barrier. It sat before ``gl.warp_specialize``, where the parked loader warp never arrives. It now runs at the start
+of both partitions, and the loader partition has four warps: with one, Triton pads the CTA with three idle warps,
+which would never arrive either. This fix compiles but has not run on a GPU yet. Compiles take under a minute, so
+220 s without the first check's line reads as a hang; the probe now prints before and after the first launch. Next
+run: one form, e.g. ``timeout 150 ... --form dxt --passes 1``.
 
 It checks the output bitwise against :func:`sonicmoe.ops.varlen_m_ws.long_gemm` (same K order), then times both in
 settled windows with energy (``energy_probe.measure``). Host set-up (tables, maps) is outside the timed call.
@@ -63,6 +64,7 @@ from tma_multicast_toy import tensormap  # noqa: E402
 BM, BN, BK = 128, 256, 64
 STAGES = 4
 MMA_WARPS = 8
+LOADER_WARPS = gl.constexpr(4)  # a whole warpgroup: no idle padding warps, which would never reach the cluster barrier
 CGA2 = [[0, 0]]
 CGA1 = [[0]]
 
@@ -138,8 +140,8 @@ def _pair_tile(pt, table_ptr, num_pid_n, rank):
 @gluon.jit
 def _mc_loader(a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num_pid_n, K, M_B, off_b, off_ready,
                B_TRANS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_SLOT: gl.constexpr):
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0], cga_layout=[[0]])
-    lane = gl.arange(0, 32, layout=lay)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [LOADER_WARPS], [0], cga_layout=[[0]])
+    lane = gl.arange(0, 32 * LOADER_WARPS, layout=lay)
     zero = lane * 0
     gl.inline_asm_elementwise(SYNC, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     rank = gl.inline_asm_elementwise(RANK, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
@@ -294,7 +296,7 @@ def _mc_kernel(a_desc, bmap_ptr, cmap_ptr, offsets_ptr, table_ptr, num_pairs, nu
                    OFF_C, OFF_EMPTY, B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS)),
         (_mc_loader, (a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num_pid_n, K, M_B, OFF_B,
                       OFF_READY, B_TRANS, BLOCK_K, STAGES, BLOCK_K * BLOCK_N * 2)),
-    ], [1], [40])
+    ], [LOADER_WARPS], [40])
 
 
 def layouts(trans: bool) -> dict:
