@@ -23,18 +23,23 @@ How, with Triton 3.6's Gluon (which has no multicast, see ``tma_multicast_toy.py
 * a cluster barrier at the start of each partition, after the barriers' initialisation; at the end each CTA waits
   until its "empty" barriers have taken the peer's last arrivals.
 
-Session 54: compiled for sm_90, then its one GPU run hung before the first output. The likely cause is the cluster
-barrier. It sat before ``gl.warp_specialize``, where the parked loader warp never arrives. It now runs at the start
-of both partitions, and the loader partition has four warps: with one, Triton pads the CTA with three idle warps,
-which would never arrive either. This fix compiles but has not run on a GPU yet. Compiles take under a minute, so
-220 s without the first check's line reads as a hang; the probe now prints before and after the first launch. Next
-run: one form, e.g. ``timeout 150 ... --form dxt --passes 1``.
+Session 54: compiled for sm_90; its one GPU run hung before the first output. The cluster barrier sat before
+``gl.warp_specialize``, where the parked loader warp never arrives; it now runs at the start of both partitions, and
+the loader partition has four warps (with one, Triton pads the CTA with three idle warps, which never arrive).
+
+Session 55 (one H200, benchmarks/results/2026-12-02_nvidia-h200_session55/): the fix ran, and every variant matched
+``long_gemm`` bitwise. With the remote arrive as ``mbarrier.arrive.release.cluster`` the kernel took 10.2 ms for
+dX̃ against 7.1-7.2 for ``long_gemm``, and ``--modes`` found the cause: own-B loads with the coupled empties (mode 1)
+took 10.7 ms, uncoupled (mode 2) 7.46. With the default semantics (release at CTA scope, as CUTLASS's cluster
+barrier arrives) multicast took 7.39 ms against 7.26 (dX̃) and 3.89 against 3.82 (down-projection), at no lower
+energy per call. Multicast beats own-B loads in the same clusters by 1-3%, about what the phantom tiles of odd
+experts cost (about 3% of the tiles at 120B). This route is parked: at best about 1%.
 
 It checks the output bitwise against :func:`sonicmoe.ops.varlen_m_ws.long_gemm` (same K order), then times both in
 settled windows with energy (``energy_probe.measure``). Host set-up (tables, maps) is outside the timed call.
 
 usage: PYTHONPATH=$PWD python scripts/multicast_gemm_probe.py [--shape T,d,n,E,K] [--form dxt,down] [--passes 2]
-       [--warmup 0.7] [--window 1.0] [--json F] [--compile-only]
+       [--warmup 0.7] [--window 1.0] [--modes 0,1,2] [--programs 132,128] [--json F] [--compile-only]
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ STAGES = 4
 MMA_WARPS = 8
 LOADER_WARPS = gl.constexpr(4)  # a whole warpgroup: no idle padding warps, which would never reach the cluster barrier
 CGA2 = [[0, 0]]
+MODES = {0: "multicast", 1: "own B, coupled", 2: "own B, uncoupled"}
 CGA1 = [[0]]
 
 RANK = gl.constexpr("mov.u32 $0, %cluster_ctarank;")
@@ -78,7 +84,7 @@ SYNC = gl.constexpr("""{
     mov.u32 $0, 0;
 }""")
 # $1 thread index, $2 tensor map, $3 destination offset in the ring, $4 mbarrier offset, $5 inner coordinate,
-# $6 outer coordinate
+# $6 outer coordinate, $7 CTA mask (3: both CTAs of the cluster; 1 << rank: this CTA only)
 MCAST = gl.constexpr("""{
     .reg .pred p;
     .reg .u32 base, dst, mb;
@@ -87,12 +93,14 @@ MCAST = gl.constexpr("""{
     mov.u32 base, global_smem;
     add.u32 dst, base, $3;
     add.u32 mb, base, $4;
-    mov.b16 mask, 3;
+    cvt.u16.u32 mask, $7;
     @p cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster
         [dst], [$2, {$5, $6}], [mb], mask;
     mov.u32 $0, 0;
 }""")
-# $1 thread index, $2 mbarrier offset, $3 peer rank
+# $1 thread index, $2 mbarrier offset, $3 peer rank. The default semantics (release at CTA scope), as CUTLASS's
+# cluster barrier arrives: the slot's readers (wgmma) are done before the arrive. ``.release.cluster`` here cost
+# about 0.4 µs per K-block (H200, session 55: dX̃ with coupled own-B loads 10.74 ms, 7.63 with this form)
 REMOTE_ARRIVE = gl.constexpr("""{
     .reg .pred p;
     .reg .u32 base, loc, rem;
@@ -100,7 +108,7 @@ REMOTE_ARRIVE = gl.constexpr("""{
     mov.u32 base, global_smem;
     add.u32 loc, base, $2;
     mapa.shared::cluster.u32 rem, loc, $3;
-    @p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [rem];
+    @p mbarrier.arrive.shared::cluster.b64 _, [rem];
     mov.u32 $0, 0;
 }""")
 # $1 predicate (1: this thread stores), $2 tensor map, $3 source offset, $4 inner, $5 outer coordinate
@@ -138,8 +146,26 @@ def _pair_tile(pt, table_ptr, num_pid_n, rank):
 
 
 @gluon.jit
+def _b_part(lane, zero, bmap_ptr, slot, bar, p, ki, e, col, K, M_B, mask, B_TRANS: gl.constexpr):
+    """TMA of part ``p`` of the B box of K-block ``ki`` into the ring slot at ``slot`` of the CTAs in ``mask``."""
+    if B_TRANS:
+        dst, inner, outer = slot + p * 16384, ki * 64, e * M_B + col + p * 128
+    else:
+        dst, inner, outer = slot + p * 8192, col + p * 64, e * K + ki * 64
+    gl.inline_asm_elementwise(
+        MCAST,
+        "=r,r,l,r,r,r,r,r",
+        [lane, bmap_ptr + zero, zero + dst, zero + bar, zero + inner, zero + outer, zero + mask],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _mc_loader(a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num_pid_n, K, M_B, off_b, off_ready,
-               B_TRANS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_SLOT: gl.constexpr):
+               B_TRANS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_SLOT: gl.constexpr,
+               MODE: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [LOADER_WARPS], [0], cga_layout=[[0]])
     lane = gl.arange(0, 32 * LOADER_WARPS, layout=lay)
     zero = lane * 0
@@ -158,46 +184,24 @@ def _mc_loader(a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [row_start, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
             bar = off_ready + s * 8
-            if B_TRANS:  # W2 (E·m, k): my half = rows col + 128·rank + [0, 128) of the (256, 64) box
-                gl.inline_asm_elementwise(
-                    MCAST,
-                    "=r,r,l,r,r,r,r",
-                    [
-                        lane,
-                        bmap_ptr + zero,
-                        zero + (off_b + s * B_SLOT) + rank * 16384,
-                        zero + bar,
-                        zero + ki * BLOCK_K,
-                        zero + (e * M_B + col) + rank * 128,
-                    ],
-                    dtype=gl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
-            else:  # W1 (E·k, m): my half = two (64, 64) column chunks of the (64, 256) box
-                for j in gl.static_range(2):
-                    gl.inline_asm_elementwise(
-                        MCAST,
-                        "=r,r,l,r,r,r,r",
-                        [
-                            lane,
-                            bmap_ptr + zero,
-                            zero + (off_b + s * B_SLOT + j * 8192) + rank * 16384,
-                            zero + bar,
-                            zero + (col + j * 64) + rank * 128,
-                            zero + (e * K + ki * BLOCK_K),
-                        ],
-                        dtype=gl.int32,
-                        is_pure=False,
-                        pack=1,
-                    )
+            # B_TRANS: W2 (E·m, k), part p = rows col + 128·p + [0, 128) of the (256, 64) box (2 parts);
+            # otherwise W1 (E·k, m), part p = the (64, 64) column chunk p of the (64, 256) box (4 parts)
+            PARTS: gl.constexpr = 1 if B_TRANS else 2
+            if MODE == 0:  # my half, multicast into both CTAs
+                for j in gl.static_range(PARTS):
+                    _b_part(lane, zero, bmap_ptr, off_b + s * B_SLOT, bar, rank * PARTS + j, ki, e, col, K, M_B, 3,
+                            B_TRANS)
+            else:  # the whole box, into this CTA only
+                for j in gl.static_range(2 * PARTS):
+                    _b_part(lane, zero, bmap_ptr, off_b + s * B_SLOT, bar, j, ki, e, col, K, M_B, 1 << rank,
+                            B_TRANS)
             step += 1
 
 
 @gluon.jit
 def _mc_mma(a_bufs, b_bufs, c_smem, ready, empty, cmap_ptr, offsets_ptr, table_ptr, num_pairs, num_pid_n, K, off_c,
             off_empty, B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            STAGES: gl.constexpr, WARPS: gl.constexpr):
+            STAGES: gl.constexpr, WARPS: gl.constexpr, MODE: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16], cga_layout=[[0, 0]]
     )
@@ -225,21 +229,24 @@ def _mc_mma(a_bufs, b_bufs, c_smem, ready, empty, cmap_ptr, offsets_ptr, table_p
             if ki > 0:
                 prev = (step + STAGES - 1) % STAGES
                 mbarrier.arrive(empty.index(prev))
-                gl.inline_asm_elementwise(
-                    REMOTE_ARRIVE,
-                    "=r,r,r,r",
-                    [lane, zero + off_empty + prev * 8, peer],
-                    dtype=gl.int32,
-                    is_pure=False,
-                    pack=1,
-                )
+                if MODE < 2:
+                    gl.inline_asm_elementwise(
+                        REMOTE_ARRIVE,
+                        "=r,r,r,r",
+                        [lane, zero + off_empty + prev * 8, peer],
+                        dtype=gl.int32,
+                        is_pure=False,
+                        pack=1,
+                    )
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         last = (step + STAGES - 1) % STAGES
         mbarrier.arrive(empty.index(last))
-        gl.inline_asm_elementwise(
-            REMOTE_ARRIVE, "=r,r,r,r", [lane, zero + off_empty + last * 8, peer], dtype=gl.int32, is_pure=False, pack=1
-        )
+        if MODE < 2:
+            gl.inline_asm_elementwise(
+                REMOTE_ARRIVE, "=r,r,r,r", [lane, zero + off_empty + last * 8, peer], dtype=gl.int32, is_pure=False,
+                pack=1
+            )
         c = acc.to(gl.bfloat16)
         c3 = c.reshape((BLOCK_M, 2, BLOCK_N // 2)).permute((0, 2, 1))
         left, right = c3.split()
@@ -278,7 +285,8 @@ def _mc_mma(a_bufs, b_bufs, c_smem, ready, empty, cmap_ptr, offsets_ptr, table_p
 def _mc_kernel(a_desc, bmap_ptr, cmap_ptr, offsets_ptr, table_ptr, num_pairs, num_pid_n, K, M_B, OFF_B: gl.constexpr,
                OFF_C: gl.constexpr, OFF_READY: gl.constexpr, OFF_EMPTY: gl.constexpr, B_TRANS: gl.constexpr,
                B_LAYOUT: gl.constexpr, C_LAYOUT: gl.constexpr, BAR: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
+               MODE: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if B_TRANS:
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_K], B_LAYOUT)
@@ -289,13 +297,13 @@ def _mc_kernel(a_desc, bmap_ptr, cmap_ptr, offsets_ptr, table_ptr, num_pairs, nu
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], BAR)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2 if MODE < 2 else 1)
     fence_async_shared(cluster=True)
     gl.warp_specialize([
         (_mc_mma, (a_bufs, b_bufs, c_smem, ready, empty, cmap_ptr, offsets_ptr, table_ptr, num_pairs, num_pid_n, K,
-                   OFF_C, OFF_EMPTY, B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS)),
+                   OFF_C, OFF_EMPTY, B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, MODE)),
         (_mc_loader, (a_desc, bmap_ptr, a_bufs, ready, empty, table_ptr, num_pairs, num_pid_n, K, M_B, OFF_B,
-                      OFF_READY, B_TRANS, BLOCK_K, STAGES, BLOCK_K * BLOCK_N * 2)),
+                      OFF_READY, B_TRANS, BLOCK_K, STAGES, BLOCK_K * BLOCK_N * 2, MODE)),
     ], [LOADER_WARPS], [40])
 
 
@@ -340,7 +348,7 @@ def allocation_offsets(trans: bool) -> dict:
     }
 
 
-def compile_only(trans: bool, offs: dict | None = None):
+def compile_only(trans: bool, offs: dict | None = None, mode: int = 0):
     """The kernel compiled for sm_90 in 2-CTA clusters (no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -366,6 +374,7 @@ def compile_only(trans: bool, offs: dict | None = None):
         "BLOCK_K": BK,
         "STAGES": STAGES,
         "MMA_WARPS": MMA_WARPS,
+        "MODE": mode,
     }
     sig.update({k: "constexpr" for k in consts})
     return triton.compile(
@@ -378,8 +387,8 @@ def compile_only(trans: bool, offs: dict | None = None):
 class MulticastGemm:
     """C = A op(B[e]) by :func:`_mc_kernel` for one routing and output buffer (tables and tensor maps built once)."""
 
-    def __init__(self, a, b, routing, trans: bool, offs: dict, programs: int):
-        self.a, self.b, self.trans, self.offs = a, b, trans, offs
+    def __init__(self, a, b, routing, trans: bool, offs: dict, programs: int, mode: int = 0):
+        self.a, self.b, self.trans, self.offs, self.mode = a, b, trans, offs, mode
         e = b.shape[0]
         k, m = (b.shape[2], b.shape[1]) if trans else (b.shape[1], b.shape[2])
         self.k, self.m, self.e = k, m, e
@@ -419,6 +428,7 @@ class MulticastGemm:
             BLOCK_K=BK,
             STAGES=STAGES,
             MMA_WARPS=MMA_WARPS,
+            MODE=self.mode,
             num_warps=MMA_WARPS,
             num_ctas=2,
             maxnreg=168,
@@ -435,6 +445,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=1.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--modes", default="0", help="0 multicast; 1 own B loads, coupled empties; 2 own B, uncoupled")
+    ap.add_argument("--programs", default="", help="CTAs per launch (even), comma-separated; default all SMs")
     args = ap.parse_args()
     forms = args.form.split(",")
     offs = {form: allocation_offsets(form == "down") for form in forms}
@@ -469,31 +481,30 @@ def main() -> None:
         a = torch.randn(routing.num_rows, k, device="cuda", dtype=w1.dtype, generator=g)
         b = w2 if trans else w1
         ref = varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=trans)
-        mc = MulticastGemm(a, b, routing, trans, offs[form], sm_count(a.device))
-        mc.out.fill_(float("nan"))
-        print(f"{form}: first multicast launch (compiles first)", flush=True)
-        out = mc()
-        torch.cuda.synchronize()
-        print(f"{form}: first multicast launch done", flush=True)
-        bad = (out != ref).any(1).sum().item()
-        print(
-            f"{form}: multicast kernel vs long_gemm: {bad} rows differ of {out.shape[0]}, "
-            f"max |diff| {(out.float() - ref.float()).abs().max().item():.3g}"
-        )
-        if bad:
-            rows_bad = (out != ref).any(1).nonzero().flatten()
-            nan_rows = torch.isnan(out).any(1).sum().item()
-            print(f"{form}: first bad rows {rows_bad[:8].tolist()}, rows with NaN (never written) {nan_rows}")
-            raise SystemExit(f"{form}: the multicast kernel's output differs")
         flops = 2 * a.shape[0] * k * d
-        items += [
-            (
-                f"{form} streamed-B (long_gemm)",
-                lambda a=a, b=b, t=trans: varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=t),
-                flops,
-            ),
-            (f"{form} multicast pairs", mc, flops),
-        ]
+        items.append((
+            f"{form} streamed-B (long_gemm)",
+            lambda a=a, b=b, t=trans: varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=t),
+            flops,
+        ))
+        programs = [int(x) for x in args.programs.split(",") if x] or [sm_count(a.device)]
+        for mode in [int(x) for x in args.modes.split(",")]:
+            for prog in programs:
+                name = f"{form} mode {mode} ({MODES[mode]}), {prog} CTAs"
+                mc = MulticastGemm(a, b, routing, trans, offs[form], prog, mode)
+                mc.out.fill_(float("nan"))
+                print(f"{name}: first launch (compiles first)", flush=True)
+                out = mc()
+                torch.cuda.synchronize()
+                bad = (out != ref).any(1).sum().item()
+                print(f"{name}: vs long_gemm: {bad} rows differ of {out.shape[0]}, "
+                      f"max |diff| {(out.float() - ref.float()).abs().max().item():.3g}", flush=True)
+                if bad:
+                    rows_bad = (out != ref).any(1).nonzero().flatten()
+                    nan_rows = torch.isnan(out).any(1).sum().item()
+                    print(f"{name}: first bad rows {rows_bad[:8].tolist()}, rows with NaN (never written) {nan_rows}")
+                    raise SystemExit(f"{name}: the output differs")
+                items.append((name, mc, flops))
     rows = measure_passes(nvml, items, args.passes, args.warmup, args.window, args.shape)
     write_rows(args.json, args.shape, rows)
 
