@@ -71,8 +71,8 @@ STAGES = 4
 MMA_WARPS = 8
 LOADER_WARPS = gl.constexpr(4)  # a whole warpgroup: no idle padding warps, which would never reach the cluster barrier
 CGA2 = [[0, 0]]
-MODES = {0: "multicast", 1: "own B, coupled", 2: "own B, uncoupled"}
 CGA1 = [[0]]
+MODES = {0: "multicast", 1: "own B, coupled", 2: "own B, uncoupled"}
 
 RANK = gl.constexpr("mov.u32 $0, %cluster_ctarank;")
 # every thread of both CTAs, at the start of each partition (the loader warp is parked until warp_specialize, so a
@@ -147,7 +147,8 @@ def _pair_tile(pt, table_ptr, num_pid_n, rank):
 
 @gluon.jit
 def _b_part(lane, zero, bmap_ptr, slot, bar, p, ki, e, col, K, M_B, mask, B_TRANS: gl.constexpr):
-    """TMA of part ``p`` of the B box of K-block ``ki`` into the ring slot at ``slot`` of the CTAs in ``mask``."""
+    """TMA of part ``p`` of the B box of K-block ``ki`` into the ring slot at ``slot`` of the CTAs in ``mask``
+    (64 = BK, the K-block's depth)."""
     if B_TRANS:
         dst, inner, outer = slot + p * 16384, ki * 64, e * M_B + col + p * 128
     else:
