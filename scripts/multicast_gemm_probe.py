@@ -33,13 +33,15 @@ dX̃ against 7.1-7.2 for ``long_gemm``, and ``--modes`` found the cause: own-B l
 took 10.7 ms, uncoupled (mode 2) 7.46. With the default semantics (release at CTA scope, as CUTLASS's cluster
 barrier arrives) multicast took 7.39 ms against 7.26 (dX̃) and 3.89 against 3.82 (down-projection), at no lower
 energy per call. Multicast beats own-B loads in the same clusters by 1-3%, about what the phantom tiles of odd
-experts cost (about 3% of the tiles at 120B). This route is parked: at best about 1%.
+experts cost (about 3% of the tiles at 120B). With ``--balanced`` (2048 rows per expert: no phantom or partial
+tiles) multicast ran dX̃ 1.4% faster than ``long_gemm`` (6.78 against 6.88 ms), at level energy per call: the best
+case, under 1% of the layer. This route is parked.
 
 It checks the output bitwise against :func:`sonicmoe.ops.varlen_m_ws.long_gemm` (same K order), then times both in
 settled windows with energy (``energy_probe.measure``). Host set-up (tables, maps) is outside the timed call.
 
 usage: PYTHONPATH=$PWD python scripts/multicast_gemm_probe.py [--shape T,d,n,E,K] [--form dxt,down] [--passes 2]
-       [--warmup 0.7] [--window 1.0] [--modes 0,1,2] [--programs 132,128] [--json F] [--compile-only]
+       [--warmup 0.7] [--window 1.0] [--modes 0,1,2] [--programs 132,128] [--balanced] [--json F] [--compile-only]
 """
 
 from __future__ import annotations
@@ -448,6 +450,9 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--modes", default="0", help="0 multicast; 1 own B loads, coupled empties; 2 own B, uncoupled")
     ap.add_argument("--programs", default="", help="CTAs per launch (even), comma-separated; default all SMs")
+    ap.add_argument("--balanced", action="store_true",
+                    help="every expert gets T·K/E rows (token t's k-th pair to expert (t·K + k) mod E): no phantom "
+                         "tiles where T·K/E is a multiple of 256")
     args = ap.parse_args()
     forms = args.form.split(",")
     offs = {form: allocation_offsets(form == "down") for form in forms}
@@ -472,6 +477,13 @@ def main() -> None:
 
     nvml = Nvml()
     p, routing, _ = probe_problem(args.shape)
+    if args.balanced:
+        from sonicmoe.routing import routing_from_topk
+
+        t, _, _, e, k = (int(v) for v in args.shape.split(","))
+        ids = (torch.arange(t, device="cuda")[:, None] * k + torch.arange(k, device="cuda")) % e
+        routing = routing_from_topk(ids, e)
+        print("balanced routing: rows per expert", sorted(set(routing.expert_offsets.diff().tolist())))
     w1, w2 = p["w1"], p["w2"]
     d = w1.shape[2]
     g = torch.Generator(device="cuda").manual_seed(1)
