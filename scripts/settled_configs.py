@@ -49,7 +49,7 @@ def items(p: dict, routing, s_pair: torch.Tensor) -> list:
         out.append((f"dH {cfg}", lambda cfg=cfg: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=cfg), gemm))
     off = routing.expert_offsets
     for name, pp, qq, pg, (i_dim, j_dim) in (("dW1", dh_, x, False, (2 * n, d)), ("dW2", dout, ap_, True, (d, n))):
-        cfgs = [None, weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, stage_in_ring=False),
+        cfgs = [None, weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, stage_in_ring=False, wg_split=False),
                 weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, block_r=32)]
         for cfg in cfgs:
             out.append((f"{name} {cfg}", lambda cfg=cfg, pp=pp, qq=qq, pg=pg: weight_grad_ws.wgrad_ws(

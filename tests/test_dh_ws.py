@@ -66,11 +66,13 @@ def test_staging_in_a_ring_slot(n, epi):
 
 def test_stage_in_ring_switch(monkeypatch):
     """SONICMOE_DH_STAGE_IN_RING / SONICMOE_WGRAD_STAGE_IN_RING turn the ring staging off and on (read per call);
-    unset, the module defaults hold; an explicit argument wins over the environment."""
+    unset, the module defaults hold; an explicit argument wins over the environment. (The weight gradients stage
+    in the ring only with their MMA warpgroups in one partition: SONICMOE_WGRAD_WG_SPLIT=0 here.)"""
     from sonicmoe.ops import weight_grad_ws
 
     monkeypatch.delenv("SONICMOE_DH_STAGE_IN_RING", raising=False)
     monkeypatch.delenv("SONICMOE_WGRAD_STAGE_IN_RING", raising=False)
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_SPLIT", "0")
     assert dh_ws_config(256)["STAGE_IN_RING"] == dh_ws.STAGE_IN_RING
     assert weight_grad_ws.wgrad_ws_config(512, 1536, False)["STAGE_IN_RING"] == weight_grad_ws.STAGE_IN_RING
     for value, on in (("0", False), ("1", True)):

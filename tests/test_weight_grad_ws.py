@@ -39,9 +39,11 @@ def test_config_fits_shared_memory():
             bi, bj, br, st = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"], cfg["STAGES"]
             assert i_dim % bi == 0 and j_dim % bj == 0 and {bi, bj} == {128, 256}
             assert 2 <= st <= weight_grad_ws.MAX_STAGES
-            ring = cfg["STAGE_IN_RING"]
-            assert wgrad_ws_smem_bytes(bi, bj, br, st, stage_in_ring=ring) <= weight_grad_ws.SMEM_BUDGET
-            assert (wgrad_ws_smem_bytes(bi, bj, br, st + 1, stage_in_ring=ring) > weight_grad_ws.SMEM_BUDGET
+            # half a tile of output buffers: the tile's right half in a ring slot, or two warpgroups' pieces
+            half = cfg["STAGE_IN_RING"] or (cfg["WG_SPLIT"] and cfg["WG_PIECES"] == 2)
+            assert not (cfg["STAGE_IN_RING"] and cfg["WG_SPLIT"])
+            assert wgrad_ws_smem_bytes(bi, bj, br, st, stage_in_ring=half) <= weight_grad_ws.SMEM_BUDGET
+            assert (wgrad_ws_smem_bytes(bi, bj, br, st + 1, stage_in_ring=half) > weight_grad_ws.SMEM_BUDGET
                     or st == weight_grad_ws.MAX_STAGES)
             if i_dim % 256 == 0 and j_dim % 256 == 0:
                 assert (bi == 128) == p_gather
@@ -54,8 +56,8 @@ def test_staging_in_a_ring_slot():
     the output buffer is half the tile, and the ring is one slot deeper (4) within the same shared memory."""
     for i_dim, j_dim in ((512, 1536), (1536, 256), (2048, 4096), (4096, 1024)):
         for p_gather in (False, True):
-            own = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=False)
-            ring = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=True)
+            own = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=False, wg_split=False)
+            ring = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=True, wg_split=False)
             bi, bj, br = ring["BLOCK_I"], ring["BLOCK_J"], ring["BLOCK_R"]
             assert not own["STAGE_IN_RING"] and ring["STAGE_IN_RING"] and (bi, bj) == (own["BLOCK_I"], own["BLOCK_J"])
             assert weight_grad_ws.half_tile_fits_slot(bi, bj, br) and br * max(bi, bj) == bi * bj // 2
@@ -63,6 +65,40 @@ def test_staging_in_a_ring_slot():
             assert wgrad_ws_smem_bytes(bi, bj, br, 4, stage_in_ring=True) <= weight_grad_ws.SMEM_BUDGET
             assert wgrad_ws_smem_bytes(bi, bj, br, 5, stage_in_ring=True) > weight_grad_ws.SMEM_BUDGET
     assert not weight_grad_ws.half_tile_fits_slot(256, 128, 32)  # 32-row chunks: half a tile is two slots' worth
+
+
+def test_warpgroup_split_config():
+    """With the two MMA warpgroups as partitions of their own: no staging in the ring, the same tile and the same
+    4-slot ring as the staging in a ring slot (their store buffers are half a tile between them), whatever
+    SONICMOE_WGRAD_STAGE_IN_RING says; the switch SONICMOE_WGRAD_WG_SPLIT picks the form where unset."""
+    for i_dim, j_dim in ((512, 1536), (1536, 256), (2048, 4096), (4096, 1024)):
+        for p_gather in (False, True):
+            ring = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=True, wg_split=False)
+            split = wgrad_ws_config(i_dim, j_dim, p_gather, stage_in_ring=True, wg_split=True)
+            assert split["WG_SPLIT"] and not split["STAGE_IN_RING"] and not ring["WG_SPLIT"]
+            assert {k: split[k] for k in ("BLOCK_I", "BLOCK_J", "STAGES")} == {
+                k: ring[k] for k in ("BLOCK_I", "BLOCK_J", "STAGES")}
+            assert split["BLOCK_I"] // 2 >= 64  # each warpgroup's half: whole m64 wgmma rows
+
+
+def test_warpgroup_split_switches(monkeypatch):
+    """SONICMOE_WGRAD_WG_SPLIT 1 / 0 turns the split form on / off in the default config; SONICMOE_WGRAD_WG_PIECES
+    and SONICMOE_WGRAD_WG_TURNS set its store form. One piece per warpgroup needs a whole half tile of buffer each,
+    so the ring is a slot shorter; a piece count other than 1 or 2 is refused by name."""
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_SPLIT", "1")
+    assert wgrad_ws_config(2048, 4096, False)["WG_SPLIT"]
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_SPLIT", "0")
+    assert not wgrad_ws_config(2048, 4096, False)["WG_SPLIT"]
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_PIECES", "1")
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_TURNS", "1")
+    one = wgrad_ws_config(2048, 4096, False, wg_split=True)
+    assert one["WG_PIECES"] == 1 and one["WG_TURNS"] and one["STAGES"] == 3
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_PIECES", "2")
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_TURNS", "0")
+    two = wgrad_ws_config(2048, 4096, False, wg_split=True)
+    assert two["WG_PIECES"] == 2 and not two["WG_TURNS"] and two["STAGES"] == 4
+    with pytest.raises(ValueError, match="wg_pieces"):
+        wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=3)
 
 
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
@@ -170,8 +206,12 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         monkeypatch.setenv("SONICMOE_GLUON_WGRAD", "0")
         tri = varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=dtype)
         monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
-        # the default config, and the output tile through a buffer of its own / its right half through a ring slot
-        for cfg in [None] + [wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=r) for r in (False, True)]:
+        # the default config, the output tile through a buffer of its own / its right half through a ring slot, and
+        # the two MMA warpgroups as partitions of their own (WG_SPLIT) in each store form
+        cfgs = [wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=r, wg_split=False) for r in (False, True)]
+        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=pc, wg_turns=tu)
+                 for pc, tu in ((2, False), (2, True), (1, False), (1, True))]
+        for cfg in [None, *cfgs]:
             got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg, config=cfg)
             assert torch.isfinite(got).all(), cfg
             assert rel_err(got, ref) < 4e-3, (pg, cfg)

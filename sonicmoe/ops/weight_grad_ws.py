@@ -83,6 +83,23 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # 0.314; (16384, 1536, 256, 512, 8) dW1 0.589 against 0.639, dW2 0.323 against 0.332; (32768, 4096, 1024, 128, 8)
 # dW1 7.286 against 7.569, dW2 3.675 against 3.634; the same bits
 STAGE_IN_RING = True
+# WG_SPLIT: the two MMA warpgroups as two partitions of four warps, each with half the tile's I rows (the same wgmma
+# instructions: m64 × BLOCK_J per warpgroup) and its own (BLOCK_I / 2, BLOCK_J / 2) store buffer; they share the
+# ring (each slot's ``empty`` barrier counts both). At the end of a tile one warpgroup's stores run while the other,
+# up to STAGES − 1 chunks ahead, keeps the tensor cores busy, instead of both stopping for the tile's epilogue.
+# Session 56 (an H200, the kernel alone in settled 1.5 s windows, scripts/gather_path_probe.py): with the 8-warp
+# partition the output's store costs dW1 6% and dW2 7.5% at (32768, 4096, 1024, 128, 8) (7.81 against 7.31 ms and
+# 4.01 against 3.71 with the store skipped) and 9% at 7B. Split (2 pieces, no turns): dW1 7.760 against 7.950 ms,
+# dW2 3.841 against 4.059; 7B 0.589 against 0.599 and 0.303 against 0.306. The same bits (GPU tests).
+WG_SPLIT = True
+# registers of each MMA partition under WG_SPLIT (setmaxnreg): the loader's LOADER_REGS and twice this fit the
+# launch's 12 warps at MAXNREG (the first partition takes what is left, the same)
+WG_REGS = {128: 176, 256: 200}
+# under WG_SPLIT, the pieces each warpgroup stores its half tile in (its buffer holds one): 2 leaves the 4-slot ring
+# of STAGE_IN_RING, 1 (no wait for a store between the pieces) a 3-slot one; and whether the two epilogues take
+# turns (WG_TURNS; see _mma_half)
+WG_PIECES = 2
+WG_TURNS = False
 
 
 def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2,
@@ -100,26 +117,43 @@ def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
 
 
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R,
-                    stage_in_ring: bool | None = None) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "STAGES", "MAXNREG"} for dW (E, I, J), or None where the
-    kernel does not apply.
+                    stage_in_ring: bool | None = None, wg_split: bool | None = None, wg_pieces: int | None = None,
+                    wg_turns: bool | None = None) -> dict | None:
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "STAGES", "MAXNREG"}
+    for dW (E, I, J), or None where the kernel does not apply.
 
     The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
     are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
-    MAX_STAGES). ``stage_in_ring`` (default: ``SONICMOE_WGRAD_STAGE_IN_RING`` 1 or 0 where set, else
-    STAGE_IN_RING; only where :func:`half_tile_fits_slot`): the tile's right half leaves through the ring slot of
-    its last chunk, so the output buffer is half the tile."""
+    MAX_STAGES). ``wg_split`` (default: ``SONICMOE_WGRAD_WG_SPLIT`` 1 or 0 where set, else :data:`WG_SPLIT`): the two
+    MMA warpgroups as partitions of their own, each with half the tile's I rows and a store buffer for one of its
+    ``wg_pieces`` (default ``SONICMOE_WGRAD_WG_PIECES`` where set, else :data:`WG_PIECES`), the epilogues taking
+    turns with ``wg_turns`` (default ``SONICMOE_WGRAD_WG_TURNS`` 1 or 0 where set, else :data:`WG_TURNS`; see
+    :data:`WG_SPLIT`); then no staging in the ring. ``stage_in_ring`` (default:
+    ``SONICMOE_WGRAD_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING; only where :func:`half_tile_fits_slot`,
+    and not with ``wg_split``): the tile's right half leaves through the ring slot of its last chunk, so the output
+    buffer is half the tile. Both forms leave half a tile of buffers (the split in two pieces), so both have the
+    same ring."""
+    if wg_split is None:
+        wg_split = env_switch("SONICMOE_WGRAD_WG_SPLIT", WG_SPLIT)
+    if wg_pieces is None:
+        wg_pieces = int(os.environ.get("SONICMOE_WGRAD_WG_PIECES", WG_PIECES))
+    if wg_turns is None:
+        wg_turns = env_switch("SONICMOE_WGRAD_WG_TURNS", WG_TURNS)
+    if wg_pieces not in (1, 2):
+        raise ValueError(f"wg_pieces: expected 1 or 2 store pieces per warpgroup, got {wg_pieces}")
     if stage_in_ring is None:
         stage_in_ring = env_switch("SONICMOE_WGRAD_STAGE_IN_RING", STAGE_IN_RING)
     shapes = ((256, 128), (128, 256)) if not p_gather else ((128, 256), (256, 128))
     for bi, bj in shapes:
         if i_dim > 0 and j_dim > 0 and i_dim % bi == 0 and j_dim % bj == 0:
-            ring = stage_in_ring and half_tile_fits_slot(bi, bj, block_r)
-            base = wgrad_ws_smem_bytes(bi, bj, block_r, 0, stage_in_ring=ring)
-            per_stage = wgrad_ws_smem_bytes(bi, bj, block_r, 1, stage_in_ring=ring) - base
+            ring = stage_in_ring and half_tile_fits_slot(bi, bj, block_r) and not wg_split
+            half = ring or (wg_split and wg_pieces == 2)
+            base = wgrad_ws_smem_bytes(bi, bj, block_r, 0, stage_in_ring=half)
+            per_stage = wgrad_ws_smem_bytes(bi, bj, block_r, 1, stage_in_ring=half) - base
             stages = min(MAX_STAGES, (SMEM_BUDGET - base) // per_stage)
             if stages >= 2:
-                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring, "STAGES": stages,
+                return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring,
+                        "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "STAGES": stages,
                         "MAXNREG": MAXNREG[bj]}
     return None
 
@@ -127,18 +161,18 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
 if HAVE_GLUON:
 
     @gluon.jit
-    def gather_ring_barriers(STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr):
+    def gather_ring_barriers(STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr, CONSUMERS: gl.constexpr = 1):
         """The mbarriers of a ring of ``STAGES`` slots filled partly by TMA and partly by the ``cp.async`` of
         ``LOADER_WARPS`` loader warps (the Gluon kernels whose loaders gather rows): per slot ``tma_ready`` (one
         arrival plus the TMA bytes), ``cp_ready`` (every loader thread arrives once its copies have landed) and
-        ``empty`` (the MMAs that read the slot are done)."""
+        ``empty`` (the MMAs that read the slot are done: one arrival from each of ``CONSUMERS`` MMA partitions)."""
         tma_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         cp_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(tma_ready.index(i), count=1)
             mbarrier.init(cp_ready.index(i), count=LOADER_WARPS * 32)
-            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
         return tma_ready, cp_ready, empty
 
     @gluon.jit
@@ -279,6 +313,80 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
+    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr, total_tiles,
+                  tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+                  STAGES: gl.constexpr, HALF: gl.constexpr, PIECES: gl.constexpr, TURNS: gl.constexpr,
+                  PART: gl.constexpr):
+        """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
+        of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
+        have arrived on its ``empty`` barrier), then that half tile by ``PIECES`` TMA stores through
+        ``out_smem.index(HALF)`` (a (BLOCK_I/2, BLOCK_J/PIECES) buffer).
+        The two warpgroups are in step only through the ring: while one writes its half tile, the other can run up
+        to STAGES − 1 chunks ahead at the whole tensor-core rate. ``TURNS``: the epilogues take turns (warpgroup 0's
+        of tile i after warpgroup 1's of tile i − 1, warpgroup 1's after warpgroup 0's of tile i, through the two
+        ``turn`` mbarriers), so they never run at once and the warpgroups settle out of phase, one's epilogue
+        beside the other's MMAs. The same k-steps in the same order as :func:`_mma`: the same bits."""
+        HI: gl.constexpr = BLOCK_I // 2
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_J, 16])
+        buf = out_smem.index(HALF)
+        step = 0
+        i = 0
+        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+            chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
+            acc = gl.zeros((HI, BLOCK_J), dtype=gl.float32, layout=acc_layout)
+            for c in range(chunks):
+                s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
+                a = p_bufs.index(s).slice(HALF * HI, HI, dim=1).permute((1, 0))
+                acc = warpgroup_mma(a, q_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
+            if TURNS:
+                if HALF == 0:
+                    mbarrier.wait(turn.index(1), (i + 1) & 1, pred=i > 0)
+                else:
+                    mbarrier.wait(turn.index(0), i & 1)
+            if PART == 0:
+                _store_pieces(acc, buf, out_desc, e * I + i0 + HALF * HI, j0, PIECES)
+            elif I < 0:
+                _store_pieces(acc, buf, out_desc, e * I + i0 + HALF * HI, j0, PIECES)
+            if TURNS:
+                gl.thread_barrier()
+                mbarrier.arrive(turn.index(HALF))
+            i += 1
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _store_pieces(acc, buf, out_desc, row, col, PIECES: gl.constexpr):
+        """The register tile ``acc`` to ``out_desc`` at (row, col) by TMA stores through the one buffer ``buf``:
+        whole (``PIECES`` 1), or its two column halves in turn (2), each written once the buffer's previous store
+        has read it."""
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
+        if PIECES == 1:
+            buf.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(out_desc, [row, col], buf)
+        else:
+            W: gl.constexpr = acc.shape[1] // 2
+            left, right = column_halves(acc)
+            buf.store(left.to(out_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(out_desc, [row, col], buf)
+            tma.store_wait(pendings=0)
+            gl.thread_barrier()
+            buf.store(right.to(out_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(out_desc, [row, col + W], buf)
+
+    @gluon.jit
     def _store_halves(acc, out_smem, stage, out_desc, row, col):
         """The tile ``acc`` to ``out_desc`` (whose box is half the tile, (BLOCK_I, BLOCK_J / 2)) at (row, col) by two
         TMA stores: the right half from ``stage`` (a ring slot), then the left half from ``out_smem`` once its
@@ -311,19 +419,39 @@ if HAVE_GLUON:
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
-                         STAGE_IN_RING: gl.constexpr):
+                         STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
+                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
-        gl.warp_specialize([
-            (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
-                    tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING)),
-            (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready,
-                       empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I, BLOCK_J,
-                       BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
-        ], [LOADER_WARPS], [LOADER_REGS])
+        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS, 2 if WG_SPLIT else 1)
+        if WG_SPLIT:
+            out_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for w in gl.static_range(2):
+                mbarrier.init(turn.index(w), count=1)
+            gl.warp_specialize([
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
+                             total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, WG_PIECES,
+                             WG_TURNS, PART)),
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
+                             total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, WG_PIECES,
+                             WG_TURNS, PART)),
+                (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
+                           cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
+                           BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
+            ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
+            for w in gl.static_range(2):
+                mbarrier.invalidate(turn.index(w))
+        else:
+            out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+            gl.warp_specialize([
+                (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles,
+                        tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING)),
+                (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
+                           cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
+                           BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
+            ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
 
@@ -375,8 +503,10 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
-            through a ring slot; only where :func:`half_tile_fits_slot` holds), "MAXNREG", "LOADER_WARPS",
-            "LOADER_REGS", "PART" (probes: 1 skips the output) (default :func:`wgrad_ws_config`).
+            through a ring slot; only where :func:`half_tile_fits_slot` holds), "WG_SPLIT" with "WG_PIECES",
+            "WG_TURNS" and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`),
+            "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
+            :func:`wgrad_ws_config`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -396,14 +526,18 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     ring = bool(cfg.get("STAGE_IN_RING", False))
+    split = bool(cfg.get("WG_SPLIT", False))
+    pieces = cfg.get("WG_PIECES", WG_PIECES)
+    # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
+    box = [bi // 2, bj // pieces] if split else [bi, bj // 2 if ring else bj]
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
-        _descriptor(out.view(e * i_dim, j_dim), [bi, bj // 2 if ring else bj]), row_token, expert_offsets, total,
-        tiles_j,
+        _descriptor(out.view(e * i_dim, j_dim), box), row_token, expert_offsets, total, tiles_j,
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, num_warps=MMA_WARPS,
-        maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
+        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[bj]),
+        WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)),
+        num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out

@@ -1,0 +1,215 @@
+"""Is it the row gather that makes the gather-fused Gluon kernels spend more energy per FLOP than cuBLAS? GPU only.
+
+Session 55's energy table at (32768, 4096, 1024, 128, 8) split the GEMMs in two: the kernels that gather rows by
+``cp.async`` (the up-projection, dH, dW1, dW2) spent 16-33% more joules per FLOP than their dense cuBLAS twins, the
+two that load every operand by TMA (the down-projection and dX̃ on :mod:`sonicmoe.ops.varlen_m_ws`) 7%. This probe
+runs each gather-fused kernel
+
+* as the layer runs it (rows of X or dO gathered in token order),
+* on the gathered operand made contiguous beforehand, with the identity as row tokens (the same ``cp.async`` path,
+  rows in order: the same bits),
+* with ``PART`` 1 where the kernel has it (the MMAs alone),
+
+beside :func:`sonicmoe.ops.varlen_m_ws.long_gemm` on that contiguous copy (the same product with A by TMA, one
+128 × 256 chain, no epilogue math) and the dense cuBLAS twin, every item back to back for a settled warm-up and
+timed over a window with its energy per call (``energy_probe.measure_items``). Outputs of the contiguous runs are
+checked bitwise against the gathered ones.
+
+usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
+
+``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
+dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
+two (``WG_SPLIT``) in each store form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from energy_probe import measure_passes, probe_problem, write_rows  # noqa: E402
+from kernel_breakdown import dense_rows  # noqa: E402
+
+from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
+from sonicmoe.ops import dh_ws, up_proj_ws, weight_grad_ws  # noqa: E402
+from sonicmoe.ops.varlen_m_ws import long_gemm  # noqa: E402
+
+
+def identity_routing(routing):
+    """``routing`` with row r reading token r: the rows of a contiguous, pre-gathered operand in order."""
+    r = routing.num_rows
+    ident = torch.arange(r, device=routing.row_token.device, dtype=routing.row_token.dtype)
+    return dataclasses.replace(routing, num_tokens=r, row_token=ident)
+
+
+def same(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    if not torch.equal(a, b):
+        raise AssertionError(f"{name}: the contiguous run's output differs from the gathered run's")
+
+
+def items(shape: str, kernels: list[str]) -> list:
+    """(name, fn, FLOPs) of each kernel in each form."""
+    p, routing, s_pair = probe_problem(shape)
+    t, d, n, e, k = (int(v) for v in shape.split(","))
+    x, w1, w2 = p["x"], p["w1"], p["w2"]
+    r = routing.num_rows
+    gemm = 2 * r * n * d
+    ident = identity_routing(routing)
+    tok = routing.row_token.long()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    dout = torch.randn(t, d, device="cuda", dtype=x.dtype, generator=g)
+    xg, dog = x[tok].contiguous(), dout[tok].contiguous()
+    h, _ = up_proj_ws.up_proj_ws(x, w1, None, routing)
+    s_row = routing.row_scores(s_pair).float()
+    dh_, ap_, _ = dh_ws.dh_ws(dout, w2, h, s_row, routing)
+    twins = {name: (fn, fl) for name, fn, fl in dense_rows(t, d, n, e, k)}
+    off = routing.expert_offsets
+    out = []
+    if "up" in kernels:
+        same("up", up_proj_ws.up_proj_ws(xg, w1, None, ident)[0], h)
+        part1 = {**up_proj_ws.up_ws_config(d), "PART": 1}
+        out += [
+            ("up gathered (layer)", lambda: up_proj_ws.up_proj_ws(x, w1, None, routing), 2 * gemm),
+            ("up contiguous rows", lambda: up_proj_ws.up_proj_ws(xg, w1, None, ident), 2 * gemm),
+            ("up gathered, MMAs alone", lambda: up_proj_ws.up_proj_ws(x, w1, None, routing, config=part1), 2 * gemm),
+            ("up contiguous, MMAs alone", lambda: up_proj_ws.up_proj_ws(xg, w1, None, ident, config=part1),
+             2 * gemm),
+            ("up product by long_gemm (TMA A)", lambda: long_gemm(xg, w1, None, routing, transpose_b=True), 2 * gemm),
+            ("up dense twin", *twins["up-proj (gather+SwiGLU)"]),
+        ]
+    if "dH" in kernels:
+        same("dH", dh_ws.dh_ws(dog, w2, h, s_row, ident)[0], dh_)
+        part1 = {**dh_ws.dh_ws_config(n), "PART": 1}
+        out += [
+            ("dH gathered (layer)", lambda: dh_ws.dh_ws(dout, w2, h, s_row, routing), gemm),
+            ("dH contiguous rows", lambda: dh_ws.dh_ws(dog, w2, h, s_row, ident), gemm),
+            ("dH gathered, MMAs alone", lambda: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=part1), gemm),
+            ("dH contiguous, MMAs alone", lambda: dh_ws.dh_ws(dog, w2, h, s_row, ident, config=part1), gemm),
+            ("dA' by long_gemm (TMA A)", lambda: long_gemm(dog, w2, None, routing, transpose_b=False), gemm),
+            ("dH dense twin", *twins["dH (dA', dS, dH, A')"]),
+        ]
+    if "dW1" in kernels:
+        ref = weight_grad_ws.wgrad_ws(dh_, x, routing.row_token, off, p_gather=False)
+        same("dW1", weight_grad_ws.wgrad_ws(dh_, xg, ident.row_token, off, p_gather=False), ref)
+        out += [
+            ("dW1 gathered (layer)", lambda: weight_grad_ws.wgrad_ws(dh_, x, routing.row_token, off, p_gather=False),
+             2 * gemm),
+            ("dW1 contiguous rows", lambda: weight_grad_ws.wgrad_ws(dh_, xg, ident.row_token, off, p_gather=False),
+             2 * gemm),
+            ("dW1 dense twin", *twins["dW1 (varlen-K)"]),
+        ]
+    if "dW2" in kernels:
+        ref = weight_grad_ws.wgrad_ws(dout, ap_, routing.row_token, off, p_gather=True)
+        same("dW2", weight_grad_ws.wgrad_ws(dog, ap_, ident.row_token, off, p_gather=True), ref)
+        out += [
+            ("dW2 gathered (layer)", lambda: weight_grad_ws.wgrad_ws(dout, ap_, routing.row_token, off,
+                                                                     p_gather=True), gemm),
+            ("dW2 contiguous rows", lambda: weight_grad_ws.wgrad_ws(dog, ap_, ident.row_token, off, p_gather=True),
+             gemm),
+            ("dW2 dense twin", *twins["dW2 (varlen-K)"]),
+        ]
+    if "wg" in kernels:
+        out += wgrad_forms(x, xg, dout, dog, h, dh_, ap_, routing, ident, n, d)
+    if "wgsplit" in kernels:
+        out += wgrad_split_forms(x, dout, dh_, ap_, routing, n, d)
+    return out
+
+
+# (name, WG_SPLIT, WG_PIECES, WG_TURNS) of the weight-gradient kernel's forms under ``--kernels wgsplit``
+SPLIT_FORMS = (("8-warp MMA partition", False, 2, False), ("split, 2 pieces", True, 2, False),
+               ("split, 2 pieces, turns", True, 2, True), ("split, 1 piece", True, 1, False),
+               ("split, 1 piece, turns", True, 1, True))
+
+
+def wgrad_split_forms(x, dout, dh_, ap_, routing, n, d) -> list:
+    """dW1 and dW2 as the layer runs them under each of :data:`SPLIT_FORMS` (the MMA warpgroups as one partition or
+    two, their store pieces, their epilogues taking turns or not), each checked bitwise against the first."""
+    gemm = 2 * routing.num_rows * n * d
+    tok, off = routing.row_token, routing.expert_offsets
+    out = []
+    for name, pp, qq, pg, (i_dim, j_dim), fl in (("dW1", dh_, x, False, (2 * n, d), 2 * gemm),
+                                                 ("dW2", dout, ap_, True, (d, n), gemm)):
+        ref = None
+        for form, split, pieces, turns in SPLIT_FORMS:
+            cfg = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, wg_split=split, wg_pieces=pieces, wg_turns=turns)
+
+            def fn(pp=pp, qq=qq, pg=pg, cfg=cfg):
+                return weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=cfg)
+            got = fn()
+            if ref is None:
+                ref = got
+            same(f"{name} {form}", got, ref)
+            out.append((f"{name} {form} ({cfg['STAGES']} slots)", fn, fl))
+    return out
+
+
+def wgrad_forms(x, xg, dout, dog, h, dh_, ap_, routing, ident, n, d) -> list:
+    """The weight gradients beyond the gather (``--kernels wg``): the output skipped (``PART`` 1), the other tile
+    shape, contiguous operands with every expert at exactly R / E rows (no partial chunk, the dense twin's
+    problem), and the dense twin with its first operand K-major (as ``dense_rows`` has it) and MN-major (as the
+    kernel reads it)."""
+    e = routing.num_experts
+    r = routing.num_rows
+    gemm = 2 * r * n * d
+    m = r // e
+    bal = torch.arange(e + 1, device="cuda", dtype=routing.expert_offsets.dtype) * m
+    off, tok, itok = routing.expert_offsets, routing.row_token, ident.row_token
+    g = torch.Generator(device="cuda").manual_seed(3)
+    xb = torch.randn(e, m, d, device="cuda", dtype=x.dtype, generator=g)
+    hb = torch.randn(e, m, 2 * n, device="cuda", dtype=x.dtype, generator=g)
+    ab = torch.randn(e, m, n, device="cuda", dtype=x.dtype, generator=g)
+    ob = xb  # dO's rows for dW2's problems: (e, m, d), as X's
+    out = []
+    for name, pp, qq, pg, (i_dim, j_dim), fl, (pb, qb) in (
+            ("dW1", dh_, x, False, (2 * n, d), 2 * gemm, (hb, xb)),
+            ("dW2", dout, ap_, True, (d, n), gemm, (ob, ab))):
+        cfg = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, wg_split=False)
+        alt = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, not pg, wg_split=False)
+        split = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, wg_split=True)
+        same(f"{name} WG_SPLIT", weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=split),
+             weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=cfg))
+        shape = f"{cfg['BLOCK_I']}x{cfg['BLOCK_J']}"
+        alt_shape = f"{alt['BLOCK_I']}x{alt['BLOCK_J']}"
+        p2, q2, pt = pb.view(r, -1), qb.view(r, -1), pb.transpose(1, 2).contiguous()
+        out += [
+            (f"{name} layer ({shape})", lambda pp=pp, qq=qq, pg=pg: weight_grad_ws.wgrad_ws(pp, qq, tok, off,
+                                                                                          p_gather=pg), fl),
+            (f"{name} output skipped", lambda pp=pp, qq=qq, pg=pg, c={**cfg, "PART": 1}: weight_grad_ws.wgrad_ws(
+                pp, qq, tok, off, p_gather=pg, config=c), fl),
+            (f"{name} warpgroups split", lambda pp=pp, qq=qq, pg=pg, c=split: weight_grad_ws.wgrad_ws(
+                pp, qq, tok, off, p_gather=pg, config=c), fl),
+            (f"{name} warpgroups split, output skipped", lambda pp=pp, qq=qq, pg=pg, c={**split, "PART": 1}:
+             weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=c), fl),
+            (f"{name} tile {alt_shape}", lambda pp=pp, qq=qq, pg=pg, c=alt: weight_grad_ws.wgrad_ws(
+                pp, qq, tok, off, p_gather=pg, config=c), fl),
+            (f"{name} balanced contiguous ({shape})", lambda p2=p2, q2=q2, pg=pg: weight_grad_ws.wgrad_ws(
+                p2, q2, itok, bal, p_gather=pg), fl),
+            (f"{name} twin, P K-major", lambda pt=pt, qb=qb: torch.bmm(pt, qb), fl),
+            (f"{name} twin, P MN-major", lambda pb=pb, qb=qb: torch.bmm(pb.transpose(1, 2), qb), fl),
+        ]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="32768,4096,1024,128,8")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit")
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--window", type=float, default=1.5)
+    ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    its = items(args.shape, args.kernels.split(","))
+    rows = measure_passes(Nvml(), its, args.passes, args.warmup, args.window, args.shape)
+    write_rows(args.json, args.shape, rows)
+
+
+if __name__ == "__main__":
+    main()
