@@ -61,6 +61,8 @@
 #          (scripts/tr_layer_profile.py on TRLAYER_SHAPES T,d,n,E,K ...)
 #   energy joules per call of every kernel of the layer, of its dense cuBLAS twin and of the whole layer, with the
 #          board's watts and SM clock (scripts/energy_probe.py; ENERGY_SHAPE, default the 7B shape)
+#   gather the gather-fused kernels against contiguous rows, their MMAs alone, TMA loads and their dense twins, and the
+#          weight gradients' warpgroup forms (scripts/gather_path_probe.py on GATHER_SHAPES, GATHER_KERNELS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
@@ -384,6 +386,18 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         ${ENERGY_ARGS:-} --json "$OUT/energy${ENERGY_SHAPE:+_${ENERGY_SHAPE//,/_}}.json" > "$OUT/energy.txt" 2>&1
       cp "$OUT/energy.txt" "$FINAL/energy$TAG${ENERGY_SHAPE:+_${ENERGY_SHAPE//,/_}}.txt"
       SUMMARY+=("$(grep -v Warning "$OUT/energy.txt" | tail -40)")
+      ;;
+    gather)
+      # the gather-fused kernels gathered, on contiguous rows, MMAs alone, by TMA and against their dense twins, and
+      # the weight gradients' forms (scripts/gather_path_probe.py; GATHER_SHAPES T,d,n,E,K ..., GATHER_KERNELS,
+      # default up,dH,dW1,dW2,wgsplit); the tables also land in $FINAL
+      for shp in ${GATHER_SHAPES:-32768,4096,1024,128,8 24576,1536,256,128,8}; do
+        timeout ${GATHER_LIMIT_S:-400} python3 scripts/gather_path_probe.py --shape "$shp" \
+          --kernels "${GATHER_KERNELS:-up,dH,dW1,dW2,wgsplit}" --json "$OUT/gather_${shp//,/_}.json" \
+          > "$OUT/gather_${shp//,/_}.txt" 2>&1
+        cp "$OUT/gather_${shp//,/_}.txt" "$FINAL/gather${TAG}_${shp//,/_}.txt"
+        SUMMARY+=("$(grep -v Warning "$OUT/gather_${shp//,/_}.txt" | tail -30)")
+      done
       ;;
     ncu)
       # Nsight Compute profiles of one expert kernel each (scripts/ncu_target.py): NCU_RUNS is a list of

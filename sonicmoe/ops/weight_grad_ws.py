@@ -25,9 +25,13 @@ Here each persistent program splits its warps by role:
   so they add exactly nothing, as in the Triton kernel);
 * the **MMA warps** (two warpgroups) run the asynchronous wgmma chain of each tile over the ring, one chunk in
   flight, then write the tile (cast to the output dtype) through shared memory by TMA stores, while the loader
-  already fills the ring with the next tile's chunks. The tile's left half goes through a buffer of its own, its
-  right half through the ring slot of the tile's last chunk (``STAGE_IN_RING``, session 41), which goes back to the
-  loader once that store has read it: the buffer is half a tile, and the ring has a fourth slot.
+  already fills the ring with the next tile's chunks. By default (``WG_SPLIT``, session 56) each warpgroup is a
+  partition of its own with half the tile's I rows: the two share the ring (a slot goes back to the loader once
+  both have read it), and while one stores its half tile in two pieces through a quarter-tile buffer, the other
+  runs ahead on the next chunks, so the tensor cores no longer stop for every tile's store. In the one-partition
+  form the tile's left half goes through a buffer of its own, its right half through the ring slot of the tile's
+  last chunk (``STAGE_IN_RING``, session 41), which goes back to the loader once that store has read it. Either way
+  the buffers are half a tile, and the ring has a fourth slot.
 
 Tiles are numbered expert by expert, (BLOCK_I, BLOCK_J) output blocks within an expert, J fastest; program p takes
 tiles p, p + P, ... Chunks are added in row order, BLOCK_R rows at a time, so the result is bitwise that of the
