@@ -99,6 +99,9 @@ def test_warpgroup_split_switches(monkeypatch):
     assert two["WG_PIECES"] == 2 and not two["WG_TURNS"] and two["STAGES"] == 4
     with pytest.raises(ValueError, match="wg_pieces"):
         wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=3)
+    monkeypatch.setenv("SONICMOE_WGRAD_WG_PIECES", "four")
+    with pytest.raises(ValueError, match="SONICMOE_WGRAD_WG_PIECES"):
+        wgrad_ws_config(2048, 4096, False, wg_split=True)
 
 
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):

@@ -140,7 +140,10 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
     if wg_split is None:
         wg_split = env_switch("SONICMOE_WGRAD_WG_SPLIT", WG_SPLIT)
     if wg_pieces is None:
-        wg_pieces = int(os.environ.get("SONICMOE_WGRAD_WG_PIECES", WG_PIECES))
+        env = os.environ.get("SONICMOE_WGRAD_WG_PIECES", str(WG_PIECES)).strip()
+        if env not in ("1", "2"):
+            raise ValueError(f"SONICMOE_WGRAD_WG_PIECES: expected 1 or 2 store pieces per warpgroup, got {env!r}")
+        wg_pieces = int(env)
     if wg_turns is None:
         wg_turns = env_switch("SONICMOE_WGRAD_WG_TURNS", WG_TURNS)
     if wg_pieces not in (1, 2):
