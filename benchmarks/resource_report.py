@@ -184,6 +184,8 @@ def spaces(which: str) -> dict:
         "up_ws": [{"STAGES": s, "GU_FUSED": f} for s in (up_proj_ws.up_ws_config(4096)["STAGES"], 3)
                   for f in (False, True)]
                  + [{"STAGES": 4, "PART": 1}]
+                 + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "WG_SPLIT": True, "PART": p} for p in (0, 1)]
+                 + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "H_PACKED": False}]
                  + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],
         "down_ws": [grouped_gemm_ws.ws_config(n, stage_in_ring=r) for r in (False, True)],
         "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False, stage_in_ring=r) for r in (False, True)],

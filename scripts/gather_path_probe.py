@@ -16,11 +16,12 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
-two (``WG_SPLIT``) in each store form.
+two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
+(``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone.
 """
 
 from __future__ import annotations
@@ -122,7 +123,27 @@ def items(shape: str, kernels: list[str]) -> list:
         out += wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d)
     if "wgsplit" in kernels:
         out += wgrad_split_forms(x, dout, dh_, ap_, routing, n, d)
+    if "upsplit" in kernels:
+        out += up_split_forms(x, w1, routing, d, 2 * gemm)
     return out
+
+
+def up_split_forms(x, w1, routing, d, flops) -> list:
+    """The up-projection without a storer: its MMA warpgroups as one 8-warp partition or as two (``WG_SPLIT``), and
+    H rounded by packed cvts (``H_PACKED``) or by ``.to``, whole and MMAs alone (``--kernels upsplit``); each form's
+    H and A checked bitwise against the first's."""
+    base = up_proj_ws.up_ws_config(d, epi_warps=0, wg_split=False)
+    forms = (("8-warp MMA partition", base), ("8-warp, H by .to", {**base, "H_PACKED": False}),
+             ("split", up_proj_ws.up_ws_config(d, epi_warps=0, wg_split=True)))
+    ref = up_proj_ws.up_proj_ws(x, w1, None, routing, config=base)
+    for name, cfg in forms[1:]:
+        got = up_proj_ws.up_proj_ws(x, w1, None, routing, config=cfg)
+        same(f"up {name} H", got[0], ref[0])
+        same(f"up {name} A", got[1], ref[1])
+    return [(f"up {name}{part_name}", lambda c={**cfg, "PART": part}: up_proj_ws.up_proj_ws(x, w1, None, routing,
+                                                                                          config=c), flops)
+            for part, part_name in ((0, ""), (1, ", MMAs alone"))
+            for name, cfg in (forms if part == 0 else forms[::2])]
 
 
 # (name, WG_SPLIT, WG_PIECES, WG_TURNS) of the weight-gradient kernel's forms under ``--kernels wgsplit``
@@ -203,7 +224,7 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)

@@ -42,6 +42,21 @@ def test_config_fits_shared_memory(monkeypatch):
     assert 32 * (4 * up_proj_ws.LOADER_REGS + 4 * up_proj_ws.EPI_REGS + up_proj_ws.MMA_WARPS * 168) <= 65536
 
 
+def test_wg_split_config(monkeypatch):
+    """WG_SPLIT only without a storer; the switch SONICMOE_UP_WG_SPLIT overrides the default; the two MMA
+    partitions' registers (WG_REGS each) and the loader's fit what the launch holds."""
+    monkeypatch.delenv("SONICMOE_UP_EPI", raising=False)
+    monkeypatch.setenv("SONICMOE_UP_WG_SPLIT", "1")
+    assert up_ws_config(4096)["WG_SPLIT"] and not up_ws_config(1536)["WG_SPLIT"]
+    assert up_ws_config(4096)["STAGES"] == up_ws_config(4096, wg_split=False)["STAGES"]  # same staging bytes
+    monkeypatch.setenv("SONICMOE_UP_WG_SPLIT", "0")
+    assert not up_ws_config(4096)["WG_SPLIT"] and up_ws_config(4096, wg_split=True)["WG_SPLIT"]
+    monkeypatch.delenv("SONICMOE_UP_WG_SPLIT")
+    assert up_ws_config(4096)["WG_SPLIT"] == up_proj_ws.WG_SPLIT
+    held = (up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS) * 32 * up_proj_ws.MAXNREG
+    assert 32 * (4 * up_proj_ws.LOADER_REGS + up_proj_ws.MMA_WARPS * up_proj_ws.WG_REGS) <= held
+
+
 @pytest.mark.parametrize("gpu,small_d", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True),
                                          ("NVIDIA H100 80GB HBM3", False), ("NVIDIA GH200 480GB", False)])
 def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
@@ -235,6 +250,38 @@ def test_gpu_storer_partition_same_bits(case, chunk, h_tma, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
+def test_gpu_wg_split_same_bits(case, dtype, monkeypatch):
+    """With the MMA warpgroups as two partitions (WG_SPLIT, no storer): H and A within rounding of the float32 loop,
+    no NaN left by the poison fill, the same bits as the 8-warp partition with and without bias and H, and the
+    MMAs alone (PART 1) give the 8-warp partition's row sums."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    routing = random_topk_routing(t, e, k, seed=t + 2)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(t, d, device="cuda", generator=g).to(dtype)
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    split, whole = up_ws_config(epi_warps=0, wg_split=True), up_ws_config(epi_warps=0, wg_split=False)
+    assert split["WG_SPLIT"] and not whole["WG_SPLIT"]
+    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(dtype)):
+        x0, w0 = x.clone(), w1.clone()
+        h, a = run_ws(x, w1, bias, routing, config=split)
+        h_ref, a_ref = up_proj.up_proj_ref(x, w1, bias, routing)
+        assert rel_err(h, h_ref) < 5e-3 and rel_err(a, a_ref) < 1e-2
+        h0, a0 = run_ws(x, w1, bias, routing, config=whole)
+        assert torch.equal(h, h0) and torch.equal(a, a0)
+        none, a1 = run_ws(x, w1, bias, routing, store_h=False, config=split)
+        assert none is None and torch.equal(a1, a0)
+        assert torch.equal(x, x0) and torch.equal(w1, w0)
+    _, s1 = run_ws(x, w1, None, routing, config=dict(split, PART=1))
+    _, s0 = run_ws(x, w1, None, routing, config=dict(whole, PART=1))
+    nt = n // up_proj_ws.BLOCK_N
+    assert torch.equal(s1[:, :nt], s0[:, :nt])
+
+
+@pytest.mark.gpu
 def test_gpu_part_mmas_alone():
     """PART 1 (timing only) runs the MMAs alone: A's column j holds, for every row, the sum of the gate and up
     products over N-tile j's channels (H unwritten), within float32 rounding of the reference."""
@@ -274,3 +321,39 @@ def test_gpu_layer_uses_gluon_up_projection(monkeypatch):
     assert rel_err(on[0], off[0]) < 5e-3
     for name in on[1]:
         assert rel_err(on[1][name], off[1][name]) < 2e-2, name
+
+
+if grouped_gemm_ws.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _round_pairs_kernel(src_ptr, dst_ptr, BLOCK: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        offs = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))[:, None] * 64 + \
+            gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :]
+        v = gl.load(src_ptr + offs)
+        gl.store(dst_ptr + offs, up_proj_ws._round_pairs(v, dst_ptr.dtype.element_ty))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_round_pairs_matches_to(dtype):
+    """The epilogue's packed rounding (two elements per cvt) has the bits of ``.to(dtype)`` (round to nearest even):
+    on random values across many exponents, exact ties, values past the format's range, infinities and NaN."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(128, 64, device="cuda", generator=g) * torch.exp2(torch.randint(-30, 30, (128, 64), device="cuda",
+                                                                                    generator=g).float())
+    low = torch.randn(16, 64, device="cuda", generator=g).to(dtype)
+    above = (low.view(torch.int16) + 1).view(dtype)  # the next value away from zero
+    v[:16] = (low.float() + above.float()) / 2  # exact ties (in float32): the even one wins
+    v[16, :4] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e30])
+    v[17, :2] = torch.finfo(dtype).max * 1.001
+    out = torch.full_like(v, float("nan"), dtype=dtype)
+    _round_pairs_kernel[(1,)](v, out, BLOCK=128, num_warps=4)
+    want = v.to(dtype)
+    both_nan = torch.isnan(out) & torch.isnan(want)
+    assert torch.equal(out.view(torch.int16)[~both_nan], want.view(torch.int16)[~both_nan])
+    assert both_nan.sum() == torch.isnan(v).sum() == 1
