@@ -135,12 +135,19 @@ EPI_H_TMA = False
 # ring (each slot's ``empty`` barrier counts both). At the end of a tile one warpgroup's SwiGLU epilogue and stores
 # run while the other, up to STAGES − 1 K-blocks ahead, keeps the tensor cores busy, instead of both stopping for
 # the epilogue (0.55 ms of 7.93 at (32768, 4096, 1024, 128, 8) on an H200, session 56). The weight gradients' form
-# of the same idea (weight_grad_ws.WG_SPLIT) took 1% off that layer. SONICMOE_UP_WG_SPLIT (1 or 0) overrides it.
+# of the same idea (weight_grad_ws.WG_SPLIT) took 1% off that layer. Off: slower here. Session 57 (an H200, the
+# kernel alone at that shape): 8.022 against 7.871 ms with H rounded by .to, 7.712 against 7.694 with H_PACKED; the
+# layer's forward+backward 36.13 against 35.67 ms (3 of 3 rounds). Each half's three stores, each drained before the
+# next, take about as long as the whole tile's did, and the halves no longer overlap each other's. Same bits (GPU
+# tests). SONICMOE_UP_WG_SPLIT (1 or 0) overrides it.
 WG_SPLIT = False
 WG_REGS = 200  # registers of each MMA partition under WG_SPLIT (setmaxnreg; the loader keeps LOADER_REGS)
 # H_PACKED: the epilogue rounds H's gate and up blocks two elements per cvt (_round_pairs) instead of by ``.to``,
 # which the compiler emits one F2F per element for (the rounded values also feed the SwiGLU); the same bits.
-# SONICMOE_UP_H_PACKED (1 or 0) overrides it (up_ws_config), for A/Bs
+# Session 57 (an H200, benchmarks/results/2026-12-02_nvidia-h200_session57/): at (32768, 4096, 1024, 128, 8) the
+# kernel alone 7.694 against 7.822 ms (the MMAs alone 7.313), the layer's forward 11.73 against 11.88 ms (3 of 3
+# fresh-process rounds), forward+backward level; 7B (the storer's path) level. SONICMOE_UP_H_PACKED (1 or 0)
+# overrides it (up_ws_config), for A/Bs
 H_PACKED = True
 
 
@@ -321,8 +328,7 @@ if HAVE_GLUON:
         """``acc`` (float32) rounded to nearest-even in ``dtype`` (bf16 or fp16), two elements per ``cvt`` (the
         packed ``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``): the bits of ``acc.to(dtype)``. Where the rounded values
         also feed the SwiGLU, the compiler keeps ``.to`` per element (one F2F each, ``benchmarks/resource_report.py``
-        and nvdisasm: 128 a thread per tile against 32 packed for A), and the conversion unit, not the tensor cores,
-        sets the pace of the epilogue."""
+        and nvdisasm: 128 a thread per tile against 32 packed for A): :data:`H_PACKED`."""
         if dtype == gl.bfloat16:
             return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [acc], dtype=gl.bfloat16,
                                              is_pure=True, pack=2)
