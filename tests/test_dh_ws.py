@@ -218,7 +218,7 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     the same bits on a second run, the inputs untouched; dH and A′ bitwise the Triton kernel's (the same dA′
     accumulation order and epilogue arithmetic); the default config, pointer stores instead of TMA stores, 128-wide
     tiles with every H block prefetched, 16-channel blocks (16 per 256-wide tile), and 32-deep K-blocks in a deeper
-    ring."""
+    ring, and the sigmoid by the ftz forms (SIGMOID_FTZ)."""
     routing, dout, w2, h, s = _gpu_inputs(case, dtype, 1, monkeypatch)
     n = w2.shape[2]
     ins = [v.clone() for v in (dout, w2, h, s)]
@@ -230,7 +230,8 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     for cfg in (None, {**dh_ws_config(n, 16, 2), "TMA_STORE": False}, dh_ws_config(n, 32, 4, 128),
                 dh_ws_config(n, 16, 2), dh_ws_config(n, 32, 2, None, 32), dh_ws_config(n, 16, 2, None, 32),
                 dh_ws_config(n, 32, 2, stage_in_ring=False), dh_ws_config(n, 16, 2, stage_in_ring=False),
-                {**dh_ws_config(n, 32, 2, stage_in_ring=True), "TMA_STORE": False}):
+                {**dh_ws_config(n, 32, 2, stage_in_ring=True), "TMA_STORE": False},
+                {**dh_ws_config(n), "SIGMOID_FTZ": True}):
         got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg)
         ds = got[2].sum(0)
         for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):

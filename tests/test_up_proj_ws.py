@@ -282,6 +282,27 @@ def test_gpu_wg_split_same_bits(case, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
+def test_gpu_sigmoid_ftz_same_bits(case, monkeypatch):
+    """The SwiGLU's sigmoid by the ftz forms (SIGMOID_FTZ) gives the same H and A as the default forms, with the
+    epilogue in the MMA warps and in the storer partition, with and without bias."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k, _ = case
+    routing = random_topk_routing(t, e, k, seed=t + 3)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    x = (4 * torch.randn(t, d, device="cuda", generator=g)).to(torch.bfloat16)  # gates out to |g| ~ 20
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
+        for epi in (0, 4):
+            cfg = up_ws_config(epi_warps=epi)
+            h0, a0 = run_ws(x, w1, bias, routing, config={**cfg, "SIGMOID_FTZ": False})
+            h1, a1 = run_ws(x, w1, bias, routing, config={**cfg, "SIGMOID_FTZ": True})
+            assert torch.equal(h1, h0) and torch.equal(a1, a0), (epi, bias is not None)
+
+
+@pytest.mark.gpu
 def test_gpu_part_mmas_alone():
     """PART 1 (timing only) runs the MMAs alone: A's column j holds, for every row, the sum of the gate and up
     products over N-tile j's channels (H unwritten), within float32 rounding of the reference."""
@@ -357,3 +378,37 @@ def test_gpu_round_pairs_matches_to(dtype):
     both_nan = torch.isnan(out) & torch.isnan(want)
     assert torch.equal(out.view(torch.int16)[~both_nan], want.view(torch.int16)[~both_nan])
     assert both_nan.sum() == torch.isnan(v).sum() == 1
+
+
+if grouped_gemm_ws.HAVE_GLUON:
+
+    @gluon.jit
+    def _sigmoid_kernel(g_ptr, out_ptr, FTZ: gl.constexpr, BLOCK: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+        gl.store(out_ptr + offs, up_proj_ws.sigmoid(gl.load(g_ptr + offs), FTZ))
+
+
+@pytest.mark.gpu
+def test_gpu_sigmoid_ftz_matches_default_forms():
+    """``sigmoid`` by the ftz forms has the bits of the default forms for every gate outside (-88.8, -87.3), and
+    inside them the same bits or zero where the default's reciprocal is a denormal, on a dense sweep of [-120, 120],
+    infinities and NaN; both are within float32 rounding of the float64 sigmoid."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    block = 512
+    g = torch.linspace(-120, 120, 2 ** 20, device="cuda")
+    g = torch.cat([g, torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0], device="cuda")])
+    g = torch.cat([g, torch.zeros(-g.numel() % block, device="cuda")])
+    outs = []
+    for ftz in (False, True):
+        out = torch.full_like(g, float("nan"))
+        _sigmoid_kernel[(g.numel() // block,)](g, out, FTZ=ftz, BLOCK=block, num_warps=4)
+        outs.append(out)
+    window = (g > -88.8) & (g < -87.3)
+    same = torch.eq(outs[0], outs[1]) | (torch.isnan(outs[0]) & torch.isnan(outs[1]))
+    assert same[~window].all()
+    assert (same | (outs[1] == 0))[window].all() and (outs[0][window].abs() < 2.0 ** -125).all()
+    finite = torch.isfinite(g)
+    for out in outs:
+        assert rel_err(out[finite & (g > -80)], torch.sigmoid(g[finite & (g > -80)].double()).float()) < 1e-6

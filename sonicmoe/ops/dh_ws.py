@@ -95,6 +95,7 @@ from ..routing import Routing
 from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
+from .up_proj_ws import sigmoid_ftz
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -109,7 +110,7 @@ if HAVE_GLUON:
     )
 
     from .grouped_gemm_ws import column_halves
-    from .up_proj_ws import _tile_of, gather_loader
+    from .up_proj_ws import _tile_of, gather_loader, sigmoid
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_K = 64
@@ -162,7 +163,8 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
 
     ``stage_in_ring`` (default: ``SONICMOE_DH_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING): the epilogue
     stages its outputs in the ring slot of the tile's last K-block, which goes back to the loader once the tile's
-    stores have read it; honoured only where :func:`stage_fits_slot` holds."""
+    stores have read it; honoured only where :func:`stage_fits_slot` holds. "SIGMOID_FTZ":
+    :func:`sonicmoe.ops.up_proj_ws.sigmoid_ftz`, the epilogue's sigmoid by the ftz forms."""
     bn = block_n or dh_ws_block_n(n)
     if bn is None or n % bn:
         return None
@@ -173,7 +175,7 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias) - fixed
     cap = MAX_STAGES * BLOCK_K // block_k
     return {"BLOCK_N": bn, "BLOCK_K": block_k, "EPI": epi, "NBUF": nbuf, "STAGE_IN_RING": alias,
-            "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage)}
+            "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage), "SIGMOID_FTZ": sigmoid_ftz()}
 
 
 def dh_ws_enabled() -> bool:
@@ -251,7 +253,7 @@ if HAVE_GLUON:
     def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
                   s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J: gl.constexpr,
                   NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                  TMA_STORE: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SIG_FTZ: gl.constexpr = False):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
         buffer J % NBUF. Once every thread has read the H block, TMA refills the buffer with the block NBUF ahead.
@@ -274,7 +276,7 @@ if HAVE_GLUON:
         g = g_buf.load(lay).to(gl.float32)
         u = u_buf.load(lay).to(gl.float32)
         s = gl.convert_layout(s_rows, gl.SliceLayout(1, lay))[:, None]
-        sig = gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
+        sig = sigmoid(g, SIG_FTZ)
         silu = g * sig
         a = silu * u
         part = gl.sum(acc * a, axis=1)
@@ -327,7 +329,7 @@ if HAVE_GLUON:
     def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
                    s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0: gl.constexpr,
                    NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                   TMA_STORE: gl.constexpr):
+                   TMA_STORE: gl.constexpr, SIG_FTZ: gl.constexpr = False):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left, in block order; returns the tile's running dS sum
         (:func:`_dh_block`)."""
@@ -335,15 +337,15 @@ if HAVE_GLUON:
         if W == EPI:
             ds_out = _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
-                               EPI, NBUF, WARPS, PART, TMA_STORE)
+                               EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
         else:
             lo, hi = column_halves(acc)
             ds_mid = _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                 s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
-                                EPI, NBUF, WARPS, PART, TMA_STORE)
+                                EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
             ds_out = _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                 s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_mid,
-                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE)
+                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
         return ds_out
 
     @gluon.jit
@@ -368,7 +370,7 @@ if HAVE_GLUON:
                 stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                 NBUF: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                 TMA_STORE: gl.constexpr, STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr,
-                DS_PAIRS: gl.constexpr):
+                DS_PAIRS: gl.constexpr, SIG_FTZ: gl.constexpr = False):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
         of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
@@ -429,7 +431,7 @@ if HAVE_GLUON:
                     ow = o_bufs
                 ds_sum = _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr,
                                     ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
-                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE)
+                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
                 ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
                 if DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
                     gl.store(ds_ptr + gl.convert_layout(pr, ds_sum.type.layout), ds_sum.to(ds_ptr.dtype.element_ty),
@@ -450,7 +452,8 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
-                      STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False, DS_PAIRS: gl.constexpr = False):
+                      STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False, DS_PAIRS: gl.constexpr = False,
+                      SIG_FTZ: gl.constexpr = False):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -468,7 +471,7 @@ if HAVE_GLUON:
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_hr,
                        stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE,
-                       STAGE_IN_RING, GATHER_S, DS_PAIRS)),
+                       STAGE_IN_RING, GATHER_S, DS_PAIRS, SIG_FTZ)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -552,7 +555,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), GATHER_S=pair_order,
-                DS_PAIRS=ds_pairs is not None,
+                DS_PAIRS=ds_pairs is not None, SIG_FTZ=cfg.get("SIGMOID_FTZ", sigmoid_ftz()),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

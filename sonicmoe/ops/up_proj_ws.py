@@ -149,6 +149,11 @@ WG_REGS = 200  # registers of each MMA partition under WG_SPLIT (setmaxnreg; the
 # fresh-process rounds), forward+backward level; 7B (the storer's path) level. SONICMOE_UP_H_PACKED (1 or 0)
 # overrides it (up_ws_config), for A/Bs
 H_PACKED = True
+# SIGMOID_FTZ: the SwiGLU's sigmoid by ex2.approx.ftz and rcp.approx.ftz (see sigmoid), here and in the dH kernel
+# (dh_ws), which recomputes A: the epilogues of both are bound by instruction issue (nvdisasm of dH: about 33
+# instructions per element, 7 of them the range checks of the non-ftz forms). The same bits but for gates in about
+# (-88.7, -87.3). Off until timed; SONICMOE_SIGMOID_FTZ (1 or 0) overrides it (sigmoid_ftz)
+SIGMOID_FTZ = False
 
 
 def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
@@ -164,7 +169,7 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above; "WG_SPLIT": the two MMA warpgroups as
     partitions of their own (:data:`WG_SPLIT`), only without a storer: ``wg_split``, else ``SONICMOE_UP_WG_SPLIT``
     (1 or 0) where set, else :data:`WG_SPLIT`; "H_PACKED": :data:`H_PACKED`, or ``SONICMOE_UP_H_PACKED`` (1 or 0)
-    where set}."""
+    where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`}."""
     if epi_warps is None:
         epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
     if wg_split is None:
@@ -173,7 +178,13 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
             "EPI_WARPS": epi_warps, "WG_SPLIT": wg_split and not epi,
-            "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED)}
+            "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz()}
+
+
+def sigmoid_ftz() -> bool:
+    """Whether the Gluon up-projection and dH kernels take the SwiGLU's sigmoid by the ftz forms (:data:`SIGMOID_FTZ`;
+    ``SONICMOE_SIGMOID_FTZ`` 1 or 0 where set; read at each call)."""
+    return env_switch("SONICMOE_SIGMOID_FTZ", SIGMOID_FTZ)
 
 
 def up_ws_enabled() -> bool:
@@ -337,11 +348,27 @@ if HAVE_GLUON:
                                              is_pure=True, pack=2)
 
     @gluon.jit
-    def _swiglu(hg, hu):
+    def sigmoid(g, FTZ: gl.constexpr = False):
+        """1 / (1 + exp(−g)) of the float32 tensor ``g``, as ``gl.fdiv(1, 1 + gl.exp(-g))``: ``ex2.approx.f32`` of
+        −g·log2(e), then ``div.full.f32``. ``FTZ`` (:data:`SIGMOID_FTZ`): ``ex2.approx.ftz.f32`` and
+        ``rcp.approx.ftz.f32`` instead, one MUFU each without the range checks that ptxas wraps around the
+        non-ftz forms (per element two FSETP, an FSEL and three or four FMUL fewer, nvdisasm). The same bits
+        except where g lies in about (−88.7, −87.3): there 1 + exp(−g) exceeds 2^126, ``div.full`` returns a
+        denormal and ``rcp.approx.ftz`` zero. (A denormal exp(−g), g > 87.3, leaves 1 + exp(−g) = 1 either way.)"""
+        if FTZ:
+            e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
+                                          dtype=gl.float32, is_pure=True, pack=1)
+            return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=gl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
+
+    @gluon.jit
+    def _swiglu(hg, hu, FTZ: gl.constexpr = False):
         """A = silu(gate) · up in H's dtype from the rounded gate and up blocks (float32 arithmetic; the dH kernels
-        recompute A the same way)."""
+        recompute A the same way; ``FTZ``: :func:`sigmoid`'s)."""
         g = hg.to(gl.float32)
-        return (g * gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g)) * hu.to(gl.float32)).to(hg.dtype)
+        return (g * sigmoid(g, FTZ) * hu.to(gl.float32)).to(hg.dtype)
 
     @gluon.jit
     def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
@@ -419,7 +446,8 @@ if HAVE_GLUON:
                 a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr,
                 STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr,
-                EPI: gl.constexpr, HALF: gl.constexpr = -1, H_PACKED: gl.constexpr = True):
+                EPI: gl.constexpr, HALF: gl.constexpr = -1, H_PACKED: gl.constexpr = True,
+                SIG_FTZ: gl.constexpr = False):
         """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
         SwiGLU epilogue and the stores (:func:`_buffer_stores`); with ``EPI`` (a storer partition), the rounded gate
         and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone,
@@ -464,7 +492,7 @@ if HAVE_GLUON:
                     gl.thread_barrier()
                     mbarrier.arrive(h_full.index(0))
                 else:
-                    a = _swiglu(hg, hu)
+                    a = _swiglu(hg, hu, SIG_FTZ)
                     _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
                                    pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
             i += 1
@@ -474,7 +502,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _up_storer(h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr, stride_ar,
                    STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
-                   CHUNK: gl.constexpr, H_TMA: gl.constexpr):
+                   CHUNK: gl.constexpr, H_TMA: gl.constexpr, SIG_FTZ: gl.constexpr = False):
         """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up
         blocks in ``h_smem``, their 16-byte stores (masked in an expert's last tile; with ``H_TMA``, a full tile's by
         TMA), and A = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the
@@ -508,7 +536,7 @@ if HAVE_GLUON:
                         h_rows = h_ptr + rows[:, None] * stride_hr + cols[None, :]
                         gl.store(h_rows, hg, mask=ok)
                         gl.store(h_rows + N, hu, mask=ok)
-                a = _swiglu(hg, hu)
+                a = _swiglu(hg, hu, SIG_FTZ)
                 gl.store(a_ptr + rows[:, None] * stride_ar + cols[None, :], a, mask=ok)
             tma.store_wait(pendings=0)  # the TMA stores have read the staging set
             gl.thread_barrier()  # and every storer thread is done with it
@@ -522,7 +550,8 @@ if HAVE_GLUON:
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
                       EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, EPI_H_TMA: gl.constexpr,
-                      WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0, H_PACKED: gl.constexpr = True):
+                      WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0, H_PACKED: gl.constexpr = True,
+                      SIG_FTZ: gl.constexpr = False):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
@@ -533,10 +562,10 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_half.index(0), c_half, empty, empty, h_desc,
                            a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS,
-                           STORE_H, HM, BLOCK_N, BLOCK_K, STAGES, 4, False, PART, False, 0, H_PACKED)),
+                           STORE_H, HM, BLOCK_N, BLOCK_K, STAGES, 4, False, PART, False, 0, H_PACKED, SIG_FTZ)),
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_half.index(1), c_half, empty, empty, h_desc,
                            a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS,
-                           STORE_H, HM, BLOCK_N, BLOCK_K, STAGES, 4, False, PART, False, 1, H_PACKED)),
+                           STORE_H, HM, BLOCK_N, BLOCK_K, STAGES, 4, False, PART, False, 1, H_PACKED, SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
@@ -551,12 +580,12 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_smem.index(0), h_smem, h_full, h_empty,
                            h_desc, a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar,
                            HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True, -1,
-                           H_PACKED)),
+                           H_PACKED, SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
                 (_up_storer, (h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr,
-                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK, EPI_H_TMA)),
+                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK, EPI_H_TMA, SIG_FTZ)),
             ], [LOADER_WARPS, EPI_WARPS], [LOADER_REGS, EPI_REGS])
             mbarrier.invalidate(h_full.index(0))
             mbarrier.invalidate(h_empty.index(0))
@@ -565,7 +594,8 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, c_smem, empty, empty, h_desc, a_desc,
                            h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False, -1, H_PACKED)),
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False, -1, H_PACKED,
+                           SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
@@ -596,7 +626,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
             "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
             and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores),
             "WG_SPLIT" and "WG_REGS" (the MMA warpgroups as partitions of their own; ignored with a storer or
-            GU_FUSED), "H_PACKED" (:data:`H_PACKED`), and, to
+            GU_FUSED), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ" (:data:`SIGMOID_FTZ`), and, to
             time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row sums; no storer) (default
             :func:`up_ws_config` for d).
     Returns:
@@ -629,6 +659,6 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
         EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA), WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS),
-        H_PACKED=cfg.get("H_PACKED", H_PACKED),
+        H_PACKED=cfg.get("H_PACKED", H_PACKED), SIG_FTZ=cfg.get("SIGMOID_FTZ", SIGMOID_FTZ),
         num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
