@@ -16,12 +16,13 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
 two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
-(``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone.
+(``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
+the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,26 @@ def items(shape: str, kernels: list[str]) -> list:
         out += wgrad_split_forms(x, dout, dh_, ap_, routing, n, d)
     if "upsplit" in kernels:
         out += up_split_forms(x, w1, routing, d, 2 * gemm)
+    if "ftz" in kernels:
+        out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
+    return out
+
+
+def sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm) -> list:
+    """The up-projection and dH with the SwiGLU's sigmoid by the default and the ftz forms (``SIGMOID_FTZ``;
+    ``--kernels ftz``), each as the layer runs it; the ftz outputs checked bitwise against the default's."""
+    out, runs = [], []
+    for ftz in (False, True):
+        up_cfg = {**up_proj_ws.up_ws_config(d), "SIGMOID_FTZ": ftz}
+        dh_cfg = {**dh_ws.dh_ws_config(n), "SIGMOID_FTZ": ftz}
+        runs.append(up_proj_ws.up_proj_ws(x, w1, None, routing, config=up_cfg)
+                    + dh_ws.dh_ws(dout, w2, h, s_row, routing, config=dh_cfg))
+        tag = "ftz" if ftz else "default"
+        out += [(f"up, sigmoid {tag}", lambda c=up_cfg: up_proj_ws.up_proj_ws(x, w1, None, routing, config=c),
+                 2 * gemm),
+                (f"dH, sigmoid {tag}", lambda c=dh_cfg: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c), gemm)]
+    for name, a, b in zip(("up H", "up A", "dH", "A'", "dS"), runs[1], runs[0]):
+        same(f"SIGMOID_FTZ {name}", a, b)
     return out
 
 
@@ -224,7 +245,7 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)

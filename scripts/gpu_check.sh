@@ -63,6 +63,8 @@
 #          board's watts and SM clock (scripts/energy_probe.py; ENERGY_SHAPE, default the 7B shape)
 #   gather the gather-fused kernels against contiguous rows, their MMAs alone, TMA loads and their dense twins, and the
 #          weight gradients' warpgroup forms (scripts/gather_path_probe.py on GATHER_SHAPES, GATHER_KERNELS)
+#   ftz    the SwiGLU sigmoid by ex2/rcp.approx.ftz (SONICMOE_SIGMOID_FTZ): GPU tests, the up-projection and dH alone
+#          in both forms (FTZ_SHAPES), fresh-process layer A/Bs (FTZ_AB_SHAPES name=T,d,n,E,K ..., FTZ_AB_ROUNDS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
@@ -397,6 +399,24 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
           > "$OUT/gather_${shp//,/_}.txt" 2>&1
         cp "$OUT/gather_${shp//,/_}.txt" "$FINAL/gather${TAG}_${shp//,/_}.txt"
         SUMMARY+=("$(grep -v Warning "$OUT/gather_${shp//,/_}.txt" | tail -30)")
+      done
+      ;;
+    ftz)
+      # the SwiGLU sigmoid by the ftz forms (SONICMOE_SIGMOID_FTZ): its GPU tests, the up-projection and dH alone in
+      # both forms (gather_path_probe.py --kernels ftz on FTZ_SHAPES), fresh-process layer A/Bs (FTZ_AB_SHAPES,
+      # FTZ_AB_ROUNDS)
+      timeout ${FTZ_TEST_LIMIT_S:-300} python3 -m pytest -q -m gpu tests/test_up_proj_ws.py tests/test_dh_ws.py \
+        -k "ftz or round_pairs or test_gpu_matches_reference_and_triton" > "$OUT/ftz_tests.txt" 2>&1
+      SUMMARY+=("$(tail -1 "$OUT/ftz_tests.txt")")
+      for shp in ${FTZ_SHAPES:-32768,4096,1024,128,8 24576,1536,256,128,8}; do
+        timeout 300 python3 scripts/gather_path_probe.py --shape "$shp" --kernels ftz \
+          --json "$OUT/ftz_${shp//,/_}.json" > "$OUT/ftz_${shp//,/_}.txt" 2>&1
+        SUMMARY+=("$(grep -v Warning "$OUT/ftz_${shp//,/_}.txt" | tail -6)")
+      done
+      for shp in ${FTZ_AB_SHAPES:-120b=32768,4096,1024,128,8 7b=24576,1536,256,128,8}; do
+        AB_ARMS="off:SONICMOE_SIGMOID_FTZ=0 on:SONICMOE_SIGMOID_FTZ=1" AB_ROUNDS=${FTZ_AB_ROUNDS:-3} AB_SHAPE=$shp \
+          bash scripts/env_ab.sh "$OUT/ftz_ab_${shp%%=*}" > /dev/null 2>&1
+        SUMMARY+=("${shp%%=*}: $(tail -2 "$OUT/ftz_ab_${shp%%=*}/ab_summary.txt")")
       done
       ;;
     ncu)
