@@ -191,19 +191,30 @@ GPU_CASES = [
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[4], torch.float16)]
 
 
+def _gpu_problem(case, dtype, routing_seed, seed, monkeypatch=None, x_scale=1.0):
+    """Skip off sm_90 GPUs; with ``monkeypatch``, poison the outputs (NaN fill). (routing, x, w1, generator) for
+    ``case`` = (T, d, n, E, K, ...): top-k routing drawn with ``routing_seed``, x (T, d) of scale ``x_scale`` and
+    w1 (E, 2n, d) / sqrt(d) in ``dtype`` from a CUDA generator seeded ``seed`` (which the caller goes on drawing
+    from)."""
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    if monkeypatch is not None:
+        monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n, e, k = case[:5]
+    routing = random_topk_routing(t, e, k, seed=routing_seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (x_scale * torch.randn(t, d, device="cuda", generator=g)).to(dtype)
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    return routing, x, w1, g
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
 def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     """With and without bias and H: H and A within rounding of the float32 loop, no NaN left by the poison fill,
     A from the rounded H as in the Triton kernel, the same bits on a second run, the inputs untouched."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(t, d, device="cuda", generator=g).to(dtype)
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    routing, x, w1, g = _gpu_problem(case, dtype, t, 1, monkeypatch)
     for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(dtype)):
         x0, w0 = x.clone(), w1.clone()
         h, a = run_ws(x, w1, bias, routing)
@@ -230,14 +241,8 @@ def test_gpu_storer_partition_same_bits(case, chunk, h_tma, monkeypatch):
     """With the epilogue in a storer partition (EPI_WARPS 4, a ring slot fewer): H and A within rounding of the
     float32 loop, no NaN left by the poison fill, and the same bits as the MMA warps' own epilogue (EPI_WARPS 0),
     with and without bias and H, full tiles' H by 16-byte stores (the default) or by TMA (EPI_H_TMA)."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t + 1)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    routing, x, w1, g = _gpu_problem(case, torch.bfloat16, t + 1, 2, monkeypatch)
     epi = dict(up_ws_config(epi_warps=4), EPI_CHUNK=chunk, EPI_H_TMA=h_tma)
     for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
         h, a = run_ws(x, w1, bias, routing, config=epi)
@@ -255,14 +260,8 @@ def test_gpu_wg_split_same_bits(case, dtype, monkeypatch):
     """With the MMA warpgroups as two partitions (WG_SPLIT, no storer): H and A within rounding of the float32 loop,
     no NaN left by the poison fill, the same bits as the 8-warp partition with and without bias and H, and the
     MMAs alone (PART 1) give the 8-warp partition's row sums."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t + 2)
-    g = torch.Generator(device="cuda").manual_seed(4)
-    x = torch.randn(t, d, device="cuda", generator=g).to(dtype)
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    routing, x, w1, g = _gpu_problem(case, dtype, t + 2, 4, monkeypatch)
     split, whole = up_ws_config(epi_warps=0, wg_split=True), up_ws_config(epi_warps=0, wg_split=False)
     assert split["WG_SPLIT"] and not whole["WG_SPLIT"]
     for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(dtype)):
@@ -286,14 +285,9 @@ def test_gpu_wg_split_same_bits(case, dtype, monkeypatch):
 def test_gpu_sigmoid_ftz_same_bits(case, monkeypatch):
     """The SwiGLU's sigmoid by the ftz forms (SIGMOID_FTZ) gives the same H and A as the default forms, with the
     epilogue in the MMA warps and in the storer partition, with and without bias."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, _ = case
-    routing = random_topk_routing(t, e, k, seed=t + 3)
-    g = torch.Generator(device="cuda").manual_seed(6)
-    x = (4 * torch.randn(t, d, device="cuda", generator=g)).to(torch.bfloat16)  # gates out to |g| ~ 20
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    # x scaled by 4: gates out to |g| ~ 20
+    routing, x, w1, g = _gpu_problem(case, torch.bfloat16, t + 3, 6, monkeypatch, x_scale=4.0)
     for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
         for epi in (0, 4):
             cfg = up_ws_config(epi_warps=epi)
@@ -306,13 +300,8 @@ def test_gpu_sigmoid_ftz_same_bits(case, monkeypatch):
 def test_gpu_part_mmas_alone():
     """PART 1 (timing only) runs the MMAs alone: A's column j holds, for every row, the sum of the gate and up
     products over N-tile j's channels (H unwritten), within float32 rounding of the reference."""
-    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
     t, d, n, e, k = 1000, 384, 256, 16, 4
-    routing = random_topk_routing(t, e, k, seed=3)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(t, d, device="cuda", generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    routing, x, w1, _ = _gpu_problem((t, d, n, e, k), torch.bfloat16, 3, 3)
     _, a = run_ws(x, w1, None, routing, config=dict(up_ws_config(), PART=1))
     h_ref, _ = up_proj.up_proj_ref(x.float(), w1.float(), None, routing)
     nt = n // up_proj_ws.BLOCK_N
