@@ -345,6 +345,12 @@ if grouped_gemm_ws.HAVE_GLUON:
         v = gl.load(src_ptr + offs)
         gl.store(dst_ptr + offs, up_proj_ws._round_pairs(v, dst_ptr.dtype.element_ty))
 
+    @gluon.jit
+    def _sigmoid_kernel(g_ptr, out_ptr, FTZ: gl.constexpr, BLOCK: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+        gl.store(out_ptr + offs, up_proj_ws.sigmoid(gl.load(g_ptr + offs), FTZ))
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -367,15 +373,6 @@ def test_gpu_round_pairs_matches_to(dtype):
     both_nan = torch.isnan(out) & torch.isnan(want)
     assert torch.equal(out.view(torch.int16)[~both_nan], want.view(torch.int16)[~both_nan])
     assert both_nan.sum() == torch.isnan(v).sum() == 1
-
-
-if grouped_gemm_ws.HAVE_GLUON:
-
-    @gluon.jit
-    def _sigmoid_kernel(g_ptr, out_ptr, FTZ: gl.constexpr, BLOCK: gl.constexpr):
-        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-        offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
-        gl.store(out_ptr + offs, up_proj_ws.sigmoid(gl.load(g_ptr + offs), FTZ))
 
 
 @pytest.mark.gpu
