@@ -130,6 +130,11 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # against 4.250 ms), but in session 52's fresh-process layer A/Bs (1000 ms windows) it was faster on one H100
 # (34.725 against 34.865 ms, 3 of 4 rounds) and slower on another (35.00 against 34.89, 1 of 7): kept in the ring.
 STAGE_IN_RING = True
+# SIGMOID_FTZ: the epilogue recomputes A with the sigmoid by ex2.approx.ftz and rcp.approx.ftz
+# (up_proj_ws.sigmoid): 4400 SASS instructions against 5424, the same bits but for gates in about (-88.7, -87.3).
+# Timed in session 58 (H200): alone 4.308 against 4.383 ms at (32768, 4096, 1024, 128, 8) and 0.430 against 0.439 ms
+# at the 7B shape. SONICMOE_SIGMOID_FTZ (1 or 0) overrides it (up_proj_ws.sigmoid_ftz)
+SIGMOID_FTZ = True
 
 
 def dh_ws_block_n(n: int) -> int | None:
@@ -164,7 +169,7 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     ``stage_in_ring`` (default: ``SONICMOE_DH_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING): the epilogue
     stages its outputs in the ring slot of the tile's last K-block, which goes back to the loader once the tile's
     stores have read it; honoured only where :func:`stage_fits_slot` holds. "SIGMOID_FTZ":
-    :func:`sonicmoe.ops.up_proj_ws.sigmoid_ftz`, the epilogue's sigmoid by the ftz forms."""
+    :func:`sonicmoe.ops.up_proj_ws.sigmoid_ftz` of :data:`SIGMOID_FTZ`, the epilogue's sigmoid by the ftz forms."""
     bn = block_n or dh_ws_block_n(n)
     if bn is None or n % bn:
         return None
@@ -175,7 +180,7 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
     per_stage = dh_ws_smem_bytes(1, bn, epi, nbuf, block_k=block_k, stage_in_ring=alias) - fixed
     cap = MAX_STAGES * BLOCK_K // block_k
     return {"BLOCK_N": bn, "BLOCK_K": block_k, "EPI": epi, "NBUF": nbuf, "STAGE_IN_RING": alias,
-            "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage), "SIGMOID_FTZ": sigmoid_ftz()}
+            "STAGES": min(cap, (SMEM_BUDGET - fixed) // per_stage), "SIGMOID_FTZ": sigmoid_ftz(SIGMOID_FTZ)}
 
 
 def dh_ws_enabled() -> bool:
@@ -555,7 +560,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), GATHER_S=pair_order,
-                DS_PAIRS=ds_pairs is not None, SIG_FTZ=cfg.get("SIGMOID_FTZ", sigmoid_ftz()),
+                DS_PAIRS=ds_pairs is not None, SIG_FTZ=cfg.get("SIGMOID_FTZ", sigmoid_ftz(SIGMOID_FTZ)),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

@@ -152,7 +152,10 @@ H_PACKED = True
 # SIGMOID_FTZ: the SwiGLU's sigmoid by ex2.approx.ftz and rcp.approx.ftz (see sigmoid), here and in the dH kernel
 # (dh_ws), which recomputes A: the epilogues of both are bound by instruction issue (nvdisasm of dH: about 33
 # instructions per element, 7 of them the range checks of the non-ftz forms). The same bits but for gates in about
-# (-88.7, -87.3). Off until timed; SONICMOE_SIGMOID_FTZ (1 or 0) overrides it (sigmoid_ftz)
+# (-88.7, -87.3). Off for the up-projection: timed in session 58 (H200, d = 4096, n = 1024, no storer) level alone
+# (7.689 against 7.666 ms) and its layer forward slower (11.87 against 11.73 ms, fresh-process medians), as the 48-byte
+# spill it brings costs what the checks saved; dH has its own default (dh_ws.SIGMOID_FTZ). SONICMOE_SIGMOID_FTZ (1 or
+# 0) overrides both (sigmoid_ftz)
 SIGMOID_FTZ = False
 
 
@@ -181,10 +184,11 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
             "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz()}
 
 
-def sigmoid_ftz() -> bool:
-    """Whether the Gluon up-projection and dH kernels take the SwiGLU's sigmoid by the ftz forms (:data:`SIGMOID_FTZ`;
-    ``SONICMOE_SIGMOID_FTZ`` 1 or 0 where set; read at each call)."""
-    return env_switch("SONICMOE_SIGMOID_FTZ", SIGMOID_FTZ)
+def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:
+    """Whether a Gluon kernel takes the SwiGLU's sigmoid by the ftz forms: ``SONICMOE_SIGMOID_FTZ`` (1 or 0) where
+    set, for the up-projection and dH alike; else ``default``, the kernel's own (:data:`SIGMOID_FTZ` here,
+    :data:`sonicmoe.ops.dh_ws.SIGMOID_FTZ` for dH). Read at each call."""
+    return env_switch("SONICMOE_SIGMOID_FTZ", default)
 
 
 def up_ws_enabled() -> bool:
