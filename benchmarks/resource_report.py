@@ -187,6 +187,8 @@ def spaces(which: str) -> dict:
                  + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "WG_SPLIT": True, "PART": p} for p in (0, 1)]
                  + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "H_PACKED": False}]
                  + [{**up_proj_ws.up_ws_config(w), "SIGMOID_FTZ": True} for w in (4096, 1536)]
+                 + [{**up_proj_ws.up_ws_config(w), "SHORT_TAIL": True} for w in (4096, 1536)]
+                 + [{"STAGES": 4, "PART": 1, "SHORT_TAIL": True}]
                  + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],
         "down_ws": [grouped_gemm_ws.ws_config(n, stage_in_ring=r) for r in (False, True)],
         "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False, stage_in_ring=r) for r in (False, True)],
