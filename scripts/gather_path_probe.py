@@ -16,13 +16,16 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short] [--warmup 1.0] [--window 1.5] [--passes 1]
+             [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
 two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
-the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``).
+the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``short``: the
+up-projection with an expert's short last tile as a 64-row product or a 128-row one (``up_proj_ws.SHORT_TAIL``), as
+the layer runs it and MMAs alone.
 """
 
 from __future__ import annotations
@@ -128,6 +131,25 @@ def items(shape: str, kernels: list[str]) -> list:
         out += up_split_forms(x, w1, routing, d, 2 * gemm)
     if "ftz" in kernels:
         out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
+    if "short" in kernels:
+        out += short_tail_forms(x, w1, routing, d, 2 * gemm)
+    return out
+
+
+def short_tail_forms(x, w1, routing, d, flops) -> list:
+    """The up-projection as the layer runs it with an expert's last tile of at most 64 rows as a 128-row product
+    (the default) or a 64-row one (``SHORT_TAIL``), whole and MMAs alone (``--kernels short``); H and A of the short
+    form checked bitwise against the default's."""
+    out, runs = [], []
+    for short in (False, True):
+        cfg = {**up_proj_ws.up_ws_config(d), "SHORT_TAIL": short}
+        runs.append(up_proj_ws.up_proj_ws(x, w1, None, routing, config=cfg))
+        tag = "short tail 64-row" if short else "short tail 128-row"
+        out += [(f"up, {tag}", lambda c=cfg: up_proj_ws.up_proj_ws(x, w1, None, routing, config=c), flops),
+                (f"up, {tag}, MMAs alone", lambda c={**cfg, "PART": 1}: up_proj_ws.up_proj_ws(x, w1, None, routing,
+                                                                                              config=c), flops)]
+    for name, a, b in zip(("up H", "up A"), runs[1], runs[0]):
+        same(f"SHORT_TAIL {name}", a, b)
     return out
 
 
@@ -245,7 +267,7 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)

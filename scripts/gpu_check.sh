@@ -65,6 +65,9 @@
 #          weight gradients' warpgroup forms (scripts/gather_path_probe.py on GATHER_SHAPES, GATHER_KERNELS)
 #   ftz    the SwiGLU sigmoid by ex2/rcp.approx.ftz (SONICMOE_SIGMOID_FTZ): GPU tests, the up-projection and dH alone
 #          in both forms (FTZ_SHAPES), fresh-process layer A/Bs (FTZ_AB_SHAPES name=T,d,n,E,K ..., FTZ_AB_ROUNDS)
+#   short  an expert's short last tile as a 64-row product in the up-projection (SONICMOE_UP_SHORT_TAIL): GPU tests, the
+#          kernel alone in both forms (SHORT_SHAPES), fresh-process layer A/Bs (SHORT_AB_SHAPES name=T,d,n,E,K ...,
+#          SHORT_AB_ROUNDS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
@@ -417,6 +420,24 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         AB_ARMS="off:SONICMOE_SIGMOID_FTZ=0 on:SONICMOE_SIGMOID_FTZ=1" AB_ROUNDS=${FTZ_AB_ROUNDS:-3} AB_SHAPE=$shp \
           bash scripts/env_ab.sh "$OUT/ftz_ab_${shp%%=*}" > /dev/null 2>&1
         SUMMARY+=("${shp%%=*}: $(tail -2 "$OUT/ftz_ab_${shp%%=*}/ab_summary.txt")")
+      done
+      ;;
+    short)
+      # the up-projection's short last tiles as 64-row products (SONICMOE_UP_SHORT_TAIL): its GPU tests, the kernel
+      # alone in both forms (gather_path_probe.py --kernels short on SHORT_SHAPES), fresh-process layer A/Bs
+      # (SHORT_AB_SHAPES, SHORT_AB_ROUNDS)
+      timeout ${SHORT_TEST_LIMIT_S:-300} python3 -m pytest -q -m gpu tests/test_up_proj_ws.py \
+        -k "short_tail or test_gpu_matches_reference_and_triton" > "$OUT/short_tests.txt" 2>&1
+      SUMMARY+=("$(tail -1 "$OUT/short_tests.txt")")
+      for shp in ${SHORT_SHAPES:-32768,4096,1024,128,8 24576,1536,256,128,8}; do
+        timeout 300 python3 scripts/gather_path_probe.py --shape "$shp" --kernels short \
+          --json "$OUT/short_${shp//,/_}.json" > "$OUT/short_${shp//,/_}.txt" 2>&1
+        SUMMARY+=("$(grep -v Warning "$OUT/short_${shp//,/_}.txt" | tail -6)")
+      done
+      for shp in ${SHORT_AB_SHAPES:-120b=32768,4096,1024,128,8 7b=24576,1536,256,128,8}; do
+        AB_ARMS="off:SONICMOE_UP_SHORT_TAIL=0 on:SONICMOE_UP_SHORT_TAIL=1" AB_ROUNDS=${SHORT_AB_ROUNDS:-3} \
+          AB_SHAPE=$shp bash scripts/env_ab.sh "$OUT/short_ab_${shp%%=*}" > /dev/null 2>&1
+        SUMMARY+=("${shp%%=*}: $(tail -2 "$OUT/short_ab_${shp%%=*}/ab_summary.txt")")
       done
       ;;
     ncu)

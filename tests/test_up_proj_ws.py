@@ -324,8 +324,9 @@ def test_gpu_short_tail_same_bits(case, dtype, monkeypatch):
     """SHORT_TAIL (a last tile of at most BLOCK_M / 2 rows as a 64-row product, the warpgroups splitting the
     columns): H and A within rounding of the float32 loop, no NaN left by the poison fill, and the same bits as the
     128-row product, with the epilogue in the MMA warps and in the storer, with and without bias and H; the MMAs
-    alone (PART 1) give the same row sums. Top-k routings whose tails fall either side of BLOCK_M / 2, and one whose
-    tails sit on it (63, 64, 65 rows), a single row and none."""
+    alone (PART 1) give the row sums within rounding (not bitwise: a short tile's row is summed across two
+    warpgroups, in another order; session 58 on an H200). Top-k routings whose tails fall either side of
+    BLOCK_M / 2, and one whose tails sit on it (63, 64, 65 rows), a single row and none."""
     t, d, n, e, k, _ = case
     routing, x, w1, g = _gpu_problem(case, dtype, t + 5, 7, monkeypatch)
     half = up_proj_ws.BLOCK_M // 2
@@ -349,7 +350,7 @@ def test_gpu_short_tail_same_bits(case, dtype, monkeypatch):
         nt = n // up_proj_ws.BLOCK_N
         _, s1 = run_ws(xx, ww, None, rt, config=dict(up_ws_config(epi_warps=0), PART=1, SHORT_TAIL=True))
         _, s0 = run_ws(xx, ww, None, rt, config=dict(up_ws_config(epi_warps=0), PART=1, SHORT_TAIL=False))
-        assert torch.equal(s1[:, :nt], s0[:, :nt])
+        assert not s1[:, :nt].isnan().any() and rel_err(s1[:, :nt], s0[:, :nt]) < 5e-3
 
 
 @pytest.mark.gpu
