@@ -205,6 +205,11 @@ def spaces(which: str) -> dict:
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w, wg_pieces=pc,
                                                   wg_turns=tu) for r, w, pc, tu in WGRAD_FORMS],
     })
+    # the short last chunk (weight_grad_ws.SHORT_CHUNK) in the split form (the default) and the 8-warp one with the
+    # staging in the ring
+    for name, (i_dim, j_dim, pg) in (("dw1_ws", (2 * n, d, False)), ("dw2_ws", (d, n, True))):
+        out[name] += [{**weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, stage_in_ring=r, wg_split=w),
+                       "SHORT_CHUNK": True} for r, w in ((False, True), (True, False))]
     if which == "focus":
         import importlib.util
         import pathlib

@@ -16,7 +16,7 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short] [--warmup 1.0] [--window 1.5] [--passes 1]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort] [--warmup 1.0] [--window 1.5] [--passes 1]
              [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
@@ -25,7 +25,8 @@ two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warp
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
 the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``short``: the
 up-projection with an expert's short last tile as a 64-row product or a 128-row one (``up_proj_ws.SHORT_TAIL``), as
-the layer runs it and MMAs alone.
+the layer runs it and MMAs alone; ``wshort``: dW1 and dW2 with an expert's last chunk over all its 64 rows or its
+rows rounded up to 16 (``weight_grad_ws.SHORT_CHUNK``).
 """
 
 from __future__ import annotations
@@ -133,6 +134,29 @@ def items(shape: str, kernels: list[str]) -> list:
         out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
     if "short" in kernels:
         out += short_tail_forms(x, w1, routing, d, 2 * gemm)
+    if "wshort" in kernels:
+        out += wgrad_short_forms(x, dout, dh_, ap_, routing, n, d)
+    return out
+
+
+def wgrad_short_forms(x, dout, dh_, ap_, routing, n, d) -> list:
+    """dW1 and dW2 as the layer runs them with an expert's last chunk over all BLOCK_R rows (the default) or over
+    its rows rounded up to 16 (``SHORT_CHUNK``; ``--kernels wshort``), the short form checked bitwise against the
+    whole-chunk one."""
+    gemm = 2 * routing.num_rows * n * d
+    tok, off = routing.row_token, routing.expert_offsets
+    out = []
+    for name, pp, qq, pg, (i_dim, j_dim), fl in (("dW1", dh_, x, False, (2 * n, d), 2 * gemm),
+                                                 ("dW2", dout, ap_, True, (d, n), gemm)):
+        runs = []
+        for short in (False, True):
+            cfg = {**weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg), "SHORT_CHUNK": short}
+
+            def fn(pp=pp, qq=qq, pg=pg, cfg=cfg):
+                return weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=cfg)
+            runs.append(fn())
+            out.append((f"{name}, last chunk {'rounded to 16 rows' if short else 'whole'}", fn, fl))
+        same(f"{name} SHORT_CHUNK", runs[1], runs[0])
     return out
 
 
@@ -267,7 +291,8 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2",
+                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)
