@@ -196,8 +196,8 @@ def spaces(which: str) -> dict:
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
                  + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)]
                  + [{**dh_ws.dh_ws_config(n), "SIGMOID_FTZ": True}],
-        "long_down": [varlen_m_ws.long_config()],
-        "long_dxt": [varlen_m_ws.long_config()],
+        "long_down": [varlen_m_ws.long_config()] + [{**varlen_m_ws.long_config(c), "SHORT_TAIL": True} for c in (2, 1)],
+        "long_dxt": [varlen_m_ws.long_config()] + [{**varlen_m_ws.long_config(c), "SHORT_TAIL": True} for c in (2, 1)],
         "dh_ws_pair": [dh_ws.dh_ws_config(n)],
         "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w, wg_pieces=pc,

@@ -16,7 +16,8 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort] [--warmup 1.0] [--window 1.5] [--passes 1]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort,lshort] [--warmup 1.0] [--window 1.5]
+             [--passes 1]
              [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
@@ -26,7 +27,8 @@ two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warp
 the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``short``: the
 up-projection with an expert's short last tile as a 64-row product or a 128-row one (``up_proj_ws.SHORT_TAIL``), as
 the layer runs it and MMAs alone; ``wshort``: dW1 and dW2 with an expert's last chunk over all its 64 rows or its
-rows rounded up to 16 (``weight_grad_ws.SHORT_CHUNK``).
+rows rounded up to 16 (``weight_grad_ws.SHORT_CHUNK``); ``lshort``: the down-projection and dX̃ on the streamed-B
+kernel with an expert's short last tile as a 128-row or a 64-row product (``varlen_m_ws.SHORT_TAIL``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from energy_probe import measure_passes, probe_problem, write_rows  # noqa: E402
 from kernel_breakdown import dense_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
-from sonicmoe.ops import dh_ws, up_proj_ws, weight_grad_ws  # noqa: E402
+from sonicmoe.ops import dh_ws, up_proj_ws, varlen_m_ws, weight_grad_ws  # noqa: E402
 from sonicmoe.ops.varlen_m_ws import long_gemm  # noqa: E402
 
 
@@ -136,6 +138,26 @@ def items(shape: str, kernels: list[str]) -> list:
         out += short_tail_forms(x, w1, routing, d, 2 * gemm)
     if "wshort" in kernels:
         out += wgrad_short_forms(x, dout, dh_, ap_, routing, n, d)
+    if "lshort" in kernels:
+        out += long_short_forms(w1, w2, dh_, ap_, routing, gemm)
+    return out
+
+
+def long_short_forms(w1, w2, dh_, ap_, routing, gemm) -> list:
+    """The down-projection (A' standing in for A: the same (R, n) shape) and dX̃ = dH W1[e], whole, on the
+    streamed-B kernel with an expert's short last tile as a 128-row (the default) or a 64-row product
+    (``varlen_m_ws.SHORT_TAIL``; ``--kernels lshort``), the short form checked bitwise against the default."""
+    out = []
+    for name, a, b, tb, fl in (("down-projection", ap_, w2, True, gemm), ("dX~", dh_, w1, False, 2 * gemm)):
+        runs = []
+        for short in (False, True):
+            cfg = {**varlen_m_ws.long_config(), "SHORT_TAIL": short}
+
+            def fn(a=a, b=b, tb=tb, cfg=cfg):
+                return varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=tb, config=cfg)
+            runs.append(fn())
+            out.append((f"{name}, short tail {'64-row' if short else '128-row'}", fn, fl))
+        same(f"{name} SHORT_TAIL", runs[1], runs[0])
     return out
 
 
@@ -292,7 +314,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
     ap.add_argument("--kernels", default="up,dH,dW1,dW2",
-                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort")
+                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort,lshort")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)
