@@ -143,21 +143,27 @@ def items(shape: str, kernels: list[str]) -> list:
     return out
 
 
+def switch_forms(name: str, key: str, labels: tuple[str, str], base: dict, run, flops) -> list:
+    """(item, fn, FLOPs) of ``run(config)`` with ``base``'s switch ``key`` off, then on (``labels``), the second's
+    output checked bitwise against the first's."""
+    out, runs = [], []
+    for on, label in zip((False, True), labels):
+        cfg = {**base, key: on}
+        runs.append(run(cfg))
+        out.append((f"{name}, {label}", lambda c=cfg: run(c), flops))
+    same(f"{name} {key}", runs[1], runs[0])
+    return out
+
+
 def long_short_forms(w1, w2, dh_, ap_, routing, gemm) -> list:
     """The down-projection (A' standing in for A: the same (R, n) shape) and dX̃ = dH W1[e], whole, on the
     streamed-B kernel with an expert's short last tile as a 128-row (the default) or a 64-row product
     (``varlen_m_ws.SHORT_TAIL``; ``--kernels lshort``), the short form checked bitwise against the default."""
     out = []
     for name, a, b, tb, fl in (("down-projection", ap_, w2, True, gemm), ("dX~", dh_, w1, False, 2 * gemm)):
-        runs = []
-        for short in (False, True):
-            cfg = {**varlen_m_ws.long_config(), "SHORT_TAIL": short}
-
-            def fn(a=a, b=b, tb=tb, cfg=cfg):
-                return varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=tb, config=cfg)
-            runs.append(fn())
-            out.append((f"{name}, short tail {'64-row' if short else '128-row'}", fn, fl))
-        same(f"{name} SHORT_TAIL", runs[1], runs[0])
+        out += switch_forms(name, "SHORT_TAIL", ("short tail 128-row", "short tail 64-row"), varlen_m_ws.long_config(),
+                            lambda c, a=a, b=b, tb=tb: varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=tb,
+                                                                             config=c), fl)
     return out
 
 
@@ -170,15 +176,10 @@ def wgrad_short_forms(x, dout, dh_, ap_, routing, n, d) -> list:
     out = []
     for name, pp, qq, pg, (i_dim, j_dim), fl in (("dW1", dh_, x, False, (2 * n, d), 2 * gemm),
                                                  ("dW2", dout, ap_, True, (d, n), gemm)):
-        runs = []
-        for short in (False, True):
-            cfg = {**weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg), "SHORT_CHUNK": short}
-
-            def fn(pp=pp, qq=qq, pg=pg, cfg=cfg):
-                return weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=cfg)
-            runs.append(fn())
-            out.append((f"{name}, last chunk {'rounded to 16 rows' if short else 'whole'}", fn, fl))
-        same(f"{name} SHORT_CHUNK", runs[1], runs[0])
+        out += switch_forms(name, "SHORT_CHUNK", ("last chunk whole", "last chunk rounded to 16 rows"),
+                            weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg),
+                            lambda c, pp=pp, qq=qq, pg=pg: weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg,
+                                                                                   config=c), fl)
     return out
 
 

@@ -195,6 +195,13 @@ GPU_CASES = [
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[2], torch.float16)]
 
 
+def _operands(t, r, d, n, dtype, seed):
+    """x and dO (T, d), dH (R, 2n) and A′ (R, n) in ``dtype``, drawn on the GPU from a generator seeded ``seed``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g)
+                 for rows, cols in ((t, d), (t, d), (r, 2 * n), (r, n)))
+
+
 def _routing(t, e, k, empty, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(t, e, device="cuda", generator=g)
@@ -212,12 +219,7 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, empty, _ = case
     routing = _routing(t, e, k, empty, seed=t)
-    r = routing.num_rows
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
-    dh = torch.randn(r, 2 * n, device="cuda", dtype=dtype, generator=g)
-    ap = torch.randn(r, n, device="cuda", dtype=dtype, generator=g)
+    x, dout, dh, ap = _operands(t, routing.num_rows, d, n, dtype, 1)
     for p, q, pg in ((dh, x, False), (dout, ap, True)):
         assert wgrad_ws_supported(p, q, p_gather=pg, q_gather=not pg, out_dtype=dtype)
         p0, q0 = p.clone(), q.clone()
@@ -260,12 +262,7 @@ def test_gpu_short_chunk_same_bits(dtype, monkeypatch):
     ids = torch.cat([torch.full((c,), i, dtype=torch.int32) for i, c in enumerate(counts)])
     ids = ids[torch.randperm(ids.numel())].cuda()[:, None]
     routing = routing_from_topk(ids, e)
-    t, r = ids.shape[0], routing.num_rows
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
-    dout = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
-    dh = torch.randn(r, 2 * n, device="cuda", dtype=dtype, generator=g)
-    ap = torch.randn(r, n, device="cuda", dtype=dtype, generator=g)
+    x, dout, dh, ap = _operands(ids.shape[0], routing.num_rows, d, n, dtype, 5)
     for p, q, pg in ((dh, x, False), (dout, ap, True)):
         ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg, out_dtype=torch.float32)
         for split, ring in ((True, False), (False, True)):
