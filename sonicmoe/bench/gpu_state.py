@@ -117,11 +117,15 @@ class GpuWatch:
         return self
 
     def stop(self) -> None:
+        """End the sampling at this host time (:attr:`stopped_at`). A sample the thread took after it, before it saw
+        the stop, lies outside the block and is dropped (the ``with`` block's samples are exactly those before)."""
         self.stopped_at = time.perf_counter()
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = None
+            while self.samples and self.samples[-1][0] > self.stopped_at:
+                self.samples.pop()
 
     def __enter__(self) -> GpuWatch:
         return self.start()
