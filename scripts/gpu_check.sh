@@ -68,7 +68,8 @@
 #   short  an expert's short last tile or chunk, three switches: the up-projection's tile as a 64-row product
 #          (SONICMOE_UP_SHORT_TAIL), the weight gradients' chunk over its rows rounded up to 16
 #          (SONICMOE_WGRAD_SHORT_CHUNK), the streamed-B kernel's tile (down-projection, dX̃) as a 64-row product
-#          (SONICMOE_LONG_SHORT_TAIL): their GPU tests and the kernels alone in both forms (SHORT_SHAPES)
+#          (SONICMOE_LONG_SHORT_TAIL): their GPU tests (about 100 kernel variants to compile: a call of its own)
+#   shortprobe  the kernels alone with and without each switch (SHORT_SHAPES)
 #   shortab  fresh-process layer A/Bs of those switches (SHORT_AB_ARMS, default off and all three on;
 #          SHORT_AB_SHAPES name=T,d,n,E,K ..., SHORT_AB_ROUNDS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
@@ -427,12 +428,14 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ;;
     short)
       # an expert's short last tile or chunk (SONICMOE_UP_SHORT_TAIL, SONICMOE_WGRAD_SHORT_CHUNK,
-      # SONICMOE_LONG_SHORT_TAIL): their GPU tests, the kernels alone in both forms (gather_path_probe.py
-      # --kernels short,wshort,lshort on SHORT_SHAPES)
-      timeout ${SHORT_TEST_LIMIT_S:-360} python3 -m pytest -q -m gpu tests/test_up_proj_ws.py \
+      # SONICMOE_LONG_SHORT_TAIL): their GPU tests; shortprobe: the kernels alone in both forms
+      # (gather_path_probe.py --kernels short,wshort,lshort on SHORT_SHAPES)
+      timeout ${SHORT_TEST_LIMIT_S:-540} python3 -m pytest -q -m gpu tests/test_up_proj_ws.py \
         tests/test_weight_grad_ws.py tests/test_varlen_m_ws.py -k "short or test_gpu_matches_reference_and_triton" \
         > "$OUT/short_tests.txt" 2>&1
-      SUMMARY+=("$(tail -1 "$OUT/short_tests.txt")")
+      SUMMARY+=("$(grep -E "passed|failed|FAILED" "$OUT/short_tests.txt" | tail -12)")
+      ;;
+    shortprobe)
       for shp in ${SHORT_SHAPES:-32768,4096,1024,128,8 24576,1536,256,128,8}; do
         timeout 300 python3 scripts/gather_path_probe.py --shape "$shp" --kernels short,wshort,lshort \
           --json "$OUT/short_${shp//,/_}.json" > "$OUT/short_${shp//,/_}.txt" 2>&1
