@@ -70,7 +70,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import _masked_store, column_halves
+    from .grouped_gemm_ws import _masked_store, column_halves, wgmma_layout
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
@@ -391,13 +391,11 @@ if HAVE_GLUON:
         ``GU_FUSED``: one (BLOCK_M, 2·BLOCK_N) product per K-block (the slot's W box holds the gate rows, then the
         up rows), split in two afterwards; else a gate and an up product. ``HALF`` 0 or 1 (``WG_SPLIT``, or 0 for a
         short tile, :data:`SHORT_TAIL`): the products of the slot's X rows [HALF·BLOCK_M, (HALF + 1)·BLOCK_M) only
-        (BLOCK_M is then half the slot's rows); -1: all of them. The accumulators put min(WARPS, BLOCK_M / 16) warps
-        along M and split the columns among the rest: a short tile's 64 rows on 8 warps are two warpgroups of
-        64 × BLOCK_N / 2 each."""
-        WM: gl.constexpr = min(WARPS, BLOCK_M // 16)  # warps along M (16 rows each); the rest split N
+        (BLOCK_M is then half the slot's rows); -1: all of them. The accumulators' layout:
+        :func:`~sonicmoe.ops.grouped_gemm_ws.wgmma_layout` (a short tile's 64 rows on 8 warps: two warpgroups of
+        64 × BLOCK_N / 2 each)."""
         if GU_FUSED:
-            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WARPS // WM],
-                                                                 instr_shape=[16, 2 * BLOCK_N // (WARPS // WM), 16])
+            acc_layout: gl.constexpr = wgmma_layout(BLOCK_M, 2 * BLOCK_N, WARPS)
             acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for ki in range(k_tiles):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
@@ -408,8 +406,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc_g, acc_u = column_halves(acc)
         else:
-            acc_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WARPS // WM],
-                                                                  instr_shape=[16, BLOCK_N // (WARPS // WM), 16])
+            acc_layout2: gl.constexpr = wgmma_layout(BLOCK_M, BLOCK_N, WARPS)
             acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
             acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
             for ki in range(k_tiles):

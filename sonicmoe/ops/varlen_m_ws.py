@@ -57,7 +57,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import _masked_store, column_halves
+    from .grouped_gemm_ws import _masked_store, column_halves, wgmma_layout
     from .up_proj_ws import _tile_of
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -210,9 +210,7 @@ if HAVE_GLUON:
         warpgroup half the columns) and leaves whole through the buffer by masked stores. Returns the next ring
         step."""
         TM: gl.constexpr = BLOCK_M // 2 if SHORT else BLOCK_M
-        WM: gl.constexpr = min(WARPS, TM // 16)  # warps along M (16 rows each); the rest split the columns
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WARPS // WM],
-                                                             instr_shape=[16, BLOCK_N // (WARPS // WM), 16])
+        acc_layout: gl.constexpr = wgmma_layout(TM, BLOCK_N, WARPS)
         dtype: gl.constexpr = c_ptr.dtype.element_ty
         acc = gl.zeros((TM, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         for ki in range(k_tiles):
