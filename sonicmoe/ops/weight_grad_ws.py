@@ -230,23 +230,26 @@ if HAVE_GLUON:
     def _chunk_mma(a_rows, b_rows, acc, rows, SHORT: gl.constexpr):
         """One chunk's product added to ``acc`` (:func:`_rows_mma`), asynchronous, one product left in flight.
         ``SHORT`` (:data:`SHORT_CHUNK`; BLOCK_R = 64): a chunk of ``rows`` < BLOCK_R rows (an expert's last; the rows
-        past its end are zeros in both operands) takes its first ``rows`` rounded up to 16 only (48 as 32 + 16: the
-        same k16 steps in the same order), and completes."""
+        past its end are zeros in both operands) takes its first ``rows`` rounded up to 16 only, one k16 step at a
+        time (the same k16 steps in the same order as the whole product), and completes.
+
+        The k16 steps stand in a chain of ``if`` blocks, each on its own slice. Branches that each held a different
+        number of steps (16, 32, 32 + 16, 64) compiled wrong: ptxas (triton 3.6's) set the second step's B
+        descriptor in one branch only and read it in another, an out-of-bounds shared read on the GPU
+        (compute-sanitizer, session 59)."""
         BR: gl.constexpr = a_rows.shape[0]
         Q: gl.constexpr = BR // 4
         if SHORT:
             if rows >= BR:
                 acc = _rows_mma(a_rows, b_rows, acc, 0, BR, True)
-            elif rows > 2 * Q:
-                if rows > 3 * Q:
-                    acc = _rows_mma(a_rows, b_rows, acc, 0, BR, False)
-                else:
-                    acc = _rows_mma(a_rows, b_rows, acc, 0, 2 * Q, False)
-                    acc = _rows_mma(a_rows, b_rows, acc, 2 * Q, Q, False)
-            elif rows > Q:
-                acc = _rows_mma(a_rows, b_rows, acc, 0, 2 * Q, False)
             else:
                 acc = _rows_mma(a_rows, b_rows, acc, 0, Q, False)
+                if rows > Q:
+                    acc = _rows_mma(a_rows, b_rows, acc, Q, Q, False)
+                if rows > 2 * Q:
+                    acc = _rows_mma(a_rows, b_rows, acc, 2 * Q, Q, False)
+                if rows > 3 * Q:
+                    acc = _rows_mma(a_rows, b_rows, acc, 3 * Q, Q, False)
         else:
             acc = _rows_mma(a_rows, b_rows, acc, 0, BR, True)
         return acc
