@@ -187,8 +187,6 @@ def spaces(which: str) -> dict:
                  + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "WG_SPLIT": True, "PART": p} for p in (0, 1)]
                  + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "H_PACKED": False}]
                  + [{**up_proj_ws.up_ws_config(w), "SIGMOID_FTZ": True} for w in (4096, 1536)]
-                 + [{**up_proj_ws.up_ws_config(w), "SHORT_TAIL": True} for w in (4096, 1536)]
-                 + [{"STAGES": 4, "PART": 1, "SHORT_TAIL": True}]
                  + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],
         "down_ws": [grouped_gemm_ws.ws_config(n, stage_in_ring=r) for r in (False, True)],
         "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False, stage_in_ring=r) for r in (False, True)],
@@ -196,8 +194,8 @@ def spaces(which: str) -> dict:
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
                  + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)]
                  + [{**dh_ws.dh_ws_config(n), "SIGMOID_FTZ": True}],
-        "long_down": [varlen_m_ws.long_config()] + [{**varlen_m_ws.long_config(c), "SHORT_TAIL": True} for c in (2, 1)],
-        "long_dxt": [varlen_m_ws.long_config()] + [{**varlen_m_ws.long_config(c), "SHORT_TAIL": True} for c in (2, 1)],
+        "long_down": [varlen_m_ws.long_config()],
+        "long_dxt": [varlen_m_ws.long_config()],
         "dh_ws_pair": [dh_ws.dh_ws_config(n)],
         "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w, wg_pieces=pc,
@@ -205,11 +203,6 @@ def spaces(which: str) -> dict:
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w, wg_pieces=pc,
                                                   wg_turns=tu) for r, w, pc, tu in WGRAD_FORMS],
     })
-    # the short last chunk (weight_grad_ws.SHORT_CHUNK) in the split form (the default) and the 8-warp one with the
-    # staging in the ring
-    for name, (i_dim, j_dim, pg) in (("dw1_ws", (2 * n, d, False)), ("dw2_ws", (d, n, True))):
-        out[name] += [{**weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, stage_in_ring=r, wg_split=w),
-                       "SHORT_CHUNK": True} for r, w in ((False, True), (True, False))]
     if which == "focus":
         import importlib.util
         import pathlib

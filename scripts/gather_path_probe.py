@@ -16,19 +16,13 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort,lshort] [--warmup 1.0] [--window 1.5]
-             [--passes 1]
-             [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
 two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
-the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``short``: the
-up-projection with an expert's short last tile as a 64-row product or a 128-row one (``up_proj_ws.SHORT_TAIL``), as
-the layer runs it and MMAs alone; ``wshort``: dW1 and dW2 with an expert's last chunk over all its 64 rows or its
-rows rounded up to 16 (``weight_grad_ws.SHORT_CHUNK``); ``lshort``: the down-projection and dX̃ on the streamed-B
-kernel with an expert's short last tile as a 128-row or a 64-row product (``varlen_m_ws.SHORT_TAIL``).
+the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``).
 """
 
 from __future__ import annotations
@@ -46,7 +40,7 @@ from energy_probe import measure_passes, probe_problem, write_rows  # noqa: E402
 from kernel_breakdown import dense_rows  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
-from sonicmoe.ops import dh_ws, up_proj_ws, varlen_m_ws, weight_grad_ws  # noqa: E402
+from sonicmoe.ops import dh_ws, up_proj_ws, weight_grad_ws  # noqa: E402
 from sonicmoe.ops.varlen_m_ws import long_gemm  # noqa: E402
 
 
@@ -134,69 +128,6 @@ def items(shape: str, kernels: list[str]) -> list:
         out += up_split_forms(x, w1, routing, d, 2 * gemm)
     if "ftz" in kernels:
         out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
-    if "short" in kernels:
-        out += short_tail_forms(x, w1, routing, d, 2 * gemm)
-    if "wshort" in kernels:
-        out += wgrad_short_forms(x, dout, dh_, ap_, routing, n, d)
-    if "lshort" in kernels:
-        out += long_short_forms(w1, w2, dh_, ap_, routing, gemm)
-    return out
-
-
-def switch_forms(name: str, key: str, labels: tuple[str, str], base: dict, run, flops) -> list:
-    """(item, fn, FLOPs) of ``run(config)`` with ``base``'s switch ``key`` off, then on (``labels``), the second's
-    output checked bitwise against the first's."""
-    out, runs = [], []
-    for on, label in zip((False, True), labels):
-        cfg = {**base, key: on}
-        runs.append(run(cfg))
-        out.append((f"{name}, {label}", lambda c=cfg: run(c), flops))
-    same(f"{name} {key}", runs[1], runs[0])
-    return out
-
-
-def long_short_forms(w1, w2, dh_, ap_, routing, gemm) -> list:
-    """The down-projection (A' standing in for A: the same (R, n) shape) and dX̃ = dH W1[e], whole, on the
-    streamed-B kernel with an expert's short last tile as a 128-row (the default) or a 64-row product
-    (``varlen_m_ws.SHORT_TAIL``; ``--kernels lshort``), the short form checked bitwise against the default."""
-    out = []
-    for name, a, b, tb, fl in (("down-projection", ap_, w2, True, gemm), ("dX~", dh_, w1, False, 2 * gemm)):
-        out += switch_forms(name, "SHORT_TAIL", ("short tail 128-row", "short tail 64-row"), varlen_m_ws.long_config(),
-                            lambda c, a=a, b=b, tb=tb: varlen_m_ws.long_gemm(a, b, None, routing, transpose_b=tb,
-                                                                             config=c), fl)
-    return out
-
-
-def wgrad_short_forms(x, dout, dh_, ap_, routing, n, d) -> list:
-    """dW1 and dW2 as the layer runs them with an expert's last chunk over all BLOCK_R rows (the default) or over
-    its rows rounded up to 16 (``SHORT_CHUNK``; ``--kernels wshort``), the short form checked bitwise against the
-    whole-chunk one."""
-    gemm = 2 * routing.num_rows * n * d
-    tok, off = routing.row_token, routing.expert_offsets
-    out = []
-    for name, pp, qq, pg, (i_dim, j_dim), fl in (("dW1", dh_, x, False, (2 * n, d), 2 * gemm),
-                                                 ("dW2", dout, ap_, True, (d, n), gemm)):
-        out += switch_forms(name, "SHORT_CHUNK", ("last chunk whole", "last chunk rounded to 16 rows"),
-                            weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg),
-                            lambda c, pp=pp, qq=qq, pg=pg: weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg,
-                                                                                   config=c), fl)
-    return out
-
-
-def short_tail_forms(x, w1, routing, d, flops) -> list:
-    """The up-projection as the layer runs it with an expert's last tile of at most 64 rows as a 128-row product
-    (the default) or a 64-row one (``SHORT_TAIL``), whole and MMAs alone (``--kernels short``); H and A of the short
-    form checked bitwise against the default's."""
-    out, runs = [], []
-    for short in (False, True):
-        cfg = {**up_proj_ws.up_ws_config(d), "SHORT_TAIL": short}
-        runs.append(up_proj_ws.up_proj_ws(x, w1, None, routing, config=cfg))
-        tag = "short tail 64-row" if short else "short tail 128-row"
-        out += [(f"up, {tag}", lambda c=cfg: up_proj_ws.up_proj_ws(x, w1, None, routing, config=c), flops),
-                (f"up, {tag}, MMAs alone", lambda c={**cfg, "PART": 1}: up_proj_ws.up_proj_ws(x, w1, None, routing,
-                                                                                              config=c), flops)]
-    for name, a, b in zip(("up H", "up A"), runs[1], runs[0]):
-        same(f"SHORT_TAIL {name}", a, b)
     return out
 
 
@@ -314,8 +245,7 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2",
-                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,short,wshort,lshort")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)

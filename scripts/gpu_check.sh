@@ -65,13 +65,6 @@
 #          weight gradients' warpgroup forms (scripts/gather_path_probe.py on GATHER_SHAPES, GATHER_KERNELS)
 #   ftz    the SwiGLU sigmoid by ex2/rcp.approx.ftz (SONICMOE_SIGMOID_FTZ): GPU tests, the up-projection and dH alone
 #          in both forms (FTZ_SHAPES), fresh-process layer A/Bs (FTZ_AB_SHAPES name=T,d,n,E,K ..., FTZ_AB_ROUNDS)
-#   short  an expert's short last tile or chunk, three switches: the up-projection's tile as a 64-row product
-#          (SONICMOE_UP_SHORT_TAIL), the weight gradients' chunk over its rows rounded up to 16
-#          (SONICMOE_WGRAD_SHORT_CHUNK), the streamed-B kernel's tile (down-projection, dX̃) as a 64-row product
-#          (SONICMOE_LONG_SHORT_TAIL): their GPU tests (about 100 kernel variants to compile: a call of its own)
-#   shortprobe  the kernels alone with and without each switch (SHORT_SHAPES)
-#   shortab  fresh-process layer A/Bs of those switches (SHORT_AB_ARMS, default off and all three on;
-#          SHORT_AB_SHAPES name=T,d,n,E,K ..., SHORT_AB_ROUNDS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
 #   profile  every kernel of a 7B layer call (scripts/layer_profile.py), autotuned and pinned configs
 #   full   the layer benchmark on the granularity, iso-FLOPs and model shapes (granularity: the first two,
@@ -424,32 +417,6 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         AB_ARMS="off:SONICMOE_SIGMOID_FTZ=0 on:SONICMOE_SIGMOID_FTZ=1" AB_ROUNDS=${FTZ_AB_ROUNDS:-3} AB_SHAPE=$shp \
           bash scripts/env_ab.sh "$OUT/ftz_ab_${shp%%=*}" > /dev/null 2>&1
         SUMMARY+=("${shp%%=*}: $(tail -2 "$OUT/ftz_ab_${shp%%=*}/ab_summary.txt")")
-      done
-      ;;
-    short)
-      # an expert's short last tile or chunk (SONICMOE_UP_SHORT_TAIL, SONICMOE_WGRAD_SHORT_CHUNK,
-      # SONICMOE_LONG_SHORT_TAIL): their GPU tests; shortprobe: the kernels alone in both forms
-      # (gather_path_probe.py --kernels short,wshort,lshort on SHORT_SHAPES)
-      timeout ${SHORT_TEST_LIMIT_S:-540} python3 -m pytest -q -m gpu tests/test_up_proj_ws.py \
-        tests/test_weight_grad_ws.py tests/test_varlen_m_ws.py -k "short or test_gpu_matches_reference_and_triton" \
-        > "$OUT/short_tests.txt" 2>&1
-      SUMMARY+=("$(grep -E "passed|failed|FAILED" "$OUT/short_tests.txt" | tail -12)")
-      ;;
-    shortprobe)
-      for shp in ${SHORT_SHAPES:-32768,4096,1024,128,8 24576,1536,256,128,8}; do
-        timeout 300 python3 scripts/gather_path_probe.py --shape "$shp" --kernels short,wshort,lshort \
-          --json "$OUT/short_${shp//,/_}.json" > "$OUT/short_${shp//,/_}.txt" 2>&1
-        SUMMARY+=("$(grep -v Warning "$OUT/short_${shp//,/_}.txt" | tail -14)")
-      done
-      ;;
-    shortab)
-      # fresh-process layer A/Bs of the short-tail switches (SHORT_AB_ARMS, SHORT_AB_SHAPES, SHORT_AB_ROUNDS)
-      off=SONICMOE_UP_SHORT_TAIL=0,SONICMOE_WGRAD_SHORT_CHUNK=0,SONICMOE_LONG_SHORT_TAIL=0
-      all=SONICMOE_UP_SHORT_TAIL=1,SONICMOE_WGRAD_SHORT_CHUNK=1,SONICMOE_LONG_SHORT_TAIL=1
-      for shp in ${SHORT_AB_SHAPES:-120b=32768,4096,1024,128,8 7b=24576,1536,256,128,8}; do
-        AB_ARMS=${SHORT_AB_ARMS:-"off:$off all:$all"} AB_ROUNDS=${SHORT_AB_ROUNDS:-3} AB_SHAPE=$shp \
-          bash scripts/env_ab.sh "$OUT/short_ab_${shp%%=*}" > /dev/null 2>&1
-        SUMMARY+=("${shp%%=*}: $(grep median "$OUT/short_ab_${shp%%=*}/ab_summary.txt")")
       done
       ;;
     ncu)

@@ -57,20 +57,6 @@ def test_wg_split_config(monkeypatch):
     assert 32 * (4 * up_proj_ws.LOADER_REGS + up_proj_ws.MMA_WARPS * up_proj_ws.WG_REGS) <= held
 
 
-def test_short_tail_config(monkeypatch):
-    """SHORT_TAIL is in the config of both forms (storer or not), SONICMOE_UP_SHORT_TAIL overrides the default, and
-    the switch leaves the ring as it is."""
-    for v in ("1", "0"):
-        monkeypatch.setenv("SONICMOE_UP_SHORT_TAIL", v)
-        for d in (4096, 1536):
-            assert up_ws_config(d)["SHORT_TAIL"] is (v == "1")
-    on = up_ws_config(4096)
-    monkeypatch.delenv("SONICMOE_UP_SHORT_TAIL")
-    assert up_ws_config(4096)["SHORT_TAIL"] is up_proj_ws.SHORT_TAIL
-    assert {k: v for k, v in on.items() if k != "SHORT_TAIL"} == {k: v for k, v in up_ws_config(4096).items()
-                                                                    if k != "SHORT_TAIL"}
-
-
 @pytest.mark.parametrize("gpu,small_d", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True),
                                          ("NVIDIA H100 80GB HBM3", False), ("NVIDIA GH200 480GB", False)])
 def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
@@ -308,49 +294,6 @@ def test_gpu_sigmoid_ftz_same_bits(case, monkeypatch):
             h0, a0 = run_ws(x, w1, bias, routing, config={**cfg, "SIGMOID_FTZ": False})
             h1, a1 = run_ws(x, w1, bias, routing, config={**cfg, "SIGMOID_FTZ": True})
             assert torch.equal(h1, h0) and torch.equal(a1, a0), (epi, bias is not None)
-
-
-def _tail_routing(tails, full_tiles=1):
-    """A K = 1 routing on the GPU whose expert i holds ``full_tiles`` whole BLOCK_M-row tiles and then ``tails[i]``
-    rows (its last tile: short where at most BLOCK_M / 2), with an empty expert between each two."""
-    rows = [full_tiles * up_proj_ws.BLOCK_M + t for t in tails]
-    ids = torch.cat([torch.full((r,), 2 * i, dtype=torch.int32) for i, r in enumerate(rows)])
-    return routing_from_topk(ids[torch.randperm(ids.numel())].cuda()[:, None], 2 * len(rows))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
-def test_gpu_short_tail_same_bits(case, dtype, monkeypatch):
-    """SHORT_TAIL (a last tile of at most BLOCK_M / 2 rows as a 64-row product, the warpgroups splitting the
-    columns): H and A within rounding of the float32 loop, no NaN left by the poison fill, and the same bits as the
-    128-row product, with the epilogue in the MMA warps and in the storer, with and without bias and H; the MMAs
-    alone (PART 1) give the row sums within rounding (not bitwise: a short tile's row is summed across two
-    warpgroups, in another order; session 58 on an H200). Top-k routings whose tails fall either side of
-    BLOCK_M / 2, and one whose tails sit on it (63, 64, 65 rows), a single row and none."""
-    t, d, n, e, k, _ = case
-    routing, x, w1, g = _gpu_problem(case, dtype, t + 5, 7, monkeypatch)
-    half = up_proj_ws.BLOCK_M // 2
-    edges = _tail_routing([half - 1, half, half + 1, 1, 0, up_proj_ws.BLOCK_M - 1])
-    x_edges = torch.randn(edges.num_rows, d, device="cuda", generator=g).to(dtype)
-    w_edges = (torch.randn(edges.num_experts, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
-    for rt, xx, ww in ((routing, x, w1), (edges, x_edges, w_edges)):
-        e_ = ww.shape[0]
-        for bias in (None, (0.1 * torch.randn(e_, 2 * n, device="cuda", generator=g)).to(dtype)):
-            x0, w0 = xx.clone(), ww.clone()
-            h_ref, a_ref = up_proj.up_proj_ref(xx, ww, bias, rt)
-            for epi in (0, 4):
-                cfg = up_ws_config(epi_warps=epi)
-                h, a = run_ws(xx, ww, bias, rt, config={**cfg, "SHORT_TAIL": True})
-                assert rel_err(h, h_ref) < 5e-3 and rel_err(a, a_ref) < 1e-2, (epi, bias is not None)
-                h0, a0 = run_ws(xx, ww, bias, rt, config={**cfg, "SHORT_TAIL": False})
-                assert torch.equal(h, h0) and torch.equal(a, a0), (epi, bias is not None)
-                none, a1 = run_ws(xx, ww, bias, rt, store_h=False, config={**cfg, "SHORT_TAIL": True})
-                assert none is None and torch.equal(a1, a0)
-            assert torch.equal(xx, x0) and torch.equal(ww, w0)
-        nt = n // up_proj_ws.BLOCK_N
-        _, s1 = run_ws(xx, ww, None, rt, config=dict(up_ws_config(epi_warps=0), PART=1, SHORT_TAIL=True))
-        _, s0 = run_ws(xx, ww, None, rt, config=dict(up_ws_config(epi_warps=0), PART=1, SHORT_TAIL=False))
-        assert not s1[:, :nt].isnan().any() and rel_err(s1[:, :nt], s0[:, :nt]) < 5e-3
 
 
 @pytest.mark.gpu

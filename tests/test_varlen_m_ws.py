@@ -26,17 +26,6 @@ def test_config_fits_shared_memory():
     assert long_config(1, stages=2)["STAGES"] == 2
 
 
-def test_short_tail_switch(monkeypatch):
-    """SONICMOE_LONG_SHORT_TAIL 1 / 0 sets SHORT_TAIL in the config, which leaves the ring as it is; unset, the
-    module's default."""
-    for v in ("1", "0"):
-        monkeypatch.setenv("SONICMOE_LONG_SHORT_TAIL", v)
-        assert long_config()["SHORT_TAIL"] is (v == "1")
-        assert long_config()["STAGES"] == long_config(varlen_m_ws.C_SPLIT)["STAGES"]
-    monkeypatch.delenv("SONICMOE_LONG_SHORT_TAIL")
-    assert long_config()["SHORT_TAIL"] is varlen_m_ws.SHORT_TAIL
-
-
 def test_supported_rejects_on_cpu_and_bad_operands(monkeypatch):
     """Off an sm_90 GPU (here: CPU tensors), with a bias, or SONICMOE_GLUON_LONG=0, the layer keeps the Triton
     kernel (the operand checks run on the GPU: test_gpu_supported_rule)."""
@@ -113,9 +102,8 @@ def _gpu_skip():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     """Both B forms (dX̃: B (E, 2n, d) MN-major; the down-projection form: B (E, d, n) K-major), both staging
-    splits, each with an expert's short last tiles as 128-row or 64-row products (SHORT_TAIL), whole and in column
-    blocks written into a wider C: within rounding of the float32 loop, bitwise equal to the Triton kernel and to a
-    second run, no NaN left by the poison fill, the inputs untouched."""
+    splits, whole and in column blocks written into a wider C: within rounding of the float32 loop, bitwise equal
+    to the Triton kernel and to a second run, no NaN left by the poison fill, the inputs untouched."""
     _gpu_skip()
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     monkeypatch.setenv("SONICMOE_GLUON_LONG", "0")  # the Triton kernel below
@@ -129,47 +117,21 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         a0, b0 = a.clone(), b.clone()
         ref = long_gemm_ref(a, b, None, routing, transpose_b=tb)
         tri = varlen_m_gemm(a, b, None, routing, transpose_b=tb)
-        for split, short in ((1, False), (2, False), (1, True), (2, True)):
-            cfg = {**long_config(split), "SHORT_TAIL": short}
+        for split in (1, 2):
+            cfg = long_config(split)
             got = long_gemm(a, b, None, routing, transpose_b=tb, config=cfg)
             assert not got.isnan().any()
-            assert rel_err(got, ref) < 2e-3, (tb, split, short)
-            assert torch.equal(got, tri), (tb, split, short)
+            assert rel_err(got, ref) < 2e-3, (tb, split)
+            assert torch.equal(got, tri), (tb, split)
             assert torch.equal(got, long_gemm(a, b, None, routing, transpose_b=tb, config=cfg))
             # column blocks of 256 written into a wider poisoned C, as gemm_then_gather_sum runs them
             wide = torch.full((r, d + 256), float("nan"), device="cuda", dtype=dtype)
             for c0 in range(0, d, 256):
                 long_gemm(a, b, None, routing, transpose_b=tb, out=wide[:, 128 + c0:128 + c0 + 256], col0=c0,
                           width=256, config=cfg)
-            assert torch.equal(wide[:, 128:128 + d], tri), (tb, split, short)
+            assert torch.equal(wide[:, 128:128 + d], tri), (tb, split)
             assert wide[:, :128].isnan().all() and wide[:, 128 + d:].isnan().all()
         assert torch.equal(a, a0) and torch.equal(b, b0)
-
-
-@pytest.mark.gpu
-def test_gpu_short_tail_boundaries(monkeypatch):
-    """SHORT_TAIL on experts whose last tile holds 63, 64, 65, 1 and 127 rows or none, after one or two whole tiles,
-    with empty experts between: the bits of the 128-row product (the next expert's rows share the short tiles'
-    TMA boxes and must not leak into them), in both B forms and staging splits."""
-    from sonicmoe.routing import routing_from_topk
-
-    _gpu_skip()
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    m = varlen_m_ws.BLOCK_M
-    counts = [m * (1 + i % 2) + t for i, t in enumerate([m // 2 - 1, m // 2, m // 2 + 1, 1, m - 1, 0])]
-    ids = torch.cat([torch.full((c,), 2 * i, dtype=torch.int32) for i, c in enumerate(counts)])
-    routing = routing_from_topk(ids[torch.randperm(ids.numel())].cuda()[:, None], 2 * len(counts))
-    e, r, n, d = routing.num_experts, routing.num_rows, 384, 512
-    g = torch.Generator(device="cuda").manual_seed(3)
-    for tb, kk, b_shape in ((False, 2 * n, (e, 2 * n, d)), (True, n, (e, d, n))):
-        a = torch.randn(r, kk, device="cuda", dtype=torch.bfloat16, generator=g)
-        b = (torch.randn(*b_shape, device="cuda", generator=g) / kk ** 0.5).to(torch.bfloat16)
-        ref = long_gemm_ref(a, b, None, routing, transpose_b=tb)
-        for split in (1, 2):
-            whole = long_gemm(a, b, None, routing, transpose_b=tb, config={**long_config(split), "SHORT_TAIL": False})
-            short = long_gemm(a, b, None, routing, transpose_b=tb, config={**long_config(split), "SHORT_TAIL": True})
-            assert not short.isnan().any() and rel_err(short, ref) < 2e-3, (tb, split)
-            assert torch.equal(short, whole), (tb, split)
 
 
 @pytest.mark.gpu

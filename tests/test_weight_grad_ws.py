@@ -81,22 +81,6 @@ def test_warpgroup_split_config():
             assert split["BLOCK_I"] // 2 >= 64  # each warpgroup's half: whole m64 wgmma rows
 
 
-def test_short_chunk_switch(monkeypatch):
-    """SONICMOE_WGRAD_SHORT_CHUNK 1 / 0 sets SHORT_CHUNK in the config, which leaves the ring as it is; only with
-    64-row chunks."""
-    base = wgrad_ws_config(2048, 4096, False)
-    for v in ("1", "0"):
-        monkeypatch.setenv("SONICMOE_WGRAD_SHORT_CHUNK", v)
-        cfg = wgrad_ws_config(2048, 4096, False)
-        assert cfg["SHORT_CHUNK"] is (v == "1")
-        assert {k: x for k, x in cfg.items() if k != "SHORT_CHUNK"} == {k: x for k, x in base.items()
-                                                                          if k != "SHORT_CHUNK"}
-    monkeypatch.setenv("SONICMOE_WGRAD_SHORT_CHUNK", "1")
-    assert not wgrad_ws_config(2048, 4096, False, block_r=32)["SHORT_CHUNK"]
-    monkeypatch.delenv("SONICMOE_WGRAD_SHORT_CHUNK")
-    assert wgrad_ws_config(2048, 4096, False)["SHORT_CHUNK"] is weight_grad_ws.SHORT_CHUNK
-
-
 def test_warpgroup_split_switches(monkeypatch):
     """SONICMOE_WGRAD_WG_SPLIT 1 / 0 turns the split form on / off in the default config; SONICMOE_WGRAD_WG_PIECES
     and SONICMOE_WGRAD_WG_TURNS set its store form. One piece per warpgroup needs a whole half tile of buffer each,
@@ -195,13 +179,6 @@ GPU_CASES = [
 GPU_PARAMS = [(c, torch.bfloat16) for c in GPU_CASES] + [(GPU_CASES[2], torch.float16)]
 
 
-def _operands(t, r, d, n, dtype, seed):
-    """x and dO (T, d), dH (R, 2n) and A′ (R, n) in ``dtype``, drawn on the GPU from a generator seeded ``seed``."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(rows, cols, device="cuda", dtype=dtype, generator=g)
-                 for rows, cols in ((t, d), (t, d), (r, 2 * n), (r, n)))
-
-
 def _routing(t, e, k, empty, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(t, e, device="cuda", generator=g)
@@ -219,7 +196,12 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, empty, _ = case
     routing = _routing(t, e, k, empty, seed=t)
-    x, dout, dh, ap = _operands(t, routing.num_rows, d, n, dtype, 1)
+    r = routing.num_rows
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(t, d, device="cuda", dtype=dtype, generator=g)
+    dh = torch.randn(r, 2 * n, device="cuda", dtype=dtype, generator=g)
+    ap = torch.randn(r, n, device="cuda", dtype=dtype, generator=g)
     for p, q, pg in ((dh, x, False), (dout, ap, True)):
         assert wgrad_ws_supported(p, q, p_gather=pg, q_gather=not pg, out_dtype=dtype)
         p0, q0 = p.clone(), q.clone()
@@ -232,8 +214,6 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         cfgs = [wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=r, wg_split=False) for r in (False, True)]
         cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=pc, wg_turns=tu)
                  for pc, tu in ((2, False), (2, True), (1, False), (1, True))]
-        # an expert's short last chunk over its rows rounded up to 16 (SHORT_CHUNK), in the ring and split forms
-        cfgs += [{**c, "SHORT_CHUNK": True} for c in (cfgs[1], cfgs[2])]
         for cfg in [None, *cfgs]:
             got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg, config=cfg)
             assert torch.isfinite(got).all(), cfg
@@ -243,37 +223,6 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
             assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
                                              config=cfg))
         assert torch.equal(p, p0) and torch.equal(q, q0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_short_chunk_same_bits(dtype, monkeypatch):
-    """SHORT_CHUNK on experts whose last chunk holds 1, 15, 16, 17, 31, 32, 33, 47, 48, 49 and 63 rows (each k16
-    step count, either side of each boundary), none, and no rows at all: the bits of the whole-chunk product and of
-    the Triton kernel, in the split form (the default) and the 8-warp form with the tile staged in the ring, for
-    both weight gradients."""
-    if not _hopper_gluon():
-        pytest.skip("the Gluon kernel needs an sm_90 GPU")
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    br = weight_grad_ws.BLOCK_R
-    tails = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 0]
-    counts = [br * (i % 3) + t for i, t in enumerate(tails)] + [0]
-    e, d, n = len(counts), 256, 128
-    ids = torch.cat([torch.full((c,), i, dtype=torch.int32) for i, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel())].cuda()[:, None]
-    routing = routing_from_topk(ids, e)
-    x, dout, dh, ap = _operands(ids.shape[0], routing.num_rows, d, n, dtype, 5)
-    for p, q, pg in ((dh, x, False), (dout, ap, True)):
-        ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg, out_dtype=torch.float32)
-        for split, ring in ((True, False), (False, True)):
-            cfg = wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=ring, wg_split=split)
-            whole = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
-                             config={**cfg, "SHORT_CHUNK": False})
-            short = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
-                             config={**cfg, "SHORT_CHUNK": True})
-            assert torch.isfinite(short).all() and rel_err(short, ref) < 4e-3, (pg, split)
-            assert torch.equal(short, whole), (pg, split)
-            assert (short[-1] == 0).all()
 
 
 @pytest.mark.gpu

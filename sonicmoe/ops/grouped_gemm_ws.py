@@ -222,15 +222,6 @@ def tile_table_ref(expert_offsets: torch.Tensor, num_rows: int, block_m: int) ->
 
 if HAVE_GLUON:
 
-    @gluon.constexpr_function
-    def wgmma_layout(rows, cols, warps):
-        """The wgmma accumulator layout of a (rows, cols) float32 tile on ``warps`` warps: min(warps, rows / 16)
-        warps along M (16 rows each), the rest splitting the columns (a 64-row tile on 8 warps: two warpgroups of
-        64 × cols / 2, each with its own wgmma N)."""
-        wm = min(warps, rows // 16)
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[wm, warps // wm],
-                                         instr_shape=[16, cols // (warps // wm), 16])
-
     @gluon.jit
     def column_halves(acc):
         """The left and right column halves of the register tile ``acc`` (rows × 2W → two rows × W tiles), for

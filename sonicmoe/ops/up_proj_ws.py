@@ -70,7 +70,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import _masked_store, column_halves, wgmma_layout
+    from .grouped_gemm_ws import _masked_store, column_halves
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_N = 128  # gate and up channels per tile: two (128 x 128) accumulators
@@ -157,12 +157,9 @@ H_PACKED = True
 # spill it brings costs what the checks saved; dH has its own default (dh_ws.SIGMOID_FTZ). SONICMOE_SIGMOID_FTZ (1 or
 # 0) overrides both (sigmoid_ftz)
 SIGMOID_FTZ = False
-# SHORT_TAIL: a tile of at most BLOCK_M / 2 rows (an expert's last, partial tile under top-k; about half of them) runs
-# a 64-row product, the two warpgroups splitting the columns, instead of a 128-row one whose second half multiplies
-# zero-filled rows: half the tensor-core work on those tiles. At (32768, 4096, 1024, 128, 8) an expert averages 16.5
-# tiles, so about 1.5% of the kernel's MMAs. Only without WG_SPLIT and GU_FUSED. Off until timed;
-# SONICMOE_UP_SHORT_TAIL (1 or 0) overrides it (up_ws_config)
-SHORT_TAIL = False
+SIGMOID_FTZ = False
+# Tried and dropped (sessions 58-59): an expert's last tile of at most 64 rows as a 64-row product, the warpgroups
+# splitting the columns. The same bits, but the layer's forward was slower at 120B-n1024 (12.16 against 11.95 ms).
 
 
 def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
@@ -178,8 +175,7 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above; "WG_SPLIT": the two MMA warpgroups as
     partitions of their own (:data:`WG_SPLIT`), only without a storer: ``wg_split``, else ``SONICMOE_UP_WG_SPLIT``
     (1 or 0) where set, else :data:`WG_SPLIT`; "H_PACKED": :data:`H_PACKED`, or ``SONICMOE_UP_H_PACKED`` (1 or 0)
-    where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`; "SHORT_TAIL": :data:`SHORT_TAIL`, or ``SONICMOE_UP_SHORT_TAIL``
-    (1 or 0) where set}."""
+    where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`}."""
     if epi_warps is None:
         epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
     if wg_split is None:
@@ -188,8 +184,7 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
             "EPI_WARPS": epi_warps, "WG_SPLIT": wg_split and not epi,
-            "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz(),
-            "SHORT_TAIL": env_switch("SONICMOE_UP_SHORT_TAIL", SHORT_TAIL)}
+            "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz()}
 
 
 def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:
@@ -389,13 +384,12 @@ if HAVE_GLUON:
         """One tile's wgmma chain over the ring from ring step ``step`` (one K-block in flight; the slot before it goes
         back to the loader): the gate and up accumulators (BLOCK_M, BLOCK_N) float32, and the next ring step.
         ``GU_FUSED``: one (BLOCK_M, 2·BLOCK_N) product per K-block (the slot's W box holds the gate rows, then the
-        up rows), split in two afterwards; else a gate and an up product. ``HALF`` 0 or 1 (``WG_SPLIT``, or 0 for a
-        short tile, :data:`SHORT_TAIL`): the products of the slot's X rows [HALF·BLOCK_M, (HALF + 1)·BLOCK_M) only
-        (BLOCK_M is then half the slot's rows); -1: all of them. The accumulators' layout:
-        :func:`~sonicmoe.ops.grouped_gemm_ws.wgmma_layout` (a short tile's 64 rows on 8 warps: two warpgroups of
-        64 × BLOCK_N / 2 each)."""
+        up rows), split in two afterwards; else a gate and an up product. ``HALF`` 0 or 1 (``WG_SPLIT``): the
+        products of the slot's X rows [HALF·BLOCK_M, (HALF + 1)·BLOCK_M) only (BLOCK_M is then half the slot's
+        rows); -1: all of them."""
         if GU_FUSED:
-            acc_layout: gl.constexpr = wgmma_layout(BLOCK_M, 2 * BLOCK_N, WARPS)
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                                 instr_shape=[16, 2 * BLOCK_N, 16])
             acc = gl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for ki in range(k_tiles):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
@@ -406,7 +400,8 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc_g, acc_u = column_halves(acc)
         else:
-            acc_layout2: gl.constexpr = wgmma_layout(BLOCK_M, BLOCK_N, WARPS)
+            acc_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                                  instr_shape=[16, BLOCK_N, 16])
             acc_g = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
             acc_u = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout2)
             for ki in range(k_tiles):
@@ -429,12 +424,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end, col0, N, stride_hr,
                        stride_ar, STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       WARPS: gl.constexpr, MASKED: gl.constexpr = False):
+                       WARPS: gl.constexpr):
         """The tile's outputs through the staging buffer ``c_smem``: a full tile's H gate block, H up block and A
         block by TMA stores, each drained before the buffer is rewritten; an expert's last tile (the rows past its end
-        belong to the next expert), or every tile with ``MASKED`` (a short tile, whose TMA boxes would be too tall),
-        by masked 16-byte stores from a row-major register layout."""
-        if (row_end - row_start >= BLOCK_M) & (not MASKED):
+        belong to the next expert) by masked 16-byte stores from a row-major register layout."""
+        if row_end - row_start >= BLOCK_M:
             if STORE_H:
                 tma.store_wait(pendings=0)
                 c_smem.store(hg)
@@ -455,70 +449,22 @@ if HAVE_GLUON:
             _store_rows(c_smem, a, a_ptr, row_start, row_end, col0, stride_ar, BLOCK_M, BLOCK_N, WARPS)
 
     @gluon.jit
-    def _up_tile(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, c_smem, h_smem, h_full, h_empty, i,
-                 h_desc, a_desc, h_ptr, a_ptr, b1_ptr, e, row_start, row_end, pid_n, N, stride_hr, stride_ar,
-                 HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr,
-                 EPI: gl.constexpr, HALF: gl.constexpr, H_PACKED: gl.constexpr, SIG_FTZ: gl.constexpr,
-                 SHORT: gl.constexpr):
-        """One tile from ring step ``step``: its gate and up products (:func:`_gate_up_mainloop`), the bias, H
-        rounded, then with ``EPI`` the gate and up blocks staged in ``h_smem`` for the storer (the ``i``-th
-        hand-over), else the SwiGLU and the stores through ``c_smem`` (:func:`_buffer_stores`). ``PART`` 1: the row
-        sums of the two products in A's column ``pid_n`` instead. ``SHORT``: a tile of at most BLOCK_M / 2 rows,
-        whose products take the slot's first BLOCK_M / 2 rows only, staged in the buffers' first rows and stored by
-        masked stores. Returns the next ring step."""
-        dtype: gl.constexpr = a_ptr.dtype.element_ty
-        TM: gl.constexpr = BLOCK_M // 2 if SHORT else BLOCK_M
-        acc_g, acc_u, step = _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, TM,
-                                               BLOCK_N, STAGES, WARPS, GU_FUSED and not SHORT, 0 if SHORT else HALF)
-        if PART == 1:
-            rows = row_start + gl.arange(0, TM, layout=gl.SliceLayout(1, acc_g.type.layout))
-            gl.store(a_ptr + rows.to(gl.int64) * stride_ar + pid_n, gl.sum(acc_g + acc_u, axis=1).to(dtype),
-                     mask=rows < row_end)
-        else:
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_g.type.layout))
-            if HAS_BIAS:
-                b_base = b1_ptr + e.to(gl.int64) * (2 * N)
-                acc_g = acc_g + gl.load(b_base + cols).to(gl.float32)[None, :]
-                acc_u = acc_u + gl.load(b_base + N + cols).to(gl.float32)[None, :]
-            if H_PACKED:
-                hg = _round_pairs(acc_g, dtype)
-                hu = _round_pairs(acc_u, dtype)
-            else:
-                hg = acc_g.to(dtype)
-                hu = acc_u.to(dtype)
-            if EPI:
-                mbarrier.wait(h_empty.index(0), (i & 1) ^ 1)  # the storer is done with the previous tile
-                h_smem.index(0).slice(0, TM).store(hg)
-                h_smem.index(1).slice(0, TM).store(hu)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(h_full.index(0))
-            else:
-                a = _swiglu(hg, hu, SIG_FTZ)
-                _buffer_stores(c_smem.slice(0, TM), hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
-                               pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, TM, BLOCK_N, WARPS, SHORT)
-        return step
-
-    @gluon.jit
     def _up_mma(x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, h_smem, h_full, h_empty, h_desc, a_desc, h_ptr,
                 a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr,
                 STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr,
                 EPI: gl.constexpr, HALF: gl.constexpr = -1, H_PACKED: gl.constexpr = True,
-                SIG_FTZ: gl.constexpr = False, SHORT_TAIL: gl.constexpr = False):
-        """MMA partition: each tile's gate and up products over the ring, then the SwiGLU epilogue and the stores
-        (:func:`_up_tile`); with ``EPI`` (a storer partition), the rounded gate and up blocks staged in ``h_smem``
-        for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone, the row sums of the gate and up
-        products stored in A's column ``pid_n`` (H unwritten).
+                SIG_FTZ: gl.constexpr = False):
+        """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
+        SwiGLU epilogue and the stores (:func:`_buffer_stores`); with ``EPI`` (a storer partition), the rounded gate
+        and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone,
+        the row sums of the gate and up products stored in A's column ``pid_n`` (H unwritten).
         ``HALF`` 0 or 1 (``WG_SPLIT``, without ``EPI``): one warpgroup (``WARPS`` 4) as a partition of its own, with
         the rows [HALF·BLOCK_M, (HALF + 1)·BLOCK_M) of every tile (BLOCK_M: half the tile), its own staging buffer
         ``c_smem`` and the TMA boxes of half a tile. The other warpgroup reads the same ring (each slot's ``empty``
         barrier counts both), so while one runs its epilogue the other can run up to STAGES − 1 K-blocks ahead on
-        the whole tensor cores. The same K-blocks in the same order: the same bits as the 8-warp partition.
-        ``SHORT_TAIL`` (:data:`SHORT_TAIL`; ``HALF`` -1): a tile of at most BLOCK_M / 2 rows (an expert's last)
-        takes the products of its first BLOCK_M / 2 slot rows only, each warpgroup half the columns: half the
-        tensor-core work of a whole tile, whose other half would multiply zero-filled rows."""
+        the whole tensor cores. The same K-blocks in the same order: the same bits as the 8-warp partition."""
+        dtype: gl.constexpr = a_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
         step = 0
@@ -527,22 +473,35 @@ if HAVE_GLUON:
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
             if HALF > 0:
                 row_start = row_start + HALF * BLOCK_M
-            if SHORT_TAIL:
-                if row_end - row_start <= BLOCK_M // 2:
-                    step = _up_tile(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, c_smem, h_smem, h_full,
-                                    h_empty, i, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, e, row_start, row_end, pid_n, N,
-                                    stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, STAGES, WARPS,
-                                    GU_FUSED, PART, EPI, HALF, H_PACKED, SIG_FTZ, True)
-                else:
-                    step = _up_tile(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, c_smem, h_smem, h_full,
-                                    h_empty, i, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, e, row_start, row_end, pid_n, N,
-                                    stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, STAGES, WARPS,
-                                    GU_FUSED, PART, EPI, HALF, H_PACKED, SIG_FTZ, False)
+            acc_g, acc_u, step = _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M,
+                                                   BLOCK_N, STAGES, WARPS, GU_FUSED, HALF)
+            if PART == 1:
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_g.type.layout))
+                gl.store(a_ptr + rows.to(gl.int64) * stride_ar + pid_n, gl.sum(acc_g + acc_u, axis=1).to(dtype),
+                         mask=rows < row_end)
             else:
-                step = _up_tile(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, c_smem, h_smem, h_full,
-                                h_empty, i, h_desc, a_desc, h_ptr, a_ptr, b1_ptr, e, row_start, row_end, pid_n, N,
-                                stride_hr, stride_ar, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, STAGES, WARPS, GU_FUSED,
-                                PART, EPI, HALF, H_PACKED, SIG_FTZ, False)
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_g.type.layout))
+                if HAS_BIAS:
+                    b_base = b1_ptr + e.to(gl.int64) * (2 * N)
+                    acc_g = acc_g + gl.load(b_base + cols).to(gl.float32)[None, :]
+                    acc_u = acc_u + gl.load(b_base + N + cols).to(gl.float32)[None, :]
+                if H_PACKED:
+                    hg = _round_pairs(acc_g, dtype)
+                    hu = _round_pairs(acc_u, dtype)
+                else:
+                    hg = acc_g.to(dtype)
+                    hu = acc_u.to(dtype)
+                if EPI:
+                    mbarrier.wait(h_empty.index(0), (i & 1) ^ 1)  # the storer is done with the previous tile
+                    h_smem.index(0).store(hg)
+                    h_smem.index(1).store(hu)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(h_full.index(0))
+                else:
+                    a = _swiglu(hg, hu, SIG_FTZ)
+                    _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
+                                   pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
             i += 1
         if not EPI:
             tma.store_wait(pendings=0)
@@ -599,7 +558,7 @@ if HAVE_GLUON:
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
                       EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, EPI_H_TMA: gl.constexpr,
                       WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0, H_PACKED: gl.constexpr = True,
-                      SIG_FTZ: gl.constexpr = False, SHORT_TAIL: gl.constexpr = False):
+                      SIG_FTZ: gl.constexpr = False):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
@@ -628,7 +587,7 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_smem.index(0), h_smem, h_full, h_empty,
                            h_desc, a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar,
                            HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True, -1,
-                           H_PACKED, SIG_FTZ, SHORT_TAIL)),
+                           H_PACKED, SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
@@ -643,7 +602,7 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, c_smem, empty, empty, h_desc, a_desc,
                            h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H,
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False, -1, H_PACKED,
-                           SIG_FTZ, SHORT_TAIL)),
+                           SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
@@ -674,8 +633,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
             "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
             and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores),
             "WG_SPLIT" and "WG_REGS" (the MMA warpgroups as partitions of their own; ignored with a storer or
-            GU_FUSED), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ" (:data:`SIGMOID_FTZ`), "SHORT_TAIL"
-            (:data:`SHORT_TAIL`; ignored with WG_SPLIT or GU_FUSED), and, to
+            GU_FUSED), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ" (:data:`SIGMOID_FTZ`), and, to
             time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row sums; no storer) (default
             :func:`up_ws_config` for d).
     Returns:
@@ -709,6 +667,5 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
         EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA), WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS),
         H_PACKED=cfg.get("H_PACKED", H_PACKED), SIG_FTZ=cfg.get("SIGMOID_FTZ", SIGMOID_FTZ),
-        SHORT_TAIL=bool(cfg.get("SHORT_TAIL", SHORT_TAIL)) and not split and not cfg.get("GU_FUSED", GU_FUSED),
         num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a

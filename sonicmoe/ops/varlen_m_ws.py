@@ -42,7 +42,7 @@ import os
 import torch
 
 from ..routing import Routing
-from .common import env_switch, few_rows_per_expert, output_or_new, per_expert_gemm_ref, sm_count
+from .common import few_rows_per_expert, output_or_new, per_expert_gemm_ref, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, ws_enabled
 
@@ -57,7 +57,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .grouped_gemm_ws import _masked_store, column_halves, wgmma_layout
+    from .grouped_gemm_ws import _masked_store, column_halves
     from .up_proj_ws import _tile_of
 
 BLOCK_M = 128  # two warpgroups of 64 rows
@@ -68,14 +68,10 @@ LOADER_REGS = 40
 MAXNREG = 168  # the accumulator (128 x 256 float32) takes 128 registers of each MMA thread
 MAX_STAGES = 6
 C_SPLIT = 2  # the tile is staged and stored in this many column parts through one buffer (1 or 2)
+# Tried and dropped (sessions 58-59): an expert's last tile of at most 64 rows as a 64-row product (HGMMA 64x128),
+# left by masked stores. The same bits, but the 120B-n1024 layer was slower (35.97 against 35.72 ms).
 MIN_K = 576  # the layer runs this kernel for reductions longer than the ping-pong kernel's (k > 512)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
-# SHORT_TAIL: a tile of at most BLOCK_M / 2 rows (an expert's last, partial tile under top-k; about half of them) runs
-# a 64-row product, the two warpgroups splitting its columns, instead of a 128-row one whose second half is the next
-# expert's rows, never stored: half the tensor-core work on those tiles, about 1.5% of the MMAs at 2048 rows per
-# expert (the down-projection and dX̃ at (32768, 4096, 1024, 128, 8)). Off until timed; SONICMOE_LONG_SHORT_TAIL (1 or
-# 0) overrides it (long_config)
-SHORT_TAIL = False
 
 
 def long_smem_bytes(stages: int, c_split: int = C_SPLIT, elem: int = 2) -> int:
@@ -86,11 +82,9 @@ def long_smem_bytes(stages: int, c_split: int = C_SPLIT, elem: int = 2) -> int:
 
 def long_config(c_split: int = C_SPLIT, stages: int | None = None) -> dict:
     """{"C_SPLIT", "STAGES": the deepest ring that fits beside the staging buffer, at most MAX_STAGES, unless
-    given; "SHORT_TAIL": :data:`SHORT_TAIL`, or ``SONICMOE_LONG_SHORT_TAIL`` (1 or 0) where set (read at each
-    call)}."""
+    given}."""
     fit = (SMEM_BUDGET - long_smem_bytes(0, c_split)) // (long_smem_bytes(1, c_split) - long_smem_bytes(0, c_split))
-    return {"C_SPLIT": c_split, "STAGES": min(MAX_STAGES, fit) if stages is None else stages,
-            "SHORT_TAIL": env_switch("SONICMOE_LONG_SHORT_TAIL", SHORT_TAIL)}
+    return {"C_SPLIT": c_split, "STAGES": min(MAX_STAGES, fit) if stages is None else stages}
 
 
 def long_enabled() -> bool:
@@ -180,18 +174,16 @@ if HAVE_GLUON:
                 step += 1
 
     @gluon.jit
-    def _long_store(part, c_smem, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS: gl.constexpr,
-                    MASKED: gl.constexpr = False):
+    def _long_store(part, c_smem, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS: gl.constexpr):
         """Stage one column part (BLOCK_M, W) of the rounded tile in ``c_smem`` once the previous TMA store has
         read it, then store it at C's rows [row_start, row_end) and columns col + [0, W): by TMA for a full tile
-        (left to drain), by masked 16-byte stores otherwise, or always with ``MASKED`` (a short tile, whose staging
-        buffer is not the TMA box's shape)."""
+        (left to drain), by masked 16-byte stores otherwise."""
         tma.store_wait(pendings=0)
         gl.thread_barrier()  # no thread writes the buffer before the store that read it is done
         c_smem.store(part)
         fence_async_shared()
         gl.thread_barrier()
-        if (row_end - row_start >= part.shape[0]) & (not MASKED):
+        if row_end - row_start >= part.shape[0]:
             tma.async_copy_shared_to_global(c_desc, [row_start, col], c_smem)
         else:
             W: gl.constexpr = part.shape[1]
@@ -200,79 +192,50 @@ if HAVE_GLUON:
             _masked_store(c_smem, c_ptr, 0, stride_cr, row_start, row_end, col, st, COL_MASK=False)
 
     @gluon.jit
-    def _long_tile(a_bufs, b_bufs, ready, empty, step, k_tiles, c_smem, c_desc, c_ptr, row_start, row_end, pid_n,
-                   stride_cr, B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, WARPS: gl.constexpr, C_SPLIT: gl.constexpr, SHORT: gl.constexpr):
-        """One tile from ring step ``step``: the wgmma chain over the ring (one K-block in flight: once a K-block's
-        MMA is issued the previous one is done and its slot goes back to the loader), then the rounded tile out
-        through the staging buffer (:func:`_long_store`) at C's columns pid_n·BLOCK_N + [0, BLOCK_N). ``SHORT``: a
-        tile of at most BLOCK_M / 2 rows, whose product takes the slot's first BLOCK_M / 2 rows only (each
-        warpgroup half the columns) and leaves whole through the buffer by masked stores. Returns the next ring
-        step."""
-        TM: gl.constexpr = BLOCK_M // 2 if SHORT else BLOCK_M
-        acc_layout: gl.constexpr = wgmma_layout(TM, BLOCK_N, WARPS)
-        dtype: gl.constexpr = c_ptr.dtype.element_ty
-        acc = gl.zeros((TM, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        for ki in range(k_tiles):
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            if B_TRANS:
-                b = b_bufs.index(s).permute((1, 0))
-            else:
-                b = b_bufs.index(s)
-            if SHORT:
-                a = a_bufs.index(s).slice(0, TM)
-            else:
-                a = a_bufs.index(s)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
-        c = acc.to(dtype)
-        col = pid_n * BLOCK_N
-        if SHORT:
-            whole = c_smem._reinterpret(dtype, [TM, BLOCK_N], c_desc.layout)
-            _long_store(c, whole, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS, True)
-        elif C_SPLIT == 2:
-            left, right = column_halves(c)
-            _long_store(left, c_smem, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS)
-            _long_store(right, c_smem, c_desc, c_ptr, row_start, row_end, col + BLOCK_N // 2, stride_cr, WARPS)
-        else:
-            _long_store(c, c_smem, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS)
-        return step
-
-    @gluon.jit
     def _long_mma(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, num_pid_n, K, stride_cr,
                   B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, WARPS: gl.constexpr, C_SPLIT: gl.constexpr, SHORT_TAIL: gl.constexpr = False):
-        """MMA partition: every tile of this program (:func:`_long_tile`); with ``SHORT_TAIL`` (:data:`SHORT_TAIL`)
-        a tile of at most BLOCK_M / 2 rows (an expert's last) as a 64-row product."""
+                  STAGES: gl.constexpr, WARPS: gl.constexpr, C_SPLIT: gl.constexpr):
+        """MMA partition: per tile, the wgmma chain over the ring (one K-block in flight: once a K-block's MMA is
+        issued the previous one is done and its slot goes back to the loader), then the rounded tile out through
+        the staging buffer (:func:`_long_store`) at C's columns pid_n·BLOCK_N + [0, BLOCK_N) (C the written block
+        of columns)."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        dtype: gl.constexpr = c_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = K // BLOCK_K
         step = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            if SHORT_TAIL:
-                if row_end - row_start <= BLOCK_M // 2:
-                    step = _long_tile(a_bufs, b_bufs, ready, empty, step, k_tiles, c_smem, c_desc, c_ptr, row_start,
-                                      row_end, pid_n, stride_cr, B_TRANS, BLOCK_M, BLOCK_N, STAGES, WARPS, C_SPLIT,
-                                      True)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for ki in range(k_tiles):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                if B_TRANS:
+                    b = b_bufs.index(s).permute((1, 0))
                 else:
-                    step = _long_tile(a_bufs, b_bufs, ready, empty, step, k_tiles, c_smem, c_desc, c_ptr, row_start,
-                                      row_end, pid_n, stride_cr, B_TRANS, BLOCK_M, BLOCK_N, STAGES, WARPS, C_SPLIT,
-                                      False)
+                    b = b_bufs.index(s)
+                acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_tiles > 0)
+            c = acc.to(dtype)
+            col = pid_n * BLOCK_N
+            if C_SPLIT == 2:
+                left, right = column_halves(c)
+                _long_store(left, c_smem, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS)
+                _long_store(right, c_smem, c_desc, c_ptr, row_start, row_end, col + BLOCK_N // 2, stride_cr, WARPS)
             else:
-                step = _long_tile(a_bufs, b_bufs, ready, empty, step, k_tiles, c_smem, c_desc, c_ptr, row_start,
-                                  row_end, pid_n, stride_cr, B_TRANS, BLOCK_M, BLOCK_N, STAGES, WARPS, C_SPLIT, False)
+                _long_store(c, c_smem, c_desc, c_ptr, row_start, row_end, col, stride_cr, WARPS)
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _long_kernel(a_desc, b_desc, c_desc, c_ptr, table_ptr, num_pid_n, K, M_B, col0, stride_cr,
                      B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                      STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, C_SPLIT: gl.constexpr,
-                     LOADER_REGS: gl.constexpr, SHORT_TAIL: gl.constexpr = False):
+                     LOADER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -283,7 +246,7 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_long_mma, (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, num_pid_n, K, stride_cr,
-                         B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, C_SPLIT, SHORT_TAIL)),
+                         B_TRANS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, C_SPLIT)),
             (_long_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, table_ptr, num_pid_n, K, M_B, col0,
                             B_TRANS, BLOCK_N, BLOCK_K, STAGES)),
         ], [1], [LOADER_REGS])
@@ -318,8 +281,7 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
         out: an (R, width) view of a's dtype with a unit inner stride and 16-byte aligned rows to write into (a
             column block of a wider C), else a new (R, width) tensor.
         col0, width: the block of C's columns to compute (default: all m).
-        config: {"C_SPLIT", "STAGES"} and optionally "SHORT_TAIL" (:data:`SHORT_TAIL`) (default
-            :func:`long_config`).
+        config: {"C_SPLIT", "STAGES"} (default :func:`long_config`).
         num_programs: the persistent grid's size (default one program per multiprocessor); fewer leave
             multiprocessors to a kernel running beside this one (each program takes a whole multiprocessor).
     Returns:
@@ -353,8 +315,7 @@ def long_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routi
         _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(out, [BLOCK_M, BLOCK_N // split]),
         out, table, w // BLOCK_N, k, m, col0, out.stride(0),
         B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
-        MMA_WARPS=MMA_WARPS, C_SPLIT=split, LOADER_REGS=LOADER_REGS, SHORT_TAIL=bool(cfg.get("SHORT_TAIL", False)),
-        maxnreg=cfg.get("MAXNREG", MAXNREG),
+        MMA_WARPS=MMA_WARPS, C_SPLIT=split, LOADER_REGS=LOADER_REGS, maxnreg=cfg.get("MAXNREG", MAXNREG),
         num_warps=MMA_WARPS)
     return out
 

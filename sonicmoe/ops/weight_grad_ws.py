@@ -104,11 +104,10 @@ WG_REGS = {128: 176, 256: 200}
 # turns (WG_TURNS; see _mma_half)
 WG_PIECES = 2
 WG_TURNS = False
-# SHORT_CHUNK: an expert's last, partial chunk of r < BLOCK_R rows (rows past the expert's end zero-filled in both
-# operands) takes the product of its first r rows rounded up to 16 (one to four k16 steps) instead of all BLOCK_R:
-# under top-k that chunk averages half a chunk of zeros, about 1.5% of the MMAs at 2048 rows per expert (the 120B-n1024
-# shape). Only with BLOCK_R = 64. Off until timed; SONICMOE_WGRAD_SHORT_CHUNK (1 or 0) overrides it (wgrad_ws_config)
-SHORT_CHUNK = False
+WG_TURNS = False
+# Tried and dropped (sessions 58-59): an expert's last, partial chunk over its rows rounded up to 16 (one to four
+# k16 steps under runtime branches). ptxas 12.8 reused descriptor registers set in a sibling branch (an out-of-bounds
+# shared read on the GPU), and the 120B-n1024 layer was no faster (35.88 against 35.72 ms).
 
 
 def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, elem: int = 2,
@@ -128,9 +127,8 @@ def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R,
                     stage_in_ring: bool | None = None, wg_split: bool | None = None, wg_pieces: int | None = None,
                     wg_turns: bool | None = None) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "STAGES", "MAXNREG",
-    "SHORT_CHUNK"} for dW (E, I, J), or None where the kernel does not apply. "SHORT_CHUNK": :data:`SHORT_CHUNK`, or
-    ``SONICMOE_WGRAD_SHORT_CHUNK`` (1 or 0) where set; only with ``block_r`` 64.
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "STAGES", "MAXNREG"}
+    for dW (E, I, J), or None where the kernel does not apply.
 
     The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
     are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
@@ -167,8 +165,7 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
             if stages >= 2:
                 return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring,
                         "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "STAGES": stages,
-                        "MAXNREG": MAXNREG[bj],
-                        "SHORT_CHUNK": env_switch("SONICMOE_WGRAD_SHORT_CHUNK", SHORT_CHUNK) and block_r == 64}
+                        "MAXNREG": MAXNREG[bj]}
     return None
 
 
@@ -207,52 +204,6 @@ if HAVE_GLUON:
         mbarrier.wait(cp_ready.index(s), ph)
         fence_async_shared()
         return s
-
-    @gluon.jit
-    def _rows_mma(a_rows, b_rows, acc, K0: gl.constexpr, K: gl.constexpr, IS_ASYNC: gl.constexpr):
-        """acc + a_rows[K0:K0+K]ᵀ · b_rows[K0:K0+K]: the product over K of a chunk's rows (``a_rows`` (BLOCK_R, M)
-        and ``b_rows`` (BLOCK_R, N) in shared memory; K a power of two), asynchronous with ``IS_ASYNC`` (then one
-        product left in flight), else complete on return."""
-        if K == a_rows.shape[0]:
-            a = a_rows.permute((1, 0))
-            b = b_rows
-        else:
-            a = a_rows.slice(K0, K, dim=0).permute((1, 0))
-            b = b_rows.slice(K0, K, dim=0)
-        if IS_ASYNC:
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        else:
-            acc = warpgroup_mma(a, b, acc)
-        return acc
-
-    @gluon.jit
-    def _chunk_mma(a_rows, b_rows, acc, rows, SHORT: gl.constexpr):
-        """One chunk's product added to ``acc`` (:func:`_rows_mma`), asynchronous, one product left in flight.
-        ``SHORT`` (:data:`SHORT_CHUNK`; BLOCK_R = 64): a chunk of ``rows`` < BLOCK_R rows (an expert's last; the rows
-        past its end are zeros in both operands) takes its first ``rows`` rounded up to 16 only, one k16 step at a
-        time (the same k16 steps in the same order as the whole product), and completes.
-
-        The k16 steps stand in a chain of ``if`` blocks, each on its own slice. Branches that each held a different
-        number of steps (16, 32, 32 + 16, 64) compiled wrong: ptxas (triton 3.6's) set the second step's B
-        descriptor in one branch only and read it in another, an out-of-bounds shared read on the GPU
-        (compute-sanitizer, session 59)."""
-        BR: gl.constexpr = a_rows.shape[0]
-        Q: gl.constexpr = BR // 4
-        if SHORT:
-            if rows >= BR:
-                acc = _rows_mma(a_rows, b_rows, acc, 0, BR, True)
-            else:
-                acc = _rows_mma(a_rows, b_rows, acc, 0, Q, False)
-                if rows > Q:
-                    acc = _rows_mma(a_rows, b_rows, acc, Q, Q, False)
-                if rows > 2 * Q:
-                    acc = _rows_mma(a_rows, b_rows, acc, 2 * Q, Q, False)
-                if rows > 3 * Q:
-                    acc = _rows_mma(a_rows, b_rows, acc, 3 * Q, Q, False)
-        else:
-            acc = _rows_mma(a_rows, b_rows, acc, 0, BR, True)
-        return acc
 
     @gluon.jit
     def _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr):
@@ -329,8 +280,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
              tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr,
-             SHORT: gl.constexpr = False):
+             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
         to the loader), then the tile by TMA store from ``out_smem``. Under STAGE_IN_RING every tile has at least
         one chunk (zeros for an expert with no rows), ``out_smem`` holds the tile's left half, the right half goes
@@ -348,7 +298,8 @@ if HAVE_GLUON:
             acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
-                acc = _chunk_mma(p_bufs.index(s), q_bufs.index(s), acc, hi - lo - c * BLOCK_R, SHORT)
+                acc = warpgroup_mma(p_bufs.index(s).permute((1, 0)), q_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -376,7 +327,7 @@ if HAVE_GLUON:
     def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr, total_tiles,
                   tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
                   STAGES: gl.constexpr, HALF: gl.constexpr, PIECES: gl.constexpr, TURNS: gl.constexpr,
-                  PART: gl.constexpr, SHORT: gl.constexpr = False):
+                  PART: gl.constexpr):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
         of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
         have arrived on its ``empty`` barrier), then that half tile by ``PIECES`` TMA stores through
@@ -398,8 +349,9 @@ if HAVE_GLUON:
             acc = gl.zeros((HI, BLOCK_J), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
-                acc = _chunk_mma(p_bufs.index(s).slice(HALF * HI, HI, dim=1), q_bufs.index(s), acc,
-                                 hi - lo - c * BLOCK_R, SHORT)
+                a = p_bufs.index(s).slice(HALF * HI, HI, dim=1).permute((1, 0))
+                acc = warpgroup_mma(a, q_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -479,8 +431,7 @@ if HAVE_GLUON:
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
                          STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
-                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False,
-                         SHORT_CHUNK: gl.constexpr = False):
+                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
@@ -493,10 +444,10 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, WG_PIECES,
-                             WG_TURNS, PART, SHORT_CHUNK)),
+                             WG_TURNS, PART)),
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, WG_PIECES,
-                             WG_TURNS, PART, SHORT_CHUNK)),
+                             WG_TURNS, PART)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
                            cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
                            BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
@@ -507,8 +458,7 @@ if HAVE_GLUON:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
                 (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles,
-                        tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING,
-                        SHORT_CHUNK)),
+                        tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
                            cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
                            BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
@@ -566,8 +516,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
             through a ring slot; only where :func:`half_tile_fits_slot` holds), "WG_SPLIT" with "WG_PIECES",
             "WG_TURNS" and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`),
-            "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "SHORT_CHUNK" (:data:`SHORT_CHUNK`; only with BLOCK_R 64),
-            "PART" (probes: 1 skips the output) (default :func:`wgrad_ws_config`).
+            "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
+            :func:`wgrad_ws_config`).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -600,6 +550,5 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
         PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[bj]),
         WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)),
-        SHORT_CHUNK=bool(cfg.get("SHORT_CHUNK", SHORT_CHUNK)) and br == 64,
         num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
     return out
