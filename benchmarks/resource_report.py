@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of every kernel config, compiled offline for Hopper (no GPU).
 
-usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus] [--ptx DIR]
+usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus|default]
+       [--ptx DIR] [--check-sass]
 
 Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is
 ``cuda:<arch>``; kernels are compiled (``warmup``), never launched, and the cubin's resource usage is
@@ -10,7 +11,8 @@ sweeps before they cost device time. Shapes only need the real shapes' divisibil
 of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``long_down``, ``long_dxt``,
 ``dh_ws``, ``dw1_ws``, ``dw2_ws``) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
 kernel's PTX without debug line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves
-every kernel as it was.
+every kernel as it was. ``--check-sass`` flags every HGMMA that reads a descriptor register some path through the
+kernel leaves unset (``sass_check.py``).
 """
 
 from __future__ import annotations
@@ -72,8 +74,21 @@ def _install(arch: int) -> None:
             mod.check_device = lambda *a: None
 
 
+def _tool(name: str) -> str:
+    """A binary of the CUDA tools Triton's package carries (cuobjdump, nvdisasm)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def _cuobjdump() -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return _tool("cuobjdump")
+
+
+def sass(kernel) -> str:
+    """A compiled kernel's SASS (``nvdisasm -c``)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout
 
 
 def resources(kernel) -> dict:
@@ -203,6 +218,16 @@ def spaces(which: str) -> dict:
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w, wg_pieces=pc,
                                                   wg_turns=tu) for r, w, pc, tu in WGRAD_FORMS],
     })
+    if which == "default":
+        # the configs the layer runs: each Gluon kernel's default at the problem's widths (and the up-projection's
+        # at both of its epilogue forms)
+        out = {"up_ws": [up_proj_ws.up_ws_config(w) for w in (4096, 1536)],
+               "down_ws": [grouped_gemm_ws.ws_config(n)],
+               "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False)],
+               "long_down": [varlen_m_ws.long_config()], "long_dxt": [varlen_m_ws.long_config()],
+               "dh_ws_pair": [dh_ws.dh_ws_config(n)],
+               "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],
+               "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True)]}
     if which == "focus":
         import importlib.util
         import pathlib
@@ -219,11 +244,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=None, help="comma-separated subset")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--space", choices=("tune", "focus"), default="tune")
+    ap.add_argument("--space", choices=("tune", "focus", "default"), default="tune",
+                    help="default: only the configs the layer runs, one or two per Gluon kernel")
     ap.add_argument("--ptx", default=None, metavar="DIR",
                     help="also write each kernel's PTX, without debug line info, to DIR (a refactor that leaves "
                          "every file unchanged leaves the kernels unchanged: diff two such folders)")
+    ap.add_argument("--check-sass", action="store_true",
+                    help="also flag every HGMMA that reads a descriptor register some path leaves unset "
+                         "(benchmarks/sass_check.py: a ptxas miscompile seen in session 59)")
     args = ap.parse_args()
+    if args.check_sass:
+        from sass_check import unset_descriptor_reads
     _install(args.arch)
     p, routing = problem()
     fns = launchers(p, routing)
@@ -242,6 +273,9 @@ def main() -> None:
                     write_ptx(_COMPILED[-1], args.ptx, f"{done:03d}_{name}")
                 flag = "  SPILLS" if res.get("local") or res.get("stack") else ""
                 flag += "  SMEM>LIMIT" if res.get("shared", 0) > SMEM_LIMIT else ""
+                if args.check_sass:
+                    unset = unset_descriptor_reads(sass(_COMPILED[-1]))
+                    flag += f"  HGMMA-DESC-UNSET x{len(unset)} (first at {unset[0][0]})" if unset else ""
                 print(f"{name:10s} reg {res.get('reg'):>3} stack {res.get('stack'):>5} smem {res['shared']:>6}"
                       f"{flag}  {cfg}", flush=True)
             except Exception as exc:  # noqa: BLE001 - report and go on with the sweep
