@@ -59,7 +59,9 @@ def _blocks(sass: str) -> list[dict]:
         pred = op[0].startswith("@")
         name = op[1] if pred else op[0]
         if name.startswith(("BRA", "EXIT", "RET", "BRX", "JMX", "JMP")):
-            cur["ends"] = (name, pred, _TARGET.search(m[2]))
+            # a predicate among the operands (BRA.U !UP0, ...) makes it conditional too
+            cond = pred or bool(re.match(r"\S+\s+!?U?P[0-9T]\b", m[2].split(None, 1)[1] if pred else m[2]))
+            cur["ends"] = (name, cond, _TARGET.search(m[2]))
             start()
     for i, b in enumerate(blocks):
         succ = []

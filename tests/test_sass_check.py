@@ -120,3 +120,13 @@ def test_the_layers_gluon_kernels_set_every_descriptor_on_every_path():
     compiled = [ln for ln in out.splitlines() if " reg " in ln]
     assert len(compiled) == 9 and "ERROR" not in out, out
     assert not [ln for ln in compiled if "HGMMA-DESC-UNSET" in ln], out
+
+
+def test_a_branch_on_a_predicate_operand_also_falls_through():
+    """``BRA.U !UP0, target`` is conditional like ``@!UP0 BRA target``. The path that falls through past it
+    skips the block that sets UR7, so the HGMMA is flagged either way."""
+    sass = _sass(*DESC[:3], "BRA.U !UP0, `(.L_x_1)", "BRA `(.L_x_2)",
+                 ".L_x_1:", "UMOV UR7, 0x40000040",
+                 ".L_x_2:", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4].tnspA.tnspB, R24", "EXIT")
+    assert [miss for _, _, miss in check(sass)] == [[7]]
+    assert [miss for _, _, miss in check(sass.replace("BRA.U !UP0, ", "@!UP0 BRA "))] == [[7]]
