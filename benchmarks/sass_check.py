@@ -29,7 +29,8 @@ _GDESC = re.compile(r"gdesc\[UR(\d+)\]")
 
 
 def _blocks(sass: str) -> list[dict]:
-    """Basic blocks of nvdisasm output: each {"label", "instrs": [(addr, text)], "succ": [index]}."""
+    """Basic blocks of nvdisasm output: each {"label", "instrs": [(addr, text)], "ends": (the branch's opcode,
+    whether it is conditional, its target match) or None, "succ": [index]}."""
     blocks: list[dict] = []
     labels: dict[str, int] = {}
     cur = None

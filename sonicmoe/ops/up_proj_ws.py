@@ -157,7 +157,6 @@ H_PACKED = True
 # spill it brings costs what the checks saved; dH has its own default (dh_ws.SIGMOID_FTZ). SONICMOE_SIGMOID_FTZ (1 or
 # 0) overrides both (sigmoid_ftz)
 SIGMOID_FTZ = False
-SIGMOID_FTZ = False
 # Tried and dropped (sessions 58-59): an expert's last tile of at most 64 rows as a 64-row product, the warpgroups
 # splitting the columns. The same bits, but the layer's forward was slower at 120B-n1024 (12.16 against 11.95 ms).
 

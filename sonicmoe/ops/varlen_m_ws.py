@@ -68,10 +68,10 @@ LOADER_REGS = 40
 MAXNREG = 168  # the accumulator (128 x 256 float32) takes 128 registers of each MMA thread
 MAX_STAGES = 6
 C_SPLIT = 2  # the tile is staged and stored in this many column parts through one buffer (1 or 2)
-# Tried and dropped (sessions 58-59): an expert's last tile of at most 64 rows as a 64-row product (HGMMA 64x128),
-# left by masked stores. The same bits, but the 120B-n1024 layer was slower (35.97 against 35.72 ms).
 MIN_K = 576  # the layer runs this kernel for reductions longer than the ping-pong kernel's (k > 512)
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
+# Tried and dropped (sessions 58-59): an expert's last tile of at most 64 rows as a 64-row product (HGMMA 64x128),
+# left by masked stores. The same bits, but the 120B-n1024 layer was slower (35.97 against 35.72 ms).
 
 
 def long_smem_bytes(stages: int, c_split: int = C_SPLIT, elem: int = 2) -> int:

@@ -104,7 +104,6 @@ WG_REGS = {128: 176, 256: 200}
 # turns (WG_TURNS; see _mma_half)
 WG_PIECES = 2
 WG_TURNS = False
-WG_TURNS = False
 # Tried and dropped (sessions 58-59): an expert's last, partial chunk over its rows rounded up to 16 (one to four
 # k16 steps under runtime branches). ptxas 12.8 reused descriptor registers set in a sibling branch (an out-of-bounds
 # shared read on the GPU), and the 120B-n1024 layer was no faster (35.88 against 35.72 ms).
