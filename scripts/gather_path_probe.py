@@ -16,13 +16,14 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
 two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
-the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``).
+the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
+of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer.
 """
 
 from __future__ import annotations
@@ -128,6 +129,40 @@ def items(shape: str, kernels: list[str]) -> list:
         out += up_split_forms(x, w1, routing, d, 2 * gemm)
     if "ftz" in kernels:
         out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
+    if "ring" in kernels:
+        out += ring_depth_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
+    return out
+
+
+# (BLOCK_K, STAGES) of the ring-depth items (``--kernels ring``): dH's 64-deep slots as now and fewer, and 32-deep
+# ones; and the up-projection's (64-deep) STAGES
+RING_DEPTHS = ((64, 4), (64, 3), (64, 2), (32, 8), (32, 6), (32, 5), (32, 4))
+UP_RING_DEPTHS = (4, 3)
+
+
+def ring_depth_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm) -> list:
+    """The MMAs alone (``PART`` 1) of dH at each ring depth of :data:`RING_DEPTHS` and of the up-projection at each of
+    :data:`UP_RING_DEPTHS` (``--kernels ring``), with dH whole as the layer runs it first: what the main loop would
+    cost if a buffer of the epilogue's (a tile's dA′ handed to an epilogue partition) took ring slots; and the
+    up-projection whole as the layer runs it and with its storer partition (``EPI_WARPS``; checked bitwise against
+    it). Session 60 (benchmarks/results/2026-12-02_nvidia-h200_session60/) also timed dH with such a partition."""
+    out = [("dH (layer)", lambda: dh_ws.dh_ws(dout, w2, h, s_row, routing), gemm)]
+    for bk, stages in RING_DEPTHS:
+        cfg = {**dh_ws.dh_ws_config(n, block_k=bk), "STAGES": stages, "PART": 1}
+        out.append((f"dH MMAs alone, BK {bk} x {stages}",
+                    lambda c=cfg: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c), gemm))
+    up_layer = up_proj_ws.up_proj_ws(x, w1, None, routing)
+    storer = up_proj_ws.up_ws_config(d, epi_warps=up_proj_ws.EPI_WARPS)
+    got = up_proj_ws.up_proj_ws(x, w1, None, routing, config=storer)
+    same("up storer H", got[0], up_layer[0])
+    same("up storer A", got[1], up_layer[1])
+    out += [("up (layer)", lambda: up_proj_ws.up_proj_ws(x, w1, None, routing), 2 * gemm),
+            (f"up with its storer ({storer['STAGES']} slots)",
+             lambda: up_proj_ws.up_proj_ws(x, w1, None, routing, config=storer), 2 * gemm)]
+    for stages in UP_RING_DEPTHS:
+        cfg = {**up_proj_ws.up_ws_config(d), "STAGES": stages, "PART": 1}
+        out.append((f"up MMAs alone, BK 64 x {stages}",
+                    lambda c=cfg: up_proj_ws.up_proj_ws(x, w1, None, routing, config=c), 2 * gemm))
     return out
 
 
@@ -245,7 +280,7 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)
