@@ -55,6 +55,12 @@ overlap, the ring three slots short while the epilogue reads them) it took 0.530
 the epilogue at about 25 µs per tile, against about 12 for the eight MMA warps with TMA stores here, and the slots
 they hold starve the MMAs meanwhile.
 
+Session 60 (benchmarks/results/2026-12-02_nvidia-h200_session60/, the patch there) handed each tile's whole dA′ over
+(MMA warps on two 128-wide chains, four epilogue warps with H three steps ahead): as float32 (128 KiB, four 32-deep
+ring slots) 4.63 against 4.38 ms at (32768, 4096, 1024, 128, 8); rounded to bf16 (64 KiB, three 64-deep slots, the
+main loop under 1% slower) 4.19, but dH then 2.8e-3 from the float32 form's, and still bound by the four warps (about
+65 µs per tile against 59 for the MMAs). Dropped.
+
 Session 41 (benchmarks/results/2026-11-27_nvidia-h100-h200_session41/) put the two staging sets in the ring slot of the
 tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
 once the tile's TMA stores have read it. The 80 KB of H buffers and staging sets then shrink to 32 KB, and a fourth
