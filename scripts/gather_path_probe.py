@@ -16,16 +16,14 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,split] [--warmup 1.0] [--window 1.5] [--passes 1]
-             [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
 two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
 the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
-of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer; ``split``:
-dH in its default and split-epilogue forms (``dh_ws.SPLIT_EPI``).
+of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer.
 """
 
 from __future__ import annotations
@@ -133,24 +131,7 @@ def items(shape: str, kernels: list[str]) -> list:
         out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
     if "ring" in kernels:
         out += ring_depth_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
-    if "split" in kernels:
-        out += dh_split_forms(w2, dout, h, s_row, routing, n, gemm)
     return out
-
-
-def dh_split_forms(w2, dout, h, s_row, routing, n, gemm) -> list:
-    """dH in its default form and split (``dh_ws.SPLIT_EPI``: the right half of each tile's epilogue in a partition
-    of its own; ``--kernels split``), whole and MMAs alone; the split form's dH and A′ checked bitwise against the
-    default's."""
-    base, split = dh_ws.dh_ws_config(n), dh_ws.dh_split_config(n)
-    ref = dh_ws.dh_ws(dout, w2, h, s_row, routing, config=base)
-    got = dh_ws.dh_ws(dout, w2, h, s_row, routing, config=split)
-    same("dH split dH", got[0], ref[0])
-    same("dH split A'", got[1], ref[1])
-    forms = (("default", base), ("split", split))
-    return [(f"dH {name}{part_name}",
-             lambda c={**cfg, "PART": part}: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c), gemm)
-            for part, part_name in ((0, ""), (1, ", MMAs alone")) for name, cfg in forms]
 
 
 # (BLOCK_K, STAGES) of the ring-depth items (``--kernels ring``): dH's 64-deep slots as now and fewer, and 32-deep
@@ -299,7 +280,7 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,split")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)

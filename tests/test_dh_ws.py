@@ -351,33 +351,3 @@ def test_gpu_layer_uses_gluon_dh(monkeypatch, d):
     assert torch.equal(on[0], off[0])
     for name in on[1]:
         assert rel_err(on[1][name], off[1][name]) < 1e-3, name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[2] % 256 == 0], ids=lambda c: c[-1])
-def test_gpu_split_epilogue_same_bits(case, monkeypatch):
-    """The split-epilogue form (SPLIT_EPI: the right half of each tile's epilogue in a partition of its own): dH and
-    A′ bitwise the default form's, dS within 1e-6 (its halves summed apart), no NaN left by the poison fill, the same
-    bits on a second run; with scores in pair order and dS in pair order (ds_pairs) where a tile spans n; the switch
-    picks it as the default config."""
-    routing, dout, w2, h, s = _gpu_inputs(case, torch.bfloat16, 2, monkeypatch)
-    n = w2.shape[2]
-    split = dh_ws.dh_split_config(n)
-    pairs = torch.empty_like(s)
-    pairs[routing.row_pair.long()] = s
-    for kw, scores in (({}, s), ({"pair_order": True}, pairs)):
-        base = dh_ws.dh_ws(dout, w2, h, scores, routing, config=dh_ws_config(n), **kw)
-        got = dh_ws.dh_ws(dout, w2, h, scores, routing, config=split, **kw)
-        assert not any(torch.isnan(x).any() for x in got)
-        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
-        assert rel_err(got[2].sum(0), base[2].sum(0)) < 1e-6
-        assert all(torch.equal(x, y) for x, y in zip(got, dh_ws.dh_ws(dout, w2, h, scores, routing, config=split,
-                                                                        **kw)))
-    if dh_ws.ds_pairs_in_kernel(n, split):
-        base = dh_ws.dh_ws(dout, w2, h, pairs, routing, config=dh_ws_config(n), pair_order=True, ds_pairs=s.dtype)
-        got = dh_ws.dh_ws(dout, w2, h, pairs, routing, config=split, pair_order=True, ds_pairs=s.dtype)
-        assert torch.equal(got[0], base[0]) and rel_err(got[2], base[2]) < 1e-6
-    monkeypatch.setenv("SONICMOE_DH_SPLIT", "1")
-    assert dh_ws.dh_default_config(n) == split
-    monkeypatch.setenv("SONICMOE_DH_SPLIT", "0")
-    assert dh_ws.dh_default_config(n) == dh_ws_config(n)

@@ -59,7 +59,8 @@ Session 60 (benchmarks/results/2026-12-02_nvidia-h200_session60/, the patch ther
 (MMA warps on two 128-wide chains, four epilogue warps with H three steps ahead): as float32 (128 KiB, four 32-deep
 ring slots) 4.63 against 4.38 ms at (32768, 4096, 1024, 128, 8); rounded to bf16 (64 KiB, three 64-deep slots, the
 main loop under 1% slower) 4.19, but dH then 2.8e-3 from the float32 form's, and still bound by the four warps (about
-65 µs per tile against 59 for the MMAs). Dropped.
+65 µs per tile against 59 for the MMAs). Half a tile to the partition (the right half as float32, the left half's
+epilogue in the MMA warps at EPI 16): the same bits, 4.50 against 4.36 ms, and the layer no faster. Dropped.
 
 Session 41 (benchmarks/results/2026-11-27_nvidia-h100-h200_session41/) put the two staging sets in the ring slot of the
 tile's last K-block (``STAGE_IN_RING``): that slot holds them once its MMA is done, and goes back to the loader
@@ -93,7 +94,6 @@ under Triton's interpreter: the kernel is tested on the GPU against the Triton k
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -142,20 +142,6 @@ STAGE_IN_RING = True
 # Timed in session 58 (H200): alone 4.308 against 4.383 ms at (32768, 4096, 1024, 128, 8) and 0.430 against 0.439 ms
 # at the 7B shape. SONICMOE_SIGMOID_FTZ (1 or 0) overrides it (up_proj_ws.sigmoid_ftz)
 SIGMOID_FTZ = True
-# SPLIT_EPI: the epilogue split between the MMA warps and a partition of its own (256-wide tiles). The MMA warps
-# compute dA′ as two (BLOCK_M, 128) accumulators (one wgmma chain on each half of the W2 box: with 16 warps the
-# kernel compiles for 128 registers per thread, and one 256-wide wgmma needs a register target of 154), hand the
-# right half over through shared memory as float32 (64 KiB), run the left half's epilogue as above (EPI 16: the H
-# buffers shrink to fit) and go on to the next tile; four SPLIT_WARPS warps run the right half's epilogue beside the
-# next tile's MMAs, with the same per-element arithmetic (dH and A′ keep their bits), H by 16-byte loads three steps
-# ahead, dH and A′ by 16-byte stores, and each row's dS as the left half's sum plus the right's. Session 60 measured
-# the main loop with three 64-deep ring slots under 1% slower than with four, and a four-warp partition running a
-# whole tile's epilogue at about 65 µs per tile at 120B-n1024: too slow for the whole, not for a half.
-SPLIT_EPI = False
-SPLIT_WARPS = 4
-SPLIT_REGS = 120  # the partition's registers (setmaxnreg); the loader takes SPLIT_LOADER_REGS, the MMA warps the rest
-SPLIT_LOADER_REGS = 56
-SPLIT_ROWS = 32  # rows of the partition's steps: one 16-byte vector of H's gate and of its up per thread
 
 
 def dh_ws_block_n(n: int) -> int | None:
@@ -179,28 +165,6 @@ def stage_fits_slot(block_n: int, epi: int = EPI, block_k: int = BLOCK_K) -> boo
     """Whether one ring slot (a (BLOCK_M, BLOCK_K) dO block and a (BLOCK_K, BLOCK_N) W2 box) holds both staging
     sets, six (BLOCK_M, EPI) blocks: the dO block whole blocks of EPI columns, the W2 box the rest."""
     return block_k % epi == 0 and block_k // epi + (block_k * block_n) // (BLOCK_M * epi) >= 6
-
-
-def dh_split_config(n: int) -> dict | None:
-    """The config of the split-epilogue form (:data:`SPLIT_EPI`): :func:`dh_ws_config` at EPI 16 (its H buffers
-    shrink to leave room for the right half's 64 KiB float32 buffer) with "SPLIT_EPI" and the deepest ring beside
-    both; None where n is not a multiple of 256."""
-    if n % 256:
-        return None
-    cfg = dh_ws_config(n, 16, NBUF, 256)
-    fixed = dh_ws_smem_bytes(0, 256, 16, NBUF, stage_in_ring=cfg["STAGE_IN_RING"]) + 4 * BLOCK_M * 128 + 4 * BLOCK_M
-    per_stage = dh_ws_smem_bytes(1, 256, 16, NBUF, stage_in_ring=True) - dh_ws_smem_bytes(0, 256, 16, NBUF,
-                                                                                           stage_in_ring=True)
-    return {**cfg, "SPLIT_EPI": True, "STAGES": min(MAX_STAGES, (SMEM_BUDGET - fixed) // per_stage)}
-
-
-def dh_default_config(n: int) -> dict | None:
-    """The config :func:`dh_ws` runs without one: :func:`dh_split_config` where n is a multiple of 256 and the split
-    form is on (``SONICMOE_DH_SPLIT`` 1 or 0 where set, else :data:`SPLIT_EPI`; read at each call), else
-    :func:`dh_ws_config`."""
-    if n % 256 == 0 and env_switch("SONICMOE_DH_SPLIT", SPLIT_EPI):
-        return dh_split_config(n)
-    return dh_ws_config(n)
 
 
 def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None = None,
@@ -397,142 +361,6 @@ if HAVE_GLUON:
         return ds_out
 
     @gluon.jit
-    def _stash(val, da_smem, J0: gl.constexpr, DW: gl.constexpr):
-        """The register tile ``val`` (BLOCK_M, W) into the (BLOCK_M, DW) blocks J0, J0 + 1, ... of ``da_smem``
-        (halving ``val`` until one block is left)."""
-        W: gl.constexpr = val.shape[1]
-        if W == DW:
-            da_smem.index(J0).store(val)
-        else:
-            lo, hi = column_halves(val)
-            _stash(lo, da_smem, J0, DW)
-            _stash(hi, da_smem, J0 + W // (2 * DW), DW)
-
-    @gluon.jit
-    def _split_h(h_ptr, row_start, row_end, col0, stride_hr, N, q: gl.constexpr, NJ: gl.constexpr, CH: gl.constexpr,
-                 DW: gl.constexpr, ld: gl.constexpr):
-        """H's gate and up (CH, DW) blocks of the split partition's step ``q`` (rows (q // NJ)·CH + [0, CH) of the
-        tile, channels col0 + (q % NJ)·DW + [0, DW)) by 16-byte loads; rows past the tile's end: zeros."""
-        rows = row_start + (q // NJ) * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ld))
-        cols = col0 + (q % NJ) * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, ld))
-        ok = (rows < row_end)[:, None] & (cols >= 0)[None, :]
-        ptr = h_ptr + rows.to(gl.int64)[:, None] * stride_hr + cols[None, :]
-        return gl.load(ptr, mask=ok, other=0.0), gl.load(ptr + N, mask=ok, other=0.0)
-
-    @gluon.jit
-    def _split_s(score_ptr, pair_ptr, row_start, row_end, q: gl.constexpr, NJ: gl.constexpr, CH: gl.constexpr,
-                 ld: gl.constexpr, GATHER_S: gl.constexpr):
-        """The float32 scores of step ``q``'s CH rows and their pairs (GATHER_S; else the rows)."""
-        rows = row_start + (q // NJ) * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, ld))
-        row_ok = rows < row_end
-        if GATHER_S:
-            pr = gl.load(pair_ptr + rows, mask=row_ok, other=0)
-            s = gl.load(score_ptr + pr, mask=row_ok, other=0.0).to(gl.float32)
-        else:
-            pr = rows
-            s = gl.load(score_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
-        return s, pr
-
-    @gluon.jit
-    def _dh_split_epilogue(da_smem, ds_smem, da_full, da_empty, ds_full, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr,
-                           pair_ptr, table_ptr, num_pid_n, N, R, stride_hr, stride_apr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, CH: gl.constexpr, WARPS: gl.constexpr, GATHER_S: gl.constexpr,
-                           DS_PAIRS: gl.constexpr, SIG_FTZ: gl.constexpr, PART: gl.constexpr):
-        """The right half's epilogue partition (``SPLIT_EPI``): per tile, once the MMA warps have handed over the
-        float32 right half of dA′ in ``da_smem`` (four (BLOCK_M, 32) blocks), in steps of CH rows × 32 channels, row
-        chunk by row chunk: H's gate and up by 16-byte loads three steps ahead (a chunk's scores and pairs with its
-        first step's), the arithmetic of :func:`_dh_block`, dH and A′ by masked 16-byte stores; at a chunk's end its
-        rows' dS: the left half's sum (``ds_smem``, from the MMA warps) plus the right's, its blocks in order. The
-        buffers go back to the MMA warps once the tile is done. PART 1 (the MMAs alone): nothing."""
-        DW: gl.constexpr = 32
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
-        offs_r = gl.arange(0, CH, layout=gl.SliceLayout(1, ld))
-        offs_c = gl.arange(0, DW, layout=gl.SliceLayout(0, ld))
-        NJ: gl.constexpr = BLOCK_N // (2 * DW)
-        NQ: gl.constexpr = (BLOCK_M // CH) * NJ
-        dtype: gl.constexpr = dh_ptr.dtype.element_ty
-        total = gl.load(table_ptr) * num_pid_n
-        if PART == 1:
-            total = 0
-        i = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            col0 = pid_n * BLOCK_N + BLOCK_N // 2
-            g_a, u_a = _split_h(h_ptr, row_start, row_end, col0, stride_hr, N, 0, NJ, CH, DW, ld)
-            g_b, u_b = _split_h(h_ptr, row_start, row_end, col0, stride_hr, N, 1, NJ, CH, DW, ld)
-            g_c, u_c = _split_h(h_ptr, row_start, row_end, col0, stride_hr, N, 2, NJ, CH, DW, ld)
-            s_next, pr_next = _split_s(score_ptr, pair_ptr, row_start, row_end, 0, NJ, CH, ld, GATHER_S)
-            mbarrier.wait(da_full.index(0), i & 1)
-            for q in gl.static_range(NQ):
-                hg = g_a
-                hu = u_a
-                g_a = g_b
-                u_a = u_b
-                g_b = g_c
-                u_b = u_c
-                if q % NJ == 0:
-                    s_cur = s_next
-                    pr_cur = pr_next
-                if q + 3 < NQ:
-                    g_c, u_c = _split_h(h_ptr, row_start, row_end, col0, stride_hr, N, q + 3, NJ, CH, DW, ld)
-                    if (q + 3) % NJ == 0:
-                        s_next, pr_next = _split_s(score_ptr, pair_ptr, row_start, row_end, q + 3, NJ, CH, ld,
-                                                   GATHER_S)
-                rows = row_start + (q // NJ) * CH + offs_r
-                row_ok = rows < row_end
-                ok = row_ok[:, None] & (offs_c >= 0)[None, :]
-                r64 = rows.to(gl.int64)[:, None]
-                cols = (col0 + (q % NJ) * DW + offs_c)[None, :]
-                acc = da_smem.index(q % NJ).slice((q // NJ) * CH, CH).load(ld)
-                g = hg.to(gl.float32)
-                u = hu.to(gl.float32)
-                s = s_cur[:, None]
-                sig = sigmoid(g, SIG_FTZ)
-                silu = g * sig
-                a = silu * u
-                part = gl.sum(acc * a, axis=1)
-                if q % NJ == 0:
-                    ds = part
-                else:
-                    ds = ds + part
-                da = acc * s
-                d_up = (da * silu).to(dtype)
-                d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
-                dh_row = dh_ptr + r64 * stride_hr
-                gl.store(dh_row + cols, d_gate, mask=ok)
-                gl.store(dh_row + N + cols, d_up, mask=ok)
-                gl.store(ap_ptr + r64 * stride_apr + cols, (a * s).to(dtype), mask=ok)
-                if q % NJ == NJ - 1:
-                    mbarrier.wait(ds_full.index(0), i & 1)  # the left half's sums
-                    ds = ds_smem.slice((q // NJ) * CH, CH).load(gl.SliceLayout(1, ld)) + ds
-                    if DS_PAIRS:
-                        gl.store(ds_ptr + pr_cur, ds.to(ds_ptr.dtype.element_ty), mask=row_ok)
-                    else:
-                        gl.store(ds_ptr + pid_n.to(gl.int64) * R + rows, ds, mask=row_ok)
-            gl.thread_barrier()  # every thread of the partition is done reading the buffers
-            mbarrier.arrive(da_empty.index(0))
-            i += 1
-
-    @gluon.jit
-    def _mma_chain_halves(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr):
-        """:func:`_mma_chain` as two (BLOCK_M, BLOCK_N / 2) accumulators, each a wgmma chain on one half of the
-        slot's W2 box (the same accumulation order per element). Returns both (the last MMAs possibly in flight)
-        and the next ring step."""
-        HALF: gl.constexpr = BLOCK_N // 2
-        lo = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=acc_layout)
-        hi = gl.zeros((BLOCK_M, HALF), dtype=gl.float32, layout=acc_layout)
-        for ki in range(k_tiles):
-            s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
-            w_buf = w_bufs.index(s)
-            lo = warpgroup_mma(x_bufs.index(s), w_buf.slice(0, HALF, dim=1), lo, is_async=True)
-            hi = warpgroup_mma(x_bufs.index(s), w_buf.slice(HALF, HALF, dim=1), hi, is_async=True)
-            lo, hi = warpgroup_mma_wait(num_outstanding=2, deps=(lo, hi))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=ki > 0)
-            step += 1
-        return lo, hi, step
-
-    @gluon.jit
     def _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, acc_layout: gl.constexpr):
         """A tile's dA′ = dO·W2[e] wgmma chain over ring steps ``step`` .. ``step + k_tiles - 1``: one K-block in
@@ -554,22 +382,18 @@ if HAVE_GLUON:
                 stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                 NBUF: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                 TMA_STORE: gl.constexpr, STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr,
-                DS_PAIRS: gl.constexpr, SIG_FTZ: gl.constexpr = False, SPLIT: gl.constexpr = False, da_smem=None,
-                ds_smem=None, da_full=None, da_empty=None, ds_full=None):
+                DS_PAIRS: gl.constexpr, SIG_FTZ: gl.constexpr = False):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
-        then the epilogue (:func:`_dh_blocks`). SPLIT (:data:`SPLIT_EPI`): two half-width chains; the right half
-        into ``da_smem`` for :func:`_dh_split_epilogue` once it is done with the previous tile's, then the left half's
-        epilogue here, its rows' dS sums into ``ds_smem`` for that partition to add and store. Under STAGE_IN_RING
-        the epilogue stages its outputs in the ring slot of the tile's last K-block (its dO block, then its W2 box),
-        and that slot goes back to the loader only once the tile's stores have read it; else in ``o_bufs``.
+        then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
+        of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
+        the tile's stores have read it; else in ``o_bufs``.
 
         DS_PAIRS (one N-tile per row, scores in pair order): each tile's dS row sums, its blocks' partials added in
         block order, go to ``ds_ptr[row_pair[row]]`` in ``ds_ptr``'s dtype, and the pairs of the padding rows
         (rows expert_offsets[E] .. R - 1, in no tile) get 0 first."""
-        WIDTH: gl.constexpr = BLOCK_N // 2 if SPLIT else BLOCK_N  # the accumulators' and this epilogue's width
-        NB: gl.constexpr = WIDTH // EPI
+        NB: gl.constexpr = BLOCK_N // EPI
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                             instr_shape=[16, WIDTH, 16])
+                                                             instr_shape=[16, BLOCK_N, 16])
         if DS_PAIRS:
             pad_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
             PAD: gl.constexpr = 32 * WARPS
@@ -597,21 +421,9 @@ if HAVE_GLUON:
                     s_rows = gl.load(score_ptr + pr, mask=rows < row_end, other=0.0).to(gl.float32)
                 else:
                     s_rows = gl.load(score_ptr + rows, mask=rows < row_end, other=0.0).to(gl.float32)
-            if SPLIT:
-                acc, hi, step = _mma_chain_halves(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M,
-                                                  BLOCK_N, STAGES, acc_layout)
-                acc, hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, hi))
-                if PART != 1:
-                    mbarrier.wait(da_empty.index(0), (tcount & 1) ^ 1)  # the partition is done with the last tile
-                    _stash(hi, da_smem, 0, 32)
-                    gl.thread_barrier()
-                    mbarrier.arrive(da_full.index(0))
-                else:
-                    acc = acc + hi  # PART 1: the row sums below cover both halves
-            else:
-                acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
-                                       STAGES, acc_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc, step = _mma_chain(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M, BLOCK_N,
+                                   STAGES, acc_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             last = (step + STAGES - 1) % STAGES  # the slot of the tile's last K-block
             if not STAGE_IN_RING or PART == 1:
                 mbarrier.arrive(empty.index(last), pred=k_tiles > 0)
@@ -633,11 +445,7 @@ if HAVE_GLUON:
                                     ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
                                     s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
                 ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
-                if SPLIT:  # the left half's sums, for the partition to add to the right's and store
-                    ds_smem.store(ds_sum)
-                    gl.thread_barrier()
-                    mbarrier.arrive(ds_full.index(0))
-                elif DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
+                if DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
                     gl.store(ds_ptr + gl.convert_layout(pr, ds_sum.type.layout), ds_sum.to(ds_ptr.dtype.element_ty),
                              mask=ds_rows < row_end)
                 else:  # the tile's partial: row pid_n of the (n / BLOCK_N, R) partials
@@ -650,15 +458,14 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, h_ptr, dh_ptr, ap_ptr, ds_ptr, score_ptr, pair_ptr,
+    def _dh_ws_kernel(do_ptr, w_desc, h_desc, dh_desc, ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, pair_ptr,
                       row_token_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_do, stride_hr, stride_apr,
                       X_LAYOUT: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
                       STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False, DS_PAIRS: gl.constexpr = False,
-                      SIG_FTZ: gl.constexpr = False, SPLIT_EPI: gl.constexpr = False, SPLIT_WARPS: gl.constexpr = 4,
-                      SPLIT_REGS: gl.constexpr = 0, SPLIT_ROWS: gl.constexpr = 32, DA_LAYOUT: gl.constexpr = None):
+                      SIG_FTZ: gl.constexpr = False):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -671,52 +478,18 @@ if HAVE_GLUON:
         h_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NBUF):
             mbarrier.init(h_ready.index(i), count=1)
-        if SPLIT_EPI:  # the right half's epilogue in a partition of its own (SPLIT_EPI)
-            da_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N // 64, BLOCK_M, 32], DA_LAYOUT)
-            ds_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            da_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            da_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            ds_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(da_full.index(0), count=1)
-            mbarrier.init(da_empty.index(0), count=1)
-            mbarrier.init(ds_full.index(0), count=1)
-            gl.warp_specialize([
-                (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc,
-                           ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n,
-                           N, D, R,
-                           stride_hr, stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART,
-                           TMA_STORE, STAGE_IN_RING, GATHER_S, DS_PAIRS, SIG_FTZ, True, da_smem, ds_smem,
-                           da_full, da_empty, ds_full)),
-                (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
-                                 empty, num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
-                                 False)),
-                (_dh_split_epilogue, (da_smem, ds_smem, da_full, da_empty, ds_full, h_ptr, dh_ptr, ap_ptr, ds_ptr,
-                                      score_ptr, pair_ptr, table_ptr, num_pid_n, N, R, stride_hr, stride_apr,
-                                      BLOCK_M, BLOCK_N, SPLIT_ROWS, SPLIT_WARPS, GATHER_S, DS_PAIRS, SIG_FTZ, PART)),
-            ], [LOADER_WARPS, SPLIT_WARPS], [LOADER_REGS, SPLIT_REGS])
-            mbarrier.invalidate(da_full.index(0))
-            mbarrier.invalidate(da_empty.index(0))
-            mbarrier.invalidate(ds_full.index(0))
-        else:
-            gl.warp_specialize([
-                (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc,
-                           ap_desc, dh_ptr, ap_ptr, ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n,
-                           N, D, R,
-                           stride_hr, stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART,
-                           TMA_STORE, STAGE_IN_RING, GATHER_S, DS_PAIRS, SIG_FTZ)),
-                (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
-                                 empty, num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
-                                 False)),
-            ], [LOADER_WARPS], [LOADER_REGS])
+        gl.warp_specialize([
+            (_dh_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_bufs, o_bufs, h_ready, h_desc, dh_desc, ap_desc,
+                       dh_ptr, ap_ptr,
+                       ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_hr,
+                       stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE,
+                       STAGE_IN_RING, GATHER_S, DS_PAIRS, SIG_FTZ)),
+            (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
+                             num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
+        ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
         for i in gl.static_range(NBUF):
             mbarrier.invalidate(h_ready.index(i))
-
-
-@functools.cache
-def _da_layout():
-    """The NVMMA shared layout of the split form's float32 (BLOCK_M, 32) dA′ blocks (128-byte rows)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
 _CALLS: dict[tuple, dict] = {}
@@ -732,7 +505,7 @@ def ds_pairs_in_kernel(n: int, config: dict | None = None) -> bool:
     """Whether :func:`dh_ws` can write dS itself, summed and in pair order (``ds_pairs``): where one tile spans
     all n channels of its rows (BLOCK_N = n, e.g. n = 256 at 256-wide tiles), so that one program sees every
     partial of a row. Host values only."""
-    cfg = config or dh_default_config(n)
+    cfg = config or dh_ws_config(n)
     return cfg is not None and cfg["BLOCK_N"] == n
 
 
@@ -769,7 +542,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     """
     e, d, n = w2.shape
     r = routing.num_rows
-    cfg = config or dh_default_config(n)
+    cfg = config or dh_ws_config(n)
     bn, epi = cfg["BLOCK_N"], cfg["EPI"]
     if ds_pairs is not None and not (pair_order and ds_pairs_in_kernel(n, cfg)):
         raise ValueError(f"ds_pairs: needs pair_order=True and BLOCK_N = n = {n} (got pair_order={pair_order}, "
@@ -786,7 +559,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
     table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     bk = cfg.get("BLOCK_K", BLOCK_K)
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
-            _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), h, dh_, a_prime, ds_part,
+            _descriptor(dh_, [BLOCK_M, epi]), _descriptor(a_prime, [BLOCK_M, epi]), dh_, a_prime, ds_part,
             row_scores.contiguous() if pair_order else row_scores.float().contiguous(),
             routing.row_pair if pair_order else routing.row_token, routing.row_token, table, routing.expert_offsets,
             e, n // bn, n, d, r, dout.stride(0), h.stride(0), a_prime.stride(0))
@@ -796,10 +569,6 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), GATHER_S=pair_order,
                 DS_PAIRS=ds_pairs is not None, SIG_FTZ=cfg.get("SIGMOID_FTZ", sigmoid_ftz(SIGMOID_FTZ)),
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
-    if cfg.get("SPLIT_EPI") and bn == 256:  # 16 warps at 128 registers each, moved by the partitions' setmaxnreg
-        meta.update(SPLIT_EPI=True, SPLIT_WARPS=SPLIT_WARPS, SPLIT_REGS=cfg.get("SPLIT_REGS", SPLIT_REGS),
-                    SPLIT_ROWS=SPLIT_ROWS, DA_LAYOUT=_da_layout(),
-                    LOADER_REGS=cfg.get("LOADER_REGS", SPLIT_LOADER_REGS), maxnreg=cfg.get("MAXNREG", 128))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)
     return dh_, a_prime, ds_part
