@@ -16,14 +16,16 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring] [--warmup 1.0] [--window 1.5] [--passes 1] [--json F]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,chains] [--warmup 1.0] [--window 1.5]
+             [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
 two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
 the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
-of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer.
+of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer;
+``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per warpgroup or one m64 × 256 chain.
 """
 
 from __future__ import annotations
@@ -131,6 +133,33 @@ def items(shape: str, kernels: list[str]) -> list:
         out += sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
     if "ring" in kernels:
         out += ring_depth_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
+    if "chains" in kernels:
+        out += one_chain_forms(x, w1, dh_, routing, d, n, 2 * gemm)
+    return out
+
+
+def one_chain_forms(x, w1, dh_, routing, d, n, flops) -> list:
+    """The up-projection and dW1 with each MMA warpgroup's two m64 × 128 wgmma chains and with one m64 × 256 chain
+    (``--kernels chains``): the up-projection's gate and up boxes as one B operand (``GU_FUSED``), dW1's product
+    transposed (``weight_grad_ws.SWAP_AB``), whole and MMAs alone; the one-chain outputs checked bitwise against the
+    two-chain ones."""
+    tok, off = routing.row_token, routing.expert_offsets
+    out = []
+    base = up_proj_ws.up_ws_config(d)
+    ref = up_proj_ws.up_proj_ws(x, w1, None, routing, config={**base, "GU_FUSED": False})
+    got = up_proj_ws.up_proj_ws(x, w1, None, routing, config={**base, "GU_FUSED": True})
+    same("up GU_FUSED H", got[0], ref[0])
+    same("up GU_FUSED A", got[1], ref[1])
+    wg = {fused: weight_grad_ws.wgrad_ws_config(2 * n, d, False, swap_ab=fused) for fused in (False, True)}
+    same("dW1 SWAP_AB", weight_grad_ws.wgrad_ws(dh_, x, tok, off, p_gather=False, config=wg[True]),
+         weight_grad_ws.wgrad_ws(dh_, x, tok, off, p_gather=False, config=wg[False]))
+    for part, part_name in ((0, ""), (1, ", MMAs alone")):
+        for fused in (False, True):
+            tag = "one chain" if fused else "two chains"
+            out += [(f"up {tag}{part_name}", lambda c={**base, "GU_FUSED": fused, "PART": part}:
+                     up_proj_ws.up_proj_ws(x, w1, None, routing, config=c), flops),
+                    (f"dW1 {tag}{part_name}", lambda c={**wg[fused], "PART": part}:
+                     weight_grad_ws.wgrad_ws(dh_, x, tok, off, p_gather=False, config=c), flops)]
     return out
 
 
@@ -280,7 +309,8 @@ def wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
-    ap.add_argument("--kernels", default="up,dH,dW1,dW2", help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring")
+    ap.add_argument("--kernels", default="up,dH,dW1,dW2",
+                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,chains")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)

@@ -297,6 +297,24 @@ def test_gpu_sigmoid_ftz_same_bits(case, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[-1] for c in GPU_CASES])
+def test_gpu_gate_up_fused_same_bits(case, monkeypatch):
+    """One m64 × 256 wgmma chain over the slot's gate and up boxes (GU_FUSED), split after the loop: H and A within
+    rounding of the float32 loop, no NaN left by the poison fill, and the same bits as the two 128-wide chains, with
+    the epilogue in the MMA warps and in the storer partition, with and without bias."""
+    t, d, n, e, k, _ = case
+    routing, x, w1, g = _gpu_problem(case, torch.bfloat16, t + 5, 7, monkeypatch)
+    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):
+        for epi in (0, 4):
+            cfg = up_ws_config(epi_warps=epi)
+            h1, a1 = run_ws(x, w1, bias, routing, config={**cfg, "GU_FUSED": True})
+            h_ref, a_ref = up_proj.up_proj_ref(x, w1, bias, routing)
+            assert rel_err(h1, h_ref) < 5e-3 and rel_err(a1, a_ref) < 1e-2
+            h0, a0 = run_ws(x, w1, bias, routing, config={**cfg, "GU_FUSED": False})
+            assert torch.equal(h1, h0) and torch.equal(a1, a0), (epi, bias is not None)
+
+
+@pytest.mark.gpu
 def test_gpu_part_mmas_alone():
     """PART 1 (timing only) runs the MMAs alone: A's column j holds, for every row, the sum of the gate and up
     products over N-tile j's channels (H unwritten), within float32 rounding of the reference."""

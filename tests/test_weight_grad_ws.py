@@ -104,6 +104,25 @@ def test_warpgroup_split_switches(monkeypatch):
         wgrad_ws_config(2048, 4096, False, wg_split=True)
 
 
+def test_swap_ab_config(monkeypatch):
+    """The transposed warpgroup products (SWAP_AB) apply only to the split form's 256 x 128 tiles stored in two
+    pieces (dW1, X gathered), keep that form's tile and ring, and take the 256-wide wgmma's registers;
+    SONICMOE_WGRAD_SWAP_AB picks the default."""
+    for i_dim, j_dim in ((512, 1536), (2048, 4096)):
+        two = wgrad_ws_config(i_dim, j_dim, False, wg_split=True, wg_pieces=2, swap_ab=False)
+        one = wgrad_ws_config(i_dim, j_dim, False, wg_split=True, wg_pieces=2, swap_ab=True)
+        assert (one["BLOCK_I"], one["BLOCK_J"]) == (256, 128) and one["SWAP_AB"] and not two["SWAP_AB"]
+        assert {k: v for k, v in one.items() if k not in ("SWAP_AB", "MAXNREG")} == {
+            k: v for k, v in two.items() if k not in ("SWAP_AB", "MAXNREG")}
+        assert one["MAXNREG"] == weight_grad_ws.MAXNREG[256] >= 154  # a 256-wide wgmma compiles from 154
+        assert not wgrad_ws_config(i_dim, j_dim, False, wg_split=True, wg_pieces=1, swap_ab=True)["SWAP_AB"]
+        assert not wgrad_ws_config(i_dim, j_dim, False, wg_split=False, swap_ab=True)["SWAP_AB"]
+    assert not wgrad_ws_config(4096, 1024, True, wg_split=True, swap_ab=True)["SWAP_AB"]  # dW2: 128 x 256 tiles
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SONICMOE_WGRAD_SWAP_AB", flag)
+        assert wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=2)["SWAP_AB"] == (flag == "1")
+
+
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
     """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N = 128 on (n = 64:
     the Triton kernels), at every n under SONICMOE_GLUON_WGRAD=all."""
@@ -212,8 +231,11 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         # the default config, the output tile through a buffer of its own / its right half through a ring slot, and
         # the two MMA warpgroups as partitions of their own (WG_SPLIT) in each store form
         cfgs = [wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=r, wg_split=False) for r in (False, True)]
-        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=pc, wg_turns=tu)
+        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=pc, wg_turns=tu, swap_ab=False)
                  for pc, tu in ((2, False), (2, True), (1, False), (1, True))]
+        # and each warpgroup's product transposed (SWAP_AB: dW1's 256 x 128 tiles), with and without turns
+        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=2, wg_turns=tu, swap_ab=True)
+                 for tu in (False, True)]
         for cfg in [None, *cfgs]:
             got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg, config=cfg)
             assert torch.isfinite(got).all(), cfg

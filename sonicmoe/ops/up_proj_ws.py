@@ -174,7 +174,8 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above; "WG_SPLIT": the two MMA warpgroups as
     partitions of their own (:data:`WG_SPLIT`), only without a storer: ``wg_split``, else ``SONICMOE_UP_WG_SPLIT``
     (1 or 0) where set, else :data:`WG_SPLIT`; "H_PACKED": :data:`H_PACKED`, or ``SONICMOE_UP_H_PACKED`` (1 or 0)
-    where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`}."""
+    where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`; "GU_FUSED": :data:`GU_FUSED`, or ``SONICMOE_UP_GU_FUSED`` (1 or 0)
+    where set}."""
     if epi_warps is None:
         epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
     if wg_split is None:
@@ -183,7 +184,8 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
             "EPI_WARPS": epi_warps, "WG_SPLIT": wg_split and not epi,
-            "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz()}
+            "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz(),
+            "GU_FUSED": env_switch("SONICMOE_UP_GU_FUSED", GU_FUSED)}
 
 
 def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:

@@ -104,6 +104,11 @@ WG_REGS = {128: 176, 256: 200}
 # turns (WG_TURNS; see _mma_half)
 WG_PIECES = 2
 WG_TURNS = False
+# SWAP_AB: under WG_SPLIT with 256 × 128 tiles (dW1: I = 2n from dH by TMA, J = d gathered), each warpgroup computes
+# its half of the J columns against all 256 I rows, dW[e]ᵀ = Q-chunkᵀ · P-chunk, one m64 × 256 wgmma per k16 step
+# instead of two m64 × 128 (each reading its A block and half the B box), and stores its pieces transposed. The
+# loader, the ring and the store buffers are those of the default form. SONICMOE_WGRAD_SWAP_AB (1 or 0) overrides it
+SWAP_AB = False
 # Tried and dropped (sessions 58-59): an expert's last, partial chunk over its rows rounded up to 16 (one to four
 # k16 steps under runtime branches). ptxas 12.8 reused descriptor registers set in a sibling branch (an out-of-bounds
 # shared read on the GPU), and the 120B-n1024 layer was no faster (35.88 against 35.72 ms).
@@ -125,9 +130,12 @@ def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
 
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R,
                     stage_in_ring: bool | None = None, wg_split: bool | None = None, wg_pieces: int | None = None,
-                    wg_turns: bool | None = None) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "STAGES", "MAXNREG"}
-    for dW (E, I, J), or None where the kernel does not apply.
+                    wg_turns: bool | None = None, swap_ab: bool | None = None) -> dict | None:
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "SWAP_AB", "STAGES",
+    "MAXNREG"} for dW (E, I, J), or None where the kernel does not apply.
+
+    ``swap_ab`` (default ``SONICMOE_WGRAD_SWAP_AB`` 1 or 0 where set, else :data:`SWAP_AB`): the warpgroups' transposed
+    products, only where the split form stores in two pieces and the tile is 256 × 128.
 
     The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
     are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
@@ -149,6 +157,8 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
         wg_pieces = int(env)
     if wg_turns is None:
         wg_turns = env_switch("SONICMOE_WGRAD_WG_TURNS", WG_TURNS)
+    if swap_ab is None:
+        swap_ab = env_switch("SONICMOE_WGRAD_SWAP_AB", SWAP_AB)
     if wg_pieces not in (1, 2):
         raise ValueError(f"wg_pieces: expected 1 or 2 store pieces per warpgroup, got {wg_pieces}")
     if stage_in_ring is None:
@@ -162,9 +172,10 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
             per_stage = wgrad_ws_smem_bytes(bi, bj, block_r, 1, stage_in_ring=half) - base
             stages = min(MAX_STAGES, (SMEM_BUDGET - base) // per_stage)
             if stages >= 2:
+                swap = swap_ab and wg_split and wg_pieces == 2 and (bi, bj) == (256, 128)
                 return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring,
-                        "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "STAGES": stages,
-                        "MAXNREG": MAXNREG[bj]}
+                        "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "SWAP_AB": swap,
+                        "STAGES": stages, "MAXNREG": MAXNREG[bi if swap else bj]}
     return None
 
 
@@ -326,7 +337,7 @@ if HAVE_GLUON:
     def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr, total_tiles,
                   tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
                   STAGES: gl.constexpr, HALF: gl.constexpr, PIECES: gl.constexpr, TURNS: gl.constexpr,
-                  PART: gl.constexpr):
+                  PART: gl.constexpr, SWAP_AB: gl.constexpr = False):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
         of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
         have arrived on its ``empty`` barrier), then that half tile by ``PIECES`` TMA stores through
@@ -335,21 +346,38 @@ if HAVE_GLUON:
         to STAGES − 1 chunks ahead at the whole tensor-core rate. ``TURNS``: the epilogues take turns (warpgroup 0's
         of tile i after warpgroup 1's of tile i − 1, warpgroup 1's after warpgroup 0's of tile i, through the two
         ``turn`` mbarriers), so they never run at once and the warpgroups settle out of phase, one's epilogue
-        beside the other's MMAs. The same k-steps in the same order as :func:`_mma`: the same bits."""
+        beside the other's MMAs. The same k-steps in the same order as :func:`_mma`: the same bits.
+        ``SWAP_AB`` (:data:`SWAP_AB`; BLOCK_I = 256, BLOCK_J = 128, ``PIECES`` 2): the warpgroup computes the
+        transposed half tile instead, dW[e]ᵀ for its half of the J columns, (BLOCK_J/2, BLOCK_I) = Q-chunkᵀ · P-chunk,
+        one m64 × 256 wgmma per k16 step in place of two m64 × 128 ones (a fifth less shared memory read per FLOP),
+        and stores its two (BLOCK_I/2, BLOCK_J/2) pieces transposed."""
         HI: gl.constexpr = BLOCK_I // 2
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_J, 16])
+        HJ: gl.constexpr = BLOCK_J // 2
+        if SWAP_AB:
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, BLOCK_I, 16])
+            ACC_M: gl.constexpr = HJ
+            ACC_N: gl.constexpr = BLOCK_I
+        else:
+            acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, BLOCK_J, 16])
+            ACC_M: gl.constexpr = HI
+            ACC_N: gl.constexpr = BLOCK_J
         buf = out_smem.index(HALF)
         step = 0
         i = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
-            acc = gl.zeros((HI, BLOCK_J), dtype=gl.float32, layout=acc_layout)
+            acc = gl.zeros((ACC_M, ACC_N), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
-                a = p_bufs.index(s).slice(HALF * HI, HI, dim=1).permute((1, 0))
-                acc = warpgroup_mma(a, q_bufs.index(s), acc, is_async=True)
+                if SWAP_AB:
+                    a = q_bufs.index(s).slice(HALF * HJ, HJ, dim=1).permute((1, 0))
+                    acc = warpgroup_mma(a, p_bufs.index(s), acc, is_async=True)
+                else:
+                    a = p_bufs.index(s).slice(HALF * HI, HI, dim=1).permute((1, 0))
+                    acc = warpgroup_mma(a, q_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
                 step += 1
@@ -360,10 +388,16 @@ if HAVE_GLUON:
                     mbarrier.wait(turn.index(1), (i + 1) & 1, pred=i > 0)
                 else:
                     mbarrier.wait(turn.index(0), i & 1)
+            if SWAP_AB:
+                row = e * I + i0
+                col = j0 + HALF * HJ
+            else:
+                row = e * I + i0 + HALF * HI
+                col = j0
             if PART == 0:
-                _store_pieces(acc, buf, out_desc, e * I + i0 + HALF * HI, j0, PIECES)
+                _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
             elif I < 0:
-                _store_pieces(acc, buf, out_desc, e * I + i0 + HALF * HI, j0, PIECES)
+                _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
             if TURNS:
                 gl.thread_barrier()
                 mbarrier.arrive(turn.index(HALF))
@@ -371,10 +405,11 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _store_pieces(acc, buf, out_desc, row, col, PIECES: gl.constexpr):
+    def _store_pieces(acc, buf, out_desc, row, col, PIECES: gl.constexpr, TRANS: gl.constexpr = False):
         """The register tile ``acc`` to ``out_desc`` at (row, col) by TMA stores through the one buffer ``buf``:
         whole (``PIECES`` 1), or its two column halves in turn (2), each written once the buffer's previous store
-        has read it."""
+        has read it. ``TRANS`` (``PIECES`` 2): ``acc`` is the transposed tile; each column half is written
+        transposed, the second at (row + its width, col)."""
         tma.store_wait(pendings=0)
         gl.thread_barrier()
         if PIECES == 1:
@@ -385,16 +420,25 @@ if HAVE_GLUON:
         else:
             W: gl.constexpr = acc.shape[1] // 2
             left, right = column_halves(acc)
-            buf.store(left.to(out_desc.dtype))
+            if TRANS:
+                buf.store(left.to(out_desc.dtype).permute((1, 0)))
+            else:
+                buf.store(left.to(out_desc.dtype))
             fence_async_shared()
             gl.thread_barrier()
             tma.async_copy_shared_to_global(out_desc, [row, col], buf)
             tma.store_wait(pendings=0)
             gl.thread_barrier()
-            buf.store(right.to(out_desc.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(out_desc, [row, col + W], buf)
+            if TRANS:
+                buf.store(right.to(out_desc.dtype).permute((1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(out_desc, [row + W, col], buf)
+            else:
+                buf.store(right.to(out_desc.dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                tma.async_copy_shared_to_global(out_desc, [row, col + W], buf)
 
     @gluon.jit
     def _store_halves(acc, out_smem, stage, out_desc, row, col):
@@ -430,7 +474,7 @@ if HAVE_GLUON:
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
                          STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
-                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False):
+                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False, SWAP_AB: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
@@ -443,10 +487,10 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, WG_PIECES,
-                             WG_TURNS, PART)),
+                             WG_TURNS, PART, SWAP_AB)),
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, WG_PIECES,
-                             WG_TURNS, PART)),
+                             WG_TURNS, PART, SWAP_AB)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
                            cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
                            BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
@@ -514,7 +558,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
             through a ring slot; only where :func:`half_tile_fits_slot` holds), "WG_SPLIT" with "WG_PIECES",
-            "WG_TURNS" and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`),
+            "WG_TURNS", "SWAP_AB" and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`,
+            :data:`SWAP_AB`),
             "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
             :func:`wgrad_ws_config`).
     Returns:
@@ -539,6 +584,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     split = bool(cfg.get("WG_SPLIT", False))
     pieces = cfg.get("WG_PIECES", WG_PIECES)
     # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
+    swap = split and pieces == 2 and bool(cfg.get("SWAP_AB", False))
+    wide = bi if swap else bj  # the wgmma's N: the accumulator's width
     box = [bi // 2, bj // pieces] if split else [bi, bj // 2 if ring else bj]
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
@@ -547,7 +594,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
-        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[bj]),
-        WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)),
-        num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[bj]))
+        PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[wide]),
+        WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)), SWAP_AB=swap,
+        num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
     return out
