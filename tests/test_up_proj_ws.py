@@ -42,6 +42,17 @@ def test_config_fits_shared_memory(monkeypatch):
     assert 32 * (4 * up_proj_ws.LOADER_REGS + 4 * up_proj_ws.EPI_REGS + up_proj_ws.MMA_WARPS * 168) <= 65536
 
 
+def test_gate_up_fused_config(monkeypatch):
+    """SONICMOE_UP_GU_FUSED picks the one-chain form where the MMA warps run the epilogue, never with the storer
+    partition (whose 16 warps cannot hold a 256-wide wgmma's registers)."""
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SONICMOE_UP_GU_FUSED", flag)
+        assert up_ws_config(4096, epi_warps=0)["GU_FUSED"] == (flag == "1")
+        assert not up_ws_config(1536, epi_warps=4)["GU_FUSED"]
+    monkeypatch.delenv("SONICMOE_UP_GU_FUSED")
+    assert up_ws_config(4096)["GU_FUSED"] == up_proj_ws.GU_FUSED
+
+
 def test_wg_split_config(monkeypatch):
     """WG_SPLIT only without a storer; the switch SONICMOE_UP_WG_SPLIT overrides the default; the two MMA
     partitions' registers (WG_REGS each) and the loader's fit what the launch holds."""
@@ -301,7 +312,8 @@ def test_gpu_sigmoid_ftz_same_bits(case, monkeypatch):
 def test_gpu_gate_up_fused_same_bits(case, monkeypatch):
     """One m64 × 256 wgmma chain over the slot's gate and up boxes (GU_FUSED), split after the loop: H and A within
     rounding of the float32 loop, no NaN left by the poison fill, and the same bits as the two 128-wide chains, with
-    the epilogue in the MMA warps and in the storer partition, with and without bias."""
+    and without bias; with the storer partition (16 warps: too few registers for a 256-wide wgmma) the launcher runs
+    the two chains."""
     t, d, n, e, k, _ = case
     routing, x, w1, g = _gpu_problem(case, torch.bfloat16, t + 5, 7, monkeypatch)
     for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(torch.bfloat16)):

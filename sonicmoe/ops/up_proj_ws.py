@@ -108,7 +108,11 @@ EPI_PREFERRED_GPUS = ("H200",)
 EPI_MANY_ROWS_GPUS = ("H100",)
 # GU_FUSED: one (128 x 256) wgmma chain per tile, split into gate and up after the loop, instead of two 128-wide
 # chains. Off: at the DeepSeek-V3 shape (32768, 7168, 2048, 256, 8) it ran 45.6-51.1 ms in 5 of 5 rounds against
-# 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise
+# 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise.
+# Session 61 (an H200, settled windows, benchmarks/results/2026-12-02_nvidia-h200_session61/): at (32768, 4096, 1024,
+# 128, 8) the kernel alone 7.656 against 7.655 ms (the MMAs alone 7.282 against 7.331), the layer's forward+backward
+# 35.46 against 35.53 ms (2 rounds): level. Not with the storer partition (EPI_WARPS): its 16 warps compile at 128
+# registers, and a 256-wide wgmma needs 154 (up_ws_config and the launcher drop it there)
 GU_FUSED = False
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 # EPI_WARPS: warps of a storer partition that takes each tile's epilogue off the MMA warps (0: the MMA warps run it).
@@ -175,7 +179,7 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     partitions of their own (:data:`WG_SPLIT`), only without a storer: ``wg_split``, else ``SONICMOE_UP_WG_SPLIT``
     (1 or 0) where set, else :data:`WG_SPLIT`; "H_PACKED": :data:`H_PACKED`, or ``SONICMOE_UP_H_PACKED`` (1 or 0)
     where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`; "GU_FUSED": :data:`GU_FUSED`, or ``SONICMOE_UP_GU_FUSED`` (1 or 0)
-    where set}."""
+    where set, only without a storer}."""
     if epi_warps is None:
         epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
     if wg_split is None:
@@ -185,7 +189,7 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
             "EPI_WARPS": epi_warps, "WG_SPLIT": wg_split and not epi,
             "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz(),
-            "GU_FUSED": env_switch("SONICMOE_UP_GU_FUSED", GU_FUSED)}
+            "GU_FUSED": env_switch("SONICMOE_UP_GU_FUSED", GU_FUSED) and not epi}
 
 
 def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:
@@ -634,9 +638,9 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
             "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
             and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores),
             "WG_SPLIT" and "WG_REGS" (the MMA warpgroups as partitions of their own; ignored with a storer or
-            GU_FUSED), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ" (:data:`SIGMOID_FTZ`), and, to
-            time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row sums; no storer) (default
-            :func:`up_ws_config` for d).
+            GU_FUSED; GU_FUSED is ignored with a storer), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ"
+            (:data:`SIGMOID_FTZ`), and, to time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row
+            sums; no storer) (default :func:`up_ws_config` for d).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     """
@@ -653,7 +657,8 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     num_pid_n = n // BLOCK_N
     # WG_SPLIT (no storer, whole gate and up chains): each warpgroup stores half-tile boxes
-    split = bool(cfg.get("WG_SPLIT", False)) and not epi_warps and not cfg.get("GU_FUSED", GU_FUSED)
+    gu_fused = bool(cfg.get("GU_FUSED", GU_FUSED)) and not epi_warps  # a 256-wide wgmma does not fit 16 warps
+    split = bool(cfg.get("WG_SPLIT", False)) and not epi_warps and not gu_fused
     box = [BLOCK_M // 2 if split else BLOCK_M, BLOCK_N]
     a_desc = _descriptor(a, box)
     launch_kernel(
@@ -664,7 +669,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         h.stride(0), a.stride(0), X_LAYOUT=shared_layout((BLOCK_M, BLOCK_K), x.dtype), HAS_BIAS=b1 is not None,
         STORE_H=store_h, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=cfg["STAGES"],
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
-        GU_FUSED=cfg.get("GU_FUSED", GU_FUSED), PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
+        GU_FUSED=gu_fused, PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
         EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA), WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS),
         H_PACKED=cfg.get("H_PACKED", H_PACKED), SIG_FTZ=cfg.get("SIGMOID_FTZ", SIGMOID_FTZ),
