@@ -107,8 +107,12 @@ WG_TURNS = False
 # SWAP_AB: under WG_SPLIT with 256 × 128 tiles (dW1: I = 2n from dH by TMA, J = d gathered), each warpgroup computes
 # its half of the J columns against all 256 I rows, dW[e]ᵀ = Q-chunkᵀ · P-chunk, one m64 × 256 wgmma per k16 step
 # instead of two m64 × 128 (each reading its A block and half the B box), and stores its pieces transposed. The
-# loader, the ring and the store buffers are those of the default form. SONICMOE_WGRAD_SWAP_AB (1 or 0) overrides it
-SWAP_AB = False
+# loader, the ring and the store buffers are those of the default form; the same bits (GPU tests). Session 61 (H200s,
+# benchmarks/results/2026-12-02_nvidia-h200_session61/): dW1 alone at (32768, 4096, 1024, 128, 8) 7.568 against 7.662
+# ms in settled windows; the layer's forward+backward 35.33 against 35.53 ms (2 fresh-process rounds) and 35.78
+# against 35.84 (5 rounds, faster in 3) on another machine; 7B 3.077 against 3.303 (3 rounds, noisy). dW2's tiles are
+# 128 x 256 and already run one m64 x 256 chain per warpgroup. SONICMOE_WGRAD_SWAP_AB (1 or 0) overrides it
+SWAP_AB = True
 # Tried and dropped (sessions 58-59): an expert's last, partial chunk over its rows rounded up to 16 (one to four
 # k16 steps under runtime branches). ptxas 12.8 reused descriptor registers set in a sibling branch (an out-of-bounds
 # shared read on the GPU), and the 120B-n1024 layer was no faster (35.88 against 35.72 ms).
