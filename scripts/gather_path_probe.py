@@ -25,7 +25,9 @@ two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warp
 (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
 the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
 of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer;
-``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per warpgroup or one m64 × 256 chain.
+``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per warpgroup or one m64 × 256 chain;
+``fence``: the four gather-fused kernels as the layer runs them (and the MMAs alone), to run with and without
+``--no-fence``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from energy_probe import measure_passes, probe_problem, write_rows  # noqa: E402
 from kernel_breakdown import dense_rows  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
 
 from sonicmoe.bench.gpu_state import Nvml  # noqa: E402
 from sonicmoe.ops import dh_ws, up_proj_ws, weight_grad_ws  # noqa: E402
@@ -135,7 +140,35 @@ def items(shape: str, kernels: list[str]) -> list:
         out += ring_depth_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm)
     if "chains" in kernels:
         out += one_chain_forms(x, w1, dh_, routing, d, n, 2 * gemm)
+    if "fence" in kernels:
+        off, tok = routing.expert_offsets, routing.row_token
+        up1, dh1 = {**up_proj_ws.up_ws_config(d), "PART": 1}, {**dh_ws.dh_ws_config(n), "PART": 1}
+        out += [("up (layer)", lambda: up_proj_ws.up_proj_ws(x, w1, None, routing), 2 * gemm),
+                ("up MMAs alone", lambda: up_proj_ws.up_proj_ws(x, w1, None, routing, config=up1), 2 * gemm),
+                ("dH (layer)", lambda: dh_ws.dh_ws(dout, w2, h, s_row, routing), gemm),
+                ("dH MMAs alone", lambda: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=dh1), gemm),
+                ("dW1 (layer)", lambda: weight_grad_ws.wgrad_ws(dh_, x, tok, off, p_gather=False), 2 * gemm),
+                ("dW2 (layer)", lambda: weight_grad_ws.wgrad_ws(dout, ap_, tok, off, p_gather=True), gemm)]
     return out
+
+
+@gluon.jit
+def wait_slot_no_fence(tma_ready, cp_ready, step, STAGES: gl.constexpr):
+    """``weight_grad_ws.wait_gathered_slot`` without its ``fence.proxy.async`` (``--no-fence``)."""
+    s = step % STAGES
+    ph = (step // STAGES) & 1
+    mbarrier.wait(tma_ready.index(s), ph)
+    mbarrier.wait(cp_ready.index(s), ph)
+    return s
+
+
+def drop_proxy_fence() -> None:
+    """Timing only (``--no-fence``): the gather-fused kernels' MMA warps wait for a ring slot without the
+    ``fence.proxy.async`` that makes the loader's ``cp.async`` writes visible to the wgmma (a race: the outputs may be
+    wrong). Patched into the kernels' modules before their first compile, so that a process of the probe with it and
+    one without time what the fence costs the MMA warps."""
+    for mod in (up_proj_ws, dh_ws, weight_grad_ws):
+        mod.wait_gathered_slot = wait_slot_no_fence
 
 
 def one_chain_forms(x, w1, dh_, routing, d, n, flops) -> list:
@@ -310,12 +343,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="32768,4096,1024,128,8")
     ap.add_argument("--kernels", default="up,dH,dW1,dW2",
-                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,chains")
+                    help="any of up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,chains,fence")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=1.5)
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-fence", action="store_true", help="time the kernels without the MMA warps' proxy fence "
+                    "(drop_proxy_fence; outputs may be wrong)")
     args = ap.parse_args()
+    if args.no_fence:
+        drop_proxy_fence()
     its = items(args.shape, args.kernels.split(","))
     rows = measure_passes(Nvml(), its, args.passes, args.warmup, args.window, args.shape)
     write_rows(args.json, args.shape, rows)
