@@ -31,7 +31,9 @@ Here each persistent program splits its warps by role:
   runs ahead on the next chunks, so the tensor cores no longer stop for every tile's store. In the one-partition
   form the tile's left half goes through a buffer of its own, its right half through the ring slot of the tile's
   last chunk (``STAGE_IN_RING``, session 41), which goes back to the loader once that store has read it. Either way
-  the buffers are half a tile, and the ring has a fourth slot.
+  the buffers are half a tile, and the ring has a fourth slot. With 256 × 128 tiles (dW1) each warpgroup of the
+  split form computes the transposed product of its half of the J columns instead (``SWAP_AB``, session 61): one
+  m64 × 256 wgmma per k16 step in place of two m64 × 128, its pieces stored transposed.
 
 Tiles are numbered expert by expert, (BLOCK_I, BLOCK_J) output blocks within an expert, J fastest; program p takes
 tiles p, p + P, ... Chunks are added in row order, BLOCK_R rows at a time, so the result is bitwise that of the
