@@ -254,6 +254,29 @@ def test_gather_sum_config_rule(device, monkeypatch):
             gather_sum(y, routing, w)
 
 
+def test_reserve_config_switch(device, monkeypatch):
+    """The config of the aggregation on reserved multiprocessors: RESERVE_CONFIG, or SONICMOE_AGG_RESERVE_CONFIG's
+    where set (a persistent grid of a few programs: the same bits, slot order does not depend on it), a malformed
+    value refused by name."""
+    from sonicmoe.ops import aggregation
+
+    monkeypatch.delenv("SONICMOE_AGG_RESERVE_CONFIG", raising=False)
+    assert aggregation.reserve_config() == aggregation.RESERVE_CONFIG
+    assert aggregation.reserve_config() is not aggregation.RESERVE_CONFIG  # a copy: callers cannot change the default
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "8:1024:16:8")
+    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8}
+    routing = _skewed_routing(29, 7, device)
+    y = torch.randn(routing.num_rows, 40, device=device)
+    w = torch.rand(routing.num_rows, device=device)
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "2:32:1:2")
+    got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
+    assert torch.equal(got, gather_sum(y, routing, w))
+    for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "x"):
+        monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", bad)
+        with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE_CONFIG"):
+            aggregation.reserve_config()
+
+
 def _layer_grads(p, k, layout, backend, dtype, dout):
     ins = {key: (v.to(dtype).clone().requires_grad_(True) if v is not None else None) for key, v in p.items()}
     res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,

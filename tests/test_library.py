@@ -203,6 +203,30 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
     assert rel_err(runs[1][0], gather_sum_ref(y_ref, routing, weights)) < 1e-5
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_column_blocks_match_one_pass(bias, device, monkeypatch):
+    """SONICMOE_FWD_AGG_BLOCKS=1: the forward's down-projection and aggregation in column blocks
+    (gemm_then_gather_sum; ragged: d = 40 in blocks of 16, 16 and 8) give O and H with the bits of one
+    down-projection, then one aggregation (the default, library.FWD_AGG_BLOCKS), outputs poisoned first."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
+    d = 40
+    p = random_problem(T, d, N, E, bias=bias, device=device, seed=12)
+    routing = _topk_routing(p)
+    args = _fwd_args(p, routing, "concat", False)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", flag)
+        runs.append(library.experts_fwd_impl(*args))
+    assert library.gather_chunk_width(d, torch.device(device)) == 16
+    for one, blocks in zip(*runs):
+        assert not blocks.isnan().any()
+        assert torch.equal(one, blocks)
+    monkeypatch.delenv("SONICMOE_FWD_AGG_BLOCKS")
+    assert not library.FWD_AGG_BLOCKS and torch.equal(library.experts_fwd_impl(*args)[0], runs[0][0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reserve", ["default", "0"])
 @pytest.mark.parametrize("beside_dw1", ["0", "1"])
@@ -249,6 +273,11 @@ def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, reserve, monkey
     for a, b, c in zip(first, second, one_pass):
         assert not a.isnan().any()
         assert torch.equal(a, b) and torch.equal(a, c)
+    # the forward's down-projection and aggregation in the same column blocks (SONICMOE_FWD_AGG_BLOCKS): the bits
+    monkeypatch.delenv("SONICMOE_AGG_CHUNK")
+    monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", "1")
+    for a, c in zip(run(), one_pass):
+        assert torch.equal(a, c)
 
 
 def test_fake_shapes_without_data():

@@ -120,15 +120,40 @@ def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | N
         return None, MAX_UNROLL
     if value == "auto":
         return None, MAX_UNROLL
+    *blocks, unroll = _config_parts(value, "SONICMOE_AGG_CONFIG", "'auto' or ")
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps"), blocks, strict=True)), unroll
+
+
+def _config_parts(value: str, name: str, alternatives: str = "") -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps, UNROLL) from the environment value ``value`` of ``name``.
+
+    Raises:
+        ValueError: not four positive integers separated by colons, BLOCK_D and num_warps powers of two.
+    """
     try:
         parts = tuple(int(v) for v in value.split(":"))
     except ValueError:
         parts = ()
     if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[1:3]):
-        raise ValueError(f"SONICMOE_AGG_CONFIG: expected 'auto' or BLOCK_T:BLOCK_D:num_warps:UNROLL (positive "
+        raise ValueError(f"{name}: expected {alternatives}BLOCK_T:BLOCK_D:num_warps:UNROLL (positive "
                          f"integers, BLOCK_D and num_warps powers of two), got {value!r}")
-    *blocks, unroll = parts
-    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps"), blocks, strict=True)), unroll
+    return parts
+
+
+def reserve_config() -> dict:
+    """The config of an aggregation kept to a few multiprocessors beside a GEMM (:data:`RESERVE_CONFIG`), or
+    ``SONICMOE_AGG_RESERVE_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:UNROLL" where set (read at each call, for layer
+    A/Bs; one program should fill a multiprocessor: BLOCK_T · BLOCK_D / (32 · num_warps) channels per thread and
+    slot, UNROLL slots in flight).
+
+    Raises:
+        ValueError: a value that is not four positive integers, BLOCK_D and num_warps powers of two.
+    """
+    value = os.environ.get("SONICMOE_AGG_RESERVE_CONFIG")
+    if value is None:
+        return dict(RESERVE_CONFIG)
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"),
+                    _config_parts(value, "SONICMOE_AGG_RESERVE_CONFIG"), strict=True))
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,

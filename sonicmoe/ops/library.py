@@ -40,8 +40,8 @@ from .._autocast import no_autocast
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
-from .aggregation import RESERVE_CONFIG, gather_sum
-from .common import agg_reserve, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
+from .aggregation import gather_sum, reserve_config
+from .common import agg_reserve, env_switch, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
 from .dh import dh, ds_pairs_in_dh_kernel
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .score_grad import score_grad
@@ -107,7 +107,7 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     :func:`varlen_m_ws.long_gemm` where :func:`varlen_m_ws.long_supported` holds and either
     :func:`~sonicmoe.ops.common.agg_reserve` leaves S > 0 multiprocessors to the aggregations (the default on
     sm_90; the block after an aggregation then runs on all but S, and that aggregation on S programs of
-    :data:`~sonicmoe.ops.aggregation.RESERVE_CONFIG`) or :func:`varlen_m_ws.long_preferred` takes the form; else on
+    :func:`~sonicmoe.ops.aggregation.reserve_config`) or :func:`varlen_m_ws.long_preferred` takes the form; else on
     the Triton kernel, with the aggregation's persistent grid of :func:`~sonicmoe.ops.common.overlap_mode` programs
     per multiprocessor beside it. The streams join before this returns (C, made here and read there, is freed on
     return), unless ``pending`` is a list: C is then appended to it and the last block's aggregation may still run
@@ -149,7 +149,7 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
             varlen_m_gemm(a, b_cols, bias_cols, routing, transpose_b=transpose_b, out=c[:, cols])
         with _beside(side):
             if reserved[i]:
-                gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], config=RESERVE_CONFIG,
+                gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], config=reserve_config(),
                            num_programs=reserve)
             else:
                 gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], progs_per_sm=progs_per_sm)
@@ -161,6 +161,15 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
 
 
 # ------------------------------------------------------------------------------------------- forward
+
+
+# FWD_AGG_BLOCKS: the forward's down-projection and aggregation in column blocks (gemm_then_gather_sum, as the
+# backward's dX̃ and dX aggregation), each block's aggregation on the side stream beside the next block's GEMM; off:
+# one down-projection, then one aggregation. Off since it measured no faster at (32768, 4096, 1024, 128, 8) on H100s
+# (session 27; session 53 with the aggregation on 16 reserved multiprocessors: 4.36 against 4.36 ms), and the
+# blocks re-read A. SONICMOE_FWD_AGG_BLOCKS (1 or 0) overrides it, for layer A/Bs (with SONICMOE_AGG_RESERVE and
+# SONICMOE_AGG_RESERVE_CONFIG). The same bits either way.
+FWD_AGG_BLOCKS = False
 
 
 def experts_fwd_impl(
@@ -190,12 +199,16 @@ def experts_fwd_impl(
                        token_rows=token_rows, slot_pair=slot_pair)
     routing.tile_rows = tile_rows
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
-    # one down-projection, then one aggregation: in column blocks (gemm_then_gather_sum) the forward measured no
-    # faster at (32768, 4096, 1024, 128, 8) on an H100 (session 27), and the blocks re-read A
-    y = down_proj(a, w2, b2, routing)
-    del a
-    out = gather_sum(y, routing, routing.slot_scores(pair_scores).contiguous())  # cast in the kernel
-    del y
+    slot_scores = routing.slot_scores(pair_scores).contiguous()  # cast in the kernel
+    if env_switch("SONICMOE_FWD_AGG_BLOCKS", FWD_AGG_BLOCKS):
+        # the down-projection in column blocks, each block's aggregation beside the next block's GEMM
+        out = gemm_then_gather_sum(a, w2, b2, routing, slot_scores, transpose_b=True)
+    else:
+        # one down-projection, then one aggregation (FWD_AGG_BLOCKS)
+        y = down_proj(a, w2, b2, routing)
+        del a
+        out = gather_sum(y, routing, slot_scores)
+        del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
