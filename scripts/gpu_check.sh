@@ -65,7 +65,8 @@
 #          weight gradients' warpgroup forms (scripts/gather_path_probe.py on GATHER_SHAPES, GATHER_KERNELS)
 #   exposed  the forward's column blocks (SONICMOE_FWD_AGG_BLOCKS) and the reserved aggregation's configs
 #          (SONICMOE_AGG_RESERVE_CONFIG, scripts/reserve_probe.py), layer A/Bs of both at 120B-n1024, and the gather-fused
-#          kernels with and without the MMA warps' proxy fence (gather_path_probe.py --kernels fence [--no-fence])
+#          kernels with and without the MMA warps' proxy fence (gather_path_probe.py --kernels fence [--no-fence]);
+#          exposedab: the layer A/Bs alone (a call of its own: both exceed one call's 10 minutes)
 #   ftz    the SwiGLU sigmoid by ex2/rcp.approx.ftz (SONICMOE_SIGMOID_FTZ): GPU tests, the up-projection and dH alone
 #          in both forms (FTZ_SHAPES), fresh-process layer A/Bs (FTZ_AB_SHAPES name=T,d,n,E,K ..., FTZ_AB_ROUNDS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
@@ -408,9 +409,9 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       # what the exposed aggregations and the MMA warps' proxy fence cost (session 61's open items): the column-block
       # GPU test with the forward's blocks; the four gather-fused kernels with and without the fence
       # (gather_path_probe.py --kernels fence [--no-fence], fresh processes); the aggregation on reserved
-      # multiprocessors in each config of reserve_probe.py (EXPOSED_RESERVES, default 8,16); fresh-process layer A/Bs
-      # of SONICMOE_FWD_AGG_BLOCKS and SONICMOE_AGG_RESERVE_CONFIG (EXPOSED_AB_CONFIG, default 8:1024:16:8) at
-      # 120B-n1024, EXPOSED_AB_ROUNDS rounds (3)
+      # multiprocessors in each config of reserve_probe.py (EXPOSED_RESERVES, default 8,16). About 8 minutes.
+      # exposedab: fresh-process layer A/Bs of SONICMOE_FWD_AGG_BLOCKS and SONICMOE_AGG_RESERVE_CONFIG
+      # (EXPOSED_AB_CONFIG, default 8:1024:16:8) at 120B-n1024, EXPOSED_AB_ROUNDS rounds (3)
       timeout ${EXPOSED_TEST_LIMIT_S:-240} python3 -m pytest -q -m gpu tests/test_library.py \
         -k "column_chunked_default" > "$OUT/exposed_tests.txt" 2>&1
       SUMMARY+=("$(tail -1 "$OUT/exposed_tests.txt")")
@@ -423,6 +424,9 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       timeout ${EXPOSED_RESERVE_LIMIT_S:-300} python3 scripts/reserve_probe.py --reserve "${EXPOSED_RESERVES:-8,16}" \
         --json "$OUT/reserve.json" > "$OUT/reserve.txt" 2>&1
       SUMMARY+=("$(grep -v Warning "$OUT/reserve.txt" | tail -40)")
+      ;;
+    exposedab)
+      # exposed's layer A/Bs (about 4 minutes at 3 rounds)
       cfg=${EXPOSED_AB_CONFIG:-8:1024:16:8}
       AB_ARMS="base: fwdblk:SONICMOE_FWD_AGG_BLOCKS=1 cfg:SONICMOE_AGG_RESERVE_CONFIG=$cfg \
 both:SONICMOE_FWD_AGG_BLOCKS=1,SONICMOE_AGG_RESERVE_CONFIG=$cfg" AB_ROUNDS=${EXPOSED_AB_ROUNDS:-3} \
