@@ -355,7 +355,7 @@ if HAVE_GLUON:
         beside the other's MMAs. The same k-steps in the same order as :func:`_mma`: the same bits.
         ``SWAP_AB`` (:data:`SWAP_AB`; BLOCK_I = 256, BLOCK_J = 128, ``PIECES`` 2): the warpgroup computes the
         transposed half tile instead, dW[e]ᵀ for its half of the J columns, (BLOCK_J/2, BLOCK_I) = Q-chunkᵀ · P-chunk,
-        one m64 × 256 wgmma per k16 step in place of two m64 × 128 ones (a fifth less shared memory read per FLOP),
+        one m64 × 256 wgmma per k16 step in place of two m64 × 128 ones (a sixth less shared memory read per FLOP),
         and stores its two (BLOCK_I/2, BLOCK_J/2) pieces transposed."""
         HI: gl.constexpr = BLOCK_I // 2
         HJ: gl.constexpr = BLOCK_J // 2
@@ -589,9 +589,10 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     ring = bool(cfg.get("STAGE_IN_RING", False))
     split = bool(cfg.get("WG_SPLIT", False))
     pieces = cfg.get("WG_PIECES", WG_PIECES)
-    # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
-    swap = split and pieces == 2 and bool(cfg.get("SWAP_AB", False))
+    # the warpgroups' transposed products where the config asks for them and the form has them (wgrad_ws_config)
+    swap = split and pieces == 2 and (bi, bj) == (256, 128) and bool(cfg.get("SWAP_AB", False))
     wide = bi if swap else bj  # the wgmma's N: the accumulator's width
+    # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
     box = [bi // 2, bj // pieces] if split else [bi, bj // 2 if ring else bj]
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
