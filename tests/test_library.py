@@ -273,11 +273,18 @@ def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, reserve, monkey
     for a, b, c in zip(first, second, one_pass):
         assert not a.isnan().any()
         assert torch.equal(a, b) and torch.equal(a, c)
-    # the forward's down-projection and aggregation in the same column blocks (SONICMOE_FWD_AGG_BLOCKS): the bits
+    # the forward's down-projection and aggregation in the same column blocks (SONICMOE_FWD_AGG_BLOCKS): the bits,
+    # with the biases (the blocks on the Triton kernel) and without (on the streamed-B Gluon kernel, the first
+    # block's aggregation on the reserved multiprocessors)
     monkeypatch.delenv("SONICMOE_AGG_CHUNK")
     monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", "1")
     for a, c in zip(run(), one_pass):
         assert torch.equal(a, c)
+    args = _fwd_args({**p, "b1": None, "b2": None}, routing, "concat", False, torch.bfloat16)
+    blocks = library.experts_fwd_impl(*args)
+    monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", "0")
+    for a, c in zip(blocks, library.experts_fwd_impl(*args)):
+        assert not a.isnan().any() and torch.equal(a, c)
 
 
 def test_fake_shapes_without_data():
