@@ -35,7 +35,7 @@ Environment (documented in the README):
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before
                                it (dX̃ then lives until dW1 ends: more peak memory).
     SONICMOE_AGG_RESERVE=S     multiprocessors left to each column block's aggregation beside the next block's
-                               streamed-B Gluon GEMM (agg_reserve; default 16, 0: the blocks on the Triton kernel).
+                               streamed-B Gluon GEMM (agg_reserve; default 12, 0: the blocks on the Triton kernel).
     SONICMOE_AGG_RESERVE_CONFIG=BLOCK_T:BLOCK_D:num_warps:UNROLL
                                that aggregation's config (aggregation.reserve_config; default RESERVE_CONFIG).
     SONICMOE_FWD_AGG_BLOCKS=1  the forward's down-projection and aggregation in those column blocks too
@@ -498,8 +498,11 @@ AGG_CHUNK = 2048
 # H100, scripts/reserve_probe.py, settled 1 s windows) at (32768, 4096, 1024, 128, 8): dX̃ and the dX aggregation in
 # two 2048-column blocks took 7.67 ms with 16 left to the aggregation, 7.85 with 24, 8.04 with 32, against 8.05 for
 # the Triton kernel's blocks with the aggregation beside them as a grid of 2 programs per multiprocessor (the form
-# before) and 8.15 for one Gluon GEMM, then one aggregation
-AGG_RESERVE = 16
+# before) and 8.15 for one Gluon GEMM, then one aggregation. 12 since session 62
+# (benchmarks/results/2026-12-02_nvidia-h200_session62/), with the reserved aggregation's config of twice the bytes in
+# flight (aggregation.RESERVE_CONFIG): 120B-n1024 forward+backward on an H200, fresh-process A/Bs in two calls,
+# 36.005 and 35.935 ms against 36.165 and 36.175 for 16 with the former config (7 of 8 rounds faster); 8: 36.745
+AGG_RESERVE = 12
 
 
 def agg_reserve(device: torch.device) -> int:
