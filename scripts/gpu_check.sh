@@ -67,6 +67,8 @@
 #          (SONICMOE_AGG_RESERVE_CONFIG, scripts/reserve_probe.py), layer A/Bs of both at 120B-n1024, and the gather-fused
 #          kernels with and without the MMA warps' proxy fence (gather_path_probe.py --kernels fence [--no-fence]);
 #          exposedab: the layer A/Bs alone (a call of its own: both exceed one call's 10 minutes)
+#   chunkab  fresh-process layer A/Bs of the backward's column-block width (SONICMOE_AGG_CHUNK: CHUNK_AB_WIDTHS,
+#          default 2048 (the default) and 1024) at 120B-n1024, CHUNK_AB_ROUNDS rounds (5; about 3 minutes)
 #   ftz    the SwiGLU sigmoid by ex2/rcp.approx.ftz (SONICMOE_SIGMOID_FTZ): GPU tests, the up-projection and dH alone
 #          in both forms (FTZ_SHAPES), fresh-process layer A/Bs (FTZ_AB_SHAPES name=T,d,n,E,K ..., FTZ_AB_ROUNDS)
 #   ncu    Nsight Compute profiles of single expert kernels (scripts/ncu_target.py; NCU_RUNS NAME:OP:SHAPE:ROUTING[:ENV=V])
@@ -433,6 +435,13 @@ both:SONICMOE_FWD_AGG_BLOCKS=1,SONICMOE_AGG_RESERVE_CONFIG=$cfg" AB_ROUNDS=${EXP
         AB_SHAPE=120b=32768,4096,1024,128,8 timeout ${EXPOSED_AB_LIMIT_S:-300} bash scripts/env_ab.sh "$OUT/exposed_ab" \
         > "$OUT/exposed_ab.txt" 2>&1
       SUMMARY+=("$(tail -4 "$OUT/exposed_ab/ab_summary.txt")")
+      ;;
+    chunkab)
+      arms=""
+      for w in ${CHUNK_AB_WIDTHS:-2048 1024}; do arms+="c$w:SONICMOE_AGG_CHUNK=$w "; done
+      AB_ARMS="$arms" AB_ROUNDS=${CHUNK_AB_ROUNDS:-5} AB_SHAPE=120b=32768,4096,1024,128,8 \
+        timeout ${CHUNK_AB_LIMIT_S:-400} bash scripts/env_ab.sh "$OUT/chunk_ab" > "$OUT/chunk_ab.txt" 2>&1
+      SUMMARY+=("$(tail -3 "$OUT/chunk_ab/ab_summary.txt")")
       ;;
     ftz)
       # the SwiGLU sigmoid by the ftz forms (SONICMOE_SIGMOID_FTZ): its GPU tests, the up-projection and dH alone in
