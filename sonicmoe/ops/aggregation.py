@@ -98,11 +98,11 @@ SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
 # programs; :func:`sonicmoe.ops.common.agg_reserve`): 1024 threads per program, each one 16-byte vector of each of 8
 # rows in flight. Session 53 (benchmarks/results/2026-11-28_nvidia-h100_session53/, one H100, scripts/reserve_probe.py)
 # at (32768, 4096, 1024, 128, 8), the former 4-row config, half the columns on 16 / 24 / 32 programs alone:
-# 2.09 / 1.43 / 1.11 ms (dX), against
-# 3.68 / 2.47 / 1.87 for (4, 1024, 16 warps, 8 rows); beside the dX̃ GEMM 7.67 against 8.53 ms with 16. 8 rows in
-# flight since session 62 (benchmarks/results/2026-12-02_nvidia-h200_session62/, an H200, half the forward
-# aggregation alone): 1.249 ms on 16 programs and 2.445 on 8, against 1.694 and 3.318 with 4 rows; fast enough that
-# the reserve (common.AGG_RESERVE) went from 16 to 12 multiprocessors
+# 2.09 / 1.43 / 1.11 ms (dX), against 3.68 / 2.47 / 1.87 for (4, 1024, 16 warps, 8 rows); beside the dX̃ GEMM
+# 7.67 against 8.53 ms with 16. 8 rows in flight since session 62
+# (benchmarks/results/2026-12-02_nvidia-h200_session62/, an H200, half the forward aggregation alone): 1.249 ms on 16
+# programs and 2.445 on 8, against 1.694 and 3.318 with 4 rows; fast enough that the reserve (common.AGG_RESERVE)
+# went from 16 to 12 multiprocessors
 RESERVE_CONFIG = {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 32, "UNROLL": 8}
 
 
