@@ -128,6 +128,12 @@ def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, e
     return elem * (stages * block_r * (block_i + block_j) + out)
 
 
+def swap_ab_applies(swap_ab: bool, wg_split: bool, wg_pieces: int, block_i: int, block_j: int) -> bool:
+    """Whether the warpgroups compute transposed products (:data:`SWAP_AB`): asked for, and the form that has them,
+    the split warpgroups storing in two pieces with 256 × 128 (I × J) tiles (dW1)."""
+    return bool(swap_ab) and bool(wg_split) and wg_pieces == 2 and (block_i, block_j) == (256, 128)
+
+
 def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
     """Whether half the output tile, (BLOCK_I, BLOCK_J / 2), fits the wider of a ring slot's two chunks (BLOCK_R
     rows of max(BLOCK_I, BLOCK_J))."""
@@ -178,7 +184,7 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
             per_stage = wgrad_ws_smem_bytes(bi, bj, block_r, 1, stage_in_ring=half) - base
             stages = min(MAX_STAGES, (SMEM_BUDGET - base) // per_stage)
             if stages >= 2:
-                swap = swap_ab and wg_split and wg_pieces == 2 and (bi, bj) == (256, 128)
+                swap = swap_ab_applies(swap_ab, wg_split, wg_pieces, bi, bj)
                 return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring,
                         "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "SWAP_AB": swap,
                         "STAGES": stages, "MAXNREG": MAXNREG[bi if swap else bj]}
@@ -590,7 +596,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     split = bool(cfg.get("WG_SPLIT", False))
     pieces = cfg.get("WG_PIECES", WG_PIECES)
     # the warpgroups' transposed products where the config asks for them and the form has them (wgrad_ws_config)
-    swap = split and pieces == 2 and (bi, bj) == (256, 128) and bool(cfg.get("SWAP_AB", False))
+    swap = swap_ab_applies(cfg.get("SWAP_AB", False), split, pieces, bi, bj)
     wide = bi if swap else bj  # the wgmma's N: the accumulator's width
     # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
     box = [bi // 2, bj // pieces] if split else [bi, bj // 2 if ring else bj]
