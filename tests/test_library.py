@@ -168,42 +168,15 @@ def test_gather_chunk_width_rule(monkeypatch):
     assert library.gather_chunk_width(4096, cpu) == 0
 
 
-def test_gather_column_blocks_split_the_last_block(monkeypatch):
-    """SONICMOE_AGG_TAIL=P splits the last column block into P of equal width, a multiple of 8; else (or unset, 0,
-    not a number) the blocks are the chunk width's."""
-    from sonicmoe.ops.common import gather_column_blocks
-
-    def widths(d, w):
-        blocks = gather_column_blocks(d, w)
-        assert blocks[0].start == 0 and blocks[-1].stop == d
-        assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
-        return [b.stop - b.start for b in blocks]
-
-    for value in (None, "0", "x", "1"):
-        if value is None:
-            monkeypatch.delenv("SONICMOE_AGG_TAIL", raising=False)
-        else:
-            monkeypatch.setenv("SONICMOE_AGG_TAIL", value)
-        assert widths(4096, 2048) == [2048, 2048] and widths(40, 16) == [16, 16, 8]
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", "2")
-    assert widths(4096, 2048) == [2048, 1024, 1024]
-    assert widths(40, 16) == [16, 16, 8]  # 8 / 2 is not a multiple of 8: kept whole
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", "4")
-    assert widths(4096, 2048) == [2048, 512, 512, 512, 512]
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", "3")
-    assert widths(4096, 2048) == [2048, 2048]  # 2048 / 3 is not whole: kept whole
-
-
-@pytest.mark.parametrize("d,width,tail", [(16, 8, "1"), (40, 16, "1"), (32, 16, "2")], ids=["even", "ragged", "tail"])
+@pytest.mark.parametrize("d,width", [(16, 8), (40, 16)], ids=["even", "ragged"])
 @pytest.mark.parametrize("bias,layout", [(True, "interleaved"), (False, "concat")])
-def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, tail, bias, layout, device, monkeypatch):
+def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layout, device, monkeypatch):
     """A varlen-M GEMM and its aggregation in column blocks of C (SONICMOE_AGG_CHUNK; on CUDA each block's
     aggregation runs on the side stream beside the next block's GEMM) give the one-pass bits: the down-projection
     form with bias and slot weights (against the float32 reference too), and the whole backward, whose dX̃ GEMM
     and dX aggregation run so. Outputs are poisoned (NaN) first, so a column block no kernel wrote shows up;
-    ragged: d = 40 in blocks of 16, 16 and 8 columns; tail: d = 32 in blocks of 16, 8 and 8 (SONICMOE_AGG_TAIL=2)."""
+    ragged: d = 40 in blocks of 16, 16 and 8 columns."""
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", tail)
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     p = random_problem(T, d, N, E, bias=True, device=device, seed=11)
     routing = _topk_routing(p)
@@ -257,19 +230,16 @@ def test_forward_column_blocks_match_one_pass(bias, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("reserve", ["default", "0"])
 @pytest.mark.parametrize("beside_dw1", ["0", "1"])
-@pytest.mark.parametrize("tail", ["1", "2"])
-def test_gpu_column_chunked_default_matches_one_pass(tail, beside_dw1, reserve, monkeypatch):
+def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, reserve, monkeypatch):
     """bf16 at d = 4096, n = 1024 (dW1 on the Gluon kernel): by default the backward's dX̃ GEMM runs in two
     column blocks on the streamed-B Gluon kernel, the first block's dX aggregation on agg_reserve multiprocessors
     beside the second block's GEMM on the others (SONICMOE_AGG_RESERVE=0: both blocks on the Triton kernel, the
     aggregation's persistent grid beside), and the last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1)
     beside it; O and every gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over
-    (deterministic), each read on the current stream right away. tail 2: the second block in two of 1024 columns
-    (SONICMOE_AGG_TAIL), the first of them beside the first block's aggregation, the second beside its own."""
+    (deterministic), each read on the current stream right away."""
     from sonicmoe.ops import common, varlen_m_ws
 
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
-    monkeypatch.setenv("SONICMOE_AGG_TAIL", tail)
     monkeypatch.setenv("SONICMOE_AGG_BESIDE_DW1", beside_dw1)
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
     if reserve == "default":

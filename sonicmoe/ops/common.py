@@ -32,8 +32,6 @@ Environment (documented in the README):
                                n >= 128: library.gluon_wgrad_preferred; =all at every n).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
-    SONICMOE_AGG_TAIL=P        the last of those blocks split into P narrower ones (gather_column_blocks;
-                               default 1), so that less of the aggregation is left exposed after the last GEMM.
     SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before
                                it (dX̃ then lives until dW1 ends: more peak memory).
     SONICMOE_AGG_RESERVE=S     multiprocessors left to each column block's aggregation beside the next block's
@@ -549,27 +547,6 @@ def gather_chunk_width(d: int, device: torch.device) -> int:
     if width <= 0 or width % 8 or d % 8 or d < 2 * width:
         return 0
     return width
-
-
-# pieces the last column block of gemm_then_gather_sum is split into (gather_column_blocks; SONICMOE_AGG_TAIL)
-AGG_TAIL = 1
-
-
-def gather_column_blocks(d: int, width: int) -> list[slice]:
-    """The column blocks [c0, c1) of C (R, d) in which :func:`sonicmoe.ops.library.gemm_then_gather_sum` runs its
-    GEMM and aggregation for a chunk width ``width`` > 0 (:func:`gather_chunk_width`): blocks of ``width`` columns
-    (the last one narrower where d is not a multiple), with the last block split into P pieces of equal width
-    (``SONICMOE_AGG_TAIL``, read at each call, default :data:`AGG_TAIL`; kept whole where its width over P is not a
-    multiple of 8). Only the last block's aggregation runs after the last GEMM; a narrower last block leaves less
-    of it exposed, at the cost of one more GEMM launch and wave tail per piece."""
-    blocks = [slice(c0, min(c0 + width, d)) for c0 in range(0, d, width)]
-    env = os.environ.get("SONICMOE_AGG_TAIL", "")
-    pieces = int(env) if env.isdigit() and int(env) > 0 else AGG_TAIL
-    last = blocks[-1]
-    w = (last.stop - last.start) // pieces
-    if pieces > 1 and w % 8 == 0 and w * pieces == last.stop - last.start:
-        blocks[-1:] = [slice(last.start + i * w, last.start + (i + 1) * w) for i in range(pieces)]
-    return blocks
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

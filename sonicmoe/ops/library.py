@@ -41,16 +41,7 @@ from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
 from .aggregation import gather_sum, reserve_config
-from .common import (
-    agg_reserve,
-    env_switch,
-    gather_chunk_width,
-    gather_column_blocks,
-    new_output,
-    overlap_mode,
-    side_stream,
-    sm_count,
-)
+from .common import agg_reserve, env_switch, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
 from .dh import dh, ds_pairs_in_dh_kernel
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .score_grad import score_grad
@@ -139,7 +130,7 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     reserve = agg_reserve(a.device)
     c = new_output((a.shape[0], d), device=a.device, dtype=a.dtype)
     out = new_output((routing.num_tokens, d), device=a.device, dtype=a.dtype)
-    blocks = gather_column_blocks(d, width)
+    blocks = [slice(c0, min(c0 + width, d)) for c0 in range(0, d, width)]
     # per block: on the streamed-B Gluon kernel (where the layer prefers it, or with multiprocessors reserved for
     # the aggregations), else on the Triton kernel
     on_long = [(varlen_m_ws.long_preferred(transpose_b) or reserve > 0)
