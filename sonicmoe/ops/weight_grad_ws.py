@@ -425,32 +425,29 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
         gl.thread_barrier()
         if PIECES == 1:
-            buf.store(acc.to(out_desc.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(out_desc, [row, col], buf)
+            _store_piece(acc, buf, out_desc, row, col, False)
         else:
             W: gl.constexpr = acc.shape[1] // 2
             left, right = column_halves(acc)
-            if TRANS:
-                buf.store(left.to(out_desc.dtype).permute((1, 0)))
-            else:
-                buf.store(left.to(out_desc.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(out_desc, [row, col], buf)
+            _store_piece(left, buf, out_desc, row, col, TRANS)
             tma.store_wait(pendings=0)
             gl.thread_barrier()
             if TRANS:
-                buf.store(right.to(out_desc.dtype).permute((1, 0)))
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(out_desc, [row + W, col], buf)
+                _store_piece(right, buf, out_desc, row + W, col, TRANS)
             else:
-                buf.store(right.to(out_desc.dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(out_desc, [row, col + W], buf)
+                _store_piece(right, buf, out_desc, row, col + W, TRANS)
+
+    @gluon.jit
+    def _store_piece(piece, buf, out_desc, row, col, TRANS: gl.constexpr):
+        """One piece (transposed with ``TRANS``) into ``buf``, whose previous store has read it, then its TMA store
+        to ``out_desc`` at (row, col), once every thread's writes are visible to the async proxy."""
+        if TRANS:
+            buf.store(piece.to(out_desc.dtype).permute((1, 0)))
+        else:
+            buf.store(piece.to(out_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [row, col], buf)
 
     @gluon.jit
     def _store_halves(acc, out_smem, stage, out_desc, row, col):
