@@ -489,7 +489,8 @@ def overlap_mode(device: torch.device) -> int:
 
 # the column width of the blocks in which the backward's dX̃ GEMM runs with each block's dX aggregation beside the
 # next block's GEMM (gather_chunk_width; SONICMOE_AGG_CHUNK): of 1024 and 2048, 2048 measured best at
-# (32768, 4096, 1024, 128, 8) on H100s (session 27)
+# (32768, 4096, 1024, 128, 8) on H100s (session 27); on H200s with 12 multiprocessors reserved (session 63), 1024 was
+# level (35.07 against 35.09 ms, 5 rounds) and 2048 + 1024 + 1024 slower (35.50 against 35.065)
 AGG_CHUNK = 2048
 
 
