@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonicmoe
 from sonicmoe.ops import grouped_gemm_ws, library
-from sonicmoe.ops.aggregation import gather_sum_ref
+from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
 from sonicmoe.ops.grouped_gemm import varlen_m_gemm_ref
 from sonicmoe.ops.library import BWD_ROUTING_FIELDS, FWD_ROUTING_FIELDS
 from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
@@ -201,6 +201,35 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
         assert torch.equal(one, chunked)
     y_ref = varlen_m_gemm_ref(a, p["w2"], b2, routing, transpose_b=True)
     assert rel_err(runs[1][0], gather_sum_ref(y_ref, routing, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_column_blocks_last_aggregation_grid(pending, monkeypatch):
+    """In column blocks with a side stream (SONICMOE_OVERLAP's persistent grid of k programs per multiprocessor,
+    faked here on the CPU), each block's aggregation but the last runs on that persistent grid (beside the next
+    block's GEMM); the last, with nothing beside it, runs on one program per tile (progs_per_sm 0: as a persistent
+    grid it took 0.61 ms at 120B-n1024 on an H200, session 64), unless ``pending`` asks for it to run beside the
+    caller's next kernels, where it keeps the persistent grid. Either way the output has the one-pass bits."""
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
+    d = 40  # blocks of 16, 16 and 8 columns
+    p = random_problem(T, d, N, E, bias=False, device="cpu", seed=13)
+    routing = _topk_routing(p)
+    a = torch.randn(routing.num_rows, N, generator=torch.Generator().manual_seed(6))
+    one = library.gemm_then_gather_sum(a, p["w2"], None, routing, None, transpose_b=True)
+    grids = []
+
+    def spy(*args, **kwargs):
+        grids.append((kwargs.get("progs_per_sm", 0), kwargs.get("num_programs", 0)))
+        return gather_sum(*args, **kwargs)
+
+    monkeypatch.setattr(library, "overlap_mode", lambda device: 2)
+    monkeypatch.setattr(library, "side_stream", lambda device: None)  # _beside(None): the current stream
+    monkeypatch.setattr(library, "gather_sum", spy)
+    out = library.gemm_then_gather_sum(a, p["w2"], None, routing, None, transpose_b=True,
+                                       pending=[] if pending else None)
+    assert grids == [(2, 0), (2, 0), (2 if pending else 0, 0)]
+    assert torch.equal(out, one)
 
 
 @pytest.mark.parametrize("bias", [True, False])
