@@ -171,7 +171,9 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
 # backward's dX̃ and dX aggregation), each block's aggregation on the side stream beside the next block's GEMM; off:
 # one down-projection, then one aggregation. Off since it measured no faster at (32768, 4096, 1024, 128, 8) on H100s
 # (session 27; session 53 with the aggregation on 16 reserved multiprocessors: 4.36 against 4.36 ms), slower on an
-# H200 (session 62: forward+backward 35.97 against 35.56 ms, 3 rounds), and the blocks re-read A.
+# H200 (session 62: forward+backward 35.97 against 35.56 ms, 3 rounds; session 64, with the last block's aggregation
+# on one program per tile: forward 12.01 against 11.88 ms, forward+backward 35.33 against 35.15), and the blocks
+# re-read A.
 # SONICMOE_FWD_AGG_BLOCKS (1 or 0) overrides it, for layer A/Bs (with SONICMOE_AGG_RESERVE and
 # SONICMOE_AGG_RESERVE_CONFIG). The same bits either way.
 FWD_AGG_BLOCKS = False

@@ -124,7 +124,8 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # 1.092 (fwd+bwd 3.262 against 3.269), (16384, 1536, 256, 512, 8) 0.964 against 1.004 (2.945 against 2.993),
 # (40960, 768, 256, 128, 8) 0.919 against 0.948 (2.856 against 2.911), OLMoE (32768, 2048, 1024, 64, 8) 5.978 against
 # 6.052 (18.32 against 18.48). At d = 4096 (120B-n1024) level against EPI_WARPS 0: forward 12.23 against 12.24, so
-# off there. Same bits as EPI_WARPS 0 (GPU tests).
+# off there; slower since H_PACKED (session 64, an H200, 3 fresh-process rounds: forward 12.11 against 11.90 ms,
+# forward+backward 35.24 against 35.12: the staging set costs a ring slot). Same bits as EPI_WARPS 0 (GPU tests).
 EPI_WARPS = 4
 EPI_REGS = 80
 EPI_CHUNK = 16  # rows of A per step of the storer

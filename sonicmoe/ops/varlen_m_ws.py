@@ -15,8 +15,10 @@ against 576. Each persistent program splits its warps by role:
 
 * a **loader** (one warp) walks the program's tiles and, per K-block, asks TMA for A's (BLOCK_M × BLOCK_K) block of
   the tile's rows (rows past the expert's end are the next expert's or, past R, zeros: their products are never
-  stored) and B[e]'s box, into a ring of ``STAGES`` slots (a ``ready`` mbarrier with the bytes, an ``empty`` one the
-  MMAs arrive on once they have read the slot);
+  stored; zeroing them would not save energy: a dense GEMM with 1/32 of each 128-row block zero took the same
+  joules per call as with none, session 64, scripts/zero_rows_energy_probe.py) and B[e]'s box, into a ring of
+  ``STAGES`` slots (a ``ready`` mbarrier with the bytes, an ``empty`` one the MMAs arrive on once they have read
+  the slot);
 * the **MMA warps** (two warpgroups, BLOCK_M = 128) run the tile's asynchronous wgmma chain over the ring (one
   K-block in flight), round to C's dtype and stage the tile in shared memory (in ``C_SPLIT`` column parts through
   one buffer), from where a full tile leaves by TMA stores, which drain while the next tile's MMAs run, and an
