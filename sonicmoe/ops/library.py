@@ -110,11 +110,11 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     :func:`~sonicmoe.ops.aggregation.reserve_config`) or :func:`varlen_m_ws.long_preferred` takes the form; else on
     the Triton kernel, with the aggregation's persistent grid of :func:`~sonicmoe.ops.common.overlap_mode` programs
     per multiprocessor beside it. The streams join before this returns (C, made here and read there, is freed on
-    return), and the last block's aggregation, with nothing beside it, runs on a grid of one program per tile (as
-    persistent grid it took 0.61 ms at (32768, 4096, 1024, 128, 8) on an H200, session 64). Unless ``pending`` is
-    a list: C is then appended to it and the last block's aggregation (persistent) may still run when this
-    returns, beside the caller's next kernels; the caller makes the current stream wait for the side stream before
-    it drops ``pending`` or reads O. Else (and for the Gluon down-projection) one GEMM, then one
+    return), and the last block's aggregation, with nothing beside it, runs on one program per tile (as a
+    persistent grid it took 0.61 ms at (32768, 4096, 1024, 128, 8) on an H200, session 64). Where ``pending`` is a
+    list instead, C is appended to it and the last block's aggregation keeps the persistent grid and may still run
+    when this returns, beside the caller's next kernels; the caller makes the current stream wait for the side
+    stream before it drops ``pending`` or reads O. Else (and for the Gluon down-projection) one GEMM, then one
     aggregation. Every output element is computed by the same kernels either way.
 
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
