@@ -261,16 +261,10 @@ def test_reserve_config_switch(device, monkeypatch):
     from sonicmoe.ops import aggregation
 
     monkeypatch.delenv("SONICMOE_AGG_RESERVE_CONFIG", raising=False)
-    monkeypatch.delenv("SONICMOE_AGG_PREFETCH", raising=False)
-    prefetch = aggregation.PREFETCH
-    assert aggregation.reserve_config() == {**aggregation.RESERVE_CONFIG, "PREFETCH": prefetch}
+    assert aggregation.reserve_config() == aggregation.RESERVE_CONFIG
     assert aggregation.reserve_config() is not aggregation.RESERVE_CONFIG  # a copy: callers cannot change the default
-    monkeypatch.setenv("SONICMOE_AGG_PREFETCH", "0" if prefetch else "1")
-    assert aggregation.reserve_config()["PREFETCH"] is not prefetch
-    monkeypatch.delenv("SONICMOE_AGG_PREFETCH")
     monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "8:1024:16:8")
-    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8,
-                                            "PREFETCH": prefetch}
+    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8}
     routing = _skewed_routing(29, 7, device)
     y = torch.randn(routing.num_rows, 40, device=device)
     w = torch.rand(routing.num_rows, device=device)
@@ -281,32 +275,6 @@ def test_reserve_config_switch(device, monkeypatch):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", bad)
         with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE_CONFIG"):
             aggregation.reserve_config()
-
-
-@pytest.mark.parametrize("weighted", [True, False])
-def test_gather_sum_prefetch_same_bits(weighted, device):
-    """PREFETCH (the reserved aggregation's persistent programs load each tile's offsets two tiles ahead and its
-    first UNROLL row indices one tile ahead) gives the bits of the plain kernel: on persistent grids of 1, 3 and 5
-    programs (each looping over several tiles, the prefetches of the last ones past the end) and on one program
-    per tile, with tokens of no slot, of more slots than UNROLL and T, d not multiples of the tile; outputs
-    poisoned first. An UNROLL that is not a power of two is refused by name."""
-    t, e = 29, 7
-    tok = torch.arange(1, 11).repeat_interleave(6)  # ten tokens of 6 slots (> UNROLL 2 and 4)
-    routing = routing_from_pairs(tok.to(device), (torch.arange(60) % e).to(device), t, e)
-    d = 40
-    y = torch.randn(routing.num_rows, d, device=device)
-    w = torch.rand(routing.num_rows, device=device) if weighted else None
-    ref = gather_sum_ref(y, routing, w)
-    for bt, bd, unroll in ((2, 16, 2), (4, 32, 4), (1, 64, 4)):
-        cfg = {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": 1, "UNROLL": unroll}
-        plain = gather_sum(y, routing, w, config=cfg)
-        assert rel_err(plain, ref) < 1e-6
-        for programs in (1, 3, 5, 0):
-            out = torch.full((t, d), float("nan"), device=device)
-            got = gather_sum(y, routing, w, config={**cfg, "PREFETCH": True}, out=out, num_programs=programs)
-            assert torch.equal(got, plain), (cfg, programs)
-    with pytest.raises(ValueError, match="PREFETCH needs UNROLL a power of two"):
-        gather_sum(y, routing, w, config={**cfg, "UNROLL": 3, "PREFETCH": True}, num_programs=2)
 
 
 def _layer_grads(p, k, layout, backend, dtype, dout):

@@ -21,7 +21,6 @@ from .common import (
     autotuners,
     cdiv,
     check_device,
-    env_switch,
     interpreting,
     launch,
     next_pow2,
@@ -31,81 +30,39 @@ from .common import (
 )
 
 
-@triton.jit
-def _add_slot(acc, y_ptr, w_ptr, row, start, j, valid, cols, mask_d, stride_yr, HAS_W: tl.constexpr):
-    """acc + w · Y[row] for slot j of each of the tile's tokens (row: their row indices; 0 where not ``valid``)."""
-    y = tl.load(y_ptr + row.to(tl.int64)[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
-                other=0.0).to(tl.float32)
-    if HAS_W:
-        y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
-    return acc + y
-
-
-@triton.jit
-def _tile_offsets(token_offsets_ptr, tile, num_d, T, BLOCK_T: tl.constexpr):
-    """(first slot, slot count) of each of tile ``tile``'s BLOCK_T tokens (0, 0 past T, and for a tile past the end)."""
-    t = (tile // num_d) * BLOCK_T + tl.arange(0, BLOCK_T)
-    start = tl.load(token_offsets_ptr + t, mask=t < T, other=0)
-    return start, tl.load(token_offsets_ptr + t + 1, mask=t < T, other=0) - start
-
-
-@triton.jit
-def _head_rows(token_rows_ptr, start, cnt, UNROLL: tl.constexpr):
-    """(BLOCK_T, UNROLL) row indices of the first UNROLL slots of each token (0 past its count)."""
-    u = tl.arange(0, UNROLL)[None, :]
-    return tl.load(token_rows_ptr + start[:, None] + u, mask=u < cnt[:, None], other=0)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _gather_sum_kernel(
     y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
     T, D, stride_yr, stride_ot,
     HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     num_d = tl.cdiv(D, BLOCK_D)
-    num_tiles = tl.cdiv(T, BLOCK_T) * num_d
-    pid, step = tl.program_id(0), tl.num_programs(0)
-    # PREFETCH (a persistent grid): each tile's token offsets are loaded two tiles ahead and the row indices of its
-    # first UNROLL slots one tile ahead, so that those loads are in flight beside a tile's row loads instead of
-    # before them (three dependent round trips per tile otherwise); the same loads and adds, the same bits
-    if PREFETCH:
-        start, cnt = _tile_offsets(token_offsets_ptr, pid, num_d, T, BLOCK_T)
-        head = _head_rows(token_rows_ptr, start, cnt, UNROLL)
-        start_n, cnt_n = _tile_offsets(token_offsets_ptr, pid + step, num_d, T, BLOCK_T)
     # one (BLOCK_T tokens, BLOCK_D channels) tile per step: a program per tile, or a persistent grid
     # (fewer programs, each looping over tiles in steps of the grid) that stays resident beside another kernel
-    for tile in range(pid, num_tiles, step):
+    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * num_d, tl.num_programs(0)):
         t = (tile // num_d) * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = t < T
+        start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
+        cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
         cols = (tile % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = cols < D
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        if PREFETCH:
-            start_nn, cnt_nn = _tile_offsets(token_offsets_ptr, tile + 2 * step, num_d, T, BLOCK_T)
-            head_n = _head_rows(token_rows_ptr, start_n, cnt_n, UNROLL)
-            for u in tl.static_range(UNROLL):
-                row = tl.sum(tl.where(tl.arange(0, UNROLL)[None, :] == u, head, 0), axis=1)
-                acc = _add_slot(acc, y_ptr, w_ptr, row, start, u, mask_t & (u < cnt), cols, mask_d, stride_yr, HAS_W)
-            first = UNROLL  # the slots past the prefetched ones, as below
-        else:
-            start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
-            cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
-            first = 0
         # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
         # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
-        for j0 in range(first, tl.max(cnt, 0), UNROLL):
+        for j0 in range(0, tl.max(cnt, 0), UNROLL):
             for u in tl.static_range(UNROLL):
                 j = j0 + u
                 valid = mask_t & (j < cnt)
-                row = tl.load(token_rows_ptr + start + j, mask=valid, other=0)
-                acc = _add_slot(acc, y_ptr, w_ptr, row, start, j, valid, cols, mask_d, stride_yr, HAS_W)
+                row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
+                            other=0.0).to(tl.float32)
+                if HAS_W:
+                    y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+                acc += y
         tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_t[:, None] & mask_d[None, :])
-        if PREFETCH:
-            start, cnt, head = start_n, cnt_n, head_n
-            start_n, cnt_n = start_nn, cnt_nn
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): one token x 1024 channels per program
@@ -147,12 +104,6 @@ SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
 # programs and 2.445 on 8, against 1.694 and 3.318 with 4 rows; fast enough that the reserve (common.AGG_RESERVE)
 # went from 16 to 12 multiprocessors
 RESERVE_CONFIG = {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 32, "UNROLL": 8}
-# PREFETCH: the reserved aggregation's persistent programs load each tile's token offsets two tiles ahead and the
-# row indices of its first UNROLL slots one tile ahead (_gather_sum_kernel), so that a tile costs one round trip to
-# memory instead of three dependent ones. Session 64 (an H200, the timeline of 120B-n1024): the first column block's
-# dX aggregation on the 12 reserved multiprocessors moved 1.1 GiB in 3.34 ms, 28 GB/s per multiprocessor against 33
-# for the full grid's. Off until timed; SONICMOE_AGG_PREFETCH (1 or 0) overrides it (reserve_config), for A/Bs
-PREFETCH = False
 
 
 def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | None, int]:
@@ -197,19 +148,16 @@ def reserve_config() -> dict:
     """The config of an aggregation kept to a few multiprocessors beside a GEMM (:data:`RESERVE_CONFIG`), or
     ``SONICMOE_AGG_RESERVE_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:UNROLL" where set (read at each call, for layer
     A/Bs; one program should fill a multiprocessor: BLOCK_T · BLOCK_D / (32 · num_warps) channels per thread and
-    slot, UNROLL slots in flight), with "PREFETCH": :data:`PREFETCH`, or ``SONICMOE_AGG_PREFETCH`` (1 or 0) where
-    set.
+    slot, UNROLL slots in flight).
 
     Raises:
         ValueError: a value that is not four positive integers, BLOCK_D and num_warps powers of two.
     """
     value = os.environ.get("SONICMOE_AGG_RESERVE_CONFIG")
     if value is None:
-        config = dict(RESERVE_CONFIG)
-    else:
-        config = dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"),
-                          _config_parts(value, "SONICMOE_AGG_RESERVE_CONFIG"), strict=True))
-    return {**config, "PREFETCH": env_switch("SONICMOE_AGG_PREFETCH", PREFETCH)}
+        return dict(RESERVE_CONFIG)
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"),
+                    _config_parts(value, "SONICMOE_AGG_RESERVE_CONFIG"), strict=True))
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
@@ -222,8 +170,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
             of columns of a wider Y: :func:`sonicmoe.ops.library.gemm_then_gather_sum`).
         routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
-        config: explicit block configuration (tuning sweeps; ``"PREFETCH": True`` loads each tile's offsets and
-            first row indices ahead, for a persistent grid: :data:`PREFETCH`), else :func:`pinned_config` (on a GPU
+        config: explicit block configuration (tuning sweeps), else :func:`pinned_config` (on a GPU
             :data:`SLICE_CONFIG` where d is an odd multiple of 512, one program per tile) or autotuned.
         out: a (T, d) tensor or view of y's dtype and device with a unit inner stride to write O into (the
             backward allocates it on its own stream before launching this on a side stream; a block of columns of
@@ -239,7 +186,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
 
     Raises:
         ValueError: ``out`` of another shape, dtype or device, or with a non-unit inner stride; a negative
-            ``num_programs``; a PREFETCH config whose UNROLL is not a power of two.
+            ``num_programs``.
     """
     check_device("y", y)
     if num_programs < 0:
@@ -264,11 +211,6 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         config, max_unroll = pinned_config(d, y.is_cuda and not interpreting(), progs_per_sm or num_programs)
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
     args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), max_unroll)
-    if config is not None and config.get("PREFETCH"):
-        unroll = config.get("UNROLL", args["UNROLL"])
-        if unroll & (unroll - 1):
-            raise ValueError(f"config: PREFETCH needs UNROLL a power of two (its (BLOCK_T, UNROLL) tile of row "
-                             f"indices), got UNROLL={unroll}")
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 
