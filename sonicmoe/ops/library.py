@@ -301,7 +301,7 @@ def experts_bwd_impl(
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
         if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
-            beside = os.environ.get("SONICMOE_AGG_BESIDE_DW1", "0") == "1"
+            beside = env_switch("SONICMOE_AGG_BESIDE_DW1", False)
             dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
                                       pending=pending if beside else None)
         if need_w1:
