@@ -16,19 +16,18 @@ timed over a window with its energy per call (``energy_probe.measure_items``). O
 checked bitwise against the gathered ones.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,E,K]
-             [--kernels up,dH,dW1,dW2,wg,wgsplit,slot,upsplit,ftz,ring,chains] [--warmup 1.0] [--window 1.5]
+             [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,chains] [--warmup 1.0] [--window 1.5]
              [--passes 1] [--json F]
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
-two (``WG_SPLIT``) in each store form; ``slot``: the layer's weight gradients against their second store pieces
-through a ring slot (``SLOT_PIECE``) and with the output skipped; ``upsplit``: the up-projection's MMA warpgroups
-as one partition or two (``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole
-and MMAs alone; ``ftz``: the up-projection and dH with the sigmoid by the default or the ftz forms
-(``SIGMOID_FTZ``); ``ring``: the MMAs alone of dH and the up-projection at several ring depths (``RING_DEPTHS``),
-and the up-projection with its storer; ``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per
-warpgroup or one m64 × 256 chain; ``fence``: the four gather-fused kernels as the layer runs them (and the MMAs
-alone), to run with and without ``--no-fence``.
+two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
+(``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
+the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
+of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer;
+``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per warpgroup or one m64 × 256 chain;
+``fence``: the four gather-fused kernels as the layer runs them (and the MMAs alone), to run with and without
+``--no-fence``.
 """
 
 from __future__ import annotations
@@ -133,8 +132,6 @@ def items(shape: str, kernels: list[str]) -> list:
         out += wgrad_forms(x, dout, dh_, ap_, routing, ident, n, d)
     if "wgsplit" in kernels:
         out += wgrad_split_forms(x, dout, dh_, ap_, routing, n, d)
-    if "slot" in kernels:
-        out += wgrad_slot_forms(x, dout, dh_, ap_, routing, n, d)
     if "upsplit" in kernels:
         out += up_split_forms(x, w1, routing, d, 2 * gemm)
     if "ftz" in kernels:
@@ -292,26 +289,6 @@ def wgrad_split_forms(x, dout, dh_, ap_, routing, n, d) -> list:
                 ref = got
             same(f"{name} {form}", got, ref)
             out.append((f"{name} {form} ({cfg['STAGES']} slots)", fn, fl))
-    return out
-
-
-def wgrad_slot_forms(x, dout, dh_, ap_, routing, n, d) -> list:
-    """``--kernels slot``: dW1 and dW2 as the layer runs them, with each warpgroup's second store piece through the
-    ring slot of the tile's last chunk (``weight_grad_ws.SLOT_PIECE``), and with the output skipped (``PART`` 1, the
-    store's floor), each written form checked bitwise against the layer's."""
-    gemm = 2 * routing.num_rows * n * d
-    tok, off = routing.row_token, routing.expert_offsets
-    out = []
-    for name, pp, qq, pg, (i_dim, j_dim), fl in (("dW1", dh_, x, False, (2 * n, d), 2 * gemm),
-                                                 ("dW2", dout, ap_, True, (d, n), gemm)):
-        base = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, slot_piece=False)
-        forms = (("layer", base), ("slot piece", weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, slot_piece=True)),
-                 ("output skipped", {**base, "PART": 1}))
-        ref = weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=base)
-        same(f"{name} slot piece", weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=forms[1][1]), ref)
-        for form, cfg in forms:
-            out.append((f"{name} {form}", lambda pp=pp, qq=qq, pg=pg, cfg=cfg: weight_grad_ws.wgrad_ws(
-                pp, qq, tok, off, p_gather=pg, config=cfg), fl))
     return out
 
 

@@ -123,25 +123,6 @@ def test_swap_ab_config(monkeypatch):
         assert wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=2)["SWAP_AB"] == (flag == "1")
 
 
-def test_slot_piece_config(monkeypatch):
-    """The second store pieces through a ring slot (SLOT_PIECE) apply only to the split form in two pieces, where both
-    warpgroups' second pieces fit the slot's wider chunk, and change nothing else of the config (the same ring and
-    buffers); SONICMOE_WGRAD_SLOT_PIECE picks the default."""
-    for i_dim, j_dim, pg in ((2048, 4096, False), (4096, 1024, True), (512, 1536, False), (1536, 256, True)):
-        off = wgrad_ws_config(i_dim, j_dim, pg, wg_split=True, wg_pieces=2, slot_piece=False)
-        on = wgrad_ws_config(i_dim, j_dim, pg, wg_split=True, wg_pieces=2, slot_piece=True)
-        assert on["SLOT_PIECE"] and not off["SLOT_PIECE"]
-        assert {k: v for k, v in on.items() if k != "SLOT_PIECE"} == {k: v for k, v in off.items() if k != "SLOT_PIECE"}
-        bi, bj, br = on["BLOCK_I"], on["BLOCK_J"], on["BLOCK_R"]
-        assert 2 * (bi // 2) * (bj // 2) <= br * max(bi, bj)  # both second pieces in the wider chunk
-        assert not wgrad_ws_config(i_dim, j_dim, pg, wg_split=True, wg_pieces=1, slot_piece=True)["SLOT_PIECE"]
-        assert not wgrad_ws_config(i_dim, j_dim, pg, wg_split=False, slot_piece=True)["SLOT_PIECE"]
-    assert not weight_grad_ws.slot_piece_applies(True, True, 2, 256, 128, 16)  # a 16-row slot holds no half tile
-    for flag in ("1", "0"):
-        monkeypatch.setenv("SONICMOE_WGRAD_SLOT_PIECE", flag)
-        assert wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=2)["SLOT_PIECE"] == (flag == "1")
-
-
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
     """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N = 128 on (n = 64:
     the Triton kernels), at every n under SONICMOE_GLUON_WGRAD=all."""
@@ -255,9 +236,6 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         # and each warpgroup's product transposed (SWAP_AB: dW1's 256 x 128 tiles), with and without turns
         cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=2, wg_turns=tu, swap_ab=True)
                  for tu in (False, True)]
-        # and each warpgroup's second piece through the ring slot of the tile's last chunk (SLOT_PIECE), both products
-        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=2, swap_ab=sw, slot_piece=True)
-                 for sw in (False, True)]
         for cfg in [None, *cfgs]:
             got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg, config=cfg)
             assert torch.isfinite(got).all(), cfg

@@ -106,15 +106,6 @@ WG_REGS = {128: 176, 256: 200}
 # turns (WG_TURNS; see _mma_half)
 WG_PIECES = 2
 WG_TURNS = False
-# SLOT_PIECE: under WG_SPLIT with two pieces, each warpgroup's second piece goes through its half of the wider chunk
-# of the ring slot of the tile's last chunk instead of through its own buffer once the first piece's store has read
-# it, so the warpgroup never waits for a store within a tile: it writes its first piece, waits on the ``done`` mbarrier
-# until the other warpgroup's MMAs of the tile are over (they read that slot too), writes the second piece into the
-# slot and goes on; the slot goes back to the loader once that store has read it, checked after the next tile's first
-# MMA is issued (a tile without chunks has no slot: both pieces through its buffer, as before). Session 56 put the
-# split form's store at about 5% of dW1 and 4% of dW2 at (32768, 4096, 1024, 128, 8) (7.76 against 7.37 ms and 3.78
-# against 3.63 with the output skipped). The same bits. SONICMOE_WGRAD_SLOT_PIECE (1 or 0) overrides it
-SLOT_PIECE = False
 # SWAP_AB: under WG_SPLIT with 256 × 128 tiles (dW1: I = 2n from dH by TMA, J = d gathered), each warpgroup computes
 # its half of the J columns against all 256 I rows, dW[e]ᵀ = Q-chunkᵀ · P-chunk, one m64 × 256 wgmma per k16 step
 # instead of two m64 × 128 (each reading its A block and half the B box), and stores its pieces transposed. The
@@ -143,14 +134,6 @@ def swap_ab_applies(swap_ab: bool, wg_split: bool, wg_pieces: int, block_i: int,
     return bool(swap_ab) and bool(wg_split) and wg_pieces == 2 and (block_i, block_j) == (256, 128)
 
 
-def slot_piece_applies(slot_piece: bool, wg_split: bool, wg_pieces: int, block_i: int, block_j: int,
-                       block_r: int) -> bool:
-    """Whether each warpgroup's second store piece goes through the ring slot of the tile's last chunk
-    (:data:`SLOT_PIECE`): asked for, the split warpgroups storing in two pieces, and both warpgroups' second pieces,
-    (BLOCK_I / 2, BLOCK_J / 2) each, fitting the slot's wider chunk."""
-    return bool(slot_piece) and bool(wg_split) and wg_pieces == 2 and half_tile_fits_slot(block_i, block_j, block_r)
-
-
 def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
     """Whether half the output tile, (BLOCK_I, BLOCK_J / 2), fits the wider of a ring slot's two chunks (BLOCK_R
     rows of max(BLOCK_I, BLOCK_J))."""
@@ -159,14 +142,9 @@ def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
 
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R,
                     stage_in_ring: bool | None = None, wg_split: bool | None = None, wg_pieces: int | None = None,
-                    wg_turns: bool | None = None, swap_ab: bool | None = None,
-                    slot_piece: bool | None = None) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "SWAP_AB", "SLOT_PIECE",
-    "STAGES", "MAXNREG"} for dW (E, I, J), or None where the kernel does not apply.
-
-    ``slot_piece`` (default ``SONICMOE_WGRAD_SLOT_PIECE`` 1 or 0 where set, else :data:`SLOT_PIECE`): each warpgroup's
-    second store piece through the ring slot of the tile's last chunk, only where the split form stores in two pieces
-    and two pieces fit that slot's wider chunk (:func:`half_tile_fits_slot`).
+                    wg_turns: bool | None = None, swap_ab: bool | None = None) -> dict | None:
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "SWAP_AB", "STAGES",
+    "MAXNREG"} for dW (E, I, J), or None where the kernel does not apply.
 
     ``swap_ab`` (default ``SONICMOE_WGRAD_SWAP_AB`` 1 or 0 where set, else :data:`SWAP_AB`): the warpgroups' transposed
     products, only where the split form stores in two pieces and the tile is 256 × 128.
@@ -193,8 +171,6 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
         wg_turns = env_switch("SONICMOE_WGRAD_WG_TURNS", WG_TURNS)
     if swap_ab is None:
         swap_ab = env_switch("SONICMOE_WGRAD_SWAP_AB", SWAP_AB)
-    if slot_piece is None:
-        slot_piece = env_switch("SONICMOE_WGRAD_SLOT_PIECE", SLOT_PIECE)
     if wg_pieces not in (1, 2):
         raise ValueError(f"wg_pieces: expected 1 or 2 store pieces per warpgroup, got {wg_pieces}")
     if stage_in_ring is None:
@@ -209,10 +185,9 @@ def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK
             stages = min(MAX_STAGES, (SMEM_BUDGET - base) // per_stage)
             if stages >= 2:
                 swap = swap_ab_applies(swap_ab, wg_split, wg_pieces, bi, bj)
-                slot = slot_piece_applies(slot_piece, wg_split, wg_pieces, bi, bj, block_r)
                 return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring,
                         "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "SWAP_AB": swap,
-                        "SLOT_PIECE": slot, "STAGES": stages, "MAXNREG": MAXNREG[bi if swap else bj]}
+                        "STAGES": stages, "MAXNREG": MAXNREG[bi if swap else bj]}
     return None
 
 
@@ -371,11 +346,10 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, done, out_smem, out_desc, offsets_ptr,
-                  total_tiles, tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
-                  BLOCK_R: gl.constexpr, STAGES: gl.constexpr, HALF: gl.constexpr, PIECES: gl.constexpr,
-                  TURNS: gl.constexpr, PART: gl.constexpr, SWAP_AB: gl.constexpr = False,
-                  SLOT_PIECE: gl.constexpr = False):
+    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr, total_tiles,
+                  tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+                  STAGES: gl.constexpr, HALF: gl.constexpr, PIECES: gl.constexpr, TURNS: gl.constexpr,
+                  PART: gl.constexpr, SWAP_AB: gl.constexpr = False):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
         of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
         have arrived on its ``empty`` barrier), then that half tile by ``PIECES`` TMA stores through
@@ -388,12 +362,7 @@ if HAVE_GLUON:
         ``SWAP_AB`` (:data:`SWAP_AB`; BLOCK_I = 256, BLOCK_J = 128, ``PIECES`` 2): the warpgroup computes the
         transposed half tile instead, dW[e]ᵀ for its half of the J columns, (BLOCK_J/2, BLOCK_I) = Q-chunkᵀ · P-chunk,
         one m64 × 256 wgmma per k16 step in place of two m64 × 128 ones (a sixth less shared memory read per FLOP),
-        and stores its two (BLOCK_I/2, BLOCK_J/2) pieces transposed.
-        ``SLOT_PIECE`` (:data:`SLOT_PIECE`): the second piece goes through this warpgroup's half of the wider chunk
-        of the slot of the tile's last chunk, written once both warpgroups have arrived on ``done`` (their MMAs of
-        the tile, which read that slot, are over); this warpgroup's arrival on that slot's ``empty`` barrier waits
-        until the store has read it, and is made after the next tile's first MMA is issued (or, for a tile without
-        chunks, before its store)."""
+        and stores its two (BLOCK_I/2, BLOCK_J/2) pieces transposed."""
         HI: gl.constexpr = BLOCK_I // 2
         HJ: gl.constexpr = BLOCK_J // 2
         if SWAP_AB:
@@ -409,7 +378,6 @@ if HAVE_GLUON:
         buf = out_smem.index(HALF)
         step = 0
         i = 0
-        held = 0  # SLOT_PIECE: 1 while this warpgroup still holds the slot of the previous tile's last chunk
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
@@ -423,20 +391,10 @@ if HAVE_GLUON:
                     a = p_bufs.index(s).slice(HALF * HI, HI, dim=1).permute((1, 0))
                     acc = warpgroup_mma(a, q_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if SLOT_PIECE:
-                    if held > 0:  # c = 0: the previous tile's second piece, in the slot before this one, has left
-                        _release_held(empty, step, STAGES)
-                        held = 0
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=c > 0)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if SLOT_PIECE:
-                if held > 0:  # a tile without chunks: release the held slot before storing through the buffer
-                    _release_held(empty, step, STAGES)
-                    held = 0
-                mbarrier.arrive(done, count=1)  # this warpgroup's MMAs of the tile are over
-            else:
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
             if TURNS:
                 if HALF == 0:
                     mbarrier.wait(turn.index(1), (i + 1) & 1, pred=i > 0)
@@ -448,34 +406,10 @@ if HAVE_GLUON:
             else:
                 row = e * I + i0 + HALF * HI
                 col = j0
-            if SLOT_PIECE:
-                # this warpgroup's half of the wider chunk of the slot of the tile's last chunk
-                last = (step + STAGES - 1) % STAGES
-                if BLOCK_I >= BLOCK_J:
-                    wide = p_bufs.index(last)
-                else:
-                    wide = q_bufs.index(last)
-                slot_buf = wide._reinterpret(out_desc.dtype, [2] + out_desc.block_type.shape,
-                                             out_desc.layout).index(HALF)
-                if chunks > 0:
-                    if PART == 0:
-                        _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB, slot_buf, done, i)
-                    else:
-                        mbarrier.wait(done, i & 1)
-                        if I < 0:
-                            _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
-                    held = 1
-                else:
-                    mbarrier.wait(done, i & 1)
-                    if PART == 0:
-                        _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
-                    elif I < 0:
-                        _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
-            else:
-                if PART == 0:
-                    _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
-                elif I < 0:
-                    _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
+            if PART == 0:
+                _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
+            elif I < 0:
+                _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
             if TURNS:
                 gl.thread_barrier()
                 mbarrier.arrive(turn.index(HALF))
@@ -483,22 +417,11 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _release_held(empty, step, STAGES: gl.constexpr):
-        """Give the slot of ring step ``step`` − 1 (which holds this warpgroup's last second piece: SLOT_PIECE) back
-        to the loader, once that piece's store has read it."""
-        tma.store_wait(pendings=0)
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-
-    @gluon.jit
-    def _store_pieces(acc, buf, out_desc, row, col, PIECES: gl.constexpr, TRANS: gl.constexpr = False,
-                      second=None, done=None, i=0):
+    def _store_pieces(acc, buf, out_desc, row, col, PIECES: gl.constexpr, TRANS: gl.constexpr = False):
         """The register tile ``acc`` to ``out_desc`` at (row, col) by TMA stores through the one buffer ``buf``:
         whole (``PIECES`` 1), or its two column halves in turn (2), each written once the buffer's previous store
         has read it. ``TRANS`` (``PIECES`` 2): ``acc`` is the transposed tile; each column half is written
-        transposed, the second at (row + its width, col). ``second`` (``PIECES`` 2, SLOT_PIECE): the second half
-        goes through that buffer instead, without waiting for the first's store, once phase ``i`` of the mbarrier
-        ``done`` has completed (the MMAs that read ``second`` are over)."""
+        transposed, the second at (row + its width, col)."""
         tma.store_wait(pendings=0)
         gl.thread_barrier()
         if PIECES == 1:
@@ -507,12 +430,8 @@ if HAVE_GLUON:
             W: gl.constexpr = acc.shape[1] // 2
             left, right = column_halves(acc)
             _store_piece(left, buf, out_desc, row, col, TRANS)
-            if second is None:
-                tma.store_wait(pendings=0)
-                gl.thread_barrier()
-            else:
-                mbarrier.wait(done, i & 1)
-                buf = second
+            tma.store_wait(pendings=0)
+            gl.thread_barrier()
             if TRANS:
                 _store_piece(right, buf, out_desc, row + W, col, TRANS)
             else:
@@ -564,8 +483,7 @@ if HAVE_GLUON:
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
                          STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
-                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False, SWAP_AB: gl.constexpr = False,
-                         SLOT_PIECE: gl.constexpr = False):
+                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False, SWAP_AB: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
@@ -575,27 +493,19 @@ if HAVE_GLUON:
             turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for w in gl.static_range(2):
                 mbarrier.init(turn.index(w), count=1)
-            if SLOT_PIECE:
-                done_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-                done = done_bar.index(0)
-                mbarrier.init(done, count=2)  # both warpgroups' MMAs of a tile are over
-            else:
-                done = turn.index(0)  # not read
             gl.warp_specialize([
-                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, done, out_smem, out_desc, offsets_ptr,
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, WG_PIECES,
-                             WG_TURNS, PART, SWAP_AB, SLOT_PIECE)),
-                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, done, out_smem, out_desc, offsets_ptr,
+                             WG_TURNS, PART, SWAP_AB)),
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, WG_PIECES,
-                             WG_TURNS, PART, SWAP_AB, SLOT_PIECE)),
+                             WG_TURNS, PART, SWAP_AB)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
                            cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
                            BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
             ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
             for w in gl.static_range(2):
                 mbarrier.invalidate(turn.index(w))
-            if SLOT_PIECE:
-                mbarrier.invalidate(done)
         else:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
@@ -657,8 +567,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
             through a ring slot; only where :func:`half_tile_fits_slot` holds), "WG_SPLIT" with "WG_PIECES",
-            "WG_TURNS", "SWAP_AB", "SLOT_PIECE" and "WG_REGS" (the two MMA warpgroups as partitions of their own;
-            :data:`WG_SPLIT`, :data:`SWAP_AB`, :data:`SLOT_PIECE`),
+            "WG_TURNS", "SWAP_AB" and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`,
+            :data:`SWAP_AB`),
             "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
             :func:`wgrad_ws_config`).
     Returns:
@@ -684,7 +594,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     pieces = cfg.get("WG_PIECES", WG_PIECES)
     # the warpgroups' transposed products where the config asks for them and the form has them (wgrad_ws_config)
     swap = swap_ab_applies(cfg.get("SWAP_AB", False), split, pieces, bi, bj)
-    slot = slot_piece_applies(cfg.get("SLOT_PIECE", False), split, pieces, bi, bj, br)
     wide = bi if swap else bj  # the wgmma's N: the accumulator's width
     # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
     box = [bi // 2, bj // pieces] if split else [bi, bj // 2 if ring else bj]
@@ -696,6 +605,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
         PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[wide]),
-        WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)), SWAP_AB=swap, SLOT_PIECE=slot,
+        WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)), SWAP_AB=swap,
         num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
     return out
