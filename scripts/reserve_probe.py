@@ -18,7 +18,7 @@ than their share. This probe times, in settled windows with their energy per cal
   one GEMM, then one aggregation.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/reserve_probe.py [--shape T,d,n,E,K] [--form fwd,bwd]
-             [--reserve 16,24,32] [--blocks 2] [--warmup 0.7] [--window 1.0] [--json F]
+             [--reserve 16,24,32] [--blocks 2] [--pipe] [--warmup 0.7] [--window 1.0] [--json F]
 """
 
 from __future__ import annotations
@@ -43,6 +43,16 @@ from sonicmoe.ops.library import gemm_then_gather_sum  # noqa: E402
 # (t8w32u4 is aggregation.RESERVE_CONFIG; the last two keep twice its bytes in flight, 128 KiB a multiprocessor)
 FAT_CONFIGS = {"t8w32u4": (8, 1024, 32, 4), "t4w16u8": (4, 1024, 16, 8), "t8w16u8": (8, 1024, 16, 8),
                "t8w32u8": (8, 1024, 32, 8)}
+# pipelined forms (``--pipe``): a static loop of SLOTS slots per token and the tile loop software-pipelined by the
+# compiler over STAGES stages (each stage's rows loaded into shared memory ahead of their sum):
+# (BLOCK_T, BLOCK_D, num_warps, UNROLL, SLOTS, STAGES)
+PIPE_CONFIGS = {"t4w16s8p3": (4, 1024, 16, 8, 8, 3), "t2w8s8p4": (2, 1024, 8, 8, 8, 4),
+                "t4w8s8p3": (4, 1024, 8, 8, 8, 3), "t8w32s8p1": (8, 1024, 32, 8, 8, 1)}
+
+
+def config_of(values: tuple) -> dict:
+    """A gather_sum config from a FAT_CONFIGS or PIPE_CONFIGS entry."""
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL", "SLOTS", "STAGES"), values))
 
 
 def reserve_fn(a, b, routing, weights, transpose_b: bool, blocks: int, reserve: int, cfg: dict):
@@ -73,7 +83,7 @@ def reserve_fn(a, b, routing, weights, transpose_b: bool, blocks: int, reserve: 
     return fn
 
 
-def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int) -> list:
+def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int, pipe: bool = False) -> list:
     """(name, fn, FLOPs) of every variant of ``form`` (``fwd``: the down-projection and the score-weighted
     aggregation; ``bwd``: dX̃ and the dX aggregation); the combined ones checked bitwise against one GEMM, then one
     aggregation."""
@@ -100,8 +110,12 @@ def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int)
             a, b, None, routing, transpose_b=trans, num_programs=programs), flops))
     out.append((f"{form} agg whole (layer config)", lambda: gather_sum(c, routing, weights), 0))
     out.append((f"{form} agg 1/{blocks} (layer config)", lambda: gather_sum(half, routing, weights), 0))
-    for name, (bt, bd, warps, unroll) in FAT_CONFIGS.items():
-        cfg = {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
+    configs = FAT_CONFIGS if not pipe else {**{k: FAT_CONFIGS[k] for k in ("t8w32u8",)}, **PIPE_CONFIGS}
+    half_ref = gather_sum(half, routing, weights)
+    for name, values in configs.items():
+        cfg = config_of(values)
+        if not torch.equal(gather_sum(half, routing, weights, config=cfg, num_programs=reserves[0]), half_ref):
+            raise AssertionError(f"{form} agg {name} differs from the layer's aggregation")
         for s in reserves:
             out.append((f"{form} agg 1/{blocks} {name} on {s}", lambda cfg=cfg, s=s: gather_sum(
                 half, routing, weights, config=cfg, num_programs=s), 0))
@@ -111,10 +125,10 @@ def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int)
         if not torch.equal(layer(), ref):
             raise AssertionError("bwd: the layer's column-block form differs from one GEMM, then one aggregation")
         out.append((f"{form} layer (column blocks)", layer, flops))
-    for name, (bt, bd, warps, unroll) in FAT_CONFIGS.items():
-        cfg = {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
+    for name, values in configs.items():
+        cfg = config_of(values)
         for s in reserves:
-            for nb in sorted({blocks, 2 * blocks}):
+            for nb in (blocks,) if pipe else sorted({blocks, 2 * blocks}):
                 fn = reserve_fn(a, b, routing, weights, trans, nb, s, cfg)
                 if not torch.equal(fn(), ref):
                     raise AssertionError(f"{form} reserve {s} {name} {nb} blocks differs from the serial form")
@@ -130,6 +144,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2, help="column blocks (also twice as many)")
     ap.add_argument("--warmup", type=float, default=0.7)
     ap.add_argument("--window", type=float, default=1.0)
+    ap.add_argument("--pipe", action="store_true", help="the pipelined aggregation forms (PIPE_CONFIGS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     nvml = Nvml()
@@ -137,7 +152,7 @@ def main() -> None:
     reserves = [int(v) for v in args.reserve.split(",")]
     rows = []
     for form in args.form.split(","):
-        its = items(p, routing, s_pair, form, reserves, args.blocks)
+        its = items(p, routing, s_pair, form, reserves, args.blocks, args.pipe)
         for _, fn, _ in its:
             fn()
         torch.cuda.synchronize()

@@ -256,21 +256,35 @@ def test_gather_sum_config_rule(device, monkeypatch):
 
 def test_reserve_config_switch(device, monkeypatch):
     """The config of the aggregation on reserved multiprocessors: RESERVE_CONFIG, or SONICMOE_AGG_RESERVE_CONFIG's
-    where set (a persistent grid of a few programs: the same bits, slot order does not depend on it), a malformed
-    value refused by name."""
+    where set, with the static loop over the mean slots per token (RESERVE_SLOTS, SONICMOE_AGG_RESERVE_SLOTS) or
+    without (a persistent grid of a few programs: the same bits either way, on tokens with from 0 to more than the
+    mean slots), a malformed value refused by name."""
     from sonicmoe.ops import aggregation
 
     monkeypatch.delenv("SONICMOE_AGG_RESERVE_CONFIG", raising=False)
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE_SLOTS", "0")
     assert aggregation.reserve_config() == aggregation.RESERVE_CONFIG
     assert aggregation.reserve_config() is not aggregation.RESERVE_CONFIG  # a copy: callers cannot change the default
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE_SLOTS", "1")
+    assert aggregation.reserve_config() == {**aggregation.RESERVE_CONFIG, "SLOTS": "mean"}
     monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "8:1024:16:8")
-    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8}
-    routing = _skewed_routing(29, 7, device)
+    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8,
+                                            "SLOTS": "mean"}
+    # token i routed to i % 4 experts, token 5 to all 7: slot counts from 0 to past the mean
+    pairs = [(tok, ex) for tok in range(29) for ex in range(7 if tok == 5 else tok % 4)]
+    perm = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()
+    routing = routing_from_pairs(torch.tensor([pairs[i][0] for i in perm], device=device),
+                                 torch.tensor([pairs[i][1] for i in perm], device=device), 29, 7)
+    counts = routing.token_offsets[1:] - routing.token_offsets[:-1]
+    mean = -(-routing.num_rows // routing.num_tokens)
+    assert counts.min() < mean < counts.max()  # tokens below and past the static loop's slots
     y = torch.randn(routing.num_rows, 40, device=device)
     w = torch.rand(routing.num_rows, device=device)
     monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "2:32:1:2")
-    got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
-    assert torch.equal(got, gather_sum(y, routing, w))
+    for slots in ("1", "0"):
+        monkeypatch.setenv("SONICMOE_AGG_RESERVE_SLOTS", slots)
+        got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
+        assert torch.equal(got, gather_sum(y, routing, w)), slots
     for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "x"):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", bad)
         with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE_CONFIG"):

@@ -21,6 +21,7 @@ from .common import (
     autotuners,
     cdiv,
     check_device,
+    env_switch,
     interpreting,
     launch,
     next_pow2,
@@ -30,25 +31,39 @@ from .common import (
 )
 
 
-@triton.jit(do_not_specialize=["T"])
-def _gather_sum_kernel(
-    y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
-    T, D, stride_yr, stride_ot,
-    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
-):
-    pdl_prologue(PDL)
-    num_d = tl.cdiv(D, BLOCK_D)
-    # one (BLOCK_T tokens, BLOCK_D channels) tile per step: a program per tile, or a persistent grid
-    # (fewer programs, each looping over tiles in steps of the grid) that stays resident beside another kernel
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * num_d, tl.num_programs(0)):
-        t = (tile // num_d) * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = t < T
-        start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
-        cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
-        cols = (tile % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = cols < D
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+@triton.jit
+def _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr, stride_ot,
+              HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
+              SLOTS: tl.constexpr, EXACT: tl.constexpr):
+    """O for one (BLOCK_T tokens, BLOCK_D channels) tile: each token's slots summed in slot order in float32.
+    ``SLOTS`` > 0: a static loop over the first SLOTS slots, then (unless ``EXACT``: no token has more) one slot at a
+    time up to the tile's largest count; else steps of UNROLL slots up to the tile's largest count."""
+    t = (tile // num_d) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = t < T
+    start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
+    cnt = tl.load(token_offsets_ptr + t + 1, mask=mask_t, other=0) - start
+    cols = (tile % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = cols < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if SLOTS > 0:
+        for j in tl.static_range(SLOTS):
+            valid = mask_t & (j < cnt)
+            row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+            y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
+                        other=0.0).to(tl.float32)
+            if HAS_W:
+                y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+            acc += y
+        if not EXACT:
+            for j in range(SLOTS, tl.max(cnt, 0)):
+                valid = mask_t & (j < cnt)
+                row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :],
+                            mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                if HAS_W:
+                    y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+                acc += y
+    else:
         # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
         # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
         for j0 in range(0, tl.max(cnt, 0), UNROLL):
@@ -56,13 +71,37 @@ def _gather_sum_kernel(
                 j = j0 + u
                 valid = mask_t & (j < cnt)
                 row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
-                            other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :],
+                            mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
                 if HAS_W:
                     y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
                 acc += y
-        tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_d[None, :])
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gather_sum_kernel(
+    y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
+    T, D, stride_yr, stride_ot,
+    HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
+    PDL: tl.constexpr = False, SLOTS: tl.constexpr = 0, EXACT: tl.constexpr = False, STAGES: tl.constexpr = 0,
+):
+    pdl_prologue(PDL)
+    num_d = tl.cdiv(D, BLOCK_D)
+    n_tiles = tl.cdiv(T, BLOCK_T) * num_d
+    # one (BLOCK_T tokens, BLOCK_D channels) tile per step: a program per tile, or a persistent grid
+    # (fewer programs, each looping over tiles in steps of the grid) that stays resident beside another kernel;
+    # STAGES > 0 (with a static slot loop, SLOTS): the compiler's software pipeline loads later tiles' rows into
+    # shared memory while this one sums
+    if STAGES > 0:
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr,
+                      stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL, SLOTS, EXACT)
+    else:
+        for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+            _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr,
+                      stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL, SLOTS, EXACT)
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): one token x 1024 channels per program
@@ -104,6 +143,15 @@ SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
 # programs and 2.445 on 8, against 1.694 and 3.318 with 4 rows; fast enough that the reserve (common.AGG_RESERVE)
 # went from 16 to 12 multiprocessors
 RESERVE_CONFIG = {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 32, "UNROLL": 8}
+# RESERVE_SLOTS: the reserved aggregation sums each token's first ⌈R / T⌉ slots (the mean: K under top-k; at most
+# MAX_STATIC_SLOTS) in a static loop, then any further slot one at a time (``SLOTS``; the same bits), instead of in
+# steps of UNROLL slots up to the tile's largest count. Session 65
+# (benchmarks/results/2026-12-02_nvidia-h200_session65/, an H200, scripts/agg_slots_probe.py), half the 120B-n1024 dX
+# aggregation alone: 2.155 ms on 8 programs and 1.468 on 12, against 3.794 and 2.542 with the stepped loop; on the
+# full grid level or slower (the forward aggregation 0.613 against 0.561 ms), so only here.
+# SONICMOE_AGG_RESERVE_SLOTS (1 or 0) overrides it
+RESERVE_SLOTS = True
+MAX_STATIC_SLOTS = 8
 
 
 def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | None, int]:
@@ -148,16 +196,21 @@ def reserve_config() -> dict:
     """The config of an aggregation kept to a few multiprocessors beside a GEMM (:data:`RESERVE_CONFIG`), or
     ``SONICMOE_AGG_RESERVE_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:UNROLL" where set (read at each call, for layer
     A/Bs; one program should fill a multiprocessor: BLOCK_T · BLOCK_D / (32 · num_warps) channels per thread and
-    slot, UNROLL slots in flight).
+    slot, UNROLL slots in flight), with ``"SLOTS": "mean"`` under :data:`RESERVE_SLOTS` (``SONICMOE_AGG_RESERVE_SLOTS``
+    1 or 0 where set, read at each call).
 
     Raises:
         ValueError: a value that is not four positive integers, BLOCK_D and num_warps powers of two.
     """
     value = os.environ.get("SONICMOE_AGG_RESERVE_CONFIG")
     if value is None:
-        return dict(RESERVE_CONFIG)
-    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"),
-                    _config_parts(value, "SONICMOE_AGG_RESERVE_CONFIG"), strict=True))
+        config = dict(RESERVE_CONFIG)
+    else:
+        config = dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"),
+                          _config_parts(value, "SONICMOE_AGG_RESERVE_CONFIG"), strict=True))
+    if env_switch("SONICMOE_AGG_RESERVE_SLOTS", RESERVE_SLOTS):
+        config["SLOTS"] = "mean"  # resolved by gather_sum: the mean slots per token
+    return config
 
 
 def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
@@ -211,6 +264,8 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         config, max_unroll = pinned_config(d, y.is_cuda and not interpreting(), progs_per_sm or num_programs)
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
     args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), max_unroll)
+    if config is not None and config.get("SLOTS") == "mean":  # a static loop over the mean slots per token
+        config = {**config, "SLOTS": min(cdiv(routing.num_rows, t), MAX_STATIC_SLOTS)}
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 
