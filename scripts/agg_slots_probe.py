@@ -1,15 +1,15 @@
 """The aggregation with its slot loop static (``SLOTS``) against the layer's dynamic loop, on a few multiprocessors
 and on the full grid, under the power cap. GPU only.
 
-Session 65's ``reserve_probe.py --pipe`` found a config with a static loop of 8 slots (and the tile loop as
-``tl.range``) moving half the 120B-n1024 dX aggregation 1.6 times as fast on 8 programs as the reserve config the
-layer runs. This probe separates the causes and checks the full-grid forms: each item back to back for a settled
-warm-up, then a window with its energy per call (``energy_probe.measure_items``); every form's output is checked
-bitwise against the layer's.
+Session 65's ``reserve_probe.py --pipe`` found a config with a static loop of 8 slots moving half the 120B-n1024 dX
+aggregation 1.6 times as fast on 8 programs as the reserve config the layer ran (its call 4 also timed the tile loop
+as ``tl.range``, an option since removed: 2.364 ms, the same as without). This probe separates the causes and
+checks the full-grid forms: each item back to back for a settled warm-up, then a window with its energy per call
+(``energy_probe.measure_items``); every form's output is checked bitwise against the layer's.
 
 * half the dX aggregation (no weights) on S programs: the layer's reserve config (a dynamic loop of UNROLL-slot
   steps up to the tile's largest count), the static loop of 8 slots alone (``EXACT``), with the dynamic remainder
-  loop after it (always correct), and with the tile loop as ``tl.range`` (``STAGES`` 1);
+  loop after it (always correct);
 * the reserve form (the dX̃ GEMM in two column blocks, the first block's aggregation on S programs beside the
   second's GEMM) with the layer's config and with the static one;
 * the forward aggregation (score-weighted) and half the dX aggregation on the full grid: the layer's config and the
@@ -61,8 +61,7 @@ def items(p: dict, routing, s_pair, reserves: list[int]) -> list:
     half_ref = gather_sum(half, routing, None)
     for s in reserves:
         for name, cfg in (("layer reserve config", RESERVE_CONFIG), ("static, exact", {**static, "EXACT": True}),
-                          ("static + remainder", static), ("static, exact, tl.range", {**static, "EXACT": True,
-                                                                                        "STAGES": 1})):
+                          ("static + remainder", static)):
             add(f"dX agg 1/2 on {s}: {name}", lambda cfg=cfg, s=s: gather_sum(half, routing, None, config=cfg,
                                                                                num_programs=s), half_ref)
     flops = 2 * r * n2 * d

@@ -43,16 +43,17 @@ from sonicmoe.ops.library import gemm_then_gather_sum  # noqa: E402
 # (t8w32u4 is aggregation.RESERVE_CONFIG; the last two keep twice its bytes in flight, 128 KiB a multiprocessor)
 FAT_CONFIGS = {"t8w32u4": (8, 1024, 32, 4), "t4w16u8": (4, 1024, 16, 8), "t8w16u8": (8, 1024, 16, 8),
                "t8w32u8": (8, 1024, 32, 8)}
-# pipelined forms (``--pipe``): a static loop of SLOTS slots per token and the tile loop software-pipelined by the
-# compiler over STAGES stages (each stage's rows loaded into shared memory ahead of their sum):
-# (BLOCK_T, BLOCK_D, num_warps, UNROLL, SLOTS, STAGES)
-PIPE_CONFIGS = {"t4w16s8p3": (4, 1024, 16, 8, 8, 3), "t2w8s8p4": (2, 1024, 8, 8, 8, 4),
-                "t4w8s8p3": (4, 1024, 8, 8, 8, 3), "t8w32s8p1": (8, 1024, 32, 8, 8, 1)}
+# the static slot loop (``--pipe``): each token's first SLOTS slots in a static loop (aggregation.RESERVE_SLOTS).
+# Session 65's call 3 also timed the tile loop software-pipelined by the compiler (tl.range num_stages 3-4, an option
+# since removed): t4w16 3 stages, t2w8 4 stages and t4w8 3 stages took 2.68, 3.19 and 2.50 ms on 12 programs, against
+# 1.61 for t8w32 with the static loop alone (benchmarks/results/2026-12-02_nvidia-h200_session65/call3_pipe)
+# (BLOCK_T, BLOCK_D, num_warps, UNROLL, SLOTS)
+PIPE_CONFIGS = {"t8w32s8": (8, 1024, 32, 8, 8), "t4w16s8": (4, 1024, 16, 8, 8)}
 
 
 def config_of(values: tuple) -> dict:
     """A gather_sum config from a FAT_CONFIGS or PIPE_CONFIGS entry."""
-    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL", "SLOTS", "STAGES"), values))
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL", "SLOTS"), values))
 
 
 def reserve_fn(a, b, routing, weights, transpose_b: bool, blocks: int, reserve: int, cfg: dict):
@@ -144,7 +145,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2, help="column blocks (also twice as many)")
     ap.add_argument("--warmup", type=float, default=0.7)
     ap.add_argument("--window", type=float, default=1.0)
-    ap.add_argument("--pipe", action="store_true", help="the pipelined aggregation forms (PIPE_CONFIGS)")
+    ap.add_argument("--pipe", action="store_true", help="the static-slot aggregation forms (PIPE_CONFIGS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     nvml = Nvml()

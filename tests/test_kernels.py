@@ -291,6 +291,32 @@ def test_reserve_config_switch(device, monkeypatch):
             aggregation.reserve_config()
 
 
+def test_gather_sum_static_slots(device):
+    """The aggregation's static slot loop (SLOTS, then the rest one at a time; EXACT: no rest) gives the stepped
+    loop's bits: under top-k with SLOTS = K (EXACT too) and fewer, and on tokens with 0 to 7 slots, on one program per
+    tile and on a persistent grid."""
+    from sonicmoe.routing import routing_from_topk
+
+    g = torch.Generator().manual_seed(3)
+    topk = routing_from_topk(torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(23)]).to(device,
+                                                                                                  torch.int32), 9)
+    pairs = [(tok, ex) for tok in range(23) for ex in range(7 if tok == 5 else tok % 4)]
+    varied = routing_from_pairs(torch.tensor([q[0] for q in pairs], device=device),
+                                torch.tensor([q[1] for q in pairs], device=device), 23, 7)
+    base = {"BLOCK_T": 2, "BLOCK_D": 32, "num_warps": 1, "UNROLL": 2}
+    for routing, forms in ((topk, ({"SLOTS": 4, "EXACT": True}, {"SLOTS": 4}, {"SLOTS": 3})),
+                           (varied, ({"SLOTS": 2}, {"SLOTS": 1}))):
+        y = torch.randn(routing.num_rows, 40, device=device)
+        w = torch.rand(routing.num_rows, device=device)
+        ref = gather_sum(y, routing, w)
+        for form in forms:
+            for programs in (0, 3):
+                got = gather_sum(y, routing, w, config={**base, **form}, num_programs=programs)
+                assert torch.equal(got, ref), (form, programs)
+    # EXACT where a token has more slots than SLOTS drops them: the check above can fail
+    assert not torch.equal(gather_sum(y, varied, w, config={**base, "SLOTS": 2, "EXACT": True}), ref)
+
+
 def _layer_grads(p, k, layout, backend, dtype, dout):
     ins = {key: (v.to(dtype).clone().requires_grad_(True) if v is not None else None) for key, v in p.items()}
     res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"], top_k=k,

@@ -85,23 +85,17 @@ def _gather_sum_kernel(
     y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
     T, D, stride_yr, stride_ot,
     HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
-    PDL: tl.constexpr = False, SLOTS: tl.constexpr = 0, EXACT: tl.constexpr = False, STAGES: tl.constexpr = 0,
+    PDL: tl.constexpr = False, SLOTS: tl.constexpr = 0, EXACT: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     num_d = tl.cdiv(D, BLOCK_D)
-    n_tiles = tl.cdiv(T, BLOCK_T) * num_d
     # one (BLOCK_T tokens, BLOCK_D channels) tile per step: a program per tile, or a persistent grid
-    # (fewer programs, each looping over tiles in steps of the grid) that stays resident beside another kernel;
-    # STAGES > 0 (with a static slot loop, SLOTS): the compiler's software pipeline loads later tiles' rows into
-    # shared memory while this one sums
-    if STAGES > 0:
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-            _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr,
-                      stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL, SLOTS, EXACT)
-    else:
-        for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-            _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr,
-                      stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL, SLOTS, EXACT)
+    # (fewer programs, each looping over tiles in steps of the grid) that stays resident beside another kernel.
+    # (Session 65 also let the compiler software-pipeline this loop, tl.range(num_stages=3 or 4), with the slot loop
+    # static: no faster than without, benchmarks/results/2026-12-02_nvidia-h200_session65/call3_pipe.)
+    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * num_d, tl.num_programs(0)):
+        _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr,
+                  stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL, SLOTS, EXACT)
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): one token x 1024 channels per program
