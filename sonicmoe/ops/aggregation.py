@@ -142,9 +142,13 @@ RESERVE_CONFIG = {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 32, "UNROLL": 8}
 # steps of UNROLL slots up to the tile's largest count. Session 65
 # (benchmarks/results/2026-12-02_nvidia-h200_session65/, an H200, scripts/agg_slots_probe.py), half the 120B-n1024 dX
 # aggregation alone: 2.155 ms on 8 programs and 1.468 on 12, against 3.794 and 2.542 with the stepped loop; on the
-# full grid level or slower (the forward aggregation 0.613 against 0.561 ms), so only here.
-# SONICMOE_AGG_RESERVE_SLOTS (1 or 0) overrides it
-RESERVE_SLOTS = True
+# full grid level or slower (the forward aggregation 0.613 against 0.561 ms), so only here. Off: in the layer the faster
+# aggregation gains nothing measurable. With 12 reserved multiprocessors it ends long before the GEMM beside it
+# (fresh-process A/Bs, forward+backward: 35.58 and 35.42 ms against 35.39 and 35.385 without, faster in 2 of 7
+# rounds); with 8, 35.32 against 35.39 (3 rounds, within the spread), and in the probe 7.549 against 7.597 ms for
+# dX̃ and its aggregation at the same energy per call (5.266 against 5.265 J). SONICMOE_AGG_RESERVE_SLOTS (1 or 0)
+# overrides it, for A/Bs (with SONICMOE_AGG_RESERVE)
+RESERVE_SLOTS = False
 MAX_STATIC_SLOTS = 8
 
 
