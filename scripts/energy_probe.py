@@ -110,9 +110,10 @@ AGG_VARIANTS = [
 
 
 def agg_items(p: dict, routing, s_pair: torch.Tensor) -> list:
-    """(name, fn, 0) of the forward aggregation (Y of the problem, score-weighted) as the layer runs it and under
-    each of :data:`AGG_VARIANTS` (``gather_sum`` with that config, whose UNROLL wins over the launcher's), each
-    checked bitwise against the layer's."""
+    """(name, fn, 0) of the forward aggregation (Y of the problem, score-weighted) as the layer runs it, a plain copy
+    of Y (the joules per byte of a stream, for scale), and the aggregation under each of :data:`AGG_VARIANTS`
+    (``gather_sum`` with that config, whose UNROLL wins over the launcher's), each checked bitwise against the
+    layer's."""
     from sonicmoe.ops.aggregation import gather_sum
     from sonicmoe.ops.grouped_gemm import down_proj
     from sonicmoe.ops.up_proj import up_proj
@@ -122,6 +123,10 @@ def agg_items(p: dict, routing, s_pair: torch.Tensor) -> list:
     w = routing.slot_scores(s_pair).float().contiguous()
     ref = gather_sum(y, routing, w)
     items = [("gather_sum as the layer runs it", lambda: gather_sum(y, routing, w), 0)]
+    # the board's floor for moving bytes: a copy of Y (reads and writes Y's bytes, about 1.8 times the
+    # aggregation's), for the joules per byte of the aggregations against a plain stream
+    y_copy = torch.empty_like(y)
+    items.append(("copy of Y (torch, 2 x Y's bytes)", lambda: y_copy.copy_(y), 0))
     for bt, bd, warps, unroll, pps in AGG_VARIANTS:
         cfg = {"BLOCK_T": bt, "BLOCK_D": bd, "num_warps": warps, "UNROLL": unroll}
 
