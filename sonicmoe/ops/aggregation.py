@@ -32,6 +32,20 @@ from .common import (
 
 
 @triton.jit
+def _add_slot(acc, j, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d, stride_yr,
+              HAS_W: tl.constexpr):
+    """``acc`` plus slot ``j`` of each token of the tile (its Y row, times its weight with HAS_W; zeros for tokens
+    with fewer slots), in float32."""
+    valid = mask_t & (j < cnt)
+    row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
+    y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
+                other=0.0).to(tl.float32)
+    if HAS_W:
+        y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
+    return acc + y
+
+
+@triton.jit
 def _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr, stride_ot,
               HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
               SLOTS: tl.constexpr, EXACT: tl.constexpr):
@@ -47,35 +61,18 @@ def _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T,
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     if SLOTS > 0:
         for j in tl.static_range(SLOTS):
-            valid = mask_t & (j < cnt)
-            row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-            y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :], mask=valid[:, None] & mask_d[None, :],
-                        other=0.0).to(tl.float32)
-            if HAS_W:
-                y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
-            acc += y
+            acc = _add_slot(acc, j, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d, stride_yr, HAS_W)
         if not EXACT:
             for j in range(SLOTS, tl.max(cnt, 0)):
-                valid = mask_t & (j < cnt)
-                row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :],
-                            mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                if HAS_W:
-                    y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
-                acc += y
+                acc = _add_slot(acc, j, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d, stride_yr,
+                                HAS_W)
     else:
         # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
         # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
         for j0 in range(0, tl.max(cnt, 0), UNROLL):
             for u in tl.static_range(UNROLL):
-                j = j0 + u
-                valid = mask_t & (j < cnt)
-                row = tl.load(token_rows_ptr + start + j, mask=valid, other=0).to(tl.int64)
-                y = tl.load(y_ptr + row[:, None] * stride_yr + cols[None, :],
-                            mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                if HAS_W:
-                    y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]
-                acc += y
+                acc = _add_slot(acc, j0 + u, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d,
+                                stride_yr, HAS_W)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_t[:, None] & mask_d[None, :])
 
