@@ -219,7 +219,11 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
         config: explicit block configuration (tuning sweeps), else :func:`pinned_config` (on a GPU
-            :data:`SLICE_CONFIG` where d is an odd multiple of 512, one program per tile) or autotuned.
+            :data:`SLICE_CONFIG` where d is an odd multiple of 512, one program per tile) or autotuned. It may
+            also carry "SLOTS": n > 0 (or "mean": ⌈R / T⌉, at most :data:`MAX_STATIC_SLOTS`) sums each token's
+            first n slots in a static loop, then the rest one at a time (the same bits; :data:`RESERVE_SLOTS`), and
+            "EXACT": True drops that rest: only where no token has more than n slots (probes), else those slots are
+            left out of the sum.
         out: a (T, d) tensor or view of y's dtype and device with a unit inner stride to write O into (the
             backward allocates it on its own stream before launching this on a side stream; a block of columns of
             a wider O), else a new one.
