@@ -1,11 +1,12 @@
 """The aggregation with its slot loop static (``SLOTS``) against the layer's dynamic loop, on a few multiprocessors
 and on the full grid, under the power cap. GPU only.
 
-Session 65's ``reserve_probe.py --pipe`` found a config with a static loop of 8 slots moving half the 120B-n1024 dX
-aggregation 1.6 times as fast on 8 programs as the reserve config the layer ran (its call 4 also timed the tile loop
-as ``tl.range``, an option since removed: 2.364 ms, the same as without). This probe separates the causes and
-checks the full-grid forms: each item back to back for a settled warm-up, then a window with its energy per call
-(``energy_probe.measure_items``); every form's output is checked bitwise against the layer's.
+Session 65's ``reserve_probe.py --pipe`` (now ``--static-slots``) found a config with a static loop of 8 slots
+moving half the 120B-n1024 dX aggregation 1.6 times as fast on 8 programs as the reserve config the layer ran (its
+call 4 also timed the tile loop as ``tl.range``, an option since removed: 2.364 ms, the same as without). This probe
+separates the causes and checks the full-grid forms: each item back to back for a settled warm-up, then a window
+with its energy per call (``energy_probe.measure_items``); every form's output is checked bitwise against the
+layer's.
 
 * half the dX aggregation (no weights) on S programs: the layer's reserve config (a dynamic loop of UNROLL-slot
   steps up to the tile's largest count), the static loop of 8 slots alone (``EXACT``), with the dynamic remainder
