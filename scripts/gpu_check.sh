@@ -5,7 +5,8 @@
 #   split  the GPU-marked tests of every file spread over several GPUs (SPLIT_GPUS, default 0 1 2; SPLIT_GROUPS, else
 #          the slowest three files one per GPU and the rest dealt out)
 #   splitx the GPU-marked tests on several GPUs through pytest-xdist, one worker per GPU (SPLIT_GPUS, default 0 1 2 3),
-#          tests handed out one at a time (session 54: 147 passed on three H100s in 383 s)
+#          tests handed out one at a time (session 54: 147 passed on three H100s in 383 s); a GPU named more than once
+#          gets that many workers (session 66: SPLIT_GPUS="0 0 0 0", 169 passed on one H200 in 326 s)
 #   tune   tile sweep of candidate configs (benchmarks/tune_sweep.py --space TUNE_SPACE: focus (default),
 #          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
 #          TUNE_REPEAT rounds, medians
