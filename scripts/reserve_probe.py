@@ -40,7 +40,8 @@ from sonicmoe.ops.common import side_stream, sm_count  # noqa: E402
 from sonicmoe.ops.library import gemm_then_gather_sum  # noqa: E402
 
 # aggregation configs whose one program fills a multiprocessor's threads (BLOCK_T, BLOCK_D, num_warps, UNROLL)
-# (t8w32u4 is aggregation.RESERVE_CONFIG; the last two keep twice its bytes in flight, 128 KiB a multiprocessor)
+# (t8w32u4 was aggregation.RESERVE_CONFIG until session 62, t8w32u8 since; the last two keep twice t8w32u4's bytes in
+# flight, 128 KiB a multiprocessor)
 FAT_CONFIGS = {"t8w32u4": (8, 1024, 32, 4), "t4w16u8": (4, 1024, 16, 8), "t8w16u8": (8, 1024, 16, 8),
                "t8w32u8": (8, 1024, 32, 8)}
 # the static slot loop (``--static-slots``, run in session 65 as ``--pipe``): each token's first slots ("mean":
