@@ -18,7 +18,7 @@ than their share. This probe times, in settled windows with their energy per cal
   one GEMM, then one aggregation.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/reserve_probe.py [--shape T,d,n,E,K] [--form fwd,bwd]
-             [--reserve 16,24,32] [--blocks 2] [--static-slots] [--warmup 0.7] [--window 1.0] [--json F]
+             [--reserve 16,24,32] [--blocks 2] [--warmup 0.7] [--window 1.0] [--json F]
 """
 
 from __future__ import annotations
@@ -44,18 +44,15 @@ from sonicmoe.ops.library import gemm_then_gather_sum  # noqa: E402
 # flight, 128 KiB a multiprocessor)
 FAT_CONFIGS = {"t8w32u4": (8, 1024, 32, 4), "t4w16u8": (4, 1024, 16, 8), "t8w16u8": (8, 1024, 16, 8),
                "t8w32u8": (8, 1024, 32, 8)}
-# the static slot loop (``--static-slots``, run in session 65 as ``--pipe``): each token's first slots ("mean":
-# ⌈R / T⌉) in a static loop (aggregation.RESERVE_SLOTS).
 # Session 65's call 3 also timed the tile loop software-pipelined by the compiler (tl.range num_stages 3-4, an option
 # since removed): t4w16 3 stages, t2w8 4 stages and t4w8 3 stages took 2.68, 3.19 and 2.50 ms on 12 programs, against
-# 1.61 for t8w32 with the static loop alone (benchmarks/results/2026-12-02_nvidia-h200_session65/call3_pipe)
-# (BLOCK_T, BLOCK_D, num_warps, UNROLL, SLOTS)
-SLOT_CONFIGS = {"t8w32s": (8, 1024, 32, 8, "mean"), "t4w16s": (4, 1024, 16, 8, "mean")}
+# 1.61 for t8w32 with a static slot loop (``--static-slots``, removed with that loop in session 67; both at cf28b31;
+# benchmarks/results/2026-12-02_nvidia-h200_session65/call3_pipe)
 
 
 def config_of(values: tuple) -> dict:
-    """A gather_sum config from a FAT_CONFIGS or SLOT_CONFIGS entry."""
-    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL", "SLOTS"), values))
+    """A gather_sum config from a FAT_CONFIGS entry."""
+    return dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"), values))
 
 
 def reserve_fn(a, b, routing, weights, transpose_b: bool, blocks: int, reserve: int, cfg: dict):
@@ -86,7 +83,7 @@ def reserve_fn(a, b, routing, weights, transpose_b: bool, blocks: int, reserve: 
     return fn
 
 
-def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int, static_slots: bool = False) -> list:
+def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int) -> list:
     """(name, fn, FLOPs) of every variant of ``form`` (``fwd``: the down-projection and the score-weighted
     aggregation; ``bwd``: dX̃ and the dX aggregation); the combined ones checked bitwise against one GEMM, then one
     aggregation."""
@@ -113,9 +110,8 @@ def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int,
             a, b, None, routing, transpose_b=trans, num_programs=programs), flops))
     out.append((f"{form} agg whole (layer config)", lambda: gather_sum(c, routing, weights), 0))
     out.append((f"{form} agg 1/{blocks} (layer config)", lambda: gather_sum(half, routing, weights), 0))
-    configs = {"t8w32u8": FAT_CONFIGS["t8w32u8"], **SLOT_CONFIGS} if static_slots else FAT_CONFIGS
     half_ref = gather_sum(half, routing, weights)
-    for name, values in configs.items():
+    for name, values in FAT_CONFIGS.items():
         cfg = config_of(values)
         if not torch.equal(gather_sum(half, routing, weights, config=cfg, num_programs=reserves[0]), half_ref):
             raise AssertionError(f"{form} agg {name} differs from the layer's aggregation")
@@ -128,10 +124,10 @@ def items(p: dict, routing, s_pair, form: str, reserves: list[int], blocks: int,
         if not torch.equal(layer(), ref):
             raise AssertionError("bwd: the layer's column-block form differs from one GEMM, then one aggregation")
         out.append((f"{form} layer (column blocks)", layer, flops))
-    for name, values in configs.items():
+    for name, values in FAT_CONFIGS.items():
         cfg = config_of(values)
         for s in reserves:
-            for nb in (blocks,) if static_slots else sorted({blocks, 2 * blocks}):
+            for nb in sorted({blocks, 2 * blocks}):
                 fn = reserve_fn(a, b, routing, weights, trans, nb, s, cfg)
                 if not torch.equal(fn(), ref):
                     raise AssertionError(f"{form} reserve {s} {name} {nb} blocks differs from the serial form")
@@ -147,7 +143,6 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2, help="column blocks (also twice as many)")
     ap.add_argument("--warmup", type=float, default=0.7)
     ap.add_argument("--window", type=float, default=1.0)
-    ap.add_argument("--static-slots", action="store_true", help="the static-slot aggregation forms (SLOT_CONFIGS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     nvml = Nvml()
@@ -155,7 +150,7 @@ def main() -> None:
     reserves = [int(v) for v in args.reserve.split(",")]
     rows = []
     for form in args.form.split(","):
-        its = items(p, routing, s_pair, form, reserves, args.blocks, args.static_slots)
+        its = items(p, routing, s_pair, form, reserves, args.blocks)
         for _, fn, _ in its:
             fn()
         torch.cuda.synchronize()

@@ -255,66 +255,33 @@ def test_gather_sum_config_rule(device, monkeypatch):
 
 
 def test_reserve_config_switch(device, monkeypatch):
-    """The config of the aggregation on reserved multiprocessors: RESERVE_CONFIG, or SONICMOE_AGG_RESERVE_CONFIG's
-    where set, with the static loop over the mean slots per token (RESERVE_SLOTS, SONICMOE_AGG_RESERVE_SLOTS) or
-    without (a persistent grid of a few programs: the same bits either way, on tokens with from 0 to more than the
-    mean slots), a malformed value refused by name."""
+    """The config of the aggregation on reserved multiprocessors: RESERVE_CONFIG (a copy), or
+    SONICMOE_AGG_RESERVE_CONFIG's where set, run as a persistent grid of a few programs with the bits of one program
+    per tile on tokens with 0 to 7 slots; a malformed value refused by name."""
     from sonicmoe.ops import aggregation
 
     monkeypatch.delenv("SONICMOE_AGG_RESERVE_CONFIG", raising=False)
-    monkeypatch.setenv("SONICMOE_AGG_RESERVE_SLOTS", "0")
     assert aggregation.reserve_config() == aggregation.RESERVE_CONFIG
     assert aggregation.reserve_config() is not aggregation.RESERVE_CONFIG  # a copy: callers cannot change the default
-    monkeypatch.setenv("SONICMOE_AGG_RESERVE_SLOTS", "1")
-    assert aggregation.reserve_config() == {**aggregation.RESERVE_CONFIG, "SLOTS": "mean"}
     monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "8:1024:16:8")
-    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8,
-                                            "SLOTS": "mean"}
+    assert aggregation.reserve_config() == {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 16, "UNROLL": 8}
     # token i routed to i % 4 experts, token 5 to all 7: slot counts from 0 to past the mean
     pairs = [(tok, ex) for tok in range(29) for ex in range(7 if tok == 5 else tok % 4)]
     perm = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()
     routing = routing_from_pairs(torch.tensor([pairs[i][0] for i in perm], device=device),
                                  torch.tensor([pairs[i][1] for i in perm], device=device), 29, 7)
     counts = routing.token_offsets[1:] - routing.token_offsets[:-1]
-    mean = -(-routing.num_rows // routing.num_tokens)
-    assert counts.min() < mean < counts.max()  # tokens below and past the static loop's slots
+    assert counts.min() == 0 and counts.max() == 7
     y = torch.randn(routing.num_rows, 40, device=device)
     w = torch.rand(routing.num_rows, device=device)
     monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", "2:32:1:2")
-    for slots in ("1", "0"):
-        monkeypatch.setenv("SONICMOE_AGG_RESERVE_SLOTS", slots)
-        got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
-        assert torch.equal(got, gather_sum(y, routing, w)), slots
+    got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
+    assert torch.equal(got, gather_sum(y, routing, w))
+    assert rel_err(got, gather_sum_ref(y, routing, w)) < 1e-6
     for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "x"):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", bad)
         with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE_CONFIG"):
             aggregation.reserve_config()
-
-
-def test_gather_sum_static_slots(device):
-    """The aggregation's static slot loop (SLOTS, then the rest one at a time; EXACT: no rest) gives the stepped
-    loop's bits: under top-k with SLOTS = K (EXACT too) and fewer, and on tokens with 0 to 7 slots, on one program per
-    tile and on a persistent grid."""
-    from sonicmoe.routing import routing_from_topk
-
-    g = torch.Generator().manual_seed(3)
-    topk = routing_from_topk(torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(23)]).to(device,
-                                                                                                  torch.int32), 9)
-    pairs = [(tok, ex) for tok in range(23) for ex in range(7 if tok == 5 else tok % 4)]
-    varied = routing_from_pairs(torch.tensor([q[0] for q in pairs], device=device),
-                                torch.tensor([q[1] for q in pairs], device=device), 23, 7)
-    base = {"BLOCK_T": 2, "BLOCK_D": 32, "num_warps": 1, "UNROLL": 2}
-    for routing, forms in ((topk, ({"SLOTS": 4, "EXACT": True}, {"SLOTS": 4}, {"SLOTS": 3})),
-                           (varied, ({"SLOTS": 2}, {"SLOTS": 1}))):
-        y = torch.randn(routing.num_rows, 40, device=device)
-        w = torch.rand(routing.num_rows, device=device)
-        ref = gather_sum(y, routing, w)
-        for form in forms:
-            for programs in (0, 3):
-                got = gather_sum(y, routing, w, config={**base, **form}, num_programs=programs)
-                assert torch.equal(got, ref), (form, programs)
-    # EXACT where a token has more slots than SLOTS drops them: the check above can fail
-    assert not torch.equal(gather_sum(y, varied, w, config={**base, "SLOTS": 2, "EXACT": True}), ref)
 
 
 def _layer_grads(p, k, layout, backend, dtype, dout):

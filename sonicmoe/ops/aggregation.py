@@ -21,7 +21,6 @@ from .common import (
     autotuners,
     cdiv,
     check_device,
-    env_switch,
     interpreting,
     launch,
     next_pow2,
@@ -47,11 +46,9 @@ def _add_slot(acc, j, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, ma
 
 @triton.jit
 def _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr, stride_ot,
-              HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
-              SLOTS: tl.constexpr, EXACT: tl.constexpr):
-    """O for one (BLOCK_T tokens, BLOCK_D channels) tile: each token's slots summed in slot order in float32.
-    ``SLOTS`` > 0: a static loop over the first SLOTS slots, then (unless ``EXACT``: no token has more) one slot at a
-    time up to the tile's largest count; else steps of UNROLL slots up to the tile's largest count."""
+              HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """O for one (BLOCK_T tokens, BLOCK_D channels) tile: each token's slots summed in slot order in float32, in steps
+    of UNROLL slots up to the tile's largest count."""
     t = (tile // num_d) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < T
     start = tl.load(token_offsets_ptr + t, mask=mask_t, other=0)
@@ -59,20 +56,12 @@ def _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T,
     cols = (tile % num_d) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    if SLOTS > 0:
-        for j in tl.static_range(SLOTS):
-            acc = _add_slot(acc, j, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d, stride_yr, HAS_W)
-        if not EXACT:
-            for j in range(SLOTS, tl.max(cnt, 0)):
-                acc = _add_slot(acc, j, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d, stride_yr,
-                                HAS_W)
-    else:
-        # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-
-        # bound otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
-        for j0 in range(0, tl.max(cnt, 0), UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc = _add_slot(acc, j0 + u, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d,
-                                stride_yr, HAS_W)
+    # UNROLL slots per step: their independent row loads are all in flight at once (the sum is latency-bound
+    # otherwise); the adds still run in slot order, so the bits do not depend on UNROLL
+    for j0 in range(0, tl.max(cnt, 0), UNROLL):
+        for u in tl.static_range(UNROLL):
+            acc = _add_slot(acc, j0 + u, y_ptr, w_ptr, token_rows_ptr, start, cnt, mask_t, cols, mask_d, stride_yr,
+                            HAS_W)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_t[:, None] & mask_d[None, :])
 
@@ -82,7 +71,7 @@ def _gather_sum_kernel(
     y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr,
     T, D, stride_yr, stride_ot,
     HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr = 1,
-    PDL: tl.constexpr = False, SLOTS: tl.constexpr = 0, EXACT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     num_d = tl.cdiv(D, BLOCK_D)
@@ -92,7 +81,7 @@ def _gather_sum_kernel(
     # static: no faster than without, benchmarks/results/2026-12-02_nvidia-h200_session65/call3_pipe.)
     for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T) * num_d, tl.num_programs(0)):
         _sum_tile(tile, y_ptr, w_ptr, out_ptr, token_offsets_ptr, token_rows_ptr, T, D, num_d, stride_yr,
-                  stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL, SLOTS, EXACT)
+                  stride_ot, HAS_W, BLOCK_T, BLOCK_D, UNROLL)
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus, 2026-11-24): one token x 1024 channels per program
@@ -134,19 +123,10 @@ SLICE_CONFIG = {"BLOCK_T": 1, "BLOCK_D": 512, "num_warps": 2}
 # programs and 2.445 on 8, against 1.694 and 3.318 with 4 rows; fast enough that the reserve (common.AGG_RESERVE)
 # went from 16 to 12 multiprocessors
 RESERVE_CONFIG = {"BLOCK_T": 8, "BLOCK_D": 1024, "num_warps": 32, "UNROLL": 8}
-# RESERVE_SLOTS: the reserved aggregation sums each token's first ⌈R / T⌉ slots (the mean: K under top-k; at most
-# MAX_STATIC_SLOTS) in a static loop, then any further slot one at a time (``SLOTS``; the same bits), instead of in
-# steps of UNROLL slots up to the tile's largest count. Session 65
-# (benchmarks/results/2026-12-02_nvidia-h200_session65/, an H200, scripts/agg_slots_probe.py), half the 120B-n1024 dX
-# aggregation alone: 2.155 ms on 8 programs and 1.468 on 12, against 3.794 and 2.542 with the stepped loop; on the
-# full grid level or slower (the forward aggregation 0.613 against 0.561 ms), so only here. Off: in the layer the faster
-# aggregation gains nothing measurable. With 12 reserved multiprocessors it ends long before the GEMM beside it
-# (fresh-process A/Bs, forward+backward: 35.58 and 35.42 ms against 35.39 and 35.385 without, faster in 2 of 7
-# rounds); with 8, 35.32 against 35.39 (3 rounds, within the spread), and in the probe 7.549 against 7.597 ms for
-# dX̃ and its aggregation at the same energy per call (5.266 against 5.265 J). SONICMOE_AGG_RESERVE_SLOTS (1 or 0)
-# overrides it, for A/Bs (with SONICMOE_AGG_RESERVE)
-RESERVE_SLOTS = False
-MAX_STATIC_SLOTS = 8
+# (Sessions 65-66 also built a static loop over each token's first ⌈R / T⌉ slots for this config, the same bits:
+# half the 120B-n1024 dX aggregation alone 2.155 ms on 8 programs against 3.794, but the layer level with 12 reserved
+# (35.58 and 35.42 ms against 35.39 and 35.385) and with 8 (34.88 against 34.87 ms, 10 rounds): it ends before the GEMM
+# beside it either way. Removed in session 67; the switch and scripts/agg_slots_probe.py are at commit cf28b31.)
 
 
 def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | None, int]:
@@ -191,8 +171,7 @@ def reserve_config() -> dict:
     """The config of an aggregation kept to a few multiprocessors beside a GEMM (:data:`RESERVE_CONFIG`), or
     ``SONICMOE_AGG_RESERVE_CONFIG`` = "BLOCK_T:BLOCK_D:num_warps:UNROLL" where set (read at each call, for layer
     A/Bs; one program should fill a multiprocessor: BLOCK_T · BLOCK_D / (32 · num_warps) channels per thread and
-    slot, UNROLL slots in flight), with ``"SLOTS": "mean"`` under :data:`RESERVE_SLOTS` (``SONICMOE_AGG_RESERVE_SLOTS``
-    1 or 0 where set, read at each call).
+    slot, UNROLL slots in flight).
 
     Raises:
         ValueError: a value that is not four positive integers, BLOCK_D and num_warps powers of two.
@@ -203,8 +182,6 @@ def reserve_config() -> dict:
     else:
         config = dict(zip(("BLOCK_T", "BLOCK_D", "num_warps", "UNROLL"),
                           _config_parts(value, "SONICMOE_AGG_RESERVE_CONFIG"), strict=True))
-    if env_switch("SONICMOE_AGG_RESERVE_SLOTS", RESERVE_SLOTS):
-        config["SLOTS"] = "mean"  # resolved by gather_sum: the mean slots per token
     return config
 
 
@@ -219,11 +196,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         routing: the token CSR (``token_offsets``, ``token_rows``).
         slot_weights: (R,) weights in token-slot order (float32, or bf16/fp16 read as float32), or None.
         config: explicit block configuration (tuning sweeps), else :func:`pinned_config` (on a GPU
-            :data:`SLICE_CONFIG` where d is an odd multiple of 512, one program per tile) or autotuned. It may
-            also carry "SLOTS": n > 0 (or "mean": ⌈R / T⌉, at most :data:`MAX_STATIC_SLOTS`) sums each token's
-            first n slots in a static loop, then the rest one at a time (the same bits; :data:`RESERVE_SLOTS`), and
-            "EXACT": True drops that rest: only where no token has more than n slots (probes), else those slots are
-            left out of the sum.
+            :data:`SLICE_CONFIG` where d is an odd multiple of 512, one program per tile) or autotuned.
         out: a (T, d) tensor or view of y's dtype and device with a unit inner stride to write O into (the
             backward allocates it on its own stream before launching this on a side stream; a block of columns of
             a wider O), else a new one.
@@ -263,8 +236,6 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
         config, max_unroll = pinned_config(d, y.is_cuda and not interpreting(), progs_per_sm or num_programs)
     # slots per unrolled step: the mean slots per token (K under top-k; R and T are host ints, no sync), capped
     args["UNROLL"] = min(next_pow2(cdiv(routing.num_rows, t)), max_unroll)
-    if config is not None and config.get("SLOTS") == "mean":  # a static loop over the mean slots per token
-        config = {**config, "SLOTS": min(cdiv(routing.num_rows, t), MAX_STATIC_SLOTS)}
     launch(_gather_sum_kernel, _tuned, grid, args, pinned, _GPU_DEFAULT, config, pdl_device=y.device)
     return out
 
