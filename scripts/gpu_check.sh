@@ -64,10 +64,10 @@
 #          board's watts and SM clock (scripts/energy_probe.py; ENERGY_SHAPE, default the 7B shape)
 #   gather the gather-fused kernels against contiguous rows, their MMAs alone, TMA loads and their dense twins, and the
 #          weight gradients' warpgroup forms (scripts/gather_path_probe.py on GATHER_SHAPES, GATHER_KERNELS)
-#   exposed  the forward's column blocks (SONICMOE_FWD_AGG_BLOCKS) and the reserved aggregation's configs
-#          (SONICMOE_AGG_RESERVE_CONFIG, scripts/reserve_probe.py), layer A/Bs of both at 120B-n1024, and the gather-fused
-#          kernels with and without the MMA warps' proxy fence (gather_path_probe.py --kernels fence [--no-fence]);
-#          exposedab: the layer A/Bs alone (a call of its own: both exceed one call's 10 minutes)
+#   exposed  the column-block GPU test, the reserved aggregation's configs (SONICMOE_AGG_RESERVE_CONFIG,
+#          scripts/reserve_probe.py), and the gather-fused kernels with and without the MMA warps' proxy fence
+#          (gather_path_probe.py --kernels fence [--no-fence]); exposedab: layer A/Bs of the reserve's config at
+#          120B-n1024 (a call of its own: both exceed one call's 10 minutes)
 #   chunkab  fresh-process layer A/Bs of the backward's column-block width (SONICMOE_AGG_CHUNK: CHUNK_AB_WIDTHS,
 #          default 2048 (the default) and 1024) at 120B-n1024, CHUNK_AB_ROUNDS rounds (5; about 3 minutes)
 #   ftz    the SwiGLU sigmoid by ex2/rcp.approx.ftz (SONICMOE_SIGMOID_FTZ): GPU tests, the up-projection and dH alone
@@ -410,11 +410,12 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ;;
     exposed)
       # what the exposed aggregations and the MMA warps' proxy fence cost (session 61's open items): the column-block
-      # GPU test with the forward's blocks; the four gather-fused kernels with and without the fence
+      # GPU test; the four gather-fused kernels with and without the fence
       # (gather_path_probe.py --kernels fence [--no-fence], fresh processes); the aggregation on reserved
       # multiprocessors in each config of reserve_probe.py (EXPOSED_RESERVES, default 8,16). About 8 minutes.
-      # exposedab: fresh-process layer A/Bs of SONICMOE_FWD_AGG_BLOCKS and SONICMOE_AGG_RESERVE_CONFIG
-      # (EXPOSED_AB_CONFIG, default 8:1024:16:8) at 120B-n1024, EXPOSED_AB_ROUNDS rounds (3)
+      # exposedab: fresh-process layer A/Bs of SONICMOE_AGG_RESERVE_CONFIG (EXPOSED_AB_CONFIG, default 8:1024:16:8)
+      # at 120B-n1024, EXPOSED_AB_ROUNDS rounds (3); the forward's column blocks, its other arms until session 67,
+      # went with their switch
       timeout ${EXPOSED_TEST_LIMIT_S:-240} python3 -m pytest -q -m gpu tests/test_library.py \
         -k "column_chunked_default" > "$OUT/exposed_tests.txt" 2>&1
       SUMMARY+=("$(tail -1 "$OUT/exposed_tests.txt")")
@@ -429,10 +430,9 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       SUMMARY+=("$(grep -v Warning "$OUT/reserve.txt" | tail -40)")
       ;;
     exposedab)
-      # exposed's layer A/Bs (about 4 minutes at 3 rounds)
+      # exposed's layer A/Bs (about 2 minutes at 3 rounds)
       cfg=${EXPOSED_AB_CONFIG:-8:1024:16:8}
-      AB_ARMS="base: fwdblk:SONICMOE_FWD_AGG_BLOCKS=1 cfg:SONICMOE_AGG_RESERVE_CONFIG=$cfg \
-both:SONICMOE_FWD_AGG_BLOCKS=1,SONICMOE_AGG_RESERVE_CONFIG=$cfg" AB_ROUNDS=${EXPOSED_AB_ROUNDS:-3} \
+      AB_ARMS="base: cfg:SONICMOE_AGG_RESERVE_CONFIG=$cfg" AB_ROUNDS=${EXPOSED_AB_ROUNDS:-3} \
         AB_SHAPE=120b=32768,4096,1024,128,8 timeout ${EXPOSED_AB_LIMIT_S:-300} bash scripts/env_ab.sh "$OUT/exposed_ab" \
         > "$OUT/exposed_ab.txt" 2>&1
       SUMMARY+=("$(tail -4 "$OUT/exposed_ab/ab_summary.txt")")

@@ -203,13 +203,11 @@ def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layo
     assert rel_err(runs[1][0], gather_sum_ref(y_ref, routing, weights)) < 1e-5
 
 
-@pytest.mark.parametrize("pending", [False, True])
-def test_column_blocks_last_aggregation_grid(pending, monkeypatch):
+def test_column_blocks_last_aggregation_grid(monkeypatch):
     """In column blocks with a side stream (SONICMOE_OVERLAP's persistent grid of k programs per multiprocessor,
     faked here on the CPU), each block's aggregation but the last runs on that persistent grid (beside the next
     block's GEMM); the last, with nothing beside it, runs on one program per tile (progs_per_sm 0: as a persistent
-    grid it took 0.61 ms at 120B-n1024 on an H200, session 64), unless ``pending`` asks for it to run beside the
-    caller's next kernels, where it keeps the persistent grid. Either way the output has the one-pass bits."""
+    grid it took 0.61 ms at 120B-n1024 on an H200, session 64). The output has the one-pass bits."""
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
     d = 40  # blocks of 16, 16 and 8 columns
@@ -226,50 +224,23 @@ def test_column_blocks_last_aggregation_grid(pending, monkeypatch):
     monkeypatch.setattr(library, "overlap_mode", lambda device: 2)
     monkeypatch.setattr(library, "side_stream", lambda device: None)  # _beside(None): the current stream
     monkeypatch.setattr(library, "gather_sum", spy)
-    out = library.gemm_then_gather_sum(a, p["w2"], None, routing, None, transpose_b=True,
-                                       pending=[] if pending else None)
-    assert grids == [(2, 0), (2, 0), (2 if pending else 0, 0)]
+    out = library.gemm_then_gather_sum(a, p["w2"], None, routing, None, transpose_b=True)
+    assert grids == [(2, 0), (2, 0), (0, 0)]
     assert torch.equal(out, one)
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_forward_column_blocks_match_one_pass(bias, device, monkeypatch):
-    """SONICMOE_FWD_AGG_BLOCKS=1: the forward's down-projection and aggregation in column blocks
-    (gemm_then_gather_sum; ragged: d = 40 in blocks of 16, 16 and 8) give O and H with the bits of one
-    down-projection, then one aggregation (the default, library.FWD_AGG_BLOCKS), outputs poisoned first."""
-    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
-    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
-    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
-    d = 40
-    p = random_problem(T, d, N, E, bias=bias, device=device, seed=12)
-    routing = _topk_routing(p)
-    args = _fwd_args(p, routing, "concat", False)
-    runs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", flag)
-        runs.append(library.experts_fwd_impl(*args))
-    assert library.gather_chunk_width(d, torch.device(device)) == 16
-    for one, blocks in zip(*runs):
-        assert not blocks.isnan().any()
-        assert torch.equal(one, blocks)
-    monkeypatch.delenv("SONICMOE_FWD_AGG_BLOCKS")
-    assert not library.FWD_AGG_BLOCKS and torch.equal(library.experts_fwd_impl(*args)[0], runs[0][0])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reserve", ["default", "0"])
-@pytest.mark.parametrize("beside_dw1", ["0", "1"])
-def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, reserve, monkeypatch):
+def test_gpu_column_chunked_default_matches_one_pass(reserve, monkeypatch):
     """bf16 at d = 4096, n = 1024 (dW1 on the Gluon kernel): by default the backward's dX̃ GEMM runs in two
     column blocks on the streamed-B Gluon kernel, the first block's dX aggregation on agg_reserve multiprocessors
     beside the second block's GEMM on the others (SONICMOE_AGG_RESERVE=0: both blocks on the Triton kernel, the
-    aggregation's persistent grid beside), and the last one joined before dW1 or (SONICMOE_AGG_BESIDE_DW1=1)
-    beside it; O and every gradient equal the one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over
-    (deterministic), each read on the current stream right away."""
+    aggregation's persistent grid beside), and the last one joined before dW1; O and every gradient equal the
+    one-pass run's bits (SONICMOE_AGG_CHUNK=0), twice over (deterministic), each read on the current stream right
+    away."""
     from sonicmoe.ops import common, varlen_m_ws
 
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
-    monkeypatch.setenv("SONICMOE_AGG_BESIDE_DW1", beside_dw1)
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
     if reserve == "default":
         monkeypatch.delenv("SONICMOE_AGG_RESERVE", raising=False)
@@ -302,18 +273,6 @@ def test_gpu_column_chunked_default_matches_one_pass(beside_dw1, reserve, monkey
     for a, b, c in zip(first, second, one_pass):
         assert not a.isnan().any()
         assert torch.equal(a, b) and torch.equal(a, c)
-    # the forward's down-projection and aggregation in the same column blocks (SONICMOE_FWD_AGG_BLOCKS): the bits,
-    # with the biases (the blocks on the Triton kernel) and without (on the streamed-B Gluon kernel, the first
-    # block's aggregation on the reserved multiprocessors)
-    monkeypatch.delenv("SONICMOE_AGG_CHUNK")
-    monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", "1")
-    for a, c in zip(run(), one_pass):
-        assert torch.equal(a, c)
-    args = _fwd_args({**p, "b1": None, "b2": None}, routing, "concat", False, torch.bfloat16)
-    blocks = library.experts_fwd_impl(*args)
-    monkeypatch.setenv("SONICMOE_FWD_AGG_BLOCKS", "0")
-    for a, c in zip(blocks, library.experts_fwd_impl(*args)):
-        assert not a.isnan().any() and torch.equal(a, c)
 
 
 def test_fake_shapes_without_data():

@@ -32,14 +32,10 @@ Environment (documented in the README):
                                n >= 128: library.gluon_wgrad_preferred; =all at every n).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
                                the next block's GEMM (gather_chunk_width; default 2048, 0 off).
-    SONICMOE_AGG_BESIDE_DW1=1  run the last block's dX aggregation beside dW1 instead of joining the streams before
-                               it (dX̃ then lives until dW1 ends: more peak memory).
     SONICMOE_AGG_RESERVE=S     multiprocessors left to each column block's aggregation beside the next block's
                                streamed-B Gluon GEMM (agg_reserve; default 12, 0: the blocks on the Triton kernel).
     SONICMOE_AGG_RESERVE_CONFIG=BLOCK_T:BLOCK_D:num_warps:UNROLL
                                that aggregation's config (aggregation.reserve_config; default RESERVE_CONFIG).
-    SONICMOE_FWD_AGG_BLOCKS=1  the forward's down-projection and aggregation in those column blocks too
-                               (library.FWD_AGG_BLOCKS; default off).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
 from .aggregation import gather_sum, reserve_config
-from .common import agg_reserve, env_switch, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
+from .common import agg_reserve, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
 from .dh import dh, ds_pairs_in_dh_kernel
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .score_grad import score_grad
@@ -94,11 +94,13 @@ def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Routing, slot_weights: Tensor | None,
-                         *, transpose_b: bool, pending: list | None = None) -> Tensor:
+                         *, transpose_b: bool) -> Tensor:
     """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A op(B[e]) (+ bias[e]), with optional
     slot weights: the backward's dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights;
     SPEC §4 kernel 4), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
-    ``transpose_b``, weights S; SPEC §3 kernels 2-3), which the forward does not run this way (no faster).
+    ``transpose_b``, weights S; SPEC §3 kernels 2-3), which the forward does not run this way (probes only: in the
+    layer it measured no faster on H100s, sessions 27 and 53, and slower on H200s, sessions 62 and 64; the switch that
+    ran it, SONICMOE_FWD_AGG_BLOCKS, is at commit 34b4e37).
 
     Where :func:`~sonicmoe.ops.common.gather_chunk_width` gives a width w (by default on CUDA for d ≥ 2w), the GEMM
     runs in column blocks of C of width w (B's column block read through its strides, C written in place), and the
@@ -111,11 +113,13 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
     the Triton kernel, with the aggregation's persistent grid of :func:`~sonicmoe.ops.common.overlap_mode` programs
     per multiprocessor beside it. The streams join before this returns (C, made here and read there, is freed on
     return), and the last block's aggregation, with nothing beside it, runs on one program per tile (as a
-    persistent grid it took 0.61 ms at (32768, 4096, 1024, 128, 8) on an H200, session 64). Where ``pending`` is a
-    list instead, C is appended to it and the last block's aggregation keeps the persistent grid and may still run
-    when this returns, beside the caller's next kernels; the caller makes the current stream wait for the side
-    stream before it drops ``pending`` or reads O. Else (and for the Gluon down-projection) one GEMM, then one
-    aggregation. Every output element is computed by the same kernels either way.
+    persistent grid it took 0.61 ms at (32768, 4096, 1024, 128, 8) on an H200, session 64). Else (and for the Gluon
+    down-projection) one GEMM, then one aggregation. Every output element is computed by the same kernels either way.
+
+    (Running the last block's aggregation beside dW1 instead held dX̃ until dW1 ended: the 120B-n1024 backward's
+    peak 7715 against 5667 MiB. It was 0.3 ms faster beside the Triton dW1 on an H100, session 27, but the Gluon
+    dW1's programs fill their multiprocessors, and on 16 reserved ones beside it on 116 it was slower, session 53:
+    35.21 against 34.88 ms. The switch, SONICMOE_AGG_BESIDE_DW1, is at commit 34b4e37.)
 
     Args: as :func:`~sonicmoe.ops.grouped_gemm.varlen_m_gemm` and :func:`~sonicmoe.ops.aggregation.gather_sum`.
     Returns: O (T, d) in A's dtype.
@@ -153,30 +157,16 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
             if reserved[i]:
                 gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols], config=reserve_config(),
                            num_programs=reserve)
-            else:  # beside the next block's GEMM (or, pending, the caller's next kernels); else alone: a full grid
-                alone = i + 1 == len(blocks) and pending is None
+            else:  # beside the next block's GEMM; the last block alone: one program per tile
+                alone = i + 1 == len(blocks)
                 gather_sum(c[:, cols], routing, slot_weights, out=out[:, cols],
                            progs_per_sm=0 if alone else progs_per_sm)
-    if side is not None and pending is None:
+    if side is not None:
         torch.cuda.current_stream(a.device).wait_stream(side)
-    elif side is not None:
-        pending.append(c)
     return out
 
 
 # ------------------------------------------------------------------------------------------- forward
-
-
-# FWD_AGG_BLOCKS: the forward's down-projection and aggregation in column blocks (gemm_then_gather_sum, as the
-# backward's dX̃ and dX aggregation), each block's aggregation on the side stream beside the next block's GEMM; off:
-# one down-projection, then one aggregation. Off since it measured no faster at (32768, 4096, 1024, 128, 8) on H100s
-# (session 27; session 53 with the aggregation on 16 reserved multiprocessors: 4.36 against 4.36 ms), slower on an
-# H200 (session 62: forward+backward 35.97 against 35.56 ms, 3 rounds; session 64, with the last block's aggregation
-# on one program per tile: forward 12.01 against 11.88 ms, forward+backward 35.33 against 35.15), and the blocks
-# re-read A.
-# SONICMOE_FWD_AGG_BLOCKS (1 or 0) overrides it, for layer A/Bs (with SONICMOE_AGG_RESERVE and
-# SONICMOE_AGG_RESERVE_CONFIG). The same bits either way.
-FWD_AGG_BLOCKS = False
 
 
 def experts_fwd_impl(
@@ -207,15 +197,12 @@ def experts_fwd_impl(
     routing.tile_rows = tile_rows
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     slot_scores = routing.slot_scores(pair_scores).contiguous()  # cast in the kernel
-    if env_switch("SONICMOE_FWD_AGG_BLOCKS", FWD_AGG_BLOCKS):
-        # the down-projection in column blocks, each block's aggregation beside the next block's GEMM
-        out = gemm_then_gather_sum(a, w2, b2, routing, slot_scores, transpose_b=True)
-    else:
-        # one down-projection, then one aggregation (FWD_AGG_BLOCKS)
-        y = down_proj(a, w2, b2, routing)
-        del a
-        out = gather_sum(y, routing, slot_scores)
-        del y
+    # one down-projection, then one aggregation (in column blocks beside each other, gemm_then_gather_sum, it
+    # measured no faster)
+    y = down_proj(a, w2, b2, routing)
+    del a
+    out = gather_sum(y, routing, slot_scores)
+    del y
     if h is None:
         h = x.new_empty((0, w1.shape[1]))
     return out, h
@@ -296,14 +283,11 @@ def experts_bwd_impl(
     del a_prime
     gluon_dw1 = gluon and weight_grad_ws.wgrad_ws_supported(dh_, x, p_gather=False, q_gather=True,
                                                             out_dtype=w1.dtype)
-    pending: list[Tensor] = []  # tensors the side stream may still read: dropped after the join below
     if need_x and need_w1 and side is not None and not gluon_dw1:
         dx, dw1 = _dx_beside_dw1(dh_, x, w1, routing, side, progs_per_sm)
     else:
-        if need_x:  # SONICMOE_AGG_BESIDE_DW1=1: the last column block's dX aggregation beside dW1 (joined below)
-            beside = env_switch("SONICMOE_AGG_BESIDE_DW1", False)
-            dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False,
-                                      pending=pending if beside else None)
+        if need_x:
+            dx = gemm_then_gather_sum(dh_, w1, None, routing, None, transpose_b=False)
         if need_w1:
             dw1 = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=w1.dtype, gluon=gluon)
     if need_b1:  # db1[e] = Σ dH rows of e
@@ -311,7 +295,6 @@ def experts_bwd_impl(
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
     if side is not None:  # join: the dS partials (made here, read there) and the inputs are freed after this
         torch.cuda.current_stream(dout.device).wait_stream(side)
-    del pending
     return dx, dw1, dw2, db1, db2, dscores
 
 
@@ -397,7 +380,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ``ctx.needs_input_grad`` asks for are computed. On CUDA (SONICMOE_OVERLAP, default on) the memory-bound dX
     aggregation runs on a high-priority side stream beside the dW1 GEMM, or, where dX̃ runs in column blocks
     (:func:`gemm_then_gather_sum`, d ≥ 4096), block by block beside the next block's dX̃ GEMM (the last one before
-    dW1, or beside it with SONICMOE_AGG_BESIDE_DW1=1, which keeps dX̃ until dW1 ends); the dS reduction and score
+    dW1); the dS reduction and score
     gradient run beside dW2 — unless the Gluon dH kernel's tiles span all n channels and there is no b2 (n = 256 at
     the 7B shape: :func:`sonicmoe.ops.dh.ds_pairs_in_dh_kernel`), where that kernel writes the scores' gradient
     itself, with the same bits; the streams join before the gradients are returned (the same bits either way).
