@@ -199,7 +199,6 @@ def spaces(which: str) -> dict:
         "up_ws": [{"STAGES": s, "GU_FUSED": f} for s in (up_proj_ws.up_ws_config(4096)["STAGES"], 3)
                   for f in (False, True)]
                  + [{"STAGES": 4, "PART": 1}]
-                 + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "WG_SPLIT": True, "PART": p} for p in (0, 1)]
                  + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "H_PACKED": False}]
                  + [{**up_proj_ws.up_ws_config(w), "SIGMOID_FTZ": True} for w in (4096, 1536)]
                  + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],

@@ -21,8 +21,9 @@ usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
 dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
-two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's MMA warpgroups as one partition or two
-(``up_proj_ws.WG_SPLIT``) and H rounded by packed cvts or by ``.to`` (``H_PACKED``), whole and MMAs alone; ``ftz``:
+two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's H rounded by packed cvts or by ``.to``
+(``H_PACKED``), whole and MMAs alone (its MMA warpgroups as two partitions, session 57's other form, went in session
+67); ``ftz``:
 the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
 of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer;
 ``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per warpgroup or one m64 × 256 chain;
@@ -247,12 +248,10 @@ def sigmoid_ftz_forms(x, w1, w2, dout, h, s_row, routing, d, n, gemm) -> list:
 
 
 def up_split_forms(x, w1, routing, d, flops) -> list:
-    """The up-projection without a storer: its MMA warpgroups as one 8-warp partition or as two (``WG_SPLIT``), and
-    H rounded by packed cvts (``H_PACKED``) or by ``.to``, whole and MMAs alone (``--kernels upsplit``); each form's
-    H and A checked bitwise against the first's."""
-    base = up_proj_ws.up_ws_config(d, epi_warps=0, wg_split=False)
-    forms = (("8-warp MMA partition", base), ("8-warp, H by .to", {**base, "H_PACKED": False}),
-             ("split", up_proj_ws.up_ws_config(d, epi_warps=0, wg_split=True)))
+    """The up-projection without a storer: H rounded by packed cvts (``H_PACKED``) or by ``.to``, whole, and the
+    MMAs alone (``--kernels upsplit``); the second form's H and A checked bitwise against the first's."""
+    base = up_proj_ws.up_ws_config(d, epi_warps=0)
+    forms = (("8-warp MMA partition", base), ("8-warp, H by .to", {**base, "H_PACKED": False}))
     ref = up_proj_ws.up_proj_ws(x, w1, None, routing, config=base)
     for name, cfg in forms[1:]:
         got = up_proj_ws.up_proj_ws(x, w1, None, routing, config=cfg)
@@ -261,7 +260,7 @@ def up_split_forms(x, w1, routing, d, flops) -> list:
     return [(f"up {name}{part_name}", lambda c={**cfg, "PART": part}: up_proj_ws.up_proj_ws(x, w1, None, routing,
                                                                                           config=c), flops)
             for part, part_name in ((0, ""), (1, ", MMAs alone"))
-            for name, cfg in (forms if part == 0 else forms[::2])]
+            for name, cfg in (forms if part == 0 else forms[:1])]
 
 
 # (name, WG_SPLIT, WG_PIECES, WG_TURNS) of the weight-gradient kernel's forms under ``--kernels wgsplit``

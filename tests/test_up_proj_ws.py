@@ -53,21 +53,6 @@ def test_gate_up_fused_config(monkeypatch):
     assert up_ws_config(4096)["GU_FUSED"] == up_proj_ws.GU_FUSED
 
 
-def test_wg_split_config(monkeypatch):
-    """WG_SPLIT only without a storer; the switch SONICMOE_UP_WG_SPLIT overrides the default; the two MMA
-    partitions' registers (WG_REGS each) and the loader's fit what the launch holds."""
-    monkeypatch.delenv("SONICMOE_UP_EPI", raising=False)
-    monkeypatch.setenv("SONICMOE_UP_WG_SPLIT", "1")
-    assert up_ws_config(4096)["WG_SPLIT"] and not up_ws_config(1536)["WG_SPLIT"]
-    assert up_ws_config(4096)["STAGES"] == up_ws_config(4096, wg_split=False)["STAGES"]  # same staging bytes
-    monkeypatch.setenv("SONICMOE_UP_WG_SPLIT", "0")
-    assert not up_ws_config(4096)["WG_SPLIT"] and up_ws_config(4096, wg_split=True)["WG_SPLIT"]
-    monkeypatch.delenv("SONICMOE_UP_WG_SPLIT")
-    assert up_ws_config(4096)["WG_SPLIT"] == up_proj_ws.WG_SPLIT
-    held = (up_proj_ws.MMA_WARPS + up_proj_ws.LOADER_WARPS) * 32 * up_proj_ws.MAXNREG
-    assert 32 * (4 * up_proj_ws.LOADER_REGS + up_proj_ws.MMA_WARPS * up_proj_ws.WG_REGS) <= held
-
-
 @pytest.mark.parametrize("gpu,small_d", [("NVIDIA H200", True), ("NVIDIA H200 NVL", True),
                                          ("NVIDIA H100 80GB HBM3", False), ("NVIDIA GH200 480GB", False)])
 def test_preferred_where_measured_faster(monkeypatch, gpu, small_d):
@@ -263,32 +248,6 @@ def test_gpu_storer_partition_same_bits(case, chunk, h_tma, monkeypatch):
         assert torch.equal(h, h0) and torch.equal(a, a0)
         none, a1 = run_ws(x, w1, bias, routing, store_h=False, config=epi)
         assert none is None and torch.equal(a1, a0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case,dtype", GPU_PARAMS, ids=[f"{c[-1]}-{str(dt)[6:]}" for c, dt in GPU_PARAMS])
-def test_gpu_wg_split_same_bits(case, dtype, monkeypatch):
-    """With the MMA warpgroups as two partitions (WG_SPLIT, no storer): H and A within rounding of the float32 loop,
-    no NaN left by the poison fill, the same bits as the 8-warp partition with and without bias and H, and the
-    MMAs alone (PART 1) give the 8-warp partition's row sums."""
-    t, d, n, e, k, _ = case
-    routing, x, w1, g = _gpu_problem(case, dtype, t + 2, 4, monkeypatch)
-    split, whole = up_ws_config(epi_warps=0, wg_split=True), up_ws_config(epi_warps=0, wg_split=False)
-    assert split["WG_SPLIT"] and not whole["WG_SPLIT"]
-    for bias in (None, (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(dtype)):
-        x0, w0 = x.clone(), w1.clone()
-        h, a = run_ws(x, w1, bias, routing, config=split)
-        h_ref, a_ref = up_proj.up_proj_ref(x, w1, bias, routing)
-        assert rel_err(h, h_ref) < 5e-3 and rel_err(a, a_ref) < 1e-2
-        h0, a0 = run_ws(x, w1, bias, routing, config=whole)
-        assert torch.equal(h, h0) and torch.equal(a, a0)
-        none, a1 = run_ws(x, w1, bias, routing, store_h=False, config=split)
-        assert none is None and torch.equal(a1, a0)
-        assert torch.equal(x, x0) and torch.equal(w1, w0)
-    _, s1 = run_ws(x, w1, None, routing, config=dict(split, PART=1))
-    _, s0 = run_ws(x, w1, None, routing, config=dict(whole, PART=1))
-    nt = n // up_proj_ws.BLOCK_N
-    assert torch.equal(s1[:, :nt], s0[:, :nt])
 
 
 @pytest.mark.gpu

@@ -134,19 +134,11 @@ EPI_CHUNK = 16  # rows of A per step of the storer
 # 7B 0.625 / 0.632 against 0.614 / 0.618; (16384, 1536, 256, 512, 8) top-k 0.537 / 0.533 against 0.524 / 0.528, token
 # rounding 0.480 / 0.486 against 0.468 / 0.467 (benchmarks/results/2026-11-27_nvidia-h200_session47/). Same bits.
 EPI_H_TMA = False
-# WG_SPLIT: without a storer (d > EPI_MAX_D), the two MMA warpgroups as two partitions of four warps, each with half
-# the tile's rows (the same wgmma instructions: m64 × BLOCK_N per warpgroup) and its own (BLOCK_M / 2, BLOCK_N)
-# staging buffer (together the bytes of the one buffer they replace, so the ring keeps its slots); they share the
-# ring (each slot's ``empty`` barrier counts both). At the end of a tile one warpgroup's SwiGLU epilogue and stores
-# run while the other, up to STAGES − 1 K-blocks ahead, keeps the tensor cores busy, instead of both stopping for
-# the epilogue (0.55 ms of 7.93 at (32768, 4096, 1024, 128, 8) on an H200, session 56). The weight gradients' form
-# of the same idea (weight_grad_ws.WG_SPLIT) took 1% off that layer. Off: slower here. Session 57 (an H200, the
-# kernel alone at that shape): 8.022 against 7.871 ms with H rounded by .to, 7.712 against 7.694 with H_PACKED; the
-# layer's forward+backward 36.13 against 35.67 ms (3 of 3 rounds). Each half's three stores, each drained before the
-# next, take about as long as the whole tile's did, and the halves no longer overlap each other's. Same bits (GPU
-# tests). SONICMOE_UP_WG_SPLIT (1 or 0) overrides it.
-WG_SPLIT = False
-WG_REGS = 200  # registers of each MMA partition under WG_SPLIT (setmaxnreg; the loader keeps LOADER_REGS)
+# (Session 57 also ran the two MMA warpgroups as partitions of their own without a storer, each with half the tile's
+# rows and its own half-tile staging buffer, sharing the ring, as the weight gradients do (weight_grad_ws.WG_SPLIT):
+# the same bits, but slower, the layer's forward+backward 36.13 against 35.67 ms at (32768, 4096, 1024, 128, 8) on an
+# H200, each half's three stores taking about as long as the whole tile's. Removed in session 67; the form and its
+# switch, SONICMOE_UP_WG_SPLIT, are at commit c32e1de.)
 # H_PACKED: the epilogue rounds H's gate and up blocks two elements per cvt (_round_pairs) instead of by ``.to``,
 # which the compiler emits one F2F per element for (the rounded values also feed the SwiGLU); the same bits.
 # Session 57 (an H200, benchmarks/results/2026-12-02_nvidia-h200_session57/): at (32768, 4096, 1024, 128, 8) the
@@ -172,23 +164,19 @@ def up_ws_smem_bytes(stages: int, elem: int = 2, epi: bool = False) -> int:
     return elem * (stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N) + (2 if epi else 1) * BLOCK_M * BLOCK_N)
 
 
-def up_ws_config(d: int = 0, epi_warps: int | None = None, wg_split: bool | None = None) -> dict:
+def up_ws_config(d: int = 0, epi_warps: int | None = None) -> dict:
     """{"STAGES": the deepest ring that fits shared memory beside the staging buffers (at most MAX_STAGES),
     "EPI_WARPS": the storer partition's warps: ``epi_warps``, else :data:`EPI_WARPS` where the switch
     ``SONICMOE_UP_EPI`` is on (1) and 0 where it is off (0; read at each call, for A/Bs), and where it is unset
-    :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above; "WG_SPLIT": the two MMA warpgroups as
-    partitions of their own (:data:`WG_SPLIT`), only without a storer: ``wg_split``, else ``SONICMOE_UP_WG_SPLIT``
-    (1 or 0) where set, else :data:`WG_SPLIT`; "H_PACKED": :data:`H_PACKED`, or ``SONICMOE_UP_H_PACKED`` (1 or 0)
-    where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`; "GU_FUSED": :data:`GU_FUSED`, or ``SONICMOE_UP_GU_FUSED`` (1 or 0)
-    where set, only without a storer}."""
+    :data:`EPI_WARPS` for a reduction width d ≤ :data:`EPI_MAX_D`, 0 above; "H_PACKED": :data:`H_PACKED`, or
+    ``SONICMOE_UP_H_PACKED`` (1 or 0) where set; "SIGMOID_FTZ": :func:`sigmoid_ftz`; "GU_FUSED": :data:`GU_FUSED`, or
+    ``SONICMOE_UP_GU_FUSED`` (1 or 0) where set, only without a storer}."""
     if epi_warps is None:
         epi_warps = EPI_WARPS if env_switch("SONICMOE_UP_EPI", d <= EPI_MAX_D) else 0
-    if wg_split is None:
-        wg_split = env_switch("SONICMOE_UP_WG_SPLIT", WG_SPLIT)
     epi = epi_warps > 0
     per_stage = up_ws_smem_bytes(1) - up_ws_smem_bytes(0)
     return {"STAGES": min(MAX_STAGES, (SMEM_BUDGET - up_ws_smem_bytes(0, epi=epi)) // per_stage),
-            "EPI_WARPS": epi_warps, "WG_SPLIT": wg_split and not epi,
+            "EPI_WARPS": epi_warps,
             "H_PACKED": env_switch("SONICMOE_UP_H_PACKED", H_PACKED), "SIGMOID_FTZ": sigmoid_ftz(),
             "GU_FUSED": env_switch("SONICMOE_UP_GU_FUSED", GU_FUSED) and not epi}
 
@@ -385,14 +373,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr,
-                          HALF: gl.constexpr = -1):
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr):
         """One tile's wgmma chain over the ring from ring step ``step`` (one K-block in flight; the slot before it goes
         back to the loader): the gate and up accumulators (BLOCK_M, BLOCK_N) float32, and the next ring step.
         ``GU_FUSED``: one (BLOCK_M, 2·BLOCK_N) product per K-block (the slot's W box holds the gate rows, then the
-        up rows), split in two afterwards; else a gate and an up product. ``HALF`` 0 or 1 (``WG_SPLIT``): the
-        products of the slot's X rows [HALF·BLOCK_M, (HALF + 1)·BLOCK_M) only (BLOCK_M is then half the slot's
-        rows); -1: all of them."""
+        up rows), split in two afterwards; else a gate and an up product."""
         if GU_FUSED:
             acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                                  instr_shape=[16, 2 * BLOCK_N, 16])
@@ -413,10 +398,7 @@ if HAVE_GLUON:
             for ki in range(k_tiles):
                 s = wait_gathered_slot(tma_ready, cp_ready, step, STAGES)
                 w_buf = w_bufs.index(s)
-                if HALF < 0:
-                    x_buf = x_bufs.index(s)
-                else:
-                    x_buf = x_bufs.index(s).slice(HALF * BLOCK_M, BLOCK_M)
+                x_buf = x_bufs.index(s)
                 acc_g = warpgroup_mma(x_buf, w_buf.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
                 acc_u = warpgroup_mma(x_buf, w_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, is_async=True)
                 # this K-block's two MMAs in flight: the previous block's are done, its slot goes back
@@ -459,17 +441,11 @@ if HAVE_GLUON:
                 a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr,
                 STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr,
-                EPI: gl.constexpr, HALF: gl.constexpr = -1, H_PACKED: gl.constexpr = True,
-                SIG_FTZ: gl.constexpr = False):
+                EPI: gl.constexpr, H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False):
         """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
         SwiGLU epilogue and the stores (:func:`_buffer_stores`); with ``EPI`` (a storer partition), the rounded gate
         and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone,
-        the row sums of the gate and up products stored in A's column ``pid_n`` (H unwritten).
-        ``HALF`` 0 or 1 (``WG_SPLIT``, without ``EPI``): one warpgroup (``WARPS`` 4) as a partition of its own, with
-        the rows [HALF·BLOCK_M, (HALF + 1)·BLOCK_M) of every tile (BLOCK_M: half the tile), its own staging buffer
-        ``c_smem`` and the TMA boxes of half a tile. The other warpgroup reads the same ring (each slot's ``empty``
-        barrier counts both), so while one runs its epilogue the other can run up to STAGES − 1 K-blocks ahead on
-        the whole tensor cores. The same K-blocks in the same order: the same bits as the 8-warp partition."""
+        the row sums of the gate and up products stored in A's column ``pid_n`` (H unwritten)."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
@@ -477,10 +453,8 @@ if HAVE_GLUON:
         i = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row_start, row_end, pid_n = _tile_of(tile, table_ptr, num_pid_n)
-            if HALF > 0:
-                row_start = row_start + HALF * BLOCK_M
             acc_g, acc_u, step = _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M,
-                                                   BLOCK_N, STAGES, WARPS, GU_FUSED, HALF)
+                                                   BLOCK_N, STAGES, WARPS, GU_FUSED)
             if PART == 1:
                 rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_g.type.layout))
                 gl.store(a_ptr + rows.to(gl.int64) * stride_ar + pid_n, gl.sum(acc_g + acc_u, axis=1).to(dtype),
@@ -563,27 +537,12 @@ if HAVE_GLUON:
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
                       EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, EPI_H_TMA: gl.constexpr,
-                      WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0, H_PACKED: gl.constexpr = True,
-                      SIG_FTZ: gl.constexpr = False):
+                      H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
-        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS, 2 if WG_SPLIT else 1)
-        if WG_SPLIT:  # each warpgroup a partition with half the tile's rows and a half-tile staging buffer
-            HM: gl.constexpr = BLOCK_M // 2
-            c_half = gl.allocate_shared_memory(dtype, [2, HM, BLOCK_N], a_desc.layout)
-            gl.warp_specialize([
-                (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_half.index(0), c_half, empty, empty, h_desc,
-                           a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS,
-                           STORE_H, HM, BLOCK_N, BLOCK_K, STAGES, 4, False, PART, False, 0, H_PACKED, SIG_FTZ)),
-                (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_half.index(1), c_half, empty, empty, h_desc,
-                           a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS,
-                           STORE_H, HM, BLOCK_N, BLOCK_K, STAGES, 4, False, PART, False, 1, H_PACKED, SIG_FTZ)),
-                (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
-                                 empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
-                                 True)),
-            ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
-        elif EPI_WARPS > 0:  # a storer partition: H's gate and up blocks handed over through one staging set
+        tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS)
+        if EPI_WARPS > 0:  # a storer partition: H's gate and up blocks handed over through one staging set
             h_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], a_desc.layout)
             h_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
             h_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -592,7 +551,7 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_smem.index(0), h_smem, h_full, h_empty,
                            h_desc, a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar,
-                           HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True, -1,
+                           HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True,
                            H_PACKED, SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
@@ -607,7 +566,7 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, c_smem, empty, empty, h_desc, a_desc,
                            h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False, -1, H_PACKED,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False, H_PACKED,
                            SIG_FTZ)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
@@ -638,8 +597,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         store_h: False for inference (H is not written). config: {"STAGES"} and optionally "LOADER_WARPS",
             "MAXNREG", "GU_FUSED", "EPI_WARPS" (4: the storer partition; then STAGES must leave room for its 64 KiB
             and MAXNREG defaults to 128), "EPI_REGS", "EPI_CHUNK", "EPI_H_TMA" (False: H by 16-byte stores),
-            "WG_SPLIT" and "WG_REGS" (the MMA warpgroups as partitions of their own; ignored with a storer or
-            GU_FUSED; GU_FUSED is ignored with a storer), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ"
+            (GU_FUSED is ignored with a storer), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ"
             (:data:`SIGMOID_FTZ`), and, to time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row
             sums; no storer) (default :func:`up_ws_config` for d).
     Returns:
@@ -657,10 +615,8 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     _CALLS[(d, n, e, str(x.dtype).removeprefix("torch."), store_h)] = dict(cfg)
     table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     num_pid_n = n // BLOCK_N
-    # WG_SPLIT (no storer, whole gate and up chains): each warpgroup stores half-tile boxes
     gu_fused = bool(cfg.get("GU_FUSED", GU_FUSED)) and not epi_warps  # a 256-wide wgmma does not fit 16 warps
-    split = bool(cfg.get("WG_SPLIT", False)) and not epi_warps and not gu_fused
-    box = [BLOCK_M // 2 if split else BLOCK_M, BLOCK_N]
+    box = [BLOCK_M, BLOCK_N]
     a_desc = _descriptor(a, box)
     launch_kernel(
         _up_ws_kernel, (sm_count(x.device),),
@@ -672,7 +628,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         MMA_WARPS=MMA_WARPS, LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=LOADER_REGS,
         GU_FUSED=gu_fused, PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
-        EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA), WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS),
+        EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA),
         H_PACKED=cfg.get("H_PACKED", H_PACKED), SIG_FTZ=cfg.get("SIGMOID_FTZ", SIGMOID_FTZ),
-        num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
+        num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
