@@ -19,13 +19,13 @@ usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,
              [--kernels up,dH,dW1,dW2,wg,wgsplit,upsplit,ftz,ring,chains] [--warmup 1.0] [--window 1.5]
              [--passes 1] [--json F]
 
-``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the
-dense twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or
-two (``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's H rounded by packed cvts or by ``.to``
-(``H_PACKED``), whole and MMAs alone (its MMA warpgroups as two partitions, session 57's other form, went in session
-67); ``ftz``:
-the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``); ``ring``: the MMAs alone
-of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection with its storer;
+``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the dense
+twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or two
+(``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's H rounded by packed cvts or by ``.to``
+(``H_PACKED``), whole and MMAs alone (session 57's other form, its MMA warpgroups as two partitions, was removed in
+session 67); ``ftz``: the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``);
+``ring``: the MMAs alone of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection
+with its storer;
 ``chains``: the up-projection and dW1 with two m64 × 128 wgmma chains per warpgroup or one m64 × 256 chain;
 ``fence``: the four gather-fused kernels as the layer runs them (and the MMAs alone), to run with and without
 ``--no-fence``.

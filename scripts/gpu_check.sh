@@ -414,8 +414,8 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       # (gather_path_probe.py --kernels fence [--no-fence], fresh processes); the aggregation on reserved
       # multiprocessors in each config of reserve_probe.py (EXPOSED_RESERVES, default 8,16). About 8 minutes.
       # exposedab: fresh-process layer A/Bs of SONICMOE_AGG_RESERVE_CONFIG (EXPOSED_AB_CONFIG, default 8:1024:16:8)
-      # at 120B-n1024, EXPOSED_AB_ROUNDS rounds (3); the forward's column blocks, its other arms until session 67,
-      # went with their switch
+      # at 120B-n1024, EXPOSED_AB_ROUNDS rounds (3). Until session 67 it also had arms for the forward's column
+      # blocks, whose switch was removed then
       timeout ${EXPOSED_TEST_LIMIT_S:-240} python3 -m pytest -q -m gpu tests/test_library.py \
         -k "column_chunked_default" > "$OUT/exposed_tests.txt" 2>&1
       SUMMARY+=("$(tail -1 "$OUT/exposed_tests.txt")")
