@@ -202,8 +202,8 @@ def spaces(which: str) -> dict:
                  + [{"STAGES": up_proj_ws.up_ws_config(4096)["STAGES"], "H_PACKED": False}]
                  + [{**up_proj_ws.up_ws_config(w), "SIGMOID_FTZ": True} for w in (4096, 1536)]
                  + [{"STAGES": 3, "EPI_WARPS": 4, "EPI_CHUNK": c, "EPI_REGS": r} for c in (16, 32) for r in (80, 96)],
-        "down_ws": [grouped_gemm_ws.ws_config(n, stage_in_ring=r) for r in (False, True)],
-        "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False, stage_in_ring=r) for r in (False, True)],
+        "down_ws": [grouped_gemm_ws.ws_config(n)],
+        "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False)],
         "dh_ws": [dh_ws.dh_ws_config(n, epi, nbuf, bn) for bn in (256, 128) for epi in (16, 32, 64) for nbuf in (2, 4)
                   if dh_ws.dh_ws_config(n, epi, nbuf, bn)["STAGES"] >= 2]
                  + [dh_ws.dh_ws_config(n, epi, 2, 256, stage_in_ring=False) for epi in (16, 32)]

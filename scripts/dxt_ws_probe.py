@@ -1,10 +1,9 @@
 """The dX̃ GEMM (dX̃ = dH W1[e], varlen-M, B not transposed) on the Gluon ping-pong kernel against the Triton one.
 
-usage: python scripts/dxt_ws_probe.py [--shape T,d,n,E,K ...] [--configs BN:STAGES[:RING],...] [--form dxt|down]
+usage: python scripts/dxt_ws_probe.py [--shape T,d,n,E,K ...] [--configs BN:STAGES,...] [--form dxt|down]
            [--rounds 5] [--json F]
 
-RING 1 stages each tile's output in the ring slots of its last two K-blocks (``STAGE_IN_RING``), 0 (the default) in
-buffers of its own. ``--form down`` probes the down-projection form (Y = A W2[e]ᵀ, k = n) instead.
+``--form down`` probes the down-projection form (Y = A W2[e]ᵀ, k = n) instead.
 
 On sm_90 the layer runs dX̃ on the ping-pong kernel of ``grouped_gemm_ws`` where it applies (``default``; the
 Triton kernel with ``SONICMOE_GLUON_DXT=0``). This probe runs ``ws_varlen_m_gemm(transpose_b=False)``
@@ -65,7 +64,7 @@ def probe_shape(shape: str, configs: list[dict], rounds: int, form: str = "dxt")
     fns = {"triton": lambda: triton_dxt(a, b, routing, tb),
            "default": lambda: varlen_m_gemm(a, b, None, routing, transpose_b=tb)}
     for cfg in configs:
-        fns[f"gluon BN={cfg['BLOCK_N']} S={cfg['STAGES']} R={int(cfg['STAGE_IN_RING'])}"] = (
+        fns[f"gluon BN={cfg['BLOCK_N']} S={cfg['STAGES']}"] = (
             lambda cfg=cfg: ws.ws_varlen_m_gemm(a, b, None, routing.expert_offsets, transpose_b=tb, config=cfg))
     base = fns["triton"]()
     checks = {}
@@ -111,15 +110,15 @@ def probe_shapes(shapes: list[str] | None, probe, json_path: str | None) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", default=None)
-    ap.add_argument("--configs", default="128:8,128:12:1")
+    ap.add_argument("--configs", default="128:8,128:6")
     ap.add_argument("--form", choices=("dxt", "down"), default="dxt")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     configs = []
     for c in args.configs.split(","):
-        bn, stages, ring = (list(map(int, c.split(":"))) + [0])[:3]
-        configs.append({"BLOCK_N": bn, "STAGES": stages, "STAGE_IN_RING": bool(ring)})
+        bn, stages = map(int, c.split(":"))
+        configs.append({"BLOCK_N": bn, "STAGES": stages})
     probe_shapes(args.shape, lambda shape: probe_shape(shape, configs, args.rounds, args.form), args.json)
 
 

@@ -37,8 +37,8 @@
 #   noise  a triton run of cmp's schedule with seed 1 (other initialisation and batches: the seed noise that
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
-#   gemmws the Gluon ping-pong GEMM (down-projection, dX̃): probe of its staging layouts against Triton (GEMMWS_SHAPES,
-#          GEMMWS_DXT_CONFIGS, GEMMWS_DOWN_CONFIGS), its GPU tests, layer A/B of SONICMOE_GEMM_STAGE_IN_RING
+#   gemmws the Gluon ping-pong GEMM (down-projection, dX̃): probe of its ring depths against Triton (GEMMWS_SHAPES,
+#          GEMMWS_DXT_CONFIGS, GEMMWS_DOWN_CONFIGS), its GPU tests
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
 #          names the switch of bare values) on AB_SHAPES (default the 7B shape), AB_ROUNDS rounds; AB_ARGS more
 #          options (--graph: CUDA-graph replays; --warmup MS; --routing token_rounding)
@@ -274,26 +274,19 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       ;;
     gemmws)
       # the Gluon ping-pong GEMM (down-projection and dX̃ forms): probe (against Triton: bits, error, alternating
-      # timings; GEMMWS_DXT_CONFIGS, GEMMWS_DOWN_CONFIGS as BN:STAGES[:RING],...), GPU tests, layer A/B of
-      # SONICMOE_GEMM_STAGE_IN_RING (GEMMWS_AB_VALUES, GEMMWS_AB_SHAPES, GEMMWS_AB_ROUNDS)
+      # timings; GEMMWS_DXT_CONFIGS, GEMMWS_DOWN_CONFIGS as BN:STAGES,...), GPU tests
       shapes=()
       for sh in ${GEMMWS_SHAPES:-24576,1536,256,128,8}; do shapes+=(--shape "$sh"); done
       timeout ${GEMMWS_LIMIT_S:-150} python3 scripts/dxt_ws_probe.py "${shapes[@]}" --form dxt \
-        --configs ${GEMMWS_DXT_CONFIGS:-128:8:0,128:12:1,128:10:1} --json "$OUT/dxt_ws_probe.json" > "$OUT/dxt_ws_probe.txt" 2>&1
+        --configs ${GEMMWS_DXT_CONFIGS:-128:8,128:6} --json "$OUT/dxt_ws_probe.json" > "$OUT/dxt_ws_probe.txt" 2>&1
       timeout ${GEMMWS_LIMIT_S:-150} python3 scripts/dxt_ws_probe.py "${shapes[@]}" --form down \
-        --configs ${GEMMWS_DOWN_CONFIGS:-128:16:0,128:16:1,128:20:1} --json "$OUT/down_ws_probe.json" > "$OUT/down_ws_probe.txt" 2>&1
+        --configs ${GEMMWS_DOWN_CONFIGS:-128:16,128:12} --json "$OUT/down_ws_probe.json" > "$OUT/down_ws_probe.txt" 2>&1
       [ "${GEMMWS_TESTS:-1}" = 1 ] &&
         timeout 300 python3 -m pytest -rA -m gpu tests/test_grouped_gemm_ws.py -p no:cacheprovider \
           > "$OUT/gpu_tests_gemmws.log" 2>&1
-      ab=()
-      for sh in ${GEMMWS_AB_SHAPES:-24576,1536,256,128,8}; do ab+=(--shape "$sh"); done
-      [ "${GEMMWS_AB:-1}" = 1 ] && timeout ${GEMMWS_AB_LIMIT_S:-240} python3 scripts/ws_ab.py --env SONICMOE_GEMM_STAGE_IN_RING \
-        --values ${GEMMWS_AB_VALUES:-1,0} --rounds ${GEMMWS_AB_ROUNDS:-7} --warmup 1000 "${ab[@]}" --json "$OUT/ab_gemm.json" \
-        > "$OUT/ab_gemm.txt" 2>&1
       SUMMARY+=("$(grep -svE 'check' "$OUT/dxt_ws_probe.txt" | tail -6)" "$(grep -sE 'check' "$OUT/dxt_ws_probe.txt" | cut -c1-200)"
                 "$(grep -svE 'check' "$OUT/down_ws_probe.txt" | tail -6)" "$(grep -sE 'check' "$OUT/down_ws_probe.txt" | cut -c1-200)"
-                "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_gemmws.log")" "$(tail -1 "$OUT/gpu_tests_gemmws.log" 2>/dev/null)"
-                "$(grep -E 'SONICMOE_GEMM_STAGE_IN_RING=' "$OUT/ab_gemm.txt" 2>/dev/null)")
+                "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_gemmws.log")" "$(tail -1 "$OUT/gpu_tests_gemmws.log" 2>/dev/null)")
       ;;
     ab)
       ab=()

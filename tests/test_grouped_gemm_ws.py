@@ -85,43 +85,20 @@ def test_routing_tile_table_shared_and_rebuilt(device):
     assert int(routing_tile_table(routing, 64)[1, 0]) == 0
 
 
-@pytest.mark.parametrize("ring", [False, True])
-def test_ws_config_fits_shared_memory(ring):
+def test_ws_config_fits_shared_memory():
+    """The deepest A ring that fits beside B[e]'s resident block and the two staging buffers, at most MAX_STAGES."""
     for k in range(64, grouped_gemm_ws.MAX_K + 1, 64):
-        cfg = ws_config(k, stage_in_ring=ring)
-        cap = grouped_gemm_ws.MAX_STAGES_RING if cfg["STAGE_IN_RING"] else grouped_gemm_ws.MAX_STAGES
+        cfg = ws_config(k)
+        cap = grouped_gemm_ws.MAX_STAGES
         assert cfg is not None and 1 <= cfg["STAGES"] <= cap
-        # staging in the ring needs two K-blocks: k = 64 keeps its buffers
-        assert cfg["STAGE_IN_RING"] == (ring and k >= 128)
-        used = ws_smem_bytes(k, cfg["STAGES"], cfg["BLOCK_N"], stage_in_ring=cfg["STAGE_IN_RING"])
-        more = ws_smem_bytes(k, cfg["STAGES"] + 1, cfg["BLOCK_N"], stage_in_ring=cfg["STAGE_IN_RING"])
+        used = ws_smem_bytes(k, cfg["STAGES"], cfg["BLOCK_N"])
+        more = ws_smem_bytes(k, cfg["STAGES"] + 1, cfg["BLOCK_N"])
         assert used <= grouped_gemm_ws.SMEM_BUDGET
         assert more > grouped_gemm_ws.SMEM_BUDGET or cfg["STAGES"] == cap
-    # the 7B down-projection (k = n = 256): 16 slots with staging buffers, 20 with the staging in the ring; the old
-    # layout keeps 16 at every k (its configs before the ring form existed)
-    if not ring:
-        assert all(ws_config(kk, stage_in_ring=False)["STAGES"] == 16 for kk in range(64, 257, 64))
-    assert ws_config(256, stage_in_ring=ring)["STAGES"] == (20 if ring else 16)
+    # the 7B down-projection (k = n = 256) and every smaller k: 16 slots
+    assert all(ws_config(kk)["STAGES"] == 16 for kk in range(64, 257, 64))
     for k in (0, 32, 100, 320, 512):
-        assert ws_config(k, stage_in_ring=ring) is None
-
-
-def test_stage_in_ring_switch(monkeypatch):
-    """SONICMOE_GEMM_STAGE_IN_RING turns the ring staging on (1) or off (0); unset, STAGE_IN_RING decides; an explicit
-    argument wins; the launcher refuses it where a tile half is not an A block."""
-    monkeypatch.delenv("SONICMOE_GEMM_STAGE_IN_RING", raising=False)
-    assert ws_config(512, transpose_b=False)["STAGE_IN_RING"] == grouped_gemm_ws.STAGE_IN_RING
-    monkeypatch.setenv("SONICMOE_GEMM_STAGE_IN_RING", "0")
-    assert not ws_config(512, transpose_b=False)["STAGE_IN_RING"]
-    assert ws_config(512, transpose_b=False, stage_in_ring=True)["STAGE_IN_RING"]
-    monkeypatch.setenv("SONICMOE_GEMM_STAGE_IN_RING", "1")
-    assert ws_config(256)["STAGE_IN_RING"] and not ws_config(64)["STAGE_IN_RING"]
-    assert grouped_gemm_ws.ring_fits_tile(128) and not grouped_gemm_ws.ring_fits_tile(128, block_n=64)
-    a = torch.zeros(64, 64, dtype=torch.bfloat16)
-    b = torch.zeros(1, 128, 64, dtype=torch.bfloat16)
-    off = torch.tensor([0, 64], dtype=torch.int32)
-    with pytest.raises(ValueError, match="STAGE_IN_RING"):
-        ws_varlen_m_gemm(a, b, None, off, transpose_b=True, config={"BLOCK_N": 128, "STAGES": 4, "STAGE_IN_RING": True})
+        assert ws_config(k) is None
 
 
 @pytest.mark.skipif(not grouped_gemm_ws.HAVE_GLUON, reason="Gluon ships with Triton >= 3.5")
@@ -139,21 +116,19 @@ def test_shared_layout_is_built_once_and_equals_the_default():
     assert grouped_gemm_ws.shared_layout((128, 32), torch.bfloat16).swizzle_byte_width == 64
 
 
-@pytest.mark.parametrize("ring", [False, True])
-def test_ws_config_dxt_form_fits_shared_memory(ring):
-    """The dX̃ form (B not transposed) takes k up to MAX_K_DXT (k = 2n = 512 at the 7B shape: an 8-slot ring, 12
-    with the staging in the ring)."""
+def test_ws_config_dxt_form_fits_shared_memory():
+    """The dX̃ form (B not transposed) takes k up to MAX_K_DXT (k = 2n = 512 at the 7B shape: an 8-slot ring)."""
     for k in range(64, grouped_gemm_ws.MAX_K_DXT + 1, 64):
-        cfg = ws_config(k, transpose_b=False, stage_in_ring=ring)
-        assert cfg is not None and 1 <= cfg["STAGES"] <= (grouped_gemm_ws.MAX_STAGES_RING if cfg["STAGE_IN_RING"]
-                                                          else grouped_gemm_ws.MAX_STAGES)
-        assert ws_smem_bytes(k, cfg["STAGES"], cfg["BLOCK_N"], stage_in_ring=cfg["STAGE_IN_RING"]) \
-            <= grouped_gemm_ws.SMEM_BUDGET
+        cfg = ws_config(k, transpose_b=False)
+        assert cfg is not None and 1 <= cfg["STAGES"] <= grouped_gemm_ws.MAX_STAGES
+        assert ws_smem_bytes(k, cfg["STAGES"], cfg["BLOCK_N"]) <= grouped_gemm_ws.SMEM_BUDGET
+        assert ws_smem_bytes(k, cfg["STAGES"] + 1, cfg["BLOCK_N"]) > grouped_gemm_ws.SMEM_BUDGET \
+            or cfg["STAGES"] == grouped_gemm_ws.MAX_STAGES
         if k <= grouped_gemm_ws.MAX_K:
-            assert cfg == ws_config(k, stage_in_ring=ring)
-    assert ws_config(512, transpose_b=False, stage_in_ring=ring)["STAGES"] == (12 if ring else 8)
+            assert cfg == ws_config(k)
+    assert ws_config(512, transpose_b=False)["STAGES"] == 8
     for k in (0, 32, 100, 576, 1024):
-        assert ws_config(k, transpose_b=False, stage_in_ring=ring) is None
+        assert ws_config(k, transpose_b=False) is None
 
 
 def test_reference_matches_per_row_products():
@@ -276,12 +251,11 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
             monkeypatch.setenv("SONICMOE_GLUON", "0")
             tri = varlen_m_gemm(a, b, bias, routing, transpose_b=tb)
             monkeypatch.delenv("SONICMOE_GLUON")
-            # both staging layouts: buffers of their own, and the ring slots of the tile's last two K-blocks
-            for ring in (False, True):
-                cfg = ws_config(n, tb, stage_in_ring=ring)
+            # the default ring and a shallower one (its slots reused more often)
+            for cfg in (ws_config(n, tb), {**ws_config(n, tb), "STAGES": 4}):
                 got = ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=tb, config=cfg)
-                assert rel_err(got, ref) < 2e-3, (tb, bias is not None, ring)
-                assert torch.equal(got, tri), (tb, bias is not None, ring)
+                assert rel_err(got, ref) < 2e-3, (tb, bias is not None, cfg)
+                assert torch.equal(got, tri), (tb, bias is not None, cfg)
                 assert torch.equal(got, ws_varlen_m_gemm(a, b, bias, routing.expert_offsets, transpose_b=tb,
                                                          config=cfg))
             assert torch.equal(a, a0) and torch.equal(b, b0)

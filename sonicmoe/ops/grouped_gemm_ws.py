@@ -16,8 +16,7 @@ of one expert each), and splits its warps by role:
   asynchronous wgmma chain, the other runs the previous tile's epilogue (bias, cast, store). A pair of
   ``turn`` mbarriers makes the two alternate their MMA phases, which also keeps the shared ring in step order.
   Full tiles leave by TMA store from a per-consumer staging buffer; an expert's last, partial tile by masked
-  16-byte pointer stores. Under ``STAGE_IN_RING`` (off by default) a consumer stages its tile's two column halves in
-  the ring slots of the tile's last two K-blocks instead, and hands those slots back once the stores have read them.
+  16-byte pointer stores.
 
 The measured reason (benchmarks/results/2026-11-24_nvidia-h100_session17/): at the 7B shape the
 down-projection's loads and MMAs alone take about half its time and writing Y the other half; DRAM traffic is
@@ -47,7 +46,6 @@ import triton.language as tl
 from ..routing import Routing
 from .common import (
     cdiv,
-    env_switch,
     interpreting,
     max_m_tiles,
     new_output,
@@ -81,15 +79,10 @@ BLOCK_K = 64
 MAX_K = 256  # B[e]'s (k × BLOCK_N) block stays resident: k ≤ 256 is 64 KiB
 MAX_K_DXT = 512  # the dX̃ form (B not transposed, k = 2n): 128 KiB resident, an 8-slot A ring
 MAX_STAGES = 16
-MAX_STAGES_RING = 20  # with the staging in the ring (k = 256: 20 slots fit)
-# STAGE_IN_RING: each consumer stages its tile's two column halves in the ring slots of the tile's last two K-blocks
-# (their MMAs are done; a half has an A block's shape) instead of in a (BLOCK_M × BLOCK_N) buffer of its own, and
-# hands the slots back once its TMA stores have read them: the two buffers' 32 KiB become four more ring slots
-# (dX̃ at k = 512: 12 slots instead of 8; the down-projection at k = 256: 20 instead of 16). Same bits. Off by default:
-# session 42 (benchmarks/results/2026-11-27_nvidia-h100-h200_session42/) measured the 7B dX̃ alone 0.605 against
-# 0.616 ms on an H100 (the down-projection level), but the 7B layer level there (fwd+bwd 3.453 against 3.452 ms, 7
-# rounds) and 0.5% slower on an H200 (3.265 against 3.247, 2 of 7 rounds won): each consumer waits for its own stores.
-STAGE_IN_RING = False
+# Tried and dropped (session 42, benchmarks/results/2026-11-27_nvidia-h100-h200_session42/; removed in session 68,
+# last in e42b581): each consumer staging its tile's two column halves in the ring slots of the tile's last two
+# K-blocks instead of a buffer of its own, four more ring slots. The 7B dX̃ alone 0.605 against 0.616 ms on an H100,
+# but the 7B layer level there and 0.5% slower on an H200: each consumer waits for its own stores.
 # measured on H100 (session 17, benchmarks/results/2026-11-24_nvidia-h100_session17/): against the Triton kernel,
 # 7B (1536 rows per expert) 0.337 vs 0.359 ms, 1.4B (2560) 0.294 vs 0.303, (32768, 4096, 256, 256, 16) (2048)
 # 2.143 vs 2.634; slower at (16384, 1536, 256, 512, 8) (256 rows: B[e] reloaded every 4 M-tiles) 0.346 vs 0.324
@@ -225,8 +218,7 @@ if HAVE_GLUON:
     @gluon.jit
     def column_halves(acc):
         """The left and right column halves of the register tile ``acc`` (rows × 2W → two rows × W tiles), for
-        epilogues that write a tile in halves (the ring-slot staging of this kernel, :mod:`.weight_grad_ws` and
-        :mod:`.dh_ws`)."""
+        epilogues that write a tile in halves (:mod:`.weight_grad_ws` and :mod:`.dh_ws`)."""
         W: gl.constexpr = acc.shape[1] // 2
         return acc.reshape((acc.shape[0], 2, W)).permute((0, 2, 1)).split()
 
@@ -278,7 +270,7 @@ if HAVE_GLUON:
     def _ws_consumer(a_bufs, b_res, ready, empty, b_ready, b_empty, turn, c_smem, c_desc, c_ptr, bias_ptr,
                      table_ptr, N, stride_cr, ME: gl.constexpr, HAS_BIAS: gl.constexpr, B_TRANS: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                     TPW_N: gl.constexpr, STAGE_IN_RING: gl.constexpr):
+                     TPW_N: gl.constexpr):
         """Consumer ``ME`` (0 or 1): the M-tiles at even (0) or odd (1) positions of the program's range.
 
         Every consumer walks the whole range so that both see each change of expert: at one, it releases
@@ -320,35 +312,28 @@ if HAVE_GLUON:
                     else:
                         b = b_res.index(ki)
                     acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
-                    # one MMA in flight: the one before it is done, so its A slot goes back to the loader (under
-                    # STAGE_IN_RING the tile's last two slots stay: the epilogue stages its halves there)
+                    # one MMA in flight: the one before it is done, so its A slot goes back to the loader
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if ki > 0 and (not STAGE_IN_RING or ki < K_BLOCKS - 1):
+                    if ki > 0:
                         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
                 mbarrier.arrive(turn.index(1 - ME))
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                last = ((tile - lo) * K_BLOCKS + K_BLOCKS - 1) % STAGES
-                if not STAGE_IN_RING:
-                    mbarrier.arrive(empty.index(last))
+                mbarrier.arrive(empty.index(((tile - lo) * K_BLOCKS + K_BLOCKS - 1) % STAGES))
                 own += 1
                 if HAS_BIAS:
                     bias = gl.load(bias_ptr + e.to(gl.int64) * N + cols, mask=cols < N, other=0.0)
                     acc = acc + bias.to(gl.float32)[None, :]
-                if STAGE_IN_RING:
-                    _ring_epilogue(acc, a_bufs, empty, (last + STAGES - 1) % STAGES, last, c_desc, c_ptr, N,
-                                   stride_cr, row_start, row_end, pid_n * BLOCK_N, st_layout)
+                my_c = c_smem.index(ME)
+                # the staging buffer's previous TMA store has finished reading it
+                tma.store_wait(pendings=0)
+                my_c.store(acc.to(c_ptr.dtype.element_ty))
+                if row_end - row_start >= BLOCK_M:
+                    # a full tile: one asynchronous TMA store (columns past N clipped by the copy engine)
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(c_desc, [row_start, pid_n * BLOCK_N], my_c)
                 else:
-                    my_c = c_smem.index(ME)
-                    # the staging buffer's previous TMA store has finished reading it
-                    tma.store_wait(pendings=0)
-                    my_c.store(acc.to(c_ptr.dtype.element_ty))
-                    if row_end - row_start >= BLOCK_M:
-                        # a full tile: one asynchronous TMA store (columns past N clipped by the copy engine)
-                        fence_async_shared()
-                        tma.async_copy_shared_to_global(c_desc, [row_start, pid_n * BLOCK_N], my_c)
-                    else:
-                        # an expert's last tile: the rows past its end belong to the next expert, masked
-                        _masked_store(my_c, c_ptr, N, stride_cr, row_start, row_end, pid_n * BLOCK_N, st_layout)
+                    # an expert's last tile: the rows past its end belong to the next expert, masked
+                    _masked_store(my_c, c_ptr, N, stride_cr, row_start, row_end, pid_n * BLOCK_N, st_layout)
         tma.store_wait(pendings=0)
 
     @gluon.jit
@@ -367,54 +352,22 @@ if HAVE_GLUON:
             gl.store(ptrs, c, mask=(rows < row_end)[:, None] & (cc >= 0)[None, :])
 
     @gluon.jit
-    def _ring_epilogue(acc, a_bufs, empty, s_left, s_right, c_desc, c_ptr, N, stride_cr, row_start, row_end, col0,
-                       st_layout: gl.constexpr):
-        """STAGE_IN_RING: the tile ``acc`` (BLOCK_M × BLOCK_N) leaves in two column halves staged in the ring slots
-        of its last two K-blocks (``s_left``, ``s_right``; a half has an A block's shape, BLOCK_N = 2 BLOCK_K),
-        which its MMAs have finished reading: by two TMA stores for a full tile, by masked pointer stores for an
-        expert's last one. The slots go back to the loader once the stores have read them."""
-        W: gl.constexpr = acc.shape[1] // 2
-        left, right = column_halves(acc)
-        buf_l = a_bufs.index(s_left)
-        buf_r = a_bufs.index(s_right)
-        buf_l.store(left.to(c_ptr.dtype.element_ty))
-        buf_r.store(right.to(c_ptr.dtype.element_ty))
-        if row_end - row_start >= acc.shape[0]:
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(c_desc, [row_start, col0], buf_l)
-            tma.async_copy_shared_to_global(c_desc, [row_start, col0 + W], buf_r)
-            tma.store_wait(pendings=0)
-        else:
-            gl.thread_barrier()
-            _masked_store(buf_l, c_ptr, N, stride_cr, row_start, row_end, col0, st_layout)
-            _masked_store(buf_r, c_ptr, N, stride_cr, row_start, row_end, col0 + W, st_layout)
-        # every thread is past its reads and writes of the two slots
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s_left))
-        mbarrier.arrive(empty.index(s_right))
-
-    @gluon.jit
     def _ws_consumer1(a_bufs, b_res, ready, empty, b_ready, b_empty, turn, c_smem, c_desc, c_ptr, bias_ptr,
                       table_ptr, N, stride_cr, HAS_BIAS: gl.constexpr, B_TRANS: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                      TPW_N: gl.constexpr, STAGE_IN_RING: gl.constexpr):
+                      TPW_N: gl.constexpr):
         _ws_consumer(a_bufs, b_res, ready, empty, b_ready, b_empty, turn, c_smem, c_desc, c_ptr, bias_ptr,
-                     table_ptr, N, stride_cr, 1, HAS_BIAS, B_TRANS, BLOCK_M, BLOCK_N, K_BLOCKS, STAGES, TPW_N,
-                     STAGE_IN_RING)
+                     table_ptr, N, stride_cr, 1, HAS_BIAS, B_TRANS, BLOCK_M, BLOCK_N, K_BLOCKS, STAGES, TPW_N)
 
     @gluon.jit
     def _ws_varlen_m_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, table_ptr, N, K, stride_cr,
                             HAS_BIAS: gl.constexpr, B_TRANS: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, K_BLOCKS: gl.constexpr,
                             STAGES: gl.constexpr, TPW_N: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            LOADER_REGS: gl.constexpr, STAGE_IN_RING: gl.constexpr):
+                            LOADER_REGS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_res = gl.allocate_shared_memory(b_desc.dtype, [K_BLOCKS] + b_desc.block_type.shape, b_desc.layout)
-        if STAGE_IN_RING:
-            c_smem = a_bufs  # the consumers stage their outputs in ring slots (c_desc's box is half a tile)
-        else:
-            c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         b_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -430,10 +383,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_ws_consumer, (a_bufs, b_res, ready, empty, b_ready, b_empty, turn, c_smem, c_desc, c_ptr, bias_ptr,
                             table_ptr, N, stride_cr, 0, HAS_BIAS, B_TRANS, BLOCK_M, BLOCK_N, K_BLOCKS, STAGES,
-                            TPW_N, STAGE_IN_RING)),
+                            TPW_N)),
             (_ws_consumer1, (a_bufs, b_res, ready, empty, b_ready, b_empty, turn, c_smem, c_desc, c_ptr, bias_ptr,
                              table_ptr, N, stride_cr, HAS_BIAS, B_TRANS, BLOCK_M, BLOCK_N, K_BLOCKS, STAGES,
-                             TPW_N, STAGE_IN_RING)),
+                             TPW_N)),
             (_ws_loader, (a_desc, b_desc, a_bufs, b_res, ready, empty, b_ready, b_empty, table_ptr, N, K, B_TRANS,
                           BLOCK_N, BLOCK_K, K_BLOCKS, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -449,35 +402,20 @@ if HAVE_GLUON:
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def ws_smem_bytes(k: int, stages: int, block_n: int = BLOCK_N, elem: int = 2, stage_in_ring: bool = False) -> int:
-    """Shared memory of one program: B[e]'s resident (k × BLOCK_N) block, the A ring, and two staging buffers
-    unless ``stage_in_ring`` (the consumers then stage in ring slots)."""
-    staging = 0 if stage_in_ring else 2 * BLOCK_M * block_n
-    return elem * (k * block_n + stages * BLOCK_M * BLOCK_K + staging)
+def ws_smem_bytes(k: int, stages: int, block_n: int = BLOCK_N, elem: int = 2) -> int:
+    """Shared memory of one program: B[e]'s resident (k × BLOCK_N) block, the A ring, and the consumers' two
+    staging buffers."""
+    return elem * (k * block_n + stages * BLOCK_M * BLOCK_K + 2 * BLOCK_M * block_n)
 
 
-def ring_fits_tile(k: int, block_n: int = BLOCK_N) -> bool:
-    """Whether a tile's output can be staged in the ring slots of its last two K-blocks: two or more K-blocks, and a
-    column half of the (BLOCK_M × block_n) tile the shape of an A block (block_n = 2 BLOCK_K)."""
-    return k // BLOCK_K >= 2 and block_n == 2 * BLOCK_K
-
-
-def ws_config(k: int, transpose_b: bool = True, stage_in_ring: bool | None = None) -> dict | None:
-    """The kernel's config for a reduction of size k: {"BLOCK_N", "STAGES", "STAGE_IN_RING"} (the deepest A ring
-    that fits, at most MAX_STAGES, or MAX_STAGES_RING with the staging in the ring), or None where k is not a
-    multiple of BLOCK_K or exceeds MAX_K (MAX_K_DXT for the dX̃ form, ``transpose_b`` False).
-
-    ``stage_in_ring`` (default: ``SONICMOE_GEMM_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING): the
-    consumers stage their outputs in ring slots, which frees their staging buffers for a deeper ring; honoured
-    only where :func:`ring_fits_tile` holds."""
+def ws_config(k: int, transpose_b: bool = True) -> dict | None:
+    """The kernel's config for a reduction of size k: {"BLOCK_N", "STAGES"} (the deepest A ring that fits, at most
+    MAX_STAGES), or None where k is not a multiple of BLOCK_K or exceeds MAX_K (MAX_K_DXT for the dX̃ form,
+    ``transpose_b`` False)."""
     if k % BLOCK_K or k > (MAX_K if transpose_b else MAX_K_DXT) or k <= 0:
         return None
-    if stage_in_ring is None:
-        stage_in_ring = env_switch("SONICMOE_GEMM_STAGE_IN_RING", STAGE_IN_RING)
-    ring = stage_in_ring and ring_fits_tile(k)
-    free = SMEM_BUDGET - ws_smem_bytes(k, 0, stage_in_ring=ring)
-    stages = min(MAX_STAGES_RING if ring else MAX_STAGES, free // (2 * BLOCK_M * BLOCK_K))
-    return {"BLOCK_N": BLOCK_N, "STAGES": stages, "STAGE_IN_RING": ring}
+    free = SMEM_BUDGET - ws_smem_bytes(k, 0)
+    return {"BLOCK_N": BLOCK_N, "STAGES": min(MAX_STAGES, free // (2 * BLOCK_M * BLOCK_K))}
 
 
 def ws_enabled(transpose_b: bool = True) -> bool:
@@ -547,8 +485,7 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
             (C = A B[e]), contiguous, a's dtype.
         bias: (E, m) or None.
         expert_offsets: (E+1,) int32 exclusive prefix sum of the per-expert row counts.
-        config: {"BLOCK_N", "STAGES"} and optionally "STAGE_IN_RING" (the outputs staged in ring slots; needs
-            :func:`ring_fits_tile`) (default :func:`ws_config`).
+        config: {"BLOCK_N", "STAGES"} (default :func:`ws_config`).
         table: the :func:`tile_table` of ``expert_offsets`` for :data:`BLOCK_M` if the caller has it
             (:func:`routing_tile_table`), else it is built here.
     Returns:
@@ -561,11 +498,6 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
         k, m = b.shape[1], b.shape[2]
     cfg = config or ws_config(k, transpose_b)
     bn = cfg["BLOCK_N"]
-    ring = bool(cfg.get("STAGE_IN_RING", False))
-    if ring and not ring_fits_tile(k, bn):
-        raise ValueError(f"config: STAGE_IN_RING needs k >= {2 * BLOCK_K} and BLOCK_N = {2 * BLOCK_K}, got k={k}, "
-                         f"BLOCK_N={bn}")
-    c_width = bn // 2 if ring else bn  # the box of one TMA store of C: half a tile when staged in the ring
     b2d, b_block = (b.view(e * m, k), [bn, BLOCK_K]) if transpose_b else (b.view(e * k, m), [BLOCK_K, bn])
     r = a.shape[0]
     c = new_output((r, m), device=a.device, dtype=a.dtype)
@@ -577,11 +509,11 @@ def ws_varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n
     launch_kernel(
         _ws_varlen_m_kernel, (grid,),
-        _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(c, [BLOCK_M, c_width]), c,
+        _descriptor(a, [BLOCK_M, BLOCK_K]), _descriptor(b2d, b_block), _descriptor(c, [BLOCK_M, bn]), c,
         bias.contiguous() if bias is not None else c, table, m, k, c.stride(0),
         HAS_BIAS=bias is not None, B_TRANS=transpose_b, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K,
-        K_BLOCKS=k // BLOCK_K, STAGES=cfg["STAGES"], TPW_N=min(32, c_width // 8), CONSUMER_REGS=CONSUMER_REGS,
-        LOADER_REGS=LOADER_REGS, STAGE_IN_RING=ring, num_warps=4)
+        K_BLOCKS=k // BLOCK_K, STAGES=cfg["STAGES"], TPW_N=min(32, bn // 8), CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, num_warps=4)
     return c
 
 
