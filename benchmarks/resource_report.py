@@ -30,9 +30,8 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 SMEM_LIMIT = 232448  # bytes per block on sm_90
-# the weight-gradient kernel's forms: (stage in ring, warpgroups split, store pieces, epilogue turns)
-WGRAD_FORMS = ((False, False, 2, False), (True, False, 2, False), (False, True, 2, False), (False, True, 2, True),
-               (False, True, 1, False), (False, True, 1, True))
+# the weight-gradient kernel's forms: (stage in ring, warpgroups split)
+WGRAD_FORMS = ((False, False), (True, False), (False, True))
 
 
 class _OfflineDriver:
@@ -212,10 +211,9 @@ def spaces(which: str) -> dict:
         "long_dxt": [varlen_m_ws.long_config()],
         "dh_ws_pair": [dh_ws.dh_ws_config(n)],
         "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
-        "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w, wg_pieces=pc,
-                                                  wg_turns=tu) for r, w, pc, tu in WGRAD_FORMS],
-        "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w, wg_pieces=pc,
-                                                  wg_turns=tu) for r, w, pc, tu in WGRAD_FORMS],
+        "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w)
+                   for r, w in WGRAD_FORMS],
+        "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w) for r, w in WGRAD_FORMS],
     })
     if which == "default":
         # the configs the layer runs: each Gluon kernel's default at the problem's widths (and the up-projection's

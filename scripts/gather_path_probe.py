@@ -21,7 +21,7 @@ usage (GPU): PYTHONPATH=$PWD python scripts/gather_path_probe.py [--shape T,d,n,
 
 ``wg``: the weight gradients with their output skipped, the other tile shape, balanced contiguous operands and the dense
 twin with either operand order; ``wgsplit``: the weight-gradient kernel's MMA warpgroups as one partition or two
-(``WG_SPLIT``) in each store form; ``upsplit``: the up-projection's H rounded by packed cvts or by ``.to``
+(``WG_SPLIT``); ``upsplit``: the up-projection's H rounded by packed cvts or by ``.to``
 (``H_PACKED``), whole and MMAs alone (session 57's other form, its MMA warpgroups as two partitions, was removed in
 session 67); ``ftz``: the up-projection and dH with the sigmoid by the default or the ftz forms (``SIGMOID_FTZ``);
 ``ring``: the MMAs alone of dH and the up-projection at several ring depths (``RING_DEPTHS``), and the up-projection
@@ -263,23 +263,22 @@ def up_split_forms(x, w1, routing, d, flops) -> list:
             for name, cfg in (forms if part == 0 else forms[:1])]
 
 
-# (name, WG_SPLIT, WG_PIECES, WG_TURNS) of the weight-gradient kernel's forms under ``--kernels wgsplit``
-SPLIT_FORMS = (("8-warp MMA partition", False, 2, False), ("split, 2 pieces", True, 2, False),
-               ("split, 2 pieces, turns", True, 2, True), ("split, 1 piece", True, 1, False),
-               ("split, 1 piece, turns", True, 1, True))
+# (name, WG_SPLIT) of the weight-gradient kernel's forms under ``--kernels wgsplit`` (the split form's one-piece
+# stores and epilogues in turns, which session 56 also timed, were removed in session 68)
+SPLIT_FORMS = (("8-warp MMA partition", False), ("split", True))
 
 
 def wgrad_split_forms(x, dout, dh_, ap_, routing, n, d) -> list:
     """dW1 and dW2 as the layer runs them under each of :data:`SPLIT_FORMS` (the MMA warpgroups as one partition or
-    two, their store pieces, their epilogues taking turns or not), each checked bitwise against the first."""
+    two), each checked bitwise against the first."""
     gemm = 2 * routing.num_rows * n * d
     tok, off = routing.row_token, routing.expert_offsets
     out = []
     for name, pp, qq, pg, (i_dim, j_dim), fl in (("dW1", dh_, x, False, (2 * n, d), 2 * gemm),
                                                  ("dW2", dout, ap_, True, (d, n), gemm)):
         ref = None
-        for form, split, pieces, turns in SPLIT_FORMS:
-            cfg = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, wg_split=split, wg_pieces=pieces, wg_turns=turns)
+        for form, split in SPLIT_FORMS:
+            cfg = weight_grad_ws.wgrad_ws_config(i_dim, j_dim, pg, wg_split=split)
 
             def fn(pp=pp, qq=qq, pg=pg, cfg=cfg):
                 return weight_grad_ws.wgrad_ws(pp, qq, tok, off, p_gather=pg, config=cfg)

@@ -40,7 +40,7 @@ def test_config_fits_shared_memory():
             assert i_dim % bi == 0 and j_dim % bj == 0 and {bi, bj} == {128, 256}
             assert 2 <= st <= weight_grad_ws.MAX_STAGES
             # half a tile of output buffers: the tile's right half in a ring slot, or two warpgroups' pieces
-            half = cfg["STAGE_IN_RING"] or (cfg["WG_SPLIT"] and cfg["WG_PIECES"] == 2)
+            half = cfg["STAGE_IN_RING"] or cfg["WG_SPLIT"]
             assert not (cfg["STAGE_IN_RING"] and cfg["WG_SPLIT"])
             assert wgrad_ws_smem_bytes(bi, bj, br, st, stage_in_ring=half) <= weight_grad_ws.SMEM_BUDGET
             assert (wgrad_ws_smem_bytes(bi, bj, br, st + 1, stage_in_ring=half) > weight_grad_ws.SMEM_BUDGET
@@ -81,46 +81,35 @@ def test_warpgroup_split_config():
             assert split["BLOCK_I"] // 2 >= 64  # each warpgroup's half: whole m64 wgmma rows
 
 
-def test_warpgroup_split_switches(monkeypatch):
-    """SONICMOE_WGRAD_WG_SPLIT 1 / 0 turns the split form on / off in the default config; SONICMOE_WGRAD_WG_PIECES
-    and SONICMOE_WGRAD_WG_TURNS set its store form. One piece per warpgroup needs a whole half tile of buffer each,
-    so the ring is a slot shorter; a piece count other than 1 or 2 is refused by name."""
+def test_warpgroup_split_switch(monkeypatch):
+    """SONICMOE_WGRAD_WG_SPLIT 1 / 0 turns the split form on / off in the default config (read at each call); unset,
+    WG_SPLIT decides; an explicit argument wins."""
+    monkeypatch.delenv("SONICMOE_WGRAD_WG_SPLIT", raising=False)
+    assert wgrad_ws_config(2048, 4096, False)["WG_SPLIT"] == weight_grad_ws.WG_SPLIT
     monkeypatch.setenv("SONICMOE_WGRAD_WG_SPLIT", "1")
     assert wgrad_ws_config(2048, 4096, False)["WG_SPLIT"]
+    assert wgrad_ws_config(2048, 4096, False)["STAGES"] == 4
     monkeypatch.setenv("SONICMOE_WGRAD_WG_SPLIT", "0")
     assert not wgrad_ws_config(2048, 4096, False)["WG_SPLIT"]
-    monkeypatch.setenv("SONICMOE_WGRAD_WG_PIECES", "1")
-    monkeypatch.setenv("SONICMOE_WGRAD_WG_TURNS", "1")
-    one = wgrad_ws_config(2048, 4096, False, wg_split=True)
-    assert one["WG_PIECES"] == 1 and one["WG_TURNS"] and one["STAGES"] == 3
-    monkeypatch.setenv("SONICMOE_WGRAD_WG_PIECES", "2")
-    monkeypatch.setenv("SONICMOE_WGRAD_WG_TURNS", "0")
-    two = wgrad_ws_config(2048, 4096, False, wg_split=True)
-    assert two["WG_PIECES"] == 2 and not two["WG_TURNS"] and two["STAGES"] == 4
-    with pytest.raises(ValueError, match="wg_pieces"):
-        wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=3)
-    monkeypatch.setenv("SONICMOE_WGRAD_WG_PIECES", "four")
-    with pytest.raises(ValueError, match="SONICMOE_WGRAD_WG_PIECES"):
-        wgrad_ws_config(2048, 4096, False, wg_split=True)
+    assert wgrad_ws_config(2048, 4096, False, wg_split=True)["WG_SPLIT"]
 
 
 def test_swap_ab_config(monkeypatch):
-    """The transposed warpgroup products (SWAP_AB) apply only to the split form's 256 x 128 tiles stored in two
-    pieces (dW1, X gathered), keep that form's tile and ring, and take the 256-wide wgmma's registers;
+    """The transposed warpgroup products (SWAP_AB) apply only to the split form's 256 x 128 tiles (dW1, X
+    gathered), keep that form's tile and ring, and take the 256-wide wgmma's registers;
     SONICMOE_WGRAD_SWAP_AB picks the default."""
     for i_dim, j_dim in ((512, 1536), (2048, 4096)):
-        two = wgrad_ws_config(i_dim, j_dim, False, wg_split=True, wg_pieces=2, swap_ab=False)
-        one = wgrad_ws_config(i_dim, j_dim, False, wg_split=True, wg_pieces=2, swap_ab=True)
+        two = wgrad_ws_config(i_dim, j_dim, False, wg_split=True, swap_ab=False)
+        one = wgrad_ws_config(i_dim, j_dim, False, wg_split=True, swap_ab=True)
         assert (one["BLOCK_I"], one["BLOCK_J"]) == (256, 128) and one["SWAP_AB"] and not two["SWAP_AB"]
         assert {k: v for k, v in one.items() if k not in ("SWAP_AB", "MAXNREG")} == {
             k: v for k, v in two.items() if k not in ("SWAP_AB", "MAXNREG")}
         assert one["MAXNREG"] == weight_grad_ws.MAXNREG[256] >= 154  # a 256-wide wgmma compiles from 154
-        assert not wgrad_ws_config(i_dim, j_dim, False, wg_split=True, wg_pieces=1, swap_ab=True)["SWAP_AB"]
         assert not wgrad_ws_config(i_dim, j_dim, False, wg_split=False, swap_ab=True)["SWAP_AB"]
     assert not wgrad_ws_config(4096, 1024, True, wg_split=True, swap_ab=True)["SWAP_AB"]  # dW2: 128 x 256 tiles
     for flag in ("1", "0"):
         monkeypatch.setenv("SONICMOE_WGRAD_SWAP_AB", flag)
-        assert wgrad_ws_config(2048, 4096, False, wg_split=True, wg_pieces=2)["SWAP_AB"] == (flag == "1")
+        assert wgrad_ws_config(2048, 4096, False, wg_split=True)["SWAP_AB"] == (flag == "1")
 
 
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
@@ -229,13 +218,10 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         tri = varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=dtype)
         monkeypatch.delenv("SONICMOE_GLUON_WGRAD")
         # the default config, the output tile through a buffer of its own / its right half through a ring slot, and
-        # the two MMA warpgroups as partitions of their own (WG_SPLIT) in each store form
+        # the two MMA warpgroups as partitions of their own (WG_SPLIT), each warpgroup's product transposed or not
+        # (SWAP_AB: dW1's 256 x 128 tiles)
         cfgs = [wgrad_ws_config(p.shape[1], q.shape[1], pg, stage_in_ring=r, wg_split=False) for r in (False, True)]
-        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=pc, wg_turns=tu, swap_ab=False)
-                 for pc, tu in ((2, False), (2, True), (1, False), (1, True))]
-        # and each warpgroup's product transposed (SWAP_AB: dW1's 256 x 128 tiles), with and without turns
-        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, wg_pieces=2, wg_turns=tu, swap_ab=True)
-                 for tu in (False, True)]
+        cfgs += [wgrad_ws_config(p.shape[1], q.shape[1], pg, wg_split=True, swap_ab=sw) for sw in (False, True)]
         for cfg in [None, *cfgs]:
             got = wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg, config=cfg)
             assert torch.isfinite(got).all(), cfg

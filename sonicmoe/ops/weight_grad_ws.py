@@ -101,11 +101,10 @@ WG_SPLIT = True
 # registers of each MMA partition under WG_SPLIT (setmaxnreg): the loader's LOADER_REGS and twice this fit the
 # launch's 12 warps at MAXNREG (the first partition takes what is left, the same)
 WG_REGS = {128: 176, 256: 200}
-# under WG_SPLIT, the pieces each warpgroup stores its half tile in (its buffer holds one): 2 leaves the 4-slot ring
-# of STAGE_IN_RING, 1 (no wait for a store between the pieces) a 3-slot one; and whether the two epilogues take
-# turns (WG_TURNS; see _mma_half)
-WG_PIECES = 2
-WG_TURNS = False
+# Under WG_SPLIT each warpgroup stores its half tile in two pieces through a quarter-tile buffer, which leaves the
+# 4-slot ring of STAGE_IN_RING. Tried and dropped (session 56; removed in session 68, last in e42b581): one piece
+# through a half-tile buffer (a 3-slot ring), and the two warpgroups' epilogues taking turns through a pair of
+# mbarriers; both measured slower (scripts/gather_path_probe.py --kernels wgsplit).
 # SWAP_AB: under WG_SPLIT with 256 × 128 tiles (dW1: I = 2n from dH by TMA, J = d gathered), each warpgroup computes
 # its half of the J columns against all 256 I rows, dW[e]ᵀ = Q-chunkᵀ · P-chunk, one m64 × 256 wgmma per k16 step
 # instead of two m64 × 128 (each reading its A block and half the B box), and stores its pieces transposed. The
@@ -128,10 +127,10 @@ def wgrad_ws_smem_bytes(block_i: int, block_j: int, block_r: int, stages: int, e
     return elem * (stages * block_r * (block_i + block_j) + out)
 
 
-def swap_ab_applies(swap_ab: bool, wg_split: bool, wg_pieces: int, block_i: int, block_j: int) -> bool:
+def swap_ab_applies(swap_ab: bool, wg_split: bool, block_i: int, block_j: int) -> bool:
     """Whether the warpgroups compute transposed products (:data:`SWAP_AB`): asked for, and the form that has them,
-    the split warpgroups storing in two pieces with 256 × 128 (I × J) tiles (dW1)."""
-    return bool(swap_ab) and bool(wg_split) and wg_pieces == 2 and (block_i, block_j) == (256, 128)
+    the split warpgroups with 256 × 128 (I × J) tiles (dW1)."""
+    return bool(swap_ab) and bool(wg_split) and (block_i, block_j) == (256, 128)
 
 
 def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
@@ -141,52 +140,40 @@ def half_tile_fits_slot(block_i: int, block_j: int, block_r: int) -> bool:
 
 
 def wgrad_ws_config(i_dim: int, j_dim: int, p_gather: bool, block_r: int = BLOCK_R,
-                    stage_in_ring: bool | None = None, wg_split: bool | None = None, wg_pieces: int | None = None,
-                    wg_turns: bool | None = None, swap_ab: bool | None = None) -> dict | None:
-    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "WG_PIECES", "WG_TURNS", "SWAP_AB", "STAGES",
-    "MAXNREG"} for dW (E, I, J), or None where the kernel does not apply.
+                    stage_in_ring: bool | None = None, wg_split: bool | None = None,
+                    swap_ab: bool | None = None) -> dict | None:
+    """{"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGE_IN_RING", "WG_SPLIT", "SWAP_AB", "STAGES", "MAXNREG"} for dW (E, I, J),
+    or None where the kernel does not apply.
 
     ``swap_ab`` (default ``SONICMOE_WGRAD_SWAP_AB`` 1 or 0 where set, else :data:`SWAP_AB`): the warpgroups' transposed
-    products, only where the split form stores in two pieces and the tile is 256 × 128.
+    products, only in the split form with 256 × 128 tiles.
 
     The tile is 128 × 256 (I × J) or 256 × 128, the gathered operand's side 128 wide where both fit (its rows
     are the loader's work); STAGES is the deepest ring that fits shared memory beside the output buffer (at most
     MAX_STAGES). ``wg_split`` (default: ``SONICMOE_WGRAD_WG_SPLIT`` 1 or 0 where set, else :data:`WG_SPLIT`): the two
     MMA warpgroups as partitions of their own, each with half the tile's I rows and a store buffer for one of its
-    ``wg_pieces`` (default ``SONICMOE_WGRAD_WG_PIECES`` where set, else :data:`WG_PIECES`), the epilogues taking
-    turns with ``wg_turns`` (default ``SONICMOE_WGRAD_WG_TURNS`` 1 or 0 where set, else :data:`WG_TURNS`; see
-    :data:`WG_SPLIT`); then no staging in the ring. ``stage_in_ring`` (default:
+    two pieces (see :data:`WG_SPLIT`); then no staging in the ring. ``stage_in_ring`` (default:
     ``SONICMOE_WGRAD_STAGE_IN_RING`` 1 or 0 where set, else STAGE_IN_RING; only where :func:`half_tile_fits_slot`,
     and not with ``wg_split``): the tile's right half leaves through the ring slot of its last chunk, so the output
-    buffer is half the tile. Both forms leave half a tile of buffers (the split in two pieces), so both have the
-    same ring."""
+    buffer is half the tile. Both forms leave half a tile of buffers, so both have the same ring."""
     if wg_split is None:
         wg_split = env_switch("SONICMOE_WGRAD_WG_SPLIT", WG_SPLIT)
-    if wg_pieces is None:
-        env = os.environ.get("SONICMOE_WGRAD_WG_PIECES", str(WG_PIECES)).strip()
-        if env not in ("1", "2"):
-            raise ValueError(f"SONICMOE_WGRAD_WG_PIECES: expected 1 or 2 store pieces per warpgroup, got {env!r}")
-        wg_pieces = int(env)
-    if wg_turns is None:
-        wg_turns = env_switch("SONICMOE_WGRAD_WG_TURNS", WG_TURNS)
     if swap_ab is None:
         swap_ab = env_switch("SONICMOE_WGRAD_SWAP_AB", SWAP_AB)
-    if wg_pieces not in (1, 2):
-        raise ValueError(f"wg_pieces: expected 1 or 2 store pieces per warpgroup, got {wg_pieces}")
     if stage_in_ring is None:
         stage_in_ring = env_switch("SONICMOE_WGRAD_STAGE_IN_RING", STAGE_IN_RING)
     shapes = ((256, 128), (128, 256)) if not p_gather else ((128, 256), (256, 128))
     for bi, bj in shapes:
         if i_dim > 0 and j_dim > 0 and i_dim % bi == 0 and j_dim % bj == 0:
             ring = stage_in_ring and half_tile_fits_slot(bi, bj, block_r) and not wg_split
-            half = ring or (wg_split and wg_pieces == 2)
+            half = ring or wg_split
             base = wgrad_ws_smem_bytes(bi, bj, block_r, 0, stage_in_ring=half)
             per_stage = wgrad_ws_smem_bytes(bi, bj, block_r, 1, stage_in_ring=half) - base
             stages = min(MAX_STAGES, (SMEM_BUDGET - base) // per_stage)
             if stages >= 2:
-                swap = swap_ab_applies(swap_ab, wg_split, wg_pieces, bi, bj)
+                swap = swap_ab_applies(swap_ab, wg_split, bi, bj)
                 return {"BLOCK_I": bi, "BLOCK_J": bj, "BLOCK_R": block_r, "STAGE_IN_RING": ring,
-                        "WG_SPLIT": wg_split, "WG_PIECES": wg_pieces, "WG_TURNS": wg_turns, "SWAP_AB": swap,
+                        "WG_SPLIT": wg_split, "SWAP_AB": swap,
                         "STAGES": stages, "MAXNREG": MAXNREG[bi if swap else bj]}
     return None
 
@@ -346,20 +333,17 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr, total_tiles,
+    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles,
                   tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-                  STAGES: gl.constexpr, HALF: gl.constexpr, PIECES: gl.constexpr, TURNS: gl.constexpr,
-                  PART: gl.constexpr, SWAP_AB: gl.constexpr = False):
+                  STAGES: gl.constexpr, HALF: gl.constexpr, PART: gl.constexpr, SWAP_AB: gl.constexpr = False):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
         of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
-        have arrived on its ``empty`` barrier), then that half tile by ``PIECES`` TMA stores through
-        ``out_smem.index(HALF)`` (a (BLOCK_I/2, BLOCK_J/PIECES) buffer).
+        have arrived on its ``empty`` barrier), then that half tile by two TMA stores through
+        ``out_smem.index(HALF)`` (a (BLOCK_I/2, BLOCK_J/2) buffer).
         The two warpgroups are in step only through the ring: while one writes its half tile, the other can run up
-        to STAGES − 1 chunks ahead at the whole tensor-core rate. ``TURNS``: the epilogues take turns (warpgroup 0's
-        of tile i after warpgroup 1's of tile i − 1, warpgroup 1's after warpgroup 0's of tile i, through the two
-        ``turn`` mbarriers), so they never run at once and the warpgroups settle out of phase, one's epilogue
-        beside the other's MMAs. The same k-steps in the same order as :func:`_mma`: the same bits.
-        ``SWAP_AB`` (:data:`SWAP_AB`; BLOCK_I = 256, BLOCK_J = 128, ``PIECES`` 2): the warpgroup computes the
+        to STAGES − 1 chunks ahead at the whole tensor-core rate. The same k-steps in the same order as :func:`_mma`:
+        the same bits.
+        ``SWAP_AB`` (:data:`SWAP_AB`; BLOCK_I = 256, BLOCK_J = 128): the warpgroup computes the
         transposed half tile instead, dW[e]ᵀ for its half of the J columns, (BLOCK_J/2, BLOCK_I) = Q-chunkᵀ · P-chunk,
         one m64 × 256 wgmma per k16 step in place of two m64 × 128 ones (a sixth less shared memory read per FLOP),
         and stores its two (BLOCK_I/2, BLOCK_J/2) pieces transposed."""
@@ -377,7 +361,6 @@ if HAVE_GLUON:
             ACC_N: gl.constexpr = BLOCK_J
         buf = out_smem.index(HALF)
         step = 0
-        i = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
@@ -395,11 +378,6 @@ if HAVE_GLUON:
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=chunks > 0)
-            if TURNS:
-                if HALF == 0:
-                    mbarrier.wait(turn.index(1), (i + 1) & 1, pred=i > 0)
-                else:
-                    mbarrier.wait(turn.index(0), i & 1)
             if SWAP_AB:
                 row = e * I + i0
                 col = j0 + HALF * HJ
@@ -407,35 +385,27 @@ if HAVE_GLUON:
                 row = e * I + i0 + HALF * HI
                 col = j0
             if PART == 0:
-                _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
+                _store_pieces(acc, buf, out_desc, row, col, SWAP_AB)
             elif I < 0:
-                _store_pieces(acc, buf, out_desc, row, col, PIECES, SWAP_AB)
-            if TURNS:
-                gl.thread_barrier()
-                mbarrier.arrive(turn.index(HALF))
-            i += 1
+                _store_pieces(acc, buf, out_desc, row, col, SWAP_AB)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _store_pieces(acc, buf, out_desc, row, col, PIECES: gl.constexpr, TRANS: gl.constexpr = False):
-        """The register tile ``acc`` to ``out_desc`` at (row, col) by TMA stores through the one buffer ``buf``:
-        whole (``PIECES`` 1), or its two column halves in turn (2), each written once the buffer's previous store
-        has read it. ``TRANS`` (``PIECES`` 2): ``acc`` is the transposed tile; each column half is written
-        transposed, the second at (row + its width, col)."""
+    def _store_pieces(acc, buf, out_desc, row, col, TRANS: gl.constexpr = False):
+        """The register tile ``acc`` to ``out_desc`` at (row, col) by TMA stores through the one buffer ``buf``: its
+        two column halves in turn, each written once the buffer's previous store has read it. ``TRANS``: ``acc`` is
+        the transposed tile; each column half is written transposed, the second at (row + its width, col)."""
+        W: gl.constexpr = acc.shape[1] // 2
         tma.store_wait(pendings=0)
         gl.thread_barrier()
-        if PIECES == 1:
-            _store_piece(acc, buf, out_desc, row, col, False)
+        left, right = column_halves(acc)
+        _store_piece(left, buf, out_desc, row, col, TRANS)
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
+        if TRANS:
+            _store_piece(right, buf, out_desc, row + W, col, TRANS)
         else:
-            W: gl.constexpr = acc.shape[1] // 2
-            left, right = column_halves(acc)
-            _store_piece(left, buf, out_desc, row, col, TRANS)
-            tma.store_wait(pendings=0)
-            gl.thread_barrier()
-            if TRANS:
-                _store_piece(right, buf, out_desc, row + W, col, TRANS)
-            else:
-                _store_piece(right, buf, out_desc, row, col + W, TRANS)
+            _store_piece(right, buf, out_desc, row, col + W, TRANS)
 
     @gluon.jit
     def _store_piece(piece, buf, out_desc, row, col, TRANS: gl.constexpr):
@@ -483,29 +453,24 @@ if HAVE_GLUON:
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
                          STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
-                         WG_PIECES: gl.constexpr = 2, WG_TURNS: gl.constexpr = False, SWAP_AB: gl.constexpr = False):
+                         SWAP_AB: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
         tma_ready, cp_ready, empty = gather_ring_barriers(STAGES, LOADER_WARPS, 2 if WG_SPLIT else 1)
         if WG_SPLIT:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for w in gl.static_range(2):
-                mbarrier.init(turn.index(w), count=1)
             gl.warp_specialize([
-                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
-                             total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, WG_PIECES,
-                             WG_TURNS, PART, SWAP_AB)),
-                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, turn, out_smem, out_desc, offsets_ptr,
-                             total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, WG_PIECES,
-                             WG_TURNS, PART, SWAP_AB)),
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr,
+                             total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, PART,
+                             SWAP_AB)),
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr,
+                             total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, PART,
+                             SWAP_AB)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
                            cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
                            BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
             ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
-            for w in gl.static_range(2):
-                mbarrier.invalidate(turn.index(w))
         else:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
@@ -566,8 +531,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         row_token: (R,) int32 token of each routed row. expert_offsets: (E+1,) int32 exclusive prefix sum of the
             per-expert row counts.
         config: {"BLOCK_I", "BLOCK_J", "BLOCK_R", "STAGES"} and optionally "STAGE_IN_RING" (the tile's right half
-            through a ring slot; only where :func:`half_tile_fits_slot` holds), "WG_SPLIT" with "WG_PIECES",
-            "WG_TURNS", "SWAP_AB" and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`,
+            through a ring slot; only where :func:`half_tile_fits_slot` holds), "WG_SPLIT" with "SWAP_AB"
+            and "WG_REGS" (the two MMA warpgroups as partitions of their own; :data:`WG_SPLIT`,
             :data:`SWAP_AB`),
             "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
             :func:`wgrad_ws_config`).
@@ -591,12 +556,11 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     ring = bool(cfg.get("STAGE_IN_RING", False))
     split = bool(cfg.get("WG_SPLIT", False))
-    pieces = cfg.get("WG_PIECES", WG_PIECES)
     # the warpgroups' transposed products where the config asks for them and the form has them (wgrad_ws_config)
-    swap = swap_ab_applies(cfg.get("SWAP_AB", False), split, pieces, bi, bj)
+    swap = swap_ab_applies(cfg.get("SWAP_AB", False), split, bi, bj)
     wide = bi if swap else bj  # the wgmma's N: the accumulator's width
     # the output descriptor's box: a store piece of a warpgroup's half tile, half the tile, or the whole tile
-    box = [bi // 2, bj // pieces] if split else [bi, bj // 2 if ring else bj]
+    box = [bi // 2, bj // 2] if split else [bi, bj // 2 if ring else bj]
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
@@ -605,6 +569,5 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
         PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[wide]),
-        WG_PIECES=pieces, WG_TURNS=bool(cfg.get("WG_TURNS", False)), SWAP_AB=swap,
-        num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
+        SWAP_AB=swap, num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
     return out
