@@ -111,8 +111,12 @@ EPI_MANY_ROWS_GPUS = ("H100",)
 # 27.0-42.1 unfused and 33.1-40.4 for the Triton kernel (session 24, H100, power-capped); elsewhere within noise.
 # Session 61 (an H200, settled windows, benchmarks/results/2026-12-02_nvidia-h200_session61/): at (32768, 4096, 1024,
 # 128, 8) the kernel alone 7.656 against 7.655 ms (the MMAs alone 7.282 against 7.331), the layer's forward+backward
-# 35.46 against 35.53 ms (2 rounds): level. Not with the storer partition (EPI_WARPS): its 16 warps compile at 128
-# registers, and a 256-wide wgmma needs 154 (up_ws_config and the launcher drop it there)
+# 35.46 against 35.53 ms (2 rounds): level. Session 68 (an H200 at about 1410 MHz, fresh-process layer runs,
+# benchmarks/results/2026-12-03_nvidia-h200_session68/): at (32768, 4096, 1024, 128, 8) the forward level (12.09
+# against 12.10 ms), forward+backward 35.85 against 35.93 (7 rounds), and the protocol run with it on afterwards no
+# faster (549.1 against 552.4 TFLOP/s, forwards alike); at the DeepSeek-V3 shape level (133.1 against 133.4 ms, 3
+# rounds; session 24's slowdown did not come back). So still off. Not with the storer partition (EPI_WARPS): its 16
+# warps compile at 128 registers, and a 256-wide wgmma needs 154 (up_ws_config and the launcher drop it there)
 GU_FUSED = False
 SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90, less the barriers
 # EPI_WARPS: warps of a storer partition that takes each tile's epilogue off the MMA warps (0: the MMA warps run it).
