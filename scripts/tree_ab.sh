@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Layer A/B of two source trees on one GPU: the working tree ("new") against an older tree's sonicmoe/ unpacked in
 # _base/ ("base"; e.g. `git archive REV sonicmoe | tar -x -C _base`; git ignores it, so name it in the device call's
-# carry list), each run a fresh process
-# of `python -m sonicmoe bench` on one shape (triton backend, no check, no plot), rounds in ABBA order so that a drift
-# of the machine's clock over the call falls on both trees alike.
+# carry list), each run a fresh process of `python -m sonicmoe bench` on one shape (triton backend, no check, no
+# plot), rounds in ABBA order so that a drift of the machine's clock over the call falls on both trees alike.
 # usage (device, repo root): AB_ROUNDS=6 AB_SHAPE=7b=24576,1536,256,128,8 [AB_REP=1000] bash scripts/tree_ab.sh OUTDIR
 # Writes OUTDIR/<tag>.json per run and OUTDIR/ab_summary.txt (one line per run, then the medians).
 set -uo pipefail
