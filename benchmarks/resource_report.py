@@ -1,6 +1,6 @@
-"""Registers, spills and shared memory of every kernel config, compiled offline for Hopper (no GPU).
+"""Registers, spills and shared memory of every kernel config, compiled offline for Hopper or ``--arch`` (no GPU).
 
-usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus|default]
+usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus|default|portable]
        [--ptx DIR] [--check-sass]
 
 Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is
@@ -12,7 +12,9 @@ of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxt
 ``dh_ws``, ``dw1_ws``, ``dw2_ws``) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
 kernel's PTX without debug line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves
 every kernel as it was. ``--check-sass`` flags every HGMMA that reads a descriptor register some path through the
-kernel leaves unset (``sass_check.py``).
+kernel leaves unset (``sass_check.py``). ``--space portable --arch 80`` (or 86, 89, 120) compiles the Triton
+kernels' configs for the GPUs of :func:`sonicmoe.ops.common.tile_family`'s ``"mma"`` family, against that
+architecture's shared-memory limit (``SMEM_LIMITS``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 SMEM_LIMIT = 232448  # bytes per block on sm_90
+# the most shared memory a block may opt into, by compute capability (CUDA's feature tables); sm_90's for the others
+SMEM_LIMITS = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 # the weight-gradient kernel's forms: (stage in ring, warpgroups split)
 WGRAD_FORMS = ((False, False), (True, False), (False, True))
 
@@ -215,6 +219,12 @@ def spaces(which: str) -> dict:
                    for r, w in WGRAD_FORMS],
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w) for r, w in WGRAD_FORMS],
     })
+    if which == "portable":
+        # the "mma" family's configs (common.tile_family) of the Triton kernels: for --arch 80, 86, 89, 120
+        out = {k: [config_dict(c) for c in v] for k, v in {
+            "up_proj": up_proj.PORTABLE_SPACE, "down_proj": grouped_gemm.PORTABLE_SPACE,
+            "dxtilde": grouped_gemm.PORTABLE_SPACE, "dh": dh.PORTABLE_SPACE, "dw2": weight_grad.PORTABLE_SPACE,
+            "dw1": weight_grad.PORTABLE_SPACE, "aggregate": aggregation.TUNING_SPACE}.items()}
     if which == "default":
         # the configs the layer runs: each Gluon kernel's default at the problem's widths (and the up-projection's
         # at both of its epilogue forms)
@@ -241,8 +251,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default=None, help="comma-separated subset")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--space", choices=("tune", "focus", "default"), default="tune",
-                    help="default: only the configs the layer runs, one or two per Gluon kernel")
+    ap.add_argument("--space", choices=("tune", "focus", "default", "portable"), default="tune",
+                    help="default: only the configs the layer runs, one or two per Gluon kernel; portable: the "
+                         "Triton kernels' configs for GPUs other than Hopper and datacenter Blackwell")
     ap.add_argument("--ptx", default=None, metavar="DIR",
                     help="also write each kernel's PTX, without debug line info, to DIR (a refactor that leaves "
                          "every file unchanged leaves the kernels unchanged: diff two such folders)")
@@ -269,7 +280,7 @@ def main() -> None:
                 if args.ptx:
                     write_ptx(_COMPILED[-1], args.ptx, f"{done:03d}_{name}")
                 flag = "  SPILLS" if res.get("local") or res.get("stack") else ""
-                flag += "  SMEM>LIMIT" if res.get("shared", 0) > SMEM_LIMIT else ""
+                flag += "  SMEM>LIMIT" if res.get("shared", 0) > SMEM_LIMITS.get(args.arch, SMEM_LIMIT) else ""
                 if args.check_sass:
                     unset = unset_descriptor_reads(sass(_COMPILED[-1]))
                     flag += f"  HGMMA-DESC-UNSET x{len(unset)} (first at {unset[0][0]})" if unset else ""

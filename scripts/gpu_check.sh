@@ -37,6 +37,9 @@
 #   noise  a triton run of cmp's schedule with seed 1 (other initialisation and batches: the seed noise that
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
+#   portable  the Triton kernels' "mma" tile family (common.tile_family: the configs for GPUs other than Hopper and
+#          datacenter Blackwell) on this GPU: its GPU tests, then the layer with SONICMOE_TILE_FAMILY=mma and no Gluon
+#          kernel against the default and against the torch backend on PORTABLE_SHAPES (default the 7B shape), checked
 #   gemmws the Gluon ping-pong GEMM (down-projection, dX̃): probe of its ring depths against Triton (GEMMWS_SHAPES,
 #          GEMMWS_DXT_CONFIGS, GEMMWS_DOWN_CONFIGS), its GPU tests
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
@@ -271,6 +274,21 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       SUMMARY+=("$(grep -svE 'check' "$OUT/dh_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/dh_ws_probe.txt" | cut -c1-260)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_dhws.log")" "$(tail -1 "$OUT/gpu_tests_dhws.log" 2>/dev/null)"
                 "$(grep -E 'SONICMOE_GLUON_DH=' "$OUT/ab_dh.txt" 2>/dev/null)")
+      ;;
+    portable)
+      timeout 400 python3 -m pytest -rA -m gpu tests/test_portable_configs.py -p no:cacheprovider \
+        > "$OUT/gpu_tests_portable.log" 2>&1
+      for sh in ${PORTABLE_SHAPES:-7b=24576,1536,256,128,8}; do
+        tag=${sh%%=*}
+        timeout 200 python3 -m sonicmoe bench --shape "$sh" --backends triton,torch --no-plot --rep 1000 \
+          --out "$OUT/portable" --tag "$tag-default" > "$OUT/portable_$tag-default.txt" 2>&1
+        SONICMOE_TILE_FAMILY=mma SONICMOE_GLUON=0 timeout 200 python3 -m sonicmoe bench --shape "$sh" \
+          --backends triton,torch --no-plot --rep 1000 --out "$OUT/portable" --tag "$tag-mma" \
+          > "$OUT/portable_$tag-mma.txt" 2>&1
+        SUMMARY+=("$tag default: $(grep -hE 'triton: |torch: |check' "$OUT/portable_$tag-default.txt" | cut -c1-200)"
+                  "$tag mma, no Gluon: $(grep -hE 'triton: |torch: |check' "$OUT/portable_$tag-mma.txt" | cut -c1-200)")
+      done
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_portable.log")" "$(tail -1 "$OUT/gpu_tests_portable.log" 2>/dev/null)")
       ;;
     gemmws)
       # the Gluon ping-pong GEMM (down-projection and dX̃ forms): probe (against Triton: bits, error, alternating

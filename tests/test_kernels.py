@@ -924,7 +924,7 @@ def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma):
     available = common.available_flags(up_mod._FLAG_DESCS, args)
     assert available == {"W_TMA", "C_TMA"}
     meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "W_TMA": True, "C_TMA": c_tma, "GU_FUSED": gu_fused}
-    tuners._chosen[(available, 32, torch.bfloat16)] = triton.Config(meta)  # block shapes: from the launch alone
+    tuners._chosen[(available, 32, torch.bfloat16, "tma")] = triton.Config(meta)  # block shapes: from the launch
     tuners.run(available, lambda m: (1,), args, up_mod._FLAG_DESCS)
     (call,) = kern.calls
     read = {"wgu_desc"} if gu_fused else {"wg_desc", "wu_desc"}
@@ -938,7 +938,8 @@ def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma):
 
 def test_tuned_configs_names_each_choice(monkeypatch):
     """tuned_configs() lists each autotuner choice under its kernel's name, with the key arguments, the
-    tensors' dtypes, the TMA flags available and the whole config; the choice is then launched directly."""
+    tensors' dtypes, the GPU's tile family, the TMA flags available and the whole config; the choice is then
+    launched directly."""
     from sonicmoe.ops import common
 
     monkeypatch.setattr(common, "_ALL_TUNERS", [])
@@ -947,10 +948,10 @@ def test_tuned_configs_names_each_choice(monkeypatch):
     tuners = common.autotuners(kern, [], ["N", "D"])
     assert tuners.name == "_RecordingKernel"
     cfg = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3)
-    key = (frozenset({"W_TMA"}), 256, 1536, torch.bfloat16, torch.int32)
+    key = (frozenset({"W_TMA"}), 256, 1536, torch.bfloat16, torch.int32, "tma")
     tuners._chosen[key] = cfg  # as the autotuner's first run of this key leaves it
     assert common.tuned_configs() == {"_RecordingKernel": [{
-        "key": {"N": 256, "D": 1536}, "dtypes": ["bfloat16", "int32"], "tma_available": ["W_TMA"],
+        "key": {"N": 256, "D": 1536}, "dtypes": ["bfloat16", "int32"], "tile_family": "tma", "tma_available": ["W_TMA"],
         "config": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}}]}
     assert tuners.chosen() == [cfg]
     x = torch.empty(2, dtype=torch.bfloat16)

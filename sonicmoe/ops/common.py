@@ -10,6 +10,9 @@ programs exit at once.
 Environment (documented in the README):
     SONICMOE_AUTOTUNE=0        use the pinned tile configuration instead of autotuning (the default
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
+    SONICMOE_TILE_FAMILY=tma|mma
+                               the Triton kernels' tile configs for every GPU (default: by compute capability,
+                               :func:`tile_family`); ``mma`` runs the portable configs on a Hopper GPU (tests).
     SONICMOE_POISON_OUTPUTS=1  fill every kernel output with NaN before the kernel writes it (tests),
                                so an element no program writes shows up as NaN.
     SONICMOE_FAST_LAUNCH=0     launch every kernel through Triton's ``kernel[grid](...)`` instead of the host fast path
@@ -202,17 +205,23 @@ def _bench_ms(call) -> float:
 
 
 class Tuners:
-    """The autotuning of one kernel: per key (the key arguments, the tensor dtypes and the available TMA
-    flags) the fastest config of the space, timed in TUNE_ROUNDS round-robin rounds (median per config).
+    """The autotuning of one kernel: per key (the key arguments, the tensor dtypes, the available TMA
+    flags and the GPU's :func:`tile_family`) the fastest config of the family's space, timed in TUNE_ROUNDS
+    round-robin rounds (median per config).
 
+    ``space`` is the ``"tma"`` family's (Hopper, datacenter Blackwell), ``portable`` the ``"mma"`` family's
+    (:func:`tile_family`), and ``portable_default`` the config the ``"mma"`` family pins (SONICMOE_AUTOTUNE=0).
     Configs asking for a flag whose descriptors are missing (a weight or an output TMA cannot address, a
     layout with no box shape) are tuned with that flag off. Each launch gives the descriptors it reads the
     config's block shapes (:func:`bind_descriptors`).
     """
 
-    def __init__(self, kernel, space: list[triton.Config], key: list[str], desc_blocks=None):
+    def __init__(self, kernel, space: list[triton.Config], key: list[str], desc_blocks=None,
+                 portable: list[triton.Config] | None = None, portable_default: dict | None = None):
         self.kernel, self.space, self.key, self.desc_blocks = kernel, space, key, desc_blocks
-        self._by_flags: dict[frozenset[str], list[triton.Config]] = {}
+        self.portable = portable if portable is not None else space
+        self.portable_default = portable_default
+        self._by_flags: dict[tuple[frozenset[str], str], list[triton.Config]] = {}
         self._chosen: dict[tuple, triton.Config] = {}
         fn = kernel
         while hasattr(fn, "fn"):  # heuristics wrap the JITFunction, which wraps the Python function
@@ -221,18 +230,18 @@ class Tuners:
         _ALL_TUNERS.append(self)
 
     def run(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None,
-            extra: dict | None = None) -> None:
+            extra: dict | None = None, family: str = "tma") -> None:
         """Launch with the tuned config. The first call of a key (the key values, the dtypes of the tensor
-        arguments and the available flags) times the space (:meth:`tune`); every call then launches the
-        choice directly, with None for the TMA descriptors it does not read (:func:`bind_descriptors`;
-        ``flag_descs`` as in :func:`launch`): no per-call bookkeeping (host time: the layer's launches are
-        host-bound on slow hosts otherwise). ``extra``: launch options added to every launch, tuning
-        included (the programmatic-dependent-launch pair of :func:`launch`)."""
+        arguments, the available flags and the ``family``) times the family's space (:meth:`tune`); every call
+        then launches the choice directly, with None for the TMA descriptors it does not read
+        (:func:`bind_descriptors`; ``flag_descs`` as in :func:`launch`): no per-call bookkeeping (host time: the
+        layer's launches are host-bound on slow hosts otherwise). ``extra``: launch options added to every
+        launch, tuning included (the programmatic-dependent-launch pair of :func:`launch`)."""
         key = (available, *(args[k] for k in self.key),
-               *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)))
+               *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)), family)
         cfg = self._chosen.get(key)
         if cfg is None:
-            cfg = self._chosen[key] = self.tune(available, grid, args, flag_descs, extra)
+            cfg = self._chosen[key] = self.tune(available, grid, args, flag_descs, extra, family)
         self._launch(cfg, grid, args, flag_descs, extra)
 
     def _launch(self, cfg: triton.Config, grid, args: dict, flag_descs: dict | None, extra: dict | None = None) -> None:
@@ -244,7 +253,7 @@ class Tuners:
         launch_kernel(self.kernel, grid, **args, **meta)
 
     def tune(self, available: frozenset[str], grid, args: dict, flag_descs: dict | None = None,
-             extra: dict | None = None) -> triton.Config:
+             extra: dict | None = None, family: str = "tma") -> triton.Config:
         """The fastest config of the space for these arguments: each config compiled and launched once
         (configs that do not compile or do not fit, e.g. in shared memory, are skipped), then timed in
         TUNE_ROUNDS rounds, all configs in turn within a round; the least median wins (the first on a tie).
@@ -253,7 +262,7 @@ class Tuners:
         from triton.runtime.errors import OutOfResources, PTXASError
 
         calls = []
-        for cfg in self.get(available):
+        for cfg in self.get(available, family):
             call = functools.partial(self._launch, cfg, grid, args, flag_descs, extra)
             try:
                 call()
@@ -276,22 +285,23 @@ class Tuners:
         n = len(self.key)
         return [{"key": {k: (v if isinstance(v, (int, float, bool, str)) else str(v))
                          for k, v in zip(self.key, key[1:1 + n])},
-                 "dtypes": [str(v).removeprefix("torch.") for v in key[1 + n:]],
+                 "dtypes": [str(v).removeprefix("torch.") for v in key[1 + n:-1]], "tile_family": key[-1],
                  "tma_available": sorted(key[0]), "config": config_dict(cfg)} for key, cfg in self._chosen.items()]
 
-    def get(self, available: frozenset[str]) -> list[triton.Config]:
-        """The space with the TMA flags that are not ``available`` switched off, duplicates dropped."""
-        if available not in self._by_flags:
+    def get(self, available: frozenset[str], family: str = "tma") -> list[triton.Config]:
+        """The ``family``'s space (:func:`tile_family`) with the TMA flags that are not ``available`` switched
+        off, duplicates dropped."""
+        if (available, family) not in self._by_flags:
             configs, seen = [], set()
-            for cfg in self.space:
+            for cfg in self.space if family == "tma" else self.portable:
                 meta = restrict_config(cfg.kwargs, available)
                 sig = (tuple(sorted(meta.items())), cfg.num_warps, cfg.num_stages)
                 if sig in seen:
                     continue
                 seen.add(sig)
                 configs.append(triton.Config(meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-            self._by_flags[available] = configs
-        return self._by_flags[available]
+            self._by_flags[available, family] = configs
+        return self._by_flags[available, family]
 
 
 _ALL_TUNERS: list[Tuners] = []
@@ -306,9 +316,11 @@ def tuned_configs() -> dict[str, list[dict]]:
     return {t.name: t.described() for t in _ALL_TUNERS if t._chosen}
 
 
-def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None) -> Tuners:
-    """The :class:`Tuners` of ``kernel`` over ``space`` keyed on ``key``."""
-    return Tuners(kernel, space, key, desc_blocks)
+def autotuners(kernel, space: list[triton.Config], key: list[str], desc_blocks=None,
+               portable: list[triton.Config] | None = None, portable_default: dict | None = None) -> Tuners:
+    """The :class:`Tuners` of ``kernel`` over ``space`` (and ``portable`` on the ``"mma"`` family's GPUs, with
+    ``portable_default`` pinned there) keyed on ``key``."""
+    return Tuners(kernel, space, key, desc_blocks, portable, portable_default)
 
 
 def config_dict(cfg: triton.Config) -> dict:
@@ -323,7 +335,9 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
 
     ``tuned`` is the kernel's :class:`Tuners`. ``grid`` is a callable of the meta-parameters.
     ``pinned`` is the interpreter's config (small blocks); ``gpu_default`` the pinned GPU config, a dict
-    with block sizes plus num_warps/num_stages. ``config``, when given, is used as is (tuning sweeps).
+    with block sizes plus num_warps/num_stages, on the ``"tma"`` family's GPUs (:func:`tile_family`; on the
+    others the ``tuned.portable_default``, where the kernel has one, and autotuning times ``tuned.portable``).
+    ``config``, when given, is used as is (tuning sweeps).
     ``desc_blocks(meta)`` names the TMA descriptors among ``args`` with their block shapes, and
     ``flag_descs`` maps each TMA flag of the kernel (among W_TMA, A_TMA, C_TMA, P_TMA, Q_TMA) to the
     descriptors it needs: a flag whose descriptors are None (the tensor cannot be described) falls back to
@@ -340,9 +354,12 @@ def launch(kernel, tuned, grid, args: dict, pinned: dict, gpu_default: dict, con
         if base.is_cuda:
             ensure_cuda_context(base.device)
     interp = interpreting()
+    family = "tma" if interp or pdl_device is None else tile_family(pdl_device)
     if config is None and autotune_enabled(interp):
-        tuned.run(available, grid, args, flag_descs, extra)
+        tuned.run(available, grid, args, flag_descs, extra, family)
         return
+    if family == "mma" and tuned.portable_default is not None:
+        gpu_default = tuned.portable_default
     meta = dict(config if config is not None else pinned if interp else gpu_default)
     if config is None and not interp:
         meta = sized_for_operands(meta, _operand_bytes(args))
@@ -445,6 +462,41 @@ def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 _SM_COUNT: dict[int, int] = {}
 _PDL_OK: dict[int, bool] = {}
+_FAMILY: dict[int, str] = {}
+TILE_FAMILIES = ("tma", "mma")
+# compute-capability majors whose GPUs run the "tma" family's tile configs
+TMA_FAMILY_MAJORS = (9, 10)
+
+
+def tile_family(device: torch.device) -> str:
+    """Which tile configs the Triton expert kernels use on ``device``: ``"tma"`` or ``"mma"`` (queried once per
+    device, at the first launch; never at import).
+
+    ``"tma"``: GPUs of compute capability 9.x and 10.x (Hopper; datacenter Blackwell, compiled for but not run
+    here). Their configs read operands through TMA descriptors and use up to 227 KiB of shared memory per block;
+    they were measured on H100s and H200s. ``"mma"``: every other GPU (Ampere, Ada, consumer Blackwell: warp-level
+    ``mma.sync``, no TMA in Triton's lowering, 99-163 KiB of shared memory per block). Each Triton GEMM kernel's
+    ``PORTABLE_SPACE`` serves them, its first config pinned: pointer loads, at most 99 KiB of shared memory, and no
+    register spills when compiled offline for sm_80, sm_86, sm_89 and sm_120 (``benchmarks/resource_report.py
+    --space portable --arch A``, checked by tests/test_portable_configs.py; the tuning spaces of the ``"tma"``
+    family spill there, heavily in the up-projection and dH). They have not been timed on such a GPU. The family
+    changes the tiles, so the bits of a result, not what it computes. ``SONICMOE_TILE_FAMILY=tma|mma`` sets the
+    family for every GPU (read at each call): ``mma`` runs the portable configs on a Hopper GPU (the GPU tests do).
+
+    Raises:
+        ValueError: SONICMOE_TILE_FAMILY set to anything but ``tma`` or ``mma``.
+    """
+    forced = os.environ.get("SONICMOE_TILE_FAMILY")
+    if forced is not None:
+        if forced not in TILE_FAMILIES:
+            raise ValueError(f"SONICMOE_TILE_FAMILY: expected one of {TILE_FAMILIES}, got {forced!r}")
+        return forced
+    if device.type != "cuda":
+        return "tma"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _FAMILY:
+        _FAMILY[idx] = "tma" if torch.cuda.get_device_capability(idx)[0] in TMA_FAMILY_MAJORS else "mma"
+    return _FAMILY[idx]
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -34,6 +34,7 @@ from .common import (
     cdiv,
     check_device,
     column_halves,
+    config_dict,
     dot_precision,
     launch,
     load_row_block,
@@ -247,7 +248,11 @@ def _desc_blocks(meta: dict) -> dict:
 
 
 _dh_kernel = triton.heuristics({"EPI_SPLIT": _epi_split})(with_even_flags(_dh_kernel, EVEN_K=("D", "BLOCK_K")))
-_tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE"], _desc_blocks)
+# the "mma" family's configs, the first pinned there (common.tile_family says how they were chosen)
+PORTABLE_SPACE = [tile_config(128, 128, 32, 8, 4), tile_config(128, 128, 32, 8, 3), tile_config(64, 128, 32, 4, 4),
+                  tile_config(64, 64, 64, 4, 4)]
+_tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE"], _desc_blocks, PORTABLE_SPACE,
+                    config_dict(PORTABLE_SPACE[0]))
 
 
 def dh(

@@ -224,8 +224,10 @@ def _desc_blocks(meta: dict) -> dict:
 
 _FLAG_DESCS = {"W_TMA": ("b_desc",), "A_TMA": ("a_desc",), "C_TMA": ("c_desc",)}
 _varlen_m_kernel = with_even_flags(_varlen_m_kernel, EVEN_K=("K", "BLOCK_K"))
+# the "mma" family's configs, the first pinned there (common.tile_family says how they were chosen)
+PORTABLE_SPACE = [tile_config(128, 128, 32, 8, 4), tile_config(128, 128, 64, 8, 3), tile_config(128, 64, 64, 4, 4)]
 _tuned = autotuners(_varlen_m_kernel, TUNING_SPACE, ["N", "K", "E", "stride_bk", "HAS_BIAS", "B_TRANS"],
-                    _desc_blocks)
+                    _desc_blocks, PORTABLE_SPACE, config_dict(PORTABLE_SPACE[0]))
 
 
 def varlen_m_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, routing: Routing,

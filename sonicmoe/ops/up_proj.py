@@ -39,6 +39,7 @@ from .common import (
     autotuners,
     check_device,
     column_halves,
+    config_dict,
     dot_precision,
     few_rows_per_expert,
     first_step,
@@ -311,9 +312,11 @@ def _desc_blocks(meta: dict) -> dict:
 _FLAG_DESCS = {"W_TMA": ("wg_desc", "wu_desc", "wgu_desc"), "C_TMA": ("hg_desc", "hu_desc", "ao_desc")}
 
 
+# the "mma" family's configs, the first pinned there (common.tile_family says how they were chosen)
+PORTABLE_SPACE = [tile_config(128, 64, 32, 8, 4), tile_config(64, 64, 64, 4, 4), tile_config(128, 64, 32, 4, 4)]
 _up_proj_kernel = with_even_flags(_up_proj_kernel, EVEN_K=("D", "BLOCK_K"))
 _tuned = autotuners(_up_proj_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
-                    _desc_blocks)
+                    _desc_blocks, PORTABLE_SPACE, config_dict(PORTABLE_SPACE[0]))
 
 
 def up_proj(

@@ -33,6 +33,7 @@ from .common import (
     autotuners,
     cdiv,
     check_device,
+    config_dict,
     dot_precision,
     few_rows_per_expert,
     launch,
@@ -255,7 +256,11 @@ def _desc_blocks(meta: dict) -> dict:
 
 _FLAG_DESCS = {"P_TMA": ("p_desc",), "Q_TMA": ("q_desc",)}
 _varlen_k_kernel = with_even_flags(_varlen_k_kernel, EVEN_I=("I", "BLOCK_I"), EVEN_J=("J", "BLOCK_J"))
-_tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["E", "I", "J", "P_GATHER", "Q_GATHER"], _desc_blocks)
+# the "mma" family's configs, the first pinned there (common.tile_family says how they were chosen)
+PORTABLE_SPACE = [tile_config(*c, names=_NAMES) for c in
+                  ((128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4))]
+_tuned = autotuners(_varlen_k_kernel, TUNING_SPACE, ["E", "I", "J", "P_GATHER", "Q_GATHER"], _desc_blocks,
+                    PORTABLE_SPACE, config_dict(PORTABLE_SPACE[0]))
 
 
 def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gather: bool, q_gather: bool,
