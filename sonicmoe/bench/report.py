@@ -8,7 +8,7 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
              "switches" {SONICMOE_* environment variables set for the run}, "git_commit", "git_dirty"},
      "timer": "triton.testing.do_bench" | "time.perf_counter",
      "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
-     "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tma_available, config}, ...]},
+     "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tile_family, tma_available, config}, ...]},
      "gluon_kernels": [{m, k, E, dtype, transpose_b, config}, ...],
      "gluon_up_kernels": [{d, n, E, dtype, store_h, config}, ...],
      "gluon_wgrad_kernels": [{I, J, E, dtype, p_gather, config}, ...],

@@ -310,7 +310,8 @@ _ALL_TUNERS: list[Tuners] = []
 def tuned_configs() -> dict[str, list[dict]]:
     """Every tile configuration the autotuners chose so far in this process, by kernel name: a list of
     {"key": the autotuner's key arguments (shape letters of that kernel), "dtypes": of its tensor arguments,
-    "tma_available": the TMA flags whose descriptors existed, "config": block sizes, flags, warps, stages}.
+    "tile_family": the GPU's (:func:`tile_family`), "tma_available": the TMA flags whose descriptors existed,
+    "config": block sizes, flags, warps, stages}.
     Empty when nothing was autotuned (SONICMOE_AUTOTUNE=0, the interpreter). Benchmarks record it next to
     their timings, so a result names the tiles that produced it."""
     return {t.name: t.described() for t in _ALL_TUNERS if t._chosen}
