@@ -476,7 +476,7 @@ def tile_family(device: torch.device) -> str:
     ``"tma"``: GPUs of compute capability 9.x and 10.x (Hopper; datacenter Blackwell, compiled for but not run
     here). Their configs read operands through TMA descriptors and use up to 227 KiB of shared memory per block;
     they were measured on H100s and H200s. ``"mma"``: every other GPU (Ampere, Ada, consumer Blackwell: warp-level
-    ``mma.sync``, no TMA in Triton's lowering, 99-163 KiB of shared memory per block). Each Triton GEMM kernel's
+    ``mma.sync``, 99-163 KiB of shared memory per block). Each Triton GEMM kernel's
     ``PORTABLE_SPACE`` serves them, its first config pinned: pointer loads, at most 99 KiB of shared memory, and no
     register spills when compiled offline for sm_80, sm_86, sm_89 and sm_120 (``benchmarks/resource_report.py
     --space portable --arch A``, checked by tests/test_portable_configs.py; the tuning spaces of the ``"tma"``
