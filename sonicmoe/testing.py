@@ -56,3 +56,18 @@ def layer_grads(p: dict, dout: torch.Tensor, top_k: int, *, dtype=torch.bfloat16
               backend=backend)
     res.out.backward(dout)
     return res.out.detach(), {key: v.grad for key, v in ins.items()}
+
+
+def reference_grads(p: dict, dout: torch.Tensor, top_k: int, *, rounded_to=torch.float64,
+                    gate_up_layout: str = "concat"):
+    """The float64 twin of :func:`layer_grads`: :func:`sonicmoe.moe_ref` on ``p``'s tensors rounded to ``rounded_to``
+    first (so that routing near-ties choose as the layer under test does), then held in float64; backward from
+    ``dout`` (T, d). ``gate_up_layout`` as in :class:`sonicmoe.MoEConfig`.
+    Returns (out (T, d) float64, {name: grad})."""
+    from .reference import moe_ref
+
+    ins = {key: v.to(rounded_to).double().clone().requires_grad_(True) for key, v in p.items() if v is not None}
+    out, _, _ = moe_ref(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins.get("b1"), ins.get("b2"),
+                        top_k=top_k, gate_up_layout=gate_up_layout)
+    out.backward(dout.double())
+    return out.detach(), {key: v.grad for key, v in ins.items()}

@@ -22,7 +22,7 @@ from sonicmoe.ops.score_grad import score_grad, score_grad_ref
 from sonicmoe.ops.up_proj import up_proj, up_proj_ref
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.routing import router_topk, routing_from_pairs, routing_from_topk
-from sonicmoe.testing import random_problem, rel_err
+from sonicmoe.testing import random_problem, reference_grads, rel_err
 
 pytestmark = pytest.mark.interpreter
 
@@ -294,12 +294,7 @@ def _layer_grads(p, k, layout, backend, dtype, dout):
 
 def _ref_grads(p, k, layout, dout, dtype=torch.float64):
     """float64 reference on the inputs rounded to ``dtype`` (so routing near-ties choose alike)."""
-    ins = {key: (v.to(dtype).double().clone().requires_grad_(True) if v is not None else None)
-           for key, v in p.items()}
-    out, _, _ = sonicmoe.moe_ref(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins["b1"], ins["b2"],
-                                 top_k=k, gate_up_layout=layout)
-    out.backward(dout.float())
-    return out.detach(), {key: v.grad for key, v in ins.items() if v is not None}
+    return reference_grads(p, dout, k, rounded_to=dtype, gate_up_layout=layout)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)

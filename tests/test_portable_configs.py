@@ -16,7 +16,7 @@ import triton
 
 from sonicmoe.ops import common, dh, grouped_gemm, up_proj, weight_grad
 from sonicmoe.ops.common import TMA_FLAGS, config_dict
-from sonicmoe.testing import random_problem, rel_err
+from sonicmoe.testing import layer_grads, random_problem, reference_grads, rel_err
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = {"up_proj": up_proj, "dh": dh, "grouped_gemm": grouped_gemm, "weight_grad": weight_grad}
@@ -184,27 +184,6 @@ def test_every_portable_config_matches_its_reference(device, monkeypatch):
 
 # ---------------------------------------------------------------- GPU: the portable configs run on a Hopper GPU
 
-def _layer(p: dict, k: int, dtype: torch.dtype, dout: torch.Tensor, backend: str = "triton"):
-    import sonicmoe
-
-    ins = {key: v.to(dtype).clone().requires_grad_(True) for key, v in p.items() if v is not None}
-    res = sonicmoe.moe(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins.get("b1"), ins.get("b2"), top_k=k,
-                       backend=backend)
-    res.out.backward(dout.to(dtype))
-    return res.out.detach(), {key: v.grad for key, v in ins.items()}
-
-
-def _reference(p: dict, k: int, dout: torch.Tensor):
-    """The float64 reference on the bf16-rounded inputs (so near-tied routing chooses alike)."""
-    import sonicmoe
-
-    ins = {key: v.to(torch.bfloat16).double().clone().requires_grad_(True) for key, v in p.items() if v is not None}
-    out, _, _ = sonicmoe.moe_ref(ins["x"], ins["router_weight"], ins["w1"], ins["w2"], ins.get("b1"), ins.get("b2"),
-                                 top_k=k)
-    out.backward(dout.double())
-    return out.detach(), {key: v.grad for key, v in ins.items()}
-
-
 PORTABLE_GPU_SHAPES = [
     (4096, 1024, 256, 64, 8, False, "fine-grained"),
     (3000, 768, 384, 32, 4, True, "T and n not tile multiples, biases"),
@@ -225,10 +204,11 @@ def test_gpu_portable_configs_layer_bf16(monkeypatch, shape, autotune):
     t, d, n, e, k, bias, _ = shape
     p = random_problem(t, d, n, e, bias=bias, device="cuda", seed=21)
     dout = torch.randn(t, d, device="cuda", generator=torch.Generator("cuda").manual_seed(22))
-    out, grads = _layer(p, k, torch.bfloat16, dout)
-    again, grads2 = _layer(p, k, torch.bfloat16, dout)
-    tout, tgrads = _layer(p, k, torch.bfloat16, dout, backend="torch")
-    ref, rgrads = _reference(p, k, dout)
+    dout16 = dout.to(torch.bfloat16)
+    out, grads = layer_grads(p, dout16, k)
+    again, grads2 = layer_grads(p, dout16, k)
+    tout, tgrads = layer_grads(p, dout16, k, backend="torch")
+    ref, rgrads = reference_grads(p, dout, k, rounded_to=torch.bfloat16)
     assert rel_err(out, ref) <= 2 * rel_err(tout, ref) + 1e-3 and rel_err(out, ref) < 1e-2
     for key in grads:
         assert rel_err(grads[key], rgrads[key]) <= 2 * rel_err(tgrads[key], rgrads[key]) + 2e-3, key
@@ -243,7 +223,7 @@ def test_gpu_portable_configs_are_the_ones_that_ran(monkeypatch):
     monkeypatch.setenv("SONICMOE_GLUON", "0")
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "1")
     p = random_problem(2048, 512, 256, 16, device="cuda", seed=23)
-    _layer(p, 4, torch.bfloat16, torch.randn(2048, 512, device="cuda"))
+    layer_grads(p, torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16), 4)
     for name, mod in MODULES.items():
         chosen = [d for d in mod._tuned.described() if d["tile_family"] == "mma"]
         assert chosen, name
