@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from ._autocast import autocast_cast, autocast_dtype
+from ._device import on_device
 from .config import BACKENDS, GATE_UP_LAYOUTS
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk
 
@@ -162,6 +163,8 @@ def experts(
     Input contract:
         * dtypes: x, w1, w2, b1, b2 share one of bf16/fp16/fp32; float64 only with the torch backend
           (the Triton kernels have no float64 path; ``auto`` picks torch for float64).
+        * device: every tensor on x's device, whichever CUDA device is current: the kernels launch on x's
+          device and its current stream (no ``torch.cuda.set_device`` needed for a layer on ``cuda:1``).
         * strides: any; non-contiguous inputs (e.g. a transposed view of W1) are read through
           contiguous copies made internally. Nothing the caller passes is modified.
         * routing: validated for type, sizes, shapes, dtypes and device without reading values
@@ -190,7 +193,8 @@ def experts(
         return experts_torch(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout)
     from .ops.moe_function import experts_triton
 
-    return experts_triton(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout)
+    with on_device(x):  # Triton launches on the current device: make it x's
+        return experts_triton(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout)
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ import os
 import torch
 
 from ._autocast import no_autocast
+from ._device import on_device
 from .config import ROUTER_ORDERS
 from .ops.router_logits import bf16_gemm_applies, router_logits, router_logits_ref
 
@@ -279,6 +280,12 @@ def router_topk(
     """
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
+    with on_device(x):  # the kernels launch on x's CUDA device, whichever is current
+        return _router_topk(x, router_weight, top_k, router_order, renormalize, use_kernel)
+
+
+def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, router_order: str, renormalize: bool,
+                 use_kernel: bool | None) -> RouterOutput:
     with no_autocast(x.device):  # float32 logits under torch.autocast too
         if bf16_gemm_applies(x, router_weight):  # bfloat16 X and W_r on CUDA: the tensor cores, float32 sums
             logits = router_logits(x, router_weight)

@@ -89,6 +89,7 @@ import warnings
 
 import torch
 
+from ._device import on_device
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
 from .routing import INDEX_DTYPE, RouterOutput, Routing
 
@@ -277,6 +278,14 @@ def token_rounding(
     t, e, k = _check_args(router, m_tile, subroutine, router_order)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
+    with on_device(router.logits):  # the kernels launch on the router's CUDA device, whichever is current
+        return _token_rounding(router, t, e, k, m_tile, subroutine, router_order, renormalize, generator,
+                               use_kernel, static, fused_router_grad)
+
+
+def _token_rounding(router: RouterOutput, t: int, e: int, k: int, m_tile: int, subroutine: str, router_order: str,
+                    renormalize: bool, generator: torch.Generator | None, use_kernel: bool | None, static: bool,
+                    fused_router_grad: bool) -> TokenRoundingOutput:
     from .ops import tr_routing, tr_scores, tr_select
 
     ids2 = router.topk_ids.long()  # (T, K)

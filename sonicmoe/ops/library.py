@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .._autocast import no_autocast
+from .._device import on_device
 from ..config import GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
@@ -405,7 +406,9 @@ def _backward_through(bwd, ctx, dout):
     if dout is None or not any(needs):
         return (None,) * _NUM_FWD_INPUTS
     x, h, pair_scores, w1, w2, b1, b2, *routing_arrays = ctx.saved_tensors
-    with no_autocast(dout.device):  # a backward called under torch.autocast: its few torch GEMMs stay as written
+    # under torch.autocast its few torch GEMMs stay as written; on dout's device whichever is current (the autograd
+    # engine's device threads make it current already; a backward called another way may not)
+    with no_autocast(dout.device), on_device(dout):
         grads = bwd(dout, x, w1, w2, b1, b2, h, pair_scores, *routing_arrays, ctx.gate_up_layout, needs)
     # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
     return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))
