@@ -40,6 +40,8 @@
 #   portable  the Triton kernels' "mma" tile family (common.tile_family: the configs for GPUs other than Hopper and
 #          datacenter Blackwell) on this GPU: its GPU tests, then the layer with SONICMOE_TILE_FAMILY=mma and no Gluon
 #          kernel against the default and against the torch backend on PORTABLE_SHAPES (default the 7B shape), checked
+#   multi  the layer on a device that is not current (two GPUs) and under DistributedDataParallel, then `sonicmoe
+#          train` data-parallel through torchrun against one process (MULTI_STEPS of the h100 preset; scripts/dp_compare.py)
 #   gemmws the Gluon ping-pong GEMM (down-projection, dX̃): probe of its ring depths against Triton (GEMMWS_SHAPES,
 #          GEMMWS_DXT_CONFIGS, GEMMWS_DOWN_CONFIGS), its GPU tests
 #   ab     scripts/ws_ab.py: alternating layer rounds over AB_VALUES (switch combinations NAME=V+NAME=V,...; AB_ENV
@@ -274,6 +276,23 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       SUMMARY+=("$(grep -svE 'check' "$OUT/dh_ws_probe.txt" | tail -12)" "$(grep -sE 'check' "$OUT/dh_ws_probe.txt" | cut -c1-260)"
                 "$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_dhws.log")" "$(tail -1 "$OUT/gpu_tests_dhws.log" 2>/dev/null)"
                 "$(grep -E 'SONICMOE_GLUON_DH=' "$OUT/ab_dh.txt" 2>/dev/null)")
+      ;;
+    multi)
+      # the layer off the current device and under DistributedDataParallel (tests/test_multi_device.py; the 2-GPU
+      # tests skip on one GPU), then `sonicmoe train` data-parallel through torchrun on every visible GPU (two ranks
+      # sharing one GPU through gloo where there is one) against one process: MULTI_STEPS steps of the h100 preset
+      # without the load-balancing loss (per rank), same global batch
+      timeout 400 python3 -m pytest -rA tests/test_multi_device.py -p no:cacheprovider > "$OUT/gpu_tests_multi.log" 2>&1
+      gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      ranks=$(( gpus > 1 ? gpus : 2 ))
+      opts=(--preset h100 --no-progress --steps "${MULTI_STEPS:-200}" --eval-every 100 --save-every 0
+            --aux-loss-coef 0 --log-every 10)
+      timeout 300 python3 -m sonicmoe train "${opts[@]}" --out /tmp/dp1 > "$OUT/train_dp1.txt" 2>&1
+      timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" -m sonicmoe train \
+        "${opts[@]}" --out /tmp/dp$ranks > "$OUT/train_dp$ranks.txt" 2>&1
+      cp /tmp/dp1/log.json "$OUT/train_dp1.json"; cp /tmp/dp$ranks/log.json "$OUT/train_dp$ranks.json"
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR|SKIPPED)' "$OUT/gpu_tests_multi.log")" "$(tail -1 "$OUT/gpu_tests_multi.log")"
+                "$(python3 scripts/dp_compare.py "$OUT/train_dp1.json" "$OUT/train_dp$ranks.json" 2>&1)")
       ;;
     portable)
       timeout 400 python3 -m pytest -rA -m gpu tests/test_portable_configs.py -p no:cacheprovider \

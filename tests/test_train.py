@@ -210,3 +210,72 @@ def test_autocast_bf16_training(tmp_path):
     losses = _losses(log)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     assert log["final_val_loss"] is not None and math.isfinite(log["final_val_loss"])
+
+
+# ------------------------------------------------------------------ data parallelism (torchrun, two CPU ranks)
+
+DP_STEPS = 12
+DP = [*TINY, "--steps", str(DP_STEPS), "--eval-every", "6", "--log-every", "3", "--profile-every", "0",
+      "--aux-loss-coef", "0"]  # the load-balancing loss is per rank: left out where runs are compared
+
+
+def _torchrun(out, *extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), "-m", "sonicmoe", "train", *extra, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    """A 12-step run over two gloo ranks and the same run in one process; their output directories and logs."""
+    runs = {}
+    for name in ("one", "two"):
+        out = tmp_path_factory.mktemp(f"dp_{name}")
+        if name == "one":
+            assert cli.main([*DP, "--out", str(out)]) == 0
+        else:
+            res = _torchrun(out, *DP)
+            assert res.returncode == 0, res.stderr[-3000:]
+            assert res.stdout.count("done: step") == 1, res.stdout  # rank 0 alone reports
+        runs[name] = (out, json.loads((out / "log.json").read_text()))
+    return runs
+
+
+def test_data_parallel_tracks_one_process(data_parallel):
+    """Two ranks, each on half of the global batch, follow the one-process run with the same options: the same
+    losses and validation losses to float32 rounding (the gradients are summed in another order), every routed
+    pair counted once."""
+    (_, one), (_, two) = data_parallel["one"], data_parallel["two"]
+    assert two["data_parallel"] == {"world_size": 2, "backend": "gloo", "tokens_per_rank": T // 2}
+    assert one["data_parallel"]["world_size"] == 1
+    assert [s["step"] for s in two["steps"]] == list(range(1, DP_STEPS + 1))
+    for a, b in zip(_losses(two), _losses(one), strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert [e["step"] for e in two["evals"]] == [0, 6, 12]
+    for a, b in zip(two["evals"], one["evals"], strict=True):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    for layer_two, layer_one in zip(two["expert_load"]["per_layer"], one["expert_load"]["per_layer"], strict=True):
+        assert sum(layer_two["counts"]) == DP_STEPS * T * K  # the ranks' halves, each counted once
+        for c2, c1 in zip(layer_two["counts"], layer_one["counts"], strict=True):
+            assert abs(c2 - c1) <= 0.01 * c1
+
+
+def test_data_parallel_resume_continues_exactly(data_parallel, tmp_path):
+    """Two ranks stopped after step 6 and resumed from rank 0's checkpoint continue as the uninterrupted run."""
+    _, full = data_parallel["two"]
+    res = _torchrun(tmp_path, *DP, "--stop-after", "6")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed_dir = tmp_path / "resumed"
+    res = _torchrun(resumed_dir, "--resume", str(tmp_path / "ckpt.pt"), "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = json.loads((resumed_dir / "log.json").read_text())
+    assert resumed["resumed_from"] == 6 and resumed["steps_done"] == DP_STEPS
+    assert _losses(resumed) == _losses(full)
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+    assert resumed["expert_load"]["per_layer"] == full["expert_load"]["per_layer"]
+
+
+def test_data_parallel_batch_must_split_evenly(tmp_path):
+    res = _torchrun(tmp_path, *DP, "--batch-size", "7")
+    assert res.returncode != 0
+    assert "batch_size=7 must be a multiple of the 2 data-parallel ranks" in res.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ Default data: the CPython standard library's .py sources (sorted, capped at --ma
 --val-fraction of the bytes is the validation split. Writes log.json, loss.png and ckpt.pt to --out.
 Presets: cpu-tiny (a few minutes on 2 CPU cores) and h100 (one H100, bf16); the default is h100 when a
 CUDA GPU is visible, else cpu-tiny. Options below override the preset; with --resume the checkpoint's
-configuration is used and only the options given override it."""
+configuration is used and only the options given override it.
+
+Data-parallel over several GPUs (or CPU processes): torchrun --nproc-per-node N -m sonicmoe train ...
+--batch-size is then the global batch, split evenly over the N ranks; rank 0 prints and writes the files."""
 
 
 def _preset_help() -> str:
@@ -147,5 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.data is not None and not Path(cfg.data).exists():
         parser.error(f"--data {cfg.data}: no such file or directory")
     log = train(cfg, checkpoint)
-    print(_summary(log, Path(cfg.out)))
+    if int(os.environ.get("RANK", "0")) == 0:  # data-parallel (torchrun): rank 0 reports
+        print(_summary(log, Path(cfg.out)))
     return 0

@@ -3,6 +3,8 @@
 Host syncs: losses, gradient norms and expert counts stay on the device and are read once per log
 interval; the MoE layers are timed (with device syncs) only on the dedicated profiled steps; tokens/s
 comes from the other steps, after a few warm-up steps, excluding evaluation and checkpointing.
+
+Started by ``torchrun`` with several processes, the loop trains data-parallel (:mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .config import TrainConfig
 from .data import VOCAB_SIZE, ByteCorpus
+from .distributed import DataParallel
 from .model import ModelConfig, MoETransformer
 from .profiling import MoEProfiler
 from .report import environment, expert_load_summary, peak_memory, plot_losses, write_json
@@ -167,9 +171,10 @@ class Throughput:
 class Progress:
     """A tqdm bar when tqdm is installed and wanted, else plain lines printed at log intervals."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
+    def __init__(self, total: int, initial: int, enabled: bool, silent: bool = False):
         self.bar = None
-        if enabled:
+        self.silent = silent  # prints nothing at all (data-parallel ranks other than 0)
+        if enabled and not silent:
             try:
                 from tqdm import tqdm
             except ImportError:
@@ -184,6 +189,8 @@ class Progress:
 
     def log(self, step: int, total: int, fields: dict[str, str]) -> None:
         """Show the latest metrics."""
+        if self.silent:
+            return
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=False)
         else:
@@ -191,6 +198,8 @@ class Progress:
 
     def write(self, message: str) -> None:
         """Print a line without breaking the bar."""
+        if self.silent:
+            return
         if self.bar is not None:
             self.bar.write(message)
         else:
@@ -203,16 +212,19 @@ class Progress:
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, corpus: ByteCorpus, cfg: TrainConfig, device: torch.device) -> float:
-    """Mean cross-entropy (nats/byte) on the fixed validation windows, in eval mode (plain top-k)."""
+def evaluate(model: MoETransformer, corpus: ByteCorpus, cfg: TrainConfig, device: torch.device,
+             dp: DataParallel = distributed.SINGLE) -> float:
+    """Mean cross-entropy (nats/byte) on the fixed validation windows, in eval mode (plain top-k). Data-parallel:
+    rank r evaluates the batches b with b mod world = r, and the sum is taken over the ranks (a collective)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for x, y in corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches, device):
-        with autocast_context(cfg.dtype, device):
-            total += model(x, y)
+    for b, (x, y) in enumerate(corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches, device)):
+        if b % dp.world == dp.rank:
+            with autocast_context(cfg.dtype, device):
+                total += model(x, y)
     model.train(was_training)
-    return float(total) / cfg.eval_batches
+    return float(dp.sum(total)) / cfg.eval_batches
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -228,10 +240,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn.Module, opt: Optimizer,
-                     generator: torch.Generator, history: dict[str, Any]) -> None:
+                     generator: torch.Generator, history: dict[str, Any], dp: DataParallel,
+                     device: torch.device) -> None:
+    """Rank 0 writes ``path``; every rank must call it (data-parallel: each rank's CUDA generator state is
+    gathered, as ``rng["cuda_ranks"]``)."""
     rng = {"torch": torch.get_rng_state(), "data": generator.get_state()}
-    if torch.cuda.is_available():
+    if dp.world > 1 and device.type == "cuda":
+        rng["cuda_ranks"] = [s.cpu() for s in dp.gather(torch.cuda.get_rng_state(device))]
+    elif torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    if not dp.main:
+        return
     state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_dict(), "model": model.state_dict(),
              "optimizer": opt.state_dict(), "rng": rng, "history": history}
     tmp = path.with_name(path.name + ".tmp")
@@ -256,21 +275,33 @@ def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None) -> dict[st
     Each step: a batch of B = ``batch_size`` windows of L = ``seq_len`` bytes (T = B·L tokens per MoE
     layer), loss = LM cross-entropy + Σ layers (aux_loss + z_loss), backward, AdamW step. The same
     seed gives the same losses on CPU, and a resumed run continues exactly as an uninterrupted one.
+    Started as one of several processes by ``torchrun`` (``WORLD_SIZE`` > 1), it trains data-parallel:
+    ``batch_size`` stays the global batch, each rank trains on its ``batch_size / ranks`` windows of it, and rank 0
+    writes the files (:mod:`sonicmoe.train.distributed`); ValueError if ``batch_size`` does not divide.
     ``torch.use_deterministic_algorithms`` is set for the run (per ``cfg.deterministic``) and restored.
     """
     cfg.validate()
     device = resolve_device(cfg.device)
+    dp = distributed.SINGLE
+    if distributed.requested():
+        dp, device = distributed.setup(device)
+        if cfg.batch_size % dp.world:
+            dp.close()
+            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {dp.world} data-parallel "
+                             "ranks (it is the global batch; each rank trains on batch_size / ranks windows)")
     deterministic = cfg.deterministic if cfg.deterministic is not None else device.type == "cpu"
     previous = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
-        return _train(cfg, checkpoint, device)
+        return _train(cfg, checkpoint, device, dp)
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        dp.close()
 
 
-def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.device,
+           dp: DataParallel) -> dict[str, Any]:
     if cfg.out is None:
         raise ValueError("cfg.out (the output directory) must be set")
     wall_t0 = time.perf_counter()
@@ -278,7 +309,8 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     if checkpoint is None and cfg.resume:
         checkpoint = load_checkpoint(cfg.resume)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if dp.main:
+        out.mkdir(parents=True, exist_ok=True)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
         torch.cuda.reset_peak_memory_stats(device)
@@ -288,9 +320,14 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     corpus.check_seq_len(cfg.seq_len)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_config(cfg)).to(device=device, dtype=dtype)
+    forward = model  # what the training steps call: DistributedDataParallel around the model with several ranks
+    if dp.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = Optimizer(model, cfg, device)
     generator = torch.Generator().manual_seed(cfg.seed)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.seq_len  # over all ranks
     if device.type == "cpu" and cfg.backend == "triton" and not os.environ.get("TRITON_INTERPRET"):
         warnings.warn("--backend triton on CPU needs TRITON_INTERPRET=1 (slow); use --backend torch",
                       stacklevel=2)
@@ -303,7 +340,10 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         opt.load_state_dict(checkpoint["optimizer"])
         generator.set_state(checkpoint["rng"]["data"])
         torch.set_rng_state(checkpoint["rng"]["torch"])
-        if device.type == "cuda" and "cuda" in checkpoint["rng"]:
+        cuda_ranks = checkpoint["rng"].get("cuda_ranks")
+        if device.type == "cuda" and dp.world > 1 and cuda_ranks is not None and len(cuda_ranks) == dp.world:
+            torch.cuda.set_rng_state(cuda_ranks[dp.rank], device)
+        elif device.type == "cuda" and dp.world == 1 and "cuda" in checkpoint["rng"]:
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
         start_step = int(checkpoint["step"])
         history = checkpoint["history"]
@@ -311,21 +351,26 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
 
     layers = model.moe_layers()
     profiler = MoEProfiler(layers, device)
+    # this rank's routed pairs per layer and expert (rank 0's start from the checkpoint's totals); summed over the
+    # ranks for the log
     load = torch.tensor(history["expert_counts"], dtype=torch.int64, device=device)
+    if not dp.main:
+        load.zero_()
     meter = Throughput(sync)
     warm_steps = min(5, max(0, (end_step - start_step) // 5))
     params = model.num_params()
     title = (f"d={cfg.d_model} L={cfg.layers} E={cfg.experts} K={cfg.top_k} n={cfg.expert_size} "
-             f"T={tokens_per_step} | {device.type} {str(dtype).replace('torch.', '')}"
+             f"T={tokens_per_step // dp.world}{f' x {dp.world} ranks' if dp.world > 1 else ''} | "
+             f"{device.type} {str(dtype).replace('torch.', '')}"
              f"{' (autocast bfloat16)' if cfg.dtype == 'amp-bf16' else ''} | {cfg.routing}")
-    progress = Progress(cfg.steps, start_step, cfg.progress)
+    progress = Progress(cfg.steps, start_step, cfg.progress, silent=not dp.main)
     progress.write(f"sonicmoe train: {title}; {params['total'] / 1e6:.2f}M params "
                    f"({params['active'] / 1e6:.2f}M active); data {corpus.source} ({corpus.num_files} files, "
                    f"{corpus.train.numel()} train / {corpus.val.numel()} val bytes); out {out}")
 
     def record_eval(step: int) -> None:
         meter.stop()
-        val = evaluate(model, corpus, cfg, device)
+        val = evaluate(model, corpus, cfg, device, dp)
         history["evals"].append({"step": step, "val_loss": val, "val_bpb": val / math.log(2)})
         progress.write(f"step {step}: val loss {val:.4f} ({val / math.log(2):.3f} bits/byte)")
 
@@ -340,6 +385,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             "model": {"params": params, "dtype": str(dtype).replace("torch.", ""),
                       "autocast": "bfloat16" if cfg.dtype == "amp-bf16" else None,
                       "tokens_per_step": tokens_per_step},
+            "data_parallel": {**dp.describe(), "tokens_per_rank": tokens_per_step // dp.world},
             "data": {"source": corpus.source, "files": corpus.num_files, "train_bytes": corpus.train.numel(),
                      "val_bytes": corpus.val.numel()},
             "steps_done": step,
@@ -352,7 +398,8 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             "final_val_bpb": history["evals"][-1]["val_bpb"] if history["evals"] else None,
             "tokens_per_s": meter.rate(),
             "throughput": {"tokens": meter.tokens, "seconds": meter.seconds,
-                           "note": "this process's unprofiled steps after warm-up; no eval/checkpoint time"},
+                           "note": "the unprofiled steps after warm-up, timed by rank 0, tokens of all ranks; no "
+                                   "eval/checkpoint time"},
             "moe_time_share": moe_s / step_s if step_s > 0 else None,
             "moe_time": {"profiled_steps": len(profile), "moe_s": moe_s, "step_s": step_s},
             "peak_memory": peak_memory(device),
@@ -364,11 +411,12 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         if not pending:
             return
         values = torch.stack([torch.stack([a.float(), b.float(), c.float()]) for _, _, a, b, c in pending])
+        values = dp.sum(values) / dp.world  # the ranks' mean (the gradient norm is the same on every rank)
         for (step, lr, _, _, _), (loss, aux, gnorm) in zip(pending, values.tolist()):
             history["steps"].append({"step": step, "loss": loss, "router_loss": aux, "lr": lr,
                                      "grad_norm": gnorm})
         pending.clear()
-        history["expert_counts"] = load.tolist()
+        history["expert_counts"] = dp.sum(load).tolist()
 
     if start_step == 0 and cfg.eval_every:
         record_eval(0)
@@ -389,9 +437,10 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             profiler.active = True
 
         x, y = corpus.train_batch(cfg.batch_size, cfg.seq_len, generator, device)
+        x, y = dp.shard(x), dp.shard(y)  # this rank's windows of the global batch
         lr = lr_at(step - 1, cfg)
         with autocast_context(cfg.dtype, device):
-            loss = model(x, y)
+            loss = forward(x, y)
             aux = model.router_loss()
         (loss + aux).backward()
         load += torch.stack([m.expert_counts for m in layers]).to(torch.int64)
@@ -430,8 +479,9 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             meter.stop()
             flush(pending)
             _save_checkpoint(out / CHECKPOINT, cfg=cfg, step=step, model=model, opt=opt, generator=generator,
-                             history=history)
-            write_json(out / LOG, build_log(step))
+                             history=history, dp=dp, device=device)
+            if dp.main:
+                write_json(out / LOG, build_log(step))
         if do_eval or do_save:
             last_log = (time.perf_counter(), step)
     meter.stop()
@@ -442,6 +492,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         record_eval(end_step)
 
     log = build_log(end_step)
-    write_json(out / LOG, log)
-    plot_losses(out / PLOT, history["steps"], history["evals"], title)
+    if dp.main:
+        write_json(out / LOG, log)
+        plot_losses(out / PLOT, history["steps"], history["evals"], title)
     return log
