@@ -9,7 +9,7 @@
   equal one process's gradients of the whole batch (top-k routing is per token; the load-balancing loss, computed
   per rank, is left out). On the CPU with gloo (CI: the torch backend, and the Triton kernels through the
   interpreter), and on CUDA in bf16: on two GPUs with NCCL, where rank 1 does not call ``set_device`` either, or
-  with both ranks on one GPU through gloo.
+  with both ranks on one GPU through gloo. FSDP2 (``fully_shard``) likewise, on the CPU and on two GPUs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def _step(moe: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor):
     x = x.clone().requires_grad_(True)
     out = moe(x)
     out.backward(dout)
-    grads = {name: p.grad.double().cpu() for name, p in moe.named_parameters()}
+    # FSDP2's gradients are sharded DTensors: gathered whole
+    grads = {name: getattr(p.grad, "full_tensor", lambda g=p.grad: g)().double().cpu()
+             for name, p in moe.named_parameters()}
     grads["x"] = x.grad.double().cpu()
     return out.detach().double().cpu(), grads
 
@@ -83,20 +85,28 @@ def test_layer_on_a_device_that_is_not_current(routing):
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, device_type: str, backend: str, dtype: torch.dtype,
-                out_file: str) -> None:
-    """One rank: DDP over ``_layer`` with its half of the batch; rank 0 also runs the whole batch without DDP. On
-    CUDA with two GPUs, rank r on GPU r through NCCL (no set_device: rank 1 keeps device 0 current); with one GPU,
-    both ranks on it through gloo (NCCL takes one GPU per rank)."""
+                out_file: str, wrap: str) -> None:
+    """One rank: ``wrap`` (``"ddp"``: DistributedDataParallel; ``"fsdp"``: FSDP2's ``fully_shard``, the weights'
+    expert dimension sharded over the ranks) around ``_layer`` with its half of the batch; rank 0 also runs the
+    whole batch without either. On CUDA with two GPUs, rank r on GPU r through NCCL (no set_device for DDP: rank 1
+    keeps device 0 current); with one GPU, both ranks on it through gloo (NCCL takes one GPU per rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     cuda = device_type == "cuda"
     dev = torch.device("cuda", rank if TWO_GPUS else 0) if cuda else torch.device("cpu")
+    if cuda and wrap == "fsdp":
+        torch.cuda.set_device(dev)  # FSDP2's device mesh takes the current device
     dist.init_process_group("nccl" if cuda and TWO_GPUS else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
         x, dout = _batch(world, dtype)
         t = SHAPE[0]
-        model = DistributedDataParallel(_layer(dev, dtype, backend), device_ids=[rank] if cuda else None)
+        if wrap == "ddp":
+            model = DistributedDataParallel(_layer(dev, dtype, backend), device_ids=[rank] if cuda else None)
+        else:
+            model = fully_shard(_layer(dev, dtype, backend), mesh=init_device_mesh(device_type, (world,)))
         out, grads = _step(model, x[rank * t:(rank + 1) * t].to(dev), dout[rank * t:(rank + 1) * t].to(dev))
         grads.pop("x")
         grads = {name.removeprefix("module."): g for name, g in grads.items()}
@@ -109,9 +119,9 @@ def _ddp_worker(rank: int, world: int, init_file: str, device_type: str, backend
         dist.destroy_process_group()
 
 
-def _run_ddp(tmp_path, device_type: str, backend: str, dtype: torch.dtype):
+def _run_ddp(tmp_path, device_type: str, backend: str, dtype: torch.dtype, wrap: str = "ddp"):
     out_file = str(tmp_path / "rank0.pt")
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), device_type, backend, dtype, out_file), nprocs=2,
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), device_type, backend, dtype, out_file, wrap), nprocs=2,
              join=True)
     return torch.load(out_file)
 
@@ -121,7 +131,7 @@ def _check_ddp(res: dict, tol: float) -> None:
     assert rel_err(res["out"], res["full_out"][:t]) <= tol
     assert res["grads"].keys() == res["full_grads"].keys()
     for name, g in res["grads"].items():
-        # DDP averages over the two ranks; the whole batch's gradient is their sum
+        # DDP and FSDP average over the two ranks; the whole batch's gradient is their sum
         assert rel_err(2 * g, res["full_grads"][name]) <= tol, name
 
 
@@ -131,6 +141,20 @@ def test_ddp_on_cpu_matches_the_whole_batch(tmp_path, backend):
     if torch.cuda.is_available() and backend == "triton":
         pytest.skip("the Triton kernels' CPU path (the interpreter, used without CUDA)")
     _check_ddp(_run_ddp(tmp_path, "cpu", backend, torch.float32), 1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # the (..., d) output is a view of the (T, d) one
+def test_fsdp2_on_cpu_matches_the_whole_batch(tmp_path):
+    """FSDP2 (``fully_shard``) over two gloo ranks on the CPU, float32, torch backend: the layer sees the gathered
+    weights as plain parameters, and the sharded gradients gathered back equal the whole batch's."""
+    _check_ddp(_run_ddp(tmp_path, "cpu", "torch", torch.float32, wrap="fsdp"), 1e-5)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_fsdp2_on_two_gpus_matches_the_whole_batch(tmp_path):
+    """FSDP2 over two NCCL ranks, bf16 on the Triton kernels."""
+    _check_ddp(_run_ddp(tmp_path, "cuda", "triton", torch.bfloat16, wrap="fsdp"), 1e-2)
 
 
 @pytest.mark.gpu
