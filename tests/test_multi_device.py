@@ -104,7 +104,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, device_type: str, backend
         x, dout = _batch(world, dtype)
         t = SHAPE[0]
         if wrap == "ddp":
-            model = DistributedDataParallel(_layer(dev, dtype, backend), device_ids=[rank] if cuda else None)
+            model = DistributedDataParallel(_layer(dev, dtype, backend), device_ids=[dev.index] if cuda else None)
         else:
             model = fully_shard(_layer(dev, dtype, backend), mesh=init_device_mesh(device_type, (world,)))
         out, grads = _step(model, x[rank * t:(rank + 1) * t].to(dev), dout[rank * t:(rank + 1) * t].to(dev))
