@@ -83,7 +83,8 @@ def requested() -> bool:
 
 def setup(device: torch.device) -> tuple[DataParallel, torch.device]:
     """Join (or create, from torchrun's environment) the default process group; returns this rank's
-    :class:`DataParallel` and its device: ``cuda:LOCAL_RANK`` (made current) for a CUDA ``device``, else ``device``.
+    :class:`DataParallel` and its device: ``cuda:LOCAL_RANK`` (made current; without ``LOCAL_RANK``, the current
+    CUDA device) for a CUDA ``device``, else ``device``.
 
     The backend is NCCL on CUDA with one GPU per local rank, gloo on the CPU or where local ranks outnumber the GPUs
     (several ranks on one GPU, which NCCL refuses).
@@ -94,11 +95,12 @@ def setup(device: torch.device) -> tuple[DataParallel, torch.device]:
     if not dist.is_available():
         raise RuntimeError("data-parallel training needs torch.distributed, which this torch build lacks")
     owns = not dist.is_initialized()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         gpus = torch.cuda.device_count()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        device = torch.device("cuda", local_rank % gpus)
+        # torchrun's LOCAL_RANK picks the GPU; a caller that made the group without it has made its GPU current
+        local_rank = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local_rank) % gpus if local_rank is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
         backend = "nccl" if local_world <= gpus else "gloo"
     else:
