@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -58,6 +59,41 @@ def _step(moe: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor):
              for name, p in moe.named_parameters()}
     grads["x"] = x.grad.double().cpu()
     return out.detach().double().cpu(), grads
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it lives on ``cuda:INDEX`` (for the guard's logic on a machine without CUDA)."""
+
+    INDEX = 1
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def device(self):
+        return torch.device("cuda", self.INDEX)
+
+
+@pytest.mark.parametrize("index,current,compiling,switches", [(1, 0, False, True), (0, 0, False, False),
+                                                              (1, 0, True, False)])
+def test_on_device_makes_the_inputs_device_current(monkeypatch, index, current, compiling, switches):
+    """``on_device`` enters ``torch.cuda.device`` for a CUDA tensor on another device than the current one, and
+    nothing for one on the current device, for a CPU tensor, or while torch.compile traces."""
+    from sonicmoe._device import on_device
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: entered.append(dev) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    t = torch.Tensor._make_subclass(_OnCuda, torch.zeros(2))
+    t.INDEX = index
+    with on_device(t):
+        pass
+    assert entered == ([torch.device("cuda", index)] if switches else [])
+    with on_device(torch.zeros(2)):
+        pass
+    assert len(entered) == int(switches)
 
 
 @pytest.mark.gpu
