@@ -209,6 +209,26 @@ def test_gather_sum(device):
     assert torch.equal(gather_sum(y, routing, w16), gather_sum(y, routing, w16.float()))
 
 
+def test_gather_sum_padded_routing(device):
+    """A padded routing (static length; padding pairs (T, E) at the end): the kernel and its twin leave the padding
+    slots out, and every token's real slots summed must equal the same routing built without the padding."""
+    t, e, pad = 11, 5, 4
+    g = torch.Generator().manual_seed(3)
+    pairs = sorted({(int(a), int(b)) for a, b in zip(torch.randint(0, t, (17,), generator=g),
+                                                       torch.randint(0, e, (17,), generator=g))})
+    tok, expert = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+    padded = routing_from_pairs(torch.cat([tok, torch.full((pad,), t)]).to(device),
+                                torch.cat([expert, torch.full((pad,), e)]).to(device), t, e, token_major=True,
+                                padding=True)
+    plain = routing_from_pairs(tok.to(device), expert.to(device), t, e, token_major=True)
+    y = torch.randn(padded.num_rows, 24, device=device)
+    w = torch.rand(padded.num_rows, device=device)
+    r = plain.num_rows  # the real rows come first, in the same order as the plain routing's
+    want = gather_sum_ref(y[:r], plain, w[:r])
+    for fn in (gather_sum, gather_sum_ref):
+        assert rel_err(fn(y, padded, w), want) < 1e-6, fn.__name__
+
+
 def test_gather_sum_more_slots_than_unrolled(device):
     """Tokens with more slots than one unrolled step (aggregation.MAX_UNROLL) and a ragged last step: every slot
     is summed, in slot order (the sum of each token's slots is checked against the reference)."""

@@ -244,13 +244,13 @@ def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor
                    config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0,
                    num_programs: int = 0) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config``, ``progs_per_sm`` and
-    ``num_programs`` are ignored)."""
+    ``num_programs`` are ignored). A padded routing's padding slots are left out, as the kernel leaves them."""
     t = routing.num_tokens
-    slot_token = torch.repeat_interleave(
-        torch.arange(t, device=y.device), (routing.token_offsets[1:] - routing.token_offsets[:-1]).long()
-    )
+    # each slot's token; the padding slots of a padded routing (after token_offsets[T]) get T, a row dropped below
+    slots = torch.arange(routing.num_rows, device=y.device, dtype=routing.token_offsets.dtype)
+    slot_token = torch.searchsorted(routing.token_offsets[1:], slots, right=True)
     rows = y[routing.token_rows.long()].float()
     if slot_weights is not None:
         rows = rows * slot_weights.float()[:, None]
-    res = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device).index_add(0, slot_token, rows)
+    res = torch.zeros(t + 1, y.shape[1], dtype=torch.float32, device=y.device).index_add(0, slot_token, rows)[:t]
     return res.to(y.dtype) if out is None else out.copy_(res)
