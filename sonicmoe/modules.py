@@ -10,7 +10,7 @@ from torch import nn
 from ._autocast import autocast_dtype
 from .config import MoEConfig
 from .functional import SUPPORTED_DTYPES, _check_float, experts, resolve_backend
-from .routing import load_balancing_loss, router_topk, routing_from_topk, z_loss
+from .routing import Routing, load_balancing_loss, router_topk, routing_from_topk, z_loss
 
 
 class Experts(nn.Module):
@@ -88,7 +88,7 @@ class MoE(nn.Module):
             raise ValueError(f"activation must be 'swiglu' (the only one implemented), got {activation!r}")
         self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, **options)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, self.config.bias,
+        self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
@@ -99,6 +99,32 @@ class MoE(nn.Module):
         return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
                 f"router_order={c.router_order}, layout={c.gate_up_layout}, backend={c.backend}, "
                 f"routing={c.routing}")
+
+    def _num_local_experts(self) -> int:
+        """How many of the E experts this layer holds the weights of (all of them; expert parallelism holds E/P)."""
+        return self.config.num_experts
+
+    def _route(self, router) -> tuple[Routing, torch.Tensor]:
+        """The routing (top-k, or token rounding in training) and the (R,) pair scores from the router's output."""
+        c = self.config
+        if c.routing == "token_rounding" and self.training:
+            from .token_rounding import token_rounding
+
+            # the router is router_topk's with this order: the chosen pairs' score gradient can skip its top-k backward
+            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding, router_order=c.router_order,
+                                renormalize=c.renormalize, static=c.static_pairs, fused_router_grad=True)
+            routing = tr.routing  # routing_from_pairs(..., token_major=True, padding=c.static_pairs), sort-free
+            pair_scores = tr.pair_scores
+        else:
+            routing = routing_from_topk(router.topk_ids, c.num_experts)
+            pair_scores = router.topk_scores.reshape(-1)
+        return routing, pair_scores
+
+    def _run_experts(self, x2: torch.Tensor, routing: Routing, pair_scores: torch.Tensor, backend: str):
+        """O (T, d): the experts and aggregation for x2 (T, d) under ``routing``."""
+        c, ex = self.config, self.experts
+        return experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
+                       ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -116,27 +142,14 @@ class MoE(nn.Module):
             x2 = x2.to(compute)
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
                              renormalize=c.renormalize)
-        e = c.num_experts
-        if c.routing == "token_rounding" and self.training:
-            from .token_rounding import token_rounding
-
-            # the router is router_topk's with this order: the chosen pairs' score gradient can skip its top-k backward
-            tr = token_rounding(router, m_tile=c.m_tile, subroutine=c.rounding, router_order=c.router_order,
-                                renormalize=c.renormalize, static=c.static_pairs, fused_router_grad=True)
-            routing = tr.routing  # routing_from_pairs(..., token_major=True, padding=c.static_pairs), sort-free
-            pair_scores = tr.pair_scores
-        else:
-            routing = routing_from_topk(router.topk_ids, e)
-            pair_scores = router.topk_scores.reshape(-1)
         backend = resolve_backend(c.backend, x2)
         if x2.device.type == "meta":
             backend = "torch"
         if backend == "triton" and x2.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"the MoE parameters are {x2.dtype}, which backend='triton' does not run; use "
                             "bfloat16/float16/float32 parameters or backend='torch'")
-        ex = self.experts
-        out = experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
-                      ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend)
+        routing, pair_scores = self._route(router)
+        out = self._run_experts(x2, routing, pair_scores, backend)
         self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing)
         self.z_loss = c.z_loss_coef * z_loss(router.logits)
         self.expert_counts = routing.expert_counts().detach()
