@@ -1,0 +1,305 @@
+"""Expert parallelism: the E experts split over the P ranks of a process group, tokens sent to their experts' owners.
+
+Rank r holds the weights of experts [r·E/P, (r+1)·E/P) (E_loc = E/P of them) and routes its own tokens over all E
+with a router replicated on every rank. One forward step, for any routing (top-k, general, token rounding):
+
+1. **dispatch**: rank r gathers its routed pairs' rows of X in expert-major order (the rows of experts 0..E−1, so
+   those of each destination rank are contiguous; padding rows stay) and their scores;
+2. **all-to-all**: the expert counts are exchanged (E integers per rank), then the rows and scores are sent to
+   their experts' owners; rank r receives M rows, grouped by source rank and, within each, by expert;
+3. **experts**: :func:`sonicmoe.experts` on the M received rows, each a token of its own with K = 1 and its pair's
+   score S, so each output row is S·(W2[e] SwiGLU(W1[e] x + b1[e]) + b2[e]); the Triton kernels (or the torch
+   backend) do the grouped GEMMs, and the experts' autograd Function keeps what it always keeps (its input, here the
+   M received rows, and H);
+4. **all-to-all back** and **combine**: each rank gets its weighted rows back and sums every token's (the
+   aggregation kernel on CUDA, in float32).
+
+The backward runs the same exchanges in reverse: dO is gathered to the rows, sent to the experts' owners, through
+the experts' backward, and the dX rows come back and are summed per token. Every step is a gather, a sum in a fixed
+order or a data exchange: the outputs and gradients are bitwise the same on every run (no atomics).
+
+Gradients: every rank's tokens reach the experts' backward on their owner, so an expert weight's gradient is the sum
+over all ranks' losses, while the replicated router weight gets only its rank's. Under data parallelism over the
+same group, :func:`expert_parallel_ddp` wraps the model so that DDP averages the replicated parameters and leaves
+the expert weights out, which it divides by P: every parameter then gets the gradient of the mean of the ranks'
+losses, as with plain data parallelism.
+
+Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. The layer's
+rows cross the network twice each way (X and O forward, dO and dX backward), in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._device import on_device
+from .functional import _check_float, _check_routing, check_expert_inputs, experts
+from .modules import MoE
+from .ops.aggregation import gather_sum, gather_sum_ref
+from .routing import Routing, routing_from_topk
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert parallelism needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group, e.g. under torchrun)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x (Σ send_splits, ...) sent, send_splits[j] to rank j; returns the Σ recv_splits rows received, in
+    rank order. Backward: the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return _all_to_all(x, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return _all_to_all(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def _sum_slots(y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """O (T, d): each token's rows of y (R, d) summed in slot order, in float32 (the aggregation kernel on CUDA, its
+    PyTorch twin elsewhere; both deterministic)."""
+    if y.is_cuda:  # the kernel reads the real slots only, which point to the real rows, the first y.shape[0]
+        with on_device(y):
+            return gather_sum(y, routing, None)
+    # the twin reads every slot's row, padding slots' too (and drops them): zero rows for those
+    pad = y.new_zeros(routing.num_rows - y.shape[0], y.shape[1])
+    return gather_sum_ref(torch.cat([y, pad]) if pad.shape[0] else y, routing, None)
+
+
+class _Dispatch(torch.autograd.Function):
+    """x (T, d) -> the rows of the routing's first ``rows`` rows (expert-major order), (rows, d); backward: the row
+    gradients of each token summed (a token's slots point to real rows only)."""
+
+    @staticmethod
+    def forward(ctx, x, routing, rows):
+        ctx.routing = routing
+        return x.index_select(0, routing.row_token[:rows])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_slots(grad, ctx.routing), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Rows y (rows, d), the routing's first rows in expert-major order -> O (T, d), each token's rows summed;
+    backward: dO gathered to the rows."""
+
+    @staticmethod
+    def forward(ctx, y, routing):
+        ctx.routing, ctx.rows = routing, y.shape[0]
+        return _sum_slots(y, routing)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.routing.row_token[:ctx.rows]), None
+
+
+def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> None:
+    """As :func:`sonicmoe.functional.check_expert_inputs`, with the routing over E = E_loc·P experts."""
+    check_expert_inputs(x, w1, w2, b1, b2)
+    if w1.shape[0] < 1:
+        raise ValueError("w1 must hold at least one expert: E_loc = E/P >= 1")
+    _check_routing(routing, x.shape[0], w1.shape[0] * world, x.device)
+    _check_float("pair_scores", pair_scores)
+    if pair_scores.dim() != 1 or pair_scores.shape[0] != routing.num_rows:
+        raise ValueError(f"pair_scores must have shape (R={routing.num_rows},), got {tuple(pair_scores.shape)}")
+    if pair_scores.device != x.device:
+        raise ValueError(f"pair_scores is on {pair_scores.device} but x is on {x.device}")
+
+
+def expert_parallel_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    pair_scores: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    group=None,
+    gate_up_layout: str = "concat",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`sonicmoe.experts` with the E experts split over the ranks of ``group`` (module docstring): the same
+    arguments, but this rank's tokens and this rank's experts' weights.
+
+    Every rank of ``group`` must call it, in the same order as its other collectives.
+
+    Args:
+        x: (T, d) this rank's tokens, bf16/fp16/fp32 (T may differ between ranks, and be 0).
+        w1: (E_loc, 2n, d) the gate/up weights of this rank's experts, rank r holding experts
+            [r·E_loc, (r+1)·E_loc); ``gate_up_layout`` ``"concat"`` ([gate; up] rows) or ``"interleaved"``.
+        w2: (E_loc, d, n). b1, b2: optional (E_loc, 2n), (E_loc, d).
+        routing: :class:`~sonicmoe.Routing` of this rank's R pairs over all E = E_loc·P experts: top-k
+            (:func:`~sonicmoe.routing_from_topk`), general (:func:`~sonicmoe.routing_from_pairs`, padding included)
+            or token rounding's (rounded on each rank's own tokens, so every expert's total over the ranks stays
+            a multiple of M_tile).
+        pair_scores: (R,) the score S of each pair, differentiable.
+        group: the process group (default: the whole world); P = its size.
+        backend: the local experts' backend, as :func:`sonicmoe.experts`.
+
+    Returns:
+        O (T, d) in x's dtype: O_t = Σ_{pairs p of token t} S_p · Expert_{e_p}(x_t).
+
+    Synchronises with the device once (the all-to-all's split sizes). Index values are not checked (that would
+    sync again), as in :func:`sonicmoe.experts`.
+
+    Raises:
+        RuntimeError: torch.distributed not initialised.
+        TypeError, ValueError: as :func:`sonicmoe.experts`, naming the argument (the routing's E is E_loc·P).
+    """
+    world, _ = _group_size_rank(group)
+    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
+    e_loc = w1.shape[0]
+    counts = routing.expert_counts()  # (E,): this rank's rows for each expert, E_loc per destination rank
+    recv_counts = _all_to_all(counts, [e_loc] * world, [e_loc] * world, group)  # (P·E_loc,): [source][local expert]
+    splits = torch.cat([counts.view(world, e_loc).sum(1), recv_counts.view(world, e_loc).sum(1)]).tolist()
+    send_splits, recv_splits = splits[:world], splits[world:]
+    sent, m = sum(send_splits), sum(recv_splits)  # sent < R where the routing has padding rows (they stay)
+    x_rows = _AllToAll.apply(_Dispatch.apply(x, routing, sent), send_splits, recv_splits, group)
+    s_rows = _AllToAll.apply(routing.row_scores(pair_scores)[:sent], send_splits, recv_splits, group)
+    local = torch.arange(e_loc, device=x.device, dtype=recv_counts.dtype).repeat(world)
+    row_expert = torch.repeat_interleave(local, recv_counts, output_size=m)
+    local_routing = routing_from_topk(row_expert[:, None], e_loc)
+    local_routing.tile_rows = routing.tile_rows  # each source's counts are multiples of it: so are their sums
+    y_rows = experts(x_rows, w1, w2, local_routing, s_rows, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
+    return _Combine.apply(_AllToAll.apply(y_rows, recv_splits, send_splits, group), routing)
+
+
+class _AllGatherExperts(torch.autograd.Function):
+    """Every rank's (E_loc, ...) expert tensor concatenated to (E, ...); backward: the sum over ranks of the
+    gradient, this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        world, rank = _group_size_rank(group)
+        ctx.group, ctx.world, ctx.rank = group, world, rank
+        parts = [torch.empty_like(w) for _ in range(world)]
+        dist.all_gather(parts, w.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.world)[ctx.rank], None
+
+
+def expert_parallel_experts_ref(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing,
+    pair_scores: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    group=None,
+    gate_up_layout: str = "concat",
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Reference for :func:`expert_parallel_experts`, same signature: every rank gathers all E experts' weights
+    (all-gather; backward: all-reduce of their gradients) and runs :func:`sonicmoe.experts` on its own tokens.
+    Runs on the CPU (gloo); holds P times the expert weights."""
+    world, _ = _group_size_rank(group)
+    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
+    full = [None if w is None else _AllGatherExperts.apply(w, group) for w in (w1, w2, b1, b2)]
+    return experts(x, full[0], full[1], routing, pair_scores, full[2], full[3], gate_up_layout=gate_up_layout,
+                   backend=backend)
+
+
+class ExpertParallelMoE(MoE):
+    """:class:`sonicmoe.MoE` with its E experts split over the P ranks of a process group (expert parallelism).
+
+    Same arguments, options and ``forward`` as :class:`~sonicmoe.MoE`, plus ``group`` (default: the whole world,
+    which must be initialised first). The router ``gate.weight`` (E, d) is replicated; ``experts.gate_up_proj``
+    (E_loc, 2n, d), ``experts.down_proj`` (E_loc, d, n) and the optional biases hold this rank's E_loc = E/P
+    experts, rank r the experts [r·E_loc, (r+1)·E_loc) (the parameter names of ``MoE``, so a full checkpoint
+    maps by slicing: :meth:`load_full_state_dict`). ``aux_loss`` and ``expert_counts`` are this rank's, over all E
+    experts. Routing ``"topk"`` or ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's
+    total stays a multiple of M_tile). One host sync per forward (:func:`expert_parallel_experts`), and with
+    ``static_pairs=False`` token rounding's own.
+
+    Gradients: see the module docstring; wrap the model with :func:`expert_parallel_ddp` for data parallelism
+    over the same group.
+
+    Raises:
+        RuntimeError: torch.distributed not initialised.
+        ValueError: E not a multiple of P; as :class:`~sonicmoe.MoE`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
+                 **kwargs):
+        world, rank = _group_size_rank(group)
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
+            raise ValueError(f"num_experts must be a positive multiple of the group's size P={world} "
+                             f"(E_loc = E/P experts per rank), got {num_experts!r}")
+        self.ep_group, self.ep_size, self.ep_rank = group, world, rank
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, **kwargs)
+
+    def _num_local_experts(self) -> int:
+        return self.config.num_experts // self.ep_size
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, experts [{self.expert_range.start}, {self.expert_range.stop}) of rank " \
+               f"{self.ep_rank}/{self.ep_size}"
+
+    @property
+    def expert_range(self) -> range:
+        """The ids of the experts this rank holds: [rank·E_loc, (rank+1)·E_loc)."""
+        e_loc = self._num_local_experts()
+        return range(self.ep_rank * e_loc, (self.ep_rank + 1) * e_loc)
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load a :class:`~sonicmoe.MoE` state dict with all E experts, keeping this rank's slice of theirs."""
+        r = self.expert_range
+        own = {name: (v[r.start:r.stop] if name.startswith("experts.") else v) for name, v in state.items()}
+        self.load_state_dict(own)
+
+    def _run_experts(self, x2: torch.Tensor, routing: Routing, pair_scores: torch.Tensor, backend: str):
+        c, ex = self.config, self.experts
+        return expert_parallel_experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
+                                       ex.down_proj_bias, group=self.ep_group, gate_up_layout=c.gate_up_layout,
+                                       backend=backend)
+
+
+def expert_parallel_ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel(model, **ddp_kwargs)`` for a model with :class:`ExpertParallelMoE` layers whose
+    expert-parallel group is DDP's too: DDP averages the replicated parameters (router, attention, ...) over the
+    ranks and leaves the expert weights out, whose gradients (already summed over the ranks' losses by the
+    all-to-all) a hook divides by P. Each parameter then gets the gradient of the mean of the ranks' losses.
+
+    Call it once per model (each call adds the hooks again).
+
+    Raises:
+        ValueError: an :class:`ExpertParallelMoE` whose group is not the one DDP reduces over.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    world_group = dist.group.WORLD
+    ddp_group = ddp_kwargs.get("process_group") or world_group
+    ignored = []
+    for prefix, module in model.named_modules():
+        if not isinstance(module, ExpertParallelMoE):
+            continue
+        if (module.ep_group or world_group) is not ddp_group:
+            raise ValueError(f"{prefix or 'model'}: its expert-parallel group is not the process group DDP reduces "
+                             "over (process_group=...); expert_parallel_ddp needs them to be one group")
+        for name, p in module.experts.named_parameters():
+            ignored.append(f"{prefix}.experts.{name}" if prefix else f"experts.{name}")
+            p.register_hook(lambda g, scale=1.0 / module.ep_size: g * scale)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return DistributedDataParallel(model, **ddp_kwargs)

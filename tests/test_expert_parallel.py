@@ -1,0 +1,274 @@
+"""Expert parallelism (:mod:`sonicmoe.expert_parallel`) over two processes against one process holding everything.
+
+Each rank has its own tokens (a different T on each) and half of the E experts. Its output, the gradients of its x
+and scores, and those of the experts it holds must equal what one process computes for all ranks' tokens with all
+E experts (the float32 reference, :func:`sonicmoe.experts_ref`): a token's output and x-gradient are its own, an
+expert weight's gradient sums every rank's tokens. Routings: random top-k; every pair on rank 0's experts (rank 1's
+receive no row) with a single token on rank 1; no token at all on rank 1; K = E. The layer
+(:class:`~sonicmoe.expert_parallel.ExpertParallelMoE` loaded from a full ``MoE``, wrapped by
+:func:`~sonicmoe.expert_parallel.expert_parallel_ddp`) must give every parameter the gradient of the mean of the
+ranks' losses. On the CPU over gloo: the torch backend, and the Triton kernels through the interpreter; on CUDA in
+bf16 (two GPUs over NCCL, or both ranks on one GPU over gloo).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sonicmoe
+from sonicmoe import MoE, experts_ref, routing_from_pairs, routing_from_topk
+from sonicmoe.testing import rel_err
+
+D, N, E = 48, 40, 8
+TOKENS = (37, 29)  # T of rank 0 and rank 1
+
+
+def _scenarios():
+    """name -> (T of each rank, K (0: general routing), how the experts are chosen)."""
+    return {"random": (TOKENS, 2, "random"), "rank0_experts_only": ((37, 1), 2, "low"),
+            "no_tokens_on_rank1": ((37, 0), 2, "random"), "k_equals_e": ((5, 3), E, "random"),
+            "general_padded": (TOKENS, 0, "general")}
+
+
+def _problem(tokens, k, choice, dtype, device, bias=True):
+    """All ranks' tokens, output gradients and all E experts' weights (the same on every rank), and each rank's
+    pairs: (pair_token, pair_expert, pair_scores, padding pairs at the end)."""
+    g = torch.Generator().manual_seed(7 + sum(tokens) + k)
+    t = sum(tokens)
+    rnd = {"x": torch.randn(t, D, generator=g), "dout": torch.randn(t, D, generator=g),
+           "w1": torch.randn(E, 2 * N, D, generator=g) * D ** -0.5, "w2": torch.randn(E, D, N, generator=g) * N ** -0.5,
+           "b1": torch.randn(E, 2 * N, generator=g) * 0.1 if bias else None,
+           "b2": torch.randn(E, D, generator=g) * 0.1 if bias else None}
+    out = {key: None if v is None else v.to(device=device, dtype=dtype) for key, v in rnd.items()}
+    out["pairs"] = []
+    for tr in tokens:
+        logits = torch.randn(tr, E, generator=g)
+        if choice == "low":  # only experts [0, E/2): those of rank 0
+            logits[:, E // 2:] = -1e4
+        if choice == "general":  # 0 to 3 experts per token (token 0 none), then 5 padding pairs (token T, expert E)
+            per = torch.randint(0, 4, (tr,), generator=g)
+            per[0] = 0
+            chosen = logits.argsort(dim=1)
+            pt = torch.cat([torch.repeat_interleave(torch.arange(tr), per), torch.full((5,), tr)])
+            pe = torch.cat([torch.cat([chosen[i, :c] for i, c in enumerate(per.tolist())]), torch.full((5,), E)])
+            pad = 5
+        else:
+            pt = torch.arange(tr * k) // k
+            pe = logits.topk(k, dim=1).indices.reshape(-1)
+            pad = 0
+        scores = torch.rand(pt.shape[0], generator=g) + 0.1
+        out["pairs"].append((pt.to(device), pe.to(device), scores.to(device=device, dtype=dtype), pad))
+    return out
+
+
+def _grads_of(fn, inputs: dict, dout: torch.Tensor):
+    """fn(**leaves) backward from dout: (output, {name: gradient}) in float64 on the CPU."""
+    leaves = {key: v.detach().clone().requires_grad_(True) for key, v in inputs.items()}
+    out = fn(**leaves)
+    out.backward(dout)
+    return out.detach().double().cpu(), {key: v.grad.double().cpu() for key, v in leaves.items()}
+
+
+def _functional_errors(rank, world, backend, dtype, device) -> dict:
+    """Relative errors of expert_parallel_experts against the one-process reference, per scenario and tensor; the
+    padding pairs' score gradients (must be zero); whether a second run differs (must not)."""
+    from sonicmoe.expert_parallel import expert_parallel_experts, expert_parallel_experts_ref
+
+    errs, e_loc = {}, E // world
+    for name, (tokens, k, choice) in _scenarios().items():
+        p = _problem(tokens, k, choice, dtype, device)
+        lo = sum(tokens[:rank])
+        mine = slice(lo, lo + tokens[rank])
+        own = slice(rank * e_loc, (rank + 1) * e_loc)
+        pt, pe, scores, pad = p["pairs"][rank]
+        routing = routing_from_pairs(pt, pe, tokens[rank], E, token_major=True, padding=pad > 0)
+        local = {"x": p["x"][mine], "pair_scores": scores, "w1": p["w1"][own], "w2": p["w2"][own],
+                 "b1": p["b1"][own], "b2": p["b2"][own]}
+        results = []
+        for fn in (expert_parallel_experts, expert_parallel_experts, expert_parallel_experts_ref):
+            b = "torch" if fn is expert_parallel_experts_ref else backend
+            results.append(_grads_of(lambda fn=fn, b=b, r=routing, **kw: fn(routing=r, backend=b, **kw), local,
+                                     p["dout"][mine]))
+        # the float32 reference: one process, every rank's tokens and real pairs, all E experts
+        full = {key: p[key].float() for key in ("x", "w1", "w2", "b1", "b2")}
+        real = [(q[0][:len(q[0]) - q[3]] + sum(tokens[:j]), q[1][:len(q[1]) - q[3]], q[2][:len(q[2]) - q[3]])
+                for j, q in enumerate(p["pairs"])]
+        full["pair_scores"] = torch.cat([q[2] for q in real]).float()
+        ref_routing = routing_from_pairs(torch.cat([q[0] for q in real]), torch.cat([q[1] for q in real]),
+                                         sum(tokens), E, check=True)
+        ref_out, ref = _grads_of(lambda r=ref_routing, **kw: experts_ref(routing=r, **kw), full, p["dout"].float())
+        first = sum(len(q[0]) for q in real[:rank])
+        n_real = len(pt) - pad
+        ref_mine = {"x": ref["x"][mine], "pair_scores": ref["pair_scores"][first:first + n_real]}
+        ref_mine.update({key: ref[key][own] for key in ("w1", "w2", "b1", "b2")})
+        out, grads = results[0]
+        # two runs: bitwise the same output and gradients
+        errs[f"{name}/rerun_differs_flag"] = float(not (torch.equal(out, results[1][0]) and all(
+            torch.equal(g, results[1][1][key]) for key, g in grads.items())))
+        grads = dict(grads)
+        if pad:
+            errs[f"{name}/padding_score_grads_flag"] = float(grads["pair_scores"][n_real:].abs().sum())
+            grads["pair_scores"] = grads["pair_scores"][:n_real]
+        errs[f"{name}/out"] = rel_err(out, ref_out[mine]) if tokens[rank] else float(out.numel())
+        for key, g in grads.items():
+            errs[f"{name}/d{key}"] = rel_err(g, ref_mine[key]) if ref_mine[key].abs().sum() else float(g.abs().sum())
+        ref_fn_out, ref_fn = results[2]
+        errs[f"{name}/ref_fn_out"] = rel_err(ref_fn_out, ref_out[mine]) if tokens[rank] else 0.0
+        errs[f"{name}/ref_fn_dw1"] = rel_err(ref_fn["w1"], ref_mine["w1"]) if ref_mine["w1"].abs().sum() else 0.0
+    return errs
+
+
+def _layer_errors(rank, world, backend, dtype, device) -> dict:
+    """ExpertParallelMoE loaded from a full MoE, under expert_parallel_ddp, against the full MoE run on each rank's
+    tokens in turn (token rounding rounds each rank's own counts): the output, and each parameter's gradient
+    against the sum over the ranks' tokens divided by P (the mean of the ranks' losses)."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp
+
+    p = _problem(TOKENS, 2, "random", dtype, device)
+    errs = {}
+    for routing in ("topk", "token_rounding"):
+        opts = dict(bias=True, backend=backend, aux_loss_coef=0.0, routing=routing, m_tile=16)
+        torch.manual_seed(0)
+        full = MoE(D, N, E, 2, **opts).to(device=device, dtype=dtype)
+        layer = ExpertParallelMoE(D, N, E, 2, **opts).to(device=device, dtype=dtype)
+        layer.load_full_state_dict(full.state_dict())
+        model = expert_parallel_ddp(layer)
+        outs = []
+        for j in range(world):
+            chunk = slice(sum(TOKENS[:j]), sum(TOKENS[:j + 1]))
+            outs.append(full(p["x"][chunk]))
+            outs[-1].backward(p["dout"][chunk])
+            if j == rank:
+                out = model(p["x"][chunk])
+                out.backward(p["dout"][chunk])
+        r = layer.expert_range
+        errs[f"layer_{routing}/out"] = rel_err(out, outs[rank])
+        full_params = dict(full.named_parameters())
+        for name, q in layer.named_parameters():
+            ref = full_params[name].grad
+            ref = ref[r.start:r.stop] if name.startswith("experts.") else ref
+            errs[f"layer_{routing}/d{name}"] = rel_err(q.grad, ref / world)
+    try:  # E = 7 does not split over two ranks
+        ExpertParallelMoE(D, N, 7, 2)
+        errs["layer/odd_num_experts_accepted_flag"] = 1.0
+    except ValueError:
+        errs["layer/odd_num_experts_accepted_flag"] = 0.0
+    return errs
+
+
+def _worker(rank: int, world: int, init_file: str, backend: str, device_type: str, dtype: torch.dtype,
+            out_file: str) -> None:
+    cuda = device_type == "cuda"
+    two_gpus = cuda and torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank if two_gpus else 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if two_gpus else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    warnings.filterwarnings("ignore", message="token rounding with")  # few tokens per expert, on purpose
+    try:
+        errs = _functional_errors(rank, world, backend, dtype, device)
+        errs.update(_layer_errors(rank, world, backend, dtype, device))
+        torch.save(errs, out_file.format(rank=rank))
+        dist.barrier()
+    except BaseException:  # every rank's traceback for the failure message (mp.spawn reports one rank's)
+        with open(out_file.format(rank=rank) + ".err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as in test_multi_device: skip the interpreter teardown, where gloo threads have aborted a rank
+
+
+def _run(tmp_path, backend: str, device_type: str, dtype: torch.dtype) -> list[dict]:
+    out_file = str(tmp_path / "rank{rank}.pt")
+    try:
+        mp.spawn(_worker, args=(2, str(tmp_path / "init"), backend, device_type, dtype, out_file), nprocs=2,
+                 join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
+        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
+    return [torch.load(out_file.format(rank=r)) for r in range(2)]
+
+
+def _check(results: list[dict], tol: float) -> None:
+    for rank, errs in enumerate(results):
+        assert len(errs) == len(results[0]) > 40
+        bad = {key: v for key, v in errs.items() if not v <= (0.0 if key.endswith("_flag") else tol)}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_expert_parallel_on_cpu_matches_one_process(tmp_path, backend):
+    """Two gloo ranks on the CPU, float32 (the Triton backend through the interpreter)."""
+    if torch.cuda.is_available() and backend == "triton":
+        pytest.skip("the Triton kernels' CPU path (the interpreter, used without CUDA)")
+    _check(_run(tmp_path, backend, "cpu", torch.float32), 1e-5)
+
+
+@pytest.mark.gpu
+def test_expert_parallel_on_gpu_matches_one_process(tmp_path):
+    """bf16 on the Triton kernels: two GPUs over NCCL, or both ranks on one GPU over gloo."""
+    _check(_run(tmp_path, "triton", "cuda", torch.bfloat16), 1e-2)
+
+
+def test_expert_parallel_refuses_bad_setups(tmp_path):
+    """Without a process group: RuntimeError. In a group of one rank: E = 0, a routing of other E or T, scores and
+    weights of the wrong shape are refused, naming the argument (E not a multiple of P: in the two-rank runs)."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_experts
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ExpertParallelMoE(D, N, E, 2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="num_experts"):
+            ExpertParallelMoE(D, N, 0, 1)
+        x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
+        routing = routing_from_topk(torch.tensor([[0, 1]] * 4), 2)
+        with pytest.raises(ValueError, match="routing is for E=2 experts but w1 has E=1"):
+            expert_parallel_experts(x, w1[:1], w2[:1], routing, torch.rand(8))
+        with pytest.raises(ValueError, match=r"pair_scores must have shape \(R=8,\)"):
+            expert_parallel_experts(x, w1, w2, routing, torch.rand(7))
+        with pytest.raises(ValueError, match="routing is for T=4 tokens but x has T=3"):
+            expert_parallel_experts(x[:3], w1, w2, routing, torch.rand(8))
+        with pytest.raises(ValueError, match="w2"):
+            expert_parallel_experts(x, w1, w2[:, :, :3], routing, torch.rand(8))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_memory_contract(tmp_path, device):
+    """In a group of one rank (the exchange is then a copy): what backward keeps is the experts' contract on the
+    received rows, X_recv (R, d), H (R, 2n), the received scores (R,) and the weights; not the caller's x, no other
+    (R, d) tensor (the dispatched rows before the exchange, the outputs before the combine), no A (R, n)."""
+    from sonicmoe.expert_parallel import expert_parallel_experts
+
+    t, d, n, e, k = 33, 48, 16, 4, 2  # d != n, 2n so (R, d), (R, n), (R, 2n) are told apart
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(t, d, generator=g).to(device).requires_grad_(True)
+        w1 = (torch.randn(e, 2 * n, d, generator=g) * d ** -0.5).to(device).requires_grad_(True)
+        w2 = (torch.randn(e, d, n, generator=g) * n ** -0.5).to(device).requires_grad_(True)
+        routing = routing_from_topk(torch.randn(t, e, generator=g).topk(k, dim=1).indices.to(device), e)
+        r = routing.num_rows
+        scores = torch.rand(r, generator=g).to(device).requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+            out = expert_parallel_experts(x, w1, w2, routing, scores, backend="triton")
+        float_shapes = sorted(tuple(s.shape) for s in saved if s.dtype.is_floating_point)
+        assert float_shapes == sorted([(r, d), (r, 2 * n), (r,), (e, 2 * n, d), (e, d, n)])
+        assert not any(s.data_ptr() == x.data_ptr() for s in saved), "the caller's x is not kept"
+        out.backward(torch.randn_like(out))
+        ref = sonicmoe.experts(x.detach(), w1.detach(), w2.detach(), routing, scores.detach(), backend="triton")
+        assert rel_err(out, ref) < 1e-5
+        assert x.grad is not None and w1.grad is not None and scores.grad is not None
+    finally:
+        dist.destroy_process_group()
