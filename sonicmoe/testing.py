@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 
 
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it lives on ``cuda:INDEX`` (``torch.Tensor._make_subclass(OnCuda, t)``): for testing
+    device logic (guards, refusals) on a machine without CUDA."""
+
+    INDEX = 1
+
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def device(self):
+        return torch.device("cuda", self.INDEX)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ computed in float64; NaN if ``out`` holds any NaN or Inf."""
     out, ref = out.detach().double(), ref.detach().double()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sonicmoe import MoE
-from sonicmoe.testing import rel_err
+from sonicmoe.testing import OnCuda, rel_err
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs in this process")
@@ -62,20 +62,6 @@ def _step(moe: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor):
     return out.detach().double().cpu(), grads
 
 
-class _OnCuda(torch.Tensor):
-    """A CPU tensor that says it lives on ``cuda:INDEX`` (for the guard's logic on a machine without CUDA)."""
-
-    INDEX = 1
-
-    @property
-    def is_cuda(self):
-        return True
-
-    @property
-    def device(self):
-        return torch.device("cuda", self.INDEX)
-
-
 @pytest.mark.parametrize("index,current,compiling,switches", [(1, 0, False, True), (0, 0, False, False),
                                                               (1, 0, True, False)])
 def test_on_device_makes_the_inputs_device_current(monkeypatch, index, current, compiling, switches):
@@ -87,7 +73,7 @@ def test_on_device_makes_the_inputs_device_current(monkeypatch, index, current, 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: entered.append(dev) or contextlib.nullcontext())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-    t = torch.Tensor._make_subclass(_OnCuda, torch.zeros(2))
+    t = torch.Tensor._make_subclass(OnCuda, torch.zeros(2))
     t.INDEX = index
     with on_device(t):
         pass
