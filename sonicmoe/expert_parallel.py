@@ -30,6 +30,8 @@ rows cross the network twice each way (X and O forward, dO and dX backward), in 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -107,6 +109,24 @@ class _Combine(torch.autograd.Function):
         return grad.index_select(0, ctx.routing.row_token[:ctx.rows]), None
 
 
+CUDA_OPT_IN = "SONICMOE_EXPERT_PARALLEL_CUDA"
+"""The environment variable that lets expert parallelism run on CUDA tensors (``1``): see :func:`_check_cuda_opt_in`."""
+
+
+def _check_cuda_opt_in(x: torch.Tensor, world: int) -> None:
+    """Expert parallelism over several ranks on CUDA is experimental: refused unless the variable is ``1``.
+
+    Session 71 (one H200): a group of one rank ran forward+backward on CUDA (bf16 at the 7B and 120B-n1024 shapes,
+    benchmarks/ep_bench.py; the memory-contract test in float32), but the two-rank test, both ranks sharing the GPU
+    over gloo, stopped with an illegal memory access in the experts' backward on one rank, not yet diagnosed. Two
+    ranks with a GPU each (NCCL) have not run. Refusing beats a crash; the variable runs it anyway.
+    """
+    if x.is_cuda and world > 1 and os.environ.get(CUDA_OPT_IN) != "1":
+        raise NotImplementedError(
+            f"expert parallelism over {world} ranks on CUDA is experimental: its two-rank GPU test failed with an "
+            f"illegal memory access (sonicmoe session 71, not yet diagnosed); set {CUDA_OPT_IN}=1 to run it anyway")
+
+
 def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> None:
     """As :func:`sonicmoe.functional.check_expert_inputs`, with the routing over E = E_loc·P experts."""
     check_expert_inputs(x, w1, w2, b1, b2)
@@ -160,9 +180,12 @@ def expert_parallel_experts(
     Raises:
         RuntimeError: torch.distributed not initialised.
         TypeError, ValueError: as :func:`sonicmoe.experts`, naming the argument (the routing's E is E_loc·P).
+        NotImplementedError: CUDA tensors with P > 1 unless ``SONICMOE_EXPERT_PARALLEL_CUDA=1`` (experimental:
+            :func:`_check_cuda_opt_in`).
     """
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
+    _check_cuda_opt_in(x, world)
     e_loc = w1.shape[0]
     counts = routing.expert_counts()  # (E,): this rank's rows for each expert, E_loc per destination rank
     recv_counts = _all_to_all(counts, [e_loc] * world, [e_loc] * world, group)  # (P·E_loc,): [source][local expert]
@@ -228,7 +251,9 @@ class ExpertParallelMoE(MoE):
     which must be initialised first). The router ``gate.weight`` (E, d) is replicated; ``experts.gate_up_proj``
     (E_loc, 2n, d), ``experts.down_proj`` (E_loc, d, n) and the optional biases hold this rank's E_loc = E/P
     experts, rank r the experts [r·E_loc, (r+1)·E_loc) (the parameter names of ``MoE``, so a full checkpoint
-    maps by slicing: :meth:`load_full_state_dict`). ``aux_loss`` and ``expert_counts`` are this rank's, over all E
+    maps by slicing: :meth:`load_full_state_dict`). The experts are initialised as ``MoE``'s, from a random stream of
+    their rank's own (forked off the current one): ranks seeded alike get the same router and different experts.
+    ``aux_loss`` and ``expert_counts`` are this rank's, over all E
     experts. Routing ``"topk"`` or ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's
     total stays a multiple of M_tile). One host sync per forward (:func:`expert_parallel_experts`), and with
     ``static_pairs=False`` token rounding's own.
@@ -249,6 +274,16 @@ class ExpertParallelMoE(MoE):
                              f"(E_loc = E/P experts per rank), got {num_experts!r}")
         self.ep_group, self.ep_size, self.ep_rank = group, world, rank
         super().__init__(hidden_size, intermediate_size, num_experts, top_k, **kwargs)
+        # every rank built its experts from the same random stream (the ranks are usually seeded alike, so that the
+        # replicated parameters agree): draw them again from a stream of this rank's own, forked off the current
+        # one, so that experts of different ranks start different (the global stream moves on by one draw, the
+        # same on every rank)
+        w = self.experts.gate_up_proj
+        if w.device.type != "meta":
+            seed = int(torch.randint(0, 2 ** 62, ()))
+            with torch.random.fork_rng(devices=[w.device] if w.is_cuda else [], device_type=w.device.type):
+                torch.manual_seed(seed + rank)
+                self.experts.reset_parameters()
 
     def _num_local_experts(self) -> int:
         return self.config.num_experts // self.ep_size
