@@ -4,7 +4,7 @@ Rank r holds the weights of experts [r·E/P, (r+1)·E/P) (E_loc = E/P of them) a
 with a router replicated on every rank. One forward step, for any routing (top-k, general, token rounding):
 
 1. **dispatch**: rank r gathers its routed pairs' rows of X in expert-major order (the rows of experts 0..E−1, so
-   those of each destination rank are contiguous; padding rows stay) and their scores;
+   those of each destination rank are contiguous; padding rows are not sent) and their scores;
 2. **all-to-all**: the expert counts are exchanged (E integers per rank), then the rows and scores are sent to
    their experts' owners; rank r receives M rows, grouped by source rank and, within each, by expert;
 3. **experts**: :func:`sonicmoe.experts` on the M received rows, each a token of its own with K = 1 and its pair's
@@ -24,8 +24,12 @@ same group, :func:`expert_parallel_ddp` wraps the model so that DDP averages the
 the expert weights out, which it divides by P: every parameter then gets the gradient of the mean of the ranks'
 losses, as with plain data parallelism.
 
-Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. The layer's
-rows cross the network twice each way (X and O forward, dO and dX backward), in the activation dtype.
+Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. Each routed
+row crosses the network twice in the forward (its X out, its output back) and twice in the backward (dO out, dX
+back), in the activation dtype, with its score.
+
+Status: verified on the CPU (gloo). On CUDA with more than one rank it is experimental and refused unless
+``SONICMOE_EXPERT_PARALLEL_CUDA=1`` (:func:`_check_cuda_opt_in` says why).
 """
 
 from __future__ import annotations
