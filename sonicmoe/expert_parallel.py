@@ -39,6 +39,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ._autocast import autocast_cast, autocast_dtype
 from ._device import on_device
 from .functional import _check_float, _check_routing, check_expert_inputs, experts
 from .modules import MoE
@@ -179,7 +180,8 @@ def expert_parallel_experts(
         O (T, d) in x's dtype: O_t = Σ_{pairs p of token t} S_p · Expert_{e_p}(x_t).
 
     Synchronises with the device once (the all-to-all's split sizes). Index values are not checked (that would
-    sync again), as in :func:`sonicmoe.experts`.
+    sync again), as in :func:`sonicmoe.experts`. Under ``torch.autocast``, x, the weights and biases are cast to the
+    autocast dtype first, and the rows cross the network in it (as :func:`sonicmoe.experts` casts).
 
     Raises:
         RuntimeError: torch.distributed not initialised.
@@ -187,6 +189,11 @@ def expert_parallel_experts(
         NotImplementedError: CUDA tensors with P > 1 unless ``SONICMOE_EXPERT_PARALLEL_CUDA=1`` (experimental:
             :func:`_check_cuda_opt_in`).
     """
+    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:  # as experts: cast, then off
+        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
+        with torch.autocast(x.device.type, enabled=False):
+            return expert_parallel_experts(x, w1, w2, routing, pair_scores, b1, b2, group=group,
+                                           gate_up_layout=gate_up_layout, backend=backend)
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
     _check_cuda_opt_in(x, world)
@@ -241,6 +248,11 @@ def expert_parallel_experts_ref(
     """Reference for :func:`expert_parallel_experts`, same signature: every rank gathers all E experts' weights
     (all-gather; backward: all-reduce of their gradients) and runs :func:`sonicmoe.experts` on its own tokens.
     Runs on the CPU (gloo); holds P times the expert weights."""
+    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:
+        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
+        with torch.autocast(x.device.type, enabled=False):
+            return expert_parallel_experts_ref(x, w1, w2, routing, pair_scores, b1, b2, group=group,
+                                               gate_up_layout=gate_up_layout, backend=backend)
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
     full = [None if w is None else _AllGatherExperts.apply(w, group) for w in (w1, w2, b1, b2)]

@@ -297,3 +297,34 @@ def test_expert_parallel_memory_contract(tmp_path, device):
         assert x.grad is not None and w1.grad is not None and scores.grad is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_expert_parallel_layer_under_autocast(tmp_path):
+    """float32 parameters under ``torch.autocast`` (bf16, the CPU, torch backend), in a group of one rank: the experts
+    run in bf16 as ``MoE``'s do (x and the weights cast, the output bf16, float32 gradients for the float32
+    parameters), and output and gradients match ``MoE``'s under the same autocast to a bf16 rounding. Before the fix
+    the expert-parallel call saw bf16 x with float32 weights and raised TypeError."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        full = MoE(D, N, E, 2, bias=True, backend="torch", aux_loss_coef=0.0)
+        layer = ExpertParallelMoE(D, N, E, 2, bias=True, backend="torch", aux_loss_coef=0.0)
+        layer.load_full_state_dict(full.state_dict())
+        x = torch.randn(3, 11, D)
+        dout = torch.randn(3, 11, D)
+        outs = []
+        for m in (full, layer):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = m(x)
+            out.float().backward(dout)
+            outs.append(out)
+        assert outs[1].dtype == torch.bfloat16
+        assert rel_err(outs[1], outs[0]) < 4e-3  # (equal bits in session 71: the same per-expert ops, sum order)
+        full_params = dict(full.named_parameters())
+        for name, q in layer.named_parameters():
+            assert q.grad.dtype == torch.float32, name
+            assert rel_err(q.grad, full_params[name].grad) < 4e-3, name
+    finally:
+        dist.destroy_process_group()
