@@ -430,6 +430,41 @@ GPU_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("case", ["no_tokens", "no_pairs", "padding_only"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_without_rows(case, bias, device):
+    """R = 0 real rows: no tokens at all (T = 0, an empty batch; an expert-parallel rank that receives no row),
+    tokens that chose no expert (general routing), or only padding pairs (a padded routing). Forward and
+    backward through the Triton kernels: O is zero, every gradient is zero (x, W1, W2, b1, b2, the scores), in
+    bf16 too on the GPU. Session 72: the two-rank expert-parallel GPU test crashed here."""
+    d, n, e = 48, 40, 4
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    t = 0 if case == "no_tokens" else 5
+    for dtype in dtypes:
+        p = random_problem(max(t, 1), d, n, e, bias=bias, device=device, dtype=dtype, seed=11)
+        if case == "no_tokens":
+            routing = routing_from_topk(torch.zeros(0, 2, dtype=torch.long, device=device), e)
+        elif case == "no_pairs":
+            none = torch.zeros(0, dtype=torch.long, device=device)
+            routing = routing_from_pairs(none, none, t, e)
+        else:
+            routing = routing_from_pairs(torch.full((3,), t, device=device), torch.full((3,), e, device=device),
+                                         t, e, padding=True)
+        leaves = {"x": p["x"][:t], "w1": p["w1"], "w2": p["w2"], "b1": p["b1"], "b2": p["b2"],
+                  "pair_scores": torch.rand(routing.num_rows, device=device, dtype=dtype) + 0.1}
+        leaves = {key: None if v is None else v.clone().requires_grad_(True) for key, v in leaves.items()}
+        out = sonicmoe.experts(routing=routing, backend="triton", **leaves)
+        assert out.shape == (t, d) and out.dtype == dtype
+        assert torch.equal(out, torch.zeros_like(out))
+        out.backward(torch.randn_like(out))
+        for key, v in leaves.items():
+            if v is not None:
+                assert v.grad is not None and v.grad.shape == v.shape, key
+                assert torch.equal(v.grad, torch.zeros_like(v)), f"{key} ({dtype}): {v.grad.abs().max()}"
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[-1] for s in GPU_SHAPES])
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])

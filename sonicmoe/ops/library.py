@@ -89,6 +89,13 @@ def _check_layout(gate_up_layout: str) -> None:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
 
 
+def _no_rows(x: Tensor, row_token: Tensor) -> bool:
+    """No token (T = 0: an empty batch, an expert-parallel rank that received nothing) or no row (R = 0): O is
+    zero and so is every gradient. The kernels are not launched: their gathers clamp masked-off rows to token 0,
+    which does not exist when T = 0 (session 72: an illegal memory access in the varlen-K GEMM)."""
+    return x.shape[0] == 0 or row_token.shape[0] == 0
+
+
 def _empty(like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The (0,) placeholder returned for a gradient nobody asked for."""
     return like.new_empty((0,), dtype=dtype if dtype is not None else like.dtype)
@@ -196,6 +203,8 @@ def experts_fwd_impl(
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
     routing.tile_rows = tile_rows
+    if _no_rows(x, row_token):  # nothing to compute (and no row for a kernel's clamped gather to read)
+        return x.new_zeros(x.shape), x.new_zeros((row_token.shape[0] if save_h else 0, w1.shape[1]))
     h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
     slot_scores = routing.slot_scores(pair_scores).contiguous()  # cast in the kernel
     # one down-projection, then one aggregation (in column blocks beside each other, gemm_then_gather_sum, it
@@ -249,6 +258,9 @@ def experts_bwd_impl(
     _check_layout(gate_up_layout)
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+    if _no_rows(x, row_token):
+        return tuple(torch.zeros_like(v) if need and v is not None else _empty(x) for need, v in zip(
+            (need_x, need_w1, need_w2, need_b1, need_b2, need_s), (x, w1, w2, b1, b2, pair_scores)))
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()

@@ -284,6 +284,10 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     """
     check_device("p", p)
     p, q = p.contiguous(), q.contiguous()
+    if routing.num_rows == 0 or (p_gather and p.shape[0] == 0) or (q_gather and q.shape[0] == 0):
+        # no real row (a gathered operand without rows has none to point at): dW = 0, and no launch, whose
+        # steps without a whole chunk would load the clamped row 0 of an empty operand
+        return torch.zeros((routing.num_experts, p.shape[1], q.shape[1]), device=p.device, dtype=out_dtype)
     use_gluon = gluon and config is None
     if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
         return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather)
