@@ -22,9 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sonicmoe import experts, routing_from_topk
-from sonicmoe.expert_parallel import CUDA_OPT_IN, expert_parallel_experts
-
-os.environ.setdefault(CUDA_OPT_IN, "1")  # several ranks on CUDA are experimental (sonicmoe.expert_parallel): opted in
+from sonicmoe.expert_parallel import expert_parallel_experts
 
 DEFAULT_SHAPES = ["24576,1536,256,128,8", "32768,4096,1024,128,8"]
 

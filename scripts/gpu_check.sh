@@ -37,8 +37,7 @@
 #   noise  a triton run of cmp's schedule with seed 1 (other initialisation and batches: the seed noise that
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
-#   ep     expert parallelism: scripts/ep_repro.py (the two-rank test's experts calls in one process), its tests
-#          (two ranks) and benchmarks/ep_bench.py over the visible GPUs
+#   ep     expert parallelism: its tests (two ranks) and benchmarks/ep_bench.py over the visible GPUs
 #   portable  the Triton kernels' "mma" tile family (common.tile_family: the configs for GPUs other than Hopper and
 #          datacenter Blackwell) on this GPU: its GPU tests, then the layer with SONICMOE_TILE_FAMILY=mma and no Gluon
 #          kernel against the default and against the torch backend on PORTABLE_SHAPES (default the 7B shape), checked
@@ -300,15 +299,11 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       # expert parallelism (tests/test_expert_parallel.py: two ranks, on two GPUs over NCCL or sharing one over gloo),
       # then benchmarks/ep_bench.py on every visible GPU through torchrun (one process where there is one GPU: the
       # dispatch, exchange and combine's own cost against the plain layer)
-      # first the two-rank test's experts calls replayed in one process (scripts/ep_repro.py; session 71's crash)
-      timeout 120 python3 scripts/ep_repro.py dump /tmp/eprep > "$OUT/ep_repro.txt" 2>&1
-      timeout 200 python3 scripts/ep_repro.py replay /tmp/eprep >> "$OUT/ep_repro.txt" 2>&1
       timeout 300 python3 -m pytest -rA tests/test_expert_parallel.py -p no:cacheprovider > "$OUT/gpu_tests_ep.log" 2>&1
       gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" benchmarks/ep_bench.py \
         --out "$OUT/ep_bench.json" > "$OUT/ep_bench.txt" 2>&1
-      SUMMARY+=("$(grep -v Warn "$OUT/ep_repro.txt" | tail -4)"
-                "$(grep -sE '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)' "$OUT/gpu_tests_ep.log")" "$(tail -1 "$OUT/gpu_tests_ep.log")"
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)' "$OUT/gpu_tests_ep.log")" "$(tail -1 "$OUT/gpu_tests_ep.log")"
                 "$(tail -4 "$OUT/ep_bench.txt")")
       ;;
     portable)
