@@ -7,6 +7,7 @@ output is poisoned with NaN before launch (SONICMOE_POISON_OUTPUTS=1), so an unw
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -461,6 +462,23 @@ def test_experts_without_rows(case, bias, device):
             if v is not None:
                 assert v.grad is not None and v.grad.shape == v.shape, key
                 assert torch.equal(v.grad, torch.zeros_like(v)), f"{key} ({dtype}): {v.grad.abs().max()}"
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+def test_layer_empty_batch(routing, device):
+    """The MoE layer on T = 0 tokens (router, routing, experts; Triton kernels): an empty output, zero gradients
+    for every parameter, nothing launched on rows that do not exist."""
+    torch.manual_seed(0)
+    layer = sonicmoe.MoE(48, 40, 4, 2, backend="triton", routing=routing, m_tile=16, bias=True).to(device)
+    x = torch.randn(0, 48, device=device, requires_grad=True)
+    with pytest.warns(UserWarning, match="token rounding") if routing == "token_rounding" else contextlib.nullcontext():
+        out = layer(x)
+    assert out.shape == (0, 48)
+    out.sum().backward()
+    for name, q in layer.named_parameters():
+        assert q.grad is None or torch.equal(q.grad, torch.zeros_like(q)), name
     if device.type == "cuda":
         torch.cuda.synchronize()
 
