@@ -22,7 +22,10 @@ Gradients: every rank's tokens reach the experts' backward on their owner, so an
 over all ranks' losses, while the replicated router weight gets only its rank's. Under data parallelism over the
 same group, :func:`expert_parallel_ddp` wraps the model so that DDP averages the replicated parameters and leaves
 the expert weights out, which it divides by P: every parameter then gets the gradient of the mean of the ranks'
-losses, as with plain data parallelism.
+losses, as with plain data parallelism. Expert parallelism inside data parallelism (W = P·D ranks: experts split
+over P, each split held by D replicas) takes :func:`expert_parallel_groups` for the two groups and
+``expert_parallel_ddp(model, expert_dp_group=...)``, whose hook then sums the expert gradients over the D replicas
+and divides by W.
 
 Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. Each routed
 row crosses the network twice in the forward (its X out, its output back) and twice in the backward (dO out, dX
@@ -34,6 +37,8 @@ Two ranks with a GPU each, over NCCL, run the same code but have not been measur
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -246,9 +251,9 @@ class ExpertParallelMoE(MoE):
     (E_loc, 2n, d), ``experts.down_proj`` (E_loc, d, n) and the optional biases hold this rank's E_loc = E/P
     experts, rank r the experts [r·E_loc, (r+1)·E_loc) (the parameter names of ``MoE``, so a full checkpoint
     maps by slicing: :meth:`load_full_state_dict`). The experts are initialised as ``MoE``'s, from a random stream of
-    their rank's own (forked off the current one): ranks seeded alike get the same router and different experts.
-    ``aux_loss`` and ``expert_counts`` are this rank's, over all E
-    experts. Routing ``"topk"`` or ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's
+    their rank's own (forked off the current one, keyed by the rank in ``group``): ranks seeded alike get the same
+    router and different experts, and replicas of the same experts (:func:`expert_parallel_groups`) equal ones.
+    ``aux_loss`` and ``expert_counts`` are this rank's, over all E experts. Routing ``"topk"`` or ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's
     total stays a multiple of M_tile). One host sync per forward (:func:`expert_parallel_experts`), and with
     ``static_pairs=False`` token rounding's own.
 
@@ -305,30 +310,82 @@ class ExpertParallelMoE(MoE):
                                        backend=backend)
 
 
-def expert_parallel_ddp(model: torch.nn.Module, **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
-    """``DistributedDataParallel(model, **ddp_kwargs)`` for a model with :class:`ExpertParallelMoE` layers whose
-    expert-parallel group is DDP's too: DDP averages the replicated parameters (router, attention, ...) over the
-    ranks and leaves the expert weights out, whose gradients (already summed over the ranks' losses by the
-    all-to-all) a hook divides by P. Each parameter then gets the gradient of the mean of the ranks' losses.
+def expert_parallel_groups(ep_size: int):
+    """The process groups of expert parallelism inside data parallelism, from the world's W ranks: W/ep_size
+    expert-parallel groups of ``ep_size`` consecutive ranks (rank w in group w // ep_size: on one node, where the
+    all-to-all is fast, when ep_size divides the GPUs per node), and ep_size expert-data-parallel groups of the
+    ranks holding the same experts (w, w + ep_size, w + 2·ep_size, ...).
+
+    Every rank must call it, in the same order as its other collectives (it creates every group).
+
+    Returns:
+        (ep_group, expert_dp_group): this rank's two groups; pass ``group=ep_group`` to
+        :class:`ExpertParallelMoE` and ``expert_dp_group=expert_dp_group`` to :func:`expert_parallel_ddp`.
+
+    Raises:
+        RuntimeError: torch.distributed not initialised.
+        ValueError: ``ep_size`` not a positive divisor of W.
+    """
+    world, _ = _group_size_rank(None)
+    if not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size must be a positive divisor of the world size W={world}, got {ep_size!r}")
+    ep_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(i, i + ep_size)) for i in range(0, world, ep_size)])
+    dp_group, _ = dist.new_subgroups_by_enumeration([list(range(j, world, ep_size)) for j in range(ep_size)])
+    return ep_group, dp_group
+
+
+def expert_parallel_ddp(model: torch.nn.Module, *, expert_dp_group=None,
+                        **ddp_kwargs) -> torch.nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel(model, **ddp_kwargs)`` for a model with :class:`ExpertParallelMoE` layers. DDP
+    averages the replicated parameters (router, attention, ...) over its W ranks and leaves the expert weights out;
+    hooks scale those, whose gradients the all-to-all already summed over the losses of their expert-parallel
+    group's P ranks. Each parameter then gets the gradient of the mean of the W ranks' losses, as with plain data
+    parallelism.
+
+    Two layouts:
+
+    - the expert-parallel group is DDP's (W = P): the hook divides the expert gradients by P;
+    - expert parallelism inside data parallelism (W = P·D, :func:`expert_parallel_groups`): ``expert_dp_group``
+      is this rank's group of the D ranks holding the same experts; the hook sums the expert gradients over it
+      (an all-reduce) and divides by W.
 
     Call it once per model (each call adds the hooks again).
 
     Raises:
-        ValueError: an :class:`ExpertParallelMoE` whose group is not the one DDP reduces over.
+        ValueError: an :class:`ExpertParallelMoE` whose group is not DDP's while ``expert_dp_group`` is not given,
+            or whose group's size times ``expert_dp_group``'s is not DDP's W.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     world_group = dist.group.WORLD
     ddp_group = ddp_kwargs.get("process_group") or world_group
+    ddp_world = dist.get_world_size(ddp_group)
     ignored = []
     for prefix, module in model.named_modules():
         if not isinstance(module, ExpertParallelMoE):
             continue
-        if (module.ep_group or world_group) is not ddp_group:
-            raise ValueError(f"{prefix or 'model'}: its expert-parallel group is not the process group DDP reduces "
-                             "over (process_group=...); expert_parallel_ddp needs them to be one group")
+        name_ = prefix or "model"
+        if (module.ep_group or world_group) is ddp_group:
+            hook = (lambda g, scale=1.0 / module.ep_size: g * scale)
+        elif expert_dp_group is None:
+            raise ValueError(f"{name_}: its expert-parallel group is not the process group DDP reduces over "
+                             "(process_group=...): pass expert_dp_group= (expert_parallel_groups) for expert "
+                             "parallelism inside data parallelism")
+        elif module.ep_size * dist.get_world_size(expert_dp_group) != ddp_world:
+            raise ValueError(f"{name_}: its expert-parallel group's size P={module.ep_size} times expert_dp_group's "
+                             f"D={dist.get_world_size(expert_dp_group)} is not DDP's world size W={ddp_world}")
+        else:
+            hook = functools.partial(_sum_over_replicas, group=expert_dp_group, scale=1.0 / ddp_world)
         for name, p in module.experts.named_parameters():
             ignored.append(f"{prefix}.experts.{name}" if prefix else f"experts.{name}")
-            p.register_hook(lambda g, scale=1.0 / module.ep_size: g * scale)
+            p.register_hook(hook)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def _sum_over_replicas(grad: torch.Tensor, group, scale: float) -> torch.Tensor:
+    """An expert weight's gradient summed over the ranks holding the same experts (an all-reduce), scaled."""
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=group)
+    return grad.mul_(scale)

@@ -312,3 +312,83 @@ def test_expert_parallel_layer_under_autocast(tmp_path):
             assert rel_err(q.grad, full_params[name].grad) < 4e-3, name
     finally:
         dist.destroy_process_group()
+
+
+TOKENS4 = (37, 29, 11, 20)  # T of ranks 0-3 in the expert-parallel-inside-data-parallel runs
+
+
+def _ep_dp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    """Rank ``rank`` of 4: expert parallelism over 2 ranks inside data parallelism over 2 (expert_parallel_groups(2):
+    EP groups {0, 1}, {2, 3}; expert-data-parallel groups {0, 2}, {1, 3}). Its layer, loaded from a full MoE and wrapped
+    by expert_parallel_ddp(expert_dp_group=...), against that MoE run on every rank's tokens in turn: the output, and
+    every parameter's gradient against the sum over the 4 ranks' tokens divided by 4; fresh layers (replicas start
+    equal); then the refusals."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp, expert_parallel_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ep_group, dp_group = expert_parallel_groups(2)
+        errs = {"ep_ranks_flag": float(dist.get_process_group_ranks(ep_group) != [rank // 2 * 2, rank // 2 * 2 + 1]),
+                "dp_ranks_flag": float(dist.get_process_group_ranks(dp_group) != [rank % 2, rank % 2 + 2])}
+        p = _problem(TOKENS4, 2, "random", torch.float32, torch.device("cpu"))
+        opts = dict(bias=True, backend="torch", aux_loss_coef=0.0)
+        torch.manual_seed(0)
+        full = MoE(D, N, E, 2, **opts)
+        layer = ExpertParallelMoE(D, N, E, 2, group=ep_group, **opts)
+        layer.load_full_state_dict(full.state_dict())
+        model = expert_parallel_ddp(layer, expert_dp_group=dp_group)
+        for j in range(world):
+            chunk = slice(sum(TOKENS4[:j]), sum(TOKENS4[:j + 1]))
+            ref_out = full(p["x"][chunk])
+            ref_out.backward(p["dout"][chunk])
+            if j == rank:
+                out = model(p["x"][chunk])
+                out.backward(p["dout"][chunk])
+                errs["out"] = rel_err(out, ref_out)
+        r = layer.expert_range
+        full_params = dict(full.named_parameters())
+        for name, q in layer.named_parameters():
+            ref = full_params[name].grad
+            errs[f"d{name}"] = rel_err(q.grad, (ref[r.start:r.stop] if name.startswith("experts.") else ref) / world)
+        for bad in ({}, {"expert_dp_group": dist.group.WORLD}):  # no expert_dp_group; sizes 2·4 != 4
+            try:
+                expert_parallel_ddp(ExpertParallelMoE(D, N, E, 2, group=ep_group, **opts), **bad)
+                errs[f"accepted_{sorted(bad)}_flag"] = 1.0
+            except ValueError:
+                errs[f"accepted_{sorted(bad)}_flag"] = 0.0
+        torch.manual_seed(0)  # ranks seeded alike: replicas of the same experts start equal, the two splits differ
+        w = ExpertParallelMoE(D, N, E, 2, group=ep_group).experts.gate_up_proj.detach()
+        parts = [torch.empty_like(w) for _ in range(world)]
+        dist.all_gather(parts, w)
+        errs["fresh_init_flag"] = float(not (torch.equal(parts[0], parts[2]) and torch.equal(parts[1], parts[3])
+                                             and not torch.equal(parts[0], parts[1])))
+        try:
+            expert_parallel_groups(3)
+            errs["ep_size_3_accepted_flag"] = 1.0
+        except ValueError:
+            errs["ep_size_3_accepted_flag"] = 0.0
+        torch.save(errs, out_file.format(rank=rank))
+        dist.barrier()
+    except BaseException:
+        with open(out_file.format(rank=rank) + ".err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_expert_parallel_inside_data_parallel(tmp_path):
+    """Four gloo ranks on the CPU: experts split over 2 ranks, replicated over 2 (see _ep_dp_worker); float32, torch
+    backend, to 1e-5."""
+    out_file = str(tmp_path / "rank{rank}.pt")
+    try:
+        mp.spawn(_ep_dp_worker, args=(4, str(tmp_path / "init"), out_file), nprocs=4, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
+        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
+    for rank in range(4):
+        errs = torch.load(out_file.format(rank=rank))
+        assert len(errs) == 12, errs
+        bad = {key: v for key, v in errs.items() if not v <= (0.0 if key.endswith("_flag") else 1e-5)}
+        assert not bad, f"rank {rank}: {bad}"
