@@ -38,6 +38,7 @@ Two ranks with a GPU each, over NCCL, run the same code but have not been measur
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -283,6 +284,23 @@ class ExpertParallelMoE(MoE):
             with torch.random.fork_rng(devices=[w.device] if w.is_cuda else [], device_type=w.device.type):
                 torch.manual_seed(seed + rank)
                 self.experts.reset_parameters()
+
+    @classmethod
+    def from_moe(cls, moe: MoE, group=None) -> ExpertParallelMoE:
+        """The layer with ``moe``'s options, router and this rank's slice of its experts (on its device and dtype;
+        the random stream is left as it was). Every rank of ``group`` must hold the same ``moe``.
+
+        Raises:
+            ValueError: E not a multiple of P.
+        """
+        c = moe.config
+        head = ("hidden_size", "intermediate_size", "num_experts", "top_k")
+        options = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in head}
+        w = moe.gate.weight
+        layer = cls(*(getattr(c, f) for f in head), group=group, device="meta", dtype=w.dtype, **options)
+        layer = layer.to_empty(device=w.device)
+        layer.load_full_state_dict(moe.state_dict())
+        return layer
 
     def _num_local_experts(self) -> int:
         return self.config.num_experts // self.ep_size

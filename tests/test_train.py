@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from sonicmoe.testing import rel_err
 from sonicmoe.train import cli
 from sonicmoe.train.config import make_config
 from sonicmoe.train.data import ByteCorpus, stdlib_source_files
@@ -279,3 +280,65 @@ def test_data_parallel_batch_must_split_evenly(tmp_path):
     res = _torchrun(tmp_path, *DP, "--batch-size", "7")
     assert res.returncode != 0
     assert "batch_size=7 must be a multiple of the 2 data-parallel ranks" in res.stderr
+
+
+# ------------------------------------------------------------------ expert parallelism (torchrun, two CPU ranks)
+
+EP = [*DP, "--expert-parallel", "2"]
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory):
+    """The data-parallel fixture's 12-step run over two gloo ranks with each layer's E = 4 experts split over them."""
+    out = tmp_path_factory.mktemp("ep_two")
+    res = _torchrun(out, *EP)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("done: step") == 1, res.stdout
+    return out, json.loads((out / "log.json").read_text())
+
+
+def test_expert_parallel_tracks_one_process(expert_parallel, data_parallel):
+    """Two ranks holding two experts each follow the one-process run to float32 rounding: the losses, the gradient
+    norms (the full model's, expert slices summed over the ranks), the validation losses (every rank in each eval
+    forward) and the expert loads; the checkpoint holds the full model, a one-process run's tensors."""
+    (ep_dir, two), (one_dir, one) = expert_parallel, data_parallel["one"]
+    assert two["expert_parallel"] == {"size": 2, "groups": 1}
+    assert two["model"]["params"] == one["model"]["params"]
+    for a, b in zip(two["steps"], one["steps"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for a, b in zip(two["evals"], one["evals"], strict=True):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+    for layer_two, layer_one in zip(two["expert_load"]["per_layer"], one["expert_load"]["per_layer"], strict=True):
+        assert sum(layer_two["counts"]) == DP_STEPS * T * K
+        for c2, c1 in zip(layer_two["counts"], layer_one["counts"], strict=True):
+            assert abs(c2 - c1) <= 0.01 * c1
+    ckpt, ref = (torch.load(d / "ckpt.pt", weights_only=True) for d in (ep_dir, one_dir))
+    for key, v in ref["model"].items():
+        assert ckpt["model"][key].shape == v.shape, key
+        assert rel_err(ckpt["model"][key], v) < 1e-4, key
+    for i, st in ref["optimizer"]["adamw"]["state"].items():
+        assert rel_err(ckpt["optimizer"]["adamw"]["state"][i]["exp_avg_sq"], st["exp_avg_sq"]) < 1e-3, i
+
+
+def test_expert_parallel_resume_continues_exactly(expert_parallel, tmp_path):
+    """Stopped after step 6 (the checkpoint gathers the expert slices) and resumed over two ranks (which slice it
+    again): the uninterrupted run's losses, bit for bit."""
+    _, full = expert_parallel
+    res = _torchrun(tmp_path, *EP, "--stop-after", "6")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed_dir = tmp_path / "resumed"
+    res = _torchrun(resumed_dir, "--resume", str(tmp_path / "ckpt.pt"), "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    resumed = json.loads((resumed_dir / "log.json").read_text())
+    assert resumed["resumed_from"] == 6 and resumed["expert_parallel"] == {"size": 2, "groups": 1}
+    assert _losses(resumed) == _losses(full)
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_expert_parallel_needs_ranks(tmp_path):
+    """--expert-parallel P must divide the ranks (one process here) and E."""
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide the number of ranks, 1"):
+        cli.main([*DP, "--expert-parallel", "2", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        cli.main([*DP, "--expert-parallel", "3", "--out", str(tmp_path)])

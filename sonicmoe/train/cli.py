@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m-tile", type=int, help="M_tile for token rounding (default 128)")
     g.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight (default 0.01)")
     g.add_argument("--z-loss-coef", type=float, help="router z-loss weight (default 0)")
+    g.add_argument("--expert-parallel", type=int, metavar="P", help="split each MoE layer's experts over groups "
+                   "of P ranks (expert parallelism inside data parallelism; under torchrun, P dividing the ranks "
+                   "and E; default 1)")
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=DEVICES, help="auto: cuda when available")
     g.add_argument("--dtype", choices=DTYPES, help="parameter dtype; auto: bfloat16 on CUDA (with float32 "
@@ -94,7 +97,7 @@ _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads",
               "expert_size", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "grad_clip",
               "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "device",
               "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
-              "deterministic")
+              "deterministic", "expert_parallel")
 
 
 def _summary(log: dict[str, Any], out: Path) -> str:

@@ -74,6 +74,8 @@ class TrainConfig:
     global norm ``grad_clip``; each step sees ``batch_size`` sequences of ``seq_len`` bytes.
     MoE options passed to :class:`sonicmoe.MoE`: ``backend``, ``routing``, ``rounding``, ``m_tile``,
     ``aux_loss_coef``, ``z_loss_coef``.
+    Parallelism (under ``torchrun``): data-parallel over the W ranks; ``expert_parallel`` P > 1 splits each MoE
+    layer's experts over groups of P ranks (:mod:`sonicmoe.expert_parallel`; P must divide W and E).
     Run: ``device``/``dtype`` (``auto``: CUDA + bfloat16 when there is a GPU, else CPU + float32;
     ``amp-bf16``: float32 parameters, forward under ``torch.autocast`` in bfloat16),
     ``eval_every``/``eval_batches``, ``log_every``, ``save_every`` (0: only at the end),
@@ -126,11 +128,12 @@ class TrainConfig:
     resume: str | None = None
     progress: bool = True
     deterministic: bool | None = None
+    expert_parallel: int = 1
 
     def validate(self) -> None:
         """Raise ValueError for values no run can use."""
         positive = ("max_bytes", "d_model", "layers", "heads", "experts", "top_k", "expert_size", "steps",
-                    "batch_size", "seq_len", "m_tile", "eval_batches", "log_every")
+                    "batch_size", "seq_len", "m_tile", "eval_batches", "log_every", "expert_parallel")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -141,6 +144,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         if self.d_model % self.heads or (self.d_model // self.heads) % 2:
             raise ValueError(f"d_model={self.d_model} must split into heads={self.heads} of even size")
+        if self.experts % self.expert_parallel:
+            raise ValueError(f"experts={self.experts} must be a multiple of expert_parallel={self.expert_parallel}")
         if self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k} must be at most experts={self.experts}")
         if not 0.0 < self.val_fraction < 1.0:

@@ -113,3 +113,99 @@ def setup(device: torch.device) -> tuple[DataParallel, torch.device]:
     else:
         backend = dist.get_backend()
     return DataParallel(rank=dist.get_rank(), world=dist.get_world_size(), backend=backend, owns_group=owns), device
+
+
+
+class ExpertSharding:
+    """Expert parallelism inside the data-parallel run: each MoE layer's experts split over groups of P consecutive
+    ranks (:func:`sonicmoe.expert_parallel.expert_parallel_groups`), each split replicated over the W/P groups.
+
+    :meth:`shard` swaps the model's MoE layers for :class:`~sonicmoe.expert_parallel.ExpertParallelMoE` layers
+    holding this rank's slice of the experts; :meth:`wrap` is DDP for the result. The sharded model's parameters
+    come in the full model's order, so checkpoints stay those of a one-process run: :meth:`full` gathers the
+    expert slices of a state (model or optimizer) and :meth:`local` slices them again. :meth:`clip_grad_norm_`
+    clips to the full model's gradient norm. Every method is a collective of the EP group or of the whole world.
+    """
+
+    def __init__(self, size: int):
+        from sonicmoe.expert_parallel import expert_parallel_groups
+
+        self.size = size
+        self.group, self.dp_group = expert_parallel_groups(size)
+        self.rank = dist.get_rank(self.group)
+        self.sharded: list[bool] = []  # per parameter of the model, in order: an expert weight (split on dim 0)
+
+    def shard(self, model: torch.nn.Module) -> None:
+        """Replace every :class:`~sonicmoe.MoE` submodule of ``model`` (the same on every rank) in place."""
+        from sonicmoe import MoE
+        from sonicmoe.expert_parallel import ExpertParallelMoE
+
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, MoE) and not isinstance(child, ExpertParallelMoE):
+                    setattr(parent, name, ExpertParallelMoE.from_moe(child, self.group))
+        experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+        self.sharded = [id(p) in experts for p in model.parameters()]
+
+    def wrap(self, model: torch.nn.Module, **ddp_kwargs) -> torch.nn.Module:
+        """:func:`~sonicmoe.expert_parallel.expert_parallel_ddp` over the world."""
+        from sonicmoe.expert_parallel import expert_parallel_ddp
+
+        return expert_parallel_ddp(model, expert_dp_group=self.dp_group, **ddp_kwargs)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.size)[self.rank].clone()
+
+    def _map(self, fn, model_state: dict, names: list[str], opt_state: dict | None, order: list[int]):
+        model_state = {k: fn(v) if k in names else v for k, v in model_state.items()}
+        if opt_state is None:
+            return model_state, None
+        adamw = dict(opt_state["adamw"])
+        adamw["state"] = {i: ({k: fn(v) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+                              if self.sharded[order[i]] else st) for i, st in adamw["state"].items()}
+        masters = opt_state.get("masters")
+        if masters is not None:
+            masters = [fn(m) if sh else m for m, sh in zip(masters, self.sharded)]
+        return model_state, {**opt_state, "adamw": adamw, "masters": masters}
+
+    def full(self, model: torch.nn.Module, model_state: dict, opt_state: dict | None = None,
+             order: list[int] | None = None) -> tuple[dict, dict | None]:
+        """This rank's model state dict (and optimizer state, whose AdamW indices map to model parameters through
+        ``order``) with every expert tensor gathered over the EP group: the full model's."""
+        return self._map(self._gather, model_state, self._expert_names(model), opt_state, order or [])
+
+    def local(self, model: torch.nn.Module, model_state: dict, opt_state: dict | None = None,
+              order: list[int] | None = None) -> tuple[dict, dict | None]:
+        """The inverse of :meth:`full`: a full model's states with this rank's slice of every expert tensor."""
+        return self._map(self._slice, model_state, self._expert_names(model), opt_state, order or [])
+
+    def _expert_names(self, model: torch.nn.Module) -> list[str]:
+        names = [name for name, _ in model.named_parameters()]
+        return [name for name, sh in zip(names, self.sharded) if sh]
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the full model: ``params`` (the model's order, or float32
+        masters in it) hold this rank's slice of the expert weights, whose squared norms are summed over the EP
+        group. Returns the full model's gradient norm (the same on every rank)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device
+
+        def squares(sharded: bool) -> torch.Tensor:
+            gs = [p.grad for p, sh in zip(params, self.sharded) if p.grad is not None and sh == sharded]
+            return torch.stack([torch.linalg.vector_norm(g) ** 2 for g in gs]).sum() if gs else \
+                torch.zeros((), device=device)
+
+        experts = squares(True)
+        dist.all_reduce(experts, group=self.group)
+        norm = (squares(False) + experts).sqrt()
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    def describe(self) -> dict:
+        """For the log."""
+        return {"size": self.size, "groups": dist.get_world_size() // self.size}

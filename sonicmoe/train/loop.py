@@ -83,7 +83,9 @@ class Optimizer:
     into float32 masters, AdamW updates the masters and the parameters get the rounded result.
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+                 sharding: distributed.ExpertSharding | None = None):
+        self.sharding = sharding  # expert parallelism: the gradient norm is the full model's
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
         mixed = any(p.dtype != torch.float32 for p in self.params)
@@ -93,6 +95,8 @@ class Optimizer:
         decay = [q for q, dec in zip(owners, decayed) if dec]
         keep = [q for q, dec in zip(owners, decayed) if not dec]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+        # the model parameter behind each AdamW index (decayed first)
+        self.order = [i for i, dec in enumerate(decayed) if dec] + [i for i, dec in enumerate(decayed) if not dec]
         self.adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                        fused=True if device.type == "cuda" else None)
 
@@ -104,7 +108,10 @@ class Optimizer:
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         owners = self.masters if self.masters is not None else self.params
-        norm = torch.nn.utils.clip_grad_norm_(owners, max_norm)
+        if self.sharding is not None:
+            norm = self.sharding.clip_grad_norm_(owners, max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(owners, max_norm)
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
@@ -213,16 +220,21 @@ class Progress:
 
 @torch.no_grad()
 def evaluate(model: MoETransformer, corpus: ByteCorpus, cfg: TrainConfig, device: torch.device,
-             dp: DataParallel = distributed.SINGLE) -> float:
+             dp: DataParallel = distributed.SINGLE, lockstep: bool = False) -> float:
     """Mean cross-entropy (nats/byte) on the fixed validation windows, in eval mode (plain top-k). Data-parallel:
-    rank r evaluates the batches b with b mod world = r, and the sum is taken over the ranks (a collective)."""
+    rank r evaluates the batches b with b mod world = r, and the sum is taken over the ranks (a collective). With
+    ``lockstep`` (expert parallelism: every forward is a collective) every rank runs ceil(batches / world) forwards,
+    a rank without a batch of its own for one running batch 0 and dropping its loss."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
-    for b, (x, y) in enumerate(corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches, device)):
-        if b % dp.world == dp.rank:
-            with autocast_context(cfg.dtype, device):
-                total += model(x, y)
+    batches = list(corpus.val_batches(cfg.batch_size, cfg.seq_len, cfg.eval_batches, device))
+    mine = range(dp.rank, len(batches), dp.world)
+    with autocast_context(cfg.dtype, device):
+        for b in mine:
+            total += model(*batches[b])
+        for _ in range(-(-len(batches) // dp.world) - len(mine) if lockstep else 0):
+            model(*batches[0])  # the last round's collectives, without a batch of this rank's
     model.train(was_training)
     return float(dp.sum(total)) / cfg.eval_batches
 
@@ -243,7 +255,11 @@ def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn
                      generator: torch.Generator, history: dict[str, Any], dp: DataParallel,
                      device: torch.device) -> None:
     """Rank 0 writes ``path``; every rank must call it (data-parallel: each rank's CUDA generator state is
-    gathered, as ``rng["cuda_ranks"]``)."""
+    gathered, as ``rng["cuda_ranks"]``; expert-parallel: the expert weights and their optimizer state are gathered,
+    so the checkpoint is a one-process run's)."""
+    model_state, opt_state = model.state_dict(), opt.state_dict()
+    if opt.sharding is not None:
+        model_state, opt_state = opt.sharding.full(model, model_state, opt_state, opt.order)
     rng = {"torch": torch.get_rng_state(), "data": generator.get_state()}
     if dp.world > 1 and device.type == "cuda":
         rng["cuda_ranks"] = [s.cpu() for s in dp.gather(torch.cuda.get_rng_state(device))]
@@ -251,8 +267,8 @@ def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn
         rng["cuda"] = torch.cuda.get_rng_state_all()
     if not dp.main:
         return
-    state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_dict(), "model": model.state_dict(),
-             "optimizer": opt.state_dict(), "rng": rng, "history": history}
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_dict(), "model": model_state,
+             "optimizer": opt_state, "rng": rng, "history": history}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -289,6 +305,10 @@ def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None) -> dict[st
             dp.close()
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {dp.world} data-parallel "
                              "ranks (it is the global batch; each rank trains on batch_size / ranks windows)")
+    if dp.world % cfg.expert_parallel:
+        dp.close()
+        raise ValueError(f"expert_parallel={cfg.expert_parallel} must divide the number of ranks, {dp.world} (start "
+                         "the run with torchrun)")
     deterministic = cfg.deterministic if cfg.deterministic is not None else device.type == "cpu"
     previous = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled())
@@ -320,12 +340,21 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     corpus.check_seq_len(cfg.seq_len)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_config(cfg)).to(device=device, dtype=dtype)
+    if checkpoint is not None:  # the full model (before expert parallelism slices it)
+        model.load_state_dict(checkpoint["model"])
+    params = model.num_params()
     forward = model  # what the training steps call: DistributedDataParallel around the model with several ranks
-    if dp.world > 1:
+    sharding = None
+    device_ids = [device.index] if device.type == "cuda" else None
+    if cfg.expert_parallel > 1:
+        sharding = distributed.ExpertSharding(cfg.expert_parallel)
+        sharding.shard(model)
+        forward = sharding.wrap(model, device_ids=device_ids)
+    elif dp.world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = Optimizer(model, cfg, device)
+        forward = DistributedDataParallel(model, device_ids=device_ids)
+    opt = Optimizer(model, cfg, device, sharding)
     generator = torch.Generator().manual_seed(cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.seq_len  # over all ranks
     if device.type == "cpu" and cfg.backend == "triton" and not os.environ.get("TRITON_INTERPRET"):
@@ -336,8 +365,10 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
                                "expert_counts": [[0] * cfg.experts for _ in range(cfg.layers)]}
     start_step = 0
     if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
+        opt_state = checkpoint["optimizer"]
+        if sharding is not None:
+            _, opt_state = sharding.local(model, {}, opt_state, opt.order)
+        opt.load_state_dict(opt_state)
         generator.set_state(checkpoint["rng"]["data"])
         torch.set_rng_state(checkpoint["rng"]["torch"])
         cuda_ranks = checkpoint["rng"].get("cuda_ranks")
@@ -358,7 +389,6 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         load.zero_()
     meter = Throughput(sync)
     warm_steps = min(5, max(0, (end_step - start_step) // 5))
-    params = model.num_params()
     title = (f"d={cfg.d_model} L={cfg.layers} E={cfg.experts} K={cfg.top_k} n={cfg.expert_size} "
              f"T={tokens_per_step // dp.world}{f' x {dp.world} ranks' if dp.world > 1 else ''} | "
              f"{device.type} {str(dtype).replace('torch.', '')}"
@@ -370,7 +400,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
 
     def record_eval(step: int) -> None:
         meter.stop()
-        val = evaluate(model, corpus, cfg, device, dp)
+        val = evaluate(model, corpus, cfg, device, dp, lockstep=sharding is not None)
         history["evals"].append({"step": step, "val_loss": val, "val_bpb": val / math.log(2)})
         progress.write(f"step {step}: val loss {val:.4f} ({val / math.log(2):.3f} bits/byte)")
 
@@ -386,6 +416,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
                       "autocast": "bfloat16" if cfg.dtype == "amp-bf16" else None,
                       "tokens_per_step": tokens_per_step},
             "data_parallel": {**dp.describe(), "tokens_per_rank": tokens_per_step // dp.world},
+            "expert_parallel": sharding.describe() if sharding is not None else None,
             "data": {"source": corpus.source, "files": corpus.num_files, "train_bytes": corpus.train.numel(),
                      "val_bytes": corpus.val.numel()},
             "steps_done": step,
