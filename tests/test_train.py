@@ -261,15 +261,20 @@ def test_data_parallel_tracks_one_process(data_parallel):
             assert abs(c2 - c1) <= 0.01 * c1
 
 
-def test_data_parallel_resume_continues_exactly(data_parallel, tmp_path):
-    """Two ranks stopped after step 6 and resumed from rank 0's checkpoint continue as the uninterrupted run."""
-    _, full = data_parallel["two"]
-    res = _torchrun(tmp_path, *DP, "--stop-after", "6")
+def _stop_and_resume(tmp_path, args: list[str]) -> dict:
+    """Two ranks run ``args`` to step 6 and stop; two ranks resume from rank 0's checkpoint: the resumed log."""
+    res = _torchrun(tmp_path, *args, "--stop-after", "6")
     assert res.returncode == 0, res.stderr[-3000:]
     resumed_dir = tmp_path / "resumed"
     res = _torchrun(resumed_dir, "--resume", str(tmp_path / "ckpt.pt"), "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
-    resumed = json.loads((resumed_dir / "log.json").read_text())
+    return json.loads((resumed_dir / "log.json").read_text())
+
+
+def test_data_parallel_resume_continues_exactly(data_parallel, tmp_path):
+    """Two ranks stopped after step 6 and resumed from rank 0's checkpoint continue as the uninterrupted run."""
+    _, full = data_parallel["two"]
+    resumed = _stop_and_resume(tmp_path, DP)
     assert resumed["resumed_from"] == 6 and resumed["steps_done"] == DP_STEPS
     assert _losses(resumed) == _losses(full)
     assert resumed["final_val_loss"] == full["final_val_loss"]
@@ -325,12 +330,7 @@ def test_expert_parallel_resume_continues_exactly(expert_parallel, tmp_path):
     """Stopped after step 6 (the checkpoint gathers the expert slices) and resumed over two ranks (which slice it
     again): the uninterrupted run's losses, bit for bit."""
     _, full = expert_parallel
-    res = _torchrun(tmp_path, *EP, "--stop-after", "6")
-    assert res.returncode == 0, res.stderr[-3000:]
-    resumed_dir = tmp_path / "resumed"
-    res = _torchrun(resumed_dir, "--resume", str(tmp_path / "ckpt.pt"), "--no-progress")
-    assert res.returncode == 0, res.stderr[-3000:]
-    resumed = json.loads((resumed_dir / "log.json").read_text())
+    resumed = _stop_and_resume(tmp_path, EP)
     assert resumed["resumed_from"] == 6 and resumed["expert_parallel"] == {"size": 2, "groups": 1}
     assert _losses(resumed) == _losses(full)
     assert resumed["final_val_loss"] == full["final_val_loss"]
