@@ -4,6 +4,8 @@ inside the layer (the router keeps its float32 logits; the kernels and the torch
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 
@@ -30,3 +32,28 @@ def autocast_cast(dtype: torch.dtype, *tensors: torch.Tensor | None) -> tuple[to
     float64 ones, which autocast leaves as they are; None and non-floating arguments pass through."""
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
                  else t for t in tensors)
+
+
+CAST_ARGUMENTS = ("x", "w1", "w2", "b1", "b2")
+
+
+def casts_under_autocast(fn):
+    """Decorator for the functional entry points (:func:`sonicmoe.experts`, :func:`sonicmoe.moe` and the
+    expert-parallel ones), whose first argument is X: where ``torch.autocast`` is on for X's device, the arguments
+    named X, W1, W2, b1, b2 are cast to its dtype (:func:`autocast_cast`) and ``fn`` runs with autocast off; elsewhere
+    ``fn`` runs as called."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        x = args[0] if args else kwargs.get("x")
+        if not isinstance(x, torch.Tensor) or (dtype := autocast_dtype(x.device)) is None:
+            return fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        for name in CAST_ARGUMENTS:
+            if name in bound.arguments:
+                bound.arguments[name], = autocast_cast(dtype, bound.arguments[name])
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(*bound.args, **bound.kwargs)
+
+    return wrapper

@@ -44,7 +44,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ._autocast import autocast_cast, autocast_dtype
+from ._autocast import casts_under_autocast
 from ._device import on_device
 from .functional import _check_float, _check_routing, check_expert_inputs, experts
 from .modules import MoE
@@ -132,6 +132,7 @@ def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> Non
         raise ValueError(f"pair_scores is on {pair_scores.device} but x is on {x.device}")
 
 
+@casts_under_autocast
 def expert_parallel_experts(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -174,11 +175,6 @@ def expert_parallel_experts(
         RuntimeError: torch.distributed not initialised.
         TypeError, ValueError: as :func:`sonicmoe.experts`, naming the argument (the routing's E is E_loc·P).
     """
-    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:  # as experts: cast, then off
-        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
-        with torch.autocast(x.device.type, enabled=False):
-            return expert_parallel_experts(x, w1, w2, routing, pair_scores, b1, b2, group=group,
-                                           gate_up_layout=gate_up_layout, backend=backend)
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
     e_loc = w1.shape[0]
@@ -216,6 +212,7 @@ class _AllGatherExperts(torch.autograd.Function):
         return grad.chunk(ctx.world)[ctx.rank], None
 
 
+@casts_under_autocast
 def expert_parallel_experts_ref(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -232,11 +229,6 @@ def expert_parallel_experts_ref(
     """Reference for :func:`expert_parallel_experts`, same signature: every rank gathers all E experts' weights
     (all-gather; backward: all-reduce of their gradients) and runs :func:`sonicmoe.experts` on its own tokens.
     Runs on the CPU (gloo); holds P times the expert weights."""
-    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:
-        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
-        with torch.autocast(x.device.type, enabled=False):
-            return expert_parallel_experts_ref(x, w1, w2, routing, pair_scores, b1, b2, group=group,
-                                               gate_up_layout=gate_up_layout, backend=backend)
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
     full = [None if w is None else _AllGatherExperts.apply(w, group) for w in (w1, w2, b1, b2)]
@@ -254,8 +246,9 @@ class ExpertParallelMoE(MoE):
     maps by slicing: :meth:`load_full_state_dict`). The experts are initialised as ``MoE``'s, from a random stream of
     their rank's own (forked off the current one, keyed by the rank in ``group``): ranks seeded alike get the same
     router and different experts, and replicas of the same experts (:func:`expert_parallel_groups`) equal ones.
-    ``aux_loss`` and ``expert_counts`` are this rank's, over all E experts. Routing ``"topk"`` or ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's
-    total stays a multiple of M_tile). One host sync per forward (:func:`expert_parallel_experts`), and with
+    ``aux_loss`` and ``expert_counts`` are this rank's, over all E experts. Routing ``"topk"`` or
+    ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's total stays a multiple of
+    M_tile). One host sync per forward (:func:`expert_parallel_experts`), and with
     ``static_pairs=False`` token rounding's own.
 
     Gradients: see the module docstring; wrap the model with :func:`expert_parallel_ddp` for data parallelism

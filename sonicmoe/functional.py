@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from ._autocast import autocast_cast, autocast_dtype
+from ._autocast import casts_under_autocast
 from ._device import on_device
 from .config import BACKENDS, GATE_UP_LAYOUTS
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk
@@ -125,6 +125,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+@casts_under_autocast
 def experts(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -181,10 +182,6 @@ def experts(
     """
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
-    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:
-        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
-        with torch.autocast(x.device.type, enabled=False):
-            return experts(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
     backend = resolve_backend(backend, x)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=backend == "torch")
     if backend == "torch":
@@ -206,6 +203,7 @@ class MoEOutput:
     routing: Routing
 
 
+@casts_under_autocast
 def moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -235,11 +233,6 @@ def moe(
     Raises:
         TypeError, ValueError: as :func:`experts`; ValueError for top_k out of range (or not an int).
     """
-    if isinstance(x, torch.Tensor) and (dt := autocast_dtype(x.device)) is not None:
-        x, w1, w2, b1, b2 = autocast_cast(dt, x, w1, w2, b1, b2)
-        with torch.autocast(x.device.type, enabled=False):
-            return moe(x, router_weight, w1, w2, b1, b2, top_k=top_k, router_order=router_order,
-                       renormalize=renormalize, gate_up_layout=gate_up_layout, backend=backend)
     backend = resolve_backend(backend, x)
     allow_float64 = backend == "torch"
     # x, w1, w2, biases first: the messages name the culprit
