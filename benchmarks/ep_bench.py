@@ -41,7 +41,20 @@ def _time_ms(fn, calls: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _case(shape, world: int, rank: int, device, calls: int, warmup: int) -> dict:
+def _profile_table(fn, rows: int) -> str:
+    """torch.profiler over three calls of fn: the ``rows`` ops with the most GPU time of their own, then the ``rows``
+    with the most host time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    ops = prof.key_averages()
+    return "\n".join(ops.table(sort_by=key, row_limit=rows) for key in ("self_cuda_time_total", "self_cpu_time_total"))
+
+
+def _case(shape, world: int, rank: int, device, calls: int, warmup: int, profile_rows: int = 0) -> dict:
     t, d, n, e, k = shape
     g = torch.Generator(device=device).manual_seed(1 + rank)
     e_loc = e // world
@@ -71,6 +84,9 @@ def _case(shape, world: int, rank: int, device, calls: int, warmup: int) -> dict
         ms = _time_ms(fn, calls, warmup)
         out[name] = {"ms": ms, "tflops_per_rank": flops / ms / 1e9}
     out["expert_parallel_over_local"] = out["expert_parallel"]["ms"] / out["all_experts_local"]["ms"]
+    if profile_rows:
+        out["profiles"] = {name: _profile_table(fn, profile_rows) for name, fn in (("expert_parallel", ep),
+                                                                                  ("all_experts_local", local))}
     return out
 
 
@@ -80,6 +96,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="also profile three calls of each (torch.profiler): the ROWS ops with the most GPU time, "
+                        "printed by rank 0")
     args = p.parse_args()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -88,11 +107,14 @@ def main() -> None:
         if "MASTER_ADDR" not in os.environ:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    rows = [_case(tuple(int(v) for v in s.split(",")), world, rank, device, args.calls, args.warmup)
+    rows = [_case(tuple(int(v) for v in s.split(",")), world, rank, device, args.calls, args.warmup, args.profile)
             for s in (args.shape or DEFAULT_SHAPES)]
     if rank == 0:
         result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "ranks": world,
                   "calls": args.calls, "warmup": args.warmup, "cases": rows}
+        for r in rows:
+            for name, table in r.get("profiles", {}).items():
+                print(f"== {tuple(r['shape'])} {name}: three calls\n{table}")
         for r in rows:
             print(f"{tuple(r['shape'])} P={world}: expert-parallel {r['expert_parallel']['ms']:.3f} ms "
                   f"({r['expert_parallel']['tflops_per_rank']:.0f} TFLOP/s per rank), all experts local "

@@ -3,20 +3,24 @@
 Rank r holds the weights of experts [r·E/P, (r+1)·E/P) (E_loc = E/P of them) and routes its own tokens over all E
 with a router replicated on every rank. One forward step, for any routing (top-k, general, token rounding):
 
-1. **dispatch**: rank r gathers its routed pairs' rows of X in expert-major order (the rows of experts 0..E−1, so
-   those of each destination rank are contiguous; padding rows are not sent) and their scores;
-2. **all-to-all**: the expert counts are exchanged (E integers per rank), then the rows and scores are sent to
-   their experts' owners; rank r receives M rows, grouped by source rank and, within each, by expert;
-3. **experts**: :func:`sonicmoe.experts` on the M received rows, each a token of its own with K = 1 and its pair's
-   score S, so each output row is S·(W2[e] SwiGLU(W1[e] x + b1[e]) + b2[e]); the Triton kernels (or the torch
-   backend) do the grouped GEMMs, and the experts' autograd Function keeps what it always keeps (its input, here the
-   M received rows, and H);
-4. **all-to-all back** and **combine**: each rank gets its weighted rows back and sums every token's (the
-   aggregation kernel on CUDA, in float32).
+1. **plan**: each routed pair goes to its expert's owner; a token goes to a rank once, however many of its pairs
+   go there. The counts are exchanged (1 + E_loc integers per rank pair: the tokens, and the rows for each of the
+   destination's experts), then read to the host (the all-to-all's split sizes);
+2. **dispatch and all-to-all**: rank r gathers the rows of x it sends (rank-major, in token order within a
+   destination rank; the send buffer) and sends them; each pair's score and the index of its token among those
+   its destination receives from r follow, in expert-major order (padding pairs are not sent). Rank r receives
+   T_recv tokens, grouped by source rank, and the M pairs over them;
+3. **experts**: :func:`sonicmoe.experts` on the T_recv received tokens with the local routing of the M pairs over
+   its E_loc experts (general routing: a token has 1 to E_loc of them), so each output row is the sum, over the
+   token's pairs on this rank, of S·(W2[e] SwiGLU(W1[e] x + b1[e]) + b2[e]); the Triton kernels (or the torch
+   backend) do the gathers, grouped GEMMs and the aggregation, and the experts' autograd Function keeps what it
+   always keeps (its input, here the T_recv received tokens, and H);
+4. **all-to-all back** and **combine**: each rank gets one partial output per token and destination back and sums
+   every token's, in rank order (the aggregation kernel on CUDA, in float32).
 
-The backward runs the same exchanges in reverse: dO is gathered to the rows, sent to the experts' owners, through
-the experts' backward, and the dX rows come back and are summed per token. Every step is a gather, a sum in a fixed
-order or a data exchange: the outputs and gradients are bitwise the same on every run (no atomics).
+The backward runs the same exchanges in reverse: dO is gathered to the send buffer's rows, sent to the experts'
+owners, through the experts' backward, and the dX rows come back and are summed per token. Every step is a gather, a
+sum in a fixed order or a data exchange: the outputs and gradients are bitwise the same on every run (no atomics).
 
 Gradients: every rank's tokens reach the experts' backward on their owner, so an expert weight's gradient is the sum
 over all ranks' losses, while the replicated router weight gets only its rank's. Under data parallelism over the
@@ -27,9 +31,10 @@ over P, each split held by D replicas) takes :func:`expert_parallel_groups` for 
 ``expert_parallel_ddp(model, expert_dp_group=...)``, whose hook then sums the expert gradients over the D replicas
 and divides by W.
 
-Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. Each routed
-row crosses the network twice in the forward (its X out, its output back) and twice in the backward (dO out, dX
-back), in the activation dtype, with its score.
+Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. A token
+crosses the network once per rank holding any of its experts (at most min(K, P) times, not K), twice in the forward
+(its x out, its partial output back) and twice in the backward (dO out, dx back), in the activation dtype; each pair
+sends its score and an index. In a group of one rank the layer is the plain one plus four copies of x's size.
 
 Status: verified against the float32 reference over two ranks on the CPU (gloo, the torch backend and the Triton
 kernels through the interpreter) and on CUDA (bf16, Triton; both ranks sharing one H200 over gloo, session 72).
@@ -49,7 +54,7 @@ from ._device import on_device
 from .functional import _check_float, _check_routing, check_expert_inputs, experts
 from .modules import MoE
 from .ops.aggregation import gather_sum, gather_sum_ref
-from .routing import Routing, routing_from_topk
+from .routing import Routing, routing_from_pairs
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -83,40 +88,66 @@ def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
 def _sum_slots(y: torch.Tensor, routing: Routing) -> torch.Tensor:
     """O (T, d): each token's rows of y (R, d) summed in slot order, in float32 (the aggregation kernel on CUDA, its
     PyTorch twin elsewhere; both deterministic)."""
-    if y.is_cuda:  # the kernel reads the real slots only, which point to the real rows, the first y.shape[0]
+    if y.is_cuda:
         with on_device(y):
             return gather_sum(y, routing, None)
-    # the twin reads every slot's row, padding slots' too (and drops them): zero rows for those
-    pad = y.new_zeros(routing.num_rows - y.shape[0], y.shape[1])
-    return gather_sum_ref(torch.cat([y, pad]) if pad.shape[0] else y, routing, None)
+    return gather_sum_ref(y, routing, None)
 
 
 class _Dispatch(torch.autograd.Function):
-    """x (T, d) -> the rows of the routing's first ``rows`` rows (expert-major order), (rows, d); backward: the row
-    gradients of each token summed (a token's slots point to real rows only)."""
+    """x (T, d) -> the routing's rows of x, (R, d) in its row order; backward: each token's row gradients summed."""
 
     @staticmethod
-    def forward(ctx, x, routing, rows):
+    def forward(ctx, x, routing):
         ctx.routing = routing
-        return x.index_select(0, routing.row_token[:rows])
+        return x.index_select(0, routing.row_token)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sum_slots(grad, ctx.routing), None, None
+        return _sum_slots(grad, ctx.routing), None
 
 
 class _Combine(torch.autograd.Function):
-    """Rows y (rows, d), the routing's first rows in expert-major order -> O (T, d), each token's rows summed;
-    backward: dO gathered to the rows."""
+    """Rows y (R, d) in the routing's row order -> O (T, d), each token's rows summed; backward: dO gathered to the
+    rows."""
 
     @staticmethod
     def forward(ctx, y, routing):
-        ctx.routing, ctx.rows = routing, y.shape[0]
+        ctx.routing = routing
         return _sum_slots(y, routing)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(0, ctx.routing.row_token[:ctx.rows]), None
+        return grad.index_select(0, ctx.routing.row_token), None
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts, 0) - counts
+
+
+def _exchange_plan(routing: Routing, world: int, e_loc: int, group):
+    """Where each row goes, and the all-to-all's split sizes (the one host sync of the forward).
+
+    Returns (key, need, recv_info, splits): key (R,) the destination rank·T + token of each row (P·T for padding
+    rows); need (P·T,) bool, whether token t goes to rank j at all (at j·T + t); recv_info (P, 1 + E_loc) int64, from
+    each source rank the tokens it sends here, then the rows for each local expert; splits, host ints: the tokens
+    and the rows sent to each rank, then the tokens and the rows received from each.
+    """
+    t = routing.num_tokens
+    row_rank = routing.row_expert() // e_loc  # rows are expert-major: so is their destination rank
+    key = row_rank * t + routing.row_token.long()
+    real = routing.real_rows()
+    if real is not None:  # padding rows go nowhere: to the spare entry P·T, dropped
+        key = torch.where(real, key, world * t)
+    need = torch.zeros(world * t + 1, dtype=torch.bool, device=key.device)
+    need[key] = True  # every duplicate writes the same value: deterministic
+    need = need[:-1]
+    # per destination rank j: the tokens sent to j, then the rows of each of j's experts
+    send_info = torch.cat([need.view(world, t).sum(1, keepdim=True),
+                           routing.expert_counts().view(world, e_loc).long()], 1)
+    recv_info = _all_to_all(send_info.flatten(), [e_loc + 1] * world, [e_loc + 1] * world, group).view(world, -1)
+    splits = torch.cat([send_info[:, 0], send_info[:, 1:].sum(1), recv_info[:, 0], recv_info[:, 1:].sum(1)])
+    return key, need, recv_info, splits.tolist()
 
 
 def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> None:
@@ -177,20 +208,32 @@ def expert_parallel_experts(
     """
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
-    e_loc = w1.shape[0]
-    counts = routing.expert_counts()  # (E,): this rank's rows for each expert, E_loc per destination rank
-    recv_counts = _all_to_all(counts, [e_loc] * world, [e_loc] * world, group)  # (P·E_loc,): [source][local expert]
-    splits = torch.cat([counts.view(world, e_loc).sum(1), recv_counts.view(world, e_loc).sum(1)]).tolist()
-    send_splits, recv_splits = splits[:world], splits[world:]
-    sent, m = sum(send_splits), sum(recv_splits)  # sent < R where the routing has padding rows (they stay)
-    x_rows = _AllToAll.apply(_Dispatch.apply(x, routing, sent), send_splits, recv_splits, group)
-    s_rows = _AllToAll.apply(routing.row_scores(pair_scores)[:sent], send_splits, recv_splits, group)
-    local = torch.arange(e_loc, device=x.device, dtype=recv_counts.dtype).repeat(world)
-    row_expert = torch.repeat_interleave(local, recv_counts, output_size=m)
-    local_routing = routing_from_topk(row_expert[:, None], e_loc)
+    e_loc, t = w1.shape[0], x.shape[0]
+    key, need, recv_info, splits = _exchange_plan(routing, world, e_loc, group)
+    send_tokens, send_rows, recv_tokens, recv_rows = (splits[i * world:(i + 1) * world] for i in range(4))
+    t_send, sent, t_recv, m = sum(send_tokens), sum(send_rows), sum(recv_tokens), sum(recv_rows)
+    # the send buffer: the (rank j, token t) with need, rank-major and in token order within a rank; each one's slot
+    # in it is the count of needed entries before it (the unneeded ones are scattered to a spare slot, dropped)
+    slot = torch.cumsum(need, 0) - 1
+    order = torch.empty(t_send + 1, dtype=torch.long, device=x.device)
+    order[torch.where(need, slot, t_send)] = torch.arange(world * t, device=x.device)
+    order = order[:t_send]
+    tokens = routing_from_pairs(order % max(t, 1), order // max(t, 1), t, world)  # rows: the send buffer
+    # each routed row's token, as a row of what its destination receives from this rank; there, offset by the
+    # tokens that came from lower ranks
+    key = key[:sent]
+    chunk_row = slot[key] - _exclusive_cumsum(need.view(world, t).sum(1))[key // max(t, 1)]
+    chunk_row = _all_to_all(chunk_row, send_rows, recv_rows, group)
+    source = torch.repeat_interleave(torch.arange(world, device=x.device), recv_info[:, 1:].sum(1), output_size=m)
+    local = torch.arange(e_loc, device=x.device).repeat(world)
+    local_routing = routing_from_pairs(chunk_row + _exclusive_cumsum(recv_info[:, 0])[source],
+                                       torch.repeat_interleave(local, recv_info[:, 1:].flatten(), output_size=m),
+                                       t_recv, e_loc)
     local_routing.tile_rows = routing.tile_rows  # each source's counts are multiples of it: so are their sums
-    y_rows = experts(x_rows, w1, w2, local_routing, s_rows, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
-    return _Combine.apply(_AllToAll.apply(y_rows, recv_splits, send_splits, group), routing)
+    x_recv = _AllToAll.apply(_Dispatch.apply(x, tokens), send_tokens, recv_tokens, group)
+    s_recv = _AllToAll.apply(routing.row_scores(pair_scores)[:sent], send_rows, recv_rows, group)
+    y = experts(x_recv, w1, w2, local_routing, s_recv, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
+    return _Combine.apply(_AllToAll.apply(y, recv_tokens, send_tokens, group), tokens)
 
 
 class _AllGatherExperts(torch.autograd.Function):

@@ -255,8 +255,9 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
 
 def test_expert_parallel_memory_contract(tmp_path, device):
     """In a group of one rank (the exchange is then a copy): what backward keeps is the experts' contract on the
-    received rows, X_recv (R, d), H (R, 2n), the received scores (R,) and the weights; not the caller's x, no other
-    (R, d) tensor (the dispatched rows before the exchange, the outputs before the combine), no A (R, n)."""
+    received tokens, X_recv (T_recv, d) with one row per token however many of its experts the rank holds (here
+    T_recv = T), H (R, 2n), the received scores (R,) and the weights; not the caller's x, no (R, d) tensor (no
+    per-pair copy of X, no output rows before the combine), no A (R, n)."""
     from sonicmoe.expert_parallel import expert_parallel_experts
 
     t, d, n, e, k = 33, 48, 16, 4, 2  # d != n, 2n so (R, d), (R, n), (R, 2n) are told apart
@@ -273,7 +274,7 @@ def test_expert_parallel_memory_contract(tmp_path, device):
         with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
             out = expert_parallel_experts(x, w1, w2, routing, scores, backend="triton")
         float_shapes = sorted(tuple(s.shape) for s in saved if s.dtype.is_floating_point)
-        assert float_shapes == sorted([(r, d), (r, 2 * n), (r,), (e, 2 * n, d), (e, d, n)])
+        assert float_shapes == sorted([(t, d), (r, 2 * n), (r,), (e, 2 * n, d), (e, d, n)])
         assert not any(s.data_ptr() == x.data_ptr() for s in saved), "the caller's x is not kept"
         out.backward(torch.randn_like(out))
         ref = sonicmoe.experts(x.detach(), w1.detach(), w2.detach(), routing, scores.detach(), backend="triton")
