@@ -86,68 +86,97 @@ def _all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
 
 
 def _sum_slots(y: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """O (T, d): each token's rows of y (R, d) summed in slot order, in float32 (the aggregation kernel on CUDA, its
-    PyTorch twin elsewhere; both deterministic)."""
-    if y.is_cuda:
+    """O (T, d): each token's rows of y summed in slot order, in float32 (the aggregation kernel on CUDA, its
+    PyTorch twin elsewhere; both deterministic). y holds the routing's first rows, its real ones (padding rows
+    come after them: :class:`~sonicmoe.Routing`)."""
+    if y.is_cuda:  # the kernel reads the real slots only, which point to the real rows, the first y.shape[0]
         with on_device(y):
             return gather_sum(y, routing, None)
-    return gather_sum_ref(y, routing, None)
+    # the twin reads every slot's row, padding slots' too (and drops them): zero rows for those
+    pad = y.new_zeros(routing.num_rows - y.shape[0], y.shape[1])
+    return gather_sum_ref(torch.cat([y, pad]) if pad.shape[0] else y, routing, None)
 
 
 class _Dispatch(torch.autograd.Function):
-    """x (T, d) -> the routing's rows of x, (R, d) in its row order; backward: each token's row gradients summed."""
+    """x (T, d) -> the routing's first ``rows`` rows of x (its real ones), in its row order; backward: each token's
+    row gradients summed."""
 
     @staticmethod
-    def forward(ctx, x, routing):
+    def forward(ctx, x, routing, rows):
         ctx.routing = routing
-        return x.index_select(0, routing.row_token)
+        return x.index_select(0, routing.row_token[:rows])
 
     @staticmethod
     def backward(ctx, grad):
-        return _sum_slots(grad, ctx.routing), None
+        return _sum_slots(grad, ctx.routing), None, None
 
 
 class _Combine(torch.autograd.Function):
-    """Rows y (R, d) in the routing's row order -> O (T, d), each token's rows summed; backward: dO gathered to the
-    rows."""
+    """Rows y, the routing's first (real) rows in its row order -> O (T, d), each token's rows summed; backward: dO
+    gathered to the rows."""
 
     @staticmethod
     def forward(ctx, y, routing):
-        ctx.routing = routing
+        ctx.routing, ctx.rows = routing, y.shape[0]
         return _sum_slots(y, routing)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(0, ctx.routing.row_token), None
+        return grad.index_select(0, ctx.routing.row_token[:ctx.rows]), None
 
 
-def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts, 0) - counts
+@dataclasses.dataclass
+class _Plan:
+    """Where this rank's rows and tokens go (:func:`_exchange_plan`).
 
-
-def _exchange_plan(routing: Routing, world: int, e_loc: int, group):
-    """Where each row goes, and the all-to-all's split sizes (the one host sync of the forward).
-
-    Returns (key, need, recv_info, splits): key (R,) the destination rank·T + token of each row (P·T for padding
-    rows); need (P·T,) bool, whether token t goes to rank j at all (at j·T + t); recv_info (P, 1 + E_loc) int64, from
-    each source rank the tokens it sends here, then the rows for each local expert; splits, host ints: the tokens
-    and the rows sent to each rank, then the tokens and the rows received from each.
+    Attributes:
+        tokens: the send buffer as a routing of (token, destination rank) pairs over T tokens and P "experts": its
+            real rows are the buffer's rows, rank-major and in token order within a rank (a token once per rank
+            receiving any of its pairs), the rest padding (a static P·T rows, built before the sync).
+        chunk_row: (R,) int64, each routed row's token as a row of what its destination receives from this rank
+            (padding rows: any value; only the first, real, rows are sent).
+        recv_info: (P, 1 + E_loc) int64, from each source rank: the tokens it sends here, then its rows for each of
+            this rank's experts.
+        splits: host ints, P of each: the tokens and the rows sent to each rank, the tokens and the rows received.
     """
+
+    tokens: Routing
+    chunk_row: torch.Tensor
+    recv_info: torch.Tensor
+    splits: list[int]
+
+
+def _exchange_plan(routing: Routing, world: int, e_loc: int, group) -> _Plan:
+    """Plan the exchange of :func:`expert_parallel_experts`; all of it on the device before its one host sync (the
+    split sizes, last), so that the device has queued work while the host waits."""
     t = routing.num_tokens
+    pt = world * t
     row_rank = routing.row_expert() // e_loc  # rows are expert-major: so is their destination rank
-    key = row_rank * t + routing.row_token.long()
+    key = row_rank * t + routing.row_token.long()  # (rank j, token t) at j·T + t
     real = routing.real_rows()
     if real is not None:  # padding rows go nowhere: to the spare entry P·T, dropped
-        key = torch.where(real, key, world * t)
-    need = torch.zeros(world * t + 1, dtype=torch.bool, device=key.device)
-    need[key] = True  # every duplicate writes the same value: deterministic
+        key = torch.where(real, key, pt)
+    need = torch.zeros(pt + 1, dtype=torch.bool, device=key.device)
+    need.index_fill_(0, key, True)  # duplicates write the same value: deterministic (need[key] = True syncs)
     need = need[:-1]
+    per_rank = need.view(world, t).sum(1)
+    total = per_rank.sum()
+    # every (rank, token) gets a place: the needed ones first, in order (the send buffer), then the others
+    before = torch.cumsum(need, 0)
+    index = torch.arange(pt, device=key.device)
+    place = torch.where(need, before - 1, total + index - before)
+    order = torch.empty_like(index)
+    order[place] = index  # a permutation: no two writes meet
+    sent = index < total
+    tokens = routing_from_pairs(torch.where(sent, order % max(t, 1), t), torch.where(sent, order // max(t, 1), world),
+                                t, world, padding=True)
+    first = torch.cumsum(per_rank, 0) - per_rank
+    chunk_row = place[key.clamp(max=max(pt - 1, 0))] - first[row_rank] if pt else key
     # per destination rank j: the tokens sent to j, then the rows of each of j's experts
-    send_info = torch.cat([need.view(world, t).sum(1, keepdim=True),
-                           routing.expert_counts().view(world, e_loc).long()], 1)
+    send_info = torch.cat([per_rank[:, None], routing.expert_counts().view(world, e_loc).long()], 1)
     recv_info = _all_to_all(send_info.flatten(), [e_loc + 1] * world, [e_loc + 1] * world, group).view(world, -1)
     splits = torch.cat([send_info[:, 0], send_info[:, 1:].sum(1), recv_info[:, 0], recv_info[:, 1:].sum(1)])
-    return key, need, recv_info, splits.tolist()
+    return _Plan(tokens, chunk_row, recv_info, splits.tolist())
 
 
 def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> None:
@@ -208,32 +237,24 @@ def expert_parallel_experts(
     """
     world, _ = _group_size_rank(group)
     _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
-    e_loc, t = w1.shape[0], x.shape[0]
-    key, need, recv_info, splits = _exchange_plan(routing, world, e_loc, group)
-    send_tokens, send_rows, recv_tokens, recv_rows = (splits[i * world:(i + 1) * world] for i in range(4))
+    e_loc = w1.shape[0]
+    plan = _exchange_plan(routing, world, e_loc, group)
+    send_tokens, send_rows, recv_tokens, recv_rows = (plan.splits[i * world:(i + 1) * world] for i in range(4))
     t_send, sent, t_recv, m = sum(send_tokens), sum(send_rows), sum(recv_tokens), sum(recv_rows)
-    # the send buffer: the (rank j, token t) with need, rank-major and in token order within a rank; each one's slot
-    # in it is the count of needed entries before it (the unneeded ones are scattered to a spare slot, dropped)
-    slot = torch.cumsum(need, 0) - 1
-    order = torch.empty(t_send + 1, dtype=torch.long, device=x.device)
-    order[torch.where(need, slot, t_send)] = torch.arange(world * t, device=x.device)
-    order = order[:t_send]
-    tokens = routing_from_pairs(order % max(t, 1), order // max(t, 1), t, world)  # rows: the send buffer
-    # each routed row's token, as a row of what its destination receives from this rank; there, offset by the
-    # tokens that came from lower ranks
-    key = key[:sent]
-    chunk_row = slot[key] - _exclusive_cumsum(need.view(world, t).sum(1))[key // max(t, 1)]
-    chunk_row = _all_to_all(chunk_row, send_rows, recv_rows, group)
-    source = torch.repeat_interleave(torch.arange(world, device=x.device), recv_info[:, 1:].sum(1), output_size=m)
+    x_recv = _AllToAll.apply(_Dispatch.apply(x, plan.tokens, t_send), send_tokens, recv_tokens, group)
+    chunk_row = _all_to_all(plan.chunk_row[:sent], send_rows, recv_rows, group)
+    s_recv = _AllToAll.apply(routing.row_scores(pair_scores)[:sent], send_rows, recv_rows, group)
+    # the received pairs: by source rank, by local expert within one; their tokens' rows offset by the tokens that
+    # came from lower ranks
+    info = plan.recv_info
+    source = torch.repeat_interleave(torch.arange(world, device=x.device), info[:, 1:].sum(1), output_size=m)
     local = torch.arange(e_loc, device=x.device).repeat(world)
-    local_routing = routing_from_pairs(chunk_row + _exclusive_cumsum(recv_info[:, 0])[source],
-                                       torch.repeat_interleave(local, recv_info[:, 1:].flatten(), output_size=m),
+    local_routing = routing_from_pairs(chunk_row + (torch.cumsum(info[:, 0], 0) - info[:, 0])[source],
+                                       torch.repeat_interleave(local, info[:, 1:].flatten(), output_size=m),
                                        t_recv, e_loc)
     local_routing.tile_rows = routing.tile_rows  # each source's counts are multiples of it: so are their sums
-    x_recv = _AllToAll.apply(_Dispatch.apply(x, tokens), send_tokens, recv_tokens, group)
-    s_recv = _AllToAll.apply(routing.row_scores(pair_scores)[:sent], send_rows, recv_rows, group)
     y = experts(x_recv, w1, w2, local_routing, s_recv, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
-    return _Combine.apply(_AllToAll.apply(y, recv_tokens, send_tokens, group), tokens)
+    return _Combine.apply(_AllToAll.apply(y, recv_tokens, send_tokens, group), plan.tokens)
 
 
 class _AllGatherExperts(torch.autograd.Function):

@@ -284,6 +284,51 @@ def test_expert_parallel_memory_contract(tmp_path, device):
         dist.destroy_process_group()
 
 
+@pytest.mark.gpu
+def test_expert_parallel_syncs_once(tmp_path):
+    """bf16 on CUDA, a group of one rank over NCCL: the forward synchronises with the device once (the all-to-all's
+    split sizes), the backward never (``torch.cuda.set_sync_debug_mode``). Before the fix, marking the (rank, token)
+    pairs to send with ``need[key] = True`` synced too: a second drain of the device's queue, after which the host's
+    planning ran with the device idle."""
+    from sonicmoe.expert_parallel import expert_parallel_experts
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1, device_id=dev)
+    try:
+        t, d, n, e, k = 300, 64, 32, 8, 3
+        x = torch.randn(t, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w1 = (torch.randn(e, 2 * n, d, device=dev) * d ** -0.5).bfloat16().requires_grad_(True)
+        w2 = (torch.randn(e, d, n, device=dev) * n ** -0.5).bfloat16().requires_grad_(True)
+        routing = routing_from_topk(torch.randn(t, e, device=dev).topk(k, dim=1).indices, e)
+        scores = torch.rand(t * k, device=dev, requires_grad=True)
+        dout = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+        expert_parallel_experts(x, w1, w2, routing, scores, backend="triton").backward(dout)  # compiled, warm
+        torch.cuda.synchronize()
+        sites = {"forward": [], "backward": []}
+        for phase, found in sites.items():
+            def record(message, *args, found=found, **kwargs):
+                if "called a synchronizing" in str(message):  # where: the innermost frames of sonicmoe and torch
+                    found.append("".join(traceback.format_stack(limit=8)[:-2]))
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    if phase == "forward":
+                        out = expert_parallel_experts(x, w1, w2, routing, scores, backend="triton")
+                    else:
+                        out.backward(dout)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        counts = [len(found) for found in sites.values()]
+        assert counts == [1, 0], f"host syncs in forward, backward: {counts}; where:\n" + "\n".join(
+            sum(sites.values(), []))
+        ref = sonicmoe.experts(x.detach(), w1.detach(), w2.detach(), routing, scores.detach(), backend="triton")
+        assert rel_err(out, ref) < 1e-2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_expert_parallel_layer_under_autocast(tmp_path):
     """float32 parameters under ``torch.autocast`` (bf16, the CPU, torch backend), in a group of one rank: the experts
     run in bf16 as ``MoE``'s do (x and the weights cast, the output bf16, float32 gradients for the float32
