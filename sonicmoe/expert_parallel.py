@@ -135,14 +135,19 @@ class _Plan:
             receiving any of its pairs), the rest padding (a static P·T rows, built before the sync).
         chunk_row: (R,) int64, each routed row's token as a row of what its destination receives from this rank
             (padding rows: any value; only the first, real, rows are sent).
-        recv_info: (P, 1 + E_loc) int64, from each source rank: the tokens it sends here, then its rows for each of
-            this rank's experts.
+        recv_first: (P,) int64, the first received token of each source rank (the tokens come by source).
+        recv_rows: (P,) int64, the rows received from each source rank.
+        recv_counts: (P·E_loc,) int64, the rows received from each source for each local expert, source-major.
+        recv_expert: (P·E_loc,) int64, the local expert of each of those blocks.
         splits: host ints, P of each: the tokens and the rows sent to each rank, the tokens and the rows received.
     """
 
     tokens: Routing
     chunk_row: torch.Tensor
-    recv_info: torch.Tensor
+    recv_first: torch.Tensor
+    recv_rows: torch.Tensor
+    recv_counts: torch.Tensor
+    recv_expert: torch.Tensor
     splits: list[int]
 
 
@@ -175,8 +180,10 @@ def _exchange_plan(routing: Routing, world: int, e_loc: int, group) -> _Plan:
     # per destination rank j: the tokens sent to j, then the rows of each of j's experts
     send_info = torch.cat([per_rank[:, None], routing.expert_counts().view(world, e_loc).long()], 1)
     recv_info = _all_to_all(send_info.flatten(), [e_loc + 1] * world, [e_loc + 1] * world, group).view(world, -1)
-    splits = torch.cat([send_info[:, 0], send_info[:, 1:].sum(1), recv_info[:, 0], recv_info[:, 1:].sum(1)])
-    return _Plan(tokens, chunk_row, recv_info, splits.tolist())
+    recv_rows = recv_info[:, 1:].sum(1)
+    splits = torch.cat([send_info[:, 0], send_info[:, 1:].sum(1), recv_info[:, 0], recv_rows])
+    return _Plan(tokens, chunk_row, torch.cumsum(recv_info[:, 0], 0) - recv_info[:, 0], recv_rows,
+                 recv_info[:, 1:].flatten(), torch.arange(e_loc, device=key.device).repeat(world), splits.tolist())
 
 
 def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> None:
@@ -246,11 +253,9 @@ def expert_parallel_experts(
     s_recv = _AllToAll.apply(routing.row_scores(pair_scores)[:sent], send_rows, recv_rows, group)
     # the received pairs: by source rank, by local expert within one; their tokens' rows offset by the tokens that
     # came from lower ranks
-    info = plan.recv_info
-    source = torch.repeat_interleave(torch.arange(world, device=x.device), info[:, 1:].sum(1), output_size=m)
-    local = torch.arange(e_loc, device=x.device).repeat(world)
-    local_routing = routing_from_pairs(chunk_row + (torch.cumsum(info[:, 0], 0) - info[:, 0])[source],
-                                       torch.repeat_interleave(local, info[:, 1:].flatten(), output_size=m),
+    offset = torch.repeat_interleave(plan.recv_first, plan.recv_rows, output_size=m)
+    local_routing = routing_from_pairs(chunk_row + offset,
+                                       torch.repeat_interleave(plan.recv_expert, plan.recv_counts, output_size=m),
                                        t_recv, e_loc)
     local_routing.tile_rows = routing.tile_rows  # each source's counts are multiples of it: so are their sums
     y = experts(x_recv, w1, w2, local_routing, s_recv, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
