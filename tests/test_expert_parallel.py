@@ -7,8 +7,9 @@ expert weight's gradient sums every rank's tokens. Routings: random top-k; every
 receive no row) with a single token on rank 1; no token at all on rank 1; K = E. The layer
 (:class:`~sonicmoe.expert_parallel.ExpertParallelMoE` loaded from a full ``MoE``, wrapped by
 :func:`~sonicmoe.expert_parallel.expert_parallel_ddp`) must give every parameter the gradient of the mean of the
-ranks' losses. On the CPU over gloo: the torch backend, and the Triton kernels through the interpreter; on CUDA in
-bf16 (two GPUs over NCCL, or both ranks on one GPU over gloo).
+ranks' losses. Each rank's local experts must get every token once per source rank, however many of its pairs
+are there, and every pair. On the CPU over gloo: the torch backend, and the Triton kernels through the interpreter;
+on CUDA in bf16 (two GPUs over NCCL, or both ranks on one GPU over gloo).
 """
 
 from __future__ import annotations
@@ -76,9 +77,18 @@ def _grads_of(fn, inputs: dict, dout: torch.Tensor):
     return out.detach().double().cpu(), {key: v.grad.double().cpu() for key, v in leaves.items()}
 
 
+def _recording(experts_fn, received: list):
+    """experts_fn, which also appends what it gets to ``received``: (tokens, rows) of each call."""
+    def run(x, w1, w2, routing, *args, **kwargs):
+        received.append((x.shape[0], routing.num_rows))
+        return experts_fn(x, w1, w2, routing, *args, **kwargs)
+    return run
+
+
 def _functional_errors(rank, world, backend, dtype, device) -> dict:
     """Relative errors of expert_parallel_experts against the one-process reference, per scenario and tensor; the
     padding pairs' score gradients (must be zero); whether a second run differs (must not)."""
+    import sonicmoe.expert_parallel as ep_module
     from sonicmoe.expert_parallel import expert_parallel_experts, expert_parallel_experts_ref
 
     errs, e_loc = {}, E // world
@@ -91,11 +101,21 @@ def _functional_errors(rank, world, backend, dtype, device) -> dict:
         routing = routing_from_pairs(pt, pe, tokens[rank], E, token_major=True, padding=pad > 0)
         local = {"x": p["x"][mine], "pair_scores": scores, "w1": p["w1"][own], "w2": p["w2"][own],
                  "b1": p["b1"][own], "b2": p["b2"][own]}
-        results = []
-        for fn in (expert_parallel_experts, expert_parallel_experts, expert_parallel_experts_ref):
-            b = "torch" if fn is expert_parallel_experts_ref else backend
-            results.append(_grads_of(lambda fn=fn, b=b, r=routing, **kw: fn(routing=r, backend=b, **kw), local,
-                                     p["dout"][mine]))
+        results, received = [], []
+        real_experts = ep_module.experts
+        ep_module.experts = _recording(real_experts, received)
+        try:
+            for fn in (expert_parallel_experts, expert_parallel_experts, expert_parallel_experts_ref):
+                b = "torch" if fn is expert_parallel_experts_ref else backend
+                results.append(_grads_of(lambda fn=fn, b=b, r=routing, **kw: fn(routing=r, backend=b, **kw), local,
+                                         p["dout"][mine]))
+        finally:
+            ep_module.experts = real_experts
+        # a token comes once from each rank with any pair on this rank's experts, however many it has here
+        to_me = [q[1][:len(q[1]) - q[3]] // e_loc == rank for q in p["pairs"]]
+        expected = (sum(int(q[0][:len(q[0]) - q[3]][m].unique().numel()) for q, m in zip(p["pairs"], to_me)),
+                    sum(int(m.sum()) for m in to_me))
+        errs[f"{name}/received_tokens_rows_flag"] = float(received[0] != expected)
         # the float32 reference: one process, every rank's tokens and real pairs, all E experts
         full = {key: p[key].float() for key in ("x", "w1", "w2", "b1", "b2")}
         real = [(q[0][:len(q[0]) - q[3]] + sum(tokens[:j]), q[1][:len(q[1]) - q[3]], q[2][:len(q[2]) - q[3]])
