@@ -34,10 +34,11 @@ and divides by W.
 Cost: one host sync per forward (the all-to-all's split sizes are host integers); none in the backward. A token
 crosses the network once per rank holding any of its experts (at most min(K, P) times, not K), twice in the forward
 (its x out, its partial output back) and twice in the backward (dO out, dx back), in the activation dtype; each pair
-sends its score and an index. In a group of one rank the layer is the plain one plus four copies of x's size.
+sends its score and an index. In a group of one rank the layer is the plain one plus four copies of x's size each
+way (dispatch, exchange, exchange back, combine) and the planning's small ops (host-bound: session 73).
 
 Status: verified against the float32 reference over two ranks on the CPU (gloo, the torch backend and the Triton
-kernels through the interpreter) and on CUDA (bf16, Triton; both ranks sharing one H200 over gloo, session 72).
+kernels through the interpreter) and on CUDA (bf16, Triton; both ranks sharing one H200 over gloo, sessions 72-73).
 Two ranks with a GPU each, over NCCL, run the same code but have not been measured.
 """
 
