@@ -466,6 +466,40 @@ def test_experts_without_rows(case, bias, device):
         torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_gather_ops_without_tokens(layout, device):
+    """The gathering ops on their own with T = 0: a routing of padding rows only (R = 3 static rows, none real) and
+    one of no rows. The up-projection gives zero H and A, dH gives zero dH, A′ and dS (row order, the partials, and
+    pair order), the aggregation an empty O: nothing is launched on a token that does not exist (the kernels clamp
+    masked-off rows to token 0; session 72's crash was that read in the varlen-K GEMM)."""
+    d, n, e = 48, 40, 4
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    for dtype in dtypes:
+        p = random_problem(1, d, n, e, bias=True, device=device, dtype=dtype, seed=3)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        for routing in (routing_from_pairs(torch.zeros(3, dtype=torch.long, device=device),
+                                           torch.full((3,), e, device=device), 0, e, padding=True),
+                        routing_from_pairs(none, none, 0, e)):
+            r = routing.num_rows
+            x, dout = p["x"][:0], torch.randn(0, d, device=device, dtype=dtype)
+            h, a = up_proj(x, p["w1"], p["b1"], routing, gate_up_layout=layout)
+            assert h.shape == (r, 2 * n) and a.shape == (r, n) and not h.any() and not a.any()
+            assert up_proj(x, p["w1"], None, routing, gate_up_layout=layout, store_h=False)[0] is None
+            h = torch.randn(r, 2 * n, device=device, dtype=dtype)
+            scores = torch.rand(r, device=device) + 0.1
+            dh_, a_prime, ds = dh(dout, p["w2"], h, scores, routing, gate_up_layout=layout)
+            assert dh_.shape == h.shape and a_prime.shape == (r, n) and ds.shape == (r,)
+            assert not dh_.any() and not a_prime.any() and not ds.any()
+            assert not dh(dout, p["w2"], h, scores, routing, gate_up_layout=layout, reduce_ds=False)[2].any()
+            ds_pairs = dh(dout, p["w2"], h, scores, routing, gate_up_layout=layout, pair_order=True,
+                          ds_pairs=dtype)[2]
+            assert ds_pairs.shape == (r,) and ds_pairs.dtype == dtype and not ds_pairs.any()
+            out = gather_sum(torch.randn(r, d, device=device, dtype=dtype), routing, None)
+            assert out.shape == (0, d)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
 def test_layer_empty_batch(routing, device):
     """The MoE layer on T = 0 tokens (router, routing, experts; Triton kernels): an empty output, zero gradients

@@ -335,6 +335,8 @@ def up_proj(
         routing: rows sorted by expert. store_h: False for inference (H is not written).
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
 
+    With T = 0 nothing is launched and H and A are zero (the routing's rows, if any, are padding).
+
     On sm_90 with the concat layout, where it measured faster (:func:`sonicmoe.ops.up_proj_ws.up_ws_supported` and
     :func:`~sonicmoe.ops.up_proj_ws.up_ws_preferred`;
     ``SONICMOE_GLUON_UP=0`` turns it off), and no explicit ``config``, the warp-specialised Gluon kernel of
@@ -342,6 +344,10 @@ def up_proj(
     """
     for name, t in (("x", x), ("w1", w1)):
         check_device(name, t)
+    if x.shape[0] == 0:  # T = 0: no token to gather (the rows, if any, are padding); the kernels' masked-off rows
+        # would read the clamped token 0, which does not exist (session 72)
+        a = x.new_zeros(routing.num_rows, w1.shape[1] // 2)
+        return (x.new_zeros(routing.num_rows, w1.shape[1]) if store_h else None), a
     x, w1 = x.contiguous(), w1.contiguous()
     if config is None and up_ws_preferred(x.shape[1], x.device, routing) and up_ws_supported(x, w1, b1, gate_up_layout):
         return up_proj_ws(x, w1, b1, routing, store_h)
