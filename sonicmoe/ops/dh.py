@@ -287,7 +287,7 @@ def dh(
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 in row order (without
         the bias term ⟨dO_t, b2[e]⟩), or as ``reduce_ds`` and ``ds_pairs`` say. With T = 0 (``dout`` of no rows)
-        all are zero and no kernel is launched.
+        all are zero and no gathering kernel is launched (with ``ds_pairs``, score_grad still orders the zeros).
     Raises:
         ValueError: ``pair_order`` with a routing whose ``row_pair`` is None, or ``ds_pairs`` without
         ``pair_order``; ``dout`` on the CPU outside the interpreter.
@@ -300,7 +300,7 @@ def dh(
     dout, w2, h = dout.contiguous(), w2.contiguous(), h.contiguous()
     e, d, n = w2.shape
     r = routing.num_rows
-    if dout.shape[0] == 0:  # T = 0: no token's dO to gather (the rows, if any, are padding): zeros, nothing launched
+    if dout.shape[0] == 0:  # T = 0: no token's dO to gather (the rows, if any, are padding): zeros, no gathering launch
         ds_part = torch.zeros(cdiv(n, 16), r, device=h.device, dtype=torch.float32)
         return torch.zeros_like(h), h.new_zeros(r, n), _reduced_ds(ds_part, routing, reduce_ds, ds_pairs)
     if config is None and _gluon_serves(dout, w2, h, routing, gate_up_layout):
