@@ -4,7 +4,8 @@ TRITON_INTERPRET must be set before triton is imported; nothing above this file 
 The interpreter's tl.dot is wrong on bfloat16 (triton-lang/triton#11584), so interpreter tests use
 float32/float16 and bf16 is tested on the GPU (tests marked ``gpu``). On a machine with CUDA, the tests of the
 Triton kernels' CPU path (CPU tensors, which only the interpreter runs) are skipped with that reason; the tests
-that take the ``device`` fixture run natively there, and the ``gpu``-marked ones only there.
+that take the ``device`` fixture run natively there (marked ``gpu`` there too, so that ``-m gpu`` selects them), and the
+``gpu``-marked ones only there.
 """
 
 import os
@@ -40,8 +41,17 @@ def _cpu_path_only(item) -> bool:
     return "interpreter" in item.keywords or params.get("backend") == "triton"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device_fixture)
     if HAS_CUDA:
+        # the tests of the device fixture run natively here: `-m gpu` (gpu_check.sh) selects them too. Before session
+        # 74 it did not, and the GPU suite left out these 213 tests
+        for item in items:
+            if "device_fixture" in item.keywords:
+                item.add_marker(pytest.mark.gpu)
         skip_cpu = pytest.mark.skip(reason="the Triton kernels' CPU path (the interpreter, used without CUDA); on "
                                     "this machine the gpu-marked tests run the kernels natively")
         for item in items:
