@@ -6,7 +6,8 @@
 #          the slowest three files one per GPU and the rest dealt out)
 #   splitx the GPU-marked tests on several GPUs through pytest-xdist, one worker per GPU (SPLIT_GPUS, default 0 1 2 3),
 #          tests handed out one at a time (session 54: 147 passed on three H100s in 383 s); a GPU named more than once
-#          gets that many workers (session 66: SPLIT_GPUS="0 0 0 0", 169 passed on one H200 in 326 s)
+#          gets that many workers (session 66: SPLIT_GPUS="0 0 0 0", 169 passed on one H200 in 326 s); SPLIT_MARK the
+#          -m expression (default gpu, which includes the device-fixture tests: two calls on one H200, see below)
 #   tune   tile sweep of candidate configs (benchmarks/tune_sweep.py --space TUNE_SPACE: focus (default),
 #          focus2 or focus3) on TUNE_SHAPES (default: the 7B shape and (32768, 4096, 1024, 128, 8));
 #          TUNE_REPEAT rounds, medians
@@ -176,7 +177,10 @@ for step in "$@"; do
       # on three H100 workers in 383 s.
       read -ra gpus <<< "${SPLIT_GPUS:-0 1 2 3}"
       list=$(IFS=,; echo "${gpus[*]}")
-      SONICMOE_TEST_GPUS=$list timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m gpu -n "${#gpus[@]}" --dist load \
+      # since session 74 `-m gpu` also selects the device-fixture tests (213 more; 257 s on four workers of one H200
+      # against 348 s for the rest): SPLIT_MARK="gpu and not device_fixture" and SPLIT_MARK=device_fixture split the
+      # suite over two calls of the 10-minute limit
+      SONICMOE_TEST_GPUS=$list timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m "${SPLIT_MARK:-gpu}" -n "${#gpus[@]}" --dist load \
         --durations=0 tests -p no:cacheprovider > "$OUT/gpu_tests_xdist.log" 2>&1
       SUMMARY+=("GPU tests on ${#gpus[@]} workers ($list):" "$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_xdist.log" | head -20)"
                 "$(tail -1 "$OUT/gpu_tests_xdist.log")")
