@@ -6,15 +6,18 @@ Letters (SPEC §1): T tokens, d hidden size, n expert intermediate size, E exper
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-RouterOrder = Literal["topk_then_softmax", "softmax_then_topk"]
+RouterOrder = Literal["topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk"]
 GateUpLayout = Literal["concat", "interleaved"]
 Backend = Literal["auto", "triton", "torch"]
 RoutingMode = Literal["topk", "token_rounding"]
 RoundingSubroutine = Literal["nearest", "up", "down", "stochastic", "balance"]
 
-ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk")
+ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk")
+# the orders token rounding scores its added pairs under (softmax probabilities)
+TOKEN_ROUNDING_ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 BACKENDS = ("auto", "triton", "torch")
 ROUTING_MODES = ("topk", "token_rounding")
@@ -37,8 +40,13 @@ class MoEConfig:
         top_k: K, experts chosen per token (1 <= K <= E).
         router_order: ``"topk_then_softmax"`` (scores = softmax over the K chosen logits; SonicMoE,
             Mixtral) or ``"softmax_then_topk"`` (softmax over all E logits, then top-k; Qwen3-MoE, OLMoE).
-        renormalize: with ``softmax_then_topk``, divide the K chosen probabilities by their sum
-            (Qwen3 ``norm_topk_prob``). Ignored for ``topk_then_softmax`` (already normalised).
+            ``"sigmoid_then_topk"``: sigmoid of each logit, top-k of the sigmoid plus the layer's
+            ``e_score_correction_bias`` (E,) (selection only: auxiliary-loss-free load balancing,
+            :meth:`sonicmoe.MoE.update_expert_bias`), S = the chosen sigmoids (DeepSeek-V3).
+        renormalize: with ``softmax_then_topk`` or ``sigmoid_then_topk``, divide the K chosen
+            probabilities by their sum (Qwen3 and DeepSeek-V3 ``norm_topk_prob``; with sigmoid, by the sum
+            + 1e-20). Ignored for ``topk_then_softmax`` (already normalised).
+        routed_scaling_factor: a constant every score S is multiplied by (DeepSeek-V3: 2.5); 1.0 by default.
         gate_up_layout: row layout of W1 (E, 2n, d). ``"concat"``: rows [0, n) are the gate projection
             and rows [n, 2n) the up projection (HF transformers / torchtitan convention).
             ``"interleaved"``: row 2i is gate channel i and row 2i+1 up channel i.
@@ -62,6 +70,7 @@ class MoEConfig:
     top_k: int
     router_order: RouterOrder = "topk_then_softmax"
     renormalize: bool = False
+    routed_scaling_factor: float = 1.0
     gate_up_layout: GateUpLayout = "concat"
     bias: bool = False
     aux_loss_coef: float = 0.01
@@ -86,6 +95,12 @@ class MoEConfig:
         if not isinstance(self.static_pairs, bool):
             raise ValueError(f"static_pairs must be a bool, got {self.static_pairs!r}")
         _check_choice("router_order", self.router_order, ROUTER_ORDERS)
+        f = self.routed_scaling_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"routed_scaling_factor must be a finite float > 0, got {f!r}")
+        if self.routing == "token_rounding" and self.router_order not in TOKEN_ROUNDING_ROUTER_ORDERS:
+            raise ValueError(f"routing='token_rounding' scores its pairs with softmax probabilities: router_order "
+                             f"must be one of {TOKEN_ROUNDING_ROUTER_ORDERS}, got {self.router_order!r}")
         _check_choice("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("routing", self.routing, ROUTING_MODES)

@@ -13,7 +13,7 @@ import torch
 from ._autocast import casts_under_autocast
 from ._device import on_device
 from .config import BACKENDS, GATE_UP_LAYOUTS
-from .routing import RouterOutput, Routing, router_topk, routing_from_topk
+from .routing import RouterOutput, Routing, router_topk, routing_from_topk, scaled_scores
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # every backend; torch also runs float64
 
@@ -215,6 +215,8 @@ def moe(
     top_k: int,
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
+    expert_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
     gate_up_layout: str = "concat",
     backend: str = "auto",
 ) -> MoEOutput:
@@ -224,6 +226,9 @@ def moe(
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout`` (``"concat"``: rows
         [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up). w2: (E, d, n).
         b1, b2: optional (E, 2n), (E, d). top_k: K in [1, E].
+        router_order, renormalize, expert_bias: the router's (:func:`~sonicmoe.routing.router_topk`; ``expert_bias``
+        (E,) steers the choice of ``"sigmoid_then_topk"`` only). routed_scaling_factor: every score S times this
+        constant (DeepSeek-V3: 2.5).
 
     Same input contract as :func:`experts` (dtypes, strides, non-finite values, ``torch.autocast``: the experts
     run in the autocast dtype); router_weight may have any of the float dtypes the backend takes, and the router
@@ -249,8 +254,9 @@ def moe(
         raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
-    router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize)
+    router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
+                         expert_bias=expert_bias)
     routing = routing_from_topk(router.topk_ids, e)
-    out = experts(x, w1, w2, routing, router.topk_scores.reshape(-1), b1, b2,
+    out = experts(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
                   gate_up_layout=gate_up_layout, backend=backend)
     return MoEOutput(out=out, router=router, routing=routing)

@@ -60,6 +60,12 @@ class MoE(nn.Module):
     Routing: ``"topk"``, or ``"token_rounding"`` in training (each expert's count rounded to a
     multiple of ``m_tile``, SPEC §5; eval mode always uses plain top-k).
 
+    DeepSeek-V3 routing: ``router_order="sigmoid_then_topk"`` (usually with ``renormalize=True`` and
+    ``routed_scaling_factor=2.5``) adds the float32 buffer ``e_score_correction_bias`` (E,), zeros at first, which
+    steers the top-k choice and nothing else; :meth:`update_expert_bias` moves it after a step
+    (auxiliary-loss-free load balancing). The buffer stays float32 when the layer is cast, and is ``None`` under
+    the other orders. Top-k routing only (token rounding scores its pairs by the softmax).
+
     Args: as :class:`~sonicmoe.config.MoEConfig` (``hidden_size``, ``intermediate_size``,
     ``num_experts``, ``top_k``, ...), plus ``device`` and ``dtype`` of the parameters (``meta`` works).
 
@@ -90,10 +96,59 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
+        bias = None
+        if self.config.router_order == "sigmoid_then_topk":  # the router's, replicated under expert parallelism
+            bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
+        self.register_buffer("e_score_correction_bias", bias)
+        # a bool read in forward (torch.compile: a comparison of the float there made a second graph at 1.0)
+        self._scale_scores = self.config.routed_scaling_factor != 1
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
 
+    def _apply(self, fn, recurse=True):
+        # the selection bias stays float32 under .to(dtype), .half(), ...: DeepSeek-V3's steps of 1e-3 vanish in bf16
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b is not None and b.dtype != torch.float32 and b.device.type != "meta":
+            self.e_score_correction_bias = b.float()
+        return self
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float = 1e-3, counts: torch.Tensor | None = None, group=None) -> None:
+        """Auxiliary-loss-free load balancing (DeepSeek-V3, ``router_order="sigmoid_then_topk"``): each expert's
+        ``e_score_correction_bias`` moves by ``rate`` toward balance, b_e += rate · sign(mean(c) − c_e), so that
+        an overloaded expert is chosen less often in the next steps. No host sync.
+
+        Args:
+            rate: the update speed γ (DeepSeek-V3: 1e-3), a float > 0.
+            counts: (E,) the tokens each expert received over the step (summed over micro-batches, say); default
+                the last forward's ``expert_counts``.
+            group: a process group to sum ``counts`` over first (an all-reduce; every rank then makes the same
+                update): the data-parallel group, so that replicas of the router stay equal. Default: none.
+
+        Raises:
+            RuntimeError: the layer has no bias (another ``router_order``), or no counts yet (no forward).
+            ValueError: ``rate`` not a positive float; ``counts`` not of shape (E,).
+        """
+        b = self.e_score_correction_bias
+        if b is None:
+            raise RuntimeError("update_expert_bias needs router_order='sigmoid_then_topk' (the only order with "
+                               f"a selection bias); this layer has {self.config.router_order!r}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError(f"rate must be a float > 0, got {rate!r}")
+        c = self.expert_counts if counts is None else counts
+        if c is None:
+            raise RuntimeError("update_expert_bias: no expert counts yet; run a forward first or pass counts=")
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != tuple(b.shape):
+            raise ValueError(f"counts must be a tensor of shape (E={b.shape[0]},), got "
+                             f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
+        c = c.to(device=b.device, dtype=torch.float32, copy=True)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(c, group=group)
+        b.add_(torch.sign(c.mean() - c), alpha=float(rate))
     def extra_repr(self) -> str:
         c = self.config
         return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
@@ -141,7 +196,7 @@ class MoE(nn.Module):
         if x2.dtype != compute:
             x2 = x2.to(compute)
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
-                             renormalize=c.renormalize)
+                             renormalize=c.renormalize, expert_bias=self.e_score_correction_bias)
         backend = resolve_backend(c.backend, x2)
         if x2.device.type == "meta":
             backend = "torch"
@@ -149,6 +204,8 @@ class MoE(nn.Module):
             raise TypeError(f"the MoE parameters are {x2.dtype}, which backend='triton' does not run; use "
                             "bfloat16/float16/float32 parameters or backend='torch'")
         routing, pair_scores = self._route(router)
+        if self._scale_scores:
+            pair_scores = pair_scores * c.routed_scaling_factor
         out = self._run_experts(x2, routing, pair_scores, backend)
         self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing)
         self.z_loss = c.z_loss_coef * z_loss(router.logits)

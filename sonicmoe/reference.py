@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .routing import RouterOutput, Routing, router_topk, routing_from_topk
+from .routing import RouterOutput, Routing, router_topk, routing_from_topk, scaled_scores
 
 
 def split_gate_up(h: torch.Tensor, gate_up_layout: str = "concat") -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,18 +88,22 @@ def moe_ref(
     top_k: int,
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
+    expert_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
     gate_up_layout: str = "concat",
 ) -> tuple[torch.Tensor, RouterOutput, Routing]:
     """The whole MoE layer in float32: router, top-k, experts, aggregation (SPEC §2).
 
     Args:
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
+        router_order, renormalize, expert_bias, routed_scaling_factor: as :func:`sonicmoe.moe`.
 
     Returns:
         (O (T, d) float32, the router's output, the routing metadata).
     """
-    router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize)
+    router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
+                         expert_bias=expert_bias)
     routing = routing_from_topk(router.topk_ids, w1.shape[0])
-    out = experts_ref(x, w1, w2, routing, router.topk_scores.reshape(-1), b1, b2,
+    out = experts_ref(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
                       gate_up_layout=gate_up_layout)
     return out, router, routing

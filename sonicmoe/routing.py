@@ -24,6 +24,7 @@ Invariants (tested in tests/test_routing.py):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -235,8 +236,10 @@ class RouterOutput:
 
     Attributes:
         logits: (T, E) router logits X W_rᵀ (float32).
-        probs: (T, E) softmax over all E logits (float32), used by the auxiliary loss.
-        topk_ids: (T, K) int64 chosen experts, by decreasing logit.
+        probs: (T, E) softmax over all E logits (float32), used by the auxiliary loss; with
+            ``sigmoid_then_topk``, the sigmoids normalised to sum 1 over E (DeepSeek-V3's balance loss).
+        topk_ids: (T, K) int64 chosen experts, by decreasing logit (``sigmoid_then_topk``: by decreasing
+            sigmoid + bias).
         topk_scores: (T, K) float32 scores S of the chosen experts (differentiable).
     """
 
@@ -253,6 +256,7 @@ def router_topk(
     *,
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
+    expert_bias: torch.Tensor | None = None,
     use_kernel: bool | None = None,
 ) -> RouterOutput:
     """Top-k token-choice router (SPEC §2), computed in float32 (float64 inputs stay float64).
@@ -264,6 +268,10 @@ def router_topk(
         router_order: ``"topk_then_softmax"``: S = softmax over the K chosen logits.
             ``"softmax_then_topk"``: S = the chosen entries of softmax over all E logits, divided by
             their sum when ``renormalize``.
+            ``"sigmoid_then_topk"`` (DeepSeek-V3): the top-K of sigmoid(logits) + ``expert_bias``; S = the
+            chosen sigmoids, divided by (their sum + 1e-20) when ``renormalize``.
+        expert_bias: optional (E,) float bias for the choice of ``"sigmoid_then_topk"`` only (no gradient:
+            auxiliary-loss-free load balancing, :meth:`sonicmoe.MoE.update_expert_bias`).
         use_kernel: pick the top-K and compute S (T, K) with the fused Triton router kernel
             (:func:`sonicmoe.ops.router.topk_router`) from the (T, E) logits. ``None`` (default): on
             CUDA unless the environment sets SONICMOE_ROUTER_KERNEL=0 (7B layer with the router, fwd+bwd
@@ -280,18 +288,24 @@ def router_topk(
     """
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
+    check_expert_bias(expert_bias, router_weight.shape[0], router_order, x.device)
     with on_device(x):  # the kernels launch on x's CUDA device, whichever is current
-        return _router_topk(x, router_weight, top_k, router_order, renormalize, use_kernel)
+        return _router_topk(x, router_weight, top_k, router_order, renormalize, expert_bias, use_kernel)
 
 
 def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, router_order: str, renormalize: bool,
-                 use_kernel: bool | None) -> RouterOutput:
+                 expert_bias: torch.Tensor | None, use_kernel: bool | None) -> RouterOutput:
     with no_autocast(x.device):  # float32 logits under torch.autocast too
         if bf16_gemm_applies(x, router_weight):  # bfloat16 X and W_r on CUDA: the tensor cores, float32 sums
             logits = router_logits(x, router_weight)
         else:
             logits = router_logits_ref(x, router_weight)
-    probs = torch.softmax(logits, dim=-1)
+    sigmoid = router_order == "sigmoid_then_topk"
+    if sigmoid:
+        affinity = torch.sigmoid(logits)
+        probs = affinity / affinity.sum(dim=-1, keepdim=True)
+    else:
+        probs = torch.softmax(logits, dim=-1)
     if use_kernel is None:
         use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"
     kernel = use_kernel is not False and logits.dtype == torch.float32
@@ -304,7 +318,10 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
     if kernel:
         from .ops.router import topk_router
 
-        topk_ids, scores = topk_router(logits, top_k, router_order, renormalize)
+        topk_ids, scores = topk_router(logits, top_k, router_order, renormalize, expert_bias)
+        return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
+    if sigmoid:
+        topk_ids, scores = sigmoid_topk(affinity, top_k, renormalize, expert_bias)
         return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
     top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
     if router_order == "topk_then_softmax":
@@ -314,6 +331,52 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         if renormalize:
             scores = scores / scores.sum(dim=-1, keepdim=True)
     return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
+
+
+def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) -> None:
+    """ValueError/TypeError naming ``expert_bias`` unless it is None or an (E,) floating tensor on ``device`` given
+    with ``router_order="sigmoid_then_topk"`` (the only order that selects by a bias)."""
+    if expert_bias is None:
+        return
+    if router_order != "sigmoid_then_topk":
+        raise ValueError(f"expert_bias steers the choice of router_order='sigmoid_then_topk' only; got it with "
+                         f"router_order={router_order!r}")
+    if not isinstance(expert_bias, torch.Tensor) or not expert_bias.dtype.is_floating_point:
+        raise TypeError(f"expert_bias must be a floating-point tensor of shape (E={num_experts},), got "
+                        f"{getattr(expert_bias, 'dtype', type(expert_bias).__name__)}")
+    if tuple(expert_bias.shape) != (num_experts,):
+        raise ValueError(f"expert_bias must have shape (E={num_experts},), got {tuple(expert_bias.shape)}")
+    if expert_bias.device != device:
+        raise ValueError(f"expert_bias is on {expert_bias.device} but the logits are on {device}")
+
+
+def sigmoid_topk(probs: torch.Tensor, top_k: int, renormalize: bool,
+                 expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's choice in torch: ``probs`` = sigmoid(logits) (T, E) -> (topk_ids (T, K) int64 by decreasing
+    probs + ``expert_bias`` (no gradient through the bias or the choice), topk_scores = the chosen probs, divided by
+    (their sum + 1e-20) when ``renormalize``)."""
+    key = probs.detach()
+    if expert_bias is not None:
+        key = key + expert_bias.detach().to(key.dtype)
+    topk_ids = torch.topk(key, top_k, dim=-1).indices
+    scores = probs.gather(1, topk_ids)
+    if renormalize:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids, scores
+
+
+def scaled_scores(topk_scores: torch.Tensor, routed_scaling_factor: float) -> torch.Tensor:
+    """The (R,) pair scores of top-k routing: S (T, K) flattened, times ``routed_scaling_factor`` (a finite float
+    > 0; DeepSeek-V3's 2.5) unless it is 1.
+
+    Raises:
+        ValueError: ``routed_scaling_factor`` not a finite float > 0.
+    """
+    f = routed_scaling_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+        raise ValueError(f"routed_scaling_factor must be a finite float > 0, got {f!r}")
+    scores = topk_scores.reshape(-1)
+    return scores if f == 1 else scores * f
 
 
 def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -90,7 +90,7 @@ import warnings
 import torch
 
 from ._device import on_device
-from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
+from .config import ROUNDING_SUBROUTINES, TOKEN_ROUNDING_ROUTER_ORDERS
 from .routing import INDEX_DTYPE, RouterOutput, Routing
 
 
@@ -173,8 +173,9 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
         raise ValueError(f"m_tile must be a positive int, got {m_tile!r}")
     if subroutine not in ROUNDING_SUBROUTINES:
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
-    if router_order not in ROUTER_ORDERS:
-        raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
+    if router_order not in TOKEN_ROUNDING_ROUTER_ORDERS:  # its added pairs' scores are softmax probabilities
+        raise ValueError(f"router_order must be one of {TOKEN_ROUNDING_ROUTER_ORDERS} (token rounding scores added "
+                         f"pairs by the softmax), got {router_order!r}")
     logits, probs, ids, scores = router.logits, router.probs, router.topk_ids, router.topk_scores
     if logits.dim() != 2 or probs.shape != logits.shape:
         raise ValueError(f"router.logits and router.probs must both be (T, E), got {tuple(logits.shape)} "

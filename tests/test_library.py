@@ -385,11 +385,14 @@ def test_compile_fullgraph_experts_and_moe(device):
         assert torch.equal(g_c, g_e)
 
 
-def test_compile_fullgraph_module_dynamic_shapes(device):
+@pytest.mark.parametrize("options", [{}, {"router_order": "sigmoid_then_topk", "renormalize": True,
+                                      "routed_scaling_factor": 2.5}], ids=["default", "deepseek_v3"])
+def test_compile_fullgraph_module_dynamic_shapes(device, options):
     """sonicmoe.MoE(backend="triton") compiled with fullgraph=True and dynamic shapes: three token counts,
-    one compilation (Routing sizes are SymInts from shapes; nothing is data-dependent)."""
+    one compilation (Routing sizes are SymInts from shapes; nothing is data-dependent). With DeepSeek-V3's router
+    too (its selection bias a buffer, moved between calls: still one compilation)."""
     torch.manual_seed(0)
-    m = sonicmoe.MoE(D, N, 4, 2, backend="triton", bias=True, device=device)
+    m = sonicmoe.MoE(D, N, 4, 2, backend="triton", bias=True, device=device, **options)
     rec = _GraphRecorder()
     cm = torch.compile(m, fullgraph=True, backend=rec, dynamic=True)
     for t in (5, 8, 11):
@@ -397,6 +400,8 @@ def test_compile_fullgraph_module_dynamic_shapes(device):
         y = cm(x)
         (y.square().sum() + m.aux_loss).backward()
         assert rel_err(y, m(x)) == 0.0
+        if m.e_score_correction_bias is not None:
+            m.update_expert_bias(0.05)
     assert len(rec.graphs) == 1 and rec.calls_op("experts_fwd")
 
 

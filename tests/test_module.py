@@ -42,7 +42,8 @@ def module_ref(m: MoE, x: torch.Tensor):
     c, ex = m.config, m.experts
     return moe_ref(x.reshape(-1, c.hidden_size), m.gate.weight, ex.gate_up_proj, ex.down_proj,
                    ex.gate_up_proj_bias, ex.down_proj_bias, top_k=c.top_k, router_order=c.router_order,
-                   renormalize=c.renormalize, gate_up_layout=c.gate_up_layout)
+                   renormalize=c.renormalize, expert_bias=m.e_score_correction_bias,
+                   routed_scaling_factor=c.routed_scaling_factor, gate_up_layout=c.gate_up_layout)
 
 
 def rand_x(*shape, seed=1, dtype=torch.float32):
@@ -126,6 +127,9 @@ def test_config_defaults():
     ({"router_order": "softmax"}, "router_order"), ({"gate_up_layout": "split"}, "gate_up_layout"),
     ({"backend": "cuda"}, "backend"), ({"routing": "expert_choice"}, "routing"),
     ({"rounding": "floor"}, "rounding"), ({"m_tile": 0}, "m_tile"), ({"activation": "gelu"}, "activation"),
+    ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
+    ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor"),
+    ({"router_order": "sigmoid_then_topk", "routing": "token_rounding"}, "router_order"),
 ])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -174,7 +178,8 @@ def test_forward_casts_x_to_parameter_dtype_and_back():
 
 
 @pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("topk_then_softmax", True),
-                                          ("softmax_then_topk", False), ("softmax_then_topk", True)])
+                                          ("softmax_then_topk", False), ("softmax_then_topk", True),
+                                          ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)])
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 def test_router_orders_and_layouts_match_ref(order, renorm, layout):
     m = make(router_order=order, renormalize=renorm, gate_up_layout=layout, bias=True)
@@ -191,6 +196,76 @@ def test_router_order_semantics():
     torch.testing.assert_close(a_renorm, a, rtol=0, atol=0)  # renormalize ignored
     torch.testing.assert_close(s_renorm, a, rtol=1e-5, atol=1e-6)  # same scores, other formula
     assert rel_err(s, a) > 0.05  # without renormalisation the K scores sum to < 1
+
+
+def _swiglu_expert(x, w1, w2):
+    """One expert on rows x (concat layout: W1's first n rows the gate)."""
+    h = x @ w1.t()
+    n = w1.shape[0] // 2
+    return (torch.nn.functional.silu(h[:, :n]) * h[:, n:]) @ w2.t()
+
+
+def test_deepseek_v3_routing_by_hand():
+    """router_order="sigmoid_then_topk" with renormalize, routed_scaling_factor 2.5 and a nonzero
+    e_score_correction_bias, against the formula written out here in float64: the experts are the top-K of
+    sigmoid(x W_rᵀ) + b; O = Σ_k 2.5 · p_k / (Σ_j p_j + 1e-20) · Expert_{e_k}(x), p the chosen sigmoids.
+    The bias changes the choice of some tokens, and gets no gradient; the router weight does get one."""
+    m = make(seed=3, top_k=3, router_order="sigmoid_then_topk", renormalize=True, routed_scaling_factor=2.5)
+    assert m.e_score_correction_bias.dtype == torch.float32 and not m.e_score_correction_bias.any()
+    m.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(9)) * 0.3)
+    x = rand_x(40, D, seed=4)
+    y = m(x)
+    xd, wg = x.double(), m.gate.weight.detach().double()
+    p_all = torch.sigmoid(xd @ wg.t())
+    ids = (p_all + m.e_score_correction_bias.double()).topk(3, dim=1).indices
+    assert not torch.equal(ids, p_all.topk(3, dim=1).indices)  # the bias moved some choices
+    p = p_all.gather(1, ids)
+    s = 2.5 * p / (p.sum(1, keepdim=True) + 1e-20)
+    w1, w2 = m.experts.gate_up_proj.detach().double(), m.experts.down_proj.detach().double()
+    ref = torch.zeros_like(xd)
+    for t in range(x.shape[0]):
+        for j in range(3):
+            ref[t] += s[t, j] * _swiglu_expert(xd[t:t + 1], w1[ids[t, j]], w2[ids[t, j]])[0]
+    assert rel_err(y, ref) < 1e-6
+    assert torch.equal(m.expert_counts, torch.bincount(ids.flatten(), minlength=E).to(m.expert_counts.dtype))
+    y.square().sum().backward()
+    assert m.gate.weight.grad.abs().sum() > 0
+    assert not m.e_score_correction_bias.requires_grad
+
+
+def test_update_expert_bias():
+    """b_e += rate · sign(mean(c) − c_e) from the last forward's counts or given ones; a bias pushed far enough
+    empties an overloaded expert; the bias stays float32 under .to(bfloat16) and travels in the state dict;
+    the errors name what is wrong."""
+    m = make(seed=1, router_order="sigmoid_then_topk", renormalize=True)
+    x = rand_x(64, D, seed=2)
+    m(x)
+    c = m.expert_counts.float()
+    m.update_expert_bias(0.01)
+    torch.testing.assert_close(m.e_score_correction_bias, 0.01 * torch.sign(c.mean() - c), rtol=0, atol=0)
+    busiest = int(c.argmax())
+    counts = torch.zeros(E)
+    counts[busiest] = 100.0
+    m.update_expert_bias(1.0, counts=counts)  # the busiest expert's bias drops by 1: below any other's sigmoid
+    m(x)
+    assert m.expert_counts[busiest] == 0
+    half = m.to(torch.bfloat16)
+    assert half.e_score_correction_bias.dtype == torch.float32 and half.gate.weight.dtype == torch.bfloat16
+    state = half.state_dict()
+    assert torch.equal(state["e_score_correction_bias"], m.e_score_correction_bias)
+    fresh = make(seed=5, router_order="sigmoid_then_topk").to(torch.bfloat16)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.e_score_correction_bias, m.e_score_correction_bias)
+    with pytest.raises(ValueError, match="rate"):
+        m.update_expert_bias(0.0)
+    with pytest.raises(ValueError, match="counts"):
+        m.update_expert_bias(0.01, counts=torch.ones(E + 1))
+    with pytest.raises(RuntimeError, match="no expert counts"):
+        make(router_order="sigmoid_then_topk").update_expert_bias()
+    plain = make()
+    assert plain.e_score_correction_bias is None and "e_score_correction_bias" not in plain.state_dict()
+    with pytest.raises(RuntimeError, match="sigmoid_then_topk"):
+        plain.update_expert_bias()
 
 
 @pytest.mark.parametrize("k", [1, E])
@@ -389,3 +464,23 @@ def test_activation_checkpointing(backend, kw, device):
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     for (name, p), p2 in zip(m.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, p2.grad), name
+
+
+@pytest.mark.interpreter
+def test_deepseek_v3_routing_on_triton(device):
+    """The DeepSeek-V3 options on the triton backend (the router kernel's sigmoid path with the bias on CUDA, the
+    torch router on CPU; the experts on our kernels, natively or through the interpreter), float32: output and the
+    gradients of x and every parameter against the float32 reference (moe_ref: the per-expert loop)."""
+    m = make(seed=6, backend="triton", bias=True, top_k=3, router_order="sigmoid_then_topk", renormalize=True,
+             routed_scaling_factor=2.5).to(device)
+    m.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(2)).to(device) * 0.3)
+    x = rand_x(33, D, seed=8).to(device).requires_grad_(True)
+    dy = rand_x(33, D, seed=9).to(device)
+    params = [x] + list(m.parameters())
+    grads = torch.autograd.grad(m(x), params, dy)
+    ref = module_ref(m, x)[0]
+    grads_ref = torch.autograd.grad(ref, params, dy)
+    assert rel_err(m(x), ref) < 1e-5
+    for name, a, b in zip(["x"] + [k for k, _ in m.named_parameters()], grads, grads_ref):
+        assert b.norm() > 0, name
+        assert rel_err(a, b) < 1e-5, name

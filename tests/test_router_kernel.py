@@ -1,4 +1,5 @@
-"""The fused top-k + softmax router kernel (sonicmoe/ops/router.py, SPEC §2) against its torch twin.
+"""The fused top-k router kernel, softmax and sigmoid scores (sonicmoe/ops/router.py, SPEC §2), against its torch
+twin.
 
 On CPU the kernels run through Triton's interpreter (float32). Logits are distinct within each row
 (a random permutation of the experts plus a jitter smaller than the gaps), so the top-K choice and
@@ -21,8 +22,9 @@ from sonicmoe.testing import rel_err
 
 pytestmark = pytest.mark.interpreter
 
-ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
-ORDER_IDS = ["topk_softmax", "softmax_topk", "softmax_topk_renorm"]
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True),
+          ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)]
+ORDER_IDS = ["topk_softmax", "softmax_topk", "softmax_topk_renorm", "sigmoid_topk", "sigmoid_topk_renorm"]
 # (T, E, K): T=1, K=1, K=E, E not a power of two, T not a multiple of the interpreter's BLOCK_T=16,
 # the largest kernel shape of the spec (E=512, K=32)
 SHAPES = [(1, 7, 1), (1, 7, 7), (16, 5, 1), (37, 60, 5), (20, 8, 8), (33, 128, 8), (3, 512, 32)]
@@ -121,7 +123,7 @@ def test_router_topk_kernel_dispatch(monkeypatch, device):
     router_topk(x.double(), w.double(), 2, use_kernel=True)
     assert calls == []
     out = router_topk(x, w, 2, router_order="softmax_then_topk", renormalize=True, use_kernel=True)
-    assert calls == [(2, "softmax_then_topk", True)]
+    assert calls == [(2, "softmax_then_topk", True, None)]
     router_topk(x, w, 2)  # the default: the kernel on CUDA, torch on CPU
     assert len(calls) == (2 if device.type == "cuda" else 1)
     monkeypatch.setenv("SONICMOE_ROUTER_KERNEL", "0")  # the switch: torch everywhere
@@ -206,15 +208,64 @@ def test_bad_inputs_name_the_argument(device):
 
 
 def test_function_saves_logits_only_when_needed(device):
-    """topk_then_softmax and the renormalised order need only ids and S for the backward."""
+    """topk_then_softmax, the renormalised softmax order and sigmoid without renormalisation need only ids and S for
+    the backward; softmax_then_topk the logits too; sigmoid with renormalisation the chosen sigmoids (T, K)."""
     logits = distinct_logits(5, 8, device).requires_grad_(True)
     for order, renorm, saves_logits in (("topk_then_softmax", False, False), ("softmax_then_topk", True, False),
-                                        ("softmax_then_topk", False, True)):
+                                        ("softmax_then_topk", False, True), ("sigmoid_then_topk", False, False),
+                                        ("sigmoid_then_topk", True, False)):
         _, scores = topk_router(logits, 3, order, renorm)
         assert isinstance(scores.grad_fn, TopKRouterFunction._backward_cls)
         saved = scores.grad_fn.saved_tensors
         assert (saved[0] is not None) == saves_logits
-        assert [tuple(s.shape) for s in saved[1:]] == [(5, 3), (5, 3)]
+        assert [tuple(s.shape) for s in saved[1:3]] == [(5, 3), (5, 3)]
+        sigmoid_renorm = order == "sigmoid_then_topk" and renorm
+        assert (saved[3] is not None) == sigmoid_renorm
+        if sigmoid_renorm:
+            assert rel_err(saved[3], torch.sigmoid(logits.detach()).gather(1, saved[1])) < 1e-6
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_sigmoid_bias_steers_the_choice_only(renorm, device):
+    """sigmoid_then_topk with an expert bias: the experts are the top-K of sigmoid + bias. Here the bias is a
+    permutation of 0..E-1 (gaps of 1 > any sigmoid difference), so it alone decides the choice; the scores are
+    still the chosen sigmoids (divided by their sum + 1e-20 with renormalize), and the gradient flows to the logits
+    only. Kernel against twin, and both against the formula."""
+    t, e, k = 37, 12, 4
+    logits = distinct_logits(t, e, device, seed=11)
+    bias = torch.randperm(e, generator=torch.Generator().manual_seed(3)).float().to(device)
+    dscores = torch.randn(t, k, generator=torch.Generator().manual_seed(4)).to(device)
+    want_ids = bias.argsort(descending=True)[:k].expand(t, k)
+    p = torch.sigmoid(logits.double()).gather(1, want_ids)
+    want = p / (p.sum(1, keepdim=True) + 1e-20) if renorm else p
+    leaf_bias = bias.clone().requires_grad_(True)
+    results = []
+    for fn in (topk_router, topk_router_ref):
+        leaf = logits.clone().requires_grad_(True)
+        ids, scores = fn(leaf, k, "sigmoid_then_topk", renorm, leaf_bias)
+        scores.backward(dscores)
+        assert torch.equal(ids, want_ids), fn.__name__
+        assert rel_err(scores, want) < 1e-6, fn.__name__
+        results.append(leaf.grad)
+    _assert_grad_close(results[0], results[1], dscores, 1e-6)
+    assert leaf_bias.grad is None
+    assert results[0][:, bias.argsort()[:e - k]].abs().max() == 0  # never-chosen experts: no gradient
+    # without the bias the choice follows the logits
+    ids, _ = topk_router(logits, k, "sigmoid_then_topk", renorm)
+    assert torch.equal(ids, logits.topk(k, dim=1).indices)
+
+
+def test_expert_bias_refused_where_it_does_not_apply(device):
+    logits = distinct_logits(4, 6, device)
+    bias = torch.zeros(6, device=device)
+    with pytest.raises(ValueError, match=names("expert_bias")):
+        topk_router(logits, 2, "softmax_then_topk", False, bias)
+    with pytest.raises(ValueError, match=names("expert_bias")):
+        topk_router(logits, 2, "sigmoid_then_topk", False, bias[:5])
+    with pytest.raises(TypeError, match=names("expert_bias")):
+        topk_router(logits, 2, "sigmoid_then_topk", False, bias.long())
+    with pytest.raises(ValueError, match=names("expert_bias")):
+        topk_router(logits, 2, "sigmoid_then_topk", False, torch.zeros(6, device="meta"))
 
 
 @pytest.mark.gpu
