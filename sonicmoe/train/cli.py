@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..config import BACKENDS, ROUNDING_SUBROUTINES, ROUTING_MODES
+from ..config import BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
 from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
 from .loop import CHECKPOINT, LOG, PLOT, load_checkpoint, train
 
@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m-tile", type=int, help="M_tile for token rounding (default 128)")
     g.add_argument("--aux-loss-coef", type=float, help="load-balancing loss weight (default 0.01)")
     g.add_argument("--z-loss-coef", type=float, help="router z-loss weight (default 0)")
+    g.add_argument("--router-order", choices=ROUTER_ORDERS, help="how the router scores its top-k (default "
+                   "topk_then_softmax; sigmoid_then_topk: DeepSeek-V3)")
+    g.add_argument("--renormalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="divide the K chosen probabilities by their sum (softmax_then_topk, sigmoid_then_topk)")
+    g.add_argument("--routed-scaling-factor", type=float, help="every score times this (default 1; DeepSeek-V3 2.5)")
+    g.add_argument("--bias-update-rate", type=float, help="sigmoid_then_topk: move the selection bias by this "
+                   "after each step toward balanced loads (auxiliary-loss-free; DeepSeek-V3 1e-3; default 0: off)")
     g.add_argument("--expert-parallel", type=int, metavar="P", help="split each MoE layer's experts over groups "
                    "of P ranks (expert parallelism inside data parallelism; under torchrun, P dividing the ranks "
                    "and E; default 1)")
@@ -95,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads", "experts", "top_k",
               "expert_size", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "grad_clip",
-              "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "device",
+              "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "router_order",
+              "renormalize", "routed_scaling_factor", "bias_update_rate", "device",
               "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
               "deterministic", "expert_parallel")
 

@@ -73,7 +73,10 @@ class TrainConfig:
     ``warmup`` steps then cosine decay to ``min_lr_ratio · lr`` at ``steps``; gradients clipped to
     global norm ``grad_clip``; each step sees ``batch_size`` sequences of ``seq_len`` bytes.
     MoE options passed to :class:`sonicmoe.MoE`: ``backend``, ``routing``, ``rounding``, ``m_tile``,
-    ``aux_loss_coef``, ``z_loss_coef``.
+    ``aux_loss_coef``, ``z_loss_coef``, ``router_order``, ``renormalize``, ``routed_scaling_factor``;
+    ``bias_update_rate`` > 0 (with ``router_order="sigmoid_then_topk"``) moves each layer's selection bias after
+    every optimizer step by that much (:meth:`sonicmoe.MoE.update_expert_bias`, counts summed over the ranks;
+    DeepSeek-V3's auxiliary-loss-free balancing, usually with ``aux_loss_coef`` 0 or small). 0: never.
     Parallelism (under ``torchrun``): data-parallel over the W ranks; ``expert_parallel`` P > 1 splits each MoE
     layer's experts over groups of P ranks (:mod:`sonicmoe.expert_parallel`; P must divide W and E).
     Run: ``device``/``dtype`` (``auto``: CUDA + bfloat16 when there is a GPU, else CPU + float32;
@@ -115,6 +118,10 @@ class TrainConfig:
     m_tile: int = 128
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    router_order: str = "topk_then_softmax"
+    renormalize: bool = False
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
     # run
     device: str = "auto"
     dtype: str = "auto"
@@ -156,6 +163,11 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not self.bias_update_rate >= 0:
+            raise ValueError(f"bias_update_rate must be >= 0, got {self.bias_update_rate!r}")
+        if self.bias_update_rate and self.router_order != "sigmoid_then_topk":
+            raise ValueError(f"bias_update_rate > 0 moves the selection bias of router_order='sigmoid_then_topk' "
+                             f"only; got router_order={self.router_order!r}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
 

@@ -476,6 +476,10 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         (loss + aux).backward()
         load += torch.stack([m.expert_counts for m in layers]).to(torch.int64)
         gnorm = opt.step(lr, cfg.grad_clip)
+        if cfg.bias_update_rate:  # auxiliary-loss-free balancing: every rank's counts, the same update everywhere
+            counts = dp.sum(torch.stack([m.expert_counts for m in layers]).float())
+            for m, c in zip(layers, counts):
+                m.update_expert_bias(cfg.bias_update_rate, counts=c)
         pending.append((step, lr, loss.detach(), aux.detach(), gnorm))
 
         if profiled:

@@ -25,7 +25,8 @@ class ModelConfig:
         vocab_size: 256 for bytes.
         d_model: d. layers: number of blocks. heads: attention heads (head size d/heads, even).
         experts: E. top_k: K. expert_size: n (each expert's SwiGLU width; W1 is (E, 2n, d), W2 (E, d, n)).
-        backend, routing, rounding, m_tile, aux_loss_coef, z_loss_coef: passed to :class:`sonicmoe.MoE`.
+        backend, routing, rounding, m_tile, aux_loss_coef, z_loss_coef, router_order, renormalize,
+        routed_scaling_factor: passed to :class:`sonicmoe.MoE`.
     """
 
     vocab_size: int = 256
@@ -41,6 +42,9 @@ class ModelConfig:
     m_tile: int = 128
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    router_order: str = "topk_then_softmax"
+    renormalize: bool = False
+    routed_scaling_factor: float = 1.0
 
 
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device,
@@ -87,7 +91,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(d, eps=1e-6)
         self.moe = MoE(d, cfg.expert_size, cfg.experts, cfg.top_k, backend=cfg.backend, routing=cfg.routing,
                        rounding=cfg.rounding, m_tile=cfg.m_tile, aux_loss_coef=cfg.aux_loss_coef,
-                       z_loss_coef=cfg.z_loss_coef)
+                       z_loss_coef=cfg.z_loss_coef, router_order=cfg.router_order, renormalize=cfg.renormalize,
+                       routed_scaling_factor=cfg.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
