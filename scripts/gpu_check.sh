@@ -39,6 +39,8 @@
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ep     expert parallelism: its tests (two ranks) and benchmarks/ep_bench.py over the visible GPUs
+#   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
+#          (ORDERS_SHAPES, ORDERS_ROUNDS), the h100 preset for ORDERS_STEPS steps with the default and DeepSeek-V3's router
 #   portable  the Triton kernels' "mma" tile family (common.tile_family: the configs for GPUs other than Hopper and
 #          datacenter Blackwell) on this GPU: its GPU tests, then the layer with SONICMOE_TILE_FAMILY=mma and no Gluon
 #          kernel against the default and against the torch backend on PORTABLE_SHAPES (default the 7B shape), checked
@@ -309,6 +311,29 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         --out "$OUT/ep_bench.json" > "$OUT/ep_bench.txt" 2>&1
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)' "$OUT/gpu_tests_ep.log")" "$(tail -1 "$OUT/gpu_tests_ep.log")"
                 "$(tail -4 "$OUT/ep_bench.txt")")
+      ;;
+    orders)
+      # the router orders (DeepSeek-V3's sigmoid_then_topk with its selection bias and scaling, session 74): the GPU
+      # tests of the router kernel, the layer and the training CLI's options; the layer and the router alone timed
+      # per order (benchmarks/router_orders.py on ORDERS_SHAPES, ORDERS_ROUNDS rounds); then ORDERS_STEPS steps of
+      # the h100 preset with the default router and with DeepSeek-V3's (sigmoid, renormalised, 2.5, bias updates
+      # at 1e-3, no auxiliary loss), same seed and batches
+      timeout 300 python3 -m pytest -rA -m gpu tests/test_router_kernel.py tests/test_module.py tests/test_routing.py \
+        -p no:cacheprovider > "$OUT/gpu_tests_orders.log" 2>&1
+      shapes=(); for sh in ${ORDERS_SHAPES:-24576,1536,256,128,8 32768,7168,2048,256,8}; do shapes+=(--shape "$sh"); done
+      timeout 300 python3 benchmarks/router_orders.py "${shapes[@]}" --rounds "${ORDERS_ROUNDS:-3}" \
+        --json "$OUT/router_orders.json" > "$OUT/router_orders.txt" 2>&1
+      steps=${ORDERS_STEPS:-300}
+      timeout 250 python3 -m sonicmoe train --preset h100 --steps "$steps" --eval-every 100 --save-every 0 \
+        --no-progress --out "$OUT/train_default" > "$OUT/train_default.txt" 2>&1
+      timeout 250 python3 -m sonicmoe train --preset h100 --steps "$steps" --eval-every 100 --save-every 0 \
+        --router-order sigmoid_then_topk --renormalize --routed-scaling-factor 2.5 --bias-update-rate 1e-3 \
+        --aux-loss-coef 0 --no-progress --out "$OUT/train_dsv3" > "$OUT/train_dsv3.txt" 2>&1
+      rm -f "$OUT"/train_*/ckpt.pt  # GBs at the h100 preset: session 74's first call lost its results to them
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_orders.log" | head)" "$(tail -1 "$OUT/gpu_tests_orders.log")"
+                "$(tail -8 "$OUT/router_orders.txt")" "default router: $(grep -s '^done' "$OUT/train_default.txt")"
+                "$(grep -s '^expert load' "$OUT/train_default.txt")" "DeepSeek-V3 router: $(grep -s '^done' "$OUT/train_dsv3.txt")"
+                "$(grep -s '^expert load' "$OUT/train_dsv3.txt")")
       ;;
     portable)
       timeout 400 python3 -m pytest -rA -m gpu tests/test_portable_configs.py -p no:cacheprovider \
