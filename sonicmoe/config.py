@@ -47,6 +47,9 @@ class MoEConfig:
             probabilities by their sum (Qwen3 and DeepSeek-V3 ``norm_topk_prob``; with sigmoid, by the sum
             + 1e-20). Ignored for ``topk_then_softmax`` (already normalised).
         routed_scaling_factor: a constant every score S is multiplied by (DeepSeek-V3: 2.5); 1.0 by default.
+        n_group, topk_group: group-limited routing under ``sigmoid_then_topk`` (DeepSeek-V3: 8 and 4): each token
+            picks its K experts within its ``topk_group`` best of ``n_group`` groups of consecutive experts
+            (:func:`sonicmoe.routing.router_topk`); 1, 1 (default): no groups.
         gate_up_layout: row layout of W1 (E, 2n, d). ``"concat"``: rows [0, n) are the gate projection
             and rows [n, 2n) the up projection (HF transformers / torchtitan convention).
             ``"interleaved"``: row 2i is gate channel i and row 2i+1 up channel i.
@@ -71,6 +74,8 @@ class MoEConfig:
     router_order: RouterOrder = "topk_then_softmax"
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
     gate_up_layout: GateUpLayout = "concat"
     bias: bool = False
     aux_loss_coef: float = 0.01
@@ -98,6 +103,9 @@ class MoEConfig:
         f = self.routed_scaling_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
             raise ValueError(f"routed_scaling_factor must be a finite float > 0, got {f!r}")
+        from .routing import check_expert_groups  # (routing imports this module)
+
+        check_expert_groups(self.n_group, self.topk_group, self.num_experts, self.top_k, self.router_order)
         if self.routing == "token_rounding" and self.router_order not in TOKEN_ROUNDING_ROUTER_ORDERS:
             raise ValueError(f"routing='token_rounding' scores its pairs with softmax probabilities: router_order "
                              f"must be one of {TOKEN_ROUNDING_ROUTER_ORDERS}, got {self.router_order!r}")

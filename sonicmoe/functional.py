@@ -217,6 +217,8 @@ def moe(
     renormalize: bool = False,
     expert_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
     gate_up_layout: str = "concat",
     backend: str = "auto",
 ) -> MoEOutput:
@@ -226,8 +228,9 @@ def moe(
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout`` (``"concat"``: rows
         [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up). w2: (E, d, n).
         b1, b2: optional (E, 2n), (E, d). top_k: K in [1, E].
-        router_order, renormalize, expert_bias: the router's (:func:`~sonicmoe.routing.router_topk`; ``expert_bias``
-        (E,) steers the choice of ``"sigmoid_then_topk"`` only). routed_scaling_factor: every score S times this
+        router_order, renormalize, expert_bias, n_group, topk_group: the router's
+        (:func:`~sonicmoe.routing.router_topk`; ``expert_bias`` (E,) and the groups shape the choice of
+        ``"sigmoid_then_topk"`` only). routed_scaling_factor: every score S times this
         constant (DeepSeek-V3: 2.5).
 
     Same input contract as :func:`experts` (dtypes, strides, non-finite values, ``torch.autocast``: the experts
@@ -255,7 +258,7 @@ def moe(
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
-                         expert_bias=expert_bias)
+                         expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = routing_from_topk(router.topk_ids, e)
     out = experts(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
                   gate_up_layout=gate_up_layout, backend=backend)

@@ -196,7 +196,8 @@ class MoE(nn.Module):
         if x2.dtype != compute:
             x2 = x2.to(compute)
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
-                             renormalize=c.renormalize, expert_bias=self.e_score_correction_bias)
+                             renormalize=c.renormalize, expert_bias=self.e_score_correction_bias, n_group=c.n_group,
+                             topk_group=c.topk_group)
         backend = resolve_backend(c.backend, x2)
         if x2.device.type == "meta":
             backend = "torch"

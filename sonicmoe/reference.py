@@ -90,19 +90,22 @@ def moe_ref(
     renormalize: bool = False,
     expert_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
     gate_up_layout: str = "concat",
 ) -> tuple[torch.Tensor, RouterOutput, Routing]:
     """The whole MoE layer in float32: router, top-k, experts, aggregation (SPEC §2).
 
     Args:
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
-        router_order, renormalize, expert_bias, routed_scaling_factor: as :func:`sonicmoe.moe`.
+        router_order, renormalize, expert_bias, n_group, topk_group, routed_scaling_factor: as
+        :func:`sonicmoe.moe`.
 
     Returns:
         (O (T, d) float32, the router's output, the routing metadata).
     """
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
-                         expert_bias=expert_bias)
+                         expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = routing_from_topk(router.topk_ids, w1.shape[0])
     out = experts_ref(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
                       gate_up_layout=gate_up_layout)

@@ -257,6 +257,8 @@ def router_topk(
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
     expert_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
     use_kernel: bool | None = None,
 ) -> RouterOutput:
     """Top-k token-choice router (SPEC §2), computed in float32 (float64 inputs stay float64).
@@ -272,6 +274,10 @@ def router_topk(
             chosen sigmoids, divided by (their sum + 1e-20) when ``renormalize``.
         expert_bias: optional (E,) float bias for the choice of ``"sigmoid_then_topk"`` only (no gradient:
             auxiliary-loss-free load balancing, :meth:`sonicmoe.MoE.update_expert_bias`).
+        n_group, topk_group: group-limited routing of ``"sigmoid_then_topk"`` (DeepSeek-V3: 8 and 4). The E
+            experts form ``n_group`` groups of E/n_group consecutive ones; a group scores the sum of its two largest
+            sigmoid + bias; each token keeps its ``topk_group`` best groups and picks its K experts in them. 1, 1:
+            no groups. With groups the choice runs in torch (:func:`sigmoid_topk`), not in the router kernel.
         use_kernel: pick the top-K and compute S (T, K) with the fused Triton router kernel
             (:func:`sonicmoe.ops.router.topk_router`) from the (T, E) logits. ``None`` (default): on
             CUDA unless the environment sets SONICMOE_ROUTER_KERNEL=0 (7B layer with the router, fwd+bwd
@@ -289,12 +295,15 @@ def router_topk(
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, router_weight.shape[0], router_order, x.device)
+    check_expert_groups(n_group, topk_group, router_weight.shape[0], top_k, router_order)
     with on_device(x):  # the kernels launch on x's CUDA device, whichever is current
-        return _router_topk(x, router_weight, top_k, router_order, renormalize, expert_bias, use_kernel)
+        return _router_topk(x, router_weight, top_k, router_order, renormalize, expert_bias, (n_group, topk_group),
+                            use_kernel)
 
 
 def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, router_order: str, renormalize: bool,
-                 expert_bias: torch.Tensor | None, use_kernel: bool | None) -> RouterOutput:
+                 expert_bias: torch.Tensor | None, groups: tuple[int, int],
+                 use_kernel: bool | None) -> RouterOutput:
     with no_autocast(x.device):  # float32 logits under torch.autocast too
         if bf16_gemm_applies(x, router_weight):  # bfloat16 X and W_r on CUDA: the tensor cores, float32 sums
             logits = router_logits(x, router_weight)
@@ -308,7 +317,7 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         probs = torch.softmax(logits, dim=-1)
     if use_kernel is None:
         use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"
-    kernel = use_kernel is not False and logits.dtype == torch.float32
+    kernel = use_kernel is not False and logits.dtype == torch.float32 and groups[0] == 1
     if kernel and not logits.is_cuda:  # CPU: only when asked for, and only under the interpreter
         kernel = use_kernel is True and logits.device.type == "cpu"
         if kernel:
@@ -321,7 +330,7 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         topk_ids, scores = topk_router(logits, top_k, router_order, renormalize, expert_bias)
         return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
     if sigmoid:
-        topk_ids, scores = sigmoid_topk(affinity, top_k, renormalize, expert_bias)
+        topk_ids, scores = sigmoid_topk(affinity, top_k, renormalize, expert_bias, *groups)
         return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
     top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
     if router_order == "topk_then_softmax":
@@ -350,19 +359,49 @@ def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) 
         raise ValueError(f"expert_bias is on {expert_bias.device} but the logits are on {device}")
 
 
-def sigmoid_topk(probs: torch.Tensor, top_k: int, renormalize: bool,
-                 expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_topk(probs: torch.Tensor, top_k: int, renormalize: bool, expert_bias: torch.Tensor | None,
+                 n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's choice in torch: ``probs`` = sigmoid(logits) (T, E) -> (topk_ids (T, K) int64 by decreasing
     probs + ``expert_bias`` (no gradient through the bias or the choice), topk_scores = the chosen probs, divided by
-    (their sum + 1e-20) when ``renormalize``)."""
+    (their sum + 1e-20) when ``renormalize``). With ``n_group`` > 1, only the experts of each token's
+    ``topk_group`` best groups (E/n_group consecutive experts; a group's score is the sum of its two largest
+    probs + bias) can be chosen (:func:`router_topk`)."""
     key = probs.detach()
     if expert_bias is not None:
         key = key + expert_bias.detach().to(key.dtype)
+    if n_group > 1:
+        t, e = key.shape
+        grouped = key.view(t, n_group, e // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, n_group)
+        keep = torch.zeros(t, n_group, dtype=torch.bool, device=key.device)
+        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        key = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
     topk_ids = torch.topk(key, top_k, dim=-1).indices
     scores = probs.gather(1, topk_ids)
     if renormalize:
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_ids, scores
+
+
+def check_expert_groups(n_group, topk_group, num_experts: int, top_k: int, router_order: str) -> None:
+    """ValueError naming ``n_group`` or ``topk_group`` unless they describe a group-limited choice that can pick K
+    experts: ``n_group`` a divisor of E with at least two experts per group (or 1: no groups),
+    1 <= ``topk_group`` <= ``n_group``, K <= topk_group · E/n_group; groups only under ``"sigmoid_then_topk"``."""
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if n_group == 1:
+        if topk_group != 1:
+            raise ValueError(f"topk_group must be 1 without groups (n_group=1), got {topk_group}")
+        return
+    if router_order != "sigmoid_then_topk":
+        raise ValueError(f"n_group > 1 (group-limited routing) needs router_order='sigmoid_then_topk', got "
+                         f"{router_order!r}")
+    if num_experts % n_group or num_experts // n_group < 2:
+        raise ValueError(f"n_group must divide E={num_experts} into groups of at least two experts, got {n_group}")
+    if topk_group > n_group or top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"topk_group must lie in [1, n_group={n_group}] and keep at least K={top_k} experts "
+                         f"(topk_group · E/n_group >= K), got {topk_group}")
 
 
 def scaled_scores(topk_scores: torch.Tensor, routed_scaling_factor: float) -> torch.Tensor:

@@ -43,7 +43,8 @@ def module_ref(m: MoE, x: torch.Tensor):
     return moe_ref(x.reshape(-1, c.hidden_size), m.gate.weight, ex.gate_up_proj, ex.down_proj,
                    ex.gate_up_proj_bias, ex.down_proj_bias, top_k=c.top_k, router_order=c.router_order,
                    renormalize=c.renormalize, expert_bias=m.e_score_correction_bias,
-                   routed_scaling_factor=c.routed_scaling_factor, gate_up_layout=c.gate_up_layout)
+                   routed_scaling_factor=c.routed_scaling_factor, n_group=c.n_group, topk_group=c.topk_group,
+                   gate_up_layout=c.gate_up_layout)
 
 
 def rand_x(*shape, seed=1, dtype=torch.float32):
@@ -130,6 +131,12 @@ def test_config_defaults():
     ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
     ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor"),
     ({"router_order": "sigmoid_then_topk", "routing": "token_rounding"}, "router_order"),
+    ({"router_order": "sigmoid_then_topk", "n_group": 4}, "n_group"),  # 4 does not divide E = 6
+    ({"router_order": "sigmoid_then_topk", "n_group": 6}, "n_group"),  # groups of one expert
+    ({"n_group": 3}, "n_group"),  # groups need the sigmoid order
+    ({"router_order": "sigmoid_then_topk", "n_group": 3, "topk_group": 4}, "topk_group"),
+    ({"router_order": "sigmoid_then_topk", "n_group": 3, "topk_group": 1, "top_k": 3}, "topk_group"),  # 2 < K
+    ({"topk_group": 2}, "topk_group"),  # without groups
 ])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -231,6 +238,32 @@ def test_deepseek_v3_routing_by_hand():
     y.square().sum().backward()
     assert m.gate.weight.grad.abs().sum() > 0
     assert not m.e_score_correction_bias.requires_grad
+
+
+def test_group_limited_routing_by_hand():
+    """n_group = 4 groups of 3 experts, topk_group = 2 (DeepSeek-V3's group-limited choice): per token, by hand in
+    float64, the two groups with the largest sums of their two best sigmoid + bias; the K = 3 experts are the best
+    within those groups. The groups change some tokens' choices; output and counts follow the choice."""
+    e, k = 12, 3
+    m = make(seed=7, num_experts=e, top_k=k, router_order="sigmoid_then_topk", renormalize=True, n_group=4,
+             topk_group=2)
+    m.e_score_correction_bias.copy_(torch.randn(e, generator=torch.Generator().manual_seed(1)) * 0.2)
+    x = rand_x(50, D, seed=3)
+    y = m(x)
+    p_all = torch.sigmoid(x.double() @ m.gate.weight.detach().double().t())
+    key = p_all + m.e_score_correction_bias.double()
+    ids = torch.empty(x.shape[0], k, dtype=torch.long)
+    for t in range(x.shape[0]):
+        groups = key[t].view(4, 3)
+        best = groups.sort(dim=1, descending=True).values[:, :2].sum(1).argsort(descending=True)[:2]
+        allowed = torch.cat([torch.arange(3 * g, 3 * g + 3) for g in best.tolist()])
+        ids[t] = allowed[key[t, allowed].argsort(descending=True)[:k]]
+    ungrouped = key.topk(k, dim=1).indices
+    assert not torch.equal(ids.sort(1).values, ungrouped.sort(1).values)  # the groups matter here
+    assert torch.equal(m.expert_counts, torch.bincount(ids.flatten(), minlength=e).to(m.expert_counts.dtype))
+    ref = module_ref(m, x)
+    assert torch.equal(ref[1].topk_ids.sort(1).values, ids.sort(1).values)
+    assert rel_err(y, ref[0]) < 1e-6
 
 
 def test_update_expert_bias():
@@ -467,12 +500,14 @@ def test_activation_checkpointing(backend, kw, device):
 
 
 @pytest.mark.interpreter
-def test_deepseek_v3_routing_on_triton(device):
-    """The DeepSeek-V3 options on the triton backend (the router kernel's sigmoid path with the bias on CUDA, the
-    torch router on CPU; the experts on our kernels, natively or through the interpreter), float32: output and the
-    gradients of x and every parameter against the float32 reference (moe_ref: the per-expert loop)."""
+@pytest.mark.parametrize("groups", [(1, 1), (3, 2)], ids=["no_groups", "groups"])
+def test_deepseek_v3_routing_on_triton(device, groups):
+    """The DeepSeek-V3 options on the triton backend, without and with groups (the router kernel's sigmoid path with
+    the bias on CUDA without groups, the torch router with groups and on CPU; the experts on our kernels, natively
+    or through the interpreter), float32: output and the gradients of x and every parameter against the float32
+    reference (moe_ref: the per-expert loop)."""
     m = make(seed=6, backend="triton", bias=True, top_k=3, router_order="sigmoid_then_topk", renormalize=True,
-             routed_scaling_factor=2.5).to(device)
+             routed_scaling_factor=2.5, n_group=groups[0], topk_group=groups[1]).to(device)
     m.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(2)).to(device) * 0.3)
     x = rand_x(33, D, seed=8).to(device).requires_grad_(True)
     dy = rand_x(33, D, seed=9).to(device)

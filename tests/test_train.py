@@ -135,21 +135,26 @@ def test_token_rounding_passes_through(tmp_path):
 
 
 def test_deepseek_v3_routing_trains_and_resumes(tmp_path):
-    """--router-order sigmoid_then_topk --renormalize --routed-scaling-factor 2.5 --bias-update-rate: the options
-    reach the layers, the selection biases move (and travel in the checkpoint), and an interrupted run resumes to
+    """--router-order sigmoid_then_topk --renormalize --routed-scaling-factor 2.5 --n-group 2 --topk-group 1
+    --bias-update-rate: the options reach the layers (E = 4 in two groups, K = 2: each token's experts are one
+    group), the selection biases move (and travel in the checkpoint), and an interrupted run resumes to
     the uninterrupted one's losses and biases."""
     opts = ["--steps", "12", "--router-order", "sigmoid_then_topk", "--renormalize", "--routed-scaling-factor",
-            "2.5", "--bias-update-rate", "0.01", "--aux-loss-coef", "0", "--eval-every", "0", "--profile-every", "0"]
+            "2.5", "--n-group", "2", "--topk-group", "1", "--bias-update-rate", "0.01", "--aux-loss-coef", "0",
+            "--eval-every", "0", "--profile-every", "0"]
     full = _run(tmp_path / "full", *opts)
     c = full["config"]
     assert (c["router_order"], c["renormalize"], c["routed_scaling_factor"], c["bias_update_rate"]) == (
         "sigmoid_then_topk", True, 2.5, 0.01)
+    assert (c["n_group"], c["topk_group"]) == (2, 1)
     model = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=False)["model"]
     biases = [v for k, v in model.items() if k.endswith("e_score_correction_bias")]
     assert len(biases) == LAYERS and all(b.dtype == torch.float32 and b.abs().max() > 0 for b in biases)
     # each step moves every bias entry by ±0.01 or 0 (sign of mean − count)
     assert all(torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-4) for b in biases)
     assert all(math.isfinite(v) for v in _losses(full))
+    for layer in full["expert_load"]["per_layer"]:  # a token's pair of experts is a group: {0, 1} or {2, 3}
+        assert layer["counts"][0] == layer["counts"][1] and layer["counts"][2] == layer["counts"][3]
     _run(tmp_path / "part", *opts, "--stop-after", "5")
     assert cli.main(["--resume", str(tmp_path / "part" / "ckpt.pt"), "--out", str(tmp_path / "resumed"),
                      "--no-progress"]) == 0

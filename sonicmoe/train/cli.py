@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--renormalize", action=argparse.BooleanOptionalAction, default=None,
                    help="divide the K chosen probabilities by their sum (softmax_then_topk, sigmoid_then_topk)")
     g.add_argument("--routed-scaling-factor", type=float, help="every score times this (default 1; DeepSeek-V3 2.5)")
+    g.add_argument("--n-group", type=int, help="sigmoid_then_topk: experts in this many groups (default 1: none)")
+    g.add_argument("--topk-group", type=int, help="with --n-group: the groups each token picks its experts in")
     g.add_argument("--bias-update-rate", type=float, help="sigmoid_then_topk: move the selection bias by this "
                    "after each step toward balanced loads (auxiliary-loss-free; DeepSeek-V3 1e-3; default 0: off)")
     g.add_argument("--expert-parallel", type=int, metavar="P", help="split each MoE layer's experts over groups "
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads", "experts", "top_k",
               "expert_size", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "grad_clip",
               "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "router_order",
-              "renormalize", "routed_scaling_factor", "bias_update_rate", "device",
+              "renormalize", "routed_scaling_factor", "n_group", "topk_group", "bias_update_rate", "device",
               "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
               "deterministic", "expert_parallel")
 

@@ -73,7 +73,8 @@ class TrainConfig:
     ``warmup`` steps then cosine decay to ``min_lr_ratio · lr`` at ``steps``; gradients clipped to
     global norm ``grad_clip``; each step sees ``batch_size`` sequences of ``seq_len`` bytes.
     MoE options passed to :class:`sonicmoe.MoE`: ``backend``, ``routing``, ``rounding``, ``m_tile``,
-    ``aux_loss_coef``, ``z_loss_coef``, ``router_order``, ``renormalize``, ``routed_scaling_factor``;
+    ``aux_loss_coef``, ``z_loss_coef``, ``router_order``, ``renormalize``, ``routed_scaling_factor``, ``n_group``,
+    ``topk_group``;
     ``bias_update_rate`` > 0 (with ``router_order="sigmoid_then_topk"``) moves each layer's selection bias after
     every optimizer step by that much (:meth:`sonicmoe.MoE.update_expert_bias`, counts summed over the ranks;
     DeepSeek-V3's auxiliary-loss-free balancing, usually with ``aux_loss_coef`` 0 or small). 0: never.
@@ -121,6 +122,8 @@ class TrainConfig:
     router_order: str = "topk_then_softmax"
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
     bias_update_rate: float = 0.0
     # run
     device: str = "auto"

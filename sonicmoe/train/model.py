@@ -26,7 +26,7 @@ class ModelConfig:
         d_model: d. layers: number of blocks. heads: attention heads (head size d/heads, even).
         experts: E. top_k: K. expert_size: n (each expert's SwiGLU width; W1 is (E, 2n, d), W2 (E, d, n)).
         backend, routing, rounding, m_tile, aux_loss_coef, z_loss_coef, router_order, renormalize,
-        routed_scaling_factor: passed to :class:`sonicmoe.MoE`.
+        routed_scaling_factor, n_group, topk_group: passed to :class:`sonicmoe.MoE`.
     """
 
     vocab_size: int = 256
@@ -45,6 +45,8 @@ class ModelConfig:
     router_order: str = "topk_then_softmax"
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
 
 
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device,
@@ -92,7 +94,8 @@ class Block(nn.Module):
         self.moe = MoE(d, cfg.expert_size, cfg.experts, cfg.top_k, backend=cfg.backend, routing=cfg.routing,
                        rounding=cfg.rounding, m_tile=cfg.m_tile, aux_loss_coef=cfg.aux_loss_coef,
                        z_loss_coef=cfg.z_loss_coef, router_order=cfg.router_order, renormalize=cfg.renormalize,
-                       routed_scaling_factor=cfg.routed_scaling_factor)
+                       routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
+                       topk_group=cfg.topk_group)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
