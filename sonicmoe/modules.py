@@ -149,6 +149,7 @@ class MoE(nn.Module):
 
             dist.all_reduce(c, group=group)
         b.add_(torch.sign(c.mean() - c), alpha=float(rate))
+
     def extra_repr(self) -> str:
         c = self.config
         return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
