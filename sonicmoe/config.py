@@ -6,7 +6,6 @@ Letters (SPEC §1): T tokens, d hidden size, n expert intermediate size, E exper
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 RouterOrder = Literal["topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk"]
@@ -100,11 +99,9 @@ class MoEConfig:
         if not isinstance(self.static_pairs, bool):
             raise ValueError(f"static_pairs must be a bool, got {self.static_pairs!r}")
         _check_choice("router_order", self.router_order, ROUTER_ORDERS)
-        f = self.routed_scaling_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-            raise ValueError(f"routed_scaling_factor must be a finite float > 0, got {f!r}")
-        from .routing import check_expert_groups  # (routing imports this module)
+        from .routing import check_expert_groups, check_scaling_factor  # (routing imports this module)
 
+        check_scaling_factor(self.routed_scaling_factor)
         check_expert_groups(self.n_group, self.topk_group, self.num_experts, self.top_k, self.router_order)
         if self.routing == "token_rounding" and self.router_order not in TOKEN_ROUNDING_ROUTER_ORDERS:
             raise ValueError(f"routing='token_rounding' scores its pairs with softmax probabilities: router_order "

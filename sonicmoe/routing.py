@@ -411,11 +411,16 @@ def scaled_scores(topk_scores: torch.Tensor, routed_scaling_factor: float) -> to
     Raises:
         ValueError: ``routed_scaling_factor`` not a finite float > 0.
     """
+    check_scaling_factor(routed_scaling_factor)
+    scores = topk_scores.reshape(-1)
+    return scores if routed_scaling_factor == 1 else scores * routed_scaling_factor
+
+
+def check_scaling_factor(routed_scaling_factor) -> None:
+    """ValueError naming ``routed_scaling_factor`` unless it is a finite float (or int) > 0."""
     f = routed_scaling_factor
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
         raise ValueError(f"routed_scaling_factor must be a finite float > 0, got {f!r}")
-    scores = topk_scores.reshape(-1)
-    return scores if f == 1 else scores * f
 
 
 def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
