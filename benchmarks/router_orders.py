@@ -1,15 +1,20 @@
 """The whole ``MoE`` layer (router + experts) under each router order, and the router alone, on one GPU.
 
-usage: python benchmarks/router_orders.py [--shape T,d,n,E,K ...] [--rounds R] [--json OUT]
+usage: python benchmarks/router_orders.py [--shape T,d,n,E,K ...] [--rounds R] [--graph] [--json OUT]
 
 For every shape, alternating rounds over the orders ``topk_then_softmax`` (SonicMoE), ``softmax_then_topk``
 with renormalisation (Qwen3) and ``sigmoid_then_topk`` with renormalisation, routed_scaling_factor 2.5 and a
-nonzero ``e_score_correction_bias`` (DeepSeek-V3), each timed with :func:`sonicmoe.bench.measure.bench_ms`
+nonzero ``e_score_correction_bias`` (DeepSeek-V3), the same with group-limited routing (E/16 groups of 16 experts,
+4 kept; DeepSeek-V3 has 8 groups of 32), each timed with :func:`sonicmoe.bench.measure.bench_ms`
 (do_bench median after the settled warm-up; fresh leaves' gradients reset each call):
 
 * the layer's forward + backward in bf16 on the Triton backend (useful FLOPs 18·TK·n·d, SPEC §6: TFLOP/s);
 * the router alone (:func:`sonicmoe.routing.router_topk` forward + backward of the scores: the logits GEMM and the
   fused top-k kernel).
+
+``--graph`` adds, for both, the host time to enqueue one call (no synchronisation) and the time of the call replayed
+from a CUDA graph (no Python between kernels: what the GPU needs). An eager time well above the graph's, with a host
+time close to the eager time, is host-bound.
 
 Every order's layer output is first checked against the float32 reference (:func:`sonicmoe.reference.moe_ref` with
 the same options) by relative error. The table is printed last; ``--json`` writes every number.
@@ -24,7 +29,7 @@ import statistics
 import torch
 
 from sonicmoe import MoE
-from sonicmoe.bench.measure import bench_ms, fwdbwd_fn
+from sonicmoe.bench.measure import bench_ms, fwdbwd_fn, graph_of, host_ms
 from sonicmoe.reference import moe_ref
 from sonicmoe.routing import router_topk
 from sonicmoe.testing import rel_err
@@ -34,7 +39,12 @@ ORDERS = {
     "softmax_then_topk+renorm": {"router_order": "softmax_then_topk", "renormalize": True},
     "sigmoid_then_topk+renorm+2.5+bias": {"router_order": "sigmoid_then_topk", "renormalize": True,
                                           "routed_scaling_factor": 2.5},
+    "sigmoid+renorm+2.5+bias+groups": {"router_order": "sigmoid_then_topk", "renormalize": True,
+                                       "routed_scaling_factor": 2.5, "experts_per_group": 16, "topk_group": 4},
 }
+
+
+SERIES = ("layer_ms", "router_ms", "layer_host_ms", "router_host_ms", "layer_graph_ms", "router_graph_ms")
 
 
 def _shape(text: str) -> tuple[int, int, int, int, int]:
@@ -48,6 +58,10 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
 def _layer(shape, options: dict, device) -> MoE:
     t, d, n, e, k = shape
     torch.manual_seed(0)
+    if "experts_per_group" in options:  # group-limited routing, n_group = E / experts_per_group (DeepSeek-V3: 256/32)
+        options = dict(options)
+        n_group = max(e // options.pop("experts_per_group"), 1)
+        options.update(n_group=n_group, topk_group=min(options["topk_group"], n_group))
     m = MoE(d, n, e, k, backend="triton", aux_loss_coef=0.0, **options).to(device=device, dtype=torch.bfloat16)
     if m.e_score_correction_bias is not None:
         m.e_score_correction_bias.copy_(torch.randn(e, device=device) * 0.02)
@@ -60,7 +74,8 @@ def _check(m: MoE, x: torch.Tensor) -> float:
         out = m(x)
         ref = moe_ref(x.float(), m.gate.weight.float(), ex.gate_up_proj.float(), ex.down_proj.float(),
                       top_k=c.top_k, router_order=c.router_order, renormalize=c.renormalize,
-                      expert_bias=m.e_score_correction_bias, routed_scaling_factor=c.routed_scaling_factor)[0]
+                      expert_bias=m.e_score_correction_bias, routed_scaling_factor=c.routed_scaling_factor,
+                      n_group=c.n_group, topk_group=c.topk_group)[0]
     return rel_err(out, ref)
 
 
@@ -69,6 +84,9 @@ def main() -> None:
     p.add_argument("--shape", type=_shape, action="append", default=[], metavar="T,d,n,E,K")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--graph", action="store_true",
+                   help="also each call's host time (enqueue, no sync) and its time replayed from a CUDA graph "
+                        "(the GPU-bound time: no Python between kernels)")
     args = p.parse_args()
     shapes = args.shape or [(24576, 1536, 256, 128, 8)]
     device = torch.device("cuda")
@@ -81,38 +99,58 @@ def main() -> None:
         layers = {name: _layer(shape, opts, device) for name, opts in ORDERS.items()}
         row = {"shape": list(shape), "useful_flops": flops, "orders": {}}
         for name, m in layers.items():
-            row["orders"][name] = {"check_rel_err": _check(m, x[:4096]), "layer_ms": [], "router_ms": []}
+            row["orders"][name] = {"check_rel_err": _check(m, x[:4096]), **{key: [] for key in SERIES}}
         leaf = x.detach().clone().requires_grad_(True)
         dscores = torch.randn(t, k, device=device)
         for _ in range(args.rounds):
             for name, m in layers.items():
                 leaves = [leaf, *m.parameters()]
-                layer = bench_ms(fwdbwd_fn(lambda m=m, leaf=leaf: m(leaf), leaves, dout), device=device)
+                layer_call = fwdbwd_fn(lambda m=m, leaf=leaf: m(leaf), leaves, dout)
                 c = m.config
 
                 def router(m=m, c=c, leaf=leaf):
                     return router_topk(leaf, m.gate.weight, c.top_k, router_order=c.router_order,
-                                       renormalize=c.renormalize, expert_bias=m.e_score_correction_bias).topk_scores
-                routed = bench_ms(fwdbwd_fn(router, [leaf, m.gate.weight], dscores), device=device)
-                row["orders"][name]["layer_ms"].append(layer["p50"])
-                row["orders"][name]["router_ms"].append(routed["p50"])
+                                       renormalize=c.renormalize, expert_bias=m.e_score_correction_bias,
+                                       n_group=c.n_group, topk_group=c.topk_group).topk_scores
+                router_call = fwdbwd_fn(router, [leaf, m.gate.weight], dscores)
+                v = row["orders"][name]
+                v["layer_ms"].append(bench_ms(layer_call, device=device)["p50"])
+                v["router_ms"].append(bench_ms(router_call, device=device)["p50"])
+                if args.graph:
+                    v["layer_host_ms"].append(host_ms(layer_call))
+                    v["router_host_ms"].append(host_ms(router_call))
+                    for key, call in (("layer_graph_ms", layer_call), ("router_graph_ms", router_call)):
+                        graph = graph_of(call)
+                        v[key].append(bench_ms(graph.replay, device=device)["p50"])
+                        del graph
         for v in row["orders"].values():
-            v["layer_ms_median"] = statistics.median(v["layer_ms"])
-            v["router_ms_median"] = statistics.median(v["router_ms"])
+            for key in SERIES:
+                if v[key]:
+                    v[f"{key}_median"] = statistics.median(v[key])
             v["tflops"] = flops / v["layer_ms_median"] / 1e9
+            if args.graph:
+                v["tflops_graph"] = flops / v["layer_graph_ms_median"] / 1e9
         results.append(row)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
-            "results": results}
+            "graph": args.graph, "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
     print(f"device: {meta['device']}; medians of {args.rounds} alternating rounds (bf16, triton backend)")
-    print("| shape | router order | check rel err | layer fwd+bwd ms | TFLOP/s | router fwd+bwd ms |")
-    print("|---|---|---|---|---|---|")
+    cols = ["check rel err", "layer fwd+bwd ms", "TFLOP/s", "router fwd+bwd ms"]
+    if args.graph:
+        cols += ["layer host ms", "layer graph ms", "graph TFLOP/s", "router host ms", "router graph ms"]
+    print("| shape | router order | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 2) + "|")
     for row in results:
         for name, v in row["orders"].items():
-            print(f"| {tuple(row['shape'])} | {name} | {v['check_rel_err']:.2e} | {v['layer_ms_median']:.3f} | "
-                  f"{v['tflops']:.1f} | {v['router_ms_median']:.3f} |")
+            cells = [f"{v['check_rel_err']:.2e}", f"{v['layer_ms_median']:.3f}", f"{v['tflops']:.1f}",
+                     f"{v['router_ms_median']:.3f}"]
+            if args.graph:
+                cells += [f"{v['layer_host_ms_median']:.3f}", f"{v['layer_graph_ms_median']:.3f}",
+                          f"{v['tflops_graph']:.1f}", f"{v['router_host_ms_median']:.3f}",
+                          f"{v['router_graph_ms_median']:.3f}"]
+            print(f"| {tuple(row['shape'])} | {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -321,17 +321,18 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       timeout 300 python3 -m pytest -rA -m gpu tests/test_router_kernel.py tests/test_module.py tests/test_routing.py \
         -p no:cacheprovider > "$OUT/gpu_tests_orders.log" 2>&1
       shapes=(); for sh in ${ORDERS_SHAPES:-24576,1536,256,128,8 32768,7168,2048,256,8}; do shapes+=(--shape "$sh"); done
-      timeout 300 python3 benchmarks/router_orders.py "${shapes[@]}" --rounds "${ORDERS_ROUNDS:-3}" \
+      graph=(); [ "${ORDERS_GRAPH:-1}" = 1 ] && graph=(--graph)  # host time and CUDA-graph replays too (session 75)
+      timeout 300 python3 benchmarks/router_orders.py "${shapes[@]}" --rounds "${ORDERS_ROUNDS:-3}" "${graph[@]}" \
         --json "$OUT/router_orders.json" > "$OUT/router_orders.txt" 2>&1
-      steps=${ORDERS_STEPS:-300}
-      timeout 250 python3 -m sonicmoe train --preset h100 --steps "$steps" --eval-every 100 --save-every 0 \
+      steps=${ORDERS_STEPS:-300}  # 0: no training runs
+      [ "$steps" -gt 0 ] && timeout 250 python3 -m sonicmoe train --preset h100 --steps "$steps" --eval-every 100 --save-every 0 \
         --no-progress --out "$OUT/train_default" > "$OUT/train_default.txt" 2>&1
-      timeout 250 python3 -m sonicmoe train --preset h100 --steps "$steps" --eval-every 100 --save-every 0 \
+      [ "$steps" -gt 0 ] && timeout 250 python3 -m sonicmoe train --preset h100 --steps "$steps" --eval-every 100 --save-every 0 \
         --router-order sigmoid_then_topk --renormalize --routed-scaling-factor 2.5 --bias-update-rate 1e-3 \
         --aux-loss-coef 0 --no-progress --out "$OUT/train_dsv3" > "$OUT/train_dsv3.txt" 2>&1
       rm -f "$OUT"/train_*/ckpt.pt  # GBs at the h100 preset: session 74's first call lost its results to them
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_orders.log" | head)" "$(tail -1 "$OUT/gpu_tests_orders.log")"
-                "$(tail -8 "$OUT/router_orders.txt")" "default router: $(grep -s '^done' "$OUT/train_default.txt")"
+                "$(tail -12 "$OUT/router_orders.txt")" "default router: $(grep -s '^done' "$OUT/train_default.txt")"
                 "$(grep -s '^expert load' "$OUT/train_default.txt")" "DeepSeek-V3 router: $(grep -s '^done' "$OUT/train_dsv3.txt")"
                 "$(grep -s '^expert load' "$OUT/train_dsv3.txt")")
       ;;

@@ -19,23 +19,8 @@ import torch
 from host_overhead import enqueue_ms, layer_calls, profile_calls
 from triton.testing import do_bench
 
+from sonicmoe.bench.measure import graph_of
 from sonicmoe.ops import library
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph (after three eager calls on a side stream, as torch recommends)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def measure(spec: str, rounds: int, profile: bool) -> dict:

@@ -17,9 +17,9 @@ import pstats
 import time
 
 import torch
-from tr_sync_probe import host_ms  # scripts/, beside this file (on sys.path when run as a script)
 
 import sonicmoe
+from sonicmoe.bench.measure import host_ms
 from sonicmoe.bench.problem import route
 
 

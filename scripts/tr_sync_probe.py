@@ -22,7 +22,7 @@ import json
 
 import torch
 
-from sonicmoe.bench.measure import SETTLED_WARMUP_MS, bench_ms, fwdbwd_fn
+from sonicmoe.bench.measure import SETTLED_WARMUP_MS, bench_ms, fwdbwd_fn, host_ms
 from sonicmoe.bench.problem import route
 from sonicmoe.functional import experts
 from sonicmoe.testing import random_problem
@@ -65,26 +65,6 @@ def graph_ms(layer, leaves, dout, dev, args) -> float:
     del graph
     for v in leaves:
         v.grad = None
-    return ms
-
-
-def host_ms(fn, calls: int = 10) -> float:
-    """Host time to enqueue one call of ``fn`` (perf_counter over ``calls`` calls, no synchronisation between them;
-    few enough that the launch queue never fills)."""
-    import time
-
-    def sync():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    for _ in range(3):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    ms = (time.perf_counter() - t0) * 1e3 / calls
-    sync()
     return ms
 
 

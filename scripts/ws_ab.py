@@ -23,10 +23,10 @@ import statistics
 import time
 
 import torch
-from graph_bound import graph_of
 from triton.testing import do_bench
 
 import sonicmoe
+from sonicmoe.bench.measure import graph_of
 from sonicmoe.bench.problem import route
 from sonicmoe.ops import grouped_gemm_ws as ws
 from sonicmoe.testing import random_problem

@@ -272,6 +272,43 @@ def fwdbwd_fn(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
     return run
 
 
+def graph_of(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after three eager calls on a side stream (as torch recommends: autotuning,
+    allocator pools and lazy state settle outside the capture). ``graph.replay()`` then runs ``fn``'s kernels with
+    no Python between them: timed, the GPU-bound time of a call (CUDA only)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def host_ms(fn: Callable[[], object], calls: int = 10) -> float:
+    """Host time in ms to enqueue one call of ``fn``: perf_counter over ``calls`` calls with no synchronisation
+    between them (few enough that the launch queue never fills), after three warm calls."""
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    sync()
+    return ms
+
+
 # ---------------------------------------------------------------------------------------------------
 # memory
 
