@@ -1,6 +1,7 @@
 """The whole ``MoE`` layer (router + experts) under each router order, and the router alone, on one GPU.
 
-usage: python benchmarks/router_orders.py [--shape T,d,n,E,K ...] [--rounds R] [--graph] [--json OUT]
+usage: python benchmarks/router_orders.py [--shape T,d,n,E,K ...] [--rounds R] [--graph] [--aux-loss-coef C]
+                                          [--json OUT]
 
 For every shape, alternating rounds over the orders ``topk_then_softmax`` (SonicMoE), ``softmax_then_topk``
 with renormalisation (Qwen3) and ``sigmoid_then_topk`` with renormalisation, routed_scaling_factor 2.5 and a
@@ -55,14 +56,15 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
     return t, d, n, e, k
 
 
-def _layer(shape, options: dict, device) -> MoE:
+def _layer(shape, options: dict, device, aux_loss_coef: float = 0.0) -> MoE:
     t, d, n, e, k = shape
     torch.manual_seed(0)
     if "experts_per_group" in options:  # group-limited routing, n_group = E / experts_per_group (DeepSeek-V3: 256/32)
         options = dict(options)
         n_group = max(e // options.pop("experts_per_group"), 1)
         options.update(n_group=n_group, topk_group=min(options["topk_group"], n_group))
-    m = MoE(d, n, e, k, backend="triton", aux_loss_coef=0.0, **options).to(device=device, dtype=torch.bfloat16)
+    m = MoE(d, n, e, k, backend="triton", aux_loss_coef=aux_loss_coef, **options)
+    m = m.to(device=device, dtype=torch.bfloat16)
     if m.e_score_correction_bias is not None:
         m.e_score_correction_bias.copy_(torch.randn(e, device=device) * 0.02)
     return m
@@ -84,6 +86,9 @@ def main() -> None:
     p.add_argument("--shape", type=_shape, action="append", default=[], metavar="T,d,n,E,K")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--aux-loss-coef", type=float, default=0.0,
+                   help="the layers' aux_loss_coef (default 0: the balance loss is not computed; the library's "
+                        "default is 0.01). The timed backward starts from the output only, as before")
     p.add_argument("--graph", action="store_true",
                    help="also each call's host time (enqueue, no sync) and its time replayed from a CUDA graph "
                         "(the GPU-bound time: no Python between kernels)")
@@ -96,7 +101,7 @@ def main() -> None:
         flops = 18 * t * k * n * d
         x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
         dout = torch.randn(t, d, device=device, dtype=torch.bfloat16)
-        layers = {name: _layer(shape, opts, device) for name, opts in ORDERS.items()}
+        layers = {name: _layer(shape, opts, device, args.aux_loss_coef) for name, opts in ORDERS.items()}
         row = {"shape": list(shape), "useful_flops": flops, "orders": {}}
         for name, m in layers.items():
             row["orders"][name] = {"check_rel_err": _check(m, x[:4096]), **{key: [] for key in SERIES}}
@@ -132,11 +137,12 @@ def main() -> None:
                 v["tflops_graph"] = flops / v["layer_graph_ms_median"] / 1e9
         results.append(row)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
-            "graph": args.graph, "results": results}
+            "graph": args.graph, "aux_loss_coef": args.aux_loss_coef, "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
-    print(f"device: {meta['device']}; medians of {args.rounds} alternating rounds (bf16, triton backend)")
+    print(f"device: {meta['device']}; medians of {args.rounds} alternating rounds (bf16, triton backend, "
+          f"aux_loss_coef {args.aux_loss_coef})")
     cols = ["check rel err", "layer fwd+bwd ms", "TFLOP/s", "router fwd+bwd ms"]
     if args.graph:
         cols += ["layer host ms", "layer graph ms", "graph TFLOP/s", "router host ms", "router graph ms"]

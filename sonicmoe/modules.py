@@ -49,6 +49,8 @@ class MoE(nn.Module):
     ``forward(x)``: x (..., d) -> O (..., d), same dtype. After each forward, ``aux_loss``
     (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
     ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
+    A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a float32 zero
+    scalar without autograd history, and its (T, E) softmax or logsumexp never runs.
 
     Parameters: ``gate.weight`` (E, d) router; ``experts.gate_up_proj`` (E, 2n, d);
     ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF Qwen3-MoE/gpt-oss
@@ -102,6 +104,8 @@ class MoE(nn.Module):
         self.register_buffer("e_score_correction_bias", bias)
         # a bool read in forward (torch.compile: a comparison of the float there made a second graph at 1.0)
         self._scale_scores = self.config.routed_scaling_factor != 1
+        # likewise: a loss whose coefficient is 0 is not computed (no (T, E) softmax or logsumexp, nothing saved)
+        self._losses = (self.config.aux_loss_coef != 0, self.config.z_loss_coef != 0)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
@@ -209,7 +213,9 @@ class MoE(nn.Module):
         if self._scale_scores:
             pair_scores = pair_scores * c.routed_scaling_factor
         out = self._run_experts(x2, routing, pair_scores, backend)
-        self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing)
-        self.z_loss = c.z_loss_coef * z_loss(router.logits)
+        aux, z = self._losses
+        zero = router.logits.new_zeros(()) if not (aux and z) else None
+        self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing) if aux else zero
+        self.z_loss = c.z_loss_coef * z_loss(router.logits) if z else zero
         self.expert_counts = routing.expert_counts().detach()
         return out.reshape(*lead, c.hidden_size).to(x.dtype if amp is None else amp)

@@ -230,23 +230,49 @@ def check_pairs(pair_token: torch.Tensor, pair_expert: torch.Tensor, num_tokens:
                              f"[{int(idx.min())}, {int(idx.max())}]")
 
 
-@dataclasses.dataclass
 class RouterOutput:
     """What the router returns for T tokens.
 
     Attributes:
         logits: (T, E) router logits X W_rᵀ (float32).
-        probs: (T, E) softmax over all E logits (float32), used by the auxiliary loss; with
-            ``sigmoid_then_topk``, the sigmoids normalised to sum 1 over E (DeepSeek-V3's balance loss).
+        probs: (T, E) softmax over all E logits (float32), used by the auxiliary loss and token rounding; with
+            ``sigmoid_then_topk``, the sigmoids normalised to sum 1 over E (DeepSeek-V3's balance loss). Computed
+            from ``logits`` (with autograd) on first access when the router did not need it, then kept: a layer
+            without the auxiliary loss or token rounding never runs that (T, E) softmax nor saves its output.
         topk_ids: (T, K) int64 chosen experts, by decreasing logit (``sigmoid_then_topk``: by decreasing
             sigmoid + bias).
         topk_scores: (T, K) float32 scores S of the chosen experts (differentiable).
+
+    ``RouterOutput(logits, probs, topk_ids, topk_scores)``; ``probs=None`` computes it on first access, as the
+    softmax of ``logits`` (``sigmoid=True``: the sigmoids normalised to sum 1).
     """
 
-    logits: torch.Tensor
-    probs: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_scores: torch.Tensor
+    def __init__(self, logits: torch.Tensor, probs: torch.Tensor | None, topk_ids: torch.Tensor,
+                 topk_scores: torch.Tensor, *, sigmoid: bool = False):
+        self.logits = logits
+        self._probs = probs
+        self._sigmoid = sigmoid
+        self.topk_ids = topk_ids
+        self.topk_scores = topk_scores
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            self._probs = router_probs(self.logits, sigmoid=self._sigmoid)
+        return self._probs
+
+    def __repr__(self) -> str:
+        return (f"RouterOutput(logits={tuple(self.logits.shape)}, topk_ids={tuple(self.topk_ids.shape)}, "
+                f"probs={'computed' if self._probs is not None else 'on first access'})")
+
+
+def router_probs(logits: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
+    """(T, E) router probabilities from the logits: the softmax over E, or (``sigmoid``) the sigmoids normalised to
+    sum 1 over E (DeepSeek-V3's sequence-wise balance loss reads these)."""
+    if sigmoid:
+        affinity = torch.sigmoid(logits)
+        return affinity / affinity.sum(dim=-1, keepdim=True)
+    return torch.softmax(logits, dim=-1)
 
 
 def router_topk(
@@ -286,8 +312,9 @@ def router_topk(
             (TRITON_INTERPRET=1; tests).
             ``False``: always torch.topk + softmax. float64 logits always take the torch path.
 
-    The logits GEMM X W_rᵀ and ``probs`` (softmax over all E, for the load-balancing loss) are torch
-    ops on every path; logits, probs and S all carry autograd. The logits are float32: with X and W_r both
+    The logits GEMM X W_rᵀ and ``probs`` (softmax over all E, for the load-balancing loss and token rounding;
+    computed on first access unless the choice needed it, :class:`RouterOutput`) are torch ops on every path;
+    logits, probs and S all carry autograd. The logits are float32: with X and W_r both
     bfloat16 on CUDA, from a bfloat16 tensor-core GEMM with float32 sums (:func:`sonicmoe.ops.router_logits.
     router_logits`, exact products, about 10x the float32 GEMM's speed); otherwise from the float32 GEMM of the
     upcast operands. Under ``torch.autocast`` the logits are still float32 (autocast is off around their GEMM).
@@ -310,11 +337,6 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         else:
             logits = router_logits_ref(x, router_weight)
     sigmoid = router_order == "sigmoid_then_topk"
-    if sigmoid:
-        affinity = torch.sigmoid(logits)
-        probs = affinity / affinity.sum(dim=-1, keepdim=True)
-    else:
-        probs = torch.softmax(logits, dim=-1)
     if use_kernel is None:
         use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"
     kernel = use_kernel is not False and logits.dtype == torch.float32 and groups[0] == 1
@@ -328,18 +350,20 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         from .ops.router import topk_router
 
         topk_ids, scores = topk_router(logits, top_k, router_order, renormalize, expert_bias)
-        return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
+        return RouterOutput(logits, None, topk_ids, scores, sigmoid=sigmoid)
     if sigmoid:
-        topk_ids, scores = sigmoid_topk(affinity, top_k, renormalize, expert_bias, *groups)
-        return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
+        topk_ids, scores = sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias, *groups)
+        return RouterOutput(logits, None, topk_ids, scores, sigmoid=True)
     top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+    probs = None
     if router_order == "topk_then_softmax":
         scores = torch.softmax(top_logits, dim=-1)
     else:
+        probs = router_probs(logits)
         scores = probs.gather(1, topk_ids)
         if renormalize:
             scores = scores / scores.sum(dim=-1, keepdim=True)
-    return RouterOutput(logits=logits, probs=probs, topk_ids=topk_ids, topk_scores=scores)
+    return RouterOutput(logits, probs, topk_ids, scores)
 
 
 def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) -> None:

@@ -394,6 +394,61 @@ def test_aux_loss_gradient_wrt_gate():
     assert m2.z_loss.item() == 0.0
 
 
+def _saved_shapes(m: MoE, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """Shapes of the tensors autograd saves during one forward of ``m`` (what backward would keep)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x)
+    return shapes
+
+
+@pytest.mark.parametrize("order", ["topk_then_softmax", "sigmoid_then_topk"])
+def test_losses_with_zero_coefficient_are_not_computed(order):
+    """A loss whose coefficient is 0 is a constant zero without history, and its (T, E) softmax (or logsumexp) is
+    neither run nor saved; with nonzero coefficients each loss saves one more (T, E) tensor and has a gradient."""
+    x = rand_x(13, D)
+    off = make(aux_loss_coef=0.0, z_loss_coef=0.0, router_order=order)
+    saved_off = _saved_shapes(off, x)
+    for loss in (off.aux_loss, off.z_loss):
+        assert loss.shape == () and loss.dtype == torch.float32 and loss.item() == 0.0 and loss.grad_fn is None
+    on = make(aux_loss_coef=0.1, z_loss_coef=0.1, router_order=order)
+    saved_on = _saved_shapes(on, x)
+    assert on.aux_loss.grad_fn is not None and on.z_loss.grad_fn is not None and on.aux_loss.item() > 0
+    te = (13, E)
+    assert saved_on.count(te) > saved_off.count(te)
+    aux_only = make(aux_loss_coef=0.1, z_loss_coef=0.0, router_order=order)
+    saved_aux = _saved_shapes(aux_only, x)
+    assert saved_off.count(te) < saved_aux.count(te) < saved_on.count(te)
+    assert aux_only.z_loss.item() == 0.0 and aux_only.aux_loss.grad_fn is not None
+    # the output does not depend on the losses being computed
+    torch.testing.assert_close(off(x), on(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("softmax_then_topk", True),
+                                          ("sigmoid_then_topk", True)])
+def test_router_probs_on_first_access(order, renorm):
+    """RouterOutput.probs: computed from the logits on first access when the choice did not need it (then kept),
+    equal to the softmax (sigmoid: the normalised sigmoids) of the logits, and differentiable."""
+    x = rand_x(9, D)
+    w = rand_x(E, D, seed=3).requires_grad_()
+    r = sonicmoe.router_topk(x, w, K, router_order=order, renormalize=renorm)
+    lazy = order != "softmax_then_topk"  # softmax_then_topk picks from the probabilities themselves
+    assert (r._probs is None) == lazy and ("first access" in repr(r)) == lazy
+    p = r.probs
+    assert p is r.probs  # kept
+    logits = x.double() @ w.detach().double().t()
+    want = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True) if order == "sigmoid_then_topk" \
+        else torch.softmax(logits, -1)
+    assert rel_err(p, want) < 1e-6
+    (g,) = torch.autograd.grad((p * rand_x(9, E, seed=4)).sum(), w)
+    assert g.norm() > 0
+
+
 def test_module_gradients_match_ref():
     m = make(bias=True, gate_up_layout="interleaved")
     x = rand_x(2, 9, D).requires_grad_()
