@@ -320,7 +320,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       # at 1e-3, no auxiliary loss), same seed and batches
       timeout 300 python3 -m pytest -rA -m gpu tests/test_router_kernel.py tests/test_module.py tests/test_routing.py \
         -p no:cacheprovider > "$OUT/gpu_tests_orders.log" 2>&1
-      shapes=(); for sh in ${ORDERS_SHAPES:-24576,1536,256,128,8 32768,7168,2048,256,8}; do shapes+=(--shape "$sh"); done
+      shapes=(); for sh in ${ORDERS_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
       graph=(); [ "${ORDERS_GRAPH:-1}" = 1 ] && graph=(--graph)  # host time and CUDA-graph replays too (session 75)
       timeout 300 python3 benchmarks/router_orders.py "${shapes[@]}" --rounds "${ORDERS_ROUNDS:-3}" "${graph[@]}" \
         --json "$OUT/router_orders.json" > "$OUT/router_orders.txt" 2>&1
