@@ -278,7 +278,9 @@ def experts_bwd_impl(
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
     dscores = ds_part if ds_in_dh else _empty(pair_scores)
+    side_used = False  # joined below only if used: a wait on an idle side stream breaks CUDA-graph capture
     if need_s and not ds_in_dh:
+        side_used = side is not None
         with _beside(side):  # off the GEMMs' stream, beside dW2
             extra = None
             if b2 is not None:  # dS += ⟨dO_t, b2[e]⟩ (padding rows, past expert_offsets[E]: clamped to E - 1)
@@ -306,7 +308,7 @@ def experts_bwd_impl(
     if need_b1:  # db1[e] = Σ dH rows of e
         ones = torch.ones(routing.num_rows, 1, device=dh_.device, dtype=dh_.dtype)
         db1 = varlen_k_gemm(ones, dh_, routing, p_gather=False, q_gather=False, out_dtype=b1.dtype)[:, 0]
-    if side is not None:  # join: the dS partials (made here, read there) and the inputs are freed after this
+    if side_used:  # join: the dS partials (made here, read there) and the inputs are freed after this
         torch.cuda.current_stream(dout.device).wait_stream(side)
     return dx, dw1, dw2, db1, db2, dscores
 
