@@ -303,7 +303,7 @@ def router_topk(
         n_group, topk_group: group-limited routing of ``"sigmoid_then_topk"`` (DeepSeek-V3: 8 and 4). The E
             experts form ``n_group`` groups of E/n_group consecutive ones; a group scores the sum of its two largest
             sigmoid + bias; each token keeps its ``topk_group`` best groups and picks its K experts in them. 1, 1:
-            no groups. With groups the choice runs in torch (:func:`sigmoid_topk`), not in the router kernel.
+            no groups. The router kernel makes the group-limited choice too (session 75; before, torch ops).
         use_kernel: pick the top-K and compute S (T, K) with the fused Triton router kernel
             (:func:`sonicmoe.ops.router.topk_router`) from the (T, E) logits. ``None`` (default): on
             CUDA unless the environment sets SONICMOE_ROUTER_KERNEL=0 (7B layer with the router, fwd+bwd
@@ -339,7 +339,7 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
     sigmoid = router_order == "sigmoid_then_topk"
     if use_kernel is None:
         use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"
-    kernel = use_kernel is not False and logits.dtype == torch.float32 and groups[0] == 1
+    kernel = use_kernel is not False and logits.dtype == torch.float32
     if kernel and not logits.is_cuda:  # CPU: only when asked for, and only under the interpreter
         kernel = use_kernel is True and logits.device.type == "cpu"
         if kernel:
@@ -349,7 +349,7 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
     if kernel:
         from .ops.router import topk_router
 
-        topk_ids, scores = topk_router(logits, top_k, router_order, renormalize, expert_bias)
+        topk_ids, scores = topk_router(logits, top_k, router_order, renormalize, expert_bias, *groups)
         return RouterOutput(logits, None, topk_ids, scores, sigmoid=sigmoid)
     if sigmoid:
         topk_ids, scores = sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias, *groups)

@@ -123,7 +123,7 @@ def test_router_topk_kernel_dispatch(monkeypatch, device):
     router_topk(x.double(), w.double(), 2, use_kernel=True)
     assert calls == []
     out = router_topk(x, w, 2, router_order="softmax_then_topk", renormalize=True, use_kernel=True)
-    assert calls == [(2, "softmax_then_topk", True, None)]
+    assert calls == [(2, "softmax_then_topk", True, None, 1, 1)]
     router_topk(x, w, 2)  # the default: the kernel on CUDA, torch on CPU
     assert len(calls) == (2 if device.type == "cuda" else 1)
     monkeypatch.setenv("SONICMOE_ROUTER_KERNEL", "0")  # the switch: torch everywhere
@@ -255,6 +255,57 @@ def test_sigmoid_bias_steers_the_choice_only(renorm, device):
     assert torch.equal(ids, logits.topk(k, dim=1).indices)
 
 
+# (T, E, K, n_group, topk_group): DeepSeek-V3's proportions (8 groups, 4 kept), E and n_group not powers of two,
+# one group kept, every expert kept (K = topk_group · E/n_group), groups of two experts
+GROUP_SHAPES = [(37, 64, 8, 8, 4), (16, 96, 6, 6, 3), (33, 16, 2, 8, 1), (5, 8, 8, 4, 4), (29, 12, 3, 6, 2)]
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("shape", GROUP_SHAPES, ids=[f"T{t}-E{e}-K{k}-G{g}-{tg}" for t, e, k, g, tg in GROUP_SHAPES])
+def test_group_limited_choice_matches_ref(shape, renorm, device):
+    """sigmoid_then_topk with n_group/topk_group on the kernel against the torch twin: the same ids, scores and
+    d logits; every token's experts lie in at most topk_group groups, and those are its best groups by the sum of
+    their two largest sigmoid + bias (checked from scratch in float64)."""
+    t, e, k, n_group, topk_group = shape
+    logits = distinct_logits(t, e, device, seed=t + e)
+    bias = (0.05 * torch.randn(e, generator=torch.Generator().manual_seed(e))).to(device)
+    dscores = torch.randn(t, k, generator=torch.Generator().manual_seed(k)).to(device)
+    out = {}
+    for fn in (topk_router, topk_router_ref):
+        leaf = logits.clone().requires_grad_(True)
+        ids, scores = fn(leaf, k, "sigmoid_then_topk", renorm, bias, n_group, topk_group)
+        scores.backward(dscores)
+        out[fn] = ids, scores.detach(), leaf.grad
+    (ids, scores, grad), (ids_ref, scores_ref, grad_ref) = out[topk_router], out[topk_router_ref]
+    assert torch.equal(ids, ids_ref)
+    assert rel_err(scores, scores_ref) < 1e-6
+    _assert_grad_close(grad, grad_ref, dscores, 1e-6)
+    key = (torch.sigmoid(logits.double()) + bias.double()).cpu().view(t, n_group, e // n_group)
+    best = key.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices.sort(dim=1).values
+    groups_used = (ids.cpu() // (e // n_group))
+    for row in range(t):
+        assert set(groups_used[row].tolist()) <= set(best[row].tolist()), row
+        kept = key[row, best[row]].reshape(-1)  # the candidates; the chosen are their top K
+        want = kept.topk(k).values
+        got = key.view(t, e)[row, ids[row].cpu()]
+        assert torch.equal(got, want), row
+
+
+def test_group_limited_choice_changes_the_pick_and_runs_on_the_kernel(device):
+    """The groups matter (some token's choice differs from the ungrouped one) and router_topk's kernel path makes
+    the grouped choice itself (the scores' autograd node is the kernel's Function)."""
+    t, d, e, k = 40, 16, 32, 6
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, d, generator=g).to(device)
+    w = torch.randn(e, d, generator=g).to(device).requires_grad_(True)
+    grouped = router_topk(x, w, k, router_order="sigmoid_then_topk", n_group=8, topk_group=2, use_kernel=True)
+    plain = router_topk(x, w, k, router_order="sigmoid_then_topk", use_kernel=True)
+    assert isinstance(grouped.topk_scores.grad_fn, TopKRouterFunction._backward_cls)
+    assert not torch.equal(grouped.topk_ids.sort(1).values, plain.topk_ids.sort(1).values)
+    torch_path = router_topk(x, w, k, router_order="sigmoid_then_topk", n_group=8, topk_group=2, use_kernel=False)
+    assert torch.equal(grouped.topk_ids, torch_path.topk_ids)
+
+
 def test_expert_bias_refused_where_it_does_not_apply(device):
     logits = distinct_logits(4, 6, device)
     bias = torch.zeros(6, device=device)
@@ -266,6 +317,25 @@ def test_expert_bias_refused_where_it_does_not_apply(device):
         topk_router(logits, 2, "sigmoid_then_topk", False, bias.long())
     with pytest.raises(ValueError, match=names("expert_bias")):
         topk_router(logits, 2, "sigmoid_then_topk", False, torch.zeros(6, device="meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renorm", [False, True])
+def test_gpu_large_group_limited(renorm):
+    """DeepSeek-V3's router at scale: E = 256 in 8 groups, 4 kept, K = 8, a bias; kernel against twin."""
+    t, e, k = 32768, 256, 8
+    logits = distinct_logits(t, e, "cuda", seed=7)
+    bias = 0.05 * torch.randn(e, device="cuda")
+    dscores = torch.randn(t, k, device="cuda")
+    res = []
+    for fn in (topk_router, topk_router_ref):
+        leaf = logits.clone().requires_grad_(True)
+        ids, scores = fn(leaf, k, "sigmoid_then_topk", renorm, bias, 8, 4)
+        scores.backward(dscores)
+        res.append((ids, scores.detach(), leaf.grad))
+    assert torch.equal(res[0][0], res[1][0])
+    assert rel_err(res[0][1], res[1][1]) < 1e-5
+    _assert_grad_close(res[0][2], res[1][2], dscores, 1e-5)
 
 
 @pytest.mark.gpu

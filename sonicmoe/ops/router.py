@@ -8,7 +8,9 @@ token, picks the top-K experts and computes their scores S (T, K) in one pass ov
   logits, divided by their sum when ``renormalize``;
 * ``"sigmoid_then_topk"`` (DeepSeek-V3): p = sigmoid(logits); the experts are the top-K of p + b, with b an optional
   (E,) bias that steers the choice only (auxiliary-loss-free load balancing; no gradient); S = p at the chosen
-  experts, divided by (their sum + 1e-20) when ``renormalize``.
+  experts, divided by (their sum + 1e-20) when ``renormalize``; with ``n_group`` > 1 (DeepSeek-V3's group-limited
+  routing) only the experts of each token's ``topk_group`` best groups (a group of E/n_group consecutive experts
+  scores the sum of its two largest p + b) are candidates.
 
 Forward kernel: one program owns BLOCK_T tokens and holds all E logits of each in registers (E_P2 =
 next power of two of E, padded with -inf); K rounds of argmax-and-mask pick the experts by
@@ -41,11 +43,37 @@ import triton
 import triton.language as tl
 
 from ..config import ROUTER_ORDERS
-from ..routing import check_expert_bias, sigmoid_topk
+from ..routing import check_expert_bias, check_expert_groups, sigmoid_topk
 from .common import cdiv, check_device, interpreting, new_output, next_pow2
 from .fast_launch import launch_kernel
 
 MAX_KERNEL_EXPERTS = 1024  # above this the launcher falls back to torch (registers hold all E logits)
+
+
+@triton.jit
+def _kept_groups(key, e, mask_e, group_size, N_GROUP: tl.constexpr, NG_P2: tl.constexpr, TOPK_GROUP: tl.constexpr):
+    """(BLOCK_T, E_P2) bool: the experts of each token's TOPK_GROUP best groups, a group scoring the sum of its two
+    largest keys (ties: the lower index within a group, the lower group among groups)."""
+    g_of_e = e // group_size
+    gg = tl.arange(0, NG_P2)  # groups padded to a power of two: the padded ones score -inf and come last
+    score = tl.full((key.shape[0], NG_P2), float("-inf"), tl.float32)
+    for g in tl.static_range(N_GROUP):
+        in_g = (mask_e & (g_of_e == g))[None, :]
+        m1 = tl.max(tl.where(in_g, key, float("-inf")), axis=1)
+        i1 = tl.min(tl.where(in_g & (key == m1[:, None]), e[None, :], e.shape[0]), axis=1)
+        m2 = tl.max(tl.where(in_g & (e[None, :] != i1[:, None]), key, float("-inf")), axis=1)
+        score = tl.where(gg[None, :] == g, (m1 + m2)[:, None], score)
+    kept_g = tl.zeros((key.shape[0], NG_P2), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        cand = tl.where(kept_g == 0, score, float("-inf"))
+        m = tl.max(cand, axis=1)
+        gi = tl.min(tl.where((kept_g == 0) & (cand == m[:, None]), gg[None, :], NG_P2), axis=1)
+        kept_g = tl.where(gg[None, :] == gi[:, None], 1, kept_g)
+    kept = tl.zeros(key.shape, dtype=tl.int32)
+    for g in tl.static_range(N_GROUP):
+        col = tl.sum(tl.where(gg[None, :] == g, kept_g, 0), axis=1)  # (BLOCK_T,) 1 if group g is kept
+        kept = tl.where((g_of_e == g)[None, :], col[:, None], kept)
+    return kept != 0
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -54,8 +82,10 @@ def _topk_router_fwd_kernel(
     T, E, stride_lt, stride_it, stride_st,
     K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr,
     ORDER: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr = 1, NG_P2: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1,
 ):
-    # ORDER: 0 topk_then_softmax, 1 softmax_then_topk, 2 sigmoid_then_topk (_ORDER_CODES)
+    # ORDER: 0 topk_then_softmax, 1 softmax_then_topk, 2 sigmoid_then_topk (_ORDER_CODES); N_GROUP > 1: group-limited
+    # choice (sigmoid only), the E experts in N_GROUP groups of E / N_GROUP consecutive ones
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = t < T
@@ -74,6 +104,8 @@ def _topk_router_fwd_kernel(
     key = tl.where(x != x, float("inf"), key)  # selection key: NaN ranks first, as in torch.topk
     kk = tl.arange(0, K_P2)
     avail = tl.broadcast_to(mask_e[None, :], (BLOCK_T, E_P2))
+    if N_GROUP > 1:
+        avail = avail & _kept_groups(key, e, mask_e, E // N_GROUP, N_GROUP, NG_P2, TOPK_GROUP)
     top_val = tl.full((BLOCK_T, K_P2), float("-inf"), tl.float32)
     top_p = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)  # sigmoid: p of the chosen experts
     top_idx = tl.zeros((BLOCK_T, K_P2), dtype=tl.int32)
@@ -177,7 +209,8 @@ def _launch(kernel, t: int, e: int, args: dict, **const):
 _ORDER_CODES = {"topk_then_softmax": 0, "softmax_then_topk": 1, "sigmoid_then_topk": 2}
 
 
-def _forward(logits: torch.Tensor, top_k: int, order: str, renormalize: bool, bias: torch.Tensor | None):
+def _forward(logits: torch.Tensor, top_k: int, order: str, renormalize: bool, bias: torch.Tensor | None,
+             groups: tuple[int, int] = (1, 1)):
     """(ids (T, K) int64, S (T, K) float32, the chosen sigmoids (T, K) float32 or None): those only for
     sigmoid_then_topk with renormalize (the backward's p)."""
     t, e = logits.shape
@@ -191,7 +224,8 @@ def _forward(logits: torch.Tensor, top_k: int, order: str, renormalize: bool, bi
                     scores_ptr=scores, probs_ptr=probs if probs is not None else scores,
                     stride_lt=logits.stride(0), stride_it=ids.stride(0), stride_st=scores.stride(0))
         _launch(_topk_router_fwd_kernel, t, e, args, K=top_k, K_P2=next_pow2(top_k), ORDER=code,
-                RENORMALIZE=renormalize, HAS_BIAS=bias is not None)
+                RENORMALIZE=renormalize, HAS_BIAS=bias is not None, N_GROUP=groups[0], NG_P2=next_pow2(groups[0]),
+                TOPK_GROUP=groups[1])
     return ids, scores, probs
 
 
@@ -224,8 +258,8 @@ class TopKRouterFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, top_k: int, router_order: str, renormalize: bool, bias=None):
-        ids, scores, probs = _forward(logits, top_k, router_order, renormalize, bias)
+    def forward(ctx, logits, top_k: int, router_order: str, renormalize: bool, bias=None, groups=(1, 1)):
+        ids, scores, probs = _forward(logits, top_k, router_order, renormalize, bias, groups)
         ctx.mark_non_differentiable(ids)
         dense = router_order == "softmax_then_topk" and not renormalize
         ctx.save_for_backward(logits if dense else None, ids, scores, probs)
@@ -236,10 +270,12 @@ class TopKRouterFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, _dids, dscores):
         logits, ids, scores, probs = ctx.saved_tensors
-        return _backward(logits, ids, scores, probs, dscores, ctx.num_experts, ctx.sigmoid), None, None, None, None
+        dlogits = _backward(logits, ids, scores, probs, dscores, ctx.num_experts, ctx.sigmoid)
+        return dlogits, None, None, None, None, None
 
 
-def _check(logits: torch.Tensor, top_k: int, router_order: str, expert_bias: torch.Tensor | None) -> None:
+def _check(logits: torch.Tensor, top_k: int, router_order: str, expert_bias: torch.Tensor | None,
+           n_group: int, topk_group: int) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D (T, E) tensor, got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
@@ -251,6 +287,7 @@ def _check(logits: torch.Tensor, top_k: int, router_order: str, expert_bias: tor
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, e, router_order, logits.device)
+    check_expert_groups(n_group, topk_group, e, top_k, router_order)
 
 
 def topk_router(
@@ -259,6 +296,8 @@ def topk_router(
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
     expert_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K expert ids and scores S from router logits on the fused Triton kernel (SPEC §2).
 
@@ -273,6 +312,9 @@ def topk_router(
             already sum to 1).
         expert_bias: optional (E,) float bias added to the sigmoids for the choice only (no gradient; the
             auxiliary-loss-free load balancing of DeepSeek-V3); ``"sigmoid_then_topk"`` only.
+        n_group, topk_group: group-limited choice of ``"sigmoid_then_topk"`` (DeepSeek-V3: 8, 4): the experts of
+            each token's ``topk_group`` best of ``n_group`` groups of E/n_group consecutive experts (a group scores
+            the sum of its two largest sigmoid + bias) are the only candidates. 1, 1: no groups.
     Returns:
         topk_ids (T, K) int64, experts by decreasing logit (sigmoid: by decreasing sigmoid + bias; ties toward
         the lower index);
@@ -280,15 +322,16 @@ def topk_router(
     Raises:
         ValueError / TypeError naming the argument. E > 1024 runs :func:`topk_router_ref` instead.
     """
-    _check(logits, top_k, router_order, expert_bias)
+    _check(logits, top_k, router_order, expert_bias, n_group, topk_group)
     if logits.shape[1] > MAX_KERNEL_EXPERTS:
-        return topk_router_ref(logits, top_k, router_order, renormalize, expert_bias)
+        return topk_router_ref(logits, top_k, router_order, renormalize, expert_bias, n_group, topk_group)
     check_device("logits", logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if expert_bias is not None:
         expert_bias = expert_bias.detach().to(torch.float32).contiguous()
-    return TopKRouterFunction.apply(logits, top_k, router_order, bool(renormalize), expert_bias)
+    return TopKRouterFunction.apply(logits, top_k, router_order, bool(renormalize), expert_bias,
+                                    (n_group, topk_group))
 
 
 def topk_router_ref(
@@ -297,11 +340,13 @@ def topk_router_ref(
     router_order: str = "topk_then_softmax",
     renormalize: bool = False,
     expert_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch twin of :func:`topk_router` (torch.topk + softmax or sigmoid, as :func:`router_topk`'s torch
     path): (T, E) logits -> (topk_ids (T, K) int64, topk_scores (T, K)), autograd through torch."""
     if router_order == "sigmoid_then_topk":
-        return sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias)
+        return sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias, n_group, topk_group)
     top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
     if router_order == "topk_then_softmax":
         return topk_ids, torch.softmax(top_logits, dim=-1)
