@@ -322,20 +322,36 @@ def test_expert_bias_refused_where_it_does_not_apply(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("renorm", [False, True])
 def test_gpu_large_group_limited(renorm):
-    """DeepSeek-V3's router at scale: E = 256 in 8 groups, 4 kept, K = 8, a bias; kernel against twin."""
-    t, e, k = 32768, 256, 8
+    """DeepSeek-V3's router at scale: E = 256 in 8 groups, 4 kept, K = 8, a bias; kernel against twin. The kernel's
+    sigmoid may differ from torch's by an ulp, which flips a choice where two group scores (or the K-th and
+    (K+1)-th candidates) lie within rounding of each other: such rows (gap < 1e-5 in float64; a few of 32768 — the
+    first GPU run of this test failed on one) are left out of the comparison, and must stay rare."""
+    t, e, k, n_group, topk_group = 32768, 256, 8, 8, 4
     logits = distinct_logits(t, e, "cuda", seed=7)
-    bias = 0.05 * torch.randn(e, device="cuda")
+    bias = 0.05 * torch.randn(e, generator=torch.Generator().manual_seed(8)).to("cuda")
     dscores = torch.randn(t, k, device="cuda")
     res = []
     for fn in (topk_router, topk_router_ref):
         leaf = logits.clone().requires_grad_(True)
-        ids, scores = fn(leaf, k, "sigmoid_then_topk", renorm, bias, 8, 4)
+        ids, scores = fn(leaf, k, "sigmoid_then_topk", renorm, bias, n_group, topk_group)
         scores.backward(dscores)
         res.append((ids, scores.detach(), leaf.grad))
-    assert torch.equal(res[0][0], res[1][0])
-    assert rel_err(res[0][1], res[1][1]) < 1e-5
-    _assert_grad_close(res[0][2], res[1][2], dscores, 1e-5)
+    key = torch.sigmoid(logits.double()) + bias.double()
+    groups = key.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1).sort(dim=1, descending=True).values
+    cand = key.masked_fill(~_kept_mask(key, n_group, topk_group), float("-inf")).sort(dim=1, descending=True).values
+    clear = ((groups[:, topk_group - 1] - groups[:, topk_group]) > 1e-5) & ((cand[:, k - 1] - cand[:, k]) > 1e-5)
+    assert int((~clear).sum()) < t // 1000
+    assert torch.equal(res[0][0][clear], res[1][0][clear])
+    assert rel_err(res[0][1][clear], res[1][1][clear]) < 1e-5
+    _assert_grad_close(res[0][2][clear], res[1][2][clear], dscores[clear], 1e-5)
+
+
+def _kept_mask(key: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """(T, E) bool: the experts of each row's topk_group best groups (two largest keys summed), in torch."""
+    t, e = key.shape
+    best = key.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+    keep = torch.zeros(t, n_group, dtype=torch.bool, device=key.device).scatter_(1, best, True)
+    return keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
 
 
 @pytest.mark.gpu
