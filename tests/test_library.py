@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonicmoe
+from sonicmoe.bench.measure import graph_of
 from sonicmoe.ops import grouped_gemm_ws, library
 from sonicmoe.ops.aggregation import gather_sum, gather_sum_ref
 from sonicmoe.ops.grouped_gemm import varlen_m_gemm_ref
@@ -609,22 +610,18 @@ def test_gpu_cuda_graph_layer_bf16(bias):
     dout = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     leaves = [x, *m.parameters()]
 
+    last = {}
+
     def step():
         for v in leaves:
             v.grad = None
         y = m(x)
         y.backward(dout)
+        last["y"] = y
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = step()
+    graph = graph_of(step)  # three eager calls on a side stream, then the capture: its output stays in last
+    y_static = last["y"]
     grads_static = [v.grad for v in leaves]
     with torch.no_grad():
         x.copy_(torch.randn_like(x))
