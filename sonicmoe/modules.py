@@ -50,7 +50,9 @@ class MoE(nn.Module):
     (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
     ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
     A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a float32 zero
-    scalar without autograd history, and its (T, E) softmax or logsumexp never runs.
+    scalar without autograd history, and its (T, E) softmax or logsumexp never runs. A computed loss keeps its
+    forward's autograd graph (and the parameters' gradient accumulators) alive until the next forward: use it in
+    the loss, or set it to None, before capturing a CUDA graph after eager calls on another stream.
 
     Parameters: ``gate.weight`` (E, d) router; ``experts.gate_up_proj`` (E, 2n, d);
     ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF Qwen3-MoE/gpt-oss
