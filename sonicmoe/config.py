@@ -15,8 +15,6 @@ RoutingMode = Literal["topk", "token_rounding"]
 RoundingSubroutine = Literal["nearest", "up", "down", "stochastic", "balance"]
 
 ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk")
-# the orders token rounding scores its added pairs under (softmax probabilities)
-TOKEN_ROUNDING_ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 BACKENDS = ("auto", "triton", "torch")
 ROUTING_MODES = ("topk", "token_rounding")
@@ -103,9 +101,9 @@ class MoEConfig:
 
         check_scaling_factor(self.routed_scaling_factor)
         check_expert_groups(self.n_group, self.topk_group, self.num_experts, self.top_k, self.router_order)
-        if self.routing == "token_rounding" and self.router_order not in TOKEN_ROUNDING_ROUTER_ORDERS:
-            raise ValueError(f"routing='token_rounding' scores its pairs with softmax probabilities: router_order "
-                             f"must be one of {TOKEN_ROUNDING_ROUTER_ORDERS}, got {self.router_order!r}")
+        if self.routing == "token_rounding" and self.n_group > 1:
+            raise ValueError(f"routing='token_rounding' adds pairs regardless of expert groups: it needs n_group=1 "
+                             f"(no group-limited routing), got n_group={self.n_group}")
         _check_choice("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("routing", self.routing, ROUTING_MODES)

@@ -68,7 +68,8 @@ class MoE(nn.Module):
     ``routed_scaling_factor=2.5``) adds the float32 buffer ``e_score_correction_bias`` (E,), zeros at first, which
     steers the top-k choice and nothing else; :meth:`update_expert_bias` moves it after a step
     (auxiliary-loss-free load balancing). The buffer stays float32 when the layer is cast, and is ``None`` under
-    the other orders. Top-k routing only (token rounding scores its pairs by the softmax).
+    the other orders. Token rounding works under it too (its added pairs scored by their sigmoid), but not with
+    group-limited routing (``n_group`` > 1).
 
     Args: as :class:`~sonicmoe.config.MoEConfig` (``hidden_size``, ``intermediate_size``,
     ``num_experts``, ``top_k``, ...), plus ``device`` and ``dtype`` of the parameters (``meta`` works).

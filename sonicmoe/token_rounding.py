@@ -7,7 +7,9 @@ starts from top-k routing and moves each expert's count f_e to a neighbouring mu
 1. Top-k gives f_e, the number of (token, expert) pairs on expert e. On the M_tile grid, let
    ``lo_e = ⌊f_e⌋`` and ``hi_e = ⌈f_e⌉`` (f_e rounded down / up to a multiple of M_tile).
 2. Each expert ranks its candidate tokens: the tokens that chose it (top-k) first, by decreasing
-   score S, then all other tokens by decreasing router probability ``probs[t, e]`` (softmax over E).
+   score S, then all other tokens by decreasing router probability ``probs[t, e]`` (softmax over E; under
+   ``"sigmoid_then_topk"`` the sigmoid of the logit, whose order within an expert is its selection key's: the
+   expert's bias is the same for every token).
    Ranking compares values rounded to float32 (exact for the usual float32 router; a float64 router's
    values closer than float32 precision count as equal); a NaN probability ranks last. Ties are broken
    by the lower token index.
@@ -53,8 +55,12 @@ Scores of the output pairs (differentiable w.r.t. the router logits):
     * an *added* pair (t, e) gets the score top-k would give it with the same normalisation:
       ``"topk_then_softmax"``: ``exp(logits[t, e] − logsumexp_k logits[t, topk_ids[t, k]])`` (the
       softmax over the token's K chosen logits, extended to e); ``"softmax_then_topk"``:
-      ``probs[t, e]``, divided by ``Σ_k probs[t, topk_ids[t, k]]`` when ``renormalize``.
-    A token's scores are not renormalised over its final expert set.
+      ``probs[t, e]``, divided by ``Σ_k probs[t, topk_ids[t, k]]`` when ``renormalize``;
+      ``"sigmoid_then_topk"`` (DeepSeek-V3): ``sigmoid(logits[t, e])``, divided by
+      ``Σ_k sigmoid(logits[t, topk_ids[t, k]]) + 1e-20`` when ``renormalize``. (The layer then multiplies every
+      pair's score by ``routed_scaling_factor``.)
+    A token's scores are not renormalised over its final expert set. Token rounding ignores group-limited routing
+    (an added pair may lie outside the token's groups), so :class:`~sonicmoe.MoEConfig` refuses the two together.
 
 Implementation (:func:`token_rounding`), on the router's device (Triton kernels on CUDA, their torch twins
 elsewhere), with no sort and, by default, no host sync:
@@ -90,7 +96,7 @@ import warnings
 import torch
 
 from ._device import on_device
-from .config import ROUNDING_SUBROUTINES, TOKEN_ROUNDING_ROUTER_ORDERS
+from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
 from .routing import INDEX_DTYPE, RouterOutput, Routing
 
 
@@ -173,9 +179,8 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
         raise ValueError(f"m_tile must be a positive int, got {m_tile!r}")
     if subroutine not in ROUNDING_SUBROUTINES:
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
-    if router_order not in TOKEN_ROUNDING_ROUTER_ORDERS:  # its added pairs' scores are softmax probabilities
-        raise ValueError(f"router_order must be one of {TOKEN_ROUNDING_ROUTER_ORDERS} (token rounding scores added "
-                         f"pairs by the softmax), got {router_order!r}")
+    if router_order not in ROUTER_ORDERS:
+        raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     logits, probs, ids, scores = router.logits, router.probs, router.topk_ids, router.topk_scores
     if logits.dim() != 2 or probs.shape != logits.shape:
         raise ValueError(f"router.logits and router.probs must both be (T, E), got {tuple(logits.shape)} "
@@ -240,10 +245,10 @@ def token_rounding(
             ``probs`` (T, E) softmax over E, ``topk_ids`` (T, K), ``topk_scores`` (T, K).
         m_tile: M_tile, the grouped GEMM's tile height along tokens.
         subroutine: ``"nearest"`` (default), ``"up"``, ``"down"``, ``"stochastic"`` or ``"balance"``.
-        router_order: how ``router`` scored the chosen experts (``"topk_then_softmax"`` or
-            ``"softmax_then_topk"``); decides the scores of added pairs.
-        renormalize: with ``"softmax_then_topk"``, whether the chosen probabilities were divided by
-            their sum (the same is applied to added pairs).
+        router_order: how ``router`` scored the chosen experts (``"topk_then_softmax"``, ``"softmax_then_topk"`` or
+            ``"sigmoid_then_topk"``); decides the ranking of non-chosen tokens and the scores of added pairs.
+        renormalize: with ``"softmax_then_topk"`` (``"sigmoid_then_topk"``), whether the chosen probabilities
+            (sigmoids) were divided by their sum (+ 1e-20) (the same is applied to added pairs).
         generator: ``torch.Generator`` on the router's device for ``"stochastic"`` (one uniform draw
             per expert); ``None`` uses the default generator. Ignored by the other subroutines.
         warn: warn when T·K/E < 2·M_tile (where quality drops).
@@ -294,7 +299,8 @@ def _token_rounding(router: RouterOutput, t: int, e: int, k: int, m_tile: int, s
     keys = tr_select.candidate_keys if kernels else tr_select.candidate_keys_ref
     decide = tr_routing.round_counts if kernels else tr_routing.round_counts_ref
     select = tr_select.select_routed if kernels else tr_select.select_routed_ref
-    prob_key, score_key, counts = keys(router.probs, ids2, router.topk_scores, block_counts=True)
+    prob_key, score_key, counts = keys(_candidate_probs(router, router_order), ids2, router.topk_scores,
+                                       block_counts=True)
     u = torch.rand(e, generator=generator, device=counts.device) if subroutine == "stochastic" else None
     f, keep, pad, offsets = decide(counts, m_tile, t, subroutine, u)  # f_e: top-k tokens per expert
     ranks = select(prob_key, score_key, f, keep, rank=True)  # (T, E): row within the expert + 1, 0 if not routed
@@ -317,6 +323,14 @@ def _token_rounding(router: RouterOutput, t: int, e: int, k: int, m_tile: int, s
         padded=pad,
         routing=routing,
     )
+
+
+def _candidate_probs(router: RouterOutput, router_order: str) -> torch.Tensor:
+    """(T, E) values by which an expert ranks the tokens that did not choose it: the router's probabilities, or
+    under ``"sigmoid_then_topk"`` the sigmoids of the logits (no gradient needed: ranks only)."""
+    if router_order == "sigmoid_then_topk":
+        return torch.sigmoid(router.logits.detach())
+    return router.probs
 
 
 def token_rounding_ref(
@@ -343,7 +357,7 @@ def token_rounding_ref(
     m = m_tile
     ids = router.topk_ids.tolist()
     scores = router.topk_scores.detach().float().tolist()
-    probs = router.probs.detach().float().nan_to_num(nan=float("-inf")).tolist()  # NaN ranks last
+    probs = _candidate_probs(router, router_order).detach().float().nan_to_num(nan=float("-inf")).tolist()  # NaN last
 
     chosen: list[list[tuple[int, int]]] = [[] for _ in range(e)]  # (token, slot k) per expert
     for tok in range(t):
@@ -388,6 +402,10 @@ def token_rounding_ref(
         chosen_logits = logits.gather(1, topk_ids)
         mx = chosen_logits.max(dim=1, keepdim=True).values
         ext = torch.exp(logits - mx) / torch.exp(chosen_logits - mx).sum(dim=1, keepdim=True)
+    elif router_order == "sigmoid_then_topk":
+        ext = torch.sigmoid(logits)
+        if renormalize:
+            ext = ext / (ext.gather(1, topk_ids).sum(dim=1, keepdim=True) + 1e-20)
     else:
         ext = router.probs
         if renormalize:

@@ -130,7 +130,7 @@ def test_config_defaults():
     ({"rounding": "floor"}, "rounding"), ({"m_tile": 0}, "m_tile"), ({"activation": "gelu"}, "activation"),
     ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
     ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor"),
-    ({"router_order": "sigmoid_then_topk", "routing": "token_rounding"}, "router_order"),
+    ({"router_order": "sigmoid_then_topk", "routing": "token_rounding", "n_group": 3}, "n_group"),  # TR ignores groups
     ({"router_order": "sigmoid_then_topk", "n_group": 4}, "n_group"),  # 4 does not divide E = 6
     ({"router_order": "sigmoid_then_topk", "n_group": 6}, "n_group"),  # groups of one expert
     ({"n_group": 3}, "n_group"),  # groups need the sigmoid order
@@ -552,6 +552,38 @@ def test_activation_checkpointing(backend, kw, device):
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
     for (name, p), p2 in zip(m.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, p2.grad), name
+
+
+@pytest.mark.interpreter
+def test_deepseek_v3_token_rounding_on_triton(device):
+    """Token rounding under DeepSeek-V3's router (sigmoid, renormalised, bias, 2.5) on the triton backend in training:
+    output and the gradients of x and every parameter against the float32 oracle (router in torch, token_rounding_ref,
+    the experts' per-expert loop on its pairs, scores times 2.5); every expert's count a multiple of M_tile."""
+    from sonicmoe.routing import router_topk, routing_from_pairs
+    from sonicmoe.token_rounding import token_rounding_ref
+
+    m = make(seed=6, backend="triton", top_k=2, router_order="sigmoid_then_topk", renormalize=True,
+             routed_scaling_factor=2.5, routing="token_rounding", m_tile=4, rounding="up").to(device)
+    m.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(2)).to(device) * 0.3)
+    m.train()
+    x = rand_x(48, D, seed=8).to(device).requires_grad_(True)
+    dy = rand_x(48, D, seed=9).to(device)
+    params = [x] + list(m.parameters())
+    y = m(x)
+    grads = torch.autograd.grad(y, params, dy)
+    assert (m.expert_counts % 4 == 0).all()
+    ex = m.experts
+    router = router_topk(x, m.gate.weight, 2, router_order="sigmoid_then_topk", renormalize=True,
+                         expert_bias=m.e_score_correction_bias, use_kernel=False)
+    tr = token_rounding_ref(router, m_tile=4, subroutine="up", router_order="sigmoid_then_topk", renormalize=True)
+    assert tr.pair_added.any(), "the case must add pairs"
+    routing = routing_from_pairs(tr.pair_token, tr.pair_expert, 48, E)
+    ref = sonicmoe.experts_ref(x, ex.gate_up_proj, ex.down_proj, routing, tr.pair_scores * 2.5)
+    grads_ref = torch.autograd.grad(ref, params, dy)
+    assert rel_err(y, ref) < 1e-5
+    for name, a, b in zip(["x"] + [k for k, _ in m.named_parameters()], grads, grads_ref):
+        assert b.norm() > 0, name
+        assert rel_err(a, b) < 1e-5, name
 
 
 @pytest.mark.interpreter

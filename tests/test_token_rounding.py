@@ -19,7 +19,8 @@ from sonicmoe.token_rounding import TokenRoundingOutput, token_rounding, token_r
 # Most cases here are deliberately small (few tokens per tile); the warning has its own test.
 pytestmark = pytest.mark.filterwarnings("ignore:token rounding with")
 
-ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True),
+          ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)]
 
 
 def make_router(t, e, k, *, seed=0, scale=1.0, router_order="topk_then_softmax", renormalize=False,
@@ -37,12 +38,13 @@ def tr_kwargs(router_order="topk_then_softmax", renormalize=False):
     return {"router_order": router_order, "renormalize": renormalize}
 
 
-def check_invariants(router: RouterOutput, out: TokenRoundingOutput, m: int) -> None:
-    """Every SPEC §5 guarantee, checked with plain Python per expert."""
+def check_invariants(router: RouterOutput, out: TokenRoundingOutput, m: int, order: str = "topk_then_softmax") -> None:
+    """Every SPEC §5 guarantee, checked with plain Python per expert. A padded expert adds the non-chosen tokens of
+    highest probability (under ``sigmoid_then_topk``: of highest sigmoid)."""
     t, e = router.logits.shape
     ids = router.topk_ids.tolist()
     scores = router.topk_scores.detach().float()
-    probs = router.probs.detach().float()
+    probs = (torch.sigmoid(router.logits) if order == "sigmoid_then_topk" else router.probs).detach().float()
     chosen = torch.zeros(t, e, dtype=torch.bool).scatter_(1, router.topk_ids, True)
     f = chosen.sum(0)
     assert out.topk_counts.tolist() == f.tolist()
@@ -98,7 +100,7 @@ def test_fast_equals_ref_and_invariants(subroutine, order, renorm, seed):
     fast = token_rounding(router, generator=torch.Generator().manual_seed(seed), **kw)
     ref = token_rounding_ref(router, generator=torch.Generator().manual_seed(seed), **kw)
     assert_same(fast, ref)
-    check_invariants(router, fast, m)
+    check_invariants(router, fast, m, order)
     assert fast.pair_token.dtype == torch.int32 and fast.pair_expert.dtype == torch.int32
 
 
@@ -120,7 +122,7 @@ def test_hypothesis_fast_equals_ref(t, e, kfrac, m, subroutine, order, scale, se
     fast = token_rounding(router, generator=torch.Generator().manual_seed(seed), **kw)
     ref = token_rounding_ref(router, generator=torch.Generator().manual_seed(seed), **kw)
     assert_same(fast, ref)
-    check_invariants(router, fast, m)
+    check_invariants(router, fast, m, order[0])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -240,6 +242,9 @@ def test_added_scores_follow_router_order():
         lg, pr = router.logits.detach(), router.probs.detach()
         if order == "topk_then_softmax":
             expect = torch.exp(lg[tok, ex] - lg.gather(1, router.topk_ids).logsumexp(1)[tok])
+        elif order == "sigmoid_then_topk":  # the sigmoid of the added logit, over the chosen sigmoids' sum + 1e-20
+            sig = torch.sigmoid(lg)
+            expect = sig[tok, ex] / (sig.gather(1, router.topk_ids).sum(1)[tok] + 1e-20) if renorm else sig[tok, ex]
         else:
             expect = pr[tok, ex]
             if renorm:
@@ -322,7 +327,8 @@ def _moe_pair(**kw):
 
 
 @pytest.mark.parametrize("rounding", ROUNDING_SUBROUTINES)
-@pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("softmax_then_topk", True)])
+@pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("softmax_then_topk", True),
+                                          ("sigmoid_then_topk", True)])
 def test_moe_train_mode_tile_multiples(rounding, order, renorm):
     m = 16
     tr, _ = _moe_pair(m_tile=m, rounding=rounding, router_order=order, renormalize=renorm)

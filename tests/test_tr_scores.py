@@ -14,7 +14,8 @@ from sonicmoe.routing import router_topk
 
 pytestmark = pytest.mark.interpreter
 
-ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True)]
+ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True),
+          ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)]
 
 
 def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_tokens=True, weight=False):
@@ -37,7 +38,7 @@ def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_t
 
 
 def grads(fn, router, pt, pe, order, renorm, cot):
-    src = router.logits if order == "topk_then_softmax" else router.probs
+    src = router.probs if order == "softmax_then_topk" else router.logits  # sigmoid: through torch's sigmoid
     scores, added = fn(router, pt, pe, order, renorm)
     d_ts, d_src = torch.autograd.grad(scores, (router.topk_scores, src), cot.to(scores.dtype), allow_unused=True,
                                       retain_graph=True)

@@ -6,7 +6,9 @@ After the selection (:mod:`sonicmoe.ops.tr_select`) token rounding holds R token
     slot_p = k where topk_ids[t_p, k] == e_p, or -1 for a pair top-k did not choose (an *added* pair);
     S_p    = topk_scores[t_p, slot_p]                                     for a chosen pair,
              exp(logits[t_p, e_p] − logsumexp_k logits[t_p, topk_ids[t_p, k]])  (``"topk_then_softmax"``)
-             probs[t_p, e_p]  (÷ Σ_k probs[t_p, topk_ids[t_p, k]] with ``renormalize``)
+             probs[t_p, e_p]  (÷ Σ_k probs[t_p, topk_ids[t_p, k]] with ``renormalize``)  (``"softmax_then_topk"``)
+             σ_p = sigmoid(logits[t_p, e_p])  (÷ (Σ_k σ[t_p, topk_ids[t_p, k]] + 1e-20) with ``renormalize``)
+                                                                          (``"sigmoid_then_topk"``)
                                                                           for an added pair.
 
 :func:`pair_scores` does this in one Triton kernel (one program per block of pairs), and its backward
@@ -34,6 +36,7 @@ from .common import cdiv, check_device, interpreting, next_pow2
 from .fast_launch import launch_kernel
 
 _BLOCK_PAIRS = 128
+SIGMOID_RENORM_EPS = 1e-20  # sigmoid_then_topk renormalises by Σ chosen + this (sonicmoe.ops.router)
 
 
 
@@ -53,6 +56,7 @@ def _chosen_stats(src_ptr, t64, ids, kmask, stride_st, ORDER_LOGITS: tl.constexp
 def _pair_scores_fwd_kernel(
     token_ptr, expert_ptr, ids_ptr, ts_ptr, src_ptr, score_ptr, slot_ptr, R, T, stride_st,
     K: tl.constexpr, K_P2: tl.constexpr, ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, BLOCK: tl.constexpr,
+    EPS: tl.constexpr = 0.0,
 ):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = p < R
@@ -67,6 +71,8 @@ def _pair_scores_fwd_kernel(
     slot = tl.max(tl.where(ids == e[:, None], kk[None, :], -1), axis=1)
     chosen = tl.load(ts_ptr + t64 * K + tl.maximum(slot, 0), mask=mask, other=0.0)
     _, red = _chosen_stats(src_ptr, t64[:, None], ids, kmask, stride_st, ORDER_LOGITS)
+    if EPS != 0.0:  # sigmoid_then_topk's renormalisation: Σ chosen + 1e-20
+        red = red + EPS
     v = tl.load(src_ptr + t64 * stride_st + e, mask=mask, other=0.0).to(tl.float32)
     if ORDER_LOGITS:
         added = tl.exp(v - red)
@@ -113,7 +119,7 @@ def _pair_step(dsrc_ptr, d_ts, d_red, g, e, slot, v, red, kk, t64, stride_dt, OR
 def _pair_scores_bwd_kernel(
     grad_ptr, expert_ptr, slot_ptr, start_ptr, ids_ptr, src_ptr, ts_ptr, dts_ptr, dsrc_ptr, T, E, stride_st,
     stride_dt, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, FOLD: tl.constexpr,
+    ORDER_LOGITS: tl.constexpr, RENORM: tl.constexpr, FOLD: tl.constexpr, EPS: tl.constexpr = 0.0,
 ):
     """BLOCK_T tokens per program. Their rows of d src are written as zeros first; then the tokens' pairs are taken in
     step (step j reads every token's j-th pair, so each token's sums run in its pair order) and each added pair's
@@ -137,8 +143,11 @@ def _pair_scores_bwd_kernel(
     if ORDER_LOGITS:  # the logsumexp of the chosen logits (tokens past T: 0)
         mx = tl.where(mask_t, tl.max(tl.where(kmask, cs, float("-inf")), axis=1), 0.0)
         red = mx + tl.log(tl.sum(tl.where(kmask, tl.exp(cs - mx[:, None]), 0.0), axis=1) + tl.where(mask_t, 0.0, 1.0))
-    else:  # the sum of the chosen probabilities (tokens past T: 1)
-        red = tl.where(mask_t, tl.sum(tl.where(kmask, cs, 0.0), axis=1), 1.0)
+    else:  # the sum of the chosen probabilities (+ EPS: sigmoid_then_topk's renormalisation; tokens past T: 1)
+        red = tl.sum(tl.where(kmask, cs, 0.0), axis=1)
+        if EPS != 0.0:
+            red = red + EPS
+        red = tl.where(mask_t, red, 1.0)
     d_ts = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)  # d topk_scores[t, :] from the chosen pairs
     d_red = tl.zeros((BLOCK_T,), dtype=tl.float32)  # d of the logsumexp (or of the sum) of the chosen entries
     # every token's j-th and (j+1)-th pairs: both steps' loads in flight at once, then the two steps in pair order
@@ -187,7 +196,7 @@ class _PairScores(torch.autograd.Function):
     d src by the router's own score formula and topk_scores gets none (see :func:`pair_scores`)."""
 
     @staticmethod
-    def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm, fold):
+    def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm, fold, eps=0.0):
         t, k = topk_ids.shape
         r = pair_token.shape[0]
         scores = torch.empty(r, dtype=topk_scores.dtype, device=src.device)
@@ -197,9 +206,10 @@ class _PairScores(torch.autograd.Function):
             launch_kernel(
                 _pair_scores_fwd_kernel, grid,
                 pair_token, pair_expert, topk_ids, topk_scores, src, scores, slot, r, t, src.stride(0),
-                K=k, K_P2=next_pow2(k), ORDER_LOGITS=order_logits, RENORM=renorm, BLOCK=_BLOCK_PAIRS, num_warps=4)
+                K=k, K_P2=next_pow2(k), ORDER_LOGITS=order_logits, RENORM=renorm, BLOCK=_BLOCK_PAIRS, EPS=eps,
+                num_warps=4)
         ctx.save_for_backward(src, topk_ids, pair_token, pair_expert, slot, *((topk_scores,) if fold else ()))
-        ctx.order_logits, ctx.renorm, ctx.fold = order_logits, renorm, fold
+        ctx.order_logits, ctx.renorm, ctx.fold, ctx.eps = order_logits, renorm, fold, eps
         ctx.ts_dtype = topk_scores.dtype
         ctx.mark_non_differentiable(slot)
         return scores, slot
@@ -219,10 +229,10 @@ class _PairScores(torch.autograd.Function):
                 _pair_scores_bwd_kernel, (cdiv(t, meta["BLOCK_T"]),),
                 grad.contiguous(), pair_expert, slot, start, topk_ids, src, folded[0] if ctx.fold else d_ts, d_ts,
                 d_src, t, e, src.stride(0), d_src.stride(0), K=k, K_P2=next_pow2(k), ORDER_LOGITS=ctx.order_logits,
-                RENORM=ctx.renorm, FOLD=ctx.fold, **meta)
+                RENORM=ctx.renorm, FOLD=ctx.fold, EPS=ctx.eps, **meta)
         needs = ctx.needs_input_grad
         d_ts = d_ts if needs[0] and not ctx.fold else None
-        return d_ts, (d_src if needs[1] else None), None, None, None, None, None, None
+        return d_ts, (d_src if needs[1] else None), None, None, None, None, None, None, None
 
 
 def _check(pair_token: torch.Tensor, pair_expert: torch.Tensor) -> None:
@@ -243,15 +253,17 @@ def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, rou
             (T, K) of T tokens (float32/bfloat16/float16; float64 routers take :func:`pair_scores_ref`).
         pair_token, pair_expert: (R,) integer pairs, sorted by token (the backward finds each token's
             pairs by a binary search), unique; padding pairs (T, E) last, if any.
-        router_order: ``"topk_then_softmax"`` or ``"softmax_then_topk"`` (see the module docstring).
-        renormalize: with ``"softmax_then_topk"``, divide added pairs' probabilities by the sum of the
-            token's chosen ones.
+        router_order: ``"topk_then_softmax"``, ``"softmax_then_topk"`` or ``"sigmoid_then_topk"`` (the module
+            docstring; under sigmoid the (T, E) sigmoids are computed here and kept for the backward).
+        renormalize: with ``"softmax_then_topk"`` (``"sigmoid_then_topk"``), divide added pairs' probabilities
+            (sigmoids) by the sum of the token's chosen ones (+ 1e-20).
         fused_router_grad: send the chosen pairs' gradient straight to ``logits`` (or ``probs``) by the formula
             that :func:`~sonicmoe.routing.router_topk` computes ``topk_scores`` with (``router_order``,
             ``renormalize``; :mod:`sonicmoe.ops.router`), instead of back through ``topk_scores``:
             ``"topk_then_softmax"`` d logit[e_k] += s_k (g_k − Σ_j s_j g_j); ``"softmax_then_topk"`` d probs[e_k] +=
             g_k, or (g_k − Σ_j s_j g_j) / Σ_j probs[e_j] with ``renormalize`` (the softmax's backward then gives the
-            router's d logits). The router's top-k backward and one (T, E) sum of gradients then do not run. Only
+            router's d logits); ``"sigmoid_then_topk"`` the same with the sigmoids for probs and Σ_j + 1e-20. The
+            router's top-k backward and one (T, E) sum of gradients then do not run. Only
             for a router made by ``router_topk`` with the same order and renormalisation and unmodified
             ``topk_scores`` (as in :class:`~sonicmoe.MoE`): for any other, the gradient would be wrong.
 
@@ -265,16 +277,34 @@ def pair_scores(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, rou
     """
     _check(pair_token, pair_expert)
     order_logits = router_order == "topk_then_softmax"
-    src = router.logits if order_logits else router.probs
-    for name, x in (("router.logits" if order_logits else "router.probs", src), ("pair_token", pair_token)):
+    src = added_pair_source(router, router_order)
+    for name, x in (("router.probs" if router_order == "softmax_then_topk" else "router.logits", src),
+                    ("pair_token", pair_token)):
         check_device(name, x)
     if src.stride(1) != 1:
         src = src.contiguous()
     ts = router.topk_scores.detach() if fused_router_grad else router.topk_scores  # no edge to the router's top-k
     scores, slot = _PairScores.apply(ts.contiguous(), src, router.topk_ids.contiguous(),
                                      pair_token.contiguous(), pair_expert.contiguous(), order_logits,
-                                     bool(renormalize) and not order_logits, bool(fused_router_grad))
+                                     bool(renormalize) and not order_logits, bool(fused_router_grad),
+                                     _renorm_eps(router_order, renormalize))
     return scores, slot == -1
+
+
+def added_pair_source(router, router_order: str) -> torch.Tensor:
+    """The (T, E) tensor an added pair's score is read from (and its gradient sent to): the logits
+    (``"topk_then_softmax"``), the probabilities (``"softmax_then_topk"``) or the sigmoids of the logits
+    (``"sigmoid_then_topk"``, computed here with autograd)."""
+    if router_order == "topk_then_softmax":
+        return router.logits
+    if router_order == "sigmoid_then_topk":
+        return torch.sigmoid(router.logits)
+    return router.probs
+
+
+def _renorm_eps(router_order: str, renormalize: bool) -> float:
+    """What the renormalising sum of the chosen entries gets added: 1e-20 under sigmoid_then_topk (as its router)."""
+    return SIGMOID_RENORM_EPS if router_order == "sigmoid_then_topk" and renormalize else 0.0
 
 
 def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor, router_order: str,
@@ -294,9 +324,10 @@ def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor,
         lse = router.logits.gather(1, ids).logsumexp(dim=1)
         added = torch.exp(router.logits[pair_token, pair_expert] - lse[pair_token])
     else:
-        added = router.probs[pair_token, pair_expert]
+        src = added_pair_source(router, router_order)
+        added = src[pair_token, pair_expert]
         if renormalize:
-            added = added / router.probs.gather(1, ids).sum(dim=1)[pair_token]
+            added = added / (src.gather(1, ids).sum(dim=1) + _renorm_eps(router_order, True))[pair_token]
     score = torch.where(pair_added, added.to(chosen.dtype), chosen)
     return torch.where(real, score, torch.zeros_like(score)), pair_added
 
