@@ -166,6 +166,22 @@ def test_deepseek_v3_routing_trains_and_resumes(tmp_path):
         cli.main([*TINY, "--out", str(tmp_path / "bad"), "--bias-update-rate", "0.01"])
 
 
+def test_deepseek_v3_router_with_token_rounding_trains(tmp_path):
+    """--routing token_rounding under the sigmoid order (no groups): every layer's expert loads are tile multiples in
+    training (T = 512 tokens, M_tile 16), the losses are finite and fall, and the selection biases move."""
+    log = _run(tmp_path / "tr", "--steps", "12", "--routing", "token_rounding", "--m-tile", "16", "--router-order",
+               "sigmoid_then_topk", "--renormalize", "--routed-scaling-factor", "2.5", "--bias-update-rate", "0.01",
+               "--aux-loss-coef", "0", "--eval-every", "0", "--profile-every", "0")
+    assert (log["config"]["routing"], log["config"]["router_order"]) == ("token_rounding", "sigmoid_then_topk")
+    losses = _losses(log)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    model = torch.load(tmp_path / "tr" / "ckpt.pt", weights_only=False)["model"]
+    assert all(v.abs().max() > 0 for k, v in model.items() if k.endswith("e_score_correction_bias"))
+    with pytest.raises(SystemExit):  # token rounding with groups is refused
+        cli.main([*TINY, "--out", str(tmp_path / "bad"), "--routing", "token_rounding", "--router-order",
+                  "sigmoid_then_topk", "--n-group", "2", "--topk-group", "1"])
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..config import MoEConfig
+
 MIB = 1 << 20
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -173,6 +175,11 @@ class TrainConfig:
                              f"only; got router_order={self.router_order!r}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
+        MoEConfig(self.d_model, self.expert_size, self.experts, self.top_k, routing=self.routing,
+                  rounding=self.rounding, m_tile=self.m_tile, aux_loss_coef=self.aux_loss_coef,
+                  z_loss_coef=self.z_loss_coef, router_order=self.router_order, renormalize=self.renormalize,
+                  routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
+                  backend=self.backend)  # the layer's own refusals (groups, token rounding with groups, ...), up front
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON- and checkpoint-friendly)."""
