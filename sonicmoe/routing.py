@@ -211,10 +211,31 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
     t, k = topk_ids.shape
-    # arange // K rather than repeat_interleave: the latter's expand+reshape view trips inductor's
-    # searchsorted lowering under torch.compile (NotImplementedError: View.get_stride, torch 2.11)
-    pair_token = torch.div(torch.arange(t * k, device=topk_ids.device, dtype=INDEX_DTYPE), k, rounding_mode="floor")
-    return routing_from_pairs(pair_token, topk_ids.reshape(-1), t, num_experts, token_major=True)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
+    # routing_from_pairs(t // K, topk_ids, token_major=True) with what top-k's layout gives for free: pair p is
+    # token p // K, so row_token = row_pair // K and token t's slots start at t·K (no pair-token array, no index
+    # gather, no search over the pairs): 10 torch ops instead of 16 (host time in the eager layer)
+    device, r = topk_ids.device, t * k
+    sorted_expert, row_pair64 = torch.sort(topk_ids.reshape(-1), stable=True)  # rows of an expert in token order
+    row_pair = row_pair64.to(INDEX_DTYPE)
+    pair_row = torch.empty_like(row_pair)
+    pair_row[row_pair64] = torch.arange(r, device=device, dtype=INDEX_DTYPE)
+    return Routing(
+        num_tokens=t,
+        num_experts=num_experts,
+        expert_offsets=_offsets(sorted_expert, num_experts),
+        row_token=torch.div(row_pair, k, rounding_mode="floor"),
+        row_pair=row_pair,
+        pair_row=pair_row,
+        token_offsets=torch.arange(0, r + 1, k, device=device, dtype=INDEX_DTYPE) if k else
+        torch.zeros(t + 1, device=device, dtype=INDEX_DTYPE),
+        token_rows=pair_row,
+        slot_pair=None,
+        padded=False,
+    )
 
 
 def check_pairs(pair_token: torch.Tensor, pair_expert: torch.Tensor, num_tokens: int, num_experts: int):

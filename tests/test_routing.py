@@ -222,6 +222,29 @@ def test_routing_from_pairs_empty():
     assert r.token_offsets.tolist() == [0, 0, 0, 0, 0]
 
 
+def test_routing_from_topk_is_lean_and_checks_its_arguments():
+    """routing_from_topk builds top-k's routing in at most 11 dispatched torch ops (each one costs host time in the
+    eager layer; the generic routing_from_pairs path took 16), and names a bad argument."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    ids = random_topk_ids(13, 3, 6, seed=1)
+    with Count():
+        routing_from_topk(ids, 6)
+    assert Count.ops <= 11
+    with pytest.raises(TypeError, match="topk_ids"):
+        routing_from_topk(ids.float(), 6)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_experts"):
+            routing_from_topk(ids, bad)
+
+
 def test_routing_from_pairs_matches_topk_when_pairs_are_topk():
     ids = random_topk_ids(11, 3, 7, seed=5)
     tok = torch.arange(11).repeat_interleave(3)
