@@ -2,10 +2,12 @@
 
 Public API: :class:`MoE` (the layer), :func:`moe` and :func:`experts` (functional), the router and
 routing metadata (:func:`router_topk`, :func:`routing_from_topk`, :func:`routing_from_pairs`,
-:class:`Routing`), the float32 ground truth (:func:`moe_ref`, :func:`experts_ref`) and
-:class:`MoEConfig`. Importing queries no GPU.
+:class:`Routing`), the float32 ground truth (:func:`moe_ref`, :func:`experts_ref`),
+:class:`MoEConfig`, and per-expert Hugging Face checkpoints in and out (:func:`load_hf_experts`,
+:func:`hf_experts_state_dict`). Importing queries no GPU.
 """
 
+from .checkpoints import hf_experts_state_dict, load_hf_experts
 from .config import MoEConfig
 from .functional import MoEOutput, experts, moe
 from .modules import MoE
@@ -30,7 +32,9 @@ __all__ = [
     "Routing",
     "experts",
     "experts_ref",
+    "hf_experts_state_dict",
     "load_balancing_loss",
+    "load_hf_experts",
     "moe",
     "moe_ref",
     "router_topk",

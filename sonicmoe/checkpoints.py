@@ -1,0 +1,164 @@
+"""Per-expert Hugging Face checkpoints to and from :class:`~sonicmoe.MoE`'s stacked parameters.
+
+Many published MoE checkpoints store each expert as its own SwiGLU MLP of three linear layers. This module moves
+such a block's weights into the layer, and back:
+
+* ``"qwen"`` names (Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3): ``experts.{i}.gate_proj.weight`` (n, d),
+  ``experts.{i}.up_proj.weight`` (n, d), ``experts.{i}.down_proj.weight`` (d, n);
+* ``"mixtral"`` names (Mixtral): ``experts.{i}.w1.weight`` (gate, (n, d)), ``experts.{i}.w3.weight`` (up, (n, d)),
+  ``experts.{i}.w2.weight`` (down, (d, n));
+* both: the router ``gate.weight`` (E, d), and DeepSeek-V3's ``gate.e_score_correction_bias`` (E,) where the layer has
+  that buffer (``router_order="sigmoid_then_topk"``); ``.bias`` entries beside the weights where the layer has
+  expert biases (``bias=True``).
+
+Expert i's gate and up rows become ``experts.gate_up_proj[i]`` (2n, d) in the layer's ``gate_up_layout``
+(``"concat"``: [gate; up]; ``"interleaved"``: row 2j gate channel j, row 2j + 1 up channel j) and its down weight
+``experts.down_proj[i]`` (d, n). The routing options are the layer's to set, to match the model: Mixtral is
+``router_order="softmax_then_topk", renormalize=True``; Qwen3-MoE the same with its ``norm_topk_prob``; OLMoE
+``renormalize=False``; DeepSeek-V3 ``"sigmoid_then_topk"``, ``renormalize=True``, ``routed_scaling_factor=2.5``,
+``n_group=8, topk_group=4`` (its shared experts are a plain MLP beside the layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .modules import MoE
+
+STYLES = ("auto", "qwen", "mixtral")
+_NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def _style(state_dict: Mapping[str, torch.Tensor], prefix: str, style: str) -> str:
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    if style != "auto":
+        return style
+    for name, (gate, _, _) in _NAMES.items():
+        if f"{prefix}experts.0.{gate}.weight" in state_dict:
+            return name
+    raise KeyError(f"no per-expert weights under prefix {prefix!r}: expected {prefix}experts.0.gate_proj.weight "
+                   f"(style 'qwen') or {prefix}experts.0.w1.weight (style 'mixtral')")
+
+
+def _check_layer(layer: MoE) -> None:
+    if not isinstance(layer, MoE):
+        raise TypeError(f"layer must be a sonicmoe.MoE, got {type(layer).__name__}")
+    if layer.experts.gate_up_proj.shape[0] != layer.config.num_experts:
+        raise NotImplementedError("the layer holds a shard of the experts (expert parallelism): load the whole "
+                                  "layer's checkpoint into a plain MoE and copy its shard")
+
+
+def _take(state_dict: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if key not in state_dict:
+        raise KeyError(f"missing {key!r} (expected shape {shape})")
+    v = state_dict[key]
+    if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
+        got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(f"{key!r} must have shape {shape}, got {got}")
+    return v
+
+
+def _gate_up(gate: torch.Tensor, up: torch.Tensor, layout: str) -> torch.Tensor:
+    """(2n, ...) rows of W1 from the gate and up rows (n, ...) in ``layout``."""
+    if layout == "concat":
+        return torch.cat([gate, up], dim=0)
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+def _split_gate_up(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up rows (n, ...) of W1's (2n, ...) rows in ``layout``: the inverse of :func:`_gate_up`."""
+    if layout == "concat":
+        n = w.shape[0] // 2
+        return w[:n], w[n:]
+    return w[0::2], w[1::2]
+
+
+@torch.no_grad()
+def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str = "", *,
+                    style: str = "auto") -> None:
+    """Copy a per-expert Hugging Face sparse-MoE block's weights into ``layer`` (module docstring for the names).
+
+    Args:
+        layer: a :class:`~sonicmoe.MoE` with the block's d, n, E (all E experts: not an expert-parallel shard).
+        state_dict: the model's state dict (or the block's); values are cast to the layer's dtype and device.
+        prefix: the block's key prefix, e.g. ``"model.layers.3.mlp."`` (Qwen) or
+            ``"model.layers.3.block_sparse_moe."`` (Mixtral).
+        style: ``"qwen"``, ``"mixtral"`` or ``"auto"`` (from the names of expert 0).
+
+    Everything is checked before anything is copied: on an error the layer is unchanged. Entries the layer has no
+    place for (a shared expert, other layers) are ignored; nothing in ``state_dict`` is modified.
+
+    Raises:
+        KeyError: a weight (or bias, or the selection bias) the layer needs is missing; no expert weights found.
+        ValueError: a tensor of the wrong shape (the message names the key and the expected shape); an unknown style;
+            biases in the checkpoint for a layer without them.
+        TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
+    """
+    _check_layer(layer)
+    style = _style(state_dict, prefix, style)
+    gate_name, up_name, down_name = _NAMES[style]
+    c, ex = layer.config, layer.experts
+    e, d, n = c.num_experts, c.hidden_size, c.intermediate_size
+    router = _take(state_dict, f"{prefix}gate.weight", (e, d))
+    w1, w2, b1, b2 = [], [], [], []
+    for i in range(e):
+        p = f"{prefix}experts.{i}."
+        w1.append(_gate_up(_take(state_dict, f"{p}{gate_name}.weight", (n, d)),
+                           _take(state_dict, f"{p}{up_name}.weight", (n, d)), c.gate_up_layout))
+        w2.append(_take(state_dict, f"{p}{down_name}.weight", (d, n)))
+        if ex.gate_up_proj_bias is not None:
+            b1.append(_gate_up(_take(state_dict, f"{p}{gate_name}.bias", (n,)),
+                               _take(state_dict, f"{p}{up_name}.bias", (n,)), c.gate_up_layout))
+            b2.append(_take(state_dict, f"{p}{down_name}.bias", (d,)))
+        elif f"{p}{gate_name}.bias" in state_dict:
+            raise ValueError(f"the checkpoint has expert biases ({p}{gate_name}.bias) but the layer has none: "
+                             "build it with bias=True")
+    if f"{prefix}experts.{e}.{gate_name}.weight" in state_dict:
+        raise ValueError(f"the checkpoint has more than E={e} experts ({prefix}experts.{e}.{gate_name}.weight)")
+    selection_bias = None
+    if layer.e_score_correction_bias is not None:
+        selection_bias = _take(state_dict, f"{prefix}gate.e_score_correction_bias", (e,))
+    layer.gate.weight.copy_(router)
+    ex.gate_up_proj.copy_(torch.stack(w1))
+    ex.down_proj.copy_(torch.stack(w2))
+    if b1:
+        ex.gate_up_proj_bias.copy_(torch.stack(b1))
+        ex.down_proj_bias.copy_(torch.stack(b2))
+    if selection_bias is not None:
+        layer.e_score_correction_bias.copy_(selection_bias)
+
+
+@torch.no_grad()
+def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen") -> dict[str, torch.Tensor]:
+    """The inverse of :func:`load_hf_experts`: ``layer``'s weights as a per-expert Hugging Face state dict (new
+    tensors, in the layer's dtype and device): ``{prefix}gate.weight``, ``{prefix}experts.{i}.{gate, up,
+    down}.weight`` (and ``.bias`` with expert biases) under ``style`` ``"qwen"`` or ``"mixtral"``, and
+    ``{prefix}gate.e_score_correction_bias`` where the layer has it.
+
+    Raises:
+        ValueError: an unknown style (``"auto"`` included: name one). TypeError / NotImplementedError: as
+            :func:`load_hf_experts`.
+    """
+    _check_layer(layer)
+    if style not in _NAMES:
+        raise ValueError(f"style must be one of {tuple(_NAMES)}, got {style!r}")
+    gate_name, up_name, down_name = _NAMES[style]
+    c, ex = layer.config, layer.experts
+    out = {f"{prefix}gate.weight": layer.gate.weight.detach().clone()}
+    if layer.e_score_correction_bias is not None:
+        out[f"{prefix}gate.e_score_correction_bias"] = layer.e_score_correction_bias.detach().clone()
+    for i in range(c.num_experts):
+        p = f"{prefix}experts.{i}."
+        gate, up = _split_gate_up(ex.gate_up_proj[i], c.gate_up_layout)
+        out[f"{p}{gate_name}.weight"] = gate.clone()
+        out[f"{p}{up_name}.weight"] = up.clone()
+        out[f"{p}{down_name}.weight"] = ex.down_proj[i].clone()
+        if ex.gate_up_proj_bias is not None:
+            gb, ub = _split_gate_up(ex.gate_up_proj_bias[i], c.gate_up_layout)
+            out[f"{p}{gate_name}.bias"] = gb.clone()
+            out[f"{p}{up_name}.bias"] = ub.clone()
+            out[f"{p}{down_name}.bias"] = ex.down_proj_bias[i].clone()
+    return out

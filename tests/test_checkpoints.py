@@ -1,0 +1,161 @@
+"""Per-expert Hugging Face checkpoints into sonicmoe.MoE and back (sonicmoe.checkpoints), on CPU.
+
+The per-expert blocks below are written out by hand after the models' published forward passes (Mixtral's sparse
+block; DeepSeek-V3's sigmoid gate with its selection bias, group limit and scaling), in float64: the layer loaded
+from their state dicts must give their outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sonicmoe import MoE
+from sonicmoe.checkpoints import hf_experts_state_dict, load_hf_experts
+
+D, N, E, K = 12, 6, 8, 2
+
+
+class _Expert(nn.Module):
+    def __init__(self, names: tuple[str, str, str], bias: bool = False):
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(D, N, bias=bias, dtype=torch.float64))
+        setattr(self, up, nn.Linear(D, N, bias=bias, dtype=torch.float64))
+        setattr(self, down, nn.Linear(N, D, bias=bias, dtype=torch.float64))
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, a) for a in self.names)
+        return down(torch.nn.functional.silu(gate(x)) * up(x))
+
+
+class _MixtralBlock(nn.Module):
+    """softmax over all E, top-K, renormalised; experts w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False, dtype=torch.float64)
+        self.experts = nn.ModuleList(_Expert(("w1", "w3", "w2"), bias) for _ in range(E))
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x), dim=-1)
+        w, ids = probs.topk(K, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(K):
+                out[t] += w[t, j] * self.experts[int(ids[t, j])](x[t])
+        return out
+
+
+class _DeepSeekV3Block(nn.Module):
+    """sigmoid gate; the choice by sigmoid + e_score_correction_bias within the topk_group best of n_group groups
+    (a group scores its two best); weights the chosen sigmoids, renormalised, times the scaling factor."""
+
+    def __init__(self, n_group=4, topk_group=2, scale=2.5):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False, dtype=torch.float64)
+        self.gate.register_buffer("e_score_correction_bias", torch.randn(E, dtype=torch.float64) * 0.1)
+        self.experts = nn.ModuleList(_Expert(("gate_proj", "up_proj", "down_proj")) for _ in range(E))
+        self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
+
+    def forward(self, x):
+        s = torch.sigmoid(self.gate(x))
+        key = s + self.gate.e_score_correction_bias
+        t = x.shape[0]
+        groups = key.view(t, self.n_group, -1).topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+        mask = torch.zeros(t, self.n_group, dtype=torch.bool).scatter_(1, groups, True)
+        key = key.masked_fill(~mask.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        ids = key.topk(K, dim=-1).indices
+        w = s.gather(1, ids)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
+        out = torch.zeros_like(x)
+        for i in range(t):
+            for j in range(K):
+                out[i] += w[i, j] * self.experts[int(ids[i, j])](x[i])
+        return out
+
+
+def _prefixed(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    return {prefix + k: v for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_mixtral_block_loads_and_matches(layout, bias):
+    torch.manual_seed(0)
+    block = _MixtralBlock(bias)
+    layer = MoE(D, N, E, K, router_order="softmax_then_topk", renormalize=True, gate_up_layout=layout, bias=bias,
+                backend="torch", dtype=torch.float64)
+    state = _prefixed(block, "model.layers.0.block_sparse_moe.")
+    state["model.layers.0.block_sparse_moe.shared.weight"] = torch.zeros(3)  # ignored: not the layer's
+    before = {k: v.clone() for k, v in state.items()}
+    load_hf_experts(layer, state, "model.layers.0.block_sparse_moe.")
+    assert all(torch.equal(v, before[k]) for k, v in state.items()), "the checkpoint is not modified"
+    x = torch.randn(17, D, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), block(x), rtol=1e-12, atol=1e-12)
+
+
+def test_deepseek_v3_block_loads_and_matches():
+    torch.manual_seed(1)
+    block = _DeepSeekV3Block()
+    layer = MoE(D, N, E, K, router_order="sigmoid_then_topk", renormalize=True, routed_scaling_factor=2.5,
+                n_group=4, topk_group=2, backend="torch", dtype=torch.float64)
+    load_hf_experts(layer, _prefixed(block, "mlp."), "mlp.")  # style "auto": gate_proj/up_proj/down_proj
+    assert torch.equal(layer.e_score_correction_bias, block.gate.e_score_correction_bias.float())
+    x = torch.randn(23, D, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), block(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("style", ["qwen", "mixtral"])
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_round_trip(style, layout):
+    torch.manual_seed(2)
+    layer = MoE(D, N, E, K, gate_up_layout=layout, bias=True, router_order="sigmoid_then_topk")
+    layer.e_score_correction_bias.normal_()
+    state = hf_experts_state_dict(layer, "blk.", style=style)
+    names = ("gate_proj", "up_proj", "down_proj") if style == "qwen" else ("w1", "w3", "w2")
+    assert state[f"blk.experts.3.{names[0]}.weight"].shape == (N, D)
+    assert state[f"blk.experts.3.{names[2]}.weight"].shape == (D, N)
+    assert len(state) == 2 + 6 * E
+    twin = MoE(D, N, E, K, gate_up_layout=layout, bias=True, router_order="sigmoid_then_topk")
+    load_hf_experts(twin, state, "blk.", style=style)
+    for (name, a), b in zip(layer.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
+    # the other layout holds the same experts in other rows: same output
+    other = MoE(D, N, E, K, gate_up_layout="concat" if layout == "interleaved" else "interleaved", bias=True,
+                router_order="sigmoid_then_topk")
+    load_hf_experts(other, state, "blk.")
+    x = torch.randn(9, D)
+    torch.testing.assert_close(other(x), layer(x), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(other.experts.gate_up_proj, layer.experts.gate_up_proj)
+
+
+def test_errors_name_the_key_and_leave_the_layer_unchanged():
+    torch.manual_seed(3)
+    block = _MixtralBlock()
+    layer = MoE(D, N, E, K, dtype=torch.float64)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    good = _prefixed(block, "b.")
+
+    def fails(exc, match, state, *args, **kw):
+        with pytest.raises(exc, match=match):
+            load_hf_experts(layer, state, *args, **kw)
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+    fails(KeyError, "b.experts.5.w2.weight", {k: v for k, v in good.items() if k != "b.experts.5.w2.weight"}, "b.")
+    fails(ValueError, r"b.experts.2.w1.weight.*\(6, 12\)", {**good, "b.experts.2.w1.weight": torch.zeros(6, 11)}, "b.")
+    fails(ValueError, "more than E=8", {**good, "b.experts.8.w1.weight": torch.zeros(N, D)}, "b.")
+    fails(ValueError, "bias=True", {**good, "b.experts.0.w1.bias": torch.zeros(N)}, "b.")
+    fails(KeyError, "no per-expert weights", good, "wrong.")
+    fails(ValueError, "style", good, "b.", style="olmoe")
+    fails(KeyError, "gate_proj", good, "b.", style="qwen")
+    sig = MoE(D, N, E, K, router_order="sigmoid_then_topk")
+    with pytest.raises(KeyError, match="e_score_correction_bias"):
+        load_hf_experts(sig, good, "b.")
+    with pytest.raises(TypeError, match="layer"):
+        load_hf_experts(block, good, "b.")
+    with pytest.raises(ValueError, match="style"):
+        hf_experts_state_dict(layer, style="auto")
