@@ -207,7 +207,14 @@ def routing_from_pairs(
 
 
 def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
-    """Build :class:`Routing` from top-k expert ids (T, K): pairs p = t·K + k, token-major."""
+    """Build :class:`Routing` from top-k expert ids (T, K): pairs p = t·K + k, token-major; the same routing as
+    ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, in fewer torch ops. No host sync;
+    the ids' values are the caller's promise (in [0, E), distinct per token), as there.
+
+    Raises:
+        ValueError: ``topk_ids`` not 2-D; ``num_experts`` not an int >= 1.
+        TypeError: ``topk_ids`` not an integer tensor.
+    """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
     t, k = topk_ids.shape
