@@ -181,10 +181,11 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
-    logits, probs, ids, scores = router.logits, router.probs, router.topk_ids, router.topk_scores
-    if logits.dim() != 2 or probs.shape != logits.shape:
+    # probs as given (None: computed from the logits on first access, which the sigmoid order never needs here)
+    logits, probs, ids, scores = router.logits, router._probs, router.topk_ids, router.topk_scores
+    if logits.dim() != 2 or (probs is not None and probs.shape != logits.shape):
         raise ValueError(f"router.logits and router.probs must both be (T, E), got {tuple(logits.shape)} "
-                         f"and {tuple(probs.shape)}")
+                         f"and {tuple(probs.shape) if probs is not None else 'the same'}")
     t, e = logits.shape
     if ids.dim() != 2 or ids.shape[0] != t or scores.shape != ids.shape or not 1 <= ids.shape[1] <= e:
         raise ValueError(f"router.topk_ids and router.topk_scores must both be (T={t}, K) with 1 <= K <= "

@@ -254,6 +254,18 @@ def test_added_scores_follow_router_order():
         assert (out.pair_scores[sel].detach() <= router.topk_scores.detach().min(1).values[tok] + 1e-6).all()
 
 
+def test_sigmoid_order_never_computes_the_softmax_probs():
+    """Under sigmoid_then_topk token rounding ranks and scores by the sigmoids: the router's (T, E) probs (the balance
+    loss's input, computed on first access) stay uncomputed, on the kernel path (interpreter) and the torch path."""
+    from sonicmoe.ops.common import interpreting
+
+    for use_kernel in ((False, True) if interpreting() else (False,)):
+        router, _ = make_router(64, 8, 2, seed=4, router_order="sigmoid_then_topk", renormalize=True)
+        out = token_rounding(router, m_tile=16, subroutine="up", use_kernel=use_kernel,
+                             **tr_kwargs("sigmoid_then_topk", True))
+        assert out.pair_added.any() and router._probs is None, use_kernel
+
+
 def test_float64_router():
     router, _ = make_router(150, 6, 2, seed=1, dtype=torch.float64)
     for s in ROUNDING_SUBROUTINES:

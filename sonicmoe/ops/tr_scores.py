@@ -337,6 +337,8 @@ def use_score_kernels(router, use_kernel: bool | None) -> bool:
     (:func:`~sonicmoe.ops.tr_select.use_select_kernels`), and never for float64 routers."""
     from .tr_select import use_select_kernels
 
-    if torch.float64 in (router.logits.dtype, router.probs.dtype, router.topk_scores.dtype):
+    probs = router._probs  # None until first read (then the logits' dtype): not computed just for this check
+    if torch.float64 in (router.logits.dtype, router.topk_scores.dtype) or (
+            probs is not None and probs.dtype == torch.float64):
         return False
     return use_select_kernels(router.logits.device, use_kernel)
