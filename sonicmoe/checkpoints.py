@@ -94,7 +94,8 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
     Raises:
         KeyError: a weight (or bias, or the selection bias) the layer needs is missing; no expert weights found.
         ValueError: a tensor of the wrong shape (the message names the key and the expected shape); an unknown style;
-            biases in the checkpoint for a layer without them.
+            biases, more experts, or DeepSeek-V3's selection bias in the checkpoint for a layer without a place for
+            them.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
     """
     _check_layer(layer)
@@ -121,6 +122,10 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
     selection_bias = None
     if layer.e_score_correction_bias is not None:
         selection_bias = _take(state_dict, f"{prefix}gate.e_score_correction_bias", (e,))
+    elif f"{prefix}gate.e_score_correction_bias" in state_dict:
+        raise ValueError(f"the checkpoint has {prefix}gate.e_score_correction_bias (DeepSeek-V3's sigmoid router) but "
+                         f"the layer routes with router_order={c.router_order!r}: build it with "
+                         "router_order='sigmoid_then_topk'")
     layer.gate.weight.copy_(router)
     ex.gate_up_proj.copy_(torch.stack(w1))
     ex.down_proj.copy_(torch.stack(w2))

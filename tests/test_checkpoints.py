@@ -152,6 +152,7 @@ def test_errors_name_the_key_and_leave_the_layer_unchanged():
     fails(KeyError, "no per-expert weights", good, "wrong.")
     fails(ValueError, "style", good, "b.", style="olmoe")
     fails(KeyError, "gate_proj", good, "b.", style="qwen")
+    fails(ValueError, "sigmoid_then_topk", {**good, "b.gate.e_score_correction_bias": torch.zeros(E)}, "b.")
     sig = MoE(D, N, E, K, router_order="sigmoid_then_topk")
     with pytest.raises(KeyError, match="e_score_correction_bias"):
         load_hf_experts(sig, good, "b.")
