@@ -47,8 +47,8 @@ def _check_layer(layer: MoE) -> None:
     if not isinstance(layer, MoE):
         raise TypeError(f"layer must be a sonicmoe.MoE, got {type(layer).__name__}")
     if layer.experts.gate_up_proj.shape[0] != layer.config.num_experts:
-        raise NotImplementedError("the layer holds a shard of the experts (expert parallelism): load the whole "
-                                  "layer's checkpoint into a plain MoE and copy its shard")
+        raise NotImplementedError("the layer holds a shard of the experts (expert parallelism): load the checkpoint "
+                                  "into a plain MoE, then take this rank's shard with ExpertParallelMoE.from_moe")
 
 
 def _take(state_dict: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
