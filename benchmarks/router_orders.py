@@ -31,6 +31,7 @@ import torch
 
 from sonicmoe import MoE
 from sonicmoe.bench.measure import bench_ms, fwdbwd_fn, graph_of, host_ms
+from sonicmoe.bench.shapes import parse_shape
 from sonicmoe.reference import moe_ref
 from sonicmoe.routing import router_topk
 from sonicmoe.testing import rel_err
@@ -49,11 +50,12 @@ SERIES = ("layer_ms", "router_ms", "layer_host_ms", "router_host_ms", "layer_gra
 
 
 def _shape(text: str) -> tuple[int, int, int, int, int]:
+    """(T, d, n, E, K) from ``T,d,n,E,K`` (:func:`sonicmoe.bench.shapes.parse_shape`, the bench CLI's parser)."""
     try:
-        t, d, n, e, k = (int(v) for v in text.split(","))
+        s = parse_shape(text)
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected T,d,n,E,K (five integers), got {text!r}") from err
-    return t, d, n, e, k
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return s.T, s.d, s.n, s.E, s.K
 
 
 def _layer(shape, options: dict, device, aux_loss_coef: float = 0.0) -> MoE:
