@@ -1,7 +1,7 @@
 """The whole ``MoE`` layer (router + experts) under each router order, and the router alone, on one GPU.
 
 usage: python benchmarks/router_orders.py [--shape T,d,n,E,K ...] [--rounds R] [--graph] [--aux-loss-coef C]
-                                          [--json OUT]
+                                          [--routing topk|token_rounding] [--json OUT]
 
 For every shape, alternating rounds over the orders ``topk_then_softmax`` (SonicMoE), ``softmax_then_topk``
 with renormalisation (Qwen3) and ``sigmoid_then_topk`` with renormalisation, routed_scaling_factor 2.5 and a
@@ -16,6 +16,10 @@ nonzero ``e_score_correction_bias`` (DeepSeek-V3), the same with group-limited r
 ``--graph`` adds, for both, the host time to enqueue one call (no synchronisation) and the time of the call replayed
 from a CUDA graph (no Python between kernels: what the GPU needs). An eager time well above the graph's, with a host
 time close to the eager time, is host-bound.
+
+``--routing token_rounding`` times the layers in training mode under token rounding (SPEC §5, ``m_tile`` 128, the
+default subroutine) instead of top-k; the group-limited order is left out (token rounding needs n_group = 1), and the
+check below runs in eval mode, i.e. on top-k.
 
 Every order's layer output is first checked against the float32 reference (:func:`sonicmoe.reference.moe_ref` with
 the same options) by relative error. The table is printed last; ``--json`` writes every number.
@@ -58,14 +62,14 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
     return s.T, s.d, s.n, s.E, s.K
 
 
-def _layer(shape, options: dict, device, aux_loss_coef: float = 0.0) -> MoE:
+def _layer(shape, options: dict, device, aux_loss_coef: float = 0.0, routing: str = "topk") -> MoE:
     t, d, n, e, k = shape
     torch.manual_seed(0)
     if "experts_per_group" in options:  # group-limited routing, n_group = E / experts_per_group (DeepSeek-V3: 256/32)
         options = dict(options)
         n_group = max(e // options.pop("experts_per_group"), 1)
         options.update(n_group=n_group, topk_group=min(options["topk_group"], n_group))
-    m = MoE(d, n, e, k, backend="triton", aux_loss_coef=aux_loss_coef, **options)
+    m = MoE(d, n, e, k, backend="triton", aux_loss_coef=aux_loss_coef, routing=routing, **options)
     m = m.to(device=device, dtype=torch.bfloat16)
     if m.e_score_correction_bias is not None:
         m.e_score_correction_bias.copy_(torch.randn(e, device=device) * 0.02)
@@ -75,7 +79,9 @@ def _layer(shape, options: dict, device, aux_loss_coef: float = 0.0) -> MoE:
 def _check(m: MoE, x: torch.Tensor) -> float:
     c, ex = m.config, m.experts
     with torch.no_grad():
+        m.eval()  # top-k (token rounding is a training-mode routing)
         out = m(x)
+        m.train()
         ref = moe_ref(x.float(), m.gate.weight.float(), ex.gate_up_proj.float(), ex.down_proj.float(),
                       top_k=c.top_k, router_order=c.router_order, renormalize=c.renormalize,
                       expert_bias=m.e_score_correction_bias, routed_scaling_factor=c.routed_scaling_factor,
@@ -94,6 +100,9 @@ def main() -> None:
     p.add_argument("--graph", action="store_true",
                    help="also each call's host time (enqueue, no sync) and its time replayed from a CUDA graph "
                         "(the GPU-bound time: no Python between kernels)")
+    p.add_argument("--routing", choices=("topk", "token_rounding"), default="topk",
+                   help="the layers' routing in the timed calls (token_rounding: training mode, no group-limited "
+                        "order)")
     args = p.parse_args()
     shapes = args.shape or [(24576, 1536, 256, 128, 8)]
     device = torch.device("cuda")
@@ -103,7 +112,8 @@ def main() -> None:
         flops = 18 * t * k * n * d
         x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
         dout = torch.randn(t, d, device=device, dtype=torch.bfloat16)
-        layers = {name: _layer(shape, opts, device, args.aux_loss_coef) for name, opts in ORDERS.items()}
+        layers = {name: _layer(shape, opts, device, args.aux_loss_coef, args.routing) for name, opts in ORDERS.items()
+                  if args.routing == "topk" or "experts_per_group" not in opts}
         row = {"shape": list(shape), "useful_flops": flops, "orders": {}}
         for name, m in layers.items():
             row["orders"][name] = {"check_rel_err": _check(m, x[:4096]), **{key: [] for key in SERIES}}
@@ -146,12 +156,12 @@ def main() -> None:
                 v["tflops_graph"] = flops / v["layer_graph_ms_median"] / 1e9
         results.append(row)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
-            "graph": args.graph, "aux_loss_coef": args.aux_loss_coef, "results": results}
+            "graph": args.graph, "routing": args.routing, "aux_loss_coef": args.aux_loss_coef, "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
     print(f"device: {meta['device']}; medians of {args.rounds} alternating rounds (bf16, triton backend, "
-          f"aux_loss_coef {args.aux_loss_coef})")
+          f"aux_loss_coef {args.aux_loss_coef}, routing {args.routing})")
     cols = ["check rel err", "layer fwd+bwd ms", "TFLOP/s", "router fwd+bwd ms"]
     if args.graph:
         cols += ["layer host ms", "layer graph ms", "graph TFLOP/s", "router host ms", "router graph ms"]

@@ -40,7 +40,7 @@
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ep     expert parallelism: its tests (two ranks) and benchmarks/ep_bench.py over the visible GPUs
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
-#          (ORDERS_SHAPES, ORDERS_ROUNDS), the h100 preset for ORDERS_STEPS steps with the default and DeepSeek-V3's router
+#          (ORDERS_SHAPES, ORDERS_ROUNDS, ORDERS_ROUTING=token_rounding), the h100 preset for ORDERS_STEPS steps with the default and DeepSeek-V3's router
 #   portable  the Triton kernels' "mma" tile family (common.tile_family: the configs for GPUs other than Hopper and
 #          datacenter Blackwell) on this GPU: its GPU tests, then the layer with SONICMOE_TILE_FAMILY=mma and no Gluon
 #          kernel against the default and against the torch backend on PORTABLE_SHAPES (default the 7B shape), checked
@@ -322,6 +322,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         -p no:cacheprovider > "$OUT/gpu_tests_orders.log" 2>&1
       shapes=(); for sh in ${ORDERS_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do shapes+=(--shape "$sh"); done
       graph=(); [ "${ORDERS_GRAPH:-1}" = 1 ] && graph=(--graph)  # host time and CUDA-graph replays too (session 75)
+      [ -n "${ORDERS_ROUTING:-}" ] && graph+=(--routing "$ORDERS_ROUTING")  # token_rounding (session 76)
       timeout 300 python3 benchmarks/router_orders.py "${shapes[@]}" --rounds "${ORDERS_ROUNDS:-3}" "${graph[@]}" \
         --json "$OUT/router_orders.json" > "$OUT/router_orders.txt" 2>&1
       steps=${ORDERS_STEPS:-300}  # 0: no training runs
