@@ -40,7 +40,8 @@
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ep     expert parallelism: its tests (two ranks) and benchmarks/ep_bench.py over the visible GPUs
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
-#          (ORDERS_SHAPES, ORDERS_ROUNDS, ORDERS_ROUTING=token_rounding), the h100 preset for ORDERS_STEPS steps with the default and DeepSeek-V3's router
+#          (ORDERS_SHAPES, ORDERS_ROUNDS, ORDERS_ROUTING=token_rounding), the h100 preset for ORDERS_STEPS steps with the
+#          default and DeepSeek-V3's router
 #   portable  the Triton kernels' "mma" tile family (common.tile_family: the configs for GPUs other than Hopper and
 #          datacenter Blackwell) on this GPU: its GPU tests, then the layer with SONICMOE_TILE_FAMILY=mma and no Gluon
 #          kernel against the default and against the torch backend on PORTABLE_SHAPES (default the 7B shape), checked
