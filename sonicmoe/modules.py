@@ -46,7 +46,8 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Sparse Mixture-of-Experts layer with top-k token-choice routing and SwiGLU experts (SPEC §2).
 
-    ``forward(x)``: x (..., d) -> O (..., d), same dtype. After each forward, ``aux_loss``
+    ``forward(x)``: x (..., d) -> O (..., d), same dtype; with ``return_losses=True``, ``(O, aux_loss, z_loss)``
+    (for ``torch.cuda.make_graphed_callables``, whose replays return outputs only). After each forward, ``aux_loss``
     (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
     ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
     A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a float32 zero
@@ -221,4 +222,5 @@ class MoE(nn.Module):
         self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing) if aux else zero
         self.z_loss = c.z_loss_coef * z_loss(router.logits) if z else zero
         self.expert_counts = routing.expert_counts().detach()
-        return out.reshape(*lead, c.hidden_size).to(x.dtype if amp is None else amp)
+        out = out.reshape(*lead, c.hidden_size).to(x.dtype if amp is None else amp)
+        return (out, self.aux_loss, self.z_loss) if c.return_losses else out
