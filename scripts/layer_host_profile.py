@@ -3,7 +3,7 @@
 usage: python scripts/layer_host_profile.py [--shape T,d,n,E,K] [--calls N] [--routing topk|token_rounding]
 
 Prints the eager call's time, its host time to enqueue one call (no synchronisation) and its CUDA-graph replay time,
-then the same layer (``return_losses=True``) through ``torch.cuda.make_graphed_callables`` called eagerly (forward
+then the same layer (``return_router_info=True``) through ``torch.cuda.make_graphed_callables`` called eagerly (forward
 and backward each one graph replay); then cProfile's top functions by own time and by cumulative time over N eager
 calls, and torch's CPU-side operator table (self CPU time).
 """
@@ -40,7 +40,8 @@ def main() -> None:
     replay = bench_ms(graph.replay, device=x.device)["p50"]
     del graph
     torch.manual_seed(0)
-    gm = MoE(s.d, s.n, s.E, s.K, backend="triton", aux_loss_coef=0.0, routing=args.routing, return_losses=True)
+    gm = MoE(s.d, s.n, s.E, s.K, backend="triton", aux_loss_coef=0.0, routing=args.routing,
+             return_router_info=True)
     gm = torch.cuda.make_graphed_callables(gm.to(device="cuda", dtype=torch.bfloat16), (x,))
     gcall = fwdbwd_fn(lambda: gm(x)[0], [x, *gm.parameters()], dout)
     graphed, graphed_host = bench_ms(gcall, device=x.device)["p50"], host_ms(gcall)

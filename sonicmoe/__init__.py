@@ -1,16 +1,16 @@
 """sonicmoe: fast, activation-memory-lean fine-grained Mixture-of-Experts training (SonicMoE method).
 
-Public API: :class:`MoE` (the layer), :func:`moe` and :func:`experts` (functional), the router and
-routing metadata (:func:`router_topk`, :func:`routing_from_topk`, :func:`routing_from_pairs`,
-:class:`Routing`), the float32 ground truth (:func:`moe_ref`, :func:`experts_ref`),
-:class:`MoEConfig`, and per-expert Hugging Face checkpoints in and out (:func:`load_hf_experts`,
-:func:`hf_experts_state_dict`). Importing queries no GPU.
+Public API: :class:`MoE` (the layer; :class:`MoELayerOutput` with ``return_router_info=True``), :func:`moe`
+and :func:`experts` (functional), the router and routing metadata (:func:`router_topk`,
+:func:`routing_from_topk`, :func:`routing_from_pairs`, :class:`Routing`), the float32 ground truth
+(:func:`moe_ref`, :func:`experts_ref`), :class:`MoEConfig`, and per-expert Hugging Face checkpoints in and out
+(:func:`load_hf_experts`, :func:`hf_experts_state_dict`). Importing queries no GPU.
 """
 
 from .checkpoints import hf_experts_state_dict, load_hf_experts
 from .config import MoEConfig
 from .functional import MoEOutput, experts, moe
-from .modules import MoE
+from .modules import MoE, MoELayerOutput
 from .reference import experts_ref, moe_ref
 from .routing import (
     RouterOutput,
@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MoE",
     "MoEConfig",
+    "MoELayerOutput",
     "MoEOutput",
     "RouterOutput",
     "Routing",

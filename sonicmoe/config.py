@@ -62,10 +62,11 @@ class MoEConfig:
             sync, CUDA-graph capturable, but the (R, ·) activations (H is R·2n) are sized for R_max =
             :func:`sonicmoe.token_rounding.max_pairs` pairs, up to E·(M_tile−1)/2 rows above T·K with
             ``nearest``. False: exactly R pairs, one host sync per forward.
-        return_losses: ``MoE.forward`` returns ``(O, aux_loss, z_loss)`` instead of O alone (the losses as in the
-            layer's attributes). For wrappers that see only a callable's outputs, such as
-            ``torch.cuda.make_graphed_callables``: the attributes of a graphed layer are not updated by a replay
-            with a usable autograd graph, the returned losses are.
+        return_router_info: ``MoE.forward`` returns a :class:`sonicmoe.MoELayerOutput` ``(output, aux_loss,
+            z_loss, expert_counts)`` instead of O alone (the values also left in the layer's attributes). For
+            wrappers that see only a callable's outputs, such as ``torch.cuda.make_graphed_callables``: a replay of
+            a graphed layer updates none of its attributes (and an eval-mode forward in between replaces them), the
+            returned values are the replay's.
     """
 
     hidden_size: int
@@ -86,7 +87,7 @@ class MoEConfig:
     rounding: RoundingSubroutine = "nearest"
     m_tile: int = 128
     static_pairs: bool = True
-    return_losses: bool = False
+    return_router_info: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts"):
@@ -99,7 +100,7 @@ class MoEConfig:
             )
         if not isinstance(self.m_tile, int) or self.m_tile < 1:
             raise ValueError(f"m_tile must be a positive int, got {self.m_tile!r}")
-        for name in ("static_pairs", "return_losses"):
+        for name in ("static_pairs", "return_router_info"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice("router_order", self.router_order, ROUTER_ORDERS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,11 +44,29 @@ class Experts(nn.Module):
                 nn.init.uniform_(w, -bound, bound)
 
 
+class MoELayerOutput(NamedTuple):
+    """What ``MoE.forward`` returns with ``return_router_info=True`` (a tuple: unpack it, or read the fields).
+
+    Fields:
+        output: O (..., d), as the plain forward returns it.
+        aux_loss: the load-balancing loss times ``aux_loss_coef`` (float32 scalar; a zero without history when the
+            coefficient is 0).
+        z_loss: the router z-loss times ``z_loss_coef`` (likewise).
+        expert_counts: (E,) the pairs each expert received in this forward (int, no gradient).
+    """
+
+    output: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    expert_counts: torch.Tensor
+
+
 class MoE(nn.Module):
     """Sparse Mixture-of-Experts layer with top-k token-choice routing and SwiGLU experts (SPEC §2).
 
-    ``forward(x)``: x (..., d) -> O (..., d), same dtype; with ``return_losses=True``, ``(O, aux_loss, z_loss)``
-    (for ``torch.cuda.make_graphed_callables``, whose replays return outputs only). After each forward, ``aux_loss``
+    ``forward(x)``: x (..., d) -> O (..., d), same dtype; with ``return_router_info=True`` a :class:`MoELayerOutput`
+    ``(output, aux_loss, z_loss, expert_counts)`` (for ``torch.cuda.make_graphed_callables``, whose replays give
+    outputs only and leave the attributes as they were). After each forward, ``aux_loss``
     (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
     ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
     A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a float32 zero
@@ -223,4 +242,6 @@ class MoE(nn.Module):
         self.z_loss = c.z_loss_coef * z_loss(router.logits) if z else zero
         self.expert_counts = routing.expert_counts().detach()
         out = out.reshape(*lead, c.hidden_size).to(x.dtype if amp is None else amp)
-        return (out, self.aux_loss, self.z_loss) if c.return_losses else out
+        if c.return_router_info:
+            return MoELayerOutput(out, self.aux_loss, self.z_loss, self.expert_counts)
+        return out

@@ -639,15 +639,16 @@ def test_gpu_cuda_graph_layer_bf16(bias):
 @pytest.mark.parametrize("losses", [True, False], ids=["losses", "no_losses"])
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
 def test_gpu_make_graphed_callables(routing, losses):
-    """``torch.cuda.make_graphed_callables`` on the layer with ``return_losses=True`` (bf16, a 7B-like width): each
-    call replays the captured forward and its backward the captured backward. On new inputs the output, both losses
-    and the gradients of x and of every parameter have the bits of an eager twin with the same weights; with the
-    losses on (aux 0.01, z 1e-3) their gradients reach the router weight through the returned losses."""
+    """``torch.cuda.make_graphed_callables`` on the layer with ``return_router_info=True`` (bf16, a 7B-like width):
+    each call replays the captured forward and its backward the captured backward. On new inputs the output, both
+    losses, the expert counts and the gradients of x and of every parameter have the bits of an eager twin with the
+    same weights; with the losses on (aux 0.01, z 1e-3) their gradients reach the router weight through the returned
+    losses."""
     torch.manual_seed(0)
     t, d, n, e, k = 2048, 1536, 256, 128, 8
     coefs = (0.01, 1e-3) if losses else (0.0, 0.0)
     m = sonicmoe.MoE(d, n, e, k, backend="triton", aux_loss_coef=coefs[0], z_loss_coef=coefs[1], routing=routing,
-                     return_losses=True, device="cuda", dtype=torch.bfloat16)
+                     return_router_info=True, device="cuda", dtype=torch.bfloat16)
     twin = copy.deepcopy(m)
     sample = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     graphed = torch.cuda.make_graphed_callables(m, (sample,))
@@ -660,13 +661,16 @@ def test_gpu_make_graphed_callables(routing, losses):
         for layer in (graphed, twin):
             layer.zero_grad(set_to_none=True)
             leaf = x.clone().requires_grad_(True)
-            y, aux, z = layer(leaf)
+            y, aux, z, counts = layer(leaf)
             torch.autograd.backward([y, aux, z] if losses else [y], [dout, one, one] if losses else [dout])
             # clones: a graphed layer's outputs and gradients live in its static buffers, rewritten by each replay
-            res.append([v.detach().clone() for v in (y, aux, z, leaf.grad, *(p.grad for p in layer.parameters()))])
+            res.append([v.detach().clone() for v in (y, aux, z, counts, leaf.grad,
+                                                     *(p.grad for p in layer.parameters()))])
         torch.cuda.synchronize()
         assert torch.isfinite(res[1][0]).all() and (res[1][1] > 0).item() == losses
-        for name, a, b in zip(["y", "aux", "z", "x"] + [k for k, _ in m.named_parameters()], *res):
+        counts = res[1][3]  # top-k's T·K pairs, or token rounding's counts rounded to M_tile = 128
+        assert int(counts.sum()) == t * k if routing == "topk" else (counts % 128 == 0).all()
+        for name, a, b in zip(["y", "aux", "z", "counts", "x"] + [k for k, _ in m.named_parameters()], *res):
             assert torch.equal(a, b), name
 
 

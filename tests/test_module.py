@@ -137,7 +137,7 @@ def test_config_defaults():
     ({"router_order": "sigmoid_then_topk", "n_group": 3, "topk_group": 4}, "topk_group"),
     ({"router_order": "sigmoid_then_topk", "n_group": 3, "topk_group": 1, "top_k": 3}, "topk_group"),  # 2 < K
     ({"topk_group": 2}, "topk_group"),  # without groups
-    ({"return_losses": 1}, "return_losses"), ({"static_pairs": "no"}, "static_pairs"),
+    ({"return_router_info": 1}, "return_router_info"), ({"static_pairs": "no"}, "static_pairs"),
 ])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -610,20 +610,26 @@ def test_deepseek_v3_routing_on_triton(device, groups):
 
 
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
-def test_return_losses(routing):
-    """return_losses=True: forward returns (O, aux_loss, z_loss), O the plain layer's bits and the losses the
-    attributes' tensors; a loss built from the returned ones gives every parameter (and x) the gradient the plain
-    layer gives through its attributes. Both coefficients nonzero, then both zero (constant zeros, no history)."""
+def test_return_router_info(routing):
+    """return_router_info=True: forward returns a MoELayerOutput (output, aux_loss, z_loss, expert_counts), the
+    output the plain layer's bits and the rest the attributes' tensors; a loss built from the returned losses gives
+    every parameter (and x) the gradient the plain layer gives through its attributes. Both coefficients nonzero,
+    then both zero (constant zeros, no history)."""
     for aux, z in ((0.01, 1e-3), (0.0, 0.0)):
         kw = {"aux_loss_coef": aux, "z_loss_coef": z, "routing": routing, "m_tile": 4, "bias": True}
-        plain, tupled = make(seed=3, **kw), make(seed=3, return_losses=True, **kw)
+        plain, tupled = make(seed=3, **kw), make(seed=3, return_router_info=True, **kw)
         x = rand_x(2, 11, D, seed=4)
         x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         y1 = plain(x1)
         res = tupled(x2)
-        assert isinstance(res, tuple) and len(res) == 3
-        y2, aux_loss, z_loss = res
-        assert aux_loss is tupled.aux_loss and z_loss is tupled.z_loss
+        assert isinstance(res, sonicmoe.MoELayerOutput) and len(res) == 4 and res.output is res[0]
+        y2, aux_loss, z_loss, counts = res
+        assert aux_loss is tupled.aux_loss and z_loss is tupled.z_loss and counts is tupled.expert_counts
+        assert torch.equal(counts, plain.expert_counts) and counts.shape == (E,)
+        if routing == "topk":
+            assert int(counts.sum()) == 22 * K
+        else:
+            assert (counts % 4 == 0).all()
         assert torch.equal(y1, y2) and torch.equal(plain.aux_loss, aux_loss) and torch.equal(plain.z_loss, z_loss)
         assert (aux_loss.requires_grad, z_loss.requires_grad) == (aux != 0, z != 0)
         dy = rand_x(2, 11, D, seed=5)
