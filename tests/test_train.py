@@ -70,6 +70,7 @@ def test_log_and_plot(baseline):
     assert set(log["steps"][0]) >= {"step", "loss", "router_loss", "lr", "grad_norm"}
     assert log["tokens_per_s"] > 0
     assert [p["step"] for p in log["profile"]] == [10, 20, 30, 40]
+    assert all(p["moe_forward_s"] > 0 and p["moe_backward_s"] > 0 for p in log["profile"])  # both directions timed
     assert 0.0 < log["moe_time_share"] < 1.0
     assert log["peak_memory"]["mib"] > 0
     load = log["expert_load"]
@@ -223,6 +224,8 @@ def test_model_forward_and_router_loss():
         loss = model(idx, idx)
         assert abs(float(loss) - math.log(256)) < 0.5
         assert float(model.router_loss()) > 0
+        # the losses the layers returned are their attributes' (eager)
+        assert torch.equal(model.router_loss(), sum(m.aux_loss + m.z_loss for m in model.moe_layers()))
         # causal: changing a later token leaves earlier logits unchanged
         idx2 = idx.clone()
         idx2[:, 7] = (idx2[:, 7] + 1) % 256
@@ -390,3 +393,48 @@ def test_expert_parallel_needs_ranks(tmp_path):
         cli.main([*DP, "--expert-parallel", "2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         cli.main([*DP, "--expert-parallel", "3", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--device", "cpu"], "device"),  # TINY's own device
+    (["--device", "auto", "--backend", "torch"], "backend"),
+    (["--device", "auto", "--backend", "triton", "--dtype", "amp-bf16"], "autocast"),
+    (["--device", "auto", "--backend", "triton", "--routing", "token_rounding", "--rounding", "stochastic"],
+     "stochastic"),
+])
+def test_graph_moe_refusals(extra, match, capsys):
+    """--graph-moe needs CUDA, the triton backend, no autocast, no stochastic rounding: a usage error otherwise."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([*TINY, *extra, "--graph-moe", "--out", "unused"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "graph_moe" in err and match in err
+    with pytest.raises(ValueError, match="graph_moe"):
+        make_config("cpu-tiny", graph_moe=True, device="auto", backend="triton", expert_parallel=2, experts=8)
+    with pytest.raises(ValueError, match="graph_moe must be a bool"):
+        make_config("cpu-tiny", graph_moe=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+def test_gpu_graph_moe_trains_as_eager(tmp_path, routing):
+    """--graph-moe (each MoE layer's forward and backward replayed from CUDA graphs) trains bit for bit as the eager
+    layers do on the triton backend (bf16, deterministic): the same train losses, router losses (their gradients
+    reach the routers only through the graphs' returned losses), gradient norms, validation losses and expert
+    loads, with the profiler's hooks armed every 10 steps."""
+    gpu = [a for a in TINY if a not in ("cpu", "torch", "--device", "--backend")]
+    gpu += ["--device", "cuda", "--backend", "triton", "--deterministic", "--steps", "30", "--eval-every", "15"]
+    if routing == "token_rounding":
+        gpu += ["--routing", "token_rounding", "--m-tile", "16"]
+    logs = []
+    for graph in ("--no-graph-moe", "--graph-moe"):
+        assert cli.main([*gpu, graph, "--out", str(tmp_path / graph)]) == 0
+        logs.append(json.loads((tmp_path / graph / "log.json").read_text()))
+    eager, graphed = logs
+    assert graphed["config"]["graph_moe"] and not eager["config"]["graph_moe"]
+    for key in ("loss", "router_loss", "grad_norm"):
+        assert [s[key] for s in graphed["steps"]] == [s[key] for s in eager["steps"]], key
+    assert [v["val_loss"] for v in graphed["evals"]] == [v["val_loss"] for v in eager["evals"]]
+    assert graphed["expert_load"] == eager["expert_load"]
+    assert all(s["router_loss"] > 0 for s in eager["steps"])
+    assert all(p["moe_backward_s"] > 0 for p in graphed["profile"])

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.use_deterministic_algorithms for the run (default: on CPU only, where the "
                    "same seed then gives bit-identical losses)")
+    g.add_argument("--graph-moe", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each MoE layer's training forward and backward from CUDA graphs "
+                   "(torch.cuda.make_graphed_callables): no host time in the layers; CUDA and one process only")
     return p
 
 
@@ -107,7 +110,7 @@ _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads",
               "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "router_order",
               "renormalize", "routed_scaling_factor", "n_group", "topk_group", "bias_update_rate", "device",
               "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
-              "deterministic", "expert_parallel")
+              "deterministic", "expert_parallel", "graph_moe")
 
 
 def _summary(log: dict[str, Any], out: Path) -> str:

@@ -85,7 +85,9 @@ class TrainConfig:
     Run: ``device``/``dtype`` (``auto``: CUDA + bfloat16 when there is a GPU, else CPU + float32;
     ``amp-bf16``: float32 parameters, forward under ``torch.autocast`` in bfloat16),
     ``eval_every``/``eval_batches``, ``log_every``, ``save_every`` (0: only at the end),
-    ``profile_every`` (time the MoE layers on every such step; 0: never), ``stop_after`` (end this
+    ``profile_every`` (time the MoE layers on every such step; 0: never), ``graph_moe`` (each MoE layer's training
+    forward and backward replayed from CUDA graphs, ``torch.cuda.make_graphed_callables``: the layers' host time
+    gone; CUDA, the triton backend, one process, not ``amp-bf16``), ``stop_after`` (end this
     process after that step, with a checkpoint, as if interrupted; the schedule still runs to
     ``steps``), ``out`` directory, ``resume`` checkpoint, ``progress`` bar.
     """
@@ -141,6 +143,7 @@ class TrainConfig:
     progress: bool = True
     deterministic: bool | None = None
     expert_parallel: int = 1
+    graph_moe: bool = False
 
     def validate(self) -> None:
         """Raise ValueError for values no run can use."""
@@ -173,6 +176,22 @@ class TrainConfig:
         if self.bias_update_rate and self.router_order != "sigmoid_then_topk":
             raise ValueError(f"bias_update_rate > 0 moves the selection bias of router_order='sigmoid_then_topk' "
                              f"only; got router_order={self.router_order!r}")
+        if not isinstance(self.graph_moe, bool):
+            raise ValueError(f"graph_moe must be a bool, got {self.graph_moe!r}")
+        if self.graph_moe:
+            if self.device == "cpu" or self.backend == "torch":
+                raise ValueError("graph_moe captures the MoE layers in CUDA graphs: it needs device cuda (or auto "
+                                 f"with a GPU) and the triton backend, got device={self.device!r}, "
+                                 f"backend={self.backend!r}")
+            if self.dtype == "amp-bf16":
+                raise ValueError("graph_moe does not run under autocast (dtype='amp-bf16'); use bfloat16 or float32 "
+                                 "parameters")
+            if self.expert_parallel > 1:
+                raise ValueError("graph_moe cannot capture an expert-parallel layer (its all-to-all sizes are read "
+                                 "on the host); use expert_parallel=1")
+            if self.routing == "token_rounding" and self.rounding == "stochastic":
+                raise ValueError("graph_moe with stochastic token rounding is not supported (its random draws "
+                                 "were not checked under replay); use another rounding")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
         MoEConfig(self.d_model, self.expert_size, self.experts, self.top_k, routing=self.routing,

@@ -65,6 +65,30 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
     return ModelConfig(vocab_size=VOCAB_SIZE, **shared)
 
 
+def graph_moe_layers(model: MoETransformer, tokens_shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Each block's MoE layer (``return_router_info=True``) replaced in place by its
+    ``torch.cuda.make_graphed_callables`` form: in training mode its forward and backward are CUDA-graph replays
+    (the layer's Python and launches gone from the step; eval mode runs the layer as before). One call for all
+    layers, so their graphs share a memory pool; the blocks must then run forward in order and backward in reverse,
+    as training does.
+
+    Args:
+        model: on CUDA, in training mode, parameters of ``dtype``; no hooks on its MoE layers yet.
+        tokens_shape: (B, L), the shape of every training batch the layers will see (this rank's).
+        dtype: the parameters' dtype (the layers' inputs are of it).
+
+    The capture runs each layer's forward and backward four times on random inputs (``torch.cuda.graphs``'
+    warm-up, then the capture); the parameters' ``.grad`` are not touched.
+    """
+    layers = tuple(model.moe_layers())
+    device = model.embed.weight.device
+    samples = tuple((torch.randn(*tokens_shape, model.cfg.d_model, device=device, dtype=dtype, requires_grad=True),)
+                    for _ in layers)
+    graphed = torch.cuda.make_graphed_callables(layers, samples)
+    for blk, layer in zip(model.blocks, graphed):
+        blk.moe = layer
+
+
 def lr_at(update: int, cfg: TrainConfig) -> float:
     """Learning rate of the ``update``-th optimizer step (0-based): linear warm-up to ``lr`` over
     ``warmup`` steps, then cosine decay to ``min_lr_ratio · lr`` at ``steps``."""
@@ -343,6 +367,11 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     if checkpoint is not None:  # the full model (before expert parallelism slices it)
         model.load_state_dict(checkpoint["model"])
     params = model.num_params()
+    if cfg.graph_moe:  # before any hook (the profiler's) is registered on the layers
+        if device.type != "cuda" or dp.world > 1:
+            raise ValueError(f"graph_moe needs one process on a CUDA device, got {device.type} with {dp.world} "
+                             "ranks")
+        graph_moe_layers(model, (cfg.batch_size, cfg.seq_len), dtype)
     forward = model  # what the training steps call: DistributedDataParallel around the model with several ranks
     sharding = None
     device_ids = [device.index] if device.type == "cuda" else None
@@ -474,10 +503,11 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             loss = forward(x, y)
             aux = model.router_loss()
         (loss + aux).backward()
-        load += torch.stack([m.expert_counts for m in layers]).to(torch.int64)
+        counts = model.expert_counts()  # as the layers returned them (graphed layers leave their attributes)
+        load += counts.to(torch.int64)
         gnorm = opt.step(lr, cfg.grad_clip)
         if cfg.bias_update_rate:  # auxiliary-loss-free balancing: every rank's counts, the same update everywhere
-            counts = dp.sum(torch.stack([m.expert_counts for m in layers]).float())
+            counts = dp.sum(counts.float())
             for m, c in zip(layers, counts):
                 m.update_expert_bias(cfg.bias_update_rate, counts=c)
         pending.append((step, lr, loss.detach(), aux.detach(), gnorm))

@@ -95,11 +95,17 @@ class Block(nn.Module):
                        rounding=cfg.rounding, m_tile=cfg.m_tile, aux_loss_coef=cfg.aux_loss_coef,
                        z_loss_coef=cfg.z_loss_coef, router_order=cfg.router_order, renormalize=cfg.renormalize,
                        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
-                       topk_group=cfg.topk_group)
+                       topk_group=cfg.topk_group, return_router_info=True)
+        # the MoE layer's aux_loss + z_loss and expert_counts (E,) of the last forward, as the layer returned them
+        self.router_losses: torch.Tensor | None = None
+        self.expert_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.moe(self.mlp_norm(x))
+        # the layer's returned values (not its attributes): right under make_graphed_callables too
+        y, aux_loss, z_loss, self.expert_counts = self.moe(self.mlp_norm(x))
+        self.router_losses = aux_loss + z_loss
+        return x + y
 
 
 class MoETransformer(nn.Module):
@@ -107,7 +113,9 @@ class MoETransformer(nn.Module):
 
     ``forward(idx)`` maps tokens (B, L) int64 to logits (B, L, vocab) float32; ``forward(idx, targets)``
     returns the mean next-token cross-entropy instead. After a forward, :meth:`router_loss` is the sum
-    of every MoE layer's ``aux_loss`` and ``z_loss`` (add it to the LM loss when training).
+    of every MoE layer's ``aux_loss`` and ``z_loss`` (add it to the LM loss when training) and
+    :meth:`expert_counts` the (L, E) pairs per expert, as the layers returned them (``return_router_info=True``), so
+    that both stay right when the layers are graphed (:func:`sonicmoe.train.loop.graph_moe_layers`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -136,7 +144,11 @@ class MoETransformer(nn.Module):
 
     def router_loss(self) -> torch.Tensor:
         """Σ over MoE layers of ``aux_loss + z_loss`` from the latest forward (scalar)."""
-        return sum(m.aux_loss + m.z_loss for m in self.moe_layers())
+        return sum(blk.router_losses for blk in self.blocks)
+
+    def expert_counts(self) -> torch.Tensor:
+        """(layers, E): the pairs each MoE layer routed to each expert in the latest forward."""
+        return torch.stack([blk.expert_counts for blk in self.blocks])
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         _, l = idx.shape

@@ -61,9 +61,11 @@ class MoEProfiler:
         self._sync()
         self._fwd_t0[i] = time.perf_counter()
 
-    def _post(self, i: int, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    def _post(self, i: int, module: nn.Module, args: tuple, out) -> None:
         if not self._armed() or i not in self._fwd_t0:
             return
+        if isinstance(out, tuple):  # MoELayerOutput: a layer with return_router_info=True
+            out = out[0]
         self._sync()
         self.forward_s += time.perf_counter() - self._fwd_t0.pop(i)
         if isinstance(out, torch.Tensor) and out.requires_grad:
