@@ -114,8 +114,9 @@ class MoETransformer(nn.Module):
     ``forward(idx)`` maps tokens (B, L) int64 to logits (B, L, vocab) float32; ``forward(idx, targets)``
     returns the mean next-token cross-entropy instead. After a forward, :meth:`router_loss` is the sum
     of every MoE layer's ``aux_loss`` and ``z_loss`` (add it to the LM loss when training) and
-    :meth:`expert_counts` the (L, E) pairs per expert, as the layers returned them (``return_router_info=True``), so
-    that both stay right when the layers are graphed (:func:`sonicmoe.train.loop.graph_moe_layers`).
+    :meth:`expert_counts` the (layers, E) pairs per expert, as the layers returned them
+    (``return_router_info=True``), so that both stay right when the layers are graphed
+    (:func:`sonicmoe.train.loop.graph_moe_layers`).
     """
 
     def __init__(self, cfg: ModelConfig):
