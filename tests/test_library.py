@@ -406,6 +406,21 @@ def test_compile_fullgraph_module_dynamic_shapes(device, options):
     assert len(rec.graphs) == 1 and rec.calls_op("experts_fwd")
 
 
+def test_compile_fullgraph_router_info(device):
+    """MoE(return_router_info=True) under torch.compile(fullgraph=True): one graph, and the MoELayerOutput comes
+    back with the eager values (output, both losses, the expert counts)."""
+    torch.manual_seed(0)
+    m = sonicmoe.MoE(D, N, 4, 2, backend="triton", z_loss_coef=1e-3, return_router_info=True, device=device)
+    rec = _GraphRecorder()
+    cm = torch.compile(m, fullgraph=True, backend=rec)
+    x = torch.randn(9, D, device=device)
+    res, ref = cm(x), m(x)
+    assert isinstance(res, sonicmoe.MoELayerOutput) and len(rec.graphs) == 1 and rec.calls_op("experts_fwd")
+    for name, a, b in zip(res._fields, res, ref):
+        assert torch.equal(a, b), name
+    assert res.aux_loss.requires_grad and res.z_loss.requires_grad
+
+
 def test_eager_function_matches_operator(device):
     """Eager calls go through ``ExpertsFunction``, the operator's twin without its dispatch: the same
     implementations, so the output and every gradient are bit-identical to the custom operator's."""
