@@ -685,7 +685,7 @@ def test_gpu_make_graphed_callables(routing, losses):
         assert torch.isfinite(res[1][0]).all() and (res[1][1] > 0).item() == losses
         counts = res[1][3]  # top-k's T·K pairs, or token rounding's counts rounded to M_tile = 128
         assert int(counts.sum()) == t * k if routing == "topk" else (counts % 128 == 0).all()
-        for name, a, b in zip(["y", "aux", "z", "counts", "x"] + [k for k, _ in m.named_parameters()], *res):
+        for name, a, b in zip(["y", "aux", "z", "counts", "x"] + [pn for pn, _ in m.named_parameters()], *res):
             assert torch.equal(a, b), name
 
 

@@ -409,6 +409,10 @@ def test_graph_moe_refusals(extra, match, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "graph_moe" in err and match in err
+
+
+def test_graph_moe_config_refusals():
+    """TrainConfig refuses graph_moe with expert parallelism and a non-bool graph_moe."""
     with pytest.raises(ValueError, match="graph_moe"):
         make_config("cpu-tiny", graph_moe=True, device="auto", backend="triton", expert_parallel=2, experts=8)
     with pytest.raises(ValueError, match="graph_moe must be a bool"):
