@@ -19,6 +19,8 @@
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
 #          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
+#   graphmoe  the graphed-layer GPU tests, then the h100 training preset eager against --graph-moe
+#          (GRAPHMOE_STEPS, GRAPHMOE_ROUTINGS e.g. "topk token_rounding token_rounding:stochastic")
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS, UPWS_PROBE_ARGS e.g. --routing
 #          token_rounding, UPWS_PROBE_TAG to keep several probes of one call apart), GPU tests, 7B layer A/B
 #          (UPWS_AB_VALUES, default 1,0; UPWS_AB_ARGS more ws_ab.py options, e.g. --warmup 1000)
@@ -247,6 +249,25 @@ for step in "$@"; do
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_host.log")" "$(tail -1 "$OUT/gpu_tests_host.log")"
                 "$(head -20 "$OUT"/launch_breakdown_fl*.txt)" "$(grep -H median "$OUT"/graph_bound_fl*.txt)"
                 "$(for f in "$OUT"/train_fl*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
+print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"; done)")
+      ;;
+    graphmoe)
+      # graphed MoE layers: their GPU tests (make_graphed_callables on the layer, sonicmoe train --graph-moe against
+      # the eager run), then the h100 training preset (GRAPHMOE_STEPS steps) eager and graphed, alternating, under
+      # each routing of GRAPHMOE_ROUTINGS (topk, token_rounding; token_rounding:stochastic for that subroutine)
+      timeout 400 python3 -m pytest -rA -q -m gpu tests/test_train.py tests/test_library.py \
+        -k "graph_moe or make_graphed" -p no:cacheprovider > "$OUT/gpu_tests_graphmoe.log" 2>&1
+      for r in ${GRAPHMOE_ROUTINGS:-topk token_rounding}; do
+        ropts=(--routing "${r%%:*}"); [ "${r#*:}" != "$r" ] && ropts+=(--rounding "${r#*:}")
+        for run in eager_a graph_a eager_b graph_b; do
+          g=--no-graph-moe; [ "${run%_*}" = graph ] && g=--graph-moe
+          timeout 240 python3 -m sonicmoe train --preset h100 --steps "${GRAPHMOE_STEPS:-100}" "${ropts[@]}" $g \
+            --no-progress --eval-every 0 --out "/tmp/train_${r/:/_}_$run" > "$OUT/train_${r/:/_}_$run.txt" 2>&1
+          cp "/tmp/train_${r/:/_}_$run/log.json" "$OUT/train_${r/:/_}_$run.json" 2>/dev/null
+        done
+      done
+      SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_graphmoe.log")" "$(tail -1 "$OUT/gpu_tests_graphmoe.log")"
+                "$(for f in "$OUT"/train_*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
 print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"; done)")
       ;;
     upws)

@@ -652,17 +652,22 @@ def test_gpu_cuda_graph_layer_bf16(bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("losses", [True, False], ids=["losses", "no_losses"])
-@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+@pytest.mark.parametrize("routing", ["topk", "token_rounding", "stochastic"])
 def test_gpu_make_graphed_callables(routing, losses):
     """``torch.cuda.make_graphed_callables`` on the layer with ``return_router_info=True`` (bf16, a 7B-like width):
     each call replays the captured forward and its backward the captured backward. On new inputs the output, both
     losses, the expert counts and the gradients of x and of every parameter have the bits of an eager twin with the
     same weights; with the losses on (aux 0.01, z 1e-3) their gradients reach the router weight through the returned
-    losses."""
+    losses. Stochastic token rounding: with the CUDA generator seeded alike before each call, the replay draws the
+    eager twin's uniforms; under other seeds the same input gets other rounded counts (the draws are not frozen
+    into the graph)."""
     torch.manual_seed(0)
     t, d, n, e, k = 2048, 1536, 256, 128, 8
     coefs = (0.01, 1e-3) if losses else (0.0, 0.0)
-    m = sonicmoe.MoE(d, n, e, k, backend="triton", aux_loss_coef=coefs[0], z_loss_coef=coefs[1], routing=routing,
+    options = {"routing": routing}
+    if routing == "stochastic":
+        options = {"routing": "token_rounding", "rounding": "stochastic"}
+    m = sonicmoe.MoE(d, n, e, k, backend="triton", aux_loss_coef=coefs[0], z_loss_coef=coefs[1], **options,
                      return_router_info=True, device="cuda", dtype=torch.bfloat16)
     twin = copy.deepcopy(m)
     sample = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -676,6 +681,7 @@ def test_gpu_make_graphed_callables(routing, losses):
         for layer in (graphed, twin):
             layer.zero_grad(set_to_none=True)
             leaf = x.clone().requires_grad_(True)
+            torch.cuda.manual_seed(100 + seed)  # stochastic rounding's uniforms; the other routings draw none
             y, aux, z, counts = layer(leaf)
             torch.autograd.backward([y, aux, z] if losses else [y], [dout, one, one] if losses else [dout])
             # clones: a graphed layer's outputs and gradients live in its static buffers, rewritten by each replay
@@ -687,6 +693,13 @@ def test_gpu_make_graphed_callables(routing, losses):
         assert int(counts.sum()) == t * k if routing == "topk" else (counts % 128 == 0).all()
         for name, a, b in zip(["y", "aux", "z", "counts", "x"] + [pn for pn, _ in m.named_parameters()], *res):
             assert torch.equal(a, b), name
+    if routing == "stochastic":  # the last x again, under other seeds: other draws, so other rounded counts
+        drawn = []
+        for seed in (7, 8, 7):
+            torch.cuda.manual_seed(seed)
+            drawn.append(graphed(x.clone().requires_grad_(True))[3].clone())
+        assert torch.equal(drawn[0], drawn[2]) and not torch.equal(drawn[0], drawn[1])
+        assert not torch.equal(drawn[0], counts)
 
 
 @pytest.mark.gpu

@@ -399,11 +399,9 @@ def test_expert_parallel_needs_ranks(tmp_path):
     (["--device", "cpu"], "device"),  # TINY's own device
     (["--device", "auto", "--backend", "torch"], "backend"),
     (["--device", "auto", "--backend", "triton", "--dtype", "amp-bf16"], "autocast"),
-    (["--device", "auto", "--backend", "triton", "--routing", "token_rounding", "--rounding", "stochastic"],
-     "stochastic"),
 ])
 def test_graph_moe_refusals(extra, match, capsys):
-    """--graph-moe needs CUDA, the triton backend, no autocast, no stochastic rounding: a usage error otherwise."""
+    """--graph-moe needs CUDA, the triton backend and no autocast: a usage error otherwise."""
     with pytest.raises(SystemExit) as e:
         cli.main([*TINY, *extra, "--graph-moe", "--out", "unused"])
     assert e.value.code == 2
@@ -420,16 +418,19 @@ def test_graph_moe_config_refusals():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+@pytest.mark.parametrize("routing", ["topk", "token_rounding", "stochastic"])
 def test_gpu_graph_moe_trains_as_eager(tmp_path, routing):
     """--graph-moe (each MoE layer's forward and backward replayed from CUDA graphs) trains bit for bit as the eager
     layers do on the triton backend (bf16, deterministic): the same train losses, router losses (their gradients
     reach the routers only through the graphs' returned losses), gradient norms, validation losses and expert
-    loads, with the profiler's hooks armed every 10 steps."""
+    loads, with the profiler's hooks armed every 10 steps. Stochastic token rounding too: the replays draw from the
+    CUDA generator where the eager layers do, and the capture leaves its state as it found it."""
     gpu = [a for a in TINY if a not in ("cpu", "torch", "--device", "--backend")]
     gpu += ["--device", "cuda", "--backend", "triton", "--deterministic", "--steps", "30", "--eval-every", "15"]
-    if routing == "token_rounding":
+    if routing != "topk":
         gpu += ["--routing", "token_rounding", "--m-tile", "16"]
+    if routing == "stochastic":
+        gpu += ["--rounding", "stochastic"]
     logs = []
     for graph in ("--no-graph-moe", "--graph-moe"):
         assert cli.main([*gpu, graph, "--out", str(tmp_path / graph)]) == 0

@@ -189,9 +189,6 @@ class TrainConfig:
             if self.expert_parallel > 1:
                 raise ValueError("graph_moe cannot capture an expert-parallel layer (its all-to-all sizes are read "
                                  "on the host); use expert_parallel=1")
-            if self.routing == "token_rounding" and self.rounding == "stochastic":
-                raise ValueError("graph_moe with stochastic token rounding is not supported (its random draws "
-                                 "were not checked under replay); use another rounding")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
         MoEConfig(self.d_model, self.expert_size, self.experts, self.top_k, routing=self.routing,

@@ -78,13 +78,17 @@ def graph_moe_layers(model: MoETransformer, tokens_shape: tuple[int, int], dtype
         dtype: the parameters' dtype (the layers' inputs are of it).
 
     The capture runs each layer's forward and backward four times on random inputs (``torch.cuda.graphs``'
-    warm-up, then the capture); the parameters' ``.grad`` are not touched.
+    warm-up, then the capture); the parameters' ``.grad`` are not touched, and the CUDA generator's state is put
+    back afterwards. A replay draws from that generator (graph-safe Philox: each replay advances its offset as the
+    eager call would), so stochastic token rounding under ``--graph-moe`` draws what the eager run draws.
     """
     layers = tuple(model.moe_layers())
     device = model.embed.weight.device
+    rng = torch.cuda.get_rng_state(device)
     samples = tuple((torch.randn(*tokens_shape, model.cfg.d_model, device=device, dtype=dtype, requires_grad=True),)
                     for _ in layers)
     graphed = torch.cuda.make_graphed_callables(layers, samples)
+    torch.cuda.set_rng_state(rng, device)
     for blk, layer in zip(model.blocks, graphed):
         blk.moe = layer
 
