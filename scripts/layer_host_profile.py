@@ -1,18 +1,28 @@
 """Where the host time of one whole ``MoE`` layer call (router + routing + experts, forward + backward) goes (GPU).
 
 usage: python scripts/layer_host_profile.py [--shape T,d,n,E,K] [--calls N] [--routing topk|token_rounding]
+                                            [--sections-only]
 
 Prints the eager call's time, its host time to enqueue one call (no synchronisation) and its CUDA-graph replay time,
 then the same layer (``return_router_info=True``) through ``torch.cuda.make_graphed_callables`` called eagerly (forward
 and backward each one graph replay); then cProfile's top functions by own time and by cumulative time over N eager
 calls, and torch's CPU-side operator table (self CPU time).
+
+Then (and alone with ``--sections-only``) the host time of the forward alone and of forward + backward, and where it
+goes with little probe overhead: every function of the ``sonicmoe`` package, and the forward and backward of its
+autograd Functions, wrapped in a perf_counter timer (inclusive times, µs per call, with the calls per layer call).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
+import functools
+import inspect
 import pstats
+import sys
+import time
 
 import torch
 
@@ -21,11 +31,71 @@ from sonicmoe.bench.measure import bench_ms, fwdbwd_fn, graph_of, host_ms
 from sonicmoe.bench.shapes import parse_shape
 
 
+def _instrument() -> dict[str, list]:
+    """Wrap every function defined in a loaded ``sonicmoe`` module (in each module namespace that holds it) and the
+    static forward/backward of its autograd Functions in an inclusive perf_counter timer; returns the live totals,
+    name -> [calls, seconds]."""
+    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    wrappers: dict[int, object] = {}
+
+    def wrap(name, f):
+        if id(f) not in wrappers:
+            @functools.wraps(f)
+            def timed(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return f(*a, **k)
+                finally:
+                    entry = totals[name]
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - t
+            wrappers[id(f)] = timed
+            wrappers[id(timed)] = timed
+        return wrappers[id(f)]
+
+    done = set()
+    for modname, mod in list(sys.modules.items()):
+        if not modname.startswith("sonicmoe") or modname == __name__:
+            continue
+        for attr, v in list(vars(mod).items()):
+            if inspect.isfunction(v) and (v.__module__ or "").startswith("sonicmoe"):
+                setattr(mod, attr, wrap(f"{v.__module__}.{v.__qualname__}", v))
+            elif (inspect.isclass(v) and issubclass(v, torch.autograd.Function) and v not in done
+                  and v.__module__.startswith("sonicmoe")):
+                done.add(v)
+                for meth in ("forward", "backward"):
+                    f = v.__dict__.get(meth)
+                    if isinstance(f, staticmethod):
+                        setattr(v, meth, staticmethod(wrap(f"{v.__module__}.{v.__qualname__}.{meth}", f.__func__)))
+    return totals
+
+
+def sections(m: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, calls: int) -> None:
+    """The forward's and forward + backward's host times, then the instrumented breakdown (see the module doc)."""
+    fwd = lambda: m(x)  # noqa: E731
+    call = fwdbwd_fn(fwd, [x, *m.parameters()], dout)
+    print(f"host ms per call: forward {host_ms(fwd):.3f}, forward+backward {host_ms(call):.3f} (uninstrumented)")
+    totals = _instrument()
+    host_ms(call)  # warm the wrappers
+    totals.clear()
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    wall = (time.perf_counter() - t0) * 1e6 / calls
+    sync()
+    print(f"--- instrumented: {wall:.0f} µs host per forward+backward; inclusive µs per call (calls per call)")
+    for name, (n, sec) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:60]:
+        print(f"{sec * 1e6 / calls:9.1f}  {n / calls:6.1f}  {name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("24576,1536,256,128,8"))
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
+    ap.add_argument("--sections-only", action="store_true", help="only the host times and the instrumented breakdown")
     args = ap.parse_args()
     s = args.shape
     torch.manual_seed(0)
@@ -33,6 +103,9 @@ def main() -> None:
     m = m.to(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(s.T, s.d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     dout = torch.randn_like(x)
+    if args.sections_only:
+        sections(m, x, dout, args.calls)
+        return
     call = fwdbwd_fn(lambda: m(x), [x, *m.parameters()], dout)
     eager = bench_ms(call, device=x.device)["p50"]
     host = host_ms(call)
@@ -62,6 +135,7 @@ def main() -> None:
             call()
         torch.cuda.synchronize()
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    sections(m, x, dout, args.calls)
 
 
 if __name__ == "__main__":
