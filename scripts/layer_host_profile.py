@@ -8,7 +8,8 @@ then the same layer (``return_router_info=True``) through ``torch.cuda.make_grap
 and backward each one graph replay); then cProfile's top functions by own time and by cumulative time over N eager
 calls, and torch's CPU-side operator table (self CPU time).
 
-Then (and alone with ``--sections-only``) the host time of the forward alone and of forward + backward, and where it
+Then (and alone with ``--sections-only``) each kernel's launch time through the fast path and the compiled
+launcher's share of it, the host time of the forward alone and of forward + backward, and where it
 goes with little probe overhead: every function of the ``sonicmoe`` package, and the forward and backward of its
 autograd Functions, wrapped in a perf_counter timer (inclusive times, µs per call, with the calls per layer call).
 """
@@ -90,6 +91,73 @@ def sections(m: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, calls: int
         print(f"{sec * 1e6 / calls:9.1f}  {n / calls:6.1f}  {name}")
 
 
+def launches(m: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, calls: int) -> None:
+    """Per kernel: the fast path's launches per layer call, its µs each, the compiled launcher's (CudaLauncher)
+    µs each inside it, Triton's own path (JITFunction.run) when taken, and the fast path's cached keys."""
+    from triton.backends.nvidia import driver as nv_driver
+    from triton.runtime.jit import JITFunction
+
+    from sonicmoe.ops import fast_launch
+
+    call = fwdbwd_fn(lambda: m(x), [x, *m.parameters()], dout)
+    host_ms(call)
+    stats: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0])
+    current = [None]
+
+    def timer(orig, slot, count_slot=None):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                if current[0] is not None:
+                    e = stats[current[0]]
+                    e[slot] += time.perf_counter() - t
+                    if count_slot is not None:
+                        e[count_slot] += 1
+        return timed
+
+    fast = fast_launch.launch_kernel
+
+    def launch(kernel, grid, *a, **k):
+        fn = kernel
+        while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
+            fn = fn.fn
+        current[0] = getattr(fn, "__name__", str(fn))
+        t = time.perf_counter()
+        try:
+            return fast(kernel, grid, *a, **k)
+        finally:
+            e = stats[current[0]]
+            e[0] += 1
+            e[1] += time.perf_counter() - t
+            current[0] = None
+
+    patched = [(nv_driver.CudaLauncher, "__call__", nv_driver.CudaLauncher.__call__),
+               (JITFunction, "run", JITFunction.run)]
+    nv_driver.CudaLauncher.__call__ = timer(patched[0][2], 2)
+    JITFunction.run = timer(patched[1][2], 4, 3)
+    users = [mod for mod in list(sys.modules.values())
+             if getattr(mod, "__name__", "").startswith("sonicmoe") and getattr(mod, "launch_kernel", None) is fast]
+    for mod in users:
+        mod.launch_kernel = launch
+    host_ms(call)
+    stats.clear()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    print(f"--- launches per layer call ({calls} calls): kernel, launches, µs each (fast path incl.), "
+          "CudaLauncher µs each, Triton-path runs, their µs each, cached keys")
+    keys = {e.fn.__name__: len(e.kernels) for e in fast_launch._LAUNCHES.values()}
+    for name, (n, tot, run, slow, slow_t) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name:40s} {n / calls:5.1f} {tot * 1e6 / max(n, 1):8.1f} {run * 1e6 / max(n, 1):8.1f} "
+              f"{slow / calls:5.1f} {slow_t * 1e6 / max(slow, 1):8.1f} {keys.get(name, '-')}")
+    for owner, attr, orig in patched:
+        setattr(owner, attr, orig)
+    for mod in users:
+        mod.launch_kernel = fast
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("24576,1536,256,128,8"))
@@ -104,6 +172,7 @@ def main() -> None:
     x = torch.randn(s.T, s.d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     dout = torch.randn_like(x)
     if args.sections_only:
+        launches(m, x, dout, args.calls)
         sections(m, x, dout, args.calls)
         return
     call = fwdbwd_fn(lambda: m(x), [x, *m.parameters()], dout)
