@@ -208,23 +208,47 @@ def routing_from_pairs(
 
 def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     """Build :class:`Routing` from top-k expert ids (T, K): pairs p = t·K + k, token-major; the same routing as
-    ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, in fewer torch ops. No host sync;
-    the ids' values are the caller's promise (in [0, E), distinct per token), as there.
+    ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, without its general steps. No host
+    sync; the ids' values are the caller's promise (in [0, E), distinct per token), as there.
+
+    On CUDA (outside ``torch.compile``, E up to 512; ``SONICMOE_ROUTING_KERNEL=0`` turns it off) a counting sort in
+    three Triton launches (:func:`sonicmoe.ops.topk_routing.topk_routing`), else the torch operations of
+    :func:`routing_from_topk_ref`; the two give the same tensors.
 
     Raises:
         ValueError: ``topk_ids`` not 2-D; ``num_experts`` not an int >= 1.
         TypeError: ``topk_ids`` not an integer tensor.
     """
+    _check_topk_ids(topk_ids, num_experts)
+    if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL",
+                                                                                   "1") != "0":
+        from .ops import topk_routing  # imports triton: lazily, off the CPU path
+
+        if topk_routing.counting_sort_applies(topk_ids, num_experts):
+            return topk_routing.topk_routing(topk_ids, num_experts)
+    return _routing_from_topk_torch(topk_ids, num_experts)
+
+
+def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int) -> Routing:
+    """Torch twin of :func:`routing_from_topk` (same arguments, checks and results) in torch operations only."""
+    _check_topk_ids(topk_ids, num_experts)
+    return _routing_from_topk_torch(topk_ids, num_experts)
+
+
+def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
-    t, k = topk_ids.shape
     if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
+
+
+def _routing_from_topk_torch(topk_ids: torch.Tensor, num_experts: int) -> Routing:
+    t, k = topk_ids.shape
     # routing_from_pairs(t // K, topk_ids, token_major=True) with what top-k's layout gives for free: pair p is
     # token p // K, so row_token = row_pair // K and token t's slots start at t·K (no pair-token array, no index
-    # gather, no search over the pairs): 10 torch ops instead of 16 (host time in the eager layer)
+    # gather, no search over the pairs): 10 torch ops instead of 16
     device, r = topk_ids.device, t * k
     sorted_expert, row_pair64 = torch.sort(topk_ids.reshape(-1), stable=True)  # rows of an expert in token order
     row_pair = row_pair64.to(INDEX_DTYPE)

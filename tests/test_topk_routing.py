@@ -1,0 +1,134 @@
+"""Top-k routing by the counting-sort kernels (sonicmoe.ops.topk_routing) against the torch twin
+(routing_from_topk_ref): through the Triton interpreter on CPU (the ``device`` fixture), natively on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sonicmoe.ops import topk_routing as tkr
+from sonicmoe.routing import routing_from_topk, routing_from_topk_ref
+
+FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows")
+
+
+def _ids(t, k, e, seed, device, dtype=torch.int64):
+    """(T, K) distinct experts per token, drawn at random (each row the first K of a random permutation),
+    contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(t, e, generator=g).argsort(dim=1)[:, :k].to(device=device, dtype=dtype).contiguous()
+
+
+def _poisoned(monkeypatch):
+    """Every int32 buffer the launcher allocates filled with -7 first (no output left unwritten by accident)."""
+    empty = torch.empty
+
+    def poisoned(*a, **kw):
+        out = empty(*a, **kw)
+        if out.dtype == torch.int32:
+            out.fill_(-7)
+        return out
+
+    monkeypatch.setattr(tkr.torch, "empty", poisoned)
+
+
+def _assert_equal(a, b):
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype == torch.int32 and x.shape == y.shape and torch.equal(x, y), name
+    assert (a.num_tokens, a.num_experts, a.padded, a.slot_pair) == (b.num_tokens, b.num_experts, b.padded, None)
+
+
+@pytest.mark.parametrize("t,k,e", [
+    (1, 1, 1),  # one pair, one expert (E_P2 = 1)
+    (1, 4, 4),  # T = 1, K = E
+    (7, 7, 7),  # K = E, E not a power of two
+    (37, 3, 16),  # R not a block multiple
+    (300, 8, 128),  # several blocks (BLOCK = 256 at E = 128)
+    (5000, 2, 5),  # E tiny: blocks of 4096 pairs, three of them
+    (700, 6, 33),  # E just past a power of two
+    (90, 2, 512),  # E at the kernel's limit: blocks of 64 pairs
+])
+def test_counting_sort_equals_torch(device, monkeypatch, t, k, e):
+    """Every routing tensor bit for bit the torch twin's (a stable sort by expert), with the outputs poisoned first,
+    for edge shapes: T = 1, K = 1, K = E, E = 1, E not a power of two, R not a multiple of the block."""
+    ids = _ids(t, k, e, t * 1000 + e, device)
+    _poisoned(monkeypatch)
+    _assert_equal(tkr.topk_routing(ids, e), routing_from_topk_ref(ids, e))
+
+
+@pytest.mark.interpreter
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 600), e=st.integers(1, 200), data=st.data())
+def test_counting_sort_fuzz(t, e, data):
+    """Random T, E and K in [1, E], int32 or int64 ids, a non-contiguous view (a column slice) too: the torch twin's
+    tensors."""
+    k = data.draw(st.integers(1, min(e, 9)))
+    ids = _ids(t, k, e, data.draw(st.integers(0, 10**6)), "cpu", data.draw(st.sampled_from([torch.int32,
+                                                                                             torch.int64])))
+    if data.draw(st.booleans()):  # the first K columns of (T, K + 1) ids: strides (K + 1, 1)
+        ids = torch.cat([ids, ids[:, :1]], dim=1)[:, :k]
+    _assert_equal(tkr.topk_routing(ids, e), routing_from_topk_ref(ids, e))
+
+
+def test_strided_ids(device):
+    """K = 1 ids sliced from a wider tensor flatten to a strided view (stride 3): read through a copy, they give the
+    twin's routing."""
+    ids = _ids(100, 3, 9, 5, device)[:, 1:2]
+    assert ids.reshape(-1).stride() == (3,)
+    _assert_equal(tkr.topk_routing(ids, 9), routing_from_topk_ref(ids, 9))
+
+
+def test_outside_ids_stay_in_bounds(device):
+    """Ids outside [0, E) (a broken promise) get the rows after every expert's, in pair order: the rows are the
+    stable sort of the ids with those replaced by E, so every index stays in [0, R), and expert_offsets counts only
+    the valid pairs."""
+    t, k, e = 200, 4, 12
+    ids = _ids(t, k, e, 3, device)
+    ids[5, 1], ids[77, 0], ids[150, 3] = e, -1, e + 40
+    got = tkr.topk_routing(ids, e)
+    flat = ids.reshape(-1)
+    bucket = torch.where((flat >= 0) & (flat < e), flat, e)
+    order = torch.sort(bucket, stable=True).indices.to(torch.int32)
+    assert torch.equal(got.row_pair, order)
+    assert torch.equal(got.pair_row[order.long()], torch.arange(t * k, device=device, dtype=torch.int32))
+    assert torch.equal(got.row_token, order // k)
+    assert int(got.expert_offsets[e]) == t * k - 3
+    assert got.row_pair[-3:].tolist() == [5 * k + 1, 77 * k + 0, 150 * k + 3]
+
+
+def test_dispatch(monkeypatch):
+    """routing_from_topk takes the kernels on CUDA only (the torch twin on CPU, for E above 512, under
+    SONICMOE_ROUTING_KERNEL=0), and checks its arguments the same way either way."""
+    ids = _ids(50, 2, 8, 0, "cpu")
+    _assert_equal(routing_from_topk(ids, 8), routing_from_topk_ref(ids, 8))
+    assert not tkr.counting_sort_applies(ids, 513) and tkr.counting_sort_applies(ids, 512)
+    assert not tkr.counting_sort_applies(ids[:0], 8)
+    for fn in (routing_from_topk, routing_from_topk_ref):
+        with pytest.raises(ValueError, match="topk_ids must have shape"):
+            fn(ids.reshape(-1), 8)
+        with pytest.raises(TypeError, match="integer"):
+            fn(ids.float(), 8)
+        with pytest.raises(ValueError, match="num_experts"):
+            fn(ids, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,e", [(24576, 8, 128), (32768, 8, 128), (16384, 8, 512), (8193, 2, 64)])
+def test_gpu_counting_sort_at_benchmark_sizes(monkeypatch, t, k, e):
+    """At benchmark sizes on the GPU, routing_from_topk (the kernels) equals the torch twin bit for bit, twice the
+    same; SONICMOE_ROUTING_KERNEL=0 takes the twin."""
+    ids = _ids(t, k, e, 1, "cuda")
+    ref = routing_from_topk_ref(ids, e)
+    got = routing_from_topk(ids, e)
+    _assert_equal(got, ref)
+    _assert_equal(routing_from_topk(ids, e), got)
+    calls = []
+    monkeypatch.setattr(tkr, "topk_routing", lambda *a: calls.append(a))
+    monkeypatch.setitem(os.environ, "SONICMOE_ROUTING_KERNEL", "0")
+    _assert_equal(routing_from_topk(ids, e), ref)
+    assert not calls
