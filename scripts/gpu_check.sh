@@ -21,6 +21,8 @@
 #          the h100 training preset's tokens/s, each with SONICMOE_FAST_LAUNCH=0 and 1
 #   graphmoe  the graphed-layer GPU tests, then the h100 training preset eager against --graph-moe
 #          (GRAPHMOE_STEPS, GRAPHMOE_ROUTINGS e.g. "topk token_rounding token_rounding:stochastic")
+#   routing  top-k's routing metadata by the counting-sort kernels against torch's sort (SONICMOE_ROUTING_KERNEL):
+#          GPU tests, host time at T = 8192, the 7B layer's eager / host / graph-replay times
 #   upws   the Gluon up-projection: probe against Triton (UPWS_SHAPES, UPWS_CONFIGS, UPWS_PROBE_ARGS e.g. --routing
 #          token_rounding, UPWS_PROBE_TAG to keep several probes of one call apart), GPU tests, 7B layer A/B
 #          (UPWS_AB_VALUES, default 1,0; UPWS_AB_ARGS more ws_ab.py options, e.g. --warmup 1000)
@@ -269,6 +271,24 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_graphmoe.log")" "$(tail -1 "$OUT/gpu_tests_graphmoe.log")"
                 "$(for f in "$OUT"/train_*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
 print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"; done)")
+      ;;
+    routing)
+      # top-k's routing by the counting-sort kernels (SONICMOE_ROUTING_KERNEL=1) against torch's sort: the GPU tests,
+      # the layer's host time and where it goes (T = 8192), and the 7B layer eager / host / graph-replay times
+      timeout 300 python3 -m pytest -rA -q -m gpu tests/test_topk_routing.py tests/test_routing.py -p no:cacheprovider \
+        > "$OUT/gpu_tests_routing.log" 2>&1
+      for v in 1 0 1 0; do
+        SONICMOE_ROUTING_KERNEL=$v timeout 120 python3 scripts/layer_host_profile.py --shape 8192,1536,256,128,8 \
+          --calls 50 --sections-only >> "$OUT/routing_sections_kernel$v.txt" 2>&1
+      done
+      for v in 1 0; do
+        SONICMOE_ROUTING_KERNEL=$v timeout 200 python3 benchmarks/router_orders.py --shape 7B --rounds 2 --graph \
+          > "$OUT/routing_orders_kernel$v.txt" 2>&1
+      done
+      SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_routing.log")" "$(tail -1 "$OUT/gpu_tests_routing.log")"
+                "$(grep -H 'host ms per call' "$OUT"/routing_sections_kernel*.txt)"
+                "$(grep -H -E 'routing_from_topk|topk_routing$' "$OUT"/routing_sections_kernel*.txt)"
+                "$(tail -6 "$OUT"/routing_orders_kernel*.txt)")
       ;;
     upws)
       # the Gluon up-projection: probe (bits, error, alternating timings against the Triton kernel), GPU tests, layer A/B

@@ -211,17 +211,16 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, without its general steps. No host
     sync; the ids' values are the caller's promise (in [0, E), distinct per token), as there.
 
-    On CUDA (outside ``torch.compile``, E up to 512; ``SONICMOE_ROUTING_KERNEL=0`` turns it off) a counting sort in
-    three Triton launches (:func:`sonicmoe.ops.topk_routing.topk_routing`), else the torch operations of
-    :func:`routing_from_topk_ref`; the two give the same tensors.
+    With ``SONICMOE_ROUTING_KERNEL=1`` on CUDA (outside ``torch.compile``, E up to 512) a counting sort in three
+    Triton launches (:func:`sonicmoe.ops.topk_routing.topk_routing`; off by default until timed on a GPU), else the
+    torch operations of :func:`routing_from_topk_ref`; the two give the same tensors.
 
     Raises:
         ValueError: ``topk_ids`` not 2-D; ``num_experts`` not an int >= 1.
         TypeError: ``topk_ids`` not an integer tensor.
     """
     _check_topk_ids(topk_ids, num_experts)
-    if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL",
-                                                                                   "1") != "0":
+    if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL") == "1":
         from .ops import topk_routing  # imports triton: lazily, off the CPU path
 
         if topk_routing.counting_sort_applies(topk_ids, num_experts):

@@ -102,8 +102,8 @@ def test_outside_ids_stay_in_bounds(device):
 
 
 def test_dispatch(monkeypatch):
-    """routing_from_topk takes the kernels on CUDA only (the torch twin on CPU, for E above 512, under
-    SONICMOE_ROUTING_KERNEL=0), and checks its arguments the same way either way."""
+    """routing_from_topk takes the kernels on CUDA only, with SONICMOE_ROUTING_KERNEL=1 (the torch twin on CPU, for
+    E above 512, without it), and checks its arguments the same way either way."""
     ids = _ids(50, 2, 8, 0, "cpu")
     _assert_equal(routing_from_topk(ids, 8), routing_from_topk_ref(ids, 8))
     assert not tkr.counting_sort_applies(ids, 513) and tkr.counting_sort_applies(ids, 512)
@@ -120,15 +120,46 @@ def test_dispatch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k,e", [(24576, 8, 128), (32768, 8, 128), (16384, 8, 512), (8193, 2, 64)])
 def test_gpu_counting_sort_at_benchmark_sizes(monkeypatch, t, k, e):
-    """At benchmark sizes on the GPU, routing_from_topk (the kernels) equals the torch twin bit for bit, twice the
-    same; SONICMOE_ROUTING_KERNEL=0 takes the twin."""
+    """At benchmark sizes on the GPU, routing_from_topk with SONICMOE_ROUTING_KERNEL=1 (the kernels) equals the
+    torch twin bit for bit, twice the same; unset or 0 takes the twin."""
     ids = _ids(t, k, e, 1, "cuda")
     ref = routing_from_topk_ref(ids, e)
+    monkeypatch.setitem(os.environ, "SONICMOE_ROUTING_KERNEL", "1")
     got = routing_from_topk(ids, e)
     _assert_equal(got, ref)
     _assert_equal(routing_from_topk(ids, e), got)
     calls = []
-    monkeypatch.setattr(tkr, "topk_routing", lambda *a: calls.append(a))
-    monkeypatch.setitem(os.environ, "SONICMOE_ROUTING_KERNEL", "0")
-    _assert_equal(routing_from_topk(ids, e), ref)
-    assert not calls
+    real = tkr.topk_routing
+    monkeypatch.setattr(tkr, "topk_routing", lambda *a: calls.append(a) or real(*a))
+    routing_from_topk(ids, e)
+    assert len(calls) == 1
+    for value in ("0", None):
+        if value is None:
+            monkeypatch.delitem(os.environ, "SONICMOE_ROUTING_KERNEL")
+        else:
+            monkeypatch.setitem(os.environ, "SONICMOE_ROUTING_KERNEL", value)
+        _assert_equal(routing_from_topk(ids, e), ref)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_layer_same_bits_either_routing(monkeypatch):
+    """The bf16 top-k layer at a 7B-like width: output and every gradient with the counting sort's routing have the
+    bits of the torch routing's."""
+    torch.manual_seed(0)
+    t, d, n, e, k = 4096, 1536, 256, 128, 8
+    import sonicmoe
+
+    m = sonicmoe.MoE(d, n, e, k, backend="triton", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(x)
+    res = []
+    for value in ("0", "1"):
+        monkeypatch.setitem(os.environ, "SONICMOE_ROUTING_KERNEL", value)
+        m.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_(True)
+        y = m(leaf)
+        (y.float() * dout.float()).sum().add(m.aux_loss).backward()
+        res.append([y.detach(), leaf.grad, *(p.grad for p in m.parameters())])
+    for a, b in zip(*res):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
