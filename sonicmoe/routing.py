@@ -211,7 +211,7 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, without its general steps. No host
     sync; the ids' values are the caller's promise (in [0, E), distinct per token), as there.
 
-    With ``SONICMOE_ROUTING_KERNEL=1`` on CUDA (outside ``torch.compile``, E up to 512) a counting sort in three
+    With ``SONICMOE_ROUTING_KERNEL=1`` on CUDA (outside ``torch.compile``, E up to 256) a counting sort in three
     Triton launches (:func:`sonicmoe.ops.topk_routing.topk_routing`; off by default until timed on a GPU), else the
     torch operations of :func:`routing_from_topk_ref`; the two give the same tensors.
 

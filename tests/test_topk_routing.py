@@ -51,7 +51,8 @@ def _assert_equal(a, b):
     (300, 8, 128),  # several blocks (BLOCK = 256 at E = 128)
     (5000, 2, 5),  # E tiny: blocks of 4096 pairs, three of them
     (700, 6, 33),  # E just past a power of two
-    (90, 2, 512),  # E at the kernel's limit: blocks of 64 pairs
+    (90, 2, 256),  # E at the dispatch's limit: blocks of 32 pairs
+    (90, 2, 512),  # past it (routing_from_topk takes the twin), still right: blocks of 16 pairs
 ])
 def test_counting_sort_equals_torch(device, monkeypatch, t, k, e):
     """Every routing tensor bit for bit the torch twin's (a stable sort by expert), with the outputs poisoned first,
@@ -103,10 +104,10 @@ def test_outside_ids_stay_in_bounds(device):
 
 def test_dispatch(monkeypatch):
     """routing_from_topk takes the kernels on CUDA only, with SONICMOE_ROUTING_KERNEL=1 (the torch twin on CPU, for
-    E above 512, without it), and checks its arguments the same way either way."""
+    E above 256, without it), and checks its arguments the same way either way."""
     ids = _ids(50, 2, 8, 0, "cpu")
     _assert_equal(routing_from_topk(ids, 8), routing_from_topk_ref(ids, 8))
-    assert not tkr.counting_sort_applies(ids, 513) and tkr.counting_sort_applies(ids, 512)
+    assert not tkr.counting_sort_applies(ids, 257) and tkr.counting_sort_applies(ids, 256)
     assert not tkr.counting_sort_applies(ids[:0], 8)
     for fn in (routing_from_topk, routing_from_topk_ref):
         with pytest.raises(ValueError, match="topk_ids must have shape"):
@@ -118,7 +119,7 @@ def test_dispatch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t,k,e", [(24576, 8, 128), (32768, 8, 128), (16384, 8, 512), (8193, 2, 64)])
+@pytest.mark.parametrize("t,k,e", [(24576, 8, 128), (32768, 8, 128), (32768, 8, 256), (8193, 2, 64)])
 def test_gpu_counting_sort_at_benchmark_sizes(monkeypatch, t, k, e):
     """At benchmark sizes on the GPU, routing_from_topk with SONICMOE_ROUTING_KERNEL=1 (the kernels) equals the
     torch twin bit for bit, twice the same; unset or 0 takes the twin."""

@@ -33,10 +33,11 @@ from ..routing import INDEX_DTYPE, Routing
 from .common import cdiv, next_pow2
 from .fast_launch import launch_kernel
 
-# the one-hot (BLOCK, E_P2) of a program holds at most this many elements; E_P2 above MAX_E_P2 (one-hot blocks of
-# fewer than 64 pairs, a block-count matrix of R/64 · E entries) takes the torch twin
-ONE_HOT_ELEMENTS = 32768
-MAX_E_P2 = 512
+# the one-hot (BLOCK, E_P2) of a program holds at most this many elements (64 registers a thread at 4 warps, for its
+# cumulative sum; BLOCK = 64 pairs at E = 128); E_P2 above MAX_E_P2 (blocks of fewer than 32 pairs, a block-count
+# matrix of more than R/32 · E entries) takes the torch twin
+ONE_HOT_ELEMENTS = 8192
+MAX_E_P2 = 256
 MAX_BLOCK = 4096
 SCAN_ROWS = 256
 SCAN_COLS = 16
