@@ -224,7 +224,8 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
         from .ops import topk_routing  # imports triton: lazily, off the CPU path
 
         if topk_routing.counting_sort_applies(topk_ids, num_experts):
-            return topk_routing.topk_routing(topk_ids, num_experts)
+            with on_device(topk_ids):  # the kernels launch on the ids' CUDA device, whichever is current
+                return topk_routing.topk_routing(topk_ids, num_experts)
     return _routing_from_topk_torch(topk_ids, num_experts)
 
 

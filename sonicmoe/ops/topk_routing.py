@@ -105,8 +105,9 @@ def _scatter_rows_kernel(ids_ptr, first_ptr, total_ptr, off_ptr, row_pair_ptr, r
 
 
 def counting_sort_applies(topk_ids: torch.Tensor, num_experts: int) -> bool:
-    """Whether :func:`topk_routing` takes these ids (at least one pair, E up to :data:`MAX_E_P2`, R below 2³¹)."""
-    return 0 < topk_ids.numel() < 2**31 - MAX_BLOCK and next_pow2(num_experts) <= MAX_E_P2
+    """Whether :func:`topk_routing` takes these ids: at least one pair, E up to :data:`MAX_E_P2`, and R below 2²⁷
+    (the block counts, at most R/32 + 1 blocks × 257 columns, and every index then fit in int32)."""
+    return 0 < topk_ids.numel() < 2**27 and next_pow2(num_experts) <= MAX_E_P2
 
 
 def topk_routing(topk_ids: torch.Tensor, num_experts: int) -> Routing:
