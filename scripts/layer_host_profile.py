@@ -145,7 +145,8 @@ def launches(m: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, calls: int
     stats.clear()
     for _ in range(calls):
         call()
-    torch.cuda.synchronize()
+    if x.is_cuda:
+        torch.cuda.synchronize()
     print(f"--- launches per layer call ({calls} calls): kernel, launches, µs each (fast path incl.), "
           "CudaLauncher µs each, Triton-path runs, their µs each, cached keys")
     keys = {e.fn.__name__: len(e.kernels) for e in fast_launch._LAUNCHES.values()}
