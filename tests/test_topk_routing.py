@@ -111,7 +111,11 @@ def test_dispatch(monkeypatch):
     """routing_from_topk takes the kernels on CUDA only, with SONICMOE_ROUTING_KERNEL=1 (the torch twin on CPU, for
     E above 256, without it), and checks its arguments the same way either way."""
     ids = _ids(50, 2, 8, 0, "cpu")
-    _assert_equal(routing_from_topk(ids, 8), routing_from_topk_ref(ids, 8))
+    calls = []
+    monkeypatch.setattr(tkr, "topk_routing", lambda *a: calls.append(a))
+    monkeypatch.setitem(os.environ, "SONICMOE_ROUTING_KERNEL", "1")
+    _assert_equal(routing_from_topk(ids, 8), routing_from_topk_ref(ids, 8))  # CPU ids: the twin, switch or not
+    assert not calls
     assert not tkr.counting_sort_applies(ids, 257) and tkr.counting_sort_applies(ids, 256)
     assert not tkr.counting_sort_applies(ids[:0], 8)
     for fn in (routing_from_topk, routing_from_topk_ref):
