@@ -125,6 +125,12 @@ train() {  # train NAME [options...]: one run; its log.json to $OUT/train_NAME.j
   cp "/tmp/train_$name/log.json" "$OUT/train_$name.json" 2>/dev/null
 }
 
+rates() {  # rates LOG.json...: each training log's tokens/s and MoE share of the step, one line each
+  for f in "$@"; do
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
+print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"
+  done
+}
 trace() {  # trace DTYPE LIMIT_S: every Triton launch of one training step logged and synchronised
   SONICMOE_AUTOTUNE=0 timeout "$2" python3 scripts/launch_trace.py --dtype "$1" > "$OUT/trace_$1.txt" 2>&1
 }
@@ -250,8 +256,7 @@ for step in "$@"; do
       done
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_host.log")" "$(tail -1 "$OUT/gpu_tests_host.log")"
                 "$(head -20 "$OUT"/launch_breakdown_fl*.txt)" "$(grep -H median "$OUT"/graph_bound_fl*.txt)"
-                "$(for f in "$OUT"/train_fl*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
-print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"; done)")
+                "$(rates "$OUT"/train_fl*.json)")
       ;;
     graphmoe)
       # graphed MoE layers: their GPU tests (make_graphed_callables on the layer, sonicmoe train --graph-moe against
@@ -269,8 +274,7 @@ print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe sha
         done
       done
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_graphmoe.log")" "$(tail -1 "$OUT/gpu_tests_graphmoe.log")"
-                "$(for f in "$OUT"/train_*.json; do python3 -c "import json,sys; d=json.load(open(sys.argv[1]));
-print(sys.argv[1].split('/')[-1], 'tokens/s', round(d['tokens_per_s']), 'moe share', round(d.get('moe_time_share') or 0, 3))" "$f"; done)")
+                "$(rates "$OUT"/train_*.json)")
       ;;
     routing)
       # top-k's routing by the counting-sort kernels (SONICMOE_ROUTING_KERNEL=1) against torch's sort: the GPU tests,

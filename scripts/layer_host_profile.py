@@ -79,16 +79,11 @@ def sections(m: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, calls: int
     totals = _instrument()
     host_ms(call)  # warm the wrappers
     totals.clear()
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        call()
-    wall = (time.perf_counter() - t0) * 1e6 / calls
-    sync()
+    wall = host_ms(call, calls) * 1e3
+    runs = calls + 3  # host_ms's three warm calls are instrumented too
     print(f"--- instrumented: {wall:.0f} µs host per forward+backward; inclusive µs per call (calls per call)")
     for name, (n, sec) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:60]:
-        print(f"{sec * 1e6 / calls:9.1f}  {n / calls:6.1f}  {name}")
+        print(f"{sec * 1e6 / runs:9.1f}  {n / runs:6.1f}  {name}")
 
 
 def launches(m: torch.nn.Module, x: torch.Tensor, dout: torch.Tensor, calls: int) -> None:
@@ -164,7 +159,8 @@ def main() -> None:
     ap.add_argument("--shape", type=parse_shape, default=parse_shape("24576,1536,256,128,8"))
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--routing", choices=("topk", "token_rounding"), default="topk")
-    ap.add_argument("--sections-only", action="store_true", help="only the host times and the instrumented breakdown")
+    ap.add_argument("--sections-only", action="store_true",
+                    help="only the per-kernel launch times, the host times and the instrumented breakdown")
     args = ap.parse_args()
     s = args.shape
     torch.manual_seed(0)
