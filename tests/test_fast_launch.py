@@ -121,6 +121,41 @@ def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
         assert len(made) == before + 1
 
 
+def _even_axpy(x_ptr, y_ptr, out_ptr, n, alpha, stride, BLOCK: tl.constexpr, EVEN: tl.constexpr = False):
+    pass
+
+
+def test_heuristic_values_are_keyed_without_a_gpu(monkeypatch):
+    """A kernel wrapped by ``triton.heuristics`` (as ``common.with_even_flags`` wraps the GEMMs): the value each rule
+    derives is part of the key and of the launched arguments. n = 32 and n = 48 share every runtime key (both
+    multiples of 16) but not EVEN = n % BLOCK == 0, so the second misses instead of launching the first's binary,
+    which has no bounds mask."""
+    fn = JITFunction(_even_axpy)
+    kernel = triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})(fn)
+    made = []
+
+    def tritons_path(*args, grid, warmup, **kwargs):
+        made.append(_Compiled())
+        made[-1].even = kwargs["EVEN"]
+        return made[-1]
+
+    monkeypatch.setattr(fn, "run", tritons_path)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(fast_launch, "SUPPORTED", True)
+    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+    buf = torch.zeros(64)
+
+    def go(n):
+        return launch_kernel(kernel, (1,), buf, buf, buf, n, 0.5, 1, BLOCK=32)
+
+    even = go(32)
+    assert even.even is True and go(32) is even and even.launches[-1][-2:] == (32, True)
+    odd = go(48)
+    assert odd is not even and odd.even is False and len(made) == 2
+    assert go(48) is odd and odd.launches[-1][-2:] == (32, False)
+
+
 @pytest.mark.gpu
 def test_gpu_hits_launch_tritons_kernel(monkeypatch):
     """Aligned and unaligned operands and ints of every specialisation class, in turn and repeated: each launch is

@@ -172,6 +172,36 @@ def test_minus_inf_logits_and_ties_pick_lower_index(device):
     torch.testing.assert_close(scores[0].cpu(), torch.stack([e1, torch.tensor(1.0), *torch.zeros(2)]) / (e1 + 1))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy arithmetic on the NaN
+@pytest.mark.parametrize("order,renorm", ORDERS, ids=ORDER_IDS)
+def test_nan_logit_ranks_first_as_torch_topk(order, renorm, device):
+    """A NaN logit (a diverging run) is chosen first, as torch.topk chooses it, and every id stays in [0, E) and
+    distinct within its token: a NaN selection key would otherwise match no expert and give an id of E_P2."""
+    t, e, k = 20, 12, 3
+    logits = distinct_logits(t, e, device, seed=4)
+    nan_at = torch.arange(t, device=device) % e
+    logits[torch.arange(t, device=device), nan_at] = float("nan")
+    ids, _ = topk_router(logits, k, order, renorm)
+    ref_ids, _ = topk_router_ref(logits, k, order, renorm)
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(ids[:, 0], nan_at)
+    assert bool(((ids >= 0) & (ids < e)).all()) and bool((ids.sort(dim=1).values.diff(dim=1) > 0).all())
+
+
+def test_sigmoid_renormalize_underflow_gives_zero_scores(device):
+    """sigmoid_then_topk with renormalize divides by (Σ chosen p + 1e-20), as DeepSeek-V3 does: where every chosen
+    sigmoid underflows to 0 (logits below about -104 in float32), the scores and their gradients are 0, not NaN, in
+    the kernel and in the torch twin."""
+    logits = distinct_logits(17, 9, device, seed=2) - 200.0
+    g = torch.randn(17, 3, device=device)
+    for fn in (topk_router, topk_router_ref):
+        leaf = logits.detach().clone().requires_grad_(True)
+        _, scores = fn(leaf, 3, "sigmoid_then_topk", True)
+        scores.backward(g)
+        assert torch.equal(scores.detach(), torch.zeros_like(scores)), fn.__name__
+        assert torch.isfinite(leaf.grad).all(), fn.__name__
+
+
 def test_deterministic(device):
     logits = distinct_logits(40, 33, device, seed=1)
     g = torch.randn(40, 6, device=device)

@@ -1,0 +1,281 @@
+"""Do the CPU tests catch a wrong kernel? Plant one small bug at a time and run the tests that should catch it.
+
+Each mutant replaces one exact snippet of a source file (it must occur exactly once) and names the pytest selection
+expected to fail. The tree is copied once to a scratch directory; each mutant is written there, its tests run with
+``python -m pytest -x`` from the copy (so the copy's ``sonicmoe`` is imported), and the file is put back. A mutant
+is *killed* when the tests fail, *survives* when they pass (a hole in the tests, or an equivalent mutant: read it),
+*times out*, or is *stale* when its snippet is no longer in the file (the list needs mending).
+
+    python scripts/mutation_probe.py                  # every mutant in MUTANTS
+    python scripts/mutation_probe.py -k '^(tkr|agg)_'  # the mutants whose name matches the regex
+    python scripts/mutation_probe.py --list
+
+Mutation-testing libraries (mutmut, cosmic-ray) rewrite Python functions into trampolines, which Triton's JIT
+cannot parse, so the kernels' mutants are written by hand here: off-by-one masks, a dropped term, swapped
+operands, a wrong offset — the bugs a kernel author makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    find: str  # exact snippet, present exactly once
+    replace: str
+    tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
+    equivalent: str = ""  # why no test can kill it (the same results), where that was worked out
+
+
+def _m(name, path, find, replace, *tests, equivalent=""):
+    return Mutant(name, path, find, replace, tuple(tests), equivalent)
+
+
+KT = "tests/test_kernels.py"
+TR = "tests/test_topk_routing.py"
+TKR = "sonicmoe/ops/topk_routing.py"
+UP = "sonicmoe/ops/up_proj.py"
+AGG = "sonicmoe/ops/aggregation.py"
+DH = "sonicmoe/ops/dh.py"
+WG = "sonicmoe/ops/weight_grad.py"
+GG = "sonicmoe/ops/grouped_gemm.py"
+SG = "sonicmoe/ops/score_grad.py"
+RT = "sonicmoe/ops/router.py"
+RK = "tests/test_router_kernel.py"
+TRD = "sonicmoe/token_rounding.py"
+TTR = "tests/test_token_rounding.py"
+TRS = "sonicmoe/ops/tr_select.py"
+TRSEL = "tests/test_tr_select.py"
+LIB = "sonicmoe/ops/library.py"
+FL = "sonicmoe/ops/fast_launch.py"
+TFL = "tests/test_fast_launch.py"
+RTG = "sonicmoe/routing.py"
+TRR = "sonicmoe/ops/tr_routing.py"
+TTRR = "tests/test_tr_routing.py"
+MUTANTS: list[Mutant] = [
+    # --- the counting-sort routing (sonicmoe/ops/topk_routing.py) ---
+    _m("tkr_scan_inclusive", TKR, "carry[None, :] + tl.cumsum(cnt, axis=0) - cnt",
+       "carry[None, :] + tl.cumsum(cnt, axis=0)", TR),
+    _m("tkr_scan_drops_carry", TKR, "        carry += tl.sum(cnt, axis=0)\n", "        carry += 0\n", TR),
+    _m("tkr_rank_from_one", TKR, "axis=1) - 1  # among", "axis=1)  # among", TR),
+    _m("tkr_outside_ignores_block", TKR, "valid_total + out_first + tl.cumsum", "valid_total + tl.cumsum", TR),
+    _m("tkr_offsets_inclusive", TKR, "offsets = tl.cumsum(totals, axis=0) - totals",
+       "offsets = tl.cumsum(totals, axis=0)", TR),
+    _m("tkr_token_offsets_every_pair", TKR, "mask=inside & (p % K == 0))", "mask=inside & (p % K == K - 1))", TR),
+    # --- aggregation ---
+    _m("agg_slot_past_count", AGG, "valid = mask_t & (j < cnt)", "valid = mask_t & (j <= cnt)", KT, "-k",
+       "gather_sum"),
+    _m("agg_drops_weight", AGG, "y = y * tl.load(w_ptr + start + j", "y = y + 0 * tl.load(w_ptr + start + j", KT,
+       "-k", "gather_sum"),
+    _m("agg_last_slot_missed", AGG, "range(0, tl.max(cnt, 0), UNROLL)", "range(0, tl.max(cnt, 0) - 1, UNROLL)", KT,
+       "-k", "gather_sum"),
+    _m("agg_tile_tokens_overlap", AGG, "t = (tile // num_d) * BLOCK_T + tl.arange", "t = (tile // num_d) + tl.arange",
+       KT, "-k", "gather_sum"),
+    # --- dH ---
+    _m("dh_dgate_uses_g", DH, "(da * u * (sig + silu * (1.0 - sig)))", "(da * u * (sig + g * (1.0 - sig)))", KT,
+       "-k", "test_dh_kernel"),
+    _m("dh_aprime_unscaled", DH, "(a * s).to(ap_ptr.dtype.element_ty)", "a.to(ap_ptr.dtype.element_ty)", KT, "-k",
+       "test_dh_kernel"),
+    _m("dh_ds_from_da", DH, "part = _sum16(tl.reshape(acc * a,", "part = _sum16(tl.reshape(acc * a * s,", KT, "-k",
+       "test_dh_kernel"),
+    _m("dh_scores_by_row_not_pair", DH, "s = tl.load(score_ptr + tl.load(pair_ptr + rows, mask=mask_m, other=0),",
+       "s = tl.load(score_ptr + rows + 0 * tl.load(pair_ptr + rows, mask=mask_m, other=0),", KT, "-k",
+       "test_dh_kernel or layer_forward"),
+    _m("dh_prefetch_same_block", DH, "mask_m, ch + WIDTH, ch_end, stride_hr", "mask_m, ch, ch_end, stride_hr", KT,
+       "-k", "prefetch"),
+    _m("dh_sum16_drops_pair", DH, "    lo, hi = tl.split(lo + hi)\n    return lo + hi",
+       "    lo, hi = tl.split(lo + hi)\n    return lo", KT, "-k", "test_dh_kernel"),
+    # --- varlen-K weight gradients ---
+    _m("wg_tail_row_mask_off_by_one", WG, "    rr = r0 + tl.arange(0, BLOCK_R)\n    mask_r = rr < hi",
+       "    rr = r0 + tl.arange(0, BLOCK_R)\n    mask_r = rr <= hi", KT, "-k", "grouped_gemms or varlen_k"),
+    _m("wg_short_tail_dropped", WG, "    if lo + full * BLOCK_R < hi:", "    if lo + full * BLOCK_R < hi - 1:",
+       KT, "-k", "grouped_gemms or varlen_k"),
+    _m("wg_gather_p_by_row", WG, "        if P_GATHER:\n            pr = tok",
+       "        if P_GATHER:\n            pr = rr.to(tl.int64)", KT, "-k", "grouped_gemms or varlen_k"),
+    # --- varlen-M GEMM (down-projection, dX̃) ---
+    _m("gg_bias_wrong_expert", GG, "acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols",
+       "acc += tl.load(bias_ptr + 0 * N + cols", KT, "-k", "grouped_gemms or layer_forward"),
+    _m("gg_k_mask_off_by_one", GG, "(offs_k < K - k * BLOCK_K)[None, :], other=0.0)",
+       "(offs_k <= K - k * BLOCK_K)[None, :], other=0.0)", KT, "-k", "grouped_gemms",
+       equivalent="the extra column read (the next row's first element, finite) meets a weight row masked to 0"),
+    # --- dS reduction ---
+    _m("sg_padding_rows_counted", SG, "real = mask & (row < tl.load(offsets_ptr + E))", "real = mask", KT, "-k",
+       "score_grad"),
+    _m("sg_last_part_dropped", SG, "for j in tl.static_range(1, P):", "for j in tl.static_range(1, P - 1):", KT, "-k",
+       "score_grad"),
+    # --- the router kernel (top-k and its scores, forward and backward) ---
+    _m("rt_ties_to_higher_index", RT, "idx = tl.min(tl.where(avail & (cand == m[:, None]), e[None, :], E_P2), axis=1)",
+       "idx = tl.max(tl.where(avail & (cand == m[:, None]), e[None, :], -1), axis=1)", RK),
+    _m("rt_nan_not_first", RT, 'key = tl.where(x != x, float("inf"), key)', "key = key", RK),
+    _m("rt_group_score_max_twice", RT, "m2 = tl.max(tl.where(in_g & (e[None, :] != i1[:, None]), key",
+       "m2 = tl.max(tl.where(in_g, key", RK),
+    _m("rt_sigmoid_renorm_eps_dropped", RT, "s = s / (tl.sum(tl.where(valid_k, s, 0.0), axis=1)[:, None] + 1e-20)",
+       "s = s / tl.sum(tl.where(valid_k, s, 0.0), axis=1)[:, None]", RK),
+    _m("rt_bwd_sigmoid_renorm_drops_p", RT, "slot = s * (1.0 - p) * (g - dot[:, None])",
+       "slot = s * (g - dot[:, None])", RK),
+    _m("rt_bwd_dense_drops_dot", RT, "dl = p * (scat - dot[:, None])", "dl = p * scat", RK),
+    _m("rt_softmax_then_topk_renorm_skipped", RT, "\n                s = s / tl.sum(tl.where(valid_k, s, 0.0), axis=1)",
+       "\n                s = s / 1.0 + 0 * tl.sum(tl.where(valid_k, s, 0.0), axis=1)", RK),
+    # --- token rounding: the per-expert counts and the selection kernels ---
+    _m("tr_nearest_rounds_half_up", TRD, "pad = 2 * frac > m", "pad = 2 * frac >= m", TTR),
+    _m("tr_stochastic_inverted", TRD, "pad = u * m < frac", "pad = u * m > frac", TTR),
+    _m("tr_pad_not_clamped_to_t", TRD, "torch.clamp(lo + m, max=t)", "(lo + m)", TTR),
+    _m("trs_float_key_no_flip", TRS, "return bits ^ ((bits >> 31) & 0x7FFFFFFF)", "return bits", TRSEL),
+    _m("trs_ties_one_short", TRS, "(tl.cumsum(eq, axis=0) + seen <= ties)", "(tl.cumsum(eq, axis=0) + seen < ties)",
+       TRSEL),
+    _m("trs_streamed_threshold_strict", TRS, "best = tl.max(tl.where((cnt >= n) & valid, j, 0), axis=0)",
+       "best = tl.max(tl.where((cnt > n) & valid, j, 0), axis=0)", TRSEL,
+       equivalent="the search then ends one key value lower, where the keys above it are the same n"),
+    _m("trs_resident_ties_from_ge", TRS, "ties = n - tl.sum((row > lo.to(tl.int32)).to(tl.int32), axis=0)",
+       "ties = n - tl.sum((row >= lo.to(tl.int32)).to(tl.int32), axis=0)", TRSEL),
+    _m("trs_list_pos_shifted", TRS, "pos = n + tl.cumsum(real.to(tl.int32), axis=0) - 1",
+       "pos = n + tl.cumsum(real.to(tl.int32), axis=0)", TRSEL),
+    _m("trs_chosen_count_unmasked", TRS, "tl.sum((chosen & mask).to(tl.int32), axis=0)",
+       "tl.sum(chosen.to(tl.int32), axis=0)", TRSEL,
+       equivalent="lanes outside the tile load id -1 and expert lanes past E match no id: never chosen"),
+    # --- token rounding's routing kernels (sonicmoe/ops/tr_routing.py) ---
+    _m("trr_balance_own_prefix", TRR, "rounded = grid - (-M * _floor_div(M - 2 * (x - f), 2 * M))",
+       "rounded = grid - (-M * _floor_div(M - 2 * x, 2 * M))", TTRR),
+    _m("trr_floor_div_truncates", TRR, "return tl.where((a % b != 0) & (a < 0), q - 1, q)", "return q", TTRR),
+    _m("trr_blocks_before_inclusive", TRR, "before += tl.sum(tl.where(b < tb * NEB, sums, 0), axis=0)",
+       "before += tl.sum(tl.where(b <= tb * NEB, sums, 0), axis=0)", TTRR),
+    _m("trr_total_last_chunk_only", TRR, "        total += tl.sum(sums, axis=0)\n",
+       "        total = tl.sum(sums, axis=0)\n", TTRR),
+    _m("trr_pos_same_block_counted", TRR, "pos = first + tl.sum(tl.where(j[None, :] < eb, cnt, 0), axis=1)",
+       "pos = first + tl.sum(tl.where(j[None, :] <= eb, cnt, 0), axis=1)", TTRR),
+    _m("trr_padding_row_token_past_t", TRR, "tl.store(row_token_ptr + q, q * 0 + tl.maximum(T - 1, 0), mask=pad)",
+       "tl.store(row_token_ptr + q, q * 0 + T, mask=pad)", TTRR),
+    _m("trr_padding_from_zero", TRR, "pad = (q >= total) & (q < R)", "pad = q < R", TTRR),
+    # --- routing metadata and the router's losses in torch (sonicmoe/routing.py) ---
+    _m("rf_pairs_unstable_expert_sort", RTG, "row_slot = torch.sort(pair_expert[slot_pair], stable=True)",
+       "row_slot = torch.sort(pair_expert[slot_pair], stable=False)", "tests/test_routing.py"),
+    _m("rf_padding_rows_token_t", RTG, "row_token = row_token.clamp_(max=num_tokens - 1)", "row_token = row_token",
+       "tests/test_routing.py", "tests/test_static_routing.py"),
+    _m("rf_token_rows_unpermuted", RTG, "token_rows = pair_row if token_major else pair_row.index_select(0, slot_pair)",
+       "token_rows = pair_row", "tests/test_routing.py", KT, "-k", "routing or general or gather_sum"),
+    _m("lb_loss_counts_not_normalised", RTG, "f = counts / counts.sum().clamp_min(1.0)", "f = counts",
+       "tests/test_routing.py", "tests/test_module.py"),
+    _m("z_loss_not_squared", RTG, "torch.logsumexp(logits, dim=-1).square().sum()",
+       "torch.logsumexp(logits, dim=-1).sum()", "tests/test_routing.py", "tests/test_module.py"),
+    _m("sigmoid_groups_one_best", RTG, "group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)",
+       "group_score = grouped.topk(1, dim=-1).values.sum(dim=-1)", "tests/test_routing.py", RK),
+    _m("sigmoid_renorm_eps_dropped", RTG, "scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)",
+       "scores = scores / scores.sum(dim=-1, keepdim=True)", "tests/test_routing.py", RK),
+    # --- the launch fast path's key: a key coarser than Triton's specialisation launches a wrong binary ---
+    _m("fl_tensor_alignment_unkeyed", FL, "return (v.dtype, v.data_ptr() % 16 == 0)", "return (v.dtype,)", TFL),
+    _m("fl_int_one_unkeyed", FL, "        if v == 1:\n            return 1\n", "", TFL),
+    _m("fl_int_width_unkeyed", FL, "return (v % 16 == 0, 32 if _I32[0] <= v < _I32[1] else 64 if v < 2**63 else 65)",
+       "return (v % 16 == 0,)", TFL),
+    _m("fl_constexpr_unkeyed", FL, "key.append(v if name in constexpr or name not in params else _runtime_key(v))",
+       "key.append(_runtime_key(v) if name in params else v)", TFL),
+    _m("fl_heuristics_not_applied", FL, "            bound[name] = rule(bound)\n", "            pass\n", TFL),
+    # --- Hugging Face checkpoints and the layer's losses ---
+    _m("hf_mixtral_gate_is_w3", "sonicmoe/checkpoints.py", '"mixtral": ("w1", "w3", "w2")',
+       '"mixtral": ("w3", "w1", "w2")', "tests/test_checkpoints.py"),
+    _m("hf_interleaved_as_blocks", "sonicmoe/checkpoints.py",
+       "return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])",
+       "return torch.cat([gate, up], dim=0)", "tests/test_checkpoints.py"),
+    _m("moe_aux_loss_uncoefficiented", "sonicmoe/modules.py",
+       "self.aux_loss = c.aux_loss_coef * load_balancing_loss(", "self.aux_loss = 1.0 * load_balancing_loss(",
+       "tests/test_module.py"),
+    # --- the backward's wiring (sonicmoe/ops/library.py) ---
+    _m("lib_db2_unscaled", LIB, "s_col = routing.row_scores(pair_scores).to(dout.dtype)[:, None]",
+       "s_col = torch.ones_like(routing.row_scores(pair_scores)).to(dout.dtype)[:, None]", KT, "-k",
+       "layer_forward_backward"),
+    _m("lib_ds_bias_term_dropped", LIB, "            if b2 is not None:  # dS +=", "            if False:  # dS +=", KT,
+       "-k", "layer_forward_backward"),
+    # --- up-projection ---
+    _m("up_bias_gate_only", UP,
+       "acc_u += tl.load(b_base + u_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]",
+       "acc_u += 0.0", KT, "-k", "test_up_proj"),
+    _m("up_swiglu_from_unrounded_h", UP,
+       "    g = hg.to(tl.float32)\n", "    g = acc_g\n", KT, "-k", "test_up_proj or test_tma_weight"),
+    _m("up_rows_mask_off_by_one", UP,
+       "    mask_m = rows < row_end\n", "    mask_m = rows <= row_end\n", KT, "-k", "test_up_proj"),
+    _m("up_interleaved_halves_swapped", UP,
+       "        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))",
+       "        u, g = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))", KT, "-k", "test_tma_weight"),
+    _m("up_steps_tok_not_refreshed", UP,
+       "        if ki == 0:\n            rows0", "        if tile < 0:\n            rows0", KT, "-k",
+       "test_tma_weight or test_persistent"),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    for name in ("sonicmoe", "tests", "benchmarks", "scripts"):
+        shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dst / name)
+
+
+def run_mutant(m: Mutant, work: Path, timeout: float) -> dict:
+    target = work / m.path
+    original = target.read_text()
+    if original.count(m.find) != 1:
+        return {"name": m.name, "result": "stale", "seconds": 0.0, "detail": f"found {original.count(m.find)} times"}
+    target.write_text(original.replace(m.find, m.replace))
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+        # 1: a test failed; negative: the tests crashed (a signal: an out-of-bounds access under the interpreter);
+        # 5: no test collected (the selection needs mending)
+        rc = proc.returncode
+        result = "survived" if rc == 0 else "killed" if rc == 1 else "crashed" if rc < 0 else f"rc{rc}"
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        detail = tail[0][:200]
+    except subprocess.TimeoutExpired:
+        result, detail = "timeout", f"over {timeout:.0f} s"
+    finally:
+        target.write_text(original)
+    return {"name": m.name, "result": result, "seconds": round(time.perf_counter() - start, 1), "detail": detail}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-k", default="", help="only the mutants whose name matches this regular expression")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant's tests")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    chosen = [m for m in MUTANTS if re.search(args.k, m.name)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:40s} {m.path}  {' '.join(m.tests)}")
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory(prefix="sonicmoe_mut_") as tmp:
+        work = Path(tmp)
+        _copy_tree(work)
+        for m in chosen:
+            r = run_mutant(m, work, args.timeout)
+            results.append(r)
+            note = f"  [equivalent: {m.equivalent}]" if m.equivalent else ""
+            print(f"{r['result']:9s} {r['seconds']:7.1f} s  {r['name']}  ({r['detail']}){note}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"mutants": [asdict(m) for m in chosen], "results": results}, indent=1))
+    equivalent = {m.name for m in chosen if m.equivalent}
+    survived = [r["name"] for r in results if r["result"] not in ("killed", "crashed") and r["name"] not in equivalent]
+    print(f"{len(results)} mutants: {sum(r['result'] in ('killed', 'crashed') for r in results)} killed or crashed, "
+          f"{len(equivalent)} equivalent" + (f"; not killed: {survived}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
