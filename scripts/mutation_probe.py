@@ -62,6 +62,8 @@ TTR = "tests/test_token_rounding.py"
 TRS = "sonicmoe/ops/tr_select.py"
 TRSEL = "tests/test_tr_select.py"
 LIB = "sonicmoe/ops/library.py"
+CM = "sonicmoe/ops/common.py"
+TSC = "sonicmoe/ops/tr_scores.py"
 FL = "sonicmoe/ops/fast_launch.py"
 TFL = "tests/test_fast_launch.py"
 RTG = "sonicmoe/routing.py"
@@ -193,6 +195,36 @@ MUTANTS: list[Mutant] = [
     _m("moe_aux_loss_uncoefficiented", "sonicmoe/modules.py",
        "self.aux_loss = c.aux_loss_coef * load_balancing_loss(", "self.aux_loss = 1.0 * load_balancing_loss(",
        "tests/test_module.py"),
+    # --- the varlen-M tile schedule and the persistent step loops (sonicmoe/ops/common.py) ---
+    _m("cm_tile_expert_off_by_one", CM, "e = tl.sum((cum <= pid_m).to(tl.int32), 0)",
+       "e = tl.sum((cum < pid_m).to(tl.int32), 0)", KT, "-k", "test_up_proj or grouped_gemms or persistent"),
+    _m("cm_steps_drop_last_round", CM, "steps = k_tiles * tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)",
+       "steps = k_tiles * tl.maximum((num_tiles - pid) // nprog, 0)", KT, "-k", "persistent or tma_weight"),
+    _m("cm_weight_k_unmasked", CM, "return tl.load(ptrs, mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)",
+       "return tl.load(ptrs, mask=(cc < N)[None, :], other=0.0)", KT, "-k", "test_up_proj or grouped_gemms"),
+    _m("cm_x_k_unmasked", CM, "block = tl.load(ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)",
+       "block = tl.load(ptrs)", KT, "-k", "test_up_proj or test_dh_kernel",
+       equivalent="the columns read past d (the next row's, finite) meet weight rows masked to 0"),
+    # --- persistent varlen-K (weight gradients of few rows per expert) ---
+    _m("wg_steps_short_expert_kept", WG, "            if full == 0:\n                acc = tl.zeros",
+       "            if full < 0:\n                acc = tl.zeros", KT, "-k", "varlen_k"),
+    _m("wg_steps_count_min_zero", WG, "steps_v = tl.maximum((hi_v - lo_v) // BLOCK_R, 1)",
+       "steps_v = (hi_v - lo_v) // BLOCK_R", KT, "-k", "varlen_k"),
+    # --- the router logits' bf16 backward (sonicmoe/ops/router_logits.py) and token rounding's pair scores ---
+    _m("rl_lo_part_dropped", "sonicmoe/ops/router_logits.py", "dw = both[:e] + both[e:]", "dw = both[:e]",
+       "tests/test_router_logits.py"),
+    _m("rl_lo_from_g", "sonicmoe/ops/router_logits.py", "return hi, (g - hi.float()).to(torch.bfloat16)",
+       "return hi, (g * 0).to(torch.bfloat16)", "tests/test_router_logits.py"),
+    _m("ts_added_renorm_no_red", TSC, "        d_red -= tl.where(is_added, g * v / (red * red), 0.0)",
+       "        d_red -= tl.where(is_added, 0.0, 0.0)", "tests/test_tr_scores.py"),
+    _m("ts_odd_pair_skipped", TSC, "_load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p + 1, j + 1 < cnt,",
+       "_load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p + 1, j + 1 < 0,", "tests/test_tr_scores.py"),
+    _m("ts_fwd_slot_first_match", TSC, "slot = tl.max(tl.where(ids == e[:, None], kk[None, :], -1), axis=1)",
+       "slot = tl.max(tl.where(ids == e[:, None], 0, -1), axis=1)", "tests/test_tr_scores.py"),
+    # --- expert parallelism (two gloo ranks on the CPU) ---
+    _m("ep_ddp_expert_grads_unscaled", "sonicmoe/expert_parallel.py",
+       "hook = (lambda g, scale=1.0 / module.ep_size: g * scale)", "hook = (lambda g, scale=1.0: g * scale)",
+       "tests/test_expert_parallel.py", "-k", "on_cpu_matches_one_process"),
     # --- the backward's wiring (sonicmoe/ops/library.py) ---
     _m("lib_db2_unscaled", LIB, "s_col = routing.row_scores(pair_scores).to(dout.dtype)[:, None]",
        "s_col = torch.ones_like(routing.row_scores(pair_scores)).to(dout.dtype)[:, None]", KT, "-k",
