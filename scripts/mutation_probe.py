@@ -238,6 +238,17 @@ MUTANTS: list[Mutant] = [
     _m("val_pair_scores_length_unchecked", "sonicmoe/functional.py",
        "        if pair_scores.dim() != 1 or pair_scores.shape[0] != r:", "        if pair_scores.dim() != 1:",
        "tests/test_validation.py", "tests/test_errors.py"),
+    # --- the benchmark's arithmetic: a wrong count misreports every TFLOP/s and memory figure ---
+    _m("bench_fwd_flops_4", "sonicmoe/bench/shapes.py", '{"fwd": 6 * base, "bwd": 12 * base, "total": 18 * base}',
+       '{"fwd": 4 * base, "bwd": 12 * base, "total": 16 * base}', "tests/test_bench.py"),
+    _m("bench_tflops_gflops", "sonicmoe/bench/shapes.py", "return flops / (ms * 1e-3) / 1e12",
+       "return flops / (ms * 1e-3) / 1e9", "tests/test_bench.py"),
+    _m("bench_held_h_once", "sonicmoe/bench/shapes.py", "return elem_bytes * (T * d + 2 * tk * n)",
+       "return elem_bytes * (T * d + tk * n)", "tests/test_bench.py"),
+    _m("bench_cpu_median_is_p80", "sonicmoe/bench/measure.py", "q = [cuts[1], statistics.median(times), cuts[7]]",
+       "q = [cuts[1], cuts[7], cuts[7]]", "tests/test_bench.py"),
+    _m("tr_max_pairs_nearest_full_tile", TRD, "extra = num_experts * ((m_tile - 1) // 2)",
+       "extra = num_experts * ((m_tile - 1) // 4)", TTR, "tests/test_static_routing.py"),
     # --- the backward's wiring (sonicmoe/ops/library.py) ---
     _m("lib_db2_unscaled", LIB, "s_col = routing.row_scores(pair_scores).to(dout.dtype)[:, None]",
        "s_col = torch.ones_like(routing.row_scores(pair_scores)).to(dout.dtype)[:, None]", KT, "-k",

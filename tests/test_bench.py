@@ -399,6 +399,19 @@ def test_list_and_help(capsys):
     assert cli.main(["--help"]) == 0
 
 
+def test_cpu_timing_reports_median_and_deciles(monkeypatch):
+    """Without CUDA the per-call wall times give p50 = their median and p20 / p80 = their 2nd and 8th deciles (the
+    times stubbed, so the figures are known): 1..10 ms -> 2.8, 5.5, 8.2."""
+    from sonicmoe.bench import measure
+
+    times = [7.0, 1.0, 10.0, 4.0, 2.0, 9.0, 3.0, 8.0, 5.0, 6.0]
+    monkeypatch.setattr(measure, "_wall_ms", lambda fn, warmup, rep, device: times)
+    got = measure.bench_ms(lambda: None, device=torch.device("cpu"))
+    assert got == pytest.approx({"p20": 2.8, "p50": 5.5, "p80": 8.2})
+    monkeypatch.setattr(measure, "_wall_ms", lambda fn, warmup, rep, device: [4.0])
+    assert measure.bench_ms(lambda: None, device=torch.device("cpu")) == {"p20": 4.0, "p50": 4.0, "p80": 4.0}
+
+
 def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
     """On a GPU every measurement warms up for SETTLED_WARMUP_MS (the power cap needs ~100 ms to lower the clock;
     25 ms read the state left by what ran before) and times a SETTLED_REP_MS window, and a run without --warmup or
