@@ -3,8 +3,10 @@
 Each mutant replaces one exact snippet of a source file (it must occur exactly once) and names the pytest selection
 expected to fail. The tree is copied once to a scratch directory; each mutant is written there, its tests run with
 ``python -m pytest -x`` from the copy (so the copy's ``sonicmoe`` is imported), and the file is put back. A mutant
-is *killed* when the tests fail, *survives* when they pass (a hole in the tests, or an equivalent mutant: read it),
-*times out*, or is *stale* when its snippet is no longer in the file (the list needs mending).
+is *killed* when the tests fail, *crashed* when they die of a signal (an out-of-bounds access under the
+interpreter), *survives* when they pass (a hole in the tests, or a mutant marked equivalent: the same results, or a
+path only a GPU runs), *times out*, or is *stale* when its snippet is no longer in the file (the list needs
+mending).
 
     python scripts/mutation_probe.py                  # every mutant in MUTANTS
     python scripts/mutation_probe.py -k '^(tkr|agg)_'  # the mutants whose name matches the regex
@@ -39,7 +41,7 @@ class Mutant:
     find: str  # exact snippet, present exactly once
     replace: str
     tests: tuple[str, ...]  # pytest arguments (files, node ids, -k expressions)
-    equivalent: str = ""  # why no test can kill it (the same results), where that was worked out
+    equivalent: str = ""  # why no CPU test can kill it: the same results, or a path only a GPU runs
 
 
 def _m(name, path, find, replace, *tests, equivalent=""):
@@ -249,6 +251,14 @@ MUTANTS: list[Mutant] = [
        "q = [cuts[1], cuts[7], cuts[7]]", "tests/test_bench.py"),
     _m("tr_max_pairs_nearest_full_tile", TRD, "extra = num_experts * ((m_tile - 1) // 2)",
        "extra = num_experts * ((m_tile - 1) // 4)", TTR, "tests/test_static_routing.py"),
+    # --- the training job ---
+    _m("train_warmup_from_zero", "sonicmoe/train/loop.py", "return cfg.lr * (update + 1) / cfg.warmup",
+       "return cfg.lr * update / cfg.warmup", "tests/test_train.py", "-k", "lr_schedule"),
+    _m("train_ep_clip_local_norm", "sonicmoe/train/distributed.py",
+       "        dist.all_reduce(experts, group=self.group)\n", "", "tests/test_train.py", "-k", "expert_parallel"),
+    _m("train_graph_rng_not_restored", "sonicmoe/train/loop.py", "    torch.cuda.set_rng_state(rng, device)\n", "",
+       "tests/test_train.py", "-k", "graph_moe", equivalent="CUDA only: its test (test_gpu_graph_moe_trains_as_eager) "
+       "needs a GPU"),
     # --- the backward's wiring (sonicmoe/ops/library.py) ---
     _m("lib_db2_unscaled", LIB, "s_col = routing.row_scores(pair_scores).to(dout.dtype)[:, None]",
        "s_col = torch.ones_like(routing.row_scores(pair_scores)).to(dout.dtype)[:, None]", KT, "-k",
@@ -331,7 +341,7 @@ def main() -> int:
     missed = [r["name"] for r in results if r["name"] not in caught]
     holes = [name for name in missed if name not in equivalent]
     print(f"{len(results)} mutants: {len(caught)} killed or crashed, {len(missed) - len(holes)} not killed and "
-          f"marked equivalent" + (f"; not killed: {holes}" if holes else ""))
+          f"marked (equivalent, or GPU-only)" + (f"; not killed: {holes}" if holes else ""))
     return 1 if holes else 0
 
 

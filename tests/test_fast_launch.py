@@ -69,11 +69,29 @@ class _Compiled:
 
     function, packed_metadata = "fn-handle", "meta"
 
-    def __init__(self):
+    def __init__(self, kwargs):
+        self.kwargs = kwargs  # the keyword arguments Triton's path was given
         self.launches = []
 
     def run(self, *args):
         self.launches.append(args)
+
+
+def _stub_tritons_path(monkeypatch, fn: JITFunction) -> list[_Compiled]:
+    """``fn``'s own launch path (Triton's) stubbed to make a new :class:`_Compiled` per call, with the device, the
+    stream and the version gate stubbed too and the fast path on: returns the list of the kernels made."""
+    made = []
+
+    def tritons_path(*args, grid, warmup, **kwargs):
+        made.append(_Compiled(kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(fn, "run", tritons_path)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(fast_launch, "SUPPORTED", True)
+    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+    return made
 
 
 def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
@@ -83,17 +101,7 @@ def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
     unaligned pointer, an int becoming 1, a constexpr, a launch option) misses; mode 0 and a Triton version the
     fast path was not checked against never hit."""
     fn = JITFunction(_plain_axpy)  # a compiled-kernel function even where triton.jit gives the interpreter's
-    made = []
-
-    def tritons_path(*args, grid, warmup, **kwargs):
-        made.append(_Compiled())
-        return made[-1]
-
-    monkeypatch.setattr(fn, "run", tritons_path)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
-    monkeypatch.setattr(fast_launch, "SUPPORTED", True)
-    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+    made = _stub_tritons_path(monkeypatch, fn)
     buf = torch.zeros(64)
     y = torch.zeros(64)
     grid = lambda m: (m["n"] // m["BLOCK"], m["EXTRA"])  # noqa: E731  (EXTRA: a default, filled in as Triton does)
@@ -132,27 +140,16 @@ def test_heuristic_values_are_keyed_without_a_gpu(monkeypatch):
     which has no bounds mask."""
     fn = JITFunction(_even_axpy)
     kernel = triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})(fn)
-    made = []
-
-    def tritons_path(*args, grid, warmup, **kwargs):
-        made.append(_Compiled())
-        made[-1].even = kwargs["EVEN"]
-        return made[-1]
-
-    monkeypatch.setattr(fn, "run", tritons_path)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 1234)
-    monkeypatch.setattr(fast_launch, "SUPPORTED", True)
-    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+    made = _stub_tritons_path(monkeypatch, fn)
     buf = torch.zeros(64)
 
     def go(n):
         return launch_kernel(kernel, (1,), buf, buf, buf, n, 0.5, 1, BLOCK=32)
 
     even = go(32)
-    assert even.even is True and go(32) is even and even.launches[-1][-2:] == (32, True)
+    assert even.kwargs["EVEN"] is True and go(32) is even and even.launches[-1][-2:] == (32, True)
     odd = go(48)
-    assert odd is not even and odd.even is False and len(made) == 2
+    assert odd is not even and odd.kwargs["EVEN"] is False and len(made) == 2
     assert go(48) is odd and odd.launches[-1][-2:] == (32, False)
 
 
