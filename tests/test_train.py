@@ -417,6 +417,34 @@ def test_graph_moe_config_refusals():
         make_config("cpu-tiny", graph_moe=1)
 
 
+def test_graph_moe_puts_the_generator_back(monkeypatch):
+    """graph_moe_layers graphs every MoE layer in one make_graphed_callables call, swaps the blocks' layers for the
+    graphed ones, and puts the CUDA generator's state back after the capture, whose warm-up draws moved it (CUDA
+    stubbed: the generator is a counter the stubbed capture advances). Without the restore, stochastic token
+    rounding under --graph-moe would draw other uniforms than the eager run (test_gpu_graph_moe_trains_as_eager)."""
+    from sonicmoe.train import loop
+
+    model = MoETransformer(ModelConfig(d_model=16, layers=2, heads=2, experts=4, top_k=2, expert_size=8,
+                                       backend="torch"))
+    layers = model.moe_layers()
+    state = {"rng": torch.tensor([7])}
+    calls = []
+
+    def capture(callables, samples):
+        calls.append((callables, samples))
+        state["rng"] = state["rng"] + 4  # the warm-up and capture runs draw
+        return tuple(torch.nn.Identity() for _ in callables)
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: state["rng"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: state.update(rng=s))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    loop.graph_moe_layers(model, (3, 5), torch.float32)
+    assert int(state["rng"]) == 7
+    (callables, samples), = calls
+    assert list(callables) == layers and [s[0].shape for s in samples] == [(3, 5, 16)] * 2
+    assert all(isinstance(blk.moe, torch.nn.Identity) for blk in model.blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["topk", "token_rounding", "stochastic"])
 def test_gpu_graph_moe_trains_as_eager(tmp_path, routing):
