@@ -258,6 +258,15 @@ MUTANTS: list[Mutant] = [
        "        dist.all_reduce(experts, group=self.group)\n", "", "tests/test_train.py", "-k", "expert_parallel"),
     _m("train_graph_rng_not_restored", "sonicmoe/train/loop.py", "    torch.cuda.set_rng_state(rng, device)\n", "",
        "tests/test_train.py", "-k", "graph_moe"),
+    # --- autocast, static token rounding, data-parallel batches ---
+    _m("ac_bias_not_cast", "sonicmoe/_autocast.py", 'CAST_ARGUMENTS = ("x", "w1", "w2", "b1", "b2")',
+       'CAST_ARGUMENTS = ("x", "w1", "w2")', "tests/test_autocast.py"),
+    _m("ac_float64_cast", "sonicmoe/_autocast.py", "t.is_floating_point() and t.dtype != torch.float64",
+       "t.is_floating_point()", "tests/test_autocast.py"),
+    _m("tr_static_not_padded", TRD, "max_pairs=max_pairs(t, e, k, m_tile, subroutine) if static else None)",
+       "max_pairs=None)", TTR, "tests/test_static_routing.py"),
+    _m("dp_batch_rows_overlap", "sonicmoe/train/distributed.py", "return batch[self.rank * b:(self.rank + 1) * b]",
+       "return batch[self.rank:self.rank + b]", "tests/test_train.py", "-k", "data_parallel_tracks"),
     # --- the backward's wiring (sonicmoe/ops/library.py) ---
     _m("lib_db2_unscaled", LIB, "s_col = routing.row_scores(pair_scores).to(dout.dtype)[:, None]",
        "s_col = torch.ones_like(routing.row_scores(pair_scores)).to(dout.dtype)[:, None]", KT, "-k",
