@@ -280,7 +280,7 @@ for step in "$@"; do
       # top-k's routing by the counting-sort kernels (SONICMOE_ROUTING_KERNEL=1) against torch's sort: the GPU tests,
       # the layer's host time and where it goes (T = 8192), and the 7B layer eager / host / graph-replay times. Also
       # session 78's tests that came from planting bugs (scripts/mutation_probe.py), in bf16 on the GPU
-      timeout 300 python3 -m pytest -rA -q -m gpu tests/test_topk_routing.py tests/test_routing.py \
+      timeout 420 python3 -m pytest -rA -q -m gpu tests/test_topk_routing.py tests/test_routing.py \
         "tests/test_kernels.py::test_up_proj_a_from_stored_h" tests/test_router_kernel.py -p no:cacheprovider \
         > "$OUT/gpu_tests_routing.log" 2>&1
       for v in 1 0 1 0; do
