@@ -92,6 +92,45 @@ def test_up_proj_a_from_stored_h(layout, device):
     assert (a != a_from_h).float().mean().item() < 0.01
 
 
+def _guarded(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
+    """``t``'s values in a contiguous view with NaN in the ``pad`` elements of storage on either side (64: 16-byte
+    aligned in every float dtype), so that a kernel reading past either end of its operand reads NaN."""
+    buf = torch.full((t.numel() + 2 * pad,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[pad:pad + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_kernels_read_nothing_past_their_operands(layout, device):
+    """Every float operand of the expert kernels (the inputs, and A and Y between the kernels) in a NaN guard band
+    (:func:`_guarded`): the outputs are finite and
+    the bits of the unguarded calls. A masked-off element read past an operand's end is multiplied by a zero and
+    shows nowhere else; with NaN there it shows, so an over-read past d or n (an off-by-one in a K mask, say) fails
+    here. d = 40 and n = 24 are not multiples of the interpreter's 16-wide blocks, so the masked paths run."""
+    t, d, n, e, k = 29, 40, 24, 5, 2
+    p = random_problem(t, d, n, e, bias=True, device=device, seed=17)
+    router, routing = _topk_routing(p, k, device)
+    r = routing.num_rows
+    dout, dh_, h = (torch.randn(*s, device=device) for s in ((t, d), (r, 2 * n), (r, 2 * n)))
+    s = routing.row_scores(router.topk_scores.reshape(-1)).detach()
+
+    def calls(wrap, x, w1, b1, w2, b2, dout, dh_, h, s):
+        _, a = up_proj(x, w1, b1, routing, layout)
+        a = wrap(a)
+        y = wrap(down_proj(a, w2, b2, routing))
+        return (a, y, gather_sum(y, routing, s[routing.token_rows.long()]),
+                varlen_m_gemm(dh_, w1, None, routing, transpose_b=False), *dh(dout, w2, h, s, routing, layout),
+                varlen_k_gemm(dout, a, routing, p_gather=True, q_gather=False, out_dtype=a.dtype),
+                varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=x.dtype))
+
+    args = (p["x"], p["w1"], p["b1"], p["w2"], p["b2"], dout, dh_, h, s)
+    plain = calls(lambda v: v, *args)
+    guarded = calls(_guarded, *(_guarded(v) for v in args))
+    for i, (g, want) in enumerate(zip(guarded, plain)):
+        assert torch.isfinite(g).all() and torch.equal(g, want), i
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=IDS[1:3])
 def test_grouped_gemms(shape, dtype, device):
