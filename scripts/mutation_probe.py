@@ -102,6 +102,8 @@ MUTANTS: list[Mutant] = [
        "test_dh_kernel or layer_forward"),
     _m("dh_prefetch_same_block", DH, "mask_m, ch + WIDTH, ch_end, stride_hr", "mask_m, ch, ch_end, stride_hr", KT,
        "-k", "prefetch"),
+    _m("dh_h_channels_unmasked", DH, "    mask = mask_m[:, None] & (ch < ch_end)[None, :]\n    base = h_ptr",
+       "    mask = mask_m[:, None]\n    base = h_ptr", KT, "-k", "test_dh_kernel or read_nothing"),
     _m("dh_sum16_drops_pair", DH, "    lo, hi = tl.split(lo + hi)\n    return lo + hi",
        "    lo, hi = tl.split(lo + hi)\n    return lo", KT, "-k", "test_dh_kernel"),
     # --- varlen-K weight gradients ---
