@@ -312,8 +312,9 @@ def run_mutant(m: Mutant, work: Path, timeout: float) -> dict:
         # 5: no test collected (the selection needs mending)
         rc = proc.returncode
         result = "survived" if rc == 0 else "killed" if rc == 1 else "crashed" if rc < 0 else f"rc{rc}"
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-        detail = tail[0][:200]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        fatal = [line for line in lines if line.startswith("Fatal Python error")]
+        detail = (f"signal {-rc}: {fatal[0] if fatal else ''}" if rc < 0 else lines[-1] if lines else "")[:200]
     except subprocess.TimeoutExpired:
         result, detail = "timeout", f"over {timeout:.0f} s"
     finally:
