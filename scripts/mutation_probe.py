@@ -75,6 +75,8 @@ MUTANTS: list[Mutant] = [
     # --- the counting-sort routing (sonicmoe/ops/topk_routing.py) ---
     _m("tkr_scan_inclusive", TKR, "carry[None, :] + tl.cumsum(cnt, axis=0) - cnt",
        "carry[None, :] + tl.cumsum(cnt, axis=0)", TR),
+    _m("tkr_scan_first_without_carry", TKR, "carry[None, :] + tl.cumsum(cnt, axis=0) - cnt",
+       "tl.cumsum(cnt, axis=0) - cnt + 0 * carry[None, :]", TR),
     _m("tkr_scan_drops_carry", TKR, "        carry += tl.sum(cnt, axis=0)\n", "        carry += 0\n", TR),
     _m("tkr_rank_from_one", TKR, "axis=1) - 1  # among", "axis=1)  # among", TR),
     _m("tkr_outside_ignores_block", TKR, "valid_total + out_first + tl.cumsum", "valid_total + tl.cumsum", TR),

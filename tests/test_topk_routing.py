@@ -67,6 +67,16 @@ def test_counting_sort_equals_torch(device, monkeypatch, t, k, e):
     _assert_equal(tkr.topk_routing(ids, e), routing_from_topk_ref(ids, e))
 
 
+def test_column_scan_carries_across_chunks(device, monkeypatch):
+    """More blocks than the column scan takes in one step: with SCAN_ROWS lowered to 4, 38 blocks of 64 pairs (E =
+    128) take 10 steps, each carrying the sums of the steps before into its blocks' first rows (at the 7B size on a
+    GPU: 3072 blocks in 12 steps of 256). The twin's tensors, with the outputs poisoned."""
+    monkeypatch.setattr(tkr, "SCAN_ROWS", 4)
+    ids = _ids(300, 8, 128, 9, device)
+    _poisoned(monkeypatch)
+    _assert_equal(tkr.topk_routing(ids, 128), routing_from_topk_ref(ids, 128))
+
+
 @pytest.mark.interpreter
 @settings(max_examples=25, deadline=None)
 @given(t=st.integers(1, 600), e=st.integers(1, 200), data=st.data())
