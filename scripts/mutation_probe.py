@@ -228,6 +228,8 @@ MUTANTS: list[Mutant] = [
        "        d_red -= tl.where(is_added, 0.0, 0.0)", "tests/test_tr_scores.py"),
     _m("ts_odd_pair_skipped", TSC, "_load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p + 1, j + 1 < cnt,",
        "_load_pair(grad_ptr, expert_ptr, slot_ptr, src_ptr, p + 1, j + 1 < 0,", "tests/test_tr_scores.py"),
+    _m("ts_bwd_zeros_first_block_only", TSC, "    for c0 in range(0, E, BLOCK_E):\n",
+       "    for c0 in range(0, BLOCK_E, BLOCK_E):\n", "tests/test_tr_scores.py"),
     _m("ts_fwd_slot_first_match", TSC, "slot = tl.max(tl.where(ids == e[:, None], kk[None, :], -1), axis=1)",
        "slot = tl.max(tl.where(ids == e[:, None], 0, -1), axis=1)", "tests/test_tr_scores.py"),
     # --- expert parallelism (two gloo ranks on the CPU) ---

@@ -18,6 +18,12 @@ ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_
           ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)]
 
 
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every kernel output NaN (int32: int-min) before its kernel writes it: an element no program writes fails."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
 def make_case(t, e, k, seed, order, renorm, device, dtype=torch.float32, empty_tokens=True, weight=False):
     """A router with differentiable logits and random token-major unique pairs: for each token a random
     subset of the experts (chosen and not), some tokens with none. ``weight``: also return the router weight (the
@@ -64,6 +70,23 @@ def test_kernel_equals_twin_values_and_gradients(device, order, renorm, t, e, k,
     # the same inputs give the same bits
     s2, _, dts2, dsrc2 = grads(pair_scores, router, pt, pe, order, renorm, cot)
     assert torch.equal(s2, s_k) and torch.equal(dts2, dts_k) and torch.equal(dsrc2, dsrc_k)
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS[:2])
+def test_backward_zeroes_every_block_of_experts(device, order, renorm, monkeypatch):
+    """The backward writes each token's row of d src as zeros in blocks of BLOCK_E experts before the pairs' entries;
+    with BLOCK_E lowered to 8, E = 33 takes five blocks (at most one at the CPU tests' other sizes, and one up to
+    E = 128 on a GPU). The twin's gradients, with the outputs poisoned."""
+    from sonicmoe.ops import tr_scores
+
+    meta = tr_scores._bwd_meta
+    monkeypatch.setattr(tr_scores, "_bwd_meta", lambda e_p2: {**meta(e_p2), "BLOCK_E": 8})
+    router, pt, pe = make_case(60, 33, 3, 4, order, renorm, device)
+    cot = torch.randn(pt.shape[0], generator=torch.Generator().manual_seed(9)).to(device)
+    _, _, dts_k, dsrc_k = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    _, _, dts_r, dsrc_r = grads(pair_scores_ref, router, pt, pe, order, renorm, cot)
+    torch.testing.assert_close(dsrc_k, dsrc_r, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dts_k, dts_r, rtol=1e-5, atol=1e-7)
 
 
 def check_fused_router_grad(t, e, k, seed, order, renorm, device):

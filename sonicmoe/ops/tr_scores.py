@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, check_device, interpreting, next_pow2
+from .common import cdiv, check_device, interpreting, new_output, next_pow2
 from .fast_launch import launch_kernel
 
 _BLOCK_PAIRS = 128
@@ -199,8 +199,8 @@ class _PairScores(torch.autograd.Function):
     def forward(ctx, topk_scores, src, topk_ids, pair_token, pair_expert, order_logits, renorm, fold, eps=0.0):
         t, k = topk_ids.shape
         r = pair_token.shape[0]
-        scores = torch.empty(r, dtype=topk_scores.dtype, device=src.device)
-        slot = torch.empty(r, dtype=torch.int32, device=src.device)
+        scores = new_output(r, dtype=topk_scores.dtype, device=src.device)
+        slot = new_output(r, dtype=torch.int32, device=src.device)
         if r:
             grid = (cdiv(r, _BLOCK_PAIRS),)
             launch_kernel(
@@ -219,8 +219,8 @@ class _PairScores(torch.autograd.Function):
         src, topk_ids, pair_token, pair_expert, slot, *folded = ctx.saved_tensors
         t, k = topk_ids.shape
         e = src.shape[1]
-        d_ts = torch.empty(t, k, dtype=ctx.ts_dtype, device=src.device)
-        d_src = torch.empty(t, e, dtype=src.dtype, device=src.device)
+        d_ts = new_output((t, k), dtype=ctx.ts_dtype, device=src.device)
+        d_src = new_output((t, e), dtype=src.dtype, device=src.device)
         # each token's pairs [start[t], start[t + 1]) of the token-major list
         start = torch.searchsorted(pair_token, torch.arange(t + 1, device=src.device, dtype=pair_token.dtype))
         if t:
