@@ -123,6 +123,8 @@ MUTANTS: list[Mutant] = [
     # --- dS reduction ---
     _m("sg_padding_rows_counted", SG, "real = mask & (row < tl.load(offsets_ptr + E))", "real = mask", KT, "-k",
        "score_grad"),
+    _m("sg_every_program_block_zero", SG, "row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+       "row = tl.program_id(0) * 0 + tl.arange(0, BLOCK)", KT, "-k", "score_grad or layer_forward"),
     _m("sg_last_part_dropped", SG, "for j in tl.static_range(1, P):", "for j in tl.static_range(1, P - 1):", KT, "-k",
        "score_grad"),
     # --- the router kernel (top-k and its scores, forward and backward) ---
