@@ -19,6 +19,13 @@ from sonicmoe.token_rounding import TokenRoundingOutput, token_rounding, token_r
 # Most cases here are deliberately small (few tokens per tile); the warning has its own test.
 pytestmark = pytest.mark.filterwarnings("ignore:token rounding with")
 
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every kernel output poisoned (NaN; int32: int-min) before its kernel writes it: an element no program writes
+    fails the comparison with the twin."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
 ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True),
           ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)]
 

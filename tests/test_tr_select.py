@@ -23,6 +23,13 @@ from sonicmoe.token_rounding import token_rounding, token_rounding_ref
 pytestmark = [pytest.mark.interpreter, pytest.mark.filterwarnings("ignore:token rounding with")]
 
 
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    """Every kernel output poisoned (NaN; int32: int-min) before its kernel writes it: an element no program writes
+    fails the comparison with the twin."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
 def best(key_row: list[int], n: int) -> set[int]:
     """The n largest real keys of a row, lower index first on ties (the oracle)."""
     cand = sorted((t for t, v in enumerate(key_row) if v != NO_KEY), key=lambda t: (-key_row[t], t))

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..routing import INDEX_DTYPE, Routing, routing_from_pairs
-from .common import cdiv, next_pow2
+from .common import cdiv, new_output, next_pow2
 from .fast_launch import launch_kernel
 
 SUBROUTINE_CODES = {"nearest": 0, "up": 1, "down": 2, "stochastic": 3, "balance": 4}
@@ -98,7 +98,7 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
         # torch's column sum (integers: any order gives the same bits). The program used to sum the rows itself, and
         # took 103-106 us at NB = 256, E = 512 (H100, session 33, call 4), against about 11 us for this sum
         block_counts = block_counts.sum(0, dtype=torch.int32)
-    out = torch.empty(3 * e + 1, dtype=torch.int32, device=dev)
+    out = new_output(3 * e + 1, dtype=torch.int32, device=dev)
     f, keep, offsets = out[:e], out[e:2 * e], out[2 * e:]
     pad = torch.empty(e, dtype=torch.bool, device=dev)
     e_p2 = next_pow2(e)
@@ -221,18 +221,20 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pair
     dev = ranks.device
     block_t, block_e, warps = tile or RANKS_TILE
     ntb, neb = max(cdiv(t, block_t), 1), cdiv(e, block_e)
-    counts = torch.empty(t * neb, dtype=INDEX_DTYPE, device=dev)
+    counts = new_output(t * neb, dtype=INDEX_DTYPE, device=dev)
     # every program of the count kernel writes its block's sum (zeros when T = 0: no launch)
-    block_sums = (torch.empty if t else torch.zeros)(ntb * neb, dtype=INDEX_DTYPE, device=dev)
+    block_sums = (new_output(ntb * neb, dtype=INDEX_DTYPE, device=dev) if t
+                  else torch.zeros(ntb * neb, dtype=INDEX_DTYPE, device=dev))
     ranks = ranks.contiguous()
     if t:
         launch_kernel(_token_counts_kernel, (ntb, neb), ranks, counts, block_sums, t, e, neb,
                       BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
     r = max_pairs if max_pairs is not None else int(block_sums.sum())  # static: no sync; else the one sync
-    pair_token = torch.empty(r, dtype=INDEX_DTYPE, device=dev)
-    pair_expert, pair_row, row_pair, row_token = torch.empty(4, r, dtype=INDEX_DTYPE, device=dev).unbind(0)
+    pair_token = new_output(r, dtype=INDEX_DTYPE, device=dev)
+    pair_expert, pair_row, row_pair, row_token = new_output((4, r), dtype=INDEX_DTYPE, device=dev).unbind(0)
     # the pair kernel writes every token's offset and the end (zeros when it does not run: T = R = 0)
-    token_offsets = (torch.empty if t or r else torch.zeros)(t + 1, dtype=INDEX_DTYPE, device=dev)
+    token_offsets = (new_output((t + 1,), dtype=INDEX_DTYPE, device=dev) if t or r
+                     else torch.zeros(t + 1, dtype=INDEX_DTYPE, device=dev))
     if t or r:  # T = 0: padding pairs only
         launch_kernel(_ranks_pairs_kernel, (ntb, neb), ranks, counts, block_sums, expert_offsets, pair_token,
                       pair_expert, pair_row, row_pair, row_token, token_offsets, t, e, r, ntb * neb, neb,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, check_device, interpreting, next_pow2, sm_count
+from .common import cdiv, check_device, interpreting, new_output, next_pow2, sm_count
 from .fast_launch import launch_kernel
 
 NO_KEY = -(2**31)  # "not a candidate": below the key of every float
@@ -151,13 +151,13 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
     probs = probs.detach()
     if probs.stride(1) != 1:
         probs = probs.contiguous()
-    prob_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
-    score_key = torch.empty(e, t, dtype=torch.int32, device=probs.device)
+    prob_key = new_output((e, t), dtype=torch.int32, device=probs.device)
+    score_key = new_output((e, t), dtype=torch.int32, device=probs.device)
     block_t, block_e, warps = tile or KEYS_TILE
     block_e = min(next_pow2(e), block_e)
     block_t = max(1, min(block_t, next_pow2(t)))
     grid = (cdiv(t, block_t), cdiv(e, block_e))
-    counts = torch.empty(grid[0], e, dtype=torch.int32, device=probs.device)
+    counts = new_output((grid[0], e), dtype=torch.int32, device=probs.device)
     if t > 0:
         launch_kernel(
             _candidate_keys_kernel, grid,
@@ -451,7 +451,7 @@ def select_routed(prob_key: torch.Tensor, score_key: torch.Tensor, f: torch.Tens
     block, warps = tile
     if e and t:
         # scratch lists of the rounded-down experts' chosen keys and tokens (a placeholder pointer when off)
-        lists = torch.empty(2, e, cap, dtype=torch.int32, device=prob_key.device) if cap else prob_key
+        lists = new_output((2, e, cap), dtype=torch.int32, device=prob_key.device) if cap else prob_key
         launch_kernel(_select_kernel, (e,), prob_key, score_key, f.contiguous(), keep.contiguous(),
                       routed if rank else routed.view(torch.int8), lists[0] if cap else lists,
                       lists[1] if cap else lists, t, e, BLOCK=min(block, next_pow2(t)), FANOUT=fanout,
