@@ -64,6 +64,7 @@ TTR = "tests/test_token_rounding.py"
 TRS = "sonicmoe/ops/tr_select.py"
 TRSEL = "tests/test_tr_select.py"
 LIB = "sonicmoe/ops/library.py"
+EP = "sonicmoe/expert_parallel.py"
 CM = "sonicmoe/ops/common.py"
 TSC = "sonicmoe/ops/tr_scores.py"
 FL = "sonicmoe/ops/fast_launch.py"
@@ -235,7 +236,14 @@ MUTANTS: list[Mutant] = [
     _m("ts_fwd_slot_first_match", TSC, "slot = tl.max(tl.where(ids == e[:, None], kk[None, :], -1), axis=1)",
        "slot = tl.max(tl.where(ids == e[:, None], 0, -1), axis=1)", "tests/test_tr_scores.py"),
     # --- expert parallelism (two gloo ranks on the CPU) ---
-    _m("ep_ddp_expert_grads_unscaled", "sonicmoe/expert_parallel.py",
+    _m("ep_padding_rows_sent", EP, "        key = torch.where(real, key, pt)\n", "        key = key\n",
+       "tests/test_expert_parallel.py", "-k", "on_cpu_matches_one_process"),
+    _m("ep_recv_offsets_inclusive", EP, "torch.cumsum(recv_info[:, 0], 0) - recv_info[:, 0], recv_rows",
+       "torch.cumsum(recv_info[:, 0], 0), recv_rows", "tests/test_expert_parallel.py", "-k",
+       "on_cpu_matches_one_process or four_ranks"),
+    _m("ep_ref_grad_not_reduced", EP, "        dist.all_reduce(grad, group=ctx.group)\n", "",
+       "tests/test_expert_parallel.py", "-k", "on_cpu_matches_one_process"),
+    _m("ep_ddp_expert_grads_unscaled", EP,
        "hook = (lambda g, scale=1.0 / module.ep_size: g * scale)", "hook = (lambda g, scale=1.0: g * scale)",
        "tests/test_expert_parallel.py", "-k", "on_cpu_matches_one_process"),
     # --- input checks: bad input must raise an error naming the argument ---
