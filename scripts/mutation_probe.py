@@ -207,6 +207,18 @@ MUTANTS: list[Mutant] = [
     _m("moe_aux_loss_uncoefficiented", "sonicmoe/modules.py",
        "self.aux_loss = c.aux_loss_coef * load_balancing_loss(", "self.aux_loss = 1.0 * load_balancing_loss(",
        "tests/test_module.py"),
+    # --- the layer's composition: what the layer passes between router, token rounding, experts and losses ---
+    _m("moe_tr_renormalize_dropped", "sonicmoe/modules.py", "renormalize=c.renormalize, static=c.static_pairs",
+       "renormalize=False, static=c.static_pairs", "tests/test_module.py", "tests/test_token_rounding.py"),
+    _m("moe_aux_loss_topk_counts", "sonicmoe/modules.py", "load_balancing_loss(router.probs, routing) if aux",
+       "load_balancing_loss(router.probs, routing_from_topk(router.topk_ids, c.num_experts)) if aux",
+       "tests/test_token_rounding.py", "-k", "moe_train_mode"),
+    _m("moe_scaling_squared", "sonicmoe/modules.py", "pair_scores = pair_scores * c.routed_scaling_factor",
+       "pair_scores = pair_scores * c.routed_scaling_factor ** 2", "tests/test_module.py"),
+    _m("ts_fold_softmax_drops_dot", TSC, "d_chosen += s_k * (d_ts - dot)", "d_chosen += s_k * d_ts",
+       "tests/test_tr_scores.py", "tests/test_token_rounding.py", "tests/test_module.py"),
+    _m("ts_fold_renorm_drops_dot", TSC, "d_chosen += (d_ts - dot) / red[:, None]", "d_chosen += d_ts / red[:, None]",
+       "tests/test_tr_scores.py", "tests/test_token_rounding.py", "tests/test_module.py"),
     # --- the varlen-M tile schedule and the persistent step loops (sonicmoe/ops/common.py) ---
     _m("cm_tile_expert_off_by_one", CM, "e = tl.sum((cum <= pid_m).to(tl.int32), 0)",
        "e = tl.sum((cum < pid_m).to(tl.int32), 0)", KT, "-k", "test_up_proj or grouped_gemms or persistent"),

@@ -369,6 +369,11 @@ def test_moe_train_mode_tile_multiples(rounding, order, renorm):
         ex = tr.experts
         expect = sonicmoe.experts_ref(x.detach(), ex.gate_up_proj, ex.down_proj, routing, ref_tr.pair_scores)
         torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+        # the load-balancing loss counts the rounded pairs (f_e = count_e / R), not the top-k ones
+        f = ref_tr.counts.double() / ref_tr.counts.sum()
+        assert not torch.equal(ref_tr.counts, ref_tr.topk_counts)
+        aux = tr.config.aux_loss_coef * 8 * (f * router.probs.double().mean(0)).sum()
+        assert abs(float(tr.aux_loss) - float(aux)) <= 1e-6 * float(aux)
     out.square().sum().backward()
     assert x.grad is not None and tr.gate.weight.grad.abs().sum() > 0
     assert tr.experts.gate_up_proj.grad.abs().sum() > 0
