@@ -93,7 +93,8 @@ def check_expert_inputs(
     e, two_n, _ = w1.shape
     _check_float("w2", w2, allow_float64)
     if tuple(w2.shape) != (e, d, two_n // 2):
-        raise ValueError(f"w2 must have shape (E={e}, d={d}, n={two_n // 2}), got {tuple(w2.shape)}")
+        raise ValueError(f"w2 must have shape (E={e}, d={d}, n={two_n // 2}) to match w1 {tuple(w1.shape)} and x "
+                         f"{tuple(x.shape)}, got {tuple(w2.shape)}")
     for name, b, shape in (("b1", b1, (e, two_n)), ("b2", b2, (e, d))):
         if b is not None:
             _check_float(name, b, allow_float64)
@@ -183,6 +184,9 @@ def experts(
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     backend = resolve_backend(backend, x)
+    for name, v, what in (("routing", routing, "a sonicmoe.Routing"), ("pair_scores", pair_scores, "an (R,) tensor")):
+        if v is None:  # check_expert_inputs skips these when None (callers that have neither yet)
+            raise TypeError(f"{name} is required ({what}), got None")
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=backend == "torch")
     if backend == "torch":
         from .ops.torch_experts import experts_torch
@@ -251,12 +255,9 @@ def moe(
         raise ValueError(
             f"router_weight must have shape (E={e}, d={x.shape[-1]}), got {tuple(router_weight.shape)}"
         )
-    if router_weight.device != x.device:
-        raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    # router_topk checks router_weight's device and top_k in [1, E]
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
                          expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = routing_from_topk(router.topk_ids, e)

@@ -236,6 +236,8 @@ def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int) -> Routing:
 
 
 def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a (T, K) integer tensor, got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
@@ -370,7 +372,14 @@ def router_topk(
     bfloat16 on CUDA, from a bfloat16 tensor-core GEMM with float32 sums (:func:`sonicmoe.ops.router_logits.
     router_logits`, exact products, about 10x the float32 GEMM's speed); otherwise from the float32 GEMM of the
     upcast operands. Under ``torch.autocast`` the logits are still float32 (autocast is off around their GEMM).
+
+    Raises:
+        TypeError: ``x`` or ``router_weight`` not a bf16/fp16/fp32/fp64 tensor; ``expert_bias`` not a float tensor.
+        ValueError: ``x`` not (T, d), ``router_weight`` not (E, d) on x's device, ``top_k`` not an int in [1, E],
+            an unknown ``router_order``, ``expert_bias`` not (E,) on x's device or given without
+            ``"sigmoid_then_topk"``, expert groups that cannot hold K experts (:func:`check_expert_groups`).
     """
+    check_router_inputs(x, router_weight, top_k)
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, router_weight.shape[0], router_order, x.device)
@@ -416,6 +425,30 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         if renormalize:
             scores = scores / scores.sum(dim=-1, keepdim=True)
     return RouterOutput(logits, probs, topk_ids, scores)
+
+
+ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_router_inputs(x, router_weight, top_k) -> None:
+    """TypeError/ValueError naming the argument unless ``x`` is a (T, d) and ``router_weight`` an (E, d) tensor, each
+    bfloat16, float16, float32 or float64 (the router computes in float32, float64 in float64), on one device, and
+    ``top_k`` an int in [1, E]. Reads no values (no host sync)."""
+    for name, v in (("x", x), ("router_weight", router_weight)):
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+        if v.dtype not in ROUTER_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {v.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape (T, d), got {tuple(x.shape)}")
+    if router_weight.dim() != 2 or router_weight.shape[0] < 1 or router_weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router_weight must have shape (E, d={x.shape[1]}) with E >= 1 to match x {tuple(x.shape)}, "
+                         f"got {tuple(router_weight.shape)}")
+    if router_weight.device != x.device:
+        raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
+    e = router_weight.shape[0]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
 
 
 def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) -> None:

@@ -181,6 +181,9 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
+    if router._sigmoid and router_order != "sigmoid_then_topk":
+        raise ValueError(f"router_order must be the router's: this router chose by sigmoid_then_topk, got "
+                         f"router_order={router_order!r}")
     # probs as given (None: computed from the logits on first access, which the sigmoid order never needs here)
     logits, probs, ids, scores = router.logits, router._probs, router.topk_ids, router.topk_scores
     if logits.dim() != 2 or (probs is not None and probs.shape != logits.shape):

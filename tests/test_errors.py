@@ -387,3 +387,112 @@ def test_module_does_not_mutate_x_in_low_precision():
     x0 = x.clone()
     m(x)
     assert torch.equal(x, x0) and x.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# every argument, corrupted one way at a time
+# ---------------------------------------------------------------------------------------------
+
+# the tensor arguments of each public call and their ranks (the sweep grows or empties each dimension)
+SWEPT = {
+    "experts": {"x": 2, "w1": 3, "w2": 3, "pair_scores": 1, "b1": 2, "b2": 2},
+    "moe": {"x": 2, "router_weight": 2, "w1": 3, "w2": 3, "b1": 2, "b2": 2},
+    "router_topk": {"x": 2, "router_weight": 2, "expert_bias": 1},
+    "routing_from_topk": {"topk_ids": 2},
+}
+FLAT = ("list", "none", "meta", "int_or_float", "bool", "complex64", "float64", "float16", "extra_dim", "first_row")
+# valid inputs among the corruptions (the call must then succeed): optional biases, another T or E, the float dtypes
+# the call takes, and for routing_from_topk anything integer of shape (T', K') (its ids' values are the caller's
+# promise, unchecked so as not to sync)
+ACCEPTED = {
+    "experts": {("pair_scores", "float16"), ("pair_scores", "float64/torch"), ("b1", "none"), ("b2", "none")},
+    "moe": {("x", "grow0"), ("x", "empty0"), ("router_weight", "float16"), ("router_weight", "float64/torch"),
+            ("b1", "none"), ("b2", "none")},
+    "router_topk": {("x", "float16"), ("x", "float64"), ("x", "grow0"), ("x", "empty0"), ("router_weight", "float16"),
+                    ("router_weight", "float64"), ("expert_bias", "float16"),
+                    ("expert_bias", "float64"), ("expert_bias", "none")},
+    "routing_from_topk": {("topk_ids", "meta"), ("topk_ids", "grow0"), ("topk_ids", "empty0"), ("topk_ids", "grow1"),
+                          ("topk_ids", "empty1")},
+}
+PARTNER = {("router_topk", "router_weight", "grow0"): "expert_bias"}  # a new E that the (E,) bias no longer matches
+
+
+def _corrupt(v: torch.Tensor, how: str):
+    if how in ("list", "none"):
+        return v.tolist() if how == "list" else None
+    if how in ("meta", "bool", "complex64", "float64", "float16"):
+        return v.to({"meta": "meta", "bool": torch.bool, "complex64": torch.complex64, "float64": torch.float64,
+                     "float16": torch.float16}[how])
+    if how == "int_or_float":
+        return v.to(torch.int32) if v.dtype.is_floating_point else v.float()
+    if how == "extra_dim":
+        return v.unsqueeze(0)
+    if how == "first_row":
+        return v[0]
+    shape = list(v.shape)
+    shape[int(how[-1])] = 0 if how.startswith("empty") else shape[int(how[-1])] + 1
+    return torch.randn(shape).to(v.dtype) if v.dtype.is_floating_point else torch.zeros(shape, dtype=v.dtype)
+
+
+def _sweep_cases():
+    for api, args in SWEPT.items():
+        for backend in (("torch", "triton") if api in ("experts", "moe") else ("-",)):
+            for arg, rank in args.items():
+                for how in FLAT + tuple(f"{g}{i}" for g in ("grow", "empty") for i in range(rank)):
+                    yield pytest.param(api, backend, arg, how, id=f"{api}-{backend}-{arg}-{how}",
+                                       marks=pytest.mark.interpreter if backend == "triton" else ())
+
+
+@pytest.mark.parametrize("api,backend,arg,how", list(_sweep_cases()))
+def test_each_argument_corrupted(prob, api, backend, arg, how):
+    """One tensor argument of a public call replaced by a corruption of it (a list, None, the meta device, an integer,
+    bool, complex or other float dtype, one dimension more or less, one dimension one longer or empty): the call
+    succeeds where that is a valid input (ACCEPTED), else raises TypeError/ValueError whose message names the
+    argument — never AttributeError, IndexError or torch's RuntimeError from inside."""
+    router = router_topk(prob["x"], prob["router_weight"], K, router_order="sigmoid_then_topk")
+    routing, scores = routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1).detach()
+    values = {**prob, "pair_scores": scores, "expert_bias": torch.randn(E), "topk_ids": router.topk_ids}
+    a = {name: values[name] for name in SWEPT[api]}
+    a[arg] = _corrupt(a[arg], how)
+    calls = {
+        "experts": lambda: sonicmoe.experts(a["x"], a["w1"], a["w2"], routing, a["pair_scores"], a["b1"], a["b2"],
+                                            backend=backend),
+        "moe": lambda: sonicmoe.moe(a["x"], a["router_weight"], a["w1"], a["w2"], a["b1"], a["b2"], top_k=K,
+                                    backend=backend),
+        "router_topk": lambda: router_topk(a["x"], a["router_weight"], K, router_order="sigmoid_then_topk",
+                                           expert_bias=a["expert_bias"]),
+        "routing_from_topk": lambda: routing_from_topk(a["topk_ids"], E),
+    }
+    accepted = ACCEPTED[api]
+    if (arg, how) in accepted or (backend == "torch" and (arg, f"{how}/torch") in accepted):
+        calls[api]()
+        return
+    with pytest.raises((TypeError, ValueError), match=names(PARTNER.get((api, arg, how), arg))):
+        calls[api]()
+
+
+@pytest.mark.parametrize("top_k", [0, E + 1, 2.0, True, None])
+def test_router_top_k_out_of_range(prob, top_k):
+    """router_topk's K: an int in [1, E], else a ValueError naming top_k (not torch.topk's RuntimeError)."""
+    with pytest.raises(ValueError, match=names("top_k")):
+        router_topk(prob["x"], prob["router_weight"], top_k)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arg", ["routing", "pair_scores"])
+def test_experts_requires_routing_and_scores(prob, backend, arg):
+    """experts without its routing or its pair scores: a TypeError naming the argument, on either backend."""
+    with pytest.raises(TypeError, match=names(arg)):
+        call_experts(prob, backend=backend, **{arg: None})
+
+
+def test_token_rounding_order_must_be_the_routers(prob):
+    """A router that chose by sigmoid_then_topk, handed to token rounding under another order (whose added pairs'
+    scores would then come from the softmax formula): a ValueError naming router_order."""
+    from sonicmoe.token_rounding import token_rounding
+
+    router = router_topk(prob["x"], prob["router_weight"], K, router_order="sigmoid_then_topk")
+    for order in ("topk_then_softmax", "softmax_then_topk"):
+        with pytest.raises(ValueError, match=names("router_order")):
+            token_rounding(router, m_tile=2, router_order=order, warn=False)
+    token_rounding(router, m_tile=2, router_order="sigmoid_then_topk", warn=False)
