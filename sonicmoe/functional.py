@@ -63,6 +63,23 @@ def _check_routing(routing: Routing, t: int, e: int, device: torch.device) -> No
             raise ValueError(f"routing.{field} must have shape ({letter}={sizes[letter]},), got {tuple(v.shape)}")
 
 
+def require_routing_and_scores(routing, pair_scores) -> None:
+    """TypeError naming ``routing`` or ``pair_scores`` when it is None (:func:`check_expert_inputs` skips them then,
+    for callers that have neither yet)."""
+    for name, v, what in (("routing", routing, "a sonicmoe.Routing"), ("pair_scores", pair_scores, "an (R,) tensor")):
+        if v is None:
+            raise TypeError(f"{name} is required ({what}), got None")
+
+
+def check_router_weight(router_weight, x: torch.Tensor, num_experts: int, allow_float64: bool) -> None:
+    """TypeError/ValueError naming ``router_weight`` unless it is an (E, d) float tensor matching w1's E and x's d
+    (the device and top_k are :func:`~sonicmoe.routing.router_topk`'s checks)."""
+    _check_float("router_weight", router_weight, allow_float64)
+    if router_weight.dim() != 2 or tuple(router_weight.shape) != (num_experts, x.shape[1]):
+        raise ValueError(f"router_weight must have shape (E={num_experts}, d={x.shape[-1]}) to match w1 and x, got "
+                         f"{tuple(router_weight.shape)}")
+
+
 def check_expert_inputs(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -73,13 +90,15 @@ def check_expert_inputs(
     routing: Routing | None = None,
     *,
     allow_float64: bool = False,
+    one_dtype: bool = True,
 ) -> None:
     """Validate types, shapes, dtypes and devices; raise TypeError/ValueError naming the argument.
 
     Reads no tensor values (no host sync). Shapes: x (T, d); w1 (E, 2n, d); w2 (E, d, n); b1 (E, 2n);
     b2 (E, d); pair_scores (R,); ``routing`` for T tokens and E experts with arrays of E+1, T+1 and R
     entries. x, w1, w2 and the biases share one dtype (bf16/fp16/fp32, or float64 when
-    ``allow_float64``); pair_scores may have any of those dtypes.
+    ``allow_float64``); pair_scores may have any of those dtypes. ``one_dtype=False`` (the references, which compute
+    in float32 whatever they are given) lets each have its own.
     """
     _check_float("x", x, allow_float64)
     if x.dim() != 2:
@@ -103,7 +122,7 @@ def check_expert_inputs(
     for name, p in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("pair_scores", pair_scores)):
         if isinstance(p, torch.Tensor) and p.device != x.device:
             raise ValueError(f"{name} is on {p.device} but x is on {x.device}; put them on one device")
-    for name, p in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
+    for name, p in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)) if one_dtype else ():
         if p is not None and p.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {p.dtype} but x has {x.dtype}; use one dtype")
     if routing is not None:
@@ -184,9 +203,7 @@ def experts(
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     backend = resolve_backend(backend, x)
-    for name, v, what in (("routing", routing, "a sonicmoe.Routing"), ("pair_scores", pair_scores, "an (R,) tensor")):
-        if v is None:  # check_expert_inputs skips these when None (callers that have neither yet)
-            raise TypeError(f"{name} is required ({what}), got None")
+    require_routing_and_scores(routing, pair_scores)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=backend == "torch")
     if backend == "torch":
         from .ops.torch_experts import experts_torch
@@ -249,12 +266,8 @@ def moe(
     allow_float64 = backend == "torch"
     # x, w1, w2, biases first: the messages name the culprit
     check_expert_inputs(x, w1, w2, b1, b2, allow_float64=allow_float64)
-    _check_float("router_weight", router_weight, allow_float64)
     e = w1.shape[0]
-    if router_weight.dim() != 2 or tuple(router_weight.shape) != (e, x.shape[1]):
-        raise ValueError(
-            f"router_weight must have shape (E={e}, d={x.shape[-1]}), got {tuple(router_weight.shape)}"
-        )
+    check_router_weight(router_weight, x, e, allow_float64)
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     # router_topk checks router_weight's device and top_k in [1, E]

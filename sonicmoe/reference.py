@@ -55,7 +55,15 @@ def experts_ref(
 
     Returns:
         O (T, d) float32 (float64 for float64 inputs). Differentiable with respect to every floating input.
+
+    Raises:
+        TypeError, ValueError: as :func:`sonicmoe.experts` (shapes, devices, a missing routing or scores), except
+        that each tensor may have its own float dtype (float64 included).
     """
+    from .functional import check_expert_inputs, require_routing_and_scores  # (functional imports routing too)
+
+    require_routing_and_scores(routing, pair_scores)
+    check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=True, one_dtype=False)
     t, d = x.shape
     ct = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
     xf, w1f, w2f, sf = x.to(ct), w1.to(ct), w2.to(ct), pair_scores.to(ct)
@@ -103,7 +111,14 @@ def moe_ref(
 
     Returns:
         (O (T, d) float32, the router's output, the routing metadata).
+
+    Raises:
+        TypeError, ValueError: as :func:`sonicmoe.moe`, except that each tensor may have its own float dtype.
     """
+    from .functional import check_expert_inputs, check_router_weight
+
+    check_expert_inputs(x, w1, w2, b1, b2, allow_float64=True, one_dtype=False)
+    check_router_weight(router_weight, x, w1.shape[0], allow_float64=True)
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
                          expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = routing_from_topk(router.topk_ids, w1.shape[0])

@@ -532,12 +532,37 @@ def check_scaling_factor(routed_scaling_factor) -> None:
         raise ValueError(f"routed_scaling_factor must be a finite float > 0, got {f!r}")
 
 
+def _check_float_matrix(name: str, v) -> None:
+    """TypeError/ValueError naming ``name`` unless ``v`` is a two-dimensional (T, E) floating-point tensor."""
+    if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a (T, E) floating-point tensor, got "
+                        f"{v.dtype if isinstance(v, torch.Tensor) else type(v).__name__}")
+    if v.dim() != 2:
+        raise ValueError(f"{name} must have shape (T, E), got {tuple(v.shape)}")
+
+
 def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Switch-style auxiliary loss E · Σ_e f_e · P_e (SPEC §2).
 
     f_e = T_e / R (fraction of routed pairs on expert e, not differentiated), P_e = mean_t probs[t, e].
     Equals 1 for perfectly uniform routing and probabilities.
+
+    Args:
+        probs: (T, E) float router probabilities (:attr:`RouterOutput.probs`), on the routing's device.
+        routing: the :class:`Routing` of the same T tokens and E experts.
+
+    Raises:
+        TypeError: ``probs`` not a float tensor, ``routing`` not a :class:`Routing`. ValueError: ``probs`` not
+        (T, E) for the routing's T and E, or on another device.
     """
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a sonicmoe.Routing, got {type(routing).__name__}")
+    _check_float_matrix("probs", probs)
+    if tuple(probs.shape) != (routing.num_tokens, routing.num_experts):
+        raise ValueError(f"probs must have shape (T={routing.num_tokens}, E={routing.num_experts}) as the routing, "
+                         f"got {tuple(probs.shape)}")
+    if probs.device != routing.expert_offsets.device:
+        raise ValueError(f"probs is on {probs.device} but the routing is on {routing.expert_offsets.device}")
     counts = routing.expert_counts().float()
     f = counts / counts.sum().clamp_min(1.0)
     p = probs.sum(dim=0) / max(probs.shape[0], 1)  # mean over tokens; 0, not NaN, when T = 0
@@ -545,5 +570,8 @@ def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Router z-loss mean_t (logsumexp_e logits[t, e])² (ST-MoE)."""
+    """Router z-loss mean_t (logsumexp_e logits[t, e])² (ST-MoE) of the (T, E) float ``logits``.
+
+    Raises: TypeError (``logits`` not a float tensor), ValueError (not two-dimensional)."""
+    _check_float_matrix("logits", logits)
     return torch.logsumexp(logits, dim=-1).square().sum() / max(logits.shape[0], 1)

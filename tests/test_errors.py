@@ -399,6 +399,10 @@ SWEPT = {
     "moe": {"x": 2, "router_weight": 2, "w1": 3, "w2": 3, "b1": 2, "b2": 2},
     "router_topk": {"x": 2, "router_weight": 2, "expert_bias": 1},
     "routing_from_topk": {"topk_ids": 2},
+    "experts_ref": {"x": 2, "w1": 3, "w2": 3, "pair_scores": 1, "b1": 2, "b2": 2},
+    "moe_ref": {"x": 2, "router_weight": 2, "w1": 3, "w2": 3, "b1": 2, "b2": 2},
+    "load_balancing_loss": {"probs": 2},
+    "z_loss": {"logits": 2},
 }
 FLAT = ("list", "none", "meta", "int_or_float", "bool", "complex64", "float64", "float16", "extra_dim", "first_row")
 # valid inputs among the corruptions (the call must then succeed): optional biases, another T or E, the float dtypes
@@ -413,6 +417,14 @@ ACCEPTED = {
                     ("expert_bias", "float64"), ("expert_bias", "none")},
     "routing_from_topk": {("topk_ids", "meta"), ("topk_ids", "grow0"), ("topk_ids", "empty0"), ("topk_ids", "grow1"),
                           ("topk_ids", "empty1")},
+    # the references compute in float32 (float64) whatever float dtype each input has
+    "experts_ref": {(a, f) for a in SWEPT["experts"] for f in ("float16", "float64")}
+    | {("b1", "none"), ("b2", "none")},
+    "moe_ref": {(a, f) for a in SWEPT["moe"] for f in ("float16", "float64")}
+    | {("x", "grow0"), ("x", "empty0"), ("b1", "none"), ("b2", "none")},
+    "load_balancing_loss": {("probs", "float16"), ("probs", "float64")},
+    # z-loss needs only (T', E') float logits, on any device
+    "z_loss": {("logits", f) for f in ("meta", "float16", "float64", "grow0", "empty0", "grow1", "empty1")},
 }
 PARTNER = {("router_topk", "router_weight", "grow0"): "expert_bias"}  # a new E that the (E,) bias no longer matches
 
@@ -445,13 +457,15 @@ def _sweep_cases():
 
 @pytest.mark.parametrize("api,backend,arg,how", list(_sweep_cases()))
 def test_each_argument_corrupted(prob, api, backend, arg, how):
-    """One tensor argument of a public call replaced by a corruption of it (a list, None, the meta device, an integer,
+    """One tensor argument of a public call (the layer's functions, the router, the routing, the references and the
+    losses) replaced by a corruption of it (a list, None, the meta device, an integer,
     bool, complex or other float dtype, one dimension more or less, one dimension one longer or empty): the call
     succeeds where that is a valid input (ACCEPTED), else raises TypeError/ValueError whose message names the
     argument — never AttributeError, IndexError or torch's RuntimeError from inside."""
     router = router_topk(prob["x"], prob["router_weight"], K, router_order="sigmoid_then_topk")
     routing, scores = routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1).detach()
-    values = {**prob, "pair_scores": scores, "expert_bias": torch.randn(E), "topk_ids": router.topk_ids}
+    values = {**prob, "pair_scores": scores, "expert_bias": torch.randn(E), "topk_ids": router.topk_ids,
+              "probs": router.probs.detach(), "logits": router.logits.detach()}
     a = {name: values[name] for name in SWEPT[api]}
     a[arg] = _corrupt(a[arg], how)
     calls = {
@@ -462,6 +476,11 @@ def test_each_argument_corrupted(prob, api, backend, arg, how):
         "router_topk": lambda: router_topk(a["x"], a["router_weight"], K, router_order="sigmoid_then_topk",
                                            expert_bias=a["expert_bias"]),
         "routing_from_topk": lambda: routing_from_topk(a["topk_ids"], E),
+        "experts_ref": lambda: sonicmoe.experts_ref(a["x"], a["w1"], a["w2"], routing, a["pair_scores"], a["b1"],
+                                                    a["b2"]),
+        "moe_ref": lambda: moe_ref(a["x"], a["router_weight"], a["w1"], a["w2"], a["b1"], a["b2"], top_k=K),
+        "load_balancing_loss": lambda: sonicmoe.load_balancing_loss(a["probs"], routing),
+        "z_loss": lambda: sonicmoe.z_loss(a["logits"]),
     }
     accepted = ACCEPTED[api]
     if (arg, how) in accepted or (backend == "torch" and (arg, f"{how}/torch") in accepted):
