@@ -152,16 +152,26 @@ def _functional_errors(rank, world, backend, dtype, device) -> dict:
 
 def _layer_errors(rank, world, backend, dtype, device) -> dict:
     """ExpertParallelMoE loaded from a full MoE, under expert_parallel_ddp, against the full MoE run on each rank's
-    tokens in turn (token rounding rounds each rank's own counts): the output, and each parameter's gradient
-    against the sum over the ranks' tokens divided by P (the mean of the ranks' losses)."""
+    tokens in turn (token rounding rounds each rank's own counts), with the default options and DeepSeek-V3's
+    (sigmoid router, selection bias, scaling 2.5, groups or token rounding; interleaved gate/up): the output, and each
+    parameter's gradient against the sum over the ranks' tokens divided by P (the mean of the ranks' losses)."""
     from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp
 
     p = _problem(TOKENS, 2, "random", dtype, device)
     errs = {}
-    for routing in ("topk", "token_rounding"):
-        opts = dict(bias=True, backend=backend, aux_loss_coef=0.0, routing=routing, m_tile=16)
+    deepseek = dict(router_order="sigmoid_then_topk", renormalize=True, routed_scaling_factor=2.5,
+                    gate_up_layout="interleaved")
+    configs = {"topk": dict(routing="topk"), "token_rounding": dict(routing="token_rounding"),
+               # DeepSeek-V3's router (with a selection bias), groups under top-k; exact-length balance rounding
+               "deepseek_groups": dict(routing="topk", n_group=4, topk_group=2, **deepseek),
+               "deepseek_token_rounding": dict(routing="token_rounding", rounding="balance", static_pairs=False,
+                                               **deepseek)}
+    for routing, config in configs.items():
+        opts = dict(bias=True, backend=backend, aux_loss_coef=0.0, m_tile=16, **config)
         torch.manual_seed(0)
         full = MoE(D, N, E, 2, **opts).to(device=device, dtype=dtype)
+        if full.e_score_correction_bias is not None:
+            full.e_score_correction_bias.copy_(torch.randn(E, generator=torch.Generator().manual_seed(5)) * 0.3)
         layer = ExpertParallelMoE(D, N, E, 2, **opts).to(device=device, dtype=dtype)
         layer.load_full_state_dict(full.state_dict())
         model = expert_parallel_ddp(layer)
