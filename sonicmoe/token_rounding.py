@@ -186,6 +186,17 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
                          f"router_order={router_order!r}")
     # probs as given (None: computed from the logits on first access, which the sigmoid order never needs here)
     logits, probs, ids, scores = router.logits, router._probs, router.topk_ids, router.topk_scores
+    for name, v in (("logits", logits), ("probs", probs), ("topk_ids", ids), ("topk_scores", scores)):
+        if v is None and name == "probs":
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"router.{name} must be a tensor, got {type(v).__name__}")
+        if (name == "topk_ids") == (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool) \
+                or (name != "topk_ids" and not v.dtype.is_floating_point):
+            kind = "an integer" if name == "topk_ids" else "a floating-point"
+            raise TypeError(f"router.{name} must be {kind} tensor, got {v.dtype}")
+        if v.device != logits.device:
+            raise ValueError(f"router.{name} is on {v.device} but router.logits is on {logits.device}")
     if logits.dim() != 2 or (probs is not None and probs.shape != logits.shape):
         raise ValueError(f"router.logits and router.probs must both be (T, E), got {tuple(logits.shape)} "
                          f"and {tuple(probs.shape) if probs is not None else 'the same'}")
@@ -193,8 +204,6 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
     if ids.dim() != 2 or ids.shape[0] != t or scores.shape != ids.shape or not 1 <= ids.shape[1] <= e:
         raise ValueError(f"router.topk_ids and router.topk_scores must both be (T={t}, K) with 1 <= K <= "
                          f"E={e}, got {tuple(ids.shape)} and {tuple(scores.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"router.topk_ids must be an integer tensor, got {ids.dtype}")
     return t, e, ids.shape[1]
 
 

@@ -14,8 +14,9 @@ import sonicmoe
 from sonicmoe import MoE, MoEConfig
 from sonicmoe.ops.torch_experts import experts_torch
 from sonicmoe.reference import moe_ref
-from sonicmoe.routing import check_pairs, router_topk, routing_from_pairs, routing_from_topk
+from sonicmoe.routing import RouterOutput, check_pairs, router_topk, routing_from_pairs, routing_from_topk
 from sonicmoe.testing import random_problem
+from sonicmoe.token_rounding import token_rounding
 
 T, D, N, E, K = 6, 8, 4, 4, 2
 
@@ -401,6 +402,7 @@ SWEPT = {
     "routing_from_topk": {"topk_ids": 2},
     "experts_ref": {"x": 2, "w1": 3, "w2": 3, "pair_scores": 1, "b1": 2, "b2": 2},
     "moe_ref": {"x": 2, "router_weight": 2, "w1": 3, "w2": 3, "b1": 2, "b2": 2},
+    "token_rounding": {"router.logits": 2, "router.probs": 2, "router.topk_ids": 2, "router.topk_scores": 2},
     "load_balancing_loss": {"probs": 2},
     "z_loss": {"logits": 2},
 }
@@ -422,6 +424,8 @@ ACCEPTED = {
     | {("b1", "none"), ("b2", "none")},
     "moe_ref": {(a, f) for a in SWEPT["moe"] for f in ("float16", "float64")}
     | {("x", "grow0"), ("x", "empty0"), ("b1", "none"), ("b2", "none")},
+    "token_rounding": {(a, f) for a in ("router.logits", "router.probs", "router.topk_scores")
+                       for f in ("float16", "float64")} | {("router.probs", "none")},  # probs: computed when None
     "load_balancing_loss": {("probs", "float16"), ("probs", "float64")},
     # z-loss needs only (T', E') float logits, on any device
     "z_loss": {("logits", f) for f in ("meta", "float16", "float64", "grow0", "empty0", "grow1", "empty1")},
@@ -448,7 +452,7 @@ def _corrupt(v: torch.Tensor, how: str):
 
 def _sweep_cases():
     for api, args in SWEPT.items():
-        for backend in (("torch", "triton") if api in ("experts", "moe") else ("-",)):
+        for backend in (("torch", "triton") if api in ("experts", "moe", "token_rounding") else ("-",)):
             for arg, rank in args.items():
                 for how in FLAT + tuple(f"{g}{i}" for g in ("grow", "empty") for i in range(rank)):
                     yield pytest.param(api, backend, arg, how, id=f"{api}-{backend}-{arg}-{how}",
@@ -457,15 +461,18 @@ def _sweep_cases():
 
 @pytest.mark.parametrize("api,backend,arg,how", list(_sweep_cases()))
 def test_each_argument_corrupted(prob, api, backend, arg, how):
-    """One tensor argument of a public call (the layer's functions, the router, the routing, the references and the
-    losses) replaced by a corruption of it (a list, None, the meta device, an integer,
-    bool, complex or other float dtype, one dimension more or less, one dimension one longer or empty): the call
-    succeeds where that is a valid input (ACCEPTED), else raises TypeError/ValueError whose message names the
-    argument — never AttributeError, IndexError or torch's RuntimeError from inside."""
+    """One tensor argument of a public call (the layer's functions, the router, the routing, token rounding's router
+    fields, the references and the losses; "triton": the kernels, through the interpreter on CPU) replaced by a
+    corruption of it (a list, None, the meta device, an integer, bool, complex or other float dtype, one dimension
+    more or less, one dimension one longer or empty): the call succeeds where that is a valid input (ACCEPTED), else
+    raises TypeError/ValueError whose message names the argument — never AttributeError, IndexError or torch's
+    RuntimeError from inside."""
     router = router_topk(prob["x"], prob["router_weight"], K, router_order="sigmoid_then_topk")
     routing, scores = routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1).detach()
     values = {**prob, "pair_scores": scores, "expert_bias": torch.randn(E), "topk_ids": router.topk_ids,
               "probs": router.probs.detach(), "logits": router.logits.detach()}
+    values.update({f"router.{k}": values[k] for k in ("logits", "probs", "topk_ids")}, **{
+        "router.topk_scores": scores.reshape(T, K)})
     a = {name: values[name] for name in SWEPT[api]}
     a[arg] = _corrupt(a[arg], how)
     calls = {
@@ -479,6 +486,10 @@ def test_each_argument_corrupted(prob, api, backend, arg, how):
         "experts_ref": lambda: sonicmoe.experts_ref(a["x"], a["w1"], a["w2"], routing, a["pair_scores"], a["b1"],
                                                     a["b2"]),
         "moe_ref": lambda: moe_ref(a["x"], a["router_weight"], a["w1"], a["w2"], a["b1"], a["b2"], top_k=K),
+        "token_rounding": lambda: token_rounding(
+            RouterOutput(a["router.logits"], a["router.probs"], a["router.topk_ids"], a["router.topk_scores"],
+                         sigmoid=True), m_tile=2, router_order="sigmoid_then_topk", use_kernel=backend == "triton",
+            warn=False),
         "load_balancing_loss": lambda: sonicmoe.load_balancing_loss(a["probs"], routing),
         "z_loss": lambda: sonicmoe.z_loss(a["logits"]),
     }
@@ -508,8 +519,6 @@ def test_experts_requires_routing_and_scores(prob, backend, arg):
 def test_token_rounding_order_must_be_the_routers(prob):
     """A router that chose by sigmoid_then_topk, handed to token rounding under another order (whose added pairs'
     scores would then come from the softmax formula): a ValueError naming router_order."""
-    from sonicmoe.token_rounding import token_rounding
-
     router = router_topk(prob["x"], prob["router_weight"], K, router_order="sigmoid_then_topk")
     for order in ("topk_then_softmax", "softmax_then_topk"):
         with pytest.raises(ValueError, match=names("router_order")):
