@@ -559,3 +559,76 @@ def test_target_summary_reads_the_protocol_files(tmp_path, monkeypatch, capsys):
     assert "timing window (ms): 1000.0" in out
     assert "median 441.0 | target 440: met" in out and "median 3.10x | target 3x: met" in out
     assert "['?', '1501/51', '1502/52']" in out
+
+
+# ---------------------------------------------------------------------------------------------------
+# a trained model's expert load (--load-profile)
+
+TRAINED_LOG = REPO / "benchmarks" / "results" / "2026-11-21_nvidia-h200_train" / "log.json"
+
+
+def test_load_profile_reads_and_resamples(tmp_path):
+    """read_load_profile: a train log.json (per layer, sorted, averaged), a list, or lists; resample_load keeps the
+    curve at E = E_src, splits each expert's share at E = 2·E_src, and always sums to 1 in descending order."""
+    from sonicmoe.bench.load_profile import read_load_profile, resample_load, target_load
+
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps({"expert_load": {"per_layer": [{"counts": [1, 3, 0, 4]}, {"counts": [2, 2, 2, 2]}]}}))
+    curve = read_load_profile(path)
+    assert torch.allclose(curve, torch.tensor([0.375, 0.3125, 0.1875, 0.125], dtype=torch.float64))
+    (tmp_path / "list.json").write_text("[4, 1, 3, 0]")
+    assert torch.allclose(read_load_profile(tmp_path / "list.json"), torch.tensor([0.5, 0.375, 0.125, 0.0],
+                                                                                   dtype=torch.float64))
+    assert torch.allclose(resample_load(curve, 4), curve)
+    assert torch.allclose(resample_load(curve, 8), curve.repeat_interleave(2) / 2)
+    for e in (1, 3, 7, 128):
+        r = resample_load(curve, e)
+        assert r.shape == (e,) and abs(float(r.sum()) - 1) < 1e-12 and bool((r[:-1] >= r[1:]).all())
+    t = target_load(path, 8, seed=3)  # dealt in a seeded order: the same multiset, reproducibly
+    assert torch.equal(t.sort(descending=True).values, resample_load(curve, 8))
+    assert torch.equal(t, target_load(path, 8, seed=3)) and not torch.equal(t, target_load(path, 8, seed=4))
+    for bad in ("{}", "[]", "[[1, 2], [1, 2, 3]]", "[-1, 2]", "[0, 0]", '"x"'):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ValueError):
+            read_load_profile(tmp_path / "bad.json")
+    if TRAINED_LOG.exists():  # the committed h100-preset run: E_src = 64, the busiest expert 1.43x the mean
+        trained = read_load_profile(TRAINED_LOG)
+        assert trained.shape == (64,) and 1.3 < float(trained[0]) * 64 < 1.6 and float(trained[-1]) * 64 < 0.6
+
+
+def test_calibrated_router_follows_the_profile(tmp_path):
+    """make_problem(load=...): the router weight's rows scaled until top-k gives each expert its share; the
+    problem's routing counts within 3% of the target (T·K = 32768 pairs over 32 experts): the busiest expert 2.3x the
+    mean, where the random router's stays under 1.6x (1.35x: its rows' norms differ at d = 64). The router stays
+    X W_rᵀ: route() with the problem's weight gives the same counts."""
+    from sonicmoe.bench.load_profile import calibrate_router, target_load
+
+    path = tmp_path / "skew.json"
+    path.write_text(json.dumps([3.0] * 4 + [1.0] * 20 + [0.4] * 8))  # 2.3x the mean down to 0.3x
+    shape = parse_shape("8192,64,16,32,4")
+    load = target_load(path, 32)
+    even = make_problem(shape, dtype=torch.float32, device="cpu").routing.expert_counts().double()
+    skewed = make_problem(shape, dtype=torch.float32, device="cpu", load=load)
+    got = skewed.routing.expert_counts().double()
+    assert float((got / got.sum() / load - 1).abs().max()) < 0.03
+    assert float(even.max() / even.mean()) < 1.6 < 2.2 < float(got.max() / got.mean())  # target: 2.3
+    assert torch.equal(skewed.route(skewed.x.detach()).routing.expert_counts(), skewed.routing.expert_counts())
+    w, dev = calibrate_router(skewed.x, skewed.router_weight, 4, load)
+    assert dev <= 0.02 and w.dtype == torch.float32 and not w.requires_grad
+
+
+def test_cli_load_profile(tmp_path):
+    """--load-profile: the records name the profile and its resampled extremes; a missing or bad file stops the
+    run before any shape (exit 2)."""
+    path = tmp_path / "skew.json"
+    path.write_text(json.dumps([3.0] * 4 + [1.0] * 12))
+    rc, doc = _run(tmp_path, "--shape", "1024,32,16,16,2", "--backends", "torch", "--load-profile", str(path))
+    assert rc == 0
+    (rec,) = doc["results"]
+    assert rec["load_target"]["profile"] == str(path) and rec["load_target"]["max_over_mean"] == pytest.approx(2.0)
+    assert rec["tokens_per_expert"]["max"] > 1.8 * rec["tokens_per_expert"]["mean"]
+    for bad in (tmp_path / "missing.json", tmp_path / "skew.json"):
+        if bad.exists():
+            bad.write_text("[0, 0]")
+        assert cli.main(["--out", str(tmp_path / "res2"), *FAST, "--shape", "64,32,16,4,2", "--load-profile",
+                         str(bad)]) == 2

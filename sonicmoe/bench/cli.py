@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     what.add_argument("--max-T", type=int, default=None, help="cap T (tokens) of every shape, for quick runs")
     what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--load-profile", metavar="FILE.json", default=None,
+                      help="route as unevenly as a trained model: the expert load of a `sonicmoe train` log.json "
+                           "(or a JSON list of per-expert counts), resampled to each shape's E; the router weight is "
+                           "scaled until top-k matches it (default: a random router's near-even load)")
     what.add_argument("--cpu-threads", type=int, default=1,
                       help="torch intra-op threads for CPU runs (default 1: tiny CPU ops slow down badly "
                            "with several threads on a busy machine; 0 keeps torch's setting)")
@@ -160,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             bad = [r for r in routings if r not in ROUTINGS]
             if bad:
                 raise ValueError(f"--routing must be a comma list of {', '.join(ROUTINGS)}, got {bad}")
-    except ValueError as exc:
+        if args.load_profile:
+            from .load_profile import read_load_profile
+
+            read_load_profile(args.load_profile)  # a bad file stops here, before any shape runs
+    except (ValueError, OSError) as exc:
         print(f"sonicmoe bench: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("bf16" if use_cuda else "fp32")
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         check=args.check, check_grads=args.check_grads, check_max_T=args.check_max_T, tol=args.tol,
         router_variant=args.router_variant, memory=args.memory, loop_max_E=args.loop_max_E or None,
-        poison=args.poison, verbose=not args.quiet,
+        load_profile=args.load_profile, poison=args.poison, verbose=not args.quiet,
     )
     env = env_info(device)
     now = _dt.datetime.now(_dt.timezone.utc)

@@ -158,11 +158,15 @@ def _randn(shape, scale: float, dtype, device, gen) -> torch.Tensor:
 
 
 def make_problem(shape: Shape, *, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
-                 mode: str = "topk", m_tile: int = 128, rounding: str = "nearest") -> Problem:
+                 mode: str = "topk", m_tile: int = 128, rounding: str = "nearest",
+                 load: torch.Tensor | None = None) -> Problem:
     """Fresh random bf16/fp16/fp32 problem for ``shape`` on ``device``.
 
     x ~ N(0, 1) (T, d); W_r, W1 scaled by 1/sqrt(d), W2 by 1/sqrt(n) (fan-in), so activations stay O(1);
     routing from the random router. dO ~ N(0, 1) (T, d). Deterministic for a given seed and device.
+    ``load``: (E,) target fractions of the pairs per expert (:func:`sonicmoe.bench.load_profile.target_load`, a
+    trained model's imbalance): W_r's rows are scaled until the router gives them
+    (:func:`~sonicmoe.bench.load_profile.calibrate_router`); None: the random router's near-even load.
 
     Raises:
         TokenRoundingUnavailable: ``mode == "token_rounding"`` and the module is missing.
@@ -171,7 +175,12 @@ def make_problem(shape: Shape, *, dtype: torch.dtype, device: torch.device | str
     gen = torch.Generator(device=device).manual_seed(seed)
     T, d, n, E, K = shape.dims
     x = _randn((T, d), 1.0, dtype, device, gen).requires_grad_(True)
-    router_weight = _randn((E, d), d**-0.5, dtype, device, gen).requires_grad_(True)
+    router_weight = _randn((E, d), d**-0.5, dtype, device, gen)
+    if load is not None:
+        from .load_profile import calibrate_router
+
+        router_weight = calibrate_router(x, router_weight, K, load)[0]
+    router_weight.requires_grad_(True)
     w1 = _randn((E, 2 * n, d), d**-0.5, dtype, device, gen).requires_grad_(True)
     w2 = _randn((E, d, n), n**-0.5, dtype, device, gen).requires_grad_(True)
     dout = _randn((T, d), 1.0, dtype, device, gen)

@@ -58,6 +58,7 @@ class RunOptions:
     router_variant: bool = True
     memory: bool = True
     loop_max_E: int | None = 128
+    load_profile: str | None = None  # a trained model's expert load (sonicmoe.bench.load_profile); None: even
     poison: bool = True
     verbose: bool = True
 
@@ -226,8 +227,15 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
             return rec
         log(f"  warning: {msg}; expect out-of-memory rows")
     try:
+        load = None
+        if opts.load_profile:
+            from .load_profile import target_load
+
+            load = target_load(opts.load_profile, E, seed=opts.seed)
+            rec["load_target"] = {"profile": str(opts.load_profile), "max_over_mean": float(load.max()) * E,
+                                  "min_over_mean": float(load.min()) * E}
         problem = make_problem(shape, dtype=opts.dtype, device=opts.device, seed=opts.seed, mode=mode,
-                               m_tile=opts.m_tile, rounding=opts.rounding)
+                               m_tile=opts.m_tile, rounding=opts.rounding, load=load)
     except TokenRoundingUnavailable as exc:
         rec.update(status="skipped", message=str(exc), backends={})
         return rec
