@@ -15,6 +15,8 @@
 #          the up-projection's two schedules), under top-k and token rounding, on FEWROWS_SHAPES (default
 #          (16384, 1536, 256, E, 8) at E = 512 and 256: 256 and 512 rows per expert), FEWROWS_REPEAT rounds (3)
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
+#   skew   the same two shapes, triton and torch, with the random router's even load and with a trained model's
+#          (--load-profile LOAD_PROFILE, default the committed h100-preset training run's log.json)
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
@@ -223,6 +225,17 @@ for step in "$@"; do
       python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 --backends triton,torch,upper \
         --no-plot --out "$OUT" --tag 7b > "$OUT/bench7b.txt" 2>&1
       SUMMARY+=("$(tail -12 "$OUT/bench7b.txt")")
+      ;;
+    skew)
+      # the layer on a trained model's expert load (sonicmoe bench --load-profile: the committed h100-preset training
+      # run's, LOAD_PROFILE) against the random router's near-even load, same shapes, same call
+      for prof in even trained; do
+        lp=(); [ $prof = trained ] && lp=(--load-profile "${LOAD_PROFILE:-benchmarks/results/2026-11-21_nvidia-h200_train/log.json}")
+        timeout 280 python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 \
+          --backends triton,torch --no-plot --no-router-variant "${lp[@]}" --out "$OUT/skew" --tag "$prof" \
+          > "$OUT/skew_$prof.txt" 2>&1
+        SUMMARY+=("skew $prof: $(grep -E '^(7B|120b)' "$OUT/skew_$prof.txt" | awk '{print $1, $3, $10, $11}' | tr '\n' ';')")
+      done
       ;;
     graph)
       # the eager layer against CUDA-graph replay of the same kernels (the kernel-bound time), a host profile, and
