@@ -103,9 +103,11 @@ from .routing import INDEX_DTYPE, RouterOutput, Routing
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
     """Token rounding loses quality below 2 tiles of tokens per expert (SPEC §5): warn there.
 
-    ``stacklevel`` points at the caller of :func:`token_rounding` (e.g. ``MoE.forward``).
+    ``stacklevel`` points at the caller of :func:`token_rounding` (e.g. ``MoE.forward``). Silent while
+    ``torch.compile`` traces: Dynamo cannot trace ``warnings.warn``, so a warning there would fail a
+    ``fullgraph=True`` compile (and break the graph otherwise).
     """
-    if tokens_per_expert < 2 * m_tile:
+    if tokens_per_expert < 2 * m_tile and not torch.compiler.is_compiling():
         warnings.warn(
             f"token rounding with {tokens_per_expert:.0f} mean tokens per expert < 2·M_tile={2 * m_tile}: "
             "routing drifts far from top-k and quality may drop; use larger batches or plain top-k",
