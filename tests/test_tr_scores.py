@@ -209,3 +209,34 @@ def test_gpu_benchmark_size(order, renorm):
 def test_gpu_fused_router_grad_benchmark_size(order, renorm):
     """fused_router_grad at T = 16384, E = 512, K = 8 on the GPU (what the MoE layer runs)."""
     check_fused_router_grad(16384, 512, 8, 0, order, renorm, "cuda")
+
+
+@pytest.mark.parametrize("fn", [pair_scores, pair_scores_ref], ids=["kernel", "twin"])
+def test_added_softmax_scores_stay_accurate_at_large_logits(device, fn):
+    """topk_then_softmax's added pairs, S = exp(v − logsumexp of the chosen logits), with logits of ~200: within
+    2e-6 (relative) of the float64 value, as the reference's exp(v − mx) / Σ exp(c − mx), and their gradients within
+    1e-5. Before session 79 the kernel and the twin subtracted a float32 logsumexp of magnitude ~200, whose rounding
+    (ε·200) put 3.4e-6 into a score of 0.16 (found by test_hypothesis_fast_equals_ref, scale 30), 7.6e-6 here."""
+    g = torch.Generator().manual_seed(7)
+    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)  # a direction every row shares: logits
+    x = torch.randn(64, 16, generator=g) + 10 * u  # of ~200 that differ by O(1) between the experts
+    w = (20 * u + torch.randn(6, 16, generator=g) * 0.3).to(device).requires_grad_(True)
+    router = router_topk(x.to(device), w, 2)
+    assert float(router.logits.detach().abs().min()) > 100
+    pt = torch.arange(64, device=device).repeat_interleave(6)
+    pe = torch.arange(6, device=device).repeat(64)
+    scores, added = fn(router, pt, pe, "topk_then_softmax", False)
+    l64 = router.logits.detach().double()
+    c64 = l64.gather(1, router.topk_ids.long())
+    truth = (l64 - torch.logsumexp(c64, dim=1, keepdim=True))[pt, pe].exp()
+    keep = added & (truth > 1e-6)  # the scores that matter; the smallest underflow alike in float32
+    assert int(keep.sum()) >= 8
+    assert float(((scores.detach().double() - truth).abs() / truth)[keep].max()) < 2e-6  # seen: 5.9e-7, 7.6e-6 before
+    (d_logits,) = torch.autograd.grad((scores * keep).sum(), router.logits)
+    truth_grad = torch.zeros_like(l64)  # d/dv of Σ_kept S = Σ S on v; on the chosen logits −Σ S · softmax(chosen)
+    soft = (c64 - torch.logsumexp(c64, dim=1, keepdim=True)).exp()
+    kept_sum = torch.zeros(64, dtype=torch.float64, device=l64.device).index_add(0, pt[keep], truth[keep])
+    truth_grad.index_put_((pt[keep], pe[keep]), truth[keep], accumulate=True)
+    truth_grad.scatter_add_(1, router.topk_ids.long(), -kept_sum[:, None] * soft)
+    err = (d_logits.double() - truth_grad).norm() / truth_grad.norm()
+    assert float(err) < 1e-5, float(err)
