@@ -292,11 +292,13 @@ for step in "$@"; do
     routing)
       # top-k's routing by the counting-sort kernels (SONICMOE_ROUTING_KERNEL=1) against torch's sort: the GPU tests,
       # the layer's host time and where it goes (T = 8192), and the 7B layer eager / host / graph-replay times. Also
-      # session 78's tests that came from planting bugs (scripts/mutation_probe.py), in bf16 on the GPU
+      # session 78's tests that came from planting bugs (scripts/mutation_probe.py), in bf16 on the GPU, and session 79's
+      # layer fuzz and large-logit pair scores (float32, natively)
       timeout 300 python3 -m pytest -rA -q -m gpu tests/test_topk_routing.py tests/test_routing.py \
         tests/test_kernels.py::test_up_proj_a_from_stored_h tests/test_kernels.py::test_kernels_read_nothing_past_their_operands \
         tests/test_router_kernel.py::test_nan_logit_ranks_first_as_torch_topk \
-        tests/test_router_kernel.py::test_sigmoid_renormalize_underflow_gives_zero_scores -p no:cacheprovider \
+        tests/test_router_kernel.py::test_sigmoid_renormalize_underflow_gives_zero_scores tests/test_layer_fuzz.py \
+        tests/test_tr_scores.py::test_added_softmax_scores_stay_accurate_at_large_logits -p no:cacheprovider \
         > "$OUT/gpu_tests_routing.log" 2>&1
       for v in 1 0 1 0; do
         SONICMOE_ROUTING_KERNEL=$v timeout 120 python3 scripts/layer_host_profile.py --shape 8192,1536,256,128,8 \
