@@ -446,9 +446,13 @@ def check_router_inputs(x, router_weight, top_k) -> None:
                          f"got {tuple(router_weight.shape)}")
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
-    e = router_weight.shape[0]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
+    check_top_k(top_k, router_weight.shape[0])
+
+
+def check_top_k(top_k, num_experts: int) -> None:
+    """ValueError naming ``top_k`` unless it is an int (not a bool) in [1, E]."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
 
 
 def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) -> None:

@@ -69,3 +69,12 @@ def device():
     """Where kernel tests run: CUDA when present, else CPU through the Triton interpreter."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
+
+
+@pytest.fixture(scope="module")
+def poisoned_outputs():
+    """SONICMOE_POISON_OUTPUTS=1 for a whole module (hypothesis tests, which cannot take function-scoped fixtures):
+    every kernel output starts as NaN, so an element no program writes fails the comparison."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SONICMOE_POISON_OUTPUTS", "1")
+        yield

@@ -28,12 +28,7 @@ ROUTINGS = ["topk", "general", "one_expert", "skewed"]
 GRAD_NAMES = ("x", "w1", "w2", "b1", "b2", "scores")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _poison():
-    """Every kernel output starts as NaN, so an element no program writes fails the comparison."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SONICMOE_POISON_OUTPUTS", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # every kernel output NaN until written (conftest.py)
 
 
 @dataclasses.dataclass

@@ -56,12 +56,7 @@ def scores_ignore_logits(c: LayerCase) -> bool:
     return c.k == 1 and (c.order == "topk_then_softmax" or c.renormalize)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _poison():
-    """Every kernel output starts as NaN, so an element no program writes fails the comparison."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SONICMOE_POISON_OUTPUTS", "1")
-        yield
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # every kernel output NaN until written (conftest.py)
 
 
 @dataclasses.dataclass

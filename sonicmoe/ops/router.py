@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..config import ROUTER_ORDERS
-from ..routing import check_expert_bias, check_expert_groups, sigmoid_topk
+from ..routing import check_expert_bias, check_expert_groups, check_top_k, sigmoid_topk
 from .common import cdiv, check_device, interpreting, new_output, next_pow2
 from .fast_launch import launch_kernel
 
@@ -282,8 +282,7 @@ def _check(logits: torch.Tensor, top_k: int, router_order: str, expert_bias: tor
     if logits.dtype != torch.float32:
         raise TypeError(f"logits must be float32, got {logits.dtype}")
     e = logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be an int in [1, E={e}], got {top_k!r}")
+    check_top_k(top_k, e)
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, e, router_order, logits.device)
