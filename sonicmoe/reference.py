@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .functional import check_expert_inputs, check_router_weight, require_routing_and_scores
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk, scaled_scores
 
 
@@ -60,8 +61,6 @@ def experts_ref(
         TypeError, ValueError: as :func:`sonicmoe.experts` (shapes, devices, a missing routing or scores), except
         that each tensor may have its own float dtype (float64 included).
     """
-    from .functional import check_expert_inputs, require_routing_and_scores  # (functional imports routing too)
-
     require_routing_and_scores(routing, pair_scores)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=True, one_dtype=False)
     t, d = x.shape
@@ -115,8 +114,6 @@ def moe_ref(
     Raises:
         TypeError, ValueError: as :func:`sonicmoe.moe`, except that each tensor may have its own float dtype.
     """
-    from .functional import check_expert_inputs, check_router_weight
-
     check_expert_inputs(x, w1, w2, b1, b2, allow_float64=True, one_dtype=False)
     check_router_weight(router_weight, x, w1.shape[0], allow_float64=True)
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,

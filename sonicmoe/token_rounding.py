@@ -193,8 +193,8 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
             continue
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"router.{name} must be a tensor, got {type(v).__name__}")
-        if (name == "topk_ids") == (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool) \
-                or (name != "topk_ids" and not v.dtype.is_floating_point):
+        integer = not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)
+        if not (integer if name == "topk_ids" else v.dtype.is_floating_point):
             kind = "an integer" if name == "topk_ids" else "a floating-point"
             raise TypeError(f"router.{name} must be {kind} tensor, got {v.dtype}")
         if v.device != logits.device:
