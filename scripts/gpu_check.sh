@@ -294,7 +294,7 @@ for step in "$@"; do
       # the layer's host time and where it goes (T = 8192), and the 7B layer eager / host / graph-replay times. Also
       # session 78's tests that came from planting bugs (scripts/mutation_probe.py), in bf16 on the GPU, and session 79's
       # layer fuzz and large-logit pair scores (float32, natively)
-      timeout 300 python3 -m pytest -rA -q -m gpu tests/test_topk_routing.py tests/test_routing.py \
+      timeout "${ROUTING_TESTS_S:-420}" python3 -m pytest -rA -v --durations=15 -m gpu tests/test_topk_routing.py tests/test_routing.py \
         tests/test_kernels.py::test_up_proj_a_from_stored_h tests/test_kernels.py::test_kernels_read_nothing_past_their_operands \
         tests/test_router_kernel.py::test_nan_logit_ranks_first_as_torch_topk \
         tests/test_router_kernel.py::test_sigmoid_renormalize_underflow_gives_zero_scores tests/test_layer_fuzz.py \
@@ -305,7 +305,7 @@ for step in "$@"; do
           --calls 50 --sections-only >> "$OUT/routing_sections_kernel$v.txt" 2>&1
       done
       for v in 1 0; do
-        SONICMOE_ROUTING_KERNEL=$v timeout 200 python3 benchmarks/router_orders.py --shape 7B --rounds 2 --graph \
+        SONICMOE_ROUTING_KERNEL=$v timeout 200 python3 benchmarks/router_orders.py --shape 24576,1536,256,128,8 --rounds 2 --graph \
           > "$OUT/routing_orders_kernel$v.txt" 2>&1
       done
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_routing.log")" "$(tail -1 "$OUT/gpu_tests_routing.log")"
