@@ -570,7 +570,7 @@ TRAINED_LOG = REPO / "benchmarks" / "results" / "2026-11-21_nvidia-h200_train" /
 def test_load_profile_reads_and_resamples(tmp_path):
     """read_load_profile: a train log.json (per layer, sorted, averaged), a list, or lists; resample_load keeps the
     curve at E = E_src, splits each expert's share at E = 2·E_src, and always sums to 1 in descending order."""
-    from sonicmoe.bench.load_profile import read_load_profile, resample_load, target_load
+    from sonicmoe.bench.load_profile import load_profile_kind, read_load_profile, resample_load, target_load
 
     path = tmp_path / "log.json"
     path.write_text(json.dumps({"expert_load": {"per_layer": [{"counts": [1, 3, 0, 4]}, {"counts": [2, 2, 2, 2]}]}}))
@@ -587,7 +587,16 @@ def test_load_profile_reads_and_resamples(tmp_path):
     t = target_load(path, 8, seed=3)  # dealt in a seeded order: the same multiset, reproducibly
     assert torch.equal(t.sort(descending=True).values, resample_load(curve, 8))
     assert torch.equal(t, target_load(path, 8, seed=3)) and not torch.equal(t, target_load(path, 8, seed=4))
-    for bad in ("{}", "[]", "[[1, 2], [1, 2, 3]]", "[-1, 2]", "[0, 0]", '"x"'):
+    assert load_profile_kind(path) == "counts" and load_profile_kind(tmp_path / "list.json") == "list"
+    # a log with each step's sorted load: that curve is the profile (per_step=False: the summed one)
+    both = {"expert_load": {"per_layer": [{"counts": [2, 2, 2, 2], "step_sorted_counts": [5, 2, 1, 0]}]}}
+    path2 = tmp_path / "log2.json"
+    path2.write_text(json.dumps(both))
+    assert load_profile_kind(path2) == "step_sorted_counts" and load_profile_kind(path2, per_step=False) == "counts"
+    assert torch.allclose(read_load_profile(path2), torch.tensor([0.625, 0.25, 0.125, 0.0], dtype=torch.float64))
+    assert torch.allclose(read_load_profile(path2, per_step=False), torch.full((4,), 0.25, dtype=torch.float64))
+    for bad in ("{}", "[]", "[[1, 2], [1, 2, 3]]", "[-1, 2]", "[0, 0]", '"x"', '{"per_layer": [1, 2]}',
+                '{"per_layer": [{"cv": 1}]}'):
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(ValueError):
             read_load_profile(tmp_path / "bad.json")
@@ -626,6 +635,7 @@ def test_cli_load_profile(tmp_path):
     assert rc == 0
     (rec,) = doc["results"]
     assert rec["load_target"]["profile"] == str(path) and rec["load_target"]["max_over_mean"] == pytest.approx(2.0)
+    assert rec["load_target"]["loads"] == "list"
     assert rec["tokens_per_expert"]["max"] > 1.8 * rec["tokens_per_expert"]["mean"]
     for bad in (tmp_path / "missing.json", tmp_path / "skew.json"):
         if bad.exists():

@@ -79,6 +79,13 @@ def test_log_and_plot(baseline):
         assert len(layer["counts"]) == E
         assert sum(layer["counts"]) == STEPS * T * K  # every routed pair of every step counted once
         assert layer["min_frac"] <= 1 / E <= layer["max_frac"]
+        # each step's counts sorted: the i-th busiest expert of every step, so the per-step curve descends, counts
+        # every pair, and its ends bound the summed load's (sum of each step's max >= the max of the sums)
+        srt = layer["step_sorted_counts"]
+        assert len(srt) == E and sum(srt) == STEPS * T * K and srt == sorted(srt, reverse=True)
+        assert srt[0] >= max(layer["counts"]) and srt[-1] <= min(layer["counts"])
+        assert layer["step_max_over_mean"] >= layer["max_over_mean"] > 1.0
+    assert load["mean_step_max_over_mean"] >= load["mean_max_over_mean"]
     assert (out / "ckpt.pt").is_file()
     try:
         import matplotlib  # noqa: F401
@@ -99,7 +106,8 @@ def test_resume_continues_exactly(baseline, tmp_path):
     assert resumed["resumed_from"] == 15 and resumed["steps_done"] == STEPS
     assert _losses(resumed) == _losses(full)
     assert resumed["final_val_loss"] == full["final_val_loss"]
-    assert resumed["expert_load"]["per_layer"][0]["counts"] == full["expert_load"]["per_layer"][0]["counts"]
+    for key in ("counts", "step_sorted_counts"):
+        assert resumed["expert_load"]["per_layer"][0][key] == full["expert_load"]["per_layer"][0][key]
 
 
 def test_same_seed_same_losses_in_another_process(baseline, tmp_path):
@@ -234,6 +242,11 @@ def test_model_forward_and_router_loss():
 
 def test_expert_load_summary():
     s = expert_load_summary([[1, 1, 1, 1], [4, 0, 0, 0]])
+    assert "step_sorted_counts" not in s["per_layer"][0] and "mean_step_max_over_mean" not in s
+    assert "mean_step_max_over_mean" not in expert_load_summary([[1, 1]], [[0, 0]])  # an old checkpoint's zeros
+    p = expert_load_summary([[2, 2], [3, 1]], [[3, 1], [4, 0]])
+    assert [x["step_max_over_mean"] for x in p["per_layer"]] == [1.5, 2.0] and p["mean_step_max_over_mean"] == 1.75
+    assert [x["step_min_over_mean"] for x in p["per_layer"]] == [0.5, 0.0]
     assert s["per_layer"][0]["cv"] == pytest.approx(0.0)
     assert s["per_layer"][1]["max_frac"] == 1.0 and s["per_layer"][1]["max_over_mean"] == 4.0
     assert s["per_layer"][1]["cv"] == pytest.approx(math.sqrt(3))
@@ -308,6 +321,7 @@ def test_data_parallel_tracks_one_process(data_parallel):
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
     for layer_two, layer_one in zip(two["expert_load"]["per_layer"], one["expert_load"]["per_layer"], strict=True):
         assert sum(layer_two["counts"]) == DP_STEPS * T * K  # the ranks' halves, each counted once
+        assert sum(layer_two["step_sorted_counts"]) == DP_STEPS * T * K  # each rank's sorted, summed over ranks
         for c2, c1 in zip(layer_two["counts"], layer_one["counts"], strict=True):
             assert abs(c2 - c1) <= 0.01 * c1
 

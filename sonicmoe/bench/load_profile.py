@@ -3,7 +3,9 @@
 A random router spreads the T·K pairs almost evenly over the E experts. A trained router does not: in our own
 ``sonicmoe train --preset h100`` run (E = 64, K = 8, 150 steps, aux_loss_coef 0.01; ``benchmarks/results/
 2026-11-21_nvidia-h200_train/log.json``) the busiest expert of a layer received 1.4 times the mean load and the
-idlest 0.53 times (averaged over the 8 layers, the loads summed over all steps: a single step is more uneven).
+idlest 0.53 times (averaged over the 8 layers, the loads summed over all steps: a single step is more uneven). Logs written from session 80 on also hold each
+step's load sorted, summed over the steps (``step_sorted_counts``): the typical step's curve, which a profile
+prefers.
 
 A profile is the descending curve of load fractions of a trained model's experts. :func:`target_load` resamples
 it to the benchmark's E (so a 64-expert profile shapes a 128-expert shape) and deals the fractions to the experts
@@ -20,21 +22,39 @@ from pathlib import Path
 import torch
 
 
-def read_load_profile(path: str | Path) -> torch.Tensor:
+def _load_lists(path: str | Path, per_step: bool) -> tuple[object, str]:
+    """The file's JSON with a train log's per-layer loads picked out, and which loads they are: ``step_sorted_counts``
+    (each step's, sorted, summed), ``counts`` (summed over training) or ``list`` (a file of lists)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        return data, "list"
+    data = data.get("expert_load", data)
+    if not isinstance(data, dict):
+        return data, "list"
+    layers = data.get("per_layer", [])
+    key = "step_sorted_counts" if per_step and layers and all(
+        isinstance(x, dict) and "step_sorted_counts" in x for x in layers) else "counts"
+    return [x.get(key) if isinstance(x, dict) else None for x in layers], key
+
+
+def load_profile_kind(path: str | Path, per_step: bool = True) -> str:
+    """Which loads :func:`read_load_profile` reads from ``path``: ``step_sorted_counts``, ``counts`` or ``list``."""
+    return _load_lists(path, per_step)[1]
+
+
+def read_load_profile(path: str | Path, per_step: bool = True) -> torch.Tensor:
     """The load curve in a file: (E_src,) float64 fractions, descending, summing to 1.
 
-    Accepted files: a ``sonicmoe train`` ``log.json`` (its ``expert_load.per_layer[*].counts``), the
-    ``expert_load`` dict alone, a JSON list of per-expert counts or fractions, or a list of such lists (one per
-    layer). Each list is normalised and sorted; several lists are averaged position by position (the typical
-    curve, whichever experts were busy).
+    Accepted files: a ``sonicmoe train`` ``log.json`` (its ``expert_load.per_layer[*]``: the typical step's sorted
+    load ``step_sorted_counts`` where the log has it and ``per_step``, else the load summed over training,
+    ``counts``), the ``expert_load`` dict alone, a JSON list of per-expert counts or fractions, or a list of such
+    lists (one per layer). Each list is normalised and sorted; several lists are averaged position by position (the
+    typical curve, whichever experts were busy).
 
     Raises:
         ValueError: the file holds none of these, a list is empty, or has a negative, non-finite or all-zero load.
     """
-    data = json.loads(Path(path).read_text())
-    if isinstance(data, dict):
-        data = data.get("expert_load", data)
-        data = [layer["counts"] for layer in data.get("per_layer", [])] if isinstance(data, dict) else data
+    data, _ = _load_lists(path, per_step)
     if isinstance(data, list) and data and all(isinstance(v, (int, float)) for v in data):
         data = [data]
     if not (isinstance(data, list) and data and all(isinstance(row, list) and row for row in data)):

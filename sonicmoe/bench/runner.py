@@ -229,11 +229,12 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
     try:
         load = None
         if opts.load_profile:
-            from .load_profile import target_load
+            from .load_profile import load_profile_kind, target_load
 
             load = target_load(opts.load_profile, E, seed=opts.seed)
             rec["load_target"] = {"profile": str(opts.load_profile), "max_over_mean": float(load.max()) * E,
-                                  "min_over_mean": float(load.min()) * E}
+                                  "min_over_mean": float(load.min()) * E,
+                                  "loads": load_profile_kind(opts.load_profile)}
         problem = make_problem(shape, dtype=opts.dtype, device=opts.device, seed=opts.seed, mode=mode,
                                m_tile=opts.m_tile, rounding=opts.rounding, load=load)
     except TokenRoundingUnavailable as exc:

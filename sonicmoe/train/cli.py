@@ -136,6 +136,9 @@ def _summary(log: dict[str, Any], out: Path) -> str:
     per = ", ".join(f"[{x['min_frac']:.3f}, {x['max_frac']:.3f}]" for x in load["per_layer"])
     lines.append(f"expert load (fraction of routed pairs, min/max per layer; uniform = "
                  f"{load['per_layer'][0]['mean_frac']:.3f}): {per}; mean CV {load['mean_cv']:.3f}")
+    if "mean_step_max_over_mean" in load:
+        lines.append(f"per step, the busiest expert's load over the mean, averaged over layers: "
+                     f"{load['mean_step_max_over_mean']:.2f} (summed over steps: {load['mean_max_over_mean']:.2f})")
     plot = out / PLOT
     lines.append(f"files: {out / LOG}, {out / CHECKPOINT}" + (f", {plot}" if plot.exists() else ""))
     return "\n".join(lines)

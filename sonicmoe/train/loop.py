@@ -418,8 +418,15 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     # this rank's routed pairs per layer and expert (rank 0's start from the checkpoint's totals); summed over the
     # ranks for the log
     load = torch.tensor(history["expert_counts"], dtype=torch.int64, device=device)
+    # and each step's counts sorted in descending order, summed over the steps (the typical step's load curve, which
+    # is more uneven than the summed load's: busy experts change from step to step); a checkpoint written before
+    # this was logged starts it at zero
+    zeros = [[0] * cfg.experts for _ in range(cfg.layers)]
+    step_sorted = torch.tensor(history.setdefault("expert_counts_step_sorted", zeros), dtype=torch.int64,
+                               device=device)
     if not dp.main:
         load.zero_()
+        step_sorted.zero_()
     meter = Throughput(sync)
     warm_steps = min(5, max(0, (end_step - start_step) // 5))
     title = (f"d={cfg.d_model} L={cfg.layers} E={cfg.experts} K={cfg.top_k} n={cfg.expert_size} "
@@ -467,7 +474,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             "moe_time_share": moe_s / step_s if step_s > 0 else None,
             "moe_time": {"profiled_steps": len(profile), "moe_s": moe_s, "step_s": step_s},
             "peak_memory": peak_memory(device),
-            "expert_load": expert_load_summary(history["expert_counts"]),
+            "expert_load": expert_load_summary(history["expert_counts"], history["expert_counts_step_sorted"]),
             "wall_time_s": time.perf_counter() - wall_t0,
         }
 
@@ -481,6 +488,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
                                      "grad_norm": gnorm})
         pending.clear()
         history["expert_counts"] = dp.sum(load).tolist()
+        history["expert_counts_step_sorted"] = dp.sum(step_sorted).tolist()
 
     if start_step == 0 and cfg.eval_every:
         record_eval(0)
@@ -509,6 +517,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         (loss + aux).backward()
         counts = model.expert_counts()  # as the layers returned them (graphed layers leave their attributes)
         load += counts.to(torch.int64)
+        step_sorted += counts.to(torch.int64).sort(dim=1, descending=True).values  # on the device: no host sync
         gnorm = opt.step(lr, cfg.grad_clip)
         if cfg.bias_update_rate:  # auxiliary-loss-free balancing: every rank's counts, the same update everywhere
             counts = dp.sum(counts.float())

@@ -84,28 +84,42 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
     return {"kind": "cpu_max_rss", "mib": rss_bytes / 2**20}
 
 
-def expert_load_summary(counts: list[list[int]]) -> dict[str, Any]:
+def expert_load_summary(counts: list[list[int]], step_sorted: list[list[int]] | None = None) -> dict[str, Any]:
     """Statistics of routed pairs per expert, summed over training steps.
 
     Args:
         counts: per MoE layer, the E counts T_e summed over steps.
+        step_sorted: per MoE layer, each step's E counts sorted in descending order and summed over the steps
+            (position i: the i-th busiest expert of each step, whichever it was; under data parallelism each rank's
+            own counts, sorted, summed over the ranks). None or all zero: not reported.
 
     Returns:
         ``per_layer`` (one dict per layer: ``counts``, ``fractions``, ``min_frac``, ``max_frac``,
-        ``mean_frac`` = 1/E, ``cv`` = std/mean of the counts, ``max_over_mean``) and the layer
-        averages ``mean_cv`` and ``mean_max_over_mean``.
+        ``mean_frac`` = 1/E, ``cv`` = std/mean of the counts, ``max_over_mean``; with ``step_sorted`` also
+        ``step_sorted_counts``, ``step_max_over_mean`` and ``step_min_over_mean``: the busiest and idlest expert of
+        the typical step against the mean) and the layer averages ``mean_cv`` and ``mean_max_over_mean`` (and
+        ``mean_step_max_over_mean``).
     """
     layers = []
-    for row in counts:
+    per_step = step_sorted is not None and any(any(row) for row in step_sorted)
+    for i, row in enumerate(counts):
         total = sum(row) or 1
         frac = [c / total for c in row]
         mean = 1.0 / len(row)
         std = math.sqrt(sum((f - mean) ** 2 for f in frac) / len(frac))
-        layers.append({"counts": row, "fractions": frac, "min_frac": min(frac), "max_frac": max(frac),
-                       "mean_frac": mean, "cv": std / mean, "max_over_mean": max(frac) / mean})
+        layer = {"counts": row, "fractions": frac, "min_frac": min(frac), "max_frac": max(frac),
+                 "mean_frac": mean, "cv": std / mean, "max_over_mean": max(frac) / mean}
+        if per_step:
+            srt = step_sorted[i]
+            layer.update(step_sorted_counts=srt, step_max_over_mean=srt[0] * len(srt) / (sum(srt) or 1),
+                         step_min_over_mean=srt[-1] * len(srt) / (sum(srt) or 1))
+        layers.append(layer)
     n = max(1, len(layers))
-    return {"per_layer": layers, "mean_cv": sum(x["cv"] for x in layers) / n,
-            "mean_max_over_mean": sum(x["max_over_mean"] for x in layers) / n}
+    out = {"per_layer": layers, "mean_cv": sum(x["cv"] for x in layers) / n,
+           "mean_max_over_mean": sum(x["max_over_mean"] for x in layers) / n}
+    if per_step:
+        out["mean_step_max_over_mean"] = sum(x["step_max_over_mean"] for x in layers) / n
+    return out
 
 
 def write_json(path: Path, log: dict[str, Any]) -> None:
