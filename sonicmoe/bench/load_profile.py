@@ -3,9 +3,9 @@
 A random router spreads the T·K pairs almost evenly over the E experts. A trained router does not: in our own
 ``sonicmoe train --preset h100`` run (E = 64, K = 8, 150 steps, aux_loss_coef 0.01; ``benchmarks/results/
 2026-11-21_nvidia-h200_train/log.json``) the busiest expert of a layer received 1.4 times the mean load and the
-idlest 0.53 times (averaged over the 8 layers, the loads summed over all steps: a single step is more uneven). Logs written from session 80 on also hold each
-step's load sorted, summed over the steps (``step_sorted_counts``): the typical step's curve, which a profile
-prefers.
+idlest 0.53 times (averaged over the 8 layers, the loads summed over all steps: a single step is more uneven).
+Logs written from session 80 on also hold each step's load sorted, summed over the steps (``step_sorted_counts``):
+the typical step's curve, which a profile prefers.
 
 A profile is the descending curve of load fractions of a trained model's experts. :func:`target_load` resamples
 it to the benchmark's E (so a 64-expert profile shapes a 128-expert shape) and deals the fractions to the experts
