@@ -639,3 +639,38 @@ def test_return_router_info(routing):
         for (name, a), b in zip(plain.named_parameters(), tupled.parameters()):
             assert torch.equal(a.grad, b.grad), name
     assert plain.gate.weight.grad.norm() > 0
+
+
+EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias"]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+@pytest.mark.parametrize("frozen,x_grad", [
+    (["gate.weight"], True), (EXPERT_PARAMS, False), (EXPERT_PARAMS, True), (["experts.down_proj"], False),
+    (["experts.gate_up_proj", "gate.weight"], True)], ids=["router", "experts-no-x", "experts", "w2-no-x", "w1-router"])
+def test_frozen_parameters_train_the_rest(routing, frozen, x_grad, device):
+    """Fine-tuning a part of the layer (the router alone, the experts alone, one projection; x with or without a
+    gradient): the frozen parameters get no gradient, and the output and every other gradient, aux loss included,
+    equal those of the run where everything trains, bit for bit (the backward leaves out what is not asked for and
+    changes nothing else)."""
+    import copy
+
+    kw = {"routing": "token_rounding", "m_tile": 4} if routing == "token_rounding" else {}
+    m = make(seed=3, backend="triton", bias=True, aux_loss_coef=0.01, **kw).to(device)
+    full = copy.deepcopy(m)
+    for name, p in m.named_parameters():
+        p.requires_grad_(name not in frozen)
+    x = rand_x(40, D, seed=4).to(device)
+    xa, xb = x.clone().requires_grad_(x_grad), x.clone().requires_grad_(True)
+    ya, yb = m(xa), full(xb)
+    dout = torch.randn_like(ya)
+    ((ya * dout).sum() + m.aux_loss).backward()
+    ((yb * dout).sum() + full.aux_loss).backward()
+    assert torch.equal(ya, yb)
+    assert (xa.grad is None) if not x_grad else torch.equal(xa.grad, xb.grad)
+    for (name, p), q in zip(m.named_parameters(), full.parameters(), strict=True):
+        if name in frozen:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None and torch.equal(p.grad, q.grad), name
