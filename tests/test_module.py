@@ -648,7 +648,9 @@ EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj", "experts.gate_up_p
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
 @pytest.mark.parametrize("frozen,x_grad", [
     (["gate.weight"], True), (EXPERT_PARAMS, False), (EXPERT_PARAMS, True), (["experts.down_proj"], False),
-    (["experts.gate_up_proj", "gate.weight"], True)], ids=["router", "experts-no-x", "experts", "w2-no-x", "w1-router"])
+    (["experts.gate_up_proj", "gate.weight"], True),
+    (["gate.weight", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias"], False)],
+    ids=["router", "experts-no-x", "experts", "w2-no-x", "w1-router", "w1-only"])
 def test_frozen_parameters_train_the_rest(routing, frozen, x_grad, device):
     """Fine-tuning a part of the layer (the router alone, the experts alone, one projection; x with or without a
     gradient): the frozen parameters get no gradient, and the output and every other gradient, aux loss included,
