@@ -120,6 +120,13 @@ def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
         before = len(made)
         assert go(**other) is made[-1] and len(made) == before + 1
     assert go(buf, n=48) is first and first.launches[-1][:3] == (3, 3, 1)  # 48 % 16 == 0: first's class
+    # the key is the parameters in the kernel's order: a default passed as itself, or all arguments by name, is
+    # the same launch; another value of it, or a positional argument too many, is not
+    assert go(buf, EXTRA=3) is first
+    assert launch_kernel(fn, grid, x_ptr=buf, y_ptr=y, out_ptr=buf, n=32, alpha=0.5, stride=2, BLOCK=16) is first
+    before = len(made)
+    assert go(buf, EXTRA=4) is made[-1] and len(made) == before + 1 and made[-1].launches == []
+    assert launch_kernel(fn, grid, buf, y, buf, 32, 0.5, 2, 16, 3, 9) is made[-1] and len(made) == before + 2
     for switch in (lambda: monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "0"),
                    lambda: monkeypatch.setattr(fast_launch, "SUPPORTED", False)):  # e.g. an unchecked Triton
         monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")

@@ -7,8 +7,9 @@ to time the host (benchmarks/results/2026-11-26_nvidia-h100_session29/). :func:`
 function, the compiled kernels it has seen under a key of its own and calls the compiled kernel's launcher directly
 on a hit.
 
-The key is **at least as specific as Triton's** specialisation, so a hit always launches the binary Triton would
-have chosen:
+The key holds every parameter in the kernel's order (defaults filled in, so a default passed as itself is the same
+launch), then the launch options, and is **at least as specific as Triton's** specialisation, so a hit always
+launches the binary Triton would have chosen:
 
 * a tensor: its dtype and whether its address is 16-byte aligned (Triton's ``D`` attribute);
 * an int: 1 (a constant for Triton), else whether it is a multiple of 16, and its integer type (i32, i64, u64);
@@ -70,6 +71,8 @@ class _Slow(Exception):
 def _runtime_key(v):
     """The part of Triton's specialisation a runtime (non-constexpr) argument ``v`` decides, or a finer key."""
     t = type(v)
+    if t is torch.Tensor:  # the common case first (a subclass, e.g. a Parameter, is caught by isinstance below)
+        return (v.dtype, v.data_ptr() % 16 == 0)
     if t is bool:
         return bool
     if t is int:
@@ -98,6 +101,7 @@ class _Launches:
         self.constexpr = frozenset(p.name for p in fn.params if p.is_constexpr)
         self.defaults = [p.default if p.has_default else _MISSING for p in fn.params]
         self.params = frozenset(self.names)
+        self.runtime = tuple(name not in self.constexpr for name in self.names)  # keyed by _runtime_key
         self.kernels: dict[tuple, object] = {}
 
 
@@ -148,19 +152,31 @@ def launch_kernel(kernel, grid, *args, **kwargs):
         if scope.get(name, _MISSING) != val:  # a global the kernel reads has changed: Triton raises
             return kernel[grid](*args, **kwargs)
     entry = _launches(fn)
-    bound = dict(zip(entry.names, args))
-    bound.update(kwargs)
-    for h in heuristics:  # outermost first, as Triton runs them
-        for name, rule in h.values.items():
-            bound[name] = rule(bound)
+    names = entry.names
+    if heuristics:  # their rules read every argument by name
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        for h in heuristics:  # outermost first, as Triton runs them
+            for name, rule in h.values.items():
+                bound[name] = rule(bound)
+        given, named = 0, bound
+    else:
+        given, named = len(args), kwargs
+    if given > len(names):  # more positional arguments than parameters: Triton raises
+        return kernel[grid](*args, **kwargs)
+    # every parameter in the kernel's order (the defaults filled in), then the launch options
+    values = list(args[:given])
+    for name, default in zip(names[given:], entry.defaults[given:]):
+        v = named.get(name, default)
+        if v is _MISSING:
+            return kernel[grid](*args, **kwargs)
+        values.append(v)
+    params = entry.params
     try:
         device = torch.cuda.current_device()
-        key = [device, knobs.runtime.debug, knobs.compilation.instrumentation_mode]
-        constexpr, params = entry.constexpr, entry.params
-        for name, v in bound.items():
-            key.append(name)
-            key.append(v if name in constexpr or name not in params else _runtime_key(v))
-        key = tuple(key)
+        key = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               *[_runtime_key(v) if r else v for v, r in zip(values, entry.runtime)],
+               *[(k, v) for k, v in named.items() if k not in params])
         compiled = entry.kernels.get(key)
     except (_Slow, TypeError):  # TypeError: an unhashable value
         return kernel[grid](*args, **kwargs)
@@ -171,12 +187,6 @@ def launch_kernel(kernel, grid, *args, **kwargs):
         if chosen is not None and not hasattr(chosen, "result"):  # a finished compile (not an async future)
             entry.kernels[key] = chosen
         return chosen
-    values = []
-    for name, default in zip(entry.names, entry.defaults):
-        v = bound.get(name, default)
-        if v is _MISSING:
-            return kernel[grid](*args, **kwargs)
-        values.append(v)
     g = grid(dict(zip(entry.names, values))) if callable(grid) else grid  # as Triton: every parameter
     g0 = g[0]
     g1 = g[1] if len(g) > 1 else 1
