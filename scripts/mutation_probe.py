@@ -187,12 +187,13 @@ MUTANTS: list[Mutant] = [
     _m("sigmoid_renorm_eps_dropped", RTG, "scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)",
        "scores = scores / scores.sum(dim=-1, keepdim=True)", "tests/test_routing.py", RK),
     # --- the launch fast path's key: a key coarser than Triton's specialisation launches a wrong binary ---
-    _m("fl_tensor_alignment_unkeyed", FL, "return (v.dtype, v.data_ptr() % 16 == 0)", "return (v.dtype,)", TFL),
+    _m("fl_tensor_alignment_unkeyed", FL, "        return (v.dtype, v.data_ptr() % 16 == 0)\n    if t is bool:",
+       "        return (v.dtype,)\n    if t is bool:", TFL),
     _m("fl_int_one_unkeyed", FL, "        if v == 1:\n            return 1\n", "", TFL),
     _m("fl_int_width_unkeyed", FL, "return (v % 16 == 0, 32 if _I32[0] <= v < _I32[1] else 64 if v < 2**63 else 65)",
        "return (v % 16 == 0,)", TFL),
-    _m("fl_constexpr_unkeyed", FL, "key.append(v if name in constexpr or name not in params else _runtime_key(v))",
-       "key.append(_runtime_key(v) if name in params else v)", TFL),
+    _m("fl_constexpr_unkeyed", FL, "*[_runtime_key(v) if r else v for v, r in zip(values, entry.runtime)]",
+       "*[_runtime_key(v) for v in values]", TFL),
     _m("fl_heuristics_not_applied", FL, "            bound[name] = rule(bound)\n", "            pass\n", TFL),
     # --- Hugging Face checkpoints and the layer's losses ---
     _m("hf_mixtral_gate_is_w3", "sonicmoe/checkpoints.py", '"mixtral": ("w1", "w3", "w2")',
@@ -318,6 +319,14 @@ MUTANTS: list[Mutant] = [
     _m("up_steps_tok_not_refreshed", UP,
        "        if ki == 0:\n            rows0", "        if tile < 0:\n            rows0", KT, "-k",
        "test_tma_weight or test_persistent"),
+    # host code of session 80: the launch fast path's key, the per-step expert load, the load profile
+    _m("fl_key_drops_options", FL, "               *[(k, v) for k, v in named.items() if k not in params])",
+       "               )", TFL),
+    _m("train_step_load_sorted_ascending", "sonicmoe/train/loop.py",
+       ".sort(dim=1, descending=True).values", ".sort(dim=1).values", "tests/test_train.py", "-k", "log_and_plot"),
+    _m("load_profile_ignores_per_step", "sonicmoe/bench/load_profile.py",
+       'key = "step_sorted_counts" if per_step and', 'key = "step_sorted_counts" if False and',
+       "tests/test_bench.py", "-k", "load_profile"),
 ]
 
 
