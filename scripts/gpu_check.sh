@@ -16,7 +16,8 @@
 #          (16384, 1536, 256, E, 8) at E = 512 and 256: 256 and 512 rows per expert), FEWROWS_REPEAT rounds (3)
 #   bench7b  the layer benchmark on the 7B shape and (32768, 4096, 1024, 128, 8): triton, torch, upper bound
 #   skew   the same two shapes, triton and torch, with the random router's even load and with a trained model's
-#          (--load-profile LOAD_PROFILE, default the committed h100-preset training run's log.json)
+#          (--load-profile LOAD_PROFILE, default the committed h100-preset training run's log.json; SKEW_TRAIN_STEPS=N:
+#          first train the h100 preset N steps and use its log, whose per-step sorted load the profile prefers)
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
@@ -230,8 +231,16 @@ for step in "$@"; do
     skew)
       # the layer on a trained model's expert load (sonicmoe bench --load-profile: the committed h100-preset training
       # run's, LOAD_PROFILE) against the random router's near-even load, same shapes, same call
+      profile=${LOAD_PROFILE:-benchmarks/results/2026-11-21_nvidia-h200_train/log.json}
+      if [ -n "${SKEW_TRAIN_STEPS:-}" ]; then
+        # a fresh h100-preset run first: its log (session 80 on) holds each step's sorted load, the typical step's
+        # curve, which --load-profile prefers to the load summed over training
+        train skew --steps "$SKEW_TRAIN_STEPS" --eval-every 0
+        [ -f "$OUT/train_skew.json" ] && profile=$OUT/train_skew.json
+      fi
+      SUMMARY+=("skew profile: $profile")
       for prof in even trained; do
-        lp=(); [ $prof = trained ] && lp=(--load-profile "${LOAD_PROFILE:-benchmarks/results/2026-11-21_nvidia-h200_train/log.json}")
+        lp=(); [ $prof = trained ] && lp=(--load-profile "$profile")
         timeout 280 python3 -m sonicmoe bench --preset 7b --shape 120b-n1024=32768,4096,1024,128,8 \
           --backends triton,torch --no-plot --no-router-variant "${lp[@]}" --out "$OUT/skew" --tag "$prof" \
           > "$OUT/skew_$prof.txt" 2>&1
