@@ -187,7 +187,7 @@ def launch_kernel(kernel, grid, *args, **kwargs):
         if chosen is not None and not hasattr(chosen, "result"):  # a finished compile (not an async future)
             entry.kernels[key] = chosen
         return chosen
-    g = grid(dict(zip(entry.names, values))) if callable(grid) else grid  # as Triton: every parameter
+    g = grid(dict(zip(names, values))) if callable(grid) else grid  # as Triton: every parameter
     g0 = g[0]
     g1 = g[1] if len(g) > 1 else 1
     g2 = g[2] if len(g) > 2 else 1
