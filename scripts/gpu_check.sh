@@ -18,6 +18,9 @@
 #   skew   the same two shapes, triton and torch, with the random router's even load and with a trained model's
 #          (--load-profile LOAD_PROFILE, default the committed h100-preset training run's log.json; SKEW_TRAIN_STEPS=N:
 #          first train the h100 preset N steps and use its log, whose per-step sorted load the profile prefers)
+#   wgorder  the weight gradients' tile order, busiest expert first against expert order (SONICMOE_WGRAD_ORDER): GPU
+#          tests, fresh-process layer benchmarks alternating the two on a trained load (WGORDER_PROFILE) and the
+#          random router's, WGORDER_ROUNDS rounds
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
@@ -246,6 +249,29 @@ for step in "$@"; do
           > "$OUT/skew_$prof.txt" 2>&1
         SUMMARY+=("skew $prof: $(grep -E '^(7B|120b)' "$OUT/skew_$prof.txt" | awk '{print $1, $3, $10, $11}' | tr '\n' ';')")
       done
+      ;;
+    wgorder)
+      # the weight gradients' tile order (sonicmoe/ops/load_order.py; SONICMOE_WGRAD_ORDER: load, busiest expert first,
+      # the default, against expert index order): the GPU tests, then fresh-process layer benchmarks of both orders
+      # alternating, on a trained model's load (WGORDER_PROFILE, default session 81's 150-step h100-preset log, whose
+      # per-step busiest expert took 3.2x the mean) and on the random router's, WGORDER_ROUNDS rounds (2)
+      timeout 300 python3 -m pytest -rA -p no:cacheprovider tests/test_load_order.py tests/test_weight_grad_ws.py \
+        tests/test_kernels.py -k "load_order or varlen_k or skew or matches_reference or dispatch or layer_uses_gluon" \
+        > "$OUT/gpu_tests_wgorder.log" 2>&1
+      profile=${WGORDER_PROFILE:-benchmarks/results/2026-12-05_nvidia-h100_session81/train_skew_150steps.json}
+      for i in $(seq 1 "${WGORDER_ROUNDS:-2}"); do
+        for prof in trained even; do
+          lp=(); [ $prof = trained ] && lp=(--load-profile "$profile")
+          for order in expert load; do
+            SONICMOE_WGRAD_ORDER=$order timeout 200 python3 -m sonicmoe bench --preset 7b \
+              --shape 120b-n1024=32768,4096,1024,128,8 --backends triton --no-check --no-plot --no-router-variant \
+              "${lp[@]}" --out "$OUT/wgorder" --tag "${prof}_${order}_r$i" > "$OUT/wgorder_${prof}_${order}_r$i.txt" 2>&1
+            SUMMARY+=("wgorder $prof $order r$i: $(grep -E '^(7B|120b)' "$OUT/wgorder_${prof}_${order}_r$i.txt" \
+              | awk '{print $1, $3, $10, $11}' | tr '\n' ';')")
+          done
+        done
+      done
+      SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_wgorder.log")" "$(tail -n 1 "$OUT/gpu_tests_wgorder.log")")
       ;;
     graph)
       # the eager layer against CUDA-graph replay of the same kernels (the kernel-bound time), a host profile, and

@@ -165,12 +165,14 @@ _STEPS3 = {"STEPS": True, "PROGS_PER_SM": 3}
                                  {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16, "STEPS": True, "PROGS_PER_SM": 0}],
                          ids=["tma-16", "tma-32", "pointer", "steps-tma-16", "steps-tma-32", "steps-pointer",
                               "steps-per-tile"])
-def test_varlen_k_chunks_and_tails(cfg, device):
+def test_varlen_k_chunks_and_tails(cfg, device, monkeypatch):
     """Varlen-K over whole chunks (TMA for the contiguous operand) then the masked tail: equals the
     reference with ragged counts (multiples of BLOCK_R, not, and empty experts) and I, J not block multiples,
     and a non-finite row of one expert never reaches another expert's gradient. The persistent step loop
     (STEPS; 3 programs over the tiles, so each runs tiles of several experts, including the empty one and the
-    one with no whole chunk) gives bitwise the per-tile grid's results."""
+    one with no whole chunk) gives bitwise the per-tile grid's results. The counts are not in descending order,
+    so the tiles' load order (busiest expert first, the default) differs from expert order
+    (SONICMOE_WGRAD_ORDER=expert): the same bits either way."""
     t, d, n, e = 90, 40, 24, 5
     g = torch.Generator().manual_seed(11)
     counts = [32, 0, 45, 16, 3]  # whole chunks; empty; chunks and a tail; exactly one chunk; a tail only
@@ -191,6 +193,10 @@ def test_varlen_k_chunks_and_tails(cfg, device):
             per_tile = {k: v for k, v in cfg.items() if k not in _STEPS3}
             assert torch.equal(got, varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg,
                                                   out_dtype=torch.float32, config=per_tile))
+        with monkeypatch.context() as m:
+            m.setenv("SONICMOE_WGRAD_ORDER", "expert")
+            assert torch.equal(got, varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg,
+                                                  out_dtype=torch.float32, config=cfg))
     # an Inf in expert 3's first dH row: only expert 3's dW1 may see it
     off = routing.expert_offsets.tolist()
     bad = dh_.clone()
@@ -1145,6 +1151,7 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     from sonicmoe.ops import weight_grad
 
     kern = _record_pinned_launch(monkeypatch, weight_grad, "_varlen_k_kernel")
+    monkeypatch.setenv("SONICMOE_WGRAD_ORDER", "expert")  # index order: the load order's kernel would run on CPU
     e, i_dim, j_dim = 2, 2048, 4096
     r = rows_per_expert * e
     routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
@@ -1155,6 +1162,7 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     tiles = e * (i_dim // call["BLOCK_I"]) * (j_dim // call["BLOCK_J"])
     assert bool(call.get("STEPS")) is steps
     assert call["_grid"] == ((min(tiles, 132),) if steps else (tiles,))
+    assert call["order_ptr"].tolist() == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("rows_per_expert,width,tma_stores",

@@ -11,6 +11,7 @@ import torch
 
 from sonicmoe.ops import weight_grad, weight_grad_ws
 from sonicmoe.ops.common import interpreting, sized_for_operands
+from sonicmoe.ops.load_order import expert_load_order
 from sonicmoe.ops.weight_grad import varlen_k_gemm, varlen_k_gemm_ref
 from sonicmoe.ops.weight_grad_ws import (
     wgrad_ws,
@@ -152,11 +153,13 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """varlen_k_gemm hands the product to the Gluon kernel where wgrad_ws_supported says so (with the routing's
-    row tokens and offsets and the gathered side), and never with an explicit Triton config."""
+    row tokens and offsets, the gathered side and the experts' load order), and never with an explicit Triton
+    config."""
     calls = []
 
-    def fake(p, q, row_token, offsets, *, p_gather):
+    def fake(p, q, row_token, offsets, *, p_gather, expert_order):
         calls.append((row_token, offsets, p_gather))
+        assert expert_order.tolist() == [2, 0, 1, 1, 2, 0]  # counts 2, 1, 3: expert 2 first
         return varlen_k_gemm_ref(p, q, routing, p_gather=p_gather, q_gather=not p_gather, out_dtype=p.dtype)
 
     monkeypatch.setattr(weight_grad_ws, "wgrad_ws_supported", lambda p, q, **kw: True)
@@ -230,7 +233,47 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
             assert torch.equal(got, tri), (pg, cfg)
             assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
                                              config=cfg))
+            assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
+                                             config=cfg, expert_order=expert_load_order(routing.expert_offsets)))
         assert torch.equal(p, p0) and torch.equal(q, q0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_load_order_same_bits_under_skew(dtype, monkeypatch):
+    """Under a skewed load (two experts with most rows, empty ones, counts not chunk multiples), dW1 and dW2 with
+    the tiles taken busiest expert first (the default) equal bitwise those in expert order
+    (SONICMOE_WGRAD_ORDER=expert): by the Gluon kernel, by the Triton kernel's per-tile grid and by its persistent
+    step loop; each within rounding of the float32 loop."""
+    from sonicmoe.routing import routing_from_pairs
+
+    if not _hopper_gluon():
+        pytest.skip("the Gluon kernel needs an sm_90 GPU")
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    t, d, n = 2048, 256, 128
+    counts = [0, 1900, 17, 300, 0, 64, 1500, 5, 129, 0, 2, 700]
+    e = len(counts)
+    g = torch.Generator().manual_seed(5)
+    tok = torch.cat([torch.randperm(t, generator=g)[:c] for c in counts]).cuda()
+    exp = torch.repeat_interleave(torch.arange(e), torch.tensor(counts)).cuda()
+    routing = routing_from_pairs(tok, exp, t, e)
+    r = routing.num_rows
+    x = torch.randn(t, d, device="cuda", dtype=dtype)
+    dout = torch.randn(t, d, device="cuda", dtype=dtype)
+    dh = torch.randn(r, 2 * n, device="cuda", dtype=dtype)
+    ap = torch.randn(r, n, device="cuda", dtype=dtype)
+    for p, q, pg, pinned in ((dh, x, False, weight_grad._GPU_DEFAULT), (dout, ap, True,
+                                                                         weight_grad._GPU_DEFAULT_P_GATHERED)):
+        assert wgrad_ws_supported(p, q, p_gather=pg, q_gather=not pg, out_dtype=dtype)
+        ref = varlen_k_gemm_ref(p.float(), q.float(), routing, p_gather=pg, q_gather=not pg, out_dtype=torch.float32)
+        for cfg in (None, pinned, {**pinned, **weight_grad._STEPS}):
+            runs = []
+            for order in ("load", "expert"):
+                monkeypatch.setenv("SONICMOE_WGRAD_ORDER", order)
+                runs.append(varlen_k_gemm(p, q, routing, p_gather=pg, q_gather=not pg, out_dtype=dtype, config=cfg))
+            assert torch.equal(runs[0], runs[1]), (pg, cfg)
+            assert rel_err(runs[0], ref) < 4e-3, (pg, cfg)
+            assert (runs[0][[0, 4, 9]] == 0).all()
 
 
 @pytest.mark.gpu

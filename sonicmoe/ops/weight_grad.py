@@ -46,6 +46,7 @@ from .common import (
     tma_descriptor,
     with_even_flags,
 )
+from .load_order import routing_load_order
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def _load_chunk(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, r0, hi, i0, j0, I, 
 
 @triton.jit
 def _varlen_k_kernel(
-    p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr,
+    p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, order_ptr,
     E, I, J, stride_p, stride_q, stride_oe, stride_oi,
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -124,12 +125,13 @@ def _varlen_k_kernel(
     tiles_j = tl.cdiv(J, BLOCK_J)
     tiles = tl.cdiv(I, BLOCK_I) * tiles_j
     if STEPS:
-        _varlen_k_steps(p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, E, I, J, tiles, tiles_j,
+        _varlen_k_steps(p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, order_ptr, E, I, J, tiles,
+                        tiles_j,
                         stride_p, stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, E_P2, BLOCK_I,
                         BLOCK_J, BLOCK_R, P_TMA, Q_TMA, EVEN_I, EVEN_J)
         return
     pid = tl.program_id(0)
-    e = pid // tiles
+    e = tl.load(order_ptr + pid // tiles)  # the experts' tiles in load order (load_order.py)
     tile = pid % tiles
     i0 = (tile // tiles_j) * BLOCK_I
     j0 = (tile % tiles_j) * BLOCK_J
@@ -167,13 +169,14 @@ def _tail_and_store(acc, p_ptr, q_ptr, out_ptr, row_token_ptr, e, lo, hi, full, 
 
 @triton.jit
 def _varlen_k_steps(
-    p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, E, I, J, tiles, tiles_j,
+    p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, order_ptr, E, I, J, tiles, tiles_j,
     stride_p, stride_q, stride_oe, stride_oi,
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, P_TMA: tl.constexpr, Q_TMA: tl.constexpr,
     EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
 ):
-    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert t // tiles) and
+    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert order[t // tiles], the
+    experts in load order, ``order_ptr`` as :func:`sonicmoe.ops.load_order.expert_load_order` gives it) and
     runs them as one loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries.
     A tile takes max(whole chunks, 1) steps; a tile without a whole chunk (fewer than BLOCK_R rows, or none)
     discards its one step's product. The expert's last, partial chunk is added before the store, with
@@ -181,12 +184,13 @@ def _varlen_k_steps(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # this program's steps: sum over experts of (its tiles of expert e) * max(whole chunks of e, 1); its tiles
-    # of e are those pid + j * nprog in [e * tiles, (e + 1) * tiles)
+    # of e are those pid + j * nprog in [rank_e * tiles, (rank_e + 1) * tiles), rank_e e's place in the order
     eidx, lo_v, hi_v, _, _, _ = tile_schedule(offsets_ptr, E, E_P2, BLOCK_R)
     emask = eidx < E
+    rank_v = tl.load(order_ptr + E + eidx, mask=emask, other=0)
     steps_v = tl.maximum((hi_v - lo_v) // BLOCK_R, 1)
-    below_hi = (tl.maximum((eidx + 1) * tiles - pid, 0) + nprog - 1) // nprog
-    below_lo = (tl.maximum(eidx * tiles - pid, 0) + nprog - 1) // nprog
+    below_hi = (tl.maximum((rank_v + 1) * tiles - pid, 0) + nprog - 1) // nprog
+    below_lo = (tl.maximum(rank_v * tiles - pid, 0) + nprog - 1) // nprog
     total = tl.sum(tl.where(emask, (below_hi - below_lo) * steps_v, 0), 0)
     tile = pid - nprog
     ci = -1
@@ -201,7 +205,7 @@ def _varlen_k_steps(
         ci = tl.where(ci == nsteps - 1, 0, ci + 1)
         if ci == 0:
             tile += nprog
-            e = tile // tiles
+            e = tl.load(order_ptr + tile // tiles)
             sel = eidx == e
             lo = tl.sum(tl.where(sel, lo_v, 0), 0)
             hi = tl.sum(tl.where(sel, hi_v, 0), 0)
@@ -278,6 +282,9 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     Returns:
         (E, I, J) in ``out_dtype``; experts with no rows get zeros. Deterministic (no atomics).
 
+    The experts' tiles run busiest expert first (:func:`sonicmoe.ops.load_order.routing_load_order`;
+    ``SONICMOE_WGRAD_ORDER=expert`` for index order): the same bits, a shorter tail under uneven loads.
+
     On Hopper (sm_90), without an explicit ``config``, bf16/fp16 products whose I and J are tile multiples run
     the warp-specialised Gluon kernel (:func:`sonicmoe.ops.weight_grad_ws.wgrad_ws`, a loader warpgroup for
     the gathered rows); it gives the same bits. ``SONICMOE_GLUON=0`` or ``SONICMOE_GLUON_WGRAD=0`` turns it off.
@@ -289,8 +296,10 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         # steps without a whole chunk would load the clamped row 0 of an empty operand
         return torch.zeros((routing.num_experts, p.shape[1], q.shape[1]), device=p.device, dtype=out_dtype)
     use_gluon = gluon and config is None
+    order = routing_load_order(routing)  # the experts' tiles busiest first (load_order.py)
     if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
-        return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather)
+        return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather,
+                                       expert_order=order)
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
@@ -298,7 +307,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     args = dict(
         p_ptr=p, p_desc=None if p_gather else tma_descriptor(p), q_ptr=q,
         q_desc=None if q_gather else tma_descriptor(q), out_ptr=out, row_token_ptr=routing.row_token,
-        offsets_ptr=routing.expert_offsets,
+        offsets_ptr=routing.expert_offsets, order_ptr=order,
         E=e, I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
         stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
         E_P2=next_pow2(e),

@@ -215,10 +215,12 @@ if HAVE_GLUON:
         return s
 
     @gluon.jit
-    def _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr):
-        """(expert, first row, end row, I offset, J offset) of tile ``tile``."""
-        e = tile // tiles_per_e
-        t = tile - e * tiles_per_e
+    def _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr):
+        """(expert, first row, end row, I offset, J offset) of tile ``tile``: the experts' tiles in the order of
+        ``order_ptr`` (:func:`sonicmoe.ops.load_order.expert_load_order`: busiest expert first)."""
+        q = tile // tiles_per_e
+        e = gl.load(order_ptr + q)
+        t = tile - q * tiles_per_e
         ti = t // tiles_j
         return (e, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1), ti * BLOCK_I,
                 (t - ti * tiles_j) * BLOCK_J)
@@ -233,8 +235,8 @@ if HAVE_GLUON:
         async_copy.async_copy_global_to_shared(buf, ptrs, mask=row_ok[:, None] & (cols >= 0)[None, :])
 
     @gluon.jit
-    def _loader(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready, cp_ready, empty,
-                total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER: gl.constexpr,
+    def _loader(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs, tma_ready,
+                cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER: gl.constexpr,
                 BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
                 WARPS: gl.constexpr, MIN_CHUNKS: gl.constexpr = 0):
         """Loader partition: every chunk of every tile of this program into the next ring slot, once the MMA
@@ -251,7 +253,7 @@ if HAVE_GLUON:
         CHUNK_BYTES: gl.constexpr = BLOCK_R * (BLOCK_J if P_GATHER else BLOCK_I) * 2
         step = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             full = (hi - lo) // BLOCK_R
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             rg = lo + offs_g
@@ -287,8 +289,8 @@ if HAVE_GLUON:
                 step += 1
 
     @gluon.jit
-    def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles, tiles_j,
-             tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
+    def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr, total_tiles,
+             tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
              STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
         to the loader), then the tile by TMA store from ``out_smem``. Under STAGE_IN_RING every tile has at least
@@ -302,7 +304,7 @@ if HAVE_GLUON:
         MIN_CHUNKS: gl.constexpr = 1 if STAGE_IN_RING else 0
         step = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
@@ -333,7 +335,7 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles,
+    def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr, total_tiles,
                   tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
                   STAGES: gl.constexpr, HALF: gl.constexpr, PART: gl.constexpr, SWAP_AB: gl.constexpr = False):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
@@ -362,7 +364,7 @@ if HAVE_GLUON:
         buf = out_smem.index(HALF)
         step = 0
         for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
-            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
             acc = gl.zeros((ACC_M, ACC_N), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
@@ -447,8 +449,8 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
 
     @gluon.jit
-    def _wgrad_ws_kernel(p_ptr, p_desc, q_ptr, q_desc, out_desc, row_token_ptr, offsets_ptr, total_tiles, tiles_j,
-                         tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
+    def _wgrad_ws_kernel(p_ptr, p_desc, q_ptr, q_desc, out_desc, row_token_ptr, offsets_ptr, order_ptr, total_tiles,
+                         tiles_j, tiles_per_e, I, stride_p, stride_q, P_GATHER: gl.constexpr, P_LAYOUT: gl.constexpr,
                          Q_LAYOUT: gl.constexpr, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
@@ -461,24 +463,25 @@ if HAVE_GLUON:
         if WG_SPLIT:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
-                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr,
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, PART,
                              SWAP_AB)),
-                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr,
+                (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, PART,
                              SWAP_AB)),
-                (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
-                           cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
-                           BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
+                (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs,
+                           tma_ready, cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER,
+                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
             ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
         else:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
-                (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, total_tiles,
-                        tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART, STAGE_IN_RING)),
-                (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, p_bufs, q_bufs, tma_ready,
-                           cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER, BLOCK_I,
-                           BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
+                (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
+                        total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART,
+                        STAGE_IN_RING)),
+                (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs,
+                           tma_ready, cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER,
+                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
             ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
@@ -520,7 +523,7 @@ def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_ga
 
 
 def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_offsets: torch.Tensor, *,
-             p_gather: bool, config: dict | None = None) -> torch.Tensor:
+             p_gather: bool, config: dict | None = None, expert_order: torch.Tensor | None = None) -> torch.Tensor:
     """dW (E, I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`wgrad_ws_supported` (exactly one operand gathered: Q when not ``p_gather``).
@@ -536,6 +539,9 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
             :data:`SWAP_AB`),
             "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
             :func:`wgrad_ws_config`).
+        expert_order: (2·E,) int32, the order the experts' tiles run in and each expert's place in it
+            (:func:`sonicmoe.ops.load_order.expert_load_order`, busiest first, as the layer passes it); ``None``:
+            expert index order. The bits do not depend on it.
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -553,6 +559,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     if p.shape[0] == 0 or q.shape[0] == 0:  # no routed rows (a TMA descriptor needs one): every expert gets zeros
         return out.zero_()
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
+    if expert_order is None:
+        expert_order = torch.arange(e, device=p.device, dtype=torch.int32)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     ring = bool(cfg.get("STAGE_IN_RING", False))
     split = bool(cfg.get("WG_SPLIT", False))
@@ -564,7 +572,7 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
-        _descriptor(out.view(e * i_dim, j_dim), box), row_token, expert_offsets, total, tiles_j,
+        _descriptor(out.view(e * i_dim, j_dim), box), row_token, expert_offsets, expert_order, total, tiles_j,
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),

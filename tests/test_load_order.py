@@ -1,0 +1,70 @@
+"""The experts' load order (sonicmoe.ops.load_order), which the weight gradients take their tiles in: the kernel
+against its torch twin (a stable descending sort), through the Triton interpreter on CPU and natively on a GPU, and
+the per-Routing cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonicmoe.ops.load_order import expert_load_order, expert_load_order_ref, routing_load_order
+from sonicmoe.routing import routing_from_pairs
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
+def _offsets(counts, device):
+    c = torch.tensor(counts, dtype=torch.int32)
+    return torch.cat([torch.zeros(1, dtype=torch.int32), c.cumsum(0).to(torch.int32)]).to(device)
+
+
+@pytest.mark.parametrize("e, high", [(1, 5), (5, 3), (33, 4), (300, 40), (257, 1)],
+                         ids=["one-expert", "ties", "two-programs", "column-steps", "all-tied-or-empty"])
+def test_load_order_matches_stable_sort(e, high, device):
+    """Busiest first, ties by index, with empty experts and many ties (``high`` small); more than BLOCK_E experts
+    (several programs) and more than BLOCK_C (several column steps, a partial last one). The order is a
+    permutation, its counts descend, ties keep index order, and the second half inverts the first."""
+    g = torch.Generator().manual_seed(e)
+    counts = torch.randint(0, high + 1, (e,), generator=g).tolist()
+    got = expert_load_order(_offsets(counts, device)).cpu()
+    assert torch.equal(got, expert_load_order_ref(_offsets(counts, "cpu")))
+    order, rank = got[:e].long(), got[e:].long()
+    assert torch.equal(torch.sort(order).values, torch.arange(e))
+    c = torch.tensor(counts)[order]
+    assert bool((c[:-1] >= c[1:]).all())
+    ties = c[:-1] == c[1:]
+    assert bool((order[:-1][ties] < order[1:][ties]).all())
+    assert torch.equal(rank[order], torch.arange(e))
+
+
+def test_load_order_no_experts_and_bad_offsets(device):
+    assert expert_load_order(torch.zeros(1, dtype=torch.int32, device=device)).numel() == 0
+    for bad in (torch.zeros(4, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int32),
+                torch.zeros(0, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="expert_offsets"):
+            expert_load_order(bad.to(device))
+
+
+def test_routing_load_order_cached_and_switched(device, monkeypatch):
+    """Built once per Routing (dW1 and dW2 share it), rebuilt when ``expert_offsets`` is modified in place;
+    SONICMOE_WGRAD_ORDER=expert gives expert index order, and another value is an error naming the variable."""
+    counts = [2, 7, 0, 7, 3]
+    e = len(counts)
+    tok = torch.cat([torch.arange(c) for c in counts])
+    exp = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    routing = routing_from_pairs(tok.to(device), exp.to(device), 8, e)
+    first = routing_load_order(routing)
+    assert first.cpu()[:e].tolist() == [1, 3, 4, 0, 2]
+    assert routing_load_order(routing) is first
+    routing.expert_offsets.copy_(_offsets([7, 2, 0, 7, 3], device))
+    assert routing_load_order(routing).cpu()[:e].tolist() == [0, 3, 4, 1, 2]
+    monkeypatch.setenv("SONICMOE_WGRAD_ORDER", "expert")
+    assert routing_load_order(routing).cpu().tolist() == list(range(e)) * 2
+    monkeypatch.setenv("SONICMOE_WGRAD_ORDER", "busiest")
+    with pytest.raises(ValueError, match="SONICMOE_WGRAD_ORDER"):
+        routing_load_order(routing)
