@@ -252,7 +252,7 @@ for step in "$@"; do
       ;;
     wgorder)
       # the weight gradients' tile order (sonicmoe/ops/load_order.py; SONICMOE_WGRAD_ORDER: load, busiest expert first,
-      # the default, against expert index order): the GPU tests, then fresh-process layer benchmarks of both orders
+      # against expert index order, the default until this is measured): the GPU tests, then fresh-process layer benchmarks of both orders
       # alternating, on a trained model's load (WGORDER_PROFILE, default session 81's 150-step h100-preset log, whose
       # per-step busiest expert took 3.2x the mean) and on the random router's, WGORDER_ROUNDS rounds (2)
       timeout 300 python3 -m pytest -rA -p no:cacheprovider tests/test_load_order.py tests/test_weight_grad_ws.py \

@@ -171,8 +171,8 @@ def test_varlen_k_chunks_and_tails(cfg, device, monkeypatch):
     and a non-finite row of one expert never reaches another expert's gradient. The persistent step loop
     (STEPS; 3 programs over the tiles, so each runs tiles of several experts, including the empty one and the
     one with no whole chunk) gives bitwise the per-tile grid's results. The counts are not in descending order,
-    so the tiles' load order (busiest expert first, the default) differs from expert order
-    (SONICMOE_WGRAD_ORDER=expert): the same bits either way."""
+    so the tiles' load order (SONICMOE_WGRAD_ORDER=load, busiest expert first) differs from expert order (the
+    default): the same bits either way."""
     t, d, n, e = 90, 40, 24, 5
     g = torch.Generator().manual_seed(11)
     counts = [32, 0, 45, 16, 3]  # whole chunks; empty; chunks and a tail; exactly one chunk; a tail only
@@ -194,7 +194,7 @@ def test_varlen_k_chunks_and_tails(cfg, device, monkeypatch):
             assert torch.equal(got, varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg,
                                                   out_dtype=torch.float32, config=per_tile))
         with monkeypatch.context() as m:
-            m.setenv("SONICMOE_WGRAD_ORDER", "expert")
+            m.setenv("SONICMOE_WGRAD_ORDER", "load")
             assert torch.equal(got, varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg,
                                                   out_dtype=torch.float32, config=cfg))
     # an Inf in expert 3's first dH row: only expert 3's dW1 may see it
@@ -1151,7 +1151,6 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     from sonicmoe.ops import weight_grad
 
     kern = _record_pinned_launch(monkeypatch, weight_grad, "_varlen_k_kernel")
-    monkeypatch.setenv("SONICMOE_WGRAD_ORDER", "expert")  # index order: the load order's kernel would run on CPU
     e, i_dim, j_dim = 2, 2048, 4096
     r = rows_per_expert * e
     routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)

@@ -51,13 +51,17 @@ def test_load_order_no_experts_and_bad_offsets(device):
 
 
 def test_routing_load_order_cached_and_switched(device, monkeypatch):
-    """Built once per Routing (dW1 and dW2 share it), rebuilt when ``expert_offsets`` is modified in place;
-    SONICMOE_WGRAD_ORDER=expert gives expert index order, and another value is an error naming the variable."""
+    """Expert index order by default; SONICMOE_WGRAD_ORDER=load builds the load order once per Routing (dW1 and
+    dW2 share it) and again when ``expert_offsets`` is modified in place; another value is an error naming the
+    variable."""
     counts = [2, 7, 0, 7, 3]
     e = len(counts)
     tok = torch.cat([torch.arange(c) for c in counts])
     exp = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
     routing = routing_from_pairs(tok.to(device), exp.to(device), 8, e)
+    monkeypatch.delenv("SONICMOE_WGRAD_ORDER", raising=False)
+    assert routing_load_order(routing).cpu().tolist() == list(range(e)) * 2
+    monkeypatch.setenv("SONICMOE_WGRAD_ORDER", "load")
     first = routing_load_order(routing)
     assert first.cpu()[:e].tolist() == [1, 3, 4, 0, 2]
     assert routing_load_order(routing) is first

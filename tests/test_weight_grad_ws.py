@@ -164,6 +164,7 @@ def test_dispatch(monkeypatch, device):
 
     monkeypatch.setattr(weight_grad_ws, "wgrad_ws_supported", lambda p, q, **kw: True)
     monkeypatch.setattr(weight_grad_ws, "wgrad_ws", fake)
+    monkeypatch.setenv("SONICMOE_WGRAD_ORDER", "load")
     routing = routing_from_topk(torch.tensor([[0, 2], [1, 2], [2, 0]], dtype=torch.int32, device=device), 3)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(3, 16, device=device, generator=g)
@@ -242,8 +243,8 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_load_order_same_bits_under_skew(dtype, monkeypatch):
     """Under a skewed load (two experts with most rows, empty ones, counts not chunk multiples), dW1 and dW2 with
-    the tiles taken busiest expert first (the default) equal bitwise those in expert order
-    (SONICMOE_WGRAD_ORDER=expert): by the Gluon kernel, by the Triton kernel's per-tile grid and by its persistent
+    the tiles taken busiest expert first (SONICMOE_WGRAD_ORDER=load) equal bitwise those in expert order (the
+    default): by the Gluon kernel, by the Triton kernel's per-tile grid and by its persistent
     step loop; each within rounding of the float32 loop."""
     from sonicmoe.routing import routing_from_pairs
 

@@ -3,9 +3,10 @@ weight gradients, SPEC §4 kernels 2 and 4).
 
 A varlen-K tile's work is proportional to its expert's rows, so under a trained router's load (in session 81 the
 busiest expert of a step took 3.2× the mean, ``sonicmoe train``'s ``step_max_over_mean``) the programs that draw
-the busiest experts' tiles last finish well after the others. The weight-gradient kernels therefore take their
-tiles in this order: the busiest expert's first (longest processing time first), so each wave of programs runs
-tiles of about the same length and the last wave holds the shortest ones. Every tile is still computed whole by
+the busiest experts' tiles last finish well after the others. In this order (``SONICMOE_WGRAD_ORDER=load``; not yet
+the default, see :func:`wgrad_order_by_load`) the weight-gradient kernels take the busiest expert's tiles first
+(longest processing time first), so each wave of programs runs tiles of about the same length and the last wave
+holds the shortest ones. Every tile is still computed whole by
 one program with the same reduction order: the gradients are bitwise those of expert order.
 
 The order is a strict total order (more rows first; ties by expert index), computed on the device from
@@ -80,30 +81,46 @@ def expert_load_order_ref(expert_offsets: torch.Tensor) -> torch.Tensor:
 
 
 def wgrad_order_by_load() -> bool:
-    """Whether the weight gradients take their experts busiest first (``SONICMOE_WGRAD_ORDER``: ``load``, the
-    default, or ``expert`` for index order; read at each call). The gradients are the same bits either way."""
-    value = os.environ.get("SONICMOE_WGRAD_ORDER", "load")
+    """Whether the weight gradients take their experts busiest first (``SONICMOE_WGRAD_ORDER``: ``expert``, index
+    order, the default, or ``load``; read at each call). The gradients are the same bits either way.
+
+    Index order stays the default until the two are timed against each other on a GPU (``gpu_check.sh wgorder``,
+    not yet run: session 81 had no GPU left for it). What is measured: on an H100 in session 81, the 7B layer took
+    3.5% longer (3.44 against 3.32 ms) and (32768, 4096, 1024, 128, 8) 3.1% longer (35.47 against 34.42 ms) on a
+    trained model's per-step load than on the random router's, in expert order
+    (``benchmarks/results/2026-12-05_nvidia-h100_session81/``)."""
+    value = os.environ.get("SONICMOE_WGRAD_ORDER", "expert")
     if value not in ("load", "expert"):
         raise ValueError(f"SONICMOE_WGRAD_ORDER must be 'load' or 'expert', got {value!r}")
     return value == "load"
 
 
-def routing_load_order(routing: Routing) -> torch.Tensor:
-    """The tile order of ``routing``'s weight gradients: :func:`expert_load_order` of its ``expert_offsets``, or
-    the identity (expert index order, both halves ``arange(E)``) where :func:`wgrad_order_by_load` is off.
+_IDENTITY: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    Built once per Routing object and shared by dW1 and dW2 (the cache holds while ``expert_offsets`` is the same
-    tensor, unmodified: its version counter). No host sync.
+
+def identity_order(num_experts: int, device: torch.device) -> torch.Tensor:
+    """Expert index order in :func:`expert_load_order`'s layout (both halves ``arange(E)``), one per (E, device)
+    and process; kernels only read it."""
+    key = (num_experts, torch.device(device))
+    order = _IDENTITY.get(key)
+    if order is None:
+        order = _IDENTITY[key] = torch.arange(num_experts, device=device, dtype=torch.int32).repeat(2)
+    return order
+
+
+def routing_load_order(routing: Routing) -> torch.Tensor:
+    """The tile order of ``routing``'s weight gradients: :func:`expert_load_order` of its ``expert_offsets`` where
+    :func:`wgrad_order_by_load` is on, else :func:`identity_order`.
+
+    The load order is built once per Routing object and shared by dW1 and dW2 (the cache holds while
+    ``expert_offsets`` is the same tensor, unmodified: its version counter). No host sync.
     """
-    by_load = wgrad_order_by_load()
     offsets = routing.expert_offsets
-    key = ("load_order", by_load)
-    hit = routing._tile_tables.get(key)
+    if not wgrad_order_by_load():
+        return identity_order(routing.num_experts, offsets.device)
+    hit = routing._tile_tables.get("load_order")
     if hit is not None and hit[0] is offsets and hit[1] == offsets._version:
         return hit[2]
-    if by_load:
-        order = expert_load_order(offsets)
-    else:
-        order = torch.arange(routing.num_experts, device=offsets.device, dtype=torch.int32).repeat(2)
-    routing._tile_tables[key] = (offsets, offsets._version, order)
+    order = expert_load_order(offsets)
+    routing._tile_tables["load_order"] = (offsets, offsets._version, order)
     return order

@@ -131,7 +131,7 @@ def _varlen_k_kernel(
                         BLOCK_J, BLOCK_R, P_TMA, Q_TMA, EVEN_I, EVEN_J)
         return
     pid = tl.program_id(0)
-    e = tl.load(order_ptr + pid // tiles)  # the experts' tiles in load order (load_order.py)
+    e = tl.load(order_ptr + pid // tiles)  # the order the experts' tiles run in (load_order.py)
     tile = pid % tiles
     i0 = (tile // tiles_j) * BLOCK_I
     j0 = (tile % tiles_j) * BLOCK_J
@@ -282,8 +282,8 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     Returns:
         (E, I, J) in ``out_dtype``; experts with no rows get zeros. Deterministic (no atomics).
 
-    The experts' tiles run busiest expert first (:func:`sonicmoe.ops.load_order.routing_load_order`;
-    ``SONICMOE_WGRAD_ORDER=expert`` for index order): the same bits, a shorter tail under uneven loads.
+    The experts' tiles run in expert order, or busiest expert first with ``SONICMOE_WGRAD_ORDER=load``
+    (:func:`sonicmoe.ops.load_order.routing_load_order`): the same bits either way.
 
     On Hopper (sm_90), without an explicit ``config``, bf16/fp16 products whose I and J are tile multiples run
     the warp-specialised Gluon kernel (:func:`sonicmoe.ops.weight_grad_ws.wgrad_ws`, a loader warpgroup for
@@ -296,7 +296,7 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         # steps without a whole chunk would load the clamped row 0 of an empty operand
         return torch.zeros((routing.num_experts, p.shape[1], q.shape[1]), device=p.device, dtype=out_dtype)
     use_gluon = gluon and config is None
-    order = routing_load_order(routing)  # the experts' tiles busiest first (load_order.py)
+    order = routing_load_order(routing)  # the order the experts' tiles run in (load_order.py)
     if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
         return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather,
                                        expert_order=order)
