@@ -251,8 +251,9 @@ for step in "$@"; do
       done
       ;;
     wgorder)
-      # the weight gradients' tile order (sonicmoe/ops/load_order.py; SONICMOE_WGRAD_ORDER: load, busiest expert first,
-      # against expert index order, the default until this is measured): the GPU tests, then fresh-process layer benchmarks of both orders
+      # the weight gradients' tile order (sonicmoe/ops/load_order.py; SONICMOE_WGRAD_ORDER: load, busiest expert first
+      # and the Gluon kernel's waves dealt serpentine, against expert index order, the default until this is measured):
+      # the GPU tests, then fresh-process layer benchmarks of both orders
       # alternating, on a trained model's load (WGORDER_PROFILE, default session 81's 150-step h100-preset log, whose
       # per-step busiest expert took 3.2x the mean) and on the random router's, WGORDER_ROUNDS rounds (2)
       timeout 300 python3 -m pytest -rA -p no:cacheprovider tests/test_load_order.py tests/test_weight_grad_ws.py \

@@ -157,9 +157,9 @@ def test_dispatch(monkeypatch, device):
     config."""
     calls = []
 
-    def fake(p, q, row_token, offsets, *, p_gather, expert_order):
+    def fake(p, q, row_token, offsets, *, p_gather, expert_order, serpentine):
         calls.append((row_token, offsets, p_gather))
-        assert expert_order.tolist() == [2, 0, 1, 1, 2, 0]  # counts 2, 1, 3: expert 2 first
+        assert expert_order.tolist() == [2, 0, 1, 1, 2, 0] and serpentine  # counts 2, 1, 3: expert 2 first
         return varlen_k_gemm_ref(p, q, routing, p_gather=p_gather, q_gather=not p_gather, out_dtype=p.dtype)
 
     monkeypatch.setattr(weight_grad_ws, "wgrad_ws_supported", lambda p, q, **kw: True)
@@ -235,8 +235,57 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
             assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
                                              config=cfg))
             assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
-                                             config=cfg, expert_order=expert_load_order(routing.expert_offsets)))
+                                             config=cfg, expert_order=expert_load_order(routing.expert_offsets),
+                                             serpentine=True))
         assert torch.equal(p, p0) and torch.equal(q, q0)
+
+
+@pytest.mark.parametrize("total,programs", [(1, 1), (7, 7), (8, 3), (9, 3), (10, 3), (3072, 132), (1540, 132),
+                                             (1600, 132)])
+def test_program_tiles_partition_the_tiles(total, programs):
+    """The persistent kernel's schedule (host twin): each tile runs on exactly one program, each program's tiles
+    ascend one per wave, and the serpentine deal gives a program slot p of the even waves and P − 1 − p of the odd
+    ones, the last partial wave included (odd and even wave counts, a full last wave, one program per tile)."""
+    for serpentine in (False, True):
+        per = weight_grad_ws.program_tiles(total, programs, serpentine)
+        assert sorted(t for tiles in per for t in tiles) == list(range(total))
+        for p, tiles in enumerate(per):
+            assert [t // programs for t in tiles] == list(range(len(tiles)))
+            for w, t in enumerate(tiles):
+                assert t % programs == (programs - 1 - p if serpentine and w % 2 else p)
+    # a descending run of tile lengths dealt serpentine evens out the programs' sums that round-robin leaves apart
+    lengths = list(range(total, 0, -1))
+    spans = {s: max(sum(lengths[t] for t in tiles) for tiles in weight_grad_ws.program_tiles(total, programs, s))
+             - min(sum(lengths[t] for t in tiles) for tiles in weight_grad_ws.program_tiles(total, programs, s))
+             for s in (False, True)}
+    if total >= 2 * programs > 2:
+        assert spans[True] < spans[False]
+
+
+def test_gluon_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """scripts/sm90_compile.py: Triton's NVIDIA backend behind a stand-in sm_90 driver compiles the Gluon kernel in
+    every config form, for dW1 and dW2, in expert order and in load order with the serpentine schedule (16 launches,
+    each a cubin), on this machine, GPU or not; Triton's driver is left as it was."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not weight_grad_ws.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(repo)}
+    env.pop("TRITON_INTERPRET", None)
+    out = tmp_path / "compiled.json"
+    run = subprocess.run([sys.executable, str(repo / "scripts" / "sm90_compile.py"), "--json", str(out)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = json.loads(out.read_text())
+    assert len(records) == 16 and all(r["cubin_bytes"] > 0 for r in records)
+    assert {(r["P_GATHER"], r["SERPENTINE"], r["WG_SPLIT"]) for r in records} == {
+        (pg, s, w) for pg in (False, True) for s in (False, True) for w in (False, True)}
+    assert all(r["shared_bytes"] <= 232448 for r in records)  # sm_90's opt-in limit per block
 
 
 @pytest.mark.gpu

@@ -1,13 +1,19 @@
 """Expert load order: the experts sorted by their row counts T_e, busiest first (the schedule of the varlen-K
 weight gradients, SPEC §4 kernels 2 and 4).
 
-A varlen-K tile's work is proportional to its expert's rows, so under a trained router's load (in session 81 the
-busiest expert of a step took 3.2× the mean, ``sonicmoe train``'s ``step_max_over_mean``) the programs that draw
-the busiest experts' tiles last finish well after the others. In this order (``SONICMOE_WGRAD_ORDER=load``; not yet
-the default, see :func:`wgrad_order_by_load`) the weight-gradient kernels take the busiest expert's tiles first
-(longest processing time first), so each wave of programs runs tiles of about the same length and the last wave
-holds the shortest ones. Every tile is still computed whole by
-one program with the same reduction order: the gradients are bitwise those of expert order.
+A varlen-K tile's work is proportional to its expert's rows. Under a trained router's load the programs that draw
+the busiest experts' tiles last finish well after the others: in session 81 the busiest expert of a step took 3.2×
+the mean (``sonicmoe train``'s ``step_max_over_mean``), and on that load the 7B layer's backward took 5% longer on
+an H100 than on the random router's (``benchmarks/results/2026-12-05_nvidia-h100_session81/``).
+
+In load order (``SONICMOE_WGRAD_ORDER=load``; not yet the default, see :func:`wgrad_order_by_load`) the
+weight-gradient kernels take the busiest expert's tiles first (longest processing time first), so each wave of
+programs runs tiles of about the same length and the last wave holds the shortest ones. The Gluon kernel's
+persistent programs also take the waves alternately forwards and backwards
+(:func:`sonicmoe.ops.weight_grad_ws.program_tiles`): the program that drew a wave's longest tile draws the next
+wave's shortest. A model of the schedule (``scripts/wgrad_schedule_model.py``) puts this within 1% of an even
+split on that load at 7B, where expert order took 14% (dW1) and 22% (dW2) longer. Every tile is still computed
+whole by one program with the same reduction order: the gradients are bitwise those of expert order.
 
 The order is a strict total order (more rows first; ties by expert index), computed on the device from
 ``expert_offsets`` without a host sync: each expert's rank is the number of experts ahead of it, and
@@ -108,15 +114,15 @@ def identity_order(num_experts: int, device: torch.device) -> torch.Tensor:
     return order
 
 
-def routing_load_order(routing: Routing) -> torch.Tensor:
+def routing_load_order(routing: Routing, by_load: bool | None = None) -> torch.Tensor:
     """The tile order of ``routing``'s weight gradients: :func:`expert_load_order` of its ``expert_offsets`` where
-    :func:`wgrad_order_by_load` is on, else :func:`identity_order`.
+    ``by_load`` (default :func:`wgrad_order_by_load`), else :func:`identity_order`.
 
     The load order is built once per Routing object and shared by dW1 and dW2 (the cache holds while
     ``expert_offsets`` is the same tensor, unmodified: its version counter). No host sync.
     """
     offsets = routing.expert_offsets
-    if not wgrad_order_by_load():
+    if not (wgrad_order_by_load() if by_load is None else by_load):
         return identity_order(routing.num_experts, offsets.device)
     hit = routing._tile_tables.get("load_order")
     if hit is not None and hit[0] is offsets and hit[1] == offsets._version:

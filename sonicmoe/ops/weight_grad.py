@@ -46,7 +46,7 @@ from .common import (
     tma_descriptor,
     with_even_flags,
 )
-from .load_order import routing_load_order
+from .load_order import routing_load_order, wgrad_order_by_load
 
 
 @triton.jit
@@ -296,10 +296,11 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         # steps without a whole chunk would load the clamped row 0 of an empty operand
         return torch.zeros((routing.num_experts, p.shape[1], q.shape[1]), device=p.device, dtype=out_dtype)
     use_gluon = gluon and config is None
-    order = routing_load_order(routing)  # the order the experts' tiles run in (load_order.py)
+    by_load = wgrad_order_by_load()
+    order = routing_load_order(routing, by_load)  # the order the experts' tiles run in (load_order.py)
     if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
         return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather,
-                                       expert_order=order)
+                                       expert_order=order, serpentine=by_load)
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)

@@ -226,6 +226,32 @@ if HAVE_GLUON:
                 (t - ti * tiles_j) * BLOCK_J)
 
     @gluon.jit
+    def _tile_count(total_tiles, SERPENTINE: gl.constexpr):
+        """How many of the ``total_tiles`` tiles this program runs (:func:`program_tiles`): one per wave of
+        num_programs tiles, and one of the last, partial wave if its slot there is one."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        if SERPENTINE:
+            full = total_tiles // nprog
+            rem = total_tiles - full * nprog
+            odd = full % 2
+            in_last = ((odd == 0) & (pid < rem)) | ((odd == 1) & (pid >= nprog - rem))
+            return full + in_last.to(gl.int32)
+        else:
+            return (total_tiles - pid + nprog - 1) // nprog
+
+    @gluon.jit
+    def _nth_tile(i, SERPENTINE: gl.constexpr):
+        """This program's ``i``-th tile (:func:`program_tiles`): wave i's slot pid, or under ``SERPENTINE`` in the
+        odd waves the slot num_programs − 1 − pid."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        if SERPENTINE:
+            return i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
+        else:
+            return i * nprog + pid
+
+    @gluon.jit
     def _copy_rows(buf, base_ptr, rows, row_ok, col0, stride, layout: gl.constexpr):
         """cp.async of rows ``rows`` (int64 row indices, (BLOCK_R,) in ``layout``'s row slice) of a row-major
         operand, columns [col0, col0 + buf's width), into ``buf``; rows where ``row_ok`` is False are zero-filled."""
@@ -238,7 +264,7 @@ if HAVE_GLUON:
     def _loader(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs, tma_ready,
                 cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER: gl.constexpr,
                 BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-                WARPS: gl.constexpr, MIN_CHUNKS: gl.constexpr = 0):
+                WARPS: gl.constexpr, MIN_CHUNKS: gl.constexpr = 0, SERPENTINE: gl.constexpr = False):
         """Loader partition: every chunk of every tile of this program into the next ring slot, once the MMA
         that read the slot's previous chunk is done. A tile has at least MIN_CHUNKS chunks (an expert with no rows
         then gets one chunk of zeros)."""
@@ -252,7 +278,8 @@ if HAVE_GLUON:
         offs_q = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, lq))
         CHUNK_BYTES: gl.constexpr = BLOCK_R * (BLOCK_J if P_GATHER else BLOCK_I) * 2
         step = 0
-        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        for it in range(_tile_count(total_tiles, SERPENTINE)):
+            tile = _nth_tile(it, SERPENTINE)
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             full = (hi - lo) // BLOCK_R
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
@@ -291,7 +318,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr, total_tiles,
              tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr):
+             STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr,
+             SERPENTINE: gl.constexpr = False):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
         to the loader), then the tile by TMA store from ``out_smem``. Under STAGE_IN_RING every tile has at least
         one chunk (zeros for an expert with no rows), ``out_smem`` holds the tile's left half, the right half goes
@@ -303,7 +331,8 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BLOCK_J, 16])
         MIN_CHUNKS: gl.constexpr = 1 if STAGE_IN_RING else 0
         step = 0
-        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        for it in range(_tile_count(total_tiles, SERPENTINE)):
+            tile = _nth_tile(it, SERPENTINE)
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
@@ -337,7 +366,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr, total_tiles,
                   tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
-                  STAGES: gl.constexpr, HALF: gl.constexpr, PART: gl.constexpr, SWAP_AB: gl.constexpr = False):
+                  STAGES: gl.constexpr, HALF: gl.constexpr, PART: gl.constexpr, SWAP_AB: gl.constexpr = False,
+                  SERPENTINE: gl.constexpr = False):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
         of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
         have arrived on its ``empty`` barrier), then that half tile by two TMA stores through
@@ -363,7 +393,8 @@ if HAVE_GLUON:
             ACC_N: gl.constexpr = BLOCK_J
         buf = out_smem.index(HALF)
         step = 0
-        for tile in range(gl.program_id(0), total_tiles, gl.num_programs(0)):
+        for it in range(_tile_count(total_tiles, SERPENTINE)):
+            tile = _nth_tile(it, SERPENTINE)
             e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
             acc = gl.zeros((ACC_M, ACC_N), dtype=gl.float32, layout=acc_layout)
@@ -455,7 +486,7 @@ if HAVE_GLUON:
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
                          STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
-                         SWAP_AB: gl.constexpr = False):
+                         SWAP_AB: gl.constexpr = False, SERPENTINE: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
@@ -465,23 +496,24 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, PART,
-                             SWAP_AB)),
+                             SWAP_AB, SERPENTINE)),
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, PART,
-                             SWAP_AB)),
+                             SWAP_AB, SERPENTINE)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs,
                            tma_ready, cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER,
-                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0)),
+                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0, SERPENTINE)),
             ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
         else:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
                 (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                         total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART,
-                        STAGE_IN_RING)),
+                        STAGE_IN_RING, SERPENTINE)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs,
                            tma_ready, cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER,
-                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0)),
+                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0,
+                           SERPENTINE)),
             ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
@@ -522,8 +554,22 @@ def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_ga
     return p.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
 
 
+def program_tiles(total_tiles: int, num_programs: int, serpentine: bool) -> list[list[int]]:
+    """The tiles each program of the persistent kernel runs, in its order (the host twin of the kernel's
+    ``_tile_count`` / ``_nth_tile``; 0 < num_programs <= total_tiles). Wave w holds tiles [w·P, (w+1)·P), P the
+    programs; program p runs slot p of every wave, or with ``serpentine`` slot P − 1 − p of the odd waves, so that a
+    program that drew one of the longest tiles of a wave draws one of the shortest of the next (the experts' tiles
+    run in load order, longest first: :func:`sonicmoe.ops.load_order.expert_load_order`)."""
+    out = [[] for _ in range(num_programs)]
+    for tile in range(total_tiles):
+        w, slot = divmod(tile, num_programs)
+        out[num_programs - 1 - slot if serpentine and w % 2 else slot].append(tile)
+    return out
+
+
 def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_offsets: torch.Tensor, *,
-             p_gather: bool, config: dict | None = None, expert_order: torch.Tensor | None = None) -> torch.Tensor:
+             p_gather: bool, config: dict | None = None, expert_order: torch.Tensor | None = None,
+             serpentine: bool = False) -> torch.Tensor:
     """dW (E, I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`wgrad_ws_supported` (exactly one operand gathered: Q when not ``p_gather``).
@@ -542,6 +588,8 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         expert_order: (2·E,) int32, the order the experts' tiles run in and each expert's place in it
             (:func:`sonicmoe.ops.load_order.expert_load_order`, busiest first, as the layer passes it); ``None``:
             expert index order. The bits do not depend on it.
+        serpentine: deal the waves of tiles to the programs alternately forwards and backwards
+            (:func:`program_tiles`; with ``expert_order`` busiest first, the layer's ``SONICMOE_WGRAD_ORDER=load``).
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -577,5 +625,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
         PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[wide]),
-        SWAP_AB=swap, num_warps=4 if split else MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
+        SWAP_AB=swap, SERPENTINE=serpentine, num_warps=4 if split else MMA_WARPS,
+        maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
     return out
