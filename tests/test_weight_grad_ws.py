@@ -262,32 +262,6 @@ def test_program_tiles_partition_the_tiles(total, programs):
         assert spans[True] < spans[False]
 
 
-def test_gluon_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """scripts/sm90_compile.py: Triton's NVIDIA backend behind a stand-in sm_90 driver compiles the Gluon kernel in
-    every config form, for dW1 and dW2, in expert order and in load order with the serpentine schedule (16 launches,
-    each a cubin), on this machine, GPU or not; Triton's driver is left as it was."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if not weight_grad_ws.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(repo)}
-    env.pop("TRITON_INTERPRET", None)
-    out = tmp_path / "compiled.json"
-    run = subprocess.run([sys.executable, str(repo / "scripts" / "sm90_compile.py"), "--json", str(out)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    records = json.loads(out.read_text())
-    assert len(records) == 16 and all(r["cubin_bytes"] > 0 for r in records)
-    assert {(r["P_GATHER"], r["SERPENTINE"], r["WG_SPLIT"]) for r in records} == {
-        (pg, s, w) for pg in (False, True) for s in (False, True) for w in (False, True)}
-    assert all(r["shared_bytes"] <= 232448 for r in records)  # sm_90's opt-in limit per block
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_load_order_same_bits_under_skew(dtype, monkeypatch):
