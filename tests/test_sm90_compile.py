@@ -1,7 +1,7 @@
 """scripts/sm90_compile.py: every GPU kernel of the layer compiled for Hopper (sm_90) by Triton's NVIDIA backend
-behind a stand-in driver, on this machine, GPU or not. It catches what only a native compile finds (a Gluon kernel's type or
-layout errors, shared memory over the limit) in CI, which has no GPU; it runs nothing, so results are tested
-elsewhere (the interpreter on CPU, the ``gpu`` tests on a GPU)."""
+behind a stand-in driver, on this machine, GPU or not. It catches what only a native compile finds (a Gluon
+kernel's type or layout errors, shared memory over the limit) in CI, which has no GPU; it runs nothing, so results
+are tested elsewhere (the interpreter on CPU, the ``gpu`` tests on a GPU)."""
 
 from __future__ import annotations
 
