@@ -9,7 +9,8 @@ read with the ``cuobjdump`` that Triton's package carries. A config whose STACK 
 zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
 sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
 of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``long_down``, ``long_dxt``,
-``dh_ws``, ``dw1_ws``, ``dw2_ws``) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
+``dh_ws``, ``dw1_ws``, ``dw2_ws``, and ``dw1_ws_load``, ``dw2_ws_load``: the weight gradients in load order with the
+serpentine schedule) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
 kernel's PTX without debug line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves
 every kernel as it was. ``--check-sass`` flags every HGMMA that reads a descriptor register some path through the
 kernel leaves unset (``sass_check.py``). ``--space portable --arch 80`` (or 86, 89, 120) compiles the Triton
@@ -70,9 +71,9 @@ def _install(arch: int) -> None:
         _COMPILED.append(run(self, *args, grid=grid, warmup=True, **kwargs))
 
     JITFunction.run = compile_only
-    from sonicmoe.ops import aggregation, common, dh, grouped_gemm, up_proj, weight_grad
+    from sonicmoe.ops import aggregation, common, dh, grouped_gemm, load_order, up_proj, weight_grad
 
-    for mod in (aggregation, common, dh, grouped_gemm, up_proj, weight_grad):
+    for mod in (aggregation, common, dh, grouped_gemm, load_order, up_proj, weight_grad):
         if hasattr(mod, "check_device"):
             mod.check_device = lambda *a: None
 
@@ -141,6 +142,7 @@ def launchers(p, routing):
         dh_ws,
         grouped_gemm,
         grouped_gemm_ws,
+        load_order,
         up_proj,
         up_proj_ws,
         varlen_m_ws,
@@ -155,6 +157,7 @@ def launchers(p, routing):
     a = torch.randn(r, n, dtype=x.dtype)
     dout = torch.randn(t, d, dtype=x.dtype)
     s_row = torch.rand(r)
+    order = load_order.expert_load_order_ref(routing.expert_offsets)
     return {
         "up_proj": lambda c: up_proj.up_proj(x, w1, None, routing, config=c),
         "down_proj": lambda c: grouped_gemm.down_proj(a, w2, None, routing, config=c),
@@ -182,6 +185,14 @@ def launchers(p, routing):
                                                     config=c),
         "dw2_ws": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
                                                     p_gather=True, config=c),
+        # SONICMOE_WGRAD_ORDER=load: the experts' tiles busiest first, the waves dealt serpentine; and the order's
+        # own (Triton) kernel
+        "dw1_ws_load": lambda c: weight_grad_ws.wgrad_ws(h, x, routing.row_token, routing.expert_offsets,
+                                                         p_gather=False, config=c, expert_order=order,
+                                                         serpentine=True),
+        "dw2_ws_load": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
+                                                         p_gather=True, config=c, expert_order=order, serpentine=True),
+        "load_order": lambda c: load_order.expert_load_order(routing.expert_offsets),
     }
 
 
@@ -218,6 +229,11 @@ def spaces(which: str) -> dict:
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w)
                    for r, w in WGRAD_FORMS],
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w) for r, w in WGRAD_FORMS],
+        "dw1_ws_load": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w)
+                        for r, w in WGRAD_FORMS],
+        "dw2_ws_load": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w)
+                        for r, w in WGRAD_FORMS],
+        "load_order": [{}],
     })
     if which == "portable":
         # the "mma" family's configs (common.tile_family) of the Triton kernels: for --arch 80, 86, 89, 120
@@ -234,7 +250,9 @@ def spaces(which: str) -> dict:
                "long_down": [varlen_m_ws.long_config()], "long_dxt": [varlen_m_ws.long_config()],
                "dh_ws_pair": [dh_ws.dh_ws_config(n)],
                "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],
-               "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True)]}
+               "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True)],
+               "dw1_ws_load": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],
+               "dw2_ws_load": [weight_grad_ws.wgrad_ws_config(d, n, True)]}
     if which == "focus":
         import importlib.util
         import pathlib
