@@ -21,6 +21,8 @@
 #   wgorder  the weight gradients' tile order, busiest expert first against expert order (SONICMOE_WGRAD_ORDER): GPU
 #          tests, fresh-process layer benchmarks alternating the two on a trained load (WGORDER_PROFILE) and the
 #          random router's, WGORDER_ROUNDS rounds
+#   wgprof every kernel of the layer on the random router's load and on a trained one (WGORDER_PROFILE), the weight
+#          gradients in expert order and in load order (WGPROF_SHAPES)
 #   graph  eager layer against CUDA-graph replay (kernel-bound time; GRAPH_SHAPES), host profile, launcher host times
 #          and where each launcher's host time goes (Triton's launch path against the launcher's own Python)
 #   host   the kernel-launch fast path: GPU tests, launcher host times, eager against graph replay (HOST_SHAPES) and
@@ -273,6 +275,20 @@ for step in "$@"; do
         done
       done
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_wgorder.log")" "$(tail -n 1 "$OUT/gpu_tests_wgorder.log")")
+      ;;
+    wgprof)
+      # where an uneven load costs: every kernel of the 7B layer and of (32768, 4096, 1024, 128, 8) (WGPROF_SHAPES) on
+      # the random router's load and on a trained one (WGORDER_PROFILE), the weight gradients in expert order and in
+      # load order (scripts/layer_profile.py --load-profile)
+      profile=${WGORDER_PROFILE:-benchmarks/results/2026-12-05_nvidia-h100_session81/train_skew_150steps.json}
+      for sh in ${WGPROF_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do
+        for run in even:expert trained:expert trained:load; do
+          lp=(); [ "${run%%:*}" = trained ] && lp=(--load-profile "$profile")
+          SONICMOE_WGRAD_ORDER=${run#*:} timeout 150 python3 scripts/layer_profile.py --shape "$sh" "${lp[@]}" \
+            > "$OUT/wgprof_${sh//,/_}_${run/:/_}.txt" 2>&1
+          SUMMARY+=("wgprof $sh $run: $(grep -E '^== fwd\+bwd' "$OUT/wgprof_${sh//,/_}_${run/:/_}.txt")")
+        done
+      done
       ;;
     graph)
       # the eager layer against CUDA-graph replay of the same kernels (the kernel-bound time), a host profile, and

@@ -8,8 +8,11 @@ forward+backward call's kernels in launch order from a Chrome trace of the profi
 (µs from the call's first kernel), and the time the GPU had no kernel running before each one, so that what lies
 on the critical path and where the GPU idles show up.
 
+``--load-profile LOG.json``: the router re-scaled to a trained model's expert load (as ``sonicmoe bench
+--load-profile``), so that each kernel's share of what an uneven load costs shows up.
+
 usage (GPU): PYTHONPATH=$PWD python scripts/layer_profile.py [--shape T,d,n,E,K] [--calls 20]
-             [--timeline [--warmup 1000] [--trace F.json]]
+             [--load-profile LOG.json] [--timeline [--warmup 1000] [--trace F.json]]
 """
 
 from __future__ import annotations
@@ -93,9 +96,17 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="one forward+backward call's kernels in order")
     ap.add_argument("--warmup", type=float, default=1000.0, help="ms of back-to-back calls before --timeline")
     ap.add_argument("--trace", default=None, help="where --timeline writes the Chrome trace")
+    ap.add_argument("--load-profile", default=None, help="a training log's expert load (sonicmoe bench's option)")
     args = ap.parse_args()
     t, d, n, e, k = (int(v) for v in args.shape.split(","))
-    p = make_problem(Shape("profile", t, d, n, e, k), dtype=torch.bfloat16, device="cuda")
+    load = None
+    if args.load_profile:
+        from sonicmoe.bench.load_profile import target_load
+
+        load = target_load(args.load_profile, e)
+        print(f"load profile {args.load_profile}: busiest expert {float(load.max()) * e:.2f}x the mean, idlest "
+              f"{float(load.min()) * e:.2f}x")
+    p = make_problem(Shape("profile", t, d, n, e, k), dtype=torch.bfloat16, device="cuda", load=load)
     leaves = [p.x, p.w1, p.w2, p.pair_scores]
 
     def fwd():
