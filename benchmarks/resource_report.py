@@ -188,10 +188,9 @@ def launchers(p, routing):
         # SONICMOE_WGRAD_ORDER=load: the experts' tiles busiest first, the waves dealt serpentine; and the order's
         # own (Triton) kernel
         "dw1_ws_load": lambda c: weight_grad_ws.wgrad_ws(h, x, routing.row_token, routing.expert_offsets,
-                                                         p_gather=False, config=c, expert_order=order,
-                                                         serpentine=True),
+                                                         p_gather=False, config=c, expert_order=order),
         "dw2_ws_load": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
-                                                         p_gather=True, config=c, expert_order=order, serpentine=True),
+                                                         p_gather=True, config=c, expert_order=order),
         "load_order": lambda c: load_order.expert_load_order(routing.expert_offsets),
     }
 

@@ -157,9 +157,9 @@ def test_dispatch(monkeypatch, device):
     config."""
     calls = []
 
-    def fake(p, q, row_token, offsets, *, p_gather, expert_order, serpentine):
+    def fake(p, q, row_token, offsets, *, p_gather, expert_order):
         calls.append((row_token, offsets, p_gather))
-        assert expert_order.tolist() == [2, 0, 1, 1, 2, 0] and serpentine  # counts 2, 1, 3: expert 2 first
+        assert expert_order.tolist() == [2, 0, 1, 1, 2, 0]  # counts 2, 1, 3: expert 2 first
         return varlen_k_gemm_ref(p, q, routing, p_gather=p_gather, q_gather=not p_gather, out_dtype=p.dtype)
 
     monkeypatch.setattr(weight_grad_ws, "wgrad_ws_supported", lambda p, q, **kw: True)
@@ -235,8 +235,7 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
             assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
                                              config=cfg))
             assert torch.equal(got, wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=pg,
-                                             config=cfg, expert_order=expert_load_order(routing.expert_offsets),
-                                             serpentine=True))
+                                             config=cfg, expert_order=expert_load_order(routing.expert_offsets)))
         assert torch.equal(p, p0) and torch.equal(q, q0)
 
 

@@ -101,29 +101,12 @@ def wgrad_order_by_load() -> bool:
     return value == "load"
 
 
-_IDENTITY: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def identity_order(num_experts: int, device: torch.device) -> torch.Tensor:
-    """Expert index order in :func:`expert_load_order`'s layout (both halves ``arange(E)``), one per (E, device)
-    and process; kernels only read it."""
-    key = (num_experts, torch.device(device))
-    order = _IDENTITY.get(key)
-    if order is None:
-        order = _IDENTITY[key] = torch.arange(num_experts, device=device, dtype=torch.int32).repeat(2)
-    return order
-
-
-def routing_load_order(routing: Routing, by_load: bool | None = None) -> torch.Tensor:
-    """The tile order of ``routing``'s weight gradients: :func:`expert_load_order` of its ``expert_offsets`` where
-    ``by_load`` (default :func:`wgrad_order_by_load`), else :func:`identity_order`.
-
-    The load order is built once per Routing object and shared by dW1 and dW2 (the cache holds while
+def routing_load_order(routing: Routing) -> torch.Tensor:
+    """:func:`expert_load_order` of ``routing``'s ``expert_offsets``, the weight gradients' tile order under
+    ``SONICMOE_WGRAD_ORDER=load``, built once per Routing object and shared by dW1 and dW2 (the cache holds while
     ``expert_offsets`` is the same tensor, unmodified: its version counter). No host sync.
     """
     offsets = routing.expert_offsets
-    if not (wgrad_order_by_load() if by_load is None else by_load):
-        return identity_order(routing.num_experts, offsets.device)
     hit = routing._tile_tables.get("load_order")
     if hit is not None and hit[0] is offsets and hit[1] == offsets._version:
         return hit[2]

@@ -119,19 +119,21 @@ def _varlen_k_kernel(
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
     P_TMA: tl.constexpr = False, Q_TMA: tl.constexpr = False,
     EVEN_I: tl.constexpr = False, EVEN_J: tl.constexpr = False, STEPS: tl.constexpr = False,
-    PROGS_PER_SM: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PROGS_PER_SM: tl.constexpr = 0, PDL: tl.constexpr = False, LOAD_ORDER: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     tiles_j = tl.cdiv(J, BLOCK_J)
     tiles = tl.cdiv(I, BLOCK_I) * tiles_j
     if STEPS:
         _varlen_k_steps(p_ptr, p_desc, q_ptr, q_desc, out_ptr, row_token_ptr, offsets_ptr, order_ptr, E, I, J, tiles,
-                        tiles_j,
-                        stride_p, stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, E_P2, BLOCK_I,
-                        BLOCK_J, BLOCK_R, P_TMA, Q_TMA, EVEN_I, EVEN_J)
+                        tiles_j, stride_p, stride_q, stride_oe, stride_oi, P_GATHER, Q_GATHER, DOT_PREC, E_P2,
+                        BLOCK_I, BLOCK_J, BLOCK_R, P_TMA, Q_TMA, EVEN_I, EVEN_J, LOAD_ORDER)
         return
     pid = tl.program_id(0)
-    e = tl.load(order_ptr + pid // tiles)  # the order the experts' tiles run in (load_order.py)
+    if LOAD_ORDER:  # the experts' tiles busiest expert first (load_order.py)
+        e = tl.load(order_ptr + pid // tiles)
+    else:
+        e = pid // tiles
     tile = pid % tiles
     i0 = (tile // tiles_j) * BLOCK_I
     j0 = (tile % tiles_j) * BLOCK_J
@@ -173,10 +175,11 @@ def _varlen_k_steps(
     stride_p, stride_q, stride_oe, stride_oi,
     P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, DOT_PREC: tl.constexpr, E_P2: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, P_TMA: tl.constexpr, Q_TMA: tl.constexpr,
-    EVEN_I: tl.constexpr, EVEN_J: tl.constexpr,
+    EVEN_I: tl.constexpr, EVEN_J: tl.constexpr, LOAD_ORDER: tl.constexpr,
 ):
-    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert order[t // tiles], the
-    experts in load order, ``order_ptr`` as :func:`sonicmoe.ops.load_order.expert_load_order` gives it) and
+    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert t // tiles, or under
+    ``LOAD_ORDER`` expert order[t // tiles], ``order_ptr`` as :func:`sonicmoe.ops.load_order.expert_load_order`
+    gives it) and
     runs them as one loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries.
     A tile takes max(whole chunks, 1) steps; a tile without a whole chunk (fewer than BLOCK_R rows, or none)
     discards its one step's product. The expert's last, partial chunk is added before the store, with
@@ -187,7 +190,10 @@ def _varlen_k_steps(
     # of e are those pid + j * nprog in [rank_e * tiles, (rank_e + 1) * tiles), rank_e e's place in the order
     eidx, lo_v, hi_v, _, _, _ = tile_schedule(offsets_ptr, E, E_P2, BLOCK_R)
     emask = eidx < E
-    rank_v = tl.load(order_ptr + E + eidx, mask=emask, other=0)
+    if LOAD_ORDER:
+        rank_v = tl.load(order_ptr + E + eidx, mask=emask, other=0)
+    else:
+        rank_v = eidx
     steps_v = tl.maximum((hi_v - lo_v) // BLOCK_R, 1)
     below_hi = (tl.maximum((rank_v + 1) * tiles - pid, 0) + nprog - 1) // nprog
     below_lo = (tl.maximum(rank_v * tiles - pid, 0) + nprog - 1) // nprog
@@ -205,7 +211,10 @@ def _varlen_k_steps(
         ci = tl.where(ci == nsteps - 1, 0, ci + 1)
         if ci == 0:
             tile += nprog
-            e = tl.load(order_ptr + tile // tiles)
+            if LOAD_ORDER:
+                e = tl.load(order_ptr + tile // tiles)
+            else:
+                e = tile // tiles
             sel = eidx == e
             lo = tl.sum(tl.where(sel, lo_v, 0), 0)
             hi = tl.sum(tl.where(sel, hi_v, 0), 0)
@@ -296,11 +305,11 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
         # steps without a whole chunk would load the clamped row 0 of an empty operand
         return torch.zeros((routing.num_experts, p.shape[1], q.shape[1]), device=p.device, dtype=out_dtype)
     use_gluon = gluon and config is None
-    by_load = wgrad_order_by_load()
-    order = routing_load_order(routing, by_load)  # the order the experts' tiles run in (load_order.py)
+    # SONICMOE_WGRAD_ORDER=load: the experts' tiles busiest first (load_order.py); else index order, no order read
+    order = routing_load_order(routing) if wgrad_order_by_load() else None
     if use_gluon and weight_grad_ws.wgrad_ws_supported(p, q, p_gather=p_gather, q_gather=q_gather, out_dtype=out_dtype):
         return weight_grad_ws.wgrad_ws(p, q, routing.row_token, routing.expert_offsets, p_gather=p_gather,
-                                       expert_order=order, serpentine=by_load)
+                                       expert_order=order)
     e = routing.num_experts
     i_dim, j_dim = p.shape[1], q.shape[1]
     out = new_output((e, i_dim, j_dim), device=p.device, dtype=out_dtype)
@@ -308,10 +317,10 @@ def varlen_k_gemm(p: torch.Tensor, q: torch.Tensor, routing: Routing, *, p_gathe
     args = dict(
         p_ptr=p, p_desc=None if p_gather else tma_descriptor(p), q_ptr=q,
         q_desc=None if q_gather else tma_descriptor(q), out_ptr=out, row_token_ptr=routing.row_token,
-        offsets_ptr=routing.expert_offsets, order_ptr=order,
+        offsets_ptr=routing.expert_offsets, order_ptr=routing.expert_offsets if order is None else order,
         E=e, I=i_dim, J=j_dim, stride_p=p.stride(0), stride_q=q.stride(0), stride_oe=out.stride(0),
         stride_oi=out.stride(1), P_GATHER=p_gather, Q_GATHER=q_gather, DOT_PREC=dot_precision(p.dtype),
-        E_P2=next_pow2(e),
+        E_P2=next_pow2(e), LOAD_ORDER=order is not None,
     )
 
     def grid(meta):

@@ -215,41 +215,48 @@ if HAVE_GLUON:
         return s
 
     @gluon.jit
-    def _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr):
-        """(expert, first row, end row, I offset, J offset) of tile ``tile``: the experts' tiles in the order of
-        ``order_ptr`` (:func:`sonicmoe.ops.load_order.expert_load_order`: busiest expert first)."""
+    def _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr,
+              LOAD_ORDER: gl.constexpr = False):
+        """(expert, first row, end row, I offset, J offset) of tile ``tile``: the experts' tiles in index order, or
+        under ``LOAD_ORDER`` in the order of ``order_ptr`` (:func:`sonicmoe.ops.load_order.expert_load_order`:
+        busiest expert first; one more dependent load per tile, which index order does without)."""
         q = tile // tiles_per_e
-        e = gl.load(order_ptr + q)
+        if LOAD_ORDER:
+            e = gl.load(order_ptr + q)
+        else:
+            e = q
         t = tile - q * tiles_per_e
         ti = t // tiles_j
         return (e, gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1), ti * BLOCK_I,
                 (t - ti * tiles_j) * BLOCK_J)
 
     @gluon.jit
-    def _tile_count(total_tiles, SERPENTINE: gl.constexpr):
-        """How many of the ``total_tiles`` tiles this program runs (:func:`program_tiles`): one per wave of
-        num_programs tiles, and one of the last, partial wave if its slot there is one."""
+    def _tile_range(total_tiles, LOAD_ORDER: gl.constexpr):
+        """(start, end, step) of the loop over this program's tiles, whose ``it``-th value :func:`_nth_tile` maps to
+        a tile: in index order the tiles pid, pid + P, ... themselves (P programs); under ``LOAD_ORDER``
+        0 .. the program's tile count (:func:`program_tiles`, serpentine): one per wave of P tiles, and one of the
+        last, partial wave where its slot there is one."""
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
-        if SERPENTINE:
+        if LOAD_ORDER:
             full = total_tiles // nprog
             rem = total_tiles - full * nprog
             odd = full % 2
             in_last = ((odd == 0) & (pid < rem)) | ((odd == 1) & (pid >= nprog - rem))
-            return full + in_last.to(gl.int32)
+            return 0, full + in_last.to(gl.int32), 1
         else:
-            return (total_tiles - pid + nprog - 1) // nprog
+            return pid, total_tiles, nprog
 
     @gluon.jit
-    def _nth_tile(i, SERPENTINE: gl.constexpr):
-        """This program's ``i``-th tile (:func:`program_tiles`): wave i's slot pid, or under ``SERPENTINE`` in the
-        odd waves the slot num_programs − 1 − pid."""
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        if SERPENTINE:
-            return i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
+    def _nth_tile(it, LOAD_ORDER: gl.constexpr):
+        """The tile of loop value ``it`` (:func:`_tile_range`): ``it`` itself in index order; under ``LOAD_ORDER``
+        wave it's slot pid, or in the odd waves slot P − 1 − pid (dealt serpentine)."""
+        if LOAD_ORDER:
+            pid = gl.program_id(0)
+            nprog = gl.num_programs(0)
+            return it * nprog + pid + (it % 2) * (nprog - 1 - 2 * pid)
         else:
-            return i * nprog + pid
+            return it
 
     @gluon.jit
     def _copy_rows(buf, base_ptr, rows, row_ok, col0, stride, layout: gl.constexpr):
@@ -264,7 +271,7 @@ if HAVE_GLUON:
     def _loader(p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs, tma_ready,
                 cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER: gl.constexpr,
                 BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr,
-                WARPS: gl.constexpr, MIN_CHUNKS: gl.constexpr = 0, SERPENTINE: gl.constexpr = False):
+                WARPS: gl.constexpr, MIN_CHUNKS: gl.constexpr = 0, LOAD_ORDER: gl.constexpr = False):
         """Loader partition: every chunk of every tile of this program into the next ring slot, once the MMA
         that read the slot's previous chunk is done. A tile has at least MIN_CHUNKS chunks (an expert with no rows
         then gets one chunk of zeros)."""
@@ -278,9 +285,10 @@ if HAVE_GLUON:
         offs_q = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, lq))
         CHUNK_BYTES: gl.constexpr = BLOCK_R * (BLOCK_J if P_GATHER else BLOCK_I) * 2
         step = 0
-        for it in range(_tile_count(total_tiles, SERPENTINE)):
-            tile = _nth_tile(it, SERPENTINE)
-            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+        start, end, stride = _tile_range(total_tiles, LOAD_ORDER)
+        for it in range(start, end, stride):
+            tile = _nth_tile(it, LOAD_ORDER)
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J, LOAD_ORDER)
             full = (hi - lo) // BLOCK_R
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             rg = lo + offs_g
@@ -319,7 +327,7 @@ if HAVE_GLUON:
     def _mma(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr, total_tiles,
              tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
              STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr, STAGE_IN_RING: gl.constexpr,
-             SERPENTINE: gl.constexpr = False):
+             LOAD_ORDER: gl.constexpr = False):
         """MMA partition: each tile's wgmma chain over the ring (one MMA in flight; the slot before it goes back
         to the loader), then the tile by TMA store from ``out_smem``. Under STAGE_IN_RING every tile has at least
         one chunk (zeros for an expert with no rows), ``out_smem`` holds the tile's left half, the right half goes
@@ -331,9 +339,10 @@ if HAVE_GLUON:
                                                              instr_shape=[16, BLOCK_J, 16])
         MIN_CHUNKS: gl.constexpr = 1 if STAGE_IN_RING else 0
         step = 0
-        for it in range(_tile_count(total_tiles, SERPENTINE)):
-            tile = _nth_tile(it, SERPENTINE)
-            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+        start, end, stride = _tile_range(total_tiles, LOAD_ORDER)
+        for it in range(start, end, stride):
+            tile = _nth_tile(it, LOAD_ORDER)
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J, LOAD_ORDER)
             chunks = gl.maximum((hi - lo + BLOCK_R - 1) // BLOCK_R, MIN_CHUNKS)
             acc = gl.zeros((BLOCK_I, BLOCK_J), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
@@ -367,7 +376,7 @@ if HAVE_GLUON:
     def _mma_half(p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr, total_tiles,
                   tiles_j, tiles_per_e, I, BLOCK_I: gl.constexpr, BLOCK_J: gl.constexpr, BLOCK_R: gl.constexpr,
                   STAGES: gl.constexpr, HALF: gl.constexpr, PART: gl.constexpr, SWAP_AB: gl.constexpr = False,
-                  SERPENTINE: gl.constexpr = False):
+                  LOAD_ORDER: gl.constexpr = False):
         """MMA partition of one warpgroup (``WG_SPLIT``): rows [HALF·BLOCK_I/2, (HALF+1)·BLOCK_I/2) of every tile
         of this program, over the ring the other warpgroup reads too (each slot goes back to the loader once both
         have arrived on its ``empty`` barrier), then that half tile by two TMA stores through
@@ -393,9 +402,10 @@ if HAVE_GLUON:
             ACC_N: gl.constexpr = BLOCK_J
         buf = out_smem.index(HALF)
         step = 0
-        for it in range(_tile_count(total_tiles, SERPENTINE)):
-            tile = _nth_tile(it, SERPENTINE)
-            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J)
+        start, end, stride = _tile_range(total_tiles, LOAD_ORDER)
+        for it in range(start, end, stride):
+            tile = _nth_tile(it, LOAD_ORDER)
+            e, lo, hi, i0, j0 = _tile(tile, offsets_ptr, order_ptr, tiles_j, tiles_per_e, BLOCK_I, BLOCK_J, LOAD_ORDER)
             chunks = (hi - lo + BLOCK_R - 1) // BLOCK_R
             acc = gl.zeros((ACC_M, ACC_N), dtype=gl.float32, layout=acc_layout)
             for c in range(chunks):
@@ -486,7 +496,7 @@ if HAVE_GLUON:
                          BLOCK_R: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr,
                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PART: gl.constexpr,
                          STAGE_IN_RING: gl.constexpr, WG_SPLIT: gl.constexpr = False, WG_REGS: gl.constexpr = 0,
-                         SWAP_AB: gl.constexpr = False, SERPENTINE: gl.constexpr = False):
+                         SWAP_AB: gl.constexpr = False, LOAD_ORDER: gl.constexpr = False):
         dtype: gl.constexpr = p_ptr.dtype.element_ty
         p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_I], P_LAYOUT)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_J], Q_LAYOUT)
@@ -496,24 +506,24 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 0, PART,
-                             SWAP_AB, SERPENTINE)),
+                             SWAP_AB, LOAD_ORDER)),
                 (_mma_half, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                              total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, 1, PART,
-                             SWAP_AB, SERPENTINE)),
+                             SWAP_AB, LOAD_ORDER)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs,
                            tma_ready, cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER,
-                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0, SERPENTINE)),
+                           BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 0, LOAD_ORDER)),
             ], [4, LOADER_WARPS], [WG_REGS, LOADER_REGS])
         else:
             out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
             gl.warp_specialize([
                 (_mma, (p_bufs, q_bufs, tma_ready, cp_ready, empty, out_smem, out_desc, offsets_ptr, order_ptr,
                         total_tiles, tiles_j, tiles_per_e, I, BLOCK_I, BLOCK_J, BLOCK_R, STAGES, MMA_WARPS, PART,
-                        STAGE_IN_RING, SERPENTINE)),
+                        STAGE_IN_RING, LOAD_ORDER)),
                 (_loader, (p_ptr, p_desc, q_ptr, q_desc, row_token_ptr, offsets_ptr, order_ptr, p_bufs, q_bufs,
                            tma_ready, cp_ready, empty, total_tiles, tiles_j, tiles_per_e, stride_p, stride_q, P_GATHER,
                            BLOCK_I, BLOCK_J, BLOCK_R, STAGES, LOADER_WARPS, 1 if STAGE_IN_RING else 0,
-                           SERPENTINE)),
+                           LOAD_ORDER)),
             ], [LOADER_WARPS], [LOADER_REGS])
         invalidate_ring_barriers(tma_ready, cp_ready, empty, STAGES)
 
@@ -568,8 +578,7 @@ def program_tiles(total_tiles: int, num_programs: int, serpentine: bool) -> list
 
 
 def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_offsets: torch.Tensor, *,
-             p_gather: bool, config: dict | None = None, expert_order: torch.Tensor | None = None,
-             serpentine: bool = False) -> torch.Tensor:
+             p_gather: bool, config: dict | None = None, expert_order: torch.Tensor | None = None) -> torch.Tensor:
     """dW (E, I, J) = Σ_{rows r of e} P[p(r)]ᵀ Q[q(r)] by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`wgrad_ws_supported` (exactly one operand gathered: Q when not ``p_gather``).
@@ -586,10 +595,10 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
             "MAXNREG", "LOADER_WARPS", "LOADER_REGS", "PART" (probes: 1 skips the output) (default
             :func:`wgrad_ws_config`).
         expert_order: (2·E,) int32, the order the experts' tiles run in and each expert's place in it
-            (:func:`sonicmoe.ops.load_order.expert_load_order`, busiest first, as the layer passes it); ``None``:
-            expert index order. The bits do not depend on it.
-        serpentine: deal the waves of tiles to the programs alternately forwards and backwards
-            (:func:`program_tiles`; with ``expert_order`` busiest first, the layer's ``SONICMOE_WGRAD_ORDER=load``).
+            (:func:`sonicmoe.ops.load_order.expert_load_order`, busiest first: the layer's
+            ``SONICMOE_WGRAD_ORDER=load``), the waves of tiles then dealt to the programs alternately forwards and
+            backwards (:func:`program_tiles`); ``None``: expert index order, dealt round-robin. The bits do not
+            depend on it.
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
@@ -607,8 +616,6 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     if p.shape[0] == 0 or q.shape[0] == 0:  # no routed rows (a TMA descriptor needs one): every expert gets zeros
         return out.zero_()
     _CALLS[(i_dim, j_dim, e, str(p.dtype).removeprefix("torch."), p_gather)] = dict(cfg)
-    if expert_order is None:
-        expert_order = torch.arange(e, device=p.device, dtype=torch.int32)
     p_layout, q_layout = shared_layout((br, bi), p.dtype), shared_layout((br, bj), p.dtype)
     ring = bool(cfg.get("STAGE_IN_RING", False))
     split = bool(cfg.get("WG_SPLIT", False))
@@ -620,11 +627,12 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     launch_kernel(
         _wgrad_ws_kernel, (min(total, sm_count(p.device)),),
         p, None if p_gather else _descriptor(p, [br, bi]), q, _descriptor(q, [br, bj]) if p_gather else None,
-        _descriptor(out.view(e * i_dim, j_dim), box), row_token, expert_offsets, expert_order, total, tiles_j,
+        _descriptor(out.view(e * i_dim, j_dim), box), row_token, expert_offsets,
+        expert_offsets if expert_order is None else expert_order, total, tiles_j,
         tiles_per_e, i_dim, p.stride(0), q.stride(0), P_GATHER=p_gather, P_LAYOUT=p_layout,
         Q_LAYOUT=q_layout, BLOCK_I=bi, BLOCK_J=bj, BLOCK_R=br, STAGES=cfg["STAGES"], MMA_WARPS=MMA_WARPS,
         LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS), LOADER_REGS=cfg.get("LOADER_REGS", LOADER_REGS),
         PART=cfg.get("PART", 0), STAGE_IN_RING=ring, WG_SPLIT=split, WG_REGS=cfg.get("WG_REGS", WG_REGS[wide]),
-        SWAP_AB=swap, SERPENTINE=serpentine, num_warps=4 if split else MMA_WARPS,
+        SWAP_AB=swap, LOAD_ORDER=expert_order is not None, num_warps=4 if split else MMA_WARPS,
         maxnreg=cfg.get("MAXNREG", MAXNREG[wide]))
     return out
