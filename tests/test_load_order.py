@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sonicmoe.ops.load_order import (
     expert_load_order,
@@ -45,6 +47,15 @@ def test_load_order_matches_stable_sort(e, high, device):
     ties = c[:-1] == c[1:]
     assert bool((order[:-1][ties] < order[1:][ties]).all())
     assert torch.equal(rank[order], torch.arange(e))
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=600), scale=st.sampled_from([1, 7, 1000]))
+def test_load_order_fuzz(counts, scale):
+    """Any E up to 600 (several programs and column steps) and counts with many ties (values 0-5, scaled so that
+    counts reach 5000 rows): the kernel's order and ranks are those of the stable sort."""
+    offsets = _offsets([c * scale for c in counts], "cpu")
+    assert torch.equal(expert_load_order(offsets), expert_load_order_ref(offsets))
 
 
 def test_load_order_no_experts_and_bad_offsets(device):
