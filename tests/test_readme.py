@@ -3,7 +3,7 @@ layer it builds (``MoE(...)``, ``ExpertParallelMoE(...)``) is a valid configurat
 arguments, taken literally from the example, construct a :class:`sonicmoe.MoEConfig`; a misspelt option, a removed
 one or a bad value fails here. The examples themselves run on CUDA at full size, so they are checked, not run; the
 first one also runs on the CPU with its dimensions scaled down and the torch backend (the same calls, outputs
-and losses as written)."""
+and losses as written). Every environment switch the library reads is named in the README."""
 
 from __future__ import annotations
 
@@ -64,3 +64,13 @@ def test_readme_quick_start_runs_scaled_down():
     assert y.shape == x.shape == (2, 24, 48) and x.grad is not None and x.grad.abs().sum() > 0
     assert all(p.grad is not None for p in layer.parameters())
     assert torch.isfinite(scope["loss"])
+
+
+def test_every_switch_is_documented():
+    """Each ``SONICMOE_*`` environment variable the library reads (a string literal in sonicmoe/) has its name in the
+    README, in backticks: its table of switches or the text around it."""
+    text = README.read_text()
+    package = README.parent / "sonicmoe"
+    names = {m for f in package.rglob("*.py") for m in re.findall(r"[\"'](SONICMOE_[A-Z0-9_]+)[\"']", f.read_text())}
+    assert len(names) >= 25  # the scan found the switches (30 in session 81)
+    assert sorted(n for n in names if f"`{n}`" not in text) == []
