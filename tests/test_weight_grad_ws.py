@@ -239,6 +239,18 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
         assert torch.equal(p, p0) and torch.equal(q, q0)
 
 
+def test_wrong_expert_order_is_refused():
+    """An expert order of the wrong length, dtype or device is a ValueError naming it (the kernel would read past
+    it), raised before anything is launched: on any machine."""
+    offsets = torch.tensor([0, 2, 5, 5], dtype=torch.int32)
+    p, q = torch.zeros(5, 128, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16)
+    tok = torch.tensor([0, 1, 2, 3, 0], dtype=torch.int32)
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(6, dtype=torch.int64),
+                torch.zeros(6, dtype=torch.int32, device="meta")):
+        with pytest.raises(ValueError, match="expert_order"):
+            wgrad_ws(p, q, tok, offsets, p_gather=False, expert_order=bad)
+
+
 @pytest.mark.parametrize("total,programs", [(1, 1), (7, 7), (8, 3), (9, 3), (10, 3), (3072, 132), (1540, 132),
                                              (1600, 132)])
 def test_program_tiles_partition_the_tiles(total, programs):

@@ -602,8 +602,15 @@ def wgrad_ws(p: torch.Tensor, q: torch.Tensor, row_token: torch.Tensor, expert_o
     Returns:
         (E, I, J) in p's dtype (float32 accumulation); experts with no rows get zeros; no atomics, the same bits
         on every run.
+    Raises:
+        ValueError: ``expert_order`` not a (2·E,) int32 tensor on p's device.
     """
     e = expert_offsets.shape[0] - 1
+    if expert_order is not None and (expert_order.shape != (2 * e,) or expert_order.dtype != torch.int32
+                                     or expert_order.device != p.device):
+        raise ValueError(f"expert_order: expected a ({2 * e},) int32 tensor on {p.device} "
+                         f"(sonicmoe.ops.load_order.expert_load_order), got {tuple(expert_order.shape)} "
+                         f"{expert_order.dtype} on {expert_order.device}")
     i_dim, j_dim = p.shape[1], q.shape[1]
     cfg = config or wgrad_ws_config(i_dim, j_dim, p_gather)
     bi, bj, br = cfg["BLOCK_I"], cfg["BLOCK_J"], cfg["BLOCK_R"]
