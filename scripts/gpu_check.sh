@@ -254,7 +254,7 @@ for step in "$@"; do
       ;;
     wgorder)
       # the weight gradients' tile order (sonicmoe/ops/load_order.py; SONICMOE_WGRAD_ORDER: load, busiest expert first
-      # and the Gluon kernel's waves dealt serpentine, against expert index order, the default until this is measured):
+      # and the persistent kernels' waves dealt serpentine, against expert index order, the default until this is measured):
       # the GPU tests, then fresh-process layer benchmarks of both orders
       # alternating, on a trained model's load (WGORDER_PROFILE, default session 81's 150-step h100-preset log, whose
       # per-step busiest expert took 3.2x the mean) and on the random router's, WGORDER_ROUNDS rounds (2)

@@ -953,6 +953,34 @@ def test_gpu_tma_configs_bf16(layout):
             assert rel_err(got[key], ref) < 1e-2, (extra, key)
 
 
+@pytest.mark.parametrize("progs_per_sm", [3, 4])
+def test_varlen_k_steps_serpentine_load_order(progs_per_sm, monkeypatch):
+    """The persistent step loop under SONICMOE_WGRAD_ORDER=load: one tile per expert (I, J within one block), seven
+    experts of distinct whole-chunk counts over 3 or 4 programs, so that each program's steps depend on which
+    experts the serpentine deal gives it (a count or a deal that disagreed would leave a tile unwritten or run one
+    short). Equal bitwise to expert order and to the per-tile grid, and to the reference."""
+    t, d, n = 96, 16, 8
+    g = torch.Generator().manual_seed(5)
+    counts = [5, 80, 17, 40, 0, 33, 64]
+    e = len(counts)
+    tok = torch.cat([torch.randperm(t, generator=g)[:c] for c in counts])
+    exp = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    routing = routing_from_pairs(tok, exp, t, e)
+    r = routing.num_rows
+    x = torch.randn(t, d, generator=g)
+    dh_ = torch.randn(r, 2 * n, generator=g)
+    cfg = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}
+    ref = varlen_k_gemm_ref(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=torch.float32)
+    got = {}
+    for order in ("load", "expert"):
+        monkeypatch.setenv("SONICMOE_WGRAD_ORDER", order)
+        got[order] = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=torch.float32,
+                                   config={**cfg, "STEPS": True, "PROGS_PER_SM": progs_per_sm})
+    per_tile = varlen_k_gemm(dh_, x, routing, p_gather=False, q_gather=True, out_dtype=torch.float32, config=cfg)
+    assert not torch.isnan(got["load"]).any() and rel_err(got["load"], ref) < 1e-5
+    assert torch.equal(got["load"], got["expert"]) and torch.equal(got["load"], per_tile)
+
+
 @pytest.mark.gpu
 def test_gpu_varlen_k_steps_bitwise():
     """The weight gradients' persistent step loop compiles natively and gives bitwise the per-tile grid's

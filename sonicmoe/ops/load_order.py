@@ -8,8 +8,9 @@ an H100 than on the random router's (``benchmarks/results/2026-12-05_nvidia-h100
 
 In load order (``SONICMOE_WGRAD_ORDER=load``; not yet the default, see :func:`wgrad_order_by_load`) the
 weight-gradient kernels take the busiest expert's tiles first (longest processing time first), so each wave of
-programs runs tiles of about the same length and the last wave holds the shortest ones. The Gluon kernel's
-persistent programs also take the waves alternately forwards and backwards
+programs runs tiles of about the same length and the last wave holds the shortest ones. The persistent kernels
+(the Gluon one, and the Triton one's step loop) also deal the waves to their programs alternately forwards and
+backwards
 (:func:`sonicmoe.ops.weight_grad_ws.program_tiles`): the program that drew a wave's longest tile draws the next
 wave's shortest. A model of the schedule (``scripts/wgrad_schedule_model.py``) puts this within 1% of an even
 split on that load at 7B, where expert order took 14% (dW1) and 22% (dW2) longer. Every tile is still computed

@@ -177,28 +177,40 @@ def _varlen_k_steps(
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr, P_TMA: tl.constexpr, Q_TMA: tl.constexpr,
     EVEN_I: tl.constexpr, EVEN_J: tl.constexpr, LOAD_ORDER: tl.constexpr,
 ):
-    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert t // tiles, or under
-    ``LOAD_ORDER`` expert order[t // tiles], ``order_ptr`` as :func:`sonicmoe.ops.load_order.expert_load_order`
-    gives it) and
-    runs them as one loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries.
+    """Persistent varlen-K: program ``pid`` owns tiles pid, pid + nprog, ... (tile t: expert t // tiles) and runs
+    them as one loop over (tile, whole chunk) steps, so the software pipeline crosses tile boundaries. Under
+    ``LOAD_ORDER`` tile t is expert order[t // tiles] (``order_ptr`` as
+    :func:`sonicmoe.ops.load_order.expert_load_order` gives it, busiest first), and the waves of nprog tiles are
+    dealt serpentine: program ``pid`` owns slot pid of the even waves and slot nprog − 1 − pid of the odd ones
+    (:func:`sonicmoe.ops.weight_grad_ws.program_tiles`, as the Gluon kernel deals them).
     A tile takes max(whole chunks, 1) steps; a tile without a whole chunk (fewer than BLOCK_R rows, or none)
     discards its one step's product. The expert's last, partial chunk is added before the store, with
     masked loads of both operands, as in the one-program-per-tile kernel: results are bitwise the same."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    # this program's steps: sum over experts of (its tiles of expert e) * max(whole chunks of e, 1); its tiles
-    # of e are those pid + j * nprog in [rank_e * tiles, (rank_e + 1) * tiles), rank_e e's place in the order
+    # this program's steps: sum over experts of (its tiles of expert e) * max(whole chunks of e, 1). Its tiles of e
+    # are those pid + w * nprog in [e * tiles, (e + 1) * tiles); under LOAD_ORDER those w * nprog + pid (w even) or
+    # w * nprog + nprog - 1 - pid (w odd) in [rank_e * tiles, (rank_e + 1) * tiles), rank_e e's place in the order:
+    # the waves w of each parity in a range [ceil((a - slot) / nprog), ceil((b - slot) / nprog)), counted in closed
+    # form (evens in [L, H): (H + 1) // 2 - (L + 1) // 2; odds: H // 2 - L // 2)
     eidx, lo_v, hi_v, _, _, _ = tile_schedule(offsets_ptr, E, E_P2, BLOCK_R)
     emask = eidx < E
-    if LOAD_ORDER:
-        rank_v = tl.load(order_ptr + E + eidx, mask=emask, other=0)
-    else:
-        rank_v = eidx
     steps_v = tl.maximum((hi_v - lo_v) // BLOCK_R, 1)
-    below_hi = (tl.maximum((rank_v + 1) * tiles - pid, 0) + nprog - 1) // nprog
-    below_lo = (tl.maximum(rank_v * tiles - pid, 0) + nprog - 1) // nprog
-    total = tl.sum(tl.where(emask, (below_hi - below_lo) * steps_v, 0), 0)
+    if LOAD_ORDER:
+        a = tl.load(order_ptr + E + eidx, mask=emask, other=0) * tiles
+        mirror = nprog - 1 - pid
+        even_lo = (tl.maximum(a - pid, 0) + nprog - 1) // nprog
+        even_hi = (tl.maximum(a + tiles - pid, 0) + nprog - 1) // nprog
+        odd_lo = (tl.maximum(a - mirror, 0) + nprog - 1) // nprog
+        odd_hi = (tl.maximum(a + tiles - mirror, 0) + nprog - 1) // nprog
+        mine = (even_hi + 1) // 2 - (even_lo + 1) // 2 + odd_hi // 2 - odd_lo // 2
+    else:
+        below_hi = (tl.maximum((eidx + 1) * tiles - pid, 0) + nprog - 1) // nprog
+        below_lo = (tl.maximum(eidx * tiles - pid, 0) + nprog - 1) // nprog
+        mine = below_hi - below_lo
+    total = tl.sum(tl.where(emask, mine * steps_v, 0), 0)
     tile = pid - nprog
+    wave = -1
     ci = -1
     nsteps = 0
     e = 0
@@ -210,10 +222,12 @@ def _varlen_k_steps(
     for _ in range(0, total):
         ci = tl.where(ci == nsteps - 1, 0, ci + 1)
         if ci == 0:
-            tile += nprog
             if LOAD_ORDER:
+                wave += 1
+                tile = wave * nprog + pid + (wave % 2) * (nprog - 1 - 2 * pid)
                 e = tl.load(order_ptr + tile // tiles)
             else:
+                tile += nprog
                 e = tile // tiles
             sel = eidx == e
             lo = tl.sum(tl.where(sel, lo_v, 0), 0)
