@@ -126,6 +126,10 @@ SUMMARY=()
   echo "commit ${SONICMOE_GIT_COMMIT:-unknown}"
 } 2>&1 | tee "$OUT/env.txt"
 
+# the trained load of the wgorder and wgprof steps: session 81's 150-step h100-preset log (per-step busiest expert 3.2x
+# the mean)
+WGORDER_PROFILE=${WGORDER_PROFILE:-benchmarks/results/2026-12-05_nvidia-h100_session81/train_skew_150steps.json}
+
 train() {  # train NAME [options...]: one run; its log.json to $OUT/train_NAME.json, stdout to /tmp
   local name=$1; shift
   # log.json is rewritten at each save (every 500 steps): a run cut short by the time limit leaves one
@@ -261,7 +265,7 @@ for step in "$@"; do
       timeout 300 python3 -m pytest -rA -p no:cacheprovider tests/test_load_order.py tests/test_weight_grad_ws.py \
         tests/test_kernels.py -k "load_order or varlen_k or skew or matches_reference or dispatch or layer_uses_gluon" \
         > "$OUT/gpu_tests_wgorder.log" 2>&1
-      profile=${WGORDER_PROFILE:-benchmarks/results/2026-12-05_nvidia-h100_session81/train_skew_150steps.json}
+      profile=$WGORDER_PROFILE
       for i in $(seq 1 "${WGORDER_ROUNDS:-2}"); do
         for prof in trained even; do
           lp=(); [ $prof = trained ] && lp=(--load-profile "$profile")
@@ -280,7 +284,7 @@ for step in "$@"; do
       # where an uneven load costs: every kernel of the 7B layer and of (32768, 4096, 1024, 128, 8) (WGPROF_SHAPES) on
       # the random router's load and on a trained one (WGORDER_PROFILE), the weight gradients in expert order and in
       # load order (scripts/layer_profile.py --load-profile)
-      profile=${WGORDER_PROFILE:-benchmarks/results/2026-12-05_nvidia-h100_session81/train_skew_150steps.json}
+      profile=$WGORDER_PROFILE
       for sh in ${WGPROF_SHAPES:-24576,1536,256,128,8 32768,4096,1024,128,8}; do
         for run in even:expert trained:expert trained:load; do
           lp=(); [ "${run%%:*}" = trained ] && lp=(--load-profile "$profile")
