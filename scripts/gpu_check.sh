@@ -52,6 +52,8 @@
 #          cmp's triton-vs-torch gap is judged against) and the token-rounding quality runs of trq for each
 #          seed in TRQ_SEEDS (default "0 1"), all at once
 #   ep     expert parallelism: its tests (two ranks) and benchmarks/ep_bench.py over the visible GPUs
+#   shared the shared expert (MoE(shared_intermediate_size=...)): its GPU tests and the compile test, then
+#          scripts/shared_expert_bench.py (SHARED_SHAPES: T,d,n,E,K,n_s ...; default the script's three)
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
 #          (ORDERS_SHAPES, ORDERS_ROUNDS, ORDERS_ROUTING=token_rounding), the h100 preset for ORDERS_STEPS steps with the
 #          default and DeepSeek-V3's router
@@ -440,6 +442,14 @@ for step in "$@"; do
         --out "$OUT/ep_bench.json" > "$OUT/ep_bench.txt" 2>&1
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR|SKIPPED|XFAIL|XPASS)' "$OUT/gpu_tests_ep.log")" "$(tail -1 "$OUT/gpu_tests_ep.log")"
                 "$(tail -4 "$OUT/ep_bench.txt")")
+      ;;
+    shared)
+      timeout 600 python3 -m pytest -rA -p no:cacheprovider tests/test_shared_expert.py "tests/test_library.py::test_compile_fullgraph_module_dynamic_shapes" \
+        > "$OUT/gpu_tests_shared.log" 2>&1
+      timeout 600 python3 scripts/shared_expert_bench.py ${SHARED_SHAPES:+--shape $SHARED_SHAPES} \
+        --json "$OUT/shared_expert_bench.json" > "$OUT/shared_expert_bench.txt" 2>&1
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_shared.log")" "$(tail -1 "$OUT/gpu_tests_shared.log")"
+                "$(tail -4 "$OUT/shared_expert_bench.txt")")
       ;;
     orders)
       # the router orders (DeepSeek-V3's sigmoid_then_topk with its selection bias and scaling, session 74): the GPU

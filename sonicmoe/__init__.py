@@ -2,9 +2,9 @@
 
 Public API: :class:`MoE` (the layer; :class:`MoELayerOutput` with ``return_router_info=True``), :func:`moe`
 and :func:`experts` (functional), the router and routing metadata (:func:`router_topk`,
-:func:`routing_from_topk`, :func:`routing_from_pairs`, :class:`Routing`), the float32 ground truth
-(:func:`moe_ref`, :func:`experts_ref`), :class:`MoEConfig`, and per-expert Hugging Face checkpoints in and out
-(:func:`load_hf_experts`, :func:`hf_experts_state_dict`). Importing queries no GPU.
+:func:`routing_from_topk`, :func:`routing_from_pairs`, :func:`routing_dense`, :class:`Routing`), the float32
+ground truth (:func:`moe_ref`, :func:`experts_ref`), :class:`MoEConfig`, and per-expert Hugging Face checkpoints
+in and out (:func:`load_hf_experts`, :func:`hf_experts_state_dict`). Importing queries no GPU.
 """
 
 from .checkpoints import hf_experts_state_dict, load_hf_experts
@@ -17,6 +17,7 @@ from .routing import (
     Routing,
     load_balancing_loss,
     router_topk,
+    routing_dense,
     routing_from_pairs,
     routing_from_topk,
     z_loss,
@@ -39,6 +40,7 @@ __all__ = [
     "moe",
     "moe_ref",
     "router_topk",
+    "routing_dense",
     "routing_from_pairs",
     "routing_from_topk",
     "z_loss",

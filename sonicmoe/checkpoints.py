@@ -9,14 +9,19 @@ such a block's weights into the layer, and back:
   ``experts.{i}.w2.weight`` (down, (d, n));
 * both: the router ``gate.weight`` (E, d), and DeepSeek-V3's ``gate.e_score_correction_bias`` (E,) where the layer has
   that buffer (``router_order="sigmoid_then_topk"``); ``.bias`` entries beside the weights where the layer has
-  expert biases (``bias=True``).
+  expert biases (``bias=True``);
+* the shared expert, where the layer has one (``shared_intermediate_size`` n_s > 0): ``shared_experts.{gate_proj,
+  up_proj, down_proj}.weight`` (DeepSeek-V2/V3) or ``shared_expert.{...}.weight`` (Qwen2-MoE, Llama 4), of shapes
+  (n_s, d), (n_s, d), (d, n_s), and Qwen2-MoE's ``shared_expert_gate.weight`` (1, d) where the layer has that gate
+  (``shared_expert_gate=True``).
 
 Expert i's gate and up rows become ``experts.gate_up_proj[i]`` (2n, d) in the layer's ``gate_up_layout``
 (``"concat"``: [gate; up]; ``"interleaved"``: row 2j gate channel j, row 2j + 1 up channel j) and its down weight
 ``experts.down_proj[i]`` (d, n). The routing options are the layer's to set, to match the model: Mixtral is
 ``router_order="softmax_then_topk", renormalize=True``; Qwen3-MoE the same with its ``norm_topk_prob``; OLMoE
 ``renormalize=False``; DeepSeek-V3 ``"sigmoid_then_topk"``, ``renormalize=True``, ``routed_scaling_factor=2.5``,
-``n_group=8, topk_group=4`` (its shared experts are a plain MLP beside the layer).
+``n_group=8, topk_group=4``, ``shared_intermediate_size=n_shared_experts·moe_intermediate_size``; Qwen2-MoE
+``shared_intermediate_size=shared_expert_intermediate_size, shared_expert_gate=True``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from .modules import MoE
 
 STYLES = ("auto", "qwen", "mixtral")
 _NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+SHARED_NAMES = ("shared_experts", "shared_expert")  # DeepSeek-V2/V3; Qwen2-MoE and Llama 4
+_SHARED_GATE = "shared_expert_gate.weight"
 
 
 def _style(state_dict: Mapping[str, torch.Tensor], prefix: str, style: str) -> str:
@@ -89,13 +96,15 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
         style: ``"qwen"``, ``"mixtral"`` or ``"auto"`` (from the names of expert 0).
 
     Everything is checked before anything is copied: on an error the layer is unchanged. Entries the layer has no
-    place for (a shared expert, other layers) are ignored; nothing in ``state_dict`` is modified.
+    place for (other layers; a shared expert when the layer has none, for a model that keeps it as its own module)
+    are ignored; nothing in ``state_dict`` is modified.
 
     Raises:
-        KeyError: a weight (or bias, or the selection bias) the layer needs is missing; no expert weights found.
+        KeyError: a weight (or bias, or the selection bias, or the shared expert or its gate) the layer needs is
+            missing; no expert weights found.
         ValueError: a tensor of the wrong shape (the message names the key and the expected shape); an unknown style;
-            biases, more experts, or DeepSeek-V3's selection bias in the checkpoint for a layer without a place for
-            them.
+            biases, more experts, DeepSeek-V3's selection bias or a shared expert's gate in the checkpoint for a layer
+            without a place for them.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
     """
     _check_layer(layer)
@@ -126,6 +135,7 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
         raise ValueError(f"the checkpoint has {prefix}gate.e_score_correction_bias (DeepSeek-V3's sigmoid router) but "
                          f"the layer routes with router_order={c.router_order!r}: build it with "
                          "router_order='sigmoid_then_topk'")
+    shared = _take_shared(layer, state_dict, prefix)
     layer.gate.weight.copy_(router)
     ex.gate_up_proj.copy_(torch.stack(w1))
     ex.down_proj.copy_(torch.stack(w2))
@@ -134,22 +144,63 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
         ex.down_proj_bias.copy_(torch.stack(b2))
     if selection_bias is not None:
         layer.e_score_correction_bias.copy_(selection_bias)
+    if shared is not None:
+        w1_s, w2_s, gate = shared
+        layer.shared_experts.gate_up_proj.copy_(w1_s[None])
+        layer.shared_experts.down_proj.copy_(w2_s[None])
+        if gate is not None:
+            layer.shared_expert_gate.weight.copy_(gate)
+
+
+def _take_shared(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str):
+    """The layer's shared expert from the checkpoint, checked: (W1_s (2n_s, d) in the layer's layout, W2_s (d, n_s),
+    the gate's (1, d) weight or None); None where the layer has no shared expert (entries of one are then left to
+    the caller's own module)."""
+    if layer.shared_experts is None:
+        return None
+    c, gate_key = layer.config, f"{prefix}{_SHARED_GATE}"
+    found = [name for name in SHARED_NAMES if f"{prefix}{name}.gate_proj.weight" in state_dict]
+    if not found:
+        raise KeyError(f"the layer has a shared expert (shared_intermediate_size={c.shared_intermediate_size}) but "
+                       f"the checkpoint has neither {prefix}shared_experts.gate_proj.weight (DeepSeek) nor "
+                       f"{prefix}shared_expert.gate_proj.weight (Qwen2-MoE)")
+    p, d, n_s = f"{prefix}{found[0]}.", c.hidden_size, c.shared_intermediate_size
+    w1 = _gate_up(_take(state_dict, f"{p}gate_proj.weight", (n_s, d)),
+                  _take(state_dict, f"{p}up_proj.weight", (n_s, d)), c.gate_up_layout)
+    w2 = _take(state_dict, f"{p}down_proj.weight", (d, n_s))
+    if f"{p}gate_proj.bias" in state_dict:
+        raise ValueError(f"the checkpoint's shared expert has biases ({p}gate_proj.bias), which the layer's shared "
+                         "expert does not")
+    gate = None
+    if layer.shared_expert_gate is not None:
+        gate = _take(state_dict, gate_key, (1, d))
+    elif gate_key in state_dict:
+        raise ValueError(f"the checkpoint gates its shared expert ({gate_key}) but the layer has no gate: build it "
+                         "with shared_expert_gate=True")
+    return w1, w2, gate
 
 
 @torch.no_grad()
-def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen") -> dict[str, torch.Tensor]:
+def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen",
+                          shared_name: str | None = None) -> dict[str, torch.Tensor]:
     """The inverse of :func:`load_hf_experts`: ``layer``'s weights as a per-expert Hugging Face state dict (new
     tensors, in the layer's dtype and device): ``{prefix}gate.weight``, ``{prefix}experts.{i}.{gate, up,
-    down}.weight`` (and ``.bias`` with expert biases) under ``style`` ``"qwen"`` or ``"mixtral"``, and
-    ``{prefix}gate.e_score_correction_bias`` where the layer has it.
+    down}.weight`` (and ``.bias`` with expert biases) under ``style`` ``"qwen"`` or ``"mixtral"``,
+    ``{prefix}gate.e_score_correction_bias`` where the layer has it, and a shared expert's
+    ``{prefix}{shared_name}.{gate_proj, up_proj, down_proj}.weight`` (with ``{prefix}shared_expert_gate.weight``
+    where the layer has that gate) where it has one. ``shared_name``: ``"shared_experts"`` (DeepSeek-V2/V3) or
+    ``"shared_expert"`` (Qwen2-MoE, Llama 4); default: ``"shared_expert"`` for a gated shared expert, else
+    ``"shared_experts"``.
 
     Raises:
-        ValueError: an unknown style (``"auto"`` included: name one). TypeError / NotImplementedError: as
-            :func:`load_hf_experts`.
+        ValueError: an unknown style (``"auto"`` included: name one) or ``shared_name``. TypeError /
+            NotImplementedError: as :func:`load_hf_experts`.
     """
     _check_layer(layer)
     if style not in _NAMES:
         raise ValueError(f"style must be one of {tuple(_NAMES)}, got {style!r}")
+    if shared_name is not None and shared_name not in SHARED_NAMES:
+        raise ValueError(f"shared_name must be None or one of {SHARED_NAMES}, got {shared_name!r}")
     gate_name, up_name, down_name = _NAMES[style]
     c, ex = layer.config, layer.experts
     out = {f"{prefix}gate.weight": layer.gate.weight.detach().clone()}
@@ -166,4 +217,13 @@ def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen") 
             out[f"{p}{gate_name}.bias"] = gb.clone()
             out[f"{p}{up_name}.bias"] = ub.clone()
             out[f"{p}{down_name}.bias"] = ex.down_proj_bias[i].clone()
+    if layer.shared_experts is not None:
+        gated = layer.shared_expert_gate is not None
+        p = f"{prefix}{shared_name or SHARED_NAMES[1 if gated else 0]}."
+        gate, up = _split_gate_up(layer.shared_experts.gate_up_proj[0], c.gate_up_layout)
+        out[f"{p}gate_proj.weight"] = gate.clone()
+        out[f"{p}up_proj.weight"] = up.clone()
+        out[f"{p}down_proj.weight"] = layer.shared_experts.down_proj[0].clone()
+        if gated:
+            out[f"{prefix}{_SHARED_GATE}"] = layer.shared_expert_gate.weight.detach().clone()
     return out

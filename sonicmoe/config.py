@@ -67,6 +67,12 @@ class MoEConfig:
             wrappers that see only a callable's outputs, such as ``torch.cuda.make_graphed_callables``: a replay of
             a graphed layer updates none of its attributes (and an eval-mode forward in between replaces them), the
             returned values are the replay's.
+        shared_intermediate_size: n_s, the width of a *shared expert*: one more SwiGLU MLP that every token passes
+            through, its output added to the routed experts' (DeepSeek-V2/V3: ``n_shared_experts`` ×
+            ``moe_intermediate_size``; Qwen2-MoE: ``shared_expert_intermediate_size``). 0 (default): none.
+        shared_expert_gate: scale the shared expert's output per token by sigmoid(x · w_g), w_g the (1, d)
+            ``shared_expert_gate.weight`` (Qwen2-MoE); needs ``shared_intermediate_size`` > 0. False: scale 1
+            (DeepSeek-V2/V3).
     """
 
     hidden_size: int
@@ -88,6 +94,8 @@ class MoEConfig:
     m_tile: int = 128
     static_pairs: bool = True
     return_router_info: bool = False
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts"):
@@ -100,9 +108,14 @@ class MoEConfig:
             )
         if not isinstance(self.m_tile, int) or self.m_tile < 1:
             raise ValueError(f"m_tile must be a positive int, got {self.m_tile!r}")
-        for name in ("static_pairs", "return_router_info"):
+        n_s = self.shared_intermediate_size
+        if isinstance(n_s, bool) or not isinstance(n_s, int) or n_s < 0:
+            raise ValueError(f"shared_intermediate_size must be an int >= 0 (0: no shared expert), got {n_s!r}")
+        for name in ("static_pairs", "shared_expert_gate", "return_router_info"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.shared_expert_gate and not n_s:
+            raise ValueError("shared_expert_gate=True gates a shared expert: it needs shared_intermediate_size > 0")
         _check_choice("router_order", self.router_order, ROUTER_ORDERS)
         from .routing import check_expert_groups, check_scaling_factor  # (routing imports this module)
 

@@ -6,12 +6,13 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._autocast import autocast_dtype
 from .config import MoEConfig
 from .functional import SUPPORTED_DTYPES, _check_float, experts, resolve_backend
-from .routing import Routing, load_balancing_loss, router_topk, routing_from_topk, z_loss
+from .routing import Routing, load_balancing_loss, router_topk, routing_dense, routing_from_topk, z_loss
 
 
 class Experts(nn.Module):
@@ -78,6 +79,14 @@ class MoE(nn.Module):
     ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF Qwen3-MoE/gpt-oss
     experts, so checkpoints map one to one.
 
+    Shared expert (``shared_intermediate_size`` n_s > 0; DeepSeek-V2/V3, Qwen2-MoE): ``shared_experts.gate_up_proj``
+    (1, 2n_s, d) in the layer's ``gate_up_layout`` and ``shared_experts.down_proj`` (1, d, n_s), no biases; with
+    ``shared_expert_gate=True`` also ``shared_expert_gate.weight`` (1, d). Every token passes through it:
+    O_t = Σ_k S_tk · Expert_{e_tk}(x_t) + g_t · Shared(x_t), g_t = sigmoid(x_t · w_g) with the gate, else 1. It runs
+    on the experts' own kernels as one expert that every token routes to (:func:`sonicmoe.routing.routing_dense`),
+    so its backward keeps H_s (T, 2n_s) beside the X the routed experts keep: 4T·n_s bytes more in bf16. It is
+    replicated under expert parallelism, like the router, and stays out of ``aux_loss`` and ``expert_counts``.
+
     Backends: ``"triton"`` (our kernels, forward and backward), ``"torch"`` (index gather +
     ``torch._grouped_mm``; a loop off-GPU), ``"auto"`` (triton on CUDA, torch otherwise).
 
@@ -121,6 +130,10 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
+        n_s = self.config.shared_intermediate_size
+        self.shared_experts = Experts(1, hidden_size, n_s, device=device, dtype=dtype) if n_s else None
+        self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+                                   if self.config.shared_expert_gate else None)
         bias = None
         if self.config.router_order == "sigmoid_then_topk":  # the router's, replicated under expert parallelism
             bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
@@ -179,9 +192,11 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        shared = f", shared n_s={c.shared_intermediate_size}" if c.shared_intermediate_size else ""
+        gated = " (gated)" if c.shared_expert_gate else ""
         return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
                 f"router_order={c.router_order}, layout={c.gate_up_layout}, backend={c.backend}, "
-                f"routing={c.routing}")
+                f"routing={c.routing}{shared}{gated}")
 
     def _num_local_experts(self) -> int:
         """How many of the E experts this layer holds the weights of (all of them; expert parallelism holds E/P)."""
@@ -208,6 +223,19 @@ class MoE(nn.Module):
         c, ex = self.config, self.experts
         return experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
                        ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend)
+
+    def _run_shared_expert(self, x2: torch.Tensor, backend: str) -> torch.Tensor:
+        """(T, d): the shared expert on every token of x2 (T, d), times its gate sigmoid(x2 · w_g) or 1; one expert
+        that every token routes to once, on the same kernels as the routed experts."""
+        t, dtype = x2.shape[0], torch.promote_types(x2.dtype, torch.float32)
+        if self.shared_expert_gate is None:
+            scores = x2.new_ones(t, dtype=dtype)
+        else:  # the gate's logit in x2's dtype (a bf16 GEMM under bf16 or autocast), its sigmoid in float32 (or 64)
+            w_g = self.shared_expert_gate.weight
+            scores = torch.sigmoid(F.linear(x2, w_g.to(x2.dtype)).reshape(t).to(dtype))
+        se = self.shared_experts
+        return experts(x2, se.gate_up_proj, se.down_proj, routing_dense(t, x2.device), scores,
+                       gate_up_layout=self.config.gate_up_layout, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -236,6 +264,8 @@ class MoE(nn.Module):
         if self._scale_scores:
             pair_scores = pair_scores * c.routed_scaling_factor
         out = self._run_experts(x2, routing, pair_scores, backend)
+        if self.shared_experts is not None:
+            out = out + self._run_shared_expert(x2, backend)
         aux, z = self._losses
         zero = router.logits.new_zeros(()) if not (aux and z) else None
         self.aux_loss = c.aux_loss_coef * load_balancing_loss(router.probs, routing) if aux else zero

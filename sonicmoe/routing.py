@@ -236,6 +236,29 @@ def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     return _routing_from_topk_torch(topk_ids, num_experts)
 
 
+def routing_dense(num_tokens: int, device: torch.device | str | None = None) -> Routing:
+    """The routing of one expert that every token passes through once (a *shared* expert, DeepSeek-V2/V3 and
+    Qwen2-MoE): E = 1, R = T pairs, pair, row and slot t all token t. The same tensors as
+    ``routing_from_topk(zeros(T, 1), 1)``, from two launches instead of a sort (one arange serves every index
+    array, which no kernel writes).
+
+    Args:
+        num_tokens: T >= 0.
+        device: where the metadata lives (x's device).
+
+    Raises:
+        ValueError: ``num_tokens`` not an int >= 0.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    t = num_tokens
+    offsets = torch.arange(t + 1, device=device, dtype=INDEX_DTYPE)  # token t's one slot starts at t
+    rows = offsets[:t]
+    expert = offsets[::t].contiguous() if t else offsets.new_zeros(2)  # [0, T]
+    return Routing(num_tokens=t, num_experts=1, expert_offsets=expert, row_token=rows, row_pair=rows, pair_row=rows,
+                   token_offsets=offsets, token_rows=rows, slot_pair=None, padded=False)
+
+
 def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a (T, K) integer tensor, got {type(topk_ids).__name__}")

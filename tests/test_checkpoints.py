@@ -15,16 +15,17 @@ from sonicmoe import MoE
 from sonicmoe.checkpoints import hf_experts_state_dict, load_hf_experts
 
 D, N, E, K = 12, 6, 8, 2
+N_S = 10  # Qwen2-MoE's shared expert width (shared_expert_intermediate_size)
 
 
 class _Expert(nn.Module):
-    def __init__(self, names: tuple[str, str, str], bias: bool = False):
+    def __init__(self, names: tuple[str, str, str], bias: bool = False, n: int = N):
         super().__init__()
         self.names = names
         gate, up, down = names
-        setattr(self, gate, nn.Linear(D, N, bias=bias, dtype=torch.float64))
-        setattr(self, up, nn.Linear(D, N, bias=bias, dtype=torch.float64))
-        setattr(self, down, nn.Linear(N, D, bias=bias, dtype=torch.float64))
+        setattr(self, gate, nn.Linear(D, n, bias=bias, dtype=torch.float64))
+        setattr(self, up, nn.Linear(D, n, bias=bias, dtype=torch.float64))
+        setattr(self, down, nn.Linear(n, D, bias=bias, dtype=torch.float64))
 
     def forward(self, x):
         gate, up, down = (getattr(self, a) for a in self.names)
@@ -54,12 +55,14 @@ class _DeepSeekV3Block(nn.Module):
     """sigmoid gate; the choice by sigmoid + e_score_correction_bias within the topk_group best of n_group groups
     (a group scores its two best); weights the chosen sigmoids, renormalised, times the scaling factor."""
 
-    def __init__(self, n_group=4, topk_group=2, scale=2.5):
+    def __init__(self, n_group=4, topk_group=2, scale=2.5, n_shared=0):
         super().__init__()
         self.gate = nn.Linear(D, E, bias=False, dtype=torch.float64)
         self.gate.register_buffer("e_score_correction_bias", torch.randn(E, dtype=torch.float64) * 0.1)
         self.experts = nn.ModuleList(_Expert(("gate_proj", "up_proj", "down_proj")) for _ in range(E))
         self.n_group, self.topk_group, self.scale = n_group, topk_group, scale
+        # n_shared_experts shared experts: one MLP of n_shared · N (moe_intermediate_size), added unweighted
+        self.shared_experts = _Expert(("gate_proj", "up_proj", "down_proj"), n=n_shared * N) if n_shared else None
 
     def forward(self, x):
         s = torch.sigmoid(self.gate(x))
@@ -75,7 +78,27 @@ class _DeepSeekV3Block(nn.Module):
         for i in range(t):
             for j in range(K):
                 out[i] += w[i, j] * self.experts[int(ids[i, j])](x[i])
-        return out
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class _Qwen2MoeBlock(nn.Module):
+    """softmax over all E, top-K without renormalisation, plus a shared expert of width N_S scaled by
+    sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False, dtype=torch.float64)
+        self.experts = nn.ModuleList(_Expert(("gate_proj", "up_proj", "down_proj")) for _ in range(E))
+        self.shared_expert = _Expert(("gate_proj", "up_proj", "down_proj"), n=N_S)
+        self.shared_expert_gate = nn.Linear(D, 1, bias=False, dtype=torch.float64)
+
+    def forward(self, x):
+        w, ids = torch.softmax(self.gate(x), dim=-1).topk(K, dim=-1)
+        out = torch.zeros_like(x)
+        for i in range(x.shape[0]):
+            for j in range(K):
+                out[i] += w[i, j] * self.experts[int(ids[i, j])](x[i])
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def _prefixed(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
@@ -107,6 +130,81 @@ def test_deepseek_v3_block_loads_and_matches():
     assert torch.equal(layer.e_score_correction_bias, block.gate.e_score_correction_bias.float())
     x = torch.randn(23, D, dtype=torch.float64)
     torch.testing.assert_close(layer(x), block(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_deepseek_v3_block_with_shared_experts_loads_and_matches(layout):
+    """DeepSeek-V3 with n_shared_experts = 2: the layer's shared expert of width 2N reads shared_experts.*."""
+    torch.manual_seed(4)
+    block = _DeepSeekV3Block(n_shared=2)
+    layer = MoE(D, N, E, K, router_order="sigmoid_then_topk", renormalize=True, routed_scaling_factor=2.5,
+                n_group=4, topk_group=2, shared_intermediate_size=2 * N, gate_up_layout=layout, backend="torch",
+                dtype=torch.float64)
+    load_hf_experts(layer, _prefixed(block, "mlp."), "mlp.")
+    x = torch.randn(19, D, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), block(x), rtol=1e-12, atol=1e-12)
+    assert layer.shared_experts.down_proj.abs().sum() > 0
+    # the routed part alone (no shared expert in the layer) ignores the shared entries: the block less its MLP
+    routed = MoE(D, N, E, K, router_order="sigmoid_then_topk", renormalize=True, routed_scaling_factor=2.5,
+                 n_group=4, topk_group=2, backend="torch", dtype=torch.float64)
+    load_hf_experts(routed, _prefixed(block, "mlp."), "mlp.")
+    torch.testing.assert_close(routed(x) + block.shared_experts(x), block(x), rtol=1e-12, atol=1e-12)
+
+
+def test_qwen2_moe_block_with_gated_shared_expert_loads_and_matches():
+    torch.manual_seed(5)
+    block = _Qwen2MoeBlock()
+    layer = MoE(D, N, E, K, router_order="softmax_then_topk", shared_intermediate_size=N_S, shared_expert_gate=True,
+                backend="torch", dtype=torch.float64)
+    state = _prefixed(block, "model.layers.1.mlp.")
+    load_hf_experts(layer, state, "model.layers.1.mlp.")
+    x = torch.randn(21, D, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), block(x), rtol=1e-12, atol=1e-12)
+    back = hf_experts_state_dict(layer, "model.layers.1.mlp.")  # gated: Qwen2's shared_expert.* names
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("shared_name", [None, "shared_experts", "shared_expert"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_expert_round_trip(shared_name, gated):
+    torch.manual_seed(6)
+    layer = MoE(D, N, E, K, gate_up_layout="interleaved", shared_intermediate_size=N_S, shared_expert_gate=gated)
+    state = hf_experts_state_dict(layer, "b.", shared_name=shared_name)
+    name = shared_name or ("shared_expert" if gated else "shared_experts")
+    assert state[f"b.{name}.gate_proj.weight"].shape == (N_S, D)
+    assert state[f"b.{name}.down_proj.weight"].shape == (D, N_S)
+    assert len(state) == 1 + 3 * E + 3 + gated and ("b.shared_expert_gate.weight" in state) == gated
+    twin = MoE(D, N, E, K, shared_intermediate_size=N_S, shared_expert_gate=gated)  # the other layout
+    load_hf_experts(twin, state, "b.")
+    x = torch.randn(9, D)
+    torch.testing.assert_close(twin(x), layer(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="shared_name"):
+        hf_experts_state_dict(layer, "b.", shared_name="shared")
+
+
+def test_shared_expert_errors_leave_the_layer_unchanged():
+    torch.manual_seed(7)
+    good = _prefixed(_Qwen2MoeBlock(), "b.")
+    gated = MoE(D, N, E, K, shared_intermediate_size=N_S, shared_expert_gate=True, dtype=torch.float64)
+    plain = MoE(D, N, E, K, shared_intermediate_size=N_S, dtype=torch.float64)
+
+    def fails(layer, exc, match, state):
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(exc, match=match):
+            load_hf_experts(layer, state, "b.")
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+    no_shared = {k: v for k, v in good.items() if ".shared_expert." not in k}
+    fails(gated, KeyError, "shared_experts.gate_proj.weight.*shared_expert.gate_proj.weight", no_shared)
+    fails(gated, KeyError, "b.shared_expert_gate.weight",
+          {k: v for k, v in good.items() if k != "b.shared_expert_gate.weight"})
+    fails(gated, ValueError, r"b.shared_expert.down_proj.weight.*\(12, 10\)",
+          {**good, "b.shared_expert.down_proj.weight": torch.zeros(D, N_S + 1)})
+    fails(plain, ValueError, "shared_expert_gate=True", good)
+    fails(gated, ValueError, "biases", {**good, "b.shared_expert.gate_proj.bias": torch.zeros(N_S)})
+    wide = MoE(D, N, E, K, shared_intermediate_size=N_S + 2, shared_expert_gate=True, dtype=torch.float64)
+    fails(wide, ValueError, r"b.shared_expert.gate_proj.weight.*\(12, 12\)", good)
 
 
 @pytest.mark.parametrize("style", ["qwen", "mixtral"])

@@ -165,7 +165,9 @@ def _layer_errors(rank, world, backend, dtype, device) -> dict:
                # DeepSeek-V3's router (with a selection bias), groups under top-k; exact-length balance rounding
                "deepseek_groups": dict(routing="topk", n_group=4, topk_group=2, **deepseek),
                "deepseek_token_rounding": dict(routing="token_rounding", rounding="balance", static_pairs=False,
-                                               **deepseek)}
+                                               **deepseek),
+               # a shared expert with Qwen2-MoE's gate: replicated like the router, averaged by DDP
+               "shared_gated": dict(routing="topk", shared_intermediate_size=12, shared_expert_gate=True)}
     for routing, config in configs.items():
         opts = dict(bias=True, backend=backend, aux_loss_coef=0.0, m_tile=16, **config)
         torch.manual_seed(0)
@@ -191,8 +193,10 @@ def _layer_errors(rank, world, backend, dtype, device) -> dict:
             ref = ref[r.start:r.stop] if name.startswith("experts.") else ref
             errs[f"layer_{routing}/d{name}"] = rel_err(q.grad, ref / world)
     torch.manual_seed(0)  # every rank seeded alike: the same router, different experts
-    fresh = ExpertParallelMoE(D, N, E, 2, device=device if dist.get_backend() == "nccl" else "cpu")
-    for name, q in (("experts.gate_up_proj", fresh.experts.gate_up_proj), ("gate.weight", fresh.gate.weight)):
+    fresh = ExpertParallelMoE(D, N, E, 2, shared_intermediate_size=4,
+                              device=device if dist.get_backend() == "nccl" else "cpu")
+    for name, q in (("experts.gate_up_proj", fresh.experts.gate_up_proj), ("gate.weight", fresh.gate.weight),
+                    ("shared_experts.gate_up_proj", fresh.shared_experts.gate_up_proj)):
         parts = [torch.empty_like(q.detach()) for _ in range(world)]
         dist.all_gather(parts, q.detach())
         errs[f"layer/fresh_{name}_{'alike' if name.startswith('experts') else 'differs'}_flag"] = float(

@@ -388,14 +388,16 @@ def test_compile_fullgraph_experts_and_moe(device):
 
 @pytest.mark.filterwarnings("ignore:token rounding with")  # the eager calls warn: few tokens per expert
 @pytest.mark.parametrize("options", [{}, {"router_order": "sigmoid_then_topk", "renormalize": True,
-                                      "routed_scaling_factor": 2.5}, {"routing": "token_rounding", "m_tile": 4}],
-                         ids=["default", "deepseek_v3", "token_rounding"])
+                                      "routed_scaling_factor": 2.5}, {"routing": "token_rounding", "m_tile": 4},
+                                     {"shared_intermediate_size": 6, "shared_expert_gate": True}],
+                         ids=["default", "deepseek_v3", "token_rounding", "shared_expert"])
 def test_compile_fullgraph_module_dynamic_shapes(device, options):
     """sonicmoe.MoE(backend="triton") compiled with fullgraph=True and dynamic shapes: three token counts,
     one compilation (Routing sizes are SymInts from shapes; nothing is data-dependent). With DeepSeek-V3's router
     too (its selection bias a buffer, moved between calls: still one compilation), and with static-length token
     rounding in training at under 2·M_tile tokens per expert (its warning, which Dynamo cannot trace, silent while
-    compiling: a fullgraph compile failed there before session 79)."""
+    compiling: a fullgraph compile failed there before session 79), and with a gated shared expert (a second
+    experts call, on ``routing_dense``)."""
     torch.manual_seed(0)
     m = sonicmoe.MoE(D, N, 4, 2, backend="triton", bias=True, device=device, **options)
     rec = _GraphRecorder()

@@ -514,7 +514,8 @@ def test_forward_does_not_mutate():
 
 def test_public_api_exports():
     for name in ("MoE", "MoEConfig", "moe", "experts", "moe_ref", "experts_ref", "router_topk",
-                 "routing_from_topk", "routing_from_pairs", "load_balancing_loss", "z_loss", "Routing"):
+                 "routing_from_topk", "routing_from_pairs", "routing_dense", "load_balancing_loss", "z_loss",
+                 "Routing"):
         assert hasattr(sonicmoe, name), name
     assert sonicmoe.load_balancing_loss is load_balancing_loss
     assert sonicmoe.routing_from_topk is routing_from_topk

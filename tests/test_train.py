@@ -191,6 +191,30 @@ def test_deepseek_v3_router_with_token_rounding_trains(tmp_path):
                   "sigmoid_then_topk", "--n-group", "2", "--topk-group", "1"])
 
 
+def test_shared_expert_trains_and_resumes(tmp_path):
+    """--shared-expert-size 24 --shared-expert-gate: every layer has a gated shared expert (in the checkpoint), its
+    weights and gate move, the losses are finite and fall, and an interrupted run resumes to the uninterrupted
+    one's losses. A gate without a shared expert is refused."""
+    opts = ["--steps", "10", "--shared-expert-size", "24", "--shared-expert-gate", "--eval-every", "0",
+            "--profile-every", "0"]
+    full = _run(tmp_path / "full", *opts)
+    assert (full["config"]["shared_expert_size"], full["config"]["shared_expert_gate"]) == (24, True)
+    losses = _losses(full)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    model = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=False)["model"]
+    shared = {k: v for k, v in model.items() if ".shared_expert" in k}
+    assert len(shared) == 3 * LAYERS
+    assert all(v.shape == (1, 48, 32) for k, v in shared.items() if k.endswith("shared_experts.gate_up_proj"))
+    _run(tmp_path / "part", *opts, "--stop-after", "4")
+    early = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=False)["model"]
+    assert all(not torch.equal(early[k], v) for k, v in shared.items())  # steps 5-10 moved each of them
+    assert cli.main(["--resume", str(tmp_path / "part" / "ckpt.pt"), "--out", str(tmp_path / "resumed"),
+                     "--no-progress"]) == 0
+    assert _losses(json.loads((tmp_path / "resumed" / "log.json").read_text())) == losses
+    with pytest.raises(SystemExit):
+        cli.main([*TINY, "--out", str(tmp_path / "bad"), "--shared-expert-gate"])
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--routed-scaling-factor", type=float, help="every score times this (default 1; DeepSeek-V3 2.5)")
     g.add_argument("--n-group", type=int, help="sigmoid_then_topk: experts in this many groups (default 1: none)")
     g.add_argument("--topk-group", type=int, help="with --n-group: the groups each token picks its experts in")
+    g.add_argument("--shared-expert-size", type=int, metavar="N_S", help="a shared expert of this width in every "
+                   "MoE layer, which every token passes through (DeepSeek-V2/V3, Qwen2-MoE; default 0: none)")
+    g.add_argument("--shared-expert-gate", action=argparse.BooleanOptionalAction, default=None,
+                   help="scale the shared expert's output by a learned sigmoid gate per token (Qwen2-MoE)")
     g.add_argument("--bias-update-rate", type=float, help="sigmoid_then_topk: move the selection bias by this "
                    "after each step toward balanced loads (auxiliary-loss-free; DeepSeek-V3 1e-3; default 0: off)")
     g.add_argument("--expert-parallel", type=int, metavar="P", help="split each MoE layer's experts over groups "
@@ -108,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads", "experts", "top_k",
               "expert_size", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "grad_clip",
               "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "router_order",
-              "renormalize", "routed_scaling_factor", "n_group", "topk_group", "bias_update_rate", "device",
+              "renormalize", "routed_scaling_factor", "n_group", "topk_group", "shared_expert_size",
+              "shared_expert_gate", "bias_update_rate", "device",
               "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
               "deterministic", "expert_parallel", "graph_moe")
 

@@ -76,7 +76,8 @@ class TrainConfig:
     global norm ``grad_clip``; each step sees ``batch_size`` sequences of ``seq_len`` bytes.
     MoE options passed to :class:`sonicmoe.MoE`: ``backend``, ``routing``, ``rounding``, ``m_tile``,
     ``aux_loss_coef``, ``z_loss_coef``, ``router_order``, ``renormalize``, ``routed_scaling_factor``, ``n_group``,
-    ``topk_group``;
+    ``topk_group``, and ``shared_expert_size`` (n_s, the layer's ``shared_intermediate_size``; 0: no shared expert)
+    with ``shared_expert_gate``;
     ``bias_update_rate`` > 0 (with ``router_order="sigmoid_then_topk"``) moves each layer's selection bias after
     every optimizer step by that much (:meth:`sonicmoe.MoE.update_expert_bias`, counts summed over the ranks;
     DeepSeek-V3's auxiliary-loss-free balancing, usually with ``aux_loss_coef`` 0 or small). 0: never.
@@ -128,6 +129,8 @@ class TrainConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
     bias_update_rate: float = 0.0
     # run
     device: str = "auto"
@@ -191,11 +194,13 @@ class TrainConfig:
                                  "on the host); use expert_parallel=1")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
+        # the layer's own refusals (groups, token rounding with groups, the shared expert's options, ...), up front
         MoEConfig(self.d_model, self.expert_size, self.experts, self.top_k, routing=self.routing,
                   rounding=self.rounding, m_tile=self.m_tile, aux_loss_coef=self.aux_loss_coef,
                   z_loss_coef=self.z_loss_coef, router_order=self.router_order, renormalize=self.renormalize,
                   routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
-                  backend=self.backend)  # the layer's own refusals (groups, token rounding with groups, ...), up front
+                  backend=self.backend, shared_intermediate_size=self.shared_expert_size,
+                  shared_expert_gate=self.shared_expert_gate)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON- and checkpoint-friendly)."""

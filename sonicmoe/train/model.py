@@ -27,6 +27,8 @@ class ModelConfig:
         experts: E. top_k: K. expert_size: n (each expert's SwiGLU width; W1 is (E, 2n, d), W2 (E, d, n)).
         backend, routing, rounding, m_tile, aux_loss_coef, z_loss_coef, router_order, renormalize,
         routed_scaling_factor, n_group, topk_group: passed to :class:`sonicmoe.MoE`.
+        shared_expert_size, shared_expert_gate: the MoE layers' ``shared_intermediate_size`` (0: none) and
+            ``shared_expert_gate``.
     """
 
     vocab_size: int = 256
@@ -47,6 +49,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
 
 
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device,
@@ -95,7 +99,8 @@ class Block(nn.Module):
                        rounding=cfg.rounding, m_tile=cfg.m_tile, aux_loss_coef=cfg.aux_loss_coef,
                        z_loss_coef=cfg.z_loss_coef, router_order=cfg.router_order, renormalize=cfg.renormalize,
                        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
-                       topk_group=cfg.topk_group, return_router_info=True)
+                       topk_group=cfg.topk_group, shared_intermediate_size=cfg.shared_expert_size,
+                       shared_expert_gate=cfg.shared_expert_gate, return_router_info=True)
         # the MoE layer's aux_loss + z_loss and expert_counts (E,) of the last forward, as the layer returned them
         self.router_losses: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
