@@ -2,12 +2,14 @@
 
 :mod:`tests.test_fuzz` fuzzes the experts alone; this file draws a layer configuration — router order,
 renormalisation, routed scaling factor, expert groups, ``e_score_correction_bias``, gate/up layout, expert
-biases, routing (top-k or token rounding with each subroutine, M_tile and the static or exact pair count), the
-auxiliary and z-loss coefficients, training or eval mode, input lead dimensions — and compares the layer's output
+biases, routing (top-k or token rounding with each subroutine, M_tile and the static or exact pair count), a
+shared expert (none, or of a drawn width, with or without its sigmoid gate), the auxiliary and z-loss
+coefficients, training or eval mode, input lead dimensions — and compares the layer's output
 O, its losses, its expert counts and the gradients of x and every parameter of
 loss = ⟨O, dO⟩ + aux_loss + z_loss with an oracle assembled from the references: the torch router
 (``router_topk(use_kernel=False)``), :func:`sonicmoe.token_rounding.token_rounding_ref` (its per-expert loop),
-:func:`sonicmoe.experts_ref` (the per-expert loop of SPEC §3) and the two losses written out (SPEC §2).
+:func:`sonicmoe.experts_ref` (the per-expert loop of SPEC §3), the shared expert written out, and the two losses
+written out (SPEC §2).
 
 On CPU the experts run through Triton's interpreter in float32, and each example also draws whether the router
 and token rounding run their Triton kernels (the CUDA path) or their torch twins; on a GPU everything runs
@@ -78,6 +80,8 @@ class LayerCase:
     rounding: str
     m_tile: int
     static: bool
+    shared: int  # shared_intermediate_size n_s (0: none)
+    shared_gate: bool
     aux: float
     z: float
     training: bool
@@ -98,6 +102,7 @@ class LayerCase:
             "n_group": self.groups[0], "topk_group": self.groups[1], "gate_up_layout": self.layout,
             "bias": self.bias, "aux_loss_coef": self.aux, "z_loss_coef": self.z, "backend": "triton",
             "routing": self.routing, "rounding": self.rounding, "m_tile": self.m_tile, "static_pairs": self.static,
+            "shared_intermediate_size": self.shared, "shared_expert_gate": self.shared_gate,
         }
 
 
@@ -116,12 +121,14 @@ def layer_cases(draw, t_max=24, dims=(8, 16, 24), e_max=8):
             groups = draw(st.sampled_from(options))
     t = draw(st.integers(1, t_max))
     lead = (t,) if t % 2 or not draw(st.booleans()) else (2, t // 2)
+    shared = draw(st.sampled_from((0, *dims)))
     return LayerCase(
         lead=lead, d=draw(st.sampled_from(dims)), n=draw(st.sampled_from(dims)), e=e, k=k, order=order,
         renormalize=draw(st.booleans()), scale=draw(st.sampled_from((1.0, 2.5))), groups=groups,
         expert_bias=order == "sigmoid_then_topk" and draw(st.booleans()),
         layout=draw(st.sampled_from(("concat", "interleaved"))), bias=draw(st.booleans()), routing=routing,
         rounding=draw(st.sampled_from(SUBROUTINES)), m_tile=draw(st.integers(1, 6)), static=draw(st.booleans()),
+        shared=shared, shared_gate=bool(shared) and draw(st.booleans()),
         aux=draw(st.sampled_from((0.0, 0.01, 0.3))), z=draw(st.sampled_from((0.0, 1e-3, 0.1))),
         training=draw(st.booleans()), kernels=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
     )
@@ -154,6 +161,11 @@ def oracle(c: LayerCase, m: MoE, x: torch.Tensor):
     routing = routing_from_pairs(pair_token, pair_expert, t, c.e, token_major=True)
     out = sonicmoe.experts_ref(x2, ex.gate_up_proj, ex.down_proj, routing, scores * c.scale, ex.gate_up_proj_bias,
                                ex.down_proj_bias, gate_up_layout=c.layout)
+    if c.shared:  # every token through the shared SwiGLU MLP, times sigmoid(x · w_g) with the gate
+        w1 = m.shared_experts.gate_up_proj[0]
+        gate, up = (w1[:c.shared], w1[c.shared:]) if c.layout == "concat" else (w1[0::2], w1[1::2])
+        y = (torch.nn.functional.silu(x2 @ gate.T) * (x2 @ up.T)) @ m.shared_experts.down_proj[0].T
+        out = out + (y * torch.sigmoid(x2 @ m.shared_expert_gate.weight.T) if c.shared_gate else y)
     counts = torch.bincount(pair_expert.long(), minlength=c.e)
     f = counts.double() / max(int(counts.sum()), 1)  # fraction of routed pairs per expert (not differentiated)
     probs = router.probs  # softmax over E (sigmoid_then_topk: the sigmoids normalised over E)
