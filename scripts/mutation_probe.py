@@ -58,6 +58,7 @@ WG = "sonicmoe/ops/weight_grad.py"
 GG = "sonicmoe/ops/grouped_gemm.py"
 SG = "sonicmoe/ops/score_grad.py"
 RT = "sonicmoe/ops/router.py"
+SE = "tests/test_shared_expert.py"
 RK = "tests/test_router_kernel.py"
 TRD = "sonicmoe/token_rounding.py"
 TTR = "tests/test_token_rounding.py"
@@ -346,6 +347,21 @@ MUTANTS: list[Mutant] = [
     _m("load_profile_ignores_per_step", "sonicmoe/bench/load_profile.py",
        'key = "step_sorted_counts" if per_step and', 'key = "step_sorted_counts" if False and',
        "tests/test_bench.py", "-k", "load_profile"),
+    # host code of session 82: the shared expert
+    _m("shared_gate_not_applied", "sonicmoe/modules.py",
+       "        if self.shared_expert_gate is None:\n            scores", "        if True:\n            scores",
+       SE, "-k", "not gpu"),
+    _m("shared_routing_last_token_dropped", "sonicmoe/routing.py",
+       "    expert = offsets[::t].contiguous() if t else",
+       "    expert = (offsets[::t] - (t > 1)).contiguous() if t else", SE, "-k", "triton"),
+    _m("shared_output_not_added", "sonicmoe/modules.py", "            out = out + self._run_shared_expert(x2, backend)",
+       "            out = out + 0 * self._run_shared_expert(x2, backend)", SE, "-k", "torch_backend"),
+    _m("shared_loader_gate_up_swapped", "sonicmoe/checkpoints.py",
+       '    w1 = _gate_up(_take(state_dict, f"{p}gate_proj.weight", (n_s, d)),\n'
+       '                  _take(state_dict, f"{p}up_proj.weight", (n_s, d)), c.gate_up_layout)',
+       '    w1 = _gate_up(_take(state_dict, f"{p}up_proj.weight", (n_s, d)),\n'
+       '                  _take(state_dict, f"{p}gate_proj.weight", (n_s, d)), c.gate_up_layout)',
+       "tests/test_checkpoints.py", "-k", "shared"),
 ]
 
 
