@@ -76,8 +76,11 @@ class MoE(nn.Module):
     the loss, or set it to None, before capturing a CUDA graph after eager calls on another stream.
 
     Parameters: ``gate.weight`` (E, d) router; ``experts.gate_up_proj`` (E, 2n, d);
-    ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF Qwen3-MoE/gpt-oss
-    experts, so checkpoints map one to one.
+    ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF transformers' stacked experts
+    (Qwen3-MoE), so those checkpoints map one to one; per-expert checkpoints load with
+    :func:`sonicmoe.load_hf_experts`. Not gpt-oss's: its experts store these names transposed ((E, d, 2n) and
+    (E, n, d)), clamp and shift their GLU (alpha 1.702, limit 7, (up + 1)) and its router has a bias, none of which
+    this layer implements.
 
     Shared expert (``shared_intermediate_size`` n_s > 0; DeepSeek-V2/V3, Qwen2-MoE): ``shared_experts.gate_up_proj``
     (1, 2n_s, d) in the layer's ``gate_up_layout`` and ``shared_experts.down_proj`` (1, d, n_s), no biases; with
