@@ -6,6 +6,7 @@ Letters (SPEC §1): T tokens, d hidden size, n expert intermediate size, E exper
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 RouterOrder = Literal["topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk"]
@@ -111,9 +112,13 @@ class MoEConfig:
         n_s = self.shared_intermediate_size
         if isinstance(n_s, bool) or not isinstance(n_s, int) or n_s < 0:
             raise ValueError(f"shared_intermediate_size must be an int >= 0 (0: no shared expert), got {n_s!r}")
-        for name in ("static_pairs", "shared_expert_gate", "return_router_info"):
+        for name in ("renormalize", "bias", "static_pairs", "shared_expert_gate", "return_router_info"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("aux_loss_coef", "z_loss_coef"):  # a string or None would fail only in the forward, NaN silently
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.shared_expert_gate and not n_s:
             raise ValueError("shared_expert_gate=True gates a shared expert: it needs shared_intermediate_size > 0")
         _check_choice("router_order", self.router_order, ROUTER_ORDERS)

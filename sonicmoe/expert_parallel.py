@@ -52,7 +52,8 @@ import torch.distributed as dist
 
 from ._autocast import casts_under_autocast
 from ._device import on_device
-from .functional import _check_float, _check_routing, check_expert_inputs, experts
+from .config import GATE_UP_LAYOUTS
+from .functional import _check_float, _check_routing, check_expert_inputs, experts, resolve_backend
 from .modules import MoE
 from .ops.aggregation import gather_sum, gather_sum_ref
 from .routing import Routing, routing_from_pairs
@@ -187,13 +188,18 @@ def _exchange_plan(routing: Routing, world: int, e_loc: int, group) -> _Plan:
                  recv_info[:, 1:].flatten(), torch.arange(e_loc, device=key.device).repeat(world), splits.tolist())
 
 
-def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int) -> None:
-    """As :func:`sonicmoe.functional.check_expert_inputs`, with the routing over E = E_loc·P experts."""
-    check_expert_inputs(x, w1, w2, b1, b2)
+def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int, backend: str,
+                     gate_up_layout: str) -> None:
+    """As :func:`sonicmoe.functional.check_expert_inputs`, with the routing over E = E_loc·P experts; the options
+    too, before any exchange (a bad one on one rank would otherwise leave the others waiting in a collective)."""
+    allow_float64 = resolve_backend(backend, x) == "torch"  # float64 with the torch backend, as sonicmoe.experts
+    if gate_up_layout not in GATE_UP_LAYOUTS:
+        raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    check_expert_inputs(x, w1, w2, b1, b2, allow_float64=allow_float64)
     if w1.shape[0] < 1:
         raise ValueError("w1 must hold at least one expert: E_loc = E/P >= 1")
     _check_routing(routing, x.shape[0], w1.shape[0] * world, x.device)
-    _check_float("pair_scores", pair_scores)
+    _check_float("pair_scores", pair_scores, allow_float64=allow_float64)
     if pair_scores.dim() != 1 or pair_scores.shape[0] != routing.num_rows:
         raise ValueError(f"pair_scores must have shape (R={routing.num_rows},), got {tuple(pair_scores.shape)}")
     if pair_scores.device != x.device:
@@ -244,7 +250,7 @@ def expert_parallel_experts(
         TypeError, ValueError: as :func:`sonicmoe.experts`, naming the argument (the routing's E is E_loc·P).
     """
     world, _ = _group_size_rank(group)
-    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
+    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world, backend, gate_up_layout)
     e_loc = w1.shape[0]
     plan = _exchange_plan(routing, world, e_loc, group)
     send_tokens, send_rows, recv_tokens, recv_rows = (plan.splits[i * world:(i + 1) * world] for i in range(4))
@@ -300,7 +306,7 @@ def expert_parallel_experts_ref(
     (all-gather; backward: all-reduce of their gradients) and runs :func:`sonicmoe.experts` on its own tokens.
     Runs on the CPU (gloo); holds P times the expert weights."""
     world, _ = _group_size_rank(group)
-    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world)
+    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world, backend, gate_up_layout)
     full = [None if w is None else _AllGatherExperts.apply(w, group) for w in (w1, w2, b1, b2)]
     return experts(x, full[0], full[1], routing, pair_scores, full[2], full[3], gate_up_layout=gate_up_layout,
                    backend=backend)
@@ -350,8 +356,9 @@ class ExpertParallelMoE(MoE):
 
     @classmethod
     def from_moe(cls, moe: MoE, group=None) -> ExpertParallelMoE:
-        """The layer with ``moe``'s options, router and this rank's slice of its experts (on its device and dtype;
-        the random stream is left as it was). Every rank of ``group`` must hold the same ``moe``.
+        """The layer with ``moe``'s options, router and this rank's slice of its experts (on its device and dtype,
+        in its training or eval mode, each parameter frozen where ``moe``'s is; the random stream is left as it was).
+        Every rank of ``group`` must hold the same ``moe``.
 
         Raises:
             ValueError: E not a multiple of P.
@@ -363,7 +370,9 @@ class ExpertParallelMoE(MoE):
         layer = cls(*(getattr(c, f) for f in head), group=group, device="meta", dtype=w.dtype, **options)
         layer = layer.to_empty(device=w.device)
         layer.load_full_state_dict(moe.state_dict())
-        return layer
+        for p, q in zip(moe.parameters(), layer.parameters()):  # frozen stays frozen
+            q.requires_grad_(p.requires_grad)
+        return layer.train(moe.training)  # an eval-mode source routes with plain top-k: so does its shard
 
     def _num_local_experts(self) -> int:
         return self.config.num_experts // self.ep_size
@@ -379,8 +388,16 @@ class ExpertParallelMoE(MoE):
         return range(self.ep_rank * e_loc, (self.ep_rank + 1) * e_loc)
 
     def load_full_state_dict(self, state: dict) -> None:
-        """Load a :class:`~sonicmoe.MoE` state dict with all E experts, keeping this rank's slice of theirs."""
-        r = self.expert_range
+        """Load a :class:`~sonicmoe.MoE` state dict with all E experts, keeping this rank's slice of theirs.
+
+        Raises:
+            ValueError: an ``experts.*`` entry without E rows (a shard's state dict, say), naming it.
+        """
+        r, e = self.expert_range, self.config.num_experts
+        for name, v in state.items():
+            if name.startswith("experts.") and (not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != e):
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"{name} must hold all E={e} experts (a full MoE's state dict), got {got}")
         own = {name: (v[r.start:r.stop] if name.startswith("experts.") else v) for name, v in state.items()}
         self.load_state_dict(own)
 

@@ -295,6 +295,42 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
             expert_parallel_experts(x[:3], w1, w2, routing, torch.rand(8))
         with pytest.raises(ValueError, match="w2"):
             expert_parallel_experts(x, w1, w2[:, :, :3], routing, torch.rand(8))
+        # the options are checked before the exchange (a bad one on one rank would leave the others waiting)
+        with pytest.raises(ValueError, match="gate_up_layout"):
+            expert_parallel_experts(x, w1, w2, routing, torch.rand(8), gate_up_layout="split")
+        with pytest.raises(ValueError, match="backend"):
+            expert_parallel_experts(x, w1, w2, routing, torch.rand(8), backend="cuda")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
+    """In a group of one rank: float64 with the torch backend, as sonicmoe.experts and MoE take it (the functional
+    form and the layer); from_moe keeps the source's eval mode and frozen parameters; load_full_state_dict refuses
+    a state dict whose experts are not all E, naming the entry."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_experts
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(7)
+        x, w1, w2 = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((5, D), (3, 2 * N, D), (3, D, N)))
+        routing = routing_from_topk(torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]]), 3)
+        scores = torch.rand(10, generator=g, dtype=torch.float64)
+        out = expert_parallel_experts(x, w1, w2, routing, scores, backend="torch")
+        assert out.dtype == torch.float64
+        assert rel_err(out, sonicmoe.experts(x, w1, w2, routing, scores, backend="torch")) < 1e-12
+        torch.manual_seed(0)
+        full = MoE(D, N, 4, 2, routing="token_rounding", m_tile=4, shared_intermediate_size=6, backend="torch",
+                   dtype=torch.float64).eval()
+        full.gate.weight.requires_grad_(False)
+        layer = ExpertParallelMoE.from_moe(full)
+        assert not layer.training and not layer.gate.weight.requires_grad
+        assert layer.experts.gate_up_proj.requires_grad and layer.experts.gate_up_proj.dtype == torch.float64
+        xs = torch.randn(9, D, generator=g, dtype=torch.float64)
+        assert rel_err(layer(xs), full(xs)) < 1e-12
+        shard = {**full.state_dict(), "experts.down_proj": full.experts.down_proj[:2]}
+        with pytest.raises(ValueError, match=r"experts.down_proj must hold all E=4 experts"):
+            layer.load_full_state_dict(shard)
     finally:
         dist.destroy_process_group()
 

@@ -138,6 +138,10 @@ def test_config_defaults():
     ({"router_order": "sigmoid_then_topk", "n_group": 3, "topk_group": 1, "top_k": 3}, "topk_group"),  # 2 < K
     ({"topk_group": 2}, "topk_group"),  # without groups
     ({"return_router_info": 1}, "return_router_info"), ({"static_pairs": "no"}, "static_pairs"),
+    ({"bias": "False"}, "bias"), ({"renormalize": "False"}, "renormalize"),  # truthy strings: refused
+    ({"aux_loss_coef": None}, "aux_loss_coef"), ({"aux_loss_coef": float("nan")}, "aux_loss_coef"),
+    ({"aux_loss_coef": -0.1}, "aux_loss_coef"), ({"z_loss_coef": "0.1"}, "z_loss_coef"),
+    ({"z_loss_coef": True}, "z_loss_coef"),
 ])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=name):

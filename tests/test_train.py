@@ -215,6 +215,64 @@ def test_shared_expert_trains_and_resumes(tmp_path):
         cli.main([*TINY, "--out", str(tmp_path / "bad"), "--shared-expert-gate"])
 
 
+def test_resume_leaves_the_checkpoint_and_keeps_the_masters(tmp_path):
+    """train(cfg, checkpoint) does not change the caller's checkpoint (history and AdamW state are its own copies);
+    a mixed-precision (bf16) run resumed with float32 parameters continues from the saved float32 masters, and a
+    float32 run resumed in bf16 starts its masters from the float32 weights (not their rounded copies); a checkpoint
+    past the run's end is refused."""
+    import copy
+
+    from sonicmoe.train.config import config_from_dict
+    from sonicmoe.train.loop import Optimizer, load_checkpoint, train
+
+    _run(tmp_path / "bf16", "--steps", "6", "--stop-after", "3", "--dtype", "bfloat16", "--eval-every", "0",
+         "--profile-every", "0")
+    ckpt = load_checkpoint(tmp_path / "bf16" / "ckpt.pt")
+    before = copy.deepcopy(ckpt)
+    captured = {}
+    load = Optimizer.load_state_dict
+
+    def spy(self, state):
+        load(self, state)
+        captured["params"] = [p.detach().clone() for p in self.params]
+        captured["masters"] = None if self.masters is None else [m.clone() for m in self.masters]
+
+    Optimizer.load_state_dict = spy
+    try:
+        cfg = config_from_dict(ckpt["config"], dtype="float32", out=str(tmp_path / "f32"), stop_after=4,
+                               progress=False)
+        train(cfg, ckpt)
+        saved = ckpt["optimizer"]["masters"]
+        assert saved is not None and captured["masters"] is None  # float32 parameters: no masters of their own
+        assert all(torch.equal(p, m) for p, m in zip(captured["params"], saved))
+        assert any(not torch.equal(m, m.bfloat16().float()) for m in saved)  # the masters carry more than bf16
+        assert ckpt["history"] == before["history"]
+        for a, b in zip(ckpt["optimizer"]["adamw"]["state"].values(), before["optimizer"]["adamw"]["state"].values()):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        # float32 -> bf16: the masters start from the float32 model state
+        f32 = load_checkpoint(tmp_path / "f32" / "ckpt.pt")
+        assert f32["optimizer"]["masters"] is None
+        cfg = config_from_dict(f32["config"], dtype="bfloat16", out=str(tmp_path / "back"), stop_after=5,
+                               progress=False)
+        train(cfg, f32)
+        from sonicmoe.train.loop import model_config
+
+        names = [n for n, _ in MoETransformer(model_config(cfg)).named_parameters()]
+        assert len(names) == len(captured["masters"])
+        assert all(torch.equal(m, f32["model"][n]) for n, m in zip(names, captured["masters"]))
+    finally:
+        Optimizer.load_state_dict = load
+    with pytest.raises(ValueError, match="past this run's end"):
+        train(config_from_dict(ckpt["config"], out=str(tmp_path / "x"), stop_after=2, progress=False), ckpt)
+
+
+@pytest.mark.parametrize("option,value", [("grad_clip", 0.0), ("grad_clip", -1.0), ("lr", float("nan")),
+                                          ("weight_decay", -0.1), ("beta2", 1.0)])
+def test_bad_optimiser_options_are_refused(option, value):
+    with pytest.raises(ValueError, match=option):
+        make_config("cpu-tiny", **{option: value}).validate()
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)

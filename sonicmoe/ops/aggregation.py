@@ -243,14 +243,16 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
 def gather_sum_ref(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | None,
                    config: dict | None = None, out: torch.Tensor | None = None, progs_per_sm: int = 0,
                    num_programs: int = 0) -> torch.Tensor:
-    """Pure-PyTorch twin of :func:`gather_sum` (float32, per-slot index_add; ``config``, ``progs_per_sm`` and
-    ``num_programs`` are ignored). A padded routing's padding slots are left out, as the kernel leaves them."""
+    """Pure-PyTorch twin of :func:`gather_sum` (float32 sums, float64 for float64 rows, which only this twin takes;
+    per-slot index_add; ``config``, ``progs_per_sm`` and ``num_programs`` are ignored). A padded routing's padding
+    slots are left out, as the kernel leaves them."""
     t = routing.num_tokens
     # each slot's token; the padding slots of a padded routing (after token_offsets[T]) get T, a row dropped below
     slots = torch.arange(routing.num_rows, device=y.device, dtype=routing.token_offsets.dtype)
     slot_token = torch.searchsorted(routing.token_offsets[1:], slots, right=True)
-    rows = y[routing.token_rows.long()].float()
+    acc = torch.promote_types(y.dtype, torch.float32)
+    rows = y[routing.token_rows.long()].to(acc)
     if slot_weights is not None:
-        rows = rows * slot_weights.float()[:, None]
-    res = torch.zeros(t + 1, y.shape[1], dtype=torch.float32, device=y.device).index_add(0, slot_token, rows)[:t]
+        rows = rows * slot_weights.to(acc)[:, None]
+    res = torch.zeros(t + 1, y.shape[1], dtype=acc, device=y.device).index_add(0, slot_token, rows)[:t]
     return res.to(y.dtype) if out is None else out.copy_(res)

@@ -7,6 +7,7 @@ each MoE layer sees T = batch_size · seq_len tokens per step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ..config import MoEConfig
@@ -168,8 +169,15 @@ class TrainConfig:
             raise ValueError(f"top_k={self.top_k} must be at most experts={self.experts}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
-        if self.lr <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        if not 0 < self.lr < math.inf or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"need 0 < lr < inf and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        # 0 would zero every gradient and a negative bound flip their sign (gradient ascent); inf: no clipping
+        if not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 (inf: no clipping), got {self.grad_clip!r}")
+        if not 0.0 <= self.weight_decay < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"beta1 and beta2 must lie in [0, 1), got {self.beta1!r}, {self.beta2!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:

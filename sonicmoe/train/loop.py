@@ -10,6 +10,7 @@ Started by ``torchrun`` with several processes, the loop trains data-parallel (:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -154,12 +155,18 @@ class Optimizer:
         return {"adamw": self.adamw.state_dict(), "masters": self.masters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the parameters are restored from the masters too)."""
+        """Restore :meth:`state_dict`'s output. Saved float32 masters restore the parameters too, whether this run
+        keeps masters or has float32 parameters (a mixed-precision run resumed in float32 continues from the
+        masters, not from their rounded copies)."""
         self.adamw.load_state_dict(state["adamw"])
-        if self.masters is not None and state.get("masters") is not None:
-            with torch.no_grad():
-                for m, saved in zip(self.masters, state["masters"]):
-                    m.copy_(saved)
+        saved = state.get("masters")
+        if saved is None:
+            return
+        with torch.no_grad():
+            if self.masters is None:
+                torch._foreach_copy_(self.params, list(saved))
+            else:
+                torch._foreach_copy_(self.masters, list(saved))
                 torch._foreach_copy_(self.params, self.masters)
 
 
@@ -399,6 +406,13 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     start_step = 0
     if checkpoint is not None:
         opt_state = checkpoint["optimizer"]
+        if device.type == "cpu":  # AdamW keeps the tensors already on the parameters' device and dtype: the
+            opt_state = copy.deepcopy(opt_state)  # checkpoint's own on the CPU, which its steps would overwrite
+        if opt.masters is not None and opt_state.get("masters") is None:
+            # a float32 checkpoint resumed with low-precision parameters: the masters from its float32 weights, not
+            # from their rounded copies
+            names = [name for name, _ in model.named_parameters()]
+            opt_state = {**opt_state, "masters": [checkpoint["model"][name].float() for name in names]}
         if sharding is not None:
             _, opt_state = sharding.local(model, {}, opt_state, opt.order)
         opt.load_state_dict(opt_state)
@@ -410,8 +424,11 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         elif device.type == "cuda" and dp.world == 1 and "cuda" in checkpoint["rng"]:
             torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
         start_step = int(checkpoint["step"])
-        history = checkpoint["history"]
+        history = copy.deepcopy(checkpoint["history"])  # appended to below: the caller's checkpoint stays as it was
     end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    if end_step < start_step:
+        raise ValueError(f"the checkpoint is at step {start_step}, past this run's end (steps={cfg.steps}, "
+                         f"stop_after={cfg.stop_after}): nothing to train")
 
     layers = model.moe_layers()
     profiler = MoEProfiler(layers, device)

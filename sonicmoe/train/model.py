@@ -133,16 +133,18 @@ class MoETransformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, 0.02) embeddings and attention weights; residual-branch outputs (attention ``proj`` and
-        the experts' W2) scaled by 1/sqrt(2·layers); the MoE layers otherwise keep their own init."""
+        """N(0, 0.02) embeddings and attention weights; residual-branch outputs (attention ``proj``, the experts'
+        W2 and the shared expert's) scaled by 1/sqrt(2·layers); the MoE layers otherwise keep their own init."""
         residual_scale = 1.0 / math.sqrt(2 * self.cfg.layers)
         nn.init.normal_(self.embed.weight, std=0.02)
         for blk in self.blocks:
             nn.init.normal_(blk.attn.qkv.weight, std=0.02)
             nn.init.normal_(blk.attn.proj.weight, std=0.02 * residual_scale)
-            blk.moe.experts.reset_parameters()
-            with torch.no_grad():
-                blk.moe.experts.down_proj.mul_(residual_scale)
+            for ex in (blk.moe.experts, blk.moe.shared_experts):
+                if ex is not None:
+                    ex.reset_parameters()
+                    with torch.no_grad():
+                        ex.down_proj.mul_(residual_scale)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layer of each block, in order."""
