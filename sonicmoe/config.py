@@ -101,13 +101,13 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"top_k must be an int in [1, num_experts={self.num_experts}], got {self.top_k!r}"
             )
-        if not isinstance(self.m_tile, int) or self.m_tile < 1:
+        if isinstance(self.m_tile, bool) or not isinstance(self.m_tile, int) or self.m_tile < 1:
             raise ValueError(f"m_tile must be a positive int, got {self.m_tile!r}")
         n_s = self.shared_intermediate_size
         if isinstance(n_s, bool) or not isinstance(n_s, int) or n_s < 0:

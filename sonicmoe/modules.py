@@ -150,11 +150,15 @@ class MoE(nn.Module):
         self.expert_counts: torch.Tensor | None = None
 
     def _apply(self, fn, recurse=True):
-        # the selection bias stays float32 under .to(dtype), .half(), ...: DeepSeek-V3's steps of 1e-3 vanish in bf16
+        # the selection bias stays float32 under .to(dtype), .half(), ...: DeepSeek-V3's steps of 1e-3 vanish in bf16.
+        # _apply replaces buffers, so the float32 values from before are still here to move (casting back the
+        # bf16-rounded buffer would keep its rounding)
+        old = self.e_score_correction_bias
         super()._apply(fn, recurse)
         b = self.e_score_correction_bias
-        if b is not None and b.dtype != torch.float32 and b.device.type != "meta":
-            self.e_score_correction_bias = b.float()
+        if b is not None and b.dtype != torch.float32:
+            keep = old.dtype == torch.float32 and (old.device.type != "meta" or b.device.type == "meta")
+            self.e_score_correction_bias = (old if keep else b).to(b.device, torch.float32)
         return self
 
     @torch.no_grad()
@@ -178,8 +182,8 @@ class MoE(nn.Module):
         if b is None:
             raise RuntimeError("update_expert_bias needs router_order='sigmoid_then_topk' (the only order with "
                                f"a selection bias); this layer has {self.config.router_order!r}")
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-            raise ValueError(f"rate must be a float > 0, got {rate!r}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+            raise ValueError(f"rate must be a finite float > 0, got {rate!r}")
         c = self.expert_counts if counts is None else counts
         if c is None:
             raise RuntimeError("update_expert_bias: no expert counts yet; run a forward first or pass counts=")

@@ -53,7 +53,8 @@ class Routing:
         slot_pair: (R,) the pair behind each token slot; ``None`` when it is the identity
             (pairs already token-major, as with plain top-k).
         padded: the pairs may include padding pairs (token T, expert E), whose rows come after
-            ``expert_offsets[E]`` (their ``row_token`` reads T − 1, a valid index that nothing adds up).
+            ``expert_offsets[E]`` (their ``row_token`` reads T − 1, a valid index that nothing adds up; 0 when T = 0,
+            which no kernel reads).
         tile_rows: a performance hint, 0 (none) or the M_tile to whose multiples the routing that built it
             rounded every expert's count (token rounding sets it: SPEC §5). Kernels may choose a schedule by
             it (:func:`sonicmoe.ops.up_proj_ws.up_ws_preferred`); their results never depend on it.
@@ -167,6 +168,9 @@ def routing_from_pairs(
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     if check:
         check_pairs(pair_token, pair_expert, num_tokens + padding, num_experts + padding)
+        if padding and bool(((pair_token == num_tokens) != (pair_expert == num_experts)).any()):
+            raise ValueError(f"padding pairs must be (token T={num_tokens}, expert E={num_experts}), both: a pair has "
+                             "one of the two and not the other")
     device = pair_token.device
     pair_expert = pair_expert.to(INDEX_DTYPE)
     pair_token = pair_token.to(INDEX_DTYPE)
@@ -221,6 +225,7 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
         TypeError: ``topk_ids`` not an integer tensor.
     """
     _check_topk_ids(topk_ids, num_experts)
+    topk_ids = _wide_ids(topk_ids)
     if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL") == "1":
         from .ops import topk_routing  # imports triton: lazily, off the CPU path
 
@@ -233,7 +238,13 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
 def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     """Torch twin of :func:`routing_from_topk` (same arguments, checks and results) in torch operations only."""
     _check_topk_ids(topk_ids, num_experts)
-    return _routing_from_topk_torch(topk_ids, num_experts)
+    return _routing_from_topk_torch(_wide_ids(topk_ids), num_experts)
+
+
+def _wide_ids(ids: torch.Tensor) -> torch.Tensor:
+    """int8/uint8/int16 ids as int64: the searches over their sorted values count up to E + 1, which those types
+    cannot hold for every E (int8 ids with E = 128 made expert_offsets[E] wrap to 0)."""
+    return ids if ids.dtype in (torch.int32, torch.int64) else ids.long()
 
 
 def routing_dense(num_tokens: int, device: torch.device | str | None = None) -> Routing:

@@ -139,6 +139,7 @@ def test_config_defaults():
     ({"topk_group": 2}, "topk_group"),  # without groups
     ({"return_router_info": 1}, "return_router_info"), ({"static_pairs": "no"}, "static_pairs"),
     ({"bias": "False"}, "bias"), ({"renormalize": "False"}, "renormalize"),  # truthy strings: refused
+    ({"top_k": True}, "top_k"), ({"hidden_size": True}, "hidden_size"), ({"m_tile": True}, "m_tile"),
     ({"aux_loss_coef": None}, "aux_loss_coef"), ({"aux_loss_coef": float("nan")}, "aux_loss_coef"),
     ({"aux_loss_coef": -0.1}, "aux_loss_coef"), ({"z_loss_coef": "0.1"}, "z_loss_coef"),
     ({"z_loss_coef": True}, "z_loss_coef"),
@@ -287,8 +288,10 @@ def test_update_expert_bias():
     m.update_expert_bias(1.0, counts=counts)  # the busiest expert's bias drops by 1: below any other's sigmoid
     m(x)
     assert m.expert_counts[busiest] == 0
+    exact = m.e_score_correction_bias.clone()
     half = m.to(torch.bfloat16)
     assert half.e_score_correction_bias.dtype == torch.float32 and half.gate.weight.dtype == torch.bfloat16
+    assert torch.equal(half.e_score_correction_bias, exact)  # not rounded through bf16 on the way
     state = half.state_dict()
     assert torch.equal(state["e_score_correction_bias"], m.e_score_correction_bias)
     fresh = make(seed=5, router_order="sigmoid_then_topk").to(torch.bfloat16)
@@ -296,6 +299,8 @@ def test_update_expert_bias():
     assert torch.equal(fresh.e_score_correction_bias, m.e_score_correction_bias)
     with pytest.raises(ValueError, match="rate"):
         m.update_expert_bias(0.0)
+    with pytest.raises(ValueError, match="rate"):
+        m.update_expert_bias(float("inf"))
     with pytest.raises(ValueError, match="counts"):
         m.update_expert_bias(0.01, counts=torch.ones(E + 1))
     with pytest.raises(RuntimeError, match="no expert counts"):

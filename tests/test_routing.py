@@ -127,11 +127,16 @@ def test_routing_from_topk_invariants(T, K, E):
     assert torch.equal(torch.diff(r.token_offsets.long()), torch.full((T,), K))
 
 
-@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32, torch.int16])
-def test_routing_from_topk_index_dtypes(id_dtype):
-    ids = random_topk_ids(6, 2, 5, seed=3)
-    r = routing_from_topk(ids.to(id_dtype), 5)
-    check_routing(r, [t for t in range(6) for _ in range(2)], ids.reshape(-1).tolist(), 6, 5)
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+@pytest.mark.parametrize("e", [5, 128])
+def test_routing_from_topk_index_dtypes(id_dtype, e):
+    """Any integer ids; E = 128 does not fit int8's E + 1 (its offsets' search bound wrapped to 0 before session
+    82), nor would E = 256 uint8's."""
+    ids = random_topk_ids(6, 2, e, seed=3)
+    ids[0, 0] = e - 1  # the last expert holds a row
+    r = routing_from_topk(ids.to(id_dtype), e)
+    check_routing(r, [t for t in range(6) for _ in range(2)], ids.reshape(-1).tolist(), 6, e)
+    assert int(r.expert_offsets[-1]) == 12
 
 
 def test_routing_from_topk_empty_experts_and_all_on_one():
@@ -261,6 +266,16 @@ def test_routing_from_pairs_hypothesis(T, E, p_keep, seed, shuffle):
     tok, exp = random_pairs(T, E, seed, p_keep=p_keep, shuffle=shuffle)
     r = routing_from_pairs(tok, exp, T, E, token_major=not shuffle)
     check_routing(r, tok.tolist(), exp.tolist(), T, E)
+
+
+def test_check_padding_pairs_are_both_t_and_e():
+    """With check=True and padding=True, a pair with token T but a real expert (or a real token and expert E) is
+    refused: it would be a real row added to token T − 1, or a token's slot pointing at a row no expert computes."""
+    ok = routing_from_pairs(torch.tensor([0, 1, 2]), torch.tensor([1, 0, 2]), 2, 2, padding=True, check=True)
+    assert int(ok.expert_offsets[-1]) == 2
+    for tok, exp in (([0, 2], [1, 1]), ([0, 1], [1, 2])):
+        with pytest.raises(ValueError, match=r"padding pairs must be \(token T=2, expert E=2\)"):
+            routing_from_pairs(torch.tensor(tok), torch.tensor(exp), 2, 2, padding=True, check=True)
 
 
 def test_check_pairs_accepts_valid():

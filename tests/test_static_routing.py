@@ -157,6 +157,21 @@ def test_experts_on_padded_routing_equal_exact(backend, bias, monkeypatch):
     assert rel_err(results[1][-1][:r], results[0][-1]) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_experts_on_padded_routing_without_tokens(backend):
+    """T = 0 with a static-length routing (every pair padding): an empty output, and zero gradients for the weights
+    and the scores (the torch backend gathered x[0] from an empty x before session 82)."""
+    x = torch.randn(0, 8, requires_grad=True)
+    w1, w2 = torch.randn(3, 12, 8, requires_grad=True), torch.randn(3, 8, 6, requires_grad=True)
+    s = torch.rand(4, requires_grad=True)
+    rt = routing_from_pairs(torch.zeros(4, dtype=torch.long), torch.full((4,), 3), 0, 3, padding=True, check=True)
+    out = experts(x, w1, w2, rt, s, backend=backend)
+    assert out.shape == (0, 8)
+    grads = torch.autograd.grad(out.sum(), [x, w1, w2, s], allow_unused=True)
+    assert grads[0] is None or grads[0].shape == (0, 8)
+    assert all(g is None or not g.any() for g in grads[1:])
+
+
 def test_moe_layer_token_rounding_is_static():
     """The layer in training routes with the static form: its buffers are R_max long, its counts the exact ones,
     and its output and gradients those of the exact pairs."""

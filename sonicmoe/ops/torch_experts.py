@@ -59,7 +59,11 @@ def experts_torch(
     """
     use_gmm = _grouped_mm_ok(x, w1, w2)
     token = routing.row_token.long()
-    xg = x[token]
+    if x.shape[0]:
+        xg = x[token]
+    else:  # no token: every pair is padding (a static-length routing's), and there is no row to gather; zeros,
+        # still in x's graph so that x gets its (0, d) gradient
+        xg = x.new_zeros(token.shape[0], x.shape[1]) + x.sum(0, keepdim=True)
     real = routing.real_rows()  # padding rows (routing.padded): zero in, zero out, zero gradients
     if real is not None:
         real = real[:, None]
@@ -76,4 +80,6 @@ def experts_torch(
         y = torch.where(real, y, 0)
     s = routing.row_scores(pair_scores).to(y.dtype)
     out = torch.zeros(routing.num_tokens, x.shape[1], dtype=y.dtype, device=x.device)
+    if not x.shape[0]:  # no token (every pair padding): nothing to add; an empty output, still in the graph
+        return out + (y * s[:, None]).sum(0, keepdim=True)[:0]
     return out.index_add(0, token, y * s[:, None])
