@@ -113,8 +113,9 @@ class MoE(nn.Module):
     and the parameters' gradients in their own dtype; the router's logits stay float32. The parameters must
     be bf16/fp16/fp32 for the triton backend; float64 parameters need ``backend="torch"`` (``"auto"``
     picks it). NaN/Inf in one token's x reach that token's output only (see :func:`sonicmoe.experts`).
-    The forward reads no tensor values (no host sync): token rounding returns a static number of pairs,
-    R_max = :func:`sonicmoe.token_rounding.max_pairs` (the real ones, then padding pairs that no kernel
+    The forward reads no tensor values (no host sync; the torch backend's per-expert loop, which runs where
+    ``torch._grouped_mm`` does not, bf16 on Hopper, reads the expert counts): token rounding returns a static number
+    of pairs, R_max = :func:`sonicmoe.token_rounding.max_pairs` (the real ones, then padding pairs that no kernel
     computes), so its (R, ·) buffers are up to that bound long; ``static_pairs=False`` sizes them for the
     exact R instead, at the cost of one host sync per forward.
 
