@@ -136,12 +136,15 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
                          f"the layer routes with router_order={c.router_order!r}: build it with "
                          "router_order='sigmoid_then_topk'")
     shared = _take_shared(layer, state_dict, prefix)
+    # every stack before the first copy: one that fails (tensors on mixed devices, say) leaves the layer unchanged
+    w1, w2 = torch.stack(w1), torch.stack(w2)
+    b1, b2 = (torch.stack(b1), torch.stack(b2)) if b1 else (None, None)
     layer.gate.weight.copy_(router)
-    ex.gate_up_proj.copy_(torch.stack(w1))
-    ex.down_proj.copy_(torch.stack(w2))
-    if b1:
-        ex.gate_up_proj_bias.copy_(torch.stack(b1))
-        ex.down_proj_bias.copy_(torch.stack(b2))
+    ex.gate_up_proj.copy_(w1)
+    ex.down_proj.copy_(w2)
+    if b1 is not None:
+        ex.gate_up_proj_bias.copy_(b1)
+        ex.down_proj_bias.copy_(b2)
     if selection_bias is not None:
         layer.e_score_correction_bias.copy_(selection_bias)
     if shared is not None:

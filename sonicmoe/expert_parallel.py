@@ -351,7 +351,13 @@ class ExpertParallelMoE(MoE):
         if w.device.type != "meta":
             seed = int(torch.randint(0, 2 ** 62, ()))
             with torch.random.fork_rng(devices=[w.device] if w.is_cuda else [], device_type=w.device.type):
-                torch.manual_seed(seed + rank)
+                # the generator the experts draw from, only: torch.manual_seed would reseed every GPU's, and the
+                # fork restores this one's alone
+                if w.is_cuda:
+                    with torch.cuda.device(w.device):
+                        torch.cuda.manual_seed(seed + rank)
+                else:
+                    torch.random.default_generator.manual_seed(seed + rank)
                 self.experts.reset_parameters()
 
     @classmethod
