@@ -53,10 +53,11 @@ def _check_routing(routing: Routing, t: int, e: int, device: torch.device) -> No
         v = getattr(routing, field)
         if v is None and field == "slot_pair":
             continue
-        if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype.is_complex \
-                or v.dtype == torch.bool:
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.int32:
+            # the kernels and the score gradients read int32; a uint8 array would even index as a boolean mask
             what = v.dtype if isinstance(v, torch.Tensor) else type(v).__name__
-            raise TypeError(f"routing.{field} must be an integer tensor, got {what}")
+            raise TypeError(f"routing.{field} must be an int32 tensor (as routing_from_topk and routing_from_pairs "
+                            f"build it), got {what}")
         if v.device != device:
             raise ValueError(f"routing is on {v.device} (routing.{field}) but x is on {device}")
         if tuple(v.shape) != (sizes[letter],):
@@ -105,9 +106,9 @@ def check_expert_inputs(
         raise ValueError(f"x must have shape (T, d), got {tuple(x.shape)}")
     t, d = x.shape
     _check_float("w1", w1, allow_float64)
-    if w1.dim() != 3 or w1.shape[2] != d or w1.shape[1] % 2:
+    if w1.dim() != 3 or w1.shape[2] != d or w1.shape[1] % 2 or w1.shape[1] == 0:
         raise ValueError(
-            f"w1 must have shape (E, 2n, d={d}) to match x {tuple(x.shape)}, got {tuple(w1.shape)}"
+            f"w1 must have shape (E, 2n, d={d}) with n >= 1 to match x {tuple(x.shape)}, got {tuple(w1.shape)}"
         )
     e, two_n, _ = w1.shape
     _check_float("w2", w2, allow_float64)

@@ -759,3 +759,43 @@ def test_gpu_cuda_graph_training_step(routing):
     for (name, p), p_ref in zip(model.named_parameters(), twin.parameters()):
         assert rel_err(p, p_ref) < 1e-4, name
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _small_case(t, d, n, e, seed, device="cpu"):
+    p = random_problem(t, d, n, e, seed=seed)
+    ids = torch.rand(t, e, generator=torch.Generator().manual_seed(seed)).topk(2, dim=1).indices
+    return ({k: v.to(device) for k, v in p.items() if v is not None}, routing_from_topk(ids.to(device), e),
+            torch.rand(2 * t, generator=torch.Generator().manual_seed(seed + 1)).to(device))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int64])
+@pytest.mark.parametrize("field", ["row_token", "pair_row", "expert_offsets"])
+def test_routing_arrays_must_be_int32(dtype, field):
+    """A hand-built Routing whose arrays are not int32 is refused, naming the field: uint8 indexed the scores as a
+    boolean mask (a silently wrong output, before session 82), int64 failed only in the backward's score gradient."""
+    import dataclasses
+
+    p, r, scores = _small_case(7, 8, 4, 3, seed=1)
+    bad = dataclasses.replace(r, **{field: getattr(r, field).to(dtype)})
+    for backend in ("torch", "triton"):
+        with pytest.raises(TypeError, match=f"routing.{field} must be an int32 tensor"):
+            sonicmoe.experts(p["x"], p["w1"], p["w2"], bad, scores, backend=backend)
+
+
+def test_zero_width_experts_are_refused():
+    p, r, scores = _small_case(5, 8, 4, 3, seed=2)
+    with pytest.raises(ValueError, match=r"w1 must have shape \(E, 2n, d=8\) with n >= 1"):
+        sonicmoe.experts(p["x"], p["w1"][:, :0], p["w2"][:, :, :0], r, scores, backend="torch")
+
+
+@pytest.mark.interpreter
+def test_second_backward_through_the_kernels_raises(device):
+    """The Triton backward's gradients come from kernels, with no graph of their own: differentiating them again (a
+    gradient penalty, create_graph=True) raises instead of silently dropping the second-order term."""
+    p, r, scores = _small_case(9, 16, 8, 3, seed=3, device=device)
+    x = p["x"].requires_grad_(True)
+    w1 = p["w1"].requires_grad_(True)
+    out = sonicmoe.experts(x, w1, p["w2"], r, scores, backend="triton")
+    (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.square().sum().backward()

@@ -452,5 +452,6 @@ class ExpertsFunction(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the gradients come from kernels: a second backward raises
     def backward(ctx, dout, _dh):
         return _backward_through(experts_bwd_impl, ctx, dout)
