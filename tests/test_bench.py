@@ -71,7 +71,9 @@ def test_cpu_smoke_writes_valid_json(tmp_path, monkeypatch):
     assert set(rec["backends"]) == {"torch", "loop", "upper"}
     for name, row in rec["backends"].items():
         assert row["status"] == "ok", (name, row["message"])
-        assert row["check"]["passed"] and set(row["check"]["errors"]) == {"out", "dx", "dw1", "dw2", "ds"}
+        assert row["check"]["passed"] and set(row["check"]["errors"]) == {
+            "out", "dx", "dw1", "dw2", "ds", "out_rows", "dx_rows", "dw1_experts", "dw2_experts"}
+        assert row["check"]["pairs"] == rec["TK"] and row["check"]["tol"] == 2e-3  # fp32's default
         assert all(0 <= v <= 1e-4 for v in row["check"]["errors"].values())  # float32 vs float32
         for phase in ("fwd", "total"):
             ms = row[phase]["ms"]
@@ -642,3 +644,64 @@ def test_cli_load_profile(tmp_path):
             bad.write_text("[0, 0]")
         assert cli.main(["--out", str(tmp_path / "res2"), *FAST, "--shape", "64,32,16,4,2", "--load-profile",
                          str(bad)]) == 2
+
+
+def test_check_catches_a_few_wrong_rows_the_norm_misses():
+    """Three zeroed output rows of 2048: the norm-wise error (about 0.04 of sqrt(3/2048)) stays under a loose tol of
+    5e-2, the worst-row error (1, over the RMS row) does not: the check FAILs on out_rows. The correct backend
+    passes, and its local errors sit far under their bound."""
+    from sonicmoe.bench.measure import LOCAL_TOL_FACTOR, check_case
+
+    p = make_problem(Shape("rows", 2048, 32, 16, 4, 2), dtype=torch.float32, device="cpu", seed=4)
+    case = REGISTRY["torch"].factory(p, {})
+    good = check_case(case, p.dout, grads=True, tol=5e-2, poison=False)
+    assert good["passed"] and max(good["errors"].values()) < 1e-5
+    forward = case.forward
+    mask = torch.ones(2048, 1)
+    mask[[5, 700, 2047]] = 0
+    case.forward = lambda: forward() * mask
+    bad = check_case(case, p.dout, grads=False, tol=5e-2, poison=False)
+    assert bad["errors"]["out"] < 5e-2 and bad["errors"]["out_rows"] > 5e-2 * LOCAL_TOL_FACTOR
+    assert not bad["passed"] and bad["worst"] == "out_rows"
+
+
+def test_token_rounding_check_uses_the_timed_pairs():
+    """The check of a token-rounding problem on its first tokens keeps the timed problem's own pairs of those tokens
+    (rounding 64 tokens again rounds every expert down to none, and a check on no pair passes anything)."""
+    p = make_problem(Shape("tr", 1024, 16, 8, 4, 2), dtype=torch.float32, device="cpu", mode="token_rounding",
+                     m_tile=128)
+    head = p.head(64)
+    keep = p.pair_token < 64
+    assert head.R == int(keep.sum()) > 0 and head.T == 64
+    assert torch.equal(head.pair_expert, p.pair_expert[keep]) and torch.equal(head.pair_scores, p.pair_scores[keep])
+    assert torch.equal(head.routing.expert_counts(), torch.bincount(p.pair_expert[keep].long(), minlength=4).int())
+
+
+def test_loop_baseline_with_no_pair_has_a_backward():
+    from sonicmoe import routing_from_pairs
+
+    x, w1, w2 = torch.randn(3, 8, requires_grad=True), torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    empty = torch.empty(0, dtype=torch.long)
+    out = baselines.experts_loop(x, w1, w2, routing_from_pairs(empty, empty, 3, 2), torch.empty(0))
+    out.sum().backward()
+    assert not out.any() and x.grad is not None and not x.grad.any()
+
+
+def test_markdown_never_shows_torch_as_ours(tmp_path, capsys):
+    """A shape where ours FAILed (the ratio base fell back to torch): the README row names ours' status, and no
+    number of torch's appears in our columns."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    rec["backends"]["triton"].update(status="FAIL", message="wrong result: rel err of dx = 0.5 > tol 0.02")
+    rec["ratio_base"] = "torch"
+    md = report.markdown_table(doc)
+    line = next(ln for ln in md.splitlines() if ln.startswith(f"| {rec['name']} "))
+    assert "ours: FAIL (wrong result" in line and "1.5" not in line and "| 5 |" not in line
+
+
+def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
+    assert cli.main(["--markdown-from", str(tmp_path / "missing.json")]) == 2
+    (tmp_path / "bad.json").write_text("{not json")
+    assert cli.main(["--plot-from", str(tmp_path / "bad.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert cli.main([*FAST, "--shape", "8,8,4,2,1", "--check-max-T", "-5"]) == 2

@@ -254,8 +254,8 @@ def test_errors_name_the_key_and_leave_the_layer_unchanged():
     fails(KeyError, "gate_proj", good, "b.", style="qwen")
     fails(ValueError, "sigmoid_then_topk", {**good, "b.gate.e_score_correction_bias": torch.zeros(E)}, "b.")
     # an entry on another device: stacking fails, before anything is copied
-    fails(RuntimeError, "device", {**good, "b.experts.3.w2.weight": torch.zeros(D, N, dtype=torch.float64, device="meta")},
-          "b.")
+    on_meta = torch.zeros(D, N, dtype=torch.float64, device="meta")
+    fails(RuntimeError, "device", {**good, "b.experts.3.w2.weight": on_meta}, "b.")
     sig = MoE(D, N, E, K, router_order="sigmoid_then_topk")
     with pytest.raises(KeyError, match="e_score_correction_bias"):
         load_hf_experts(sig, good, "b.")

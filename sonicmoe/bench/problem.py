@@ -138,18 +138,25 @@ class Problem:
         return [self.x, self.router_weight, self.w1, self.w2, self.pair_scores]
 
     def head(self, T: int) -> Problem:
-        """The same problem on the first ``T`` tokens (same weights, routing recomputed)."""
+        """The same problem on the first ``T`` tokens (same weights). Top-k: routing recomputed. Token rounding: this
+        problem's own pairs of those tokens (rounding T tokens again could round every expert down to no pair,
+        and a check on no pair passes anything); their counts are then no longer M_tile multiples."""
         if T >= self.T:
             return self
         x = self.x.detach()[:T].clone().requires_grad_(True)
-        with torch.no_grad():
-            r = route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
-                      rounding=self.rounding)
+        if self.mode == "token_rounding":
+            keep = (self.pair_token < T).nonzero().squeeze(1)
+            pt, pe = self.pair_token[keep], self.pair_expert[keep]
+            routing, scores = routing_from_pairs(pt, pe, T, self.shape.E), self.pair_scores.detach()[keep]
+            topk_ids = None if self.topk_ids is None else self.topk_ids[:T]
+        else:
+            with torch.no_grad():
+                r = route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
+                          rounding=self.rounding)
+            pt, pe, routing, scores, topk_ids = r.pair_token, r.pair_expert, r.routing, r.pair_scores, r.topk_ids
         return dataclasses.replace(
-            self, shape=self.shape.with_max_T(T), x=x,
-            pair_scores=r.pair_scores.detach().clone().requires_grad_(True), routing=r.routing,
-            pair_token=r.pair_token, pair_expert=r.pair_expert, topk_ids=r.topk_ids,
-            dout=self.dout[:T].clone(),
+            self, shape=self.shape.with_max_T(T), x=x, pair_scores=scores.detach().clone().requires_grad_(True),
+            routing=routing, pair_token=pt, pair_expert=pe, topk_ids=topk_ids, dout=self.dout[:T].clone(),
         )
 
 

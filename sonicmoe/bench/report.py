@@ -28,7 +28,8 @@ A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile,
 pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
 padded_rows, status, message, backends {name: row}, ratio_base, ratios {name: {fwd, bwd, total}}``.
 A backend row: ``status`` (ok | FAIL | error | oom | skipped), ``message``, ``kind``, ``check``
-{errors {out, dx, dw1, dw2, ds}, tol, passed, worst, T}, ``fwd``/``total`` {ms {p20, p50, p80},
+{errors {out, dx, dw1, dw2, ds, out_rows, dx_rows, dw1_experts, dw2_experts}, tol, passed, worst, T, pairs},
+``fwd``/``total`` {ms {p20, p50, p80},
 tflops, gpu}, ``gpu`` the GPU's state over that timing window {sm_mhz (mean), watts (board, from the energy
 counter), temp_c (highest), clock_reasons (hex: NVML's clock-event reasons, 0x4 = the software power cap), samples}
 or null without NVML (:mod:`sonicmoe.bench.gpu_state`), ``bwd`` {ms {p50}, tflops} (total − fwd), ``router`` {fwd,
@@ -256,7 +257,7 @@ def terminal_table(doc: dict) -> str:
     """One line per (shape, routing, backend): status, error, ms, TFLOP/s, speed-up, memory."""
     header = ["shape", "routing", "backend", "status", "max err", "fwd ms", "fwd TF/s", "bwd ms",
               "bwd TF/s", "f+b ms", "f+b TF/s", "+router ms", "base/this f", "base/this f+b", "held MiB",
-              "spec MiB", "peak MiB"]
+              "spec−X MiB", "peak MiB"]
     rows = []
     for rec in doc.get("results", []):
         backends = rec.get("backends") or {}
@@ -266,7 +267,9 @@ def terminal_table(doc: dict) -> str:
         for name, b in backends.items():
             errs = _get(b, "check", "errors") or {}
             vals = [v for v in errs.values() if v is not None]
-            worst = None if not errs else (max(vals) if len(vals) == len(errs) else float("nan"))
+            # a NaN anywhere is the worst (max() of a list with a NaN depends on where the NaN is)
+            worst = None if not errs else (max(vals, key=lambda v: v if math.isfinite(v) else math.inf)
+                                           if len(vals) == len(errs) else float("nan"))
             ratio = _get(rec, "ratios", name) or {}
             is_base = name == rec.get("ratio_base")
             rows.append([
@@ -278,7 +281,7 @@ def terminal_table(doc: dict) -> str:
                 _f(_get(b, "router", "total", "ms", "p50") or _get(b, "router", "fwd", "ms", "p50"), ".4g"),
                 "base" if is_base else _f(ratio.get("fwd"), ".3g"),
                 "base" if is_base else _f(ratio.get("total"), ".3g"),
-                _mib(_get(b, "memory", "held_bytes")), _mib(rec.get("spec_held_bytes")),
+                _mib(_get(b, "memory", "held_bytes")), _mib(spec_beyond_x_bytes(rec)),
                 _mib(_get(b, "memory", "peak_bytes")),
             ])
     text = format_table(rows, header)
@@ -292,25 +295,47 @@ def terminal_table(doc: dict) -> str:
     env = doc.get("env", {})
     foot = (f"device: {env.get('device')} | driver {env.get('driver')} | torch {env.get('torch')} | "
             f"triton {env.get('triton')} | commit {str(env.get('git_commit'))[:12]} | {doc.get('date')} | "
-            f"timer {doc.get('timer')}\nbase/this = this backend's ms / the base's ms (base: ours; > 1 = "
+            f"timer {doc.get('timer')}\nbase/this = this backend's ms / the base's ms (base: ours where it ran, else "
+            f"torch; > 1 = "
             f"base faster; vs upper = fraction of the bound). +router = f+b (fwd in fwd mode) including the "
-            f"router and routing metadata. spec = 2·T·d + 4·TK·n bytes (SPEC §3).")
+            f"router and routing metadata. spec−X = 4·TK·n bytes in bf16: SPEC §3's 2·T·d + 4·TK·n less X, an input, "
+            f"which held leaves out.")
     return "\n".join([text, *notes, foot])
 
 
+def spec_beyond_x_bytes(rec: dict) -> int | None:
+    """SPEC §3's held bytes less the input X, 2·TK·n elements (H), for a result record: its
+    ``spec_held_beyond_x_bytes``, or from TK, n and dtype for results written before session 82."""
+    if rec.get("spec_held_beyond_x_bytes"):
+        return rec["spec_held_beyond_x_bytes"]
+    elem = {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(rec.get("dtype")))
+    if elem is None or rec.get("TK") is None or rec.get("n") is None:
+        return None
+    return elem * 2 * rec["TK"] * rec["n"]
+
+
 def markdown_table(doc: dict) -> str:
-    """README table: one row per shape, our numbers and the ratios to torch and to the upper bound."""
+    """README table: one row per shape, our numbers and the ratios to torch and to the upper bound. Only our
+    (``triton``) timings fill its columns: where ours failed, erred or was skipped the row says so (the results'
+    ratio base then fell back to torch, whose numbers must not read as ours)."""
     header = ["shape (T, d, n, E, K)", "routing", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
               "vs torch (fwd / fwd+bwd)", "vs upper bound (fwd / fwd+bwd)", "held / peak GiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     bases = set()
     for rec in doc.get("results", []):
         base = rec.get("ratio_base")
-        b = (rec.get("backends") or {}).get(base) if base else None
+        ours = (rec.get("backends") or {}).get("triton")
+        b = ours if base == "triton" and ours and ours.get("status", "ok") == "ok" else None
         dims = f"{rec['name']} ({rec['T']}, {rec['d']}, {rec['n']}, {rec['E']}, {rec['K']})"
         if b is None:
-            status = rec.get("status") if rec.get("status") != "ok" else "no result"
-            lines.append(f"| {dims} | {rec.get('routing', '')} | {status} |" + " |" * (len(header) - 3))
+            if ours is None:  # the shape itself failed (making the problem: OOM, ...), or ours was not asked for
+                status = rec.get("status") if rec.get("status") not in (None, "ok") else "ours: not run"
+                msg = None
+            else:
+                status = f"ours: {ours.get('status') if ours.get('status') != 'ok' else 'no result'}"
+                msg = ours.get("message")
+            cell = status + (f" ({str(msg)[:80]})" if msg else "")
+            lines.append(f"| {dims} | {rec.get('routing', '')} | {cell} |" + " |" * (len(header) - 3))
             continue
         bases.add(base)
         rt, ru = _get(rec, "ratios", "torch") or {}, _get(rec, "ratios", "upper") or {}
@@ -324,7 +349,7 @@ def markdown_table(doc: dict) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     env = doc.get("env", {})
-    who = ", ".join(sorted(bases)) or "-"
+    who = ", ".join(sorted(bases)) or "- (no timing of ours)"
     lines.append("")
     lines.append(
         f"Backend: {who}. {env.get('device')} (driver {env.get('driver')}), torch {env.get('torch')}, "
