@@ -639,6 +639,9 @@ def test_cli_load_profile(tmp_path):
     assert rec["load_target"]["profile"] == str(path) and rec["load_target"]["max_over_mean"] == pytest.approx(2.0)
     assert rec["load_target"]["loads"] == "list"
     assert rec["tokens_per_expert"]["max"] > 1.8 * rec["tokens_per_expert"]["mean"]
+    # what the calibrated router reached is recorded beside the target (a warning when 10% off)
+    assert rec["load_target"]["achieved_max_over_mean"] == pytest.approx(
+        rec["tokens_per_expert"]["max"] / rec["tokens_per_expert"]["mean"])
     for bad in (tmp_path / "missing.json", tmp_path / "skew.json"):
         if bad.exists():
             bad.write_text("[0, 0]")

@@ -241,6 +241,14 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
                                   "loads": load_profile_kind(opts.load_profile)}
         problem = make_problem(shape, dtype=opts.dtype, device=opts.device, seed=opts.seed, mode=mode,
                                m_tile=opts.m_tile, rounding=opts.rounding, load=load)
+        if load is not None and problem.topk_ids is not None:  # what the calibrated router gave (top-k's counts)
+            got = torch.bincount(problem.topk_ids.reshape(-1).long(), minlength=E).double()
+            got = got / got.mean().clamp_min(1e-30)
+            want = rec["load_target"]["max_over_mean"]
+            rec["load_target"].update(achieved_max_over_mean=float(got.max()), achieved_min_over_mean=float(got.min()))
+            if abs(float(got.max()) - want) > 0.1 * want:
+                log(f"  warning: the router reached a busiest expert of {float(got.max()):.2f}x the mean, not the "
+                    f"profile's {want:.2f}x (too few tokens per expert to calibrate?)")
     except TokenRoundingUnavailable as exc:
         rec.update(status="skipped", message=str(exc), backends={})
         return rec
