@@ -708,3 +708,15 @@ def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
     assert cli.main(["--plot-from", str(tmp_path / "bad.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert cli.main([*FAST, "--shape", "8,8,4,2,1", "--check-max-T", "-5"]) == 2
+
+
+def test_upper_bound_ratio_counts_the_rows_it_computes():
+    """The upper bound computes E·m rows, not R under token rounding: the ratio scales its time to R rows."""
+    from sonicmoe.bench.runner import _ratios
+
+    def timed(ms, **info):
+        return {"fwd": {"ms": {"p50": ms}}, "total": {"ms": {"p50": 3 * ms}}, "info": info}
+
+    base, r = _ratios({"triton": timed(1.0), "upper": timed(0.9, rows=1100), "torch": timed(2.0, rows=1100)}, 1000)
+    assert base == "triton"
+    assert r["upper"]["fwd"] == pytest.approx(0.9 * 1000 / 1100) and r["torch"]["fwd"] == pytest.approx(2.0)

@@ -110,6 +110,9 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
     try:
         case = spec.factory(problem, options)
         row["info"] = dict(getattr(case, "info", {}) or {})
+        if name == "upper" and row["info"].get("rows"):  # its TFLOP/s from the rows it computes (not R under TR)
+            _, d, n, _, _ = problem.shape.dims
+            flops = useful_flops(row["info"]["rows"], n, d)
         if opts.check:
             step = "check"
             check_T = min(x for x in (problem.T, opts.check_max_T, spec.check_max_T) if x)
@@ -171,7 +174,7 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
     return row
 
 
-def _ratios(backends: dict[str, dict]) -> tuple[str | None, dict]:
+def _ratios(backends: dict[str, dict], pairs: int | None = None) -> tuple[str | None, dict]:
     """Speed-ups of the ratio base over every other timed backend: other_ms / base_ms per phase
     (> 1: the base is faster; vs ``upper`` it is the fraction of the upper bound's throughput)."""
     base = next((b for b in RATIO_BASES if backends.get(b, {}).get("fwd")), None)
@@ -182,10 +185,14 @@ def _ratios(backends: dict[str, dict]) -> tuple[str | None, dict]:
     for name, row in backends.items():
         if name == base or not row.get("fwd"):
             continue
+        # the upper bound computes E·m rows (m = ⌈T·K'/E⌉, K' = round(R/T)), which under token rounding is not
+        # R: its time scaled to R rows, so that the ratio compares the same work
+        rows = (row.get("info") or {}).get("rows")
+        scale = pairs / rows if name == "upper" and pairs and rows else 1.0
         r = {}
         for phase in ("fwd", "bwd", "total"):
             if row.get(phase) and b.get(phase):
-                other, ours = row[phase]["ms"]["p50"], b[phase]["ms"]["p50"]
+                other, ours = row[phase]["ms"]["p50"] * scale, b[phase]["ms"]["p50"]
                 r[phase] = other / ours if ours > 0 and other > 0 else None
         out[name] = r
     return base, out
@@ -274,7 +281,7 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
     for name in opts.backends:
         rows[name] = run_backend(name, problem, opts, flops, log)
     rec["backends"] = rows
-    rec["ratio_base"], rec["ratios"] = _ratios(rows)
+    rec["ratio_base"], rec["ratios"] = _ratios(rows, R)
     del problem
     free_memory()
     return rec
