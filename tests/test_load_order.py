@@ -130,3 +130,13 @@ def test_layer_gradients_same_bits_in_either_order(bias, device, monkeypatch):
     for name, got, want in zip(names + ["scores"], grads["load"], [leaves[k].grad for k in names] + [s.grad],
                                strict=True):
         assert rel_err(got, want) < 1e-5, name
+
+
+def test_strided_offsets(device):
+    """A strided (E+1,) view of the offsets (a hand-built Routing's): the kernel read it as contiguous before
+    session 82 and ranked the wrong counts."""
+    base = torch.tensor([0, 0, 1, 0, 1, 0, 9, 0, 10, 0], dtype=torch.int32, device=device)
+    offs = base[::2]  # [0, 1, 1, 9, 10]: counts [1, 0, 8, 1]
+    assert not offs.is_contiguous()
+    assert torch.equal(expert_load_order(offs), expert_load_order_ref(offs.contiguous()))
+    assert expert_load_order(offs)[:4].tolist() == [2, 0, 3, 1]

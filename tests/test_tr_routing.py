@@ -142,3 +142,19 @@ def test_ranks_routing_many_blocks():
     pairs and routing as the torch twin."""
     ranks, offsets, real = _random_ranks(2100, 80, 0.05, 9)
     _assert_ranks_routing_equal(ranks, offsets, real + 100, (8, 16, 1))
+
+
+@pytest.mark.interpreter
+def test_strided_offsets_and_draws(device):
+    """ranks_routing with a strided expert_offsets view (its kernel wrote row_pair out of bounds before session 82)
+    and round_counts with strided stochastic draws (it read the wrong ones): the same as their twins."""
+    ranks = torch.tensor([[1, 0], [0, 1], [2, 0]], dtype=torch.int32, device=device)
+    offs = torch.tensor([0, 7, 2, 7, 3, 7], dtype=torch.int32, device=device)[::2]  # [0, 2, 3]
+    got, want = tr_routing.ranks_routing(ranks, offs)[2], tr_routing.ranks_routing_ref(ranks, offs.contiguous())[2]
+    for name in ("row_pair", "pair_row", "row_token", "token_offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    counts = torch.tensor([[3, 5, 6, 1]], dtype=torch.int32, device=device)
+    u = torch.tensor([0.9, 0.0] * 4, device=device)[::2]  # 0.9 for every expert: none pads at m = 8
+    got = tr_routing.round_counts(counts, 8, 100, "stochastic", u)
+    want = tr_routing.round_counts_ref(counts, 8, 100, "stochastic", u.contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and not got[2].any()

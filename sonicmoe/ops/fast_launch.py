@@ -15,7 +15,11 @@ launches the binary Triton would have chosen:
 * an int: 1 (a constant for Triton), else whether it is a multiple of 16, and its integer type (i32, i64, u64);
 * a bool or float runtime argument: its type; ``None``: itself;
 * a TMA tensor descriptor (Triton's or Gluon's): its type, element type, block shape, padding and layout;
-* every ``constexpr`` argument and every launch option (``num_warps``, ``launch_pdl``, ...): its value;
+* every ``constexpr`` argument and every launch option (``num_warps``, ``launch_pdl``, ...): its value, by Python
+  equality. That is coarser than Triton's key (its ``str``) where values of different types compare equal: 4 and 4.0,
+  1 and True, 0.0 and -0.0 (and a NaN never hits). So a launcher must pass each constexpr with one type; the
+  library's launchers do, and ``SONICMOE_FAST_LAUNCH=check`` (the tests) asserts that every hit is Triton's own
+  choice. Keying each constexpr with its type cost about 2 µs per launch (16 constexprs), a tenth of the path;
 * the device, and Triton's ``debug`` and instrumentation knobs.
 
 Anything else takes Triton's own path, which also compiles and records the kernel on a miss: a value of another

@@ -70,6 +70,7 @@ def expert_load_order(expert_offsets: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expert_offsets must be a 1-D int32 tensor of E+1 >= 1 elements, got shape "
                          f"{tuple(expert_offsets.shape)} and dtype {expert_offsets.dtype}")
     check_device("expert_offsets", expert_offsets)
+    expert_offsets = expert_offsets.contiguous()  # the kernel reads element e at offsets + e
     e = expert_offsets.numel() - 1
     out = new_output((2 * e,), device=expert_offsets.device, dtype=torch.int32)
     if e > 0:

@@ -102,8 +102,8 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
     f, keep, offsets = out[:e], out[e:2 * e], out[2 * e:]
     pad = torch.empty(e, dtype=torch.bool, device=dev)
     e_p2 = next_pow2(e)
-    launch_kernel(_round_counts_kernel, (1,), block_counts.contiguous(), u if u is not None else f, f, keep, pad,
-                  offsets, e, num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
+    launch_kernel(_round_counts_kernel, (1,), block_counts.contiguous(), u.contiguous() if u is not None else f, f,
+                  keep, pad, offsets, e, num_tokens, m_tile, SUB=SUBROUTINE_CODES[subroutine], E_P2=e_p2,
                   num_warps=4 if e_p2 <= 1024 else 8)
     return f, keep, pad, offsets
 
@@ -225,7 +225,7 @@ def ranks_routing(ranks: torch.Tensor, expert_offsets: torch.Tensor, *, max_pair
     # every program of the count kernel writes its block's sum (zeros when T = 0: no launch)
     block_sums = (new_output(ntb * neb, dtype=INDEX_DTYPE, device=dev) if t
                   else torch.zeros(ntb * neb, dtype=INDEX_DTYPE, device=dev))
-    ranks = ranks.contiguous()
+    ranks, expert_offsets = ranks.contiguous(), expert_offsets.contiguous()  # read at base + index
     if t:
         launch_kernel(_token_counts_kernel, (ntb, neb), ranks, counts, block_sums, t, e, neb,
                       BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
