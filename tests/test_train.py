@@ -567,3 +567,23 @@ def test_gpu_graph_moe_trains_as_eager(tmp_path, routing):
     assert graphed["expert_load"] == eager["expert_load"]
     assert all(s["router_loss"] > 0 for s in eager["steps"])
     assert all(p["moe_backward_s"] > 0 for p in graphed["profile"])
+
+
+def test_large_validation_split_and_non_utf8_names(tmp_path):
+    """A validation split past 2**24 bytes: float32 held only even integers there, so the last window started one
+    byte past its end (IndexError at the first evaluation before session 82). A file name that is not UTF-8 reads
+    (its bytes go into the header line and the order), as file contents that are not UTF-8 already did."""
+    import os
+
+    val = torch.zeros(16_779_476, dtype=torch.uint8)
+    corpus = ByteCorpus(train=torch.zeros(100, dtype=torch.uint8), val=val, source="x", num_files=1)
+    last = list(corpus.val_batches(8, 256, 4, torch.device("cpu")))[-1]
+    assert last[0].shape == (8, 256) and last[1].shape == (8, 256)
+    data = tmp_path / "names"
+    data.mkdir()
+    (data / "plain.txt").write_text("plain words and more words " * 20)
+    (data / os.fsdecode(b"caf\xe9.txt")).write_text("cafe text " * 40)
+    corpus = ByteCorpus.load(str(data), 100_000, 0.1)
+    assert corpus.num_files == 2
+    blob = bytes(torch.cat([corpus.train, corpus.val]).tolist())
+    assert b"# ==== caf\xe9.txt ====\n" in blob

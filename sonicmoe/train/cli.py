@@ -145,7 +145,8 @@ def _summary(log: dict[str, Any], out: Path) -> str:
         lines.append(f"per step, the busiest expert's load over the mean, averaged over layers: "
                      f"{load['mean_step_max_over_mean']:.2f} (summed over steps: {load['mean_max_over_mean']:.2f})")
     plot = out / PLOT
-    lines.append(f"files: {out / LOG}, {out / CHECKPOINT}" + (f", {plot}" if plot.exists() else ""))
+    files = [out / LOG] + [f for f in (out / CHECKPOINT, plot) if f.exists()]  # a resume past the end saves none
+    lines.append("files: " + ", ".join(str(f) for f in files))
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +63,9 @@ def text_files(path: Path) -> tuple[Path, list[Path]]:
 
 def corpus_order(files: list[Path], root: Path) -> list[Path]:
     """The files in the corpus's fixed pseudo-random order: by SHA-256 of the relative path."""
-    return sorted(files, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest())
+    # os.fsencode: a file name that is not UTF-8 (held as surrogate escapes) gets its bytes back; UTF-8 names encode
+    # as before, so the order is unchanged
+    return sorted(files, key=lambda p: hashlib.sha256(os.fsencode(p.relative_to(root).as_posix())).digest())
 
 
 def read_corpus(files: list[Path], root: Path, max_bytes: int) -> tuple[bytes, int]:
@@ -80,7 +83,7 @@ def read_corpus(files: list[Path], root: Path, max_bytes: int) -> tuple[bytes, i
         body = p.read_bytes()
         if b"\x00" in body:
             continue
-        piece = f"# ==== {p.relative_to(root).as_posix()} ====\n".encode() + body
+        piece = b"# ==== " + os.fsencode(p.relative_to(root).as_posix()) + b" ====\n" + body
         if not piece.endswith(b"\n"):
             piece += b"\n"
         piece = piece[: max_bytes - size]
@@ -155,6 +158,7 @@ class ByteCorpus:
         The same windows every call, so validation losses of one run are comparable.
         """
         high = self.val.numel() - seq_len - 1
-        starts = torch.linspace(0, high, batch_size * num_batches).round().long()
+        # float64: float32 holds only even integers past 2**24 and rounded high up, one byte past the split's end
+        starts = torch.linspace(0, high, batch_size * num_batches, dtype=torch.float64).round().long().clamp_(max=high)
         for b in range(num_batches):
             yield self._windows(self.val, starts[b * batch_size:(b + 1) * batch_size], seq_len, device)

@@ -422,7 +422,9 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         if device.type == "cuda" and dp.world > 1 and cuda_ranks is not None and len(cuda_ranks) == dp.world:
             torch.cuda.set_rng_state(cuda_ranks[dp.rank], device)
         elif device.type == "cuda" and dp.world == 1 and "cuda" in checkpoint["rng"]:
-            torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+            # one state per GPU the saving process saw: as many as this one sees (set_rng_state_all would index past)
+            for i, state in enumerate(checkpoint["rng"]["cuda"][:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(state, i)
         start_step = int(checkpoint["step"])
         history = copy.deepcopy(checkpoint["history"])  # appended to below: the caller's checkpoint stays as it was
     end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
