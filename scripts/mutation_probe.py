@@ -362,6 +362,24 @@ MUTANTS: list[Mutant] = [
        '    w1 = _gate_up(_take(state_dict, f"{p}up_proj.weight", (n_s, d)),\n'
        '                  _take(state_dict, f"{p}gate_proj.weight", (n_s, d)), c.gate_up_layout)',
        "tests/test_checkpoints.py", "-k", "shared"),
+    # host code of session 82's review fixes
+    _m("topk_ids_not_widened", "sonicmoe/routing.py",
+       "    return ids if ids.dtype in (torch.int32, torch.int64) else ids.long()", "    return ids",
+       "tests/test_routing.py", "-k", "index_dtypes"),
+    _m("routing_arrays_any_int", "sonicmoe/functional.py", "v.dtype != torch.int32:",
+       "v.dtype.is_floating_point:", "tests/test_library.py", "-k", "int32"),
+    _m("experts_backward_differentiable", "sonicmoe/ops/library.py",
+       "    @torch.autograd.function.once_differentiable  # the gradients", "    # the gradients",
+       "tests/test_library.py", "-k", "second_backward"),
+    _m("bench_local_errors_ignored", "sonicmoe/bench/measure.py",
+       '        return tol * (LOCAL_TOL_FACTOR if k.endswith(("_rows", "_experts")) else 1.0)',
+       '        return tol * (1e9 if k.endswith(("_rows", "_experts")) else 1.0)',
+       "tests/test_bench.py", "-k", "wrong_rows"),
+    _m("bench_tr_check_rerounds", "sonicmoe/bench/problem.py", '        if self.mode == "token_rounding":',
+       '        if False:', "tests/test_bench.py", "-k", "timed_pairs"),
+    _m("val_windows_float32", "sonicmoe/train/data.py",
+       "batch_size * num_batches, dtype=torch.float64).round().long().clamp_(max=high)",
+       "batch_size * num_batches).round().long()", "tests/test_train.py", "-k", "large_validation"),
 ]
 
 
