@@ -114,8 +114,9 @@ def _worst_row(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # the default --tol by dtype (relative error against the float32 reference, norm over all elements); the local
-# errors (worst row, worst expert) must stay under LOCAL_TOL_FACTOR times it. Correct kernels measured: bf16 about
-# 5e-3 (norm) and under 2e-2 (worst row) at the 7B shape; float32 (IEEE dots) about 1e-6
+# errors (worst row, worst expert) must stay under LOCAL_TOL_FACTOR times it. Measured (session 82, the torch backend
+# in bf16 on the CPU, T = 4096 and 2048, d up to 1536): norm errors 4.5e-3 to 5.8e-3, worst row 1.4e-2 at most, worst
+# expert 5.5e-3: the local bound of 0.2 leaves a factor of 14. Our kernels in float32 (IEEE dots): about 1e-6
 DEFAULT_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 2e-3, torch.float64: 1e-6}
 LOCAL_TOL_FACTOR = 10.0
 
