@@ -117,7 +117,12 @@ rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
   --format=csv -l 1 > "$OUT/gpu_clocks.csv" 2>&1 &
 SMI_PID=$!
-pack() { kill "$SMI_PID" 2>/dev/null; tar czf "$FINAL/results$TAG.tgz" -C "$OUT" . 2>/dev/null; }
+# a snapshot of the work folder at WATCHDOG_S (default 560 s): a call the device's 600 s limit kills never reaches the
+# EXIT trap, and without it returned nothing of what its steps had written
+# (its own file: a tar of the EXIT trap may run at the same time)
+( sleep "${WATCHDOG_S:-560}"; tar czf "$FINAL/results${TAG}_snapshot.tgz" -C "$OUT" . 2>/dev/null ) &
+WATCH_PID=$!
+pack() { kill "$SMI_PID" "$WATCH_PID" 2>/dev/null; tar czf "$FINAL/results$TAG.tgz" -C "$OUT" . 2>/dev/null; }
 trap pack EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ $# -eq 0 ] && set -- quick
@@ -154,12 +159,15 @@ for step in "$@"; do
   case $step in
     quick)
       # the GPU-marked tests (the rest run on CPU in CI; natively each would compile its own kernels)
-      # TESTS_PATHS: other test files or node ids (default: all of tests/)
+      # TESTS_PATHS: other test files or node ids (default: all of tests/). On a CUDA machine that is 527 tests (the
+      # device-fixture ones are marked gpu there): more than TESTS_LIMIT_S allows in one process (session 82's count;
+      # sessions 74-76 needed two splitx calls of four workers). Name files here, or use splitx for the whole set
       timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m gpu --durations=0 ${TESTS_PATHS:-tests/} \
         -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
       # SKIP_BREAKDOWN=1 when something else shares the GPU (its timings would mean nothing)
       [ "${SKIP_BREAKDOWN:-0}" = 1 ] ||
-        python3 benchmarks/kernel_breakdown.py --json "$OUT/breakdown_7b.json" > "$OUT/breakdown.txt" 2>&1
+        timeout "${BREAKDOWN_LIMIT_S:-90}" python3 benchmarks/kernel_breakdown.py --json "$OUT/breakdown_7b.json" \
+          > "$OUT/breakdown.txt" 2>&1
       touch "$OUT/breakdown.txt"
       SUMMARY+=("$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests.log" | head -20)" "$(tail -1 "$OUT/gpu_tests.log")"
                 "$(cat "$OUT/breakdown.txt")")
@@ -444,9 +452,10 @@ for step in "$@"; do
                 "$(tail -4 "$OUT/ep_bench.txt")")
       ;;
     shared)
-      timeout 600 python3 -m pytest -rA -p no:cacheprovider tests/test_shared_expert.py "tests/test_library.py::test_compile_fullgraph_module_dynamic_shapes" \
+      # 280 + 280 s: both fit one device call, and the watchdog's snapshot keeps what finished
+      timeout 280 python3 -m pytest -rA -p no:cacheprovider tests/test_shared_expert.py "tests/test_library.py::test_compile_fullgraph_module_dynamic_shapes" \
         > "$OUT/gpu_tests_shared.log" 2>&1
-      timeout 600 python3 scripts/shared_expert_bench.py ${SHARED_SHAPES:+--shape $SHARED_SHAPES} \
+      timeout 280 python3 scripts/shared_expert_bench.py ${SHARED_SHAPES:+--shape $SHARED_SHAPES} \
         --json "$OUT/shared_expert_bench.json" > "$OUT/shared_expert_bench.txt" 2>&1
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_shared.log")" "$(tail -1 "$OUT/gpu_tests_shared.log")"
                 "$(tail -4 "$OUT/shared_expert_bench.txt")")

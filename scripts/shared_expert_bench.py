@@ -80,10 +80,14 @@ def main() -> None:
     p.add_argument("--shape", nargs="+", default=list(SHAPES), help="T,d,n,E,K,n_s")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
-    rows = [run_shape(s) for s in args.shape]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    rows = []
+    for spec in args.shape:  # the results file rewritten after each shape: a run cut short keeps what it finished
+        rows.append(run_shape(spec))
+        print(f"done {spec}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
+                          indent=1)
     print("shape | layer ms (plain / shared / gated) | shared alone ms, TFLOP/s (ours / torch) | held MiB "
           "(ours / torch)")
     for r in rows:
