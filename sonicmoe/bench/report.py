@@ -304,10 +304,8 @@ def terminal_table(doc: dict) -> str:
 
 
 def spec_beyond_x_bytes(rec: dict) -> int | None:
-    """SPEC §3's held bytes less the input X, 2·TK·n elements (H), for a result record: its
-    ``spec_held_beyond_x_bytes``, or from TK, n and dtype for results written before session 82."""
-    if rec.get("spec_held_beyond_x_bytes"):
-        return rec["spec_held_beyond_x_bytes"]
+    """SPEC §3's held bytes less the input X, 2·TK·n elements (H), from a result record's TK, n and dtype: what the
+    measured "held" (which leaves the inputs out, X among them) compares with."""
     elem = {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(rec.get("dtype")))
     if elem is None or rec.get("TK") is None or rec.get("n") is None:
         return None

@@ -269,9 +269,7 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
     flops = useful_flops(R, n, d)
     elem = torch.empty((), dtype=opts.dtype).element_size()
     counts = problem.routing.expert_counts()
-    # "held" excludes the inputs, X among them: what it compares with is the spec's other part, H (4TKn in bf16)
     rec.update(TK=R, flops=flops, spec_held_bytes=spec_held_bytes(T, d, R, n, elem),
-               spec_held_beyond_x_bytes=spec_held_bytes(T, d, R, n, elem) - elem * T * d,
                dtype=str(opts.dtype).replace("torch.", ""),
                tokens_per_expert={"min": int(counts.min()), "mean": R / E, "max": int(counts.max())})
     if opts.m_tile:
