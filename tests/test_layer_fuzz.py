@@ -31,6 +31,7 @@ import sonicmoe
 import sonicmoe.modules
 import sonicmoe.token_rounding
 from sonicmoe import MoE
+from sonicmoe.reference import swiglu_ref
 from sonicmoe.routing import router_topk, routing_from_pairs
 from sonicmoe.testing import rel_err
 from sonicmoe.token_rounding import token_rounding_ref
@@ -162,9 +163,8 @@ def oracle(c: LayerCase, m: MoE, x: torch.Tensor):
     out = sonicmoe.experts_ref(x2, ex.gate_up_proj, ex.down_proj, routing, scores * c.scale, ex.gate_up_proj_bias,
                                ex.down_proj_bias, gate_up_layout=c.layout)
     if c.shared:  # every token through the shared SwiGLU MLP, times sigmoid(x · w_g) with the gate
-        w1 = m.shared_experts.gate_up_proj[0]
-        gate, up = (w1[:c.shared], w1[c.shared:]) if c.layout == "concat" else (w1[0::2], w1[1::2])
-        y = (torch.nn.functional.silu(x2 @ gate.T) * (x2 @ up.T)) @ m.shared_experts.down_proj[0].T
+        h = x2 @ m.shared_experts.gate_up_proj[0].T
+        y = swiglu_ref(h, c.layout) @ m.shared_experts.down_proj[0].T
         out = out + (y * torch.sigmoid(x2 @ m.shared_expert_gate.weight.T) if c.shared_gate else y)
     counts = torch.bincount(pair_expert.long(), minlength=c.e)
     f = counts.double() / max(int(counts.sum()), 1)  # fraction of routed pairs per expert (not differentiated)

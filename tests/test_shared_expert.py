@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from sonicmoe import MoE, MoEConfig
-from sonicmoe.reference import moe_ref
+from sonicmoe.reference import moe_ref, swiglu_ref
 from sonicmoe.routing import routing_dense, routing_from_topk
 from sonicmoe.testing import rel_err
 
@@ -35,12 +35,9 @@ def rand(*shape, seed=1):
 
 def shared_ref(m: MoE, x: torch.Tensor) -> torch.Tensor:
     """The shared expert of ``m`` on x (T, d) in float64, from its parameters (either gate/up layout)."""
-    c = m.config
-    n_s = c.shared_intermediate_size
-    w1 = m.shared_experts.gate_up_proj[0].double()
-    gate, up = (w1[:n_s], w1[n_s:]) if c.gate_up_layout == "concat" else (w1[0::2], w1[1::2])
     xd = x.double()
-    y = (F.silu(xd @ gate.T) * (xd @ up.T)) @ m.shared_experts.down_proj[0].double().T
+    h = xd @ m.shared_experts.gate_up_proj[0].double().T
+    y = swiglu_ref(h, m.config.gate_up_layout) @ m.shared_experts.down_proj[0].double().T
     if m.shared_expert_gate is not None:
         y = y * torch.sigmoid(xd @ m.shared_expert_gate.weight.double().T)
     return y
