@@ -7,6 +7,7 @@ whole file stays well under 30 s.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import runpy
 import sys
@@ -666,6 +667,54 @@ def test_check_catches_a_few_wrong_rows_the_norm_misses():
     bad = check_case(case, p.dout, grads=False, tol=5e-2, poison=False)
     assert bad["errors"]["out"] < 5e-2 and bad["errors"]["out_rows"] > 5e-2 * LOCAL_TOL_FACTOR
     assert not bad["passed"] and bad["worst"] == "out_rows"
+
+
+@pytest.mark.parametrize("mode", ["topk", "token_rounding"])
+def test_router_variant_check_catches_a_wrong_router(mode):
+    """The router variant (router + routing metadata + experts) is checked on the pairs it chose, its scores
+    recomputed from float32 logits: the torch backend passes with errors at float32 rounding and dW_r compared;
+    a router whose scores skip the softmax's max shift of one token, or whose W_r gradient is dropped, FAILs."""
+    from sonicmoe.bench.measure import check_case
+
+    p = make_problem(Shape("rv", 512, 32, 16, 8, 2), dtype=torch.float32, device="cpu", seed=5, mode=mode,
+                     m_tile=16)
+    case = REGISTRY["torch"].factory(p, {})
+    good = check_case(case, p.dout, grads=True, tol=2e-3, poison=False, router=True)
+    assert good["passed"] and "dwr" in good["errors"] and "ds" not in good["errors"]
+    assert max(good["errors"].values()) < 1e-5 and good["pairs"] >= (512 * 2 if mode == "topk" else 1)
+    assert p.router_weight.grad is None and p.x.grad is None  # the check leaves no gradient behind
+    route = p.route
+
+    def wrong_scale(x):  # token 7's scores doubled (a wrong normalisation of one row)
+        r = route(x)
+        scale = torch.where(r.pair_token == 7, 2.0, 1.0)
+        return dataclasses.replace(r, pair_scores=r.pair_scores * scale)
+
+    def no_router_grad(x):
+        r = route(x)
+        return dataclasses.replace(r, pair_scores=r.pair_scores.detach())
+
+    for wrong, worst in ((wrong_scale, ("out_rows", "dx_rows")), (no_router_grad, ("dwr",))):
+        p.route = wrong
+        bad = check_case(case, p.dout, grads=True, tol=2e-3, poison=False, router=True)
+        assert not bad["passed"] and bad["worst"] in worst, bad
+
+
+def test_bench_row_fails_on_a_wrong_router_variant(tmp_path, monkeypatch):
+    """A router variant that FAILs its check marks the backend's row FAIL, naming the router variant."""
+    from sonicmoe.bench import problem as problem_mod
+
+    route = problem_mod.Problem.route
+
+    def wrong(self, x):
+        r = route(self, x)
+        return dataclasses.replace(r, pair_scores=r.pair_scores * 1.5)
+
+    monkeypatch.setattr(problem_mod.Problem, "route", wrong)
+    rc, doc = _run(tmp_path, "--shape", "256,32,16,4,2", "--backends", "torch", "--dtype", "fp32")
+    row = doc["results"][0]["backends"]["torch"]
+    assert row["status"] == "FAIL" and row["message"].startswith("router variant: wrong result"), row
+    assert row["check"]["errors"]["out"] < 1e-5 and not row["check"]["router"]["passed"]
 
 
 def test_token_rounding_check_uses_the_timed_pairs():

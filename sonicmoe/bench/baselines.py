@@ -48,6 +48,12 @@ class RefSpec:
         pair_token: (P,) row of x of each pair. pair_expert: (P,) expert of each pair.
         pair_scores: (P,) score of each pair (a leaf, or a view of one).
         num_tokens: T_x. post: maps the (T_x, d) reference to the case's output shape.
+        router_weight: (E, d) W_r when the case ran the router itself (the router variant), else None. The
+            reference then recomputes each pair's score from float32 logits l = X W_rᵀ as
+            S_{t,e} = exp(l_{t,e}) / Σ_k exp(l_{t,router_ids[t,k]}) (top-k's softmax over the K chosen logits, SPEC §2,
+            extended to token rounding's added pairs), differentiable in x and W_r; ``pair_scores`` is then unused.
+        router_ids: (T_x, K) the router's top-k choice the case made (its own selection: near-tied logits may pick
+            other experts in another precision). Pairs with expert E (static-length padding) are left out.
     """
 
     x: torch.Tensor
@@ -59,6 +65,8 @@ class RefSpec:
     num_tokens: int
     post: Callable[[torch.Tensor], torch.Tensor] | None = None
     score_leaf: torch.Tensor | None = None
+    router_weight: torch.Tensor | None = None
+    router_ids: torch.Tensor | None = None
 
 
 class Case:
@@ -78,6 +86,11 @@ class Case:
     router_leaves: list[torch.Tensor] = []
 
     def ref_spec(self) -> RefSpec:
+        raise NotImplementedError
+
+    def router_check(self) -> tuple[torch.Tensor, RefSpec]:
+        """One :meth:`forward_with_router` call's output and the :class:`RefSpec` of the routing it chose
+        (``router_weight`` and ``router_ids`` set), for checking the router variant."""
         raise NotImplementedError
 
 
@@ -105,6 +118,14 @@ class ExpertsCase(Case):
         p = self.problem
         r = p.route(p.x)
         return self.fn(p.x, p.w1, p.w2, r.routing, r.pair_scores)
+
+    def router_check(self) -> tuple[torch.Tensor, RefSpec]:
+        p = self.problem
+        r = p.route(p.x)
+        out = self.fn(p.x, p.w1, p.w2, r.routing, r.pair_scores)
+        real = (r.pair_expert < p.shape.E).nonzero().squeeze(1)  # static-length padding pairs left out
+        return out, RefSpec(p.x, p.w1, p.w2, r.pair_token[real], r.pair_expert[real], r.pair_scores.detach()[real],
+                            p.T, router_weight=p.router_weight, router_ids=r.router_ids)
 
     def ref_spec(self) -> RefSpec:
         p = self.problem

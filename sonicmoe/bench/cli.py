@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--loop-max-E", type=int, default=128,
                       help="run the per-expert loop baseline only when E <= this (0: always)")
     what.add_argument("--router-variant", action=argparse.BooleanOptionalAction, default=True,
-                      help="also time router + routing metadata + experts for triton/torch")
+                      help="also time router + routing metadata + experts for triton/torch (with the check: also "
+                           "checked, on the pairs the router chose, scores and dW_r from float32 logits)")
     what.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                       help="measure held/peak activation memory (CUDA only)")
     timing = p.add_argument_group("timing and checks")

@@ -155,7 +155,8 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
     Returns:
         ``{"out": …, "dx": …, "dw1": …, "dw2": …, "ds": …}`` (only "out" without dout), the norm-wise relative
         errors, and the local ones ``"out_rows"``, ``"dx_rows"`` (worst token row) and ``"dw1_experts"``,
-        ``"dw2_experts"`` (worst expert), each over the RMS row or expert norm; NaN never passes.
+        ``"dw2_experts"`` (worst expert), each over the RMS row or expert norm; NaN never passes. With
+        ``spec.router_weight`` (the router variant), ``"dwr"`` in place of ``"ds"``.
     """
     E, two_n, d = spec.w1.shape
     n = two_n // 2
@@ -163,8 +164,15 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
     per_expert = 3 * n * d * 4 * (2 if want else 1)
     chunk = max(1, min(E, chunk_bytes // max(per_expert, 1)))
     x32 = spec.x.detach().float().requires_grad_(want)
-    s32 = spec.pair_scores.detach().float().requires_grad_(want)
     pt, pe = spec.pair_token.long(), spec.pair_expert.long()
+    router = spec.router_weight is not None
+    if router:  # the scores from float32 logits over the case's own top-k choice (RefSpec.router_weight)
+        wr32 = spec.router_weight.detach().float().requires_grad_(want)
+        logits = x32 @ wr32.t()
+        lse = torch.logsumexp(logits.gather(1, spec.router_ids.long()), dim=1)
+        s32 = torch.exp(logits[pt, pe] - lse[pt])
+    else:
+        s32 = spec.pair_scores.detach().float().requires_grad_(want)
     ref_out = None
     acc_w1, acc_w2 = _NormAcc(), _NormAcc()
     g32 = dout.float() if want else None
@@ -180,7 +188,7 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
         ref_out = o.detach() if ref_out is None else ref_out + o.detach()
         if want:
             if o.requires_grad:
-                o.backward(g32)
+                o.backward(g32, retain_graph=router)  # the router's graph is shared by every chunk
             for acc, w, wc in ((acc_w1, spec.w1, w1c), (acc_w2, spec.w2, w2c)):
                 acc.add(None if w.grad is None else w.grad[e0:e1],
                         wc.grad if wc.grad is not None else torch.zeros_like(wc))
@@ -198,39 +206,54 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
         errs["dw2"] = acc_w2.value()
         errs["dw1_experts"] = acc_w1.local()
         errs["dw2_experts"] = acc_w2.local()
-        errs["ds"] = rel_err(s_grad if s_grad is not None else zeros(s32),
-                             s32.grad if s32.grad is not None else zeros(s32))
+        if router:  # dS flows on into dx (above) and dW_r
+            w = spec.router_weight.grad
+            errs["dwr"] = rel_err(w if w is not None else zeros(wr32),
+                                  wr32.grad if wr32.grad is not None else zeros(wr32))
+        else:
+            errs["ds"] = rel_err(s_grad if s_grad is not None else zeros(s32),
+                                 s32.grad if s32.grad is not None else zeros(s32))
     return errs
 
 
 def check_case(case: Case, dout: torch.Tensor, *, grads: bool, tol: float,
-               chunk_bytes: int = 1 << 30, poison: bool = True) -> dict:
+               chunk_bytes: int = 1 << 30, poison: bool = True, router: bool = False) -> dict:
     """Run ``case`` once (forward, and backward when ``grads``) and compare with the float32 reference.
+
+    With ``router``, the case's router variant (:meth:`Case.router_check`: router, routing metadata, experts) is
+    run and compared with the reference on the pairs it chose, scores recomputed from float32 logits; ``dwr``
+    (W_r's gradient) replaces ``ds``, and ``dx`` includes the router's path.
 
     Returns:
         ``{"errors": {name: rel err}, "tol": tol, "passed": bool, "worst": name of the worst quantity}``.
         ``passed`` is False if any error is NaN, a norm-wise one above ``tol`` or a local one (``*_rows``,
-        ``*_experts``) above ``LOCAL_TOL_FACTOR · tol``; "worst" is the one furthest over (or nearest to) its bound.
+        ``*_experts``) above ``LOCAL_TOL_FACTOR · tol``, or if no pair was checked on T > 0; "worst" is the one
+        furthest over (or nearest to) its bound; "pairs" the number of routed pairs the reference computed.
     """
-    for t in case.leaves:
+    leaves = case.router_leaves if router else case.leaves
+    for t in leaves:
         t.grad = None
     device = dout.device
     if poison:
         poison_allocator(device)
-    out = case.forward()
+    out, spec = case.router_check() if router else (case.forward(), case.ref_spec())
     if grads:
         out.backward(dout)
     _sync(device)
-    errs = reference_errors(out.detach(), case.ref_spec(), dout if grads else None, chunk_bytes=chunk_bytes)
-    del out
-    for t in case.leaves:
+    errs = reference_errors(out.detach(), spec, dout if grads else None, chunk_bytes=chunk_bytes)
+    spec_pairs, out_rows = spec.pair_token.numel(), out.shape[0]
+    del out, spec
+    for t in leaves:
         t.grad = None
     def bound(k: str) -> float:
         return tol * (LOCAL_TOL_FACTOR if k.endswith(("_rows", "_experts")) else 1.0)
 
     bad = {k: v for k, v in errs.items() if not (math.isfinite(v) and v <= bound(k))}
     worst = max(errs, key=lambda k: math.inf if not math.isfinite(errs[k]) else errs[k] / bound(k))
-    return {"errors": errs, "tol": tol, "passed": not bad, "worst": worst}
+    pairs = int(spec_pairs)
+    # a check on no routed pair passes any kernel (only an empty problem may have none)
+    passed = not bad and (pairs > 0 or out_rows == 0)
+    return {"errors": errs, "tol": tol, "passed": passed, "worst": worst, "pairs": pairs}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class Routed:
     """Routing of T tokens: metadata, per-pair score S (R,) and the pairs themselves.
 
     ``topk_ids`` (T, K) is set for plain top-k (pairs token-major, p = t·K + k), ``None`` otherwise.
+    ``router_ids`` (T, K) is the router's top-k choice under either mode (under token rounding, the set a token's
+    scores are normalised over: S_{t,e} = exp(l_{t,e}) / Σ_{k} exp(l_{t,ids[t,k]}); the router variant's check).
     """
 
     routing: Routing
@@ -50,6 +52,7 @@ class Routed:
     pair_token: torch.Tensor
     pair_expert: torch.Tensor
     topk_ids: torch.Tensor | None
+    router_ids: torch.Tensor | None = None
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_tile: int = 128,
@@ -68,7 +71,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
     if mode == "topk":
         pair_token = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K)
         return Routed(routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1),
-                      pair_token, router.topk_ids.reshape(-1), router.topk_ids)
+                      pair_token, router.topk_ids.reshape(-1), router.topk_ids, router.topk_ids)
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
         kw = {"static": True, "fused_router_grad": True} if static else {}  # static: as the MoE layer calls it
@@ -77,7 +80,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
         routing = getattr(result, "routing", None)  # the library's own, as the MoE layer uses it
         if routing is None:  # valid by construction, token-major
             routing = routing_from_pairs(pt, pe, T, E, token_major=True, check=False, padding=static)
-        return Routed(routing, ps, pt, pe, None)
+        return Routed(routing, ps, pt, pe, None, router.topk_ids)
     raise ValueError(f"routing must be 'topk' or 'token_rounding', got {mode!r}")
 
 

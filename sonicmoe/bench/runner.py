@@ -119,9 +119,20 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
             cp = problem.head(check_T)
             ccase = case if cp is problem else spec.factory(cp, options)
             tol = opts.tol if opts.tol is not None else default_tol(problem.dtype)
-            res = check_case(ccase, cp.dout, grads=backward and opts.check_grads, tol=tol, poison=opts.poison)
+            grads = backward and opts.check_grads
+            res = check_case(ccase, cp.dout, grads=grads, tol=tol, poison=opts.poison)
             res["T"], res["pairs"] = cp.T, cp.R
             row["check"] = res
+            what = ""
+            if res["passed"] and opts.router_variant and spec.router_variant:
+                # the router variant on its own choice of pairs (scores from float32 logits, dW_r, dx with the
+                # router's path); what its timing runs besides the checked experts is the router and routing steps
+                step, what = "check router variant", "router variant: "
+                res = check_case(ccase, cp.dout, grads=grads, tol=tol, poison=opts.poison, router=True)
+                res["T"] = cp.T
+                row["check"]["router"] = res
+                free_memory(*ccase.router_leaves)
+            cp_T = cp.T
             del ccase, cp
             free_memory(*case.leaves)
             if not res["passed"]:
@@ -129,7 +140,8 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
                 w = res["worst"]
                 local = w.endswith(("_rows", "_experts"))
                 bound = f"local bound {tol * LOCAL_TOL_FACTOR:g}" if local else f"tol {tol:g}"
-                row["message"] = f"wrong result: rel err of {w} = {res['errors'][w]:.3g} > {bound}"
+                row["message"] = (f"{what}wrong result: rel err of {w} = {res['errors'][w]:.3g} > {bound}"
+                                  if res["pairs"] or not cp_T else f"{what}checked no routed pair on T={cp_T}")
                 log(f"  {name}: FAIL ({row['message']}); not timed")
                 return row
         step = "time fwd"
