@@ -364,6 +364,16 @@ def router_probs(logits: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def topk_lowest_first(key: torch.Tensor, k: int) -> torch.Tensor:
+    """(…, k) int64 indices of the k largest entries of each row of ``key``, in decreasing order, equal entries
+    toward the lower index and a NaN first (the router kernel's rule, :mod:`sonicmoe.ops.router`).
+
+    torch.topk leaves the order of equal entries unspecified (an all-zero token, whose E logits are equal,
+    picked experts 84, 87, … on CPU where the kernel picks 0, 1, …); a stable descending sort fixes it, so the
+    torch path, the kernel and their twin choose the same experts."""
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def router_topk(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -397,9 +407,10 @@ def router_topk(
             (:func:`sonicmoe.ops.router.topk_router`) from the (T, E) logits. ``None`` (default): on
             CUDA unless the environment sets SONICMOE_ROUTER_KERNEL=0 (7B layer with the router, fwd+bwd
             on an H200: 4.15-4.30 ms against 4.40-4.49 with torch.topk + softmax, session 19); on CPU
-            torch.topk + softmax. ``True``: on CUDA, and on CPU under the Triton interpreter
-            (TRITON_INTERPRET=1; tests).
-            ``False``: always torch.topk + softmax. float64 logits always take the torch path.
+            torch ops (:func:`topk_lowest_first` + softmax). ``True``: on CUDA, and on CPU under the Triton
+            interpreter (TRITON_INTERPRET=1; tests).
+            ``False``: always torch ops. float64 logits always take the torch path. Both paths break ties
+            between equal keys toward the lower expert index.
 
     The logits GEMM X W_rᵀ and ``probs`` (softmax over all E, for the load-balancing loss and token rounding;
     computed on first access unless the choice needed it, :class:`RouterOutput`) are torch ops on every path;
@@ -450,7 +461,8 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
     if sigmoid:
         topk_ids, scores = sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias, *groups)
         return RouterOutput(logits, None, topk_ids, scores, sigmoid=True)
-    top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+    topk_ids = topk_lowest_first(logits, top_k)
+    top_logits = logits.gather(1, topk_ids)
     probs = None
     if router_order == "topk_then_softmax":
         scores = torch.softmax(top_logits, dim=-1)
@@ -522,9 +534,9 @@ def sigmoid_topk(probs: torch.Tensor, top_k: int, renormalize: bool, expert_bias
         grouped = key.view(t, n_group, e // n_group)
         group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, n_group)
         keep = torch.zeros(t, n_group, dtype=torch.bool, device=key.device)
-        keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        keep.scatter_(1, topk_lowest_first(group_score, topk_group), True)
         key = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
-    topk_ids = torch.topk(key, top_k, dim=-1).indices
+    topk_ids = topk_lowest_first(key, top_k)
     scores = probs.gather(1, topk_ids)
     if renormalize:
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)

@@ -270,6 +270,24 @@ def test_gather_sum(device):
     assert torch.equal(gather_sum(y, routing, w16), gather_sum(y, routing, w16.float()))
 
 
+def test_strided_weights_and_row_pairs(device):
+    """A strided (R,) view of the slot weights (gather_sum) or of row_pair and expert_offsets (score_grad) gives the
+    same bits as its contiguous copy (the kernels index them as contiguous: the launchers copy)."""
+    t, e = 29, 7
+    routing = _skewed_routing(t, e, device)
+    r = routing.num_rows
+    y = torch.randn(r, 40, device=device)
+    w = torch.rand(2 * r, device=device)[::2]
+    assert torch.equal(gather_sum(y, routing, w), gather_sum(y, routing, w.contiguous()))
+    parts = torch.randn(3, r, device=device)
+    row_pair = torch.stack([routing.row_pair, torch.zeros_like(routing.row_pair)], 1)[:, 0]
+    offsets = torch.stack([routing.expert_offsets, routing.expert_offsets], 1)[:, 1]
+    assert not row_pair.is_contiguous() and not offsets.is_contiguous()
+    want = score_grad(parts, routing.row_pair, routing.expert_offsets)
+    assert torch.equal(score_grad(parts, row_pair, offsets), want)
+    assert torch.equal(want, score_grad_ref(parts, routing.row_pair, routing.expert_offsets))
+
+
 def test_gather_sum_padded_routing(device):
     """A padded routing (static length; padding pairs (T, E) at the end): the kernel and its twin leave the padding
     slots out, and every token's real slots summed must equal the same routing built without the padding."""

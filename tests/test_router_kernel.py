@@ -172,6 +172,32 @@ def test_minus_inf_logits_and_ties_pick_lower_index(device):
     torch.testing.assert_close(scores[0].cpu(), torch.stack([e1, torch.tensor(1.0), *torch.zeros(2)]) / (e1 + 1))
 
 
+@pytest.mark.parametrize("order,renorm", ORDERS, ids=ORDER_IDS)
+def test_ties_go_to_the_lower_index_on_every_path(order, renorm, device):
+    """Equal selection keys pick the lower expert index on the kernel, its twin and router_topk's torch path: an
+    all-zero token (E equal logits; torch.topk picked 84, 87, ... at E=128 on CPU), logits that tie in pairs, and
+    sigmoid's keys that round to 1.0 (logits 17 and 30) or 0.0 (-120 and -110)."""
+    e, k = 128, 8
+    logits = torch.randn(6, e, generator=torch.Generator().manual_seed(3)).to(device)
+    logits[0] = 0.0
+    logits[1] = torch.arange(e, device=device).div(2, rounding_mode="floor").float().neg()  # 0, 0, -1, -1, ...
+    logits[2, :] = -200.0
+    logits[2, 5], logits[2, 9] = 30.0, 17.0
+    logits[3, :] = -120.0
+    logits[3, 40] = -110.0
+    want = {0: list(range(k)), 1: list(range(k))}
+    if order == "sigmoid_then_topk":  # sigmoid(17) = sigmoid(30) = 1.0 and sigmoid(-110) = sigmoid(-120) = 0.0 in fp32
+        want[2] = [5, 9, *range(5), 6, 7, 8][:k]
+        want[3] = list(range(k))
+    kernel, _ = topk_router(logits, k, order, renorm)
+    twin, _ = topk_router_ref(logits, k, order, renorm)
+    # the torch path from x = logits and W_r = I (an exact GEMM)
+    torch_path = router_topk(logits, torch.eye(e, device=device), k, router_order=order, renormalize=renorm,
+                             use_kernel=False).topk_ids
+    assert torch.equal(kernel, twin) and torch.equal(kernel, torch_path)
+    assert all(kernel[i].tolist() == ids for i, ids in want.items()), (kernel, want)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy arithmetic on the NaN
 @pytest.mark.parametrize("order,renorm", ORDERS, ids=ORDER_IDS)
 def test_nan_logit_ranks_first_as_torch_topk(order, renorm, device):

@@ -222,7 +222,7 @@ def gather_sum(y: torch.Tensor, routing: Routing, slot_weights: torch.Tensor | N
     if t == 0:
         return out
     args = dict(
-        y_ptr=y, w_ptr=slot_weights if slot_weights is not None else y, out_ptr=out,
+        y_ptr=y, w_ptr=slot_weights.contiguous() if slot_weights is not None else y, out_ptr=out,
         token_offsets_ptr=routing.token_offsets, token_rows_ptr=routing.token_rows, T=t, D=d,
         stride_yr=y.stride(0), stride_ot=out.stride(0), HAS_W=slot_weights is not None,
     )

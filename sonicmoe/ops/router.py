@@ -14,8 +14,9 @@ token, picks the top-K experts and computes their scores S (T, K) in one pass ov
 
 Forward kernel: one program owns BLOCK_T tokens and holds all E logits of each in registers (E_P2 =
 next power of two of E, padded with -inf); K rounds of argmax-and-mask pick the experts by
-decreasing logit (sigmoid: decreasing p + b), ties broken toward the lower expert index (torch.topk's order for
-distinct values; a NaN logit ranks first, as in torch.topk). Outputs: ids (T, K) int64, S (T, K) float32, and for
+decreasing logit (sigmoid: decreasing p + b), ties broken toward the lower expert index
+(:func:`sonicmoe.routing.topk_lowest_first`, the torch path's rule too); a NaN logit ranks first, tied with a +inf
+one (the lower index first; torch ranks the NaN first). Outputs: ids (T, K) int64, S (T, K) float32, and for
 sigmoid with ``renormalize`` the chosen p (T, K) float32, which the backward needs.
 
 Backward kernel (d S (T, K) -> d logits (T, E), zero outside the chosen experts except where noted),
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..config import ROUTER_ORDERS
-from ..routing import check_expert_bias, check_expert_groups, check_top_k, sigmoid_topk
+from ..routing import check_expert_bias, check_expert_groups, check_top_k, sigmoid_topk, topk_lowest_first
 from .common import cdiv, check_device, interpreting, new_output, next_pow2
 from .fast_launch import launch_kernel
 
@@ -101,7 +102,7 @@ def _topk_router_fwd_kernel(
         key = p
         if HAS_BIAS:
             key = p + tl.load(bias_ptr + e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
-    key = tl.where(x != x, float("inf"), key)  # selection key: NaN ranks first, as in torch.topk
+    key = tl.where(x != x, float("inf"), key)  # selection key: NaN ranks first (tied with +inf)
     kk = tl.arange(0, K_P2)
     avail = tl.broadcast_to(mask_e[None, :], (BLOCK_T, E_P2))
     if N_GROUP > 1:
@@ -342,11 +343,12 @@ def topk_router_ref(
     n_group: int = 1,
     topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-PyTorch twin of :func:`topk_router` (torch.topk + softmax or sigmoid, as :func:`router_topk`'s torch
+    """Pure-PyTorch twin of :func:`topk_router` (top-k + softmax or sigmoid, as :func:`router_topk`'s torch
     path): (T, E) logits -> (topk_ids (T, K) int64, topk_scores (T, K)), autograd through torch."""
     if router_order == "sigmoid_then_topk":
         return sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias, n_group, topk_group)
-    top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
+    topk_ids = topk_lowest_first(logits, top_k)
+    top_logits = logits.gather(1, topk_ids)
     if router_order == "topk_then_softmax":
         return topk_ids, torch.softmax(top_logits, dim=-1)
     scores = torch.softmax(logits, dim=-1).gather(1, topk_ids)

@@ -81,7 +81,7 @@ def score_grad(ds_part: torch.Tensor, row_pair: torch.Tensor, expert_offsets: to
     if r == 0:
         return out
     ds_part = ds_part.contiguous()
-    launch_kernel(_score_grad_kernel, (cdiv(r, BLOCK),), ds_part, row_pair, expert_offsets,
+    launch_kernel(_score_grad_kernel, (cdiv(r, BLOCK),), ds_part, row_pair.contiguous(), expert_offsets.contiguous(),
                   extra.contiguous() if extra is not None else ds_part, out, r, expert_offsets.shape[0] - 1,
                   P=p, HAS_EXTRA=extra is not None, BLOCK=BLOCK, num_warps=4)
     return out
