@@ -50,8 +50,8 @@ class MoELayerOutput(NamedTuple):
 
     Fields:
         output: O (..., d), as the plain forward returns it.
-        aux_loss: the load-balancing loss times ``aux_loss_coef`` (float32 scalar; a zero without history when the
-            coefficient is 0).
+        aux_loss: the load-balancing loss times ``aux_loss_coef`` (float32 scalar, float64 with a float64 router;
+            a zero without history when the coefficient is 0).
         z_loss: the router z-loss times ``z_loss_coef`` (likewise).
         expert_counts: (E,) the pairs each expert received in this forward (int, no gradient).
     """
@@ -70,8 +70,9 @@ class MoE(nn.Module):
     outputs only and leave the attributes as they were). After each forward, ``aux_loss``
     (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
     ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
-    A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a float32 zero
-    scalar without autograd history, and its (T, E) softmax or logsumexp never runs. A computed loss keeps its
+    A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a zero scalar of the
+    logits' dtype (float32; float64 with a float64 router) without autograd history, and its (T, E) softmax or
+    logsumexp never runs. A computed loss keeps its
     forward's autograd graph (and the parameters' gradient accumulators) alive until the next forward: use it in
     the loss, or set it to None, before capturing a CUDA graph after eager calls on another stream.
 
@@ -107,7 +108,9 @@ class MoE(nn.Module):
     ``num_experts``, ``top_k``, ...), plus ``device`` and ``dtype`` of the parameters (``meta`` works).
 
     Inputs: x of any float dtype the backends know (bf16/fp16/fp32/float64) and any strides; it is
-    cast to the parameters' dtype for the computation and the output cast back. Under ``torch.autocast``
+    cast to the expert weights' dtype for the computation and the output cast back. The router's weight may have
+    another dtype (e.g. ``layer.gate.float()`` beside bf16 experts: its logits are then the float32 GEMM of the
+    upcast operands; the shared expert must share the routed experts' dtype). Under ``torch.autocast``
     (mixed precision with, e.g., float32 parameters) the experts run in the autocast dtype instead: x and the
     expert weights are cast to it, as ``nn.Linear`` casts its input and weight, the output comes back in it,
     and the parameters' gradients in their own dtype; the router's logits stay float32. The parameters must
@@ -254,9 +257,12 @@ class MoE(nn.Module):
             raise ValueError(f"x is on {x.device} but the MoE parameters are on {self.gate.weight.device}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, c.hidden_size)
-        # under torch.autocast the experts run in its dtype (float64 parameters excepted, as autocast leaves them)
-        amp = autocast_dtype(x.device) if self.gate.weight.dtype != torch.float64 else None
-        compute = amp if amp is not None else self.gate.weight.dtype
+        # the experts run in their weights' dtype, or under torch.autocast in its dtype (float64 parameters excepted,
+        # as autocast leaves them); the router may keep float32 weights beside bf16 experts (its logits are a float32
+        # GEMM of the upcast operands then)
+        w_dtype = self.experts.gate_up_proj.dtype
+        amp = autocast_dtype(x.device) if w_dtype != torch.float64 else None
+        compute = amp if amp is not None else w_dtype
         if x2.dtype != compute:
             x2 = x2.to(compute)
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,

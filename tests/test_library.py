@@ -80,6 +80,28 @@ def test_opcheck_experts_fwd_float16(device):
                           atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("tokens", [T, 0], ids=["no_rows", "no_tokens"])
+@pytest.mark.parametrize("needs", [[True] * 6, [True, True, True, False, False, False]], ids=["all", "no_ds"])
+def test_opcheck_experts_bwd_without_rows(tokens, needs, device):
+    """R = 0 (or T = 0) with transposed views of x and W1 and float16 x beside float32 scores: the backward's zeros
+    have the fake's contiguous strides and dtypes (a compiled backward with inductor checked them and failed on the
+    transposed W1's strides before session 83)."""
+    p = random_problem(T, D, N, E, bias=True, device=device, seed=6)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    routing = routing_from_pairs(empty, empty, tokens, E)
+    for dtype in (torch.float32, torch.float16):
+        x = p["x"][:tokens].to(dtype).t().contiguous().t()
+        w1 = p["w1"].to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        assert not w1.is_contiguous() and (tokens == 0 or not x.is_contiguous())
+        args = (torch.randn(tokens, D, device=device, dtype=dtype), x, w1, p["w2"].to(dtype), p["b1"].to(dtype),
+                p["b2"].to(dtype), torch.empty(0, 2 * N, device=device, dtype=dtype),
+                torch.empty(0, device=device), *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", needs)
+        torch.library.opcheck(library.experts_bwd, args)
+        grads = library.experts_bwd(*args)
+        assert all(g.is_contiguous() and not g.any() for g in grads)
+        assert grads[5].dtype == torch.float32
+
+
 @pytest.mark.parametrize("needs", [[True] * 6, [False, True, False, False, True, True], [True, False] * 3],
                          ids=["all", "w1,b2,scores", "x,w2,b2"])
 @pytest.mark.parametrize("bias", [True, False])

@@ -686,3 +686,47 @@ def test_frozen_parameters_train_the_rest(routing, frozen, x_grad, device):
             assert p.grad is None, name
         else:
             assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("options", [{}, {"routing": "token_rounding", "m_tile": 4}], ids=["topk", "token_rounding"])
+def test_torch_backend_compiles_with_an_empty_batch(options):
+    """torch.compile(fullgraph, dynamic) of the torch backend (MoE's default on CPU) through T = 3, 0, 5: an empty
+    batch compiled (its per-expert slices of no row left unbacked sizes pending: an internal Dynamo error before
+    session 83), and every call gives the eager output and gradients."""
+    torch.manual_seed(0)
+    m = MoE(16, 8, 4, 2, backend="torch", **options)
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager", dynamic=True)
+    for t in (3, 0, 5):
+        x = torch.randn(t, 16)
+        got = []
+        for fn in (cm, m):
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            (y.square().sum() + m.aux_loss).backward()
+            got.append((y.detach(), xi.grad, m.experts.gate_up_proj.grad.clone()))
+            m.zero_grad()
+        assert got[0][0].shape == (t, 16) and got[0][1].shape == (t, 16)
+        for a, b in zip(*got):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_float32_router_beside_bf16_experts():
+    """layer.gate.float() beside bfloat16 experts (a common recipe): the experts run in bf16, the router's logits are
+    the float32 GEMM of the bf16 input and the float32 weight (the same choice as router_topk's), the output comes
+    back in x's dtype close to an all-float32 copy's, and each parameter gets its gradient in its own dtype (this
+    raised a dtype error naming w1 before session 83, which took the compute dtype from the router)."""
+    torch.manual_seed(0)
+    m = MoE(32, 16, 4, 2, backend="torch", aux_loss_coef=0.01).to(torch.bfloat16)
+    m.gate.float()
+    m32 = MoE(32, 16, 4, 2, backend="torch", aux_loss_coef=0.01)
+    m32.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    x = torch.randn(64, 32)
+    y = m(x)
+    assert y.dtype == torch.float32
+    want = sonicmoe.router_topk(x.bfloat16(), m.gate.weight, 2).topk_ids
+    assert torch.equal(m.expert_counts, torch.bincount(want.reshape(-1), minlength=4).to(m.expert_counts.dtype))
+    ref = m32(x.bfloat16().float())
+    assert rel_err(y, ref) < 2e-2
+    (y.square().sum() + m.aux_loss).backward()
+    assert m.gate.weight.grad.dtype == torch.float32 and m.experts.gate_up_proj.grad.dtype == torch.bfloat16

@@ -258,9 +258,8 @@ def experts_bwd_impl(
     _check_layout(gate_up_layout)
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
-    if _no_rows(x, row_token):
-        return tuple(torch.zeros_like(v) if need and v is not None else _empty(x) for need, v in zip(
-            (need_x, need_w1, need_w2, need_b1, need_b2, need_s), (x, w1, w2, b1, b2, pair_scores)))
+    if _no_rows(x, row_token):  # zeros of exactly the fake's shapes, strides and dtypes (compiled graphs check them)
+        return _bwd_outputs(x, w1, w2, b1, b2, pair_scores, pair_row, needs, zeros=True)
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets, token_rows=token_rows)
     dout = dout.contiguous()
@@ -353,17 +352,27 @@ def _dx_beside_dw1(dh_: Tensor, x: Tensor, w1: Tensor, routing: Routing, side: t
 experts_bwd = torch.library.custom_op("sonicmoe::experts_bwd", experts_bwd_impl, mutates_args=())
 
 
+def _bwd_outputs(x, w1, w2, b1, b2, pair_scores, pair_row, needs, *, zeros: bool) -> tuple[Tensor, ...]:
+    """The six outputs of ``experts_bwd`` as new contiguous tensors (zeros, or uninitialised for the fake): the
+    fake and the real no-row branch share them, so a compiled graph's shape/stride/dtype checks agree."""
+    need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
+
+    def new(v: Tensor, shape) -> Tensor:
+        return v.new_zeros(shape) if zeros else v.new_empty(shape)
+
+    dx = new(x, x.shape) if need_x else _empty(x)
+    dw1 = new(w1, w1.shape) if need_w1 else _empty(w1)
+    dw2 = new(w2, w2.shape) if need_w2 else _empty(w2)
+    db1 = new(b1, b1.shape) if need_b1 and b1 is not None else _empty(b1 if b1 is not None else x)
+    db2 = new(b2, b2.shape) if need_b2 and b2 is not None else _empty(b2 if b2 is not None else x)
+    dscores = new(pair_scores, pair_row.shape) if need_s else _empty(pair_scores)
+    return dx, dw1, dw2, db1, db2, dscores
+
+
 @experts_bwd.register_fake
 def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
                       token_offsets, token_rows, gate_up_layout, needs):
-    need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
-    dx = x.new_empty(x.shape) if need_x else _empty(x)
-    dw1 = w1.new_empty(w1.shape) if need_w1 else _empty(w1)
-    dw2 = w2.new_empty(w2.shape) if need_w2 else _empty(w2)
-    db1 = b1.new_empty(b1.shape) if need_b1 and b1 is not None else _empty(b1 if b1 is not None else x)
-    db2 = b2.new_empty(b2.shape) if need_b2 and b2 is not None else _empty(b2 if b2 is not None else x)
-    dscores = pair_scores.new_empty(pair_row.shape) if need_s else _empty(pair_scores)
-    return dx, dw1, dw2, db1, db2, dscores
+    return _bwd_outputs(x, w1, w2, b1, b2, pair_scores, pair_row, needs, zeros=False)
 
 
 # ------------------------------------------------------------------------------------------ autograd

@@ -29,6 +29,9 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, routing: Routing, use_grou
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=routing.expert_offsets[1:])
     if a.device.type == "meta":
         return a.new_empty(a.shape[0], w.shape[1])
+    if routing.row_token.shape[0] == 0:  # no row: no per-expert slices (under torch.compile their bounds are
+        # unbacked sizes, which slices that are never used leave pending); (0, m), still in w's graph (zero gradient)
+        return F.linear(a[:0], w[0])
     outs = []
     offsets = routing.expert_offsets.tolist()
     for e in range(routing.num_experts):
