@@ -371,7 +371,7 @@ def topk_lowest_first(key: torch.Tensor, k: int) -> torch.Tensor:
     torch.topk leaves the order of equal entries unspecified (an all-zero token, whose E logits are equal,
     picked experts 84, 87, … on CPU where the kernel picks 0, 1, …); a stable descending sort fixes it, so the
     torch path, the kernel and their twin choose the same experts."""
-    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
 
 
 def router_topk(

@@ -170,7 +170,7 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
         extra = num_experts * ((m_tile - 1) // 2)
     else:  # up, stochastic
         extra = num_experts * (m_tile - 1)
-    return min(tk + extra, num_tokens * num_experts)
+    return torch.sym_min(tk + extra, num_tokens * num_experts)  # symbolic under torch.compile (no guard on T)
 
 
 def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
@@ -307,24 +307,20 @@ def token_rounding(
 def _token_rounding(router: RouterOutput, t: int, e: int, k: int, m_tile: int, subroutine: str, router_order: str,
                     renormalize: bool, generator: torch.Generator | None, use_kernel: bool | None, static: bool,
                     fused_router_grad: bool) -> TokenRoundingOutput:
-    from .ops import tr_routing, tr_scores, tr_select
+    from .ops import tr_scores, tr_select, tr_static
 
     ids2 = router.topk_ids.long()  # (T, K)
     kernels = tr_select.use_select_kernels(router.logits.device, use_kernel)
-    keys = tr_select.candidate_keys if kernels else tr_select.candidate_keys_ref
-    decide = tr_routing.round_counts if kernels else tr_routing.round_counts_ref
-    select = tr_select.select_routed if kernels else tr_select.select_routed_ref
-    prob_key, score_key, counts = keys(_candidate_probs(router, router_order), ids2, router.topk_scores,
-                                       block_counts=True)
-    u = torch.rand(e, generator=generator, device=counts.device) if subroutine == "stochastic" else None
-    f, keep, pad, offsets = decide(counts, m_tile, t, subroutine, u)  # f_e: top-k tokens per expert
-    ranks = select(prob_key, score_key, f, keep, rank=True)  # (T, E): row within the expert + 1, 0 if not routed
-    del prob_key, score_key
-
+    probs = _candidate_probs(router, router_order)
+    u = torch.rand(e, generator=generator, device=probs.device) if subroutine == "stochastic" else None
     # static: R_max pairs, padding last, no sync; else exactly R, the one host sync (R is data-dependent)
-    to_routing = tr_routing.ranks_routing if kernels else tr_routing.ranks_routing_ref
-    pair_token, pair_expert, routing = to_routing(
-        ranks, offsets, max_pairs=max_pairs(t, e, k, m_tile, subroutine) if static else None)
+    r_max = max_pairs(t, e, k, m_tile, subroutine) if static else None
+    if kernels and static and torch.compiler.is_compiling():  # one graph node: T stays symbolic (tr_static)
+        sel = tr_static.select_static_pairs_compiled(probs, ids2, router.topk_scores, u, m_tile, subroutine, r_max)
+    else:
+        sel = tr_static.select_pairs(probs, ids2, router.topk_scores, u, m_tile, subroutine, r_max, kernels)
+    pair_token, pair_expert, routing = sel.pair_token, sel.pair_expert, sel.routing
+    f, keep, pad = sel.f, sel.keep, sel.pad
     routing = dataclasses.replace(routing, tile_rows=m_tile)  # the kernels' hint: whole M_tile-row tiles
     scores = tr_scores.pair_scores if tr_scores.use_score_kernels(router, use_kernel) else tr_scores.pair_scores_ref
     pair_scores, pair_added = scores(router, pair_token, pair_expert, router_order, renormalize, fused_router_grad)

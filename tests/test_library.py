@@ -434,6 +434,60 @@ def test_compile_fullgraph_module_dynamic_shapes(device, options):
     assert len(rec.graphs) == 1 and rec.calls_op("experts_fwd")
 
 
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_compile_token_rounding_selection_is_one_node(device, monkeypatch):
+    """Token rounding's selection kernels under torch.compile(fullgraph, dynamic): one sonicmoe::tr_static_pairs node,
+    one graph for three token counts (traced launchers fixed T through their T-dependent block sizes: a compile per
+    T on an H100, session 83), outputs and gradients equal to eager. On CPU the selection kernels run through the
+    interpreter inside the operator (the score kernels, traced by Dynamo, are left to their torch twin there)."""
+    from sonicmoe.ops import tr_scores, tr_select
+
+    if device.type == "cpu":
+        monkeypatch.setattr(tr_select, "use_select_kernels", lambda dev, use_kernel: use_kernel is not False)
+        monkeypatch.setattr(tr_scores, "use_score_kernels", lambda router, use_kernel: False)
+    torch.manual_seed(0)
+    m = sonicmoe.MoE(D, N, 4, 2, backend="triton", bias=True, routing="token_rounding", m_tile=4, device=device)
+    rec = _GraphRecorder()
+    cm = torch.compile(m, fullgraph=True, backend=rec, dynamic=True)
+    for t in (5, 8, 11):
+        x = torch.randn(t, D, device=device)
+        got = []
+        for fn in (cm, m):
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            (y.square().sum() + m.aux_loss).backward()
+            got.append((y.detach(), xi.grad, m.gate.weight.grad.clone(), m.experts.gate_up_proj.grad.clone()))
+            m.zero_grad()
+        for a, b in zip(*got):
+            assert torch.equal(a, b)
+    assert len(rec.graphs) == 1 and rec.calls_op("tr_static_pairs") and rec.calls_op("experts_fwd")
+
+
+@pytest.mark.parametrize("subroutine", ["nearest", "stochastic"])
+def test_opcheck_tr_static_pairs(subroutine, device):
+    """sonicmoe::tr_static_pairs: schema, fake shapes (R = max_pairs, T + 1, E + 1, E) and AOT dispatch with dynamic
+    shapes; its outputs equal select_pairs' on the kernels and on the torch twins."""
+    from sonicmoe.ops import tr_static
+    from sonicmoe.token_rounding import max_pairs
+
+    t, e, k, m_tile = 40, 6, 2, 8
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(t, e, generator=g).to(device)
+    router = router_topk(logits, torch.eye(e, device=device), k, use_kernel=False)
+    u = torch.rand(e, generator=g).to(device) if subroutine == "stochastic" else None
+    r_max = max_pairs(t, e, k, m_tile, subroutine)
+    args = (router.probs.detach(), router.topk_ids, router.topk_scores.detach(), u, m_tile, subroutine, r_max)
+    torch.library.opcheck(tr_static.tr_static_pairs, args)
+    op = tr_static.select_static_pairs_compiled(*args)
+    for kernels in (True, False):
+        want = tr_static.select_pairs(*args, kernels=kernels)
+        for name in ("pair_token", "pair_expert", "f", "keep", "pad"):
+            assert torch.equal(getattr(op, name), getattr(want, name)), name
+        for name in ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows"):
+            assert torch.equal(getattr(op.routing, name), getattr(want.routing, name)), name
+    assert op.pair_token.shape == (r_max,) and bool((op.pair_token == t).any())  # padding pairs last
+
+
 def test_compile_fullgraph_router_info(device):
     """MoE(return_router_info=True) under torch.compile(fullgraph=True): one graph, and the MoELayerOutput comes
     back with the eager values (output, both losses, the expert counts)."""
