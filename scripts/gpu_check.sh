@@ -54,6 +54,8 @@
 #   ep     expert parallelism: its tests (two ranks) and benchmarks/ep_bench.py over the visible GPUs
 #   shared the shared expert (MoE(shared_intermediate_size=...)): its GPU tests and the compile test, then
 #          scripts/shared_expert_bench.py (SHARED_SHAPES: T,d,n,E,K,n_s ...; default the script's three)
+#   sharedprof  every kernel of the shared expert alone (scripts/layer_profile.py at E = K = 1; SHAREDPROF_SHAPES)
+#   compile  the torch.compile and opcheck tests of tests/test_library.py
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
 #          (ORDERS_SHAPES, ORDERS_ROUNDS, ORDERS_ROUTING=token_rounding), the h100 preset for ORDERS_STEPS steps with the
 #          default and DeepSeek-V3's router
@@ -459,6 +461,22 @@ for step in "$@"; do
         --json "$OUT/shared_expert_bench.json" > "$OUT/shared_expert_bench.txt" 2>&1
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_shared.log")" "$(tail -1 "$OUT/gpu_tests_shared.log")"
                 "$(tail -4 "$OUT/shared_expert_bench.txt")")
+      ;;
+    sharedprof)
+      # where the shared expert's time goes at 7B's d = 1536, n_s = 1024 (session 83, H100: ours 2.73 ms against
+      # torch's dense 3-GEMM MLP 1.72 ms, while at d = 2048, n_s = 2816 ours was faster): every kernel of one expert
+      # that every token routes to (E = K = 1, scores with a gradient as the gated shared expert's), SHAREDPROF_SHAPES
+      for sh in ${SHAREDPROF_SHAPES:-24576,1536,1024,1,1 16384,2048,2816,1,1}; do
+        timeout 150 python3 scripts/layer_profile.py --shape "$sh" > "$OUT/sharedprof_${sh//,/_}.txt" 2>&1
+        SUMMARY+=("sharedprof $sh: $(grep -E '^== fwd\+bwd' "$OUT/sharedprof_${sh//,/_}.txt")")
+      done
+      ;;
+    compile)
+      # the torch.compile tests on the GPU (session 83: token rounding's selection became one custom-op node, so that
+      # a dynamic-shape compile no longer recompiles per token count; first GPU run of that change)
+      timeout 400 python3 -m pytest -rA -p no:cacheprovider tests/test_library.py -k "compile or opcheck" \
+        > "$OUT/gpu_tests_compile.log" 2>&1
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_compile.log")" "$(tail -1 "$OUT/gpu_tests_compile.log")")
       ;;
     orders)
       # the router orders (DeepSeek-V3's sigmoid_then_topk with its selection bias and scaling, session 74): the GPU

@@ -6,7 +6,7 @@ the busiest experts' tiles last finish well after the others: in session 81 the 
 the mean (``sonicmoe train``'s ``step_max_over_mean``), and on that load the 7B layer's backward took 5% longer on
 an H100 than on the random router's (``benchmarks/results/2026-12-05_nvidia-h100_session81/``).
 
-In load order (``SONICMOE_WGRAD_ORDER=load``; not yet the default, see :func:`wgrad_order_by_load`) the
+In load order (``SONICMOE_WGRAD_ORDER=load``; not the default, see :func:`wgrad_order_by_load` for the A/B) the
 weight-gradient kernels take the busiest expert's tiles first (longest processing time first), so each wave of
 programs runs tiles of about the same length and the last wave holds the shortest ones. The persistent kernels
 (the Gluon one, and the Triton one's step loop) also deal the waves to their programs alternately forwards and
@@ -92,11 +92,18 @@ def wgrad_order_by_load() -> bool:
     """Whether the weight gradients take their experts busiest first (``SONICMOE_WGRAD_ORDER``: ``expert``, index
     order, the default, or ``load``; read at each call). The gradients are the same bits either way.
 
-    Index order stays the default until the two are timed against each other on a GPU (``gpu_check.sh wgorder``,
-    not yet run: session 81 had no GPU left for it). What is measured: on an H100 in session 81, the 7B layer took
-    3.5% longer (3.44 against 3.32 ms) and (32768, 4096, 1024, 128, 8) 3.1% longer (35.47 against 34.42 ms) on a
-    trained model's per-step load than on the random router's, in expert order
-    (``benchmarks/results/2026-12-05_nvidia-h100_session81/``)."""
+    Timed on an H100 in session 83 (``gpu_check.sh wgorder``: fresh processes, two alternating rounds,
+    ``benchmarks/results/2026-12-05_nvidia-h100_session83/wgorder/``), the backward in ms:
+
+    * a trained model's per-step load (busiest expert 3.2× the mean): 7B 2.258 / 2.251 in expert order against
+      2.149 / 2.133 in load order (5% less: as fast as the random router's load); (32768, 4096, 1024, 128, 8)
+      23.83 / 24.48 against 23.47 / 23.85 (1.5-2.6% less);
+    * the random router's even load: 7B 2.153 / 2.149 against 2.173 / 2.172 (1% more); the large shape 23.10 /
+      23.00 against 23.27 / 23.08 (0.3-0.7% more).
+
+    Index order stays the default for now: the even load, on which the benchmark shapes are measured, loses about
+    0.4% of the layer's fwd+bwd (where that comes from, the order's launch, the serpentine dealing or the order
+    itself, is ``gpu_check.sh wgprof``'s question). Training under an uneven load gains with ``load``."""
     value = os.environ.get("SONICMOE_WGRAD_ORDER", "expert")
     if value not in ("load", "expert"):
         raise ValueError(f"SONICMOE_WGRAD_ORDER must be 'load' or 'expert', got {value!r}")
