@@ -94,6 +94,10 @@ MUTANTS: list[Mutant] = [
        "-k", "gather_sum"),
     _m("agg_tile_tokens_overlap", AGG, "t = (tile // num_d) * BLOCK_T + tl.arange", "t = (tile // num_d) + tl.arange",
        KT, "-k", "gather_sum"),
+    _m("agg_weight_in_activation_dtype", AGG,
+       "        y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(tl.float32)[:, None]",
+       "        y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)"
+       "[:, None]", KT, "-k", "gather_sum"),
     # --- dH ---
     _m("dh_dgate_uses_g", DH, "(da * u * (sig + silu * (1.0 - sig)))", "(da * u * (sig + g * (1.0 - sig)))", KT,
        "-k", "test_dh_kernel"),
@@ -110,6 +114,8 @@ MUTANTS: list[Mutant] = [
        "    mask = mask_m[:, None]\n    base = h_ptr", KT, "-k", "test_dh_kernel or read_nothing"),
     _m("dh_sum16_drops_pair", DH, "    lo, hi = tl.split(lo + hi)\n    return lo + hi",
        "    lo, hi = tl.split(lo + hi)\n    return lo", KT, "-k", "test_dh_kernel"),
+    _m("dh_k_loop_floor", DH, "    for k in range(0, tl.cdiv(D, BLOCK_K)):\n        dob = load_row_block",
+       "    for k in range(0, D // BLOCK_K):\n        dob = load_row_block", KT, "-k", "test_dh_kernel"),
     # --- varlen-K weight gradients ---
     _m("wg_tail_row_mask_off_by_one", WG, "    rr = r0 + tl.arange(0, BLOCK_R)\n    mask_r = rr < hi",
        "    rr = r0 + tl.arange(0, BLOCK_R)\n    mask_r = rr <= hi", KT, "-k", "grouped_gemms or varlen_k"),
@@ -122,6 +128,12 @@ MUTANTS: list[Mutant] = [
        "acc += tl.load(bias_ptr + 0 * N + cols", KT, "-k", "grouped_gemms or layer_forward"),
     _m("gg_k_mask_off_by_one", GG, "(offs_k < K - k * BLOCK_K)[None, :], other=0.0)",
        "(offs_k <= K - k * BLOCK_K)[None, :], other=0.0)", KT, "-k", "grouped_gemms or read_nothing"),
+    _m("gg_bias_after_rounding", GG,
+       "    if HAS_BIAS:\n        acc += tl.load(bias_ptr + e.to(tl.int64) * N + cols, mask=mask_n, other=0.0)"
+       ".to(tl.float32)[None, :]\n    c = acc.to(c_ptr.dtype.element_ty)",
+       "    c = acc.to(c_ptr.dtype.element_ty)\n    if HAS_BIAS:\n        c = (c.to(tl.float32) + tl.load(bias_ptr + "
+       "e.to(tl.int64) * N + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]).to(c_ptr.dtype.element_ty)",
+       KT, "-k", "grouped_gemms"),
     # --- dS reduction ---
     _m("sg_padding_rows_counted", SG, "real = mask & (row < tl.load(offsets_ptr + E))", "real = mask", KT, "-k",
        "score_grad"),
@@ -339,6 +351,11 @@ MUTANTS: list[Mutant] = [
     _m("up_steps_tok_not_refreshed", UP,
        "        if ki == 0:\n            rows0", "        if tile < 0:\n            rows0", KT, "-k",
        "test_tma_weight or test_persistent"),
+    _m("up_steps_bias_dropped", UP,
+       "stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H,\n"
+       "                       DOT_PREC",
+       "stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, False, STORE_H,\n"
+       "                       DOT_PREC", KT, "-k", "test_persistent or test_tma_weight"),
     # host code of session 80: the launch fast path's key, the per-step expert load, the load profile
     _m("fl_key_drops_options", FL, "               *[(k, v) for k, v in named.items() if k not in params])",
        "               )", TFL),

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.interpreter
 # (T, d, n, E, K, reason)
 SHAPES = [
     (1, 16, 16, 3, 3, "T=1 and K=E: one token, every expert"),
-    (37, 48, 40, 5, 2, "d, n and per-expert counts not multiples of any block"),
-    (20, 32, 24, 8, 1, "K=1, more experts than a few tokens fill: empty experts"),
+    (37, 40, 40, 5, 2, "d, n and per-expert counts not multiples of any block"),  # d = 40: a partial K-block of d
+    (20, 32, 24, 8, 1, "K=1, more experts than a few tokens fill: empty experts"),  # empty: see _topk_routing
     (64, 32, 32, 4, 4, "K=E with many tokens: every expert gets every token"),
 ]
 IDS = [s[-1].split(":")[0] for s in SHAPES]
@@ -47,9 +47,25 @@ def _tol(dtype):
     return 1e-5 if dtype == torch.float32 else 3e-3
 
 
-def _topk_routing(p, k, device):
-    r = router_topk(p["x"], p["router_weight"], k)
-    return r, routing_from_topk(r.topk_ids, p["w1"].shape[0])
+def _topk_routing(p, k, device, empty=()):
+    """Top-k routing of ``p``'s tokens. Experts in ``empty`` are never chosen, so they get no rows: the sigmoid router
+    with a selection bias of -2 on them (sigmoid + bias < -1 < every other expert's), asserted."""
+    e = p["w1"].shape[0]
+    if not empty:
+        r = router_topk(p["x"], p["router_weight"], k)
+    else:
+        bias = torch.zeros(e, device=device)
+        bias[list(empty)] = -2.0
+        r = router_topk(p["x"], p["router_weight"], k, router_order="sigmoid_then_topk", expert_bias=bias)
+    routing = routing_from_topk(r.topk_ids, e)
+    assert all(routing.expert_counts()[i] == 0 for i in empty)
+    return r, routing
+
+
+def _empty_experts(shape):
+    """The experts the SHAPES entry ``shape`` promises empty (the first and the last, with K=1): none for the others."""
+    e, k = shape[3], shape[4]
+    return (0, e - 1) if k == 1 else ()
 
 
 def _skewed_routing(t, e, device):
@@ -69,7 +85,7 @@ def _skewed_routing(t, e, device):
 def test_up_proj(shape, layout, bias, device):
     t, d, n, e, k, _ = shape
     p = random_problem(t, d, n, e, bias=bias, device=device, seed=t + n)
-    _, routing = _topk_routing(p, k, device)
+    _, routing = _topk_routing(p, k, device, _empty_experts(shape))
     h, a = up_proj(p["x"], p["w1"], p["b1"], routing, layout)
     h_ref, a_ref = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout)
     assert rel_err(h, h_ref) < 1e-5
@@ -134,22 +150,36 @@ def test_kernels_read_nothing_past_their_operands(layout, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=IDS[1:3])
 def test_grouped_gemms(shape, dtype, device):
+    """The grouped GEMMs against their twins. With K=1 the first and last experts are empty and get zero weight
+    gradients.
+
+    In float16 both the kernels and the twins accumulate in float32 and round once, so their bits differ only where the
+    two float32 sums (in different orders) fall on either side of a float16 rounding boundary: measured on the
+    interpreter over 9 input seeds, at most 4 of 2960 elements (0.14%), by one unit in the last place. A norm bound
+    cannot tell that from a second rounding (one such flip in a large element alone costs up to 4e-5 of rel_err),
+    the share of differing elements can: the bias added after the cast to float16 changes 27-30% of them."""
     t, d, n, e, k, _ = shape
     p = random_problem(t, d, n, e, bias=True, device=device, dtype=dtype, seed=3)
-    _, routing = _topk_routing(p, k, device)
+    _, routing = _topk_routing(p, k, device, _empty_experts(shape))
+
+    def check(got, ref):
+        assert rel_err(got, ref) < _tol(dtype)
+        if dtype == torch.float16:
+            assert (got != ref).float().mean().item() < 0.01, "float16 results rounded twice?"
+
     r = routing.num_rows
-    a = torch.randn(r, n, device=device).to(dtype)
-    assert rel_err(down_proj(a, p["w2"], p["b2"], routing), down_proj_ref(a, p["w2"], p["b2"], routing)) \
-        < _tol(dtype)
-    dh_ = torch.randn(r, 2 * n, device=device).to(dtype)
+    g = torch.Generator().manual_seed(4)  # not the global generator, which earlier tests leave in varying states
+    a = torch.randn(r, n, generator=g).to(device, dtype)
+    check(down_proj(a, p["w2"], p["b2"], routing), down_proj_ref(a, p["w2"], p["b2"], routing))
+    dh_ = torch.randn(r, 2 * n, generator=g).to(device, dtype)
     out = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False)
-    assert rel_err(out, varlen_m_gemm_ref(dh_, p["w1"], None, routing, transpose_b=False)) < _tol(dtype)
-    dout = torch.randn(t, d, device=device).to(dtype)
+    check(out, varlen_m_gemm_ref(dh_, p["w1"], None, routing, transpose_b=False))
+    dout = torch.randn(t, d, generator=g).to(device, dtype)
+    empty = routing.expert_counts() == 0
+    assert empty.any() == (k == 1)
     for pg, qg, pm, qm in ((True, False, dout, a), (False, True, dh_, p["x"])):
         got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=dtype)
-        ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=dtype)
-        assert rel_err(got, ref) < _tol(dtype)
-        empty = routing.expert_counts() == 0
+        check(got, varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=dtype))
         assert torch.all(got[empty] == 0), "experts with no rows must get zero gradients"
 
 
@@ -211,7 +241,8 @@ def test_varlen_k_chunks_and_tails(cfg, device, monkeypatch):
 def test_dh_kernel(shape, layout, device):
     t, d, n, e, k, _ = shape
     p = random_problem(t, d, n, e, device=device, seed=5)
-    router, routing = _topk_routing(p, k, device)
+    router, routing = _topk_routing(p, k, device, _empty_experts(shape))
+    assert (routing.expert_counts() == 0).any() == (k == 1)  # K=1: the first and last experts empty
     h = torch.randn(routing.num_rows, 2 * n, device=device)
     dout = torch.randn(t, d, device=device)
     s = routing.row_scores(router.topk_scores.reshape(-1))
@@ -268,6 +299,14 @@ def test_gather_sum(device):
     # half-precision weights are read as float32 in the kernel: the same bits as weights cast beforehand
     w16 = w.half()
     assert torch.equal(gather_sum(y, routing, w16), gather_sum(y, routing, w16.float()))
+    # float16 rows with float32 weights: the weights stay float32 (not rounded to the rows' dtype), each slot's
+    # product and the slot-order sum in float32, rounded once: the twin's bits
+    # (the kernel's float32-row results rounded once: valid on a GPU too, where the twin's index_add adds in any order)
+    y16 = y.half()
+    got16 = gather_sum(y16, routing, w)
+    assert torch.equal(got16, gather_sum(y16.float(), routing, w).half())
+    if interpreting():
+        assert torch.equal(got16, gather_sum_ref(y16, routing, w))
 
 
 def test_strided_weights_and_row_pairs(device):
@@ -779,15 +818,17 @@ def test_gpu_launch_switches_same_bits(monkeypatch, env, flags):
 
 def test_persistent_schedule_matches(device):
     """Persistent configs (few programs looping over the tiles, as nested loops or as one loop over
-    (tile, K-block) steps) compute the same as one program per tile."""
+    (tile, K-block) steps) compute the same as one program per tile, the up-projection's bias included."""
     t, d, n, e, k = 45, 32, 40, 6, 2
     p = random_problem(t, d, n, e, bias=True, device=device, seed=6)
     router, routing = _topk_routing(p, k, device)
     base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "FLATTEN": False}
     one, few = {**base, "PROGS_PER_SM": 0}, {**base, "PROGS_PER_SM": 3}
-    h1, a1 = up_proj(p["x"], p["w1"], None, routing, config=one)
+    h1, a1 = up_proj(p["x"], p["w1"], p["b1"], routing, config=one)
+    h_ref, a_ref = up_proj_ref(p["x"], p["w1"], p["b1"], routing)
+    assert rel_err(h1, h_ref) < 1e-5 and rel_err(a1, a_ref) < 1e-5
     for cfg in (few, {**few, "STEPS": True}, {**one, "STEPS": True}):
-        h2, a2 = up_proj(p["x"], p["w1"], None, routing, config=cfg)
+        h2, a2 = up_proj(p["x"], p["w1"], p["b1"], routing, config=cfg)
         assert torch.equal(h1, h2) and torch.equal(a1, a2), cfg
     y1 = down_proj(a1, p["w2"], p["b2"], routing, config=one)
     assert torch.equal(y1, down_proj(a1, p["w2"], p["b2"], routing, config=few))
@@ -890,8 +931,8 @@ def test_dh_h_prefetch_matches(device, block_n, prefetch):
         assert rel_err(got, want) < 1e-5
 
 
-def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21):
-    p = random_problem(t, d, n, e, device=device, dtype=dtype, seed=seed)
+def _tma_problem(t, d, n, e, k, device, dtype=torch.float32, seed=21, bias=False):
+    p = random_problem(t, d, n, e, device=device, dtype=dtype, seed=seed, bias=bias)
     router, routing = _topk_routing(p, k, device)
     s = routing.row_scores(router.topk_scores.reshape(-1)).float()
     dout = torch.randn(t, d, device=device, dtype=dtype)
@@ -905,8 +946,8 @@ def _kernel_outputs(p, routing, s, dout, layout, cfg):
     up_cfg = {k: v for k, v in cfg.items() if k not in ("A_TMA", "C_SPLIT")}
     gemm_cfg = {k: v for k, v in cfg.items() if k != "GU_FUSED"}
     gather_cfg = {k: v for k, v in up_cfg.items() if k not in ("GU_FUSED", "STEPS")}
-    h, a = up_proj(p["x"], p["w1"], None, routing, layout, config=up_cfg)
-    y = down_proj(a, p["w2"], None, routing, config=gemm_cfg)
+    h, a = up_proj(p["x"], p["w1"], p["b1"], routing, layout, config=up_cfg)
+    y = down_proj(a, p["w2"], p["b2"], routing, config=gemm_cfg)
     dh_, ap_, ds = dh(dout, p["w2"], h, s, routing, layout, config=gather_cfg)
     dxt = varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False, config=gemm_cfg)
     return {"h": h, "a": a, "y": y, "dh": dh_, "a_prime": ap_, "ds": ds, "dxt": dxt}
@@ -919,11 +960,11 @@ def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
     tiles, masked stores for an expert's last tile; switched off under FLATTEN), dH's epilogue in column
     blocks, the up-projection's one-box gate/up load and one dot (GU_FUSED; n = 40 leaves the second
     64-channel box half past n, zero-filled in both its gate and up halves) give the pointer path's
-    results. The misaligned shape (fp16, rows of 40 bytes) cannot be
-    described for TMA: the launcher falls back to pointer loads and stores."""
+    results, with the biases b1 and b2 (every path adds them, the persistent step loop too). The misaligned shape
+    (fp16, rows of 40 bytes) cannot be described for TMA: the launcher falls back to pointer loads and stores."""
     t, d, n, e, k = shape
     dtype = torch.float32 if shape[1] == 48 else torch.float16
-    p, routing, s, dout = _tma_problem(t, d, n, e, k, device, dtype)
+    p, routing, s, dout = _tma_problem(t, d, n, e, k, device, dtype, bias=True)
     base = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
     plain = _kernel_outputs(p, routing, s, dout, layout, base)
     for extra in ({"W_TMA": True}, {"BLOCK_N": 64}, {"BLOCK_N": 128, "W_TMA": True},
@@ -941,8 +982,9 @@ def test_tma_weight_loads_match_pointer_loads(device, layout, shape):
         for key, ref in plain.items():
             assert not torch.isnan(got[key]).any(), (extra, key)
             assert rel_err(got[key], ref) < 1e-6, (extra, key)
-    h_ref, a_ref = up_proj_ref(p["x"], p["w1"], None, routing, layout)
-    assert rel_err(plain["a"], a_ref) < _tol(dtype)
+    h_ref, a_ref = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout)
+    assert rel_err(plain["h"], h_ref) < _tol(dtype) and rel_err(plain["a"], a_ref) < _tol(dtype)
+    assert rel_err(plain["y"], down_proj_ref(plain["a"], p["w2"], p["b2"], routing)) < _tol(dtype)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,10 @@ kernels run inside) and capturable in CUDA graphs (no host synchronisation, no d
 token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0) -> (out, h)``
     The forward of SPEC §3: up-projection with the gather and SwiGLU fused (H, A), down-projection
     (Y), aggregation O_t = Σ S · Y. Returns O (T, d) and H (R, 2n) — or an empty (0, 2n) H when
-    ``save_h`` is False (inference: the up-projection then never writes H). A and Y are freed inside.
+    ``save_h`` is False (inference: the up-projection then never writes H). A and Y are freed inside. With a padded
+    (static-length) routing, H's padding rows (past ``expert_offsets[E]``) are left unwritten: no kernel reads them,
+    O and every gradient are the same bits, but H itself differs between calls there (opcheck's comparison of H
+    fails on such routings for that reason).
     ``tile_rows``: the routing's hint (:attr:`~sonicmoe.routing.Routing.tile_rows`), which may choose a kernel.
 
 ``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
