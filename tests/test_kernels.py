@@ -1154,13 +1154,15 @@ def test_tuner_rounds_choose_least_median(monkeypatch):
 
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 @pytest.mark.parametrize("gu_fused,c_tma", [(True, False), (True, True), (False, False), (False, True)])
-def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma):
+def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma, monkeypatch):
     """After tuning, a key's launches pass None for the TMA descriptors the chosen config does not read (the
     launcher would encode each one on every launch): the up-projection's gate/up box of the 4-D view of W1
     under GU_FUSED, else its separate gate and up boxes; the store descriptors only under C_TMA. The ones it
     reads get the config's block shapes (the 4-D box follows the gate/up layout)."""
     from sonicmoe.ops import common
     from sonicmoe.ops import up_proj as up_mod
+
+    monkeypatch.setattr(common, "_ALL_TUNERS", [])  # the fake stays out of tuned_configs() in later tests
 
     w1 = torch.randn(3, 2 * 32, 64, dtype=torch.bfloat16)
     view = w1.view(3, 2, 32, 64) if layout == "concat" else w1.view(3, 32, 2, 64)
