@@ -85,6 +85,35 @@ def test_routing_tile_table_shared_and_rebuilt(device):
     assert int(routing_tile_table(routing, 64)[1, 0]) == 0
 
 
+@pytest.mark.interpreter
+def test_routing_tile_table_under_inference_mode(device):
+    """A routing made under torch.inference_mode (inference tensors have no version counter; reading it raised, and
+    every Gluon forward kernel asks for this table): the table is built, cached, and equal to the reference."""
+    with torch.inference_mode():
+        routing = routing_from_pairs(torch.tensor([0, 1, 1, 2, 3, 3], device=device),
+                                     torch.tensor([1, 0, 2, 2, 0, 1], device=device), 4, 3)
+        first = routing_tile_table(routing, 128)
+        assert routing_tile_table(routing, 128) is first
+        assert torch.equal(first.cpu(), tile_table_ref(routing.expert_offsets.cpu(), 6, 128))
+
+
+@pytest.mark.gpu
+def test_gpu_layer_under_inference_mode():
+    """MoE.eval() in bf16 under torch.inference_mode on a shape whose forward takes the Gluon kernels (n = 128, 1024
+    rows per expert): the same bits as under torch.no_grad (it raised "Inference tensors do not track version
+    counter" before session 83)."""
+    import sonicmoe
+
+    torch.manual_seed(0)
+    m = sonicmoe.MoE(256, 128, 4, 1, backend="triton", device="cuda", dtype=torch.bfloat16).eval()
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = m(x)
+    with torch.inference_mode():
+        got = m(x)
+    assert torch.equal(got, want)
+
+
 def test_ws_config_fits_shared_memory():
     """The deepest A ring that fits beside B[e]'s resident block and the two staging buffers, at most MAX_STAGES."""
     for k in range(64, grouped_gemm_ws.MAX_K + 1, 64):

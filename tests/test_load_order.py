@@ -91,6 +91,16 @@ def test_routing_load_order_cached_and_switched(device, monkeypatch):
         wgrad_order_by_load()
 
 
+def test_routing_load_order_under_inference_mode(device):
+    """A routing made under torch.inference_mode (no version counter on its tensors): the load order is built and
+    cached (reading the counter raised)."""
+    with torch.inference_mode():
+        routing = routing_from_pairs(torch.tensor([0, 1, 2], device=device), torch.tensor([1, 1, 0], device=device),
+                                     3, 2)
+        first = routing_load_order(routing)
+        assert routing_load_order(routing) is first and first.cpu()[:2].tolist() == [1, 0]
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_layer_gradients_same_bits_in_either_order(bias, device, monkeypatch):
     """The expert layer's forward+backward (backend triton) on a skewed routing, with the weight gradients in load

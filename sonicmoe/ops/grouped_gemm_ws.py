@@ -52,6 +52,7 @@ from .common import (
     next_pow2,
     per_expert_gemm_ref,
     sm_count,
+    tensor_version,
     tile_schedule,
 )
 from .fast_launch import launch_kernel
@@ -191,11 +192,11 @@ def routing_tile_table(routing: Routing, block_m: int) -> torch.Tensor:
     key = (block_m, routing.num_rows)
     cache = routing._tile_tables
     hit = cache.get(key)
-    if hit is not None and hit[0] is offsets and hit[1] == offsets._version:
+    if hit is not None and hit[0] is offsets and hit[1] == tensor_version(offsets):
         return hit[2]
     heights = TABLE_HEIGHTS if block_m in TABLE_HEIGHTS else (block_m,)
     for bm, table in zip(heights, tile_tables(offsets, routing.num_rows, heights), strict=True):
-        cache[(bm, routing.num_rows)] = (offsets, offsets._version, table)
+        cache[(bm, routing.num_rows)] = (offsets, tensor_version(offsets), table)
     return cache[key][2]
 
 

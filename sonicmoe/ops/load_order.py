@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import cdiv, check_device, new_output
+from .common import cdiv, check_device, new_output, tensor_version
 from .fast_launch import launch_kernel
 
 BLOCK_E = 32  # experts ranked per program
@@ -117,8 +117,8 @@ def routing_load_order(routing: Routing) -> torch.Tensor:
     """
     offsets = routing.expert_offsets
     hit = routing._tile_tables.get("load_order")
-    if hit is not None and hit[0] is offsets and hit[1] == offsets._version:
+    if hit is not None and hit[0] is offsets and hit[1] == tensor_version(offsets):
         return hit[2]
     order = expert_load_order(offsets)
-    routing._tile_tables["load_order"] = (offsets, offsets._version, order)
+    routing._tile_tables["load_order"] = (offsets, tensor_version(offsets), order)
     return order
