@@ -1150,6 +1150,15 @@ def test_tuner_rounds_choose_least_median(monkeypatch):
     n = len(kern.calls)
     tuners.run(frozenset(), lambda meta: (1,), args)
     assert len(kern.calls) == n + 1 and kern.calls[-1]["BLOCK"] == 32 and len(order) == 3 * common.TUNE_ROUNDS
+    # inside CUDA graph capture a tuned key still launches; a new one raises, naming the remedy (timing there
+    # invalidated the capture)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    tuners.run(frozenset(), lambda meta: (1,), args)
+    assert len(kern.calls) == n + 2 and len(order) == 3 * common.TUNE_ROUNDS
+    with pytest.raises(RuntimeError, match="capture.*once eagerly"):
+        tuners.run(frozenset(), lambda meta: (1,), {"x_ptr": torch.empty(4), "N": 8})
+    assert len(order) == 3 * common.TUNE_ROUNDS
 
 
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])

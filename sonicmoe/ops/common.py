@@ -241,6 +241,11 @@ class Tuners:
                *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)), family)
         cfg = self._chosen.get(key)
         if cfg is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self.name}: a new shape key {key[1:1 + len(self.key)]} would be autotuned inside CUDA graph "
+                    "capture, which cannot time kernels; run the same call once eagerly before capturing (a "
+                    "warm-up step, as torch.cuda.make_graphed_callables does), or set SONICMOE_AUTOTUNE=0")
             cfg = self._chosen[key] = self.tune(available, grid, args, flag_descs, extra, family)
         self._launch(cfg, grid, args, flag_descs, extra)
 
