@@ -236,7 +236,10 @@ class Tuners:
         then launches the choice directly, with None for the TMA descriptors it does not read
         (:func:`bind_descriptors`; ``flag_descs`` as in :func:`launch`): no per-call bookkeeping (host time: the
         layer's launches are host-bound on slow hosts otherwise). ``extra``: launch options added to every
-        launch, tuning included (the programmatic-dependent-launch pair of :func:`launch`)."""
+        launch, tuning included (the programmatic-dependent-launch pair of :func:`launch`). The choices are keyed
+        by tile family, not by GPU model (a per-launch query costs host time): one process driving two models of
+        one family, e.g. an H100 and an H200, or sm_90 beside sm_100, shares them (tiles tuned on the other, and
+        on sm_100 possibly a config that does not compile there)."""
         key = (available, *(args[k] for k in self.key),
                *(v.dtype for v in args.values() if isinstance(v, torch.Tensor)), family)
         cfg = self._chosen.get(key)
