@@ -596,7 +596,10 @@ def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Switch-style auxiliary loss E · Σ_e f_e · P_e (SPEC §2).
 
     f_e = T_e / R (fraction of routed pairs on expert e, not differentiated), P_e = mean_t probs[t, e].
-    Equals 1 for perfectly uniform routing and probabilities.
+    Equals 1 for perfectly uniform routing and probabilities, whatever K (DeepSeek-V3's balance-loss scale, per batch).
+    transformers' Mixtral ``load_balancing_loss_func`` divides T_e by T instead of R = T·K: it is K times this one, so
+    a coefficient ported from it (Mixtral's ``router_aux_loss_coef`` 0.02) matches when multiplied by K. Under token
+    rounding T_e are the rounded counts. Computed in probs' dtype (float32, or float64 with a float64 router).
 
     Args:
         probs: (T, E) float router probabilities (:attr:`RouterOutput.probs`), on the routing's device.
@@ -614,7 +617,7 @@ def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
                          f"got {tuple(probs.shape)}")
     if probs.device != routing.expert_offsets.device:
         raise ValueError(f"probs is on {probs.device} but the routing is on {routing.expert_offsets.device}")
-    counts = routing.expert_counts().float()
+    counts = routing.expert_counts().to(torch.promote_types(probs.dtype, torch.float32))
     f = counts / counts.sum().clamp_min(1.0)
     p = probs.sum(dim=0) / max(probs.shape[0], 1)  # mean over tokens; 0, not NaN, when T = 0
     return routing.num_experts * torch.sum(f * p)

@@ -400,3 +400,38 @@ def test_moe_float32_grads_match_float64_analytic(bias):
     assert rel_err(out32, out64) < 1e-5
     for k in names:
         assert rel_err(g32[k], g64[k]) < 1e-5, k
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_ref_without_pairs_is_differentiable(bias):
+    """No routed pair at all (R = 0): O is zero and still in the graph of every input, whose gradients are zeros
+    (the kernels' and the torch backend's); it had no graph before session 83, so autograd.grad raised."""
+    p = random_problem(3, 8, 4, 2, bias=bias, dtype=torch.float64, seed=1)
+    empty = torch.empty(0, dtype=torch.long)
+    leaves = [v.requires_grad_(True) for v in (p["x"], p["w1"], p["w2"], p["b1"], p["b2"]) if v is not None]
+    s = torch.empty(0, dtype=torch.float64, requires_grad=True)
+    out = experts_ref(p["x"], p["w1"], p["w2"], routing_from_pairs(empty, empty, 3, 2), s, p["b1"], p["b2"])
+    assert out.shape == (3, 8) and not out.any()
+    grads = torch.autograd.grad(out.square().sum() + out.sum(), [*leaves, s])
+    assert all(g.shape == v.shape and not g.any() for g, v in zip(grads, [*leaves, s]))
+
+
+def test_load_balancing_loss_keeps_float64():
+    """A float64 router's load-balancing loss is computed in float64 (f_e was float32: a 1e-8 error); and it is 1
+    for uniform routing whatever K, transformers' Mixtral loss being K times it."""
+    from sonicmoe.routing import load_balancing_loss
+
+    g = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(7, 3, generator=g, dtype=torch.float64), dim=-1)
+    routing = routing_from_pairs(torch.tensor([0, 1, 2, 3, 4, 5, 6, 0, 1]), torch.tensor([0, 1, 2, 1, 1, 2, 0, 2, 0]),
+                                 7, 3)
+    got = load_balancing_loss(probs, routing)
+    counts = torch.tensor([3, 3, 3], dtype=torch.float64)
+    want = 3 * torch.sum(counts / 9 * probs.mean(0))
+    assert got.dtype == torch.float64 and abs(float(got - want)) < 1e-15
+    t, e, k = 8, 4, 2
+    ids = torch.stack([torch.arange(t) % e, (torch.arange(t) + 1) % e], 1)
+    uniform = load_balancing_loss(torch.full((t, e), 1 / e, dtype=torch.float64), routing_from_topk(ids, e))
+    assert abs(float(uniform) - 1.0) < 1e-15
+    mixtral = e * torch.sum(torch.bincount(ids.reshape(-1), minlength=e) / t * torch.full((e,), 1 / e))  # T_e / T
+    assert abs(float(mixtral) - k * float(uniform)) < 1e-12
