@@ -56,6 +56,7 @@
 #          scripts/shared_expert_bench.py (SHARED_SHAPES: T,d,n,E,K,n_s ...; default the script's three)
 #   sharedprof  every kernel of the shared expert alone (scripts/layer_profile.py at E = K = 1; SHAREDPROF_SHAPES)
 #   compile  the torch.compile and opcheck tests of tests/test_library.py
+#   review the GPU repros of session 83's reviews (scripts/gpu_review/), each with a 120 s limit
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
 #          (ORDERS_SHAPES, ORDERS_ROUNDS, ORDERS_ROUTING=token_rounding), the h100 preset for ORDERS_STEPS steps with the
 #          default and DeepSeek-V3's router
@@ -469,6 +470,14 @@ for step in "$@"; do
       for sh in ${SHAREDPROF_SHAPES:-24576,1536,1024,1,1 16384,2048,2816,1,1}; do
         timeout 150 python3 scripts/layer_profile.py --shape "$sh" > "$OUT/sharedprof_${sh//,/_}.txt" 2>&1
         SUMMARY+=("sharedprof $sh: $(grep -E '^== fwd\+bwd' "$OUT/sharedprof_${sh//,/_}.txt")")
+      done
+      ;;
+    review)
+      # session 83's review repros (scripts/gpu_review/README.md), each in its own process
+      for f in scripts/gpu_review/*.py; do
+        name=$(basename "$f" .py)
+        timeout 120 python3 "$f" > "$OUT/review_${name}.txt" 2>&1
+        SUMMARY+=("review $name: rc $? $(grep -cE '^FAIL' "$OUT/review_${name}.txt") FAIL lines; $(tail -1 "$OUT/review_${name}.txt")")
       done
       ;;
     compile)

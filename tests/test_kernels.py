@@ -1364,3 +1364,20 @@ def test_host_cdiv_and_next_pow2_match_triton():
         for b in (1, 3, 16, 128):
             assert cdiv(a, b) == triton.cdiv(a, b)
     assert next_pow2(-5) == 1 and next_pow2(2**40 + 1) == 2**41
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_layer_with_zero_width_hidden():
+    """d = 0 (a degenerate width check_expert_inputs accepts) in bf16 on the GPU at shapes whose Gluon dispatch rules
+    admit the rest (n = 128, 1024 rows per expert): the Gluon launchers are skipped (d % 64 == 0 held at d = 0 and
+    their TMA descriptors asserted "shape must be positive"); O is (T, 0) and the weight gradients are zero."""
+    e, n, t = 4, 128, 4096
+    x = torch.randn(t, 0, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w1 = torch.randn(e, 2 * n, 0, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(e, 0, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    routing = routing_from_topk(torch.arange(t, device="cuda").remainder(e)[:, None], e)
+    scores = torch.rand(t, device="cuda", requires_grad=True)
+    out = sonicmoe.experts(x, w1, w2, routing, scores, backend="triton")
+    assert out.shape == (t, 0)
+    out.sum().backward()
+    assert w1.grad.shape == w1.shape and w2.grad.shape == w2.shape and not scores.grad.any()

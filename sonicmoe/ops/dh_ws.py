@@ -236,7 +236,7 @@ def dh_ws_supported(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, gate_
     if not (dout.is_contiguous() and w2.is_contiguous() and h.is_contiguous()):
         return False
     d, n = w2.shape[1], w2.shape[2]
-    if d % BLOCK_K or dout.shape[1] != d or h.shape[1] != 2 * n or dh_ws_block_n(n) is None:
+    if d % BLOCK_K or d == 0 or dout.shape[1] != d or h.shape[1] != 2 * n or dh_ws_block_n(n) is None:
         return False
     if torch.cuda.get_device_capability(dout.device) != (9, 0):
         return False
@@ -309,7 +309,13 @@ if HAVE_GLUON:
         ou = _staging(ox, ow, 3 * q + 1, XB)
         oa = _staging(ox, ow, 3 * q + 2, XB)
         if TMA_STORE:
-            tma.store_wait(pendings=3)  # block J - 1's three stores may still run; block J - 2's have read set q
+            if row_end - row_start >= acc.shape[0]:
+                tma.store_wait(pendings=3)  # block J - 1's three stores may still run; block J - 2's have read set q
+            else:
+                # a partial tile issues no TMA store, so the three newest pending ones can be the previous (full)
+                # tile's last block, still reading set 1 when this tile's block 1 writes it: drain them all (the
+                # pendings=3 wait alone raced there; session 83 review, by reading)
+                tma.store_wait(pendings=0)
             gl.thread_barrier()
         og.store(d_gate)
         ou.store(d_up)

@@ -442,7 +442,7 @@ def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b
     if a.dim() != 2 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):
         return False
     e, m, k = b.shape if transpose_b else (b.shape[0], b.shape[2], b.shape[1])
-    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None or a.shape[1] != k:
+    if num_rows < MIN_ROWS_PER_EXPERT * e or ws_config(k, transpose_b) is None or a.shape[1] != k or m == 0:
         return False
     if torch.cuda.get_device_capability(a.device) != (9, 0):
         return False

@@ -268,7 +268,7 @@ def up_ws_supported(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, 
     if b1 is not None and b1.dtype != x.dtype:
         return False
     d, n = x.shape[1], w1.shape[1] // 2
-    if d % BLOCK_K or n % BLOCK_N or n == 0 or w1.shape[2] != d:
+    if d % BLOCK_K or d == 0 or n % BLOCK_N or n == 0 or w1.shape[2] != d:  # d = 0: no TMA box (Triton path)
         return False
     if torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
