@@ -21,6 +21,12 @@ from sonicmoe.testing import random_problem
 T, D, N, E, K = 40, 32, 16, 6, 2
 
 
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every Triton kernel output starts as NaN (SONICMOE_POISON_OUTPUTS=1): an element no program writes fails."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
 def _leaves(p: dict, dtype=None, bias=True):
     """x, w1, w2, b1, b2 as fresh leaves requiring grad (cast to ``dtype`` first when given)."""
     names = ("x", "w1", "w2", "b1", "b2") if bias else ("x", "w1", "w2")

@@ -28,7 +28,14 @@ from sonicmoe import MoE, experts_ref, routing_from_pairs, routing_from_topk
 from sonicmoe.testing import rel_err
 
 D, N, E = 48, 40, 8
+
 TOKENS = (37, 29)  # T of rank 0 and rank 1
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every Triton kernel output starts as NaN (SONICMOE_POISON_OUTPUTS=1): an element no program writes fails."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
 
 
 def _scenarios(world: int = 2):

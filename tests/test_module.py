@@ -20,6 +20,12 @@ from sonicmoe.testing import rel_err
 D, N, E, K = 16, 8, 6, 2
 
 
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every Triton kernel output starts as NaN (SONICMOE_POISON_OUTPUTS=1): an element no program writes fails."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_intra_op_thread():
     """These tests run thousands of tiny CPU ops: use one intra-op thread. torch's CPU softmax wakes an

@@ -21,6 +21,12 @@ from sonicmoe.testing import rel_err
 D, N, E, K, N_S = 16, 8, 6, 2, 12
 
 
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every Triton kernel output starts as NaN (SONICMOE_POISON_OUTPUTS=1): an element no program writes fails."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
 def make(seed=0, **kw):
     torch.manual_seed(seed)
     opts = {"hidden_size": D, "intermediate_size": N, "num_experts": E, "top_k": K, "backend": "torch",

@@ -18,7 +18,14 @@ from sonicmoe.routing import Routing, router_topk, routing_from_pairs, routing_f
 from sonicmoe.testing import random_problem, rel_err
 
 T, D, N, E, K = 9, 16, 8, 4, 2
+
 BACKENDS = ["triton", "torch"]
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Every Triton kernel output starts as NaN (SONICMOE_POISON_OUTPUTS=1): an element no program writes fails."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
 
 
 def names(arg: str) -> str:
