@@ -438,7 +438,8 @@ def _ref_grads(p, k, layout, dout, dtype=torch.float64):
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 @pytest.mark.parametrize("layout,bias,dtype", [("concat", False, torch.float32),
                                                ("interleaved", True, torch.float32),
-                                               ("concat", True, torch.float16)])
+                                               ("concat", True, torch.float16),
+                                               ("interleaved", False, torch.float16)])
 def test_layer_forward_backward(shape, layout, bias, dtype, device):
     t, d, n, e, k, _ = shape
     p = random_problem(t, d, n, e, bias=bias, device=device, seed=11)
