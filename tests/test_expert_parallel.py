@@ -440,11 +440,11 @@ def test_expert_parallel_layer_under_autocast(tmp_path):
             out.float().backward(dout)
             outs.append(out)
         assert outs[1].dtype == torch.bfloat16
-        assert rel_err(outs[1], outs[0]) < 4e-3  # (equal bits in session 71: the same per-expert ops, sum order)
+        assert torch.equal(outs[1], outs[0])  # the same per-expert ops in the same sum order (equal bits since 71)
         full_params = dict(full.named_parameters())
         for name, q in layer.named_parameters():
             assert q.grad.dtype == torch.float32, name
-            assert rel_err(q.grad, full_params[name].grad) < 4e-3, name
+            assert rel_err(q.grad, full_params[name].grad) < 1e-6, name  # 0 measured in session 83
     finally:
         dist.destroy_process_group()
 

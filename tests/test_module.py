@@ -347,7 +347,7 @@ def test_triton_backend_matches_torch():
     mr = make(seed=4, backend="torch", bias=True)
     x = rand_x(8, D)
     yt, yr = mt(x), mr(x)
-    assert rel_err(yt, yr) < 1e-4
+    assert rel_err(yt, yr) < 1e-6  # float32: 4e-8 measured (session 83)
 
 
 def test_token_rounding_eval_uses_topk():
