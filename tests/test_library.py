@@ -420,6 +420,7 @@ def test_compile_fullgraph_module_dynamic_shapes(device, options):
     rounding in training at under 2·M_tile tokens per expert (its warning, which Dynamo cannot trace, silent while
     compiling: a fullgraph compile failed there before session 79), and with a gated shared expert (a second
     experts call, on ``routing_dense``)."""
+    torch._dynamo.reset()  # MoE.forward's compiled variants from earlier tests count toward Dynamo's recompile limit
     torch.manual_seed(0)
     m = sonicmoe.MoE(D, N, 4, 2, backend="triton", bias=True, device=device, **options)
     rec = _GraphRecorder()
@@ -445,6 +446,7 @@ def test_compile_token_rounding_selection_is_one_node(device, monkeypatch):
     if device.type == "cpu":
         monkeypatch.setattr(tr_select, "use_select_kernels", lambda dev, use_kernel: use_kernel is not False)
         monkeypatch.setattr(tr_scores, "use_score_kernels", lambda router, use_kernel: False)
+    torch._dynamo.reset()  # MoE.forward's compiled variants from earlier tests count toward Dynamo's recompile limit
     torch.manual_seed(0)
     m = sonicmoe.MoE(D, N, 4, 2, backend="triton", bias=True, routing="token_rounding", m_tile=4, device=device)
     rec = _GraphRecorder()
