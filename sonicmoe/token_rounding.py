@@ -160,7 +160,12 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
     missing) or none (``"down"``); ``"balance"`` keeps the total within (M_tile − 1) // 2 of T·K. An
     expert holds at most T tokens, so R_max ≤ T·E. Examples (M_tile = 128, ``"nearest"``): 7B
     (T = 24576, E = 128, K = 8) 4.1% above T·K; (T = 16384, E = 512, K = 8) 24.6% above.
+
+    Raises:
+        ValueError: ``subroutine`` not one of nearest, up, down, stochastic, balance.
     """
+    if subroutine not in ROUNDING_SUBROUTINES:  # a misspelt one read as "up"'s bound before
+        raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
     tk = num_tokens * top_k
     if subroutine == "down":
         extra = 0

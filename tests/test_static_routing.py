@@ -61,6 +61,8 @@ def test_max_pairs_formula(subroutine, extra):
     assert max_pairs(100, 6, 2, 8, subroutine) == 200 + 6 * extra
     assert max_pairs(100, 6, 2, 8, "balance") == 203
     assert max_pairs(5, 6, 2, 8, "up") == 30  # T·E
+    with pytest.raises(ValueError, match="subroutine"):  # a misspelt one read as "up"'s bound before
+        max_pairs(100, 6, 2, 8, "neareest")
 
 
 def test_static_reaches_the_bound():

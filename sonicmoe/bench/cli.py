@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import os
 import sys
 
 from .shapes import PRESET_HELP, PRESETS, ROUTINGS, parse_shape, preset_shapes
@@ -49,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "plus installed competitor libraries; 'all'")
     what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                       help="default bf16 on a GPU, fp32 on CPU")
-    what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                      help="where to run (default auto: cuda when a GPU is present, else cpu)")
     what.add_argument("--max-T", type=int, default=None, help="cap T (tokens) of every shape, for quick runs")
-    what.add_argument("--seed", type=int, default=0)
+    what.add_argument("--seed", type=int, default=0,
+                      help="seed of the inputs, weights and router (default 0; each shape draws fresh data)")
     what.add_argument("--load-profile", metavar="FILE.json", default=None,
                       help="route as unevenly as a trained model: the expert load of a `sonicmoe train` log.json "
                            "(or a JSON list of per-expert counts), resampled to each shape's E; the router weight is "
@@ -188,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype_name = args.dtype or ("bf16" if use_cuda else "fp32")
     if not use_cuda:
-        print("no CUDA GPU: wall-clock timing (time.perf_counter), no memory numbers; "
-              "the triton backend needs a GPU")
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        triton_note = ("the triton backend runs through Triton's interpreter (slow)" if interpreted
+                       else "the triton backend needs a GPU (or TRITON_INTERPRET=1)")
+        print(f"no CUDA GPU: wall-clock timing (time.perf_counter), no memory numbers; {triton_note}")
     opts = RunOptions(
         backends=backends, device=device, dtype=DTYPES[dtype_name], mode=args.mode, routings=routings,
         m_tile=args.m_tile, rounding=args.rounding, rep=args.rep, seed=args.seed,
