@@ -27,11 +27,10 @@ Data-parallel over several GPUs (or CPU processes): torchrun --nproc-per-node N 
 
 
 def _preset_help() -> str:
-    lines = []
-    for name, values in PRESETS.items():
-        keys = ("d_model", "layers", "experts", "top_k", "expert_size", "batch_size", "seq_len", "steps")
-        lines.append(f"{name}: " + ", ".join(f"{k}={values[k]}" for k in keys))
-    return "; ".join(lines)
+    """Every value each preset sets (an option left out takes it: the options below without a stated default)."""
+    lines = [f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in PRESETS.items()]
+    return ("the values of every option left out that the preset sets (default cpu-tiny on CPU, h100 on a GPU): "
+            + "; ".join(lines))
 
 
 def build_parser() -> argparse.ArgumentParser:
