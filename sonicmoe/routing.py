@@ -71,9 +71,23 @@ class Routing:
     slot_pair: torch.Tensor | None = None
     padded: bool = False
     tile_rows: int = 0
-    # kernel tile tables of this routing, built once and shared by its kernels
-    # (:func:`sonicmoe.ops.grouped_gemm_ws.routing_tile_table`); not a field of the metadata
+    # kernel tile tables and the load order of this routing, built once and shared by its kernels
+    # (:meth:`cached`); not a field of the metadata
     _tile_tables: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def cached(self, key):
+        """What :meth:`cache` stored under ``key`` for this ``expert_offsets`` tensor, unmodified since (its
+        version counter; inference tensors have none and cannot change outside inference mode), else None. The
+        kernels' derived tables (:func:`sonicmoe.ops.grouped_gemm_ws.routing_tile_table`,
+        :func:`sonicmoe.ops.load_order.routing_load_order`) are built once per Routing this way, without a sync."""
+        hit = self._tile_tables.get(key)
+        if hit is not None and hit[0] is self.expert_offsets and hit[1] == _version_of(self.expert_offsets):
+            return hit[2]
+        return None
+
+    def cache(self, key, value) -> None:
+        """Keep ``value``, derived from the current ``expert_offsets``, under ``key`` (see :meth:`cached`)."""
+        self._tile_tables[key] = (self.expert_offsets, _version_of(self.expert_offsets), value)
 
     @property
     def num_rows(self) -> int:
@@ -362,6 +376,12 @@ def router_probs(logits: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
         affinity = torch.sigmoid(logits)
         return affinity / affinity.sum(dim=-1, keepdim=True)
     return torch.softmax(logits, dim=-1)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter; None for an inference tensor (made under ``torch.inference_mode``), which
+    has none (reading ``_version`` raised: the layer failed under inference_mode on sm_90, session 83)."""
+    return None if t.is_inference() else t._version
 
 
 def topk_lowest_first(key: torch.Tensor, k: int) -> torch.Tensor:

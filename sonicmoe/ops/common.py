@@ -401,13 +401,6 @@ def _operand_bytes(args: dict) -> int:
     return 2
 
 
-def tensor_version(t: torch.Tensor) -> int | None:
-    """``t``'s in-place version counter, for caches keyed by a tensor that may be modified in place; None for an
-    inference tensor (made under ``torch.inference_mode``), which has no counter and cannot be modified in place
-    outside that mode (reading ``_version`` raised there: the layer failed under inference_mode on sm_90)."""
-    return None if t.is_inference() else t._version
-
-
 def new_output(shape, *, device, dtype) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; NaN-filled (or int-min) when SONICMOE_POISON_OUTPUTS=1."""
     out = torch.empty(shape, device=device, dtype=dtype)

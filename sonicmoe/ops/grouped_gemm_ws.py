@@ -52,7 +52,6 @@ from .common import (
     next_pow2,
     per_expert_gemm_ref,
     sm_count,
-    tensor_version,
     tile_schedule,
 )
 from .fast_launch import launch_kernel
@@ -188,16 +187,13 @@ def routing_tile_table(routing: Routing, block_m: int) -> torch.Tensor:
         routing: the expert-sorted rows (``expert_offsets``, ``num_rows``).
         block_m: the tile height.
     """
-    offsets = routing.expert_offsets
-    key = (block_m, routing.num_rows)
-    cache = routing._tile_tables
-    hit = cache.get(key)
-    if hit is not None and hit[0] is offsets and hit[1] == tensor_version(offsets):
-        return hit[2]
+    hit = routing.cached((block_m, routing.num_rows))
+    if hit is not None:
+        return hit
     heights = TABLE_HEIGHTS if block_m in TABLE_HEIGHTS else (block_m,)
-    for bm, table in zip(heights, tile_tables(offsets, routing.num_rows, heights), strict=True):
-        cache[(bm, routing.num_rows)] = (offsets, tensor_version(offsets), table)
-    return cache[key][2]
+    for bm, table in zip(heights, tile_tables(routing.expert_offsets, routing.num_rows, heights), strict=True):
+        routing.cache((bm, routing.num_rows), table)
+    return routing.cached((block_m, routing.num_rows))
 
 
 def tile_table_ref(expert_offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import cdiv, check_device, new_output, tensor_version
+from .common import cdiv, check_device, new_output
 from .fast_launch import launch_kernel
 
 BLOCK_E = 32  # experts ranked per program
@@ -115,10 +115,8 @@ def routing_load_order(routing: Routing) -> torch.Tensor:
     ``SONICMOE_WGRAD_ORDER=load``, built once per Routing object and shared by dW1 and dW2 (the cache holds while
     ``expert_offsets`` is the same tensor, unmodified: its version counter). No host sync.
     """
-    offsets = routing.expert_offsets
-    hit = routing._tile_tables.get("load_order")
-    if hit is not None and hit[0] is offsets and hit[1] == tensor_version(offsets):
-        return hit[2]
-    order = expert_load_order(offsets)
-    routing._tile_tables["load_order"] = (offsets, tensor_version(offsets), order)
+    order = routing.cached("load_order")
+    if order is None:
+        order = expert_load_order(routing.expert_offsets)
+        routing.cache("load_order", order)
     return order
