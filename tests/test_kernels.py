@@ -1371,7 +1371,8 @@ def test_host_cdiv_and_next_pow2_match_triton():
 def test_gpu_bf16_layer_with_zero_width_hidden():
     """d = 0 (a degenerate width check_expert_inputs accepts) in bf16 on the GPU at shapes whose Gluon dispatch rules
     admit the rest (n = 128, 1024 rows per expert): the Gluon launchers are skipped (d % 64 == 0 held at d = 0 and
-    their TMA descriptors asserted "shape must be positive"); O is (T, 0) and the weight gradients are zero."""
+    their TMA descriptors asserted "shape must be positive"); O is (T, 0), the weight gradients have their (empty)
+    shapes and the scores' gradient is zero."""
     e, n, t = 4, 128, 4096
     x = torch.randn(t, 0, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w1 = torch.randn(e, 2 * n, 0, device="cuda", dtype=torch.bfloat16, requires_grad=True)
