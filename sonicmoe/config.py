@@ -11,12 +11,17 @@ from typing import Literal
 
 RouterOrder = Literal["topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk"]
 GateUpLayout = Literal["concat", "interleaved"]
+Activation = Literal["swiglu", "clamped_swiglu"]
 Backend = Literal["auto", "triton", "torch"]
 RoutingMode = Literal["topk", "token_rounding"]
 RoundingSubroutine = Literal["nearest", "up", "down", "stochastic", "balance"]
 
 ROUTER_ORDERS = ("topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts): A = (clamp(up, -L, L) + 1) · g σ(α g), g = min(gate, L)
+CLAMPED_SWIGLU_ALPHA = 1.702
+CLAMPED_SWIGLU_LIMIT = 7.0
 BACKENDS = ("auto", "triton", "torch")
 ROUTING_MODES = ("topk", "token_rounding")
 ROUNDING_SUBROUTINES = ("nearest", "up", "down", "stochastic", "balance")
@@ -51,6 +56,10 @@ class MoEConfig:
         gate_up_layout: row layout of W1 (E, 2n, d). ``"concat"``: rows [0, n) are the gate projection
             and rows [n, 2n) the up projection (HF transformers / torchtitan convention).
             ``"interleaved"``: row 2i is gate channel i and row 2i+1 up channel i.
+        activation: the experts' gated activation A = act(gate, up) of H's two halves (SPEC §2). ``"swiglu"``:
+            silu(gate) · up. ``"clamped_swiglu"`` (gpt-oss): g = min(gate, 7), u = clamp(up, -7, 7),
+            A = (u + 1) · g · sigmoid(1.702 g); the clamps pass no gradient where they bind (as torch.clamp's, which
+            passes it at the bounds themselves). The shared expert, if any, uses the same activation.
         bias: expert biases b1 (E, 2n) and b2 (E, d).
         aux_loss_coef: weight of the Switch load-balancing loss E·Σ_e f_e·P_e (SPEC §2).
         z_loss_coef: weight of the router z-loss mean_t (logsumexp_e logits)^2.
@@ -97,6 +106,7 @@ class MoEConfig:
     return_router_info: bool = False
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    activation: Activation = "swiglu"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts"):
@@ -130,6 +140,7 @@ class MoEConfig:
             raise ValueError(f"routing='token_rounding' adds pairs regardless of expert groups: it needs n_group=1 "
                              f"(no group-limited routing), got n_group={self.n_group}")
         _check_choice("gate_up_layout", self.gate_up_layout, GATE_UP_LAYOUTS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("routing", self.routing, ROUTING_MODES)
         _check_choice("rounding", self.rounding, ROUNDING_SUBROUTINES)

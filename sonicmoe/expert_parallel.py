@@ -53,7 +53,7 @@ import torch.distributed as dist
 from ._autocast import casts_under_autocast
 from ._device import on_device
 from .config import GATE_UP_LAYOUTS
-from .functional import _check_float, _check_routing, check_expert_inputs, experts, resolve_backend
+from .functional import _check_float, _check_routing, check_activation, check_expert_inputs, experts, resolve_backend
 from .modules import MoE
 from .ops.aggregation import gather_sum, gather_sum_ref
 from .routing import Routing, routing_from_pairs
@@ -189,12 +189,13 @@ def _exchange_plan(routing: Routing, world: int, e_loc: int, group) -> _Plan:
 
 
 def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int, backend: str,
-                     gate_up_layout: str) -> None:
+                     gate_up_layout: str, activation: str = "swiglu") -> None:
     """As :func:`sonicmoe.functional.check_expert_inputs`, with the routing over E = E_loc·P experts; the options
     too, before any exchange (a bad one on one rank would otherwise leave the others waiting in a collective)."""
     allow_float64 = resolve_backend(backend, x) == "torch"  # float64 with the torch backend, as sonicmoe.experts
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    check_activation(activation)
     check_expert_inputs(x, w1, w2, b1, b2, allow_float64=allow_float64)
     if w1.shape[0] < 1:
         raise ValueError("w1 must hold at least one expert: E_loc = E/P >= 1")
@@ -219,6 +220,7 @@ def expert_parallel_experts(
     group=None,
     gate_up_layout: str = "concat",
     backend: str = "auto",
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """:func:`sonicmoe.experts` with the E experts split over the ranks of ``group`` (module docstring): the same
     arguments, but this rank's tokens and this rank's experts' weights.
@@ -237,6 +239,7 @@ def expert_parallel_experts(
         pair_scores: (R,) the score S of each pair, differentiable.
         group: the process group (default: the whole world); P = its size.
         backend: the local experts' backend, as :func:`sonicmoe.experts`.
+        activation: ``"swiglu"`` or ``"clamped_swiglu"``, as :func:`sonicmoe.experts`.
 
     Returns:
         O (T, d) in x's dtype: O_t = Σ_{pairs p of token t} S_p · Expert_{e_p}(x_t).
@@ -250,7 +253,7 @@ def expert_parallel_experts(
         TypeError, ValueError: as :func:`sonicmoe.experts`, naming the argument (the routing's E is E_loc·P).
     """
     world, _ = _group_size_rank(group)
-    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world, backend, gate_up_layout)
+    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world, backend, gate_up_layout, activation)
     e_loc = w1.shape[0]
     plan = _exchange_plan(routing, world, e_loc, group)
     send_tokens, send_rows, recv_tokens, recv_rows = (plan.splits[i * world:(i + 1) * world] for i in range(4))
@@ -265,7 +268,8 @@ def expert_parallel_experts(
                                        torch.repeat_interleave(plan.recv_expert, plan.recv_counts, output_size=m),
                                        t_recv, e_loc)
     local_routing.tile_rows = routing.tile_rows  # each source's counts are multiples of it: so are their sums
-    y = experts(x_recv, w1, w2, local_routing, s_recv, b1, b2, gate_up_layout=gate_up_layout, backend=backend)
+    y = experts(x_recv, w1, w2, local_routing, s_recv, b1, b2, gate_up_layout=gate_up_layout, backend=backend,
+                activation=activation)
     return _Combine.apply(_AllToAll.apply(y, recv_tokens, send_tokens, group), plan.tokens)
 
 
@@ -301,15 +305,16 @@ def expert_parallel_experts_ref(
     group=None,
     gate_up_layout: str = "concat",
     backend: str = "torch",
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Reference for :func:`expert_parallel_experts`, same signature: every rank gathers all E experts' weights
     (all-gather; backward: all-reduce of their gradients) and runs :func:`sonicmoe.experts` on its own tokens.
     Runs on the CPU (gloo); holds P times the expert weights."""
     world, _ = _group_size_rank(group)
-    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world, backend, gate_up_layout)
+    _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world, backend, gate_up_layout, activation)
     full = [None if w is None else _AllGatherExperts.apply(w, group) for w in (w1, w2, b1, b2)]
     return experts(x, full[0], full[1], routing, pair_scores, full[2], full[3], gate_up_layout=gate_up_layout,
-                   backend=backend)
+                   backend=backend, activation=activation)
 
 
 class ExpertParallelMoE(MoE):
@@ -411,7 +416,7 @@ class ExpertParallelMoE(MoE):
         c, ex = self.config, self.experts
         return expert_parallel_experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
                                        ex.down_proj_bias, group=self.ep_group, gate_up_layout=c.gate_up_layout,
-                                       backend=backend)
+                                       backend=backend, activation=c.activation)
 
 
 def expert_parallel_groups(ep_size: int):

@@ -12,7 +12,7 @@ import torch
 
 from ._autocast import casts_under_autocast
 from ._device import on_device
-from .config import BACKENDS, GATE_UP_LAYOUTS
+from .config import ACTIVATIONS, BACKENDS, GATE_UP_LAYOUTS
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk, scaled_scores
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # every backend; torch also runs float64
@@ -135,6 +135,12 @@ def check_expert_inputs(
             raise ValueError(f"pair_scores must have shape (R={r},), got {tuple(pair_scores.shape)}")
 
 
+def check_activation(activation) -> None:
+    """ValueError unless ``activation`` is one of :data:`sonicmoe.config.ACTIVATIONS`."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """``auto`` -> ``triton`` for CUDA tensors in bf16/fp16/fp32, ``torch`` otherwise (CPU, meta, float64)."""
     if backend not in BACKENDS:
@@ -158,6 +164,7 @@ def experts(
     *,
     gate_up_layout: str = "concat",
     backend: str = "auto",
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Expert SwiGLU MLPs and weighted aggregation for given routing (SPEC §3-§4).
 
@@ -173,6 +180,10 @@ def experts(
         b1, b2: optional expert biases (E, 2n), (E, d).
         backend: ``"triton"``, ``"torch"`` or ``"auto"`` (triton for CUDA tensors in bf16/fp16/fp32,
             torch otherwise: CPU, meta, float64).
+        activation: ``"swiglu"`` (silu(gate) · up) or ``"clamped_swiglu"`` (gpt-oss: (clamp(up, -7, 7) + 1) ·
+            g · sigmoid(1.702 g), g = min(gate, 7); :func:`sonicmoe.reference.swiglu_ref`). On sm_90 the
+            warp-specialised Gluon kernels of the up-projection and dH serve ``"swiglu"`` only; the clamped form
+            runs their Triton twins.
 
     Returns:
         O (T, d) in x's dtype (under ``torch.autocast``: in the autocast dtype).
@@ -199,21 +210,24 @@ def experts(
 
     Raises:
         TypeError: unsupported or mixed dtypes, non-tensor arguments, a ``routing`` of the wrong type.
-        ValueError: a shape, size or device mismatch, an unknown ``backend`` or ``gate_up_layout``.
+        ValueError: a shape, size or device mismatch, an unknown ``backend``, ``gate_up_layout`` or ``activation``.
     """
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    check_activation(activation)
     backend = resolve_backend(backend, x)
     require_routing_and_scores(routing, pair_scores)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=backend == "torch")
     if backend == "torch":
         from .ops.torch_experts import experts_torch
 
-        return experts_torch(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout)
+        return experts_torch(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout,
+                             activation=activation)
     from .ops.moe_function import experts_triton
 
     with on_device(x):  # Triton launches on the current device: make it x's
-        return experts_triton(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout)
+        return experts_triton(x, w1, w2, routing, pair_scores, b1, b2, gate_up_layout=gate_up_layout,
+                              activation=activation)
 
 
 @dataclasses.dataclass
@@ -243,6 +257,7 @@ def moe(
     topk_group: int = 1,
     gate_up_layout: str = "concat",
     backend: str = "auto",
+    activation: str = "swiglu",
 ) -> MoEOutput:
     """The MoE layer with top-k routing: router, experts, aggregation (SPEC §2).
 
@@ -253,7 +268,7 @@ def moe(
         router_order, renormalize, expert_bias, n_group, topk_group: the router's
         (:func:`~sonicmoe.routing.router_topk`; ``expert_bias`` (E,) and the groups shape the choice of
         ``"sigmoid_then_topk"`` only). routed_scaling_factor: every score S times this
-        constant (DeepSeek-V3: 2.5).
+        constant (DeepSeek-V3: 2.5). activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss), as :func:`experts`.
 
     Same input contract as :func:`experts` (dtypes, strides, non-finite values, ``torch.autocast``: the experts
     run in the autocast dtype); router_weight may have any of the float dtypes the backend takes, and the router
@@ -271,10 +286,11 @@ def moe(
     check_router_weight(router_weight, x, e, allow_float64)
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+    check_activation(activation)
     # router_topk checks router_weight's device and top_k in [1, E]
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
                          expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = routing_from_topk(router.topk_ids, e)
     out = experts(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
-                  gate_up_layout=gate_up_layout, backend=backend)
+                  gate_up_layout=gate_up_layout, backend=backend, activation=activation)
     return MoEOutput(out=out, router=router, routing=routing)

@@ -131,9 +131,7 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  *, activation: str = "swiglu", device=None, dtype=None, **options):
         super().__init__()
-        if activation != "swiglu":
-            raise ValueError(f"activation must be 'swiglu' (the only one implemented), got {activation!r}")
-        self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, **options)
+        self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, activation=activation, **options)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
@@ -206,7 +204,8 @@ class MoE(nn.Module):
         shared = f", shared n_s={c.shared_intermediate_size}" if c.shared_intermediate_size else ""
         gated = " (gated)" if c.shared_expert_gate else ""
         return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
-                f"router_order={c.router_order}, layout={c.gate_up_layout}, backend={c.backend}, "
+                f"router_order={c.router_order}, layout={c.gate_up_layout}, activation={c.activation}, "
+                f"backend={c.backend}, "
                 f"routing={c.routing}{shared}{gated}")
 
     def _num_local_experts(self) -> int:
@@ -233,7 +232,7 @@ class MoE(nn.Module):
         """O (T, d): the experts and aggregation for x2 (T, d) under ``routing``."""
         c, ex = self.config, self.experts
         return experts(x2, ex.gate_up_proj, ex.down_proj, routing, pair_scores, ex.gate_up_proj_bias,
-                       ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend)
+                       ex.down_proj_bias, gate_up_layout=c.gate_up_layout, backend=backend, activation=c.activation)
 
     def _run_shared_expert(self, x2: torch.Tensor, backend: str) -> torch.Tensor:
         """(T, d): the shared expert on every token of x2 (T, d), times its gate sigmoid(x2 · w_g) or 1; one expert
@@ -246,7 +245,7 @@ class MoE(nn.Module):
             scores = torch.sigmoid(F.linear(x2, w_g.to(x2.dtype)).reshape(t).to(dtype))
         se = self.shared_experts
         return experts(x2, se.gate_up_proj, se.down_proj, routing_dense(t, x2.device), scores,
-                       gate_up_layout=self.config.gate_up_layout, backend=backend)
+                       gate_up_layout=self.config.gate_up_layout, backend=backend, activation=self.config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config

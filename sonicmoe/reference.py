@@ -1,7 +1,8 @@
 """Pure-PyTorch ground truth (float32, per-expert loop). Runs on CPU; every test compares with it.
 
 SPEC §2: h = W1[e] x_t (+ b1[e]); a = silu(gate(h)) * up(h); y = W2[e] a (+ b2[e]);
-O_t = Σ_k S_{t,k} y_{t,e_k}.
+O_t = Σ_k S_{t,k} y_{t,e_k}. With ``activation="clamped_swiglu"`` (gpt-oss) a = (clamp(up, -7, 7) + 1) ·
+g · sigmoid(1.702 g), g = min(gate, 7) (:func:`glu_ref`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .functional import check_expert_inputs, check_router_weight, require_routing_and_scores
+from .config import ACTIVATIONS, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+from .functional import check_activation, check_expert_inputs, check_router_weight, require_routing_and_scores
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk, scaled_scores
 
 
@@ -27,10 +29,25 @@ def split_gate_up(h: torch.Tensor, gate_up_layout: str = "concat") -> tuple[torc
     raise ValueError(f"gate_up_layout must be 'concat' or 'interleaved', got {gate_up_layout!r}")
 
 
-def swiglu_ref(h: torch.Tensor, gate_up_layout: str = "concat") -> torch.Tensor:
-    """A = silu(gate) * up for H (..., 2n) in the given gate/up layout; returns (..., n)."""
+def swiglu_ref(h: torch.Tensor, gate_up_layout: str = "concat", activation: str = "swiglu") -> torch.Tensor:
+    """A = act(gate, up) for H (..., 2n) in the given gate/up layout; returns (..., n) (SPEC §2).
+
+    ``activation``: ``"swiglu"``: silu(gate) · up. ``"clamped_swiglu"`` (gpt-oss, transformers' GptOssExperts):
+    g = min(gate, L), u = clamp(up, −L, L), A = (u + 1) · g · sigmoid(α g) with α = 1.702, L = 7
+    (:data:`sonicmoe.config.CLAMPED_SWIGLU_ALPHA`, ``CLAMPED_SWIGLU_LIMIT``); differentiable (torch.clamp's gradient:
+    zero where a clamp binds, passed at the bounds themselves).
+
+    Raises:
+        ValueError: an unknown ``gate_up_layout`` or ``activation``.
+    """
     g, u = split_gate_up(h, gate_up_layout)
-    return F.silu(g) * u
+    if activation == "swiglu":
+        return F.silu(g) * u
+    if activation == "clamped_swiglu":
+        g = g.clamp(max=CLAMPED_SWIGLU_LIMIT)
+        u = u.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT)
+        return (u + 1) * (g * torch.sigmoid(CLAMPED_SWIGLU_ALPHA * g))
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def experts_ref(
@@ -43,6 +60,7 @@ def experts_ref(
     b2: torch.Tensor | None = None,
     *,
     gate_up_layout: str = "concat",
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Expert computation and weighted aggregation, a float32 loop over experts (SPEC §2).
 
@@ -53,6 +71,7 @@ def experts_ref(
         routing: :class:`~sonicmoe.routing.Routing` of R pairs.
         pair_scores: (R,) score S of each pair.
         b1, b2: optional biases (E, 2n) and (E, d).
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (:func:`swiglu_ref`).
 
     Returns:
         O (T, d) float32 (float64 for float64 inputs). Differentiable with respect to every floating input.
@@ -63,6 +82,7 @@ def experts_ref(
     """
     require_routing_and_scores(routing, pair_scores)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=True, one_dtype=False)
+    check_activation(activation)
     t, d = x.shape
     ct = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
     xf, w1f, w2f, sf = x.to(ct), w1.to(ct), w2.to(ct), pair_scores.to(ct)
@@ -80,7 +100,7 @@ def experts_ref(
         h = xf[tokens] @ w1f[e].t()
         if b1 is not None:
             h = h + b1[e].to(ct)
-        y = swiglu_ref(h, gate_up_layout) @ w2f[e].t()
+        y = swiglu_ref(h, gate_up_layout, activation) @ w2f[e].t()
         if b2 is not None:
             y = y + b2[e].to(ct)
         out = out.index_add(0, tokens, s[:, None] * y)
@@ -103,12 +123,13 @@ def moe_ref(
     n_group: int = 1,
     topk_group: int = 1,
     gate_up_layout: str = "concat",
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor, RouterOutput, Routing]:
     """The whole MoE layer in float32: router, top-k, experts, aggregation (SPEC §2).
 
     Args:
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
-        router_order, renormalize, expert_bias, n_group, topk_group, routed_scaling_factor: as
+        router_order, renormalize, expert_bias, n_group, topk_group, routed_scaling_factor, activation: as
         :func:`sonicmoe.moe`.
 
     Returns:
@@ -123,5 +144,5 @@ def moe_ref(
                          expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
     routing = routing_from_topk(router.topk_ids, w1.shape[0])
     out = experts_ref(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
-                      gate_up_layout=gate_up_layout)
+                      gate_up_layout=gate_up_layout, activation=activation)
     return out, router, routing

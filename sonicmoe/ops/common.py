@@ -760,6 +760,59 @@ def sigmoid(x):
     return tl.math.fdiv(1.0, 1.0 + tl.exp(-x))
 
 
+# the kernels' ACT codes of the gated activations (sonicmoe.config.ACTIVATIONS; SPEC §2)
+ACT_CODES = {"swiglu": 0, "clamped_swiglu": 1}
+
+
+def act_code(activation: str) -> int:
+    """The ``ACT`` constexpr of the up-projection and dH kernels for ``activation``.
+
+    Raises:
+        ValueError: an activation that is not one of :data:`sonicmoe.config.ACTIVATIONS`.
+    """
+    if activation not in ACT_CODES:
+        raise ValueError(f"activation must be one of {tuple(ACT_CODES)}, got {activation!r}")
+    return ACT_CODES[activation]
+
+
+@triton.jit
+def gated_act(g, u, ACT: tl.constexpr):
+    """A = act(gate, up) in float32 from the gate and up values (float32 blocks): ACT 0 silu(g) · u (SwiGLU); ACT 1
+    gpt-oss's clamped SwiGLU (:func:`sonicmoe.reference.swiglu_ref`): (clamp(u, −L, L) + 1) · g′ σ(α g′),
+    g′ = min(g, L), α = 1.702, L = 7. The forward's epilogue and the dH kernel's recomputation both call it, so the
+    backward's A equals the forward's."""
+    if ACT == 0:
+        a = g * sigmoid(g) * u
+    else:
+        gc = tl.minimum(g, 7.0)
+        uc = tl.minimum(tl.maximum(u, -7.0), 7.0)
+        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))
+    return a
+
+
+@triton.jit
+def gated_act_bwd(g, u, da, ACT: tl.constexpr):
+    """(A, dgate, dup) in float32 for the gate and up values and dA (float32 blocks; :func:`gated_act`'s A).
+    ACT 0: dgate = dA · u · σ(g)(1 + g(1 − σ(g))), dup = dA · silu(g). ACT 1: with g′, u′ the clamped values and
+    s = σ(α g′), dgate = dA (u′ + 1)(s + α g′ s (1 − s)) where g ≤ L, else 0; dup = dA · g′ s where −L ≤ u ≤ L, else 0
+    (torch.clamp's gradient, passed at the bounds)."""
+    if ACT == 0:
+        sig = sigmoid(g)
+        silu = g * sig
+        a = silu * u
+        d_gate = da * u * (sig + silu * (1.0 - sig))
+        d_up = da * silu
+    else:
+        gc = tl.minimum(g, 7.0)
+        uc = tl.minimum(tl.maximum(u, -7.0), 7.0)
+        sig = sigmoid(1.702 * gc)
+        glu = gc * sig
+        a = (uc + 1.0) * glu
+        d_gate = tl.where(g <= 7.0, da * (uc + 1.0) * (sig + 1.702 * glu * (1.0 - sig)), 0.0)
+        d_up = tl.where((u >= -7.0) & (u <= 7.0), da * glu, 0.0)
+    return a, d_gate, d_up
+
+
 @triton.jit
 def column_halves(x):
     """The left and right column halves of a 2-D block (M, W), W even."""

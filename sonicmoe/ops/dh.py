@@ -9,7 +9,8 @@ For the rows r of expert e (token t = token(r), score s = S_r):
 Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written as partial sums per
 16-channel chunk (cdiv(n, 16), R) and reduced afterwards in a fixed order: no atomics, deterministic,
 and the same bits whatever BLOCK_N the tuner picks.
-dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`).
+dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`). With ``activation="clamped_swiglu"`` (gpt-oss) A and
+its derivatives are those of :func:`sonicmoe.ops.common.gated_act_bwd`.
 Options of the tile config: ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n). The epilogue
 always runs on column blocks of EPI_WIDTH = 32 channels in turn (EPI_SPLIT = BLOCK_N / 32 blocks, set
 per launch), loading their H columns block by block: full-width 128 x 256 tiles fit in registers without
@@ -27,22 +28,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import split_gate_up
+from ..reference import swiglu_ref
 from ..routing import Routing
 from .common import (
+    act_code,
     autotuners,
     cdiv,
     check_device,
     column_halves,
     config_dict,
     dot_precision,
+    gated_act_bwd,
     launch,
     load_row_block,
     load_weight_block,
     new_output,
     next_pow2,
     pdl_prologue,
-    sigmoid,
     tile_config,
     tile_rows,
     tile_schedule,
@@ -65,7 +67,7 @@ def _dh_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False,
     H_PREFETCH: tl.constexpr = 1, EPI_SPLIT: tl.constexpr = 1, EVEN_K: tl.constexpr = False,
-    PDL: tl.constexpr = False, GATHER_S: tl.constexpr = False,
+    PDL: tl.constexpr = False, GATHER_S: tl.constexpr = False, ACT: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
@@ -77,7 +79,7 @@ def _dh_kernel(
         _dh_tile(do_ptr, w2_ptr, w2_desc, h_ptr, score_ptr, pair_ptr, row_token_ptr, dh_ptr, ap_ptr, ds_ptr, e,
                  row_start, row_end, pid_n, N, D, R, stride_dot, stride_we, stride_wd, stride_hr, stride_apr, GATE_OFF,
                  UP_OFF, CH_STRIDE, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, H_PREFETCH, EPI_SPLIT, EVEN_K,
-                 GATHER_S)
+                 GATHER_S, ACT)
 
 
 @triton.jit
@@ -87,6 +89,7 @@ def _dh_tile(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
     H_PREFETCH: tl.constexpr, EPI_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, GATHER_S: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -124,13 +127,13 @@ def _dh_tile(
     # the epilogue on EPI_SPLIT column blocks of EPI_WIDTH channels in turn: few (BLOCK_M, ·) tensors live at
     # once, and the same code for every tile shape (the dS bits do not depend on the configuration)
     _dh_epilogue_split(acc, g0, u0, s, rows64, mask_m, ch_start, ch_end, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr,
-                       stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, H_PREFETCH, BLOCK_N, EPI_SPLIT)
+                       stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, H_PREFETCH, BLOCK_N, EPI_SPLIT, ACT)
 
 
 @triton.jit
 def _dh_epilogue_split(acc, g, u, s, rows64, mask_m, ch_start, ch_end, N, R, h_ptr, dh_ptr, ap_ptr, ds_ptr, stride_hr,
                        stride_apr, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
-                       H_PREFETCH: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr):
+                       H_PREFETCH: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr, ACT: tl.constexpr):
     """The epilogue of channels [ch_start, ch_start + WIDTH) on PARTS (a power of two) column blocks of
     ``acc``, one after the other, halving recursively (each block goes to the store layout on its own).
 
@@ -146,21 +149,21 @@ def _dh_epilogue_split(acc, g, u, s, rows64, mask_m, ch_start, ch_end, N, R, h_p
             g_next, u_next = _load_gate_up(h_ptr, rows64, mask_m, ch + WIDTH, ch_end, stride_hr, GATE_OFF, UP_OFF,
                                            CH_STRIDE)
             _dh_epilogue(acc, g, u, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
-                         stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
+                         stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH, ACT)
         else:
             g_cur, u_cur = _load_gate_up(h_ptr, rows64, mask_m, ch, ch_end, stride_hr, GATE_OFF, UP_OFF, CH_STRIDE)
             _dh_epilogue(acc, g_cur, u_cur, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
-                         stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH)
+                         stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, WIDTH, ACT)
             g_next, u_next = g, u
     else:
         HALF: tl.constexpr = WIDTH // 2
         lo, hi = column_halves(acc)
         g_mid, u_mid = _dh_epilogue_split(lo, g, u, s, rows64, mask_m, ch_start, ch_end, N, R, h_ptr, dh_ptr, ap_ptr,
                                           ds_ptr, stride_hr, stride_apr, GATE_OFF, UP_OFF, CH_STRIDE, H_PREFETCH,
-                                          HALF, PARTS // 2)
+                                          HALF, PARTS // 2, ACT)
         g_next, u_next = _dh_epilogue_split(hi, g_mid, u_mid, s, rows64, mask_m, ch_start + HALF, ch_end, N, R, h_ptr,
                                             dh_ptr, ap_ptr, ds_ptr, stride_hr, stride_apr, GATE_OFF, UP_OFF,
-                                            CH_STRIDE, H_PREFETCH, HALF, PARTS // 2)
+                                            CH_STRIDE, H_PREFETCH, HALF, PARTS // 2, ACT)
     return g_next, u_next
 
 
@@ -193,15 +196,12 @@ def _sum16(x):
 @triton.jit
 def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
                  stride_apr, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
-                 WIDTH: tl.constexpr):
-    """SwiGLU backward, A′ and the dS partials of a block of dA′ = ``acc``: the given rows and the WIDTH
+                 WIDTH: tl.constexpr, ACT: tl.constexpr):
+    """The activation's backward (:func:`~sonicmoe.ops.common.gated_act_bwd`, ``ACT``), A′ and the dS partials of a
+    block of dA′ = ``acc``: the given rows and the WIDTH
     channels ``ch`` = ch_start + [0, WIDTH) (ch_start a multiple of 16)."""
     mask = mask_m[:, None] & (ch < N)[None, :]
-    g = g_raw.to(tl.float32)
-    u = u_raw.to(tl.float32)
-    sig = sigmoid(g)
-    silu = g * sig
-    a = silu * u
+    a, d_gate, d_up = gated_act_bwd(g_raw.to(tl.float32), u_raw.to(tl.float32), acc * s, ACT)
     # dS partial sums per 16-channel chunk: row c of the (cdiv(n, 16), R) buffer holds channels
     # [16c, 16c + 16). Every config writes every row (no leftovers from autotuning runs), and the
     # fixed-order sum over chunks afterwards does not depend on BLOCK_N.
@@ -211,13 +211,11 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
     tl.store(ds_ptr + chunk[None, :].to(tl.int64) * R + rows64[:, None], part,
              mask=mask_m[:, None] & (chunk[None, :] < tl.cdiv(N, 16)))
     tl.store(ap_ptr + rows64[:, None] * stride_apr + ch[None, :], (a * s).to(ap_ptr.dtype.element_ty), mask=mask)
-    da = acc * s
     dh_ty = dh_ptr.dtype.element_ty
     g_cols = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
     u_cols = (UP_OFF + ch * CH_STRIDE).to(tl.int64)
-    tl.store(dh_ptr + rows64[:, None] * stride_hr + u_cols[None, :], (da * silu).to(dh_ty), mask=mask)
-    tl.store(dh_ptr + rows64[:, None] * stride_hr + g_cols[None, :], (da * u * (sig + silu * (1.0 - sig))).to(dh_ty),
-             mask=mask)
+    tl.store(dh_ptr + rows64[:, None] * stride_hr + u_cols[None, :], d_up.to(dh_ty), mask=mask)
+    tl.store(dh_ptr + rows64[:, None] * stride_hr + g_cols[None, :], d_gate.to(dh_ty), mask=mask)
 
 
 # measured on H100 (benchmarks/tune_sweep.py --space focus): full-width tiles (128 x 256, the gathered dO rows
@@ -251,8 +249,8 @@ _dh_kernel = triton.heuristics({"EPI_SPLIT": _epi_split})(with_even_flags(_dh_ke
 # the "mma" family's configs, the first pinned there (common.tile_family says how they were chosen)
 PORTABLE_SPACE = [tile_config(128, 128, 32, 8, 4), tile_config(128, 128, 32, 8, 3), tile_config(64, 128, 32, 4, 4),
                   tile_config(64, 64, 64, 4, 4)]
-_tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE"], _desc_blocks, PORTABLE_SPACE,
-                    config_dict(PORTABLE_SPACE[0]))
+_tuned = autotuners(_dh_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE", "ACT"], _desc_blocks,
+                    PORTABLE_SPACE, config_dict(PORTABLE_SPACE[0]))
 
 
 def dh(
@@ -266,6 +264,7 @@ def dh(
     reduce_ds: bool = True,
     pair_order: bool = False,
     ds_pairs: torch.dtype | None = None,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and dS from dO, W2, H and the scores (SPEC §4 kernel 1).
 
@@ -284,15 +283,19 @@ def dh(
             pairs), the partials summed in a fixed order in float32 (:func:`sonicmoe.ops.score_grad.score_grad`'s
             bits) — by the dH kernel itself where :func:`ds_pairs_in_dh_kernel` holds, else by ``score_grad`` after
             it. ``reduce_ds`` is then ignored.
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`): the
+            activation whose A is recomputed from H and whose backward gives dH. The Gluon kernel serves ``"swiglu"``
+            only.
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 in row order (without
         the bias term ⟨dO_t, b2[e]⟩), or as ``reduce_ds`` and ``ds_pairs`` say. With T = 0 (``dout`` of no rows)
         all are zero and no gathering kernel is launched (with ``ds_pairs``, score_grad still orders the zeros).
     Raises:
         ValueError: ``pair_order`` with a routing whose ``row_pair`` is None, or ``ds_pairs`` without
-        ``pair_order``; ``dout`` on the CPU outside the interpreter.
+        ``pair_order``; ``dout`` on the CPU outside the interpreter; an unknown ``activation``.
     """
     check_device("dout", dout)
+    act = act_code(activation)
     if pair_order and routing.row_pair is None:
         raise ValueError("routing.row_pair: pair_order=True reads each row's score through it; got None")
     if ds_pairs is not None and not pair_order:
@@ -303,7 +306,7 @@ def dh(
     if dout.shape[0] == 0:  # T = 0: no token's dO to gather (the rows, if any, are padding): zeros, no gathering launch
         ds_part = torch.zeros(cdiv(n, 16), r, device=h.device, dtype=torch.float32)
         return torch.zeros_like(h), h.new_zeros(r, n), _reduced_ds(ds_part, routing, reduce_ds, ds_pairs)
-    if config is None and _gluon_serves(dout, w2, h, routing, gate_up_layout):
+    if config is None and _gluon_serves(dout, w2, h, routing, gate_up_layout, activation):
         # the warp-specialised Gluon kernel (sm_90, concat layout): its dS partials are per N-tile (128 or 256), or,
         # where a tile spans all n channels, dS itself in pair order
         fused = ds_pairs is not None and ds_pairs_in_kernel(n)
@@ -323,7 +326,7 @@ def dh(
         ds_ptr=ds_part, E=e, N=n, D=d, R=r, stride_dot=dout.stride(0), stride_we=w2.stride(0),
         stride_wd=w2.stride(1), stride_hr=h.stride(0), stride_apr=a_prime.stride(0),
         GATE_OFF=gate_off, UP_OFF=up_off, CH_STRIDE=ch_stride, E_P2=next_pow2(e),
-        DOT_PREC=dot_precision(h.dtype),
+        DOT_PREC=dot_precision(h.dtype), ACT=act,
     )
     if r > 0:
         launch(_dh_kernel, _tuned, varlen_m_grid(r, e, n, h.device), args, _PINNED_INTERP, _GPU_DEFAULT, config,
@@ -332,9 +335,9 @@ def dh(
 
 
 def _gluon_serves(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, routing: Routing,
-                  gate_up_layout: str) -> bool:
-    """Whether :func:`dh` without a ``config`` runs the Gluon kernel (host checks only)."""
-    return (routing.num_rows > 0 and dh_ws_preferred(w2.shape[-1])
+                  gate_up_layout: str, activation: str = "swiglu") -> bool:
+    """Whether :func:`dh` without a ``config`` runs the Gluon kernel (host checks only; SwiGLU only)."""
+    return (activation == "swiglu" and routing.num_rows > 0 and dh_ws_preferred(w2.shape[-1])
             and dh_ws_supported(dout, w2, h, gate_up_layout))
 
 
@@ -347,13 +350,13 @@ def _reduced_ds(ds_part: torch.Tensor, routing: Routing, reduce_ds: bool,
 
 
 def ds_pairs_in_dh_kernel(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, routing: Routing,
-                          gate_up_layout: str = "concat") -> bool:
+                          gate_up_layout: str = "concat", activation: str = "swiglu") -> bool:
     """Whether :func:`dh` with ``ds_pairs`` (and no ``config``) writes dS from inside the dH kernel: the Gluon kernel
     serves the shape (:func:`~sonicmoe.ops.dh_ws.dh_ws_preferred`, :func:`~sonicmoe.ops.dh_ws.dh_ws_supported`)
     and its tiles span all n channels (:func:`~sonicmoe.ops.dh_ws.ds_pairs_in_kernel`; n = 256 at the 7B shape).
     Host checks only, no sync; operands that are not contiguous answer False (:func:`dh` runs on contiguous
     copies of them, so the answer then errs towards the partials)."""
-    return ds_pairs_in_kernel(w2.shape[-1]) and _gluon_serves(dout, w2, h, routing, gate_up_layout)
+    return ds_pairs_in_kernel(w2.shape[-1]) and _gluon_serves(dout, w2, h, routing, gate_up_layout, activation)
 
 
 def dh_ref(
@@ -367,6 +370,7 @@ def dh_ref(
     reduce_ds: bool = True,
     pair_order: bool = False,
     ds_pairs: torch.dtype | None = None,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-PyTorch twin of :func:`dh` (float32 math, per-expert loop; without ``reduce_ds`` dS is returned
     as one row of partials, (1, R); with ``ds_pairs``, in pair order in that dtype, 0 for padding pairs)."""
@@ -381,8 +385,7 @@ def dh_ref(
         lo, hi = offsets[i], offsets[i + 1]
         dap[lo:hi] = dout[routing.row_token[lo:hi].long()].float() @ w2[i].float()
     hf = h.float().detach().requires_grad_(True)
-    g, u = split_gate_up(hf, gate_up_layout)
-    a = torch.nn.functional.silu(g) * u
+    a = swiglu_ref(hf, gate_up_layout, activation)
     s = row_scores.float()[:, None]
     (dhf,) = torch.autograd.grad(a, hf, grad_outputs=dap * s)
     ds = (dap * a.detach()).sum(1)

@@ -4,7 +4,7 @@ Two operators, both opaque to ``torch.compile`` (dynamo and AOTAutograd see one 
 kernels run inside) and capturable in CUDA graphs (no host synchronisation, no data-dependent shapes):
 
 ``sonicmoe::experts_fwd(x, w1, w2, b1?, b2?, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0) -> (out, h)``
+token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0, activation="swiglu") -> (out, h)``
     The forward of SPEC §3: up-projection with the gather and SwiGLU fused (H, A), down-projection
     (Y), aggregation O_t = Σ S · Y. Returns O (T, d) and H (R, 2n) — or an empty (0, 2n) H when
     ``save_h`` is False (inference: the up-projection then never writes H). A and Y are freed inside. With a padded
@@ -14,7 +14,7 @@ token_offsets, token_rows, slot_pair?, gate_up_layout, save_h, tile_rows=0) -> (
     ``tile_rows``: the routing's hint (:attr:`~sonicmoe.routing.Routing.tile_rows`), which may choose a kernel.
 
 ``sonicmoe::experts_bwd(dout, x, w1, w2, b1?, b2?, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-token_offsets, token_rows, gate_up_layout, needs) -> (dx, dw1, dw2, db1, db2, dscores)``
+token_offsets, token_rows, gate_up_layout, needs, activation="swiglu") -> (dx, dw1, dw2, db1, db2, dscores)``
     The backward of SPEC §4 (dH kernel, dW2, dX̃, dW1, dX aggregation, bias terms). ``needs`` holds six
     bools, one per output; an output that is not needed (or a bias that does not exist) is returned as
     an empty (0,) tensor and not computed.
@@ -23,7 +23,8 @@ Shapes (letters of SPEC §1): x (T, d); w1 (E, 2n, d) with gate/up rows in ``gat
 (``"concat"``: rows [0, n) gate, [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up); w2 (E, d, n);
 b1 (E, 2n); b2 (E, d); pair_scores (R,) in pair order (dS comes back in their dtype); the int32 routing arrays
 of :class:`~sonicmoe.routing.Routing` (expert_offsets (E+1,), token_offsets (T+1,), the others (R,)); H (R, 2n)
-in W1's layout. Every output shape follows from the input
+in W1's layout; ``activation`` ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`),
+A = act(gate, up). Every output shape follows from the input
 shapes, so the fake (meta) implementations need no data.
 
 The autograd formula of ``experts_fwd`` is registered here too (:func:`torch.library.register_autograd`),
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from .._autocast import no_autocast
 from .._device import on_device
-from ..config import GATE_UP_LAYOUTS
+from ..config import ACTIVATIONS, GATE_UP_LAYOUTS
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
 from .aggregation import gather_sum, reserve_config
@@ -90,6 +91,11 @@ def _routing(num_tokens: int, num_experts: int, **arrays: Tensor | None) -> Rout
 def _check_layout(gate_up_layout: str) -> None:
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def _no_rows(x: Tensor, row_token: Tensor) -> bool:
@@ -197,18 +203,20 @@ def experts_fwd_impl(
     gate_up_layout: str,
     save_h: bool,
     tile_rows: int = 0,
+    activation: str = "swiglu",
 ) -> tuple[Tensor, Tensor]:
     """Eager implementation of ``sonicmoe::experts_fwd`` (CUDA, or CPU under TRITON_INTERPRET=1):
     O (T, d) and H (R, 2n) — or (0, 2n) without ``save_h`` — on the Triton kernels (SPEC §3). ``tile_rows``:
     the routing's :attr:`~sonicmoe.routing.Routing.tile_rows` hint (a kernel choice; the same results)."""
     _check_layout(gate_up_layout)
+    _check_activation(activation)
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
     routing.tile_rows = tile_rows
     if _no_rows(x, row_token):  # nothing to compute (and no row for a kernel's clamped gather to read)
         return x.new_zeros(x.shape), x.new_zeros((row_token.shape[0] if save_h else 0, w1.shape[1]))
-    h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h)
+    h, a = up_proj(x, w1, b1, routing, gate_up_layout, store_h=save_h, activation=activation)
     slot_scores = routing.slot_scores(pair_scores).contiguous()  # cast in the kernel
     # one down-projection, then one aggregation (in column blocks beside each other, gemm_then_gather_sum, it
     # measured no faster)
@@ -226,7 +234,7 @@ experts_fwd = torch.library.custom_op("sonicmoe::experts_fwd", experts_fwd_impl,
 
 @experts_fwd.register_fake
 def _experts_fwd_fake(x, w1, w2, b1, b2, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-                      token_offsets, token_rows, slot_pair, gate_up_layout, save_h, tile_rows=0):
+                      token_offsets, token_rows, slot_pair, gate_up_layout, save_h, tile_rows=0, activation="swiglu"):
     out = x.new_empty(x.shape)
     h = x.new_empty((row_token.shape[0] if save_h else 0, w1.shape[1]))
     return out, h
@@ -252,6 +260,7 @@ def experts_bwd_impl(
     token_rows: Tensor,
     gate_up_layout: str,
     needs: list[bool],
+    activation: str = "swiglu",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Eager implementation of ``sonicmoe::experts_bwd`` (SPEC §4): (dX (T, d), dW1 (E, 2n, d),
     dW2 (E, d, n), db1 (E, 2n), db2 (E, d), dS (R,) in pair order and pair_scores' dtype).
@@ -259,6 +268,7 @@ def experts_bwd_impl(
     ``needs`` = six bools in that order; an unneeded output is an empty (0,) tensor.
     """
     _check_layout(gate_up_layout)
+    _check_activation(activation)
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
     if _no_rows(x, row_token):  # zeros of exactly the fake's shapes, strides and dtypes (compiled graphs check them)
@@ -273,9 +283,9 @@ def experts_bwd_impl(
     side = side_stream(dout.device) if progs_per_sm else None
     # S read through row_pair inside the dH kernel (no row-order copy); where the Gluon dH kernel's tiles span all
     # n channels (n = 256 at 7B) and there is no b2, dS leaves that kernel summed and in pair order (ds_pairs)
-    ds_in_dh = need_s and b2 is None and ds_pairs_in_dh_kernel(dout, w2, h, routing, gate_up_layout)
+    ds_in_dh = need_s and b2 is None and ds_pairs_in_dh_kernel(dout, w2, h, routing, gate_up_layout, activation)
     dh_, a_prime, ds_part = dh(dout, w2, h, pair_scores, routing, gate_up_layout, reduce_ds=False, pair_order=True,
-                               ds_pairs=pair_scores.dtype if ds_in_dh else None)
+                               ds_pairs=pair_scores.dtype if ds_in_dh else None, activation=activation)
     dx, dw1, dw2 = _empty(x), _empty(w1), _empty(w2)
     db1 = _empty(b1) if b1 is not None else _empty(x)
     db2 = _empty(b2) if b2 is not None else _empty(x)
@@ -374,14 +384,14 @@ def _bwd_outputs(x, w1, w2, b1, b2, pair_scores, pair_row, needs, *, zeros: bool
 
 @experts_bwd.register_fake
 def _experts_bwd_fake(dout, x, w1, w2, b1, b2, h, pair_scores, expert_offsets, row_token, row_pair, pair_row,
-                      token_offsets, token_rows, gate_up_layout, needs):
+                      token_offsets, token_rows, gate_up_layout, needs, activation="swiglu"):
     return _bwd_outputs(x, w1, w2, b1, b2, pair_scores, pair_row, needs, zeros=False)
 
 
 # ------------------------------------------------------------------------------------------ autograd
 
-# x, w1, w2, b1, b2, pair_scores, the routing arrays, gate_up_layout, save_h, tile_rows
-_NUM_FWD_INPUTS = 6 + len(FWD_ROUTING_FIELDS) + 3
+# x, w1, w2, b1, b2, pair_scores, the routing arrays, gate_up_layout, save_h, tile_rows, activation
+_NUM_FWD_INPUTS = 6 + len(FWD_ROUTING_FIELDS) + 4
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -389,7 +399,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
     Saved (``ctx.save_for_backward``), and nothing else:
         * X (T, d) — the layer input as the caller passed it (the caller holds it anyway);
-        * H (R, 2n) — the up-projection output before the activation, in W1's gate/up layout;
+        * H (R, 2n) — the up-projection output before the activation, in W1's gate/up layout (the activation,
+          SwiGLU or the clamped one, is recomputed from it);
         * the scores S (R,) as the caller passed them (pair order; the caller holds them anyway: the dH kernel
           reads each row's through row_pair, so no row-order copy is made);
         * the routing metadata the backward reads (int32: expert_offsets (E+1,), row_token (R,), row_pair (R,),
@@ -416,12 +427,14 @@ def _setup_context(ctx, inputs, output) -> None:
     end = 6 + len(FWD_ROUTING_FIELDS)
     arrays = dict(zip(FWD_ROUTING_FIELDS, inputs[6:end], strict=True))
     gate_up_layout, save_h = inputs[end:end + 2]  # then tile_rows, a kernel choice of the forward only
+    activation = inputs[end + 3] if len(inputs) > end + 3 else "swiglu"
     _, h = output
     if not save_h:
         raise ValueError("sonicmoe::experts_fwd needs save_h=True when gradients are required "
                          "(the backward reads H)")
     ctx.save_for_backward(x, h, pair_scores, w1, w2, b1, b2, *(arrays[f] for f in BWD_ROUTING_FIELDS))
     ctx.gate_up_layout = gate_up_layout
+    ctx.activation = activation
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # no zero-filled (R, 2n) gradient for the unused H output
 
@@ -435,7 +448,8 @@ def _backward_through(bwd, ctx, dout):
     # under torch.autocast its few torch GEMMs stay as written; on dout's device whichever is current (the autograd
     # engine's device threads make it current already; a backward called another way may not)
     with no_autocast(dout.device), on_device(dout):
-        grads = bwd(dout, x, w1, w2, b1, b2, h, pair_scores, *routing_arrays, ctx.gate_up_layout, needs)
+        grads = bwd(dout, x, w1, w2, b1, b2, h, pair_scores, *routing_arrays, ctx.gate_up_layout, needs,
+                    ctx.activation)
     # experts_bwd's order is (dx, dw1, dw2, db1, db2, dscores); the inputs' is x, w1, w2, b1, b2, scores
     return (*(g if need else None for g, need in zip(grads, needs)), *((None,) * (_NUM_FWD_INPUTS - 6)))
 

@@ -27,6 +27,7 @@ def experts_triton(
     b2: torch.Tensor | None = None,
     *,
     gate_up_layout: str = "concat",
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Experts + aggregation on the Triton kernels; same signature as :func:`sonicmoe.experts`.
 
@@ -39,6 +40,8 @@ def experts_triton(
         x: (T, d). w1: (E, 2n, d), gate/up layout ``gate_up_layout`` (``"concat"``: rows [0, n) gate,
             [n, 2n) up; ``"interleaved"``: row 2i gate, 2i+1 up). w2: (E, d, n).
         routing: R pairs. pair_scores: (R,). b1: (E, 2n) or None. b2: (E, d) or None.
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (:func:`sonicmoe.reference.swiglu_ref`), fused into the
+            up-projection's epilogue and recomputed in the dH kernel's.
     Returns:
         O (T, d) in x's dtype.
     """
@@ -46,7 +49,7 @@ def experts_triton(
         t is not None and t.requires_grad for t in (x, w1, w2, b1, b2, pair_scores)
     )
     arrays = [getattr(routing, f) for f in FWD_ROUTING_FIELDS]
-    inputs = (x, w1, w2, b1, b2, pair_scores, *arrays, gate_up_layout, needs_grad, routing.tile_rows)
+    inputs = (x, w1, w2, b1, b2, pair_scores, *arrays, gate_up_layout, needs_grad, routing.tile_rows, activation)
     if torch.compiler.is_compiling():
         out, _ = torch.ops.sonicmoe.experts_fwd(*inputs)
     elif needs_grad:

@@ -50,12 +50,14 @@ def experts_torch(
     b2: torch.Tensor | None = None,
     *,
     gate_up_layout: str = "concat",
+    activation: str = "swiglu",
 ) -> torch.Tensor:
     """Experts + aggregation in plain PyTorch; same signature as :func:`sonicmoe.experts`.
 
     Args:
         x: (T, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n). routing: R pairs.
         pair_scores: (R,) scores S per pair. b1: (E, 2n) or None. b2: (E, d) or None.
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (:func:`sonicmoe.reference.swiglu_ref`).
 
     Returns:
         O (T, d) in x's dtype.
@@ -75,7 +77,7 @@ def experts_torch(
     row_expert = routing.row_expert() if (b1 is not None or b2 is not None) else None
     if b1 is not None:
         h = h + b1[row_expert]
-    a = swiglu_ref(h, gate_up_layout)
+    a = swiglu_ref(h, gate_up_layout, activation)
     y = _grouped_linear(a, w2, routing, use_gmm)
     if b2 is not None:
         y = y + b2[row_expert]

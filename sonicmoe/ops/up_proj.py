@@ -36,6 +36,7 @@ import triton.language as tl
 from ..reference import swiglu_ref
 from ..routing import Routing
 from .common import (
+    act_code,
     autotuners,
     check_device,
     column_halves,
@@ -43,6 +44,7 @@ from .common import (
     dot_precision,
     few_rows_per_expert,
     first_step,
+    gated_act,
     launch,
     load_row_block,
     load_weight_block,
@@ -50,7 +52,6 @@ from .common import (
     next_pow2,
     next_step,
     pdl_prologue,
-    sigmoid,
     tile_config,
     tile_rows,
     tile_schedule,
@@ -76,7 +77,7 @@ def _up_proj_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROGS_PER_SM: tl.constexpr, FLATTEN: tl.constexpr, W_TMA: tl.constexpr = False, C_TMA: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, GU_FUSED: tl.constexpr = False, STEPS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ACT: tl.constexpr = 0,
 ):
     pdl_prologue(PDL)
     eidx, lo, hi, ntiles, cum, total_m = tile_schedule(offsets_ptr, E, E_P2, BLOCK_M)
@@ -85,7 +86,7 @@ def _up_proj_kernel(
         _up_proj_steps(x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
                        row_token_ptr, eidx, lo, hi, ntiles, cum, total_m * num_pid_n, num_pid_n, N, D, stride_xt,
                        stride_we, stride_wn, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H,
-                       DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K, GU_FUSED and W_TMA)
+                       DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K, GU_FUSED and W_TMA, ACT)
         return
     for tile in tl.range(tl.program_id(0), total_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m = tile // num_pid_n
@@ -94,7 +95,7 @@ def _up_proj_kernel(
         _up_proj_tile(x_ptr, w1_ptr, wg_desc, wu_desc, wgu_desc, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc,
                       row_token_ptr, e, row_start, row_end, pid_n, N, D, stride_xt, stride_we, stride_wn,
                       stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H, DOT_PREC, BLOCK_M,
-                      BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K, GU_FUSED and W_TMA)
+                      BLOCK_N, BLOCK_K, W_TMA, C_TMA, EVEN_K, GU_FUSED and W_TMA, ACT)
 
 
 @triton.jit
@@ -104,7 +105,7 @@ def _up_proj_tile(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    C_TMA: tl.constexpr, EVEN_K: tl.constexpr, GU_FUSED: tl.constexpr,
+    C_TMA: tl.constexpr, EVEN_K: tl.constexpr, GU_FUSED: tl.constexpr, ACT: tl.constexpr,
 ):
     rows = row_start + tl.arange(0, BLOCK_M)
     mask_m = rows < row_end
@@ -132,7 +133,7 @@ def _up_proj_tile(
         acc_g, acc_u = _gate_up_halves(acc, CH_STRIDE, BLOCK_M, BLOCK_N)
     _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, e, rows, mask_m, row_start,
                       row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF, UP_OFF, CH_STRIDE, HAS_BIAS, STORE_H,
-                      BLOCK_M, BLOCK_N, C_TMA)
+                      BLOCK_M, BLOCK_N, C_TMA, ACT)
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _up_proj_steps(
     GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    C_TMA: tl.constexpr, EVEN_K: tl.constexpr, GU_FUSED: tl.constexpr,
+    C_TMA: tl.constexpr, EVEN_K: tl.constexpr, GU_FUSED: tl.constexpr, ACT: tl.constexpr,
 ):
     """The persistent tile loop as one loop over (tile, K-block) steps (as the varlen-M GEMM's ``STEPS``): the
     software pipeline crosses tile boundaries, so the next tile's first X gathers and W1 boxes load during this
@@ -181,7 +182,7 @@ def _up_proj_steps(
                 out_g, out_u = acc_g, acc_u
             _up_proj_epilogue(out_g, out_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, e, rows,
                               rows < row_end, row_start, row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF, UP_OFF,
-                              CH_STRIDE, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, C_TMA)
+                              CH_STRIDE, HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, C_TMA, ACT)
             # the next tile's accumulators, zeroed after the epilogue so the two are never live together
             if GU_FUSED:
                 acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
@@ -231,8 +232,9 @@ def _gate_up_halves(acc, CH_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 def _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_desc, e, rows, mask_m, row_start,
                       row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr,
                       CH_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, C_TMA: tl.constexpr):
-    """Bias, rounding to H's dtype, SwiGLU from the rounded H, and the stores of a tile's H and A."""
+                      BLOCK_N: tl.constexpr, C_TMA: tl.constexpr, ACT: tl.constexpr):
+    """Bias, rounding to H's dtype, the activation (:func:`~sonicmoe.ops.common.gated_act`, ``ACT``) from the
+    rounded H, and the stores of a tile's H and A."""
     ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = ch < N
     g_rows = (GATE_OFF + ch * CH_STRIDE).to(tl.int64)
@@ -243,8 +245,7 @@ def _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_d
         acc_u += tl.load(b_base + u_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     hg = acc_g.to(h_ptr.dtype.element_ty)
     hu = acc_u.to(h_ptr.dtype.element_ty)
-    g = hg.to(tl.float32)
-    a = (g * sigmoid(g) * hu.to(tl.float32)).to(a_ptr.dtype.element_ty)
+    a = gated_act(hg.to(tl.float32), hu.to(tl.float32), ACT).to(a_ptr.dtype.element_ty)
     if C_TMA and row_end - row_start >= BLOCK_M:
         # a full tile: asynchronous TMA stores of the (BLOCK_M, BLOCK_N) blocks of H's gate and up columns
         # (concat layout) and of A; in the persistent loop they drain during the next tile's main loop
@@ -315,8 +316,9 @@ _FLAG_DESCS = {"W_TMA": ("wg_desc", "wu_desc", "wgu_desc"), "C_TMA": ("hg_desc",
 # the "mma" family's configs, the first pinned there (common.tile_family says how they were chosen)
 PORTABLE_SPACE = [tile_config(128, 64, 32, 8, 4), tile_config(64, 64, 64, 4, 4), tile_config(128, 64, 32, 4, 4)]
 _up_proj_kernel = with_even_flags(_up_proj_kernel, EVEN_K=("D", "BLOCK_K"))
-_tuned = autotuners(_up_proj_kernel, TUNING_SPACE, ["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H"],
-                    _desc_blocks, PORTABLE_SPACE, config_dict(PORTABLE_SPACE[0]))
+_tuned = autotuners(_up_proj_kernel, TUNING_SPACE,
+                    ["N", "D", "E", "GATE_OFF", "CH_STRIDE", "HAS_BIAS", "STORE_H", "ACT"], _desc_blocks,
+                    PORTABLE_SPACE, config_dict(PORTABLE_SPACE[0]))
 
 
 def up_proj(
@@ -327,6 +329,7 @@ def up_proj(
     gate_up_layout: str = "concat",
     store_h: bool = True,
     config: dict | None = None,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Gather + grouped GEMM + SwiGLU. Returns (H (R, 2n) or None when ``store_h`` is False, A (R, n)).
 
@@ -334,14 +337,20 @@ def up_proj(
         x: (T, d) contiguous tokens. w1: (E, 2n, d) in ``gate_up_layout``. b1: (E, 2n) or None.
         routing: rows sorted by expert. store_h: False for inference (H is not written).
         config: explicit tile configuration (tuning sweeps), else pinned/autotuned.
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`), A's
+            formula in the epilogue.
 
     With T = 0 nothing is launched and H and A are zero (the routing's rows, if any, are padding).
 
     On sm_90 with the concat layout, where it measured faster (:func:`sonicmoe.ops.up_proj_ws.up_ws_supported` and
     :func:`~sonicmoe.ops.up_proj_ws.up_ws_preferred`;
-    ``SONICMOE_GLUON_UP=0`` turns it off), and no explicit ``config``, the warp-specialised Gluon kernel of
-    :mod:`.up_proj_ws` runs instead.
+    ``SONICMOE_GLUON_UP=0`` turns it off), ``"swiglu"`` and no explicit ``config``, the warp-specialised Gluon
+    kernel of :mod:`.up_proj_ws` runs instead.
+
+    Raises:
+        ValueError: an unknown ``activation``; ``x`` on the CPU outside the interpreter.
     """
+    act = act_code(activation)
     for name, t in (("x", x), ("w1", w1)):
         check_device(name, t)
     if x.shape[0] == 0:  # T = 0: no token to gather (the rows, if any, are padding); the kernels' masked-off rows
@@ -349,7 +358,8 @@ def up_proj(
         a = x.new_zeros(routing.num_rows, w1.shape[1] // 2)
         return (x.new_zeros(routing.num_rows, w1.shape[1]) if store_h else None), a
     x, w1 = x.contiguous(), w1.contiguous()
-    if config is None and up_ws_preferred(x.shape[1], x.device, routing) and up_ws_supported(x, w1, b1, gate_up_layout):
+    if (config is None and act == 0 and up_ws_preferred(x.shape[1], x.device, routing)
+            and up_ws_supported(x, w1, b1, gate_up_layout)):
         return up_proj_ws(x, w1, b1, routing, store_h)
     e, two_n, d = w1.shape
     n = two_n // 2
@@ -376,7 +386,7 @@ def up_proj(
         E=e, N=n, D=d, stride_xt=x.stride(0), stride_we=w1.stride(0), stride_wn=w1.stride(1),
         stride_hr=h.stride(0), stride_ar=a.stride(0),
         GATE_OFF=gate_off, UP_OFF=up_off, CH_STRIDE=ch_stride, HAS_BIAS=b1 is not None,
-        STORE_H=store_h, E_P2=next_pow2(e), DOT_PREC=dot_precision(x.dtype),
+        STORE_H=store_h, E_P2=next_pow2(e), DOT_PREC=dot_precision(x.dtype), ACT=act,
     )
     if r > 0:
         launch(_up_proj_kernel, _tuned, varlen_m_grid(r, e, n, x.device), args, _PINNED_INTERP,
@@ -392,6 +402,7 @@ def up_proj_ref(
     gate_up_layout: str = "concat",
     store_h: bool = True,
     config: dict | None = None,
+    activation: str = "swiglu",
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Pure-PyTorch twin of :func:`up_proj` (float32 math, per-expert loop, outputs in x's dtype)."""
     e, two_n, _ = w1.shape
@@ -402,5 +413,5 @@ def up_proj_ref(
         rows = x[routing.row_token[lo:hi].long()].float()
         h[lo:hi] = rows @ w1[i].float().t() + (b1[i].float() if b1 is not None else 0.0)
     h = h.to(x.dtype)
-    a = swiglu_ref(h.float(), gate_up_layout).to(x.dtype)
+    a = swiglu_ref(h.float(), gate_up_layout, activation).to(x.dtype)
     return (h if store_h else None), a
