@@ -1,0 +1,264 @@
+"""gpt-oss's clamped SwiGLU (``activation="clamped_swiglu"``) on every path: the reference's formula and its
+gradient at the clamps' bounds, the Triton kernels (the interpreter on CPU; bf16 on a GPU) and the torch backend
+against the float64 reference, the layer, the custom ops and the errors.
+
+Inputs are scaled so that the clamps bind on a sizeable share of H (checked), or the tests could not tell the
+clamped activation from SwiGLU. Kernel outputs are poisoned with NaN before launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sonicmoe
+from sonicmoe.config import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT, MoEConfig
+from sonicmoe.ops import library
+from sonicmoe.ops.dh import dh, dh_ref
+from sonicmoe.ops.library import BWD_ROUTING_FIELDS
+from sonicmoe.ops.up_proj import up_proj, up_proj_ref
+from sonicmoe.reference import experts_ref, moe_ref, split_gate_up, swiglu_ref
+from sonicmoe.routing import routing_from_pairs, routing_from_topk
+from sonicmoe.testing import random_problem, rel_err
+
+LAYOUTS = ("concat", "interleaved")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
+def _gpt_oss_glu(h: torch.Tensor, layout: str) -> torch.Tensor:
+    """transformers' GptOssExperts activation written out with torch.where (not the reference's clamp calls)."""
+    gate, up = split_gate_up(h, layout)
+    gate = torch.where(gate > 7.0, torch.full_like(gate, 7.0), gate)
+    up = torch.where(up > 7.0, torch.full_like(up, 7.0), torch.where(up < -7.0, torch.full_like(up, -7.0), up))
+    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+
+def _clamp_shares(h: torch.Tensor, layout: str) -> tuple[float, float]:
+    g, u = split_gate_up(h.float(), layout)
+    return (g > 7).float().mean().item(), (u.abs() > 7).float().mean().item()
+
+
+def test_constants_are_gpt_oss():
+    assert (CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT) == (1.702, 7.0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reference_formula_and_gradient_at_the_bounds(layout):
+    g = torch.tensor([-9.0, -7.0, -1.5, 0.0, 2.0, 7.0, 7.5, 30.0], dtype=torch.float64)
+    u = torch.tensor([-30.0, -7.5, -7.0, -0.5, 0.0, 6.9, 7.0, 7.5], dtype=torch.float64)
+    gg, uu = torch.meshgrid(g, u, indexing="ij")
+    gg, uu = gg.reshape(-1, 1), uu.reshape(-1, 1)
+    h = torch.cat([gg, uu], 1) if layout == "concat" else torch.stack([gg, uu], 2).reshape(-1, 2)
+    h.requires_grad_(True)
+    a = swiglu_ref(h, layout, "clamped_swiglu")
+    torch.testing.assert_close(a, _gpt_oss_glu(h, layout), rtol=0, atol=1e-15)
+    (dh_,) = torch.autograd.grad(a.sum(), h)
+    dg, du = split_gate_up(dh_, layout)
+    dg, du = dg.reshape(-1), du.reshape(-1)
+    gf, uf = gg.reshape(-1), uu.reshape(-1)
+    # no gradient where a clamp binds; at the bounds themselves torch.clamp passes it
+    assert (dg[gf > 7] == 0).all() and (dg[(gf <= 7) & (uf > -8)] != 0).all()
+    assert (du[uf.abs() > 7] == 0).all() and (du[(uf.abs() <= 7) & (gf != 0)] != 0).all()
+    # the closed forms the kernels use (sonicmoe.ops.common.gated_act_bwd)
+    gc, uc = gf.clamp(max=7), uf.clamp(-7, 7)
+    s = torch.sigmoid(1.702 * gc)
+    torch.testing.assert_close(dg, torch.where(gf <= 7, (uc + 1) * (s + 1.702 * gc * s * (1 - s)), 0.0))
+    torch.testing.assert_close(du, torch.where(uf.abs() <= 7, gc * s, 0.0))
+    # below the bounds it is not SwiGLU (the + 1 and the 1.702)
+    assert (swiglu_ref(h, layout, "swiglu") - a).abs().max() > 1
+
+
+def test_reference_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="activation"):
+        swiglu_ref(torch.randn(2, 4), "concat", "gelu")
+
+
+def _problem(device, bias, seed, t=37, d=24, n=40, e=4, dtype=torch.float32):
+    """T, n not tile multiples; scale 2.5 makes H's spread about 6, so both clamps bind often."""
+    return random_problem(t, d, n, e, bias=bias, device=device, seed=seed, scale=2.5, dtype=dtype)
+
+
+def _routing(p, k, device, empty_expert=True):
+    t, e = p["x"].shape[0], p["w1"].shape[0]
+    g = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.randperm(e - int(empty_expert), generator=g)[:k] for _ in range(t)])
+    return routing_from_topk(ids.to(device), e)  # with empty_expert, expert E - 1 gets no token
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_match_reference(layout, bias, device):
+    """up_proj's A and dh's dH, A′, dS against their float32 twins with the clamped activation (and not SwiGLU's)."""
+    p = _problem(device, bias, seed=1)
+    routing = _routing(p, 2, device)
+    h, a = up_proj(p["x"], p["w1"], p["b1"], routing, layout, activation="clamped_swiglu")
+    h_ref, a_ref = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout, activation="clamped_swiglu")
+    shares = _clamp_shares(h, layout)
+    assert min(shares) > 0.05, shares
+    assert rel_err(h, h_ref) < 1e-5 and rel_err(a, a_ref) < 1e-5
+    _, a_swiglu = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout)
+    assert rel_err(a, a_swiglu) > 0.1
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(p["x"].shape, generator=g).to(device)
+    scores = torch.rand(routing.num_rows, generator=g).to(device)
+    got = dh(dout, p["w2"], h, scores, routing, layout, activation="clamped_swiglu")
+    ref = dh_ref(dout, p["w2"], h, scores, routing, layout, activation="clamped_swiglu")
+    for x, y in zip(got, ref):
+        assert rel_err(x, y) < 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dh_kernel_at_the_clamp_bounds(layout, device):
+    """H holding the bounds exactly (gate 7, up ±7: gradient passed) and values just past them (none passed):
+    the dH kernel's masks agree with torch.clamp's, element for element."""
+    p = _problem(device, False, seed=12, t=16, d=16, n=32, e=2)
+    routing = _routing(p, 1, device, empty_expert=False)
+    vals = torch.tensor([7.0, -7.0, 7.0078125, -7.0078125, 6.9921875, 0.5, -3.0, 12.0])
+    h = vals[torch.randint(0, 8, (routing.num_rows, 64), generator=torch.Generator().manual_seed(13))].to(device)
+    dout = torch.randn(16, 16, generator=torch.Generator().manual_seed(14)).to(device)
+    scores = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(15)).to(device)
+    got = dh(dout, p["w2"], h, scores, routing, layout, activation="clamped_swiglu")
+    ref = dh_ref(dout, p["w2"], h, scores, routing, layout, activation="clamped_swiglu")
+    g, u = split_gate_up(h, layout)
+    dg, du = split_gate_up(got[0], layout)
+    assert ((dg == 0) == (g > 7)).all() and ((du == 0) == (u.abs() > 7)).all()
+    for x, y in zip(got, ref):
+        assert rel_err(x, y) < 1e-5
+
+
+def _grads(fn, leaves, dout):
+    leaves = [v.detach().clone().requires_grad_(True) for v in leaves]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_experts_match_reference(layout, bias, backend, device):
+    """sonicmoe.experts with the clamped activation: O and the gradients of x, W1, W2, the scores and the biases
+    against the float64 reference; two runs bitwise equal."""
+    p = _problem(device, bias, seed=2)
+    routing = _routing(p, 2, device)
+    scores = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(4)).to(device)
+    dout = torch.randn(p["x"].shape, generator=torch.Generator().manual_seed(5)).to(device)
+    leaves = [p["x"], p["w1"], p["w2"], scores] + ([p["b1"], p["b2"]] if bias else [])
+
+    def ours(x, w1, w2, s, b1=None, b2=None):
+        return sonicmoe.experts(x, w1, w2, routing, s, b1, b2, gate_up_layout=layout, backend=backend,
+                                activation="clamped_swiglu")
+
+    def ref(x, w1, w2, s, b1=None, b2=None):
+        return experts_ref(x, w1, w2, routing, s, b1, b2, gate_up_layout=layout, activation="clamped_swiglu")
+
+    out, grads = _grads(ours, leaves, dout)
+    out_ref, grads_ref = _grads(ref, [v.double() for v in leaves], dout.double())
+    tol = 1e-5 if device.type == "cpu" else 1e-4
+    assert rel_err(out, out_ref) < tol
+    for name, g_, g_ref in zip(("x", "w1", "w2", "scores", "b1", "b2"), grads, grads_ref):
+        assert rel_err(g_, g_ref) < tol, name
+    out2, grads2 = _grads(ours, leaves, dout)
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+def test_experts_with_no_rows_and_padding_pairs(device):
+    """A general routing whose token 0 has no pair and whose last pairs are padding: the clamped activation of the
+    zero padding rows is 0 (as SwiGLU's), and the reference agrees."""
+    p = _problem(device, True, seed=6, t=9, e=3)
+    tok = torch.tensor([3, 1, 8, 2, 2, 5, 9, 9], device=device)  # the last two: padding pairs (token T, expert E)
+    exp = torch.tensor([0, 2, 2, 1, 0, 0, 3, 3], device=device)
+    routing = routing_from_pairs(tok, exp, 9, 3, padding=True)
+    s = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(7)).to(device)
+    for backend in ("triton", "torch"):
+        out = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, s, p["b1"], p["b2"], backend=backend,
+                               activation="clamped_swiglu")
+        ref = experts_ref(p["x"], p["w1"], p["w2"], routing, s, p["b1"], p["b2"], activation="clamped_swiglu")
+        assert rel_err(out, ref) < 1e-5, backend
+        assert not out[[0, 4, 6, 7]].any()
+
+
+def test_layer_matches_reference_and_backends_agree(device):
+    """MoE(activation="clamped_swiglu") with expert biases and the interleaved layout (gpt-oss's), both backends,
+    against moe_ref; the option is kept in the config and the repr."""
+    torch.manual_seed(0)
+    layer = sonicmoe.MoE(24, 40, 4, 2, activation="clamped_swiglu", bias=True, gate_up_layout="interleaved",
+                         aux_loss_coef=0.0, device=device)
+    assert layer.config.activation == "clamped_swiglu" and "activation=clamped_swiglu" in repr(layer)
+    with torch.no_grad():
+        for prm in layer.experts.parameters():
+            prm.mul_(2.5)
+    x = 2.5 * torch.randn(33, 24, device=device)
+    ex = layer.experts
+    ref, _, _ = moe_ref(x, layer.gate.weight, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
+                        ex.down_proj_bias, top_k=2, gate_up_layout="interleaved", activation="clamped_swiglu")
+    outs = {}
+    for backend in ("triton", "torch"):
+        object.__setattr__(layer.config, "backend", backend)
+        outs[backend] = layer(x)
+        assert rel_err(outs[backend], ref) < 1e-5, backend
+    swiglu = sonicmoe.MoE(24, 40, 4, 2, bias=True, gate_up_layout="interleaved", aux_loss_coef=0.0, device=device)
+    swiglu.load_state_dict(layer.state_dict())
+    assert rel_err(swiglu(x), ref) > 0.1
+
+
+def test_bad_activation_is_named():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        sonicmoe.MoE(8, 8, 2, 1, activation="gelu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MoEConfig(8, 8, 2, 1, activation="relu")
+    p = random_problem(4, 8, 8, 2, seed=0)
+    routing = routing_from_topk(torch.zeros(4, 1, dtype=torch.long), 2)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match="activation must be one of"):
+            sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, torch.ones(4), backend=backend, activation="silu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        sonicmoe.moe(p["x"], p["router_weight"], p["w1"], p["w2"], top_k=1, activation=None)
+
+
+@pytest.mark.interpreter
+def test_opcheck_with_the_clamped_activation(device):
+    """The custom ops take the activation as their last argument (schema, fake, autograd with it)."""
+    from tests.test_library import _fwd_args, _topk_routing
+
+    p = _problem(device, True, seed=8, t=7, d=16, n=8, e=3)
+    args = (*_fwd_args(p, _topk_routing(p), "interleaved", True), 0, "clamped_swiglu")
+    torch.library.opcheck(library.experts_fwd, args)
+    out, _ = library.experts_fwd(*args)
+    plain, _ = library.experts_fwd(*args[:-1])
+    assert rel_err(out, plain) > 0.05  # the argument reaches the kernels
+    routing = _topk_routing(p)
+    g = torch.Generator().manual_seed(2)
+    h = 6 * torch.randn(routing.num_rows, 2 * 8, generator=g).to(device)
+    bwd = (torch.randn(7, 16, generator=g).to(device), p["x"], p["w1"], p["w2"], p["b1"], p["b2"], h,
+           torch.rand(routing.num_rows, generator=g).to(device), *(getattr(routing, f) for f in BWD_ROUTING_FIELDS),
+           "concat", [True] * 6, "clamped_swiglu")
+    torch.library.opcheck(library.experts_bwd, bwd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_bf16_layer_clamped(layout):
+    """bf16 on the GPU (the Triton kernels, not the SwiGLU-only Gluon ones) at a shape where sm_90 would otherwise
+    pick the Gluon kernels: O and the gradients against the float64 reference of the bf16 weights."""
+    device = torch.device("cuda")
+    p = _problem(device, False, seed=9, t=1024, d=512, n=256, e=8, dtype=torch.bfloat16)
+    routing = _routing(p, 2, device, empty_expert=False)
+    scores = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(4)).to(device)
+    dout = torch.randn(p["x"].shape, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
+    leaves = [p["x"], p["w1"], p["w2"], scores]
+    out, grads = _grads(lambda x, w1, w2, s: sonicmoe.experts(x, w1, w2, routing, s, gate_up_layout=layout,
+                                                                activation="clamped_swiglu"), leaves, dout)
+    out_ref, grads_ref = _grads(lambda x, w1, w2, s: experts_ref(x, w1, w2, routing, s, gate_up_layout=layout,
+                                                                 activation="clamped_swiglu"),
+                                [v.double() for v in leaves], dout.double())
+    assert rel_err(out, out_ref) < 1e-2
+    for name, g_, g_ref in zip(("x", "w1", "w2", "scores"), grads, grads_ref):
+        assert rel_err(g_, g_ref) < 2e-2, name
+    h = F.linear(p["x"].float(), p["w1"][0].float())
+    assert min(_clamp_shares(h, layout)) > 0.02
