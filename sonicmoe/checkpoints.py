@@ -7,7 +7,8 @@ such a block's weights into the layer, and back:
   ``experts.{i}.up_proj.weight`` (n, d), ``experts.{i}.down_proj.weight`` (d, n);
 * ``"mixtral"`` names (Mixtral): ``experts.{i}.w1.weight`` (gate, (n, d)), ``experts.{i}.w3.weight`` (up, (n, d)),
   ``experts.{i}.w2.weight`` (down, (d, n));
-* both: the router ``gate.weight`` (E, d), and DeepSeek-V3's ``gate.e_score_correction_bias`` (E,) where the layer has
+* both: the router ``gate.weight`` (E, d) (and ``gate.bias`` (E,) where the layer has a router bias,
+  ``router_bias=True``), and DeepSeek-V3's ``gate.e_score_correction_bias`` (E,) where the layer has
   that buffer (``router_order="sigmoid_then_topk"``); ``.bias`` entries beside the weights where the layer has
   expert biases (``bias=True``);
 * the shared expert, where the layer has one (``shared_intermediate_size`` n_s > 0): ``shared_experts.{gate_proj,
@@ -22,6 +23,13 @@ Expert i's gate and up rows become ``experts.gate_up_proj[i]`` (2n, d) in the la
 ``renormalize=False``; DeepSeek-V3 ``"sigmoid_then_topk"``, ``renormalize=True``, ``routed_scaling_factor=2.5``,
 ``n_group=8, topk_group=4``, ``shared_intermediate_size=n_shared_experts·moe_intermediate_size``; Qwen2-MoE
 ``shared_intermediate_size=shared_expert_intermediate_size, shared_expert_gate=True``.
+
+gpt-oss stores its experts stacked but transposed, and its router under another name: :func:`load_gpt_oss_experts`
+and :func:`gpt_oss_state_dict` read and write ``router.weight`` (E, d), ``router.bias`` (E,),
+``experts.gate_up_proj`` (E, d, 2n) with gate and up columns interleaved (column 2j gate channel j, 2j + 1 up
+channel j), ``experts.gate_up_proj_bias`` (E, 2n) likewise, ``experts.down_proj`` (E, n, d) and
+``experts.down_proj_bias`` (E, d). Its layer is :data:`GPT_OSS_OPTIONS`: top-k then softmax over the K chosen logits,
+a router bias, expert biases, the clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ STYLES = ("auto", "qwen", "mixtral")
 _NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 SHARED_NAMES = ("shared_experts", "shared_expert")  # DeepSeek-V2/V3; Qwen2-MoE and Llama 4
 _SHARED_GATE = "shared_expert_gate.weight"
+# MoE options that make the layer compute gpt-oss's MLP block (transformers' GptOssMLP): its router is a biased linear
+# map whose K largest logits are softmaxed, its experts have biases and the clamped SwiGLU; gpt-oss's stacked weights
+# interleave gate and up, so this layout loads them without reordering rows
+GPT_OSS_OPTIONS = {"router_order": "topk_then_softmax", "router_bias": True, "bias": True,
+                   "activation": "clamped_swiglu", "gate_up_layout": "interleaved"}
 
 
 def _style(state_dict: Mapping[str, torch.Tensor], prefix: str, style: str) -> str:
@@ -113,6 +126,7 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
     c, ex = layer.config, layer.experts
     e, d, n = c.num_experts, c.hidden_size, c.intermediate_size
     router = _take(state_dict, f"{prefix}gate.weight", (e, d))
+    router_bias = _take_router_bias(layer, state_dict, f"{prefix}gate.bias")
     w1, w2, b1, b2 = [], [], [], []
     for i in range(e):
         p = f"{prefix}experts.{i}."
@@ -140,6 +154,8 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
     w1, w2 = torch.stack(w1), torch.stack(w2)
     b1, b2 = (torch.stack(b1), torch.stack(b2)) if b1 else (None, None)
     layer.gate.weight.copy_(router)
+    if router_bias is not None:
+        layer.gate.bias.copy_(router_bias)
     ex.gate_up_proj.copy_(w1)
     ex.down_proj.copy_(w2)
     if b1 is not None:
@@ -153,6 +169,17 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
         layer.shared_experts.down_proj.copy_(w2_s[None])
         if gate is not None:
             layer.shared_expert_gate.weight.copy_(gate)
+
+
+def _take_router_bias(layer: MoE, state_dict: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The router's (E,) bias at ``key`` where the layer has one (KeyError if missing); None where it has none
+    (ValueError if the checkpoint has one: dropping it would change the routing)."""
+    if layer.gate.bias is not None:
+        return _take(state_dict, key, (layer.config.num_experts,))
+    if key in state_dict:
+        raise ValueError(f"the checkpoint's router has a bias ({key}) but the layer's has none: build it with "
+                         "router_bias=True")
+    return None
 
 
 def _take_shared(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str):
@@ -187,7 +214,8 @@ def _take_shared(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str
 def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen",
                           shared_name: str | None = None) -> dict[str, torch.Tensor]:
     """The inverse of :func:`load_hf_experts`: ``layer``'s weights as a per-expert Hugging Face state dict (new
-    tensors, in the layer's dtype and device): ``{prefix}gate.weight``, ``{prefix}experts.{i}.{gate, up,
+    tensors, in the layer's dtype and device): ``{prefix}gate.weight`` (and ``{prefix}gate.bias`` with a router
+    bias), ``{prefix}experts.{i}.{gate, up,
     down}.weight`` (and ``.bias`` with expert biases) under ``style`` ``"qwen"`` or ``"mixtral"``,
     ``{prefix}gate.e_score_correction_bias`` where the layer has it, and a shared expert's
     ``{prefix}{shared_name}.{gate_proj, up_proj, down_proj}.weight`` (with ``{prefix}shared_expert_gate.weight``
@@ -207,6 +235,8 @@ def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen",
     gate_name, up_name, down_name = _NAMES[style]
     c, ex = layer.config, layer.experts
     out = {f"{prefix}gate.weight": layer.gate.weight.detach().clone()}
+    if layer.gate.bias is not None:
+        out[f"{prefix}gate.bias"] = layer.gate.bias.detach().clone()
     if layer.e_score_correction_bias is not None:
         out[f"{prefix}gate.e_score_correction_bias"] = layer.e_score_correction_bias.detach().clone()
     for i in range(c.num_experts):
@@ -230,3 +260,86 @@ def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen",
         if gated:
             out[f"{prefix}{_SHARED_GATE}"] = layer.shared_expert_gate.weight.detach().clone()
     return out
+
+
+def _check_gpt_oss_layer(layer: MoE) -> None:
+    """ValueError naming the first option of ``layer`` that differs from :data:`GPT_OSS_OPTIONS` (but the layout,
+    which the loader converts): such a layer would not compute gpt-oss's block with its weights."""
+    c = layer.config
+    for name, want in GPT_OSS_OPTIONS.items():
+        if name != "gate_up_layout" and getattr(c, name) != want:
+            raise ValueError(f"a gpt-oss block needs MoE(..., {name}={want!r}) (sonicmoe.GPT_OSS_OPTIONS), the layer "
+                             f"has {name}={getattr(c, name)!r}")
+    if layer.shared_experts is not None:
+        raise ValueError("gpt-oss has no shared expert: build the layer with shared_intermediate_size=0")
+
+
+@torch.no_grad()
+def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Copy a gpt-oss MLP block's weights (transformers' ``GptOssMLP``) into ``layer`` (module docstring for the names).
+
+    The layer must be built with :data:`GPT_OSS_OPTIONS` (any ``gate_up_layout``: the interleaved one takes the
+    weights as they are; the concat one reorders their rows), d = ``hidden_size``, n = ``intermediate_size``,
+    E = ``num_local_experts`` and K = ``num_experts_per_tok`` of the model's config. W1[e] = ``gate_up_proj[e]``ᵀ
+    (2n, d), W2[e] = ``down_proj[e]``ᵀ (d, n). Weights stored as MXFP4 blocks (the released checkpoints' expert
+    weights, ``*_blocks`` and ``*_scales``) must be dequantised first (transformers does so when it loads the model
+    with ``Mxfp4Config(dequantize=True)``): this reads floating-point tensors only.
+
+    Args:
+        layer: a :class:`~sonicmoe.MoE` with all E experts.
+        state_dict: the model's state dict (or the block's); values are cast to the layer's dtype and device.
+        prefix: the block's key prefix, e.g. ``"model.layers.3.mlp."``.
+
+    Everything is checked before anything is copied: on an error the layer is unchanged; nothing in ``state_dict`` is
+    modified.
+
+    Raises:
+        KeyError: a tensor of the block is missing (the message names it and its shape).
+        ValueError: a tensor of the wrong shape; a layer whose options differ from :data:`GPT_OSS_OPTIONS`, or with a
+            shared expert.
+        TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
+    """
+    _check_layer(layer)
+    _check_gpt_oss_layer(layer)
+    c, ex = layer.config, layer.experts
+    e, d, n = c.num_experts, c.hidden_size, c.intermediate_size
+    p = f"{prefix}experts."
+    router = _take(state_dict, f"{prefix}router.weight", (e, d))
+    router_bias = _take(state_dict, f"{prefix}router.bias", (e,))
+    w1 = _take(state_dict, f"{p}gate_up_proj", (e, d, 2 * n)).transpose(1, 2)  # (E, 2n, d), rows interleaved
+    b1 = _take(state_dict, f"{p}gate_up_proj_bias", (e, 2 * n))
+    w2 = _take(state_dict, f"{p}down_proj", (e, n, d)).transpose(1, 2)
+    b2 = _take(state_dict, f"{p}down_proj_bias", (e, d))
+    if c.gate_up_layout == "concat":  # interleaved rows [g0, u0, g1, u1, ...] -> [g0, g1, ...; u0, u1, ...]
+        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
+        b1 = torch.cat([b1[:, 0::2], b1[:, 1::2]], dim=1)
+    layer.gate.weight.copy_(router)
+    layer.gate.bias.copy_(router_bias)
+    ex.gate_up_proj.copy_(w1)
+    ex.gate_up_proj_bias.copy_(b1)
+    ex.down_proj.copy_(w2)
+    ex.down_proj_bias.copy_(b2)
+
+
+@torch.no_grad()
+def gpt_oss_state_dict(layer: MoE, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The inverse of :func:`load_gpt_oss_experts`: ``layer``'s weights under gpt-oss's names and shapes (new
+    contiguous tensors in the layer's dtype and device): ``{prefix}router.weight`` (E, d), ``{prefix}router.bias``
+    (E,), ``{prefix}experts.gate_up_proj`` (E, d, 2n) interleaved, ``.gate_up_proj_bias`` (E, 2n),
+    ``.down_proj`` (E, n, d), ``.down_proj_bias`` (E, d).
+
+    Raises:
+        ValueError / TypeError / NotImplementedError: as :func:`load_gpt_oss_experts`.
+    """
+    _check_layer(layer)
+    _check_gpt_oss_layer(layer)
+    ex, p = layer.experts, f"{prefix}experts."
+    w1, b1 = ex.gate_up_proj.detach(), ex.gate_up_proj_bias.detach()
+    if layer.config.gate_up_layout == "concat":  # [gate; up] -> interleaved
+        w1 = torch.stack(w1.chunk(2, dim=1), dim=2).flatten(1, 2)
+        b1 = torch.stack(b1.chunk(2, dim=1), dim=2).flatten(1, 2)
+    return {f"{prefix}router.weight": layer.gate.weight.detach().clone(),
+            f"{prefix}router.bias": layer.gate.bias.detach().clone(),
+            f"{p}gate_up_proj": w1.transpose(1, 2).contiguous(), f"{p}gate_up_proj_bias": b1.contiguous(),
+            f"{p}down_proj": ex.down_proj.detach().transpose(1, 2).contiguous(),
+            f"{p}down_proj_bias": ex.down_proj_bias.detach().clone()}

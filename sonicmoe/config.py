@@ -60,6 +60,7 @@ class MoEConfig:
             silu(gate) · up. ``"clamped_swiglu"`` (gpt-oss): g = min(gate, 7), u = clamp(up, -7, 7),
             A = (u + 1) · g · sigmoid(1.702 g); the clamps pass no gradient where they bind (as torch.clamp's, which
             passes it at the bounds themselves). The shared expert, if any, uses the same activation.
+        router_bias: the router's linear map has a bias, ``gate.bias`` (E,): logits = x W_rᵀ + b_r (gpt-oss).
         bias: expert biases b1 (E, 2n) and b2 (E, d).
         aux_loss_coef: weight of the Switch load-balancing loss E·Σ_e f_e·P_e (SPEC §2).
         z_loss_coef: weight of the router z-loss mean_t (logsumexp_e logits)^2.
@@ -107,6 +108,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     activation: Activation = "swiglu"
+    router_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_experts"):
@@ -122,7 +124,7 @@ class MoEConfig:
         n_s = self.shared_intermediate_size
         if isinstance(n_s, bool) or not isinstance(n_s, int) or n_s < 0:
             raise ValueError(f"shared_intermediate_size must be an int >= 0 (0: no shared expert), got {n_s!r}")
-        for name in ("renormalize", "bias", "static_pairs", "shared_expert_gate", "return_router_info"):
+        for name in ("renormalize", "bias", "static_pairs", "shared_expert_gate", "return_router_info", "router_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("aux_loss_coef", "z_loss_coef"):  # a string or None would fail only in the forward, NaN silently

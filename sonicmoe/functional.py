@@ -258,6 +258,7 @@ def moe(
     gate_up_layout: str = "concat",
     backend: str = "auto",
     activation: str = "swiglu",
+    router_bias: torch.Tensor | None = None,
 ) -> MoEOutput:
     """The MoE layer with top-k routing: router, experts, aggregation (SPEC §2).
 
@@ -269,6 +270,7 @@ def moe(
         (:func:`~sonicmoe.routing.router_topk`; ``expert_bias`` (E,) and the groups shape the choice of
         ``"sigmoid_then_topk"`` only). routed_scaling_factor: every score S times this
         constant (DeepSeek-V3: 2.5). activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss), as :func:`experts`.
+        router_bias: optional (E,) bias of the router's logits, X W_rᵀ + b_r (gpt-oss), differentiable.
 
     Same input contract as :func:`experts` (dtypes, strides, non-finite values, ``torch.autocast``: the experts
     run in the autocast dtype); router_weight may have any of the float dtypes the backend takes, and the router
@@ -289,7 +291,7 @@ def moe(
     check_activation(activation)
     # router_topk checks router_weight's device and top_k in [1, E]
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
-                         expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
+                         expert_bias=expert_bias, n_group=n_group, topk_group=topk_group, router_bias=router_bias)
     routing = routing_from_topk(router.topk_ids, e)
     out = experts(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
                   gate_up_layout=gate_up_layout, backend=backend, activation=activation)

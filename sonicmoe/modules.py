@@ -79,9 +79,9 @@ class MoE(nn.Module):
     Parameters: ``gate.weight`` (E, d) router; ``experts.gate_up_proj`` (E, 2n, d);
     ``experts.down_proj`` (E, d, n); optional biases — the names and shapes of HF transformers' stacked experts
     (Qwen3-MoE), so those checkpoints map one to one; per-expert checkpoints load with
-    :func:`sonicmoe.load_hf_experts`. Not gpt-oss's: its experts store these names transposed ((E, d, 2n) and
-    (E, n, d)), clamp and shift their GLU (alpha 1.702, limit 7, (up + 1)) and its router has a bias, none of which
-    this layer implements.
+    :func:`sonicmoe.load_hf_experts`. With ``router_bias=True`` the router has ``gate.bias`` (E,) too. gpt-oss: build
+    the layer with ``**sonicmoe.GPT_OSS_OPTIONS`` (router bias, expert biases, ``activation="clamped_swiglu"``, the
+    interleaved layout) and load its stacked, transposed weights with :func:`sonicmoe.load_gpt_oss_experts`.
 
     Shared expert (``shared_intermediate_size`` n_s > 0; DeepSeek-V2/V3, Qwen2-MoE): ``shared_experts.gate_up_proj``
     (1, 2n_s, d) in the layer's ``gate_up_layout`` and ``shared_experts.down_proj`` (1, d, n_s), no biases; with
@@ -132,7 +132,7 @@ class MoE(nn.Module):
                  *, activation: str = "swiglu", device=None, dtype=None, **options):
         super().__init__()
         self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, activation=activation, **options)
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=self.config.router_bias, device=device, dtype=dtype)
         self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
         n_s = self.config.shared_intermediate_size
@@ -266,7 +266,7 @@ class MoE(nn.Module):
             x2 = x2.to(compute)
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
                              renormalize=c.renormalize, expert_bias=self.e_score_correction_bias, n_group=c.n_group,
-                             topk_group=c.topk_group)
+                             topk_group=c.topk_group, router_bias=self.gate.bias)
         backend = resolve_backend(c.backend, x2)
         if x2.device.type == "meta":
             backend = "torch"

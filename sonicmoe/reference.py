@@ -124,13 +124,14 @@ def moe_ref(
     topk_group: int = 1,
     gate_up_layout: str = "concat",
     activation: str = "swiglu",
+    router_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RouterOutput, Routing]:
     """The whole MoE layer in float32: router, top-k, experts, aggregation (SPEC §2).
 
     Args:
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
-        router_order, renormalize, expert_bias, n_group, topk_group, routed_scaling_factor, activation: as
-        :func:`sonicmoe.moe`.
+        router_order, renormalize, expert_bias, n_group, topk_group, routed_scaling_factor, activation, router_bias:
+        as :func:`sonicmoe.moe`.
 
     Returns:
         (O (T, d) float32, the router's output, the routing metadata).
@@ -141,7 +142,7 @@ def moe_ref(
     check_expert_inputs(x, w1, w2, b1, b2, allow_float64=True, one_dtype=False)
     check_router_weight(router_weight, x, w1.shape[0], allow_float64=True)
     router = router_topk(x, router_weight, top_k, router_order=router_order, renormalize=renormalize,
-                         expert_bias=expert_bias, n_group=n_group, topk_group=topk_group)
+                         expert_bias=expert_bias, n_group=n_group, topk_group=topk_group, router_bias=router_bias)
     routing = routing_from_topk(router.topk_ids, w1.shape[0])
     out = experts_ref(x, w1, w2, routing, scaled_scores(router.topk_scores, routed_scaling_factor), b1, b2,
                       gate_up_layout=gate_up_layout, activation=activation)

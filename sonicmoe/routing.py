@@ -405,6 +405,7 @@ def router_topk(
     n_group: int = 1,
     topk_group: int = 1,
     use_kernel: bool | None = None,
+    router_bias: torch.Tensor | None = None,
 ) -> RouterOutput:
     """Top-k token-choice router (SPEC §2), computed in float32 (float64 inputs stay float64).
 
@@ -412,6 +413,9 @@ def router_topk(
         x: (T, d) tokens.
         router_weight: (E, d) router weight W_r.
         top_k: K.
+        router_bias: optional (E,) float bias b_r of the router's linear map, logits = X W_rᵀ + b_r (gpt-oss's router;
+            differentiable, added in the logits' dtype). Unlike ``expert_bias`` it shifts the logits themselves, so
+            it changes the scores and the losses too, under every ``router_order``.
         router_order: ``"topk_then_softmax"``: S = softmax over the K chosen logits.
             ``"softmax_then_topk"``: S = the chosen entries of softmax over all E logits, divided by
             their sum when ``renormalize``.
@@ -440,8 +444,10 @@ def router_topk(
     upcast operands. Under ``torch.autocast`` the logits are still float32 (autocast is off around their GEMM).
 
     Raises:
-        TypeError: ``x`` or ``router_weight`` not a bf16/fp16/fp32/fp64 tensor; ``expert_bias`` not a float tensor.
-        ValueError: ``x`` not (T, d), ``router_weight`` not (E, d) on x's device, ``top_k`` not an int in [1, E],
+        TypeError: ``x`` or ``router_weight`` not a bf16/fp16/fp32/fp64 tensor; ``expert_bias`` or ``router_bias`` not
+            a float tensor.
+        ValueError: ``x`` not (T, d), ``router_weight`` not (E, d) on x's device, ``router_bias`` not (E,) on x's
+            device, ``top_k`` not an int in [1, E],
             an unknown ``router_order``, ``expert_bias`` not (E,) on x's device or given without
             ``"sigmoid_then_topk"``, expert groups that cannot hold K experts (:func:`check_expert_groups`).
     """
@@ -450,19 +456,22 @@ def router_topk(
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, router_weight.shape[0], router_order, x.device)
     check_expert_groups(n_group, topk_group, router_weight.shape[0], top_k, router_order)
+    check_router_bias(router_bias, router_weight.shape[0], x.device)
     with on_device(x):  # the kernels launch on x's CUDA device, whichever is current
         return _router_topk(x, router_weight, top_k, router_order, renormalize, expert_bias, (n_group, topk_group),
-                            use_kernel)
+                            use_kernel, router_bias)
 
 
 def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, router_order: str, renormalize: bool,
                  expert_bias: torch.Tensor | None, groups: tuple[int, int],
-                 use_kernel: bool | None) -> RouterOutput:
+                 use_kernel: bool | None, router_bias: torch.Tensor | None = None) -> RouterOutput:
     with no_autocast(x.device):  # float32 logits under torch.autocast too
         if bf16_gemm_applies(x, router_weight):  # bfloat16 X and W_r on CUDA: the tensor cores, float32 sums
             logits = router_logits(x, router_weight)
         else:
             logits = router_logits_ref(x, router_weight)
+        if router_bias is not None:
+            logits = logits + router_bias.to(logits.dtype)
     sigmoid = router_order == "sigmoid_then_topk"
     if use_kernel is None:
         use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"
@@ -520,6 +529,19 @@ def check_top_k(top_k, num_experts: int) -> None:
     """ValueError naming ``top_k`` unless it is an int (not a bool) in [1, E]."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
+
+
+def check_router_bias(router_bias, num_experts: int, device) -> None:
+    """TypeError/ValueError naming ``router_bias`` unless it is None or an (E,) floating tensor on ``device``."""
+    if router_bias is None:
+        return
+    if not isinstance(router_bias, torch.Tensor) or not router_bias.dtype.is_floating_point:
+        raise TypeError(f"router_bias must be a floating-point tensor of shape (E={num_experts},), got "
+                        f"{getattr(router_bias, 'dtype', type(router_bias).__name__)}")
+    if tuple(router_bias.shape) != (num_experts,):
+        raise ValueError(f"router_bias must have shape (E={num_experts},), got {tuple(router_bias.shape)}")
+    if router_bias.device != device:
+        raise ValueError(f"router_bias is on {router_bias.device} but x is on {device}")
 
 
 def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) -> None:

@@ -1,0 +1,177 @@
+"""gpt-oss's MLP block on the layer: the router bias, the loader and exporter of its stacked transposed weights, and
+the whole block against an independent float64 transcription of transformers' GptOssMLP (biased router, softmax
+over the K largest logits, interleaved gate/up columns, clamped SwiGLU with (up + 1), expert biases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sonicmoe
+from sonicmoe import GPT_OSS_OPTIONS, MoE, gpt_oss_state_dict, load_gpt_oss_experts
+from sonicmoe.checkpoints import hf_experts_state_dict, load_hf_experts
+from sonicmoe.routing import router_topk
+from sonicmoe.testing import rel_err
+
+D, N, E, K = 24, 16, 6, 2
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
+def _gpt_oss_block(seed: int, prefix: str = "model.layers.0.mlp.", scale: float = 6.0) -> dict[str, torch.Tensor]:
+    """Random weights under gpt-oss's names and shapes; ``scale`` makes the clamps bind."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s):
+        return torch.randn(*shape, generator=g) * s
+
+    p = f"{prefix}experts."
+    return {f"{prefix}router.weight": rnd(E, D, s=D ** -0.5), f"{prefix}router.bias": rnd(E, s=0.5),
+            f"{p}gate_up_proj": rnd(E, D, 2 * N, s=scale * D ** -0.5), f"{p}gate_up_proj_bias": rnd(E, 2 * N, s=0.5),
+            f"{p}down_proj": rnd(E, N, D, s=N ** -0.5), f"{p}down_proj_bias": rnd(E, D, s=0.1)}
+
+
+def _gpt_oss_mlp(x: torch.Tensor, sd: dict[str, torch.Tensor], prefix: str = "model.layers.0.mlp.") -> torch.Tensor:
+    """transformers' GptOssMLP written out token by token in float64 (loops, no sonicmoe code)."""
+    p = f"{prefix}experts."
+    sd = {k: v.double() for k, v in sd.items()}
+    logits = x @ sd[f"{prefix}router.weight"].t() + sd[f"{prefix}router.bias"]
+    top, idx = torch.topk(logits, K, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(D, dtype=torch.float64)
+        for k in range(K):
+            e = int(idx[t, k])
+            gate_up = x[t] @ sd[f"{p}gate_up_proj"][e] + sd[f"{p}gate_up_proj_bias"][e]
+            gate, up = gate_up[0::2].clamp(max=7.0), gate_up[1::2].clamp(min=-7.0, max=7.0)
+            glu = gate * torch.sigmoid(gate * 1.702)
+            acc = acc + weights[t, k] * ((up + 1) * glu @ sd[f"{p}down_proj"][e] + sd[f"{p}down_proj_bias"][e])
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def _layer(layout: str, backend: str = "torch", **extra) -> MoE:
+    options = {**GPT_OSS_OPTIONS, "gate_up_layout": layout, "aux_loss_coef": 0.0, "backend": backend, **extra}
+    return MoE(D, N, E, K, **options)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concat"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_block_matches_gpt_oss(layout, backend):
+    """The loaded layer's output and input gradient against the float64 transcription; the clamps bind on part of
+    H, so SwiGLU or a missed bias would fail."""
+    sd = _gpt_oss_block(seed=1)
+    layer = _layer(layout, backend)
+    load_gpt_oss_experts(layer, sd, "model.layers.0.mlp.")
+    x = torch.randn(19, D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    ref = _gpt_oss_mlp(xr, sd)
+    (dx_ref,) = torch.autograd.grad(ref.square().sum(), xr)
+    xo = x.float().requires_grad_(True)
+    out = layer(xo)
+    (dx,) = torch.autograd.grad(out.square().sum(), xo)
+    assert rel_err(out, ref) < 1e-5 and rel_err(dx, dx_ref) < 1e-5
+    h = x.float() @ layer.experts.gate_up_proj[0].t()
+    assert (h.abs() > 7).float().mean() > 0.05  # the clamps bind
+    swiglu = _layer(layout, backend, activation="swiglu")
+    swiglu.load_state_dict(layer.state_dict())
+    assert rel_err(swiglu(x.float()), ref) > 0.05
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "concat"])
+def test_round_trip_is_exact(layout):
+    sd = _gpt_oss_block(seed=3, prefix="")
+    layer = _layer(layout)
+    load_gpt_oss_experts(layer, sd)
+    back = gpt_oss_state_dict(layer)
+    assert back.keys() == sd.keys()
+    for key, v in sd.items():
+        assert torch.equal(back[key], v), key
+    if layout == "interleaved":  # gpt-oss's layout: W1[e] is gate_up_proj[e] transposed, nothing reordered
+        assert torch.equal(layer.experts.gate_up_proj, sd["experts.gate_up_proj"].transpose(1, 2))
+
+
+def test_loader_checks_before_copying():
+    sd = _gpt_oss_block(seed=4, prefix="")
+    layer = _layer("interleaved")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    bad = dict(sd)
+    bad["experts.down_proj"] = bad["experts.down_proj"].transpose(1, 2)  # (E, d, n): the layer's own orientation
+    with pytest.raises(ValueError, match=r"experts.down_proj.*\(6, 16, 24\)"):
+        load_gpt_oss_experts(layer, bad)
+    missing = {k: v for k, v in sd.items() if k != "router.bias"}
+    with pytest.raises(KeyError, match="router.bias"):
+        load_gpt_oss_experts(layer, missing)
+    for key, v in layer.state_dict().items():
+        assert torch.equal(v, before[key]), key
+    for name, value in (("activation", "swiglu"), ("router_bias", False), ("bias", False),
+                        ("router_order", "softmax_then_topk")):
+        with pytest.raises(ValueError, match=f"{name}="):
+            load_gpt_oss_experts(_layer("interleaved", **{name: value}), sd)
+    with pytest.raises(ValueError, match="shared expert"):
+        load_gpt_oss_experts(_layer("interleaved", shared_intermediate_size=8), sd)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
+def test_router_bias_shifts_logits_and_gets_gradients(use_kernel):
+    """router_topk(router_bias=b): logits = X W_rᵀ + b on the torch path and the router kernel's (interpreter); the
+    bias changes the choice and gets the column sums of d logits as its gradient."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(13, D, generator=g), torch.randn(E, D, generator=g) * D ** -0.5
+    b = (3 * torch.randn(E, generator=g)).requires_grad_(True)
+    out = router_topk(x, w, K, router_bias=b, use_kernel=use_kernel)
+    torch.testing.assert_close(out.logits, x @ w.t() + b, rtol=1e-6, atol=1e-6)
+    plain = router_topk(x, w, K, use_kernel=use_kernel)
+    assert not torch.equal(out.topk_ids, plain.topk_ids)
+    wanted = torch.randn(13, K, generator=g)
+    (db,) = torch.autograd.grad((out.topk_scores * wanted).sum(), b)
+    bd = b.detach().double().requires_grad_(True)
+    logits = x.double() @ w.double().t() + bd
+    ref = torch.softmax(logits.gather(1, out.topk_ids), -1)
+    (db_ref,) = torch.autograd.grad((ref * wanted.double()).sum(), bd)
+    assert rel_err(db, db_ref) < 1e-5
+
+
+def test_router_bias_errors_are_named():
+    x, w = torch.randn(4, D), torch.randn(E, D)
+    with pytest.raises(ValueError, match=r"router_bias must have shape \(E=6,\)"):
+        router_topk(x, w, K, router_bias=torch.zeros(E + 1))
+    with pytest.raises(TypeError, match="router_bias must be a floating-point tensor"):
+        router_topk(x, w, K, router_bias=torch.zeros(E, dtype=torch.long))
+    with pytest.raises(ValueError, match="router_bias must be a bool"):
+        MoE(D, N, E, K, router_bias=1)
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_layer_with_router_bias_trains_under_token_rounding():
+    """A biased router under token rounding (its added pairs scored from the biased logits): the bias gets a
+    gradient through the scores and the auxiliary loss, and the functional moe_ref agrees with the layer in eval."""
+    torch.manual_seed(0)
+    layer = MoE(D, N, E, K, router_bias=True, routing="token_rounding", m_tile=4, backend="torch")
+    x = torch.randn(32, D)
+    out = layer(x)
+    (out.square().mean() + layer.aux_loss).backward()
+    assert layer.gate.bias.grad is not None and layer.gate.bias.grad.abs().sum() > 0
+    layer.eval()
+    ex = layer.experts
+    ref, _, _ = sonicmoe.moe_ref(x, layer.gate.weight, ex.gate_up_proj, ex.down_proj, top_k=K,
+                                 router_bias=layer.gate.bias)
+    assert rel_err(layer(x), ref) < 1e-5
+
+
+def test_hf_loader_reads_and_writes_the_router_bias():
+    torch.manual_seed(1)
+    src = MoE(D, N, E, K, router_bias=True)
+    sd = hf_experts_state_dict(src, "mlp.")
+    assert torch.equal(sd["mlp.gate.bias"], src.gate.bias)
+    dst = MoE(D, N, E, K, router_bias=True)
+    load_hf_experts(dst, sd, "mlp.")
+    assert torch.equal(dst.gate.bias, src.gate.bias)
+    with pytest.raises(ValueError, match="router_bias=True"):
+        load_hf_experts(MoE(D, N, E, K), sd, "mlp.")
+    with pytest.raises(KeyError, match="mlp.gate.bias"):
+        load_hf_experts(dst, {k: v for k, v in sd.items() if k != "mlp.gate.bias"}, "mlp.")
