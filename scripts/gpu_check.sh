@@ -55,6 +55,7 @@
 #   shared the shared expert (MoE(shared_intermediate_size=...)): its GPU tests and the compile test, then
 #          scripts/shared_expert_bench.py (SHARED_SHAPES: T,d,n,E,K,n_s ...; default the script's three)
 #   sharedprof  every kernel of the shared expert alone (scripts/layer_profile.py at E = K = 1; SHAREDPROF_SHAPES)
+#   activation  gpt-oss's clamped SwiGLU: its GPU tests, then scripts/activation_bench.py (ACT_SHAPES)
 #   compile  the torch.compile and opcheck tests of tests/test_library.py
 #   review the GPU repros of session 83's reviews (scripts/gpu_review/), each with a 120 s limit
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
@@ -479,6 +480,17 @@ for step in "$@"; do
         timeout 120 python3 "$f" > "$OUT/review_${name}.txt" 2>&1
         SUMMARY+=("review $name: rc $? $(grep -cE '^FAIL' "$OUT/review_${name}.txt") FAIL lines; $(tail -1 "$OUT/review_${name}.txt")")
       done
+      ;;
+    activation)
+      # gpt-oss's clamped SwiGLU and router bias (session 84): their GPU tests (bf16, the Triton kernels where SwiGLU
+      # would take the Gluon ones), then scripts/activation_bench.py (ACT_SHAPES: T,d,n,E,K ...; default the 7B and
+      # gpt-oss-120b shapes): fwd+bwd of each activation and the torch backend's, with a check against float32
+      timeout 200 python3 -m pytest -rA -p no:cacheprovider -m gpu tests/test_activation.py tests/test_gpt_oss.py \
+        > "$OUT/gpu_tests_activation.log" 2>&1
+      timeout 330 python3 scripts/activation_bench.py ${ACT_SHAPES:+--shape $ACT_SHAPES} \
+        --json "$OUT/activation_bench.json" > "$OUT/activation_bench.txt" 2>&1
+      SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_activation.log")" "$(tail -1 "$OUT/gpu_tests_activation.log")"
+                "$(tail -3 "$OUT/activation_bench.txt")")
       ;;
     compile)
       # the torch.compile tests on the GPU (session 83: token rounding's selection became one custom-op node, so that

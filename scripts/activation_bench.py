@@ -1,0 +1,112 @@
+"""GPU benchmark of gpt-oss's clamped SwiGLU (``activation="clamped_swiglu"``) against SwiGLU on the expert path.
+
+For each shape (T, d, n, E, K), bf16, top-k routing of the random router, fresh random inputs scaled so that part of H
+passes the clamps (W1 times ``--w1-scale``, default 3: H's spread about 3):
+- a check of O and the gradients of x, W1, W2 and the scores against the float32 reference on the first 2048 tokens
+  (relative errors, per activation);
+- forward+backward of ``sonicmoe.experts`` (``bench_ms``: settled warm-up, median), triton backend, each activation
+  (SwiGLU takes the Gluon kernels on sm_90 where they serve; the clamped one their Triton twins), and the torch
+  backend with the clamped activation; TFLOP/s at 18·T·K·n·d useful FLOPs (SPEC);
+- the share of H's gate and up values that the clamps bind.
+
+usage (GPU): PYTHONPATH=$PWD python scripts/activation_bench.py [--shape T,d,n,E,K ...] [--json F]
+smoke run (CPU): TRITON_INTERPRET=1 python scripts/activation_bench.py --device cpu --dtype fp32 --shape 64,32,32,4,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+import triton
+
+from sonicmoe import experts, experts_ref
+from sonicmoe.bench.measure import bench_ms, fwdbwd_fn
+from sonicmoe.bench.problem import make_problem
+from sonicmoe.bench.shapes import parse_shape
+from sonicmoe.provenance import git_commit
+from sonicmoe.reference import split_gate_up
+from sonicmoe.testing import rel_err
+
+# the 7B shape and gpt-oss-120b's (../shared/configs.json "models")
+SHAPES = ("24576,1536,256,128,8", "32768,2880,2880,128,4")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+def _check(p, activation: str, rows: int = 2048) -> dict[str, float]:
+    """Relative errors of O and the gradients on the first ``rows`` tokens against the float32 reference."""
+    q = p.head(rows)
+    leaves = [q.x, q.w1, q.w2, q.pair_scores]
+    for t in leaves:
+        t.grad = None
+    out = experts(q.x, q.w1, q.w2, q.routing, q.pair_scores, activation=activation, backend="triton")
+    grads = torch.autograd.grad(out, leaves, q.dout)
+    ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
+    ref = experts_ref(*ref_leaves[:3], q.routing, ref_leaves[3], activation=activation)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, q.dout.float())
+    errs = {"out": rel_err(out, ref)}
+    errs.update({f"d{name}": rel_err(g, r) for name, g, r in zip(("x", "w1", "w2", "s"), grads, ref_grads)})
+    return errs
+
+
+def run_shape(spec: str, w1_scale: float, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    shape = parse_shape(spec)
+    t, d, n, e, k = shape.dims
+    p = make_problem(shape, dtype=dtype, device=device, seed=0)
+    with torch.no_grad():
+        p.w1.mul_(w1_scale)
+    row = {"shape": spec, "T": t, "d": d, "n": n, "E": e, "K": k, "w1_scale": w1_scale}
+    with torch.no_grad():
+        h = p.x[:2048].float() @ p.w1[0].float().t()
+        g, u = split_gate_up(h)
+        row["share_gate_clamped"] = float((g > 7).float().mean())
+        row["share_up_clamped"] = float((u.abs() > 7).float().mean())
+    flops = 18 * t * k * n * d
+    leaves = [p.x, p.w1, p.w2, p.pair_scores]
+    for backend, act in (("triton", "swiglu"), ("triton", "clamped_swiglu"), ("torch", "clamped_swiglu")):
+        key = f"{backend}_{act}"
+        if backend == "triton":
+            row[f"{key}_errors"] = _check(p, act)
+
+        def fwd(backend=backend, act=act):
+            return experts(p.x, p.w1, p.w2, p.routing, p.pair_scores, backend=backend, activation=act)
+
+        ms = bench_ms(fwdbwd_fn(fwd, leaves, p.dout), device=p.device)["p50"]
+        row[f"{key}_ms"] = ms
+        row[f"{key}_tflops"] = flops / ms / 1e9
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="*", default=list(SHAPES), metavar="T,d,n,E,K")
+    ap.add_argument("--w1-scale", type=float, default=3.0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run under TRITON_INTERPRET=1")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    result = {"device": name, "dtype": args.dtype, "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "commit": git_commit(), "rows": []}
+    for spec in args.shape:
+        row = run_shape(spec, args.w1_scale, args.device, dtype)
+        result["rows"].append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    print(f"{'shape':26s} {'clamped %g/u':>12s} " + " ".join(f"{a:>24s}" for a in
+                                                           ("triton swiglu ms/TF", "triton clamped ms/TF",
+                                                            "torch clamped ms/TF")) + "  max err clamped")
+    for r in result["rows"]:
+        cells = [f"{r[f'{b}_{a}_ms']:8.3f} / {r[f'{b}_{a}_tflops']:5.0f}" for b, a in
+                 (("triton", "swiglu"), ("triton", "clamped_swiglu"), ("torch", "clamped_swiglu"))]
+        err = max(r["triton_clamped_swiglu_errors"].values())
+        print(f"{r['shape']:26s} {100 * r['share_gate_clamped']:5.1f}/{100 * r['share_up_clamped']:4.1f}% "
+              + " ".join(f"{c:>24s}" for c in cells) + f"  {err:.2e}")
+
+
+if __name__ == "__main__":
+    main()
