@@ -26,6 +26,9 @@ TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--experts", "4", "-
         "--seed", "3", "--no-progress"]
 STEPS = 40
 T, K, LAYERS, E = 8 * 64, 2, 2, 4
+# the TrainConfig fields of gpt-oss's MoE block and their defaults (a config saved before them has none)
+NEW_DEFAULTS = {"activation": "swiglu", "router_bias": False, "expert_bias": False}
+GPT_OSS_FLAGS = ["--activation", "clamped_swiglu", "--router-bias", "--expert-bias"]
 
 
 def _run(out, *extra: str) -> dict:
@@ -100,9 +103,14 @@ def test_resume_continues_exactly(baseline, tmp_path):
     part = _run(tmp_path, "--steps", str(STEPS), "--stop-after", "15")
     assert part["steps_done"] == 15
     assert _losses(part) == _losses(full)[:15]  # same seed, same losses
+    # as a checkpoint written before the gpt-oss options existed: its config lacks them, they take their defaults
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert all(ckpt["config"].pop(k) == v for k, v in NEW_DEFAULTS.items())
+    torch.save(ckpt, tmp_path / "ckpt.pt")
     resumed_dir = tmp_path / "resumed"
     assert cli.main(["--resume", str(tmp_path / "ckpt.pt"), "--out", str(resumed_dir), "--no-progress"]) == 0
     resumed = json.loads((resumed_dir / "log.json").read_text())
+    assert all(resumed["config"][k] == v for k, v in NEW_DEFAULTS.items())
     assert resumed["resumed_from"] == 15 and resumed["steps_done"] == STEPS
     assert _losses(resumed) == _losses(full)
     assert resumed["final_val_loss"] == full["final_val_loss"]
@@ -215,6 +223,88 @@ def test_shared_expert_trains_and_resumes(tmp_path):
         cli.main([*TINY, "--out", str(tmp_path / "bad"), "--shared-expert-gate"])
 
 
+def test_gpt_oss_options_reach_every_layer():
+    """--activation clamped_swiglu --router-bias --expert-bias: every MoE layer of the built model has gpt-oss's
+    activation, a router bias and expert biases (none of them by default or with --no-*), the
+    options sonicmoe.GPT_OSS_OPTIONS sets; the biases are not weight-decayed."""
+    from sonicmoe import GPT_OSS_OPTIONS
+    from sonicmoe.train.config import config_from_dict
+    from sonicmoe.train.loop import Optimizer, model_config
+
+    def build(*flags: str):
+        args = cli.build_parser().parse_args([*TINY, *flags])
+        cfg = make_config("cpu-tiny", **{k: getattr(args, k) for k in cli._OVERRIDES})
+        return cfg, MoETransformer(model_config(cfg))
+
+    cfg, model = build(*GPT_OSS_FLAGS)
+    assert (cfg.activation, cfg.router_bias, cfg.expert_bias) == ("clamped_swiglu", True, True)
+    layers = model.moe_layers()
+    assert len(layers) == LAYERS
+    for layer in layers:
+        c = layer.config
+        assert (c.activation, c.router_bias, c.bias) == (GPT_OSS_OPTIONS["activation"], GPT_OSS_OPTIONS["router_bias"],
+                                                         GPT_OSS_OPTIONS["bias"])
+        assert layer.gate.bias is not None and layer.gate.bias.shape == (E,)
+        assert layer.experts.gate_up_proj_bias.shape == (E, 64) and layer.experts.down_proj_bias.shape == (E, 32)
+    opt = Optimizer(model, cfg, torch.device("cpu"))
+    decayed = {id(p) for p in opt.adamw.param_groups[0]["params"]}
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    assert len(biases) == 3 * LAYERS and not any(id(p) in decayed for p in biases)
+    assert model.moe_layers()[0].gate.weight.dim() == 2 and id(model.moe_layers()[0].gate.weight) in decayed
+    for flags in ((), ("--activation", "swiglu", "--no-router-bias", "--no-expert-bias")):
+        cfg, model = build(*flags)
+        assert {k: getattr(cfg, k) for k in NEW_DEFAULTS} == NEW_DEFAULTS
+        for layer in model.moe_layers():
+            assert layer.config.activation == "swiglu" and layer.gate.bias is None
+            assert layer.experts.gate_up_proj_bias is None and layer.experts.down_proj_bias is None
+    # the saved config (log.json, the checkpoint) round-trips the options; one saved without them takes the defaults
+    cfg = make_config("cpu-tiny", activation="clamped_swiglu", router_bias=True, expert_bias=True)
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    old = config_from_dict({k: v for k, v in cfg.to_dict().items() if k not in NEW_DEFAULTS})
+    assert {k: getattr(old, k) for k in NEW_DEFAULTS} == NEW_DEFAULTS
+    assert config_from_dict(cfg.to_dict(), activation="swiglu").activation == "swiglu"
+
+
+def test_gpt_oss_block_trains_and_resumes(tmp_path, capsys):
+    """--activation clamped_swiglu --router-bias --expert-bias: the losses are finite and fall, the router and expert
+    biases (in the checkpoint) move, an interrupted run resumes with the options to the uninterrupted one's losses,
+    and a resume that would change the model's parameters (--no-router-bias) is refused."""
+    opts = ["--steps", "10", *GPT_OSS_FLAGS, "--eval-every", "0", "--profile-every", "0"]
+    full = _run(tmp_path / "full", *opts)
+    assert {k: full["config"][k] for k in NEW_DEFAULTS} == {"activation": "clamped_swiglu", "router_bias": True,
+                                                           "expert_bias": True}
+    losses = _losses(full)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    model = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=False)["model"]
+    biases = {k: v for k, v in model.items() if k.endswith("gate.bias") or k.endswith("_proj_bias")}
+    assert len(biases) == 3 * LAYERS
+    _run(tmp_path / "part", *opts, "--stop-after", "4")
+    early = torch.load(tmp_path / "part" / "ckpt.pt", weights_only=False)["model"]
+    assert all(not torch.equal(early[k], v) for k, v in biases.items())  # steps 5-10 moved each of them
+    assert cli.main(["--resume", str(tmp_path / "part" / "ckpt.pt"), "--out", str(tmp_path / "resumed"),
+                     "--no-progress"]) == 0
+    resumed = json.loads((tmp_path / "resumed" / "log.json").read_text())
+    assert resumed["config"] == {**full["config"], "resume": str(tmp_path / "part" / "ckpt.pt"),
+                                 "out": str(tmp_path / "resumed"), "progress": False}
+    assert _losses(resumed) == losses
+    with pytest.raises(SystemExit):
+        cli.main(["--resume", str(tmp_path / "part" / "ckpt.pt"), "--out", str(tmp_path / "bad"), "--no-progress",
+                  "--no-router-bias"])
+    assert "--router-bias: the checkpoint's model has router_bias=True" in capsys.readouterr().err
+
+
+def test_bad_activation_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*TINY, "--out", "unused", "--activation", "gelu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --activation: invalid choice" in err and "gelu" in err and "clamped_swiglu" in err
+    with pytest.raises(ValueError, match="activation must be one of"):
+        make_config("cpu-tiny", activation="gelu")
+    with pytest.raises(ValueError, match="router_bias must be a bool"):
+        make_config("cpu-tiny", router_bias="yes")
+
+
 def test_resume_leaves_the_checkpoint_and_keeps_the_masters(tmp_path):
     """train(cfg, checkpoint) does not change the caller's checkpoint (history and AdamW state are its own copies);
     a mixed-precision (bf16) run resumed with float32 parameters continues from the saved float32 masters, and a
@@ -278,6 +368,9 @@ def test_help():
                          timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert "--preset" in res.stdout and "--resume" in res.stdout and "cpu-tiny" in res.stdout
+    for flag in ("--activation {swiglu,clamped_swiglu}", "--router-bias", "--no-router-bias", "--expert-bias"):
+        assert flag in res.stdout, flag
+    assert "gpt-oss's clamped SwiGLU" in res.stdout
 
 
 def test_bad_options_exit_with_usage(capsys):

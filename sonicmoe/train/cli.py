@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..config import BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
+from ..config import ACTIVATIONS, BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
 from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
 from .loop import CHECKPOINT, LOG, PLOT, load_checkpoint, train
 
@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "MoE layer, which every token passes through (DeepSeek-V2/V3, Qwen2-MoE; default 0: none)")
     g.add_argument("--shared-expert-gate", action=argparse.BooleanOptionalAction, default=None,
                    help="scale the shared expert's output by a learned sigmoid gate per token (Qwen2-MoE)")
+    g.add_argument("--activation", choices=ACTIVATIONS, help="the experts' gated activation (the shared expert's "
+                   "too): swiglu, silu(gate)·up (default), or clamped_swiglu, gpt-oss's clamped SwiGLU "
+                   "(gate <= 7, up in [-7, 7], (up + 1)·gate·sigmoid(1.702·gate))")
+    g.add_argument("--router-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="the router's linear map gets a learned bias per expert (gpt-oss; default off)")
+    g.add_argument("--expert-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="the experts get learned biases b1 (E, 2n) and b2 (E, d) (gpt-oss; default off). "
+                   "gpt-oss's block: --activation clamped_swiglu --router-bias --expert-bias")
     g.add_argument("--bias-update-rate", type=float, help="sigmoid_then_topk: move the selection bias by this "
                    "after each step toward balanced loads (auxiliary-loss-free; DeepSeek-V3 1e-3; default 0: off)")
     g.add_argument("--expert-parallel", type=int, metavar="P", help="split each MoE layer's experts over groups "
@@ -112,9 +120,14 @@ _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads",
               "expert_size", "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "grad_clip",
               "seed", "backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "router_order",
               "renormalize", "routed_scaling_factor", "n_group", "topk_group", "shared_expert_size",
-              "shared_expert_gate", "bias_update_rate", "device",
+              "shared_expert_gate", "activation", "router_bias", "expert_bias", "bias_update_rate", "device",
               "dtype", "eval_every", "eval_batches", "log_every", "save_every", "profile_every", "stop_after",
               "deterministic", "expert_parallel", "graph_moe")
+
+
+# options that shape the model's parameters: a resumed run must keep the checkpoint's values (its state dict)
+_PARAMETER_SHAPES = ("d_model", "layers", "experts", "expert_size", "shared_expert_size", "shared_expert_gate",
+                     "router_bias", "expert_bias")
 
 
 def _summary(log: dict[str, Any], out: Path) -> str:
@@ -163,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.preset is not None:
                 print(f"--preset {args.preset} ignored: resuming with the checkpoint's configuration")
             base = {**checkpoint["config"], "stop_after": None}
+            saved = config_from_dict(base)  # a checkpoint from before a field existed: that field's default
+            for k in _PARAMETER_SHAPES:
+                if overrides[k] is not None and overrides[k] != getattr(saved, k):
+                    parser.error(f"--{k.replace('_', '-')}: the checkpoint's model has {k}={getattr(saved, k)!r}; a "
+                                 "resumed run keeps the options that shape its parameters")
             out = args.out or str(Path(args.resume).parent)
             cfg = config_from_dict(base, **overrides, resume=args.resume, out=out)
         else:

@@ -79,6 +79,10 @@ class TrainConfig:
     ``aux_loss_coef``, ``z_loss_coef``, ``router_order``, ``renormalize``, ``routed_scaling_factor``, ``n_group``,
     ``topk_group``, and ``shared_expert_size`` (n_s, the layer's ``shared_intermediate_size``; 0: no shared expert)
     with ``shared_expert_gate``;
+    ``activation`` (the experts' gated activation: ``"swiglu"``, or ``"clamped_swiglu"``, gpt-oss's clamped SwiGLU;
+    the shared expert's too), ``router_bias`` (the router ``gate`` has a bias (E,), as gpt-oss's) and ``expert_bias``
+    (the layer's ``bias``: expert biases b1 (E, 2n) and b2 (E, d), as gpt-oss's; :data:`sonicmoe.GPT_OSS_OPTIONS`
+    sets all three); these change the model's parameters, so a checkpoint resumes only with its own values;
     ``bias_update_rate`` > 0 (with ``router_order="sigmoid_then_topk"``) moves each layer's selection bias after
     every optimizer step by that much (:meth:`sonicmoe.MoE.update_expert_bias`, counts summed over the ranks;
     DeepSeek-V3's auxiliary-loss-free balancing, usually with ``aux_loss_coef`` 0 or small). 0: never.
@@ -132,6 +136,9 @@ class TrainConfig:
     topk_group: int = 1
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
+    activation: str = "swiglu"
+    router_bias: bool = False
+    expert_bias: bool = False
     bias_update_rate: float = 0.0
     # run
     device: str = "auto"
@@ -208,7 +215,8 @@ class TrainConfig:
                   z_loss_coef=self.z_loss_coef, router_order=self.router_order, renormalize=self.renormalize,
                   routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group, topk_group=self.topk_group,
                   backend=self.backend, shared_intermediate_size=self.shared_expert_size,
-                  shared_expert_gate=self.shared_expert_gate)
+                  shared_expert_gate=self.shared_expert_gate, activation=self.activation,
+                  router_bias=self.router_bias, bias=self.expert_bias)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON- and checkpoint-friendly)."""

@@ -108,8 +108,9 @@ class Optimizer:
     """AdamW over the model's parameters, with float32 master weights when they are not float32.
 
     Weight decay applies to the matrices (attention weights, router W_r (E, d), W1 (E, 2n, d),
-    W2 (E, d, n)), not to norms or the byte embedding. With bfloat16 parameters, gradients are copied
-    into float32 masters, AdamW updates the masters and the parameters get the rounded result.
+    W2 (E, d, n)), not to norms, biases (the router's (E,), the experts' b1 (E, 2n) and b2 (E, d)) or the byte
+    embedding. With bfloat16 parameters, gradients are copied into float32 masters, AdamW updates the masters and
+    the parameters get the rounded result.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
@@ -120,7 +121,7 @@ class Optimizer:
         mixed = any(p.dtype != torch.float32 for p in self.params)
         self.masters = [p.detach().float().clone() for p in self.params] if mixed else None
         owners = self.masters if mixed else self.params
-        decayed = [p.dim() >= 2 and not name.startswith("embed") for name, p in named]
+        decayed = [p.dim() >= 2 and not name.startswith("embed") and not name.endswith("bias") for name, p in named]
         decay = [q for q, dec in zip(owners, decayed) if dec]
         keep = [q for q, dec in zip(owners, decayed) if not dec]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": keep, "weight_decay": 0.0}]

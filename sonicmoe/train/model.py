@@ -29,6 +29,9 @@ class ModelConfig:
         routed_scaling_factor, n_group, topk_group: passed to :class:`sonicmoe.MoE`.
         shared_expert_size, shared_expert_gate: the MoE layers' ``shared_intermediate_size`` (0: none) and
             ``shared_expert_gate``.
+        activation: the experts' gated activation, ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss's clamped SwiGLU).
+        router_bias: the router ``gate`` (nn.Linear d -> E) has a bias (gpt-oss).
+        expert_bias: the MoE layers' ``bias``: expert biases b1 (E, 2n) and b2 (E, d) (gpt-oss).
     """
 
     vocab_size: int = 256
@@ -51,6 +54,9 @@ class ModelConfig:
     topk_group: int = 1
     shared_expert_size: int = 0
     shared_expert_gate: bool = False
+    activation: str = "swiglu"
+    router_bias: bool = False
+    expert_bias: bool = False
 
 
 def rotary_tables(seq_len: int, head_dim: int, device: torch.device,
@@ -100,7 +106,8 @@ class Block(nn.Module):
                        z_loss_coef=cfg.z_loss_coef, router_order=cfg.router_order, renormalize=cfg.renormalize,
                        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
                        topk_group=cfg.topk_group, shared_intermediate_size=cfg.shared_expert_size,
-                       shared_expert_gate=cfg.shared_expert_gate, return_router_info=True)
+                       shared_expert_gate=cfg.shared_expert_gate, activation=cfg.activation,
+                       router_bias=cfg.router_bias, bias=cfg.expert_bias, return_router_info=True)
         # the MoE layer's aux_loss + z_loss and expert_counts (E,) of the last forward, as the layer returned them
         self.router_losses: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
@@ -134,7 +141,8 @@ class MoETransformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, 0.02) embeddings and attention weights; residual-branch outputs (attention ``proj``, the experts'
-        W2 and the shared expert's) scaled by 1/sqrt(2·layers); the MoE layers otherwise keep their own init."""
+        W2 (and b2 with ``expert_bias``) and the shared expert's) scaled by 1/sqrt(2·layers); the MoE layers otherwise
+        keep their own init (the router bias and b1 too: nn.Linear's)."""
         residual_scale = 1.0 / math.sqrt(2 * self.cfg.layers)
         nn.init.normal_(self.embed.weight, std=0.02)
         for blk in self.blocks:
@@ -144,7 +152,9 @@ class MoETransformer(nn.Module):
                 if ex is not None:
                     ex.reset_parameters()
                     with torch.no_grad():
-                        ex.down_proj.mul_(residual_scale)
+                        for w in (ex.down_proj, ex.down_proj_bias):
+                            if w is not None:
+                                w.mul_(residual_scale)
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layer of each block, in order."""
