@@ -48,7 +48,7 @@ _SHARED_GATE = "shared_expert_gate.weight"
 # map whose K largest logits are softmaxed, its experts have biases and the clamped SwiGLU; gpt-oss's stacked weights
 # interleave gate and up, so this layout loads them without reordering rows
 GPT_OSS_OPTIONS = {"router_order": "topk_then_softmax", "router_bias": True, "bias": True,
-                   "activation": "clamped_swiglu", "gate_up_layout": "interleaved"}
+                   "activation": "clamped_swiglu", "gate_up_layout": "interleaved", "routed_scaling_factor": 1.0}
 
 
 def _style(state_dict: Mapping[str, torch.Tensor], prefix: str, style: str) -> str:

@@ -60,7 +60,8 @@ class MoEConfig:
             silu(gate) · up. ``"clamped_swiglu"`` (gpt-oss): g = min(gate, 7), u = clamp(up, -7, 7),
             A = (u + 1) · g · sigmoid(1.702 g); the clamps pass no gradient where they bind (as torch.clamp's, which
             passes it at the bounds themselves). The shared expert, if any, uses the same activation.
-        router_bias: the router's linear map has a bias, ``gate.bias`` (E,): logits = x W_rᵀ + b_r (gpt-oss).
+        router_bias: the router's linear map has a bias, ``gate.bias`` (E,), zeros at first: logits = x W_rᵀ + b_r
+            (gpt-oss).
         bias: expert biases b1 (E, 2n) and b2 (E, d).
         aux_loss_coef: weight of the Switch load-balancing loss E·Σ_e f_e·P_e (SPEC §2).
         z_loss_coef: weight of the router z-loss mean_t (logsumexp_e logits)^2.

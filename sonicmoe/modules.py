@@ -133,6 +133,8 @@ class MoE(nn.Module):
         super().__init__()
         self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, activation=activation, **options)
         self.gate = nn.Linear(hidden_size, num_experts, bias=self.config.router_bias, device=device, dtype=dtype)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)  # no expert preferred at first (gpt-oss's initialisation)
         self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
         n_s = self.config.shared_intermediate_size

@@ -2,7 +2,7 @@
 
 SPEC §2: h = W1[e] x_t (+ b1[e]); a = silu(gate(h)) * up(h); y = W2[e] a (+ b2[e]);
 O_t = Σ_k S_{t,k} y_{t,e_k}. With ``activation="clamped_swiglu"`` (gpt-oss) a = (clamp(up, -7, 7) + 1) ·
-g · sigmoid(1.702 g), g = min(gate, 7) (:func:`glu_ref`).
+g · sigmoid(1.702 g), g = min(gate, 7) (:func:`swiglu_ref`).
 """
 
 from __future__ import annotations

@@ -183,6 +183,24 @@ def test_experts_with_no_rows_and_padding_pairs(device):
         assert not out[[0, 4, 6, 7]].any()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_nan_token_stays_nan(backend, device):
+    """A NaN in one token's x reaches that token's output only, NaN (the clamps keep NaN, as torch.clamp does: the
+    GPU's default min/max would return the bound and give a finite output there); the other tokens match the
+    reference."""
+    p = _problem(device, True, seed=16, t=12, e=3)
+    x = p["x"].clone()
+    x[3, 5] = float("nan")
+    routing = _routing(p, 2, device, empty_expert=False)
+    s = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(17)).to(device)
+    out = sonicmoe.experts(x, p["w1"], p["w2"], routing, s, p["b1"], p["b2"], backend=backend,
+                           activation="clamped_swiglu")
+    assert torch.isnan(out[3]).all()
+    keep = [i for i in range(12) if i != 3]
+    ref = experts_ref(p["x"], p["w1"], p["w2"], routing, s, p["b1"], p["b2"], activation="clamped_swiglu")
+    assert rel_err(out[keep], ref[keep]) < 1e-5
+
+
 def test_layer_matches_reference_and_backends_agree(device):
     """MoE(activation="clamped_swiglu") with expert biases and the interleaved layout (gpt-oss's), both backends,
     against moe_ref; the option is kept in the config and the repr."""

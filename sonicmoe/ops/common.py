@@ -784,10 +784,18 @@ def gated_act(g, u, ACT: tl.constexpr):
     if ACT == 0:
         a = g * sigmoid(g) * u
     else:
-        gc = tl.minimum(g, 7.0)
-        uc = tl.minimum(tl.maximum(u, -7.0), 7.0)
+        gc, uc = _clamped(g, u)
         a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))
     return a
+
+
+@triton.jit
+def _clamped(g, u):
+    """(min(g, 7), clamp(u, −7, 7)) with NaN kept NaN (torch.clamp's; the default min/max would turn it into a bound,
+    and a NaN token would then give a finite output)."""
+    nan: tl.constexpr = tl.PropagateNan.ALL
+    return (tl.minimum(g, 7.0, propagate_nan=nan),
+            tl.minimum(tl.maximum(u, -7.0, propagate_nan=nan), 7.0, propagate_nan=nan))
 
 
 @triton.jit
@@ -803,8 +811,7 @@ def gated_act_bwd(g, u, da, ACT: tl.constexpr):
         d_gate = da * u * (sig + silu * (1.0 - sig))
         d_up = da * silu
     else:
-        gc = tl.minimum(g, 7.0)
-        uc = tl.minimum(tl.maximum(u, -7.0), 7.0)
+        gc, uc = _clamped(g, u)
         sig = sigmoid(1.702 * gc)
         glu = gc * sig
         a = (uc + 1.0) * glu

@@ -2,7 +2,7 @@
 
 For the rows r of expert e (token t = token(r), score s = S_r):
     dA′[r] = dO_t W2[e]                              (varlen-M grouped GEMM, dO rows gathered in the load)
-    A[r]   = silu(gate(H[r])) · up(H[r])           (recomputed from H in registers)
+    A[r]   = silu(gate(H[r])) · up(H[r])           (recomputed from H in registers; or gpt-oss's clamped form)
     dS_r   = ⟨dA′[r], A[r]⟩                         (= ⟨dO_t, Y[r]⟩ without Y; plus ⟨dO_t, b2[e]⟩ outside)
     dA     = s · dA′;  dgate = dA · up · silu′(gate);  dup = dA · silu(gate)
     A′[r]  = s · A[r]                               (the operand of dW2)

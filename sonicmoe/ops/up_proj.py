@@ -1,7 +1,8 @@
 """Up-projection: gather-fused varlen-M grouped GEMM with a SwiGLU epilogue (SPEC §3, kernel 1).
 
 For each row r of expert e (rows sorted by expert): H[r] = W1[e] x_{token(r)} (+ b1[e]) and
-A[r] = silu(gate(H[r])) * up(H[r]). The rows of X are gathered by index inside the operand load;
+A[r] = silu(gate(H[r])) * up(H[r]) (``activation="clamped_swiglu"``: gpt-oss's clamped form,
+:func:`~sonicmoe.ops.common.gated_act`). The rows of X are gathered by index inside the operand load;
 no gathered copy of X exists. Each program computes a (BLOCK_M, BLOCK_N) tile of A from the matching gate
 and up channels (two accumulators, or one split in two under ``GU_FUSED``), so the SwiGLU runs in registers.
 
