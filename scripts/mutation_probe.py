@@ -99,8 +99,8 @@ MUTANTS: list[Mutant] = [
        "        y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)"
        "[:, None]", KT, "-k", "gather_sum"),
     # --- dH ---
-    _m("dh_dgate_uses_g", DH, "(da * u * (sig + silu * (1.0 - sig)))", "(da * u * (sig + g * (1.0 - sig)))", KT,
-       "-k", "test_dh_kernel"),
+    _m("dh_dgate_uses_g", CM, "d_gate = da * u * (sig + silu * (1.0 - sig))",
+       "d_gate = da * u * (sig + g * (1.0 - sig))", KT, "-k", "test_dh_kernel"),
     _m("dh_aprime_unscaled", DH, "(a * s).to(ap_ptr.dtype.element_ty)", "a.to(ap_ptr.dtype.element_ty)", KT, "-k",
        "test_dh_kernel"),
     _m("dh_ds_from_da", DH, "part = _sum16(tl.reshape(acc * a,", "part = _sum16(tl.reshape(acc * a * s,", KT, "-k",
@@ -343,7 +343,7 @@ MUTANTS: list[Mutant] = [
        "acc_u += tl.load(b_base + u_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]",
        "acc_u += 0.0", KT, "-k", "test_up_proj"),
     _m("up_swiglu_from_unrounded_h", UP,
-       "    g = hg.to(tl.float32)\n", "    g = acc_g\n", KT, "-k", "test_up_proj or test_tma_weight"),
+       "    a = gated_act(hg.to(tl.float32),", "    a = gated_act(acc_g,", KT, "-k", "test_up_proj or test_tma_weight"),
     _m("up_rows_mask_off_by_one", UP,
        "    mask_m = rows < row_end\n", "    mask_m = rows <= row_end\n", KT, "-k", "test_up_proj"),
     _m("up_interleaved_halves_swapped", UP,
@@ -417,6 +417,27 @@ MUTANTS: list[Mutant] = [
     _m("experts_ref_no_pairs_detached", "sonicmoe/reference.py",
        "if hi == lo and (computed or e < routing.num_experts - 1):", "if hi == lo:",
        "tests/test_reference.py", "-k", "without_pairs"),
+    # session 84: gpt-oss's clamped SwiGLU and router bias
+    _m("act_fwd_alpha", CM, "        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))",
+       "        a = (uc + 1.0) * (gc * sigmoid(1.7 * gc))", "tests/test_activation.py", "-k", "kernels_match"),
+    _m("act_fwd_no_shift", CM, "        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))",
+       "        a = uc * (gc * sigmoid(1.702 * gc))", "tests/test_activation.py", "-k", "kernels_match"),
+    _m("act_bwd_gate_bound_exclusive", CM, "d_gate = tl.where(g <= 7.0,", "d_gate = tl.where(g < 7.0,",
+       "tests/test_activation.py", "-k", "clamp_bounds"),
+    _m("act_bwd_up_unmasked", CM, "d_up = tl.where((u >= -7.0) & (u <= 7.0), da * glu, 0.0)", "d_up = da * glu",
+       "tests/test_activation.py", "-k", "experts_match and triton"),
+    _m("act_bwd_gate_no_chain", CM, "da * (uc + 1.0) * (sig + 1.702 * glu * (1.0 - sig))",
+       "da * (uc + 1.0) * sig", "tests/test_activation.py", "-k", "experts_match and triton"),
+    _m("act_up_clamp_one_sided", CM,
+       "tl.minimum(tl.maximum(u, -7.0, propagate_nan=nan), 7.0, propagate_nan=nan))",
+       "tl.minimum(u, 7.0, propagate_nan=nan))", "tests/test_activation.py", "-k", "kernels_match"),
+    _m("act_dh_ignores_activation", DH, "    act = act_code(activation)\n    if pair_order",
+       "    act = 0\n    if pair_order", "tests/test_activation.py", "-k", "kernels_match"),
+    _m("router_bias_dropped", RTG, "            logits = logits + router_bias.to(logits.dtype)",
+       "            logits = logits + 0 * router_bias.to(logits.dtype)", "tests/test_gpt_oss.py"),
+    _m("gpt_oss_loader_concat_not_reordered", "sonicmoe/checkpoints.py",
+       "        w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)", "        w1 = w1",
+       "tests/test_gpt_oss.py", "-k", "concat"),
 ]
 
 
