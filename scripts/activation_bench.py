@@ -28,15 +28,27 @@ from sonicmoe.bench.problem import make_problem
 from sonicmoe.bench.shapes import parse_shape
 from sonicmoe.provenance import git_commit
 from sonicmoe.reference import split_gate_up
-from sonicmoe.testing import rel_err
 
 # the 7B shape and gpt-oss-120b's (../shared/configs.json "models")
 SHAPES = ("24576,1536,256,128,8", "32768,2880,2880,128,4")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
-def _check(p, activation: str, rows: int = 2048) -> dict[str, float]:
-    """Relative errors of O and the gradients on the first ``rows`` tokens against the float32 reference."""
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """:func:`sonicmoe.testing.rel_err` a slice of the leading dimension at a time (float64 copies of whole weight
+    gradients do not fit beside the problem at gpt-oss's shape)."""
+    num = den = 0.0
+    for a, b in zip(out.split(1), ref.split(1)):
+        a, b = a.double(), b.double()
+        num += float((a - b).square().sum())
+        den += float(b.square().sum())
+    return (num / max(den, 1e-60)) ** 0.5
+
+
+def _check(p, activation: str, rows: int = 1024) -> dict[str, float]:
+    """Relative errors of O and the gradients on the first ``rows`` tokens against the float32 reference, whose H is
+    rounded to the layer's dtype as the kernels store it (``experts_ref(h_dtype=)``: the clamped activation's gradient
+    jumps at the clamps' bounds)."""
     q = p.head(rows)
     leaves = [q.x, q.w1, q.w2, q.pair_scores]
     for t in leaves:
@@ -44,10 +56,12 @@ def _check(p, activation: str, rows: int = 2048) -> dict[str, float]:
     out = experts(q.x, q.w1, q.w2, q.routing, q.pair_scores, activation=activation, backend="triton")
     grads = torch.autograd.grad(out, leaves, q.dout)
     ref_leaves = [t.detach().float().requires_grad_(True) for t in leaves]
-    ref = experts_ref(*ref_leaves[:3], q.routing, ref_leaves[3], activation=activation)
+    ref = experts_ref(*ref_leaves[:3], q.routing, ref_leaves[3], activation=activation, h_dtype=q.dtype)
     ref_grads = torch.autograd.grad(ref, ref_leaves, q.dout.float())
-    errs = {"out": rel_err(out, ref)}
-    errs.update({f"d{name}": rel_err(g, r) for name, g, r in zip(("x", "w1", "w2", "s"), grads, ref_grads)})
+    errs = {"out": _rel_err(out, ref)}
+    errs.update({f"d{name}": _rel_err(g, r) for name, g, r in zip(("x", "w1", "w2", "s"), grads, ref_grads)})
+    if not all(v < 2e-2 for v in errs.values()):
+        raise SystemExit(f"{activation}: errors against the float32 reference too large: {errs}")
     return errs
 
 

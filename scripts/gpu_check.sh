@@ -485,9 +485,9 @@ for step in "$@"; do
       # gpt-oss's clamped SwiGLU and router bias (session 84): their GPU tests (bf16, the Triton kernels where SwiGLU
       # would take the Gluon ones), then scripts/activation_bench.py (ACT_SHAPES: T,d,n,E,K ...; default the 7B and
       # gpt-oss-120b shapes): fwd+bwd of each activation and the torch backend's, with a check against float32
-      timeout 200 python3 -m pytest -rA -p no:cacheprovider -m gpu tests/test_activation.py tests/test_gpt_oss.py \
+      timeout 280 python3 -m pytest -rA -p no:cacheprovider -m gpu tests/test_activation.py tests/test_gpt_oss.py \
         > "$OUT/gpu_tests_activation.log" 2>&1
-      timeout 330 python3 scripts/activation_bench.py ${ACT_SHAPES:+--shape $ACT_SHAPES} \
+      SONICMOE_AUTOTUNE=${ACT_AUTOTUNE:-0} timeout 250 python3 scripts/activation_bench.py ${ACT_SHAPES:+--shape $ACT_SHAPES} \
         --json "$OUT/activation_bench.json" > "$OUT/activation_bench.txt" 2>&1
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_activation.log")" "$(tail -1 "$OUT/gpu_tests_activation.log")"
                 "$(tail -3 "$OUT/activation_bench.txt")")

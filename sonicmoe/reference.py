@@ -61,6 +61,7 @@ def experts_ref(
     *,
     gate_up_layout: str = "concat",
     activation: str = "swiglu",
+    h_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Expert computation and weighted aggregation, a float32 loop over experts (SPEC §2).
 
@@ -72,6 +73,10 @@ def experts_ref(
         pair_scores: (R,) score S of each pair.
         b1, b2: optional biases (E, 2n) and (E, d).
         activation: ``"swiglu"`` or ``"clamped_swiglu"`` (:func:`swiglu_ref`).
+        h_dtype: None, or the dtype H (bias included) is rounded to before the activation, as the kernels store it
+            (bf16 layers); the rounding passes gradients straight through. The clamped activation's gradient jumps
+            at the clamps' bounds, so a bf16 layer's gradients match a reference that rounds H as it does, and differ
+            by about 1e-2 from one that does not (the elements whose rounding crosses a bound).
 
     Returns:
         O (T, d) float32 (float64 for float64 inputs). Differentiable with respect to every floating input.
@@ -100,6 +105,8 @@ def experts_ref(
         h = xf[tokens] @ w1f[e].t()
         if b1 is not None:
             h = h + b1[e].to(ct)
+        if h_dtype is not None:  # rounded as the kernels store H; the gradient passes straight through
+            h = h + (h.to(h_dtype).to(ct) - h).detach()
         y = swiglu_ref(h, gate_up_layout, activation) @ w2f[e].t()
         if b2 is not None:
             y = y + b2[e].to(ct)
