@@ -2,7 +2,8 @@
 
 :mod:`tests.test_fuzz` fuzzes the experts alone; this file draws a layer configuration — router order,
 renormalisation, routed scaling factor, expert groups, ``e_score_correction_bias``, gate/up layout, expert
-biases, routing (top-k or token rounding with each subroutine, M_tile and the static or exact pair count), a
+biases, the activation (SwiGLU, or gpt-oss's clamped one with inputs large enough for its clamps to bind), a router
+bias, routing (top-k or token rounding with each subroutine, M_tile and the static or exact pair count), a
 shared expert (none, or of a drawn width, with or without its sigmoid gate), the auxiliary and z-loss
 coefficients, training or eval mode, input lead dimensions — and compares the layer's output
 O, its losses, its expert counts and the gradients of x and every parameter of
@@ -83,6 +84,9 @@ class LayerCase:
     static: bool
     shared: int  # shared_intermediate_size n_s (0: none)
     shared_gate: bool
+    activation: str
+    router_bias: bool  # a nonzero gate.bias
+    x_scale: float  # x's spread (6 with the clamped activation: H beyond the clamps' bound of 7 often)
     aux: float
     z: float
     training: bool
@@ -104,6 +108,7 @@ class LayerCase:
             "bias": self.bias, "aux_loss_coef": self.aux, "z_loss_coef": self.z, "backend": "triton",
             "routing": self.routing, "rounding": self.rounding, "m_tile": self.m_tile, "static_pairs": self.static,
             "shared_intermediate_size": self.shared, "shared_expert_gate": self.shared_gate,
+            "activation": self.activation, "router_bias": self.router_bias,
         }
 
 
@@ -123,13 +128,15 @@ def layer_cases(draw, t_max=24, dims=(8, 16, 24), e_max=8):
     t = draw(st.integers(1, t_max))
     lead = (t,) if t % 2 or not draw(st.booleans()) else (2, t // 2)
     shared = draw(st.sampled_from((0, *dims)))
+    activation = draw(st.sampled_from(("swiglu", "clamped_swiglu")))
     return LayerCase(
         lead=lead, d=draw(st.sampled_from(dims)), n=draw(st.sampled_from(dims)), e=e, k=k, order=order,
         renormalize=draw(st.booleans()), scale=draw(st.sampled_from((1.0, 2.5))), groups=groups,
         expert_bias=order == "sigmoid_then_topk" and draw(st.booleans()),
         layout=draw(st.sampled_from(("concat", "interleaved"))), bias=draw(st.booleans()), routing=routing,
         rounding=draw(st.sampled_from(SUBROUTINES)), m_tile=draw(st.integers(1, 6)), static=draw(st.booleans()),
-        shared=shared, shared_gate=bool(shared) and draw(st.booleans()),
+        shared=shared, shared_gate=bool(shared) and draw(st.booleans()), activation=activation,
+        router_bias=draw(st.booleans()), x_scale=6.0 if activation == "clamped_swiglu" and draw(st.booleans()) else 1.0,
         aux=draw(st.sampled_from((0.0, 0.01, 0.3))), z=draw(st.sampled_from((0.0, 1e-3, 0.1))),
         training=draw(st.booleans()), kernels=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
     )
@@ -141,6 +148,9 @@ def build(c: LayerCase, device) -> MoE:
     if c.expert_bias:
         g = torch.Generator().manual_seed(c.seed + 1)
         m.e_score_correction_bias.copy_(torch.randn(c.e, generator=g).to(device) * 0.3)
+    if c.router_bias:  # (zeros at first)
+        with torch.no_grad():
+            m.gate.bias.copy_(torch.randn(c.e, generator=torch.Generator().manual_seed(c.seed + 5)).to(device))
     return m
 
 
@@ -150,7 +160,7 @@ def oracle(c: LayerCase, m: MoE, x: torch.Tensor):
     x2 = x.reshape(t, c.d)
     router = router_topk(x2, m.gate.weight, c.k, router_order=c.order, renormalize=c.renormalize,
                          expert_bias=m.e_score_correction_bias, n_group=c.groups[0], topk_group=c.groups[1],
-                         use_kernel=False)
+                         use_kernel=False, router_bias=m.gate.bias)
     if c.routing == "token_rounding" and c.training:
         torch.manual_seed(c.seed + 2)  # the layer's forward draws "stochastic"'s uniforms after the same seed
         tr = token_rounding_ref(router, m_tile=c.m_tile, subroutine=c.rounding, router_order=c.order,
@@ -161,10 +171,10 @@ def oracle(c: LayerCase, m: MoE, x: torch.Tensor):
         pair_expert, scores = router.topk_ids.reshape(-1), router.topk_scores.reshape(-1)
     routing = routing_from_pairs(pair_token, pair_expert, t, c.e, token_major=True)
     out = sonicmoe.experts_ref(x2, ex.gate_up_proj, ex.down_proj, routing, scores * c.scale, ex.gate_up_proj_bias,
-                               ex.down_proj_bias, gate_up_layout=c.layout)
-    if c.shared:  # every token through the shared SwiGLU MLP, times sigmoid(x · w_g) with the gate
+                               ex.down_proj_bias, gate_up_layout=c.layout, activation=c.activation)
+    if c.shared:  # every token through the shared MLP (the layer's activation), times sigmoid(x · w_g) with the gate
         h = x2 @ m.shared_experts.gate_up_proj[0].T
-        y = swiglu_ref(h, c.layout) @ m.shared_experts.down_proj[0].T
+        y = swiglu_ref(h, c.layout, c.activation) @ m.shared_experts.down_proj[0].T
         out = out + (y * torch.sigmoid(x2 @ m.shared_expert_gate.weight.T) if c.shared_gate else y)
     counts = torch.bincount(pair_expert.long(), minlength=c.e)
     f = counts.double() / max(int(counts.sum()), 1)  # fraction of routed pairs per expert (not differentiated)
@@ -195,7 +205,7 @@ def test_layer_fuzz_triton_vs_references(c, device):
     1e-2·‖x‖·‖dO‖). Token rounding in training: every count a multiple of
     M_tile or the capped T."""
     m = build(c, device)
-    x = torch.randn(*c.lead, c.d, generator=torch.Generator().manual_seed(c.seed + 3)).to(device)
+    x = c.x_scale * torch.randn(*c.lead, c.d, generator=torch.Generator().manual_seed(c.seed + 3)).to(device)
     dout = torch.randn(*c.lead, c.d, generator=torch.Generator().manual_seed(c.seed + 4)).to(device)
     params = [x.requires_grad_(True)] + list(m.parameters())
     names = ["x"] + [name for name, _ in m.named_parameters()]
