@@ -34,6 +34,7 @@ a router bias, expert biases, the clamped SwiGLU.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 
 import torch
@@ -47,8 +48,10 @@ _SHARED_GATE = "shared_expert_gate.weight"
 # MoE options that make the layer compute gpt-oss's MLP block (transformers' GptOssMLP): its router is a biased linear
 # map whose K largest logits are softmaxed, its experts have biases and the clamped SwiGLU; gpt-oss's stacked weights
 # interleave gate and up, so this layout loads them without reordering rows
-GPT_OSS_OPTIONS = {"router_order": "topk_then_softmax", "router_bias": True, "bias": True,
-                   "activation": "clamped_swiglu", "gate_up_layout": "interleaved", "routed_scaling_factor": 1.0}
+# (read-only: the loaders check layers against it)
+GPT_OSS_OPTIONS = types.MappingProxyType({
+    "router_order": "topk_then_softmax", "router_bias": True, "bias": True, "activation": "clamped_swiglu",
+    "gate_up_layout": "interleaved", "routed_scaling_factor": 1.0})
 
 
 def _style(state_dict: Mapping[str, torch.Tensor], prefix: str, style: str) -> str:
@@ -283,7 +286,8 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
     E = ``num_local_experts`` and K = ``num_experts_per_tok`` of the model's config. W1[e] = ``gate_up_proj[e]``ᵀ
     (2n, d), W2[e] = ``down_proj[e]``ᵀ (d, n). Weights stored as MXFP4 blocks (the released checkpoints' expert
     weights, ``*_blocks`` and ``*_scales``) must be dequantised first (transformers does so when it loads the model
-    with ``Mxfp4Config(dequantize=True)``): this reads floating-point tensors only.
+    with ``Mxfp4Config(dequantize=True)``): this reads floating-point tensors only. Shapes cannot tell a ``down_proj``
+    stored the other way round when n = d (gpt-oss-120b: 2880 both): it must be gpt-oss's (E, n, d).
 
     Args:
         layer: a :class:`~sonicmoe.MoE` with all E experts.
@@ -294,8 +298,10 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
     modified.
 
     Raises:
-        KeyError: a tensor of the block is missing (the message names it and its shape).
-        ValueError: a tensor of the wrong shape; a layer whose options differ from :data:`GPT_OSS_OPTIONS`, or with a
+        KeyError: a tensor of the block is missing (the message names it and its shape; or says that ``prefix`` lacks
+            its final dot).
+        ValueError: a tensor of the wrong shape, not floating-point or without data (meta); MXFP4 blocks
+            (``*_blocks``) instead of weights; a layer whose options differ from :data:`GPT_OSS_OPTIONS`, or with a
             shared expert.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
     """
@@ -304,12 +310,27 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
     c, ex = layer.config, layer.experts
     e, d, n = c.num_experts, c.hidden_size, c.intermediate_size
     p = f"{prefix}experts."
-    router = _take(state_dict, f"{prefix}router.weight", (e, d))
-    router_bias = _take(state_dict, f"{prefix}router.bias", (e,))
-    w1 = _take(state_dict, f"{p}gate_up_proj", (e, d, 2 * n)).transpose(1, 2)  # (E, 2n, d), rows interleaved
-    b1 = _take(state_dict, f"{p}gate_up_proj_bias", (e, 2 * n))
-    w2 = _take(state_dict, f"{p}down_proj", (e, n, d)).transpose(1, 2)
-    b2 = _take(state_dict, f"{p}down_proj_bias", (e, d))
+    if f"{prefix}router.weight" not in state_dict:
+        if prefix and not prefix.endswith(".") and f"{prefix}.router.weight" in state_dict:
+            raise KeyError(f"missing {prefix}router.weight: the prefix ends with the dot, prefix={prefix + '.'!r}")
+    if f"{p}gate_up_proj_blocks" in state_dict:
+        raise ValueError(f"{p}gate_up_proj_blocks: the experts are MXFP4-quantised; dequantise them first (e.g. load "
+                         "the model with transformers' Mxfp4Config(dequantize=True) and take its state_dict)")
+
+    def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The checked tensor, already in the layer's dtype and on its device: every failure (a meta tensor, an
+        integer one) happens before the first copy."""
+        v = _take(state_dict, key, shape)
+        if not v.dtype.is_floating_point or v.device.type == "meta":
+            raise ValueError(f"{key!r} must be a floating-point tensor with data, got {v.dtype} on {v.device}")
+        return v.to(device=ex.gate_up_proj.device, dtype=ex.gate_up_proj.dtype)
+
+    router = take(f"{prefix}router.weight", (e, d))
+    router_bias = take(f"{prefix}router.bias", (e,))
+    w1 = take(f"{p}gate_up_proj", (e, d, 2 * n)).transpose(1, 2)  # (E, 2n, d), rows interleaved
+    b1 = take(f"{p}gate_up_proj_bias", (e, 2 * n))
+    w2 = take(f"{p}down_proj", (e, n, d)).transpose(1, 2)
+    b2 = take(f"{p}down_proj_bias", (e, d))
     if c.gate_up_layout == "concat":  # interleaved rows [g0, u0, g1, u1, ...] -> [g0, g1, ...; u0, u1, ...]
         w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
         b1 = torch.cat([b1[:, 0::2], b1[:, 1::2]], dim=1)

@@ -135,6 +135,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=self.config.router_bias, device=device, dtype=dtype)
         if self.gate.bias is not None:
             nn.init.zeros_(self.gate.bias)  # no expert preferred at first (gpt-oss's initialisation)
+            # (reset_parameters below repeats this init for a layer built on the meta device, after .to_empty)
         self.experts = Experts(self._num_local_experts(), hidden_size, intermediate_size, self.config.bias,
                                device=device, dtype=dtype)
         n_s = self.config.shared_intermediate_size
@@ -152,6 +153,30 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The initialisation of ``__init__`` again, e.g. after building on ``device="meta"`` and ``.to_empty()``:
+        the router weight as nn.Linear's, the router bias (``router_bias=True``) and DeepSeek-V3's selection bias
+        ``e_score_correction_bias`` zero, the experts' and the shared expert's weights and biases as
+        :meth:`Experts.reset_parameters`, the shared expert's gate as nn.Linear's."""
+        self.gate.reset_parameters()
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+        for module in (self.experts, self.shared_experts, self.shared_expert_gate):
+            if module is not None:
+                module.reset_parameters()
+
+    def __getstate__(self) -> dict:
+        """For copy.deepcopy and pickling: the last forward's ``aux_loss``, ``z_loss`` and ``expert_counts`` are left
+        out (None in the copy); a loss computed in training mode is a non-leaf tensor of that forward's graph, which
+        deepcopy refuses."""
+        state = self.__dict__.copy()
+        for name in ("aux_loss", "z_loss", "expert_counts"):
+            state[name] = None
+        return state
 
     def _apply(self, fn, recurse=True):
         # the selection bias stays float32 under .to(dtype), .half(), ...: DeepSeek-V3's steps of 1e-3 vanish in bf16.

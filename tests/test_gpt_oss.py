@@ -4,6 +4,9 @@ over the K largest logits, interleaved gate/up columns, clamped SwiGLU with (up 
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -175,3 +178,46 @@ def test_hf_loader_reads_and_writes_the_router_bias():
         load_hf_experts(MoE(D, N, E, K), sd, "mlp.")
     with pytest.raises(KeyError, match="mlp.gate.bias"):
         load_hf_experts(dst, {k: v for k, v in sd.items() if k != "mlp.gate.bias"}, "mlp.")
+
+
+def test_loader_is_all_or_nothing_and_explains_itself():
+    """A tensor without data (meta) or not floating-point fails before anything is copied; MXFP4 blocks and a prefix
+    without its final dot get messages that say what to do; GPT_OSS_OPTIONS cannot be changed by accident."""
+    sd = _gpt_oss_block(seed=6)
+    layer = _layer("concat")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    p = "model.layers.0.mlp."
+    for key, bad in ((f"{p}experts.down_proj_bias", sd[f"{p}experts.down_proj_bias"].to("meta")),
+                     (f"{p}experts.down_proj_bias", sd[f"{p}experts.down_proj_bias"].long())):
+        with pytest.raises(ValueError, match="floating-point tensor with data"):
+            load_gpt_oss_experts(layer, {**sd, key: bad}, p)
+        for name, v in layer.state_dict().items():
+            assert torch.equal(v, before[name]), name
+    blocks = {k: v for k, v in sd.items() if not k.endswith("experts.gate_up_proj")}
+    blocks[f"{p}experts.gate_up_proj_blocks"] = torch.zeros(E, 2 * N, 90, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="dequantise"):
+        load_gpt_oss_experts(layer, blocks, p)
+    with pytest.raises(KeyError, match="ends with the dot"):
+        load_gpt_oss_experts(layer, sd, p[:-1])
+    with pytest.raises(TypeError):
+        GPT_OSS_OPTIONS["activation"] = "swiglu"
+    load_gpt_oss_experts(layer, {k: v.double() for k, v in sd.items()}, p)  # cast to the layer's dtype
+    assert layer.experts.gate_up_proj.dtype == torch.float32
+
+
+def test_copy_pickle_and_reset_after_a_training_forward():
+    """deepcopy and pickle work after a training-mode forward (whose aux_loss holds a graph); reset_parameters
+    re-initialises a layer built on the meta device, the router bias to zero."""
+    layer = MoE(D, N, E, K, **GPT_OSS_OPTIONS)
+    layer(torch.randn(5, D)).sum()
+    assert layer.aux_loss.grad_fn is not None
+    twin = copy.deepcopy(layer)
+    assert twin.aux_loss is None and layer.aux_loss is not None
+    assert torch.equal(twin(torch.ones(2, D)), layer(torch.ones(2, D)))
+    assert isinstance(pickle.loads(pickle.dumps(layer)), MoE)
+    meta = MoE(D, N, E, K, device="meta", **GPT_OSS_OPTIONS).to_empty(device="cpu")
+    with torch.no_grad():
+        meta.gate.bias.fill_(5.0)
+    meta.reset_parameters()
+    assert not meta.gate.bias.any() and meta.gate.weight.abs().max() <= D ** -0.5
+    assert meta.experts.gate_up_proj.abs().max() <= D ** -0.5 and meta.experts.gate_up_proj.std() > 0

@@ -142,7 +142,7 @@ class MoETransformer(nn.Module):
     def reset_parameters(self) -> None:
         """N(0, 0.02) embeddings and attention weights; residual-branch outputs (attention ``proj``, the experts'
         W2 (and b2 with ``expert_bias``) and the shared expert's) scaled by 1/sqrt(2·layers); the MoE layers otherwise
-        keep their own init (the router bias and b1 too: nn.Linear's)."""
+        keep their own init (the router bias zero, b1 as :meth:`sonicmoe.modules.Experts.reset_parameters`)."""
         residual_scale = 1.0 / math.sqrt(2 * self.cfg.layers)
         nn.init.normal_(self.embed.weight, std=0.02)
         for blk in self.blocks:
