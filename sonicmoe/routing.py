@@ -531,17 +531,22 @@ def check_top_k(top_k, num_experts: int) -> None:
         raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
 
 
+def _check_per_expert(name: str, v, num_experts: int, device, where: str) -> None:
+    """TypeError/ValueError naming ``name`` unless ``v`` is an (E,) floating tensor on ``device`` (``where`` names what
+    it must share a device with)."""
+    if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor of shape (E={num_experts},), got "
+                        f"{getattr(v, 'dtype', type(v).__name__)}")
+    if tuple(v.shape) != (num_experts,):
+        raise ValueError(f"{name} must have shape (E={num_experts},), got {tuple(v.shape)}")
+    if v.device != device:
+        raise ValueError(f"{name} is on {v.device} but {where} on {device}")
+
+
 def check_router_bias(router_bias, num_experts: int, device) -> None:
     """TypeError/ValueError naming ``router_bias`` unless it is None or an (E,) floating tensor on ``device``."""
-    if router_bias is None:
-        return
-    if not isinstance(router_bias, torch.Tensor) or not router_bias.dtype.is_floating_point:
-        raise TypeError(f"router_bias must be a floating-point tensor of shape (E={num_experts},), got "
-                        f"{getattr(router_bias, 'dtype', type(router_bias).__name__)}")
-    if tuple(router_bias.shape) != (num_experts,):
-        raise ValueError(f"router_bias must have shape (E={num_experts},), got {tuple(router_bias.shape)}")
-    if router_bias.device != device:
-        raise ValueError(f"router_bias is on {router_bias.device} but x is on {device}")
+    if router_bias is not None:
+        _check_per_expert("router_bias", router_bias, num_experts, device, "x is")
 
 
 def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) -> None:
@@ -552,13 +557,7 @@ def check_expert_bias(expert_bias, num_experts: int, router_order: str, device) 
     if router_order != "sigmoid_then_topk":
         raise ValueError(f"expert_bias steers the choice of router_order='sigmoid_then_topk' only; got it with "
                          f"router_order={router_order!r}")
-    if not isinstance(expert_bias, torch.Tensor) or not expert_bias.dtype.is_floating_point:
-        raise TypeError(f"expert_bias must be a floating-point tensor of shape (E={num_experts},), got "
-                        f"{getattr(expert_bias, 'dtype', type(expert_bias).__name__)}")
-    if tuple(expert_bias.shape) != (num_experts,):
-        raise ValueError(f"expert_bias must have shape (E={num_experts},), got {tuple(expert_bias.shape)}")
-    if expert_bias.device != device:
-        raise ValueError(f"expert_bias is on {expert_bias.device} but the logits are on {device}")
+    _check_per_expert("expert_bias", expert_bias, num_experts, device, "the logits are")
 
 
 def sigmoid_topk(probs: torch.Tensor, top_k: int, renormalize: bool, expert_bias: torch.Tensor | None,
