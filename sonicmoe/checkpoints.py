@@ -310,9 +310,8 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
     c, ex = layer.config, layer.experts
     e, d, n = c.num_experts, c.hidden_size, c.intermediate_size
     p = f"{prefix}experts."
-    if f"{prefix}router.weight" not in state_dict:
-        if prefix and not prefix.endswith(".") and f"{prefix}.router.weight" in state_dict:
-            raise KeyError(f"missing {prefix}router.weight: the prefix ends with the dot, prefix={prefix + '.'!r}")
+    if f"{prefix}router.weight" not in state_dict and f"{prefix}.router.weight" in state_dict:
+        raise KeyError(f"missing {prefix}router.weight: the prefix ends with the dot, prefix={prefix + '.'!r}")
     if f"{p}gate_up_proj_blocks" in state_dict:
         raise ValueError(f"{p}gate_up_proj_blocks: the experts are MXFP4-quantised; dequantise them first (e.g. load "
                          "the model with transformers' Mxfp4Config(dequantize=True) and take its state_dict)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ACTIVATIONS, CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
+from .config import CLAMPED_SWIGLU_ALPHA, CLAMPED_SWIGLU_LIMIT
 from .functional import check_activation, check_expert_inputs, check_router_weight, require_routing_and_scores
 from .routing import RouterOutput, Routing, router_topk, routing_from_topk, scaled_scores
 
@@ -40,14 +40,13 @@ def swiglu_ref(h: torch.Tensor, gate_up_layout: str = "concat", activation: str 
     Raises:
         ValueError: an unknown ``gate_up_layout`` or ``activation``.
     """
+    check_activation(activation)
     g, u = split_gate_up(h, gate_up_layout)
     if activation == "swiglu":
         return F.silu(g) * u
-    if activation == "clamped_swiglu":
-        g = g.clamp(max=CLAMPED_SWIGLU_LIMIT)
-        u = u.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT)
-        return (u + 1) * (g * torch.sigmoid(CLAMPED_SWIGLU_ALPHA * g))
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    g = g.clamp(max=CLAMPED_SWIGLU_LIMIT)
+    u = u.clamp(-CLAMPED_SWIGLU_LIMIT, CLAMPED_SWIGLU_LIMIT)
+    return (u + 1) * (g * torch.sigmoid(CLAMPED_SWIGLU_ALPHA * g))
 
 
 def experts_ref(

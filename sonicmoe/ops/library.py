@@ -42,7 +42,8 @@ from torch import Tensor
 
 from .._autocast import no_autocast
 from .._device import on_device
-from ..config import ACTIVATIONS, GATE_UP_LAYOUTS
+from ..config import GATE_UP_LAYOUTS
+from ..functional import check_activation
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
 from .aggregation import gather_sum, reserve_config
@@ -91,11 +92,6 @@ def _routing(num_tokens: int, num_experts: int, **arrays: Tensor | None) -> Rout
 def _check_layout(gate_up_layout: str) -> None:
     if gate_up_layout not in GATE_UP_LAYOUTS:
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
-
-
-def _check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def _no_rows(x: Tensor, row_token: Tensor) -> bool:
@@ -209,7 +205,7 @@ def experts_fwd_impl(
     O (T, d) and H (R, 2n) — or (0, 2n) without ``save_h`` — on the Triton kernels (SPEC §3). ``tile_rows``:
     the routing's :attr:`~sonicmoe.routing.Routing.tile_rows` hint (a kernel choice; the same results)."""
     _check_layout(gate_up_layout)
-    _check_activation(activation)
+    check_activation(activation)
     routing = _routing(x.shape[0], w1.shape[0], expert_offsets=expert_offsets, row_token=row_token,
                        row_pair=row_pair, pair_row=pair_row, token_offsets=token_offsets,
                        token_rows=token_rows, slot_pair=slot_pair)
@@ -268,7 +264,7 @@ def experts_bwd_impl(
     ``needs`` = six bools in that order; an unneeded output is an empty (0,) tensor.
     """
     _check_layout(gate_up_layout)
-    _check_activation(activation)
+    check_activation(activation)
     need_x, need_w1, need_w2, need_b1, need_b2, need_s = needs
     need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
     if _no_rows(x, row_token):  # zeros of exactly the fake's shapes, strides and dtypes (compiled graphs check them)
