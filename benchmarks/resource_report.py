@@ -10,7 +10,7 @@ zero, or whose shared memory passes the limit, will be slow or fail on the GPU: 
 sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
 of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``long_down``, ``long_dxt``,
 ``dh_ws``, ``dw1_ws``, ``dw2_ws``, and ``dw1_ws_load``, ``dw2_ws_load``: the weight gradients in load order with the
-serpentine schedule) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
+serpentine schedule; ``up_ws_clamped``, ``dh_ws_clamped``: gpt-oss's clamped SwiGLU) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
 kernel's PTX without debug line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves
 every kernel as it was. ``--check-sass`` flags every HGMMA that reads a descriptor register some path through the
 kernel leaves unset (``sass_check.py``). ``--space portable --arch 80`` (or 86, 89, 120) compiles the Triton
@@ -181,6 +181,10 @@ def launchers(p, routing):
         "dh_ws_pair": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c, pair_order=True),
         "dh_ws_ds_pairs": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c, pair_order=True,
                                                 ds_pairs=x.dtype),
+        # gpt-oss's clamped SwiGLU in the up-projection's and dH's epilogues (ACT 1)
+        "up_ws_clamped": lambda c: up_proj_ws.up_proj_ws(x, w1, None, routing, config=c, activation="clamped_swiglu"),
+        "dh_ws_clamped": lambda c: dh_ws.dh_ws(dout, w2, h, s_row, routing, config=c, pair_order=True,
+                                               ds_pairs=x.dtype, activation="clamped_swiglu"),
         "dw1_ws": lambda c: weight_grad_ws.wgrad_ws(h, x, routing.row_token, routing.expert_offsets, p_gather=False,
                                                     config=c),
         "dw2_ws": lambda c: weight_grad_ws.wgrad_ws(dout, a, routing.row_token, routing.expert_offsets,
@@ -225,6 +229,8 @@ def spaces(which: str) -> dict:
         "long_dxt": [varlen_m_ws.long_config()],
         "dh_ws_pair": [dh_ws.dh_ws_config(n)],
         "dh_ws_ds_pairs": [dh_ws.dh_ws_config(n)],
+        "up_ws_clamped": [up_proj_ws.up_ws_config(w) for w in (4096, 1536)],
+        "dh_ws_clamped": [dh_ws.dh_ws_config(n), {**dh_ws.dh_ws_config(n), "SIGMOID_FTZ": False}],
         "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False, stage_in_ring=r, wg_split=w)
                    for r, w in WGRAD_FORMS],
         "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True, stage_in_ring=r, wg_split=w) for r, w in WGRAD_FORMS],
@@ -248,6 +254,8 @@ def spaces(which: str) -> dict:
                "dxtilde_ws": [grouped_gemm_ws.ws_config(2 * n, transpose_b=False)],
                "long_down": [varlen_m_ws.long_config()], "long_dxt": [varlen_m_ws.long_config()],
                "dh_ws_pair": [dh_ws.dh_ws_config(n)],
+               "up_ws_clamped": [up_proj_ws.up_ws_config(w) for w in (4096, 1536)],
+               "dh_ws_clamped": [dh_ws.dh_ws_config(n)],
                "dw1_ws": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],
                "dw2_ws": [weight_grad_ws.wgrad_ws_config(d, n, True)],
                "dw1_ws_load": [weight_grad_ws.wgrad_ws_config(2 * n, d, False)],

@@ -5,7 +5,8 @@ passes the clamps (W1 times ``--w1-scale``, default 3: H's spread about 3):
 - a check of O and the gradients of x, W1, W2 and the scores against the float32 reference on the first 2048 tokens
   (relative errors, per activation);
 - forward+backward of ``sonicmoe.experts`` (``bench_ms``: settled warm-up, median), triton backend, each activation
-  (SwiGLU takes the Gluon kernels on sm_90 where they serve; the clamped one their Triton twins), and the torch
+  (on sm_90 both take the Gluon up-projection and dH kernels where they serve), the clamped one also with
+  ``SONICMOE_GLUON_CLAMPED=0`` (the Triton kernels' epilogues: ``triton_clamped_swiglu_nogluon``), and the torch
   backend with the clamped activation; TFLOP/s at 18·T·K·n·d useful FLOPs (SPEC);
 - the share of H's gate and up values that the clamps bind.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 
 import torch
@@ -32,6 +34,10 @@ from sonicmoe.reference import split_gate_up
 # the 7B shape and gpt-oss-120b's (../shared/configs.json "models")
 SHAPES = ("24576,1536,256,128,8", "32768,2880,2880,128,4")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
+# (result key, backend, activation, SONICMOE_GLUON_CLAMPED or None)
+VARIANTS = (("triton_swiglu", "triton", "swiglu", None), ("triton_clamped_swiglu", "triton", "clamped_swiglu", None),
+            ("triton_clamped_swiglu_nogluon", "triton", "clamped_swiglu", "0"),
+            ("torch_clamped_swiglu", "torch", "clamped_swiglu", None))
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,15 +85,23 @@ def run_shape(spec: str, w1_scale: float, device: str = "cuda", dtype: torch.dty
         row["share_up_clamped"] = float((u.abs() > 7).float().mean())
     flops = 18 * t * k * n * d
     leaves = [p.x, p.w1, p.w2, p.pair_scores]
-    for backend, act in (("triton", "swiglu"), ("triton", "clamped_swiglu"), ("torch", "clamped_swiglu")):
-        key = f"{backend}_{act}"
-        if backend == "triton":
-            row[f"{key}_errors"] = _check(p, act)
+    for key, backend, act, switch in VARIANTS:
+        saved = os.environ.get("SONICMOE_GLUON_CLAMPED")
+        if switch is not None:
+            os.environ["SONICMOE_GLUON_CLAMPED"] = switch
+        try:
+            if backend == "triton":
+                row[f"{key}_errors"] = _check(p, act)
 
-        def fwd(backend=backend, act=act):
-            return experts(p.x, p.w1, p.w2, p.routing, p.pair_scores, backend=backend, activation=act)
+            def fwd(backend=backend, act=act):
+                return experts(p.x, p.w1, p.w2, p.routing, p.pair_scores, backend=backend, activation=act)
 
-        ms = bench_ms(fwdbwd_fn(fwd, leaves, p.dout), device=p.device)["p50"]
+            ms = bench_ms(fwdbwd_fn(fwd, leaves, p.dout), device=p.device)["p50"]
+        finally:
+            if saved is None:
+                os.environ.pop("SONICMOE_GLUON_CLAMPED", None)
+            else:
+                os.environ["SONICMOE_GLUON_CLAMPED"] = saved
         row[f"{key}_ms"] = ms
         row[f"{key}_tflops"] = flops / ms / 1e9
     return row
@@ -111,15 +125,14 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-    print(f"{'shape':26s} {'clamped %g/u':>12s} " + " ".join(f"{a:>24s}" for a in
-                                                           ("triton swiglu ms/TF", "triton clamped ms/TF",
-                                                            "torch clamped ms/TF")) + "  max err clamped")
+    print(f"{'shape':26s} {'clamped %g/u':>12s} " + " ".join(f"{a:>20s}" for a in
+                                                           ("swiglu ms/TF", "clamped ms/TF", "clamped no-Gluon",
+                                                            "torch clamped")) + "  max err clamped")
     for r in result["rows"]:
-        cells = [f"{r[f'{b}_{a}_ms']:8.3f} / {r[f'{b}_{a}_tflops']:5.0f}" for b, a in
-                 (("triton", "swiglu"), ("triton", "clamped_swiglu"), ("torch", "clamped_swiglu"))]
+        cells = [f"{r[f'{key}_ms']:7.3f} / {r[f'{key}_tflops']:4.0f}" for key, *_ in VARIANTS]
         err = max(r["triton_clamped_swiglu_errors"].values())
         print(f"{r['shape']:26s} {100 * r['share_gate_clamped']:5.1f}/{100 * r['share_up_clamped']:4.1f}% "
-              + " ".join(f"{c:>24s}" for c in cells) + f"  {err:.2e}")
+              + " ".join(f"{c:>20s}" for c in cells) + f"  {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -276,10 +276,30 @@ def test_opcheck_with_the_clamped_activation(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_gpu_bf16_layer_clamped(layout):
-    """bf16 on the GPU (the Triton kernels, not the SwiGLU-only Gluon ones) at a shape where sm_90 would otherwise
-    pick the Gluon kernels: O and the gradients against the float64 reference of the bf16 weights."""
+@pytest.mark.parametrize("layout,gluon", [("concat", "1"), ("concat", "0"), ("interleaved", "1")])
+def test_gpu_bf16_layer_clamped(layout, gluon, monkeypatch):
+    """bf16 on the GPU at a shape where sm_90 runs the Gluon up-projection and dH kernels (SONICMOE_GLUON_UP=all):
+    the clamped activation in their epilogues (SONICMOE_GLUON_CLAMPED=1 and the concat layout: checked that both
+    ran) or in the Triton kernels' (=0, or the interleaved layout, which the Gluon kernels do not take): O and the
+    gradients against the float64 reference of the bf16 weights with H rounded as the kernels store it; a NaN
+    token's output NaN, the others finite."""
+    from sonicmoe.ops import dh as dh_module
+    from sonicmoe.ops import dh_ws, grouped_gemm_ws, up_proj_ws
+    from sonicmoe.ops import up_proj as up_module
+
+    monkeypatch.setenv("SONICMOE_GLUON_UP", "all")
+    monkeypatch.setenv("SONICMOE_GLUON_CLAMPED", gluon)
+    calls = {"up": 0, "dh": 0}
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            assert kwargs.get("activation") == "clamped_swiglu"
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(up_module, "up_proj_ws", count("up", up_proj_ws.up_proj_ws))
+    monkeypatch.setattr(dh_module, "dh_ws", count("dh", dh_ws.dh_ws))
     device = torch.device("cuda")
     p = _problem(device, False, seed=9, t=1024, d=512, n=256, e=8, dtype=torch.bfloat16)
     routing = _routing(p, 2, device, empty_expert=False)
@@ -301,3 +321,112 @@ def test_gpu_bf16_layer_clamped(layout):
     assert torch.isnan(out_nan[7]).all() and torch.isfinite(out_nan[:7]).all() and torch.isfinite(out_nan[8:]).all()
     h = F.linear(p["x"].float(), p["w1"][0].float())
     assert min(_clamp_shares(h, layout)) > 0.02
+    sm90 = grouped_gemm_ws.HAVE_GLUON and torch.cuda.get_device_capability() == (9, 0)
+    gluon_ran = sm90 and gluon == "1" and layout == "concat"
+    assert (calls["up"] > 0, calls["dh"] > 0) == (gluon_ran, gluon_ran), calls
+
+
+def _need_gluon():
+    from sonicmoe.ops import grouped_gemm_ws
+
+    if not grouped_gemm_ws.HAVE_GLUON or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels need an sm_90 GPU")
+
+
+# (T, d, n, E, K): two N-tiles and partial tiles; empty experts and three K-blocks; the 7B widths
+GLUON_CASES = [(1000, 384, 256, 16, 4), (777, 192, 128, 40, 2), (4096, 1536, 256, 32, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_gluon_up_projection_clamped(case, dtype, monkeypatch):
+    """The Gluon up-projection's clamped epilogue, in the MMA warps (EPI_WARPS 0) and in the storer partition (4),
+    with bias: H within rounding of the float32 loop, A the clamped activation of the stored H (and not SwiGLU's),
+    both within rounding of the Triton kernel's, no NaN left by the poison fill, the same bits from both epilogue
+    forms, on a second run and without H stored; a NaN in one token's x leaves that token's rows NaN only."""
+    from sonicmoe.ops.up_proj_ws import up_proj_ws, up_ws_config
+    from sonicmoe.testing import random_topk_routing
+
+    _need_gluon()
+    t, d, n, e, k = case
+    routing = random_topk_routing(t, e, k, seed=t + 1)
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = (6 * torch.randn(t, d, device="cuda", generator=g)).to(dtype)  # H's spread about 6: the clamps bind
+    w1 = (torch.randn(e, 2 * n, d, device="cuda", generator=g) / d ** 0.5).to(dtype)
+    b1 = (0.1 * torch.randn(e, 2 * n, device="cuda", generator=g)).to(dtype)
+    act = "clamped_swiglu"
+    h_ref, a_ref = up_proj_ref(x, w1, b1, routing, activation=act)
+    outs = []
+    for epi in (0, 4):
+        cfg = up_ws_config(epi_warps=epi)
+        h, a = up_proj_ws(x, w1, b1, routing, config=cfg, activation=act)
+        assert not torch.isnan(h).any() and not torch.isnan(a).any(), epi
+        assert min(_clamp_shares(h, "concat")) > 0.05
+        assert rel_err(h, h_ref) < 5e-3 and rel_err(a, a_ref) < 1e-2, epi
+        assert rel_err(a, swiglu_ref(h.float(), activation=act).to(dtype)) < 2e-3, epi
+        assert rel_err(a, swiglu_ref(h.float()).to(dtype)) > 0.1, epi
+        h2, a2 = up_proj_ws(x, w1, b1, routing, config=cfg, activation=act)
+        none, a3 = up_proj_ws(x, w1, b1, routing, store_h=False, config=cfg, activation=act)
+        assert torch.equal(h, h2) and torch.equal(a, a2) and none is None and torch.equal(a, a3), epi
+        outs.append((h, a))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
+    h_tri, a_tri = up_proj(x, w1, b1, routing, activation=act)
+    monkeypatch.delenv("SONICMOE_GLUON_UP")
+    assert rel_err(outs[0][0], h_tri) < 2e-3 and rel_err(outs[0][1], a_tri) < 5e-3
+    x_nan = x.clone()
+    x_nan[7, 3] = float("nan")
+    _, a_nan = up_proj_ws(x_nan, w1, b1, routing, config=up_ws_config(epi_warps=4), activation=act)
+    token7 = routing.row_token[: a_nan.shape[0]] == 7
+    assert torch.isnan(a_nan[token7]).all() and torch.isfinite(a_nan[~token7]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_gpu_gluon_dh_clamped(case, monkeypatch):
+    """The Gluon dH kernel's clamped epilogue, H holding values past and at the bounds (gate 7, up ±7): dH and A′
+    bitwise the Triton kernel's (the same dA′ accumulation order and epilogue arithmetic), dS within rounding of
+    its, all within rounding of the float32 loop, no NaN left by the poison fill, the same bits on a second run; the
+    default config (sigmoid by the ftz forms), the default forms, 16-channel blocks and 128-wide tiles; where a tile
+    spans all n channels, dS written by the kernel in pair order equal to the partials' sum."""
+    from sonicmoe.ops import dh_ws
+    from sonicmoe.testing import random_topk_routing
+
+    _need_gluon()
+    t, d, n, e, k = case
+    routing = random_topk_routing(t, e, k, seed=t + 2)
+    r = routing.num_rows
+    g = torch.Generator(device="cuda").manual_seed(22)
+    dout = torch.randn(t, d, device="cuda", generator=g).bfloat16()
+    w2 = (torch.randn(e, d, n, device="cuda", generator=g) / d ** 0.5).bfloat16()
+    h = 6 * torch.randn(r, 2 * n, device="cuda", generator=g)
+    bounds = torch.tensor([7.0, -7.0, 7.0625, -7.0625], device="cuda")
+    pick = torch.rand(r, 2 * n, device="cuda", generator=g) < 0.05
+    h = torch.where(pick, bounds[torch.randint(0, 4, (r, 2 * n), device="cuda", generator=g)], h).bfloat16()
+    s = torch.rand(r, device="cuda", generator=g)
+    act = "clamped_swiglu"
+    ref = dh_ref(dout, w2, h, s, routing, activation=act)
+    monkeypatch.setenv("SONICMOE_GLUON_DH", "0")
+    tri = dh(dout, w2, h, s, routing, activation=act)
+    monkeypatch.delenv("SONICMOE_GLUON_DH")
+    for cfg in (None, {**dh_ws.dh_ws_config(n), "SIGMOID_FTZ": False}, dh_ws.dh_ws_config(n, 16, 2),
+                dh_ws.dh_ws_config(n, 32, 4, 128)):
+        got = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg, activation=act)
+        ds = got[2].sum(0)
+        for name, x, y, z in zip(("dH", "A'", "dS"), (got[0], got[1], ds), ref, tri):
+            assert not torch.isnan(x).any(), (name, cfg)
+            assert rel_err(x, y) < 1e-2 and rel_err(x, z) < 3e-3, (name, cfg)
+        assert torch.equal(got[0], tri[0]) and torch.equal(got[1], tri[1]), cfg
+        again = dh_ws.dh_ws(dout, w2, h, s, routing, config=cfg, activation=act)
+        assert all(torch.equal(x, y) for x, y in zip(got, again)), cfg
+    if dh_ws.ds_pairs_in_kernel(n):
+        pairs = torch.empty_like(s)
+        pairs[routing.row_pair.long()] = s
+        partial = dh_ws.dh_ws(dout, w2, h, pairs, routing, pair_order=True, activation=act)
+        fused = dh_ws.dh_ws(dout, w2, h, pairs, routing, pair_order=True, ds_pairs=torch.float32, activation=act)
+        assert torch.equal(fused[0], partial[0]) and torch.equal(fused[1], partial[1])
+        want = torch.zeros_like(s)
+        rows = routing.row_pair.long()[: partial[2].shape[1]]
+        want[rows] = partial[2].sum(0)
+        assert torch.equal(fused[2], want)

@@ -126,11 +126,15 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 def test_dispatch(monkeypatch, device):
     """dh hands the product to the Gluon kernel where dh_ws_supported says so (reducing its partials, or handing
     them back with reduce_ds=False; with ds_pairs, asking the kernel for dS in pair order where its tiles span all n
-    channels, else summing its partials with score_grad), and never with an explicit Triton config."""
+    channels, else summing its partials with score_grad), and never with an explicit Triton config; gpt-oss's
+    clamped SwiGLU too (its activation passed on), unless SONICMOE_GLUON_CLAMPED=0."""
     calls = []
 
-    def fake(dout, w2, h, s, routing, pair_order=False, ds_pairs=None):
+    def fake(dout, w2, h, s, routing, pair_order=False, ds_pairs=None, activation="swiglu"):
         calls.append(h.shape)
+        if activation != "swiglu":
+            dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing, pair_order=pair_order, activation=activation)
+            return dh_, ap, ds[None]  # one partial row
         if ds_pairs is not None:  # the kernel's own dS, marked so that the test can tell it from score_grad's
             dh_, ap, ds = dh_mod.dh_ref(dout, w2, h, s, routing, pair_order=pair_order, ds_pairs=ds_pairs)
             return dh_, ap, ds + 1000
@@ -167,6 +171,15 @@ def test_dispatch(monkeypatch, device):
         got3 = dh_mod.dh(dout, w2, h, pairs, routing, pair_order=True, ds_pairs=torch.float32)[2]
         assert rel_err(got3, want + (1000 if in_kernel else 0)) < 1e-6
     assert len(calls) == 4
+    # gpt-oss's clamped SwiGLU: to the kernel with its activation, unless SONICMOE_GLUON_CLAMPED=0
+    h6 = 6 * h
+    want = dh_mod.dh_ref(dout, w2, h6, s, routing, activation="clamped_swiglu")
+    for switch, n_calls in (("1", 5), ("0", 5)):
+        monkeypatch.setenv("SONICMOE_GLUON_CLAMPED", switch)
+        got4 = dh_mod.dh(dout, w2, h6, s, routing, activation="clamped_swiglu")
+        assert len(calls) == n_calls, switch
+        for name, g, r in zip(("dH", "A'", "dS"), got4, want):
+            assert rel_err(g, r) < 1e-5, (name, switch)
 
 
 # (T, d, n, E, K, reason) on the GPU

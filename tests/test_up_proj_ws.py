@@ -151,12 +151,12 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """up_proj hands the product to the Gluon kernel where up_ws_supported says so, and never with an explicit
-    Triton config."""
+    Triton config; gpt-oss's clamped SwiGLU too (its activation passed on), unless SONICMOE_GLUON_CLAMPED=0."""
     calls = []
 
-    def fake(x, w1, b1, routing, store_h=True):
+    def fake(x, w1, b1, routing, store_h=True, activation="swiglu"):
         calls.append((x.shape, store_h))
-        return up_proj.up_proj_ref(x, w1, b1, routing, "concat", store_h)
+        return up_proj.up_proj_ref(x, w1, b1, routing, "concat", store_h, activation=activation)
 
     monkeypatch.setattr(up_proj, "up_ws_supported", lambda x, w1, b1, layout: layout == "concat")
     monkeypatch.setattr(up_proj, "up_ws_preferred", lambda d, device=None, routing=None: d == 16)
@@ -173,6 +173,12 @@ def test_dispatch(monkeypatch, device):
     h2, a2 = up_proj.up_proj(x, w1, None, routing, config=cfg)
     assert len(calls) == 1
     assert rel_err(a2, a_ref) < 1e-5 and rel_err(h2, h_ref) < 1e-5
+    x6 = 6 * x  # the clamps bind
+    _, a_clamped = up_proj.up_proj_ref(x6, w1, None, routing, activation="clamped_swiglu")
+    for switch, n_calls in (("1", 2), ("0", 2)):
+        monkeypatch.setenv("SONICMOE_GLUON_CLAMPED", switch)
+        _, a3 = up_proj.up_proj(x6, w1, None, routing, activation="clamped_swiglu")
+        assert len(calls) == n_calls and rel_err(a3, a_clamped) < 1e-5, switch
 
 
 # (T, d, n, E, K, reason) on the GPU

@@ -55,6 +55,7 @@ from .common import (
 from .dh_ws import dh_ws, dh_ws_preferred, dh_ws_supported, ds_pairs_in_kernel
 from .score_grad import score_grad, score_grad_ref
 from .up_proj import layout_rows
+from .up_proj_ws import gluon_serves_activation
 
 
 @triton.jit
@@ -284,8 +285,8 @@ def dh(
             bits) — by the dH kernel itself where :func:`ds_pairs_in_dh_kernel` holds, else by ``score_grad`` after
             it. ``reduce_ds`` is then ignored.
         activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`): the
-            activation whose A is recomputed from H and whose backward gives dH. The Gluon kernel serves ``"swiglu"``
-            only.
+            activation whose A is recomputed from H and whose backward gives dH (both in the Gluon kernel too, unless
+            ``SONICMOE_GLUON_CLAMPED=0``: :func:`sonicmoe.ops.up_proj_ws.gluon_serves_activation`).
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 in row order (without
         the bias term ⟨dO_t, b2[e]⟩), or as ``reduce_ds`` and ``ds_pairs`` say. With T = 0 (``dout`` of no rows)
@@ -311,7 +312,7 @@ def dh(
         # where a tile spans all n channels, dS itself in pair order
         fused = ds_pairs is not None and ds_pairs_in_kernel(n)
         dh_, a_prime, ds_part = dh_ws(dout, w2, h, row_scores, routing, pair_order=pair_order,
-                                      ds_pairs=ds_pairs if fused else None)
+                                      ds_pairs=ds_pairs if fused else None, activation=activation)
         return dh_, a_prime, ds_part if fused else _reduced_ds(ds_part, routing, reduce_ds, ds_pairs)
     dh_ = new_output(h.shape, device=h.device, dtype=h.dtype)
     a_prime = new_output((r, n), device=h.device, dtype=h.dtype)
@@ -336,8 +337,9 @@ def dh(
 
 def _gluon_serves(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, routing: Routing,
                   gate_up_layout: str, activation: str = "swiglu") -> bool:
-    """Whether :func:`dh` without a ``config`` runs the Gluon kernel (host checks only; SwiGLU only)."""
-    return (activation == "swiglu" and routing.num_rows > 0 and dh_ws_preferred(w2.shape[-1])
+    """Whether :func:`dh` without a ``config`` runs the Gluon kernel (host checks only; the activations of
+    :func:`sonicmoe.ops.up_proj_ws.gluon_serves_activation`)."""
+    return (gluon_serves_activation(activation) and routing.num_rows > 0 and dh_ws_preferred(w2.shape[-1])
             and dh_ws_supported(dout, w2, h, gate_up_layout))
 
 

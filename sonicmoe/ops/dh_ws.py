@@ -1,9 +1,10 @@
-"""Warp-specialised dH kernel for Hopper, in Gluon: gather-fused dA′ GEMM with the SwiGLU backward, A′ and the dS
-partials in the epilogue (SPEC §4 kernel 1).
+"""Warp-specialised dH kernel for Hopper, in Gluon: gather-fused dA′ GEMM with the SwiGLU (or gpt-oss's clamped
+SwiGLU) backward, A′ and the dS partials in the epilogue (SPEC §4 kernel 1).
 
 The same outputs as :func:`sonicmoe.ops.dh.dh` — for the rows r of expert e (token t, score s):
 dA′[r] = dO_t W2[e]; A = silu(gate(H[r])) · up(H[r]); dS partials of ⟨dA′[r], A[r]⟩; dA = s · dA′;
-dH = (dA · up · silu′(gate), dA · silu(gate)); A′ = s · A — for the concat gate/up layout.
+dH = (dA · up · silu′(gate), dA · silu(gate)); A′ = s · A — for the concat gate/up layout. With
+``activation="clamped_swiglu"`` A and dH are gpt-oss's (:func:`sonicmoe.ops.common.gated_act_bwd`'s values).
 
 Why a second kernel: the Triton kernel (one 128 × 256 tile per program, 8 warps) spends much of each tile in its
 epilogue while the tensor cores idle; on an H100 it runs the 7B shape at 288 TFLOP/s against 450-500 for the layer's
@@ -99,7 +100,7 @@ import os
 import torch
 
 from ..routing import Routing
-from .common import env_switch, new_output, sm_count
+from .common import act_code, env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
 from .up_proj_ws import sigmoid_ftz
@@ -117,7 +118,7 @@ if HAVE_GLUON:
     )
 
     from .grouped_gemm_ws import column_halves
-    from .up_proj_ws import _tile_of, gather_loader, sigmoid
+    from .up_proj_ws import _tile_of, clamped, gather_loader, sigmoid
 
 BLOCK_M = 128  # two warpgroups of 64 rows
 BLOCK_K = 64
@@ -265,7 +266,7 @@ if HAVE_GLUON:
     def _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
                   s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J: gl.constexpr,
                   NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SIG_FTZ: gl.constexpr = False):
+                  TMA_STORE: gl.constexpr, SIG_FTZ: gl.constexpr = False, ACT: gl.constexpr = 0):
         """The epilogue of column block J (channels ch0 + J·EPI + [0, EPI)) of the tile; ``acc`` is that block of
         dA′ (BLOCK_M, EPI) float32, ``s_rows`` the tile's row scores (loaded before its MMAs). Its H block is in
         buffer J % NBUF. Once every thread has read the H block, TMA refills the buffer with the block NBUF ahead.
@@ -288,9 +289,15 @@ if HAVE_GLUON:
         g = g_buf.load(lay).to(gl.float32)
         u = u_buf.load(lay).to(gl.float32)
         s = gl.convert_layout(s_rows, gl.SliceLayout(1, lay))[:, None]
-        sig = sigmoid(g, SIG_FTZ)
-        silu = g * sig
-        a = silu * u
+        if ACT == 0:
+            sig = sigmoid(g, SIG_FTZ)
+            silu = g * sig
+            a = silu * u
+        else:  # gpt-oss's clamped SwiGLU: sonicmoe.ops.common.gated_act_bwd's values, in its order
+            gc, uc = clamped(g, u)
+            sig = sigmoid(1.702 * gc, SIG_FTZ)
+            glu = gc * sig
+            a = (uc + 1.0) * glu
         part = gl.sum(acc * a, axis=1)
         if J == 0:
             ds_out = part
@@ -298,8 +305,12 @@ if HAVE_GLUON:
             ds_out = ds_in + part
         dtype: gl.constexpr = dh_ptr.dtype.element_ty
         da = acc * s
-        d_up = (da * silu).to(dtype)
-        d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
+        if ACT == 0:
+            d_up = (da * silu).to(dtype)
+            d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
+        else:
+            d_gate = gl.where(g <= 7.0, da * (uc + 1.0) * (sig + 1.702 * glu * (1.0 - sig)), 0.0).to(dtype)
+            d_up = gl.where((u >= -7.0) & (u <= 7.0), da * glu, 0.0).to(dtype)
         refill: gl.constexpr = J + NBUF < NB
         gl.thread_barrier()  # every MMA thread has read buffer b (and, from block J - 2, staging set J % 2)
         if refill:
@@ -347,7 +358,7 @@ if HAVE_GLUON:
     def _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB: gl.constexpr, h_ready, dh_ptr, ap_ptr, ds_ptr,
                    s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0: gl.constexpr,
                    NB: gl.constexpr, EPI: gl.constexpr, NBUF: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
-                   TMA_STORE: gl.constexpr, SIG_FTZ: gl.constexpr = False):
+                   TMA_STORE: gl.constexpr, SIG_FTZ: gl.constexpr = False, ACT: gl.constexpr = 0):
         """The epilogue of the column blocks J0, J0 + 1, ... covered by ``acc`` (its width a power-of-two multiple
         of EPI), halving ``acc`` until one block is left, in block order; returns the tile's running dS sum
         (:func:`_dh_block`)."""
@@ -355,15 +366,15 @@ if HAVE_GLUON:
         if W == EPI:
             ds_out = _dh_block(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
-                               EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
+                               EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ, ACT)
         else:
             lo, hi = column_halves(acc)
             ds_mid = _dh_blocks(lo, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                 s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_in, J0, NB,
-                                EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
+                                EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ, ACT)
             ds_out = _dh_blocks(hi, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr, ds_ptr,
                                 s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr, ds_mid,
-                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
+                                J0 + W // (2 * EPI), NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ, ACT)
         return ds_out
 
     @gluon.jit
@@ -388,7 +399,7 @@ if HAVE_GLUON:
                 stride_apr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, EPI: gl.constexpr,
                 NBUF: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr, PART: gl.constexpr,
                 TMA_STORE: gl.constexpr, STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr,
-                DS_PAIRS: gl.constexpr, SIG_FTZ: gl.constexpr = False):
+                DS_PAIRS: gl.constexpr, SIG_FTZ: gl.constexpr = False, ACT: gl.constexpr = 0):
         """MMA partition: per tile, the H loads of the first NBUF epilogue blocks, the wgmma chain over the ring,
         then the epilogue (:func:`_dh_blocks`). Under STAGE_IN_RING the epilogue stages its outputs in the ring slot
         of the tile's last K-block (its dO block, then its W2 box), and that slot goes back to the loader only once
@@ -449,7 +460,7 @@ if HAVE_GLUON:
                     ow = o_bufs
                 ds_sum = _dh_blocks(acc, h_desc, dh_desc, ap_desc, h_bufs, ox, ow, XB, h_ready, dh_ptr, ap_ptr,
                                     ds_ptr, s_rows, row_start, row_end, ch0, tcount, N, R, stride_hr, stride_apr,
-                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ)
+                                    s_rows, 0, NB, EPI, NBUF, WARPS, PART, TMA_STORE, SIG_FTZ, ACT)
                 ds_rows = row_start + gl.arange(0, BLOCK_M, layout=ds_sum.type.layout)
                 if DS_PAIRS:  # the rows' pairs, loaded with the scores before the MMAs (GATHER_S)
                     gl.store(ds_ptr + gl.convert_layout(pr, ds_sum.type.layout), ds_sum.to(ds_ptr.dtype.element_ty),
@@ -471,7 +482,7 @@ if HAVE_GLUON:
                       NBUF: gl.constexpr, STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, PART: gl.constexpr, TMA_STORE: gl.constexpr,
                       STAGE_IN_RING: gl.constexpr, GATHER_S: gl.constexpr = False, DS_PAIRS: gl.constexpr = False,
-                      SIG_FTZ: gl.constexpr = False):
+                      SIG_FTZ: gl.constexpr = False, ACT: gl.constexpr = 0):
         dtype: gl.constexpr = do_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
@@ -489,7 +500,7 @@ if HAVE_GLUON:
                        dh_ptr, ap_ptr,
                        ds_ptr, score_ptr, pair_ptr, table_ptr, offsets_ptr, E, num_pid_n, N, D, R, stride_hr,
                        stride_apr, BLOCK_M, BLOCK_N, BLOCK_K, EPI, NBUF, STAGES, MMA_WARPS, PART, TMA_STORE,
-                       STAGE_IN_RING, GATHER_S, DS_PAIRS, SIG_FTZ)),
+                       STAGE_IN_RING, GATHER_S, DS_PAIRS, SIG_FTZ, ACT)),
             (gather_loader, (do_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready, empty,
                              num_pid_n, N, D, stride_do, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS, False)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -502,9 +513,10 @@ _CALLS: dict[tuple, dict] = {}
 
 
 def dh_ws_calls() -> list[dict]:
-    """The shapes this process ran through :func:`dh_ws` (d, n, E, dtype) with their config; benchmarks record it
-    next to their timings (host bookkeeping, no sync)."""
-    return [{"d": d, "n": n, "E": e, "dtype": dt, "config": cfg} for (d, n, e, dt), cfg in _CALLS.items()]
+    """The shapes this process ran through :func:`dh_ws` (d, n, E, dtype, activation) with their config; benchmarks
+    record it next to their timings (host bookkeeping, no sync)."""
+    return [{"d": d, "n": n, "E": e, "dtype": dt, "activation": act, "config": cfg}
+            for (d, n, e, dt, act), cfg in _CALLS.items()]
 
 
 def ds_pairs_in_kernel(n: int, config: dict | None = None) -> bool:
@@ -517,7 +529,8 @@ def ds_pairs_in_kernel(n: int, config: dict | None = None) -> bool:
 
 def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: torch.Tensor, routing: Routing,
           config: dict | None = None, pair_order: bool = False,
-          ds_pairs: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          ds_pairs: torch.dtype | None = None,
+          activation: str = "swiglu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dH, A′ and the dS partials (or, with ``ds_pairs``, dS itself) by the warp-specialised kernel (see the module
     doc).
 
@@ -538,14 +551,18 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
             :func:`ds_pairs_in_kernel`; the layer's backward passes the scores' dtype). Each row's partials are
             added in channel-block order in float32, then cast: the bits of
             :func:`sonicmoe.ops.score_grad.score_grad` on the partials, without its launch or the partials' buffer.
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`), the
+            activation whose A is recomputed from H and whose backward gives dH.
     Returns:
         dH (R, 2n) and A′ = S·A (R, n) in h's dtype, and the dS partials (n / BLOCK_N, R) float32 with
         dS = partials.sum(0) (without the bias term ⟨dO_t, b2[e]⟩); with ``ds_pairs``, dS (R,) of that dtype in
         pair order instead, 0 for padding pairs (rows at or past ``expert_offsets[E]``). No atomics, the same bits
         on every run.
     Raises:
-        ValueError: ``ds_pairs`` without ``pair_order``, or where a tile does not span all n channels.
+        ValueError: ``ds_pairs`` without ``pair_order``, or where a tile does not span all n channels; an unknown
+            ``activation``.
     """
+    act = act_code(activation)
     e, d, n = w2.shape
     r = routing.num_rows
     cfg = config or dh_ws_config(n)
@@ -561,7 +578,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
         ds_part = new_output((n // bn, r), device=h.device, dtype=torch.float32)
     if r == 0:
         return dh_, a_prime, ds_part
-    _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."))] = dict(cfg)
+    _CALLS[(d, n, e, str(h.dtype).removeprefix("torch."), activation)] = dict(cfg)
     table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     bk = cfg.get("BLOCK_K", BLOCK_K)
     args = (dout, _descriptor(w2.view(e * d, n), [bk, bn]), _descriptor(h, [BLOCK_M, epi]),
@@ -573,7 +590,7 @@ def dh_ws(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, row_scores: tor
                 EPI=epi, NBUF=cfg["NBUF"], STAGES=cfg["STAGES"], LOADER_WARPS=cfg.get("LOADER_WARPS", LOADER_WARPS),
                 LOADER_REGS=LOADER_REGS, TMA_STORE=cfg.get("TMA_STORE", TMA_STORE),
                 STAGE_IN_RING=bool(cfg.get("STAGE_IN_RING", False)), GATHER_S=pair_order,
-                DS_PAIRS=ds_pairs is not None, SIG_FTZ=cfg.get("SIGMOID_FTZ", sigmoid_ftz(SIGMOID_FTZ)),
+                DS_PAIRS=ds_pairs is not None, SIG_FTZ=cfg.get("SIGMOID_FTZ", sigmoid_ftz(SIGMOID_FTZ)), ACT=act,
                 maxnreg=cfg.get("MAXNREG", MAXNREG))
     launch_kernel(_dh_ws_kernel, (sm_count(h.device),), *args, **meta, MMA_WARPS=MMA_WARPS, PART=cfg.get("PART", 0),
                   num_warps=MMA_WARPS)

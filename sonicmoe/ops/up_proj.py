@@ -60,7 +60,7 @@ from .common import (
     varlen_m_grid,
     with_even_flags,
 )
-from .up_proj_ws import up_proj_ws, up_ws_preferred, up_ws_supported
+from .up_proj_ws import gluon_serves_activation, up_proj_ws, up_ws_preferred, up_ws_supported
 
 
 def layout_rows(gate_up_layout: str, n: int) -> tuple[int, int, int]:
@@ -345,8 +345,9 @@ def up_proj(
 
     On sm_90 with the concat layout, where it measured faster (:func:`sonicmoe.ops.up_proj_ws.up_ws_supported` and
     :func:`~sonicmoe.ops.up_proj_ws.up_ws_preferred`;
-    ``SONICMOE_GLUON_UP=0`` turns it off), ``"swiglu"`` and no explicit ``config``, the warp-specialised Gluon
-    kernel of :mod:`.up_proj_ws` runs instead.
+    ``SONICMOE_GLUON_UP=0`` turns it off), no explicit ``config`` and an activation it takes
+    (:func:`~sonicmoe.ops.up_proj_ws.gluon_serves_activation`), the warp-specialised Gluon kernel of
+    :mod:`.up_proj_ws` runs instead.
 
     Raises:
         ValueError: an unknown ``activation``; ``x`` on the CPU outside the interpreter.
@@ -359,9 +360,9 @@ def up_proj(
         a = x.new_zeros(routing.num_rows, w1.shape[1] // 2)
         return (x.new_zeros(routing.num_rows, w1.shape[1]) if store_h else None), a
     x, w1 = x.contiguous(), w1.contiguous()
-    if (config is None and act == 0 and up_ws_preferred(x.shape[1], x.device, routing)
+    if (config is None and gluon_serves_activation(activation) and up_ws_preferred(x.shape[1], x.device, routing)
             and up_ws_supported(x, w1, b1, gate_up_layout)):
-        return up_proj_ws(x, w1, b1, routing, store_h)
+        return up_proj_ws(x, w1, b1, routing, store_h, activation=activation)
     e, two_n, d = w1.shape
     n = two_n // 2
     r = routing.num_rows

@@ -1,8 +1,9 @@
-"""Warp-specialised up-projection for Hopper, in Gluon: gather-fused varlen-M grouped GEMM with a SwiGLU epilogue
-(SPEC §3 kernel 1).
+"""Warp-specialised up-projection for Hopper, in Gluon: gather-fused varlen-M grouped GEMM with a SwiGLU (or gpt-oss's
+clamped SwiGLU) epilogue (SPEC §3 kernel 1).
 
 The same product as :func:`sonicmoe.ops.up_proj.up_proj` — for each row r of expert e, H[r] = W1[e] x_{token(r)}
-(+ b1[e]) and A[r] = silu(gate(H[r])) · up(H[r]), A computed from the rounded H — for the concat gate/up layout.
+(+ b1[e]) and A[r] = silu(gate(H[r])) · up(H[r]) (or the clamped form, ``activation="clamped_swiglu"``), A computed
+from the rounded H — for the concat gate/up layout.
 
 Why a second kernel: the Triton kernel gathers X rows by ``cp.async`` from its MMA warps, and every K-step ends in
 a barrier across the program before the tensor cores may read them; the weight gradients' warp-specialised kernel
@@ -53,7 +54,7 @@ import re
 import torch
 
 from ..routing import Routing
-from .common import env_switch, few_rows_per_expert, new_output, sm_count
+from .common import act_code, env_switch, few_rows_per_expert, new_output, sm_count
 from .fast_launch import launch_kernel
 from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
@@ -190,6 +191,19 @@ def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:
     set, for the up-projection and dH alike; else ``default``, the kernel's own (:data:`SIGMOID_FTZ` here,
     :data:`sonicmoe.ops.dh_ws.SIGMOID_FTZ` for dH). Read at each call."""
     return env_switch("SONICMOE_SIGMOID_FTZ", default)
+
+
+# GLUON_CLAMPED: gpt-oss's clamped SwiGLU (activation="clamped_swiglu") in the epilogues of this kernel and of the dH
+# kernel (dh_ws) where the layer would run them for SwiGLU; else the Triton kernels run it (session 84's only form: 7B
+# forward+backward 4.96 ms against 3.33 for SwiGLU on these kernels, an H100). Added in session 85
+GLUON_CLAMPED = True
+
+
+def gluon_serves_activation(activation: str) -> bool:
+    """Whether the Gluon up-projection and dH kernels take ``activation``: ``"swiglu"`` always, ``"clamped_swiglu"``
+    per ``SONICMOE_GLUON_CLAMPED`` (1 or 0; default :data:`GLUON_CLAMPED`; read at each call)."""
+    return activation == "swiglu" or (activation == "clamped_swiglu"
+                                      and env_switch("SONICMOE_GLUON_CLAMPED", GLUON_CLAMPED))
 
 
 def up_ws_enabled() -> bool:
@@ -369,11 +383,24 @@ if HAVE_GLUON:
             return gl.fdiv(gl.full_like(g, 1.0), 1.0 + gl.exp(-g))
 
     @gluon.jit
-    def _swiglu(hg, hu, FTZ: gl.constexpr = False):
-        """A = silu(gate) · up in H's dtype from the rounded gate and up blocks (float32 arithmetic; the dH kernels
-        recompute A the same way; ``FTZ``: :func:`sigmoid`'s)."""
+    def clamped(g, u):
+        """gpt-oss's clamps of the float32 gate and up blocks: (min(g, 7), clamp(u, −7, 7)), NaN kept NaN (as
+        :func:`sonicmoe.ops.common.gated_act`'s, whose values these are)."""
+        return gl.where(g > 7.0, 7.0, g), gl.where(u > 7.0, 7.0, gl.where(u < -7.0, -7.0, u))
+
+    @gluon.jit
+    def _gated_act(hg, hu, ACT: gl.constexpr = 0, FTZ: gl.constexpr = False):
+        """A in H's dtype from the rounded gate and up blocks, float32 arithmetic in the order of the Triton kernels'
+        :func:`sonicmoe.ops.common.gated_act` (the dH kernels recompute A the same way; ``FTZ``: :func:`sigmoid`'s):
+        ACT 0 silu(gate) · up (SwiGLU); ACT 1 gpt-oss's clamped SwiGLU (up′ + 1) · g′ σ(1.702 g′) with
+        (g′, up′) = :func:`clamped` (gate, up)."""
         g = hg.to(gl.float32)
-        return (g * sigmoid(g, FTZ) * hu.to(gl.float32)).to(hg.dtype)
+        if ACT == 0:
+            a = g * sigmoid(g, FTZ) * hu.to(gl.float32)
+        else:
+            gc, uc = clamped(g, hu.to(gl.float32))
+            a = (uc + 1.0) * (gc * sigmoid(1.702 * gc, FTZ))
+        return a.to(hg.dtype)
 
     @gluon.jit
     def _gate_up_mainloop(x_bufs, w_bufs, tma_ready, cp_ready, empty, step, k_tiles, BLOCK_M: gl.constexpr,
@@ -445,7 +472,8 @@ if HAVE_GLUON:
                 a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS: gl.constexpr,
                 STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, WARPS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr,
-                EPI: gl.constexpr, H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False):
+                EPI: gl.constexpr, H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False,
+                ACT: gl.constexpr = 0):
         """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
         SwiGLU epilogue and the stores (:func:`_buffer_stores`); with ``EPI`` (a storer partition), the rounded gate
         and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone,
@@ -483,7 +511,7 @@ if HAVE_GLUON:
                     gl.thread_barrier()
                     mbarrier.arrive(h_full.index(0))
                 else:
-                    a = _swiglu(hg, hu, SIG_FTZ)
+                    a = _gated_act(hg, hu, ACT, SIG_FTZ)
                     _buffer_stores(c_smem, hg, hu, a, h_desc, a_desc, h_ptr, a_ptr, row_start, row_end,
                                    pid_n * BLOCK_N, N, stride_hr, stride_ar, STORE_H, BLOCK_M, BLOCK_N, WARPS)
             i += 1
@@ -493,7 +521,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _up_storer(h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr, stride_ar,
                    STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
-                   CHUNK: gl.constexpr, H_TMA: gl.constexpr, SIG_FTZ: gl.constexpr = False):
+                   CHUNK: gl.constexpr, H_TMA: gl.constexpr, SIG_FTZ: gl.constexpr = False,
+                   ACT: gl.constexpr = 0):
         """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up
         blocks in ``h_smem``, their 16-byte stores (masked in an expert's last tile; with ``H_TMA``, a full tile's by
         TMA), and A = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the
@@ -527,7 +556,7 @@ if HAVE_GLUON:
                         h_rows = h_ptr + rows[:, None] * stride_hr + cols[None, :]
                         gl.store(h_rows, hg, mask=ok)
                         gl.store(h_rows + N, hu, mask=ok)
-                a = _swiglu(hg, hu, SIG_FTZ)
+                a = _gated_act(hg, hu, ACT, SIG_FTZ)
                 gl.store(a_ptr + rows[:, None] * stride_ar + cols[None, :], a, mask=ok)
             tma.store_wait(pendings=0)  # the TMA stores have read the staging set
             gl.thread_barrier()  # and every storer thread is done with it
@@ -541,7 +570,8 @@ if HAVE_GLUON:
                       STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, LOADER_WARPS: gl.constexpr,
                       LOADER_REGS: gl.constexpr, GU_FUSED: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr,
                       EPI_REGS: gl.constexpr, EPI_CHUNK: gl.constexpr, EPI_H_TMA: gl.constexpr,
-                      H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False):
+                      H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False,
+                      ACT: gl.constexpr = 0):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], X_LAYOUT)
         w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
@@ -556,12 +586,12 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, h_smem.index(0), h_smem, h_full, h_empty,
                            h_desc, a_desc, h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar,
                            HAS_BIAS, STORE_H, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, True,
-                           H_PACKED, SIG_FTZ)),
+                           H_PACKED, SIG_FTZ, ACT)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
                 (_up_storer, (h_smem, h_full, h_empty, h_desc, h_ptr, a_ptr, table_ptr, num_pid_n, N, stride_hr,
-                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK, EPI_H_TMA, SIG_FTZ)),
+                              stride_ar, STORE_H, BLOCK_M, BLOCK_N, EPI_WARPS, EPI_CHUNK, EPI_H_TMA, SIG_FTZ, ACT)),
             ], [LOADER_WARPS, EPI_WARPS], [LOADER_REGS, EPI_REGS])
             mbarrier.invalidate(h_full.index(0))
             mbarrier.invalidate(h_empty.index(0))
@@ -571,7 +601,7 @@ if HAVE_GLUON:
                 (_up_mma, (x_bufs, w_bufs, tma_ready, cp_ready, empty, c_smem, c_smem, empty, empty, h_desc, a_desc,
                            h_ptr, a_ptr, b1_ptr, table_ptr, num_pid_n, N, D, stride_hr, stride_ar, HAS_BIAS, STORE_H,
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, MMA_WARPS, GU_FUSED, PART, False, H_PACKED,
-                           SIG_FTZ)),
+                           SIG_FTZ, ACT)),
                 (gather_loader, (x_ptr, w_desc, row_token_ptr, table_ptr, x_bufs, w_bufs, tma_ready, cp_ready,
                                  empty, num_pid_n, N, D, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, LOADER_WARPS,
                                  True)),
@@ -583,14 +613,14 @@ _CALLS: dict[tuple, dict] = {}
 
 
 def up_ws_calls() -> list[dict]:
-    """The shapes this process ran through :func:`up_proj_ws` (d, n, E, dtype, H stored) with their config;
-    benchmarks record it next to their timings (host bookkeeping, no sync)."""
-    return [{"d": d, "n": n, "E": e, "dtype": dt, "store_h": sh, "config": cfg}
-            for (d, n, e, dt, sh), cfg in _CALLS.items()]
+    """The shapes this process ran through :func:`up_proj_ws` (d, n, E, dtype, H stored, activation) with their
+    config; benchmarks record it next to their timings (host bookkeeping, no sync)."""
+    return [{"d": d, "n": n, "E": e, "dtype": dt, "store_h": sh, "activation": act, "config": cfg}
+            for (d, n, e, dt, sh, act), cfg in _CALLS.items()]
 
 
 def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routing: Routing, store_h: bool = True,
-               config: dict | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+               config: dict | None = None, activation: str = "swiglu") -> tuple[torch.Tensor | None, torch.Tensor]:
     """H (R, 2n) (None without ``store_h``) and A (R, n) by the warp-specialised kernel (see the module doc).
 
     The caller has checked :func:`up_ws_supported` (concat layout).
@@ -604,9 +634,14 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
             (GU_FUSED is ignored with a storer), "H_PACKED" (:data:`H_PACKED`), "SIGMOID_FTZ"
             (:data:`SIGMOID_FTZ`), and, to time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row
             sums; no storer) (default :func:`up_ws_config` for d).
+        activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`), A's
+            formula in the epilogue (the Triton kernel's values: :func:`sonicmoe.ops.common.gated_act`).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
+    Raises:
+        ValueError: an unknown ``activation``.
     """
+    act = act_code(activation)
     e, two_n, d = w1.shape
     n = two_n // 2
     r = routing.num_rows
@@ -616,7 +651,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
     h = new_output((r, two_n), device=x.device, dtype=x.dtype) if store_h else a
     if r == 0:
         return (h if store_h else None), a
-    _CALLS[(d, n, e, str(x.dtype).removeprefix("torch."), store_h)] = dict(cfg)
+    _CALLS[(d, n, e, str(x.dtype).removeprefix("torch."), store_h, activation)] = dict(cfg)
     table = routing_tile_table(routing, BLOCK_M)  # shared with the other kernels of this routing
     num_pid_n = n // BLOCK_N
     gu_fused = bool(cfg.get("GU_FUSED", GU_FUSED)) and not epi_warps  # a 256-wide wgmma does not fit 16 warps
@@ -633,6 +668,6 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
         GU_FUSED=gu_fused, PART=cfg.get("PART", 0), EPI_WARPS=epi_warps,
         EPI_REGS=cfg.get("EPI_REGS", EPI_REGS), EPI_CHUNK=cfg.get("EPI_CHUNK", EPI_CHUNK),
         EPI_H_TMA=cfg.get("EPI_H_TMA", EPI_H_TMA),
-        H_PACKED=cfg.get("H_PACKED", H_PACKED), SIG_FTZ=cfg.get("SIGMOID_FTZ", SIGMOID_FTZ),
+        H_PACKED=cfg.get("H_PACKED", H_PACKED), SIG_FTZ=cfg.get("SIGMOID_FTZ", SIGMOID_FTZ), ACT=act,
         num_warps=MMA_WARPS, maxnreg=cfg.get("MAXNREG", MAXNREG if not epi_warps else 128))
     return (h if store_h else None), a
