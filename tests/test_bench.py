@@ -769,3 +769,168 @@ def test_upper_bound_ratio_counts_the_rows_it_computes():
     base, r = _ratios({"triton": timed(1.0), "upper": timed(0.9, rows=1100), "torch": timed(2.0, rows=1100)}, 1000)
     assert base == "triton"
     assert r["upper"]["fwd"] == pytest.approx(0.9 * 1000 / 1100) and r["torch"]["fwd"] == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the experts' gated activation (--activation)
+
+
+def _capture_activations(monkeypatch) -> tuple[list, list]:
+    """Record the activation each custom op gets and the (activation, h_dtype) of each float32 reference. The Triton
+    op runs the torch backend in its place (the interpreter would take a minute here; test_bench_triton_kernels_take
+    the_clamped_activation runs the kernels)."""
+    from sonicmoe.bench import measure
+    from sonicmoe.ops import moe_function, torch_experts
+
+    ops, refs = [], []
+    torch_op, ref = torch_experts.experts_torch, measure.experts_ref
+
+    def triton_op(*args, activation="swiglu", **kw):
+        ops.append(("triton", activation))
+        return torch_op(*args, activation=activation, **kw)
+
+    def torch_backend(*args, activation="swiglu", **kw):
+        ops.append(("torch", activation))
+        return torch_op(*args, activation=activation, **kw)
+
+    def reference(*args, activation="swiglu", h_dtype=None, **kw):
+        refs.append((activation, h_dtype))
+        return ref(*args, activation=activation, h_dtype=h_dtype, **kw)
+
+    monkeypatch.setattr(moe_function, "experts_triton", triton_op)
+    monkeypatch.setattr(torch_experts, "experts_torch", torch_backend)
+    monkeypatch.setattr(measure, "experts_ref", reference)
+    return ops, refs
+
+
+@pytest.mark.parametrize("activation", [None, "clamped_swiglu"])
+def test_bench_activation_reaches_backends_and_reference(tmp_path, monkeypatch, capsys, activation):
+    """--activation clamped_swiglu reaches both custom ops (the router variant's calls too) and the float32
+    reference, which rounds H to the layer's dtype for it (h_dtype; None for SwiGLU, whose check is as before); every
+    backend passes its check against that reference, and the results and the printed table name the activation.
+    Without the option everything is SwiGLU and the table has no activation line."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ops, refs = _capture_activations(monkeypatch)
+    extra = ["--activation", activation] if activation else []
+    rc, doc = _run(tmp_path, "--shape", "64,32,16,4,2", "--backends", "triton,torch,loop,upper", "--dtype", "fp32",
+                   *extra)
+    want = activation or "swiglu"
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert doc["args"]["activation"] == want
+    (rec,) = doc["results"]
+    assert rec["activation"] == want
+    for name, row in rec["backends"].items():
+        assert row["status"] == "ok" and row["check"]["passed"], (name, row["message"])
+        assert max(row["check"]["errors"].values()) < 1e-4, name
+    assert {b for b, _ in ops} == {"triton", "torch"} and {a for _, a in ops} == {want}
+    # a reference per checked case: triton, torch (each with its router variant), loop, upper
+    h_dtype = torch.float32 if activation else None
+    assert len(refs) == 6 and set(refs) == {(want, h_dtype)}
+    head = "activation: clamped_swiglu (not SwiGLU alone"
+    assert (head in out) == bool(activation)
+    assert (head in report.terminal_table(doc)) == bool(activation)
+
+
+def _ignores_activation_factory(problem, options):
+    """Claims every activation but runs SwiGLU: what --activation must never do silently."""
+    def fn(x, w1, w2, routing, pair_scores):
+        import sonicmoe
+
+        return sonicmoe.experts(x, w1, w2, routing, pair_scores, backend="torch")
+
+    return ExpertsCase("ignores", problem, fn, activation=options.get("activation", "swiglu"))
+
+
+def test_bench_check_tells_the_activations_apart(tmp_path, monkeypatch):
+    """The clamped activation differs from SwiGLU at any input ((u + 1)·g·σ(1.702 g) against g·σ(g)·u), so a backend
+    that runs SwiGLU under --activation clamped_swiglu FAILs its check and is not timed; under SwiGLU it passes."""
+    from sonicmoe.config import ACTIVATIONS
+
+    monkeypatch.setitem(REGISTRY, "ignores", BaselineSpec("ignores", _ignores_activation_factory, "test",
+                                                          default=False, activations=ACTIVATIONS))
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch,ignores", "--no-router-variant",
+                   "--activation", "clamped_swiglu")
+    rows = doc["results"][0]["backends"]
+    assert rc == 1 and rows["torch"]["status"] == "ok"
+    assert rows["ignores"]["status"] == "FAIL" and rows["ignores"]["fwd"] is None
+    assert rows["ignores"]["check"]["errors"]["out"] > 0.1
+    rc, doc = _run(tmp_path / "swiglu", "--preset", "tiny", "--backends", "ignores", "--no-router-variant")
+    assert rc == 0 and doc["results"][0]["backends"]["ignores"]["status"] == "ok"
+
+
+def test_bench_skips_a_backend_without_the_activation(tmp_path, monkeypatch, capsys):
+    """A registered backend that declares no activation (BaselineSpec.activations: SwiGLU only) is skipped under
+    --activation clamped_swiglu, its factory never called, the reason in its row and the table's notes; the run still
+    succeeds. Under SwiGLU it runs."""
+    built = []
+
+    def swiglu_only(problem, options):
+        built.append(options.get("activation"))
+        return ExpertsCase("swiglu_only", problem, baselines.experts_loop)
+
+    monkeypatch.setitem(REGISTRY, "swiglu_only", BaselineSpec("swiglu_only", swiglu_only, "test", default=False))
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch,swiglu_only", "--no-router-variant",
+                   "--activation", "clamped_swiglu")
+    assert rc == 0 and built == []
+    row = doc["results"][0]["backends"]["swiglu_only"]
+    assert row["status"] == "skipped" and row["fwd"] is None and row["check"] is None
+    assert "takes only swiglu, not --activation clamped_swiglu" in row["message"]
+    out = capsys.readouterr().out  # -q: no progress lines; the table's notes and the note on the activation
+    assert "backends that take only SwiGLU are skipped" in out
+    assert "tiny [topk] swiglu_only: skipped: takes only swiglu, not --activation clamped_swiglu" in out
+    rc, doc = _run(tmp_path / "swiglu", "--preset", "tiny", "--backends", "swiglu_only", "--no-router-variant")
+    assert rc == 0 and built == ["swiglu"] and doc["results"][0]["backends"]["swiglu_only"]["status"] == "ok"
+
+
+def test_bench_rejects_an_unknown_activation(tmp_path, capsys):
+    assert cli.main(["--out", str(tmp_path), *FAST, "--preset", "tiny", "--activation", "gelu"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --activation: invalid choice: 'gelu'" in err and "clamped_swiglu" in err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_markdown_and_plot_title_name_a_clamped_run():
+    """The README table of a clamped run says so above the table and in its footnote; a SwiGLU run's (and an old
+    file's, whose records have no activation) has no such line."""
+    from sonicmoe.bench.plots import _title
+
+    doc = _synthetic_doc()
+    plain = report.markdown_table(doc)
+    assert "ctivation" not in plain and "activation" not in _title(doc)
+    for rec in doc["results"]:
+        rec["activation"] = "clamped_swiglu"
+    md = report.markdown_table(doc)
+    assert md.splitlines()[0].startswith("Activation: clamped_swiglu")
+    assert md.splitlines()[-1].endswith("Activation: clamped_swiglu.")
+    assert [ln for ln in md.splitlines() if ln.startswith("|")] == [ln for ln in plain.splitlines()
+                                                                  if ln.startswith("|")]
+    assert "activation clamped_swiglu" in _title(doc)
+
+
+@pytest.mark.interpreter
+def test_bench_triton_kernels_take_the_clamped_activation():
+    """Ours through Triton's interpreter with the clamped activation, W1 scaled so that some of H passes the clamps:
+    the bench's check (O and the grads of x, W1, W2, S) passes against the clamped float32 reference, and O differs
+    from the SwiGLU case's."""
+    import os
+
+    from sonicmoe.bench.measure import check_case
+    from sonicmoe.reference import split_gate_up
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    p = make_problem(Shape("act", 32, 32, 16, 4, 2), dtype=torch.float32, device=dev, seed=1)
+    with torch.no_grad():
+        p.w1.mul_(8.0)
+        g, u = split_gate_up(p.x @ p.w1[0].t())
+        assert bool((g > 7).any()) and bool((u.abs() > 7).any())  # the clamps bind somewhere
+    clamped = REGISTRY["triton"].factory(p, {"activation": "clamped_swiglu"})
+    res = check_case(clamped, p.dout, grads=True, tol=2e-3, poison=False)
+    assert res["passed"] and max(res["errors"].values()) < 1e-4, res
+    assert clamped.ref_spec().activation == "clamped_swiglu"
+    with torch.no_grad():
+        a = clamped.forward()
+        b = REGISTRY["triton"].factory(p, {}).forward()
+    assert (a - b).norm() > 0.1 * b.norm()

@@ -7,14 +7,22 @@ tried by import and never required; add one with :func:`register_baseline`.
 
 Built in:
 
+Every built-in backend takes the experts' gated activation (``options["activation"]``, ``sonicmoe bench
+--activation``): ``"swiglu"`` or gpt-oss's ``"clamped_swiglu"`` (:data:`sonicmoe.config.ACTIVATIONS`). A registered
+backend declares the ones it takes in :attr:`BaselineSpec.activations` (default SwiGLU only); the runner skips it,
+with the reason in its row, under any other.
+
 * ``triton`` (ours): ``sonicmoe.experts(..., backend="triton")``.
 * ``torch``: ``sonicmoe.experts(..., backend="torch")``, index gather + ``torch._grouped_mm`` +
   ``index_add`` (what a user would write, SPEC §7).
 * ``loop``: a per-expert Python loop of ``F.linear`` calls (affordable for E ≤ ``loop_max_E``).
 * ``upper``: the cuBLAS upper bound: dense batched GEMM with perfectly balanced experts
   (TK/E contiguous rows per expert, no gather), SwiGLU as torch ops, and the weighted sum of the
-  K rows of each token; backward through autograd.
-* ``scattermoe``: ScatterMoE's ``parallel_linear`` (if installed; CUDA and top-k only).
+  K rows of each token; backward through autograd. The activation runs as torch ops between the GEMMs, so the bound
+  computes the same activation as the layer it bounds.
+* ``scattermoe``: ScatterMoE's ``parallel_linear`` (if installed; CUDA and top-k only). ScatterMoE's kernels are the
+  two grouped GEMMs; the activation between them is ours, as torch ops (as ScatterMoE's own MLP applies its
+  activation), so it takes either.
 """
 
 from __future__ import annotations
@@ -28,12 +36,31 @@ import torch
 import torch.nn.functional as F
 
 from .. import functional
+from ..config import ACTIVATIONS
+from ..reference import swiglu_ref
 from ..routing import Routing
 from .problem import Problem
 
 
 class Unavailable(Exception):
     """The backend cannot run here (reason in the message); the row is reported as skipped."""
+
+
+def gated(h: torch.Tensor, n: int, activation: str = "swiglu") -> torch.Tensor:
+    """A (..., n) from H (..., 2n) in the concat layout ([gate; up]) as torch ops: silu(gate) · up for
+    ``"swiglu"``, gpt-oss's (clamp(up, -7, 7) + 1) · g · sigmoid(1.702 g), g = min(gate, 7), for ``"clamped_swiglu"``
+    (:func:`sonicmoe.reference.swiglu_ref`); in H's dtype."""
+    if activation == "swiglu":
+        return F.silu(h[..., :n]) * h[..., n:]
+    return swiglu_ref(h, "concat", activation)
+
+
+def ref_h_dtype(activation: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The ``h_dtype`` of a backend's float32 reference (:func:`sonicmoe.experts_ref`): None (H unrounded, as the
+    check has always run) for SwiGLU; the layer's dtype for the clamped activation, whose gradient jumps at the clamps'
+    bounds: every backend here stores H in the layer's dtype, and an element whose rounding crosses a bound would
+    otherwise differ by the whole jump."""
+    return None if activation == "swiglu" else dtype
 
 
 @dataclasses.dataclass
@@ -54,6 +81,8 @@ class RefSpec:
             extended to token rounding's added pairs), differentiable in x and W_r; ``pair_scores`` is then unused.
         router_ids: (T_x, K) the router's top-k choice the case made (its own selection: near-tied logits may pick
             other experts in another precision). Pairs with expert E (static-length padding) are left out.
+        activation: the experts' gated activation the case ran (``"swiglu"`` or ``"clamped_swiglu"``).
+        h_dtype: the dtype the reference rounds H to before the activation (:func:`ref_h_dtype`), or None.
     """
 
     x: torch.Tensor
@@ -67,6 +96,8 @@ class RefSpec:
     score_leaf: torch.Tensor | None = None
     router_weight: torch.Tensor | None = None
     router_ids: torch.Tensor | None = None
+    activation: str = "swiglu"
+    h_dtype: torch.dtype | None = None
 
 
 class Case:
@@ -100,11 +131,13 @@ ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Routing, torch.T
 class ExpertsCase(Case):
     """A backend with the signature of :func:`sonicmoe.experts`: ``fn(x, w1, w2, routing, pair_scores)``.
 
-    Leaves: x (T, d), W1 (E, 2n, d) [gate; up] rows, W2 (E, d, n), S (R,) float32.
+    Leaves: x (T, d), W1 (E, 2n, d) [gate; up] rows, W2 (E, d, n), S (R,) float32. ``activation``: the one ``fn``
+    computes (the reference computes it too).
     """
 
-    def __init__(self, name: str, problem: Problem, fn: ExpertsFn, **info):
+    def __init__(self, name: str, problem: Problem, fn: ExpertsFn, *, activation: str = "swiglu", **info):
         self.name, self.problem, self.fn = name, problem, fn
+        self.activation = activation
         p = problem
         self.leaves = [p.x, p.w1, p.w2, p.pair_scores]
         self.router_leaves = [p.x, p.router_weight, p.w1, p.w2]
@@ -125,12 +158,15 @@ class ExpertsCase(Case):
         out = self.fn(p.x, p.w1, p.w2, r.routing, r.pair_scores)
         real = (r.pair_expert < p.shape.E).nonzero().squeeze(1)  # static-length padding pairs left out
         return out, RefSpec(p.x, p.w1, p.w2, r.pair_token[real], r.pair_expert[real], r.pair_scores.detach()[real],
-                            p.T, router_weight=p.router_weight, router_ids=r.router_ids)
+                            p.T, router_weight=p.router_weight, router_ids=r.router_ids, **self._act())
 
     def ref_spec(self) -> RefSpec:
         p = self.problem
         return RefSpec(p.x, p.w1, p.w2, p.pair_token, p.pair_expert, p.pair_scores, p.T,
-                       score_leaf=p.pair_scores)
+                       score_leaf=p.pair_scores, **self._act())
+
+    def _act(self) -> dict:
+        return {"activation": self.activation, "h_dtype": ref_h_dtype(self.activation, self.problem.dtype)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -138,10 +174,10 @@ class ExpertsCase(Case):
 
 
 def experts_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, routing: Routing,
-                 pair_scores: torch.Tensor) -> torch.Tensor:
+                 pair_scores: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """Per-expert Python loop in the input dtype (the naive baseline; HF-Mixtral style).
 
-    x (T, d), W1 (E, 2n, d) [gate; up] rows, W2 (E, d, n), S (R,). Returns O (T, d).
+    x (T, d), W1 (E, 2n, d) [gate; up] rows, W2 (E, d, n), S (R,); ``activation`` as :func:`gated`. Returns O (T, d).
     """
     # zeros in the graph of x, the weights and the scores: with no pair routed the output still has a backward
     out = torch.zeros_like(x) + 0 * (x.sum() + w1.sum() + w2.sum() + pair_scores.sum())
@@ -153,7 +189,7 @@ def experts_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, routing: R
             continue
         tok = routing.row_token[lo:hi].long()
         h = F.linear(x[tok], w1[e])
-        a = F.silu(h[:, :n]) * h[:, n:]
+        a = gated(h, n, activation)
         y = F.linear(a, w2[e])
         s = pair_scores[routing.row_pair[lo:hi].long()].to(y.dtype)
         out.index_add_(0, tok, y * s[:, None])
@@ -173,44 +209,57 @@ def _triton_factory(problem: Problem, options: dict) -> Case:
     except ImportError as exc:
         raise Unavailable(f"sonicmoe.ops.moe_function is not importable ({exc})") from exc
 
-    def fn(x, w1, w2, routing, pair_scores):
-        return functional.experts(x, w1, w2, routing, pair_scores, backend="triton")
+    activation = options.get("activation", "swiglu")
 
-    return ExpertsCase("triton", problem, fn)
+    def fn(x, w1, w2, routing, pair_scores):
+        return functional.experts(x, w1, w2, routing, pair_scores, backend="triton", activation=activation)
+
+    return ExpertsCase("triton", problem, fn, activation=activation)
 
 
 def _torch_factory(problem: Problem, options: dict) -> Case:
     from ..ops.torch_experts import _grouped_mm_ok
 
+    activation = options.get("activation", "swiglu")
+
     def fn(x, w1, w2, routing, pair_scores):
-        return functional.experts(x, w1, w2, routing, pair_scores, backend="torch")
+        return functional.experts(x, w1, w2, routing, pair_scores, backend="torch", activation=activation)
 
     try:
         gmm = bool(_grouped_mm_ok(problem.x, problem.w1, problem.w2))
     except (RuntimeError, AssertionError):
         gmm = False
-    return ExpertsCase("torch", problem, fn, grouped_mm=gmm)
+    return ExpertsCase("torch", problem, fn, activation=activation, grouped_mm=gmm)
 
 
 def _loop_factory(problem: Problem, options: dict) -> Case:
     max_e = options.get("loop_max_E", 128)
     if max_e is not None and problem.shape.E > max_e:
         raise Unavailable(f"E={problem.shape.E} > --loop-max-E={max_e} (a Python loop over experts)")
-    return ExpertsCase("loop", problem, experts_loop)
+    activation = options.get("activation", "swiglu")
+    if activation == "swiglu":  # the function itself, as before the activation option
+        return ExpertsCase("loop", problem, experts_loop)
+
+    def fn(x, w1, w2, routing, pair_scores):
+        return experts_loop(x, w1, w2, routing, pair_scores, activation)
+
+    return ExpertsCase("loop", problem, fn, activation=activation)
 
 
 class UpperBoundCase(Case):
     """cuBLAS upper bound (SPEC §6): perfectly balanced experts, contiguous rows, no gather.
 
     m = ⌈T·K'/E⌉ rows per expert (K' = round(R/T) = K under top-k), X_up (E·m, d) holding copies of
-    the input rows (row r = x[r mod T]); ``torch.bmm`` (E, m, d)·(E, d, 2n) → SwiGLU (silu(gate)·up as
-    torch ops) → ``torch.bmm`` (E, m, n)·(E, n, d) → weighted sum of the K' rows of each token over a
-    contiguous (T, K', d) view. Backward through autograd. Scores S_up (T, K') in the input dtype.
+    the input rows (row r = x[r mod T]); ``torch.bmm`` (E, m, d)·(E, d, 2n) → the gated activation (SwiGLU,
+    silu(gate)·up, or ``activation="clamped_swiglu"``, as torch ops: :func:`gated`) → ``torch.bmm`` (E, m, n)·(E, n, d)
+    → weighted sum of the K' rows of each token over a contiguous (T, K', d) view. Backward through autograd. Scores
+    S_up (T, K') in the input dtype.
     """
 
     name = "upper"
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, activation: str = "swiglu"):
+        self.activation = activation
         T, d, n, E, _ = problem.shape.dims
         T = problem.T
         k_up = max(1, round(problem.R / T))
@@ -233,7 +282,7 @@ class UpperBoundCase(Case):
         E, m, n, d, T, k = self.E, self.m, self.n, self.d, self.T, self.k_up
         w1, w2 = self.problem.w1, self.problem.w2
         h = torch.bmm(self.x_up.view(E, m, d), w1.transpose(1, 2))  # (E, m, 2n)
-        a = F.silu(h[..., :n]) * h[..., n:]  # (E, m, n)
+        a = gated(h, n, self.activation)  # (E, m, n)
         y = torch.bmm(a, w2.transpose(1, 2))  # (E, m, d)
         y = y.view(E * m, d)[: T * k].view(T, k, d)
         return (y * self.s_up[..., None]).sum(1)
@@ -243,11 +292,12 @@ class UpperBoundCase(Case):
         rows = torch.arange(T * k, device=p.device)
         d = self.d
         return RefSpec(self.x_up, p.w1, p.w2, rows, rows // self.m, self.s_up.view(-1), self.rows,
-                       post=lambda o: o[: T * k].view(T, k, d).sum(1), score_leaf=self.s_up)
+                       post=lambda o: o[: T * k].view(T, k, d).sum(1), score_leaf=self.s_up,
+                       activation=self.activation, h_dtype=ref_h_dtype(self.activation, p.dtype))
 
 
 def _upper_factory(problem: Problem, options: dict) -> Case:
-    return UpperBoundCase(problem)
+    return UpperBoundCase(problem, options.get("activation", "swiglu"))
 
 
 def _scattermoe_factory(problem: Problem, options: dict) -> Case:
@@ -268,6 +318,7 @@ def _scattermoe_factory(problem: Problem, options: dict) -> Case:
         except ImportError as exc:
             raise Unavailable(f"this scattermoe version is not supported ({exc})") from exc
     E, K, n = problem.shape.E, problem.shape.K, problem.shape.n
+    activation = options.get("activation", "swiglu")
 
     def fn(x, w1, w2, routing, pair_scores):
         T = x.shape[0]
@@ -281,11 +332,11 @@ def _scattermoe_factory(problem: Problem, options: dict) -> Case:
             else:
                 kw["expert_offsets"] = routing.expert_offsets[1:].long()
         h = parallel_linear(x, w1.transpose(1, 2), K, grouped_out=True, **kw)  # (TK, 2n) grouped
-        a = F.silu(h[:, :n]) * h[:, n:]
+        a = gated(h, n, activation)
         gates = pair_scores.view(T, K).to(x.dtype)
         return parallel_linear(a, w2.transpose(1, 2), 1, gates=gates, grouped_in=True, **kw)
 
-    return ExpertsCase("scattermoe", problem, fn)
+    return ExpertsCase("scattermoe", problem, fn, activation=activation)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -303,6 +354,9 @@ class BaselineSpec:
         default: part of ``--backends default`` (libraries join when importable).
         router_variant: also time router + metadata + experts.
         check_max_T: check correctness on at most this many tokens (None: the whole problem).
+        activations: the gated activations the factory builds (``options["activation"]``, and the case's
+            :class:`RefSpec` names it); under any other ``--activation`` the backend is skipped, never run with
+            SwiGLU in its place. The default, SwiGLU only, fits a factory that does not read the option.
     """
 
     name: str
@@ -312,6 +366,7 @@ class BaselineSpec:
     default: bool = True
     router_variant: bool = False
     check_max_T: int | None = None
+    activations: tuple[str, ...] = ("swiglu",)
 
 
 REGISTRY: dict[str, BaselineSpec] = {}
@@ -324,16 +379,17 @@ def register_baseline(spec: BaselineSpec) -> BaselineSpec:
 
 
 register_baseline(BaselineSpec("triton", _triton_factory, "ours: sonicmoe.experts(backend='triton')",
-                               kind="ours", router_variant=True))
+                               kind="ours", router_variant=True, activations=ACTIVATIONS))
 register_baseline(BaselineSpec("torch", _torch_factory,
                                "sonicmoe.experts(backend='torch'): gather + torch._grouped_mm + index_add",
-                               router_variant=True))
-register_baseline(BaselineSpec("loop", _loop_factory, "per-expert Python loop of F.linear (E <= --loop-max-E)"))
+                               router_variant=True, activations=ACTIVATIONS))
+register_baseline(BaselineSpec("loop", _loop_factory, "per-expert Python loop of F.linear (E <= --loop-max-E)",
+                               activations=ACTIVATIONS))
 register_baseline(BaselineSpec("upper", _upper_factory,
                                "cuBLAS upper bound: balanced bmm + SwiGLU + bmm + weighted sum, no gather",
-                               kind="bound", check_max_T=8192))
+                               kind="bound", check_max_T=8192, activations=ACTIVATIONS))
 register_baseline(BaselineSpec("scattermoe", _scattermoe_factory, "ScatterMoE parallel_linear (if installed)",
-                               kind="library", default=False))
+                               kind="library", default=False, activations=ACTIVATIONS))
 
 DEFAULT_BACKENDS = ("triton", "torch", "loop", "upper")
 

@@ -9,6 +9,7 @@ Examples::
     sonicmoe bench --preset models --backends triton,upper --mode fwd
     sonicmoe bench --shape 32768,2048,768,128,8 --shape qwen=32768,4096,1536,128,8
     sonicmoe bench --preset token-rounding --m-tile 128 --max-T 8192
+    sonicmoe bench --preset models --activation clamped_swiglu   # gpt-oss's clamped SwiGLU
     sonicmoe bench --plot-from benchmarks/results/2026-01-01_nvidia-h100-80gb-hbm3.json
     sonicmoe bench --markdown-from benchmarks/results/2026-01-01_nvidia-h100-80gb-hbm3.json
 """
@@ -21,6 +22,7 @@ import functools
 import os
 import sys
 
+from ..config import ACTIVATIONS
 from .shapes import PRESET_HELP, PRESETS, ROUTINGS, parse_shape, preset_shapes
 
 ROUNDINGS = ("nearest", "up", "down", "stochastic", "balance")
@@ -48,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--backends", default="default",
                       help="comma list of triton,torch,loop,upper,scattermoe; 'default' = triton,torch,loop,upper "
                            "plus installed competitor libraries; 'all'")
+    what.add_argument("--activation", choices=ACTIVATIONS, default="swiglu",
+                      help="the experts' gated activation on the (T, 2n) H: swiglu, silu(gate)·up (default), or "
+                           "clamped_swiglu, gpt-oss's (clamp(up,-7,7)+1)·g·σ(1.702 g), g = min(gate, 7); every "
+                           "built-in backend and the float32 check (H rounded to --dtype as the kernels store it) "
+                           "take it, a registered backend that takes only SwiGLU is skipped; recorded in the results")
     what.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                       help="default bf16 on a GPU, fp32 on CPU")
     what.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -195,13 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         triton_note = ("the triton backend runs through Triton's interpreter (slow)" if interpreted
                        else "the triton backend needs a GPU (or TRITON_INTERPRET=1)")
         print(f"no CUDA GPU: wall-clock timing (time.perf_counter), no memory numbers; {triton_note}")
+    if args.activation != "swiglu":
+        print(f"activation: {args.activation} (not SwiGLU); backends that take only SwiGLU are skipped")
     opts = RunOptions(
         backends=backends, device=device, dtype=DTYPES[dtype_name], mode=args.mode, routings=routings,
         m_tile=args.m_tile, rounding=args.rounding, rep=args.rep, seed=args.seed,
         warmup=args.warmup,
         check=args.check, check_grads=args.check_grads, check_max_T=args.check_max_T, tol=args.tol,
         router_variant=args.router_variant, memory=args.memory, loop_max_E=args.loop_max_E or None,
-        load_profile=args.load_profile, poison=args.poison, verbose=not args.quiet,
+        load_profile=args.load_profile, poison=args.poison, verbose=not args.quiet, activation=args.activation,
     )
     env = env_info(device)
     now = _dt.datetime.now(_dt.timezone.utc)

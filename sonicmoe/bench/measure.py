@@ -1,7 +1,8 @@
 """Measurements of one :class:`~sonicmoe.bench.baselines.Case`: correctness, time, memory (SPEC §7).
 
 * :func:`check_case`: relative error ‖out − ref‖/‖ref‖ of O and of the gradients of x, W1, W2 and S
-  against :func:`sonicmoe.experts_ref` (float32). The reference runs in chunks of experts, so its
+  against :func:`sonicmoe.experts_ref` (float32; the case's activation, and for the clamped one H rounded to the
+  layer's dtype as the kernels store it: ``RefSpec.h_dtype``). The reference runs in chunks of experts, so its
   float32 copies of W1/W2 (and their gradients) never exceed ``chunk_bytes``: the output and the
   loss are sums over experts, hence O and dx, dS accumulate over chunks and dW1, dW2 are compared
   chunk by chunk (norms accumulated in float64).
@@ -148,7 +149,8 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
     Args:
         out: the case's O (T_out, d) after ``out.backward(dout)`` when dout is given (the gradients are
             read from ``spec``'s leaves).
-        spec: the case's :class:`~sonicmoe.bench.baselines.RefSpec`.
+        spec: the case's :class:`~sonicmoe.bench.baselines.RefSpec` (its ``activation`` and ``h_dtype`` go to the
+            reference).
         dout: (T_out, d) upstream gradient, or None to compare the output only.
         chunk_bytes: float32 bytes of W1+W2 (and their gradients) per chunk of experts.
 
@@ -182,7 +184,7 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
         w2c = spec.w2.detach()[e0:e1].float().requires_grad_(want)
         sel = ((pe >= e0) & (pe < e1)).nonzero().squeeze(1)
         routing = routing_from_pairs(pt[sel], pe[sel] - e0, spec.num_tokens, e1 - e0)
-        o = experts_ref(x32, w1c, w2c, routing, s32[sel])
+        o = experts_ref(x32, w1c, w2c, routing, s32[sel], activation=spec.activation, h_dtype=spec.h_dtype)
         if spec.post is not None:
             o = spec.post(o)
         ref_out = o.detach() if ref_out is None else ref_out + o.detach()

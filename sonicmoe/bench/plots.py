@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .report import load_results, spec_beyond_x_bytes
+from .report import activations, load_results, spec_beyond_x_bytes
 
 GiB = 2**30
 
@@ -80,8 +80,10 @@ def _setup():
 
 def _title(doc: dict) -> str:
     env = doc.get("env", {})
+    acts = activations(doc)
+    act = "" if not acts or acts == ["swiglu"] else f" | activation {', '.join(acts)}"
     return (f"{env.get('device')} | torch {env.get('torch')} | triton {env.get('triton')} | "
-            f"{str(env.get('git_commit'))[:10]} | {str(doc.get('date'))[:10]}")
+            f"{str(env.get('git_commit'))[:10]} | {str(doc.get('date'))[:10]}{act}")
 
 
 def _plot_granularity(plt, doc, groups, names, path) -> Path | None:

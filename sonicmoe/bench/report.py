@@ -24,8 +24,9 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
 ``gluon_dh_kernels`` those of the Gluon dH kernel (:func:`sonicmoe.ops.dh_ws.dh_ws_calls`) and ``gluon_long_kernels``
 those of the streamed-B Gluon GEMM (:func:`sonicmoe.ops.varlen_m_ws.long_calls`).
 
-A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, TK (= R routed
-pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
+A shape record: ``name, group, T, d, n, E, K, T_preset, G, rho, routing, m_tile, activation (the experts' gated
+activation: "swiglu", or "clamped_swiglu" for gpt-oss's; records of files written before it had none and ran SwiGLU),
+TK (= R routed pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
 padded_rows, status, message, backends {name: row}, ratio_base, ratios {name: {fwd, bwd, total}}``.
 A backend row: ``status`` (ok | FAIL | error | oom | skipped), ``message``, ``kind``, ``check``
 {errors {out, dx, dw1, dw2, ds, out_rows, dx_rows, dw1_experts, dw2_experts}, tol, passed, worst, T, pairs},
@@ -253,8 +254,29 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), sep, *(line([str(c) for c in r]) for r in rows)])
 
 
+def activations(doc: dict) -> list[str]:
+    """The gated activations of a results document's shape records, in order of first appearance ("swiglu" for a
+    record without the field: files written before ``--activation``)."""
+    out: list[str] = []
+    for rec in doc.get("results", []):
+        a = rec.get("activation") or "swiglu"
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def activation_note(doc: dict) -> str | None:
+    """A line naming the document's activation where it is not SwiGLU alone (None for SwiGLU: the tables of
+    SwiGLU runs read as they always have)."""
+    acts = activations(doc)
+    if not acts or acts == ["swiglu"]:
+        return None
+    return f"activation: {', '.join(acts)} (not SwiGLU alone: compare only with results of the same activation)"
+
+
 def terminal_table(doc: dict) -> str:
-    """One line per (shape, routing, backend): status, error, ms, TFLOP/s, speed-up, memory."""
+    """One line per (shape, routing, backend): status, error, ms, TFLOP/s, speed-up, memory; headed by the
+    activation where it is not SwiGLU (:func:`activation_note`)."""
     header = ["shape", "routing", "backend", "status", "max err", "fwd ms", "fwd TF/s", "bwd ms",
               "bwd TF/s", "f+b ms", "f+b TF/s", "+router ms", "base/this f", "base/this f+b", "held MiB",
               "spec−X MiB", "peak MiB"]
@@ -300,7 +322,8 @@ def terminal_table(doc: dict) -> str:
             f"base faster; vs upper = fraction of the bound). +router = f+b (fwd in fwd mode) including the "
             f"router and routing metadata. spec−X = 4·TK·n bytes in bf16: SPEC §3's 2·T·d + 4·TK·n less X, an input, "
             f"which held leaves out.")
-    return "\n".join([text, *notes, foot])
+    head = activation_note(doc)
+    return "\n".join([*([head] if head else []), text, *notes, foot])
 
 
 def spec_beyond_x_bytes(rec: dict) -> int | None:
@@ -315,7 +338,8 @@ def spec_beyond_x_bytes(rec: dict) -> int | None:
 def markdown_table(doc: dict) -> str:
     """README table: one row per shape, our numbers and the ratios to torch and to the upper bound. Only our
     (``triton``) timings fill its columns: where ours failed, erred or was skipped the row says so (the results'
-    ratio base then fell back to torch, whose numbers must not read as ours)."""
+    ratio base then fell back to torch, whose numbers must not read as ours). Headed, and its footnote ended, by the
+    activation where it is not SwiGLU (:func:`activation_note`)."""
     header = ["shape (T, d, n, E, K)", "routing", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
               "vs torch (fwd / fwd+bwd)", "vs upper bound (fwd / fwd+bwd)", "held / peak GiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -356,6 +380,11 @@ def markdown_table(doc: dict) -> str:
         "\"vs upper bound\" = upper-bound ms / our ms (fraction of the bound's throughput); memory held "
         "after forward (excluding inputs and output) / peak over forward+backward (incl. weight grads)."
     )
+    head = activation_note(doc)
+    if head:
+        lines[-1] += f" Activation: {', '.join(activations(doc))}."
+        lines.insert(0, head[0].upper() + head[1:])
+        lines.insert(1, "")
     return "\n".join(lines)
 
 

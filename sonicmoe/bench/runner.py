@@ -1,6 +1,7 @@
 """Run the benchmark: for each shape and routing, every backend on the same problem (SPEC §7).
 
-Per backend: build the case (skipped with the reason if unavailable) → check against the float32
+Per backend: build the case (skipped with the reason if unavailable, or if it does not take the run's gated
+activation, ``RunOptions.activation``: never run with SwiGLU in its place) → check against the float32
 reference (a wrong result is reported as FAIL and not timed) → time forward and forward+backward
 (bwd = total − fwd) → optionally time router + metadata + experts → measure memory (CUDA).
 Exceptions of one backend (out of memory, compilation errors, ...) land in its row.
@@ -63,6 +64,7 @@ class RunOptions:
     load_profile: str | None = None  # a trained model's expert load (sonicmoe.bench.load_profile); None: even
     poison: bool = True
     verbose: bool = True
+    activation: str = "swiglu"  # the experts' gated activation (sonicmoe.config.ACTIVATIONS)
 
 
 def _message(exc: BaseException) -> str:
@@ -103,11 +105,14 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
     row: dict = {"status": "ok", "message": None, "kind": spec.kind, "check": None, "fwd": None,
                  "bwd": None, "total": None, "router": None, "memory": None, "info": {}}
     errors = bench_error_types()
-    options = {"loop_max_E": opts.loop_max_E}
+    options = {"loop_max_E": opts.loop_max_E, "activation": opts.activation}
     backward = opts.mode == "fwdbwd"
     step = "setup"
     case: Case | None = None
     try:
+        if opts.activation not in spec.activations:
+            raise Unavailable(f"takes only {', '.join(spec.activations)}, not --activation {opts.activation} "
+                              "(not run with SwiGLU in its place)")
         case = spec.factory(problem, options)
         row["info"] = dict(getattr(case, "info", {}) or {})
         if name == "upper" and row["info"].get("rows"):  # its TFLOP/s from the rows it computes (not R under TR)
@@ -236,7 +241,7 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
     T, d, n, E, K = shape.dims
     rec: dict = {"name": shape.name, "group": shape.group, "T": T, "d": d, "n": n, "E": E, "K": K,
                  "T_preset": shape.T_preset, "G": shape.G, "rho": shape.rho, "routing": mode,
-                 "m_tile": opts.m_tile, "status": "ok",
+                 "m_tile": opts.m_tile, "activation": opts.activation, "status": "ok",
                  "message": None}
     need = footprint_bytes(shape, torch.empty((), dtype=opts.dtype).element_size(), opts.mode == "fwdbwd")
     rec["footprint_bytes"] = need
@@ -342,13 +347,15 @@ def run(shapes: list[Shape], opts: RunOptions, log: Callable[[str], None] | None
     else:
         bar, say = items, log
     for i, (shape, mode) in enumerate(bar):
+        act = "" if opts.activation == "swiglu" else f" activation={opts.activation}"
         say(f"[{i + 1}/{len(items)}] {shape.name} (T={shape.T}, d={shape.d}, n={shape.n}, E={shape.E}, "
-            f"K={shape.K}) routing={mode}")
+            f"K={shape.K}) routing={mode}{act}")
         try:
             rec = run_shape(shape, mode, opts, say)
         except bench_error_types() as exc:  # e.g. a sticky CUDA error while summarising the routing
             rec = {"name": shape.name, "group": shape.group, "T": shape.T, "d": shape.d, "n": shape.n,
-                   "E": shape.E, "K": shape.K, "G": shape.G, "routing": mode, "backends": {},
+                   "E": shape.E, "K": shape.K, "G": shape.G, "routing": mode, "activation": opts.activation,
+                   "backends": {},
                    "status": "oom" if isinstance(exc, oom_error_types()) else "error",
                    "message": _message(exc)}
             say(f"  {rec['status'].upper()}: {rec['message']}")
