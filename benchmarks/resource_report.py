@@ -3,19 +3,19 @@
 usage: python benchmarks/resource_report.py [--kernels up_proj,dh,...] [--arch 90] [--space tune|focus|default|portable]
        [--ptx DIR] [--check-sass]
 
-Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is
-``cuda:<arch>``; kernels are compiled (``warmup``), never launched, and the cubin's resource usage is
-read with the ``cuobjdump`` that Triton's package carries. A config whose STACK or LOCAL (spill) bytes are not
-zero, or whose shared memory passes the limit, will be slow or fail on the GPU: this screens tile
-sweeps before they cost device time. Shapes only need the real shapes' divisibility (d, n multiples
-of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``, ``dxtilde_ws``, ``long_down``, ``long_dxt``,
-``dh_ws``, ``dw1_ws``, ``dw2_ws``, and ``dw1_ws_load``, ``dw2_ws_load``: the weight gradients in load order with the
-serpentine schedule; ``up_ws_clamped``, ``dh_ws_clamped``: gpt-oss's clamped SwiGLU) are compiled too, with their explicit configs. ``--ptx DIR`` writes each
-kernel's PTX without debug line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves
-every kernel as it was. ``--check-sass`` flags every HGMMA that reads a descriptor register some path through the
-kernel leaves unset (``sass_check.py``). ``--space portable --arch 80`` (or 86, 89, 120) compiles the Triton
-kernels' configs for the GPUs of :func:`sonicmoe.ops.common.tile_family`'s ``"mma"`` family, against that
-architecture's shared-memory limit (``SMEM_LIMITS``).
+Each op's launcher runs on small CPU tensors with a stand-in Triton driver whose target is ``cuda:<arch>``; kernels
+are compiled (``warmup``), never launched, and the cubin's resource usage is read with the ``cuobjdump`` that Triton's
+package carries. A config whose STACK or LOCAL (spill) bytes are not zero, or whose shared memory passes the limit,
+will be slow or fail on the GPU: this screens tile sweeps before they cost device time. Shapes only need the real
+shapes' divisibility (d, n multiples of 16), so the problem is tiny. The Gluon kernels (``up_ws``, ``down_ws``,
+``dxtilde_ws``, ``long_down``, ``long_dxt``, ``dh_ws``, ``dw1_ws``, ``dw2_ws``, and ``dw1_ws_load``, ``dw2_ws_load``:
+the weight gradients in load order with the serpentine schedule; ``up_ws_clamped``, ``dh_ws_clamped``: gpt-oss's
+clamped SwiGLU) are compiled too, with their explicit configs. ``--ptx DIR`` writes each kernel's PTX without debug
+line info: a refactor after which ``diff -r`` of two such folders shows nothing leaves every kernel as it was.
+``--check-sass`` flags every HGMMA that reads a descriptor register some path through the kernel leaves unset
+(``sass_check.py``). ``--space portable --arch 80`` (or 86, 89, 120) compiles the Triton kernels' configs for the GPUs
+of :func:`sonicmoe.ops.common.tile_family`'s ``"mma"`` family, against that architecture's shared-memory limit
+(``SMEM_LIMITS``).
 """
 
 from __future__ import annotations
