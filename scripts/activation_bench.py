@@ -5,9 +5,9 @@ passes the clamps (W1 times ``--w1-scale``, default 3: H's spread about 3):
 - a check of O and the gradients of x, W1, W2 and the scores against the float32 reference on the first 2048 tokens
   (relative errors, per activation);
 - forward+backward of ``sonicmoe.experts`` (``bench_ms``: settled warm-up, median), triton backend, each activation
-  (on sm_90 both take the Gluon up-projection and dH kernels where they serve), the clamped one also with
-  ``SONICMOE_GLUON_CLAMPED=0`` (the Triton kernels' epilogues: ``triton_clamped_swiglu_nogluon``), and the torch
-  backend with the clamped activation; TFLOP/s at 18·T·K·n·d useful FLOPs (SPEC);
+  (on sm_90 both take the Gluon up-projection and dH kernels where they serve: ``SONICMOE_GLUON_CLAMPED=1``), the
+  clamped one also with ``SONICMOE_GLUON_CLAMPED=0`` (the Triton kernels' epilogues:
+  ``triton_clamped_swiglu_nogluon``), and the torch backend with the clamped activation; TFLOP/s at 18·T·K·n·d useful FLOPs (SPEC);
 - the share of H's gate and up values that the clamps bind.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/activation_bench.py [--shape T,d,n,E,K ...] [--json F]
@@ -35,7 +35,7 @@ from sonicmoe.reference import split_gate_up
 SHAPES = ("24576,1536,256,128,8", "32768,2880,2880,128,4")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 # (result key, backend, activation, SONICMOE_GLUON_CLAMPED or None)
-VARIANTS = (("triton_swiglu", "triton", "swiglu", None), ("triton_clamped_swiglu", "triton", "clamped_swiglu", None),
+VARIANTS = (("triton_swiglu", "triton", "swiglu", None), ("triton_clamped_swiglu", "triton", "clamped_swiglu", "1"),
             ("triton_clamped_swiglu_nogluon", "triton", "clamped_swiglu", "0"),
             ("torch_clamped_swiglu", "torch", "clamped_swiglu", None))
 

@@ -127,7 +127,7 @@ def test_dispatch(monkeypatch, device):
     """dh hands the product to the Gluon kernel where dh_ws_supported says so (reducing its partials, or handing
     them back with reduce_ds=False; with ds_pairs, asking the kernel for dS in pair order where its tiles span all n
     channels, else summing its partials with score_grad), and never with an explicit Triton config; gpt-oss's
-    clamped SwiGLU too (its activation passed on), unless SONICMOE_GLUON_CLAMPED=0."""
+    clamped SwiGLU too (its activation passed on) with SONICMOE_GLUON_CLAMPED=1, not with 0."""
     calls = []
 
     def fake(dout, w2, h, s, routing, pair_order=False, ds_pairs=None, activation="swiglu"):
@@ -171,7 +171,7 @@ def test_dispatch(monkeypatch, device):
         got3 = dh_mod.dh(dout, w2, h, pairs, routing, pair_order=True, ds_pairs=torch.float32)[2]
         assert rel_err(got3, want + (1000 if in_kernel else 0)) < 1e-6
     assert len(calls) == 4
-    # gpt-oss's clamped SwiGLU: to the kernel with its activation, unless SONICMOE_GLUON_CLAMPED=0
+    # gpt-oss's clamped SwiGLU: to the kernel with its activation under SONICMOE_GLUON_CLAMPED=1, not under 0
     h6 = 6 * h
     want = dh_mod.dh_ref(dout, w2, h6, s, routing, activation="clamped_swiglu")
     for switch, n_calls in (("1", 5), ("0", 5)):

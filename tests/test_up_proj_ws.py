@@ -151,7 +151,7 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """up_proj hands the product to the Gluon kernel where up_ws_supported says so, and never with an explicit
-    Triton config; gpt-oss's clamped SwiGLU too (its activation passed on), unless SONICMOE_GLUON_CLAMPED=0."""
+    Triton config; gpt-oss's clamped SwiGLU too (its activation passed on) with SONICMOE_GLUON_CLAMPED=1, not with 0."""
     calls = []
 
     def fake(x, w1, b1, routing, store_h=True, activation="swiglu"):

@@ -285,8 +285,8 @@ def dh(
             bits) — by the dH kernel itself where :func:`ds_pairs_in_dh_kernel` holds, else by ``score_grad`` after
             it. ``reduce_ds`` is then ignored.
         activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`): the
-            activation whose A is recomputed from H and whose backward gives dH (both in the Gluon kernel too, unless
-            ``SONICMOE_GLUON_CLAMPED=0``: :func:`sonicmoe.ops.up_proj_ws.gluon_serves_activation`).
+            activation whose A is recomputed from H and whose backward gives dH (the clamped one in the Gluon kernel
+            too where :func:`sonicmoe.ops.up_proj_ws.gluon_serves_activation` says so: ``SONICMOE_GLUON_CLAMPED``).
     Returns:
         dH (R, 2n) in h's layout and dtype, A′ = S·A (R, n) in h's dtype, dS (R,) float32 in row order (without
         the bias term ⟨dO_t, b2[e]⟩), or as ``reduce_ds`` and ``ds_pairs`` say. With T = 0 (``dout`` of no rows)
