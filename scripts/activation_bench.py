@@ -7,7 +7,8 @@ passes the clamps (W1 times ``--w1-scale``, default 3: H's spread about 3):
 - forward+backward of ``sonicmoe.experts`` (``bench_ms``: settled warm-up, median), triton backend, each activation
   (on sm_90 both take the Gluon up-projection and dH kernels where they serve: ``SONICMOE_GLUON_CLAMPED=1``), the
   clamped one also with ``SONICMOE_GLUON_CLAMPED=0`` (the Triton kernels' epilogues:
-  ``triton_clamped_swiglu_nogluon``), and the torch backend with the clamped activation; TFLOP/s at 18·T·K·n·d useful FLOPs (SPEC);
+  ``triton_clamped_swiglu_nogluon``), and the torch backend with the clamped activation; TFLOP/s at 18·T·K·n·d
+  useful FLOPs (SPEC);
 - the share of H's gate and up values that the clamps bind.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/activation_bench.py [--shape T,d,n,E,K ...] [--json F]
