@@ -483,8 +483,8 @@ for step in "$@"; do
       done
       ;;
     activation)
-      # gpt-oss's clamped SwiGLU and router bias (session 84): their GPU tests (bf16, the Triton kernels where SwiGLU
-      # would take the Gluon ones), then scripts/activation_bench.py (ACT_SHAPES: T,d,n,E,K ...; default the 7B and
+      # gpt-oss's clamped SwiGLU and router bias (session 84): their GPU tests (bf16; the Gluon kernels' clamped
+      # epilogues and the Triton kernels'), then scripts/activation_bench.py (ACT_SHAPES: T,d,n,E,K ...; default the 7B and
       # gpt-oss-120b shapes): fwd+bwd of each activation and the torch backend's, with a check against float32
       # (session 85: the clamped activation in the Gluon kernels' epilogues too; pinned Triton configs, as the bf16
       # tests' autotuning did not finish within the step in session 84)

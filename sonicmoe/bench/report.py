@@ -10,9 +10,9 @@ A results file (``<date>_<gpu-slug>[_tag].json``) is strict JSON (NaN/Inf writte
      "flops": {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"},
      "autotune": bool, "tile_configs": {kernel: [{key, dtypes, tile_family, tma_available, config}, ...]},
      "gluon_kernels": [{m, k, E, dtype, transpose_b, config}, ...],
-     "gluon_up_kernels": [{d, n, E, dtype, store_h, config}, ...],
+     "gluon_up_kernels": [{d, n, E, dtype, store_h, activation, config}, ...],
      "gluon_wgrad_kernels": [{I, J, E, dtype, p_gather, config}, ...],
-     "gluon_dh_kernels": [{d, n, E, dtype, config}, ...],
+     "gluon_dh_kernels": [{d, n, E, dtype, activation, config}, ...],
      "gluon_long_kernels": [{m, k, E, dtype, transpose_b, width, config}, ...],
      "results": [shape record, ...]}
 

@@ -139,7 +139,8 @@ SMEM_BUDGET = 227 * 1024 - 1024  # dynamic shared memory of one program on sm_90
 # (34.725 against 34.865 ms, 3 of 4 rounds) and slower on another (35.00 against 34.89, 1 of 7): kept in the ring.
 STAGE_IN_RING = True
 # SIGMOID_FTZ: the epilogue recomputes A with the sigmoid by ex2.approx.ftz and rcp.approx.ftz
-# (up_proj_ws.sigmoid): 4400 SASS instructions against 5424, the same bits but for gates in about (-88.7, -87.3).
+# (up_proj_ws.sigmoid): 4400 SASS instructions against 5424, the same bits but for gates in about (-88.7, -87.3)
+# (with gpt-oss's clamped SwiGLU, whose sigmoid takes 1.702 g: gates in about (-52.1, -51.3)).
 # Timed in session 58 (H200): alone 4.308 against 4.383 ms at (32768, 4096, 1024, 128, 8) and 0.430 against 0.439 ms
 # at the 7B shape. SONICMOE_SIGMOID_FTZ (1 or 0) overrides it (up_proj_ws.sigmoid_ftz)
 SIGMOID_FTZ = True

@@ -187,8 +187,9 @@ def up_ws_config(d: int = 0, epi_warps: int | None = None) -> dict:
 
 
 def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:
-    """Whether a Gluon kernel takes the SwiGLU's sigmoid by the ftz forms: ``SONICMOE_SIGMOID_FTZ`` (1 or 0) where
-    set, for the up-projection and dH alike; else ``default``, the kernel's own (:data:`SIGMOID_FTZ` here,
+    """Whether a Gluon kernel takes the activation's sigmoid by the ftz forms (SwiGLU's σ(g), the clamped one's σ(1.702
+    g′), which differs from the default forms' for g′ in about (−52.1, −51.3) instead): ``SONICMOE_SIGMOID_FTZ`` (1 or
+    0) where set, for the up-projection and dH alike; else ``default``, the kernel's own (:data:`SIGMOID_FTZ` here,
     :data:`sonicmoe.ops.dh_ws.SIGMOID_FTZ` for dH). Read at each call."""
     return env_switch("SONICMOE_SIGMOID_FTZ", default)
 
@@ -477,9 +478,10 @@ if HAVE_GLUON:
                 EPI: gl.constexpr, H_PACKED: gl.constexpr = True, SIG_FTZ: gl.constexpr = False,
                 ACT: gl.constexpr = 0):
         """MMA partition: each tile's gate and up products over the ring (:func:`_gate_up_mainloop`), then the
-        SwiGLU epilogue and the stores (:func:`_buffer_stores`); with ``EPI`` (a storer partition), the rounded gate
-        and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART`` 1 (timing only): the MMAs alone,
-        the row sums of the gate and up products stored in A's column ``pid_n`` (H unwritten)."""
+        activation's epilogue (:func:`_gated_act`, ``ACT``) and the stores (:func:`_buffer_stores`); with ``EPI`` (a
+        storer partition), the rounded gate and up blocks staged in ``h_smem`` for :func:`_up_storer` instead. ``PART``
+        1 (timing only): the MMAs alone, the row sums of the gate and up products stored in A's column ``pid_n`` (H
+        unwritten)."""
         dtype: gl.constexpr = a_ptr.dtype.element_ty
         total = gl.load(table_ptr) * num_pid_n
         k_tiles = D // BLOCK_K
@@ -525,11 +527,11 @@ if HAVE_GLUON:
                    STORE_H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr,
                    CHUNK: gl.constexpr, H_TMA: gl.constexpr, SIG_FTZ: gl.constexpr = False,
                    ACT: gl.constexpr = 0):
-        """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up
-        blocks in ``h_smem``, their 16-byte stores (masked in an expert's last tile; with ``H_TMA``, a full tile's by
-        TMA), and A = silu(gate) · up from the staged values, ``CHUNK`` rows at a time, by 16-byte stores; the
-        staging set goes back to the MMA warps once every storer thread (and any TMA store) is done reading it. The
-        MMA warps meanwhile run the next tile."""
+        """Storer partition (``EPI_WARPS`` > 0): per tile, once the MMA warps have staged H's rounded gate and up blocks
+        in ``h_smem``, their 16-byte stores (masked in an expert's last tile; with ``H_TMA``, a full tile's by TMA), and
+        A = act(gate, up) (:func:`_gated_act`, ``ACT``) from the staged values, ``CHUNK`` rows at a time, by 16-byte
+        stores; the staging set goes back to the MMA warps once every storer thread (and any TMA store) is done reading
+        it. The MMA warps meanwhile run the next tile."""
         TPN: gl.constexpr = BLOCK_N // 8
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPN, TPN], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld))
