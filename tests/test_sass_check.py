@@ -109,7 +109,7 @@ def test_an_indirect_jump_goes_only_to_its_listed_targets():
 
 def test_the_layers_gluon_kernels_set_every_descriptor_on_every_path():
     """Each Gluon kernel's default config (the weight gradients also in load order with the serpentine schedule,
-    SONICMOE_WGRAD_ORDER=load), compiled offline for sm_90 by Triton's own ptxas
+    SONICMOE_WGRAD_ORDER=load; the up-projection and dH also with gpt-oss's clamped SwiGLU), compiled offline for sm_90 by Triton's own ptxas
     (``resource_report.py --space default --check-sass``, in a process without the interpreter that the other tests
     run under): every config compiles, and no HGMMA reads a descriptor
     register that some path leaves unset."""
@@ -118,8 +118,9 @@ def test_the_layers_gluon_kernels_set_every_descriptor_on_every_path():
                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
                               "PYTHONPATH": str(REPO)}).stdout
     compiled = [ln for ln in out.splitlines() if " reg " in ln]
-    assert len(compiled) == 11 and "ERROR" not in out, out
+    assert len(compiled) == 14 and "ERROR" not in out, out
     assert sum(ln.startswith("dw1_ws_load") or ln.startswith("dw2_ws_load") for ln in compiled) == 2, out
+    assert sum(ln.startswith(("up_ws_clamped", "dh_ws_clamped")) for ln in compiled) == 3, out
     assert not [ln for ln in compiled if "HGMMA-DESC-UNSET" in ln], out
 
 
