@@ -56,7 +56,8 @@
 #          scripts/shared_expert_bench.py (SHARED_SHAPES: T,d,n,E,K,n_s ...; default the script's three)
 #   sharedprof  every kernel of the shared expert alone (scripts/layer_profile.py at E = K = 1; SHAREDPROF_SHAPES)
 #   activation  gpt-oss's clamped SwiGLU: its GPU tests (Gluon epilogues included; ACT_TEST_S), then
-#          scripts/activation_bench.py (ACT_SHAPES, ACT_BENCH_S; ACT_AUTOTUNE=1 autotunes the Triton kernels)
+#          scripts/activation_bench.py (ACT_SHAPES, ACT_BENCH_S; ACT_AUTOTUNE=1 autotunes the Triton kernels; ACT_TEST_K
+#          selects tests by pytest -k)
 #   compile  the torch.compile and opcheck tests of tests/test_library.py
 #   review the GPU repros of session 83's reviews (scripts/gpu_review/), each with a 120 s limit
 #   orders the router orders, DeepSeek-V3's sigmoid_then_topk among them: GPU tests, benchmarks/router_orders.py
@@ -489,7 +490,7 @@ for step in "$@"; do
       # (session 85: the clamped activation in the Gluon kernels' epilogues too; pinned Triton configs, as the bf16
       # tests' autotuning did not finish within the step in session 84)
       SONICMOE_AUTOTUNE=${ACT_AUTOTUNE:-0} timeout ${ACT_TEST_S:-300} python3 -m pytest -rA -p no:cacheprovider -m gpu \
-        tests/test_activation.py tests/test_gpt_oss.py > "$OUT/gpu_tests_activation.log" 2>&1
+        ${ACT_TEST_K:+-k "$ACT_TEST_K"} tests/test_activation.py tests/test_gpt_oss.py > "$OUT/gpu_tests_activation.log" 2>&1
       SONICMOE_AUTOTUNE=${ACT_AUTOTUNE:-0} timeout ${ACT_BENCH_S:-250} python3 scripts/activation_bench.py ${ACT_SHAPES:+--shape $ACT_SHAPES} \
         --json "$OUT/activation_bench.json" > "$OUT/activation_bench.txt" 2>&1
       SUMMARY+=("$(grep -sE '^(FAILED|ERROR)' "$OUT/gpu_tests_activation.log")" "$(tail -1 "$OUT/gpu_tests_activation.log")"
