@@ -109,10 +109,10 @@ def test_an_indirect_jump_goes_only_to_its_listed_targets():
 
 def test_the_layers_gluon_kernels_set_every_descriptor_on_every_path():
     """Each Gluon kernel's default config (the weight gradients also in load order with the serpentine schedule,
-    SONICMOE_WGRAD_ORDER=load; the up-projection and dH also with gpt-oss's clamped SwiGLU), compiled offline for sm_90 by Triton's own ptxas
-    (``resource_report.py --space default --check-sass``, in a process without the interpreter that the other tests
-    run under): every config compiles, and no HGMMA reads a descriptor
-    register that some path leaves unset."""
+    SONICMOE_WGRAD_ORDER=load; the up-projection and dH also with gpt-oss's clamped SwiGLU), compiled offline for sm_90
+    by Triton's own ptxas (``resource_report.py --space default --check-sass``, in a process without the interpreter
+    that the other tests run under): every config compiles, and no HGMMA reads a descriptor register that some path
+    leaves unset."""
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "resource_report.py"), "--space", "default",
                           "--check-sass"], capture_output=True, text=True, timeout=1200,
                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
