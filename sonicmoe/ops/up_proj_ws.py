@@ -196,10 +196,11 @@ def sigmoid_ftz(default: bool = SIGMOID_FTZ) -> bool:
 
 # GLUON_CLAMPED: gpt-oss's clamped SwiGLU (activation="clamped_swiglu") in the epilogues of this kernel and of the dH
 # kernel (dh_ws) where the layer would run them for SwiGLU; else the Triton kernels run it (session 84's only form: 7B
-# forward+backward 4.96 ms against 3.33 for SwiGLU on these kernels, an H100). Added in session 85, compiled offline
-# (no spill; the SwiGLU kernels' PTX unchanged) but not yet run on a GPU, so off by default until its GPU tests
-# (tests/test_activation.py, which set it themselves) have passed
-GLUON_CLAMPED = False
+# forward+backward 4.96 ms against 3.33 for SwiGLU on these kernels, an H100). Added in session 85 (no spill; the
+# SwiGLU kernels' PTX unchanged). On an H100 (benchmarks/results/2026-12-06_session85/h100_call/): its GPU tests passed
+# (the up-projection's two epilogue forms; dH bitwise the Triton kernel's), and the 7B experts' forward+backward took
+# 3.402 / 3.408 ms against 3.482 / 3.480 with the Triton kernels (two rounds; SwiGLU 3.358 / 3.362), the same outputs
+GLUON_CLAMPED = True
 
 
 def gluon_serves_activation(activation: str) -> bool:
