@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+from unittest import mock
 
 import torch
 import triton
@@ -58,15 +59,8 @@ def _check(p, activation: str, rows: int = 1024) -> dict[str, float]:
     rounded to the layer's dtype as the kernels store it (``experts_ref(h_dtype=)``: the clamped activation's gradient
     jumps at the clamps' bounds). With ``SONICMOE_GLUON_UP=all``: at 1024 tokens the experts have too few rows for the
     layer's rule to pick the Gluon up-projection on H100s, whose epilogue is then checked all the same."""
-    saved = os.environ.get("SONICMOE_GLUON_UP")
-    os.environ["SONICMOE_GLUON_UP"] = "all"
-    try:
+    with mock.patch.dict(os.environ, {"SONICMOE_GLUON_UP": "all"}):
         return _check_rows(p, activation, rows)
-    finally:
-        if saved is None:
-            os.environ.pop("SONICMOE_GLUON_UP", None)
-        else:
-            os.environ["SONICMOE_GLUON_UP"] = saved
 
 
 def _check_rows(p, activation: str, rows: int) -> dict[str, float]:
@@ -101,10 +95,7 @@ def run_shape(spec: str, w1_scale: float, device: str = "cuda", dtype: torch.dty
     flops = 18 * t * k * n * d
     leaves = [p.x, p.w1, p.w2, p.pair_scores]
     for key, backend, act, switch in VARIANTS:
-        saved = os.environ.get("SONICMOE_GLUON_CLAMPED")
-        if switch is not None:
-            os.environ["SONICMOE_GLUON_CLAMPED"] = switch
-        try:
+        with mock.patch.dict(os.environ, {} if switch is None else {"SONICMOE_GLUON_CLAMPED": switch}):
             if backend == "triton":
                 row[f"{key}_errors"] = _check(p, act)
 
@@ -116,11 +107,6 @@ def run_shape(spec: str, w1_scale: float, device: str = "cuda", dtype: torch.dty
             ms = bench_ms(fwdbwd_fn(fwd, leaves, p.dout), device=p.device)["p50"]
             # the Gluon kernels the timed runs took (none: the Triton kernels)
             row[f"{key}_gluon"] = {"up": up_proj_ws.up_ws_calls(), "dh": dh_ws.dh_ws_calls()}
-        finally:
-            if saved is None:
-                os.environ.pop("SONICMOE_GLUON_CLAMPED", None)
-            else:
-                os.environ["SONICMOE_GLUON_CLAMPED"] = saved
         row[f"{key}_ms"] = ms
         row[f"{key}_tflops"] = flops / ms / 1e9
     return row

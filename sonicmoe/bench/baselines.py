@@ -28,6 +28,7 @@ with the reason in its row, under any other.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -44,15 +45,6 @@ from .problem import Problem
 
 class Unavailable(Exception):
     """The backend cannot run here (reason in the message); the row is reported as skipped."""
-
-
-def gated(h: torch.Tensor, n: int, activation: str = "swiglu") -> torch.Tensor:
-    """A (..., n) from H (..., 2n) in the concat layout ([gate; up]) as torch ops: silu(gate) · up for
-    ``"swiglu"``, gpt-oss's (clamp(up, -7, 7) + 1) · g · sigmoid(1.702 g), g = min(gate, 7), for ``"clamped_swiglu"``
-    (:func:`sonicmoe.reference.swiglu_ref`); in H's dtype."""
-    if activation == "swiglu":
-        return F.silu(h[..., :n]) * h[..., n:]
-    return swiglu_ref(h, "concat", activation)
 
 
 def ref_h_dtype(activation: str, dtype: torch.dtype) -> torch.dtype | None:
@@ -177,19 +169,19 @@ def experts_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, routing: R
                  pair_scores: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
     """Per-expert Python loop in the input dtype (the naive baseline; HF-Mixtral style).
 
-    x (T, d), W1 (E, 2n, d) [gate; up] rows, W2 (E, d, n), S (R,); ``activation`` as :func:`gated`. Returns O (T, d).
+    x (T, d), W1 (E, 2n, d) [gate; up] rows, W2 (E, d, n), S (R,); ``activation``: A's formula
+    (:func:`sonicmoe.reference.swiglu_ref`). Returns O (T, d).
     """
     # zeros in the graph of x, the weights and the scores: with no pair routed the output still has a backward
     out = torch.zeros_like(x) + 0 * (x.sum() + w1.sum() + w2.sum() + pair_scores.sum())
     offsets = routing.expert_offsets.tolist()
-    n = w2.shape[2]
     for e in range(routing.num_experts):
         lo, hi = offsets[e], offsets[e + 1]
         if hi == lo:
             continue
         tok = routing.row_token[lo:hi].long()
         h = F.linear(x[tok], w1[e])
-        a = gated(h, n, activation)
+        a = swiglu_ref(h, "concat", activation)
         y = F.linear(a, w2[e])
         s = pair_scores[routing.row_pair[lo:hi].long()].to(y.dtype)
         out.index_add_(0, tok, y * s[:, None])
@@ -237,13 +229,7 @@ def _loop_factory(problem: Problem, options: dict) -> Case:
     if max_e is not None and problem.shape.E > max_e:
         raise Unavailable(f"E={problem.shape.E} > --loop-max-E={max_e} (a Python loop over experts)")
     activation = options.get("activation", "swiglu")
-    if activation == "swiglu":  # the function itself, as before the activation option
-        return ExpertsCase("loop", problem, experts_loop)
-
-    def fn(x, w1, w2, routing, pair_scores):
-        return experts_loop(x, w1, w2, routing, pair_scores, activation)
-
-    return ExpertsCase("loop", problem, fn, activation=activation)
+    return ExpertsCase("loop", problem, functools.partial(experts_loop, activation=activation), activation=activation)
 
 
 class UpperBoundCase(Case):
@@ -251,9 +237,9 @@ class UpperBoundCase(Case):
 
     m = ⌈T·K'/E⌉ rows per expert (K' = round(R/T) = K under top-k), X_up (E·m, d) holding copies of
     the input rows (row r = x[r mod T]); ``torch.bmm`` (E, m, d)·(E, d, 2n) → the gated activation (SwiGLU,
-    silu(gate)·up, or ``activation="clamped_swiglu"``, as torch ops: :func:`gated`) → ``torch.bmm`` (E, m, n)·(E, n, d)
-    → weighted sum of the K' rows of each token over a contiguous (T, K', d) view. Backward through autograd. Scores
-    S_up (T, K') in the input dtype.
+    silu(gate)·up, or ``activation="clamped_swiglu"``, as torch ops: :func:`sonicmoe.reference.swiglu_ref`) →
+    ``torch.bmm`` (E, m, n)·(E, n, d) → weighted sum of the K' rows of each token over a contiguous (T, K', d)
+    view. Backward through autograd. Scores S_up (T, K') in the input dtype.
     """
 
     name = "upper"
@@ -279,10 +265,10 @@ class UpperBoundCase(Case):
         self.info = {"rows_per_expert": m, "K_up": k_up, "rows": rows}
 
     def forward(self) -> torch.Tensor:
-        E, m, n, d, T, k = self.E, self.m, self.n, self.d, self.T, self.k_up
+        E, m, d, T, k = self.E, self.m, self.d, self.T, self.k_up
         w1, w2 = self.problem.w1, self.problem.w2
         h = torch.bmm(self.x_up.view(E, m, d), w1.transpose(1, 2))  # (E, m, 2n)
-        a = gated(h, n, self.activation)  # (E, m, n)
+        a = swiglu_ref(h, "concat", self.activation)  # (E, m, n)
         y = torch.bmm(a, w2.transpose(1, 2))  # (E, m, d)
         y = y.view(E * m, d)[: T * k].view(T, k, d)
         return (y * self.s_up[..., None]).sum(1)
@@ -317,7 +303,7 @@ def _scattermoe_factory(problem: Problem, options: dict) -> Case:
             from scattermoe.kernels.ops import padded_block_indices
         except ImportError as exc:
             raise Unavailable(f"this scattermoe version is not supported ({exc})") from exc
-    E, K, n = problem.shape.E, problem.shape.K, problem.shape.n
+    E, K = problem.shape.E, problem.shape.K
     activation = options.get("activation", "swiglu")
 
     def fn(x, w1, w2, routing, pair_scores):
@@ -332,7 +318,7 @@ def _scattermoe_factory(problem: Problem, options: dict) -> Case:
             else:
                 kw["expert_offsets"] = routing.expert_offsets[1:].long()
         h = parallel_linear(x, w1.transpose(1, 2), K, grouped_out=True, **kw)  # (TK, 2n) grouped
-        a = gated(h, n, activation)
+        a = swiglu_ref(h, "concat", activation)
         gates = pair_scores.view(T, K).to(x.dtype)
         return parallel_linear(a, w2.transpose(1, 2), 1, gates=gates, grouped_in=True, **kw)
 

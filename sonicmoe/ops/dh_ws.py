@@ -306,6 +306,7 @@ if HAVE_GLUON:
             ds_out = ds_in + part
         dtype: gl.constexpr = dh_ptr.dtype.element_ty
         da = acc * s
+        # A, then dS, then dH, as before ACT existed: the SwiGLU kernel's PTX stays byte-identical (session 85)
         if ACT == 0:
             d_up = (da * silu).to(dtype)
             d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
