@@ -312,7 +312,7 @@ if HAVE_GLUON:
             d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)
         else:
             d_gate = gl.where(g <= 7.0, da * (uc + 1.0) * (sig + 1.702 * glu * (1.0 - sig)), 0.0).to(dtype)
-            d_up = gl.where((u >= -7.0) & (u <= 7.0), da * glu, 0.0).to(dtype)
+            d_up = gl.where(uc == u, da * glu, 0.0).to(dtype)  # u inside [−7, 7] (NaN: False), one compare
         refill: gl.constexpr = J + NBUF < NB
         gl.thread_barrier()  # every MMA thread has read buffer b (and, from block J - 2, staging set J % 2)
         if refill:
