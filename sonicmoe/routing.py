@@ -384,6 +384,19 @@ def _version_of(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def take_chosen(values: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``values.gather(1, topk_ids)``: the (T, K) entries of the (T, E) ``values`` at the (T, K) int64 ``topk_ids``.
+
+    Under torch.compile on CPU it is a one-hot select and sum over E instead (the same values: one entry and
+    zeros; a dense backward, T·K·E elements): Inductor's CPU code (torch 2.13) read the scatter-add buffer of
+    gather's backward before writing it where it fused that with a softmax backward, which gave token rounding's
+    router wrong gradients without an error (session 86)."""
+    if values.device.type == "cpu" and torch.compiler.is_compiling():
+        one_hot = topk_ids[:, :, None] == torch.arange(values.shape[1], device=values.device)
+        return torch.where(one_hot, values[:, None, :], 0).sum(dim=-1)
+    return values.gather(1, topk_ids)
+
+
 def topk_lowest_first(key: torch.Tensor, k: int) -> torch.Tensor:
     """(…, k) int64 indices of the k largest entries of each row of ``key``, in decreasing order, equal entries
     toward the lower index and a NaN first (the router kernel's rule, :mod:`sonicmoe.ops.router`).
@@ -491,13 +504,13 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
         topk_ids, scores = sigmoid_topk(torch.sigmoid(logits), top_k, renormalize, expert_bias, *groups)
         return RouterOutput(logits, None, topk_ids, scores, sigmoid=True)
     topk_ids = topk_lowest_first(logits, top_k)
-    top_logits = logits.gather(1, topk_ids)
+    top_logits = take_chosen(logits, topk_ids)
     probs = None
     if router_order == "topk_then_softmax":
         scores = torch.softmax(top_logits, dim=-1)
     else:
         probs = router_probs(logits)
-        scores = probs.gather(1, topk_ids)
+        scores = take_chosen(probs, topk_ids)
         if renormalize:
             scores = scores / scores.sum(dim=-1, keepdim=True)
     return RouterOutput(logits, probs, topk_ids, scores)
@@ -578,7 +591,7 @@ def sigmoid_topk(probs: torch.Tensor, top_k: int, renormalize: bool, expert_bias
         keep.scatter_(1, topk_lowest_first(group_score, topk_group), True)
         key = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
     topk_ids = topk_lowest_first(key, top_k)
-    scores = probs.gather(1, topk_ids)
+    scores = take_chosen(probs, topk_ids)
     if renormalize:
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_ids, scores

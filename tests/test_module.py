@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import shutil
 
 import pytest
 import torch
@@ -716,6 +717,36 @@ def test_torch_backend_compiles_with_an_empty_batch(options):
         assert got[0][0].shape == (t, 16) and got[0][1].shape == (t, 16)
         for a, b in zip(*got):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="Inductor on CPU needs a C++ "
+                    "compiler")
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("options", [{}, {"routing": "token_rounding", "m_tile": 4},
+                                     {"routing": "token_rounding", "m_tile": 4, "router_order": "softmax_then_topk",
+                                      "renormalize": True}], ids=["topk", "token_rounding", "tr_softmax_renorm"])
+def test_torch_backend_compiles_with_inductor(options):
+    """torch.compile(fullgraph=True) with its default backend (Inductor) of the torch backend on CPU, as a user
+    compiles MoE: forward and backward through T = 16, 16, 24, 1 (a static then a dynamic-shape compile) give the
+    eager output and gradients. Before session 86 Inductor's generated code read one expert's unbacked row count
+    before defining it (UnboundLocalError at the first call; the torch backend now splits the rows by size), and
+    under token rounding read gather's backward buffer before writing it: x and the router weight got gradients
+    off by 10-100 % (:func:`sonicmoe.routing.take_chosen`)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = MoE(32, 16, 4, 2, backend="torch", **options)
+    cm = torch.compile(m, fullgraph=True)
+    for t in (16, 16, 24, 1):
+        x = torch.randn(t, 32)
+        got = []
+        for fn in (cm, m):
+            xi = x.clone().requires_grad_(True)
+            y = fn(xi)
+            (y.square().sum() + m.aux_loss).backward()
+            got.append((y.detach(), xi.grad, m.experts.gate_up_proj.grad.clone(), m.gate.weight.grad.clone()))
+            m.zero_grad()
+        for a, b in zip(*got):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_float32_router_beside_bf16_experts():

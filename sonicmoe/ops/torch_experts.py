@@ -32,11 +32,17 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, routing: Routing, use_grou
     if routing.row_token.shape[0] == 0:  # no row: no per-expert slices (under torch.compile their bounds are
         # unbacked sizes, which slices that are never used leave pending); (0, m), still in w's graph (zero gradient)
         return F.linear(a[:0], w[0])
-    outs = []
-    offsets = routing.expert_offsets.tolist()
-    for e in range(routing.num_experts):
-        outs.append(F.linear(a[offsets[e]:offsets[e + 1]], w[e]))
-    outs.append(a.new_zeros(a.shape[0] - offsets[-1], w.shape[1]))  # padding rows (routing.padded), if any
+    # rows per expert, then the padding rows (routing.padded), if any: one host read. torch.split by these sizes,
+    # not slices at the offsets: under torch.compile(fullgraph=True) on CPU, Inductor (torch 2.13) allocated the
+    # concatenated output of sliced GEMMs before the last slice's unbacked size was defined (UnboundLocalError)
+    offs = routing.expert_offsets
+    sizes = torch.cat([offs, offs.new_full((1,), a.shape[0])]).diff().tolist()
+    for size in sizes:
+        torch._check(size >= 0)
+    torch._check(sum(sizes) == a.shape[0])
+    parts = torch.split(a, sizes)
+    outs = [F.linear(parts[e], w[e]) for e in range(routing.num_experts)]
+    outs.append(parts[-1].new_zeros(parts[-1].shape[0], w.shape[1]))
     return torch.cat(outs, dim=0)
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..routing import take_chosen
 from .common import cdiv, check_device, interpreting, new_output, next_pow2
 from .fast_launch import launch_kernel
 
@@ -325,7 +326,7 @@ def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor,
     pair_added = ~match.any(dim=1) & real
     chosen = router.topk_scores[pair_token, match.to(torch.int32).argmax(dim=1)]
     if router_order == "topk_then_softmax":  # exp((v − mx) − log Σ exp(c − mx)), as the kernel (_chosen_stats)
-        chosen_logits = router.logits.gather(1, ids)
+        chosen_logits = take_chosen(router.logits, ids)
         mx = chosen_logits.detach().max(dim=1, keepdim=True).values
         red = torch.exp(chosen_logits - mx).sum(dim=1).log()
         added = torch.exp((router.logits[pair_token, pair_expert] - mx[pair_token, 0]) - red[pair_token])
@@ -333,7 +334,7 @@ def pair_scores_ref(router, pair_token: torch.Tensor, pair_expert: torch.Tensor,
         src = added_pair_source(router, router_order)
         added = src[pair_token, pair_expert]
         if renormalize:
-            added = added / (src.gather(1, ids).sum(dim=1) + _renorm_eps(router_order, True))[pair_token]
+            added = added / (take_chosen(src, ids).sum(dim=1) + _renorm_eps(router_order, True))[pair_token]
     score = torch.where(pair_added, added.to(chosen.dtype), chosen)
     return torch.where(real, score, torch.zeros_like(score)), pair_added
 
