@@ -218,8 +218,9 @@ def hf_experts_state_dict(layer: MoE, prefix: str = "", *, style: str = "qwen",
                           shared_name: str | None = None) -> dict[str, torch.Tensor]:
     """The inverse of :func:`load_hf_experts`: ``layer``'s weights as a per-expert Hugging Face state dict (new
     tensors, in the layer's dtype and device): ``{prefix}gate.weight`` (and ``{prefix}gate.bias`` with a router
-    bias), ``{prefix}experts.{i}.{gate, up,
-    down}.weight`` (and ``.bias`` with expert biases) under ``style`` ``"qwen"`` or ``"mixtral"``,
+    bias), ``{prefix}experts.{i}.{gate_proj, up_proj,
+    down_proj}.weight`` under ``style="qwen"`` (Qwen2/3-MoE, OLMoE, DeepSeek) or ``{prefix}experts.{i}.{w1, w3,
+    w2}.weight`` (gate, up, down) under ``"mixtral"`` (and ``.bias`` with expert biases),
     ``{prefix}gate.e_score_correction_bias`` where the layer has it, and a shared expert's
     ``{prefix}{shared_name}.{gate_proj, up_proj, down_proj}.weight`` (with ``{prefix}shared_expert_gate.weight``
     where the layer has that gate) where it has one. ``shared_name``: ``"shared_experts"`` (DeepSeek-V2/V3) or

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal
 
 RouterOrder = Literal["topk_then_softmax", "softmax_then_topk", "sigmoid_then_topk"]
@@ -112,6 +113,11 @@ class MoEConfig:
     router_bias: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group", "m_tile",
+                     "shared_intermediate_size"):  # numpy and other integral scalars (not bools) as Python ints
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                object.__setattr__(self, name, int(v))
         for name in ("hidden_size", "intermediate_size", "num_experts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

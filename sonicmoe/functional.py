@@ -182,8 +182,8 @@ def experts(
             torch otherwise: CPU, meta, float64).
         activation: ``"swiglu"`` (silu(gate) · up) or ``"clamped_swiglu"`` (gpt-oss: (clamp(up, -7, 7) + 1) ·
             g · sigmoid(1.702 g), g = min(gate, 7); :func:`sonicmoe.reference.swiglu_ref`). On sm_90 the
-            warp-specialised Gluon kernels of the up-projection and dH serve ``"swiglu"`` only; the clamped form
-            runs their Triton twins.
+            warp-specialised Gluon kernels of the up-projection and dH serve both (the clamped form since session
+            85; ``SONICMOE_GLUON_CLAMPED=0`` runs it on their Triton twins), in the concat layout.
 
     Returns:
         O (T, d) in x's dtype (under ``torch.autocast``: in the autocast dtype).

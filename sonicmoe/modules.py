@@ -132,6 +132,9 @@ class MoE(nn.Module):
                  *, activation: str = "swiglu", device=None, dtype=None, **options):
         super().__init__()
         self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, activation=activation, **options)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype for the parameters (bfloat16, float16, float32, "
+                            f"float64) or None, got {dtype!r}")
         self.gate = nn.Linear(hidden_size, num_experts, bias=self.config.router_bias, device=device, dtype=dtype)
         if self.gate.bias is not None:
             nn.init.zeros_(self.gate.bias)  # no expert preferred at first (gpt-oss's initialisation)
@@ -275,6 +278,23 @@ class MoE(nn.Module):
                        gate_up_layout=self.config.gate_up_layout, backend=backend, activation=self.config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """O (..., d) = Σ_k S_tk · Expert_{e_tk}(x_t) (+ the shared expert), SPEC §2-§5.
+
+        Args:
+            x: (..., d) tokens (T = the product of the leading dimensions; (T, d), (B, S, d), ...), bf16/fp16/fp32
+                (float64 with the torch backend), on the parameters' device, any strides; not modified.
+
+        Returns:
+            O of x's shape, in x's dtype (under ``torch.autocast``: the autocast dtype); with
+            ``return_router_info=True`` a :class:`MoELayerOutput` (output, aux_loss, z_loss, expert_counts).
+            Sets ``self.aux_loss`` and ``self.z_loss`` (0-d float32 tensors, float64 with a float64 router, already
+            scaled by their coefficients; add them to the training loss) and ``self.expert_counts`` (E,), the pairs
+            each expert received (no gradient).
+
+        Raises:
+            TypeError: x not a floating tensor of those dtypes; float64 parameters with ``backend="triton"``.
+            ValueError: x's last dimension not ``hidden_size``, or x on another device than the parameters.
+        """
         c = self.config
         _check_float("x", x, allow_float64=True)
         if x.dim() < 1 or x.shape[-1] != c.hidden_size:
@@ -282,7 +302,7 @@ class MoE(nn.Module):
         if x.device != self.gate.weight.device:
             raise ValueError(f"x is on {x.device} but the MoE parameters are on {self.gate.weight.device}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, c.hidden_size)
+        x2 = x.reshape(-1, c.hidden_size).contiguous()  # strides never change the bits (the router GEMM's did)
         # the experts run in their weights' dtype, or under torch.autocast in its dtype (float64 parameters excepted,
         # as autocast leaves them); the router may keep float32 weights beside bf16 experts (its logits are a float32
         # GEMM of the upcast operands then)

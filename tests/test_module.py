@@ -768,3 +768,35 @@ def test_float32_router_beside_bf16_experts():
     assert rel_err(y, ref) < 2e-2
     (y.square().sum() + m.aux_loss).backward()
     assert m.gate.weight.grad.dtype == torch.float32 and m.experts.gate_up_proj.grad.dtype == torch.bfloat16
+
+
+def test_integral_sizes_and_parameter_dtype_checked():
+    """numpy integers are taken as Python ints (sizes read from configs or arrays); a non-floating parameter dtype
+    raises a TypeError naming ``dtype`` (it raised torch's requires-grad error before session 86); bools stay
+    rejected as sizes."""
+    np = pytest.importorskip("numpy")
+    m = MoE(np.int64(32), np.int32(16), 4, np.int64(2), m_tile=np.int64(4))
+    assert all(type(getattr(m.config, f)) is int for f in ("hidden_size", "intermediate_size", "top_k", "m_tile"))
+    assert m(torch.randn(3, 32)).shape == (3, 32)
+    with pytest.raises(TypeError, match="dtype must be a floating"):
+        MoE(32, 16, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(32, 16, 4, True)
+
+
+def test_strides_do_not_change_the_bits():
+    """A transposed (non-contiguous) x gives the same output and gradients, bit for bit, as its contiguous copy (the
+    router's logits GEMM differed in the last bit before session 86)."""
+    torch.manual_seed(0)
+    m = MoE(32, 16, 4, 2, backend="torch")
+    base = torch.randn(32, 24)
+    got = []
+    for x in (base.t(), base.t().contiguous()):
+        x = x.detach().requires_grad_(True)
+        y = m(x)
+        (y.square().sum() + m.aux_loss).backward()
+        got.append((y.detach(), x.grad, m.gate.weight.grad.clone()))
+        m.zero_grad()
+    assert not base.t().is_contiguous()
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
