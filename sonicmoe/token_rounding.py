@@ -175,7 +175,10 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
         extra = num_experts * ((m_tile - 1) // 2)
     else:  # up, stochastic
         extra = num_experts * (m_tile - 1)
-    return torch.sym_min(tk + extra, num_tokens * num_experts)  # symbolic under torch.compile (no guard on T)
+    bound, cap = tk + extra, num_tokens * num_experts
+    if isinstance(bound, int) and isinstance(cap, int):  # a static T: Dynamo of torch 2.11 refused torch.sym_min's int
+        return min(bound, cap)  # result ("torch.* op returned non-Tensor"; GPU compile test, session 86)
+    return torch.sym_min(bound, cap)  # a symbolic T under torch.compile (no guard on T)
 
 
 def _check_args(router: RouterOutput, m_tile: int, subroutine: str,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sonicmoe.testing import rel_err
-from sonicmoe.train import cli
+from sonicmoe.train import cli, loop
 from sonicmoe.train.config import make_config
 from sonicmoe.train.data import ByteCorpus, stdlib_source_files
 from sonicmoe.train.loop import Progress, lr_at
@@ -576,12 +576,31 @@ def test_expert_parallel_resume_continues_exactly(expert_parallel, tmp_path):
     assert resumed["final_val_loss"] == full["final_val_loss"]
 
 
-def test_expert_parallel_needs_ranks(tmp_path):
-    """--expert-parallel P must divide the ranks (one process here) and E."""
-    with pytest.raises(ValueError, match="expert_parallel=2 must divide the number of ranks, 1"):
+def test_expert_parallel_needs_ranks(tmp_path, capsys):
+    """--expert-parallel P must divide the ranks (one process here) and E: a usage error from the CLI before any
+    data or model is built (session 86; a traceback from train() before), and a ValueError from train() itself."""
+    with pytest.raises(SystemExit) as e:
         cli.main([*DP, "--expert-parallel", "2", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "expert_parallel=2 must divide the number of ranks, 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide the number of ranks, 1"):
+        loop.train(make_config("cpu-tiny", expert_parallel=2, experts=8, out=str(tmp_path)))
     with pytest.raises(SystemExit):
         cli.main([*DP, "--expert-parallel", "3", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--device", "cuda"], "no CUDA GPU"),
+    (["--backend", "triton"], "TRITON_INTERPRET=1"),
+])
+def test_cli_refuses_what_this_machine_cannot_run(extra, match, capsys, monkeypatch):
+    """--device cuda without a GPU and --backend triton on CPU without the interpreter: usage errors (exit 2) before
+    any data or model is built, not a traceback at the first step (session 86)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU runs both")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*TINY, *extra, "--out", "unused"])
+    assert e.value.code == 2 and match in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -12,7 +12,7 @@ import torch
 
 from ..config import ACTIVATIONS, BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
 from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
-from .loop import CHECKPOINT, LOG, PLOT, load_checkpoint, train
+from .loop import CHECKPOINT, LOG, PLOT, load_checkpoint, resolve_device, train
 
 DESCRIPTION = """Train a byte-level decoder-only transformer whose MLPs are sonicmoe.MoE layers.
 
@@ -162,6 +162,28 @@ def _summary(log: dict[str, Any], out: Path) -> str:
     return "\n".join(lines)
 
 
+def _preflight(cfg) -> None:
+    """ValueError, before any data or model is built, for options this process cannot run: ``--device cuda``
+    without a GPU, ``--graph-moe`` off CUDA or with several ranks, ``--expert-parallel`` that does not divide the
+    ranks torchrun started (``WORLD_SIZE``; 1 without torchrun), ``--backend triton`` on CPU without
+    ``TRITON_INTERPRET=1``. :func:`train` checks the same again (callers from Python)."""
+    try:
+        device = resolve_device(cfg.device)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.graph_moe and (device.type != "cuda" or world > 1):
+        raise ValueError(f"--graph-moe: graph_moe needs one process on a CUDA device, got {device.type} with {world} "
+                         "rank(s)")
+    if world % cfg.expert_parallel:
+        raise ValueError(f"--expert-parallel: expert_parallel={cfg.expert_parallel} must divide the number of ranks, "
+                         f"{world} (start the run with torchrun --nproc-per-node {cfg.expert_parallel} -m sonicmoe "
+                         "train ...)")
+    if device.type == "cpu" and cfg.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--backend triton on CPU runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "(slow), or use --backend torch")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``sonicmoe train`` with ``argv`` (without the ``train`` word); returns the exit status."""
     parser = build_parser()
@@ -187,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-tiny")
             out = args.out or str(Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
             cfg = make_config(preset, **overrides, out=out)
+        _preflight(cfg)
     except ValueError as e:
         parser.error(str(e))
     cfg.progress = not args.no_progress
