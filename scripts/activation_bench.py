@@ -49,8 +49,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     num = den = 0.0
     for a, b in zip(out.split(1), ref.split(1)):
         a, b = a.double(), b.double()
-        num += float((a - b).square().sum())
-        den += float(b.square().sum())
+        num += float((a - b).detach().square().sum())
+        den += float(b.detach().square().sum())
     return (num / max(den, 1e-60)) ** 0.5
 
 

@@ -110,7 +110,7 @@ def gemm_then_gather_sum(a: Tensor, b: Tensor, bias: Tensor | None, routing: Rou
                          *, transpose_b: bool) -> Tensor:
     """O (T, d) = gather_sum(C) for the varlen-M grouped GEMM C (R, d) = A op(B[e]) (+ bias[e]), with optional
     slot weights: the backward's dX̃ GEMM and dX aggregation (A = dH (R, 2n), B = W1 (E, 2n, d), no weights;
-    SPEC §4 kernel 4), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
+    SPEC §4 kernels 3 and 5), or the forward's down-projection and aggregation form (A (R, n), B = W2 (E, d, n),
     ``transpose_b``, weights S; SPEC §3 kernels 2-3), which the forward does not run this way (probes only: in the
     layer it measured no faster on H100s, sessions 27 and 53, and slower on H200s, sessions 62 and 64; the switch that
     ran it, SONICMOE_FWD_AGG_BLOCKS, is at commit 34b4e37).

@@ -1,5 +1,5 @@
 """Warp-specialised varlen-M grouped GEMM with a streamed B, for Hopper, in Gluon: the backward's dX̃ = dH W1[e]
-(SPEC §4 kernel 4) and the down-projection Y = A W2[e]ᵀ (SPEC §3 kernel 2) where their reductions are too long for
+(SPEC §4 kernel 3) and the down-projection Y = A W2[e]ᵀ (SPEC §3 kernel 2) where their reductions are too long for
 the ping-pong kernel of :mod:`.grouped_gemm_ws` (which keeps B[e]'s whole k × BLOCK_N block resident: k = 2n ≤ 512,
 n ≤ 256).
 
