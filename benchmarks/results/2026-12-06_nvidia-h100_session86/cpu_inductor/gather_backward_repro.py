@@ -51,5 +51,5 @@ for fn in (torch.compile(f, fullgraph=True), f):
     loss, _ = fn(xi, pt, pe)
     loss.backward()
     out.append((loss.detach(), xi.grad, w.grad.clone()))
-print(torch.__version__, mode, "compiled - eager, max abs: loss %.2e, dX %.2e, dW_r %.2e"
-      % tuple((a - b).abs().max().item() for a, b in zip(*out)))
+dl, dx, dw = ((a - b).abs().max().item() for a, b in zip(*out))
+print(torch.__version__, mode, f"compiled - eager, max abs: loss {dl:.2e}, dX {dx:.2e}, dW_r {dw:.2e}")
