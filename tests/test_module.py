@@ -701,22 +701,31 @@ def test_torch_backend_compiles_with_an_empty_batch(options):
     """torch.compile(fullgraph, dynamic) of the torch backend (MoE's default on CPU) through T = 3, 0, 5: an empty
     batch compiled (its per-expert slices of no row left unbacked sizes pending: an internal Dynamo error before
     session 83), and every call gives the eager output and gradients."""
-    torch._dynamo.reset()  # MoE.forward's compiled variants from earlier tests count toward Dynamo's recompile limit
     torch.manual_seed(0)
-    m = MoE(16, 8, 4, 2, backend="torch", **options)
-    cm = torch.compile(m, fullgraph=True, backend="aot_eager", dynamic=True)
-    for t in (3, 0, 5):
-        x = torch.randn(t, 16)
+    _compiled_matches_eager(MoE(16, 8, 4, 2, backend="torch", **options), (3, 0, 5), 1e-6,
+                            backend="aot_eager", dynamic=True)
+
+
+def _compiled_matches_eager(m: MoE, tokens, rtol: float, **compile_options) -> None:
+    """torch.compile(m, fullgraph=True, **compile_options) against m eager at each T of ``tokens``: the output and the
+    gradients of x, W1 and W_r within ``rtol`` (atol 1e-6), after a Dynamo reset (MoE.forward's compiled variants from
+    earlier tests count toward Dynamo's recompile limit)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cm = torch.compile(m, fullgraph=True, **compile_options)
+    d = m.config.hidden_size
+    for t in tokens:
+        x = torch.randn(t, d)
         got = []
         for fn in (cm, m):
             xi = x.clone().requires_grad_(True)
             y = fn(xi)
             (y.square().sum() + m.aux_loss).backward()
-            got.append((y.detach(), xi.grad, m.experts.gate_up_proj.grad.clone()))
+            got.append((y.detach(), xi.grad, m.experts.gate_up_proj.grad.clone(), m.gate.weight.grad.clone()))
             m.zero_grad()
-        assert got[0][0].shape == (t, 16) and got[0][1].shape == (t, 16)
+        assert got[0][0].shape == (t, d) and got[0][1].shape == (t, d)
         for a, b in zip(*got):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="Inductor on CPU needs a C++ "
@@ -732,21 +741,8 @@ def test_torch_backend_compiles_with_inductor(options):
     before defining it (UnboundLocalError at the first call; the torch backend now splits the rows by size), and
     under token rounding read gather's backward buffer before writing it: x and the router weight got gradients
     off by 10-100 % (:func:`sonicmoe.routing.take_chosen`)."""
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    m = MoE(32, 16, 4, 2, backend="torch", **options)
-    cm = torch.compile(m, fullgraph=True)
-    for t in (16, 16, 24, 1):
-        x = torch.randn(t, 32)
-        got = []
-        for fn in (cm, m):
-            xi = x.clone().requires_grad_(True)
-            y = fn(xi)
-            (y.square().sum() + m.aux_loss).backward()
-            got.append((y.detach(), xi.grad, m.experts.gate_up_proj.grad.clone(), m.gate.weight.grad.clone()))
-            m.zero_grad()
-        for a, b in zip(*got):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _compiled_matches_eager(MoE(32, 16, 4, 2, backend="torch", **options), (16, 16, 24, 1), 1e-5)
 
 
 def test_float32_router_beside_bf16_experts():
