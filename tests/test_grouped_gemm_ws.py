@@ -324,3 +324,18 @@ def test_gpu_layer_uses_gluon_down_projection(monkeypatch):
         assert torch.equal(on[0], off[0])
         for name in on[1]:
             assert torch.equal(on[1][name], off[1][name]), (switch, name)
+
+
+@pytest.mark.skipif(not grouped_gemm_ws.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_gluon_kernels_only_on_the_triton_release_they_were_written_for(monkeypatch):
+    """Gluon's API is experimental: the Gluon kernels run on Triton GLUON_TRITON only (other releases take the Triton
+    kernels, the same results), unless SONICMOE_GLUON=force; SONICMOE_GLUON=0 turns them off on any release."""
+    parse = grouped_gemm_ws.triton_release
+    assert parse("3.6.0+git1a2b") == (3, 6) and parse("nightly") == (0, 0)
+    monkeypatch.setattr(grouped_gemm_ws, "interpreting", lambda: False)  # as on a GPU
+    for release, switch, want in [(grouped_gemm_ws.GLUON_TRITON, "1", True), ((3, 5), "1", False),
+                                  ((3, 7), "1", False), ((3, 7), "force", True), (grouped_gemm_ws.GLUON_TRITON, "0",
+                                                                                 False)]:
+        monkeypatch.setattr(grouped_gemm_ws, "triton_release", lambda release=release: release)
+        monkeypatch.setenv("SONICMOE_GLUON", switch)
+        assert grouped_gemm_ws.ws_enabled() is want, (release, switch)

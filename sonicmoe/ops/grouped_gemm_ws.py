@@ -415,10 +415,28 @@ def ws_config(k: int, transpose_b: bool = True) -> dict | None:
     return {"BLOCK_N": BLOCK_N, "STAGES": min(MAX_STAGES, free // (2 * BLOCK_M * BLOCK_K))}
 
 
+GLUON_TRITON = (3, 6)  # the Triton release whose (experimental) Gluon API the kernels are written and measured on
+
+
+@functools.cache
+def triton_release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed Triton's); (0, 0) when it does not parse."""
+    parts = (version or triton.__version__).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
 def ws_enabled(transpose_b: bool = True) -> bool:
     """The Gluon kernel is used unless SONICMOE_GLUON=0 (read at each call; SONICMOE_GLUON_DXT=0 turns off the
-    dX̃ form alone, ``transpose_b`` False), and never under the interpreter."""
-    if not HAVE_GLUON or interpreting() or os.environ.get("SONICMOE_GLUON", "1") == "0":
+    dX̃ form alone, ``transpose_b`` False), and never under the interpreter. Gluon is experimental and its API
+    changes between Triton releases: only Triton :data:`GLUON_TRITON` runs these kernels (every other release
+    runs the Triton kernels, the same results) unless ``SONICMOE_GLUON=force``."""
+    switch = os.environ.get("SONICMOE_GLUON", "1")
+    if not HAVE_GLUON or interpreting() or switch == "0":
+        return False
+    if triton_release() != GLUON_TRITON and switch != "force":
         return False
     return transpose_b or os.environ.get("SONICMOE_GLUON_DXT", "1") != "0"
 
