@@ -45,6 +45,9 @@ class Experts(nn.Module):
                 nn.init.uniform_(w, -bound, bound)
 
 
+PARAMETER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 class MoELayerOutput(NamedTuple):
     """What ``MoE.forward`` returns with ``return_router_info=True`` (a tuple: unpack it, or read the fields).
 
@@ -132,9 +135,10 @@ class MoE(nn.Module):
                  *, activation: str = "swiglu", device=None, dtype=None, **options):
         super().__init__()
         self.config = MoEConfig(hidden_size, intermediate_size, num_experts, top_k, activation=activation, **options)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype for the parameters (bfloat16, float16, float32, "
-                            f"float64) or None, got {dtype!r}")
+        if dtype is not None and dtype not in PARAMETER_DTYPES:
+            raise TypeError(f"dtype must be None or one of the parameter dtypes {PARAMETER_DTYPES}, got {dtype!r}")
+        c = self.config  # the sizes as Python ints (numpy integers converted)
+        hidden_size, intermediate_size, num_experts = c.hidden_size, c.intermediate_size, c.num_experts
         self.gate = nn.Linear(hidden_size, num_experts, bias=self.config.router_bias, device=device, dtype=dtype)
         if self.gate.bias is not None:
             nn.init.zeros_(self.gate.bias)  # no expert preferred at first (gpt-oss's initialisation)
@@ -302,7 +306,7 @@ class MoE(nn.Module):
         if x.device != self.gate.weight.device:
             raise ValueError(f"x is on {x.device} but the MoE parameters are on {self.gate.weight.device}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, c.hidden_size).contiguous()  # strides never change the bits (the router GEMM's did)
+        x2 = x.reshape(-1, c.hidden_size)
         # the experts run in their weights' dtype, or under torch.autocast in its dtype (float64 parameters excepted,
         # as autocast leaves them); the router may keep float32 weights beside bf16 experts (its logits are a float32
         # GEMM of the upcast operands then)
@@ -310,7 +314,8 @@ class MoE(nn.Module):
         amp = autocast_dtype(x.device) if w_dtype != torch.float64 else None
         compute = amp if amp is not None else w_dtype
         if x2.dtype != compute:
-            x2 = x2.to(compute)
+            x2 = x2.to(compute, memory_format=torch.contiguous_format)
+        x2 = x2.contiguous()  # strides never change the bits (the router GEMM's did); a no-op when contiguous
         router = router_topk(x2, self.gate.weight, c.top_k, router_order=c.router_order,
                              renormalize=c.renormalize, expert_bias=self.e_score_correction_bias, n_group=c.n_group,
                              topk_group=c.topk_group, router_bias=self.gate.bias)

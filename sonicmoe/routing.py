@@ -387,13 +387,13 @@ def _version_of(t: torch.Tensor) -> int | None:
 def take_chosen(values: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """``values.gather(1, topk_ids)``: the (T, K) entries of the (T, E) ``values`` at the (T, K) int64 ``topk_ids``.
 
-    Under torch.compile on CPU it is a one-hot select and sum over E instead (the same values: one entry and
-    zeros; a dense backward, T·K·E elements): Inductor's CPU code (torch 2.13) read the scatter-add buffer of
-    gather's backward before writing it where it fused that with a softmax backward, which gave token rounding's
-    router wrong gradients without an error (session 86)."""
+    Under torch.compile on CPU it is a one-hot select and sum over E instead (the same values, but a −0.0 entry
+    reads +0.0, as the sum starts from +0.0; a dense backward, T·K·E elements): Inductor's CPU code (torch 2.13) read
+    the scatter-add buffer of gather's backward before writing it where it fused that with a softmax backward, which
+    gave token rounding's router wrong gradients without an error (session 86)."""
     if values.device.type == "cpu" and torch.compiler.is_compiling():
         one_hot = topk_ids[:, :, None] == torch.arange(values.shape[1], device=values.device)
-        return torch.where(one_hot, values[:, None, :], 0).sum(dim=-1)
+        return torch.where(one_hot, values[:, None, :], 0.0).sum(dim=-1)
     return values.gather(1, topk_ids)
 
 

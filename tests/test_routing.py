@@ -461,3 +461,29 @@ def test_z_loss_gradient():
     lse = torch.logsumexp(logits.detach(), -1, keepdim=True)
     expected = 2 * lse * torch.softmax(logits.detach(), -1) / 4
     torch.testing.assert_close(logits.grad, expected, rtol=1e-12, atol=0)
+
+
+def test_take_chosen_under_compile_is_gather():
+    """routing.take_chosen: the one-hot select-and-sum it runs under torch.compile on CPU (an Inductor workaround,
+    session 86) gives gather's values and gradients, NaN and ±inf included (a −0.0 entry reads +0.0: equal, not the same
+    bits); eager it is gather, bit for bit."""
+    from sonicmoe.routing import take_chosen
+
+    torch.manual_seed(0)
+    values = torch.randn(6, 5)
+    values[0, 1], values[1, 2], values[2, 3], values[3, 0] = -0.0, float("nan"), float("inf"), -float("inf")
+    ids = torch.tensor([[1, 0], [2, 4], [3, 1], [0, 4], [4, 3], [2, 1]])
+    weights = torch.randn(6, 2)
+    got = []
+    for fn in (torch.compile(take_chosen, fullgraph=True, backend="aot_eager"), lambda v, i: v.gather(1, i)):
+        v = values.clone().requires_grad_(True)
+        out = fn(v, ids)
+        (out * weights).sum().backward()
+        got.append((out.detach(), v.grad))
+    assert torch.equal(got[0][0].isnan(), got[1][0].isnan())
+    assert torch.equal(got[0][0].nan_to_num(), got[1][0].nan_to_num())
+    assert got[1][0][0, 0].signbit() and got[0][0][0, 0] == 0
+    assert torch.equal(got[0][1], got[1][1])
+    eager = take_chosen(values, ids)
+    assert torch.equal(eager.signbit(), values.gather(1, ids).signbit())
+    assert torch.equal(eager.nan_to_num(), values.gather(1, ids).nan_to_num())

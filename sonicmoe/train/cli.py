@@ -171,7 +171,10 @@ def _preflight(cfg) -> None:
         device = resolve_device(cfg.device)
     except RuntimeError as e:
         raise ValueError(str(e)) from None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} (set by torchrun) must be an int") from None
     if cfg.graph_moe and (device.type != "cuda" or world > 1):
         raise ValueError(f"--graph-moe: graph_moe needs one process on a CUDA device, got {device.type} with {world} "
                          "rank(s)")
