@@ -54,7 +54,7 @@ from .common import (
     sm_count,
     tile_schedule,
 )
-from .fast_launch import launch_kernel
+from .fast_launch import _major_minor, launch_kernel
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every shape
     from triton.experimental import gluon
@@ -418,14 +418,9 @@ def ws_config(k: int, transpose_b: bool = True) -> dict | None:
 GLUON_TRITON = (3, 6)  # the Triton release whose (experimental) Gluon API the kernels are written and measured on
 
 
-@functools.cache
-def triton_release(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of ``version`` (default: the installed Triton's); (0, 0) when it does not parse."""
-    parts = (version or triton.__version__).split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return 0, 0
+def triton_release() -> tuple[int, ...]:
+    """(major, minor) of the installed Triton; () when its version does not parse."""
+    return _major_minor(triton.__version__)
 
 
 def ws_enabled(transpose_b: bool = True) -> bool:
