@@ -44,8 +44,8 @@ def test_runtime_keys_separate_what_triton_specialises():
 
 
 def test_version_gate_parses_any_version_string():
-    assert fast_launch._major_minor("3.6.0") == (3, 6) == fast_launch._major_minor("3.6.0+git1a2b3c")
-    assert fast_launch._major_minor("3.5.1") == (3, 5) and fast_launch._major_minor("3.x") == ()
+    assert fast_launch.major_minor("3.6.0") == (3, 6) == fast_launch.major_minor("3.6.0+git1a2b3c")
+    assert fast_launch.major_minor("3.5.1") == (3, 5) and fast_launch.major_minor("3.x") == ()
 
 
 def test_interpreter_or_unset_takes_tritons_path(device, monkeypatch):

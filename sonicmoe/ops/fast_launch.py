@@ -48,7 +48,7 @@ except ImportError:  # Triton before 3.4
 CHECKED_TRITON = ((3, 6),)
 
 
-def _major_minor(version: str) -> tuple[int, ...]:
+def major_minor(version: str) -> tuple[int, ...]:
     """(major, minor) of a version string such as "3.6.0" or "3.6.0+git1234"; () when it does not parse."""
     try:
         return tuple(int(part) for part in version.split(".")[:2])
@@ -56,7 +56,7 @@ def _major_minor(version: str) -> tuple[int, ...]:
         return ()
 
 
-SUPPORTED = knobs is not None and _major_minor(triton.__version__) in CHECKED_TRITON
+SUPPORTED = knobs is not None and major_minor(triton.__version__) in CHECKED_TRITON
 
 try:  # what Triton's CUDA driver uses for the current stream's handle
     from torch._C import _cuda_getCurrentRawStream as _raw_stream

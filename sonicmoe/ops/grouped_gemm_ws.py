@@ -54,7 +54,7 @@ from .common import (
     sm_count,
     tile_schedule,
 )
-from .fast_launch import _major_minor, launch_kernel
+from .fast_launch import launch_kernel, major_minor
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every shape
     from triton.experimental import gluon
@@ -420,7 +420,7 @@ GLUON_TRITON = (3, 6)  # the Triton release whose (experimental) Gluon API the k
 
 def triton_release() -> tuple[int, ...]:
     """(major, minor) of the installed Triton; () when its version does not parse."""
-    return _major_minor(triton.__version__)
+    return major_minor(triton.__version__)
 
 
 def ws_enabled(transpose_b: bool = True) -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from ..config import ACTIVATIONS, BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
 from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
-from .loop import CHECKPOINT, LOG, PLOT, load_checkpoint, resolve_device, train
+from .loop import CHECKPOINT, LOG, PLOT, check_ranks, load_checkpoint, resolve_device, train
 
 DESCRIPTION = """Train a byte-level decoder-only transformer whose MLPs are sonicmoe.MoE layers.
 
@@ -166,7 +166,7 @@ def _preflight(cfg) -> None:
     """ValueError, before any data or model is built, for options this process cannot run: ``--device cuda``
     without a GPU, ``--graph-moe`` off CUDA or with several ranks, ``--expert-parallel`` that does not divide the
     ranks torchrun started (``WORLD_SIZE``; 1 without torchrun), ``--backend triton`` on CPU without
-    ``TRITON_INTERPRET=1``. :func:`train` checks the same again (callers from Python)."""
+    ``TRITON_INTERPRET=1`` (:func:`train` checks the ranks itself too, with the real process group)."""
     try:
         device = resolve_device(cfg.device)
     except RuntimeError as e:
@@ -175,13 +175,7 @@ def _preflight(cfg) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} (set by torchrun) must be an int") from None
-    if cfg.graph_moe and (device.type != "cuda" or world > 1):
-        raise ValueError(f"--graph-moe: graph_moe needs one process on a CUDA device, got {device.type} with {world} "
-                         "rank(s)")
-    if world % cfg.expert_parallel:
-        raise ValueError(f"--expert-parallel: expert_parallel={cfg.expert_parallel} must divide the number of ranks, "
-                         f"{world} (start the run with torchrun --nproc-per-node {cfg.expert_parallel} -m sonicmoe "
-                         "train ...)")
+    check_ranks(cfg, device, world)
     if device.type == "cpu" and cfg.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--backend triton on CPU runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
                          "(slow), or use --backend torch")

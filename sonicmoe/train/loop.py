@@ -44,6 +44,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_ranks(cfg, device: torch.device, world: int) -> None:
+    """ValueError for a run this device and these ``world`` ranks cannot serve: ``graph_moe`` off CUDA or with
+    several ranks; ``expert_parallel`` that does not divide the ranks."""
+    if cfg.graph_moe and (device.type != "cuda" or world > 1):
+        raise ValueError(f"graph_moe needs one process on a CUDA device, got {device.type} with {world} rank(s)")
+    if world % cfg.expert_parallel:
+        raise ValueError(f"expert_parallel={cfg.expert_parallel} must divide the number of ranks, {world} (start the "
+                         f"run with torchrun --nproc-per-node {cfg.expert_parallel} -m sonicmoe train ...)")
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Parameter dtype: ``auto`` -> bfloat16 on CUDA, float32 on CPU; ``amp-bf16`` -> float32 (the forward runs
     under autocast: :func:`autocast_context`)."""
@@ -341,10 +351,11 @@ def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None) -> dict[st
             dp.close()
             raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the {dp.world} data-parallel "
                              "ranks (it is the global batch; each rank trains on batch_size / ranks windows)")
-    if dp.world % cfg.expert_parallel:
+    try:
+        check_ranks(cfg, device, dp.world)
+    except ValueError:
         dp.close()
-        raise ValueError(f"expert_parallel={cfg.expert_parallel} must divide the number of ranks, {dp.world} (start "
-                         "the run with torchrun)")
+        raise
     deterministic = cfg.deterministic if cfg.deterministic is not None else device.type == "cpu"
     previous = (torch.are_deterministic_algorithms_enabled(),
                 torch.is_deterministic_algorithms_warn_only_enabled())
@@ -379,10 +390,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     if checkpoint is not None:  # the full model (before expert parallelism slices it)
         model.load_state_dict(checkpoint["model"])
     params = model.num_params()
-    if cfg.graph_moe:  # before any hook (the profiler's) is registered on the layers
-        if device.type != "cuda" or dp.world > 1:
-            raise ValueError(f"graph_moe needs one process on a CUDA device, got {device.type} with {dp.world} "
-                             "ranks")
+    if cfg.graph_moe:  # before any hook (the profiler's) is registered on the layers (check_ranks: CUDA, one rank)
         graph_moe_layers(model, (cfg.batch_size, cfg.seq_len), dtype)
     forward = model  # what the training steps call: DistributedDataParallel around the model with several ranks
     sharding = None
