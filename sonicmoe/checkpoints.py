@@ -81,6 +81,10 @@ def _take(state_dict: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ..
     if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
         got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
         raise ValueError(f"{key!r} must have shape {shape}, got {got}")
+    # an integer tensor (a quantised checkpoint without its scales) would load as raw codes, a meta one would fail at
+    # its copy after earlier tensors were copied: both are refused before anything is copied
+    if not v.dtype.is_floating_point or v.device.type == "meta":
+        raise ValueError(f"{key!r} must be a floating-point tensor with data, got {v.dtype} on {v.device}")
     return v
 
 
@@ -118,7 +122,8 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
     Raises:
         KeyError: a weight (or bias, or the selection bias, or the shared expert or its gate) the layer needs is
             missing; no expert weights found.
-        ValueError: a tensor of the wrong shape (the message names the key and the expected shape); an unknown style;
+        ValueError: a tensor of the wrong shape (the message names the key and the expected shape), not
+            floating-point (integer codes of a quantised checkpoint, complex) or without data (meta); an unknown style;
             biases, more experts, DeepSeek-V3's selection bias or a shared expert's gate in the checkpoint for a layer
             without a place for them.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
@@ -320,10 +325,7 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
     def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The checked tensor, already in the layer's dtype and on its device: every failure (a meta tensor, an
         integer one) happens before the first copy."""
-        v = _take(state_dict, key, shape)
-        if not v.dtype.is_floating_point or v.device.type == "meta":
-            raise ValueError(f"{key!r} must be a floating-point tensor with data, got {v.dtype} on {v.device}")
-        return v.to(device=ex.gate_up_proj.device, dtype=ex.gate_up_proj.dtype)
+        return _take(state_dict, key, shape).to(device=ex.gate_up_proj.device, dtype=ex.gate_up_proj.dtype)
 
     router = take(f"{prefix}router.weight", (e, d))
     router_bias = take(f"{prefix}router.bias", (e,))

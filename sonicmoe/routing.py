@@ -460,11 +460,12 @@ def router_topk(
         TypeError: ``x`` or ``router_weight`` not a bf16/fp16/fp32/fp64 tensor; ``expert_bias`` or ``router_bias`` not
             a float tensor.
         ValueError: ``x`` not (T, d), ``router_weight`` not (E, d) on x's device, ``router_bias`` not (E,) on x's
-            device, ``top_k`` not an int in [1, E],
+            device, ``top_k`` not an int in [1, E], ``renormalize`` not a bool,
             an unknown ``router_order``, ``expert_bias`` not (E,) on x's device or given without
             ``"sigmoid_then_topk"``, expert groups that cannot hold K experts (:func:`check_expert_groups`).
     """
     check_router_inputs(x, router_weight, top_k)
+    check_flag("renormalize", renormalize)
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, router_weight.shape[0], router_order, x.device)
@@ -536,6 +537,12 @@ def check_router_inputs(x, router_weight, top_k) -> None:
     if router_weight.device != x.device:
         raise ValueError(f"router_weight is on {router_weight.device} but x is on {x.device}")
     check_top_k(top_k, router_weight.shape[0])
+
+
+def check_flag(name: str, v) -> None:
+    """ValueError naming ``name`` unless ``v`` is a bool (a string such as ``"no"`` would otherwise read as True)."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
 
 
 def check_top_k(top_k, num_experts: int) -> None:

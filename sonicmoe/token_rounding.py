@@ -97,7 +97,7 @@ import torch
 
 from ._device import on_device
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
-from .routing import INDEX_DTYPE, RouterOutput, Routing
+from .routing import INDEX_DTYPE, RouterOutput, Routing, check_flag, check_top_k
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -162,10 +162,20 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
     (T = 24576, E = 128, K = 8) 4.1% above T·K; (T = 16384, E = 512, K = 8) 24.6% above.
 
     Raises:
-        ValueError: ``subroutine`` not one of nearest, up, down, stochastic, balance.
+        ValueError: ``subroutine`` not one of nearest, up, down, stochastic, balance; ``num_tokens`` not an int >= 0
+            (a symbolic T under torch.compile is taken as is), ``num_experts`` or ``m_tile`` not an int >= 1,
+            ``top_k`` not an int in [1, E].
     """
     if subroutine not in ROUNDING_SUBROUTINES:  # a misspelt one read as "up"'s bound before
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
+    # m_tile = 0 gave a length below T·K, a negative size a negative one, a float m_tile a float
+    if not isinstance(num_tokens, torch.SymInt) and (
+            isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    for name, v in (("num_experts", num_experts), ("m_tile", m_tile)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    check_top_k(top_k, num_experts)
     tk = num_tokens * top_k
     if subroutine == "down":
         extra = 0
@@ -305,6 +315,8 @@ def token_rounding(
     T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order)
+    for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad)):
+        check_flag(name, flag)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
     with on_device(router.logits):  # the kernels launch on the router's CUDA device, whichever is current

@@ -63,6 +63,13 @@ def test_max_pairs_formula(subroutine, extra):
     assert max_pairs(5, 6, 2, 8, "up") == 30  # T·E
     with pytest.raises(ValueError, match="subroutine"):  # a misspelt one read as "up"'s bound before
         max_pairs(100, 6, 2, 8, "neareest")
+    # sizes: m_tile = 0 gave 12 < T·K = 16, a negative T a negative length, a float m_tile a float, K > E a bound
+    for args, name in [((8, 4, 2, 0), "m_tile"), ((-8, 4, 2, 8), "num_tokens"), ((8, 4, 2, 4.0), "m_tile"),
+                       ((8, 4, 5, 8), "top_k"), ((8, 0, 1, 8), "num_experts"), ((8.0, 4, 2, 8), "num_tokens"),
+                       ((True, 4, 2, 8), "num_tokens")]:
+        with pytest.raises(ValueError, match=name):
+            max_pairs(*args, "nearest")
+    assert max_pairs(0, 4, 2, 8, "up") == 0
 
 
 def test_static_reaches_the_bound():
