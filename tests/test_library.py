@@ -867,13 +867,39 @@ def test_zero_width_experts_are_refused():
 
 
 @pytest.mark.interpreter
-def test_second_backward_through_the_kernels_raises(device):
-    """The Triton backward's gradients come from kernels, with no graph of their own: differentiating them again (a
-    gradient penalty, create_graph=True) raises instead of silently dropping the second-order term."""
+def test_create_graph_through_the_kernels_raises(device):
+    """The Triton backwards' gradients come from kernels, with no graph of their own: asking for one
+    (create_graph=True: a gradient penalty, a Hessian-vector product, torch.func.grad) raises at once. Before session
+    87 only a later ``.backward()`` raised; ``torch.autograd.grad`` with explicit inputs silently returned the
+    first-order terms (the experts'), and the pair-score kernel's gradient had no guard at all."""
+    from sonicmoe.token_rounding import token_rounding
+
     p, r, scores = _small_case(9, 16, 8, 3, seed=3, device=device)
-    x = p["x"].requires_grad_(True)
-    w1 = p["w1"].requires_grad_(True)
-    out = sonicmoe.experts(x, w1, p["w2"], r, scores, backend="triton")
-    (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        dx.square().sum().backward()
+    x, w1 = p["x"].requires_grad_(True), p["w1"].requires_grad_(True)
+
+    def experts(x_, backend="triton"):
+        return sonicmoe.experts(x_, w1, p["w2"], r, scores, backend=backend)
+
+    with pytest.raises(RuntimeError, match=r"the experts \(backend='triton'\).*create_graph=True"):
+        torch.autograd.grad(experts(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True"):  # torch.func.grad always asks for a graph
+        torch.func.grad(lambda x_: experts(x_).float().square().sum())(x.detach())
+    (dx,) = torch.autograd.grad(experts(x).square().sum(), x)  # first order: as before
+    assert torch.isfinite(dx).all() and dx.abs().sum() > 0
+    # the torch backend is differentiable twice: the second-order term the kernels' backward cannot give
+    (dx,) = torch.autograd.grad(experts(x, "torch").square().sum(), x, create_graph=True)
+    (dw1,) = torch.autograd.grad(dx.square().sum(), w1)
+    assert dw1.abs().sum() > 0
+    # the fused router's backward kernel, and token rounding's pair-score kernel
+    g = torch.Generator().manual_seed(5)
+    xr = torch.randn(16, 8, generator=g).to(device).requires_grad_(True)
+    wr = torch.randn(4, 8, generator=g).to(device).requires_grad_(True)
+    router = router_topk(xr, wr, 2, use_kernel=True)
+    with pytest.raises(RuntimeError, match="fused router kernel.*create_graph=True"):
+        torch.autograd.grad(router.topk_scores.square().sum(), xr, create_graph=True)
+    tr = token_rounding(router_topk(xr, wr, 2, use_kernel=False), m_tile=4, use_kernel=True, warn=False)
+    with pytest.raises(RuntimeError, match="pair-score kernel.*create_graph=True"):
+        torch.autograd.grad(tr.pair_scores.square().sum(), xr, create_graph=True)
+    tr = token_rounding(router_topk(xr, wr, 2, use_kernel=False), m_tile=4, use_kernel=False, warn=False)
+    (dxr,) = torch.autograd.grad(tr.pair_scores.square().sum(), xr, create_graph=True)  # torch ops: fine
+    assert dxr.requires_grad

@@ -453,6 +453,30 @@ def check_device(name: str, t: torch.Tensor) -> None:
     )
 
 
+def kernel_backward(what: str, instead: str):
+    """Decorator for the ``backward`` of an autograd Function whose gradients come from Triton kernels, which build no
+    graph of their own. Under ``create_graph=True`` (double backward: a gradient penalty, a Hessian-vector product,
+    ``torch.func.grad``, which always asks for it) it raises at once, naming ``what`` and the differentiable
+    alternative ``instead``. ``once_differentiable`` alone raised only where a later backward reached its error node:
+    ``torch.autograd.grad`` with explicit inputs returned the first-order terms only, silently (session 87 audit)."""
+
+    def wrap(backward):
+        once = torch.autograd.function.once_differentiable(backward)
+
+        @functools.wraps(backward)
+        def checked(ctx, *grads):
+            if torch.is_grad_enabled():  # the autograd engine enables grad mode in backward only for create_graph
+                raise RuntimeError(
+                    f"{what}: the backward runs Triton kernels and is not differentiable, so create_graph=True "
+                    "(double backward: gradient penalties, Hessian-vector products, torch.func.grad) is not "
+                    f"supported; {instead}")
+            return once(ctx, *grads)
+
+        return checked
+
+    return wrap
+
+
 def next_pow2(x: int) -> int:
     """The least power of two >= max(x, 1) (plain Python: ``triton.next_power_of_2`` is a constexpr function,
     several µs of host time per call outside a kernel)."""

@@ -47,7 +47,7 @@ from ..functional import check_activation
 from ..routing import Routing
 from . import grouped_gemm_ws, varlen_m_ws, weight_grad_ws
 from .aggregation import gather_sum, reserve_config
-from .common import agg_reserve, gather_chunk_width, new_output, overlap_mode, side_stream, sm_count
+from .common import agg_reserve, gather_chunk_width, kernel_backward, new_output, overlap_mode, side_stream, sm_count
 from .dh import dh, ds_pairs_in_dh_kernel
 from .grouped_gemm import down_proj, varlen_m_gemm
 from .score_grad import score_grad
@@ -474,6 +474,6 @@ class ExpertsFunction(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the gradients come from kernels: a second backward raises
+    @kernel_backward("the experts (backend='triton')", "backend='torch' is differentiable twice")
     def backward(ctx, dout, _dh):
         return _backward_through(experts_bwd_impl, ctx, dout)

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ..config import ROUTER_ORDERS
 from ..routing import check_expert_bias, check_expert_groups, check_top_k, sigmoid_topk, topk_lowest_first
-from .common import cdiv, check_device, interpreting, new_output, next_pow2
+from .common import cdiv, check_device, interpreting, kernel_backward, new_output, next_pow2
 from .fast_launch import launch_kernel
 
 MAX_KERNEL_EXPERTS = 1024  # above this the launcher falls back to torch (registers hold all E logits)
@@ -255,7 +255,8 @@ class TopKRouterFunction(torch.autograd.Function):
 
     Saves ids and S, plus the logits for softmax_then_topk without renormalisation (p over all E is
     recomputed from them) and the chosen sigmoids (T, K) for sigmoid_then_topk with renormalisation. The
-    selection bias gets no gradient. Not twice differentiable.
+    selection bias gets no gradient. Not twice differentiable: under create_graph=True backward raises
+    (:func:`~sonicmoe.ops.common.kernel_backward`).
     """
 
     @staticmethod
@@ -268,7 +269,8 @@ class TopKRouterFunction(torch.autograd.Function):
         return ids, scores
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @kernel_backward("router_topk's fused router kernel", "router_topk(..., use_kernel=False) computes S with torch "
+                     "ops (SONICMOE_ROUTER_KERNEL=0 for the MoE layer)")
     def backward(ctx, _dids, dscores):
         logits, ids, scores, probs = ctx.saved_tensors
         dlogits = _backward(logits, ids, scores, probs, dscores, ctx.num_experts, ctx.sigmoid)

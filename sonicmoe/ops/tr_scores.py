@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..routing import take_chosen
-from .common import cdiv, check_device, interpreting, new_output, next_pow2
+from .common import cdiv, check_device, interpreting, kernel_backward, new_output, next_pow2
 from .fast_launch import launch_kernel
 
 _BLOCK_PAIRS = 128
@@ -220,6 +220,8 @@ class _PairScores(torch.autograd.Function):
         return scores, slot
 
     @staticmethod
+    @kernel_backward("token rounding's pair-score kernel", "token_rounding(..., use_kernel=False) scores the pairs "
+                     "with torch ops")
     def backward(ctx, grad, _):
         src, topk_ids, pair_token, pair_expert, slot, *folded = ctx.saved_tensors
         t, k = topk_ids.shape
