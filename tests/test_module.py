@@ -573,6 +573,28 @@ def test_activation_checkpointing(backend, kw, device):
         assert torch.equal(p.grad, p2.grad), name
 
 
+def test_reentrant_checkpointing_takes_the_losses_from_router_info():
+    """The README's note: under checkpoint(use_reentrant=True) the ``aux_loss`` attribute is computed in the
+    checkpoint's no-grad forward and carries no gradient; with ``return_router_info=True`` the returned aux loss does,
+    and the router's gradient equals the plain run's bit for bit."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    m = make(seed=6, aux_loss_coef=0.1)
+    twin = copy.deepcopy(m)
+    x = rand_x(24, D).requires_grad_(True)
+    checkpoint(m, x, use_reentrant=True)
+    assert m.aux_loss is not None and not m.aux_loss.requires_grad
+    info = make(seed=6, aux_loss_coef=0.1, return_router_info=True)
+    y, aux, *_ = checkpoint(info, x, use_reentrant=True)
+    assert aux.requires_grad
+    (y.square().mean() + aux).backward()
+    y2 = twin(x.detach())
+    (y2.square().mean() + twin.aux_loss).backward()
+    assert torch.equal(y, y2) and torch.equal(info.gate.weight.grad, twin.gate.weight.grad)
+
+
 @pytest.mark.interpreter
 def test_deepseek_v3_token_rounding_on_triton(device):
     """Token rounding under DeepSeek-V3's router (sigmoid, renormalised, bias, 2.5) on the triton backend in training:
