@@ -136,6 +136,8 @@ def test_outputs_fully_written_under_poison(device):
     """Every element of ids, S and d logits is written (T not a multiple of BLOCK_T, E not a power
     of two, K not a power of two), and with poisoning on, an unwritten one would be NaN / int-min."""
     assert torch.isnan(new_output((2,), device=device, dtype=torch.float32)).all()
+    assert torch.isnan(new_output(3, device=device, dtype=torch.float32)).all()  # an int shape, as torch.empty takes
+    assert (new_output([2, 2], device=device, dtype=torch.int32) == torch.iinfo(torch.int32).min).all()
     t, e, k = 45, 13, 3
     logits = distinct_logits(t, e, device, seed=9)
     for order, renorm in ORDERS:

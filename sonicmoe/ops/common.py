@@ -408,7 +408,7 @@ def new_output(shape, *, device, dtype) -> torch.Tensor:
         # (aot_eager) under CUDA autocast got a zero router-weight gradient, without poisoning the right one; whether
         # this form cures it was not run on a GPU yet (test_autocast.py::test_gpu_compiled_layer_under_cuda_autocast)
         poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
-        return torch.full(shape, poison, device=device, dtype=dtype)
+        return torch.full(shape if isinstance(shape, (tuple, list)) else (shape,), poison, device=device, dtype=dtype)
     return torch.empty(shape, device=device, dtype=dtype)
 
 
