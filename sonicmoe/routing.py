@@ -224,10 +224,12 @@ def routing_from_pairs(
     )
 
 
-def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
+def routing_from_topk(topk_ids: torch.Tensor, num_experts: int, *, check: bool = False) -> Routing:
     """Build :class:`Routing` from top-k expert ids (T, K): pairs p = t·K + k, token-major; the same routing as
     ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, without its general steps. No host
-    sync; the ids' values are the caller's promise (in [0, E), distinct per token), as there.
+    sync; the ids' values are the caller's promise (in [0, E), distinct per token), as there: without ``check`` an
+    id >= E drops its pair and a repeated one counts twice, silently. ``check=True`` verifies them first (one host
+    sync; for ids that do not come from :func:`router_topk`, e.g. while debugging a custom router).
 
     With ``SONICMOE_ROUTING_KERNEL=1`` on CUDA (outside ``torch.compile``, E up to 256) a counting sort in three
     Triton launches (:func:`sonicmoe.ops.topk_routing.topk_routing`; off by default: on an H200 in session 80 the 7B
@@ -235,10 +237,11 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     torch operations of :func:`routing_from_topk_ref`; the two give the same tensors.
 
     Raises:
-        ValueError: ``topk_ids`` not 2-D; ``num_experts`` not an int >= 1.
+        ValueError: ``topk_ids`` not 2-D; ``num_experts`` not an int >= 1; with ``check``, an id outside [0, E) or
+            one repeated within a token's row.
         TypeError: ``topk_ids`` not an integer tensor.
     """
-    _check_topk_ids(topk_ids, num_experts)
+    _check_topk_ids(topk_ids, num_experts, check)
     topk_ids = _wide_ids(topk_ids)
     if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL") == "1":
         from .ops import topk_routing  # imports triton: lazily, off the CPU path
@@ -249,9 +252,9 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int) -> Routing:
     return _routing_from_topk_torch(topk_ids, num_experts)
 
 
-def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int) -> Routing:
+def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int, *, check: bool = False) -> Routing:
     """Torch twin of :func:`routing_from_topk` (same arguments, checks and results) in torch operations only."""
-    _check_topk_ids(topk_ids, num_experts)
+    _check_topk_ids(topk_ids, num_experts, check)
     return _routing_from_topk_torch(_wide_ids(topk_ids), num_experts)
 
 
@@ -284,7 +287,7 @@ def routing_dense(num_tokens: int, device: torch.device | str | None = None) -> 
                    token_offsets=offsets, token_rows=rows, slot_pair=None, padded=False)
 
 
-def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check: bool = False) -> None:
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a (T, K) integer tensor, got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
@@ -293,6 +296,17 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
+    check_flag("check", check)
+    if check and topk_ids.numel():  # synchronises
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+        ids = topk_ids.sort(dim=1).values
+        repeated = (ids[:, 1:] == ids[:, :-1]).any(dim=1).nonzero()
+        if repeated.numel():
+            t = int(repeated[0, 0])
+            raise ValueError(f"topk_ids must hold distinct experts per token, token {t} has "
+                             f"{topk_ids[t].tolist()}")
 
 
 def _routing_from_topk_torch(topk_ids: torch.Tensor, num_experts: int) -> Routing:

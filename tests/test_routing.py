@@ -21,6 +21,7 @@ from sonicmoe.routing import (
     router_topk,
     routing_from_pairs,
     routing_from_topk,
+    routing_from_topk_ref,
     z_loss,
 )
 
@@ -248,6 +249,21 @@ def test_routing_from_topk_is_lean_and_checks_its_arguments():
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="num_experts"):
             routing_from_topk(ids, bad)
+    # check=True: the ids' values (without it an id >= E drops its pair and a repeated one counts twice, silently)
+    for fn in (routing_from_topk, routing_from_topk_ref):
+        checked = fn(ids, 6, check=True)
+        assert torch.equal(checked.expert_offsets, routing_from_topk(ids, 6).expert_offsets)
+        for value, match in ((6, r"\[0, E=6\), got values in \[\d, 6\]"), (-1, r"got values in \[-1, \d\]")):
+            bad = ids.clone()
+            bad[4, 1] = value
+            with pytest.raises(ValueError, match=match):
+                fn(bad, 6, check=True)
+        bad = ids.clone()
+        bad[7, 2] = bad[7, 0]
+        with pytest.raises(ValueError, match="distinct experts per token, token 7 has"):
+            fn(bad, 6, check=True)
+        with pytest.raises(ValueError, match="check must be a bool"):
+            fn(ids, 6, check="yes")
 
 
 def test_routing_from_pairs_matches_topk_when_pairs_are_topk():
