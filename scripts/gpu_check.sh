@@ -126,7 +126,7 @@ SMI_PID=$!
 # a snapshot of the work folder at WATCHDOG_S (default 560 s): a call the device's 600 s limit kills never reaches the
 # EXIT trap, and without it returned nothing of what its steps had written
 # (its own file: a tar of the EXIT trap may run at the same time). Its output goes nowhere: a sleep that outlives the
-# killed subshell kept a `gpu_check.sh ... | tail` pipe open until WATCHDOG_S (session 87 lost a call's 400 s to it)
+# killed subshell kept a `gpu_check.sh ... | tail` pipe open until WATCHDOG_S (session 87 lost about 250 s of a call to it)
 ( sleep "${WATCHDOG_S:-560}"; tar czf "$FINAL/results${TAG}_snapshot.tgz" -C "$OUT" . 2>/dev/null ) >/dev/null 2>&1 </dev/null &
 WATCH_PID=$!
 pack() { kill "$SMI_PID" "$WATCH_PID" 2>/dev/null; tar czf "$FINAL/results$TAG.tgz" -C "$OUT" . 2>/dev/null; }
