@@ -81,10 +81,12 @@ def _take(state_dict: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ..
     if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape:
         got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
         raise ValueError(f"{key!r} must have shape {shape}, got {got}")
-    # an integer tensor (a quantised checkpoint without its scales) would load as raw codes, a meta one would fail at
-    # its copy after earlier tensors were copied: both are refused before anything is copied
-    if not v.dtype.is_floating_point or v.device.type == "meta":
-        raise ValueError(f"{key!r} must be a floating-point tensor with data, got {v.dtype} on {v.device}")
+    # integer or float8 codes (a quantised checkpoint: DeepSeek-V3's float8 weights come with *_scale_inv tensors)
+    # would load as raw values, a meta tensor would fail at its copy after earlier ones were copied: all are refused
+    # before anything is copied
+    if not v.dtype.is_floating_point or v.dtype.itemsize == 1 or v.device.type == "meta":
+        raise ValueError(f"{key!r} must be a floating-point tensor of 16 bits or more with data, got {v.dtype} on "
+                         f"{v.device} (dequantise a quantised checkpoint first)")
     return v
 
 
@@ -123,7 +125,8 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
         KeyError: a weight (or bias, or the selection bias, or the shared expert or its gate) the layer needs is
             missing; no expert weights found.
         ValueError: a tensor of the wrong shape (the message names the key and the expected shape), not
-            floating-point (integer codes of a quantised checkpoint, complex) or without data (meta); an unknown style;
+            floating-point of 16 bits or more (integer or float8 codes of a quantised checkpoint, complex) or without
+            data (meta); an unknown style;
             biases, more experts, DeepSeek-V3's selection bias or a shared expert's gate in the checkpoint for a layer
             without a place for them.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
@@ -306,9 +309,9 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
     Raises:
         KeyError: a tensor of the block is missing (the message names it and its shape; or says that ``prefix`` lacks
             its final dot).
-        ValueError: a tensor of the wrong shape, not floating-point or without data (meta); MXFP4 blocks
-            (``*_blocks``) instead of weights; a layer whose options differ from :data:`GPT_OSS_OPTIONS`, or with a
-            shared expert.
+        ValueError: a tensor of the wrong shape, not floating-point of 16 bits or more, or without data (meta);
+            MXFP4 blocks (``*_blocks``) instead of weights; a layer whose options differ from
+            :data:`GPT_OSS_OPTIONS`, or with a shared expert.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
     """
     _check_layer(layer)
@@ -324,7 +327,7 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
 
     def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The checked tensor, already in the layer's dtype and on its device: every failure (a meta tensor, an
-        integer one) happens before the first copy."""
+        integer or float8 one) happens before the first copy."""
         return _take(state_dict, key, shape).to(device=ex.gate_up_proj.device, dtype=ex.gate_up_proj.dtype)
 
     router = take(f"{prefix}router.weight", (e, d))

@@ -228,8 +228,8 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int, *, check: bool =
     """Build :class:`Routing` from top-k expert ids (T, K): pairs p = t·K + k, token-major; the same routing as
     ``routing_from_pairs(p // K, topk_ids.reshape(-1), T, E, token_major=True)``, without its general steps. No host
     sync; the ids' values are the caller's promise (in [0, E), distinct per token), as there: without ``check`` an
-    id >= E drops its pair and a repeated one counts twice, silently. ``check=True`` verifies them first (one host
-    sync; for ids that do not come from :func:`router_topk`, e.g. while debugging a custom router).
+    id >= E drops its pair and a repeated one counts twice, silently. ``check=True`` verifies them first (host
+    syncs; for ids that do not come from :func:`router_topk`, e.g. while debugging a custom router).
 
     With ``SONICMOE_ROUTING_KERNEL=1`` on CUDA (outside ``torch.compile``, E up to 256) a counting sort in three
     Triton launches (:func:`sonicmoe.ops.topk_routing.topk_routing`; off by default: on an H200 in session 80 the 7B
@@ -298,9 +298,7 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check: bool = Fals
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
     check_flag("check", check)
     if check and topk_ids.numel():  # synchronises
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"topk_ids must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+        check_index_range("topk_ids", topk_ids, num_experts, "E")
         ids = topk_ids.sort(dim=1).values
         repeated = (ids[:, 1:] == ids[:, :-1]).any(dim=1).nonzero()
         if repeated.numel():
@@ -342,9 +340,16 @@ def check_pairs(pair_token: torch.Tensor, pair_expert: torch.Tensor, num_tokens:
     ):
         if idx.dtype.is_floating_point or idx.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {idx.dtype}")
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= hi):
-            raise ValueError(f"{name} must lie in [0, {letter}={hi}), got values in "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
+        check_index_range(name, idx, hi, letter)
+
+
+def check_index_range(name: str, idx: torch.Tensor, hi: int, letter: str) -> None:
+    """ValueError naming ``name`` unless every value of the integer tensor ``idx`` lies in [0, hi) (``letter`` names
+    hi, e.g. "E"). Reads min and max back (host syncs)."""
+    if idx.numel():
+        lo_v, hi_v = int(idx.min()), int(idx.max())
+        if lo_v < 0 or hi_v >= hi:
+            raise ValueError(f"{name} must lie in [0, {letter}={hi}), got values in [{lo_v}, {hi_v}]")
 
 
 class RouterOutput:

@@ -97,7 +97,7 @@ import torch
 
 from ._device import on_device
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
-from .routing import INDEX_DTYPE, RouterOutput, Routing, check_flag, check_top_k
+from .routing import INDEX_DTYPE, RouterOutput, Routing, check_flag
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -162,20 +162,19 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
     (T = 24576, E = 128, K = 8) 4.1% above T·K; (T = 16384, E = 512, K = 8) 24.6% above.
 
     Raises:
-        ValueError: ``subroutine`` not one of nearest, up, down, stochastic, balance; ``num_tokens`` not an int >= 0
-            (a symbolic T under torch.compile is taken as is), ``num_experts`` or ``m_tile`` not an int >= 1,
-            ``top_k`` not an int in [1, E].
+        ValueError: ``subroutine`` not one of nearest, up, down, stochastic, balance; ``num_tokens`` not an int >= 0,
+            ``num_experts`` or ``m_tile`` not an int >= 1, ``top_k`` not an int in [1, E] (ints or torch.SymInts).
     """
     if subroutine not in ROUNDING_SUBROUTINES:  # a misspelt one read as "up"'s bound before
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
-    # m_tile = 0 gave a length below T·K, a negative size a negative one, a float m_tile a float
-    if not isinstance(num_tokens, torch.SymInt) and (
-            isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0):
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-    for name, v in (("num_experts", num_experts), ("m_tile", m_tile)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    check_top_k(top_k, num_experts)
+    # m_tile = 0 gave a length below T·K, a negative size a negative one, a float m_tile a float; symbolic sizes
+    # (torch.SymInt: make_fx's symbolic tracing; Dynamo passes them as ints) are compared symbolically
+    for name, v, lo in (("num_tokens", num_tokens, 0), ("num_experts", num_experts, 1), ("m_tile", m_tile, 1),
+                        ("top_k", top_k, 1)):
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
     tk = num_tokens * top_k
     if subroutine == "down":
         extra = 0

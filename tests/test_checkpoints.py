@@ -256,13 +256,16 @@ def test_errors_name_the_key_and_leave_the_layer_unchanged():
     # tensors without data (an empty-weights model's state dict): refused before the router's copy, for one expert
     # and for all of them (all on meta, the stacks succeed and the first expert copy used to fail after the router's)
     on_meta = torch.zeros(D, N, dtype=torch.float64, device="meta")
-    fails(ValueError, "b.experts.3.w2.weight.*floating-point tensor with data",
+    fails(ValueError, "b.experts.3.w2.weight.*16 bits or more with data",
           {**good, "b.experts.3.w2.weight": on_meta}, "b.")
     all_meta = {k: (v.to("meta") if ".experts." in k else v) for k, v in good.items()}
     fails(ValueError, "b.experts.0.w1.weight.*meta", all_meta, "b.")
     # integer codes (a quantised checkpoint without its scales) would load as raw values
     int8 = torch.randint(-100, 100, (N, D), dtype=torch.int8)
     fails(ValueError, "b.experts.1.w3.weight.*torch.int8", {**good, "b.experts.1.w3.weight": int8}, "b.")
+    # float8 codes (DeepSeek-V3's checkpoint keeps their scales in *_scale_inv): also raw values without the scales
+    fp8 = torch.randn(N, D).to(torch.float8_e4m3fn)
+    fails(ValueError, "b.experts.2.w3.weight.*float8_e4m3fn.*dequantise", {**good, "b.experts.2.w3.weight": fp8}, "b.")
     sig = MoE(D, N, E, K, router_order="sigmoid_then_topk")
     with pytest.raises(KeyError, match="e_score_correction_bias"):
         load_hf_experts(sig, good, "b.")

@@ -189,7 +189,7 @@ def test_loader_is_all_or_nothing_and_explains_itself():
     p = "model.layers.0.mlp."
     for key, bad in ((f"{p}experts.down_proj_bias", sd[f"{p}experts.down_proj_bias"].to("meta")),
                      (f"{p}experts.down_proj_bias", sd[f"{p}experts.down_proj_bias"].long())):
-        with pytest.raises(ValueError, match="floating-point tensor with data"):
+        with pytest.raises(ValueError, match="floating-point tensor of 16 bits or more with data"):
             load_gpt_oss_experts(layer, {**sd, key: bad}, p)
         for name, v in layer.state_dict().items():
             assert torch.equal(v, before[name]), name

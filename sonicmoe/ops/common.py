@@ -460,11 +460,13 @@ def kernel_backward(what: str, instead: str):
     """Decorator for the ``backward`` of an autograd Function whose gradients come from Triton kernels, which build no
     graph of their own. Under ``create_graph=True`` (double backward: a gradient penalty, a Hessian-vector product,
     ``torch.func.grad``, which always asks for it) it raises at once, naming ``what`` and the differentiable
-    alternative ``instead``. ``once_differentiable`` alone raised only where a later backward reached its error node:
-    ``torch.autograd.grad`` with explicit inputs returned the first-order terms only, silently (session 87 audit)."""
+    alternative ``instead``. Eager only: under torch.compile the custom operators' registered backward runs, and
+    torch itself refuses double backward through a compiled graph. ``once_differentiable`` alone raised only where a
+    later backward reached its error node: ``torch.autograd.grad`` with explicit inputs returned the first-order
+    terms only, silently (session 87 audit)."""
 
     def wrap(backward):
-        once = torch.autograd.function.once_differentiable(backward)
+        once = torch.autograd.function.once_differentiable(backward)  # a second guard: runs only with grad off here
 
         @functools.wraps(backward)
         def checked(ctx, *grads):

@@ -474,6 +474,7 @@ class ExpertsFunction(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
-    @kernel_backward("the experts (backend='triton')", "backend='torch' is differentiable twice")
+    @kernel_backward("the experts (backend='triton')", "backend='torch' is differentiable twice (the MoE layer on "
+                     "CUDA also needs routing='topk' and SONICMOE_ROUTER_KERNEL=0)")
     def backward(ctx, dout, _dh):
         return _backward_through(experts_bwd_impl, ctx, dout)

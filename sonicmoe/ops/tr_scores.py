@@ -221,7 +221,7 @@ class _PairScores(torch.autograd.Function):
 
     @staticmethod
     @kernel_backward("token rounding's pair-score kernel", "token_rounding(..., use_kernel=False) scores the pairs "
-                     "with torch ops")
+                     "with torch ops (the MoE layer runs this kernel on CUDA: use routing='topk' there)")
     def backward(ctx, grad, _):
         src, topk_ids, pair_token, pair_expert, slot, *folded = ctx.saved_tensors
         t, k = topk_ids.shape
