@@ -389,6 +389,13 @@ MUTANTS: list[Mutant] = [
     _m("experts_backward_differentiable", "sonicmoe/ops/library.py",
        '    @kernel_backward("the experts', '    @(lambda *a: lambda f: f)("the experts',
        "tests/test_library.py", "-k", "create_graph"),
+    # session 87's audit fixes: quantised codes loaded as values; custom top-k ids never checked; "no" read as True
+    _m("hf_loader_takes_float8", "sonicmoe/checkpoints.py", "v.dtype.itemsize == 1 or ", "",
+       "tests/test_checkpoints.py", "-k", "errors_name"),
+    _m("topk_ids_check_skipped", "sonicmoe/routing.py", "    if check and topk_ids.numel():", "    if False:",
+       "tests/test_routing.py", "-k", "lean_and_checks"),
+    _m("renormalize_not_a_flag", "sonicmoe/routing.py", '    check_flag("renormalize", renormalize)\n', "",
+       "tests/test_routing.py", "-k", "renormalize"),
     # session 87: create_graph=True raised only where a later backward reached once_differentiable's error node
     _m("create_graph_unchecked", "sonicmoe/ops/common.py",
        "            if torch.is_grad_enabled():  # the autograd engine", "            if False:  # the autograd engine",
