@@ -132,8 +132,7 @@ class MoEConfig:
         if isinstance(n_s, bool) or not isinstance(n_s, int) or n_s < 0:
             raise ValueError(f"shared_intermediate_size must be an int >= 0 (0: no shared expert), got {n_s!r}")
         for name in ("renormalize", "bias", "static_pairs", "shared_expert_gate", "return_router_info", "router_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_flag(name, getattr(self, name))
         for name in ("aux_loss_coef", "z_loss_coef"):  # a string or None would fail only in the forward, NaN silently
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
@@ -153,3 +152,9 @@ class MoEConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("routing", self.routing, ROUTING_MODES)
         _check_choice("rounding", self.rounding, ROUNDING_SUBROUTINES)
+
+
+def check_flag(name: str, v) -> None:
+    """ValueError naming ``name`` unless ``v`` is a bool (a string such as ``"no"`` would otherwise read as True)."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")

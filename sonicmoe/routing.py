@@ -31,7 +31,7 @@ import torch
 
 from ._autocast import no_autocast
 from ._device import on_device
-from .config import ROUTER_ORDERS
+from .config import ROUTER_ORDERS, check_flag
 from .ops.router_logits import bf16_gemm_applies, router_logits, router_logits_ref
 
 INDEX_DTYPE = torch.int32
@@ -177,9 +177,8 @@ def routing_from_pairs(
     if pair_expert.device != pair_token.device:
         raise ValueError(f"pair_expert is on {pair_expert.device} but pair_token is on {pair_token.device}; "
                          "put them on one device")
-    for name, v, lo in (("num_tokens", num_tokens, 0), ("num_experts", num_experts, 1)):
-        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    check_size("num_tokens", num_tokens, 0)
+    check_size("num_experts", num_experts, 1)
     if check:
         check_pairs(pair_token, pair_expert, num_tokens + padding, num_experts + padding)
         if padding and bool(((pair_token == num_tokens) != (pair_expert == num_experts)).any()):
@@ -277,8 +276,7 @@ def routing_dense(num_tokens: int, device: torch.device | str | None = None) -> 
     Raises:
         ValueError: ``num_tokens`` not an int >= 0.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    check_size("num_tokens", num_tokens, 0)
     t = num_tokens
     offsets = torch.arange(t + 1, device=device, dtype=INDEX_DTYPE)  # token t's one slot starts at t
     rows = offsets[:t]
@@ -292,8 +290,7 @@ def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check: bool = Fals
         raise TypeError(f"topk_ids must be a (T, K) integer tensor, got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    check_size("num_experts", num_experts, 1)
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
     check_flag("check", check)
@@ -558,10 +555,10 @@ def check_router_inputs(x, router_weight, top_k) -> None:
     check_top_k(top_k, router_weight.shape[0])
 
 
-def check_flag(name: str, v) -> None:
-    """ValueError naming ``name`` unless ``v`` is a bool (a string such as ``"no"`` would otherwise read as True)."""
-    if not isinstance(v, bool):
-        raise ValueError(f"{name} must be a bool, got {v!r}")
+def check_size(name: str, v, lo: int) -> None:
+    """ValueError naming ``name`` unless ``v`` is an int (not a bool) or a torch.SymInt (symbolic tracing) >= ``lo``."""
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
 def check_top_k(top_k, num_experts: int) -> None:

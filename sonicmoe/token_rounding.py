@@ -96,8 +96,8 @@ import warnings
 import torch
 
 from ._device import on_device
-from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS
-from .routing import INDEX_DTYPE, RouterOutput, Routing, check_flag
+from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS, check_flag
+from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -171,8 +171,7 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
     # (torch.SymInt: make_fx's symbolic tracing; Dynamo passes them as ints) are compared symbolically
     for name, v, lo in (("num_tokens", num_tokens, 0), ("num_experts", num_experts, 1), ("m_tile", m_tile, 1),
                         ("top_k", top_k, 1)):
-        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        check_size(name, v, lo)
     if top_k > num_experts:
         raise ValueError(f"top_k must be an int in [1, E={num_experts}], got {top_k!r}")
     tk = num_tokens * top_k
