@@ -404,9 +404,9 @@ def _operand_bytes(args: dict) -> int:
 def new_output(shape, *, device, dtype) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; NaN-filled (or int-min) when SONICMOE_POISON_OUTPUTS=1."""
     if os.environ.get("SONICMOE_POISON_OUTPUTS", "0") == "1":
-        # one op, not torch.empty + fill_. Session 87 (H100, torch 2.11): with the in-place fill, the layer compiled
-        # (aot_eager) under CUDA autocast got a zero router-weight gradient, without poisoning the right one; whether
-        # this form cures it was not run on a GPU yet (test_autocast.py::test_gpu_compiled_layer_under_cuda_autocast)
+        # one op, not torch.empty + fill_: with the in-place fill the layer compiled (aot_eager) under CUDA autocast got
+        # a zero router-weight gradient (H100, torch 2.11; test_autocast.py::test_gpu_compiled_layer_under_cuda_autocast
+        # fails with that form and passes with this one, A/B in one call, session 88)
         poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
         return torch.full(shape if isinstance(shape, (tuple, list)) else (shape,), poison, device=device, dtype=dtype)
     return torch.empty(shape, device=device, dtype=dtype)
