@@ -396,6 +396,11 @@ MUTANTS: list[Mutant] = [
        "tests/test_routing.py", "-k", "lean_and_checks"),
     _m("renormalize_not_a_flag", "sonicmoe/routing.py", '    check_flag("renormalize", renormalize)\n', "",
        "tests/test_routing.py", "-k", "renormalize"),
+    # session 88: token rounding verifies a custom router's ids on request
+    _m("tr_topk_ids_check_ignored", "sonicmoe/token_rounding.py",
+       '    check_topk_ids(ids, e, check, name="router.topk_ids")',
+       '    check_topk_ids(ids, e, False, name="router.topk_ids")', "tests/test_token_rounding.py",
+       "-k", "check_verifies"),
     # session 87: create_graph=True raised only where a later backward reached once_differentiable's error node
     _m("create_graph_unchecked", "sonicmoe/ops/common.py",
        "            if torch.is_grad_enabled():  # the autograd engine", "            if False:  # the autograd engine",

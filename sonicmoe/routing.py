@@ -240,7 +240,7 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int, *, check: bool =
             one repeated within a token's row.
         TypeError: ``topk_ids`` not an integer tensor.
     """
-    _check_topk_ids(topk_ids, num_experts, check)
+    check_topk_ids(topk_ids, num_experts, check)
     topk_ids = _wide_ids(topk_ids)
     if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL") == "1":
         from .ops import topk_routing  # imports triton: lazily, off the CPU path
@@ -253,7 +253,7 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int, *, check: bool =
 
 def routing_from_topk_ref(topk_ids: torch.Tensor, num_experts: int, *, check: bool = False) -> Routing:
     """Torch twin of :func:`routing_from_topk` (same arguments, checks and results) in torch operations only."""
-    _check_topk_ids(topk_ids, num_experts, check)
+    check_topk_ids(topk_ids, num_experts, check)
     return _routing_from_topk_torch(_wide_ids(topk_ids), num_experts)
 
 
@@ -285,22 +285,24 @@ def routing_dense(num_tokens: int, device: torch.device | str | None = None) -> 
                    token_offsets=offsets, token_rows=rows, slot_pair=None, padded=False)
 
 
-def _check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check: bool = False) -> None:
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check: bool = False, *, name: str = "topk_ids") -> None:
+    """TypeError/ValueError naming ``name`` unless ``topk_ids`` is a (T, K) integer tensor; with ``check`` (two host
+    syncs) also unless every id lies in [0, E) and each token's K ids are distinct."""
     if not isinstance(topk_ids, torch.Tensor):
-        raise TypeError(f"topk_ids must be a (T, K) integer tensor, got {type(topk_ids).__name__}")
+        raise TypeError(f"{name} must be a (T, K) integer tensor, got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must have shape (T, K), got {tuple(topk_ids.shape)}")
+        raise ValueError(f"{name} must have shape (T, K), got {tuple(topk_ids.shape)}")
     check_size("num_experts", num_experts, 1)
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
-        raise TypeError(f"topk_ids must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
+        raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
     check_flag("check", check)
     if check and topk_ids.numel():  # synchronises
-        check_index_range("topk_ids", topk_ids, num_experts, "E")
+        check_index_range(name, topk_ids, num_experts, "E")
         ids = topk_ids.sort(dim=1).values
         repeated = (ids[:, 1:] == ids[:, :-1]).any(dim=1).nonzero()
         if repeated.numel():
             t = int(repeated[0, 0])
-            raise ValueError(f"topk_ids must hold distinct experts per token, token {t} has "
+            raise ValueError(f"{name} must hold distinct experts per token, token {t} has "
                              f"{topk_ids[t].tolist()}")
 
 

@@ -97,7 +97,7 @@ import torch
 
 from ._device import on_device
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS, check_flag
-from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size
+from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size, check_topk_ids
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -189,8 +189,8 @@ def max_pairs(num_tokens: int, num_experts: int, top_k: int, m_tile: int, subrou
     return torch.sym_min(bound, cap)  # a symbolic T under torch.compile (no guard on T)
 
 
-def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
-                router_order: str) -> tuple[int, int, int]:
+def _check_args(router: RouterOutput, m_tile: int, subroutine: str, router_order: str,
+                check: bool = False) -> tuple[int, int, int]:
     if not isinstance(router, RouterOutput):
         raise TypeError(f"router must be a sonicmoe.routing.RouterOutput, got {type(router).__name__}")
     if isinstance(m_tile, bool) or not isinstance(m_tile, int) or m_tile < 1:
@@ -222,6 +222,7 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str,
     if ids.dim() != 2 or ids.shape[0] != t or scores.shape != ids.shape or not 1 <= ids.shape[1] <= e:
         raise ValueError(f"router.topk_ids and router.topk_scores must both be (T={t}, K) with 1 <= K <= "
                          f"E={e}, got {tuple(ids.shape)} and {tuple(scores.shape)}")
+    check_topk_ids(ids, e, check, name="router.topk_ids")
     return t, e, ids.shape[1]
 
 
@@ -266,6 +267,7 @@ def token_rounding(
     use_kernel: bool | None = None,
     static: bool = False,
     fused_router_grad: bool = False,
+    check: bool = False,
 ) -> TokenRoundingOutput:
     """Token-rounding routing (SPEC §5): each expert's top-k count rounded to a multiple of M_tile.
 
@@ -299,6 +301,11 @@ def token_rounding(
             router's top-k backward and a (T, E) sum. Only for a router made by ``router_topk`` with this
             ``router_order`` and ``renormalize`` and unmodified ``topk_scores`` (the ``MoE`` layer's case); the torch
             path ignores it.
+        check: verify ``router.topk_ids`` from a custom router: every id in [0, E) and K distinct experts per
+            token (two host syncs; :func:`~sonicmoe.routing.routing_from_topk`'s ``check``). Without it such ids
+            are not verified: an id outside [0, E) fails inside torch's indexing (on CUDA, possibly as a device-side
+            assert), and a repeated id passes silently (counted once or twice). ``router_topk``'s ids (the ``MoE``
+            layer's) need no check.
 
     Returns:
         :class:`TokenRoundingOutput` with R (or R_max) pairs in token-major order (sorted by token, then
@@ -309,10 +316,15 @@ def token_rounding(
 
     Host syncs: one with ``static=False`` (``torch.nonzero`` over the (T, E) rank array, as R is
     data-dependent); none with ``static=True``.
+
+    Raises:
+        TypeError: ``router`` not a RouterOutput, or its tensors of the wrong kind (integer ids, floating scores).
+        ValueError: bad shapes, ``m_tile`` < 1, an unknown ``subroutine``/``router_order``, non-bool flags, and with
+            ``check=True`` ids outside [0, E) or repeated within a token.
     Memory: two transient (E, T) int32 key arrays and the (T, E) int32 rank array (12·T·E bytes; 96 MiB at
     T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
     """
-    t, e, k = _check_args(router, m_tile, subroutine, router_order)
+    t, e, k = _check_args(router, m_tile, subroutine, router_order, check)
     for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad)):
         check_flag(name, flag)
     if warn:
@@ -371,6 +383,7 @@ def token_rounding_ref(
     renormalize: bool = False,
     generator: torch.Generator | None = None,
     warn: bool = True,
+    check: bool = False,
 ) -> TokenRoundingOutput:
     """Plain per-expert loop version of :func:`token_rounding` (same signature and output): the oracle.
 
@@ -379,7 +392,7 @@ def token_rounding_ref(
     ``"stochastic"`` draws the same ``torch.rand(E)`` as the fast version, so equal generators give
     equal results.
     """
-    t, e, k = _check_args(router, m_tile, subroutine, router_order)
+    t, e, k = _check_args(router, m_tile, subroutine, router_order, check)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
     device = router.logits.device

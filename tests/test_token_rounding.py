@@ -316,6 +316,31 @@ def test_bad_arguments():
             token_rounding(router, m_tile=4, **{flag: "no"})
 
 
+@pytest.mark.parametrize("fn", [token_rounding, token_rounding_ref])
+def test_check_verifies_custom_topk_ids(fn):
+    """check=True refuses ids from a hand-built RouterOutput outside [0, E) or repeated within a token (without it a
+    repeated id passes silently), and leaves valid ids' result unchanged."""
+    router, _ = make_router(64, 8, 2, seed=3)
+    kw = {"m_tile": 8, "warn": False}
+    good = fn(router, **kw)
+    checked = fn(router, check=True, **kw)
+    assert torch.equal(checked.pair_token, good.pair_token) and torch.equal(checked.pair_expert, good.pair_expert)
+    for bad_id, match in ((8, r"router.topk_ids must lie in \[0, E=8\), got values in \[0, 8\]"),
+                          (-1, r"router.topk_ids must lie in \[0, E=8\), got values in \[-1, 7\]")):
+        ids = router.topk_ids.clone()
+        ids[5, 0] = bad_id
+        with pytest.raises(ValueError, match=match):
+            fn(RouterOutput(router.logits, router.probs, ids, router.topk_scores), check=True, **kw)
+    ids = router.topk_ids.clone()
+    ids[9, 1] = ids[9, 0]
+    dup = RouterOutput(router.logits, router.probs, ids, router.topk_scores)
+    assert fn(dup, **kw).topk_counts.sum() in (64 * 2 - 1, 64 * 2)  # unchecked: runs, counted once or twice
+    with pytest.raises(ValueError, match="router.topk_ids must hold distinct experts per token, token 9 has"):
+        fn(dup, check=True, **kw)
+    with pytest.raises(ValueError, match="check must be a bool"):
+        fn(router, check=1, **kw)
+
+
 def test_warns_below_two_tiles():
     router, _ = make_router(64, 8, 2, seed=0)  # T·K/E = 16 tokens per expert
     with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert"):
