@@ -58,6 +58,7 @@ WG = "sonicmoe/ops/weight_grad.py"
 GG = "sonicmoe/ops/grouped_gemm.py"
 SG = "sonicmoe/ops/score_grad.py"
 RT = "sonicmoe/ops/router.py"
+EPM = "sonicmoe/expert_parallel.py"
 SE = "tests/test_shared_expert.py"
 RK = "tests/test_router_kernel.py"
 TRD = "sonicmoe/token_rounding.py"
@@ -401,6 +402,16 @@ MUTANTS: list[Mutant] = [
        '    check_topk_ids(ids, e, check, name="router.topk_ids")',
        '    check_topk_ids(ids, e, False, name="router.topk_ids")', "tests/test_token_rounding.py",
        "-k", "check_verifies"),
+    # session 88's expert-parallel audit: frozen experts, the user's DDP ignore list, mixed dtypes, the device check
+    _m("ep_ddp_hooks_frozen", EPM, "            if p.requires_grad:  # a frozen", "            if True:  # a frozen",
+       "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
+    _m("ep_ddp_ignore_list_replaced", EPM,
+       '    ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", ()), *ignored]\n', "",
+       "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
+    _m("ep_from_moe_router_dtype", EPM, "            if t.dtype != source[name].dtype:", "            if False:",
+       "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
+    _m("ep_device_checked_late", EPM, "    if not allow_float64:  # the kernels' device rule",
+       "    if False:  # the kernels' device rule", "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
     # session 87: create_graph=True raised only where a later backward reached once_differentiable's error node
     _m("create_graph_unchecked", "sonicmoe/ops/common.py",
        "            if torch.is_grad_enabled():  # the autograd engine", "            if False:  # the autograd engine",

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,10 @@ def _group_size_rank(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("expert parallelism needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group, e.g. under torchrun)")
-    return dist.get_world_size(group), dist.get_rank(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:  # torch.distributed answers -1 on a rank outside the group
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of it")
+    return world, rank
 
 
 class _AllToAll(torch.autograd.Function):
@@ -197,6 +201,10 @@ def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int, backen
         raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
     check_activation(activation)
     check_expert_inputs(x, w1, w2, b1, b2, allow_float64=allow_float64)
+    if not allow_float64:  # the kernels' device rule, on every rank (a rank whose experts get no row never meets it)
+        from .ops.common import check_device  # imports triton: lazily, off the CPU path
+
+        check_device("x", x)
     if w1.shape[0] < 1:
         raise ValueError("w1 must hold at least one expert: E_loc = E/P >= 1")
     _check_routing(routing, x.shape[0], w1.shape[0] * world, x.device)
@@ -380,6 +388,11 @@ class ExpertParallelMoE(MoE):
         w = moe.gate.weight
         layer = cls(*(getattr(c, f) for f in head), group=group, device="meta", dtype=w.dtype, **options)
         layer = layer.to_empty(device=w.device)
+        source = dict(moe.named_parameters())
+        source.update(moe.named_buffers())
+        for name, t in itertools.chain(layer.named_parameters(), layer.named_buffers()):
+            if t.dtype != source[name].dtype:  # each in its source's dtype (a float32 router beside bf16 experts)
+                t.data = t.data.to(source[name].dtype)
         layer.load_full_state_dict(moe.state_dict())
         for p, q in zip(moe.parameters(), layer.parameters()):  # frozen stays frozen
             q.requires_grad_(p.requires_grad)
@@ -488,7 +501,10 @@ def expert_parallel_ddp(model: torch.nn.Module, *, expert_dp_group=None,
             hook = functools.partial(_sum_over_replicas, group=expert_dp_group, scale=1.0 / ddp_world)
         for name, p in module.experts.named_parameters():
             ignored.append(f"{prefix}.experts.{name}" if prefix else f"experts.{name}")
-            p.register_hook(hook)
+            if p.requires_grad:  # a frozen expert weight (router-only fine-tuning) gets no gradient and no hook
+                p.register_hook(hook)
+    # added to what the model already keeps out of DDP (torch's own helper replaces the list)
+    ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", ()), *ignored]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, **ddp_kwargs)
 

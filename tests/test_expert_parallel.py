@@ -342,6 +342,51 @@ def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
         dist.destroy_process_group()
 
 
+def test_expert_parallel_wrapping_keeps_what_the_user_set(tmp_path, monkeypatch):
+    """In a group of one rank: from_moe keeps each parameter's dtype (a float32 router beside bf16 experts, not
+    everything in the router's); expert_parallel_ddp wraps a model whose experts are frozen (router-only fine-tuning)
+    and adds to, not replaces, the parameters the model already keeps out of DDP; backend="triton" on CPU tensors
+    without the interpreter is refused before any exchange (a rank whose experts get no row would otherwise wait in
+    the all-to-all)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import sonicmoe.expert_parallel as ep_module
+    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp, expert_parallel_experts
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        full = MoE(D, N, 4, 2, backend="torch", dtype=torch.bfloat16)
+        full.gate.float()
+        layer = ExpertParallelMoE.from_moe(full)
+        assert {n: p.dtype for n, p in layer.named_parameters()} == {n: p.dtype for n, p in full.named_parameters()}
+        xs = torch.randn(9, D, dtype=torch.bfloat16)
+        assert torch.equal(layer(xs), full(xs))
+
+        full = MoE(D, N, 4, 2, backend="torch")
+        full.experts.requires_grad_(False)
+        local = torch.nn.Linear(D, D)
+        model = torch.nn.Sequential(local, ExpertParallelMoE.from_moe(full))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["0.weight"])
+        ddp = expert_parallel_ddp(model)
+        assert sorted(model._ddp_params_and_buffers_to_ignore) == [
+            "0.weight", "1.experts.down_proj", "1.experts.gate_up_proj"]
+        ddp(torch.randn(5, D)).sum().backward()
+        assert model[1].gate.weight.grad is not None and model[1].experts.gate_up_proj.grad is None
+
+        def exchanged(*args, **kwargs):
+            raise AssertionError("exchanged before the backend was checked")
+
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.setattr(ep_module, "_all_to_all", exchanged)
+        x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
+        with pytest.raises(ValueError, match="x is on cpu; the triton backend needs CUDA tensors"):
+            expert_parallel_experts(x, w1, w2, routing_from_topk(torch.tensor([[0, 1]] * 4), 2), torch.rand(8),
+                                    backend="triton")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_expert_parallel_memory_contract(tmp_path, device):
     """In a group of one rank (the exchange is then a copy): what backward keeps is the experts' contract on the
     received tokens, X_recv (T_recv, d) with one row per token however many of its experts the rank holds (here
@@ -502,6 +547,13 @@ def _ep_dp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
             errs["ep_size_3_accepted_flag"] = 1.0
         except ValueError:
             errs["ep_size_3_accepted_flag"] = 0.0
+        outside = dist.new_group([0])  # every rank creates it; ranks 1-3 are not members
+        try:
+            if rank:
+                ExpertParallelMoE(D, N, E, 2, group=outside)
+            errs["non_member_accepted_flag"] = float(bool(rank))
+        except ValueError as e:
+            errs["non_member_accepted_flag"] = float("is not a member" not in str(e))
         torch.save(errs, out_file.format(rank=rank))
         dist.barrier()
     except BaseException:
@@ -524,6 +576,6 @@ def test_expert_parallel_inside_data_parallel(tmp_path):
         raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
     for rank in range(4):
         errs = torch.load(out_file.format(rank=rank))
-        assert len(errs) == 12, errs
+        assert len(errs) == 13, errs
         bad = {key: v for key, v in errs.items() if not v <= (0.0 if key.endswith("_flag") else 1e-5)}
         assert not bad, f"rank {rank}: {bad}"
