@@ -412,6 +412,12 @@ MUTANTS: list[Mutant] = [
        "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
     _m("ep_device_checked_late", EPM, "    if not allow_float64:  # the kernels' device rule",
        "    if False:  # the kernels' device rule", "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
+    # session 88's numerics audit: A rounded as stored in the dH kernel; a NaN score ranks first; ±inf keys
+    _m("dh_a_not_rounded", DH, "    a = a.to(ap_ptr.dtype.element_ty).to(tl.float32)\n", "",
+       "tests/test_library.py", "-k", "fp16_overflow"),
+    _m("tr_nan_score_last", TRS, "other=0.0).to(tl.float32), True)", "other=0.0).to(tl.float32), False)", TRSEL,
+       "-k", "nan_score"),
+    _m("tr_twin_inf_to_max", TRS, ", posinf=inf, neginf=-inf)", ")", TRSEL, "-k", "twin"),
     # session 87: create_graph=True raised only where a later backward reached once_differentiable's error node
     _m("create_graph_unchecked", "sonicmoe/ops/common.py",
        "            if torch.is_grad_enabled():  # the autograd engine", "            if False:  # the autograd engine",

@@ -11,7 +11,9 @@ starts from top-k routing and moves each expert's count f_e to a neighbouring mu
    ``"sigmoid_then_topk"`` the sigmoid of the logit, whose order within an expert is its selection key's: the
    expert's bias is the same for every token).
    Ranking compares values rounded to float32 (exact for the usual float32 router; a float64 router's
-   values closer than float32 precision count as equal); a NaN probability ranks last. Ties are broken
+   values closer than float32 precision count as equal). A NaN score ranks first among the chosen tokens (as
+   +inf: an expert rounding down keeps a NaN token, whose output then stays NaN as top-k's would, instead of
+   dropping it first and giving it a finite output), a NaN probability last among the others. Ties are broken
    by the lower token index.
 3. A *subroutine* decides per expert whether to pad (keep ``hi_e``: all chosen tokens plus the best
    ``hi_e − f_e`` non-chosen ones) or not (keep ``lo_e``: drop the ``f_e − lo_e`` lowest-scored
@@ -398,8 +400,10 @@ def token_rounding_ref(
     device = router.logits.device
     m = m_tile
     ids = router.topk_ids.tolist()
-    scores = router.topk_scores.detach().float().tolist()
-    probs = _candidate_probs(router, router_order).detach().float().nan_to_num(nan=float("-inf")).tolist()  # NaN last
+    inf = float("inf")  # ±inf kept (nan_to_num's defaults would make them the largest finite floats)
+    scores = router.topk_scores.detach().float().nan_to_num(nan=inf, posinf=inf, neginf=-inf).tolist()  # NaN first
+    probs = _candidate_probs(router, router_order).detach().float().nan_to_num(nan=-inf, posinf=inf, neginf=-inf)
+    probs = probs.tolist()  # NaN last
 
     chosen: list[list[tuple[int, int]]] = [[] for _ in range(e)]  # (token, slot k) per expert
     for tok in range(t):

@@ -903,3 +903,26 @@ def test_create_graph_through_the_kernels_raises(device):
     tr = token_rounding(router_topk(xr, wr, 2, use_kernel=False), m_tile=4, use_kernel=False, warn=False)
     (dxr,) = torch.autograd.grad(tr.pair_scores.square().sum(), xr, create_graph=True)  # torch ops: fine
     assert dxr.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp16_overflow_of_a_shows_in_the_gradients(backend, device):
+    """float16: A = silu(gate)·up above 65504 overflows where the forward stores it, so the output is not finite;
+    the backward differentiates that forward, so dS and dW2 are not finite either (a GradScaler then skips the step).
+    The dH kernel recomputes A from H in float32; before it rounded A to the stored dtype as the forward did, its dS
+    and dW2 came out finite (finite problems' values: test_kernels.py's dH tests against dh_ref)."""
+    t, d, n, e = 3, 16, 16, 4
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(t, d, generator=g) * 0.01
+    x[:, 0] = 1.0
+    w1 = torch.randn(e, 2 * n, d, generator=g) * 0.01
+    w1[:, 0, 0] = w1[:, n, 0] = 300.0  # gate and up channel 0 = 300: A ≈ 9e4 > 65504 on every row
+    w2 = torch.randn(e, d, n, generator=g) * 0.01
+    routing = routing_from_topk(torch.arange(e).repeat(t, 1).to(device), e)  # K = E
+    scores = torch.rand(t * e, generator=g) + 0.1
+    leaves = [v.to(device=device, dtype=torch.float16).requires_grad_(True) for v in (x, w1, w2, scores)]
+    out = sonicmoe.experts(leaves[0], leaves[1], leaves[2], routing, leaves[3], backend=backend)
+    assert not torch.isfinite(out).all()
+    out.float().sum().backward()
+    assert not torch.isfinite(leaves[3].grad).all(), "dS finite for a forward whose A overflowed"
+    assert not torch.isfinite(leaves[2].grad).all(), "dW2 finite for a forward whose A overflowed"

@@ -131,7 +131,11 @@ def test_candidate_keys_kernel_equals_twin(device, t, e, k):
     router = router_topk(torch.randn(t, 8, generator=g), torch.randn(e, 8, generator=g), k)
     probs = router.probs.detach().clone()
     probs[0, 0] = float("nan")
-    args = [x.to(device) for x in (probs, router.topk_ids, router.topk_scores.detach())]
+    scores = router.topk_scores.detach().clone()
+    scores[t // 2, 0] = float("nan")
+    if t > 2:  # ±inf keep their own keys (torch.nan_to_num's defaults would make them the largest finite floats)
+        probs[t - 1, e - 1], scores[t - 1, k - 1], scores[1, 0] = float("inf"), float("inf"), float("-inf")
+    args = [x.to(device) for x in (probs, router.topk_ids, scores)]
     a, b = candidate_keys(*args), candidate_keys_ref(*args)
     for x, y, name in zip(a, b, ("prob_key", "score_key", "f")):
         assert torch.equal(x.cpu(), y.cpu()), name
@@ -147,6 +151,9 @@ def test_keys_order_nan_and_signed_zero():
     # the order of the probabilities: NaN lowest (as -inf), -0.0 just below +0.0
     assert prob_key[2, 0] < prob_key[3, 1] < prob_key[0, 1] < prob_key[2, 1] < prob_key[1, 0] == prob_key[3, 0]
     assert score_key[1, 1] < 0 < score_key[0, 0] and (score_key == NO_KEY).sum() == 6
+    # a NaN score: the key of +inf, above every finite score (a NaN probability: below, as -inf)
+    _, nan_key, _ = candidate_keys_ref(probs, ids, torch.tensor([[float("nan")], [float("inf")]]))
+    assert nan_key[0, 0] == nan_key[1, 1] > score_key[0, 0]
 
 
 def test_bad_arguments():
@@ -202,6 +209,21 @@ def test_token_rounding_nan_probabilities_rank_last():
         out = token_rounding(router, m_tile=4, subroutine="up", use_kernel=use)
         added = out.pair_token[out.pair_added & (out.pair_expert == 0)].tolist()
         assert added == [2, 3, 4], use  # 0.9, then two of the tied rest by index; NaN (token 1) last
+
+
+def test_token_rounding_keeps_a_nan_score_token():
+    # expert 0 rounds down from 5 chosen tokens to 4: it drops its lowest score, not the NaN token (a NaN token dropped
+    # by every expert it chose would get a finite output, 0, where top-k gives NaN)
+    t = 8
+    logits = torch.zeros(t, 2)
+    logits[5:, 1] = 1.0  # tokens 0-4 choose expert 0, 5-7 expert 1
+    ids = logits.topk(1, dim=-1).indices
+    scores = torch.tensor([[0.9], [0.8], [float("nan")], [0.7], [0.6], [0.5], [0.5], [0.5]])
+    router = RouterOutput(logits, logits.softmax(-1), ids, scores)
+    for fn, kw in ((token_rounding, {"use_kernel": True}), (token_rounding, {"use_kernel": False}),
+                   (token_rounding_ref, {})):
+        out = fn(router, m_tile=4, subroutine="down", warn=False, **kw)
+        assert out.pair_token[out.pair_expert == 0].tolist() == [0, 1, 2, 3], (fn, kw)
 
 
 @pytest.mark.gpu

@@ -299,6 +299,7 @@ if HAVE_GLUON:
             sig = sigmoid(1.702 * gc, SIG_FTZ)
             glu = gc * sig
             a = (uc + 1.0) * glu
+        a = a.to(dh_ptr.dtype.element_ty).to(gl.float32)  # A as the forward stored it (dh.py's _dh_epilogue)
         part = gl.sum(acc * a, axis=1)
         if J == 0:
             ds_out = part
@@ -306,7 +307,7 @@ if HAVE_GLUON:
             ds_out = ds_in + part
         dtype: gl.constexpr = dh_ptr.dtype.element_ty
         da = acc * s
-        # A, then dS, then dH, as before ACT existed: the SwiGLU kernel's PTX stays byte-identical (session 85)
+        # A, then dS, then dH, as before ACT existed (session 85)
         if ACT == 0:
             d_up = (da * silu).to(dtype)
             d_gate = (da * u * (sig + silu * (1.0 - sig))).to(dtype)

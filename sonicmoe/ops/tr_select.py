@@ -78,9 +78,9 @@ COMPACT_MAX = 4096
 
 
 @triton.jit
-def _float_key(x):
-    """Order-preserving int32 key of float32 ``x`` (NaN -> key of -inf)."""
-    x = tl.where(x != x, float("-inf"), x)
+def _float_key(x, NAN_FIRST: tl.constexpr):
+    """Order-preserving int32 key of float32 ``x``; NaN -> the key of +inf (``NAN_FIRST``) or of -inf."""
+    x = tl.where(x != x, float("inf") if NAN_FIRST else float("-inf"), x)
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -103,11 +103,11 @@ def _candidate_keys_kernel(
     skey = tl.full((BLOCK_T, BLOCK_E), _NO_KEY, tl.int32)
     for k in tl.static_range(K):
         idk = tl.load(ids_ptr + t64 * K + k, mask=mask_t, other=-1).to(tl.int32)
-        sk = _float_key(tl.load(scores_ptr + t64 * K + k, mask=mask_t, other=0.0).to(tl.float32))
+        sk = _float_key(tl.load(scores_ptr + t64 * K + k, mask=mask_t, other=0.0).to(tl.float32), True)
         hit = e[None, :] == idk[:, None]
         chosen = chosen | hit
         skey = tl.where(hit, sk[:, None], skey)
-    pkey = tl.where(chosen, _NO_KEY, _float_key(p))
+    pkey = tl.where(chosen, _NO_KEY, _float_key(p, False))
     out = e[None, :].to(tl.int64) * T + t64[:, None]  # (E, T) layout: each expert's row contiguous
     tl.store(prob_key_ptr + out, pkey, mask=mask)
     tl.store(score_key_ptr + out, skey, mask=mask)
@@ -166,9 +166,11 @@ def candidate_keys(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores: tor
     return prob_key, score_key, (counts if block_counts else counts.sum(0, dtype=torch.int64))
 
 
-def _float_key_torch(x: torch.Tensor) -> torch.Tensor:
+def _float_key_torch(x: torch.Tensor, nan_first: bool) -> torch.Tensor:
     """Torch twin of the kernels' ``_float_key`` (int32, same order)."""
-    bits = torch.nan_to_num(x.detach().float(), nan=float("-inf")).contiguous().view(torch.int32)
+    inf = float("inf")  # posinf/neginf as well: nan_to_num's defaults turn ±inf into the largest finite floats
+    bits = torch.nan_to_num(x.detach().float(), nan=inf if nan_first else -inf, posinf=inf, neginf=-inf)
+    bits = bits.contiguous().view(torch.int32)
     return torch.bitwise_xor(bits, torch.bitwise_and(torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF))
 
 
@@ -179,10 +181,10 @@ def candidate_keys_ref(probs: torch.Tensor, topk_ids: torch.Tensor, topk_scores:
     t, e, _ = _check_router(probs, topk_ids, topk_scores)
     ids = topk_ids.long()
     tokens = torch.arange(t, device=probs.device)[:, None]
-    prob_key = _float_key_torch(probs).t().contiguous()
+    prob_key = _float_key_torch(probs, False).t().contiguous()
     prob_key[ids, tokens] = NO_KEY
     score_key = torch.full((e, t), NO_KEY, dtype=torch.int32, device=probs.device)
-    score_key[ids, tokens] = _float_key_torch(topk_scores)
+    score_key[ids, tokens] = _float_key_torch(topk_scores, True)
     f = (score_key != NO_KEY).sum(1)
     return prob_key, score_key, (f.to(torch.int32)[None, :] if block_counts else f)
 
