@@ -18,17 +18,27 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("runs", nargs="+", metavar="LABEL=LOG.json")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--ylim", default=None, metavar="LO,HI", help="the loss axis' range")
     args = ap.parse_args()
+    ylim = None
+    if args.ylim is not None:
+        try:
+            lo, hi = (float(v) for v in args.ylim.split(","))
+        except ValueError:
+            ap.error(f"--ylim {args.ylim}: expected LO,HI (two numbers)")
+        ylim = (lo, hi)
     runs, parts = [], []
     for spec in args.runs:
-        label, _, path = spec.partition("=")
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            ap.error(f"{spec!r}: expected LABEL=RUN/log.json")
         log = json.loads(Path(path).read_text())
         runs.append((label, log["steps"], log["evals"]))
         cfg, env = log["config"], log["env"]
         parts.append(f"{label}: {log['steps_done']} steps")
     title = args.title or (f"{env['device_name']} | d={cfg['d_model']} E={cfg['experts']} K={cfg['top_k']} "
                            f"n={cfg['expert_size']} | " + ", ".join(parts))
-    plot_runs(Path(args.out), runs, title)
+    plot_runs(Path(args.out), runs, title, ylim=ylim)
     print(f"wrote {args.out}")
 
 

@@ -418,6 +418,14 @@ MUTANTS: list[Mutant] = [
     _m("tr_nan_score_last", TRS, "other=0.0).to(tl.float32), True)", "other=0.0).to(tl.float32), False)", TRSEL,
        "-k", "nan_score"),
     _m("tr_twin_inf_to_max", TRS, ", posinf=inf, neginf=-inf)", ")", TRSEL, "-k", "twin"),
+    # session 88's CLI audit: E² backward of the per-expert loops; --out checked late; a finished run resumed
+    _m("torch_backend_select_per_expert", "sonicmoe/ops/torch_experts.py", "F.linear(parts[e], ws[e])",
+       "F.linear(parts[e], w[e])", "tests/test_bench.py", "-k", "one_unbind"),
+    _m("bench_out_checked_late", "sonicmoe/bench/cli.py",
+       "        path.parent.mkdir(parents=True, exist_ok=True)\n        if not os.access(path.parent, os.W_OK):",
+       "        if False:", "tests/test_bench.py", "-k", "cannot_be_written"),
+    _m("train_finished_run_resumed", "sonicmoe/train/cli.py", "            if int(checkpoint[\"step\"]) >= end:",
+       "            if False:", "tests/test_train.py", "-k", "resume_continues"),
     # session 87: create_graph=True raised only where a later backward reached once_differentiable's error node
     _m("create_graph_unchecked", "sonicmoe/ops/common.py",
        "            if torch.is_grad_enabled():  # the autograd engine", "            if False:  # the autograd engine",

@@ -116,6 +116,12 @@ def test_resume_continues_exactly(baseline, tmp_path):
     assert resumed["final_val_loss"] == full["final_val_loss"]
     for key in ("counts", "step_sorted_counts"):
         assert resumed["expert_load"]["per_layer"][0][key] == full["expert_load"]["per_layer"][0][key]
+    # the finished run resumed again: refused (exit 2), its log.json left as it was (it used to be rewritten with an
+    # empty throughput meter)
+    before = (resumed_dir / "log.json").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--resume", str(resumed_dir / "ckpt.pt"), "--no-progress"])
+    assert exit_info.value.code == 2 and (resumed_dir / "log.json").read_bytes() == before
 
 
 def test_same_seed_same_losses_in_another_process(baseline, tmp_path):

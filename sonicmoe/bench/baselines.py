@@ -175,14 +175,15 @@ def experts_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, routing: R
     # zeros in the graph of x, the weights and the scores: with no pair routed the output still has a backward
     out = torch.zeros_like(x) + 0 * (x.sum() + w1.sum() + w2.sum() + pair_scores.sum())
     offsets = routing.expert_offsets.tolist()
+    w1s, w2s = w1.unbind(0), w2.unbind(0)  # as separate modules' weights: w1[e]'s backward would fill all of dW1 per e
     for e in range(routing.num_experts):
         lo, hi = offsets[e], offsets[e + 1]
         if hi == lo:
             continue
         tok = routing.row_token[lo:hi].long()
-        h = F.linear(x[tok], w1[e])
+        h = F.linear(x[tok], w1s[e])
         a = swiglu_ref(h, "concat", activation)
-        y = F.linear(a, w2[e])
+        y = F.linear(a, w2s[e])
         s = pair_scores[routing.row_pair[lo:hi].long()].to(y.dtype)
         out.index_add_(0, tok, y * s[:, None])
     return out

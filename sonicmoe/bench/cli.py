@@ -215,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     env = env_info(device)
     now = _dt.datetime.now(_dt.timezone.utc)
     path = results_path(args.out or "benchmarks/results", env, args.tag, now)
+    try:  # the folder made and writable before the first shape runs, not after it (its minutes lost to an error)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(f"{path.parent} is not writable")
+    except OSError as exc:
+        print(f"sonicmoe bench: --out {args.out or 'benchmarks/results'}: cannot write results there: {exc}",
+              file=sys.stderr)
+        return 2
     saved_args = {**vars(args), "dtype": dtype_name, "backends": backends,
                   "device": str(device), "shapes": [list(s.dims) for s in shapes]}
     records: list[dict] = []

@@ -41,7 +41,9 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, routing: Routing, use_grou
         torch._check(size >= 0)
     torch._check(sum(sizes) == a.shape[0])
     parts = torch.split(a, sizes)
-    outs = [F.linear(parts[e], w[e]) for e in range(routing.num_experts)]
+    # one unbind, not w[e] per expert: each w[e]'s backward adds a zero-filled (E, m, k) gradient, E² work in all
+    ws = w.unbind(0)
+    outs = [F.linear(parts[e], ws[e]) for e in range(routing.num_experts)]
     outs.append(parts[-1].new_zeros(parts[-1].shape[0], w.shape[1]))
     return torch.cat(outs, dim=0)
 

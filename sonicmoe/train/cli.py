@@ -157,7 +157,7 @@ def _summary(log: dict[str, Any], out: Path) -> str:
         lines.append(f"per step, the busiest expert's load over the mean, averaged over layers: "
                      f"{load['mean_step_max_over_mean']:.2f} (summed over steps: {load['mean_max_over_mean']:.2f})")
     plot = out / PLOT
-    files = [out / LOG] + [f for f in (out / CHECKPOINT, plot) if f.exists()]  # a resume past the end saves none
+    files = [out / LOG] + [f for f in (out / CHECKPOINT, plot) if f.exists()]
     lines.append("files: " + ", ".join(str(f) for f in files))
     return "\n".join(lines)
 
@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "resumed run keeps the options that shape its parameters")
             out = args.out or str(Path(args.resume).parent)
             cfg = config_from_dict(base, **overrides, resume=args.resume, out=out)
+            end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+            if int(checkpoint["step"]) >= end:  # train() refuses it too; here without a traceback
+                parser.error(f"--resume {args.resume}: the checkpoint is at step {checkpoint['step']}, at or past "
+                             f"this run's end (step {end}): nothing to train (raise --steps to continue it)")
         else:
             preset = args.preset or ("h100" if torch.cuda.is_available() else "cpu-tiny")
             out = args.out or str(Path("runs") / f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")

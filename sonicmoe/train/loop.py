@@ -437,8 +437,10 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         start_step = int(checkpoint["step"])
         history = copy.deepcopy(checkpoint["history"])  # appended to below: the caller's checkpoint stays as it was
     end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
-    if end_step < start_step:
-        raise ValueError(f"the checkpoint is at step {start_step}, past this run's end (steps={cfg.steps}, "
+    if end_step < start_step or (checkpoint is not None and end_step == start_step):
+        # a finished run resumed again would rewrite its log.json with an empty throughput meter
+        raise ValueError(f"the checkpoint is at step {start_step}, "
+                         f"{'past' if end_step < start_step else 'at'} this run's end (steps={cfg.steps}, "
                          f"stop_after={cfg.stop_after}): nothing to train")
 
     layers = model.moe_layers()

@@ -138,9 +138,10 @@ def plot_losses(path: Path, steps: list[dict[str, Any]], evals: list[dict[str, A
 
 
 def plot_runs(path: Path, runs: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], title: str,
-              raw: bool | None = None) -> bool:
+              raw: bool | None = None, ylim: tuple[float, float] | None = None) -> bool:
     """Several runs' train loss (moving average; per step too when ``raw``, by default for one run) and
-    validation loss on one axis, to a PNG. ``runs``: (label, steps, evals) as in ``log.json``.
+    validation loss on one axis, to a PNG. ``runs``: (label, steps, evals) as in ``log.json``; ``ylim``: the loss
+    axis' (low, high), else matplotlib's choice.
 
     Returns False, after printing why, when matplotlib is not installed.
     """
@@ -173,6 +174,8 @@ def plot_runs(path: Path, runs: list[tuple[str, list[dict[str, Any]], list[dict[
                     label=f"{prefix}validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
