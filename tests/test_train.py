@@ -386,6 +386,19 @@ def test_bad_options_exit_with_usage(capsys):
     assert "d_model" in capsys.readouterr().err
 
 
+def test_resume_from_a_file_that_is_not_a_checkpoint_exits_with_usage(tmp_path, capsys):
+    """--resume of a file torch.load cannot read (it used to end in an UnpicklingError traceback) or of another
+    torch file: exit 2 naming the file."""
+    garbage, other = tmp_path / "garbage.pt", tmp_path / "other.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    torch.save([1, 2], other)
+    for path, why in ((garbage, "torch.load failed: UnpicklingError"), (other, "format")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--resume", str(path), "--no-progress"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{path} is not a sonicmoe train checkpoint" in err and why in err
+
+
 def test_lr_schedule():
     cfg = make_config("cpu-tiny", steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     lrs = [lr_at(i, cfg) for i in range(100)]

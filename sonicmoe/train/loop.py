@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import math
 import os
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -291,7 +292,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         FileNotFoundError: no such file. ValueError: not a sonicmoe training checkpoint.
     """
-    state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such checkpoint file")
+    try:
+        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as exc:  # not a torch.save file, or not tensors only
+        raise ValueError(f"{path} is not a sonicmoe train checkpoint (torch.load failed: {type(exc).__name__})") \
+            from exc
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a sonicmoe train checkpoint (format {CHECKPOINT_FORMAT})")
     return state
