@@ -18,7 +18,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("runs", nargs="+", metavar="LABEL=LOG.json")
     ap.add_argument("--title", default=None)
-    ap.add_argument("--ylim", default=None, metavar="LO,HI", help="the loss axis' range")
+    ap.add_argument("--ylim", default=None, metavar="LO,HI", help="the loss axis' range (a negative LO: --ylim=LO,HI)")
     args = ap.parse_args()
     ylim = None
     if args.ylim is not None:

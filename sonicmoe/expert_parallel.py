@@ -472,7 +472,9 @@ def expert_parallel_ddp(model: torch.nn.Module, *, expert_dp_group=None,
       is this rank's group of the D ranks holding the same experts; the hook sums the expert gradients over it
       (an all-reduce) and divides by W.
 
-    Call it once per model (each call adds the hooks again).
+    Call it once per model (each call adds the hooks again), after freezing what stays frozen: an expert weight
+    frozen here gets no hook, so unfreezing it later would leave its gradient unscaled (DDP, too, fixes which
+    parameters train when it is built).
 
     Raises:
         ValueError: an :class:`ExpertParallelMoE` whose group is not DDP's while ``expert_dp_group`` is not given,

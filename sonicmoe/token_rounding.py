@@ -317,14 +317,14 @@ def token_rounding(
         expert capped at T tokens (module docstring, "Cap edge").
 
     Host syncs: one with ``static=False`` (``torch.nonzero`` over the (T, E) rank array, as R is
-    data-dependent); none with ``static=True``.
+    data-dependent); none with ``static=True``; two more with ``check=True``.
+    Memory: two transient (E, T) int32 key arrays and the (T, E) int32 rank array (12·T·E bytes; 96 MiB at
+    T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
 
     Raises:
         TypeError: ``router`` not a RouterOutput, or its tensors of the wrong kind (integer ids, floating scores).
         ValueError: bad shapes, ``m_tile`` < 1, an unknown ``subroutine``/``router_order``, non-bool flags, and with
             ``check=True`` ids outside [0, E) or repeated within a token.
-    Memory: two transient (E, T) int32 key arrays and the (T, E) int32 rank array (12·T·E bytes; 96 MiB at
-    T = 16384, E = 512), plus (E, T) int64 sort keys on the torch path.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order, check)
     for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad)):

@@ -995,9 +995,21 @@ def test_plot_train_takes_ylim_and_refuses_an_unlabelled_run(tmp_path, monkeypat
     log = REPO / "benchmarks" / "results" / "2026-11-21_nvidia-h200_train" / "log.json"
     script = str(REPO / "benchmarks" / "plot_train.py")
     out = tmp_path / "loss.png"
+    from sonicmoe.train import report as train_report
+
+    seen = []
+    real = train_report.plot_runs
+    monkeypatch.setattr(train_report, "plot_runs", lambda *a, **k: seen.append(k.get("ylim")) or real(*a, **k))
     monkeypatch.setattr(sys, "argv", [script, str(out), f"h200={log}", "--ylim", "1,6"])
     runpy.run_path(script, run_name="__main__")
-    assert out.stat().st_size > 0
+    assert seen == [(1.0, 6.0)] and out.stat().st_size > 0
+    import matplotlib.pyplot as plt
+
+    limits, real_savefig = [], plt.Figure.savefig
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: (limits.append(fig.axes[0].get_ylim()),
+                                                                      real_savefig(fig, *a, **k)))
+    train_report.plot_runs(tmp_path / "y.png", [("a", [{"step": 1, "loss": 3.0}], [])], "t", ylim=(1.0, 6.0))
+    assert limits == [(1.0, 6.0)]
     for bad in ([str(log)], [f"h200={log}", "--ylim", "1"]):
         monkeypatch.setattr(sys, "argv", [script, str(tmp_path / "x.png"), *bad])
         with pytest.raises(SystemExit) as exit_info:

@@ -287,6 +287,30 @@ def test_dh_kernel(shape, layout, device):
             fn(dout, p["w2"], h, s, routing, layout, ds_pairs=torch.float32)
 
 
+def test_dh_kernel_and_twin_use_a_as_stored_in_half_precision(device):
+    """float16 H: the kernel and dh_ref compute dS = ⟨dA′, A⟩ and A′ = S·A from A rounded to float16, as the forward
+    stored it and as Y = A W2ᵀ read it: dS equals the float64 sum over the rounded A (the unrounded A differs by
+    about 1e-4 relative here), the kernel and the twin agree to float32 summation."""
+    t, d, n, e = 40, 32, 48, 3
+    g = torch.Generator().manual_seed(57)
+    routing = routing_from_topk(torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)]).to(device), e)
+    h = (torch.randn(routing.num_rows, 2 * n, generator=g) * 2).half().to(device)
+    dout = torch.randn(t, d, generator=g).half().to(device)
+    w2 = (torch.randn(e, d, n, generator=g) * n ** -0.5).half().to(device)
+    s = (torch.rand(routing.num_rows, generator=g) + 0.1).to(device)
+    got, ref = dh(dout, w2, h, s, routing), dh_ref(dout, w2, h, s, routing)
+    hf = h.double()
+    a = swiglu_ref(hf, "concat")
+    dap = torch.cat([dout[routing.row_token[lo:hi].long()].double() @ w2[i].double()
+                     for i, (lo, hi) in enumerate(zip(routing.expert_offsets[:-1].tolist(),
+                                                      routing.expert_offsets[1:].tolist()))])
+    stored = (dap * a.half().double()).sum(1)
+    assert rel_err((dap * a).sum(1), stored) > 3e-5  # the rounding is visible at this size
+    for ds in (got[2], ref[2]):
+        assert rel_err(ds.double(), stored) < 3e-6
+    assert rel_err(got[2], ref[2]) < 3e-6 and torch.equal(got[1], ref[1])
+
+
 def test_gather_sum(device):
     t, e = 29, 7
     routing = _skewed_routing(t, e, device)

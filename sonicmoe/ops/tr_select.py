@@ -6,8 +6,8 @@ best chosen tokens by top-k score; an expert rounded up keeps all its chosen tok
 ``keep[e] − f_e`` best non-chosen tokens by router probability. Ties go to the lower token index.
 
 Both steps work on per-(expert, token) int32 *keys* that compare exactly as the float32 values behind
-them (the bits, with the magnitude bits of negative values flipped; NaN counts as −inf; −0.0 sits just
-below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every real key.
+them (the bits, with the magnitude bits of negative values flipped; a NaN probability counts as −inf, a NaN
+score as +inf; −0.0 sits just below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every real key.
 
 :func:`candidate_keys` (kernel: one program per block of tokens and block of experts)
     reads probs (T, E), topk_ids (T, K) and topk_scores (T, K) once and writes, transposed so each
