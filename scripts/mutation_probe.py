@@ -434,6 +434,8 @@ MUTANTS: list[Mutant] = [
        "        if False:", "tests/test_bench.py", "-k", "cannot_be_written"),
     _m("train_finished_run_resumed", "sonicmoe/train/cli.py", "            if int(checkpoint[\"step\"]) >= end:",
        "            if False:", "tests/test_train.py", "-k", "resume_continues"),
+    _m("train_corpus_checked_late", "sonicmoe/train/cli.py", "        corpus.check_seq_len(cfg.seq_len)\n", "",
+       "tests/test_train.py", "-k", "data_and_out"),
     # session 87: create_graph=True raised only where a later backward reached once_differentiable's error node
     _m("create_graph_unchecked", "sonicmoe/ops/common.py",
        "            if torch.is_grad_enabled():  # the autograd engine", "            if False:  # the autograd engine",

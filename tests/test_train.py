@@ -399,6 +399,17 @@ def test_resume_from_a_file_that_is_not_a_checkpoint_exits_with_usage(tmp_path, 
         assert e.value.code == 2 and f"{path} is not a sonicmoe train checkpoint" in err and why in err
 
 
+@pytest.mark.parametrize("extra,match", [(["--max-bytes", "10"], "has only 10 bytes"),
+                                         (["--max-bytes", "4096", "--seq-len", "5000"], "fewer than seq_len"),
+                                         (["--out", "/proc/sonicmoe-cannot-write"], "--out /proc/sonicmoe")])
+def test_data_and_out_errors_exit_with_usage(extra, match, tmp_path, capsys):
+    """A corpus too small, a window longer than the corpus, an --out that cannot be made: exit 2 naming the cause,
+    before any model is built (they used to end in a traceback from inside train())."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--preset", "cpu-tiny", "--steps", "1", "--no-progress", "--out", str(tmp_path / "run"), *extra])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
 def test_lr_schedule():
     cfg = make_config("cpu-tiny", steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     lrs = [lr_at(i, cfg) for i in range(100)]

@@ -333,13 +333,15 @@ def _fmt_rate(tokens_per_s: float | None) -> str:
     return f"{tokens_per_s / 1e3:.1f}k" if tokens_per_s < 1e6 else f"{tokens_per_s / 1e6:.2f}M"
 
 
-def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None,
+          corpus: ByteCorpus | None = None) -> dict[str, Any]:
     """Train the MoE language model ``cfg`` describes; write ``log.json``, ``loss.png`` and ``ckpt.pt``
     into ``cfg.out`` and return the log.
 
     Args:
         cfg: the run (``cfg.out`` must be set; ``cfg.resume`` names a checkpoint to continue from).
         checkpoint: that checkpoint already read with :func:`load_checkpoint` (read here otherwise).
+        corpus: ``cfg``'s corpus already read with ``ByteCorpus.load`` (read here otherwise).
 
     Each step: a batch of B = ``batch_size`` windows of L = ``seq_len`` bytes (T = B·L tokens per MoE
     layer), loss = LM cross-entropy + Σ layers (aux_loss + z_loss), backward, AdamW step. The same
@@ -368,14 +370,14 @@ def train(cfg: TrainConfig, checkpoint: dict[str, Any] | None = None) -> dict[st
                 torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
-        return _train(cfg, checkpoint, device, dp)
+        return _train(cfg, checkpoint, device, dp, corpus)
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
         dp.close()
 
 
 def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.device,
-           dp: DataParallel) -> dict[str, Any]:
+           dp: DataParallel, corpus: ByteCorpus | None) -> dict[str, Any]:
     if cfg.out is None:
         raise ValueError("cfg.out (the output directory) must be set")
     wall_t0 = time.perf_counter()
@@ -390,7 +392,8 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         torch.cuda.reset_peak_memory_stats(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
+    if corpus is None:
+        corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
     corpus.check_seq_len(cfg.seq_len)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_config(cfg)).to(device=device, dtype=dtype)
