@@ -203,9 +203,11 @@ def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_pt
     channels ``ch`` = ch_start + [0, WIDTH) (ch_start a multiple of 16)."""
     mask = mask_m[:, None] & (ch < N)[None, :]
     a, d_gate, d_up = gated_act_bwd(g_raw.to(tl.float32), u_raw.to(tl.float32), acc * s, ACT)
-    # A as the forward stored it and Y = A W2ᵀ read it (rounded to the storage dtype): dS and A′ are then the
-    # gradient of the forward that ran; in fp16 an A that overflowed there gives a non-finite dS here too
-    a = a.to(ap_ptr.dtype.element_ty).to(tl.float32)
+    # in float16, A as the forward stored it and Y = A W2ᵀ read it (rounded): dS and A′ are then the gradient of the
+    # forward that ran, and an A that overflowed there gives a non-finite dS here too. Not in bf16, whose range is
+    # float32's: there it would change only the last bits, and it cost the sm_80/86 configs spilled registers
+    if ap_ptr.dtype.element_ty == tl.float16:
+        a = a.to(tl.float16).to(tl.float32)
     # dS partial sums per 16-channel chunk: row c of the (cdiv(n, 16), R) buffer holds channels
     # [16c, 16c + 16). Every config writes every row (no leftovers from autotuning runs), and the
     # fixed-order sum over chunks afterwards does not depend on BLOCK_N.
@@ -393,7 +395,9 @@ def dh_ref(
     a = swiglu_ref(hf, gate_up_layout, activation)
     s = row_scores.float()[:, None]
     (dhf,) = torch.autograd.grad(a, hf, grad_outputs=dap * s)
-    a = a.detach().to(h.dtype).float()  # as the forward stored it (the kernel's rounding)
+    a = a.detach()
+    if h.dtype == torch.float16:  # as the forward stored it (the kernel's rounding, float16 only)
+        a = a.half().float()
     ds = (dap * a).sum(1)
     if ds_pairs is not None:
         ds = score_grad_ref(ds[None], routing.row_pair, routing.expert_offsets, None, ds_pairs)

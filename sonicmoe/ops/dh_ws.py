@@ -299,7 +299,8 @@ if HAVE_GLUON:
             sig = sigmoid(1.702 * gc, SIG_FTZ)
             glu = gc * sig
             a = (uc + 1.0) * glu
-        a = a.to(dh_ptr.dtype.element_ty).to(gl.float32)  # A as the forward stored it (dh.py's _dh_epilogue)
+        if dh_ptr.dtype.element_ty == gl.float16:  # A as the forward stored it (dh.py's _dh_epilogue: float16 only)
+            a = a.to(gl.float16).to(gl.float32)
         part = gl.sum(acc * a, axis=1)
         if J == 0:
             ds_out = part
