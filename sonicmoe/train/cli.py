@@ -217,16 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg.progress = not args.no_progress
     if cfg.data is not None and not Path(cfg.data).exists():
         parser.error(f"--data {cfg.data}: no such file or directory")
-    try:  # what would otherwise fail in train() with a traceback, before any model is built
+    # what would otherwise fail in train() with a traceback, before any model is built
+    try:
         corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
         corpus.check_seq_len(cfg.seq_len)
+    except (OSError, ValueError) as e:
+        parser.error(f"--data {cfg.data or '(the standard library)'}: {e}")
+    try:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         if not os.access(cfg.out, os.W_OK):
             raise PermissionError(f"{cfg.out} is not writable")
     except OSError as e:
         parser.error(f"--out {cfg.out}: cannot write there: {e}")
-    except ValueError as e:
-        parser.error(str(e))
     log = train(cfg, checkpoint, corpus)
     if int(os.environ.get("RANK", "0")) == 0:  # data-parallel (torchrun): rank 0 reports
         print(_summary(log, Path(cfg.out)))
