@@ -301,6 +301,24 @@ def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
     assert rc == 0 and [r["routing"] for r in doc["results"]] == ["topk"]
 
 
+
+def test_token_rounding_that_routes_no_pair_is_skipped_not_failed(tmp_path, capsys):
+    """The tiny shape under token rounding at the default M_tile = 128: T·K/E = 32 mean tokens per expert round to
+    no pair. A check on no pair passes any kernel, so the shape is skipped with how to route pairs (a smaller
+    --m-tile), not reported as every backend FAILing; a smaller M_tile on the same shape runs and checks."""
+    rc, doc = _run(tmp_path, "--shape", "64,32,16,4,2", "--routing", "token_rounding", "--backends", "torch,upper",
+                   "--no-router-variant")
+    (rec,) = doc["results"]
+    assert rc == 0 and rec["status"] == "skipped" and rec["backends"] == {} and rec["TK"] == 0
+    assert "routed no (token, expert) pair" in rec["message"] and "--m-tile <= 32" in rec["message"]
+    assert "FAIL" not in capsys.readouterr().out
+    rc, doc = _run(tmp_path / "b", "--shape", "64,32,16,4,2", "--routing", "token_rounding", "--m-tile", "16",
+                   "--backends", "torch,upper", "--no-router-variant")
+    (rec,) = doc["results"]
+    assert rc == 0 and rec["status"] == "ok" and rec["TK"] > 0
+    assert rec["backends"]["torch"]["status"] == "ok" and rec["backends"]["torch"]["check"]["pairs"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # plots and markdown from a results file alone
 

@@ -283,6 +283,14 @@ def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], No
         free_memory()
         return rec
     R = problem.R
+    if R == 0 and T > 0:  # token rounding rounded every expert down to no row: a check would pass any kernel
+        rec.update(status="skipped", TK=0, backends={},
+                   message=f"{mode} routed no (token, expert) pair: T·K/E = {T * K / E:g} mean tokens per expert "
+                           f"rounded to multiples of M_tile={opts.m_tile} gives none; nothing to check or time "
+                           f"(use --m-tile <= {max(1, T * K // E)} or a larger T)")
+        log(f"  skipped: {rec['message']}")
+        del problem
+        return rec
     flops = useful_flops(R, n, d)
     elem = torch.empty((), dtype=opts.dtype).element_size()
     counts = problem.routing.expert_counts()
