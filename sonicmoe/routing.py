@@ -678,7 +678,8 @@ def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
     Equals 1 for perfectly uniform routing and probabilities, whatever K (DeepSeek-V3's balance-loss scale, per batch).
     transformers' Mixtral ``load_balancing_loss_func`` divides T_e by T instead of R = T·K: it is K times this one, so
     a coefficient ported from it (Mixtral's ``router_aux_loss_coef`` 0.02) matches when multiplied by K. Under token
-    rounding T_e are the rounded counts. Computed in probs' dtype (float32, or float64 with a float64 router).
+    rounding T_e are the rounded counts. Computed and returned in float32, or float64 with float64 probs (float16
+    probs summed over more than 65504 tokens would overflow).
 
     Args:
         probs: (T, E) float router probabilities (:attr:`RouterOutput.probs`), on the routing's device.
@@ -696,15 +697,19 @@ def load_balancing_loss(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
                          f"got {tuple(probs.shape)}")
     if probs.device != routing.expert_offsets.device:
         raise ValueError(f"probs is on {probs.device} but the routing is on {routing.expert_offsets.device}")
-    counts = routing.expert_counts().to(torch.promote_types(probs.dtype, torch.float32))
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    counts = routing.expert_counts().to(dtype)
     f = counts / counts.sum().clamp_min(1.0)
-    p = probs.sum(dim=0) / max(probs.shape[0], 1)  # mean over tokens; 0, not NaN, when T = 0
+    p = probs.sum(dim=0, dtype=dtype) / max(probs.shape[0], 1)  # mean over tokens; 0, not NaN, when T = 0
     return routing.num_experts * torch.sum(f * p)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Router z-loss mean_t (logsumexp_e logits[t, e])² (ST-MoE) of the (T, E) float ``logits``.
+    """Router z-loss mean_t (logsumexp_e logits[t, e])² (ST-MoE) of the (T, E) float ``logits``, computed and
+    returned in float32 (float64 for float64 logits): in float16 a logsumexp above 256 squared, or the sum over
+    tokens, overflows.
 
     Raises: TypeError (``logits`` not a float tensor), ValueError (not two-dimensional)."""
     _check_float_matrix("logits", logits)
-    return torch.logsumexp(logits, dim=-1).square().sum() / max(logits.shape[0], 1)
+    lse = torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return lse.square().sum() / max(logits.shape[0], 1)

@@ -459,6 +459,24 @@ def test_losses_finite_for_empty_batch():
     assert lb.item() == 0.0 and zl.item() == 0.0
 
 
+def test_losses_of_float16_router_outputs_do_not_overflow():
+    """Float16 logits or probabilities (a user's own router under float16 autocast) are accepted; the losses are
+    computed in float32: z-loss squares logsumexps (256² > 65504 overflows float16) and sums them over tokens, and
+    the balance loss sums probabilities over T > 65504 tokens (both gave inf before session 89)."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(1000, 8, generator=g) + 10).half()
+    lse = torch.logsumexp(logits.double(), dim=-1)
+    got = z_loss(logits)
+    assert got.dtype == torch.float32 and torch.isfinite(got)
+    assert abs(float(got) - float(lse.square().mean())) < 1e-5 * float(lse.square().mean())
+    big = torch.full((1, 4), 300.0, dtype=torch.float16)
+    assert abs(float(z_loss(big)) - (300 + math.log(4)) ** 2) < 1e-3 * 300 ** 2
+    t, e = 70000, 8
+    ids = (torch.arange(t) % e)[:, None]
+    lb = load_balancing_loss(torch.full((t, e), 1 / e, dtype=torch.float16), routing_from_topk(ids, e))
+    assert lb.dtype == torch.float32 and abs(float(lb) - 1.0) < 1e-3
+
+
 def test_z_loss_formula():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 5, generator=g) * 3

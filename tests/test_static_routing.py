@@ -139,7 +139,9 @@ def test_routing_with_padding_invariants():
 def test_experts_on_padded_routing_equal_exact(backend, bias, monkeypatch):
     """The experts on the static routing give the exact routing's output and gradients (float32; the triton backend
     through the interpreter on CPU), with every kernel output poisoned (NaN) first: the padding rows no kernel
-    writes reach nothing. The padding pairs' score gradients are 0."""
+    writes reach nothing. The padding pairs' score gradients are 0. Their scores are NaN and inf here, not the
+    0 that token_rounding gives them (a user's static buffer may hold anything there): they reach no token (the
+    torch backend added 0 · NaN to token T-1, whose index the padding rows carry, before session 89)."""
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
     t, d, n, e, k, m = 45, 16, 8, 5, 2, 4
     router, _ = _router(t, e, k, 7, d=d)
@@ -152,7 +154,9 @@ def test_experts_on_padded_routing_equal_exact(backend, bias, monkeypatch):
     results = []
     for tr, padding in ((exact, False), (static, True)):
         leaves = [v.clone().requires_grad_(True) for v in (x, w1, w2, b1, b2) if v is not None]
-        s = tr.pair_scores.detach().clone().requires_grad_(True)
+        s = tr.pair_scores.detach().clone()
+        s[exact.num_pairs:] = torch.tensor([float("nan"), float("inf")]).repeat(t * k)[:s.shape[0] - exact.num_pairs]
+        s.requires_grad_(True)
         rt = routing_from_pairs(tr.pair_token, tr.pair_expert, t, e, token_major=True, padding=padding)
         args = leaves[:3] + [rt, s] + (leaves[3:] if bias else [])
         out = experts(*args, backend=backend)

@@ -89,10 +89,12 @@ def experts_torch(
     y = _grouped_linear(a, w2, routing, use_gmm)
     if b2 is not None:
         y = y + b2[row_expert]
-    if real is not None:
-        y = torch.where(real, y, 0)
-    s = routing.row_scores(pair_scores).to(y.dtype)
+    s = routing.row_scores(pair_scores).to(y.dtype)[:, None]
+    if real is not None:  # both factors: a padding pair's score may be anything (a NaN or inf there, times the
+        # zero row, would reach token T-1, whose index the padding rows carry, and, in the backward, b2's gradient)
+        y, s = torch.where(real, y, 0), torch.where(real, s, 0)
+    ys = y * s
     out = torch.zeros(routing.num_tokens, x.shape[1], dtype=y.dtype, device=x.device)
     if not x.shape[0]:  # no token (every pair padding): nothing to add; an empty output, still in the graph
-        return out + (y * s[:, None]).sum(0, keepdim=True)[:0]
-    return out.index_add(0, token, y * s[:, None])
+        return out + ys.sum(0, keepdim=True)[:0]
+    return out.index_add(0, token, ys)
