@@ -70,7 +70,7 @@ class MoEConfig:
             ``"auto"`` (triton on CUDA, torch elsewhere).
         routing: ``"topk"`` or ``"token_rounding"`` (SPEC §5; training only, eval uses top-k).
         rounding: token-rounding subroutine (``nearest``, ``up``, ``down``, ``stochastic``, ``balance``).
-        m_tile: M_tile, the tile height token rounding rounds each expert's count to (tokens).
+        m_tile: M_tile, the tile height token rounding rounds each expert's count to (tokens; 1 to 2^24).
         static_pairs: token rounding in its static-length form (``token_rounding(static=True)``): no host
             sync, CUDA-graph capturable, but the (R, ·) activations (H is R·2n) are sized for R_max =
             :func:`sonicmoe.token_rounding.max_pairs` pairs, up to E·(M_tile−1)/2 rows above T·K with
@@ -126,8 +126,7 @@ class MoEConfig:
             raise ValueError(
                 f"top_k must be an int in [1, num_experts={self.num_experts}], got {self.top_k!r}"
             )
-        if isinstance(self.m_tile, bool) or not isinstance(self.m_tile, int) or self.m_tile < 1:
-            raise ValueError(f"m_tile must be a positive int, got {self.m_tile!r}")
+        check_m_tile(self.m_tile)
         n_s = self.shared_intermediate_size
         if isinstance(n_s, bool) or not isinstance(n_s, int) or n_s < 0:
             raise ValueError(f"shared_intermediate_size must be an int >= 0 (0: no shared expert), got {n_s!r}")
@@ -158,3 +157,12 @@ def check_flag(name: str, v) -> None:
     """ValueError naming ``name`` unless ``v`` is a bool (a string such as ``"no"`` would otherwise read as True)."""
     if not isinstance(v, bool):
         raise ValueError(f"{name} must be a bool, got {v!r}")
+
+
+MAX_M_TILE = 1 << 24  # the token-rounding kernels count in int32 (2·M_tile among their terms)
+
+
+def check_m_tile(m_tile) -> None:
+    """ValueError naming ``m_tile`` unless it is an int (not a bool) in [1, 2^24] (token rounding's M_tile)."""
+    if isinstance(m_tile, bool) or not isinstance(m_tile, int) or not 1 <= m_tile <= MAX_M_TILE:
+        raise ValueError(f"m_tile must be an int in [1, {MAX_M_TILE}] (rows of a tile), got {m_tile!r}")

@@ -144,9 +144,11 @@ def routing_from_pairs(
         num_tokens: T.
         num_experts: E.
         token_major: promise that ``pair_token`` is non-decreasing (skips one sort).
-        check: also verify the index ranges with :func:`check_pairs` (ValueError naming the argument).
-            This **synchronises** with the device (min/max are read back to the host), so it is off
-            by default; leave it off inside ``torch.compile`` regions and CUDA-graph captures.
+        check: also verify the index ranges with :func:`check_pairs` (ValueError naming the argument) and,
+            with ``token_major``, that ``pair_token`` is non-decreasing (a broken promise gives the Triton
+            backend wrong outputs, the torch backend right ones). This **synchronises** with the device
+            (min/max are read back to the host), so it is off by default; leave it off inside
+            ``torch.compile`` regions and CUDA-graph captures.
         padding: some pairs are *padding pairs* (token T, expert E; always both): a static-length routing
             (R fixed in advance, the real pairs data-dependent, as ``token_rounding(static=True)``
             returns), built without reading how many are real (no host sync). Padding pairs belong to
@@ -162,7 +164,8 @@ def routing_from_pairs(
     Raises:
         TypeError: non-tensor or non-integer (float, complex, bool) indices.
         ValueError: indices not 1-D of one length R, on different devices, num_tokens < 0 or
-            num_experts < 1; with ``check``, an index out of range.
+            num_experts < 1; with ``check``, an index out of range or, with ``token_major``, a token index
+            smaller than the one before it.
     """
     for name, idx in (("pair_token", pair_token), ("pair_expert", pair_expert)):
         if not isinstance(idx, torch.Tensor):
@@ -184,6 +187,9 @@ def routing_from_pairs(
         if padding and bool(((pair_token == num_tokens) != (pair_expert == num_experts)).any()):
             raise ValueError(f"padding pairs must be (token T={num_tokens}, expert E={num_experts}), both: a pair has "
                              "one of the two and not the other")
+        if token_major and bool((pair_token[1:] < pair_token[:-1]).any()):
+            raise ValueError("token_major=True promises a non-decreasing pair_token, but it decreases at some pair: "
+                             "sort the pairs by token or pass token_major=False")
     device = pair_token.device
     pair_expert = pair_expert.to(INDEX_DTYPE)
     pair_token = pair_token.to(INDEX_DTYPE)

@@ -98,7 +98,7 @@ import warnings
 import torch
 
 from ._device import on_device
-from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS, check_flag
+from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS, check_flag, check_m_tile
 from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size, check_topk_ids
 
 
@@ -195,8 +195,7 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str, router_order
                 check: bool = False) -> tuple[int, int, int]:
     if not isinstance(router, RouterOutput):
         raise TypeError(f"router must be a sonicmoe.routing.RouterOutput, got {type(router).__name__}")
-    if isinstance(m_tile, bool) or not isinstance(m_tile, int) or m_tile < 1:
-        raise ValueError(f"m_tile must be a positive int, got {m_tile!r}")
+    check_m_tile(m_tile)
     if subroutine not in ROUNDING_SUBROUTINES:
         raise ValueError(f"subroutine must be one of {ROUNDING_SUBROUTINES}, got {subroutine!r}")
     if router_order not in ROUTER_ORDERS:
@@ -323,8 +322,8 @@ def token_rounding(
 
     Raises:
         TypeError: ``router`` not a RouterOutput, or its tensors of the wrong kind (integer ids, floating scores).
-        ValueError: bad shapes, ``m_tile`` < 1, an unknown ``subroutine``/``router_order``, non-bool flags, and with
-            ``check=True`` ids outside [0, E) or repeated within a token.
+        ValueError: bad shapes, ``m_tile`` outside [1, 2^24], an unknown ``subroutine``/``router_order``, non-bool
+            flags, and with ``check=True`` ids outside [0, E) or repeated within a token.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order, check)
     for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad)):

@@ -564,6 +564,39 @@ def test_inference_path_matches_training_path(device):
     assert torch.equal(o_inf, o_train.detach())
 
 
+
+@pytest.mark.parametrize("made_in_inference", ["routing", "x", "frozen_w2"])
+def test_training_on_tensors_made_under_inference_mode(made_in_inference, device):
+    """A routing cached, features computed or a frozen weight loaded under torch.inference_mode, then gradients
+    taken outside it: autograd cannot save inference tensors, so the triton backend copies them for its backward
+    (PyTorch's own RuntimeError, naming no argument, before session 89). Output and gradients are bitwise those of
+    the same inputs made outside inference_mode."""
+    t, d, n, e, k = 24, 32, 16, 4, 2
+    p = random_problem(t, d, n, e, device=device, seed=12)
+    router, routing = _topk_routing(p, k, device)
+    s = router.topk_scores.reshape(-1).detach()
+    plain = {"routing": routing, "x": p["x"], "w2": p["w2"]}
+    inf = dict(plain)
+    with torch.inference_mode():
+        if made_in_inference == "routing":
+            inf["routing"] = routing_from_topk(router.topk_ids, e)
+        elif made_in_inference == "x":
+            inf["x"] = p["x"].clone()
+        else:
+            inf["w2"] = p["w2"].clone()
+    assert (inf["routing"].row_token, inf["x"], inf["w2"])[["routing", "x", "frozen_w2"].index(made_in_inference)
+                                                             ].is_inference()
+    dout = torch.randn(t, d, device=device)
+    got = []
+    for args in (inf, plain):
+        w1 = p["w1"].clone().requires_grad_(True)
+        s_leaf = s.clone().requires_grad_(True)
+        out = sonicmoe.experts(args["x"], w1, args["w2"], args["routing"], s_leaf, backend="triton")
+        got.append((out.detach(), *torch.autograd.grad(out, [w1, s_leaf], dout)))
+    for a, b in zip(*got):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- GPU only: bf16 at realistic shapes
 
 GPU_SHAPES = [

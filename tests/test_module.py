@@ -135,7 +135,8 @@ def test_config_defaults():
     ({"intermediate_size": -1}, "intermediate_size"), ({"num_experts": 0}, "num_experts"),
     ({"router_order": "softmax"}, "router_order"), ({"gate_up_layout": "split"}, "gate_up_layout"),
     ({"backend": "cuda"}, "backend"), ({"routing": "expert_choice"}, "routing"),
-    ({"rounding": "floor"}, "rounding"), ({"m_tile": 0}, "m_tile"), ({"activation": "gelu"}, "activation"),
+    ({"rounding": "floor"}, "rounding"), ({"m_tile": 0}, "m_tile"), ({"m_tile": 2**24 + 1}, "m_tile"),
+    ({"activation": "gelu"}, "activation"),
     ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
     ({"routed_scaling_factor": float("inf")}, "routed_scaling_factor"),
     ({"router_order": "sigmoid_then_topk", "routing": "token_rounding", "n_group": 3}, "n_group"),  # TR ignores groups

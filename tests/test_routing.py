@@ -294,6 +294,20 @@ def test_check_padding_pairs_are_both_t_and_e():
             routing_from_pairs(torch.tensor(tok), torch.tensor(exp), 2, 2, padding=True, check=True)
 
 
+def test_check_refuses_a_broken_token_major_promise():
+    """check=True with token_major=True verifies that pair_token is non-decreasing (the Triton backend reads the
+    token slots as given; unsorted pairs gave it a relative error near 1, silently, before session 89); padding pairs
+    (token T) sort last and pass; without token_major any order is taken."""
+    tok, exp = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(ValueError, match="token_major=True promises a non-decreasing pair_token"):
+        routing_from_pairs(tok, exp, 4, 3, token_major=True, check=True)
+    r = routing_from_pairs(tok, exp, 4, 3, check=True)
+    check_routing(r, tok.tolist(), exp.tolist(), 4, 3)
+    ok = routing_from_pairs(torch.tensor([0, 1, 1, 3, 4, 4]), torch.tensor([1, 0, 2, 0, 3, 3]), 4, 3,
+                            token_major=True, padding=True, check=True)
+    assert int(ok.expert_offsets[-1]) == 4
+
+
 def test_check_pairs_accepts_valid():
     tok, exp = random_pairs(9, 4, seed=1)
     assert check_pairs(tok, exp, 9, 4) is None

@@ -303,8 +303,9 @@ def test_routing_from_pairs_accepts_output():
 
 def test_bad_arguments():
     router, _ = make_router(16, 4, 2)
-    with pytest.raises(ValueError, match="m_tile"):
-        token_rounding(router, m_tile=0)
+    for m in (0, 2**24 + 1, 2**31 - 2):  # above 2^24: the kernels' int32 counts would overflow (2·M_tile)
+        with pytest.raises(ValueError, match=r"m_tile must be an int in \[1, 16777216\]"):
+            token_rounding(router, m_tile=m)
     with pytest.raises(ValueError, match="subroutine"):
         token_rounding(router, m_tile=4, subroutine="sideways")
     with pytest.raises(ValueError, match="router_order"):

@@ -34,7 +34,8 @@ def experts_triton(
     With gradients enabled (some input requires grad) the forward writes H (R, 2n) and the autograd
     formula of ``sonicmoe::experts_fwd`` keeps the memory contract. Without (``torch.no_grad``,
     inference) the up-projection skips writing H. Inputs of any strides are accepted; the kernels read
-    contiguous copies of the non-contiguous ones, and the backward keeps the caller's X, not a copy.
+    contiguous copies of the non-contiguous ones, and the backward keeps the caller's X, not a copy (except for
+    inputs made under ``torch.inference_mode``, which autograd cannot save: they are copied).
 
     Args:
         x: (T, d). w1: (E, 2n, d), gate/up layout ``gate_up_layout`` (``"concat"``: rows [0, n) gate,
@@ -53,6 +54,11 @@ def experts_triton(
     if torch.compiler.is_compiling():
         out, _ = torch.ops.sonicmoe.experts_fwd(*inputs)
     elif needs_grad:
+        if any(t is not None and t.is_inference() for t in inputs[:6 + len(arrays)]):
+            # made under torch.inference_mode (frozen features, a cached routing): autograd cannot save such a
+            # tensor for the backward, so the backward keeps a copy (as the torch backend, which saves no X, works)
+            inputs = tuple(t.clone() if i < 6 + len(arrays) and t is not None and t.is_inference() else t
+                           for i, t in enumerate(inputs))
         out, _ = ExpertsFunction.apply(*inputs)
     else:
         out, _ = experts_fwd_impl(*inputs)
