@@ -199,6 +199,10 @@ def main() -> None:
     for path in args.breakdown:
         with open(path) as f:
             data = json.load(f)
+        if not (isinstance(data, dict) and isinstance(data.get("records"), list)):
+            bench = isinstance(data, dict) and "results" in data  # `sonicmoe bench`'s, the likely mix-up
+            ap.error(f"--breakdown {path}: {'a sonicmoe bench results file, ' if bench else ''}not a "
+                     "kernel_breakdown.py --json file (no 'records' list)")
         for rec in data["records"]:
             if rec["routing"] in ("routing", "dense"):
                 continue

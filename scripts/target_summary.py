@@ -31,30 +31,34 @@ def main() -> None:
         device.add(res["env"]["device"])
         windows.add(res.get("args", {}).get("rep"))
         for row in res["results"]:
-            key = (row["T"], row["d"], row["n"], row["E"], row["K"])
-            tri = row["backends"].get("triton", {})
-            if tri.get("status") != "ok":
+            # one shape's top-k and token-rounding records, or two activations' records, are different runs
+            key = ((row["T"], row["d"], row["n"], row["E"], row["K"]), row.get("routing") or "topk",
+                   row.get("activation") or "swiglu")
+            tri = (row.get("backends") or {}).get("triton", {})
+            if tri.get("status") != "ok" or not tri.get("total"):  # --mode fwd: no fwd+bwd timing
                 continue
             runs.setdefault(key, []).append((tri["total"]["ms"]["p50"], tri["total"]["tflops"]))
             g = tri["total"].get("gpu")
             clocks.setdefault(key, []).append(f"{g['sm_mhz']:.0f}/{g['temp_c']}" if g else "?")
-            if "torch" in row.get("ratios", {}):
+            if (row.get("ratios") or {}).get("torch", {}).get("total") is not None:
                 ratios.setdefault(key, []).append(row["ratios"]["torch"]["total"])
     print(f"device(s): {', '.join(sorted(device))} | timing window (ms): "
           f"{', '.join(str(w) for w in sorted(windows, key=str))}")
     for key, rs in runs.items():
         tf = [r[1] for r in rs]
         med = statistics.median(tf)
-        target = TARGETS.get(key)
+        dims, routing, act = key
+        target = TARGETS.get(dims) if (routing, act) == ("topk", "swiglu") else None  # issue #4's targets: top-k
+        name = f"{dims} {routing}" + ("" if act == "swiglu" else f" {act}")
         verdict = "" if target is None else f"target {target:.0f}: {'met' if med >= target else 'NOT met'}"
-        print(f"{key}: {len(rs)} runs, fwd+bwd TFLOP/s {[round(t, 1) for t in tf]} ms {[round(r[0], 3) for r in rs]}"
+        print(f"{name}: {len(rs)} runs, fwd+bwd TFLOP/s {[round(t, 1) for t in tf]} ms {[round(r[0], 3) for r in rs]}"
               f" | median {med:.1f} | {verdict}")
         if any(c != "?" for c in clocks[key]):
-            print(f"{key}: SM MHz / °C over each fwd+bwd window {clocks[key]}")
+            print(f"{name}: SM MHz / °C over each fwd+bwd window {clocks[key]}")
         if key in ratios:
-            rt = TORCH_RATIO_TARGET.get(key)
+            rt = TORCH_RATIO_TARGET.get(dims) if target is not None else None
             med_r = statistics.median(ratios[key])
-            print(f"{key}: vs torch {[round(r, 2) for r in ratios[key]]} | median {med_r:.2f}x" +
+            print(f"{name}: vs torch {[round(r, 2) for r in ratios[key]]} | median {med_r:.2f}x" +
                   ("" if rt is None else f" | target {rt:.0f}x: {'met' if med_r >= rt else 'NOT met'}"))
 
 

@@ -582,6 +582,27 @@ def test_target_summary_reads_the_protocol_files(tmp_path, monkeypatch, capsys):
     assert "['?', '1501/51', '1502/52']" in out
 
 
+def test_target_summary_keeps_routings_apart_and_skips_fwd_only_rows(tmp_path, monkeypatch, capsys):
+    """One shape's top-k and token-rounding records (and another activation's) are separate medians, judged against
+    the target only for top-k SwiGLU; a --mode fwd row (no fwd+bwd) is left out, not a TypeError."""
+    def row(tflops, routing=None, activation=None, total=True):
+        r = {"T": 24576, "d": 1536, "n": 256, "E": 128, "K": 8,
+             "backends": {"triton": {"status": "ok", "total": {"ms": {"p50": 1.0}, "tflops": tflops}
+                                     if total else None}}}
+        r.update({k: v for k, v in (("routing", routing), ("activation", activation)) if v})
+        return r
+
+    rows = [row(430.0), row(600.0, "token_rounding"), row(700.0, activation="clamped_swiglu"), row(0.0, total=False)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"env": {"device": "NVIDIA H200"}, "args": {"rep": 1000.0}, "results": rows}))
+    monkeypatch.setattr(sys, "argv", ["target_summary.py", str(path)])
+    runpy.run_path(str(REPO / "scripts" / "target_summary.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "8) topk: 1 runs" in out and "median 430.0 | target 440: NOT met" in out
+    assert "8) token_rounding: 1 runs" in out and "median 600.0 | \n" in out
+    assert "8) topk clamped_swiglu: 1 runs" in out and "median 700.0 | \n" in out
+
+
 # ---------------------------------------------------------------------------------------------------
 # a trained model's expert load (--load-profile)
 
@@ -624,6 +645,25 @@ def test_load_profile_reads_and_resamples(tmp_path):
     if TRAINED_LOG.exists():  # the committed h100-preset run: E_src = 64, the busiest expert 1.43x the mean
         trained = read_load_profile(TRAINED_LOG)
         assert trained.shape == (64,) and 1.3 < float(trained[0]) * 64 < 1.6 and float(trained[-1]) * 64 < 0.6
+
+
+def test_load_profile_takes_only_finite_counts_and_never_overflows(tmp_path, capsys):
+    """Every load must be a finite number >= 0 (a string, null or bool is a usage error, not a TypeError), and counts
+    near the float64 maximum are normalised without their sum overflowing to inf (NaN fractions)."""
+    from sonicmoe.bench.load_profile import read_load_profile
+
+    path = tmp_path / "lp.json"
+    path.write_text("[1e308, 1e308, 1]")
+    curve = read_load_profile(path)
+    assert torch.isfinite(curve).all() and torch.allclose(curve, torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64))
+    for bad in ('[[1, "a", 3]]', '{"expert_load": {"per_layer": [{"counts": [5, null, 2]}]}}', "[true, 1]",
+                "[1, [2]]", "[1e999]", "[1" + "0" * 400 + "]"):
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            read_load_profile(path)
+        assert cli.main(["--out", str(tmp_path / "res"), *FAST, "--shape", "64,32,16,4,2", "--load-profile",
+                         str(path)]) == 2
+    assert "load" in capsys.readouterr().err
 
 
 def test_calibrated_router_follows_the_profile(tmp_path):
@@ -747,6 +787,38 @@ def test_token_rounding_check_uses_the_timed_pairs():
     assert torch.equal(head.routing.expert_counts(), torch.bincount(p.pair_expert[keep].long(), minlength=4).int())
 
 
+def test_router_check_on_tokens_that_round_to_no_pair_is_skipped_not_failed(tmp_path, capsys):
+    """--check-max-T 64 under token rounding: the experts are checked on the timed problem's pairs of those tokens,
+    but the router variant rounds the 64 tokens' counts again (8 per expert at M_tile 128: none). That check on no
+    pair is recorded as skipped with the reason, not a FAIL, and the backend and its router variant are timed."""
+    rc, doc = _run(tmp_path, "--shape", "1024,32,16,32,4", "--routing", "token_rounding", "--check-max-T", "64",
+                   "--backends", "torch")
+    row = doc["results"][0]["backends"]["torch"]
+    assert rc == 0 and row["status"] == "ok", row["message"]
+    assert row["check"]["passed"] and row["check"]["pairs"] > 0 and row["check"]["T"] == 64
+    router = row["check"]["router"]
+    assert router["pairs"] == 0 and router["passed"] is None and "routes no pair" in router["skipped"]
+    assert row["total"]["ms"]["p50"] > 0 and row["router"]["total"]["ms"]["p50"] > 0
+    assert "router variant not checked" in report.terminal_table(doc)
+
+
+def test_stochastic_token_rounding_follows_the_seed():
+    """--rounding stochastic draws from the problem's seeded generator, not torch's global RNG: the same seed gives
+    the same pairs (the problem's and the router variant's), whatever the global RNG's state."""
+    shape = Shape("st", 256, 16, 8, 16, 2)  # 32 pairs per expert on average, M_tile 16: each rounds up or down
+
+    def problem(global_seed):
+        torch.manual_seed(global_seed)
+        p = make_problem(shape, dtype=torch.float32, device="cpu", seed=3, mode="token_rounding", m_tile=16,
+                         rounding="stochastic")
+        torch.manual_seed(global_seed + 10)
+        return p, p.route(p.x.detach())
+
+    (a, ra), (b, rb) = problem(1), problem(2)
+    assert torch.equal(a.pair_expert, b.pair_expert) and torch.equal(a.pair_token, b.pair_token)
+    assert torch.equal(ra.pair_expert, rb.pair_expert)
+
+
 def test_loop_baseline_with_no_pair_has_a_backward():
     from sonicmoe import routing_from_pairs
 
@@ -775,6 +847,64 @@ def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
     assert cli.main(["--plot-from", str(tmp_path / "bad.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert cli.main([*FAST, "--shape", "8,8,4,2,1", "--check-max-T", "-5"]) == 2
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--m-tile", "0", "--routing", "token_rounding"], "--m-tile"), (["--m-tile", "-5"], "--m-tile"),
+    (["--tol", "-1"], "--tol"), (["--tol", "nan"], "--tol"), (["--backends", ""], "--backends"),
+    (["--backends", ","], "--backends"), (["--warmup", "nan"], "--warmup"), (["--rep", "-1"], "--rep"),
+    (["--plot-from", "A"], "--markdown-from"),  # with --markdown-from B: one would be ignored
+])
+def test_bench_cli_refuses_bad_values_before_running(tmp_path, capsys, monkeypatch, args, flag):
+    """Values argparse takes but the run cannot use are usage errors (exit 2) naming the flag; nothing runs."""
+    from sonicmoe.bench import runner
+
+    def never(*a, **k):
+        raise AssertionError("ran")
+
+    monkeypatch.setattr(runner, "run", never)
+    doc = report.write_results(_synthetic_doc(), tmp_path / "r.json")
+    args = [str(doc) if a == "A" else a for a in args]
+    if "--plot-from" in args:
+        args += ["--markdown-from", str(doc)]
+    assert cli.main(["--out", str(tmp_path / "res"), *FAST, "--shape", "64,32,16,4,2", *args]) == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and flag in err
+
+
+@pytest.mark.parametrize("results", [5, [{}], [1], "drop T", "drop G", "backends list"])
+@pytest.mark.parametrize("how", ["--plot-from", "--markdown-from"])
+def test_bench_cli_refuses_malformed_results_files(tmp_path, capsys, results, how):
+    """A results file whose records the tables and plots cannot read: "cannot read" (exit 2), not a traceback."""
+    doc = _synthetic_doc()
+    if isinstance(results, str):
+        what, key = results.split()
+        if what == "drop":
+            del doc["results"][0][key]
+        else:
+            doc["results"][0]["backends"] = []
+    else:
+        doc["results"] = results
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    assert cli.main([how, str(path), "--out", str(tmp_path / "plots")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_terminal_table_shows_the_error_nearest_its_bound():
+    """The error column shows the check's "worst" error (nearest its bound) and names it: a worst row's 5e-2 under its
+    local bound 10·tol is not the largest-looking 5e-2 in place of the norm error 1.5e-2 that decides (tol 2e-2)."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    errs = {"out": 0.015, "out_rows": 0.05, "dx": 0.001, "dx_rows": 0.01}
+    rec["backends"]["triton"]["check"] = {"errors": errs, "tol": 0.02, "passed": True, "worst": "out"}
+    rec["backends"]["torch"]["check"] = {"errors": dict(errs, dx=None), "tol": 0.02, "passed": False, "worst": "dx"}
+    rec["dtype"] = "float32"
+    table = report.terminal_table(doc)
+    line = {ln.split()[2]: ln for ln in table.splitlines() if ln.startswith(rec["name"] + " ")}
+    assert "1.50e-02 out " in line["triton"] and "5.00e-02" not in line["triton"]
+    assert "nan dx " in line["torch"]
+    assert "worst err" in table and "in the run's dtype" in table
 
 
 def test_upper_bound_ratio_counts_the_rows_it_computes():

@@ -62,6 +62,17 @@ def test_cli_reads_a_breakdown_and_writes_json(tmp_path, capsys, monkeypatch):
     assert "up-proj" in capsys.readouterr().out
 
 
+def test_cli_refuses_a_file_that_is_not_a_breakdown(tmp_path, capsys, monkeypatch):
+    """A `sonicmoe bench` results file given to --breakdown: a usage error naming it, not a KeyError."""
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"schema": "sonicmoe-bench/1", "results": []}))
+    monkeypatch.setattr(sys, "argv", ["roofline.py", "--breakdown", str(bench), "--tflops", "1", "--dram-tbs", "1"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(REPO / "benchmarks" / "roofline.py"), run_name="__main__")
+    assert exc.value.code == 2
+    assert "a sonicmoe bench results file, not a kernel_breakdown.py --json file" in capsys.readouterr().err
+
+
 def test_plot_from_a_written_result(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     t, d, n, e, k = 256, 64, 32, 8, 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import math
 import os
 import sys
 
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where to run (default auto: cuda when a GPU is present, else cpu)")
     what.add_argument("--max-T", type=int, default=None, help="cap T (tokens) of every shape, for quick runs")
     what.add_argument("--seed", type=int, default=0,
-                      help="seed of the inputs, weights and router (default 0; each shape draws fresh data)")
+                      help="seed of the inputs, weights, router and stochastic token rounding (default 0; each shape "
+                           "draws fresh data)")
     what.add_argument("--load-profile", metavar="FILE.json", default=None,
                       help="route as unevenly as a trained model: the expert load of a `sonicmoe train` log.json "
                            "(or a JSON list of per-expert counts), resampled to each shape's E; the router weight is "
@@ -100,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", default=None, metavar="DIR", help="results directory (default benchmarks/results)")
     out.add_argument("--tag", default=None, help="suffix of the results file name")
     out.add_argument("--no-plot", dest="plot", action="store_false", help="do not write PNG plots")
-    out.add_argument("--plot-from", metavar="FILE.json", help="only regenerate the plots of a results file")
-    out.add_argument("--markdown-from", metavar="FILE.json", help="only print the README table of a results file")
+    only = out.add_mutually_exclusive_group()  # one file, one job: a second would be silently ignored
+    only.add_argument("--plot-from", metavar="FILE.json", help="only regenerate the plots of a results file")
+    only.add_argument("--markdown-from", metavar="FILE.json", help="only print the README table of a results file")
     out.add_argument("--list", action="store_true", help="list presets and backends, then exit")
     out.add_argument("-q", "--quiet", action="store_true", help="less progress output")
     return p
@@ -115,6 +118,26 @@ def _shapes(args) -> list:
                 shapes += preset_shapes(name)
     shapes += [parse_shape(s) for s in args.shape]
     return [s.with_max_T(args.max_T) for s in shapes]
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Usage errors (``parser.error``, exit 2) for values argparse accepts but the run cannot use."""
+    from ..config import check_m_tile
+
+    try:
+        check_m_tile(args.m_tile)
+    except ValueError as exc:
+        parser.error(f"--m-tile: {exc}")
+    if args.check_max_T is not None and args.check_max_T < 1:
+        parser.error(f"--check-max-T must be a positive number of tokens, got {args.check_max_T}")
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
+        parser.error(f"--tol must be a finite relative error > 0, got {args.tol}")
+    for flag in ("warmup", "rep"):
+        v = getattr(args, flag)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            parser.error(f"--{flag} must be a finite number of ms >= 0, got {v}")
+    if not any(s.strip() for s in args.backends.split(",")):
+        parser.error(f"--backends names no backend: {args.backends!r}")
 
 
 def _list() -> int:
@@ -138,15 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        _check_args(parser, args)
     except SystemExit as exc:
         return int(exc.code or 0)
 
     if args.list:
         return _list()
-    if args.check_max_T is not None and args.check_max_T < 1:
-        print(f"sonicmoe bench: --check-max-T must be a positive number of tokens, got {args.check_max_T}",
-              file=sys.stderr)
-        return 2
     if args.plot_from or args.markdown_from:
         from .report import load_results, markdown_table
 

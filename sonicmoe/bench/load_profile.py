@@ -17,6 +17,7 @@ so every backend — and the timings that include the router — sees the same, 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -42,6 +43,16 @@ def load_profile_kind(path: str | Path, per_step: bool = True) -> str:
     return _load_lists(path, per_step)[1]
 
 
+def _is_count(v) -> bool:
+    """A JSON number (not a bool) that is finite and >= 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v)) and v >= 0
+    except OverflowError:  # an int beyond float64
+        return False
+
+
 def read_load_profile(path: str | Path, per_step: bool = True) -> torch.Tensor:
     """The load curve in a file: (E_src,) float64 fractions, descending, summing to 1.
 
@@ -55,16 +66,17 @@ def read_load_profile(path: str | Path, per_step: bool = True) -> torch.Tensor:
         ValueError: the file holds none of these, a list is empty, or has a negative, non-finite or all-zero load.
     """
     data, _ = _load_lists(path, per_step)
-    if isinstance(data, list) and data and all(isinstance(v, (int, float)) for v in data):
+    if isinstance(data, list) and data and not any(isinstance(v, list) for v in data):
         data = [data]
     if not (isinstance(data, list) and data and all(isinstance(row, list) and row for row in data)):
         raise ValueError(f"{path}: no expert load found (expected a sonicmoe train log.json, its expert_load, or a "
                          "list of per-expert counts, or of such lists)")
     curves = []
     for row in data:
-        loads = torch.tensor(row, dtype=torch.float64)
-        if loads.dim() != 1 or not torch.isfinite(loads).all() or (loads < 0).any() or loads.sum() <= 0:
-            raise ValueError(f"{path}: a load list must hold finite counts >= 0, not all zero; got {row[:8]}...")
+        if not all(_is_count(v) for v in row) or not any(v > 0 for v in row):
+            raise ValueError(f"{path}: a load list must hold finite numbers >= 0, not all zero; got {row[:8]}...")
+        loads = torch.tensor([float(v) for v in row], dtype=torch.float64)
+        loads = loads / loads.max()  # first: a sum of counts near the float64 maximum would overflow
         curves.append((loads / loads.sum()).sort(descending=True).values)
     if len({len(c) for c in curves}) != 1:
         raise ValueError(f"{path}: the layers' load lists differ in length: {sorted({len(c) for c in curves})}")

@@ -56,14 +56,15 @@ class Routed:
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_tile: int = 128,
-          rounding: str = "nearest", static: bool = False) -> Routed:
+          rounding: str = "nearest", static: bool = False, generator: torch.Generator | None = None) -> Routed:
     """Router + routing metadata for x (T, d) with router weight W_r (E, d).
 
     ``mode`` ``"topk"``: :func:`sonicmoe.router_topk` then :func:`sonicmoe.routing_from_topk`.
     ``"token_rounding"``: the same router, then ``sonicmoe.token_rounding.token_rounding(router,
     m_tile=M_tile, subroutine=rounding)`` (SPEC §5) and :func:`sonicmoe.routing_from_pairs`; with
     ``static``, the static-length, sync-free form the ``MoE`` layer runs (``static=True``, padding pairs, and
-    ``fused_router_grad=True``).
+    ``fused_router_grad=True``). ``generator``: the uniform draws of ``rounding="stochastic"`` (None: torch's
+    global RNG).
     Scores are differentiable with respect to x and W_r.
     """
     T, E = x.shape[0], router_weight.shape[0]
@@ -75,6 +76,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
         kw = {"static": True, "fused_router_grad": True} if static else {}  # static: as the MoE layer calls it
+        if rounding == "stochastic":
+            kw["generator"] = generator
         result = token_rounding(router, m_tile=m_tile, subroutine=rounding, **kw)
         pt, pe, ps = _unpack_pairs(result)
         routing = getattr(result, "routing", None)  # the library's own, as the MoE layer uses it
@@ -97,6 +100,7 @@ class Problem:
         routing, pair_token, pair_expert, topk_ids: see :class:`Routed`.
         dout: (T, d) fixed random upstream gradient dO for the backward.
         m_tile, rounding: token-rounding options (used again by the router variant).
+        generator: the seeded generator of ``rounding="stochastic"``'s draws (reproducible per seed), or None.
     """
 
     shape: Shape
@@ -113,6 +117,7 @@ class Problem:
     dout: torch.Tensor
     m_tile: int = 128
     rounding: str = "nearest"
+    generator: torch.Generator | None = None
 
     @property
     def device(self) -> torch.device:
@@ -135,7 +140,7 @@ class Problem:
         """Route ``x`` with this problem's router and mode as the ``MoE`` layer does (for timings that include
         the router): token rounding in its static-length form, without a host sync."""
         return route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
-                     rounding=self.rounding, static=True)
+                     rounding=self.rounding, static=True, generator=self.generator)
 
     def leaves(self) -> list[torch.Tensor]:
         return [self.x, self.router_weight, self.w1, self.w2, self.pair_scores]
@@ -173,7 +178,8 @@ def make_problem(shape: Shape, *, dtype: torch.dtype, device: torch.device | str
     """Fresh random bf16/fp16/fp32 problem for ``shape`` on ``device``.
 
     x ~ N(0, 1) (T, d); W_r, W1 scaled by 1/sqrt(d), W2 by 1/sqrt(n) (fan-in), so activations stay O(1);
-    routing from the random router. dO ~ N(0, 1) (T, d). Deterministic for a given seed and device.
+    routing from the random router. dO ~ N(0, 1) (T, d). Deterministic for a given seed and device, stochastic
+    token rounding included (its draws come from the same seeded generator, kept for :meth:`Problem.route`).
     ``load``: (E,) target fractions of the pairs per expert (:func:`sonicmoe.bench.load_profile.target_load`, a
     trained model's imbalance): W_r's rows are scaled until the router gives them
     (:func:`~sonicmoe.bench.load_profile.calibrate_router`); None: the random router's near-even load.
@@ -195,10 +201,10 @@ def make_problem(shape: Shape, *, dtype: torch.dtype, device: torch.device | str
     w2 = _randn((E, d, n), n**-0.5, dtype, device, gen).requires_grad_(True)
     dout = _randn((T, d), 1.0, dtype, device, gen)
     with torch.no_grad():
-        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding)
+        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding, generator=gen)
     return Problem(
         shape=shape, mode=mode, x=x, router_weight=router_weight, w1=w1, w2=w2,
         pair_scores=r.pair_scores.detach().float().clone().requires_grad_(True), routing=r.routing,
         pair_token=r.pair_token, pair_expert=r.pair_expert, topk_ids=r.topk_ids, dout=dout,
-        m_tile=m_tile, rounding=rounding,
+        m_tile=m_tile, rounding=rounding, generator=gen,
     )

@@ -29,7 +29,9 @@ activation: "swiglu", or "clamped_swiglu" for gpt-oss's; records of files writte
 TK (= R routed pairs), flops {fwd, bwd, total}, spec_held_bytes, dtype, tokens_per_expert {min, mean, max},
 padded_rows, status, message, backends {name: row}, ratio_base, ratios {name: {fwd, bwd, total}}``.
 A backend row: ``status`` (ok | FAIL | error | oom | skipped), ``message``, ``kind``, ``check``
-{errors {out, dx, dw1, dw2, ds, out_rows, dx_rows, dw1_experts, dw2_experts}, tol, passed, worst, T, pairs},
+{errors {out, dx, dw1, dw2, ds, out_rows, dx_rows, dw1_experts, dw2_experts}, tol, passed, worst, T, pairs, router
+(the router variant's check, the same fields; ``passed`` null and ``skipped`` its reason where token rounding of the
+checked tokens routed no pair)},
 ``fwd``/``total`` {ms {p20, p50, p80},
 tflops, gpu}, ``gpu`` the GPU's state over that timing window {sm_mhz (mean), watts (board, from the energy
 counter), temp_c (highest), clock_reasons (hex: NVML's clock-event reasons, 0x4 = the software power cap), samples}
@@ -55,6 +57,7 @@ from pathlib import Path
 import torch
 
 from ..provenance import git_commit, git_dirty
+from .measure import LOCAL_TOL_FACTOR
 
 SCHEMA = "sonicmoe-bench/1"
 FLOP_FORMULAS = {"fwd": "6*TK*n*d", "bwd": "12*TK*n*d", "total": "18*TK*n*d"}
@@ -194,12 +197,42 @@ def write_results(doc: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+# what the tables and plots read of every shape record
+_RECORD_NUMBERS = ("T", "d", "n", "E", "K", "G")
+
+
+def _record_problem(rec) -> str | None:
+    """Why a shape record cannot be read by the tables and plots (None: it can)."""
+    if not isinstance(rec, dict):
+        return f"a record is {type(rec).__name__}, not an object"
+    if not isinstance(rec.get("name"), str):
+        return "a record has no 'name'"
+    for k in _RECORD_NUMBERS:
+        v = rec.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"record {rec['name']!r} has no number '{k}'"
+    for k in ("backends", "ratios"):
+        if not isinstance(rec.get(k), (dict, type(None))):
+            return f"record {rec['name']!r}: '{k}' is not an object"
+    for k, v in (rec.get("backends") or {}).items():
+        if not isinstance(v, dict):
+            return f"record {rec['name']!r}: backend {k!r} is not an object"
+    return None
+
+
 def load_results(path: str | os.PathLike) -> dict:
-    """Read a results file; ValueError if it is not one."""
+    """Read a results file; ValueError if it is not one (no list of shape records the tables and plots can read:
+    each an object with ``name``, ``T, d, n, E, K, G`` and object-valued ``backends``, ``ratios`` where present)."""
     with open(path) as f:
         doc = json.load(f)
     if not isinstance(doc, dict) or "results" not in doc:
         raise ValueError(f"{path} is not a sonicmoe bench results file (no 'results' key)")
+    if not isinstance(doc["results"], list):
+        raise ValueError(f"{path} is not a sonicmoe bench results file ('results' is not a list)")
+    for rec in doc["results"]:
+        why = _record_problem(rec)
+        if why:
+            raise ValueError(f"{path} is not a sonicmoe bench results file ({why})")
     return doc
 
 
@@ -274,10 +307,22 @@ def activation_note(doc: dict) -> str | None:
     return f"activation: {', '.join(acts)} (not SwiGLU alone: compare only with results of the same activation)"
 
 
+def _worst_err(check) -> str:
+    """The check's error nearest its bound (``check["worst"]``) and its name, e.g. ``1.2e-03 dx_rows``: the local
+    errors (``*_rows``, ``*_experts``) are bounded by ``LOCAL_TOL_FACTOR`` times the norm errors' tol, so the largest
+    error is not the one that decides; "nan" for NaN (written as null)."""
+    errs = _get(check, "errors") or {}
+    key = _get(check, "worst")
+    if key not in errs:
+        return "-"
+    v = errs[key]
+    return f"{'nan' if v is None or not math.isfinite(v) else format(v, '.2e')} {key}"
+
+
 def terminal_table(doc: dict) -> str:
     """One line per (shape, routing, backend): status, error, ms, TFLOP/s, speed-up, memory; headed by the
     activation where it is not SwiGLU (:func:`activation_note`)."""
-    header = ["shape", "routing", "backend", "status", "max err", "fwd ms", "fwd TF/s", "bwd ms",
+    header = ["shape", "routing", "backend", "status", "worst err", "fwd ms", "fwd TF/s", "bwd ms",
               "bwd TF/s", "f+b ms", "f+b TF/s", "+router ms", "base/this f", "base/this f+b", "held MiB",
               "spec−X MiB", "peak MiB"]
     rows = []
@@ -287,16 +332,11 @@ def terminal_table(doc: dict) -> str:
             rows.append([rec["name"], rec.get("routing", ""), "-", rec.get("status", "?"), *["-"] * (len(header) - 4)])
             continue
         for name, b in backends.items():
-            errs = _get(b, "check", "errors") or {}
-            vals = [v for v in errs.values() if v is not None]
-            # a NaN anywhere is the worst (max() of a list with a NaN depends on where the NaN is)
-            worst = None if not errs else (max(vals, key=lambda v: v if math.isfinite(v) else math.inf)
-                                           if len(vals) == len(errs) else float("nan"))
             ratio = _get(rec, "ratios", name) or {}
             is_base = name == rec.get("ratio_base")
             rows.append([
                 rec["name"], rec.get("routing", ""), name, b.get("status", "?"),
-                "nan" if worst is not None and not math.isfinite(worst) else _f(worst, ".2e"),
+                _worst_err(b.get("check")),
                 _f(_get(b, "fwd", "ms", "p50"), ".4g"), _f(_get(b, "fwd", "tflops"), ".4g"),
                 _f(_get(b, "bwd", "ms", "p50"), ".4g"), _f(_get(b, "bwd", "tflops"), ".4g"),
                 _f(_get(b, "total", "ms", "p50"), ".4g"), _f(_get(b, "total", "tflops"), ".4g"),
@@ -314,14 +354,18 @@ def terminal_table(doc: dict) -> str:
         for name, b in (rec.get("backends") or {}).items():
             if b.get("status") != "ok" and b.get("message"):
                 notes.append(f"{rec['name']} [{rec.get('routing')}] {name}: {b['status']}: {b['message']}")
+            if _get(b, "check", "router", "skipped"):
+                notes.append(f"{rec['name']} [{rec.get('routing')}] {name}: router variant not checked: "
+                             f"{b['check']['router']['skipped']}")
     env = doc.get("env", {})
     foot = (f"device: {env.get('device')} | driver {env.get('driver')} | torch {env.get('torch')} | "
             f"triton {env.get('triton')} | commit {str(env.get('git_commit'))[:12]} | {doc.get('date')} | "
             f"timer {doc.get('timer')}\nbase/this = this backend's ms / the base's ms (base: ours where it ran, else "
             f"torch; > 1 = "
             f"base faster; vs upper = fraction of the bound). +router = f+b (fwd in fwd mode) including the "
-            f"router and routing metadata. spec−X = 4·TK·n bytes in bf16: SPEC §3's 2·T·d + 4·TK·n less X, an input, "
-            f"which held leaves out.")
+            f"router and routing metadata. worst err = the check's error nearest its bound (tol; "
+            f"{LOCAL_TOL_FACTOR:g}·tol for *_rows, *_experts), named. spec−X = 2·TK·n elements in the run's dtype "
+            f"(4·TK·n bytes in bf16): SPEC §3's 2·T·d + 4·TK·n bytes less X, an input, which held leaves out.")
     head = activation_note(doc)
     return "\n".join([*([head] if head else []), text, *notes, foot])
 
