@@ -218,6 +218,12 @@ def reference_errors(out: torch.Tensor, spec: RefSpec, dout: torch.Tensor | None
     return errs
 
 
+def error_bound(tol: float, key: str) -> float:
+    """The check's bound on error ``key``: ``tol``, or ``LOCAL_TOL_FACTOR · tol`` for a local one (``*_rows``,
+    ``*_experts``: a few wrong rows or experts)."""
+    return tol * (LOCAL_TOL_FACTOR if key.endswith(("_rows", "_experts")) else 1.0)
+
+
 def check_case(case: Case, dout: torch.Tensor, *, grads: bool, tol: float,
                chunk_bytes: int = 1 << 30, poison: bool = True, router: bool = False) -> dict:
     """Run ``case`` once (forward, and backward when ``grads``) and compare with the float32 reference.
@@ -247,11 +253,8 @@ def check_case(case: Case, dout: torch.Tensor, *, grads: bool, tol: float,
     del out, spec
     for t in leaves:
         t.grad = None
-    def bound(k: str) -> float:
-        return tol * (LOCAL_TOL_FACTOR if k.endswith(("_rows", "_experts")) else 1.0)
-
-    bad = {k: v for k, v in errs.items() if not (math.isfinite(v) and v <= bound(k))}
-    worst = max(errs, key=lambda k: math.inf if not math.isfinite(errs[k]) else errs[k] / bound(k))
+    bad = {k: v for k, v in errs.items() if not (math.isfinite(v) and v <= error_bound(tol, k))}
+    worst = max(errs, key=lambda k: math.inf if not math.isfinite(errs[k]) else errs[k] / error_bound(tol, k))
     pairs = int(spec_pairs)
     # a check on no routed pair passes any kernel (only an empty problem may have none)
     passed = not bad and (pairs > 0 or out_rows == 0)

@@ -19,13 +19,13 @@ import torch
 from .baselines import REGISTRY, Case, Unavailable
 from .gpu_state import GpuWatch, Nvml, open_nvml
 from .measure import (
-    LOCAL_TOL_FACTOR,
     SETTLED_REP_MS,
     SETTLED_WARMUP_MS,
     bench_error_types,
     bench_ms,
     check_case,
     default_tol,
+    error_bound,
     free_memory,
     fwdbwd_fn,
     measure_memory,
@@ -97,12 +97,6 @@ def _gpu_note(phase: dict | None) -> str:
     return f"  [{g['sm_mhz']:.0f} MHz{watts}, {g['temp_c']} °C]"
 
 
-def _bound(tol: float, key: str) -> float:
-    """The check's bound on error ``key``: ``tol``, or ``LOCAL_TOL_FACTOR · tol`` for a local (``*_rows``,
-    ``*_experts``) one."""
-    return tol * (LOCAL_TOL_FACTOR if key.endswith(("_rows", "_experts")) else 1.0)
-
-
 def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, int],
                 log: Callable[[str], None]) -> dict:
     """Check, time and measure one backend on ``problem``; returns its JSON row (never raises the
@@ -145,7 +139,7 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
                 free_memory(*ccase.router_leaves)
                 w = res["worst"]
                 if (not res["pairs"] and cp is not problem and problem.mode == "token_rounding"
-                        and math.isfinite(res["errors"][w]) and res["errors"][w] <= _bound(tol, w)):
+                        and math.isfinite(res["errors"][w]) and res["errors"][w] <= error_bound(tol, w)):
                     # the router variant rounds the checked tokens' counts again, and so few tokens can round every
                     # expert to no pair (the timed T tokens route some): nothing to check it on, timed unchecked
                     res.update(passed=None, skipped=(
@@ -160,7 +154,7 @@ def run_backend(name: str, problem: Problem, opts: RunOptions, flops: dict[str, 
                 row["status"] = "FAIL"
                 w = res["worst"]
                 local = w.endswith(("_rows", "_experts"))
-                bound = f"local bound {_bound(tol, w):g}" if local else f"tol {tol:g}"
+                bound = f"local bound {error_bound(tol, w):g}" if local else f"tol {tol:g}"
                 row["message"] = (f"{what}wrong result: rel err of {w} = {res['errors'][w]:.3g} > {bound}"
                                   if res["pairs"] or not cp_T else f"{what}checked no routed pair on T={cp_T}")
                 log(f"  {name}: FAIL ({row['message']}); not timed")
