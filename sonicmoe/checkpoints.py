@@ -366,6 +366,8 @@ def gpt_oss_state_dict(layer: MoE, prefix: str = "") -> dict[str, torch.Tensor]:
         b1 = torch.stack(b1.chunk(2, dim=1), dim=2).flatten(1, 2)
     return {f"{prefix}router.weight": layer.gate.weight.detach().clone(),
             f"{prefix}router.bias": layer.gate.bias.detach().clone(),
-            f"{p}gate_up_proj": w1.transpose(1, 2).contiguous(), f"{p}gate_up_proj_bias": b1.contiguous(),
-            f"{p}down_proj": ex.down_proj.detach().transpose(1, 2).contiguous(),
+            # clone(): a transpose or chunk may already be contiguous (interleaved b1, d = n = 1) and would alias
+            f"{p}gate_up_proj": w1.transpose(1, 2).clone(memory_format=torch.contiguous_format),
+            f"{p}gate_up_proj_bias": b1.clone(memory_format=torch.contiguous_format),
+            f"{p}down_proj": ex.down_proj.detach().transpose(1, 2).clone(memory_format=torch.contiguous_format),
             f"{p}down_proj_bias": ex.down_proj_bias.detach().clone()}

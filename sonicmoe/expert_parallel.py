@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -351,6 +352,8 @@ class ExpertParallelMoE(MoE):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *, group=None,
                  **kwargs):
         world, rank = _group_size_rank(group)
+        if isinstance(num_experts, numbers.Integral) and not isinstance(num_experts, bool):
+            num_experts = int(num_experts)  # numpy integers, as MoEConfig takes them
         if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
             raise ValueError(f"num_experts must be a positive multiple of the group's size P={world} "
                              f"(E_loc = E/P experts per rank), got {num_experts!r}")
@@ -477,11 +480,13 @@ def expert_parallel_ddp(model: torch.nn.Module, *, expert_dp_group=None,
     parameters train when it is built).
 
     Raises:
+        RuntimeError: torch.distributed not initialised.
         ValueError: an :class:`ExpertParallelMoE` whose group is not DDP's while ``expert_dp_group`` is not given,
             or whose group's size times ``expert_dp_group``'s is not DDP's W.
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    _group_size_rank(None)  # RuntimeError, as its siblings, where torch.distributed is not initialised
     world_group = dist.group.WORLD
     ddp_group = ddp_kwargs.get("process_group") or world_group
     ddp_world = dist.get_world_size(ddp_group)

@@ -53,8 +53,8 @@ class MoELayerOutput(NamedTuple):
 
     Fields:
         output: O (..., d), as the plain forward returns it.
-        aux_loss: the load-balancing loss times ``aux_loss_coef`` (float32 scalar, float64 with a float64 router;
-            a zero without history when the coefficient is 0).
+        aux_loss: the load-balancing loss times ``aux_loss_coef`` (float32 scalar, float64 with float64 experts,
+            whose dtype the router's tokens take; a zero without history when the coefficient is 0).
         z_loss: the router z-loss times ``z_loss_coef`` (likewise).
         expert_counts: (E,) the pairs each expert received in this forward (int, no gradient).
     """
@@ -74,7 +74,7 @@ class MoE(nn.Module):
     (Switch load-balancing, already multiplied by ``aux_loss_coef``), ``z_loss`` (times
     ``z_loss_coef``) and ``expert_counts`` (E,) hold that step's values; add the losses to yours.
     A loss whose coefficient is 0 (``z_loss_coef``'s default) is not computed: it reads as a zero scalar of the
-    logits' dtype (float32; float64 with a float64 router) without autograd history, and its (T, E) softmax or
+    logits' dtype (float32; float64 with float64 experts) without autograd history, and its (T, E) softmax or
     logsumexp never runs. A computed loss keeps its
     forward's autograd graph (and the parameters' gradient accumulators) alive until the next forward: use it in
     the loss, or set it to None, before capturing a CUDA graph after eager calls on another stream.
@@ -113,7 +113,8 @@ class MoE(nn.Module):
     Inputs: x of any float dtype the backends know (bf16/fp16/fp32/float64) and any strides; it is
     cast to the expert weights' dtype for the computation and the output cast back. The router's weight may have
     another dtype (e.g. ``layer.gate.float()`` beside bf16 experts: its logits are then the float32 GEMM of the
-    upcast operands; the shared expert must share the routed experts' dtype). Under ``torch.autocast``
+    upcast operands; a float64 router beside float32 experts is rounded to float32; the shared expert must share
+    the routed experts' dtype). Under ``torch.autocast``
     (mixed precision with, e.g., float32 parameters) the experts run in the autocast dtype instead: x and the
     expert weights are cast to it, as ``nn.Linear`` casts its input and weight, the output comes back in it,
     and the parameters' gradients in their own dtype; the router's logits stay float32. The parameters must
@@ -127,8 +128,8 @@ class MoE(nn.Module):
 
     Raises:
         ValueError: bad options; x whose last dimension is not hidden_size; x on another device.
-        TypeError: x not floating point (bf16/fp16/fp32/float64); float64 parameters with the triton
-            backend.
+        TypeError: an unknown option (a misspelt name); a ``dtype`` that is not floating point; x not floating
+            point (bf16/fp16/fp32/float64); float64 parameters with the triton backend.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -291,7 +292,7 @@ class MoE(nn.Module):
         Returns:
             O of x's shape, in x's dtype (under ``torch.autocast``: the autocast dtype); with
             ``return_router_info=True`` a :class:`MoELayerOutput` (output, aux_loss, z_loss, expert_counts).
-            Sets ``self.aux_loss`` and ``self.z_loss`` (0-d float32 tensors, float64 with a float64 router, already
+            Sets ``self.aux_loss`` and ``self.z_loss`` (0-d float32 tensors, float64 with float64 experts, already
             scaled by their coefficients; add them to the training loss) and ``self.expert_counts`` (E,), the pairs
             each expert received (no gradient).
 

@@ -132,7 +132,7 @@ def moe_ref(
     activation: str = "swiglu",
     router_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RouterOutput, Routing]:
-    """The whole MoE layer in float32: router, top-k, experts, aggregation (SPEC §2).
+    """The whole MoE layer in float32 (float64 for float64 x): router, top-k, experts, aggregation (SPEC §2).
 
     Args:
         x: (T, d). router_weight: (E, d). w1: (E, 2n, d) in ``gate_up_layout``. w2: (E, d, n).
@@ -140,7 +140,7 @@ def moe_ref(
         as :func:`sonicmoe.moe`.
 
     Returns:
-        (O (T, d) float32, the router's output, the routing metadata).
+        (O (T, d) float32 (float64 for float64 x), the router's output, the routing metadata).
 
     Raises:
         TypeError, ValueError: as :func:`sonicmoe.moe`, except that each tensor may have its own float dtype.

@@ -361,14 +361,14 @@ class RouterOutput:
     """What the router returns for T tokens.
 
     Attributes:
-        logits: (T, E) router logits X W_rᵀ (float32).
+        logits: (T, E) router logits X W_rᵀ (float32; float64 for float64 x).
         probs: (T, E) softmax over all E logits (float32), used by the auxiliary loss and token rounding; with
             ``sigmoid_then_topk``, the sigmoids normalised to sum 1 over E (DeepSeek-V3's balance loss). Computed
             from ``logits`` (with autograd) on first access when the router did not need it, then kept: a layer
             without the auxiliary loss or token rounding never runs that (T, E) softmax nor saves its output.
         topk_ids: (T, K) int64 chosen experts, by decreasing logit (``sigmoid_then_topk``: by decreasing
             sigmoid + bias).
-        topk_scores: (T, K) float32 scores S of the chosen experts (differentiable).
+        topk_scores: (T, K) scores S of the chosen experts, in the logits' dtype (differentiable).
 
     ``RouterOutput(logits, probs, topk_ids, topk_scores)``; ``probs=None`` computes it on first access, as the
     softmax of ``logits`` (``sigmoid=True``: the sigmoids normalised to sum 1).
@@ -444,7 +444,8 @@ def router_topk(
     use_kernel: bool | None = None,
     router_bias: torch.Tensor | None = None,
 ) -> RouterOutput:
-    """Top-k token-choice router (SPEC §2), computed in float32 (float64 inputs stay float64).
+    """Top-k token-choice router (SPEC §2), computed in float32, or float64 for float64 ``x`` (the computing dtype
+    follows x: a float64 ``router_weight`` beside float32 x is rounded to float32).
 
     Args:
         x: (T, d) tokens.
@@ -546,7 +547,7 @@ ROUTER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 def check_router_inputs(x, router_weight, top_k) -> None:
     """TypeError/ValueError naming the argument unless ``x`` is a (T, d) and ``router_weight`` an (E, d) tensor, each
-    bfloat16, float16, float32 or float64 (the router computes in float32, float64 in float64), on one device, and
+    bfloat16, float16, float32 or float64 (the router computes in float32, in float64 for float64 x), on one device, and
     ``top_k`` an int in [1, E]. Reads no values (no host sync)."""
     for name, v in (("x", x), ("router_weight", router_weight)):
         if not isinstance(v, torch.Tensor):

@@ -105,7 +105,8 @@ from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size, check_topk_
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
     """Token rounding loses quality below 2 tiles of tokens per expert (SPEC §5): warn there.
 
-    ``stacklevel`` points at the caller of :func:`token_rounding` (e.g. ``MoE.forward``). Silent while
+    ``stacklevel`` points at the caller of :func:`token_rounding` (the ``MoE`` layer's routing step when the layer
+    calls it). Silent while
     ``torch.compile`` traces: Dynamo cannot trace ``warnings.warn``, so a warning there would fail a
     ``fullgraph=True`` compile (and break the graph otherwise).
     """
@@ -326,7 +327,8 @@ def token_rounding(
             flags, and with ``check=True`` ids outside [0, E) or repeated within a token.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order, check)
-    for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad)):
+    for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad),
+                       ("warn", warn)):
         check_flag(name, flag)
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)

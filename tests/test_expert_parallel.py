@@ -282,16 +282,22 @@ def test_expert_parallel_on_gpu_matches_one_process(tmp_path):
 
 
 def test_expert_parallel_refuses_bad_setups(tmp_path):
-    """Without a process group: RuntimeError. In a group of one rank: E = 0, a routing of other E or T, scores and
-    weights of the wrong shape are refused, naming the argument (E not a multiple of P: in the two-rank runs)."""
-    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_experts
+    """Without a process group: RuntimeError (expert_parallel_ddp too: torch's ValueError before session 89). In a
+    group of one rank: E = 0, a routing of other E or T, scores and weights of the wrong shape are refused, naming
+    the argument (E not a multiple of P: in the two-rank runs); numpy sizes are taken, as MoE takes them."""
+    import numpy as np
+
+    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp, expert_parallel_experts
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         ExpertParallelMoE(D, N, E, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        expert_parallel_ddp(torch.nn.Linear(2, 2))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match="num_experts"):
             ExpertParallelMoE(D, N, 0, 1)
+        assert ExpertParallelMoE(D, N, np.int64(E), np.int64(2)).config.num_experts == E
         x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
         routing = routing_from_topk(torch.tensor([[0, 1]] * 4), 2)
         with pytest.raises(ValueError, match="routing is for E=2 experts but w1 has E=1"):

@@ -94,6 +94,8 @@ def test_round_trip_is_exact(layout):
     assert back.keys() == sd.keys()
     for key, v in sd.items():
         assert torch.equal(back[key], v), key
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}  # new tensors: the interleaved b1 aliased
+    assert not params & {v.untyped_storage().data_ptr() for v in back.values()}
     if layout == "interleaved":  # gpt-oss's layout: W1[e] is gate_up_proj[e] transposed, nothing reordered
         assert torch.equal(layer.experts.gate_up_proj, sd["experts.gate_up_proj"].transpose(1, 2))
 

@@ -312,7 +312,7 @@ def test_bad_arguments():
         token_rounding(router, m_tile=4, router_order="whatever")
     with pytest.raises(TypeError):
         token_rounding((router.logits, router.topk_ids), m_tile=4)
-    for flag in ("renormalize", "static", "fused_router_grad"):  # "no" read as True before
+    for flag in ("renormalize", "static", "fused_router_grad", "warn"):  # "no" read as True before
         with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'no'"):
             token_rounding(router, m_tile=4, **{flag: "no"})
 

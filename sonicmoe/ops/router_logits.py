@@ -101,7 +101,7 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
 
 def router_logits_ref(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """Pure-PyTorch twin of :func:`router_logits`: the float32 GEMM of the upcast operands (any float dtype;
-    float64 stays float64)."""
+    float64 x stays float64; the weight is cast to that dtype, a float64 one beside float32 x rounded to float32)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     return torch.nn.functional.linear(x.to(dtype), router_weight.to(dtype))
 
