@@ -506,6 +506,15 @@ MUTANTS: list[Mutant] = [
        "        if False:", KT, "-k", "inference_mode"),
     _m("bench_no_pair_shape_run", "sonicmoe/bench/runner.py", "    if R == 0 and T > 0:", "    if False:",
        "tests/test_bench.py", "-k", "routes_no_pair"),
+    _m("gpt_oss_export_aliases_b1", "sonicmoe/checkpoints.py",
+       '            f"{p}gate_up_proj_bias": b1.clone(memory_format=torch.contiguous_format),',
+       '            f"{p}gate_up_proj_bias": b1.contiguous(),', "tests/test_gpt_oss.py", "-k", "round_trip"),
+    _m("tr_warn_flag_unchecked", "sonicmoe/token_rounding.py", '                       ("warn", warn)):',
+       "                       ):", "tests/test_token_rounding.py::test_bad_arguments"),
+    _m("bench_stochastic_global_rng", "sonicmoe/bench/problem.py",
+       "        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding, generator=gen)",
+       "        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding)", "tests/test_bench.py", "-k",
+       "stochastic"),
 ]
 
 
