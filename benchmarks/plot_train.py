@@ -26,15 +26,22 @@ def main() -> None:
             lo, hi = (float(v) for v in args.ylim.split(","))
         except ValueError:
             ap.error(f"--ylim {args.ylim}: expected LO,HI (two numbers)")
+        if not lo < hi:
+            ap.error(f"--ylim {args.ylim}: LO must be below HI")
         ylim = (lo, hi)
+    if not Path(args.out).resolve().parent.is_dir():
+        ap.error(f"{args.out}: its folder does not exist")
     runs, parts = [], []
     for spec in args.runs:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
             ap.error(f"{spec!r}: expected LABEL=RUN/log.json")
-        log = json.loads(Path(path).read_text())
-        runs.append((label, log["steps"], log["evals"]))
-        cfg, env = log["config"], log["env"]
+        try:
+            log = json.loads(Path(path).read_text())
+            runs.append((label, log["steps"], log["evals"]))
+            cfg, env = log["config"], log["env"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"{path}: not a sonicmoe train log.json ({type(e).__name__}: {e})")
         parts.append(f"{label}: {log['steps_done']} steps")
     title = args.title or (f"{env['device_name']} | d={cfg['d_model']} E={cfg['experts']} K={cfg['top_k']} "
                            f"n={cfg['expert_size']} | " + ", ".join(parts))

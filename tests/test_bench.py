@@ -1137,8 +1137,9 @@ def test_out_that_cannot_be_written_is_refused_before_any_shape_runs(tmp_path, m
 
 
 def test_plot_train_takes_ylim_and_refuses_an_unlabelled_run(tmp_path, monkeypatch, capsys):
-    """benchmarks/plot_train.py: --ylim LO,HI (its usage text names it) sets the loss axis; a run without LABEL= or a
-    malformed --ylim is a usage error (exit 2), not a traceback."""
+    """benchmarks/plot_train.py: --ylim LO,HI (its usage text names it) sets the loss axis; a run without LABEL=, a
+    malformed or inverted --ylim, a missing or unreadable log (a checkpoint given by mistake) and a missing output
+    folder are usage errors (exit 2), not tracebacks (the last three since session 89)."""
     pytest.importorskip("matplotlib")
     log = REPO / "benchmarks" / "results" / "2026-11-21_nvidia-h200_train" / "log.json"
     script = str(REPO / "benchmarks" / "plot_train.py")
@@ -1158,9 +1159,17 @@ def test_plot_train_takes_ylim_and_refuses_an_unlabelled_run(tmp_path, monkeypat
                                                                       real_savefig(fig, *a, **k)))
     train_report.plot_runs(tmp_path / "y.png", [("a", [{"step": 1, "loss": 3.0}], [])], "t", ylim=(1.0, 6.0))
     assert limits == [(1.0, 6.0)]
-    for bad in ([str(log)], [f"h200={log}", "--ylim", "1"]):
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"PK\x03\x04\xff\xfe not json")
+    for bad, msg in (([str(log)], "expected LABEL=RUN/log.json"), ([f"h200={log}", "--ylim", "1"], "two numbers"),
+                     ([f"h200={log}", "--ylim", "3,1"], "LO must be below HI"),
+                     ([f"a={tmp_path / 'none.json'}"], "not a sonicmoe train log.json"),
+                     ([f"a={ckpt}"], "not a sonicmoe train log.json")):
         monkeypatch.setattr(sys, "argv", [script, str(tmp_path / "x.png"), *bad])
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_path(script, run_name="__main__")
-        assert exit_info.value.code == 2
-    assert "expected LABEL=RUN/log.json" in capsys.readouterr().err
+        assert exit_info.value.code == 2 and msg in capsys.readouterr().err, bad
+    monkeypatch.setattr(sys, "argv", [script, str(tmp_path / "no" / "x.png"), f"h200={log}"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(script, run_name="__main__")
+    assert exit_info.value.code == 2 and "its folder does not exist" in capsys.readouterr().err

@@ -369,6 +369,62 @@ def test_bad_optimiser_options_are_refused(option, value):
         make_config("cpu-tiny", **{option: value}).validate()
 
 
+def test_resume_takes_new_hyperparameters_and_refuses_another_seed_or_corpus(tmp_path, capsys):
+    """A resumed run applies a --weight-decay given with --resume (AdamW's own load brought the saved one back, and
+    the log claimed the new one); --seed, whose random streams the checkpoint carries, and a corpus other than the
+    one it trained on (here --max-bytes; its SHA-256 travels in the checkpoint) are usage errors (both passed
+    silently before session 89)."""
+    short = ["--steps", "6", "--eval-every", "0", "--profile-every", "0"]
+    part = _run(tmp_path / "part", *short, "--stop-after", "3")
+    ckpt = tmp_path / "part" / "ckpt.pt"
+    assert len(part["data"]["sha256"]) == 64
+    assert torch.load(ckpt, weights_only=True)["corpus_sha256"] == part["data"]["sha256"]
+    assert cli.main(["--resume", str(ckpt), "--out", str(tmp_path / "wd"), "--weight-decay", "0.5",
+                     "--no-progress"]) == 0
+    groups = torch.load(tmp_path / "wd" / "ckpt.pt", weights_only=True)["optimizer"]["adamw"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    for extra, match in ((["--seed", "99"], "--seed 99: the checkpoint's run has seed=3"),
+                         (["--max-bytes", "131072"], "differs from the one the checkpoint trained on")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--resume", str(ckpt), "--out", str(tmp_path / "x"), "--no-progress", *extra])
+        assert e.value.code == 2 and match in capsys.readouterr().err
+    from sonicmoe.train.loop import check_resume_corpus
+
+    with pytest.raises(ValueError, match="differs"):
+        check_resume_corpus({"corpus_sha256": "0" * 64}, part["data"]["sha256"])
+    check_resume_corpus({}, part["data"]["sha256"])  # a checkpoint from before the digest: taken
+
+
+def test_diverged_run_exits_1(tmp_path, capsys):
+    """A run whose loss turns non-finite warns at that step and exits 1 (it exited 0 with NaN losses before)."""
+    out = tmp_path / "nan"
+    assert cli.main([*TINY, "--out", str(out), "--steps", "4", "--eval-every", "0", "--profile-every", "0",
+                     "--log-every", "1", "--lr", "1e30", "--warmup", "1", "--grad-clip", "inf"]) == 1
+    err = capsys.readouterr().err
+    log = json.loads((out / "log.json").read_text())
+    step = log["first_nonfinite_step"]
+    assert step is not None and not math.isfinite(log["steps"][step - 1]["loss"])
+    assert f"at step {step}: the run has diverged" in err and "the run diverged" in err
+
+
+def test_token_rounding_that_would_empty_the_experts_is_refused(capsys):
+    """Token rounding to the nearest multiple of M_tile with fewer than M_tile/2 tokens per expert on average (to the
+    lower one: fewer than M_tile) would route most experts no token: the layers would train as zeros. TINY: 512
+    tokens, K = 2, E = 4: 256 per expert. A usage error naming the cure; up-rounding and the bound itself run."""
+    for rounding, m_tile in (("nearest", "1024"), ("down", "512")):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*TINY, "--out", "unused", "--routing", "token_rounding", "--rounding", rounding,
+                      "--m-tile", m_tile])
+        assert e.value.code == 2 and "rounds most experts' counts to 0" in capsys.readouterr().err
+    from sonicmoe.train.loop import check_ranks
+
+    for rounding, m_tile in (("nearest", 512), ("down", 256), ("up", 4096)):
+        check_ranks(make_config("cpu-tiny", experts=4, top_k=2, batch_size=8, seq_len=64, routing="token_rounding",
+                                rounding=rounding, m_tile=m_tile), torch.device("cpu"), 1)
+    with pytest.raises(ValueError, match="bias_update_rate must be a finite number"):
+        make_config("cpu-tiny", router_order="sigmoid_then_topk", bias_update_rate=math.inf).validate()
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)

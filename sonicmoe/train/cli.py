@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from ..config import ACTIVATIONS, BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
 from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
 from .data import ByteCorpus
-from .loop import CHECKPOINT, LOG, PLOT, check_ranks, load_checkpoint, resolve_device, train
+from .loop import CHECKPOINT, LOG, PLOT, check_ranks, check_resume_corpus, load_checkpoint, resolve_device, train
 
 DESCRIPTION = """Train a byte-level decoder-only transformer whose MLPs are sonicmoe.MoE layers.
 
@@ -201,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                 if overrides[k] is not None and overrides[k] != getattr(saved, k):
                     parser.error(f"--{k.replace('_', '-')}: the checkpoint's model has {k}={getattr(saved, k)!r}; a "
                                  "resumed run keeps the options that shape its parameters")
+            if args.seed is not None and args.seed != saved.seed:  # logged, but the checkpoint's RNG states rule
+                parser.error(f"--seed {args.seed}: the checkpoint's run has seed={saved.seed}; a resumed run "
+                             "continues its random streams (batches, initialisation, stochastic rounding)")
             out = args.out or str(Path(args.resume).parent)
             cfg = config_from_dict(base, **overrides, resume=args.resume, out=out)
             end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
         corpus.check_seq_len(cfg.seq_len)
+        if checkpoint is not None:
+            check_resume_corpus(checkpoint, corpus.digest())
     except (OSError, ValueError) as e:
         parser.error(f"--data {cfg.data or '(the standard library)'}: {e}")
     try:
@@ -232,4 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     log = train(cfg, checkpoint, corpus)
     if int(os.environ.get("RANK", "0")) == 0:  # data-parallel (torchrun): rank 0 reports
         print(_summary(log, Path(cfg.out)))
+    if log["first_nonfinite_step"] is not None:
+        print(f"the run diverged: non-finite training loss from step {log['first_nonfinite_step']}", file=sys.stderr)
+        return 1
     return 0

@@ -189,8 +189,8 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not self.bias_update_rate >= 0:
-            raise ValueError(f"bias_update_rate must be >= 0, got {self.bias_update_rate!r}")
+        if not 0 <= self.bias_update_rate < math.inf:
+            raise ValueError(f"bias_update_rate must be a finite number >= 0, got {self.bias_update_rate!r}")
         if self.bias_update_rate and self.router_order != "sigmoid_then_topk":
             raise ValueError(f"bias_update_rate > 0 moves the selection bias of router_order='sigmoid_then_topk' "
                              f"only; got router_order={self.router_order!r}")

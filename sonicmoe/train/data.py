@@ -125,6 +125,13 @@ class ByteCorpus:
         return cls(train=all_bytes[:-n_val].clone(), val=all_bytes[-n_val:].clone(), source=str(root),
                    num_files=used)
 
+    def digest(self) -> str:
+        """SHA-256 (hex) of the split sizes and bytes: what a resumed run must train and evaluate on again."""
+        h = hashlib.sha256(f"{self.train.numel()},{self.val.numel()};".encode())
+        h.update(self.train.numpy().tobytes())
+        h.update(self.val.numpy().tobytes())
+        return h.hexdigest()
+
     def check_seq_len(self, seq_len: int) -> None:
         """Raise ValueError unless both splits hold more than ``seq_len`` + 1 bytes."""
         for name, split in (("train", self.train), ("validation", self.val)):

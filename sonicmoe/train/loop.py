@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import pickle
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -47,7 +48,16 @@ def resolve_device(name: str) -> torch.device:
 
 def check_ranks(cfg, device: torch.device, world: int) -> None:
     """ValueError for a run this device and these ``world`` ranks cannot serve: ``graph_moe`` off CUDA or with
-    several ranks; ``expert_parallel`` that does not divide the ranks."""
+    several ranks; ``expert_parallel`` that does not divide the ranks; token rounding to the nearest multiple of
+    ``m_tile`` with fewer than M_tile/2 tokens per expert on average in each rank's batch, or to the lower one with
+    fewer than M_tile (most experts would get no token: the MoE layers would train as zeros, while evaluation routes
+    by top-k)."""
+    tokens = cfg.batch_size * cfg.seq_len // max(world, 1) * cfg.top_k / cfg.experts
+    least = {"nearest": cfg.m_tile / 2, "down": cfg.m_tile}.get(cfg.rounding, 0)
+    if cfg.routing == "token_rounding" and tokens < least:
+        raise ValueError(f"token rounding ({cfg.rounding}) with {tokens:g} tokens per expert on average (batch_size · "
+                         f"seq_len / ranks · top_k / experts) rounds most experts' counts to 0 at m_tile={cfg.m_tile}: "
+                         f"lower --m-tile (to at most {tokens * cfg.m_tile / least:g}) or raise the batch")
     if cfg.graph_moe and (device.type != "cuda" or world > 1):
         raise ValueError(f"graph_moe needs one process on a CUDA device, got {device.type} with {world} rank(s)")
     if world % cfg.expert_parallel:
@@ -169,8 +179,13 @@ class Optimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. Saved float32 masters restore the parameters too, whether this run
         keeps masters or has float32 parameters (a mixed-precision run resumed in float32 continues from the
-        masters, not from their rounded copies)."""
+        masters, not from their rounded copies). The hyperparameters stay this run's (its config's weight decay and
+        betas: AdamW's own load would bring back the saved ones, and a ``--weight-decay`` given on resume was lost);
+        the learning rate is set at every step."""
+        mine = [{k: g[k] for k in ("weight_decay", "betas", "eps")} for g in self.adamw.param_groups]
         self.adamw.load_state_dict(state["adamw"])
+        for g, hyper in zip(self.adamw.param_groups, mine):
+            g.update(hyper)
         saved = state.get("masters")
         if saved is None:
             return
@@ -304,9 +319,19 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+def check_resume_corpus(checkpoint: dict[str, Any], digest: str) -> None:
+    """ValueError unless the corpus (its :meth:`ByteCorpus.digest`) is the one ``checkpoint`` trained on (a
+    checkpoint from before session 89, without a digest, passes)."""
+    saved = checkpoint.get("corpus_sha256")
+    if saved is not None and saved != digest:
+        raise ValueError(f"the corpus (SHA-256 {digest[:12]}) differs from the one the checkpoint trained on "
+                         f"({saved[:12]}): a resumed run needs the same bytes (the same --data, --max-bytes and "
+                         "--val-fraction; for the default corpus, the same Python's standard library)")
+
+
 def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn.Module, opt: Optimizer,
                      generator: torch.Generator, history: dict[str, Any], dp: DataParallel,
-                     device: torch.device) -> None:
+                     device: torch.device, corpus_sha256: str) -> None:
     """Rank 0 writes ``path``; every rank must call it (data-parallel: each rank's CUDA generator state is
     gathered, as ``rng["cuda_ranks"]``; expert-parallel: the expert weights and their optimizer state are gathered,
     so the checkpoint is a one-process run's)."""
@@ -321,7 +346,7 @@ def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn
     if not dp.main:
         return
     state = {"format": CHECKPOINT_FORMAT, "step": step, "config": cfg.to_dict(), "model": model_state,
-             "optimizer": opt_state, "rng": rng, "history": history}
+             "optimizer": opt_state, "rng": rng, "history": history, "corpus_sha256": corpus_sha256}
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -395,6 +420,9 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     if corpus is None:
         corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
     corpus.check_seq_len(cfg.seq_len)
+    corpus_sha256 = corpus.digest()
+    if checkpoint is not None:
+        check_resume_corpus(checkpoint, corpus_sha256)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_config(cfg)).to(device=device, dtype=dtype)
     if checkpoint is not None:  # the full model (before expert parallelism slices it)
@@ -498,13 +526,14 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             "data_parallel": {**dp.describe(), "tokens_per_rank": tokens_per_step // dp.world},
             "expert_parallel": sharding.describe() if sharding is not None else None,
             "data": {"source": corpus.source, "files": corpus.num_files, "train_bytes": corpus.train.numel(),
-                     "val_bytes": corpus.val.numel()},
+                     "val_bytes": corpus.val.numel(), "sha256": corpus_sha256},
             "steps_done": step,
             "resumed_from": start_step if checkpoint is not None else None,
             "steps": history["steps"],
             "evals": history["evals"],
             "profile": profile,
             "final_train_loss": sum(s["loss"] for s in tail) / len(tail) if tail else None,
+            "first_nonfinite_step": history.get("first_nonfinite_step"),
             "final_val_loss": history["evals"][-1]["val_loss"] if history["evals"] else None,
             "final_val_bpb": history["evals"][-1]["val_bpb"] if history["evals"] else None,
             "tokens_per_s": meter.rate(),
@@ -526,6 +555,11 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
         for (step, lr, _, _, _), (loss, aux, gnorm) in zip(pending, values.tolist()):
             history["steps"].append({"step": step, "loss": loss, "router_loss": aux, "lr": lr,
                                      "grad_norm": gnorm})
+            if not math.isfinite(loss + aux) and history.get("first_nonfinite_step") is None:
+                history["first_nonfinite_step"] = step
+                if dp.main:
+                    print(f"warning: the training loss is {loss} (router loss {aux}) at step {step}: the run has "
+                          "diverged (lower --lr, raise --warmup, or use --grad-clip)", file=sys.stderr, flush=True)
         pending.clear()
         history["expert_counts"] = dp.sum(load).tolist()
         history["expert_counts_step_sorted"] = dp.sum(step_sorted).tolist()
@@ -597,7 +631,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             meter.stop()
             flush(pending)
             _save_checkpoint(out / CHECKPOINT, cfg=cfg, step=step, model=model, opt=opt, generator=generator,
-                             history=history, dp=dp, device=device)
+                             history=history, dp=dp, device=device, corpus_sha256=corpus_sha256)
             if dp.main:
                 write_json(out / LOG, build_log(step))
         if do_eval or do_save:
