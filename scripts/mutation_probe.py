@@ -515,6 +515,15 @@ MUTANTS: list[Mutant] = [
        "        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding, generator=gen)",
        "        r = route(x, router_weight, K, mode, m_tile=m_tile, rounding=rounding)", "tests/test_bench.py", "-k",
        "stochastic"),
+    _m("train_resume_keeps_saved_weight_decay", "sonicmoe/train/loop.py", "            g.update(hyper)",
+       "            pass", "tests/test_train.py", "-k", "new_hyperparameters"),
+    _m("train_resume_corpus_unchecked", "sonicmoe/train/loop.py", "    if saved is not None and saved != digest:",
+       "    if False:", "tests/test_train.py", "-k", "new_hyperparameters"),
+    _m("train_divergence_silent", "sonicmoe/train/cli.py", '    if log["first_nonfinite_step"] is not None:',
+       "    if False:", "tests/test_train.py", "-k", "diverged"),
+    _m("train_tr_empty_experts_allowed", "sonicmoe/train/loop.py",
+       '    if cfg.routing == "token_rounding" and tokens < least:', "    if False:", "tests/test_train.py", "-k",
+       "empty_the_experts"),
 ]
 
 
