@@ -407,15 +407,19 @@ def test_diverged_run_exits_1(tmp_path, capsys):
     assert f"at step {step}: the run has diverged" in err and "the run diverged" in err
 
 
-def test_token_rounding_that_would_empty_the_experts_is_refused(capsys):
+def test_token_rounding_that_would_empty_the_experts_is_refused(tmp_path, capsys):
     """Token rounding to the nearest multiple of M_tile with fewer than M_tile/2 tokens per expert on average (to the
     lower one: fewer than M_tile) would route most experts no token: the layers would train as zeros. TINY: 512
-    tokens, K = 2, E = 4: 256 per expert. A usage error naming the cure; up-rounding and the bound itself run."""
+    tokens, K = 2, E = 4: 256 per expert. A usage error naming the cure; up-rounding and the bound itself run. Under
+    top-k --rounding and --m-tile do nothing, and the run says so."""
     for rounding, m_tile in (("nearest", "1024"), ("down", "512")):
         with pytest.raises(SystemExit) as e:
             cli.main([*TINY, "--out", "unused", "--routing", "token_rounding", "--rounding", rounding,
                       "--m-tile", m_tile])
         assert e.value.code == 2 and "rounds most experts' counts to 0" in capsys.readouterr().err
+    assert cli.main([*TINY, "--out", str(tmp_path / "topk"), "--steps", "1", "--eval-every", "0", "--rounding", "down",
+                     "--m-tile", "1024"]) == 0  # under top-k they do nothing: said, not refused
+    assert "--rounding and --m-tile apply to --routing token_rounding only" in capsys.readouterr().err
     from sonicmoe.train.loop import check_ranks
 
     for rounding, m_tile in (("nearest", 512), ("down", 256), ("up", 4096)):

@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         _preflight(cfg)
     except ValueError as e:
         parser.error(str(e))
+    unused = [f"--{k.replace('_', '-')}" for k in ("rounding", "m_tile") if overrides[k] is not None]
+    if unused and cfg.routing != "token_rounding":
+        print(f"note: {' and '.join(unused)} apply to --routing token_rounding only; this run routes by "
+              f"{cfg.routing}", file=sys.stderr)
     cfg.progress = not args.no_progress
     if cfg.data is not None and not Path(cfg.data).exists():
         parser.error(f"--data {cfg.data}: no such file or directory")
