@@ -54,12 +54,17 @@ def experts_triton(
     if torch.compiler.is_compiling():
         out, _ = torch.ops.sonicmoe.experts_fwd(*inputs)
     elif needs_grad:
-        if any(t is not None and t.is_inference() for t in inputs[:6 + len(arrays)]):
-            # made under torch.inference_mode (frozen features, a cached routing): autograd cannot save such a
-            # tensor for the backward, so the backward keeps a copy (as the torch backend, which saves no X, works)
-            inputs = tuple(t.clone() if i < 6 + len(arrays) and t is not None and t.is_inference() else t
-                           for i, t in enumerate(inputs))
-        out, _ = ExpertsFunction.apply(*inputs)
+        try:
+            out, _ = ExpertsFunction.apply(*inputs)
+        except RuntimeError:
+            # tensors made under torch.inference_mode (frozen features, a cached routing) cannot be saved for the
+            # backward: it keeps copies of them (as the torch backend, which saves no X, works). Looked at only
+            # here, off the hot path (the check costs about 2 us a call)
+            n = 6 + len(arrays)
+            if not any(t is not None and t.is_inference() for t in inputs[:n]):
+                raise
+            copies = [t.clone() if t is not None and t.is_inference() else t for t in inputs[:n]]
+            out, _ = ExpertsFunction.apply(*copies, *inputs[n:])
     else:
         out, _ = experts_fwd_impl(*inputs)
     return out

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
         corpus.check_seq_len(cfg.seq_len)
         if checkpoint is not None:
-            check_resume_corpus(checkpoint, corpus.digest())
+            check_resume_corpus(checkpoint, corpus.digest)
     except (OSError, ValueError) as e:
         parser.error(f"--data {cfg.data or '(the standard library)'}: {e}")
     try:

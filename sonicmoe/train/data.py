@@ -10,6 +10,7 @@ validation split. Everything here is deterministic given the files and the seed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import sysconfig
@@ -125,8 +126,10 @@ class ByteCorpus:
         return cls(train=all_bytes[:-n_val].clone(), val=all_bytes[-n_val:].clone(), source=str(root),
                    num_files=used)
 
+    @functools.cached_property
     def digest(self) -> str:
-        """SHA-256 (hex) of the split sizes and bytes: what a resumed run must train and evaluate on again."""
+        """SHA-256 (hex) of the split sizes and bytes: what a resumed run must train and evaluate on again (hashed
+        once per corpus: the CLI's check and the run's checkpoints share it)."""
         h = hashlib.sha256(f"{self.train.numel()},{self.val.numel()};".encode())
         h.update(self.train.numpy().tobytes())
         h.update(self.val.numpy().tobytes())

@@ -420,7 +420,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     if corpus is None:
         corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
     corpus.check_seq_len(cfg.seq_len)
-    corpus_sha256 = corpus.digest()
+    corpus_sha256 = corpus.digest
     if checkpoint is not None:
         check_resume_corpus(checkpoint, corpus_sha256)
     torch.manual_seed(cfg.seed)
