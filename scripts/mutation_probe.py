@@ -524,6 +524,12 @@ MUTANTS: list[Mutant] = [
     _m("train_tr_empty_experts_allowed", "sonicmoe/train/loop.py",
        '    if cfg.routing == "token_rounding" and tokens < least:', "    if False:", "tests/test_train.py", "-k",
        "empty_the_experts"),
+    # session 90
+    _m("train_dp_one_stream", "sonicmoe/train/loop.py", "        seed_rank_stream(cfg.seed, dp.rank, device)\n",
+       "        pass\n", "tests/test_train.py", "-k", "draws_per_rank"),
+    _m("train_dp_resume_rank0_stream", "sonicmoe/train/loop.py",
+       "            torch.set_rng_state(torch_ranks[dp.rank])", "            torch.set_rng_state(torch_ranks[0])",
+       "tests/test_train.py", "-k", "draws_per_rank"),
 ]
 
 

@@ -611,6 +611,38 @@ def test_data_parallel_resume_continues_exactly(data_parallel, tmp_path):
     assert resumed["expert_load"]["per_layer"] == full["expert_load"]["per_layer"]
 
 
+def test_data_parallel_stochastic_rounding_draws_per_rank_and_resumes(tmp_path):
+    """Stochastic token rounding over two ranks: each rank draws its per-expert uniforms from a stream of its own
+    (one stream on both ranks padded or dropped the same experts' tiles together), the checkpoint keeps every rank's
+    stream, and the run resumed from it continues as the uninterrupted one, bit for bit."""
+    args = [*DP, "--routing", "token_rounding", "--rounding", "stochastic", "--m-tile", "16"]
+    full_dir = tmp_path / "full"
+    res = _torchrun(full_dir, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    full = json.loads((full_dir / "log.json").read_text())
+    resumed = _stop_and_resume(tmp_path, args)
+    states = torch.load(tmp_path / "ckpt.pt", weights_only=True)["rng"]["torch_ranks"]
+    assert len(states) == 2 and not torch.equal(states[0], states[1])
+    assert resumed["resumed_from"] == 6
+    assert _losses(resumed) == _losses(full)
+    assert resumed["expert_load"]["per_layer"] == full["expert_load"]["per_layer"]
+    for layer in full["expert_load"]["per_layer"]:
+        assert all(c % 16 == 0 for c in layer["counts"])
+
+
+def test_seed_rank_stream():
+    """Rank 0 keeps the seeded stream; ranks 1 and 2 get streams of their own, the same for the same seed."""
+    draws = {}
+    for rank in (0, 1, 2, 1):
+        torch.manual_seed(5)
+        loop.seed_rank_stream(5, rank, torch.device("cpu"))
+        draws.setdefault(rank, []).append(torch.rand(8))
+    torch.manual_seed(5)
+    assert torch.equal(draws[0][0], torch.rand(8))
+    assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[1][0], draws[2][0])
+    assert torch.equal(draws[1][0], draws[1][1])
+
+
 def test_data_parallel_batch_must_split_evenly(tmp_path):
     res = _torchrun(tmp_path, *DP, "--batch-size", "7")
     assert res.returncode != 0

@@ -329,16 +329,38 @@ def check_resume_corpus(checkpoint: dict[str, Any], digest: str) -> None:
                          "--val-fraction; for the default corpus, the same Python's standard library)")
 
 
+def seed_rank_stream(seed: int, rank: int, device: torch.device) -> None:
+    """Give data-parallel rank ``rank`` a random stream of its own, once the ranks have built the same model from
+    ``seed``: the generator stochastic token rounding draws its per-expert uniforms from (``device``'s CUDA
+    generator, or the CPU's) is reseeded on every rank but rank 0, which keeps the one-process run's stream.
+
+    Each rank rounds its own tokens' counts (SPEC: token rounding, stochastic subroutine); with one stream on every
+    rank the ranks drew the same uniforms and padded or dropped the same experts' tiles together, so the errors of
+    the global counts added up instead of averaging out. Rank r's seed is ``seed + r * 0x9E3779B9`` mod 2**32 (the
+    CPU generator keeps only a seed's low 32 bits): apart for every rank below 2**32, and far from a small ``seed``
+    of another run."""
+    if rank == 0:
+        return
+    derived = (seed + rank * 0x9E3779B9) % 2 ** 32
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()] \
+            .manual_seed(derived)
+    else:
+        torch.random.default_generator.manual_seed(derived)
+
+
 def _save_checkpoint(path: Path, *, cfg: TrainConfig, step: int, model: torch.nn.Module, opt: Optimizer,
                      generator: torch.Generator, history: dict[str, Any], dp: DataParallel,
                      device: torch.device, corpus_sha256: str) -> None:
-    """Rank 0 writes ``path``; every rank must call it (data-parallel: each rank's CUDA generator state is
-    gathered, as ``rng["cuda_ranks"]``; expert-parallel: the expert weights and their optimizer state are gathered,
-    so the checkpoint is a one-process run's)."""
+    """Rank 0 writes ``path``; every rank must call it (data-parallel: each rank's CPU and CUDA generator states
+    are gathered, as ``rng["torch_ranks"]`` and ``rng["cuda_ranks"]``; expert-parallel: the expert weights and their
+    optimizer state are gathered, so the checkpoint is a one-process run's)."""
     model_state, opt_state = model.state_dict(), opt.state_dict()
     if opt.sharding is not None:
         model_state, opt_state = opt.sharding.full(model, model_state, opt_state, opt.order)
     rng = {"torch": torch.get_rng_state(), "data": generator.get_state()}
+    if dp.world > 1:  # the CPU generator too: each rank's own since seed_rank_stream
+        rng["torch_ranks"] = dp.gather(torch.get_rng_state())
     if dp.world > 1 and device.type == "cuda":
         rng["cuda_ranks"] = [s.cpu() for s in dp.gather(torch.cuda.get_rng_state(device))]
     elif torch.cuda.is_available():
@@ -464,7 +486,11 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
             _, opt_state = sharding.local(model, {}, opt_state, opt.order)
         opt.load_state_dict(opt_state)
         generator.set_state(checkpoint["rng"]["data"])
-        torch.set_rng_state(checkpoint["rng"]["torch"])
+        torch_ranks = checkpoint["rng"].get("torch_ranks")
+        if dp.world > 1 and torch_ranks is not None and len(torch_ranks) == dp.world:
+            torch.set_rng_state(torch_ranks[dp.rank])
+        else:
+            torch.set_rng_state(checkpoint["rng"]["torch"])
         cuda_ranks = checkpoint["rng"].get("cuda_ranks")
         if device.type == "cuda" and dp.world > 1 and cuda_ranks is not None and len(cuda_ranks) == dp.world:
             torch.cuda.set_rng_state(cuda_ranks[dp.rank], device)
@@ -474,6 +500,8 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
                 torch.cuda.set_rng_state(state, i)
         start_step = int(checkpoint["step"])
         history = copy.deepcopy(checkpoint["history"])  # appended to below: the caller's checkpoint stays as it was
+    elif dp.world > 1:
+        seed_rank_stream(cfg.seed, dp.rank, device)
     end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     if end_step < start_step or (checkpoint is not None and end_step == start_step):
         # a finished run resumed again would rewrite its log.json with an empty throughput meter
