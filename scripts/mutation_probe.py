@@ -530,6 +530,9 @@ MUTANTS: list[Mutant] = [
     _m("train_dp_resume_rank0_stream", "sonicmoe/train/loop.py",
        "            torch.set_rng_state(torch_ranks[dp.rank])", "            torch.set_rng_state(torch_ranks[0])",
        "tests/test_train.py", "-k", "draws_per_rank"),
+    _m("bench_nothing_timed_exits_0", "sonicmoe/bench/cli.py",
+       '    if not any(b.get("status") == "ok" for r in records', "    if False and any(True for r in records",
+       "tests/test_bench.py", "-k", "routes_no_pair"),
 ]
 
 

@@ -309,9 +309,11 @@ def test_token_rounding_that_routes_no_pair_is_skipped_not_failed(tmp_path, caps
     rc, doc = _run(tmp_path, "--shape", "64,32,16,4,2", "--routing", "token_rounding", "--backends", "torch,upper",
                    "--no-router-variant")
     (rec,) = doc["results"]
-    assert rc == 0 and rec["status"] == "skipped" and rec["backends"] == {} and rec["TK"] == 0
+    assert rec["status"] == "skipped" and rec["backends"] == {} and rec["TK"] == 0
     assert "routed no (token, expert) pair" in rec["message"] and "--m-tile <= 32" in rec["message"]
-    assert "FAIL" not in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "FAIL" not in captured.out
+    assert rc == 1 and "nothing was timed" in captured.err  # the run timed nothing: not a success
     rc, doc = _run(tmp_path / "b", "--shape", "64,32,16,4,2", "--routing", "token_rounding", "--m-tile", "16",
                    "--backends", "torch,upper", "--no-router-variant")
     (rec,) = doc["results"]

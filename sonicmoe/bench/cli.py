@@ -156,7 +156,8 @@ def _list() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``sonicmoe bench``; returns the exit code (1 if any backend FAILed or errored)."""
+    """Entry point of ``sonicmoe bench``; returns the exit code: 0, 1 if any backend FAILed or errored or nothing was
+    timed (every row skipped or out of memory), 2 for a usage error, 130 when interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -279,5 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     bad += [(r["name"], "-", r["status"]) for r in records if r.get("status") == "error"]
     if bad:
         print("not ok: " + ", ".join(f"{s} {n} {st}" for s, n, st in bad), file=sys.stderr)
+        return 1
+    if not any(b.get("status") == "ok" for r in records for b in (r.get("backends") or {}).values()):
+        # a run that timed nothing is not a benchmark: a script reading exit codes must not take it for one
+        print("not ok: nothing was timed (every shape or backend was skipped or ran out of memory; the reasons are "
+              "in the notes above)", file=sys.stderr)
         return 1
     return 0
