@@ -533,6 +533,11 @@ MUTANTS: list[Mutant] = [
     _m("bench_nothing_timed_exits_0", "sonicmoe/bench/cli.py",
        '    if not any(b.get("status") == "ok" for r in records', "    if False and any(True for r in records",
        "tests/test_bench.py", "-k", "routes_no_pair"),
+    # the checkpoint and expert-parallel audit after session 89: each tensor in its own parameter's dtype
+    _m("gpt_oss_router_via_expert_dtype", "sonicmoe/checkpoints.py",
+       "        return _take(state_dict, key, shape).to(device=into.device, dtype=into.dtype)",
+       "        return _take(state_dict, key, shape).to(device=into.device, dtype=ex.gate_up_proj.dtype)",
+       "tests/test_gpt_oss.py", "-k", "float32_router"),
 ]
 
 

@@ -300,7 +300,8 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
 
     Args:
         layer: a :class:`~sonicmoe.MoE` with all E experts.
-        state_dict: the model's state dict (or the block's); values are cast to the layer's dtype and device.
+        state_dict: the model's state dict (or the block's); values are cast to the dtype and device of the
+            parameter each is copied to (a float32 router beside bf16 experts stays float32).
         prefix: the block's key prefix, e.g. ``"model.layers.3.mlp."``.
 
     Everything is checked before anything is copied: on an error the layer is unchanged; nothing in ``state_dict`` is
@@ -325,17 +326,18 @@ def load_gpt_oss_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], pre
         raise ValueError(f"{p}gate_up_proj_blocks: the experts are MXFP4-quantised; dequantise them first (e.g. load "
                          "the model with transformers' Mxfp4Config(dequantize=True) and take its state_dict)")
 
-    def take(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The checked tensor, already in the layer's dtype and on its device: every failure (a meta tensor, an
-        integer or float8 one) happens before the first copy."""
-        return _take(state_dict, key, shape).to(device=ex.gate_up_proj.device, dtype=ex.gate_up_proj.dtype)
+    def take(key: str, shape: tuple[int, ...], into: torch.Tensor) -> torch.Tensor:
+        """The checked tensor, already in the dtype of the parameter ``into`` it is copied to and on its device (a
+        float32 router beside bf16 experts keeps its float32 values): every failure (a meta tensor, an integer or
+        float8 one) happens before the first copy."""
+        return _take(state_dict, key, shape).to(device=into.device, dtype=into.dtype)
 
-    router = take(f"{prefix}router.weight", (e, d))
-    router_bias = take(f"{prefix}router.bias", (e,))
-    w1 = take(f"{p}gate_up_proj", (e, d, 2 * n)).transpose(1, 2)  # (E, 2n, d), rows interleaved
-    b1 = take(f"{p}gate_up_proj_bias", (e, 2 * n))
-    w2 = take(f"{p}down_proj", (e, n, d)).transpose(1, 2)
-    b2 = take(f"{p}down_proj_bias", (e, d))
+    router = take(f"{prefix}router.weight", (e, d), layer.gate.weight)
+    router_bias = take(f"{prefix}router.bias", (e,), layer.gate.bias)
+    w1 = take(f"{p}gate_up_proj", (e, d, 2 * n), ex.gate_up_proj).transpose(1, 2)  # (E, 2n, d), rows interleaved
+    b1 = take(f"{p}gate_up_proj_bias", (e, 2 * n), ex.gate_up_proj_bias)
+    w2 = take(f"{p}down_proj", (e, n, d), ex.down_proj).transpose(1, 2)
+    b2 = take(f"{p}down_proj_bias", (e, d), ex.down_proj_bias)
     if c.gate_up_layout == "concat":  # interleaved rows [g0, u0, g1, u1, ...] -> [g0, g1, ...; u0, u1, ...]
         w1 = torch.cat([w1[:, 0::2], w1[:, 1::2]], dim=1)
         b1 = torch.cat([b1[:, 0::2], b1[:, 1::2]], dim=1)

@@ -223,3 +223,22 @@ def test_copy_pickle_and_reset_after_a_training_forward():
     meta.reset_parameters()
     assert not meta.gate.bias.any() and meta.gate.weight.abs().max() <= D ** -0.5
     assert meta.experts.gate_up_proj.abs().max() <= D ** -0.5 and meta.experts.gate_up_proj.std() > 0
+
+
+def test_round_trip_keeps_a_float32_router_beside_bf16_experts():
+    """A layer whose router stays float32 beside bf16 experts (as MoE allows): the loader casts each tensor to its
+    own parameter's dtype, so the float32 router and its bias come back bit for bit. Before the fix every tensor went
+    through the experts' dtype first, rounding the router to bf16 (and changing which experts tokens chose)."""
+    layer = MoE(D, N, E, K, dtype=torch.bfloat16, **GPT_OSS_OPTIONS)
+    layer.gate.float()
+    sd = _gpt_oss_block(seed=int(torch.randint(0, 2 ** 31, ())), prefix="")
+    load_gpt_oss_experts(layer, sd)
+    assert layer.gate.weight.dtype == torch.float32 and layer.experts.gate_up_proj.dtype == torch.bfloat16
+    assert torch.equal(layer.gate.weight, sd["router.weight"]) and torch.equal(layer.gate.bias, sd["router.bias"])
+    assert torch.equal(layer.experts.down_proj_bias, sd["experts.down_proj_bias"].bfloat16())
+    back = gpt_oss_state_dict(layer)
+    twin = MoE(D, N, E, K, dtype=torch.bfloat16, **GPT_OSS_OPTIONS)
+    twin.gate.float()
+    load_gpt_oss_experts(twin, back)
+    for (name, a), b in zip(layer.state_dict().items(), twin.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
