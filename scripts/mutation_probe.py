@@ -534,10 +534,15 @@ MUTANTS: list[Mutant] = [
        '    if not any(b.get("status") == "ok" for r in records', "    if False and any(True for r in records",
        "tests/test_bench.py", "-k", "routes_no_pair"),
     # the checkpoint and expert-parallel audit after session 89: each tensor in its own parameter's dtype
+    # the checkpoint and expert-parallel audit after session 89: gpt-oss's loader casts each tensor to its own
+    # parameter's dtype; ExpertParallelMoE.reset_parameters draws each rank's experts from its own stream
     _m("gpt_oss_router_via_expert_dtype", "sonicmoe/checkpoints.py",
        "        return _take(state_dict, key, shape).to(device=into.device, dtype=into.dtype)",
        "        return _take(state_dict, key, shape).to(device=into.device, dtype=ex.gate_up_proj.dtype)",
        "tests/test_gpt_oss.py", "-k", "float32_router"),
+    _m("ep_reset_parameters_shared_stream", EPM,
+       "        super().reset_parameters()\n        self._reset_local_experts()\n",
+       "        super().reset_parameters()\n", "tests/test_expert_parallel.py", "-k", "reset_parameters_after_meta"),
 ]
 
 

@@ -334,8 +334,9 @@ class ExpertParallelMoE(MoE):
     (E_loc, 2n, d), ``experts.down_proj`` (E_loc, d, n) and the optional biases hold this rank's E_loc = E/P
     experts, rank r the experts [r·E_loc, (r+1)·E_loc) (the parameter names of ``MoE``, so a full checkpoint
     maps by slicing: :meth:`load_full_state_dict`). The experts are initialised as ``MoE``'s, from a random stream of
-    their rank's own (forked off the current one, keyed by the rank in ``group``): ranks seeded alike get the same
-    router and different experts, and replicas of the same experts (:func:`expert_parallel_groups`) equal ones.
+    their rank's own (forked off the current one, keyed by the rank in ``group``; :meth:`reset_parameters` too, after
+    building on ``device="meta"``): ranks seeded alike get the same router and different experts, and replicas of
+    the same experts (:func:`expert_parallel_groups`) equal ones.
     ``aux_loss`` and ``expert_counts`` are this rank's, over all E experts. Routing ``"topk"`` or
     ``"token_rounding"`` (each rank rounds its own tokens' counts, so every expert's total stays a multiple of
     M_tile). One host sync per forward (:func:`expert_parallel_experts`), and with
@@ -359,11 +360,22 @@ class ExpertParallelMoE(MoE):
                              f"(E_loc = E/P experts per rank), got {num_experts!r}")
         self.ep_group, self.ep_size, self.ep_rank = group, world, rank
         super().__init__(hidden_size, intermediate_size, num_experts, top_k, **kwargs)
+        self._reset_local_experts()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """:meth:`MoE.reset_parameters <sonicmoe.MoE.reset_parameters>` (e.g. after building on ``device="meta"``
+        and ``.to_empty()``), then this rank's experts drawn again from the stream of its own, as ``__init__`` draws
+        them: ranks seeded alike get the same router and different experts."""
+        super().reset_parameters()
+        self._reset_local_experts()
+
+    def _reset_local_experts(self) -> None:
         # every rank built its experts from the same random stream (the ranks are usually seeded alike, so that the
         # replicated parameters agree): draw them again from a stream of this rank's own, forked off the current
         # one, so that experts of different ranks start different (the global stream moves on by one draw, the
         # same on every rank)
-        w = self.experts.gate_up_proj
+        w, rank = self.experts.gate_up_proj, self.ep_rank
         if w.device.type != "meta":
             seed = int(torch.randint(0, 2 ** 62, ()))
             with torch.random.fork_rng(devices=[w.device] if w.is_cuda else [], device_type=w.device.type):

@@ -585,3 +585,53 @@ def test_expert_parallel_inside_data_parallel(tmp_path):
         assert len(errs) == 13, errs
         bad = {key: v for key, v in errs.items() if not v <= (0.0 if key.endswith("_flag") else 1e-5)}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def _reset_worker(rank: int, world: int, init_file: str, out_file: str, seed: int) -> None:
+    """Rank ``rank`` of 2: a layer built on the meta device, moved with ``to_empty`` and re-initialised with
+    ``reset_parameters`` (the way large models are built), against one built directly from the same seed."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        opts = dict(shared_intermediate_size=4, bias=True, router_bias=True)
+        torch.manual_seed(seed)
+        eager = ExpertParallelMoE(D, N, E, 2, **opts)
+        torch.manual_seed(seed)
+        meta = ExpertParallelMoE(D, N, E, 2, device="meta", **opts).to_empty(device="cpu")
+        meta.reset_parameters()
+        errs = {f"{name}_differs_from_eager_flag": float(not torch.equal(a, b))
+                for (name, a), b in zip(eager.state_dict().items(), meta.state_dict().values())}
+        for name in ("experts.gate_up_proj", "experts.down_proj_bias", "gate.weight"):
+            t = meta.state_dict()[name]
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            # the router is replicated (equal on every rank), the experts are each rank's own (different)
+            errs[f"{name}_across_ranks_flag"] = float(torch.equal(parts[0], parts[1]) != name.startswith("gate"))
+        torch.save(errs, out_file.format(rank=rank))
+        dist.barrier()
+    except BaseException:
+        with open(out_file.format(rank=rank) + ".err", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_expert_parallel_reset_parameters_after_meta(tmp_path):
+    """Two gloo ranks: ``reset_parameters`` after building on ``device="meta"`` gives what ``__init__`` gives from the
+    same seed, each rank's experts drawn from its own stream. Before the fix it was MoE's, drawing every rank's
+    experts from the one stream the ranks share: rank 1's experts were rank 0's."""
+    out_file = str(tmp_path / "rank{rank}.pt")
+    try:
+        mp.spawn(_reset_worker, args=(2, str(tmp_path / "init"), out_file, int(torch.randint(0, 2 ** 31, ()))),
+                 nprocs=2, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
+        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
+    for rank in range(2):
+        errs = torch.load(out_file.format(rank=rank))
+        assert len(errs) == 11, errs
+        bad = {key: v for key, v in errs.items() if v != 0.0}
+        assert not bad, f"rank {rank}: {bad}"
