@@ -535,7 +535,8 @@ MUTANTS: list[Mutant] = [
        "tests/test_bench.py", "-k", "routes_no_pair"),
     # the checkpoint and expert-parallel audit after session 89: each tensor in its own parameter's dtype
     # the checkpoint and expert-parallel audit after session 89: gpt-oss's loader casts each tensor to its own
-    # parameter's dtype; ExpertParallelMoE.reset_parameters draws each rank's experts from its own stream
+    # parameter's dtype; ExpertParallelMoE.reset_parameters draws each rank's experts from its own stream; a
+    # routing over E_loc experts gets a message with E_loc, P and E
     _m("gpt_oss_router_via_expert_dtype", "sonicmoe/checkpoints.py",
        "        return _take(state_dict, key, shape).to(device=into.device, dtype=into.dtype)",
        "        return _take(state_dict, key, shape).to(device=into.device, dtype=ex.gate_up_proj.dtype)",
@@ -543,6 +544,9 @@ MUTANTS: list[Mutant] = [
     _m("ep_reset_parameters_shared_stream", EPM,
        "        super().reset_parameters()\n        self._reset_local_experts()\n",
        "        super().reset_parameters()\n", "tests/test_expert_parallel.py", "-k", "reset_parameters_after_meta"),
+    _m("ep_routing_e_message_of_experts", EPM,
+       "    if isinstance(routing, Routing) and routing.num_experts != w1.shape[0] * world:",
+       "    if False:", "tests/test_expert_parallel.py", "-k", "local_experts_is_named"),
 ]
 
 

@@ -208,6 +208,10 @@ def _check_ep_inputs(x, w1, w2, b1, b2, routing, pair_scores, world: int, backen
         check_device("x", x)
     if w1.shape[0] < 1:
         raise ValueError("w1 must hold at least one expert: E_loc = E/P >= 1")
+    if isinstance(routing, Routing) and routing.num_experts != w1.shape[0] * world:
+        # (sonicmoe.experts' message would call E_loc·P w1's E)
+        raise ValueError(f"routing is for E={routing.num_experts} experts but the group's P={world} ranks hold "
+                         f"E = E_loc·P = {w1.shape[0] * world} (w1 has E_loc={w1.shape[0]}): route over all E experts")
     _check_routing(routing, x.shape[0], w1.shape[0] * world, x.device)
     _check_float("pair_scores", pair_scores, allow_float64=allow_float64)
     if pair_scores.dim() != 1 or pair_scores.shape[0] != routing.num_rows:

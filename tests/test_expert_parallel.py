@@ -300,7 +300,8 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
         assert ExpertParallelMoE(D, N, np.int64(E), np.int64(2)).config.num_experts == E
         x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
         routing = routing_from_topk(torch.tensor([[0, 1]] * 4), 2)
-        with pytest.raises(ValueError, match="routing is for E=2 experts but w1 has E=1"):
+        with pytest.raises(ValueError, match=r"routing is for E=2 experts but the group's P=1 ranks hold "
+                                             r"E = E_loc·P = 1 \(w1 has E_loc=1\)"):
             expert_parallel_experts(x, w1[:1], w2[:1], routing, torch.rand(8))
         with pytest.raises(ValueError, match=r"pair_scores must have shape \(R=8,\)"):
             expert_parallel_experts(x, w1, w2, routing, torch.rand(7))
@@ -635,3 +636,20 @@ def test_expert_parallel_reset_parameters_after_meta(tmp_path):
         assert len(errs) == 11, errs
         bad = {key: v for key, v in errs.items() if v != 0.0}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def test_expert_parallel_routing_over_local_experts_is_named():
+    """A routing over this rank's E_loc experts instead of all E = E_loc·P (a likely mistake): the message gives P,
+    E_loc and E. Before the fix it was sonicmoe.experts', "routing is for E=2 experts but w1 has E=4", of a w1
+    holding 2. The check is the one expert_parallel_experts runs before any exchange (P passed in: no group)."""
+    from sonicmoe.expert_parallel import _check_ep_inputs
+
+    e_loc, world = int(torch.randint(1, 4, ())), 2
+    x, w1, w2 = torch.randn(5, D), torch.randn(e_loc, 2 * N, D), torch.randn(e_loc, D, N)
+    ids = torch.stack([torch.randperm(e_loc)[:1] for _ in range(5)])
+    local = routing_from_topk(ids, e_loc)
+    with pytest.raises(ValueError, match=rf"routing is for E={e_loc} experts but the group's P=2 ranks hold "
+                                         rf"E = E_loc·P = {2 * e_loc} \(w1 has E_loc={e_loc}\)"):
+        _check_ep_inputs(x, w1, w2, None, None, local, torch.rand(5), world, "torch", "concat")
+    _check_ep_inputs(x, w1, w2, None, None, routing_from_topk(ids, e_loc * world), torch.rand(5), world, "torch",
+                     "concat")
