@@ -200,6 +200,10 @@ MUTANTS: list[Mutant] = [
        "group_score = grouped.topk(1, dim=-1).values.sum(dim=-1)", "tests/test_routing.py", RK),
     _m("sigmoid_renorm_eps_dropped", RTG, "scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)",
        "scores = scores / scores.sum(dim=-1, keepdim=True)", "tests/test_routing.py", RK),
+    _m("rf_pairs_flags_unchecked", RTG,
+       "        check_flag(name, flag)  # a string such as \"False\" would read as True: token_major's promise, "
+       "silently",
+       "        pass", "tests/test_routing.py", "-k", "flags_must_be_bools"),
     # --- the launch fast path's key: a key coarser than Triton's specialisation launches a wrong binary ---
     _m("fl_tensor_alignment_unkeyed", FL, "        return (v.dtype, v.data_ptr() % 16 == 0)\n    if t is bool:",
        "        return (v.dtype,)\n    if t is bool:", TFL),

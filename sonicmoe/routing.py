@@ -164,8 +164,8 @@ def routing_from_pairs(
     Raises:
         TypeError: non-tensor or non-integer (float, complex, bool) indices.
         ValueError: indices not 1-D of one length R, on different devices, num_tokens < 0 or
-            num_experts < 1; with ``check``, an index out of range or, with ``token_major``, a token index
-            smaller than the one before it.
+            num_experts < 1, ``token_major``, ``check`` or ``padding`` not a bool; with ``check``, an index out of
+            range or, with ``token_major``, a token index smaller than the one before it.
     """
     for name, idx in (("pair_token", pair_token), ("pair_expert", pair_expert)):
         if not isinstance(idx, torch.Tensor):
@@ -182,6 +182,8 @@ def routing_from_pairs(
                          "put them on one device")
     check_size("num_tokens", num_tokens, 0)
     check_size("num_experts", num_experts, 1)
+    for name, flag in (("token_major", token_major), ("check", check), ("padding", padding)):
+        check_flag(name, flag)  # a string such as "False" would read as True: token_major's promise, silently
     if check:
         check_pairs(pair_token, pair_expert, num_tokens + padding, num_experts + padding)
         if padding and bool(((pair_token == num_tokens) != (pair_expert == num_experts)).any()):

@@ -308,6 +308,21 @@ def test_check_refuses_a_broken_token_major_promise():
     assert int(ok.expert_offsets[-1]) == 4
 
 
+@pytest.mark.parametrize("flag", ["token_major", "check", "padding"])
+def test_routing_from_pairs_flags_must_be_bools(flag):
+    """token_major, check and padding are bools: a string such as "False" read as True before, so unsorted pairs
+    passed with token_major="False" were taken as sorted (wrong token slots; the Triton backend's output silently
+    wrong) and padding="no" marked a routing padded."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    t, e = 6, 4
+    tok, exp = torch.randperm(t, generator=g), torch.randint(0, e, (t,), generator=g)
+    for value in ("False", "no", 0, None):
+        with pytest.raises(ValueError, match=f"{flag} must be a bool"):
+            routing_from_pairs(tok, exp, t, e, **{flag: value})
+    r = routing_from_pairs(tok, exp, t, e, **{flag: False})
+    check_routing(r, tok.tolist(), exp.tolist(), t, e)
+
+
 def test_check_pairs_accepts_valid():
     tok, exp = random_pairs(9, 4, seed=1)
     assert check_pairs(tok, exp, 9, 4) is None
