@@ -154,13 +154,28 @@ class MoE(nn.Module):
         if self.config.router_order == "sigmoid_then_topk":  # the router's, replicated under expert parallelism
             bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
         self.register_buffer("e_score_correction_bias", bias)
-        # a bool read in forward (torch.compile: a comparison of the float there made a second graph at 1.0)
-        self._scale_scores = self.config.routed_scaling_factor != 1
-        # likewise: a loss whose coefficient is 0 is not computed (no (T, E) softmax or logsumexp, nothing saved)
-        self._losses = (self.config.aux_loss_coef != 0, self.config.z_loss_coef != 0)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
+
+    @property
+    def config(self) -> MoEConfig:
+        """The layer's options (a frozen :class:`~sonicmoe.config.MoEConfig`). Another one may be assigned, e.g.
+        ``layer.config = dataclasses.replace(layer.config, aux_loss_coef=0.02)``: the next forward follows it
+        (the sizes and the options that shape the parameters must stay the layer's)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: MoEConfig) -> None:
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a sonicmoe.MoEConfig, got {type(config).__name__}")
+        self._config = config
+        # bools read in forward, derived here so that they follow a replaced config (they were set once in __init__:
+        # a coefficient or scaling factor changed from 0 or 1 later was ignored) (torch.compile: a comparison of the
+        # float in forward made a second graph at 1.0)
+        self._scale_scores = config.routed_scaling_factor != 1
+        # likewise: a loss whose coefficient is 0 is not computed (no (T, E) softmax or logsumexp, nothing saved)
+        self._losses = (config.aux_loss_coef != 0, config.z_loss_coef != 0)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -448,6 +448,28 @@ def test_losses_with_zero_coefficient_are_not_computed(order):
     torch.testing.assert_close(off(x), on(x), rtol=0, atol=0)
 
 
+def test_replaced_config_takes_effect():
+    """A config assigned after construction (dataclasses.replace: an aux-loss warm-up from 0, DeepSeek-V3's scaling
+    factor set later) is the one the next forward follows, as a layer built with it: the loss and scaling switches
+    were derived once in __init__, so a coefficient raised from 0 left the loss at zero and a factor changed from 1
+    scaled nothing, silently."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    x = rand_x(11, D, seed=seed)
+    late = make(seed=seed, aux_loss_coef=0.0, z_loss_coef=0.0)
+    late.config = dataclasses.replace(late.config, aux_loss_coef=0.05, z_loss_coef=0.1, routed_scaling_factor=2.5)
+    built = make(seed=seed, aux_loss_coef=0.05, z_loss_coef=0.1, routed_scaling_factor=2.5)
+    torch.testing.assert_close(late(x), built(x), rtol=0, atol=0)
+    torch.testing.assert_close(late(x), module_ref(late, x)[0], rtol=1e-5, atol=1e-6)
+    for name in ("aux_loss", "z_loss"):
+        assert getattr(late, name).item() > 0
+        torch.testing.assert_close(getattr(late, name), getattr(built, name), rtol=0, atol=0)
+    late.config = dataclasses.replace(late.config, aux_loss_coef=0.0, routed_scaling_factor=1.0)
+    late(x)
+    assert late.aux_loss.item() == 0.0 and late.aux_loss.grad_fn is None
+    with pytest.raises(TypeError, match="config must be a sonicmoe.MoEConfig"):
+        late.config = {"aux_loss_coef": 0.1}
+
+
 @pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("softmax_then_topk", True),
                                           ("sigmoid_then_topk", True)])
 def test_router_probs_on_first_access(order, renorm):
