@@ -559,6 +559,8 @@ MUTANTS: list[Mutant] = [
     _m("ep_routing_e_message_of_experts", EPM,
        "    if isinstance(routing, Routing) and routing.num_experts != w1.shape[0] * world:",
        "    if False:", "tests/test_expert_parallel.py", "-k", "local_experts_is_named"),
+    _m("moe_config_structural_change_taken", "sonicmoe/modules.py", "            if changed:\n",
+       "            if False:\n", "tests/test_module.py", "-k", "replaced_config"),
 ]
 
 

@@ -65,6 +65,11 @@ class MoELayerOutput(NamedTuple):
     expert_counts: torch.Tensor
 
 
+_STRUCTURAL_OPTIONS = ("hidden_size", "intermediate_size", "num_experts", "gate_up_layout", "bias", "router_bias",
+                       "shared_intermediate_size", "shared_expert_gate")
+"""The MoEConfig fields the parameters are built for (their shapes, or how w1's rows are read): fixed once built."""
+
+
 class MoE(nn.Module):
     """Sparse Mixture-of-Experts layer with top-k token-choice routing and SwiGLU experts (SPEC §2).
 
@@ -161,14 +166,27 @@ class MoE(nn.Module):
     @property
     def config(self) -> MoEConfig:
         """The layer's options (a frozen :class:`~sonicmoe.config.MoEConfig`). Another one may be assigned, e.g.
-        ``layer.config = dataclasses.replace(layer.config, aux_loss_coef=0.02)``: the next forward follows it
-        (the sizes and the options that shape the parameters must stay the layer's)."""
+        ``layer.config = dataclasses.replace(layer.config, aux_loss_coef=0.02)``: the next forward follows it.
+
+        Raises:
+            TypeError: not a MoEConfig.
+            ValueError: a new value of an option the parameters were built for (the sizes, ``gate_up_layout``,
+                ``bias``, ``router_bias``, the shared expert's, or ``router_order`` to or from
+                ``"sigmoid_then_topk"``)."""
         return self._config
 
     @config.setter
     def config(self, config: MoEConfig) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a sonicmoe.MoEConfig, got {type(config).__name__}")
+        old = self.__dict__.get("_config")
+        if old is not None:  # the parameters and buffers were built for these: another value would misread them
+            changed = [f for f in _STRUCTURAL_OPTIONS if getattr(config, f) != getattr(old, f)]
+            if (config.router_order == "sigmoid_then_topk") != (old.router_order == "sigmoid_then_topk"):
+                changed.append("router_order (e_score_correction_bias exists only under sigmoid_then_topk)")
+            if changed:
+                raise ValueError(f"config: {', '.join(changed)} shape(s) the layer's parameters and cannot change "
+                                 "on a built layer; build a new MoE")
         self._config = config
         # bools read in forward, derived here so that they follow a replaced config (they were set once in __init__:
         # a coefficient or scaling factor changed from 0 or 1 later was ignored) (torch.compile: a comparison of the

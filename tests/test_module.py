@@ -468,6 +468,14 @@ def test_replaced_config_takes_effect():
     assert late.aux_loss.item() == 0.0 and late.aux_loss.grad_fn is None
     with pytest.raises(TypeError, match="config must be a sonicmoe.MoEConfig"):
         late.config = {"aux_loss_coef": 0.1}
+    before = late.config
+    for change in ({"intermediate_size": 2 * late.config.intermediate_size}, {"gate_up_layout": "interleaved"},
+                   {"bias": True}, {"router_order": "sigmoid_then_topk"}):
+        with pytest.raises(ValueError, match=f"config: {next(iter(change))}.*cannot change on a built layer"):
+            late.config = dataclasses.replace(late.config, **change)
+        assert late.config is before  # refused: the layer keeps its config
+    late.config = dataclasses.replace(late.config, router_order="softmax_then_topk", top_k=1)  # no parameter's
+    assert late(x).shape == x.shape
 
 
 @pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("softmax_then_topk", True),
