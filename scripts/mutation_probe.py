@@ -561,6 +561,11 @@ MUTANTS: list[Mutant] = [
        "    if False:", "tests/test_expert_parallel.py", "-k", "local_experts_is_named"),
     _m("moe_config_structural_change_taken", "sonicmoe/modules.py", "            if changed:\n",
        "            if False:\n", "tests/test_module.py", "-k", "replaced_config"),
+    _m("check_range_of_unsigned_ids", "sonicmoe/routing.py",
+       "        if idx.dtype not in (torch.int32, torch.int64):", "        if False:", "tests/test_routing.py", "-k",
+       "narrow_and_unsigned"),
+    _m("moe_repr_drops_options", "sonicmoe/modules.py", "if f.name not in named and getattr(c, f.name) != f.default)",
+       "if False)", "tests/test_module.py", "-k", "repr"),
 ]
 
 

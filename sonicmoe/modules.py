@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -268,13 +269,23 @@ class MoE(nn.Module):
         b.add_(torch.sign(c.mean() - c), alpha=float(rate))
 
     def extra_repr(self) -> str:
+        """The sizes, the options every layer names, then each other option that is not its default: layers
+        configured differently print differently."""
         c = self.config
         shared = f", shared n_s={c.shared_intermediate_size}" if c.shared_intermediate_size else ""
         gated = " (gated)" if c.shared_expert_gate else ""
+        named = {"hidden_size", "intermediate_size", "num_experts", "top_k", "router_order", "gate_up_layout",
+                 "activation", "backend", "routing", "shared_intermediate_size", "shared_expert_gate", "m_tile",
+                 "rounding"}
+        if c.routing != "token_rounding":  # static_pairs is read under token rounding only
+            named.add("static_pairs")
+        rounding = f", m_tile={c.m_tile}, rounding={c.rounding}" if c.routing == "token_rounding" else ""
+        rest = "".join(f", {f.name}={getattr(c, f.name)!r}" for f in dataclasses.fields(c)
+                       if f.name not in named and getattr(c, f.name) != f.default)
         return (f"d={c.hidden_size}, n={c.intermediate_size}, E={c.num_experts}, K={c.top_k}, "
                 f"router_order={c.router_order}, layout={c.gate_up_layout}, activation={c.activation}, "
                 f"backend={c.backend}, "
-                f"routing={c.routing}{shared}{gated}")
+                f"routing={c.routing}{rounding}{shared}{gated}{rest}")
 
     def _num_local_experts(self) -> int:
         """How many of the E experts this layer holds the weights of (all of them; expert parallelism holds E/P)."""

@@ -354,6 +354,8 @@ def check_index_range(name: str, idx: torch.Tensor, hi: int, letter: str) -> Non
     """ValueError naming ``name`` unless every value of the integer tensor ``idx`` lies in [0, hi) (``letter`` names
     hi, e.g. "E"). Reads min and max back (host syncs)."""
     if idx.numel():
+        if idx.dtype not in (torch.int32, torch.int64):  # torch has no min/max of uint16/32/64 on every device
+            idx = idx.long()
         lo_v, hi_v = int(idx.min()), int(idx.max())
         if lo_v < 0 or hi_v >= hi:
             raise ValueError(f"{name} must lie in [0, {letter}={hi}), got values in [{lo_v}, {hi_v}]")

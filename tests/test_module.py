@@ -122,6 +122,12 @@ def test_config_and_repr():
         c.top_k = 3
     r = repr(m)
     assert f"E={E}" in r and f"K={K}" in r and "interleaved" in r
+    assert "renormalize=True" in r and "aux_loss_coef=0.5" in r and "z_loss_coef=0.25" in r and "bias=True" in r
+    assert "m_tile" not in r and "static_pairs" not in r  # read under token rounding only
+    # layers that differ in any option print differently; the defaults are not spelt out
+    assert "renormalize" not in repr(make()) and "routed_scaling_factor=2.5" in repr(make(routed_scaling_factor=2.5))
+    tr = repr(make(routing="token_rounding", m_tile=16, rounding="up", static_pairs=False))
+    assert "m_tile=16, rounding=up" in tr and "static_pairs=False" in tr
 
 
 def test_config_defaults():

@@ -330,6 +330,23 @@ def test_check_pairs_accepts_valid():
     assert check_pairs(empty, empty, 1, 1) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.uint16, torch.uint32, torch.uint64])
+def test_check_takes_narrow_and_unsigned_ids(dtype):
+    """check=True on ids of any integer dtype: the routing of their int64 copies, and an out-of-range id named (torch
+    has no min/max of uint16/32/64 on the CPU: a NotImplementedError from inside the check before)."""
+    tok, exp = random_pairs(9, 4, seed=5)
+    want = routing_from_pairs(tok, exp, 9, 4)
+    got = routing_from_pairs(tok.to(dtype), exp.to(dtype), 9, 4, check=True)
+    for name in ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    ids = torch.stack([tok, exp], 1)[:, :1] % 4
+    assert torch.equal(routing_from_topk(ids.to(dtype), 4, check=True).row_pair, routing_from_topk(ids, 4).row_pair)
+    bad = exp.clone()
+    bad[3] = 4
+    with pytest.raises(ValueError, match=r"pair_expert must lie in \[0, E=4\), got values in \[0, 4\]"):
+        routing_from_pairs(tok.to(dtype), bad.to(dtype), 9, 4, check=True)
+
+
 def test_routing_does_not_mutate_inputs():
     tok, exp = random_pairs(10, 5, seed=2)
     tok0, exp0 = tok.clone(), exp.clone()
