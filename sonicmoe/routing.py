@@ -155,7 +155,8 @@ def routing_from_pairs(
             no expert and no token: no row of theirs is computed or added, and their scores get zero
             gradients.
 
-    Pairs must be unique; a token may have any number (0..E) of experts. Without ``check`` nothing is
+    A token may have any number of pairs, none included; a pair given twice is two rows, each computed and
+    added with its own score (as two experts would be). Without ``check`` nothing is
     read back (no host sync) and the ranges are the caller's promise: an out-of-range token index
     makes the kernels read out of bounds, an out-of-range expert index leaves rows that no expert
     computes (their uninitialised values reach the output). Shapes, dtypes and devices are always

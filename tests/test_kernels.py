@@ -501,6 +501,34 @@ def test_general_routing_layer(device):
         assert rel_err(g, gr) < 1e-5
 
 
+def test_repeated_pairs_each_count(device):
+    """A (token, expert) pair given twice is two rows, each computed and added with its own score, on the Triton
+    backend as in the float32 reference (a token may then have more pairs than E: here 7 over E = 4); the routing's
+    per-token slots and per-expert rows hold every copy."""
+    t, d, n, e = 6, 32, 16, 4
+    p = random_problem(t, d, n, e, device=device, seed=9)
+    tok = torch.tensor([0, 0, 1, 2, 2, 2, 2, 2, 2, 2, 3, 5, 5], device=device)
+    exp = torch.tensor([1, 1, 0, 3, 3, 2, 1, 0, 3, 3, 1, 0, 0], device=device)
+    routing = routing_from_pairs(tok, exp, t, e, check=True)
+    assert routing.token_offsets.tolist() == [0, 2, 3, 10, 11, 11, 13]
+    assert routing.expert_offsets.tolist() == [0, 4, 8, 9, 13]
+    scores = torch.rand(len(tok), device=device, requires_grad=True)
+    x = p["x"].clone().requires_grad_(True)
+    out = sonicmoe.experts(x, p["w1"], p["w2"], routing, scores, backend="triton")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    xr, sr = (v.detach().clone().requires_grad_(True) for v in (p["x"], scores))
+    ref = sonicmoe.experts_ref(xr, p["w1"], p["w2"], routing, sr)
+    ref.backward(dout)
+    assert rel_err(out, ref) < 1e-5 and rel_err(x.grad, xr.grad) < 1e-5 and rel_err(scores.grad, sr.grad) < 1e-5
+    assert out[4].abs().max() == 0  # token 4: no pair
+    # the repeat counts: the output is not the one with each pair once
+    first = [0, 2, 3, 5, 6, 7, 10, 11]
+    once = sonicmoe.experts_ref(p["x"], p["w1"], p["w2"], routing_from_pairs(tok[first], exp[first], t, e),
+                                scores.detach()[first])
+    assert rel_err(out.detach(), once) > 0.1
+
+
 def test_memory_contract(device):
     """Backward saves X, H, S (the caller's tensors: no copies), weights and int routing metadata: no (R, d)
     tensor, no A.
