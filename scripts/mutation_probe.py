@@ -566,6 +566,12 @@ MUTANTS: list[Mutant] = [
        "narrow_and_unsigned"),
     _m("moe_repr_drops_options", "sonicmoe/modules.py", "if f.name not in named and getattr(c, f.name) != f.default)",
        "if False)", "tests/test_module.py", "-k", "repr"),
+    # the token-rounding / autocast / provenance audit after session 89: a tree without .git (SONICMOE_GIT_COMMIT
+    # set) reads git_dirty None (unknown), not False
+    _m("provenance_dirty_false_without_git", "sonicmoe/provenance.py",
+       "    return None if status is None else bool(status)",
+       "    return None if status is None and git_commit() is None else bool(status)",
+       "tests/test_bench.py", "-k", "git_dirty_unknown"),
 ]
 
 

@@ -8,7 +8,8 @@ import subprocess
 from pathlib import Path
 
 
-def _git(*args: str) -> str | None:
+def _git_output(*args: str) -> str | None:
+    """The stripped output of a git command in the checkout ("" for none), or None when git failed or is missing."""
     if shutil.which("git") is None:
         return None
     repo = str(Path(__file__).resolve().parent)
@@ -16,7 +17,11 @@ def _git(*args: str) -> str | None:
         res = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def _git(*args: str) -> str | None:
+    return _git_output(*args) or None
 
 
 def git_commit() -> str | None:
@@ -26,6 +31,7 @@ def git_commit() -> str | None:
 
 
 def git_dirty() -> bool | None:
-    """Whether tracked files differ from HEAD (None when unknown)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None and git_commit() is None else bool(status)
+    """Whether tracked files differ from HEAD (None when unknown: no git, or a tree without ``.git``, even with
+    SONICMOE_GIT_COMMIT set)."""
+    status = _git_output("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)

@@ -1175,3 +1175,29 @@ def test_plot_train_takes_ylim_and_refuses_an_unlabelled_run(tmp_path, monkeypat
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(script, run_name="__main__")
     assert exit_info.value.code == 2 and "its folder does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("commit_env", [None, "abc123"])
+def test_git_dirty_unknown_without_git_tree(commit_env, monkeypatch):
+    """A tree without ``.git`` (a copy on a GPU machine): git fails, so whether it is dirty is unknown (None), also
+    with SONICMOE_GIT_COMMIT naming its commit; a checkout's clean and dirty states read False and True."""
+    from sonicmoe import provenance
+
+    outputs = {"rev-parse": (0, "0123abc\n"), "status": (0, "")}
+
+    def fake_run(cmd, **kwargs):
+        rc, out = outputs[cmd[3]]
+        return SimpleNamespace(returncode=rc, stdout=out, stderr="")
+
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: "/usr/bin/git")
+    monkeypatch.setattr(provenance.subprocess, "run", fake_run)
+    if commit_env is None:
+        monkeypatch.delenv("SONICMOE_GIT_COMMIT", raising=False)
+    else:
+        monkeypatch.setenv("SONICMOE_GIT_COMMIT", commit_env)
+    assert provenance.git_dirty() is False  # a clean checkout
+    outputs["status"] = (0, " M sonicmoe/routing.py\n")
+    assert provenance.git_dirty() is True
+    outputs["status"] = outputs["rev-parse"] = (128, "")  # fatal: not a git repository
+    assert provenance.git_dirty() is None
+    assert provenance.git_commit() == commit_env
