@@ -572,6 +572,11 @@ MUTANTS: list[Mutant] = [
        "    return None if status is None else bool(status)",
        "    return None if status is None and git_commit() is None else bool(status)",
        "tests/test_bench.py", "-k", "git_dirty_unknown"),
+    # ... and -0.0 ranks as +0.0 (a tie, to the lower token, as the ref), in the kernel and its torch twin
+    _m("trs_key_signed_zero_kernel", TRS, 'float("-inf"), tl.where(x == 0.0, 0.0, x))', 'float("-inf"), x)',
+       TRSEL, "-k", "signed_zeros"),
+    _m("trs_key_signed_zero_torch", TRS, "bits = torch.where(bits == 0, 0.0, bits)", "bits = bits", TRSEL, "-k",
+       "signed_zeros"),
 ]
 
 

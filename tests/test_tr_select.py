@@ -148,8 +148,8 @@ def test_keys_order_nan_and_signed_zero():
     prob_key, score_key, f = candidate_keys_ref(probs, ids, torch.tensor([[0.75], [-2.0]]))
     assert prob_key.shape == (4, 2) and prob_key.dtype == torch.int32
     assert prob_key[0, 0] == NO_KEY and prob_key[1, 1] == NO_KEY and f.tolist() == [1, 1, 0, 0]
-    # the order of the probabilities: NaN lowest (as -inf), -0.0 just below +0.0
-    assert prob_key[2, 0] < prob_key[3, 1] < prob_key[0, 1] < prob_key[2, 1] < prob_key[1, 0] == prob_key[3, 0]
+    # the order of the probabilities: NaN lowest (as -inf), -0.0 equal to +0.0 (a tie, as the floats compare)
+    assert prob_key[2, 0] < prob_key[3, 1] == prob_key[0, 1] < prob_key[2, 1] < prob_key[1, 0] == prob_key[3, 0]
     assert score_key[1, 1] < 0 < score_key[0, 0] and (score_key == NO_KEY).sum() == 6
     # a NaN score: the key of +inf, above every finite score (a NaN probability: below, as -inf)
     _, nan_key, _ = candidate_keys_ref(probs, ids, torch.tensor([[float("nan")], [float("inf")]]))
@@ -224,6 +224,37 @@ def test_token_rounding_keeps_a_nan_score_token():
                    (token_rounding_ref, {})):
         out = fn(router, m_tile=4, subroutine="down", warn=False, **kw)
         assert out.pair_token[out.pair_expert == 0].tolist() == [0, 1, 2, 3], (fn, kw)
+
+
+
+def test_token_rounding_signed_zeros_tie():
+    # -0.0 == +0.0: a tie, which goes to the lower token, as in the ref (the keys ranked +0.0 above -0.0 before)
+    g = torch.Generator().manual_seed(11)
+    t = 8
+    paths = ((token_rounding, {"use_kernel": True}), (token_rounding, {"use_kernel": False}), (token_rounding_ref, {}))
+    # expert 0 rounds down from 5 chosen tokens to 4: it drops one of its two zero scores, the higher token's
+    chosen = torch.randperm(t, generator=g)[:5].sort().values.tolist()
+    ids = torch.ones(t, 1, dtype=torch.long)
+    ids[chosen] = 0
+    scores = torch.rand(t, 1, generator=g) + 0.5
+    scores[chosen[1], 0], scores[chosen[3], 0] = -0.0, 0.0
+    logits = torch.randn(t, 2, generator=g)
+    router = RouterOutput(logits, logits.softmax(-1), ids, scores)
+    for fn, kw in paths:
+        out = fn(router, m_tile=4, subroutine="down", warn=False, **kw)
+        assert out.pair_token[out.pair_expert == 0].tolist() == [c for c in chosen if c != chosen[3]], (fn, kw)
+    # expert 0 rounds up from 1 chosen token to 4: it adds the 0.9, then two zero probabilities, the lowest tokens'
+    c = int(torch.randint(t, (1,), generator=g))
+    ids = torch.ones(t, 1, dtype=torch.long)
+    ids[c] = 0
+    rest = [tok for tok in range(t) if tok != c]
+    best = rest.pop(int(torch.randint(len(rest), (1,), generator=g)))
+    probs = torch.rand(t, 2, generator=g)
+    probs[rest[:3], 0], probs[rest[3:], 0], probs[best, 0] = -0.0, 0.0, 0.9
+    router = RouterOutput(logits, probs, ids, torch.rand(t, 1, generator=g))
+    for fn, kw in paths:
+        out = fn(router, m_tile=4, subroutine="up", warn=False, **kw)
+        assert out.pair_token[out.pair_added & (out.pair_expert == 0)].tolist() == sorted([best, *rest[:2]]), (fn, kw)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ best chosen tokens by top-k score; an expert rounded up keeps all its chosen tok
 
 Both steps work on per-(expert, token) int32 *keys* that compare exactly as the float32 values behind
 them (the bits, with the magnitude bits of negative values flipped; a NaN probability counts as −inf, a NaN
-score as +inf; −0.0 sits just below +0.0). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every real key.
+score as +inf; −0.0 counts as +0.0, which it equals). ``NO_KEY`` = −2^31 marks "not a candidate" and is below every
+real key.
 
 :func:`candidate_keys` (kernel: one program per block of tokens and block of experts)
     reads probs (T, E), topk_ids (T, K) and topk_scores (T, K) once and writes, transposed so each
@@ -79,8 +80,9 @@ COMPACT_MAX = 4096
 
 @triton.jit
 def _float_key(x, NAN_FIRST: tl.constexpr):
-    """Order-preserving int32 key of float32 ``x``; NaN -> the key of +inf (``NAN_FIRST``) or of -inf."""
-    x = tl.where(x != x, float("inf") if NAN_FIRST else float("-inf"), x)
+    """Order-preserving int32 key of float32 ``x``; NaN -> the key of +inf (``NAN_FIRST``) or of -inf; -0.0 -> the key
+    of +0.0 (equal floats, equal keys: the tie goes to the lower token)."""
+    x = tl.where(x != x, float("inf") if NAN_FIRST else float("-inf"), tl.where(x == 0.0, 0.0, x))
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -170,6 +172,7 @@ def _float_key_torch(x: torch.Tensor, nan_first: bool) -> torch.Tensor:
     """Torch twin of the kernels' ``_float_key`` (int32, same order)."""
     inf = float("inf")  # posinf/neginf as well: nan_to_num's defaults turn ±inf into the largest finite floats
     bits = torch.nan_to_num(x.detach().float(), nan=inf if nan_first else -inf, posinf=inf, neginf=-inf)
+    bits = torch.where(bits == 0, 0.0, bits)  # -0.0 as +0.0 (equal floats: a tie)
     bits = bits.contiguous().view(torch.int32)
     return torch.bitwise_xor(bits, torch.bitwise_and(torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF))
 
