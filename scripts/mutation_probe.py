@@ -577,6 +577,12 @@ MUTANTS: list[Mutant] = [
        TRSEL, "-k", "signed_zeros"),
     _m("trs_key_signed_zero_torch", TRS, "bits = torch.where(bits == 0, 0.0, bits)", "bits = bits", TRSEL, "-k",
        "signed_zeros"),
+    _m("ref_h_dtype_unchecked", "sonicmoe/reference.py",
+       "    if h_dtype is not None and not (isinstance(h_dtype, torch.dtype) and h_dtype.is_floating_point):",
+       "    if False:", "tests/test_activation.py", "-k", "straight_through"),
+    _m("config_numpy_floats_refused", "sonicmoe/config.py",
+       "                object.__setattr__(self, name, float(v))", "                pass", "tests/test_module.py", "-k",
+       "integral_sizes"),
 ]
 
 

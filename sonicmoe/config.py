@@ -132,6 +132,10 @@ class MoEConfig:
             raise ValueError(f"shared_intermediate_size must be an int >= 0 (0: no shared expert), got {n_s!r}")
         for name in ("renormalize", "bias", "static_pairs", "shared_expert_gate", "return_router_info", "router_bias"):
             check_flag(name, getattr(self, name))
+        for name in ("aux_loss_coef", "z_loss_coef", "routed_scaling_factor"):  # numpy and other real scalars
+            v = getattr(self, name)  # (np.float32 is no float) as Python floats, as the sizes above
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+                object.__setattr__(self, name, float(v))
         for name in ("aux_loss_coef", "z_loss_coef"):  # a string or None would fail only in the forward, NaN silently
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:

@@ -82,11 +82,14 @@ def experts_ref(
 
     Raises:
         TypeError, ValueError: as :func:`sonicmoe.experts` (shapes, devices, a missing routing or scores), except
-        that each tensor may have its own float dtype (float64 included).
+        that each tensor may have its own float dtype (float64 included); TypeError for an ``h_dtype`` that is not
+        a floating dtype (an integer one truncated H, silently).
     """
     require_routing_and_scores(routing, pair_scores)
     check_expert_inputs(x, w1, w2, b1, b2, pair_scores, routing, allow_float64=True, one_dtype=False)
     check_activation(activation)
+    if h_dtype is not None and not (isinstance(h_dtype, torch.dtype) and h_dtype.is_floating_point):
+        raise TypeError(f"h_dtype must be None or a floating torch.dtype (the one H is stored in), got {h_dtype!r}")
     t, d = x.shape
     ct = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
     xf, w1f, w2f, sf = x.to(ct), w1.to(ct), w2.to(ct), pair_scores.to(ct)

@@ -181,6 +181,9 @@ def test_reference_rounding_of_h_is_straight_through():
     w1 = p["w1"].clone().requires_grad_(True)
     experts_ref(p["x"], w1, *args[2:], activation="swiglu", h_dtype=torch.bfloat16).sum().backward()
     assert w1.grad is not None and w1.grad.abs().sum() > 0
+    for bad in (torch.int32, "bfloat16"):  # an integer dtype truncated H, silently
+        with pytest.raises(TypeError, match="h_dtype must be None or a floating torch.dtype"):
+            experts_ref(*args, h_dtype=bad)
 
 
 def test_experts_with_no_rows_and_padding_pairs(device):

@@ -841,6 +841,15 @@ def test_integral_sizes_and_parameter_dtype_checked():
     assert type(m.gate.in_features) is int and type(m.experts.gate_up_proj.shape[1]) is int
     with pytest.raises(ValueError, match="top_k"):
         MoE(32, 16, 4, True)
+    # numpy floats (np.float32 is no Python float) for the coefficients, as Python floats; NaN and bools still refused
+    c = MoEConfig(32, 16, 4, 2, aux_loss_coef=np.float32(0.5), z_loss_coef=np.float16(0.25),
+                  routed_scaling_factor=np.float32(2.5))
+    assert (c.aux_loss_coef, c.z_loss_coef, c.routed_scaling_factor) == (0.5, 0.25, 2.5)
+    assert all(type(getattr(c, f)) is float for f in ("aux_loss_coef", "z_loss_coef", "routed_scaling_factor"))
+    for bad in ({"aux_loss_coef": np.float32("nan")}, {"routed_scaling_factor": np.float32(-1)},
+                {"z_loss_coef": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            MoEConfig(32, 16, 4, 2, **bad)
 
 
 def test_strides_do_not_change_the_bits():
