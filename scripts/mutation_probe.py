@@ -583,6 +583,9 @@ MUTANTS: list[Mutant] = [
     _m("config_numpy_floats_refused", "sonicmoe/config.py",
        "                object.__setattr__(self, name, float(v))", "                pass", "tests/test_module.py", "-k",
        "integral_sizes"),
+    _m("router_use_kernel_unchecked", "sonicmoe/routing.py",
+       "        check_flag(\"use_kernel\", use_kernel)  # None, True or False: 0 or \"no\" took the kernel on CUDA",
+       "        pass", "tests/test_routing.py", "-k", "renormal"),
 ]
 
 

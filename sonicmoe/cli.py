@@ -26,3 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sonicmoe: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     return int(run(rest) or 0)
+
+
+if __name__ == "__main__":  # python -m sonicmoe.cli, as python -m sonicmoe
+    sys.exit(main())

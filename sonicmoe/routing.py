@@ -490,12 +490,14 @@ def router_topk(
         TypeError: ``x`` or ``router_weight`` not a bf16/fp16/fp32/fp64 tensor; ``expert_bias`` or ``router_bias`` not
             a float tensor.
         ValueError: ``x`` not (T, d), ``router_weight`` not (E, d) on x's device, ``router_bias`` not (E,) on x's
-            device, ``top_k`` not an int in [1, E], ``renormalize`` not a bool,
+            device, ``top_k`` not an int in [1, E], ``renormalize`` not a bool, ``use_kernel`` not None or a bool,
             an unknown ``router_order``, ``expert_bias`` not (E,) on x's device or given without
             ``"sigmoid_then_topk"``, expert groups that cannot hold K experts (:func:`check_expert_groups`).
     """
     check_router_inputs(x, router_weight, top_k)
     check_flag("renormalize", renormalize)
+    if use_kernel is not None:
+        check_flag("use_kernel", use_kernel)  # None, True or False: 0 or "no" took the kernel on CUDA
     if router_order not in ROUTER_ORDERS:
         raise ValueError(f"router_order must be one of {ROUTER_ORDERS}, got {router_order!r}")
     check_expert_bias(expert_bias, router_weight.shape[0], router_order, x.device)

@@ -110,7 +110,7 @@ def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
     ``torch.compile`` traces: Dynamo cannot trace ``warnings.warn``, so a warning there would fail a
     ``fullgraph=True`` compile (and break the graph otherwise).
     """
-    if tokens_per_expert < 2 * m_tile and not torch.compiler.is_compiling():
+    if 0 < tokens_per_expert < 2 * m_tile and not torch.compiler.is_compiling():  # (no token: nothing to warn of)
         warnings.warn(
             f"token rounding with {tokens_per_expert:.0f} mean tokens per expert < 2·M_tile={2 * m_tile}: "
             "routing drifts far from top-k and quality may drop; use larger batches or plain top-k",
@@ -324,12 +324,15 @@ def token_rounding(
     Raises:
         TypeError: ``router`` not a RouterOutput, or its tensors of the wrong kind (integer ids, floating scores).
         ValueError: bad shapes, ``m_tile`` outside [1, 2^24], an unknown ``subroutine``/``router_order``, non-bool
-            flags, and with ``check=True`` ids outside [0, E) or repeated within a token.
+            flags (``use_kernel``: None or a bool), and with ``check=True`` ids outside [0, E) or repeated within a
+            token.
     """
     t, e, k = _check_args(router, m_tile, subroutine, router_order, check)
     for name, flag in (("renormalize", renormalize), ("static", static), ("fused_router_grad", fused_router_grad),
                        ("warn", warn)):
         check_flag(name, flag)
+    if use_kernel is not None:
+        check_flag("use_kernel", use_kernel)  # None, True or False
     if warn:
         warn_if_few_tokens(t * k / e, m_tile)
     with on_device(router.logits):  # the kernels launch on the router's CUDA device, whichever is current

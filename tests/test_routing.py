@@ -428,6 +428,8 @@ def test_router_topk_renormalize_ignored_for_topk_then_softmax_and_equivalence()
     torch.testing.assert_close(a.topk_scores, c.topk_scores, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="renormalize must be a bool, got 'no'"):  # read as True before
         router_topk(x, w, 2, router_order="softmax_then_topk", renormalize="no")
+    with pytest.raises(ValueError, match="use_kernel must be a bool, got 0"):  # 0 took the kernel on CUDA
+        router_topk(x, w, 2, use_kernel=0)
 
 
 def test_router_topk_low_precision_inputs_compute_in_float32():

@@ -312,9 +312,13 @@ def test_bad_arguments():
         token_rounding(router, m_tile=4, router_order="whatever")
     with pytest.raises(TypeError):
         token_rounding((router.logits, router.topk_ids), m_tile=4)
-    for flag in ("renormalize", "static", "fused_router_grad", "warn"):  # "no" read as True before
+    for flag in ("renormalize", "static", "fused_router_grad", "warn", "use_kernel"):  # "no" read as True before
         with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'no'"):
             token_rounding(router, m_tile=4, **{flag: "no"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no token: no "few tokens per expert" warning
+        empty, _ = make_router(0, 4, 2)
+        assert token_rounding(empty, m_tile=4).pair_token.numel() == 0
 
 
 @pytest.mark.parametrize("fn", [token_rounding, token_rounding_ref])
