@@ -586,6 +586,10 @@ MUTANTS: list[Mutant] = [
     _m("router_use_kernel_unchecked", "sonicmoe/routing.py",
        "        check_flag(\"use_kernel\", use_kernel)  # None, True or False: 0 or \"no\" took the kernel on CUDA",
        "        pass", "tests/test_routing.py", "-k", "renormal"),
+    # the ops audit of session 90: the aggregation's environment configs need BLOCK_T a power of two too (tl.arange)
+    _m("agg_config_block_t_unchecked", AGG, "min(parts) < 1 or any(v & (v - 1) for v in parts[:3])",
+       "min(parts) < 1 or any(v & (v - 1) for v in parts[1:3])", KT, "-k",
+       "gather_sum_config_rule or reserve_config_switch"),
 ]
 
 

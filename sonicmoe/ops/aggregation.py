@@ -137,7 +137,8 @@ def pinned_config(d: int, on_gpu: bool, progs_per_sm: int = 0) -> tuple[dict | N
     autotuned (or the pinned defaults under ``SONICMOE_AUTOTUNE=0`` and the interpreter).
 
     Raises:
-        ValueError: a value that is not ``auto`` or four positive integers, BLOCK_D and num_warps powers of two.
+        ValueError: a value that is not ``auto`` or four positive integers, BLOCK_T, BLOCK_D and num_warps powers of
+            two.
     """
     value = os.environ.get("SONICMOE_AGG_CONFIG")
     if value is None:
@@ -155,15 +156,16 @@ def _config_parts(value: str, name: str, alternatives: str = "") -> tuple[int, i
     """(BLOCK_T, BLOCK_D, num_warps, UNROLL) from the environment value ``value`` of ``name``.
 
     Raises:
-        ValueError: not four positive integers separated by colons, BLOCK_D and num_warps powers of two.
+        ValueError: not four positive integers separated by colons, BLOCK_T, BLOCK_D and num_warps powers of two
+            (the kernel's ``tl.arange`` over BLOCK_T tokens needs one: BLOCK_T = 3 failed inside Triton instead).
     """
     try:
         parts = tuple(int(v) for v in value.split(":"))
     except ValueError:
         parts = ()
-    if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[1:3]):
+    if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[:3]):
         raise ValueError(f"{name}: expected {alternatives}BLOCK_T:BLOCK_D:num_warps:UNROLL (positive "
-                         f"integers, BLOCK_D and num_warps powers of two), got {value!r}")
+                         f"integers, BLOCK_T, BLOCK_D and num_warps powers of two), got {value!r}")
     return parts
 
 
@@ -174,7 +176,7 @@ def reserve_config() -> dict:
     slot, UNROLL slots in flight).
 
     Raises:
-        ValueError: a value that is not four positive integers, BLOCK_D and num_warps powers of two.
+        ValueError: a value that is not four positive integers, BLOCK_T, BLOCK_D and num_warps powers of two.
     """
     value = os.environ.get("SONICMOE_AGG_RESERVE_CONFIG")
     if value is None:
