@@ -590,6 +590,10 @@ MUTANTS: list[Mutant] = [
     _m("agg_config_block_t_unchecked", AGG, "min(parts) < 1 or any(v & (v - 1) for v in parts[:3])",
        "min(parts) < 1 or any(v & (v - 1) for v in parts[1:3])", KT, "-k",
        "gather_sum_config_rule or reserve_config_switch"),
+    # ... and round_counts refuses "stochastic" without its (E,) draws (the kernel read the counts in their place)
+    _m("trr_stochastic_draws_unchecked", TRR,
+       '    if subroutine == "stochastic" and (u is None or tuple(u.shape) != (e,)):',
+       "    if False:", TTRR, "-k", "needs_draws"),
 ]
 
 

@@ -158,3 +158,16 @@ def test_strided_offsets_and_draws(device):
     got = tr_routing.round_counts(counts, 8, 100, "stochastic", u)
     want = tr_routing.round_counts_ref(counts, 8, 100, "stochastic", u.contiguous())
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and not got[2].any()
+
+
+@pytest.mark.interpreter
+def test_stochastic_round_counts_needs_draws(device):
+    """round_counts under "stochastic" without its (E,) draws raises, naming u: the kernel read the counts in their
+    place (never padding, where the twin draws them) before the ops audit of session 90."""
+    counts = torch.randint(1, 40, (1, 6), dtype=torch.int32, device=device)
+    for u in (None, torch.rand(5, device=device)):
+        with pytest.raises(ValueError, match="u: the stochastic"):
+            tr_routing.round_counts(counts, 16, 100, "stochastic", u)
+    u = torch.rand(6, device=device)
+    got = tr_routing.round_counts(counts, 16, 100, "stochastic", u)
+    assert all(torch.equal(a, b) for a, b in zip(got, tr_routing.round_counts_ref(counts, 16, 100, "stochastic", u)))

@@ -86,14 +86,21 @@ def round_counts(block_counts: torch.Tensor, m_tile: int, num_tokens: int, subro
             (:func:`~sonicmoe.ops.tr_select.candidate_keys` with ``block_counts=True``); f = their column sums.
         m_tile: M_tile. num_tokens: T (caps a padded count).
         subroutine: as :func:`sonicmoe.token_rounding.token_rounding`.
-        u: (E,) float32 uniform draws for ``"stochastic"`` (ignored otherwise).
+        u: (E,) float32 uniform draws for ``"stochastic"``, required there (ignored otherwise).
 
     Returns:
         f (E,) int32 top-k counts, keep (E,) int32 kept counts, pad (E,) bool (rounded up) and expert_offsets
         (E+1,) int32 (exclusive prefix sum of keep): what :func:`round_counts_ref` returns.
+
+    Raises:
+        ValueError: ``"stochastic"`` without (E,) draws ``u`` (the kernel read the counts in their place and never
+            padded, where the twin draws them).
     """
     nb, e = block_counts.shape
     dev = block_counts.device
+    if subroutine == "stochastic" and (u is None or tuple(u.shape) != (e,)):
+        raise ValueError(f"u: the stochastic subroutine needs ({e},) uniform draws, got "
+                         f"{None if u is None else tuple(u.shape)}")
     if nb != 1:
         # torch's column sum (integers: any order gives the same bits). The program used to sum the rows itself, and
         # took 103-106 us at NB = 256, E = 512 (H100, session 33, call 4), against about 11 us for this sum
