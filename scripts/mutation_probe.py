@@ -594,6 +594,10 @@ MUTANTS: list[Mutant] = [
     _m("trr_stochastic_draws_unchecked", TRR,
        '    if subroutine == "stochastic" and (u is None or tuple(u.shape) != (e,)):',
        "    if False:", TTRR, "-k", "needs_draws"),
+    # ... and the varlen-M twin keeps a padded routing's padding rows (zero): C has A's R rows, as the kernels'
+    _m("ref_gemm_drops_padding_rows", CM,
+       "    outs.append(a.new_zeros((a.shape[0] - offsets[-1], m), dtype=torch.float32))  # padding rows, if any",
+       "    pass", KT, "-k", "twin_keeps_padding_rows"),
 ]
 
 

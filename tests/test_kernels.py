@@ -371,6 +371,27 @@ def test_gather_sum_padded_routing(device):
         assert rel_err(fn(y, padded, w), want) < 1e-6, fn.__name__
 
 
+def test_varlen_m_twin_keeps_padding_rows(device):
+    """The varlen-M GEMM's twin returns C with A's R rows on a padded (static-length) routing, as the kernel: the real
+    rows equal, the padding rows (past expert_offsets[E], which no kernel writes) zero. It returned only the real
+    rows before the ops audit of session 90 (long_gemm_ref's ``out`` then failed to broadcast)."""
+    t, e, k, m = 6, 3, 24, 40
+    tok = torch.tensor([0, 1, 1, 2, 3, 5, 4], device=device)
+    ex = torch.tensor([0, 1, 0, 2, 1, 0, 2], device=device)
+    routing = routing_from_pairs(torch.cat([tok, torch.full((3,), t, device=device)]),
+                                 torch.cat([ex, torch.full((3,), e, device=device)]), t, e, padding=True)
+    real = int(routing.expert_offsets[-1])
+    assert routing.num_rows == real + 3
+    a = torch.randn(routing.num_rows, k, device=device)
+    for transpose_b in (True, False):
+        b = torch.randn((e, m, k) if transpose_b else (e, k, m), device=device)
+        bias = torch.randn(e, m, device=device)
+        got = varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b)
+        want = varlen_m_gemm_ref(a, b, bias, routing, transpose_b=transpose_b)
+        assert want.shape == got.shape == (routing.num_rows, m)
+        assert rel_err(got[:real], want[:real]) < 1e-5 and not want[real:].any()
+
+
 def test_gather_sum_more_slots_than_unrolled(device):
     """Tokens with more slots than one unrolled step (aggregation.MAX_UNROLL) and a ragged last step: every slot
     is summed, in slot order (the sum of each token's slots is checked against the reference)."""

@@ -431,13 +431,17 @@ def output_or_new(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.
 def per_expert_gemm_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, expert_offsets: torch.Tensor,
                         transpose_b: bool) -> torch.Tensor:
     """Float32 per-expert loop of a varlen-M grouped GEMM, output in a's dtype (the ``*_ref`` twins' core):
-    rows [off[e], off[e+1]) of A (R, k) times B[e] ((E, m, k) used transposed, or (E, k, m)), plus bias[e]."""
+    rows [off[e], off[e+1]) of A (R, k) times B[e] ((E, m, k) used transposed, or (E, k, m)), plus bias[e]. C has
+    A's R rows, as the kernels' (a padded routing's rows past off[E], which no kernel writes, are zero here; they
+    were left out, and C came back shorter than the kernels')."""
     offsets = expert_offsets.tolist()
     outs = []
     for i in range(b.shape[0]):
         bi = b[i].float().t() if transpose_b else b[i].float()
         y = a[offsets[i]:offsets[i + 1]].float() @ bi
         outs.append(y + bias[i].float() if bias is not None else y)
+    m = b.shape[1] if transpose_b else b.shape[2]
+    outs.append(a.new_zeros((a.shape[0] - offsets[-1], m), dtype=torch.float32))  # padding rows, if any
     return torch.cat(outs, 0).to(a.dtype)
 
 
