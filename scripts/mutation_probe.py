@@ -598,6 +598,10 @@ MUTANTS: list[Mutant] = [
     _m("ref_gemm_drops_padding_rows", CM,
        "    outs.append(a.new_zeros((a.shape[0] - offsets[-1], m), dtype=torch.float32))  # padding rows, if any",
        "    pass", KT, "-k", "twin_keeps_padding_rows"),
+    # the training job's data, model and report audit (after session 89's loop and CLI audit)
+    _m("corpus_source_is_folder", "sonicmoe/train/data.py",
+       "        source = str(root if data is None else Path(data))", "        source = str(root)",
+       "tests/test_train.py", "-k", "single_file_corpus"),
 ]
 
 

@@ -821,3 +821,17 @@ def test_large_validation_split_and_non_utf8_names(tmp_path):
     assert corpus.num_files == 2
     blob = bytes(torch.cat([corpus.train, corpus.val]).tolist())
     assert b"# ==== caf\xe9.txt ====\n" in blob
+
+
+def test_single_file_corpus_names_the_file(tmp_path):
+    """--data FILE: the corpus's source (log.json's data.source, the start line) is that file, not its folder, which
+    may hold other files the run never read (it named the folder before)."""
+    (tmp_path / "other.txt").write_text("not read " * 50)
+    text = tmp_path / "notes.txt"
+    text.write_text("the only file read " * 20)
+    corpus = ByteCorpus.load(str(text), 10_000, 0.1)
+    assert corpus.num_files == 1 and corpus.source == str(text)
+    assert ByteCorpus.load(str(tmp_path), 10_000, 0.1).source == str(tmp_path)
+    with pytest.raises(ValueError, match=f"corpus from {text} has only"):
+        text.write_text("short")
+        ByteCorpus.load(str(text), 10_000, 0.1)

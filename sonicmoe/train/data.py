@@ -118,12 +118,14 @@ class ByteCorpus:
             FileNotFoundError: nothing to read. ValueError: the text is too short to split.
         """
         root, files = stdlib_source_files() if data is None else text_files(Path(data))
+        # the file or directory given (a single file's root is its folder, which the log would name instead)
+        source = str(root if data is None else Path(data))
         blob, used = read_corpus(files, root, max_bytes)
         if len(blob) < 64:
-            raise ValueError(f"corpus from {root} has only {len(blob)} bytes; need at least 64")
+            raise ValueError(f"corpus from {source} has only {len(blob)} bytes; need at least 64")
         all_bytes = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         n_val = max(2, int(len(blob) * val_fraction))
-        return cls(train=all_bytes[:-n_val].clone(), val=all_bytes[-n_val:].clone(), source=str(root),
+        return cls(train=all_bytes[:-n_val].clone(), val=all_bytes[-n_val:].clone(), source=source,
                    num_files=used)
 
     @functools.cached_property
