@@ -602,6 +602,12 @@ MUTANTS: list[Mutant] = [
     _m("corpus_source_is_folder", "sonicmoe/train/data.py",
        "        source = str(root if data is None else Path(data))", "        source = str(root)",
        "tests/test_train.py", "-k", "single_file_corpus"),
+    _m("train_resume_takes_other_heads", "sonicmoe/train/cli.py",
+       '"router_bias", "expert_bias", "heads", "activation", "router_order")', '"router_bias", "expert_bias")',
+       "tests/test_train.py", "-k", "new_hyperparameters"),
+    _m("train_out_inside_data_taken", "sonicmoe/train/cli.py",
+       "    if cfg.data is not None and Path(cfg.data).is_dir() and Path(cfg.out)",
+       "    if False and Path(cfg.data).is_dir() and Path(cfg.out)", "tests/test_train.py", "-k", "out_inside_data"),
 ]
 
 

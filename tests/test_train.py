@@ -384,7 +384,10 @@ def test_resume_takes_new_hyperparameters_and_refuses_another_seed_or_corpus(tmp
     groups = torch.load(tmp_path / "wd" / "ckpt.pt", weights_only=True)["optimizer"]["adamw"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
     for extra, match in ((["--seed", "99"], "--seed 99: the checkpoint's run has seed=3"),
-                         (["--max-bytes", "131072"], "differs from the one the checkpoint trained on")):
+                         (["--max-bytes", "131072"], "differs from the one the checkpoint trained on"),
+                         (["--heads", "4"], "--heads: the checkpoint's model has heads=2"),  # the q/k/v split
+                         (["--activation", "clamped_swiglu"], "the checkpoint's model has activation='swiglu'"),
+                         (["--router-order", "sigmoid_then_topk"], "has router_order='topk_then_softmax'")):
         with pytest.raises(SystemExit) as e:
             cli.main(["--resume", str(ckpt), "--out", str(tmp_path / "x"), "--no-progress", *extra])
         assert e.value.code == 2 and match in capsys.readouterr().err
@@ -468,6 +471,24 @@ def test_data_and_out_errors_exit_with_usage(extra, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--preset", "cpu-tiny", "--steps", "1", "--no-progress", "--out", str(tmp_path / "run"), *extra])
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_out_inside_data_is_refused(tmp_path, capsys, monkeypatch):
+    """--out inside the --data directory (e.g. --data . with the default runs/...) is a usage error: the run's log and
+    checkpoint would become training data, and its resume would find another corpus. --out beside it is taken."""
+    data = tmp_path / "corpus"
+    data.mkdir()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    (data / "a.txt").write_bytes(bytes(torch.randint(32, 127, (20000,), generator=g).tolist()))
+    monkeypatch.chdir(data)
+    for out in (["--out", str(data / "runs" / "x")], []):  # explicit, and the default runs/<preset>-<time>
+        with pytest.raises(SystemExit) as e:
+            cli.main([*TINY, "--steps", "1", "--data", ".", "--max-bytes", "20000", *out])
+        assert e.value.code == 2 and "lies inside --data ." in capsys.readouterr().err
+    assert not (data / "runs").exists()  # refused before anything was written
+    log = _run(tmp_path / "beside", "--steps", "1", "--data", str(data), "--max-bytes", "20000", "--eval-every", "0",
+               "--profile-every", "0")
+    assert log["steps_done"] == 1
 
 
 def test_lr_schedule():

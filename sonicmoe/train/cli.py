@@ -127,9 +127,10 @@ _OVERRIDES = ("data", "max_bytes", "val_fraction", "d_model", "layers", "heads",
               "deterministic", "expert_parallel", "graph_moe")
 
 
-# options that shape the model's parameters: a resumed run must keep the checkpoint's values (its state dict)
+# options that shape the model's parameters or say how they are read (the attention heads' split of the projections,
+# the experts' activation, the router's score function): a resumed run must keep the checkpoint's values
 _PARAMETER_SHAPES = ("d_model", "layers", "experts", "expert_size", "shared_expert_size", "shared_expert_gate",
-                     "router_bias", "expert_bias")
+                     "router_bias", "expert_bias", "heads", "activation", "router_order")
 
 
 def _summary(log: dict[str, Any], out: Path) -> str:
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in _PARAMETER_SHAPES:
                 if overrides[k] is not None and overrides[k] != getattr(saved, k):
                     parser.error(f"--{k.replace('_', '-')}: the checkpoint's model has {k}={getattr(saved, k)!r}; a "
-                                 "resumed run keeps the options that shape its parameters")
+                                 "resumed run keeps the options that shape its parameters or how they are read")
             if args.seed is not None and args.seed != saved.seed:  # logged, but the checkpoint's RNG states rule
                 parser.error(f"--seed {args.seed}: the checkpoint's run has seed={saved.seed}; a resumed run "
                              "continues its random streams (batches, initialisation, stochastic rounding)")
@@ -225,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg.progress = not args.no_progress
     if cfg.data is not None and not Path(cfg.data).exists():
         parser.error(f"--data {cfg.data}: no such file or directory")
+    if cfg.data is not None and Path(cfg.data).is_dir() and Path(cfg.out).resolve().is_relative_to(
+            Path(cfg.data).resolve()):
+        parser.error(f"--out {cfg.out} lies inside --data {cfg.data}: the run's own files (log, checkpoint) would "
+                     "become training data, and a resume would find another corpus; put --out elsewhere")
     # what would otherwise fail in train() with a traceback, before any model is built
     try:
         corpus = ByteCorpus.load(cfg.data, cfg.max_bytes, cfg.val_fraction)
