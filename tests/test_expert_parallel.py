@@ -14,6 +14,7 @@ on CUDA in bf16 (two GPUs over NCCL, or both ranks on one GPU over gloo).
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 import warnings
@@ -216,8 +217,46 @@ def _layer_errors(rank, world, backend, dtype, device) -> dict:
     return errs
 
 
-def _worker(rank: int, world: int, init_file: str, backend: str, device_type: str, dtype: torch.dtype,
-            out_file: str) -> None:
+def _rank_worker(body):
+    """An ``mp.spawn`` target around ``body(rank, world, init_file, *args) -> dict`` (it starts its own process
+    group): saves the dict to ``out_file`` (the last argument; ``{rank}`` in it), or writes the rank's traceback
+    beside it (every rank's, for the failure message: mp.spawn reports one rank's), destroys the group, and leaves
+    with ``os._exit(0)`` (as in test_multi_device: skip the interpreter teardown, where gloo threads have aborted a
+    rank)."""
+
+    @functools.wraps(body)
+    def target(rank: int, world: int, init_file: str, *args) -> None:
+        *args, out_file = args
+        try:
+            errs = body(rank, world, init_file, *args)
+            torch.save(errs, out_file.format(rank=rank))
+            dist.barrier()
+        except BaseException:
+            with open(out_file.format(rank=rank) + ".err", "w") as f:
+                f.write(traceback.format_exc())
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        os._exit(0)
+
+    return target
+
+
+def _spawn(target, world: int, tmp_path, *args) -> list[dict]:
+    """Run ``target`` (a :func:`_rank_worker`) on ``world`` processes; every rank's dict, or an AssertionError
+    carrying every failed rank's traceback."""
+    out_file = str(tmp_path / "rank{rank}.pt")
+    try:
+        mp.spawn(target, args=(world, str(tmp_path / "init"), *args, out_file), nprocs=world, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
+        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
+    return [torch.load(out_file.format(rank=r)) for r in range(world)]
+
+
+@_rank_worker
+def _worker(rank: int, world: int, init_file: str, backend: str, device_type: str, dtype: torch.dtype) -> dict:
     cuda = device_type == "cuda"
     two_gpus = cuda and torch.cuda.device_count() >= world
     device = torch.device("cuda", rank if two_gpus else 0) if cuda else torch.device("cpu")
@@ -226,30 +265,14 @@ def _worker(rank: int, world: int, init_file: str, backend: str, device_type: st
     dist.init_process_group("nccl" if two_gpus else "gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     warnings.filterwarnings("ignore", message="token rounding with")  # few tokens per expert, on purpose
-    try:
-        errs = _functional_errors(rank, world, backend, dtype, device)
-        if world == 2:  # the layer's check splits TOKENS
-            errs.update(_layer_errors(rank, world, backend, dtype, device))
-        torch.save(errs, out_file.format(rank=rank))
-        dist.barrier()
-    except BaseException:  # every rank's traceback for the failure message (mp.spawn reports one rank's)
-        with open(out_file.format(rank=rank) + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # as in test_multi_device: skip the interpreter teardown, where gloo threads have aborted a rank
+    errs = _functional_errors(rank, world, backend, dtype, device)
+    if world == 2:  # the layer's check splits TOKENS
+        errs.update(_layer_errors(rank, world, backend, dtype, device))
+    return errs
 
 
 def _run(tmp_path, backend: str, device_type: str, dtype: torch.dtype, world: int = 2) -> list[dict]:
-    out_file = str(tmp_path / "rank{rank}.pt")
-    try:
-        mp.spawn(_worker, args=(world, str(tmp_path / "init"), backend, device_type, dtype, out_file), nprocs=world,
-                 join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
-        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
-    return [torch.load(out_file.format(rank=r)) for r in range(world)]
+    return _spawn(_worker, world, tmp_path, backend, device_type, dtype)
 
 
 def _check(results: list[dict], tol: float) -> None:
@@ -504,7 +527,8 @@ def test_expert_parallel_layer_under_autocast(tmp_path):
 TOKENS4 = (37, 29, 11, 20)  # T of ranks 0-3 in the expert-parallel-inside-data-parallel runs
 
 
-def _ep_dp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+@_rank_worker
+def _ep_dp_worker(rank: int, world: int, init_file: str) -> dict:
     """Rank ``rank`` of 4: expert parallelism over 2 ranks inside data parallelism over 2 (expert_parallel_groups(2):
     EP groups {0, 1}, {2, 3}; expert-data-parallel groups {0, 2}, {1, 3}). Its layer, loaded from a full MoE and wrapped
     by expert_parallel_ddp(expert_dp_group=...), against that MoE run on every rank's tokens in turn: the output, and
@@ -513,126 +537,94 @@ def _ep_dp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp, expert_parallel_groups
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        ep_group, dp_group = expert_parallel_groups(2)
-        errs = {"ep_ranks_flag": float(dist.get_process_group_ranks(ep_group) != [rank // 2 * 2, rank // 2 * 2 + 1]),
-                "dp_ranks_flag": float(dist.get_process_group_ranks(dp_group) != [rank % 2, rank % 2 + 2])}
-        p = _problem(TOKENS4, 2, "random", torch.float32, torch.device("cpu"))
-        opts = dict(bias=True, backend="torch", aux_loss_coef=0.0)
-        torch.manual_seed(0)
-        full = MoE(D, N, E, 2, **opts)
-        layer = ExpertParallelMoE(D, N, E, 2, group=ep_group, **opts)
-        layer.load_full_state_dict(full.state_dict())
-        model = expert_parallel_ddp(layer, expert_dp_group=dp_group)
-        for j in range(world):
-            chunk = slice(sum(TOKENS4[:j]), sum(TOKENS4[:j + 1]))
-            ref_out = full(p["x"][chunk])
-            ref_out.backward(p["dout"][chunk])
-            if j == rank:
-                out = model(p["x"][chunk])
-                out.backward(p["dout"][chunk])
-                errs["out"] = rel_err(out, ref_out)
-        r = layer.expert_range
-        full_params = dict(full.named_parameters())
-        for name, q in layer.named_parameters():
-            ref = full_params[name].grad
-            errs[f"d{name}"] = rel_err(q.grad, (ref[r.start:r.stop] if name.startswith("experts.") else ref) / world)
-        for bad in ({}, {"expert_dp_group": dist.group.WORLD}):  # no expert_dp_group; sizes 2·4 != 4
-            try:
-                expert_parallel_ddp(ExpertParallelMoE(D, N, E, 2, group=ep_group, **opts), **bad)
-                errs[f"accepted_{sorted(bad)}_flag"] = 1.0
-            except ValueError:
-                errs[f"accepted_{sorted(bad)}_flag"] = 0.0
-        torch.manual_seed(0)  # ranks seeded alike: replicas of the same experts start equal, the two splits differ
-        w = ExpertParallelMoE(D, N, E, 2, group=ep_group).experts.gate_up_proj.detach()
-        parts = [torch.empty_like(w) for _ in range(world)]
-        dist.all_gather(parts, w)
-        errs["fresh_init_flag"] = float(not (torch.equal(parts[0], parts[2]) and torch.equal(parts[1], parts[3])
-                                             and not torch.equal(parts[0], parts[1])))
+    ep_group, dp_group = expert_parallel_groups(2)
+    errs = {"ep_ranks_flag": float(dist.get_process_group_ranks(ep_group) != [rank // 2 * 2, rank // 2 * 2 + 1]),
+            "dp_ranks_flag": float(dist.get_process_group_ranks(dp_group) != [rank % 2, rank % 2 + 2])}
+    p = _problem(TOKENS4, 2, "random", torch.float32, torch.device("cpu"))
+    opts = dict(bias=True, backend="torch", aux_loss_coef=0.0)
+    torch.manual_seed(0)
+    full = MoE(D, N, E, 2, **opts)
+    layer = ExpertParallelMoE(D, N, E, 2, group=ep_group, **opts)
+    layer.load_full_state_dict(full.state_dict())
+    model = expert_parallel_ddp(layer, expert_dp_group=dp_group)
+    for j in range(world):
+        chunk = slice(sum(TOKENS4[:j]), sum(TOKENS4[:j + 1]))
+        ref_out = full(p["x"][chunk])
+        ref_out.backward(p["dout"][chunk])
+        if j == rank:
+            out = model(p["x"][chunk])
+            out.backward(p["dout"][chunk])
+            errs["out"] = rel_err(out, ref_out)
+    r = layer.expert_range
+    full_params = dict(full.named_parameters())
+    for name, q in layer.named_parameters():
+        ref = full_params[name].grad
+        errs[f"d{name}"] = rel_err(q.grad, (ref[r.start:r.stop] if name.startswith("experts.") else ref) / world)
+    for bad in ({}, {"expert_dp_group": dist.group.WORLD}):  # no expert_dp_group; sizes 2·4 != 4
         try:
-            expert_parallel_groups(3)
-            errs["ep_size_3_accepted_flag"] = 1.0
+            expert_parallel_ddp(ExpertParallelMoE(D, N, E, 2, group=ep_group, **opts), **bad)
+            errs[f"accepted_{sorted(bad)}_flag"] = 1.0
         except ValueError:
-            errs["ep_size_3_accepted_flag"] = 0.0
-        outside = dist.new_group([0])  # every rank creates it; ranks 1-3 are not members
-        try:
-            if rank:
-                ExpertParallelMoE(D, N, E, 2, group=outside)
-            errs["non_member_accepted_flag"] = float(bool(rank))
-        except ValueError as e:
-            errs["non_member_accepted_flag"] = float("is not a member" not in str(e))
-        torch.save(errs, out_file.format(rank=rank))
-        dist.barrier()
-    except BaseException:
-        with open(out_file.format(rank=rank) + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+            errs[f"accepted_{sorted(bad)}_flag"] = 0.0
+    torch.manual_seed(0)  # ranks seeded alike: replicas of the same experts start equal, the two splits differ
+    w = ExpertParallelMoE(D, N, E, 2, group=ep_group).experts.gate_up_proj.detach()
+    parts = [torch.empty_like(w) for _ in range(world)]
+    dist.all_gather(parts, w)
+    errs["fresh_init_flag"] = float(not (torch.equal(parts[0], parts[2]) and torch.equal(parts[1], parts[3])
+                                         and not torch.equal(parts[0], parts[1])))
+    try:
+        expert_parallel_groups(3)
+        errs["ep_size_3_accepted_flag"] = 1.0
+    except ValueError:
+        errs["ep_size_3_accepted_flag"] = 0.0
+    outside = dist.new_group([0])  # every rank creates it; ranks 1-3 are not members
+    try:
+        if rank:
+            ExpertParallelMoE(D, N, E, 2, group=outside)
+        errs["non_member_accepted_flag"] = float(bool(rank))
+    except ValueError as e:
+        errs["non_member_accepted_flag"] = float("is not a member" not in str(e))
+    return errs
 
 
 def test_expert_parallel_inside_data_parallel(tmp_path):
     """Four gloo ranks on the CPU: experts split over 2 ranks, replicated over 2 (see _ep_dp_worker); float32, torch
     backend, to 1e-5."""
-    out_file = str(tmp_path / "rank{rank}.pt")
-    try:
-        mp.spawn(_ep_dp_worker, args=(4, str(tmp_path / "init"), out_file), nprocs=4, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
-        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
-    for rank in range(4):
-        errs = torch.load(out_file.format(rank=rank))
+    for rank, errs in enumerate(_spawn(_ep_dp_worker, 4, tmp_path)):
         assert len(errs) == 13, errs
         bad = {key: v for key, v in errs.items() if not v <= (0.0 if key.endswith("_flag") else 1e-5)}
         assert not bad, f"rank {rank}: {bad}"
 
 
-def _reset_worker(rank: int, world: int, init_file: str, out_file: str, seed: int) -> None:
+@_rank_worker
+def _reset_worker(rank: int, world: int, init_file: str, seed: int) -> dict:
     """Rank ``rank`` of 2: a layer built on the meta device, moved with ``to_empty`` and re-initialised with
     ``reset_parameters`` (the way large models are built), against one built directly from the same seed."""
     from sonicmoe.expert_parallel import ExpertParallelMoE
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        opts = dict(shared_intermediate_size=4, bias=True, router_bias=True)
-        torch.manual_seed(seed)
-        eager = ExpertParallelMoE(D, N, E, 2, **opts)
-        torch.manual_seed(seed)
-        meta = ExpertParallelMoE(D, N, E, 2, device="meta", **opts).to_empty(device="cpu")
-        meta.reset_parameters()
-        errs = {f"{name}_differs_from_eager_flag": float(not torch.equal(a, b))
-                for (name, a), b in zip(eager.state_dict().items(), meta.state_dict().values())}
-        for name in ("experts.gate_up_proj", "experts.down_proj_bias", "gate.weight"):
-            t = meta.state_dict()[name]
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t.contiguous())
-            # the router is replicated (equal on every rank), the experts are each rank's own (different)
-            errs[f"{name}_across_ranks_flag"] = float(torch.equal(parts[0], parts[1]) != name.startswith("gate"))
-        torch.save(errs, out_file.format(rank=rank))
-        dist.barrier()
-    except BaseException:
-        with open(out_file.format(rank=rank) + ".err", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+    opts = dict(shared_intermediate_size=4, bias=True, router_bias=True)
+    torch.manual_seed(seed)
+    eager = ExpertParallelMoE(D, N, E, 2, **opts)
+    torch.manual_seed(seed)
+    meta = ExpertParallelMoE(D, N, E, 2, device="meta", **opts).to_empty(device="cpu")
+    meta.reset_parameters()
+    errs = {f"{name}_differs_from_eager_flag": float(not torch.equal(a, b))
+            for (name, a), b in zip(eager.state_dict().items(), meta.state_dict().values())}
+    for name in ("experts.gate_up_proj", "experts.down_proj_bias", "gate.weight"):
+        t = meta.state_dict()[name]
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        # the router is replicated (equal on every rank), the experts are each rank's own (different)
+        errs[f"{name}_across_ranks_flag"] = float(torch.equal(parts[0], parts[1]) != name.startswith("gate"))
+    return errs
 
 
 def test_expert_parallel_reset_parameters_after_meta(tmp_path):
     """Two gloo ranks: ``reset_parameters`` after building on ``device="meta"`` gives what ``__init__`` gives from the
     same seed, each rank's experts drawn from its own stream. Before the fix it was MoE's, drawing every rank's
     experts from the one stream the ranks share: rank 1's experts were rank 0's."""
-    out_file = str(tmp_path / "rank{rank}.pt")
-    try:
-        mp.spawn(_reset_worker, args=(2, str(tmp_path / "init"), out_file, int(torch.randint(0, 2 ** 31, ()))),
-                 nprocs=2, join=True)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        logs = [p.read_text() for p in sorted(tmp_path.glob("rank*.pt.err"))]
-        raise AssertionError("\n".join(["a rank failed; the tracebacks of every rank:", *logs])) from e
-    for rank in range(2):
-        errs = torch.load(out_file.format(rank=rank))
+    for rank, errs in enumerate(_spawn(_reset_worker, 2, tmp_path, int(torch.randint(0, 2 ** 31, ())))):
         assert len(errs) == 11, errs
         bad = {key: v for key, v in errs.items() if v != 0.0}
         assert not bad, f"rank {rank}: {bad}"
