@@ -766,6 +766,16 @@ def test_torch_backend_compiles_with_an_empty_batch(options):
                             backend="aot_eager", dynamic=True)
 
 
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_torch_backend_compiles_exact_token_rounding():
+    """torch.compile(fullgraph) of the torch backend under token rounding with ``static_pairs=False``: R comes from
+    nonzero (an unbacked size), and the no-row test on it raised Dynamo's "Could not guard on data-dependent
+    expression" (the triton backend compiled); T = 2 routes no pair at all (every expert rounds down), T = 24 some."""
+    torch.manual_seed(0)
+    m = MoE(16, 8, 4, 1, backend="torch", routing="token_rounding", m_tile=8, static_pairs=False)
+    _compiled_matches_eager(m, (24, 2), 1e-6, backend="aot_eager")
+
+
 def _compiled_matches_eager(m: MoE, tokens, rtol: float, **compile_options) -> None:
     """torch.compile(m, fullgraph=True, **compile_options) against m eager at each T of ``tokens``: the output and the
     gradients of x, W1 and W_r within ``rtol`` (atol 1e-6), after a Dynamo reset (MoE.forward's compiled variants from

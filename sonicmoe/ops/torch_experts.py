@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..reference import swiglu_ref
 from ..routing import Routing
@@ -29,8 +30,11 @@ def _grouped_linear(a: torch.Tensor, w: torch.Tensor, routing: Routing, use_grou
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=routing.expert_offsets[1:])
     if a.device.type == "meta":
         return a.new_empty(a.shape[0], w.shape[1])
-    if routing.row_token.shape[0] == 0:  # no row: no per-expert slices (under torch.compile their bounds are
-        # unbacked sizes, which slices that are never used leave pending); (0, m), still in w's graph (zero gradient)
+    # guard_or_false: R is an unbacked size under torch.compile where token rounding's pairs come from nonzero
+    # (static_pairs=False): a plain == 0 failed the compile there (the split below handles no row too)
+    if guard_or_false(routing.row_token.shape[0] == 0):  # no row: no per-expert slices (under torch.compile their
+        # bounds are unbacked sizes, which slices that are never used leave pending); (0, m), still in w's graph (zero
+        # gradient)
         return F.linear(a[:0], w[0])
     # rows per expert, then the padding rows (routing.padded), if any: one host read. torch.split by these sizes,
     # not slices at the offsets: under torch.compile(fullgraph=True) on CPU, Inductor (torch 2.13) allocated the
