@@ -612,6 +612,11 @@ MUTANTS: list[Mutant] = [
     _m("torch_backend_guards_unbacked_rows", "sonicmoe/ops/torch_experts.py",
        "    if guard_or_false(routing.row_token.shape[0] == 0):", "    if routing.row_token.shape[0] == 0:",
        "tests/test_module.py", "-k", "compiles_exact_token_rounding"),
+    # session 91: the step loops at a zero-width reduction (d = 0 on the H100's pinned up-projection config)
+    _m("step_loop_zero_k_runs_no_step", CM, "    k_tiles = tl.maximum(tl.cdiv(K, BLOCK_K), 1)",
+       "    k_tiles = tl.cdiv(K, BLOCK_K)", "tests/test_kernels.py", "-k", "zero_width_reduction"),
+    _m("even_flag_at_zero_extent", CM, "    return args[dim] > 0 and args[dim] % args[block] == 0",
+       "    return args[dim] % args[block] == 0", "tests/test_kernels.py", "-k", "zero_width_reduction"),
 ]
 
 

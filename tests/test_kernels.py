@@ -952,6 +952,27 @@ def test_persistent_schedule_matches(device):
         assert torch.equal(x1, x2)
 
 
+def test_step_loops_store_every_tile_at_zero_width_reduction(device):
+    """The (tile, K-block) step loops (STEPS) at a zero-width reduction (K = 0: d = 0 in the up-projection, an
+    A of no columns in the varlen-M GEMM) still store every tile: H = b1[e], A = SwiGLU(b1[e]), C = b[e] per row.
+    Before session 91 they ran zero steps and left the outputs unwritten (NaN here, poisoned; the H100's pinned
+    up-projection config is a step loop, so d = 0 gave a NaN scores' gradient on the GPU)."""
+    t, n, e = 40, 24, 3
+    p = random_problem(t, 16, n, e, bias=True, device=device, seed=91)
+    _, routing = _topk_routing(p, 2, device)
+    x, w1, w2 = p["x"][:, :0], p["w1"][:, :, :0], p["w2"][:, :0, :]  # (T, 0), (E, 2n, 0), (E, 0, n)
+    base = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "FLATTEN": False}
+    h_ref, a_ref = up_proj_ref(x, w1, p["b1"], routing)
+    c_ref = varlen_m_gemm_ref(a_ref[:, :0], w2, p["b1"][:, :n], routing, transpose_b=False)
+    assert h_ref.abs().amin() > 0  # the bias is what a wrong kernel would miss
+    for cfg in ({**base, "PROGS_PER_SM": 0}, {**base, "PROGS_PER_SM": 1, "STEPS": True},
+                {**base, "PROGS_PER_SM": 0, "STEPS": True}):
+        h, a = up_proj(x, w1, p["b1"], routing, config=cfg)
+        assert rel_err(h, h_ref) < 1e-6 and rel_err(a, a_ref) < 1e-6, cfg
+        c = varlen_m_gemm(a[:, :0], w2, p["b1"][:, :n], routing, config=cfg, transpose_b=False)
+        assert rel_err(c, c_ref) < 1e-6, cfg
+
+
 def _dh_inputs(t, d, n, e, k, device, seed):
     """(problem, routing, H (R, 2n), row scores (R,), dO (T, d)) for the dH kernel's tests."""
     p = random_problem(t, d, n, e, device=device, seed=seed)

@@ -724,7 +724,9 @@ def first_step(num_tiles, K, BLOCK_K: tl.constexpr):
     program, K-blocks per tile, ki = -1, tile = program_id - num_programs, expert, row_start, row_end, pid_n)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    # K = 0 (a zero-width reduction: d = 0 in the up-projection) still runs one fully masked K-block per tile, so
+    # each tile's epilogue stores its (bias-only) output; zero steps would leave the outputs unwritten (session 91)
+    k_tiles = tl.maximum(tl.cdiv(K, BLOCK_K), 1)
     zero = pid * 0
     steps = k_tiles * tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)
     return steps, k_tiles, zero - 1, pid - nprog, zero, zero, zero, zero
@@ -747,13 +749,14 @@ def next_step(ki, tile, e, row_start, row_end, pid_n, k_tiles, num_pid_n, eidx, 
 
 def with_even_flags(kernel, **flags: tuple[str, str]):
     """``kernel`` wrapped so that each ``EVEN_X=(dim, block)`` flag is set per launch to
-    ``dim % block == 0``: a dimension that is a multiple of its block needs no bounds mask."""
+    ``dim % block == 0`` and ``dim > 0``: a nonzero dimension that is a multiple of its block needs no bounds mask."""
     rules = {name: functools.partial(_divides, dim, block) for name, (dim, block) in flags.items()}
     return triton.heuristics(rules)(kernel)
 
 
 def _divides(dim: str, block: str, args: dict) -> bool:
-    return args[dim] % args[block] == 0
+    # a zero extent is not "even": the step loops' one K-block at K = 0 (first_step) must be masked off entirely
+    return args[dim] > 0 and args[dim] % args[block] == 0
 
 
 @triton.jit
