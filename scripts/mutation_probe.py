@@ -617,6 +617,10 @@ MUTANTS: list[Mutant] = [
        "    k_tiles = tl.cdiv(K, BLOCK_K)", "tests/test_kernels.py", "-k", "zero_width_reduction"),
     _m("even_flag_at_zero_extent", CM, "    return args[dim] > 0 and args[dim] % args[block] == 0",
        "    return args[dim] % args[block] == 0", "tests/test_kernels.py", "-k", "zero_width_reduction"),
+    # the benchmark-figures audit (helper of session 91)
+    _m("bench_router_variant_times_pair_list", "sonicmoe/bench/baselines.py",
+       "        r = p.route(p.x, pairs=False)  # timed: only what the layer runs", "        r = p.route(p.x)",
+       "tests/test_bench.py", "-k", "layers_routing"),
 ]
 
 

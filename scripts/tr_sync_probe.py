@@ -34,7 +34,8 @@ MODES = (("topk", "topk", False), ("tr_sync", "token_rounding", False), ("tr_sta
 def layer_fn(x, wr, w1, w2, k, mode, m_tile, static):
     """The layer's work: router + routing (``mode``) + experts; or, with ``mode`` a Routed, the experts alone."""
     def run():
-        r = route(x, wr, k, mode, m_tile=m_tile, static=static) if isinstance(mode, str) else mode
+        # pairs=False: the layer's routing alone (no top-k pair list, which the layer never builds)
+        r = route(x, wr, k, mode, m_tile=m_tile, static=static, pairs=False) if isinstance(mode, str) else mode
         return experts(x, w1, w2, r.routing, r.pair_scores, backend="triton")
 
     return run
@@ -128,7 +129,7 @@ def main() -> None:
                            grad_to_none=leaves)["p50"]
             row[name] = {"fwd_ms": fwd, "fwdbwd_ms": tot, "host_fwd_ms": host_ms(layer),
                          "host_route_ms": host_ms(functools.partial(route, x, wr, k, mode, m_tile=args.m_tile,
-                                                                   static=static))}
+                                                                   static=static, pairs=False))}
             if mode == "token_rounding":  # the experts alone on the routing given
                 with torch.no_grad():
                     r = route(x, wr, k, mode, m_tile=args.m_tile, static=static)

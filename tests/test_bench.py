@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sonicmoe.bench import baselines, cli, report
 from sonicmoe.bench.baselines import REGISTRY, BaselineSpec, ExpertsCase, UpperBoundCase
@@ -775,6 +776,42 @@ def test_bench_row_fails_on_a_wrong_router_variant(tmp_path, monkeypatch):
     row = doc["results"][0]["backends"]["torch"]
     assert row["status"] == "FAIL" and row["message"].startswith("router variant: wrong result"), row
     assert row["check"]["errors"]["out"] < 1e-5 and not row["check"]["router"]["passed"]
+
+
+class _AtenLog(TorchDispatchMode):
+    """The aten ops run inside a ``with`` block, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["topk", "token_rounding"])
+def test_router_variant_times_only_the_layers_routing(mode):
+    """The timed router variant (router + routing + experts) runs exactly the ops the MoE layer's routing runs before
+    its experts (``MoE._route``): no top-k pair list (an arange and a T·K copy per call) that only the check needs."""
+    from sonicmoe.routing import router_topk, routing_from_topk
+    from sonicmoe.token_rounding import token_rounding
+
+    p = make_problem(Shape("rv", 256, 32, 16, 8, 2), dtype=torch.float32, device="cpu", seed=1, mode=mode,
+                     m_tile=16)
+    case = REGISTRY["torch"].factory(p, {})
+    case.fn = lambda x, w1, w2, routing, scores: None  # the routing alone
+    with torch.no_grad(), _AtenLog() as timed:
+        case.forward_with_router()
+    with torch.no_grad(), _AtenLog() as layer:
+        r = router_topk(p.x, p.router_weight, 2)
+        if mode == "topk":  # MoE._route's calls: the routing and the pair scores
+            routing_from_topk(r.topk_ids, 8), r.topk_scores.reshape(-1)
+        else:
+            token_rounding(r, m_tile=16, static=True, fused_router_grad=True)
+    assert layer.ops and timed.ops == layer.ops
+    # the check still gets the pairs it compares on
+    assert p.route(p.x.detach()).pair_token is not None
 
 
 def test_token_rounding_check_uses_the_timed_pairs():

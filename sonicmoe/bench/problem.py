@@ -43,20 +43,23 @@ class Routed:
     """Routing of T tokens: metadata, per-pair score S (R,) and the pairs themselves.
 
     ``topk_ids`` (T, K) is set for plain top-k (pairs token-major, p = t·K + k), ``None`` otherwise.
+    ``pair_token`` and ``pair_expert`` are None for top-k routed with ``pairs=False`` (a timed call: the layer builds
+    neither).
     ``router_ids`` (T, K) is the router's top-k choice under either mode (under token rounding, the set a token's
     scores are normalised over: S_{t,e} = exp(l_{t,e}) / Σ_{k} exp(l_{t,ids[t,k]}); the router variant's check).
     """
 
     routing: Routing
     pair_scores: torch.Tensor
-    pair_token: torch.Tensor
-    pair_expert: torch.Tensor
+    pair_token: torch.Tensor | None
+    pair_expert: torch.Tensor | None
     topk_ids: torch.Tensor | None
     router_ids: torch.Tensor | None = None
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_tile: int = 128,
-          rounding: str = "nearest", static: bool = False, generator: torch.Generator | None = None) -> Routed:
+          rounding: str = "nearest", static: bool = False, generator: torch.Generator | None = None,
+          pairs: bool = True) -> Routed:
     """Router + routing metadata for x (T, d) with router weight W_r (E, d).
 
     ``mode`` ``"topk"``: :func:`sonicmoe.router_topk` then :func:`sonicmoe.routing_from_topk`.
@@ -64,15 +67,18 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, K: int, mode: str, *, m_
     m_tile=M_tile, subroutine=rounding)`` (SPEC §5) and :func:`sonicmoe.routing_from_pairs`; with
     ``static``, the static-length, sync-free form the ``MoE`` layer runs (``static=True``, padding pairs, and
     ``fused_router_grad=True``). ``generator``: the uniform draws of ``rounding="stochastic"`` (None: torch's
-    global RNG).
+    global RNG). ``pairs`` False: top-k's ``pair_token`` and ``pair_expert`` are not built (None) — a timed call must
+    run the layer's routing alone, and the MoE layer builds neither (an arange and a copy of T·K rows per call).
     Scores are differentiable with respect to x and W_r.
     """
     T, E = x.shape[0], router_weight.shape[0]
     router = router_topk(x, router_weight, K)
     if mode == "topk":
+        routing, scores = routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1)
+        if not pairs:
+            return Routed(routing, scores, None, None, router.topk_ids, router.topk_ids)
         pair_token = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(K)
-        return Routed(routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1),
-                      pair_token, router.topk_ids.reshape(-1), router.topk_ids, router.topk_ids)
+        return Routed(routing, scores, pair_token, router.topk_ids.reshape(-1), router.topk_ids, router.topk_ids)
     if mode == "token_rounding":
         token_rounding = load_token_rounding()
         kw = {"static": True, "fused_router_grad": True} if static else {}  # static: as the MoE layer calls it
@@ -136,11 +142,12 @@ class Problem:
         """Routed pairs actually present (T·K for top-k, the rounded count for token rounding)."""
         return int(self.pair_scores.shape[0])
 
-    def route(self, x: torch.Tensor) -> Routed:
+    def route(self, x: torch.Tensor, pairs: bool = True) -> Routed:
         """Route ``x`` with this problem's router and mode as the ``MoE`` layer does (for timings that include
-        the router): token rounding in its static-length form, without a host sync."""
+        the router): token rounding in its static-length form, without a host sync. ``pairs`` False (timed calls):
+        no top-k ``pair_token`` / ``pair_expert``, which the layer does not build (:func:`route`)."""
         return route(x, self.router_weight, self.shape.K, self.mode, m_tile=self.m_tile,
-                     rounding=self.rounding, static=True, generator=self.generator)
+                     rounding=self.rounding, static=True, generator=self.generator, pairs=pairs)
 
     def leaves(self) -> list[torch.Tensor]:
         return [self.x, self.router_weight, self.w1, self.w2, self.pair_scores]
