@@ -121,13 +121,15 @@ def kernel_sums(rows: list[dict], n_kernels: int) -> dict:
 
 
 def layer_rows(p: dict, routing: Routing, s_pair: torch.Tensor, dout: torch.Tensor, backends) -> list:
-    """(name, fn, FLOPs, grad leaves) of the whole layer, forward and forward+backward, per backend."""
+    """(name, fn, FLOPs, grad leaves) of the whole layer, forward and forward+backward, per backend. The forward is
+    the training forward (leaves that require grad: H written and kept for the backward), as ``sonicmoe bench`` times
+    it and as the kernel rows run; without grad the layer's inference path skips H's store."""
     r = routing.num_rows
     n, d = p["w2"].shape[2], p["w2"].shape[1]
     rows = []
     for backend in backends:
         for bwd in (False, True):
-            leaves = [v.detach().requires_grad_(bwd) for v in (p["x"], p["w1"], p["w2"], s_pair)]
+            leaves = [v.detach().requires_grad_(True) for v in (p["x"], p["w1"], p["w2"], s_pair)]
 
             def f(leaves=leaves, backend=backend, bwd=bwd):
                 out = sonicmoe.experts(leaves[0], leaves[1], leaves[2], routing, leaves[3], backend=backend)

@@ -621,6 +621,10 @@ MUTANTS: list[Mutant] = [
     _m("bench_router_variant_times_pair_list", "sonicmoe/bench/baselines.py",
        "        r = p.route(p.x, pairs=False)  # timed: only what the layer runs", "        r = p.route(p.x)",
        "tests/test_bench.py", "-k", "layers_routing"),
+    _m("breakdown_layer_fwd_without_grad", "benchmarks/kernel_breakdown.py",
+       '            leaves = [v.detach().requires_grad_(True) for v in (p["x"], p["w1"], p["w2"], s_pair)]',
+       '            leaves = [v.detach().requires_grad_(bwd) for v in (p["x"], p["w1"], p["w2"], s_pair)]',
+       "tests/test_bench.py", "-k", "training_forward"),
 ]
 
 

@@ -1238,3 +1238,36 @@ def test_git_dirty_unknown_without_git_tree(commit_env, monkeypatch):
     outputs["status"] = outputs["rev-parse"] = (128, "")  # fatal: not a git repository
     assert provenance.git_dirty() is None
     assert provenance.git_commit() == commit_env
+
+
+# ---------------------------------------------------------------------------------------------------
+# the benchmark scripts' figures (benchmarks/, scripts/)
+
+
+def test_kernel_breakdown_times_the_training_forward(monkeypatch):
+    """benchmarks/kernel_breakdown.py's "layer ... fwd" rows (and energy_probe's, which reuses them) time the training
+    forward, as ``sonicmoe bench`` and the kernel rows do: leaves that require grad, so the layer writes and keeps H.
+    Without grad the Triton layer takes its inference path (no H store) and its forward reads fast."""
+    import sonicmoe
+
+    kb = runpy.run_path(str(REPO / "benchmarks" / "kernel_breakdown.py"))
+    from sonicmoe.testing import random_problem
+
+    p = random_problem(32, 16, 8, 4, seed=0)
+    router = sonicmoe.router_topk(p["x"], p["router_weight"], 2)
+    routing, s_pair = sonicmoe.routing_from_topk(router.topk_ids, 4), router.topk_scores.reshape(-1).detach()
+    rows = kb["layer_rows"](p, routing, s_pair, torch.randn(32, 16), ("torch",))
+    recorded = []
+    experts = sonicmoe.experts
+
+    def spy(*args, **kw):
+        out = experts(*args, **kw)
+        recorded.append(torch.is_grad_enabled() and out.requires_grad)
+        return out
+
+    monkeypatch.setattr(sonicmoe, "experts", spy)
+    for name, fn, flops, _ in rows:
+        fn()
+        assert flops == (18 if "fwd+bwd" in name else 6) * routing.num_rows * 8 * 16
+    assert [name for name, *_ in rows] == ["layer torch fwd", "layer torch fwd+bwd"]
+    assert recorded == [True, True]
