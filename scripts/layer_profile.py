@@ -122,7 +122,7 @@ def main() -> None:
         timeline(fwdbwd, args.warmup, 5, args.trace)
         return
     for label, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
-        ms = do_bench(fn, warmup=25, rep=100)
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")  # triton's default is the mean
         rows, span = profile(fn, args.calls)
         busy = sum(us for _, us, _ in rows)
         print(f"== {label} T,d,n,E,K={args.shape}: do_bench {ms * 1e3:.0f} us, profiler span {span:.0f} us/call, "

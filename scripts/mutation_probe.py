@@ -625,6 +625,9 @@ MUTANTS: list[Mutant] = [
        '            leaves = [v.detach().requires_grad_(True) for v in (p["x"], p["w1"], p["w2"], s_pair)]',
        '            leaves = [v.detach().requires_grad_(bwd) for v in (p["x"], p["w1"], p["w2"], s_pair)]',
        "tests/test_bench.py", "-k", "training_forward"),
+    _m("layer_profile_do_bench_mean", "scripts/layer_profile.py",
+       '        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")',
+       "        ms = do_bench(fn, warmup=25, rep=100)", "tests/test_bench.py", "-k", "is_a_median"),
 ]
 
 

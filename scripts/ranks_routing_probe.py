@@ -53,11 +53,12 @@ def main() -> None:
         same = all(torch.equal(a, b) for a, b in zip(ref, new_path(ranks, offsets, r_max)))
         rec = {"shape": [t, e, k], "r_max": r_max, "same_outputs": same}
         for name, fn in (("nonzero_static alone", old_path), ("ranks_routing", new_path)):
-            rec[name] = do_bench_cudagraph(lambda fn=fn, a=(ranks, offsets, r_max): fn(*a), rep=100) * 1e3
+            rec[name] = do_bench_cudagraph(lambda fn=fn, a=(ranks, offsets, r_max): fn(*a), rep=100,
+                                           return_mode="median") * 1e3  # triton's default is the mean
         for tile in args.tile:
             bt, be, w = (int(v) for v in tile.split(":"))
             rec[f"ranks_routing {tile}"] = do_bench_cudagraph(
-                lambda a=(ranks, offsets, r_max, (bt, be, w)): new_path(*a), rep=100) * 1e3
+                lambda a=(ranks, offsets, r_max, (bt, be, w)): new_path(*a), rep=100, return_mode="median") * 1e3
             print(f"  tile {tile}: {rec[f'ranks_routing {tile}']:.1f} us", flush=True)
         rows.append(rec)
         print(f"T={t} E={e} K={k} R_max={r_max}: nonzero_static alone {rec['nonzero_static alone']:.1f} us, "

@@ -1271,3 +1271,25 @@ def test_kernel_breakdown_times_the_training_forward(monkeypatch):
         assert flops == (18 if "fwd+bwd" in name else 6) * routing.num_rows * 8 * 16
     assert [name for name, *_ in rows] == ["layer torch fwd", "layer torch fwd+bwd"]
     assert recorded == [True, True]
+
+
+def test_every_script_timing_is_a_median():
+    """SPEC §7 times with do_bench's median; triton's do_bench and do_bench_cudagraph return the mean unless asked.
+    Every call in benchmarks/, scripts/ and sonicmoe/ asks for the median (``return_mode="median"``) or quantiles."""
+    import ast
+
+    calls, wrong = 0, []
+    for path in sorted([*(REPO / "benchmarks").glob("*.py"), *(REPO / "scripts").glob("*.py"),
+                        *(REPO / "sonicmoe").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name not in ("do_bench", "do_bench_cudagraph"):
+                continue
+            calls += 1
+            kw = {k.arg: k.value for k in node.keywords}
+            mode = kw.get("return_mode")
+            if "quantiles" not in kw and not (isinstance(mode, ast.Constant) and mode.value == "median"):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert calls >= 20 and not wrong, wrong
