@@ -9,7 +9,8 @@ nonzero ``e_score_correction_bias`` (DeepSeek-V3), the same with group-limited r
 4 kept; DeepSeek-V3 has 8 groups of 32), each timed with :func:`sonicmoe.bench.measure.bench_ms`
 (do_bench median after the settled warm-up; fresh leaves' gradients reset each call):
 
-* the layer's forward + backward in bf16 on the Triton backend (useful FLOPs 18·TK·n·d, SPEC §6: TFLOP/s);
+* the layer's forward + backward in bf16 on the Triton backend (useful FLOPs 18·TK·n·d, SPEC §6: TFLOP/s; TK the
+  pairs the layer routed, ``pairs``: T·K under top-k, token rounding's rounded count under it);
 * the router alone (:func:`sonicmoe.routing.router_topk` forward + backward of the scores: the logits GEMM and the
   fused top-k kernel).
 
@@ -76,6 +77,26 @@ def _layer(shape, options: dict, device, aux_loss_coef: float = 0.0, routing: st
     return m
 
 
+def routed_pairs(m: MoE) -> int:
+    """The (token, expert) pairs the layer's last forward routed (SPEC §1's TK): T·K under top-k, the rounded count
+    under token rounding (padding pairs of the static form not counted). A host read: call it outside a timing."""
+    return int(m.expert_counts.sum())
+
+
+def summarise(row: dict, shape, graph: bool) -> None:
+    """Each order's medians over the rounds, its useful FLOPs 18·TK·n·d (SPEC §6) with TK the pairs its layer routed
+    (``pairs``, :func:`routed_pairs`) and its TFLOP/s (eager, and replayed from a CUDA graph with ``graph``)."""
+    _, d, n, _, _ = shape
+    for v in row["orders"].values():
+        for key in SERIES:
+            if v[key]:
+                v[f"{key}_median"] = statistics.median(v[key])
+        v["useful_flops"] = 18 * v["pairs"] * n * d
+        v["tflops"] = v["useful_flops"] / v["layer_ms_median"] / 1e9
+        if graph:
+            v["tflops_graph"] = v["useful_flops"] / v["layer_graph_ms_median"] / 1e9
+
+
 def _check(m: MoE, x: torch.Tensor) -> float:
     c, ex = m.config, m.experts
     with torch.no_grad():
@@ -109,12 +130,11 @@ def main() -> None:
     results = []
     for shape in shapes:
         t, d, n, e, k = shape
-        flops = 18 * t * k * n * d
         x = torch.randn(t, d, device=device, dtype=torch.bfloat16)
         dout = torch.randn(t, d, device=device, dtype=torch.bfloat16)
         layers = {name: _layer(shape, opts, device, args.aux_loss_coef, args.routing) for name, opts in ORDERS.items()
                   if args.routing == "topk" or "experts_per_group" not in opts}
-        row = {"shape": list(shape), "useful_flops": flops, "orders": {}}
+        row = {"shape": list(shape), "orders": {}}
         for name, m in layers.items():
             row["orders"][name] = {"check_rel_err": _check(m, x[:4096]), **{key: [] for key in SERIES}}
         leaf = x.detach().clone().requires_grad_(True)
@@ -139,6 +159,7 @@ def main() -> None:
                 router_call = fwdbwd_fn(router, [leaf, m.gate.weight], dscores)
                 v = row["orders"][name]
                 v["layer_ms"].append(bench_ms(layer_call, device=device)["p50"])
+                v["pairs"] = routed_pairs(m)  # the timed calls' TK (the same each call: fixed x, nearest rounding)
                 v["router_ms"].append(bench_ms(router_call, device=device)["p50"])
                 if args.graph:
                     v["layer_host_ms"].append(host_ms(layer_call))
@@ -147,13 +168,7 @@ def main() -> None:
                         graph = graph_of(call)
                         v[key].append(bench_ms(graph.replay, device=device)["p50"])
                         del graph
-        for v in row["orders"].values():
-            for key in SERIES:
-                if v[key]:
-                    v[f"{key}_median"] = statistics.median(v[key])
-            v["tflops"] = flops / v["layer_ms_median"] / 1e9
-            if args.graph:
-                v["tflops_graph"] = flops / v["layer_graph_ms_median"] / 1e9
+        summarise(row, shape, args.graph)
         results.append(row)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
             "graph": args.graph, "routing": args.routing, "aux_loss_coef": args.aux_loss_coef, "results": results}

@@ -628,6 +628,9 @@ MUTANTS: list[Mutant] = [
     _m("layer_profile_do_bench_mean", "scripts/layer_profile.py",
        '        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")',
        "        ms = do_bench(fn, warmup=25, rep=100)", "tests/test_bench.py", "-k", "is_a_median"),
+    _m("router_orders_flops_of_t_times_k", "benchmarks/router_orders.py",
+       '        v["useful_flops"] = 18 * v["pairs"] * n * d',
+       '        v["useful_flops"] = 18 * shape[0] * shape[4] * n * d', "tests/test_bench.py", "-k", "router_orders"),
 ]
 
 

@@ -1293,3 +1293,25 @@ def test_every_script_timing_is_a_median():
             if "quantiles" not in kw and not (isinstance(mode, ast.Constant) and mode.value == "median"):
                 wrong.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert calls >= 20 and not wrong, wrong
+
+
+def test_router_orders_counts_the_pairs_token_rounding_routed():
+    """benchmarks/router_orders.py --routing token_rounding: TFLOP/s at 18·TK·n·d with TK the pairs the layer routed
+    (SPEC §1: the rounded count, as ``sonicmoe bench`` counts R), not T·K; under top-k the two agree."""
+    from sonicmoe import MoE
+
+    ro = runpy.run_path(str(REPO / "benchmarks" / "router_orders.py"))
+    t, d, n, e, k = 100, 16, 8, 4, 2  # 50 pairs per expert on average: M_tile 16 rounds each to 48 or 64
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(0))
+    for routing in ("token_rounding", "topk"):
+        torch.manual_seed(0)
+        m = MoE(d, n, e, k, backend="torch", routing=routing, m_tile=16, aux_loss_coef=0.0)
+        m(x)
+        pairs = ro["routed_pairs"](m)
+        assert (pairs == t * k) == (routing == "topk") and pairs % (16 if routing != "topk" else 1) == 0
+        row = {"orders": {"o": {"pairs": pairs, **{key: [] for key in ro["SERIES"]}}}}
+        row["orders"]["o"]["layer_ms"] = [2.0, 1.0, 3.0]
+        ro["summarise"](row, (t, d, n, e, k), False)
+        v = row["orders"]["o"]
+        assert v["useful_flops"] == 18 * pairs * n * d
+        assert v["tflops"] == pytest.approx(18 * pairs * n * d / 2.0e-3 / 1e12)
