@@ -30,7 +30,7 @@ def pieces(x, w, k) -> dict:
         "float32 linear (upcast)": lambda: torch.nn.functional.linear(x.float(), w.float()),
         "bf16 mm": lambda: torch.mm(x, w.t()),
         "router_topk": lambda: sonicmoe.router_topk(x, w, k),
-        "route topk": lambda: route(x, w, k, "topk"),
+        "route topk": lambda: route(x, w, k, "topk", pairs=False),  # the layer's routing: no pair list
         "route token_rounding static": lambda: route(x, w, k, "token_rounding", static=True),
         "route token_rounding (sync)": lambda: route(x, w, k, "token_rounding"),
     }
