@@ -631,6 +631,13 @@ MUTANTS: list[Mutant] = [
     _m("router_orders_flops_of_t_times_k", "benchmarks/router_orders.py",
        '        v["useful_flops"] = 18 * v["pairs"] * n * d',
        '        v["useful_flops"] = 18 * shape[0] * shape[4] * n * d', "tests/test_bench.py", "-k", "router_orders"),
+    # the checkpoint / expert-parallel audit after session 91: deepcopy of an ExpertParallelMoE with an explicit group
+    # shares the group (it raised torch's "cannot pickle ProcessGroup"); pickling keeps the world's group as None
+    _m("ep_deepcopy_copies_group", EP,
+       "            memo[id(self.ep_group)] = self.ep_group", "            pass", "tests/test_expert_parallel.py",
+       "-k", "deepcopy_shares_the_group"),
+    _m("ep_pickle_keeps_world_group", EP, '            state["ep_group"] = None', "            pass",
+       "tests/test_expert_parallel.py", "-k", "deepcopy_shares_the_group"),
 ]
 
 

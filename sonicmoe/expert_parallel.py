@@ -44,6 +44,7 @@ Two ranks with a GPU each, over NCCL, run the same code but have not been measur
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -349,6 +350,13 @@ class ExpertParallelMoE(MoE):
     Gradients: see the module docstring; wrap the model with :func:`expert_parallel_ddp` for data parallelism
     over the same group.
 
+    Copies: ``copy.deepcopy`` (of the layer, or of a model or DDP wrapper holding it) copies the weights and shares
+    ``group`` (a handle on this process's communicator, which cannot be copied): the copy exchanges over the same
+    ranks. (:func:`expert_parallel_ddp`'s gradient hooks are tensor hooks, which torch does not copy: wrap a copied
+    model with it again.) Pickling (``torch.save`` of the module) keeps ``group`` only where it is the default
+    group (None, or ``torch.distributed.group.WORLD`` given explicitly; unpickled as None: the world of the process
+    that loads it), as DDP does; another group raises TypeError: save the ``state_dict`` instead.
+
     Raises:
         RuntimeError: torch.distributed not initialised.
         ValueError: E not a multiple of P; as :class:`~sonicmoe.MoE`.
@@ -365,6 +373,33 @@ class ExpertParallelMoE(MoE):
         self.ep_group, self.ep_size, self.ep_rank = group, world, rank
         super().__init__(hidden_size, intermediate_size, num_experts, top_k, **kwargs)
         self._reset_local_experts()
+
+    def __deepcopy__(self, memo: dict) -> ExpertParallelMoE:
+        """copy.deepcopy: the weights copied, the process group shared (a ProcessGroup cannot be copied or pickled;
+        before, deepcopy raised torch's TypeError "cannot pickle ... ProcessGroup" for any group passed explicitly,
+        the world's included)."""
+        if self.ep_group is not None:
+            memo[id(self.ep_group)] = self.ep_group  # deepcopy takes what memo holds as the copy: the group itself
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        # what deepcopy does without this method (MoE.__getstate__, then nn.Module.__setstate__), on MoE's state:
+        # this class's __getstate__ refuses non-default groups, for pickling only
+        twin.__setstate__(copy.deepcopy(MoE.__getstate__(self), memo))
+        return twin
+
+    def __getstate__(self) -> dict:
+        """For pickling: the default group (``None``, or the world's given explicitly) pickles as ``None``;
+        another group cannot be pickled (TypeError; DDP refuses it alike)."""
+        state = super().__getstate__()
+        group = state["ep_group"]
+        if group is not None:
+            if not dist.is_initialized() or group is not dist.group.WORLD:
+                raise TypeError("an ExpertParallelMoE built with a process group other than the default one cannot "
+                                "be pickled (a group belongs to its processes): save its state_dict() and load it "
+                                "with load_state_dict (or a full MoE's with load_full_state_dict) into a layer built "
+                                "in the loading process; copy.deepcopy shares the group")
+            state["ep_group"] = None
+        return state
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -8,14 +8,17 @@ receive no row) with a single token on rank 1; no token at all on rank 1; K = E.
 (:class:`~sonicmoe.expert_parallel.ExpertParallelMoE` loaded from a full ``MoE``, wrapped by
 :func:`~sonicmoe.expert_parallel.expert_parallel_ddp`) must give every parameter the gradient of the mean of the
 ranks' losses. Each rank's local experts must get every token once per source rank, however many of its pairs
-are there, and every pair. On the CPU over gloo: the torch backend, and the Triton kernels through the interpreter;
-on CUDA in bf16 (two GPUs over NCCL, or both ranks on one GPU over gloo).
+are there, and every pair. A deep copy of the layer shares its process group. On the CPU over gloo: the torch
+backend, and the Triton kernels through the interpreter; on CUDA in bf16 (two GPUs over NCCL, or both ranks on one
+GPU over gloo).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
+import pickle
 import traceback
 import warnings
 
@@ -413,6 +416,41 @@ def test_expert_parallel_wrapping_keeps_what_the_user_set(tmp_path, monkeypatch)
         with pytest.raises(ValueError, match="x is on cpu; the triton backend needs CUDA tensors"):
             expert_parallel_experts(x, w1, w2, routing_from_topk(torch.tensor([[0, 1]] * 4), 2), torch.rand(8),
                                     backend="triton")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_deepcopy_shares_the_group(tmp_path):
+    """In a group of one rank, with an explicit group (a subgroup, and the world's passed as such): copy.deepcopy of
+    the layer (after a training-mode forward) and of a model holding it copies the weights and shares the group, and
+    the copy computes what the layer computes; pickling keeps the world's group as None (the default) and refuses
+    another, naming state_dict. Before the fix deepcopy raised torch's "cannot pickle ... ProcessGroup" for any
+    explicit group."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        torch.manual_seed(0)
+        full = MoE(D, N, 4, 2, bias=True, backend="torch")
+        xs = torch.randn(9, D)
+        for group in (sub, dist.group.WORLD):
+            layer = ExpertParallelMoE.from_moe(full, group=group)
+            layer(xs).sum().backward()  # a training-mode forward: aux_loss holds a graph
+            twin = copy.deepcopy(layer)
+            model = torch.nn.Sequential(torch.nn.Linear(D, D), layer)
+            assert copy.deepcopy(model)[1].ep_group is group
+            assert twin.ep_group is group and (twin.ep_size, twin.ep_rank) == (1, 0)
+            for (name, a), b in zip(layer.state_dict().items(), twin.state_dict().values()):
+                assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+            assert torch.equal(twin(xs), layer(xs))
+            with torch.no_grad():
+                twin.experts.down_proj.add_(1.0)
+            assert torch.equal(layer.experts.down_proj, full.experts.down_proj), "the copy's weights are its own"
+        world = pickle.loads(pickle.dumps(layer))  # the world's group, given explicitly: the default once loaded
+        assert world.ep_group is None and torch.equal(world(xs), layer(xs))
+        with pytest.raises(TypeError, match="other than the default one cannot be pickled.*state_dict"):
+            pickle.dumps(ExpertParallelMoE.from_moe(full, group=sub))
     finally:
         dist.destroy_process_group()
 
