@@ -638,6 +638,18 @@ MUTANTS: list[Mutant] = [
        "-k", "deepcopy_shares_the_group"),
     _m("ep_pickle_keeps_world_group", EP, '            state["ep_group"] = None', "            pass",
        "tests/test_expert_parallel.py", "-k", "deepcopy_shares_the_group"),
+    # ... load_hf_experts looks up each of an expert's three bias keys (the gate's only: up and down biases without
+    # it were dropped silently by a layer without biases), and names every missing one
+    _m("hf_expert_bias_gate_key_only", "sonicmoe/checkpoints.py", "    have = [k for k in keys if k in state_dict]",
+       "    have = [k for k in keys[:1] if k in state_dict]", "tests/test_checkpoints.py", "-k", "key_by_key"),
+    _m("hf_expert_bias_first_missing_only", "sonicmoe/checkpoints.py",
+       "raise KeyError(f\"missing {', '.join(lack)}: the checkpoint's",
+       "raise KeyError(f\"missing {lack[0]}: the checkpoint's",
+       "tests/test_checkpoints.py", "-k", "key_by_key"),
+    # ... and each of the shared expert's (the gate's only before)
+    _m("hf_shared_bias_gate_key_only", "sonicmoe/checkpoints.py",
+       'for name in _NAMES["qwen"]) if key in state_dict]', 'for name in _NAMES["qwen"][:1]) if key in state_dict]',
+       "tests/test_checkpoints.py", "-k", "shared_expert_errors"),
 ]
 
 

@@ -10,7 +10,7 @@ such a block's weights into the layer, and back:
 * both: the router ``gate.weight`` (E, d) (and ``gate.bias`` (E,) where the layer has a router bias,
   ``router_bias=True``), and DeepSeek-V3's ``gate.e_score_correction_bias`` (E,) where the layer has
   that buffer (``router_order="sigmoid_then_topk"``); ``.bias`` entries beside the weights where the layer has
-  expert biases (``bias=True``);
+  expert biases (``bias=True``: all three of every expert's; without it, none);
 * the shared expert, where the layer has one (``shared_intermediate_size`` n_s > 0): ``shared_experts.{gate_proj,
   up_proj, down_proj}.weight`` (DeepSeek-V2/V3) or ``shared_expert.{...}.weight`` (Qwen2-MoE, Llama 4), of shapes
   (n_s, d), (n_s, d), (d, n_s), and Qwen2-MoE's ``shared_expert_gate.weight`` (1, d) where the layer has that gate
@@ -121,14 +121,20 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
     place for (other layers; a shared expert when the layer has none, for a model that keeps it as its own module)
     are ignored; nothing in ``state_dict`` is modified.
 
+    Expert biases are looked up key by key: with ``bias=True`` each expert needs all three of its ``.bias`` entries
+    (gate and up (n,), down (d,)), with ``bias=False`` none of them; the same for the shared expert's, which the
+    layer never has.
+
     Raises:
         KeyError: a weight (or bias, or the selection bias, or the shared expert or its gate) the layer needs is
-            missing; no expert weights found.
+            missing (an expert's biases: every missing one named, and the ones the checkpoint has where it has
+            some); no expert weights found.
         ValueError: a tensor of the wrong shape (the message names the key and the expected shape), not
             floating-point of 16 bits or more (integer or float8 codes of a quantised checkpoint, complex) or without
             data (meta); an unknown style;
-            biases, more experts, DeepSeek-V3's selection bias or a shared expert's gate in the checkpoint for a layer
-            without a place for them.
+            biases (any of an expert's three, named, also where the checkpoint lacks the others; any of the shared
+            expert's), more experts, DeepSeek-V3's selection bias or a shared expert's gate in the checkpoint for a
+            layer without a place for them.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
     """
     _check_layer(layer)
@@ -144,13 +150,10 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
         w1.append(_gate_up(_take(state_dict, f"{p}{gate_name}.weight", (n, d)),
                            _take(state_dict, f"{p}{up_name}.weight", (n, d)), c.gate_up_layout))
         w2.append(_take(state_dict, f"{p}{down_name}.weight", (d, n)))
-        if ex.gate_up_proj_bias is not None:
-            b1.append(_gate_up(_take(state_dict, f"{p}{gate_name}.bias", (n,)),
-                               _take(state_dict, f"{p}{up_name}.bias", (n,)), c.gate_up_layout))
-            b2.append(_take(state_dict, f"{p}{down_name}.bias", (d,)))
-        elif f"{p}{gate_name}.bias" in state_dict:
-            raise ValueError(f"the checkpoint has expert biases ({p}{gate_name}.bias) but the layer has none: "
-                             "build it with bias=True")
+        biases = _take_expert_biases(layer, state_dict, i, [f"{p}{name}.bias" for name in _NAMES[style]])
+        if biases is not None:
+            b1.append(biases[0])
+            b2.append(biases[1])
     if f"{prefix}experts.{e}.{gate_name}.weight" in state_dict:
         raise ValueError(f"the checkpoint has more than E={e} experts ({prefix}experts.{e}.{gate_name}.weight)")
     selection_bias = None
@@ -182,6 +185,35 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
             layer.shared_expert_gate.weight.copy_(gate)
 
 
+def _take_expert_biases(layer: MoE, state_dict: Mapping[str, torch.Tensor], i: int,
+                        keys: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Expert i's biases, checked key by key (``keys``: its gate, up and down ``.bias`` entries): (b1 (2n,) in the
+    layer's layout, b2 (d,)) where the layer has expert biases; None where it has none. KeyError naming every key
+    missing where the layer needs them; ValueError naming every one present where it has none. A checkpoint with
+    some of the three but not all is told so, either way: before, only the gate's key was looked at, so a layer
+    without biases silently dropped up and down biases that came without a gate bias."""
+    have = [k for k in keys if k in state_dict]
+    lack = [k for k in keys if k not in state_dict]
+    if layer.experts.gate_up_proj_bias is None:
+        if have and lack:
+            raise ValueError(f"the checkpoint has biases of expert {i} ({', '.join(have)}) but the layer has none, and "
+                             f"they are incomplete (no {', '.join(lack)}): a layer with bias=True needs all three")
+        if have:
+            raise ValueError(f"the checkpoint has expert biases ({', '.join(have)}) but the layer has none: build it "
+                             "with bias=True")
+        return None
+    if have and lack:
+        raise KeyError(f"missing {', '.join(lack)}: the checkpoint's biases of expert {i} are incomplete (it has "
+                       f"{', '.join(have)}), the layer (bias=True) needs all three")
+    if lack:
+        raise KeyError(f"missing {', '.join(lack)}: the layer has expert biases (bias=True) but the checkpoint has "
+                       f"none for expert {i}" + (": build the layer with bias=False" if i == 0 else ""))
+    c = layer.config
+    gate, up, down = (_take(state_dict, k, shape) for k, shape in zip(
+        keys, ((c.intermediate_size,), (c.intermediate_size,), (c.hidden_size,))))
+    return _gate_up(gate, up, c.gate_up_layout), down
+
+
 def _take_router_bias(layer: MoE, state_dict: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | None:
     """The router's (E,) bias at ``key`` where the layer has one (KeyError if missing); None where it has none
     (ValueError if the checkpoint has one: dropping it would change the routing)."""
@@ -209,8 +241,10 @@ def _take_shared(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str
     w1 = _gate_up(_take(state_dict, f"{p}gate_proj.weight", (n_s, d)),
                   _take(state_dict, f"{p}up_proj.weight", (n_s, d)), c.gate_up_layout)
     w2 = _take(state_dict, f"{p}down_proj.weight", (d, n_s))
-    if f"{p}gate_proj.bias" in state_dict:
-        raise ValueError(f"the checkpoint's shared expert has biases ({p}gate_proj.bias), which the layer's shared "
+    # each of the three (before, the gate's only: an up or down bias without it was silently dropped)
+    biases = [key for key in (f"{p}{name}.bias" for name in _NAMES["qwen"]) if key in state_dict]
+    if biases:
+        raise ValueError(f"the checkpoint's shared expert has biases ({', '.join(biases)}), which the layer's shared "
                          "expert does not")
     gate = None
     if layer.shared_expert_gate is not None:

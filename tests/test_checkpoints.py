@@ -7,6 +7,8 @@ from their state dicts must give their outputs.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from sonicmoe.checkpoints import hf_experts_state_dict, load_hf_experts
 
 D, N, E, K = 12, 6, 8, 2
 N_S = 10  # Qwen2-MoE's shared expert width (shared_expert_intermediate_size)
+_NAMES_OF = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}  # gate, up, down
 
 
 class _Expert(nn.Module):
@@ -205,8 +208,54 @@ def test_shared_expert_errors_leave_the_layer_unchanged():
           {**good, "b.shared_expert.down_proj.weight": torch.zeros(D, N_S + 1)})
     fails(plain, ValueError, "shared_expert_gate=True", good)
     fails(gated, ValueError, "biases", {**good, "b.shared_expert.gate_proj.bias": torch.zeros(N_S)})
+    # an up or down bias without the gate's (each was silently dropped: only gate_proj.bias was looked at)
+    for name, width in (("up_proj", N_S), ("down_proj", D)):
+        fails(gated, ValueError, rf"biases \(b.shared_expert.{name}.bias\)",
+              {**good, f"b.shared_expert.{name}.bias": torch.zeros(width)})
     wide = MoE(D, N, E, K, shared_intermediate_size=N_S + 2, shared_expert_gate=True, dtype=torch.float64)
     fails(wide, ValueError, r"b.shared_expert.gate_proj.weight.*\(12, 12\)", good)
+
+
+
+@pytest.mark.parametrize("style", ["qwen", "mixtral"])
+@pytest.mark.parametrize("biased", [True, False])
+def test_expert_biases_are_checked_key_by_key(style, biased):
+    """Expert 2's biases, each subset of its three ``.bias`` keys, both ways: into a layer with bias=True (every
+    other expert's biases there) all three load and any missing one is a KeyError naming every missing key; into a
+    layer with bias=False (no other expert's biases) none loads and any present one is a ValueError naming every
+    present key (and the missing ones where some are). The layer is unchanged on every error. Before the fix only
+    the gate's key was looked at: a layer without biases silently dropped up and down biases that came without a
+    gate bias, and a KeyError named only the first missing key."""
+    torch.manual_seed(8)
+    source = MoE(D, N, E, K, bias=True, dtype=torch.float64)
+    full = hf_experts_state_dict(source, "b.", style=style)
+    bare = {k: v for k, v in full.items() if not k.endswith(".bias")}
+    keys = [f"b.experts.2.{name}.bias" for name in _NAMES_OF[style]]
+    layer = MoE(D, N, E, K, bias=biased, dtype=torch.float64)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    for r in range(4):
+        for have in itertools.combinations(keys[::-1], r):  # down's and up's alone first, then with the gate's
+            lack = [k for k in keys if k not in have]
+            if biased:
+                state = {k: v for k, v in full.items() if k not in lack}
+            else:
+                state = {**bare, **{k: full[k] for k in have}}
+            if not (lack if biased else have):  # what the layer needs, and nothing more
+                load_hf_experts(layer, state, "b.", style=style)
+                assert torch.equal(layer.experts.down_proj, source.experts.down_proj)
+                assert not biased or torch.equal(layer.experts.gate_up_proj_bias, source.experts.gate_up_proj_bias)
+                layer.load_state_dict(before)
+                continue
+            with pytest.raises(KeyError if biased else ValueError) as info:
+                load_hf_experts(layer, state, "b.", style=style)
+            message = str(info.value)
+            assert all(k in message for k in (lack if biased else have)), (have, message)
+            if have and lack:  # told that the checkpoint's set is incomplete, naming both sides
+                assert "incomplete" in message and all(k in message for k in keys), (have, message)
+            assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items()), have
+    if biased:  # a checkpoint without any expert bias: build the layer without
+        with pytest.raises(KeyError, match="b.experts.0.*bias=False"):
+            load_hf_experts(layer, bare, "b.", style=style)
 
 
 @pytest.mark.parametrize("style", ["qwen", "mixtral"])
