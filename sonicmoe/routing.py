@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
 from ._autocast import no_autocast
 from ._device import on_device
 from .config import ROUTER_ORDERS, check_flag
+from .env import env_switch
 from .ops.router_logits import bf16_gemm_applies, router_logits, router_logits_ref
 
 INDEX_DTYPE = torch.int32
@@ -251,7 +251,7 @@ def routing_from_topk(topk_ids: torch.Tensor, num_experts: int, *, check: bool =
     """
     check_topk_ids(topk_ids, num_experts, check)
     topk_ids = _wide_ids(topk_ids)
-    if topk_ids.is_cuda and not torch.compiler.is_compiling() and os.environ.get("SONICMOE_ROUTING_KERNEL") == "1":
+    if not torch.compiler.is_compiling() and env_switch("SONICMOE_ROUTING_KERNEL", False) and topk_ids.is_cuda:
         from .ops import topk_routing  # imports triton: lazily, off the CPU path
 
         if topk_routing.counting_sort_applies(topk_ids, num_experts):
@@ -520,7 +520,7 @@ def _router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, route
             logits = logits + router_bias.to(logits.dtype)
     sigmoid = router_order == "sigmoid_then_topk"
     if use_kernel is None:
-        use_kernel = logits.is_cuda and os.environ.get("SONICMOE_ROUTER_KERNEL", "1") != "0"
+        use_kernel = env_switch("SONICMOE_ROUTER_KERNEL", True) and logits.is_cuda
     kernel = use_kernel is not False and logits.dtype == torch.float32
     if kernel and not logits.is_cuda:  # CPU: only when asked for, and only under the interpreter
         kernel = use_kernel is True and logits.device.type == "cpu"

@@ -157,20 +157,28 @@ def test_gpu_overlap_joins_for_every_subset(needs, dtype, monkeypatch):
 
 def test_agg_reserve_rule(monkeypatch):
     """Multiprocessors left to the column blocks' aggregations: none off CUDA or without the side stream
-    (SONICMOE_OVERLAP=0); on CUDA the default, or SONICMOE_AGG_RESERVE's count where it is a number below the
-    device's multiprocessors (0 turns it off), read at each call."""
+    (SONICMOE_OVERLAP=0); on CUDA the default, or SONICMOE_AGG_RESERVE's count below the device's multiprocessors
+    (0 turns it off), read at each call; another count there, or a value that is no count anywhere, raises."""
     from sonicmoe.ops import common
 
     monkeypatch.delenv("SONICMOE_AGG_RESERVE", raising=False)
     assert common.agg_reserve(torch.device("cpu")) == 0
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE", "x")
+    with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE='x'"):  # on CPU too, where it is not used
+        common.agg_reserve(torch.device("cpu"))
+    monkeypatch.delenv("SONICMOE_AGG_RESERVE")
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(common, "overlap_mode", lambda device: 2)
     monkeypatch.setattr(common, "sm_count", lambda device: 132)
     assert common.agg_reserve(cuda) == common.AGG_RESERVE > 0
-    for value, want in (("0", 0), ("8", 8), ("131", 131), ("132", common.AGG_RESERVE), ("x", common.AGG_RESERVE),
-                        ("-4", common.AGG_RESERVE)):
+    for value, want in (("0", 0), ("8", 8), ("131", 131), ("012", 12)):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE", value)
         assert common.agg_reserve(cuda) == want, value
+    for value in ("132", "x", "-4", " 8", ""):  # silently the default before
+        monkeypatch.setenv("SONICMOE_AGG_RESERVE", value)
+        with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE"):
+            common.agg_reserve(cuda)
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE", "8")
     monkeypatch.setattr(common, "overlap_mode", lambda device: 0)
     assert common.agg_reserve(cuda) == 0
 
@@ -181,12 +189,12 @@ def test_gather_chunk_width_rule(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
     assert library.gather_chunk_width(4096, cpu) == 0
-    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "off")  # not a number: as unset
-    assert library.gather_chunk_width(4096, cpu) == 0
+    for value in ("off", "12", "-8", "8 ", ""):  # not 0 or a multiple of 8: as unset (off, 12) or 0 (12) before
+        monkeypatch.setenv("SONICMOE_AGG_CHUNK", value)
+        with pytest.raises(ValueError, match="SONICMOE_AGG_CHUNK"):
+            library.gather_chunk_width(4096, cpu)
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
     assert [library.gather_chunk_width(d, cpu) for d in (40, 32, 24, 36)] == [16, 16, 0, 0]
-    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "12")
-    assert library.gather_chunk_width(48, cpu) == 0
     monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
     assert library.gather_chunk_width(4096, cpu) == 0
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from .. import functional
 from ..config import ACTIVATIONS
+from ..env import interpreting
 from ..reference import swiglu_ref
 from ..routing import Routing
 from .problem import Problem
@@ -191,9 +192,7 @@ def experts_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, routing: R
 
 def _triton_factory(problem: Problem, options: dict) -> Case:
     if problem.device.type != "cuda":
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not interpreting():
             raise Unavailable("needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU, slow)")
         if problem.dtype == torch.bfloat16:
             raise Unavailable("Triton's interpreter multiplies bf16 wrongly (triton#11584); use --dtype fp32")

@@ -24,6 +24,7 @@ import os
 import sys
 
 from ..config import ACTIVATIONS
+from ..env import interpreting
 from .shapes import PRESET_HELP, PRESETS, ROUTINGS, parse_shape, preset_shapes
 
 ROUNDINGS = ("nearest", "up", "down", "stochastic", "balance")
@@ -214,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
             from .load_profile import read_load_profile
 
             read_load_profile(args.load_profile)  # a bad file stops here, before any shape runs
+        interpreted = interpreting()  # a TRITON_INTERPRET of no known meaning stops here too
     except (ValueError, OSError) as exc:
         print(f"sonicmoe bench: {exc}", file=sys.stderr)
         return 2
     dtype_name = args.dtype or ("bf16" if use_cuda else "fp32")
     if not use_cuda:
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         triton_note = ("the triton backend runs through Triton's interpreter (slow)" if interpreted
                        else "the triton backend needs a GPU (or TRITON_INTERPRET=1)")
         print(f"no CUDA GPU: wall-clock timing (time.perf_counter), no memory numbers; {triton_note}")

@@ -7,7 +7,8 @@ int32) — no host sync, no extra launch, and any BLOCK_M works (autotuning may 
 holds ``cdiv(R, BLOCK_M) + E`` M-tiles, an upper bound of Σ_e cdiv(T_e, BLOCK_M); the extra
 programs exit at once.
 
-Environment (documented in the README):
+Environment (documented in the README; read at each call through :mod:`sonicmoe.env`, and a value outside a
+switch's documented ones raises ValueError):
     SONICMOE_AUTOTUNE=0        use the pinned tile configuration instead of autotuning (the default
                                on GPU is to autotune once per (d, n, E, dtype)); the interpreter pins.
     SONICMOE_TILE_FAMILY=tma|mma
@@ -34,7 +35,7 @@ Environment (documented in the README):
     SONICMOE_GLUON_WGRAD=0     the weight gradients alone back on the Triton kernel (the layer's Gluon ones serve
                                n >= 128: library.gluon_wgrad_preferred; =all at every n).
     SONICMOE_AGG_CHUNK=W       column width of the backward's dX̃ GEMM blocks, each block's dX aggregation beside
-                               the next block's GEMM (gather_chunk_width; default 2048, 0 off).
+                               the next block's GEMM (gather_chunk_width; default 2048, 0 off; a multiple of 8).
     SONICMOE_AGG_RESERVE=S     multiprocessors left to each column block's aggregation beside the next block's
                                streamed-B Gluon GEMM (agg_reserve; default 12, 0: the blocks on the Triton kernel).
     SONICMOE_AGG_RESERVE_CONFIG=BLOCK_T:BLOCK_D:num_warps:UNROLL
@@ -55,27 +56,21 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..env import env_choice, env_count, env_switch, interpreting  # noqa: F401 (env_switch, interpreting: re-exported)
 from .fast_launch import launch_kernel
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """The on/off switch ``name`` from the environment: ``1`` on, ``0`` (or any other set value) off, ``default``
-    where unset. Read at each call."""
-    value = os.environ.get(name)
-    return default if value is None else value == "1"
 
 
 def autotune_enabled(interp: bool | None = None) -> bool:
     """Autotuning is on unless SONICMOE_AUTOTUNE=0 or under the interpreter (read at each launch; ``interp``:
-    :func:`interpreting` when the caller has it already)."""
+    :func:`interpreting` when the caller has it already).
+
+    Raises:
+        ValueError: SONICMOE_AUTOTUNE set to anything but ``0`` or ``1``.
+    """
+    tune = env_switch("SONICMOE_AUTOTUNE", True)
     if interp is None:
         interp = interpreting()
-    return not interp and os.environ.get("SONICMOE_AUTOTUNE", "1") != "0"
+    return not interp and tune
 
 
 def tile_config(bm: int, bn: int, bk: int, warps: int, stages: int, pps: int = 0, flatten: bool = False,
@@ -402,8 +397,9 @@ def _operand_bytes(args: dict) -> int:
 
 
 def new_output(shape, *, device, dtype) -> torch.Tensor:
-    """``torch.empty`` for kernel outputs; NaN-filled (or int-min) when SONICMOE_POISON_OUTPUTS=1."""
-    if os.environ.get("SONICMOE_POISON_OUTPUTS", "0") == "1":
+    """``torch.empty`` for kernel outputs; NaN-filled (or int-min) when SONICMOE_POISON_OUTPUTS=1 (0 or 1; read at
+    each call)."""
+    if env_switch("SONICMOE_POISON_OUTPUTS", False):
         # one op, not torch.empty + fill_: with the in-place fill the layer compiled (aot_eager) under CUDA autocast got
         # a zero router-weight gradient (H100, torch 2.11; test_autocast.py::test_gpu_compiled_layer_under_cuda_autocast
         # fails with that form and passes with this one, A/B in one call, session 88)
@@ -528,10 +524,8 @@ def tile_family(device: torch.device) -> str:
     Raises:
         ValueError: SONICMOE_TILE_FAMILY set to anything but ``tma`` or ``mma``.
     """
-    forced = os.environ.get("SONICMOE_TILE_FAMILY")
-    if forced is not None:
-        if forced not in TILE_FAMILIES:
-            raise ValueError(f"SONICMOE_TILE_FAMILY: expected one of {TILE_FAMILIES}, got {forced!r}")
+    forced = env_choice("SONICMOE_TILE_FAMILY", "", TILE_FAMILIES)
+    if forced:
         return forced
     if device.type != "cuda":
         return "tma"
@@ -550,7 +544,7 @@ def pdl_enabled(device: torch.device) -> bool:
     programs wait (:func:`pdl_prologue`) for that kernel to finish and its writes to be visible before they
     touch memory, so results are unchanged: only the launch latency between the layer's kernels is hidden.
     """
-    if device.type != "cuda" or interpreting() or os.environ.get("SONICMOE_PDL", "1") == "0":
+    if not env_switch("SONICMOE_PDL", True) or device.type != "cuda" or interpreting():
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_OK:
@@ -564,17 +558,20 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def overlap_mode(device: torch.device) -> int:
     """Programs per multiprocessor of the backward's dX aggregation when it runs on a side stream beside the
     dW1 GEMM on ``device`` (SONICMOE_OVERLAP, default 2), or 0: no side stream (always on CPU and under the
-    interpreter; SONICMOE_OVERLAP=0 or a value that is not a small integer).
+    interpreter; SONICMOE_OVERLAP=0).
+
+    Raises:
+        ValueError: SONICMOE_OVERLAP set to anything but an integer 0..16 (read at each call, on CPU too).
 
     Why a persistent grid: the block scheduler dispatches a grid's programs before those of a grid queued
     after it, so a kernel of many programs only shares the machine at its tail. The aggregation's few
     programs (registers only, no shared memory) all become resident at once, queued first on a
     high-priority stream, and dW1's programs (one per multiprocessor: shared memory) fill the room beside them.
     """
+    mode = env_count("SONICMOE_OVERLAP", 2, most=16)
     if device.type != "cuda" or interpreting():
         return 0
-    mode = os.environ.get("SONICMOE_OVERLAP", "2")
-    return int(mode) if mode.isdigit() and int(mode) <= 16 else 0
+    return mode
 
 
 # the column width of the blocks in which the backward's dX̃ GEMM runs with each block's dX aggregation beside the
@@ -608,15 +605,24 @@ def agg_reserve(device: torch.device) -> int:
     aggregation queued beside it runs between its programs, not beside them; under the power cap a GEMM on fewer
     multiprocessors runs at a higher clock and loses less than their share (:data:`AGG_RESERVE`).
 
-    ``SONICMOE_AGG_RESERVE`` (read at each call): a count below the device's multiprocessors (anything else counts
-    as unset), default :data:`AGG_RESERVE`. Always 0 off CUDA, under the interpreter and without the side stream
+    ``SONICMOE_AGG_RESERVE`` (read at each call): a count below the device's multiprocessors, default
+    :data:`AGG_RESERVE`. Always 0 off CUDA, under the interpreter and without the side stream
     (``SONICMOE_OVERLAP=0``).
+
+    Raises:
+        ValueError: SONICMOE_AGG_RESERVE set to anything but a count (on CPU too), or, on CUDA with the side
+            stream, to a count not below the device's multiprocessors.
     """
+    value = env_count("SONICMOE_AGG_RESERVE", -1)  # -1: unset
     if not overlap_mode(device):
         return 0
-    env = os.environ.get("SONICMOE_AGG_RESERVE", "")
-    value = int(env) if env.isdigit() else AGG_RESERVE
-    return value if value < sm_count(device) else AGG_RESERVE
+    if value < 0:
+        return AGG_RESERVE
+    if value >= sm_count(device):
+        raw = os.environ["SONICMOE_AGG_RESERVE"]
+        raise ValueError(f"SONICMOE_AGG_RESERVE={raw!r}: expected a count below the device's {sm_count(device)} "
+                         f"multiprocessors (unset for the default, {AGG_RESERVE})")
+    return value
 
 
 def gather_chunk_width(d: int, device: torch.device) -> int:
@@ -624,15 +630,18 @@ def gather_chunk_width(d: int, device: torch.device) -> int:
     stream beside the GEMM's next chunk (:func:`sonicmoe.ops.library.gemm_then_gather_sum`), or 0: one GEMM, then
     one aggregation.
 
-    ``SONICMOE_AGG_CHUNK``: a width in columns (a multiple of 8; 0 turns chunking off; a value that is not a
-    number counts as unset), default :data:`AGG_CHUNK`. The default applies on CUDA with the side stream on
-    (:func:`overlap_mode`) and d of at least two chunks; an explicit width also applies on CPU and under the
-    interpreter (the chunks then run one after the other: tests). d must be a multiple of 8 (16-byte aligned
-    column blocks for the TMA descriptors).
+    ``SONICMOE_AGG_CHUNK``: a width in columns (a multiple of 8; 0 turns chunking off), default :data:`AGG_CHUNK`.
+    The default applies on CUDA with the side stream on (:func:`overlap_mode`) and d of at least two chunks; an
+    explicit width also applies on CPU and under the interpreter (the chunks then run one after the other: tests).
+    d must be a multiple of 8 (16-byte aligned column blocks for the TMA descriptors).
+
+    Raises:
+        ValueError: SONICMOE_AGG_CHUNK set to anything but 0 or a positive multiple of 8.
     """
-    env = os.environ.get("SONICMOE_AGG_CHUNK", "")
-    explicit = env.isdigit()  # anything else: the default
-    width = int(env) if explicit else AGG_CHUNK
+    width = env_count("SONICMOE_AGG_CHUNK", -1, multiple=8)
+    explicit = width >= 0
+    if not explicit:
+        width = AGG_CHUNK
     if not explicit and overlap_mode(device) == 0:
         return 0
     if width <= 0 or width % 8 or d % 8 or d < 2 * width:

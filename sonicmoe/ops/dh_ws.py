@@ -95,14 +95,20 @@ under Triton's interpreter: the kernel is tested on the GPU against the Triton k
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..routing import Routing
 from .common import act_code, env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
+from .grouped_gemm_ws import (
+    _GL_DTYPES,
+    HAVE_GLUON,
+    _descriptor,
+    gluon_kernel_switch,
+    routing_tile_table,
+    shared_layout,
+    ws_enabled,
+)
 from .up_proj_ws import sigmoid_ftz
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
@@ -195,8 +201,9 @@ def dh_ws_config(n: int, epi: int = EPI, nbuf: int = NBUF, block_n: int | None =
 def dh_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
     ``SONICMOE_GLUON_DH`` (default 1) this one alone: 0 off, ``all`` wherever :func:`dh_ws_supported` holds
-    (:func:`dh_ws_preferred`; 128-wide tiles too). Read at each call."""
-    return ws_enabled() and os.environ.get("SONICMOE_GLUON_DH", "1") != "0"
+    (:func:`dh_ws_preferred`; 128-wide tiles too). Read at each call; any other value raises ValueError
+    (:func:`sonicmoe.ops.grouped_gemm_ws.gluon_kernel_switch`)."""
+    return gluon_kernel_switch("SONICMOE_GLUON_DH") != "0" and ws_enabled()
 
 
 def dh_ws_preferred(n: int) -> bool:
@@ -224,7 +231,7 @@ def dh_ws_preferred(n: int) -> bool:
       shape (24576, 1536, 128, 256, 16), forward+backward: 4.054 against 4.109 ms eager (an H200, 1 s warm-ups, 5
       rounds), 4.530 against 4.574 replayed from a CUDA graph (an H100, 7 rounds).
     """
-    return n % 256 == 0 or n == 128 or os.environ.get("SONICMOE_GLUON_DH") == "all"
+    return gluon_kernel_switch("SONICMOE_GLUON_DH") == "all" or n % 256 == 0 or n == 128
 
 
 def dh_ws_supported(dout: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, gate_up_layout: str) -> bool:

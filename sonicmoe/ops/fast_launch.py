@@ -31,12 +31,12 @@ Triton chose the kernel the fast path would have (tests). Never under the interp
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton.runtime.autotuner import Heuristics
 from triton.runtime.jit import JITFunction
+
+from ..env import env_choice
 
 try:
     from triton import knobs
@@ -125,8 +125,13 @@ def _hooked(chain) -> bool:
     return bool(getattr(chain, "calls", chain))
 
 
+FAST_LAUNCH_MODES = ("0", "1", "check")
+
+
 def _mode() -> str:
-    return os.environ.get("SONICMOE_FAST_LAUNCH", "1")
+    """``SONICMOE_FAST_LAUNCH`` (read at each launch): ``1`` (default), ``0`` or ``check``; anything else raises
+    ValueError."""
+    return env_choice("SONICMOE_FAST_LAUNCH", "1", FAST_LAUNCH_MODES)
 
 
 def launch_kernel(kernel, grid, *args, **kwargs):

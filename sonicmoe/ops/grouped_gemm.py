@@ -210,7 +210,7 @@ def env_config() -> dict | None:
     value = os.environ.get("SONICMOE_VARLEN_M_CONFIG", "auto")
     if value == "auto":
         return None
-    if not value.isdigit() or int(value) >= len(TUNING_SPACE):
+    if not (value.isascii() and value.isdigit()) or int(value) >= len(TUNING_SPACE):  # "²".isdigit(), int fails
         raise ValueError(f"SONICMOE_VARLEN_M_CONFIG: expected 'auto' or an index 0..{len(TUNING_SPACE) - 1} of "
                          f"grouped_gemm.TUNING_SPACE, got {value!r}")
     return config_dict(TUNING_SPACE[int(value)])

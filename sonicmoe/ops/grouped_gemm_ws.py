@@ -37,12 +37,12 @@ interpreter: the kernel is tested on the GPU against the Triton kernel and the f
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..env import env_choice, env_switch
 from ..routing import Routing
 from .common import (
     cdiv,
@@ -423,17 +423,39 @@ def triton_release() -> tuple[int, ...]:
     return major_minor(triton.__version__)
 
 
+# the values of SONICMOE_GLUON, and of the switches of one Gluon kernel each (SONICMOE_GLUON_UP, _DH, _WGRAD, _LONG:
+# gluon_kernel_switch)
+GLUON_VALUES = ("0", "1", "force")
+GLUON_KERNEL_VALUES = ("0", "1", "all")
+
+
+def gluon_kernel_switch(name: str) -> str:
+    """The switch ``name`` of one Gluon kernel (``SONICMOE_GLUON_UP``, ``_DH``, ``_WGRAD``, ``_LONG``; read at each
+    call): ``1`` (the default: where the layer's rule prefers it), ``0`` (off) or ``all`` (wherever it applies).
+
+    Raises:
+        ValueError: any other value.
+    """
+    return env_choice(name, "1", GLUON_KERNEL_VALUES)
+
+
 def ws_enabled(transpose_b: bool = True) -> bool:
     """The Gluon kernel is used unless SONICMOE_GLUON=0 (read at each call; SONICMOE_GLUON_DXT=0 turns off the
     dX̃ form alone, ``transpose_b`` False), and never under the interpreter. Gluon is experimental and its API
     changes between Triton releases: only Triton :data:`GLUON_TRITON` runs these kernels (every other release
-    runs the Triton kernels, the same results) unless ``SONICMOE_GLUON=force``."""
-    switch = os.environ.get("SONICMOE_GLUON", "1")
+    runs the Triton kernels, the same results) unless ``SONICMOE_GLUON=force``.
+
+    Raises:
+        ValueError: SONICMOE_GLUON set to anything but ``0``, ``1`` or ``force``, or (``transpose_b`` False)
+            SONICMOE_GLUON_DXT to anything but ``0`` or ``1`` (on CPU too).
+    """
+    switch = env_choice("SONICMOE_GLUON", "1", GLUON_VALUES)
+    form_on = transpose_b or env_switch("SONICMOE_GLUON_DXT", True)
     if not HAVE_GLUON or interpreting() or switch == "0":
         return False
     if triton_release() != GLUON_TRITON and switch != "force":
         return False
-    return transpose_b or os.environ.get("SONICMOE_GLUON_DXT", "1") != "0"
+    return form_on
 
 
 def ws_supported(a: torch.Tensor, b: torch.Tensor, num_rows: int, *, transpose_b: bool) -> bool:

@@ -35,7 +35,6 @@ Users call the operators through :func:`sonicmoe.ops.moe_function.experts_triton
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch import Tensor
@@ -72,7 +71,7 @@ def gluon_wgrad_preferred(n: int) -> bool:
     """Whether the layer's backward runs dW1 and dW2 on the Gluon kernel (where it applies): experts of width
     n ≥ :data:`GLUON_WGRAD_MIN_N`, or every n under ``SONICMOE_GLUON_WGRAD=all`` (for layer A/Bs; read at each
     call). ``SONICMOE_GLUON_WGRAD=0`` turns the kernel off everywhere (``weight_grad_ws.wgrad_ws_enabled``)."""
-    return n >= GLUON_WGRAD_MIN_N or os.environ.get("SONICMOE_GLUON_WGRAD") == "all"
+    return grouped_gemm_ws.gluon_kernel_switch("SONICMOE_GLUON_WGRAD") == "all" or n >= GLUON_WGRAD_MIN_N
 
 
 # the routing arrays experts_fwd takes, in order (slot_pair may be None: the identity)

@@ -23,12 +23,11 @@ The order is a strict total order (more rows first; ties by expert index), compu
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..env import env_choice
 from ..routing import Routing
 from .common import cdiv, check_device, new_output
 from .fast_launch import launch_kernel
@@ -88,6 +87,9 @@ def expert_load_order_ref(expert_offsets: torch.Tensor) -> torch.Tensor:
     return torch.cat([order, rank]).to(torch.int32)
 
 
+WGRAD_ORDERS = ("expert", "load")
+
+
 def wgrad_order_by_load() -> bool:
     """Whether the weight gradients take their experts busiest first (``SONICMOE_WGRAD_ORDER``: ``expert``, index
     order, the default, or ``load``; read at each call). The gradients are the same bits either way.
@@ -104,10 +106,7 @@ def wgrad_order_by_load() -> bool:
     Index order stays the default for now: the even load, on which the benchmark shapes are measured, loses about
     0.4% of the layer's fwd+bwd (where that comes from, the order's launch, the serpentine dealing or the order
     itself, is ``gpu_check.sh wgprof``'s question). Training under an uneven load gains with ``load``."""
-    value = os.environ.get("SONICMOE_WGRAD_ORDER", "expert")
-    if value not in ("load", "expert"):
-        raise ValueError(f"SONICMOE_WGRAD_ORDER must be 'load' or 'expert', got {value!r}")
-    return value == "load"
+    return env_choice("SONICMOE_WGRAD_ORDER", "expert", WGRAD_ORDERS) == "load"
 
 
 def routing_load_order(routing: Routing) -> torch.Tensor:

@@ -20,9 +20,9 @@ the same arithmetic through float32 matmuls (tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ..env import env_switch
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -108,6 +108,7 @@ def router_logits_ref(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Ten
 
 def bf16_gemm_applies(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
     """Whether :func:`sonicmoe.router_topk` computes the logits with :func:`router_logits`: CUDA tensors, both
-    bfloat16, and ``SONICMOE_ROUTER_BF16_GEMM`` not 0 (read at each call)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and router_weight.dtype == torch.bfloat16
-            and os.environ.get("SONICMOE_ROUTER_BF16_GEMM", "1") != "0")
+    bfloat16, and ``SONICMOE_ROUTER_BF16_GEMM`` not 0 (0 or 1, default 1; read at each call, on CPU too: any other
+    value raises ValueError)."""
+    return (env_switch("SONICMOE_ROUTER_BF16_GEMM", True) and x.is_cuda and x.dtype == torch.bfloat16
+            and router_weight.dtype == torch.bfloat16)

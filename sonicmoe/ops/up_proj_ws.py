@@ -48,7 +48,6 @@ under Triton's interpreter: the kernel is tested on the GPU against the Triton k
 from __future__ import annotations
 
 import functools
-import os
 import re
 
 import torch
@@ -56,7 +55,15 @@ import torch
 from ..routing import Routing
 from .common import act_code, env_switch, few_rows_per_expert, new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, shared_layout, ws_enabled
+from .grouped_gemm_ws import (
+    _GL_DTYPES,
+    HAVE_GLUON,
+    _descriptor,
+    gluon_kernel_switch,
+    routing_tile_table,
+    shared_layout,
+    ws_enabled,
+)
 from .weight_grad_ws import gather_ring_barriers, invalidate_ring_barriers, wait_gathered_slot
 
 if HAVE_GLUON:
@@ -213,8 +220,8 @@ def gluon_serves_activation(activation: str) -> bool:
 def up_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
     ``SONICMOE_GLUON_UP`` (default 1) this one alone: 0 off, ``all`` at every width (:func:`up_ws_preferred`; read at
-    each call)."""
-    return ws_enabled() and os.environ.get("SONICMOE_GLUON_UP", "1") != "0"
+    each call; any other value raises ValueError: :func:`sonicmoe.ops.grouped_gemm_ws.gluon_kernel_switch`)."""
+    return gluon_kernel_switch("SONICMOE_GLUON_UP") != "0" and ws_enabled()
 
 
 @functools.cache
@@ -264,7 +271,7 @@ def up_ws_preferred(d: int, device: torch.device | None = None, routing: Routing
 
     On the GPUs of :data:`EPI_MANY_ROWS_GPUS` (H100s), with the storer only where ``routing``'s experts average more
     than ``common.FEW_ROWS_PER_EXPERT`` rows (session 48; without a routing, not)."""
-    if MIN_D <= d <= MAX_D or os.environ.get("SONICMOE_GLUON_UP") == "all":
+    if gluon_kernel_switch("SONICMOE_GLUON_UP") == "all" or MIN_D <= d <= MAX_D:
         return True
     if d > EPI_MAX_D or whole_tiles_few_rows(routing):
         return False

@@ -39,14 +39,12 @@ and the float32 reference (tests/test_varlen_m_ws.py).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..routing import Routing
 from .common import few_rows_per_expert, output_or_new, per_expert_gemm_ref, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, routing_tile_table, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, gluon_kernel_switch, routing_tile_table, ws_enabled
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -91,8 +89,9 @@ def long_config(c_split: int = C_SPLIT, stages: int | None = None) -> dict:
 
 def long_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off) and
-    ``SONICMOE_GLUON_LONG`` (default 1) this one alone. Read at each call."""
-    return ws_enabled() and os.environ.get("SONICMOE_GLUON_LONG", "1") != "0"
+    ``SONICMOE_GLUON_LONG`` (default 1) this one alone. Read at each call; a value other than ``0``, ``1`` or ``all``
+    raises ValueError (:func:`sonicmoe.ops.grouped_gemm_ws.gluon_kernel_switch`)."""
+    return gluon_kernel_switch("SONICMOE_GLUON_LONG") != "0" and ws_enabled()
 
 
 def long_preferred(transpose_b: bool) -> bool:
@@ -108,7 +107,7 @@ def long_preferred(transpose_b: bool) -> bool:
     no faster on this kernel (8.22 against 8.23 ms with the aggregation, alone). So this rule keeps the Triton
     kernel for dX̃; the column-block form takes this kernel anyway where it leaves multiprocessors to the
     aggregation (:func:`sonicmoe.ops.common.agg_reserve`, session 53: 7.67 against 8.05 ms)."""
-    return transpose_b or os.environ.get("SONICMOE_GLUON_LONG") == "all"
+    return gluon_kernel_switch("SONICMOE_GLUON_LONG") == "all" or transpose_b
 
 
 def long_supported(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, num_rows: int, *,

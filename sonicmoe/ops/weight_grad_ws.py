@@ -45,13 +45,11 @@ against the Triton kernel and the float32 reference (tests/test_weight_grad_ws.p
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .common import env_switch, new_output, sm_count
 from .fast_launch import launch_kernel
-from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, shared_layout, ws_enabled
+from .grouped_gemm_ws import _GL_DTYPES, HAVE_GLUON, _descriptor, gluon_kernel_switch, shared_layout, ws_enabled
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -541,8 +539,9 @@ def wgrad_ws_calls() -> list[dict]:
 def wgrad_ws_enabled() -> bool:
     """:func:`sonicmoe.ops.grouped_gemm_ws.ws_enabled` (``SONICMOE_GLUON=0`` turns every Gluon kernel off), and
     ``SONICMOE_GLUON_WGRAD=0`` turns off this one alone; ``all`` keeps it on and has the layer use it at every expert
-    width (``library.gluon_wgrad_preferred``). Read at each call."""
-    return ws_enabled() and os.environ.get("SONICMOE_GLUON_WGRAD", "1") != "0"
+    width (``library.gluon_wgrad_preferred``). Read at each call; any other value raises ValueError
+    (:func:`sonicmoe.ops.grouped_gemm_ws.gluon_kernel_switch`)."""
+    return gluon_kernel_switch("SONICMOE_GLUON_WGRAD") != "0" and ws_enabled()
 
 
 def wgrad_ws_supported(p: torch.Tensor, q: torch.Tensor, *, p_gather: bool, q_gather: bool,

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..config import ACTIVATIONS, BACKENDS, ROUNDING_SUBROUTINES, ROUTER_ORDERS, ROUTING_MODES
+from ..env import interpreting
 from .config import DEVICES, DTYPES, PRESETS, config_from_dict, make_config
 from .data import ByteCorpus
 from .loop import CHECKPOINT, LOG, PLOT, check_ranks, check_resume_corpus, load_checkpoint, resolve_device, train
@@ -169,7 +170,8 @@ def _preflight(cfg) -> None:
     """ValueError, before any data or model is built, for options this process cannot run: ``--device cuda``
     without a GPU, ``--graph-moe`` off CUDA or with several ranks, ``--expert-parallel`` that does not divide the
     ranks torchrun started (``WORLD_SIZE``; 1 without torchrun), ``--backend triton`` on CPU without
-    ``TRITON_INTERPRET=1`` (:func:`train` checks the ranks itself too, with the real process group)."""
+    ``TRITON_INTERPRET=1`` (as Triton reads it: :func:`sonicmoe.env.interpreting`, which raises on a value of no
+    known meaning) (:func:`train` checks the ranks itself too, with the real process group)."""
     try:
         device = resolve_device(cfg.device)
     except RuntimeError as e:
@@ -179,7 +181,7 @@ def _preflight(cfg) -> None:
     except ValueError:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} (set by torchrun) must be an int") from None
     check_ranks(cfg, device, world)
-    if device.type == "cpu" and cfg.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and cfg.backend == "triton" and not interpreting():
         raise ValueError("--backend triton on CPU runs only under Triton's interpreter: set TRITON_INTERPRET=1 "
                          "(slow), or use --backend torch")
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..env import interpreting
 from . import distributed
 from .config import TrainConfig
 from .data import VOCAB_SIZE, ByteCorpus
@@ -466,7 +467,7 @@ def _train(cfg: TrainConfig, checkpoint: dict[str, Any] | None, device: torch.de
     opt = Optimizer(model, cfg, device, sharding)
     generator = torch.Generator().manual_seed(cfg.seed)
     tokens_per_step = cfg.batch_size * cfg.seq_len  # over all ranks
-    if device.type == "cpu" and cfg.backend == "triton" and not os.environ.get("TRITON_INTERPRET"):
+    if device.type == "cpu" and cfg.backend == "triton" and not interpreting():
         warnings.warn("--backend triton on CPU needs TRITON_INTERPRET=1 (slow); use --backend torch",
                       stacklevel=2)
 
