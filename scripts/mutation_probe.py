@@ -650,6 +650,13 @@ MUTANTS: list[Mutant] = [
     _m("hf_shared_bias_gate_key_only", "sonicmoe/checkpoints.py",
        'for name in _NAMES["qwen"]) if key in state_dict]', 'for name in _NAMES["qwen"][:1]) if key in state_dict]',
        "tests/test_checkpoints.py", "-k", "shared_expert_errors"),
+    # the environment switches' audit: a typo raises instead of meaning on or off silently (sonicmoe/env.py)
+    _m("env_switch_typo_means_off", "sonicmoe/env.py", """    raise _bad(name, value, "'0' (off) or '1' (on)")""",
+       "    return False", "tests/test_env_switches.py", "-k", "on_off_switch or env_switch_accepts"),
+    _m("triton_interpret_unknown_means_on", "sonicmoe/env.py", "    if folded in INTERPRET_ON:",
+       "    if folded not in INTERPRET_OFF:", "tests/test_env_switches.py", "-k", "triton_interpret"),
+    _m("overlap_takes_any_count", CM, '    mode = env_count("SONICMOE_OVERLAP", 2, most=16)',
+       '    mode = env_count("SONICMOE_OVERLAP", 2)', "tests/test_env_switches.py", "-k", "overlap_switch"),
 ]
 
 
