@@ -468,16 +468,46 @@ class ExpertParallelMoE(MoE):
     def load_full_state_dict(self, state: dict) -> None:
         """Load a :class:`~sonicmoe.MoE` state dict with all E experts, keeping this rank's slice of theirs.
 
+        Everything is checked before anything is copied: on an error the layer is unchanged (``load_state_dict``
+        copies entry by entry and raises at the end, so a router of the wrong shape left the experts loaded). Each
+        entry is cast to its parameter's (or buffer's) dtype and device, as ``load_state_dict`` casts it.
+
         Raises:
-            ValueError: an ``experts.*`` entry without E rows (a shard's state dict, say), naming it.
+            KeyError: entries the layer needs are missing (all of them named).
+            ValueError: entries the layer has no place for (named); an ``experts.*`` entry without E rows (a shard's
+                state dict, say), naming it; an entry of the wrong shape (naming it, the expected and the got
+                shape), not a dense tensor with data (a meta tensor, say), or not floating-point of 16 bits or more
+                where the layer's is floating-point (integer or float8 codes, complex values).
         """
         r, e = self.expert_range, self.config.num_experts
-        for name, v in state.items():
-            if name.startswith("experts.") and (not isinstance(v, torch.Tensor) or v.dim() < 1 or v.shape[0] != e):
-                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"{name} must hold all E={e} experts (a full MoE's state dict), got {got}")
-        own = {name: (v[r.start:r.stop] if name.startswith("experts.") else v) for name, v in state.items()}
-        self.load_state_dict(own)
+        own = self.state_dict(keep_vars=True)  # this layer's parameters and persistent buffers, by name
+        missing = [name for name in own if name not in state]
+        if missing:
+            raise KeyError(f"missing {', '.join(missing)} (a full MoE's state dict has every entry of the layer)")
+        unexpected = [name for name in state if name not in own]
+        if unexpected:
+            raise ValueError(f"the state dict has entries the layer has no place for: {', '.join(unexpected)}")
+        values = {}
+        for name, t in own.items():  # every check (then every cast) before the first copy
+            v, want = state[name], tuple(t.shape)
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor, got {type(v).__name__}")
+            if name.startswith("experts."):
+                if v.dim() < 1 or v.shape[0] != e:
+                    raise ValueError(f"{name} must hold all E={e} experts (a full MoE's state dict), got "
+                                     f"{tuple(v.shape)}")
+                want = (e, *want[1:])  # the full entry's; this rank keeps rows [r.start, r.stop)
+            if tuple(v.shape) != want:
+                raise ValueError(f"{name} must have shape {want}, got {tuple(v.shape)}")
+            if v.layout != torch.strided or v.device.type == "meta":
+                raise ValueError(f"{name} must be a dense tensor with data, got layout {v.layout} on {v.device}")
+            if t.dtype.is_floating_point and (not v.dtype.is_floating_point or v.dtype.itemsize == 1):
+                raise ValueError(f"{name} must be a floating-point tensor of 16 bits or more (the layer's is "
+                                 f"{t.dtype}), got {v.dtype}")
+            values[name] = v[r.start:r.stop] if name.startswith("experts.") else v
+        # the casts too (a device out of memory, say) before the first copy
+        values = {name: v.to(device=own[name].device, dtype=own[name].dtype) for name, v in values.items()}
+        self.load_state_dict(values)
 
     def _run_experts(self, x2: torch.Tensor, routing: Routing, pair_scores: torch.Tensor, backend: str):
         c, ex = self.config, self.experts

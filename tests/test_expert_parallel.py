@@ -19,6 +19,7 @@ import copy
 import functools
 import os
 import pickle
+import re
 import traceback
 import warnings
 
@@ -451,6 +452,59 @@ def test_expert_parallel_deepcopy_shares_the_group(tmp_path):
         assert world.ep_group is None and torch.equal(world(xs), layer(xs))
         with pytest.raises(TypeError, match="other than the default one cannot be pickled.*state_dict"):
             pickle.dumps(ExpertParallelMoE.from_moe(full, group=sub))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_load_full_state_dict_is_all_or_nothing(tmp_path):
+    """In a group of one rank: load_full_state_dict checks every entry before copying any, so a failed load leaves
+    every parameter and buffer bitwise unchanged, and the error names the entry (with the expected and the got
+    shape where the shape is wrong). Before the fix torch's load_state_dict copied entry by entry and raised at the
+    end: a router of the wrong shape left the experts loaded. A good load casts to the layer's dtype."""
+    from sonicmoe.expert_parallel import ExpertParallelMoE
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        options = {"bias": True, "shared_intermediate_size": 6, "shared_expert_gate": True,
+                   "router_order": "sigmoid_then_topk", "backend": "torch"}
+        torch.manual_seed(0)
+        layer = ExpertParallelMoE.from_moe(MoE(D, N, 4, 2, **options))
+        torch.manual_seed(1)
+        other = MoE(D, N, 4, 2, **options).state_dict()
+
+        def bits(module):
+            return {name: t.detach().clone().view(torch.uint8) for name, t in module.state_dict().items()}
+
+        before = bits(layer)
+        bad = {  # state dict -> (error, message)
+            "router shape": ({**other, "gate.weight": torch.randn(4, D + 1)},
+                             (ValueError, rf"gate.weight must have shape \(4, {D}\), got \(4, {D + 1}\)")),
+            "last entry shape": ({**other, "shared_expert_gate.weight": torch.randn(2, D)},
+                                 (ValueError, rf"shared_expert_gate.weight must have shape \(1, {D}\), got "
+                                              rf"\(2, {D}\)")),
+            "expert inner shape": ({**other, "experts.down_proj": torch.randn(4, D, N + 1)},
+                                   (ValueError, rf"experts.down_proj must have shape \(4, {D}, {N}\), got "
+                                                rf"\(4, {D}, {N + 1}\)")),
+            "integer codes": ({**other, "shared_experts.down_proj": torch.ones(1, D, 6, dtype=torch.int32)},
+                              (ValueError, "shared_experts.down_proj must be a floating-point tensor.*int32")),
+            "meta": ({**other, "shared_expert_gate.weight": torch.empty(1, D, device="meta")},
+                     (ValueError, "shared_expert_gate.weight must be a dense tensor with data")),
+            "not a tensor": ({**other, "e_score_correction_bias": [0.0] * 4},
+                             (ValueError, "e_score_correction_bias must be a tensor, got list")),
+            "missing": ({k: v for k, v in other.items() if k != "shared_experts.down_proj"},
+                        (KeyError, "missing shared_experts.down_proj")),
+            "unexpected": ({**other, "extra.weight": torch.randn(3)}, (ValueError, "no place for: extra.weight")),
+        }
+        for case, (state, (error, message)) in bad.items():
+            with pytest.raises(Exception) as info:
+                layer.load_full_state_dict(state)
+            after = bits(layer)
+            for name, b in before.items():  # first: the old code raised too, after copying
+                assert torch.equal(after[name], b), f"{case}: {name} changed by a failed load"
+            assert info.type is error and re.search(message, str(info.value)), (case, info.value)
+        layer.load_full_state_dict({k: v.double() for k, v in other.items()})  # cast to the layer's float32
+        for name, t in layer.state_dict().items():
+            assert t.dtype == torch.float32 and torch.equal(t, other[name]), name
     finally:
         dist.destroy_process_group()
 
