@@ -662,6 +662,13 @@ MUTANTS: list[Mutant] = [
     _m("ep_load_router_shape_left_to_torch", EP, "            if tuple(v.shape) != want:",
        '            if name.startswith("experts.") and tuple(v.shape) != want:', "tests/test_expert_parallel.py",
        "-k", "all_or_nothing"),
+    # ... load_hf_experts refuses both shared_experts.* and shared_expert.* under one prefix (took the first silently)
+    _m("hf_shared_both_names_first_wins", "sonicmoe/checkpoints.py",
+       '    if all(any(key.startswith(f"{prefix}{name}.") for key in state_dict) for name in SHARED_NAMES):',
+       "    if False:", "tests/test_checkpoints.py", "-k", "ambiguous"),
+    _m("hf_shared_ambiguity_gate_proj_only", "sonicmoe/checkpoints.py",
+       '    if all(any(key.startswith(f"{prefix}{name}.") for key in state_dict) for name in SHARED_NAMES):',
+       "    if len(found) > 1:", "tests/test_checkpoints.py", "-k", "ambiguous"),
 ]
 
 

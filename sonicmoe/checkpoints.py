@@ -134,7 +134,8 @@ def load_hf_experts(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: 
             data (meta); an unknown style;
             biases (any of an expert's three, named, also where the checkpoint lacks the others; any of the shared
             expert's), more experts, DeepSeek-V3's selection bias or a shared expert's gate in the checkpoint for a
-            layer without a place for them.
+            layer without a place for them; both ``shared_experts.*`` and ``shared_expert.*`` under the prefix
+            (ambiguous) where the layer has a shared expert.
         TypeError / NotImplementedError: ``layer`` not an MoE, or an expert-parallel shard.
     """
     _check_layer(layer)
@@ -237,6 +238,12 @@ def _take_shared(layer: MoE, state_dict: Mapping[str, torch.Tensor], prefix: str
         raise KeyError(f"the layer has a shared expert (shared_intermediate_size={c.shared_intermediate_size}) but "
                        f"the checkpoint has neither {prefix}shared_experts.gate_proj.weight (DeepSeek) nor "
                        f"{prefix}shared_expert.gate_proj.weight (Qwen2-MoE)")
+    # any entry under both names, not only gate_proj's (before, shared_experts.* was taken silently and
+    # shared_expert.* ignored)
+    if all(any(key.startswith(f"{prefix}{name}.") for key in state_dict) for name in SHARED_NAMES):
+        raise ValueError(f"ambiguous checkpoint: it has both {prefix}shared_experts.* (DeepSeek) and "
+                         f"{prefix}shared_expert.* (Qwen2-MoE) weights under one prefix; the layer has one shared "
+                         "expert: keep only one of them in the state dict")
     p, d, n_s = f"{prefix}{found[0]}.", c.hidden_size, c.shared_intermediate_size
     w1 = _gate_up(_take(state_dict, f"{p}gate_proj.weight", (n_s, d)),
                   _take(state_dict, f"{p}up_proj.weight", (n_s, d)), c.gate_up_layout)

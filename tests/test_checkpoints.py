@@ -217,6 +217,28 @@ def test_shared_expert_errors_leave_the_layer_unchanged():
 
 
 
+def test_both_shared_expert_names_are_ambiguous():
+    """A checkpoint with both shared_experts.* (DeepSeek) and shared_expert.* (Qwen2-MoE) under one prefix is refused,
+    naming both prefixes, with the layer unchanged (before, shared_experts.* was loaded silently); either alone loads,
+    and entries under another prefix do not count."""
+    torch.manual_seed(7)
+    good = _prefixed(_Qwen2MoeBlock(), "b.")
+    deepseek = {k.replace(".shared_expert.", ".shared_experts."): -v for k, v in good.items() if ".shared_expert." in k}
+    layer = MoE(D, N, E, K, shared_intermediate_size=N_S, shared_expert_gate=True, dtype=torch.float64)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=r"ambiguous.*b\.shared_experts\.\*.*b\.shared_expert\.\*"):
+        load_hf_experts(layer, {**good, **deepseek}, "b.")
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    stray = {"b.shared_experts.down_proj.weight": deepseek["b.shared_experts.down_proj.weight"]}
+    with pytest.raises(ValueError, match="ambiguous"):  # any entry of the other name, not only gate_proj's
+        load_hf_experts(layer, {**good, **stray}, "b.")
+    load_hf_experts(layer, {**good, **{"a." + k[2:]: v for k, v in deepseek.items()}}, "b.")
+    assert torch.equal(layer.shared_experts.down_proj[0], good["b.shared_expert.down_proj.weight"])
+    only = {k: v for k, v in good.items() if ".shared_expert." not in k}
+    load_hf_experts(layer, {**only, **deepseek}, "b.")
+    assert torch.equal(layer.shared_experts.down_proj[0], deepseek["b.shared_experts.down_proj.weight"])
+
+
 @pytest.mark.parametrize("style", ["qwen", "mixtral"])
 @pytest.mark.parametrize("biased", [True, False])
 def test_expert_biases_are_checked_key_by_key(style, biased):
