@@ -23,19 +23,23 @@ default subroutine) instead of top-k; the group-limited order is left out (token
 check below runs in eval mode, i.e. on top-k.
 
 Every order's layer output is first checked against the float32 reference (:func:`sonicmoe.reference.moe_ref` with
-the same options) by relative error. The table is printed last; ``--json`` writes every number.
+the same options) by relative error. The table is printed last; ``--json`` writes every number. The run then exits
+with status 1 if any order's error is over ``sonicmoe bench``'s bound for bf16
+(:func:`sonicmoe.bench.measure.default_tol`, 2e-2; the measured errors are about 4e-3) or NaN, naming each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import sys
 
 import torch
 
 from sonicmoe import MoE
-from sonicmoe.bench.measure import bench_ms, fwdbwd_fn, graph_of, host_ms
+from sonicmoe.bench.measure import bench_ms, default_tol, fwdbwd_fn, graph_of, host_ms
 from sonicmoe.bench.shapes import parse_shape
 from sonicmoe.reference import moe_ref
 from sonicmoe.routing import router_topk
@@ -110,7 +114,14 @@ def _check(m: MoE, x: torch.Tensor) -> float:
     return rel_err(out, ref)
 
 
-def main() -> None:
+def check_failures(results: list[dict], tol: float) -> list[str]:
+    """One line per order whose check error (``check_rel_err``) is over ``tol`` or NaN; empty if all passed."""
+    return [f"{tuple(row['shape'])} {name}: check rel err {v['check_rel_err']:.2e} over {tol:.1e}"
+            for row in results for name, v in row["orders"].items()
+            if not (math.isfinite(v["check_rel_err"]) and v["check_rel_err"] <= tol)]
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=_shape, action="append", default=[], metavar="T,d,n,E,K")
     p.add_argument("--rounds", type=int, default=3)
@@ -171,7 +182,8 @@ def main() -> None:
         summarise(row, shape, args.graph)
         results.append(row)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
-            "graph": args.graph, "routing": args.routing, "aux_loss_coef": args.aux_loss_coef, "results": results}
+            "graph": args.graph, "routing": args.routing, "aux_loss_coef": args.aux_loss_coef,
+            "check_tol": default_tol(torch.bfloat16), "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
@@ -191,7 +203,11 @@ def main() -> None:
                           f"{v['tflops_graph']:.1f}", f"{v['router_host_ms_median']:.3f}",
                           f"{v['router_graph_ms_median']:.3f}"]
             print(f"| {tuple(row['shape'])} | {name} | " + " | ".join(cells) + " |")
+    failed = check_failures(results, meta["check_tol"])  # after the table and the JSON: nothing is lost
+    for line in failed:
+        print(f"check FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

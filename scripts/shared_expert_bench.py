@@ -7,6 +7,10 @@ window, median), fresh random inputs:
 - ``shared alone``: ``sonicmoe.experts`` on ``routing_dense(T)`` (what the layer runs), and the torch MLP;
 - held activation memory after the forward (output excluded) of the shared expert alone, ours against torch's.
 TFLOP/s count the shared expert's useful FLOPs, 6·T·d·n_s forward and 12·T·d·n_s backward.
+The shared expert's output (ours) is checked against the float32 torch MLP (``shared_rel_err``; the bf16 torch MLP's
+difference, ``shared_rel_err_vs_torch``, is reported beside it): after printing (and writing) every row the run exits
+with status 1 if an error is over ``sonicmoe bench``'s bound for bf16 (:func:`sonicmoe.bench.measure.default_tol`,
+2e-2) or NaN, naming the shape.
 
 usage (GPU): PYTHONPATH=$PWD python scripts/shared_expert_bench.py [--shape T,d,n,E,K,n_s ...] [--json F]
 """
@@ -15,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from sonicmoe import MoE, experts, routing_dense
-from sonicmoe.bench.measure import bench_ms, fwdbwd_fn
+from sonicmoe.bench.measure import bench_ms, default_tol, fwdbwd_fn
+from sonicmoe.testing import rel_err
 
 # DeepSeek-V2-Lite's block at 16k tokens (d 2048, 64 experts of 1408, K 6, two shared: n_s 2816); Qwen1.5-MoE-A2.7B
 # (60 experts of 1408, K 4, n_s 5632); the 7B shape with a shared expert of 4n
@@ -67,6 +74,10 @@ def run_shape(spec: str) -> dict:
 
     err = (ours().float() - theirs().float()).norm() / theirs().float().norm()
     row["shared_rel_err_vs_torch"] = float(err)
+    with torch.no_grad():  # the float32 reference: the checked error
+        ref = _torch_mlp(x.float(), w1[0].float(), w2[0].float(), n_s)
+        row["shared_rel_err"] = rel_err(ours(), ref)
+    del ref
     flops = 18.0 * t * d * n_s
     for name, fn in (("ours", ours), ("torch", theirs)):
         ms = bench_ms(fwdbwd_fn(fn, [x, w1, w2], dout), device=dev)["p50"]
@@ -75,7 +86,14 @@ def run_shape(spec: str) -> dict:
     return row
 
 
-def main() -> None:
+def check_failures(rows: list[dict], tol: float) -> list[str]:
+    """One line per shape whose shared expert's error against the float32 reference (``shared_rel_err``) is over
+    ``tol`` or NaN; empty if all passed."""
+    return [f"{r['shape']}: shared expert rel err {r['shared_rel_err']:.2e} over {tol:.1e}" for r in rows
+            if not (math.isfinite(r["shared_rel_err"]) and r["shared_rel_err"] <= tol)]
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", nargs="+", default=list(SHAPES), help="T,d,n,E,K,n_s")
     p.add_argument("--json", help="write the rows here")
@@ -94,7 +112,13 @@ def main() -> None:
         layer = " / ".join(f"{r[f'layer_{v}_ms']:.3f}" for v in ("plain", "shared", "shared_gated"))
         alone = " / ".join(f"{r[f'shared_{v}_ms']:.3f} ({r[f'shared_{v}_tflops']:.0f})" for v in ("ours", "torch"))
         held = " / ".join(f"{r[f'shared_{v}_held_bytes'] / 2**20:.0f}" for v in ("ours", "torch"))
-        print(f"{r['shape']} | {layer} | {alone} | {held} | rel err {r['shared_rel_err_vs_torch']:.1e}")
+        print(f"{r['shape']} | {layer} | {alone} | {held} | rel err {r['shared_rel_err']:.1e} (float32 ref), "
+              f"{r['shared_rel_err_vs_torch']:.1e} (bf16 torch)")
+    failed = check_failures(rows, default_tol(torch.bfloat16))  # after the table and the JSON: nothing is lost
+    for line in failed:
+        print(f"check FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1295,6 +1295,38 @@ def test_every_script_timing_is_a_median():
     assert calls >= 20 and not wrong, wrong
 
 
+def test_router_orders_and_shared_expert_bench_fail_over_the_bench_bound(monkeypatch, capsys):
+    """benchmarks/router_orders.py and scripts/shared_expert_bench.py exit with status 1 (after the table) when an
+    error against the float32 reference is over ``sonicmoe bench``'s bf16 bound (default_tol: 2e-2, norm-wise, not
+    the local factor's 0.2) or NaN, naming each; 0 when all are within it. Before, they only printed the errors."""
+    import importlib.util
+    import math
+
+    from sonicmoe.bench.measure import default_tol
+
+    tol = default_tol(torch.bfloat16)
+    ro = runpy.run_path(str(REPO / "benchmarks" / "router_orders.py"))
+    errs = {"ok": 3.8e-3, "at_bound": tol, "over": 0.05, "nan": math.nan}
+    results = [{"shape": [64, 16, 8, 4, 2], "orders": {name: {"check_rel_err": v} for name, v in errs.items()}}]
+    failed = ro["check_failures"](results, tol)
+    assert len(failed) == 2 and "(64, 16, 8, 4, 2) over: check rel err 5.00e-02" in failed[0] and "nan" in failed[1]
+    assert ro["check_failures"](results[:0], tol) == []
+
+    spec = importlib.util.spec_from_file_location("shared_expert_bench", REPO / "scripts" / "shared_expert_bench.py")
+    seb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seb)
+    row = {**{f"layer_{v}_ms": 1.0 for v in ("plain", "shared", "shared_gated")},
+           **{f"shared_{v}_{key}": 1.0 for v in ("ours", "torch") for key in ("ms", "tflops", "held_bytes")},
+           "shared_rel_err_vs_torch": 3.6e-3}
+    monkeypatch.setattr(seb, "run_shape", lambda s: {**row, "shape": s, "shared_rel_err": errs[s]})
+    for shapes, code in ((["ok", "at_bound"], 0), (["ok", "over", "nan"], 1)):
+        monkeypatch.setattr(sys, "argv", ["shared_expert_bench.py", "--shape", *shapes])
+        assert seb.main() == code, shapes
+        out, err = capsys.readouterr()
+        assert all(f"{s} |" in out for s in shapes), out  # the table is printed either way
+        assert [line.split(":")[1] for line in err.splitlines()] == [" over", " nan"][:2 * code], err
+
+
 def test_router_orders_counts_the_pairs_token_rounding_routed():
     """benchmarks/router_orders.py --routing token_rounding: TFLOP/s at 18·TK·n·d with TK the pairs the layer routed
     (SPEC §1: the rounded count, as ``sonicmoe bench`` counts R), not T·K; under top-k the two agree."""
