@@ -23,6 +23,7 @@ from sonicmoe.bench.baselines import REGISTRY, BaselineSpec, ExpertsCase, UpperB
 from sonicmoe.bench.measure import reference_errors
 from sonicmoe.bench.problem import make_problem
 from sonicmoe.bench.shapes import PRESETS, Shape, parse_shape, preset_shapes, spec_held_bytes, useful_flops
+from sonicmoe.env import interpreting
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO.parent / "shared" / "configs.json"
@@ -111,10 +112,8 @@ def test_default_run_without_gpu_is_tiny(tmp_path, monkeypatch):
 def test_triton_backend_through_interpreter(tmp_path):
     """Ours (sonicmoe.experts backend="triton") through Triton's interpreter in float32: checked
     (output and grads), timed, and the ratio base. Skipped until sonicmoe.ops.moe_function exists."""
-    import os
-
     pytest.importorskip("sonicmoe.ops.moe_function")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "triton,upper", "--no-router-variant")
     rec = doc["results"][0]
@@ -1100,12 +1099,10 @@ def test_bench_triton_kernels_take_the_clamped_activation():
     """Ours through Triton's interpreter with the clamped activation, W1 scaled so that some of H passes the clamps:
     the bench's check (O and the grads of x, W1, W2, S) passes against the clamped float32 reference, and O differs
     from the SwiGLU case's."""
-    import os
-
     from sonicmoe.bench.measure import check_case
     from sonicmoe.reference import split_gate_up
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not interpreting():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     p = make_problem(Shape("act", 32, 32, 16, 4, 2), dtype=torch.float32, device=dev, seed=1)
