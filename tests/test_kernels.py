@@ -1514,3 +1514,83 @@ def test_gpu_bf16_layer_with_zero_width_hidden():
     assert out.shape == (t, 0)
     out.sum().backward()
     assert w1.grad.shape == w1.shape and w2.grad.shape == w2.shape and not scores.grad.any()
+
+
+def _space_configs(*configs) -> list[dict]:
+    """The configs (triton.Configs or dicts) once each by meta-parameters (the interpreter ignores warps and stages),
+    each pinned GPU dict also as launch() sizes it for float32 operands."""
+    from sonicmoe.ops.common import config_dict, sized_for_operands
+
+    out, seen = [], set()
+    for cfg in configs:
+        cfg = cfg if isinstance(cfg, dict) else config_dict(cfg)
+        for c in (cfg, sized_for_operands(cfg, 4)):
+            key = tuple(sorted((k, v) for k, v in c.items() if k not in ("num_warps", "num_stages")))
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+    return out
+
+
+def test_every_tuning_space_config_at_edge_shapes(device, monkeypatch):
+    """Autotuning may pick any config of a kernel's tuning space, and the GPU pins its defaults (the step loop that
+    stored nothing at d = 0 in session 91 was one): every config of each op's TUNING_SPACE and every pinned GPU
+    default (as given, TMA flags included: descriptors the tensors allow are used, the interpreter runs them on CPU,
+    and flags whose descriptors do not exist fall back), three programs per persistent grid, on a padded routing
+    with the first and last experts empty, one expert with more rows than a 128-row tile, d and n not tile
+    multiples, and a zero-width reduction (d = 0, k = 0); outputs NaN before the kernels write them: within 1e-5 of
+    the float32 twins on the real rows."""
+    from sonicmoe.ops import aggregation, common, grouped_gemm, weight_grad
+    from sonicmoe.ops import dh as dh_mod
+    from sonicmoe.ops import up_proj as up_mod
+
+    monkeypatch.setattr(common, "sm_count", lambda device: 3)
+    t, e, n = 140, 6, 72
+    tok = [*range(t), *range(0, t, 3), *range(1, t, 7)]
+    exp = [1] * t + [2 + i % 3 for i in range(len(tok) - t)]  # expert 1: every token; 0 and e - 1: none
+    tok, exp = torch.tensor(tok + [t] * 3), torch.tensor(exp + [e] * 3)  # three padding pairs
+    perm = torch.randperm(len(tok), generator=torch.Generator().manual_seed(5))
+    routing = routing_from_pairs(tok[perm].to(device), exp[perm].to(device), t, e, padding=True)
+    real = int(routing.expert_offsets[-1])
+    r = routing.num_rows
+    assert r == real + 3 and routing.expert_counts()[0] == 0 and routing.expert_counts()[-1] == 0
+    g = torch.Generator().manual_seed(6)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    def close(got, want):
+        return rel_err(got[:real], want[:real]) < 1e-5
+
+    for d in (0, 132):
+        x, w1, b1 = rnd(t, d), rnd(e, 2 * n, d) / max(d, 1) ** 0.5, rnd(e, 2 * n)
+        for cfg in _space_configs(*up_mod.TUNING_SPACE, up_mod._GPU_DEFAULT, up_mod._GPU_DEFAULT_STEPS):
+            h, a = up_mod.up_proj(x, w1, b1, routing, config=cfg)
+            h_ref, a_ref = up_mod.up_proj_ref(x, w1, b1, routing)
+            assert close(h, h_ref) and close(a, a_ref), (d, cfg)
+        dout, w2, hh, s = rnd(t, d), rnd(e, d, n) / n**0.5, rnd(r, 2 * n), torch.rand(r, generator=g).to(device)
+        for cfg in _space_configs(*dh_mod.TUNING_SPACE, dh_mod._GPU_DEFAULT):
+            got, want = dh_mod.dh(dout, w2, hh, s, routing, config=cfg), dh_mod.dh_ref(dout, w2, hh, s, routing)
+            assert all(close(x1, x2) for x1, x2 in zip(got, want)), (d, cfg)
+    for k, m in ((0, n), (n, 132)):
+        for transpose_b in (True, False):
+            a, b = rnd(r, k), rnd(*((e, m, k) if transpose_b else (e, k, m))) / max(k, 1) ** 0.5
+            bias = rnd(e, m)
+            want = grouped_gemm.varlen_m_gemm_ref(a, b, bias, routing, transpose_b=transpose_b)
+            for cfg in _space_configs(*grouped_gemm.TUNING_SPACE, grouped_gemm._GPU_DEFAULT,
+                                      grouped_gemm._GPU_DEFAULT_TMA_STORES):
+                got = grouped_gemm.varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b, config=cfg)
+                assert close(got, want), (k, m, transpose_b, cfg)
+    for pg, qg, pm, qm in ((True, False, rnd(t, 132), rnd(r, n)), (False, True, rnd(r, 2 * n), rnd(t, 132))):
+        want = weight_grad.varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
+        pinned = (weight_grad._GPU_DEFAULT, weight_grad._GPU_DEFAULT_P_GATHERED)
+        for cfg in _space_configs(*weight_grad.TUNING_SPACE, *pinned, *({**c, **weight_grad._STEPS} for c in pinned)):
+            got = weight_grad.varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32,
+                                            config=cfg)
+            assert rel_err(got, want) < 1e-5 and not got[0].any() and not got[-1].any(), (pg, cfg)
+    y, w = rnd(r, 132), torch.rand(r, generator=g).to(device)
+    want = gather_sum_ref(y, routing, w)
+    for cfg in _space_configs(*aggregation.TUNING_SPACE, aggregation._GPU_DEFAULT, aggregation.SLICE_CONFIG,
+                              aggregation.RESERVE_CONFIG):
+        for programs in (0, 2):
+            assert rel_err(gather_sum(y, routing, w, config=cfg, num_programs=programs), want) < 1e-5, cfg
