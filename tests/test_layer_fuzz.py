@@ -19,13 +19,14 @@ natively (float32, so the bound is the float32 one).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sonicmoe
@@ -184,6 +185,18 @@ def oracle(c: LayerCase, m: MoE, x: torch.Tensor):
     return out.reshape(*c.lead, c.d), aux, z, counts
 
 
+def oracle_grads_float64(c: LayerCase, m: MoE, x: torch.Tensor, dout: torch.Tensor) -> tuple:
+    """The gradients of :func:`test_layer_fuzz_triton_vs_references`'s loss by the references in float64, on float64
+    copies of the layer and x: (x, then every parameter; None where unused). The float32 oracle can be the less
+    accurate side: a router probability near 1 (softmax over the chosen logit, p(1 − p) ≈ 6e-4, hypothesis seed
+    3469) left its router-weight gradient 6.5e-5 off the float64 one, and the kernels' 3.6e-6 (session 91)."""
+    m64 = copy.deepcopy(m).double()
+    x64 = x.detach().double().requires_grad_(True)
+    params = [x64] + list(m64.parameters())
+    ref, aux, z, _ = oracle(c, m64, x64)
+    return torch.autograd.grad((ref * dout.double()).sum() + aux + z, params, allow_unused=True)
+
+
 def with_kernels(monkeypatch):
     """The router and token rounding take their Triton kernels on CPU too (the interpreter), as on CUDA."""
     monkeypatch.setattr(sonicmoe.modules, "router_topk", functools.partial(router_topk, use_kernel=True))
@@ -198,9 +211,16 @@ def with_kernels(monkeypatch):
 @settings(max_examples=int(os.environ.get("SONICMOE_LAYER_FUZZ_EXAMPLES", "20")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(c=layer_cases())
+# hypothesis seed 3469 (session 91): T = 1, a router probability of 0.9994, the clamped activation at x_scale 6; the
+# kernels' router-weight gradient 3.6e-6 off the float64 oracle, the float32 oracle's 6.5e-5
+@example(c=LayerCase(lead=(1,), d=8, n=8, e=2, k=1, order="softmax_then_topk", renormalize=False, scale=1.0,
+                     groups=(1, 1), expert_bias=False, layout="concat", bias=False, routing="topk", rounding="nearest",
+                     m_tile=1, static=False, shared=8, shared_gate=False, activation="clamped_swiglu",
+                     router_bias=False, x_scale=6.0, aux=0.01, z=0.0, training=False, kernels=True, seed=200))
 def test_layer_fuzz_triton_vs_references(c, device):
     """The MoE layer (triton backend) against the references: O, aux_loss, z_loss and the expert counts, then the
-    gradients of x and every parameter of ⟨O, dO⟩ + aux_loss + z_loss, each to relative error < 1e-5 (:func:`close`:
+    gradients of x and every parameter of ⟨O, dO⟩ + aux_loss + z_loss, each to relative error < 1e-5 of the float32
+    oracle or, where that misses, of the float64 one (:func:`oracle_grads_float64`; :func:`close`:
     norms under 1e-6 count as zero, and for the router weight where S ignores the logits, norms under
     1e-2·‖x‖·‖dO‖). Token rounding in training: every count a multiple of
     M_tile or the capped T."""
@@ -231,6 +251,9 @@ def test_layer_fuzz_triton_vs_references(c, device):
     for name, got, want in (("aux_loss", aux_loss, aux_ref), ("z_loss", z_loss, z_ref)):
         assert got.shape == () and close(got, want), (name, float(got), float(want))
     noise = 1e-2 * float(x.detach().norm() * dout.norm())  # norms under 1e-7·‖x‖·‖dO‖ pass (seen: 8e-9·‖x‖·‖dO‖)
-    for name, got, want in zip(names, grads, grads_ref):
+    grads64 = None
+    for i, (name, got, want) in enumerate(zip(names, grads, grads_ref)):
         floor = noise if name in ("gate.weight", "gate.bias") and scores_ignore_logits(c) else FLOOR
-        assert close(got, want, floor), (name, got, want)
+        if not close(got, want, floor):  # within 1e-5 of the float32 oracle, or else of the float64 one
+            grads64 = oracle_grads_float64(c, m, x, dout) if grads64 is None else grads64
+            assert close(got, grads64[i], floor), (name, got, want, grads64[i])
