@@ -351,6 +351,26 @@ def test_strided_weights_and_row_pairs(device):
     assert torch.equal(want, score_grad_ref(parts, routing.row_pair, routing.expert_offsets))
 
 
+def test_gemm_operands_with_strided_columns(device):
+    """Operands whose inner stride is not 1 (column-major storage: an A or X built transposed) give the bits of their
+    contiguous copies: the varlen-M GEMM (both forms) and the up-projection read rows at a unit column stride, so their
+    launchers copy (a launcher that did not read A's or X's columns at A's row stride: wrong products)."""
+    t, d, n, e, k = 29, 40, 24, 5, 2
+    p = random_problem(t, d, n, e, bias=True, device=device, seed=21)
+    _, routing = _topk_routing(p, k, device)
+    r = routing.num_rows
+    g = torch.Generator().manual_seed(21)
+    a = torch.randn(n, r, generator=g).to(device).t()  # (R, n), column-major
+    dh_ = torch.randn(2 * n, r, generator=g).to(device).t()
+    x = p["x"].t().contiguous().t()
+    assert a.stride(-1) != 1 and dh_.stride(-1) != 1 and x.stride(-1) != 1
+    assert torch.equal(down_proj(a, p["w2"], p["b2"], routing), down_proj(a.contiguous(), p["w2"], p["b2"], routing))
+    assert torch.equal(varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False),
+                       varlen_m_gemm(dh_.contiguous(), p["w1"], None, routing, transpose_b=False))
+    got, want = up_proj(x, p["w1"], p["b1"], routing), up_proj(p["x"], p["w1"], p["b1"], routing)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_gather_sum_padded_routing(device):
     """A padded routing (static length; padding pairs (T, E) at the end): the kernel and its twin leave the padding
     slots out, and every token's real slots summed must equal the same routing built without the padding."""
