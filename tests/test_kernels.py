@@ -1063,6 +1063,14 @@ def test_score_grad_rejects_bad_input(device):
         score_grad(part, rows[:5], offsets)
     with pytest.raises(ValueError, match="extra"):
         score_grad(part, rows, offsets, torch.randn(5, device=device))
+    # no partial sums (P = 0: the kernel reads row 0 of P regardless), an extra term not in float32 (the sum is float32)
+    # and int64 offsets (the kernel's contract is int32 routing arrays)
+    with pytest.raises(ValueError, match="ds_part"):
+        score_grad(part[:0], rows, offsets)
+    with pytest.raises(ValueError, match="extra"):
+        score_grad(part, rows, offsets, torch.randn(8, device=device, dtype=torch.float64))
+    with pytest.raises(ValueError, match="expert_offsets"):
+        score_grad(part, rows, offsets.long())
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
