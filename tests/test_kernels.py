@@ -453,7 +453,8 @@ def test_gather_sum_config_rule(device, monkeypatch):
     assert torch.equal(gather_sum(y, routing, w), base)
     # BLOCK_T too must be a power of two (the kernel's tl.arange over the tile's tokens): 3 passed the check and
     # failed inside Triton ("arange's range must be a power of 2") before the audit of session 90
-    for bad in ("1:512:2", "1:500:2:4", "1:512:3:4", "0:512:2:4", "3:32:1:2", "x"):
+    # a fifth part (not four values: refused by name, not by the zip into the config)
+    for bad in ("1:512:2", "1:500:2:4", "1:512:3:4", "0:512:2:4", "3:32:1:2", "1:512:2:4:1", "x"):
         monkeypatch.setenv("SONICMOE_AGG_CONFIG", bad)
         with pytest.raises(ValueError, match="SONICMOE_AGG_CONFIG"):
             gather_sum(y, routing, w)
@@ -483,7 +484,7 @@ def test_reserve_config_switch(device, monkeypatch):
     got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
     assert torch.equal(got, gather_sum(y, routing, w))
     assert rel_err(got, gather_sum_ref(y, routing, w)) < 1e-6
-    for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "6:1024:32:4", "x"):
+    for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "6:1024:32:4", "8:1024:32:8:1", "x"):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", bad)
         with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE_CONFIG"):
             aggregation.reserve_config()
