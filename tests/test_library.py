@@ -495,6 +495,10 @@ def test_opcheck_tr_static_pairs(subroutine, device):
             assert torch.equal(getattr(op, name), getattr(want, name)), name
         for name in ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows"):
             assert torch.equal(getattr(op.routing, name), getattr(want.routing, name)), name
+        # a padded routing: the torch backend zeroes its padding rows (real_rows), row_expert clamps them to E - 1
+        assert op.routing.padded and want.routing.padded
+        assert torch.equal(op.routing.real_rows(), want.routing.real_rows())
+        assert torch.equal(op.routing.row_expert(), want.routing.row_expert())
     assert op.pair_token.shape == (r_max,) and bool((op.pair_token == t).any())  # padding pairs last
 
 
