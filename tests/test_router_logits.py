@@ -69,12 +69,28 @@ def test_function_forward_backward_and_saved_tensors():
         assert rel_err(got.double(), truth) < 4e-3
 
 
+@pytest.mark.parametrize("grad_of", ["x", "w"])
+def test_backward_of_one_operand(grad_of):
+    """With only X or only W_r requiring a gradient, that one gets the gradient of the call where both do (the
+    backward computes only what ``needs_input_grad`` asks for: flags read in the wrong order left it None)."""
+    x, w, dlogits = _operands(37, 24, 6, seed=4)
+    both = [x.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    rl.router_logits(*both).backward(dlogits)
+    one = [x.clone().requires_grad_(grad_of == "x"), w.clone().requires_grad_(grad_of == "w")]
+    rl.router_logits(*one).backward(dlogits)
+    i = 0 if grad_of == "x" else 1
+    assert one[1 - i].grad is None
+    assert one[i].grad is not None and torch.equal(one[i].grad, both[i].grad)
+
+
 def test_validation():
     x, w, _ = _operands(4, 8, 3)
     with pytest.raises(TypeError, match="bfloat16"):
         rl.router_logits(x.float(), w)
     with pytest.raises(ValueError, match=r"\(T, d\) and router_weight \(E, d\)"):
         rl.router_logits(x, w[:, :4])
+    with pytest.raises(ValueError, match="one device"):  # the meta device: a second device on any machine
+        rl.router_logits(x, w.to("meta"))
 
 
 def test_router_topk_takes_the_float32_gemm_on_cpu():
