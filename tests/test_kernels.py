@@ -334,14 +334,17 @@ def test_gather_sum(device):
 
 
 def test_strided_weights_and_row_pairs(device):
-    """A strided (R,) view of the slot weights (gather_sum) or of row_pair and expert_offsets (score_grad) gives the
-    same bits as its contiguous copy (the kernels index them as contiguous: the launchers copy)."""
+    """A strided (R,) view of the slot weights (gather_sum) or of row_pair and expert_offsets (score_grad), rows Y
+    stored column-major (gather_sum) and (P, R) partials stored row-major as (R, P) (score_grad) give the same bits as
+    their contiguous copies (the kernels index them as contiguous or with a unit inner stride: the launchers copy)."""
     t, e = 29, 7
     routing = _skewed_routing(t, e, device)
     r = routing.num_rows
     y = torch.randn(r, 40, device=device)
     w = torch.rand(2 * r, device=device)[::2]
     assert torch.equal(gather_sum(y, routing, w), gather_sum(y, routing, w.contiguous()))
+    y_cols = y.t().contiguous().t()  # (R, 40), inner stride R
+    assert torch.equal(gather_sum(y_cols, routing, w), gather_sum(y, routing, w))
     parts = torch.randn(3, r, device=device)
     row_pair = torch.stack([routing.row_pair, torch.zeros_like(routing.row_pair)], 1)[:, 0]
     offsets = torch.stack([routing.expert_offsets, routing.expert_offsets], 1)[:, 1]
@@ -349,12 +352,13 @@ def test_strided_weights_and_row_pairs(device):
     want = score_grad(parts, routing.row_pair, routing.expert_offsets)
     assert torch.equal(score_grad(parts, row_pair, offsets), want)
     assert torch.equal(want, score_grad_ref(parts, routing.row_pair, routing.expert_offsets))
+    assert torch.equal(score_grad(parts.t().contiguous().t(), routing.row_pair, routing.expert_offsets), want)
 
 
 def test_gemm_operands_with_strided_columns(device):
-    """Operands whose inner stride is not 1 (column-major storage: an A or X built transposed) give the bits of their
-    contiguous copies: the varlen-M GEMM (both forms) and the up-projection read rows at a unit column stride, so their
-    launchers copy (a launcher that did not read A's or X's columns at A's row stride: wrong products)."""
+    """Operands whose inner stride is not 1 (column-major storage: an A, X or W1 built transposed) give the bits of
+    their contiguous copies: the varlen-M GEMM (both forms) and the up-projection read rows of A, X and W1 at a unit
+    column stride, so their launchers copy (a launcher that did not: wrong products)."""
     t, d, n, e, k = 29, 40, 24, 5, 2
     p = random_problem(t, d, n, e, bias=True, device=device, seed=21)
     _, routing = _topk_routing(p, k, device)
@@ -363,12 +367,15 @@ def test_gemm_operands_with_strided_columns(device):
     a = torch.randn(n, r, generator=g).to(device).t()  # (R, n), column-major
     dh_ = torch.randn(2 * n, r, generator=g).to(device).t()
     x = p["x"].t().contiguous().t()
-    assert a.stride(-1) != 1 and dh_.stride(-1) != 1 and x.stride(-1) != 1
+    assert a.stride(-1) != 1 and dh_.stride(-1) != 1
     assert torch.equal(down_proj(a, p["w2"], p["b2"], routing), down_proj(a.contiguous(), p["w2"], p["b2"], routing))
     assert torch.equal(varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False),
                        varlen_m_gemm(dh_.contiguous(), p["w1"], None, routing, transpose_b=False))
-    got, want = up_proj(x, p["w1"], p["b1"], routing), up_proj(p["x"], p["w1"], p["b1"], routing)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    w1 = p["w1"].transpose(1, 2).contiguous().transpose(1, 2)  # (E, 2n, d), inner stride 2n
+    assert x.stride(-1) != 1 and w1.stride(-1) != 1
+    want = up_proj(p["x"], p["w1"], p["b1"], routing)
+    for got in (up_proj(x, p["w1"], p["b1"], routing), up_proj(p["x"], w1, p["b1"], routing)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_gather_sum_padded_routing(device):
