@@ -356,9 +356,9 @@ def test_strided_weights_and_row_pairs(device):
 
 
 def test_gemm_operands_with_strided_columns(device):
-    """Operands whose inner stride is not 1 (column-major storage: an A, X or W1 built transposed) give the bits of
-    their contiguous copies: the varlen-M GEMM (both forms) and the up-projection read rows of A, X and W1 at a unit
-    column stride, so their launchers copy (a launcher that did not: wrong products)."""
+    """Operands whose inner stride is not 1 (column-major storage: an A, X, W1, W2 or bias built transposed) give the
+    bits of their contiguous copies: the varlen-M GEMM (both forms) and the up-projection read rows of A, X, W1 and
+    the biases at a unit column stride, so their launchers copy (a launcher that did not: wrong products)."""
     t, d, n, e, k = 29, 40, 24, 5, 2
     p = random_problem(t, d, n, e, bias=True, device=device, seed=21)
     _, routing = _topk_routing(p, k, device)
@@ -368,13 +368,21 @@ def test_gemm_operands_with_strided_columns(device):
     dh_ = torch.randn(2 * n, r, generator=g).to(device).t()
     x = p["x"].t().contiguous().t()
     assert a.stride(-1) != 1 and dh_.stride(-1) != 1
-    assert torch.equal(down_proj(a, p["w2"], p["b2"], routing), down_proj(a.contiguous(), p["w2"], p["b2"], routing))
+    y = down_proj(a.contiguous(), p["w2"], p["b2"], routing)
+    b2 = p["b2"].t().contiguous().t()  # (E, d), inner stride E
+    assert b2.stride(-1) != 1
+    assert torch.equal(down_proj(a, p["w2"], p["b2"], routing), y)
+    assert torch.equal(down_proj(a.contiguous(), p["w2"], b2, routing), y)
+    w2 = p["w2"].transpose(1, 2).contiguous().transpose(1, 2)  # (E, d, n), inner stride d
+    assert torch.equal(down_proj(a.contiguous(), w2, p["b2"], routing), y)
     assert torch.equal(varlen_m_gemm(dh_, p["w1"], None, routing, transpose_b=False),
                        varlen_m_gemm(dh_.contiguous(), p["w1"], None, routing, transpose_b=False))
     w1 = p["w1"].transpose(1, 2).contiguous().transpose(1, 2)  # (E, 2n, d), inner stride 2n
-    assert x.stride(-1) != 1 and w1.stride(-1) != 1
+    b1 = p["b1"].t().contiguous().t()
+    assert x.stride(-1) != 1 and w1.stride(-1) != 1 and b1.stride(-1) != 1
     want = up_proj(p["x"], p["w1"], p["b1"], routing)
-    for got in (up_proj(x, p["w1"], p["b1"], routing), up_proj(p["x"], w1, p["b1"], routing)):
+    for got in (up_proj(x, p["w1"], p["b1"], routing), up_proj(p["x"], w1, p["b1"], routing),
+                up_proj(p["x"], p["w1"], b1, routing)):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
