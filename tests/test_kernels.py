@@ -147,6 +147,38 @@ def test_kernels_read_nothing_past_their_operands(layout, device):
         assert torch.isfinite(g).all() and torch.equal(g, want), i
 
 
+def test_kernels_write_nothing_past_their_outputs(device):
+    """The kernels that take ``out=`` (the varlen-M GEMM, the aggregation) write only inside it: ``out`` a view in the
+    middle of a wider buffer of sentinel values, with guard rows and columns on every side; the guards keep their
+    values and the view gets the bits of a fresh call. A store without its row or column mask writes past the
+    output's last row or column: into the guard here (past the end of a bare tensor it corrupts the heap instead, a
+    crash or a hang). T = 29 and d = 40 are not multiples of the interpreter's tiles (8 tokens; 16 or 32 columns),
+    whose overhang the 32-element guards hold."""
+    t, d, n, e, k, pad = 29, 40, 24, 5, 2, 32
+    p = random_problem(t, d, n, e, bias=True, device=device, seed=23)
+    _, routing = _topk_routing(p, k, device)
+    r = routing.num_rows
+    a = torch.randn(r, n, device=device)
+    w = torch.rand(r, device=device)
+
+    def guarded_out(rows):
+        buf = torch.full((rows + 2 * pad, d + 2 * pad), 7.0, device=device)
+        return buf, buf[pad:pad + rows, pad:pad + d]
+
+    # the guarded calls first: a stray store then lands in a guard and fails here, before a bare output's could
+    # corrupt the heap
+    buf, y = guarded_out(r)
+    assert varlen_m_gemm(a, p["w2"], p["b2"], routing, transpose_b=True, out=y) is y
+    buf2, o = guarded_out(t)
+    assert gather_sum(y, routing, w, out=o) is o
+    for b in (buf, buf2):
+        kept = b.clone()
+        kept[pad:-pad, pad:-pad] = 7.0
+        assert (kept == 7.0).all(), "a kernel wrote outside its output"
+    assert torch.equal(y, varlen_m_gemm(a, p["w2"], p["b2"], routing, transpose_b=True))
+    assert torch.equal(o, gather_sum(y, routing, w))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=IDS[1:3])
 def test_grouped_gemms(shape, dtype, device):
