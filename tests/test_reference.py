@@ -435,3 +435,42 @@ def test_load_balancing_loss_keeps_float64():
     assert abs(float(uniform) - 1.0) < 1e-15
     mixtral = e * torch.sum(torch.bincount(ids.reshape(-1), minlength=e) / t * torch.full((e,), 1 / e))  # T_e / T
     assert abs(float(mixtral) - k * float(uniform)) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# the helpers of sonicmoe.testing that the GPU tests judge the kernels with
+# ---------------------------------------------------------------------------------------------
+
+
+def test_testing_helpers_rel_err():
+    """rel_err: NaN for a NaN or an Inf in ``out`` (an Inf is no finite error), 0 for two zero tensors (‖ref‖ is
+    clamped: a token without experts has a zero output and a zero reference)."""
+    ref = torch.ones(3)
+    assert rel_err(ref + 1, ref) == pytest.approx(1.0)
+    assert math.isnan(rel_err(torch.tensor([1.0, float("inf"), 1.0]), ref))
+    assert math.isnan(rel_err(torch.tensor([1.0, float("nan"), 1.0]), ref))
+    assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0
+
+
+def test_testing_helpers_layer_and_reference_grads(monkeypatch):
+    """layer_grads runs the layer on the backend it is given (on the CPU "auto" means torch: the GPU tests that
+    compare backend="triton" with backend="torch" through it would compare torch with itself), and reference_grads
+    rounds its inputs to ``rounded_to`` and computes in ``gate_up_layout``."""
+    import sonicmoe.functional as functional
+    from sonicmoe.testing import layer_grads, reference_grads
+
+    T, d, n, E, K = 6, 8, 4, 4, 2
+    p = random_problem(T, d, n, E, seed=5)
+    dout = torch.randn(T, d, generator=torch.Generator().manual_seed(6))
+    seen = []
+    monkeypatch.setattr(functional, "resolve_backend", lambda backend, x: seen.append(backend) or "torch")
+    out, grads = layer_grads(p, dout, K, dtype=torch.float32, backend="triton")
+    assert seen[0] == "triton"
+    assert set(grads) == {"x", "router_weight", "w1", "w2"}
+    rounded = {key: p[key].to(torch.bfloat16).double() for key in ("x", "router_weight", "w1", "w2")}
+    for layout in LAYOUTS:
+        got, got_grads = reference_grads(p, dout, K, rounded_to=torch.bfloat16, gate_up_layout=layout)
+        want = moe_ref(rounded["x"], rounded["router_weight"], rounded["w1"], rounded["w2"], top_k=K,
+                       gate_up_layout=layout)[0]
+        assert got.dtype == torch.float64 and torch.equal(got, want.detach()), layout
+    assert rel_err(out, reference_grads(p, dout, K)[0]) < 1e-5
