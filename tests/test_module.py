@@ -134,6 +134,8 @@ def test_config_defaults():
     c = MoEConfig(8, 4, 4, 2)
     assert (c.router_order, c.renormalize, c.gate_up_layout, c.bias, c.backend, c.routing) == (
         "topk_then_softmax", False, "concat", False, "auto", "topk")
+    # token rounding's documented defaults: nearest, M_tile 128, the static-length (CUDA-graph capturable) form
+    assert (c.rounding, c.m_tile, c.static_pairs, c.aux_loss_coef, c.z_loss_coef) == ("nearest", 128, True, 0.01, 0.0)
 
 
 @pytest.mark.parametrize("kw,name", [
@@ -158,6 +160,8 @@ def test_config_defaults():
     ({"aux_loss_coef": None}, "aux_loss_coef"), ({"aux_loss_coef": float("nan")}, "aux_loss_coef"),
     ({"aux_loss_coef": -0.1}, "aux_loss_coef"), ({"z_loss_coef": "0.1"}, "z_loss_coef"),
     ({"z_loss_coef": True}, "z_loss_coef"),
+    ({"aux_loss_coef": float("inf")}, "aux_loss_coef"), ({"z_loss_coef": float("inf")}, "z_loss_coef"),  # finite
+    ({"router_bias": "False"}, "router_bias"),
 ])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=name):
