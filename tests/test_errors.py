@@ -261,7 +261,7 @@ def test_experts_routing_mismatch(prob):
         call_experts(prob, routing=meta_routing)
 
 
-@pytest.mark.parametrize("hint", [-128, 128.0, "128", True])
+@pytest.mark.parametrize("hint", [-128, -1, 128.0, "128", True])
 def test_experts_bad_tile_rows_hint(prob, hint):
     """routing.tile_rows, the kernels' hint, must be an int >= 0; the routing is left as it was."""
     routing = routing_from_topk(torch.zeros(T, K, dtype=torch.long), E)

@@ -15,7 +15,7 @@ import sonicmoe
 from sonicmoe import MoE
 from sonicmoe.functional import resolve_backend
 from sonicmoe.routing import Routing, router_topk, routing_from_pairs, routing_from_topk
-from sonicmoe.testing import random_problem, rel_err
+from sonicmoe.testing import OnCuda, random_problem, rel_err
 
 T, D, N, E, K = 9, 16, 8, 4, 2
 
@@ -80,6 +80,10 @@ def test_float64_runs_on_torch_backend_and_auto():
     res = sonicmoe.moe(p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"], top_k=K, backend="torch")
     assert res.out.dtype == torch.float64
     assert resolve_backend("auto", p["x"]) == "torch"
+    # on CUDA too: auto picks the triton kernels only for the dtypes they take
+    on_cuda = torch.Tensor._make_subclass(OnCuda, p["x"])
+    assert resolve_backend("auto", on_cuda) == "torch"
+    assert resolve_backend("auto", torch.Tensor._make_subclass(OnCuda, p["x"].float())) == "triton"
 
 
 @pytest.mark.parametrize("arg", ["x", "pair_scores"])
