@@ -510,7 +510,7 @@ def test_stdlib_files_sorted_and_deterministic():
 def test_model_forward_and_router_loss():
     torch.manual_seed(0)
     model = MoETransformer(ModelConfig(d_model=16, layers=2, heads=2, experts=4, top_k=2, expert_size=8,
-                                       backend="torch"))
+                                       backend="torch", z_loss_coef=1e-3))
     idx = torch.randint(0, 256, (2, 10))
     with torch.no_grad():
         logits = model(idx)
@@ -518,12 +518,63 @@ def test_model_forward_and_router_loss():
         loss = model(idx, idx)
         assert abs(float(loss) - math.log(256)) < 0.5
         assert float(model.router_loss()) > 0
+        assert all(float(m.z_loss) > 0 for m in model.moe_layers())  # so that router_loss must count it
         # the losses the layers returned are their attributes' (eager)
         assert torch.equal(model.router_loss(), sum(m.aux_loss + m.z_loss for m in model.moe_layers()))
         # causal: changing a later token leaves earlier logits unchanged
         idx2 = idx.clone()
         idx2[:, 7] = (idx2[:, 7] + 1) % 256
         torch.testing.assert_close(model(idx2)[:, :7], logits[:, :7])
+
+
+def test_model_options_reach_every_moe_layer():
+    """Every MoE option of ModelConfig, set away from its default, is the option of each MoE layer built."""
+    want = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2, backend="torch", routing="topk",
+                rounding="up", m_tile=16, aux_loss_coef=0.5, z_loss_coef=0.25, router_order="sigmoid_then_topk",
+                renormalize=True, routed_scaling_factor=2.5, n_group=4, topk_group=2, shared_intermediate_size=8,
+                shared_expert_gate=True, activation="clamped_swiglu", router_bias=True, bias=True)
+    names = {"hidden_size": "d_model", "intermediate_size": "expert_size", "num_experts": "experts",
+             "shared_intermediate_size": "shared_expert_size", "bias": "expert_bias"}
+    mc = ModelConfig(layers=2, heads=2, **{names.get(k, k): v for k, v in want.items()})
+    for layer in MoETransformer(mc).moe_layers():
+        assert {k: getattr(layer.config, k) for k in want} == want
+    tr = MoETransformer(ModelConfig(d_model=16, heads=2, experts=4, expert_size=8, routing="token_rounding"))
+    assert all(layer.config.routing == "token_rounding" for layer in tr.moe_layers())
+
+
+def test_model_init_scales_the_residual_branches_and_counts_parameters():
+    """Attention's output projection and every expert's W2 (the shared expert's too) start 1/sqrt(2·layers) times
+    their usual size (GPT-2's residual scaling); num_params counts the experts' weights and K/E of them as active."""
+    d, layers, E, K, n, n_s = 32, 2, 4, 2, 8, 16
+    torch.manual_seed(3)
+    model = MoETransformer(ModelConfig(d_model=d, layers=layers, heads=2, experts=E, top_k=K, expert_size=n,
+                                       shared_expert_size=n_s, backend="torch"))
+    scale = 1 / math.sqrt(2 * layers)
+    for blk in model.blocks:
+        ratio = float(blk.attn.proj.weight.detach().std() / blk.attn.qkv.weight.detach().std())
+        assert abs(ratio - scale) < 0.1 * scale, ratio
+        for ex, width in ((blk.moe.experts, n), (blk.moe.shared_experts, n_s)):
+            bound = scale / math.sqrt(width)  # U(-1/sqrt(n), 1/sqrt(n)) scaled
+            assert 0.9 * bound < float(ex.down_proj.detach().abs().max()) <= bound
+    counts = model.num_params()
+    assert counts["experts"] == layers * E * 3 * n * d
+    assert counts["active"] == counts["total"] - layers * (E - K) * 3 * n * d
+
+
+def test_rotary_embedding_rotates_by_the_relative_position():
+    """apply_rotary rotates each pair of channels (norms kept), so that a query and a key rotated at positions i and
+    j have a dot product that depends on i − j alone."""
+    from sonicmoe.train.model import apply_rotary, rotary_tables
+
+    L, hd = 6, 8
+    cos, sin = rotary_tables(L, hd, torch.device("cpu"))
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(hd, generator=g).expand(1, 1, L, hd), torch.randn(hd, generator=g).expand(1, 1, L, hd)
+    rq, rk = apply_rotary(q, cos, sin)[0, 0], apply_rotary(k, cos, sin)[0, 0]
+    torch.testing.assert_close(rq.norm(dim=-1), q[0, 0].norm(dim=-1))
+    dots = rq @ rk.T
+    for shift in range(1, L):
+        torch.testing.assert_close(dots.diagonal(shift)[1:], dots.diagonal(shift)[:-1].clone())
 
 
 def test_expert_load_summary():
