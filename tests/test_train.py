@@ -369,6 +369,25 @@ def test_bad_optimiser_options_are_refused(option, value):
         make_config("cpu-tiny", **{option: value}).validate()
 
 
+@pytest.mark.parametrize("option,value", [("expert_parallel", 0), ("val_fraction", 1.0), ("stop_after", 0),
+                                          ("heads", 128)])  # cpu-tiny's d = 128 in 128 heads of one channel
+def test_bad_run_options_are_refused(option, value):
+    """A ValueError naming the option: expert_parallel 0 (a ZeroDivisionError otherwise), no training data left,
+    a run stopped before its first step, rotary heads of odd size (its halves cannot pair up)."""
+    with pytest.raises(ValueError, match=option):
+        make_config("cpu-tiny", **{option: value})
+
+
+def test_run_options_at_their_bounds_are_taken():
+    """K = E (every expert for every token) is a valid model; a saved config with a field this version no longer
+    has still rebuilds (checkpoints of older versions resume)."""
+    from sonicmoe.train.config import config_from_dict
+
+    cfg = make_config("cpu-tiny", experts=4, top_k=4, stop_after=1)
+    assert (cfg.top_k, cfg.experts) == (4, 4)
+    assert config_from_dict({**cfg.to_dict(), "retired_option": 1}) == cfg
+
+
 def test_resume_takes_new_hyperparameters_and_refuses_another_seed_or_corpus(tmp_path, capsys):
     """A resumed run applies a --weight-decay given with --resume (AdamW's own load brought the saved one back, and
     the log claimed the new one); --seed, whose random streams the checkpoint carries, and a corpus other than the
