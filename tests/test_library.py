@@ -336,6 +336,30 @@ def test_experts_triton_eager_paths(device):
     assert again.grad_fn is None and again.shape == out.shape
 
 
+def test_experts_triton_grad_of_the_scores_alone_and_no_h_under_no_grad(monkeypatch, device):
+    """The scores alone needing a gradient (frozen experts, a router being trained) take the autograd path: dS is
+    the torch backend's. Under torch.no_grad, inputs that require grad take the plain forward, which writes no H."""
+    from sonicmoe.ops import moe_function
+
+    p = random_problem(T, D, N, E, device=device, seed=10)
+    routing = _topk_routing(p)
+    scores = torch.rand(routing.num_rows, device=device)
+    ds = {}
+    for backend in ("triton", "torch"):
+        s = scores.clone().requires_grad_(True)
+        out = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, s, backend=backend)
+        out.sum().backward()
+        ds[backend] = s.grad
+    assert ds["triton"] is not None and rel_err(ds["triton"], ds["torch"]) < 1e-5
+    seen = []
+    plain = moe_function.experts_fwd_impl
+    monkeypatch.setattr(moe_function, "experts_fwd_impl", lambda *a: seen.append(a[-3]) or plain(*a))
+    x = p["x"].clone().requires_grad_(True)
+    with torch.no_grad():
+        sonicmoe.experts(x, p["w1"], p["w2"], routing, scores, backend="triton")
+    assert seen == [False]  # needs_grad False: the up-projection stores no H
+
+
 def test_tile_rows_hint_reaches_the_up_projection(monkeypatch, device):
     """The routing's tile_rows hint (token rounding's M_tile) crosses the operator to the up-projection's kernel
     choice, eager and through the op; the output does not depend on it."""
