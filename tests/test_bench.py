@@ -945,6 +945,26 @@ def test_terminal_table_shows_the_error_nearest_its_bound():
     assert "worst err" in table and "in the run's dtype" in table
 
 
+def test_terminal_table_memory_in_mib_and_spec_beyond_x():
+    """held, spec−X and peak in MiB of 2^20 bytes; spec−X is H, 2·TK·n elements of the run's dtype (2 bytes in
+    bf16): (24576·8)·256·2·2 bytes = 192 MiB for the first shape; 2 GiB held is 2048 MiB, 5 GiB peak 5120 MiB."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    rec["dtype"] = "bfloat16"
+    assert report.spec_beyond_x_bytes(rec) == 2 * rec["TK"] * rec["n"] * 2 == 192 << 20
+    line = {ln.split()[2]: ln for ln in report.terminal_table(doc).splitlines() if ln.startswith(rec["name"] + " ")}
+    assert line["triton"].split()[-3:] == ["2048", "192", "5120"]
+
+
+def test_env_switches_leave_out_the_commit_override(monkeypatch):
+    """The results' switches are the run's SONICMOE_* settings, not SONICMOE_GIT_COMMIT (the commit's own field)."""
+    monkeypatch.setenv("SONICMOE_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
+    env = report.env_info(torch.device("cpu"))
+    assert env["git_commit"] == "0123abc"
+    assert env["switches"]["SONICMOE_AGG_CHUNK"] == "0" and "SONICMOE_GIT_COMMIT" not in env["switches"]
+
+
 def test_upper_bound_ratio_counts_the_rows_it_computes():
     """The upper bound computes E·m rows, not R under token rounding: the ratio scales its time to R rows."""
     from sonicmoe.bench.runner import _ratios
