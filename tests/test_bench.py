@@ -269,6 +269,21 @@ def test_reference_chunks_and_upper_bound(dtype):
             t.grad = None
     up = UpperBoundCase(p)
     assert up.m == 20 and up.k_up == 2 and up.x_up.shape == (100, 16)
+    # E = 3 does not divide T·K = 100: ⌈100/3⌉ = 34 rows per expert, 102 in all, the first 100 summed
+    up = UpperBoundCase(make_problem(Shape("t3", 50, 16, 8, 3, 2), dtype=dtype, device="cpu", seed=3))
+    assert up.m == 34 and up.rows == 102 and up.forward().shape == (50, 16)
+
+
+def test_loop_limit_and_default_backends(monkeypatch):
+    """The loop runs up to --loop-max-E experts inclusive; ``default`` adds a competitor library only where it is
+    installed."""
+    p = make_problem(Shape("t", 8, 16, 8, 5, 2), dtype=torch.float32, device="cpu", seed=3)
+    assert baselines._loop_factory(p, {"loop_max_E": 5}).name == "loop"
+    with pytest.raises(baselines.Unavailable, match="loop-max-E=4"):
+        baselines._loop_factory(p, {"loop_max_E": 4})
+    for installed in (False, True):
+        monkeypatch.setattr(baselines, "library_installed", lambda name, installed=installed: installed)
+        assert ("scattermoe" in baselines.resolve_backends("default")) == installed
 
 
 def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
