@@ -1028,7 +1028,8 @@ MUTANTS: list[Mutant] = [
        "lo = q.round().long().clamp(max=src - 1)", "tests/test_bench.py", "-k", "load_profile"),
     _m("hs_lp_step_sorted_from_any_layer", "sonicmoe/bench/load_profile.py",
        'key = "step_sorted_counts" if per_step and layers and all(',
-       'key = "step_sorted_counts" if per_step and layers and any(', "tests/test_bench.py", "-k", "load_profile"),
+       'key = "step_sorted_counts" if per_step and layers and any(',
+       "tests/test_bench.py", "-k", "load_profile_reads"),
 ]
 
 

@@ -654,6 +654,11 @@ def test_load_profile_reads_and_resamples(tmp_path):
     assert load_profile_kind(path2) == "step_sorted_counts" and load_profile_kind(path2, per_step=False) == "counts"
     assert torch.allclose(read_load_profile(path2), torch.tensor([0.625, 0.25, 0.125, 0.0], dtype=torch.float64))
     assert torch.allclose(read_load_profile(path2, per_step=False), torch.full((4,), 0.25, dtype=torch.float64))
+    # the step curve only where every layer has one (a log merged from runs of both kinds): else the summed counts
+    both["expert_load"]["per_layer"].append({"counts": [1, 3, 0, 4]})
+    path2.write_text(json.dumps(both))
+    assert load_profile_kind(path2) == "counts"
+    assert torch.allclose(read_load_profile(path2), curve)  # the same two layers as log.json
     for bad in ("{}", "[]", "[[1, 2], [1, 2, 3]]", "[-1, 2]", "[0, 0]", '"x"', '{"per_layer": [1, 2]}',
                 '{"per_layer": [{"cv": 1}]}'):
         (tmp_path / "bad.json").write_text(bad)
