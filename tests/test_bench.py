@@ -284,6 +284,32 @@ def test_loop_limit_and_default_backends(monkeypatch):
     for installed in (False, True):
         monkeypatch.setattr(baselines, "library_installed", lambda name, installed=installed: installed)
         assert ("scattermoe" in baselines.resolve_backends("default")) == installed
+    assert baselines.resolve_backends("upper,default,triton") == ["upper", "triton", "torch", "loop", "scattermoe"]
+
+
+def test_triton_backend_unavailable_in_bf16_under_the_interpreter(monkeypatch):
+    """Under TRITON_INTERPRET on a CPU the triton backend runs float32 only: the interpreter multiplies bf16 wrongly
+    (triton#11584), and a wrong result must not read as our kernels' error; without it, it needs a GPU."""
+    p = make_problem(Shape("t", 8, 16, 8, 4, 2), dtype=torch.bfloat16, device="cpu", seed=3)
+    for interp, why in ((True, "triton#11584"), (False, "needs a CUDA GPU")):
+        monkeypatch.setattr(baselines, "interpreting", lambda interp=interp: interp)
+        with pytest.raises(baselines.Unavailable, match=why):
+            baselines._triton_factory(p, {})
+
+
+def test_calibrate_router_returns_the_weights_it_measured():
+    """The deviation calibrate_router returns is that of the weights it returns: after max_iters steps it stops
+    without one more update (max_iters=1: the router as given, and its own deviation from the target)."""
+    from sonicmoe.bench.load_profile import calibrate_router
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(512, 16, generator=g), torch.randn(8, 16, generator=g)
+    target = torch.full((8,), 1 / 8, dtype=torch.float64)
+    got_w, dev = calibrate_router(x, w, 2, target, tol=0.0, max_iters=1)
+    assert torch.equal(got_w, w)
+    ids = (x @ w.t()).topk(2, dim=1).indices
+    got = torch.bincount(ids.reshape(-1), minlength=8).double() / ids.numel()
+    assert dev == pytest.approx(float(((got - target).abs() / target).max()))
 
 
 def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
@@ -930,7 +956,7 @@ def test_bench_cli_refuses_bad_values_before_running(tmp_path, capsys, monkeypat
     assert "usage:" in err and flag in err
 
 
-@pytest.mark.parametrize("results", [5, [{}], [1], "drop T", "drop G", "backends list"])
+@pytest.mark.parametrize("results", [5, [{}], [1], "drop T", "drop G", "bool T", "backends list"])
 @pytest.mark.parametrize("how", ["--plot-from", "--markdown-from"])
 def test_bench_cli_refuses_malformed_results_files(tmp_path, capsys, results, how):
     """A results file whose records the tables and plots cannot read: "cannot read" (exit 2), not a traceback."""
@@ -939,6 +965,8 @@ def test_bench_cli_refuses_malformed_results_files(tmp_path, capsys, results, ho
         what, key = results.split()
         if what == "drop":
             del doc["results"][0][key]
+        elif what == "bool":  # a JSON true is no number of tokens
+            doc["results"][0][key] = True
         else:
             doc["results"][0]["backends"] = []
     else:
@@ -974,6 +1002,14 @@ def test_terminal_table_memory_in_mib_and_spec_beyond_x():
     assert report.spec_beyond_x_bytes(rec) == 2 * rec["TK"] * rec["n"] * 2 == 192 << 20
     line = {ln.split()[2]: ln for ln in report.terminal_table(doc).splitlines() if ln.startswith(rec["name"] + " ")}
     assert line["triton"].split()[-3:] == ["2048", "192", "5120"]
+
+
+def test_markdown_tflops_cells_are_integers_from_100():
+    """TFLOP/s in the README table: no decimals from 100 up (1234, not 1.23e+03), 3 significant digits below."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    rec["backends"]["triton"]["fwd"]["tflops"], rec["backends"]["triton"]["total"]["tflops"] = 1234.4, 56.78
+    assert f"| {rec['name']} (24576, 1536, 256, 128, 8) | topk | 1 | 1234 | 3 | 56.8 |" in report.markdown_table(doc)
 
 
 def test_env_switches_leave_out_the_commit_override(monkeypatch):

@@ -264,19 +264,21 @@ def test_torch_backend_moe_matches_ref_with_grads(layout, bias, order, renorm, a
 
 
 def test_torch_backend_moe_takes_every_router_option():
-    """sonicmoe.moe hands each router option to the router and the scaling factor to the scores: with DeepSeek-V3's
-    (sigmoid, groups, selection bias, renormalised, scaled by 2.5) and a router bias (gpt-oss) it gives moe_ref's
-    output, and without any one of them another (so an option the layer drops cannot pass unseen)."""
+    """sonicmoe.moe hands each router option to the router, the scaling factor to the scores and the activation to
+    the experts: with DeepSeek-V3's options (sigmoid, groups, selection bias, renormalised, scaled by 2.5) and gpt-oss's
+    router bias and activation it gives moe_ref's output, and without any one of them another (so an option the layer
+    drops cannot pass unseen)."""
     T, d, n, E, K = 16, 8, 4, 8, 2
     p = random_problem(T, d, n, E, bias=True, seed=21)
     g = torch.Generator().manual_seed(22)
     opts = dict(top_k=K, router_order="sigmoid_then_topk", renormalize=True, expert_bias=torch.randn(E, generator=g),
-                routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=torch.randn(E, generator=g))
+                routed_scaling_factor=2.5, n_group=4, topk_group=2, router_bias=torch.randn(E, generator=g),
+                activation="clamped_swiglu")
     args = (p["x"], p["router_weight"], p["w1"], p["w2"], p["b1"], p["b2"])
     out = sonicmoe.moe(*args, backend="torch", **opts).out
     assert rel_err(out, moe_ref(*args, **opts)[0]) < 1e-6
     for off in ({"renormalize": False}, {"expert_bias": None}, {"routed_scaling_factor": 1.0},
-                {"n_group": 1, "topk_group": 1}, {"router_bias": None}):
+                {"n_group": 1, "topk_group": 1}, {"router_bias": None}, {"activation": "swiglu"}):
         assert rel_err(out, moe_ref(*args, **{**opts, **off})[0]) > 1e-3, off
 
 

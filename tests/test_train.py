@@ -369,10 +369,12 @@ def test_bad_optimiser_options_are_refused(option, value):
         make_config("cpu-tiny", **{option: value}).validate()
 
 
-@pytest.mark.parametrize("option,value", [("expert_parallel", 0), ("val_fraction", 1.0), ("stop_after", 0),
+@pytest.mark.parametrize("option,value", [("expert_parallel", 0), ("expert_parallel", 3), ("val_fraction", 1.0),
+                                          ("stop_after", 0),
                                           ("heads", 128)])  # cpu-tiny's d = 128 in 128 heads of one channel
 def test_bad_run_options_are_refused(option, value):
-    """A ValueError naming the option: expert_parallel 0 (a ZeroDivisionError otherwise), no training data left,
+    """A ValueError naming the option: expert_parallel 0 (a ZeroDivisionError otherwise) or not dividing E = 16,
+    no training data left,
     a run stopped before its first step, rotary heads of odd size (its halves cannot pair up)."""
     with pytest.raises(ValueError, match=option):
         make_config("cpu-tiny", **{option: value})
@@ -386,6 +388,17 @@ def test_run_options_at_their_bounds_are_taken():
     cfg = make_config("cpu-tiny", experts=4, top_k=4, stop_after=1)
     assert (cfg.top_k, cfg.experts) == (4, 4)
     assert config_from_dict({**cfg.to_dict(), "retired_option": 1}) == cfg
+
+
+def test_make_config_takes_the_preset_then_the_overrides():
+    """A preset sets its fields, an override replaces one (None: the preset's), an unknown field is a ValueError
+    naming it (not the dataclass's TypeError)."""
+    from sonicmoe.train.config import PRESETS
+
+    cfg = make_config("h100", layers=2, seq_len=None)
+    assert (cfg.d_model, cfg.experts, cfg.seq_len, cfg.layers) == (768, 64, PRESETS["h100"]["seq_len"], 2)
+    with pytest.raises(ValueError, match="unknown TrainConfig fields: \\['layer'\\]"):
+        make_config("cpu-tiny", layer=3)
 
 
 def test_resume_takes_new_hyperparameters_and_refuses_another_seed_or_corpus(tmp_path, capsys):
