@@ -272,6 +272,10 @@ def test_reference_chunks_and_upper_bound(dtype):
     # E = 3 does not divide T·K = 100: ⌈100/3⌉ = 34 rows per expert, 102 in all, the first 100 summed
     up = UpperBoundCase(make_problem(Shape("t3", 50, 16, 8, 3, 2), dtype=dtype, device="cpu", seed=3))
     assert up.m == 34 and up.rows == 102 and up.forward().shape == (50, 16)
+    # token rounding down to M_tile = 8 keeps R = 80 pairs of T = 50 tokens: K' = round(1.6) = 2, not 1
+    tr = make_problem(shape, dtype=dtype, device="cpu", seed=3, mode="token_rounding", m_tile=8, rounding="down")
+    up = UpperBoundCase(tr)
+    assert tr.R == 80 and up.k_up == 2 and up.m == 20
 
 
 def test_loop_limit_and_default_backends(monkeypatch):
@@ -451,6 +455,8 @@ def test_results_file_name_and_strict_json(tmp_path):
     assert p.name == "2026-03-04_nvidia-h200_my-tag.json"
     report.write_results({"results": [], "x": float("nan"), "y": (1, float("inf"))}, p)
     assert _strict_load(p) == {"results": [], "x": None, "y": [1, None]}
+    nested = report.write_results({"results": []}, tmp_path / "new" / "dir" / "r.json")  # --out made as needed
+    assert _strict_load(nested) == {"results": []}
     assert report.results_path(tmp_path, env, "my tag", now).name == "2026-03-04-050607_nvidia-h200_my-tag.json"
     assert report.results_path(tmp_path, {"device_type": "cpu", "device": "x86"}, None, now).name == \
         "2026-03-04_cpu.json"
@@ -923,6 +929,13 @@ def test_markdown_never_shows_torch_as_ours(tmp_path, capsys):
     md = report.markdown_table(doc)
     line = next(ln for ln in md.splitlines() if ln.startswith(f"| {rec['name']} "))
     assert "ours: FAIL (wrong result" in line and "1.5" not in line and "| 5 |" not in line
+    # the terminal table marks torch, the base, as such, and ours not
+    rows = {ln.split()[2]: ln for ln in report.terminal_table(doc).splitlines() if ln.startswith(rec["name"] + " ")}
+    assert " base " in rows["torch"] and " base " not in rows["triton"]
+    # ours "ok" but untimed (no fwd): the base is torch, whose ratio to the bound must not read as ours
+    rec["backends"]["triton"].update(status="ok", message=None, fwd=None, total=None)
+    line = next(ln for ln in report.markdown_table(doc).splitlines() if ln.startswith(f"| {rec['name']} "))
+    assert "ours: no result" in line and "0.90" not in line
 
 
 def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
@@ -1010,6 +1023,17 @@ def test_markdown_tflops_cells_are_integers_from_100():
     rec = doc["results"][0]
     rec["backends"]["triton"]["fwd"]["tflops"], rec["backends"]["triton"]["total"]["tflops"] = 1234.4, 56.78
     assert f"| {rec['name']} (24576, 1536, 256, 128, 8) | topk | 1 | 1234 | 3 | 56.8 |" in report.markdown_table(doc)
+
+
+def test_results_say_autotune_only_on_a_gpu(monkeypatch):
+    """``autotune`` is true only for a CUDA run with autotuning on: the CPU runs the pinned configs (or none) whatever
+    SONICMOE_AUTOTUNE says."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "autotune_enabled", lambda: True)
+    now = __import__("datetime").datetime(2026, 1, 2)
+    assert report.build_results([], {"device_type": "cpu"}, [], {}, now)["autotune"] is False
+    assert report.build_results([], {"device_type": "cuda"}, [], {}, now)["autotune"] is True
 
 
 def test_env_switches_leave_out_the_commit_override(monkeypatch):

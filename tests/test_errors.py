@@ -251,10 +251,10 @@ def test_experts_device_mismatch(prob, arg):
 
 def test_experts_routing_mismatch(prob):
     other_t = routing_from_topk(torch.zeros(T + 1, 1, dtype=torch.long), E)
-    with pytest.raises(ValueError, match="routing"):
+    with pytest.raises(ValueError, match=f"routing is for T={T + 1} tokens but x has T={T}"):
         call_experts(prob, routing=other_t, pair_scores=torch.rand(T + 1))
     other_e = routing_from_topk(torch.zeros(T, K, dtype=torch.long), E + 2)
-    with pytest.raises(ValueError, match="routing"):
+    with pytest.raises(ValueError, match=f"routing is for E={E + 2} experts but w1 has E={E}"):  # not its arrays' size
         call_experts(prob, routing=other_e)
     meta_routing = routing_from_topk(torch.zeros(T, K, dtype=torch.long, device="meta"), E)
     with pytest.raises(ValueError, match="routing"):

@@ -471,6 +471,14 @@ def test_testing_helpers_rel_err():
     assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0
 
 
+def test_testing_helpers_random_problem_scales_by_fan_in():
+    """random_problem's weights have std 1/sqrt(fan_in) (W_r, W1: d; W2: n), so that activations stay O(1)."""
+    d, n = 64, 16
+    p = random_problem(64, d, n, 8, seed=7)
+    for key, fan_in in (("router_weight", d), ("w1", d), ("w2", n)):
+        assert abs(float(p[key].std()) * fan_in**0.5 - 1) < 0.1, key
+
+
 def test_testing_helpers_layer_and_reference_grads(monkeypatch):
     """layer_grads runs the layer on the backend it is given (on the CPU "auto" means torch: the GPU tests that
     compare backend="triton" with backend="torch" through it would compare torch with itself), and reference_grads

@@ -363,7 +363,8 @@ def test_resume_leaves_the_checkpoint_and_keeps_the_masters(tmp_path):
 
 
 @pytest.mark.parametrize("option,value", [("grad_clip", 0.0), ("grad_clip", -1.0), ("lr", float("nan")),
-                                          ("weight_decay", -0.1), ("beta2", 1.0)])
+                                          ("weight_decay", -0.1), ("weight_decay", float("inf")), ("beta1", 1.0),
+                                          ("beta2", 1.0), ("min_lr_ratio", 1.5)])
 def test_bad_optimiser_options_are_refused(option, value):
     with pytest.raises(ValueError, match=option):
         make_config("cpu-tiny", **{option: value}).validate()
