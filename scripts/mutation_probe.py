@@ -1115,6 +1115,10 @@ MUTANTS: list[Mutant] = [
        "not 0.0 <= self.min_lr_ratio", "tests/test_train.py", "-k", "bad_optimiser"),
     _m("hs_fn_routing_e_unchecked", "sonicmoe/functional.py", "    if routing.num_experts != e:", "    if False:",
        "tests/test_errors.py", "-k", "routing_mismatch"),
+    # ... the README table's row of a multi-line error message (a real bug this audit found, fixed in report.py)
+    _m("hs_rep_markdown_message_raw", "sonicmoe/bench/report.py",
+       'return " ".join(str(text).split())[:limit].replace("|", "\\\\|")', "return str(text)[:limit]",
+       "tests/test_bench.py", "-k", "multiline_error"),
 ]
 
 

@@ -938,6 +938,23 @@ def test_markdown_never_shows_torch_as_ours(tmp_path, capsys):
     assert "ours: no result" in line and "0.90" not in line
 
 
+def test_markdown_row_of_a_multiline_error_is_one_row():
+    """Ours' error message in the README row: a multi-line message (a Triton compilation error lists the source) and
+    a ``|`` in it once broke the table (the row continued on the next lines, the bar ended the cell)."""
+    import re
+
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    message = "forward: CompilationError: at 3:4:\n    x = tl.load(p | q)\n"
+    rec["backends"]["triton"].update(status="error", message=message)
+    rec["ratio_base"] = "torch"
+    rows = [ln for ln in report.markdown_table(doc).splitlines() if ln.startswith("|")]
+    assert len(rows) == 2 + 11
+    line = next(ln for ln in rows if ln.startswith(f"| {rec['name']} "))
+    assert "ours: error (forward: CompilationError: at 3:4: x = tl.load(p \\| q))" in line
+    assert len(re.split(r"(?<!\\)\|", line)) == 9 + 2  # nine cells
+
+
 def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
     assert cli.main(["--markdown-from", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "bad.json").write_text("{not json")

@@ -379,6 +379,13 @@ def spec_beyond_x_bytes(rec: dict) -> int | None:
     return elem * 2 * rec["TK"] * rec["n"]
 
 
+def _md_text(text, limit: int) -> str:
+    """``text`` as (part of) one markdown table cell: its whitespace, newlines included, collapsed to single spaces,
+    cut to ``limit`` characters, ``|`` escaped (a raw newline or bar in an error message, such as a Triton compilation
+    error's source listing, would end the row or the cell and break the README table)."""
+    return " ".join(str(text).split())[:limit].replace("|", "\\|")
+
+
 def markdown_table(doc: dict) -> str:
     """README table: one row per shape, our numbers and the ratios to torch and to the upper bound. Only our
     (``triton``) timings fill its columns: where ours failed, erred or was skipped the row says so (the results'
@@ -400,7 +407,7 @@ def markdown_table(doc: dict) -> str:
             else:
                 status = f"ours: {ours.get('status') if ours.get('status') != 'ok' else 'no result'}"
                 msg = ours.get("message")
-            cell = status + (f" ({str(msg)[:80]})" if msg else "")
+            cell = status + (f" ({_md_text(msg, 80)})" if msg else "")
             lines.append(f"| {dims} | {rec.get('routing', '')} | {cell} |" + " |" * (len(header) - 3))
             continue
         bases.add(base)
