@@ -78,3 +78,49 @@ def poisoned_outputs():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SONICMOE_POISON_OUTPUTS", "1")
         yield
+
+
+class _OnCuda:
+    """A CPU tensor's stand-in that reports itself on cuda:0 (everything else is the tensor's): for the Gluon kernels'
+    host rules, which read only metadata (dtype, shape, contiguity, the address's alignment, the device)."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+class FakeSm90:
+    """What the ``fake_sm90`` fixture gives: call it on CPU tensors for their stand-ins on cuda:0; set
+    ``capability`` to make torch.cuda.get_device_capability answer another one."""
+
+    def __init__(self):
+        self.capability = (9, 0)
+
+    def __call__(self, *tensors):
+        wrapped = [None if t is None else _OnCuda(t) for t in tensors]
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """The Gluon kernels' host rules (``*_supported``) on CPU as on an sm_90 GPU: Gluon present on its Triton release,
+    not interpreting (the SONICMOE_GLUON* switches still read), torch.cuda.get_device_capability answering
+    ``fake.capability`` (default (9, 0)), and ``fake(t, ...)`` CPU tensors' stand-ins on cuda:0. Without this the
+    rules' shape, dtype and capability checks run on a GPU only (sm_90 ones: never the capability check's other
+    side)."""
+    from sonicmoe.ops import grouped_gemm_ws
+
+    fake = FakeSm90()
+    monkeypatch.setattr(grouped_gemm_ws, "HAVE_GLUON", True)
+    monkeypatch.setattr(grouped_gemm_ws, "interpreting", lambda: False)
+    monkeypatch.setattr(grouped_gemm_ws, "triton_release", lambda: grouped_gemm_ws.GLUON_TRITON)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: fake.capability)
+    for name in ("SONICMOE_GLUON", "SONICMOE_GLUON_DXT", "SONICMOE_GLUON_UP", "SONICMOE_GLUON_DH",
+                 "SONICMOE_GLUON_WGRAD", "SONICMOE_GLUON_LONG"):
+        monkeypatch.delenv(name, raising=False)
+    return fake

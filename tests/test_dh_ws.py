@@ -122,6 +122,27 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         assert not dh_ws_supported(dout, w2, h, "concat")
 
 
+def test_supported_rule_on_a_faked_sm90(fake_sm90):
+    """The checks above where no GPU is (CPU tensors' stand-ins on a faked sm_90 device): taken on sm_90 only (not on
+    sm_80 or sm_100), not for an H of another width than 2n or of another dtype."""
+    e, n, d, r = 2, 256, 128, 16
+    dout, w2, h = fake_sm90(torch.zeros(8, d, dtype=torch.bfloat16), torch.zeros(e, d, n, dtype=torch.bfloat16),
+                            torch.zeros(r, 2 * n, dtype=torch.bfloat16))
+    assert dh_ws_supported(dout, w2, h, "concat")
+    assert not dh_ws_supported(dout, w2, fake_sm90(torch.zeros(r, n, dtype=torch.bfloat16)), "concat")  # (R, n)
+    assert not dh_ws_supported(dout, w2, fake_sm90(torch.zeros(r, 2 * n, dtype=torch.float16)), "concat")
+    for cap in ((8, 0), (10, 0)):
+        fake_sm90.capability = cap
+        assert not dh_ws_supported(dout, w2, h, "concat"), cap
+
+
+def test_ds_pairs_only_where_one_tile_spans_n():
+    """The kernel writes dS in pair order only where one tile holds all n channels of its rows (n = 128, 256), not
+    where a row's partials come from several tiles (n = 384, 512, 1024), nor where the kernel does not apply."""
+    assert dh_ws.ds_pairs_in_kernel(128) and dh_ws.ds_pairs_in_kernel(256)
+    assert not any(dh_ws.ds_pairs_in_kernel(n) for n in (384, 512, 1024, 192))
+
+
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """dh hands the product to the Gluon kernel where dh_ws_supported says so (reducing its partials, or handing

@@ -214,6 +214,21 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         assert not ws_supported(a512, b512, a.shape[0], transpose_b=False)
 
 
+def test_supported_rule_on_a_faked_sm90(fake_sm90):
+    """The checks above where no GPU is (CPU tensors' stand-ins on a faked sm_90 device): taken on sm_90 only (not on
+    sm_80 or sm_100), from MIN_ROWS_PER_EXPERT rows per expert on (not one row fewer), and only for output rows of a
+    whole number of 16 bytes (TMA: m = 100 bf16 columns are 200 bytes)."""
+    e, m, k = 2, 128, 64
+    rows = e * grouped_gemm_ws.MIN_ROWS_PER_EXPERT
+    a, b = fake_sm90(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(e, m, k, dtype=torch.bfloat16))
+    assert ws_supported(a, b, rows, transpose_b=True)
+    assert not ws_supported(a, b, rows - 1, transpose_b=True)
+    assert not ws_supported(a, fake_sm90(torch.zeros(e, 100, k, dtype=torch.bfloat16)), rows, transpose_b=True)
+    for cap in ((8, 0), (10, 0)):
+        fake_sm90.capability = cap
+        assert not ws_supported(a, b, rows, transpose_b=True), cap
+
+
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """varlen_m_gemm hands the product to the Gluon kernel where ws_supported says so, and never with an

@@ -37,6 +37,26 @@ def test_supported_rejects_on_cpu_and_bad_operands(monkeypatch):
     assert not varlen_m_ws.long_enabled()
 
 
+def test_supported_rule_on_a_faked_sm90(fake_sm90):
+    """long_supported where no GPU is (CPU tensors' stand-ins on a faked sm_90 device): taken on sm_90 only (not on
+    sm_80 or sm_100), for k from MIN_K on, experts averaging more than FEW_ROWS_PER_EXPERT rows, and a positive
+    width (a zero-width block is no work for a kernel)."""
+    from sonicmoe.ops.common import FEW_ROWS_PER_EXPERT
+
+    e, m, k = 2, 256, varlen_m_ws.MIN_K
+    many = (FEW_ROWS_PER_EXPERT + 1) * e
+    a, b = fake_sm90(torch.zeros(16, k, dtype=torch.bfloat16), torch.zeros(e, m, k, dtype=torch.bfloat16))
+    assert long_supported(a, b, None, many, transpose_b=True)
+    assert not long_supported(a, b, None, FEW_ROWS_PER_EXPERT * e, transpose_b=True)
+    assert not long_supported(a, b, None, many, transpose_b=True, width=0)
+    short = k - varlen_m_ws.BLOCK_K
+    assert not long_supported(fake_sm90(torch.zeros(16, short, dtype=torch.bfloat16)),
+                              fake_sm90(torch.zeros(e, m, short, dtype=torch.bfloat16)), None, many, transpose_b=True)
+    for cap in ((8, 0), (10, 0)):
+        fake_sm90.capability = cap
+        assert not long_supported(a, b, None, many, transpose_b=True), cap
+
+
 def test_layer_prefers_the_down_projection_form(monkeypatch):
     """The layer's rule takes the down-projection form only, both forms under SONICMOE_GLUON_LONG=all."""
     monkeypatch.delenv("SONICMOE_GLUON_LONG", raising=False)
@@ -77,6 +97,7 @@ def test_long_gemm_rejects_bad_operands_before_any_launch():
         (torch.zeros(r, 96, dtype=torch.bfloat16), torch.zeros(4, 96, 512, dtype=torch.bfloat16), {}, "multiple of 64"),
         (a, b.transpose(1, 2).contiguous().transpose(1, 2), {}, "contiguous"),
         (a, b, {"col0": 0, "width": 128}, "col0, width"),
+        (a, b, {"col0": 0, "width": 0}, "col0, width"),
         (a, b, {"col0": 256, "width": 512}, "col0, width"),
         (a, b, {"num_programs": 0}, "num_programs"),
     ]

@@ -150,6 +150,21 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
         assert not wgrad_ws_supported(p, q, **kw)
 
 
+def test_supported_rule_on_a_faked_sm90(fake_sm90):
+    """The checks above where no GPU is (CPU tensors' stand-ins on a faked sm_90 device): taken on sm_90 only (not on
+    sm_80 or sm_100), with exactly one operand gathered (not both, not neither) and an output of the operands'
+    dtype."""
+    p, q = fake_sm90(torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16))
+    kw = {"p_gather": False, "q_gather": True, "out_dtype": torch.bfloat16}
+    assert wgrad_ws_supported(p, q, **kw) and wgrad_ws_supported(p, q, **{**kw, "p_gather": True, "q_gather": False})
+    assert not wgrad_ws_supported(p, q, **{**kw, "q_gather": False})
+    assert not wgrad_ws_supported(p, q, **{**kw, "p_gather": True})
+    assert not wgrad_ws_supported(p, q, **{**kw, "out_dtype": torch.float32})
+    for cap in ((8, 0), (10, 0)):
+        fake_sm90.capability = cap
+        assert not wgrad_ws_supported(p, q, **kw), cap
+
+
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """varlen_k_gemm hands the product to the Gluon kernel where wgrad_ws_supported says so (with the routing's
