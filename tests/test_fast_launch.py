@@ -136,6 +136,45 @@ def test_keys_hits_and_misses_without_a_gpu(monkeypatch):
         assert len(made) == before + 1
 
 
+def test_check_mode_pending_compiles_and_changed_globals_without_a_gpu(monkeypatch):
+    """With Triton's path stubbed: every parameter passed positionally hits like a keyed call; under
+    SONICMOE_FAST_LAUNCH=check a hit still takes Triton's path and raises where Triton chose another kernel than the
+    key's; a launch that hands back an unfinished compile (an async future, with ``result``) records nothing; a
+    kernel whose global changed since it compiled always takes Triton's path (which raises there)."""
+    fn = JITFunction(_plain_axpy)
+    made = _stub_tritons_path(monkeypatch, fn)
+    buf, y = torch.zeros(64), torch.zeros(64)
+
+    def go():
+        return launch_kernel(fn, (1,), buf, y, buf, 32, 0.5, 2, 16, 3)  # all 8 parameters, by position
+
+    first = go()
+    assert go() is first and len(made) == 1 and len(first.launches) == 1
+    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "check")  # Triton's path gives a new kernel: not the key's
+    with pytest.raises(AssertionError, match="picked another kernel"):
+        go()
+    monkeypatch.setenv("SONICMOE_FAST_LAUNCH", "1")
+    fn2 = JITFunction(_plain_axpy)
+    pending = _stub_tritons_path(monkeypatch, fn2)
+    _Compiled.result = None  # what an async compile's future has
+    try:
+        for _ in range(2):
+            launch_kernel(fn2, (1,), buf, y, buf, 32, 0.5, 2, 16, 3)
+    finally:
+        del _Compiled.result
+    assert len(pending) == 2 and not any(k.launches for k in pending)
+    fn3 = JITFunction(_plain_axpy)
+    made3 = _stub_tritons_path(monkeypatch, fn3)
+    monkeypatch.setattr(fn3, "used_global_vals", {("SCALE", 0): (2, {"SCALE": 2})})
+    for _ in range(2):
+        launch_kernel(fn3, (1,), buf, y, buf, 32, 0.5, 2, 16, 3)
+    assert len(made3) == 1  # the global as compiled: hits
+    monkeypatch.setattr(fn3, "used_global_vals", {("SCALE", 0): (2, {"SCALE": 3})})
+    for _ in range(2):
+        launch_kernel(fn3, (1,), buf, y, buf, 32, 0.5, 2, 16, 3)
+    assert len(made3) == 3  # changed: Triton's path each time
+
+
 def _even_axpy(x_ptr, y_ptr, out_ptr, n, alpha, stride, BLOCK: tl.constexpr, EVEN: tl.constexpr = False):
     pass
 
