@@ -319,6 +319,12 @@ def test_fake_shapes_without_data():
                                 torch.empty(r, 2 * N, device="meta"), torch.empty(r, device="meta"),
                                 *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", [True] * 6)
     assert [tuple(g.shape) for g in grads] == [(T, D), (E, 2 * N, D), (E, D, N), (0,), (E, D), (r,)]
+    # a bias whose gradient nobody asks for: its (0,) placeholder, as the real implementation returns
+    grads = library.experts_bwd(torch.empty(T, D, device="meta"), p["x"], p["w1"], p["w2"], p["b1"], p["b2"],
+                                torch.empty(r, 2 * N, device="meta"), torch.empty(r, device="meta"),
+                                *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat",
+                                [True, True, True, False, False, True])
+    assert [tuple(g.shape) for g in grads] == [(T, D), (E, 2 * N, D), (E, D, N), (0,), (0,), (r,)]
 
 
 def test_experts_triton_eager_paths(device):
