@@ -12,7 +12,7 @@ import torch
 
 from sonicmoe.testing import rel_err
 from sonicmoe.train import cli, loop
-from sonicmoe.train.config import make_config
+from sonicmoe.train.config import config_from_dict, make_config
 from sonicmoe.train.data import ByteCorpus, stdlib_source_files
 from sonicmoe.train.loop import Progress, lr_at
 from sonicmoe.train.model import ModelConfig, MoETransformer
@@ -71,6 +71,14 @@ def test_log_and_plot(baseline):
         assert key in log["env"], key
     assert log["config"]["experts"] == E and log["config"]["steps"] == STEPS
     assert set(log["steps"][0]) >= {"step", "loss", "router_loss", "lr", "grad_norm"}
+    # the lr each step trained with (update step - 1 of the schedule: the first is the warm-up's first), the final
+    # train loss over the last log window (--log-every 5), the bits per byte of each evaluation
+    cfg = config_from_dict(log["config"])
+    assert [s["lr"] for s in log["steps"]] == [lr_at(s["step"] - 1, cfg) for s in log["steps"]]
+    assert log["steps"][0]["lr"] == pytest.approx(1e-2 / 5)
+    assert log["final_train_loss"] == pytest.approx(sum(s["loss"] for s in log["steps"][-5:]) / 5)
+    assert all(e["val_bpb"] == pytest.approx(e["val_loss"] / math.log(2)) for e in log["evals"])
+    assert log["final_val_bpb"] == log["evals"][-1]["val_bpb"]
     assert log["tokens_per_s"] > 0
     assert [p["step"] for p in log["profile"]] == [10, 20, 30, 40]
     assert all(p["moe_forward_s"] > 0 and p["moe_backward_s"] > 0 for p in log["profile"])  # both directions timed
@@ -530,6 +538,8 @@ def test_lr_schedule():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # monotone cosine decay
     assert lr_at(100, cfg) == pytest.approx(0.1)
+    # the cosine starts at the peak right after the warm-up and is halfway down halfway through the decay steps
+    assert lr_at(10, cfg) == pytest.approx(1.0) and lr_at(55, cfg) == pytest.approx(0.55)
 
 
 def test_stdlib_files_sorted_and_deterministic():
