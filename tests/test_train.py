@@ -156,6 +156,35 @@ def test_data_directory(tmp_path):
     assert corpus.num_files == 1 and corpus.val.numel() == int(0.1 * (corpus.train.numel() + corpus.val.numel()))
 
 
+
+def test_corpus_skips_hidden_files_and_stops_at_the_cap(tmp_path):
+    """A directory's hidden files and folders (.git, editor swap files) are not read; the corpus stops at --max-bytes
+    exactly (the last file cut short), and its train and validation splits partition the bytes read."""
+    data = tmp_path / "texts"
+    (data / ".git").mkdir(parents=True)
+    (data / "a.txt").write_text("alpha " * 100)
+    (data / ".notes.txt").write_text("hidden " * 100)
+    (data / ".git" / "config").write_text("[core] " * 100)
+    corpus = ByteCorpus.load(str(data), 10_000, 0.1)
+    blob = bytes(torch.cat([corpus.train, corpus.val]).tolist())
+    assert corpus.num_files == 1 and blob.startswith(b"# ==== a.txt ====\n")
+    assert b"hidden" not in blob and b"[core]" not in blob
+    capped = ByteCorpus.load(str(data), 300, 0.1)
+    assert capped.train.numel() + capped.val.numel() == 300
+    assert bytes(torch.cat([capped.train, capped.val]).tolist()) == blob[:300]
+
+
+def test_seq_len_check_matches_the_train_windows():
+    """check_seq_len passes where train_batch can draw a window (seq_len + 2 bytes) and refuses one byte fewer, which
+    would fail later in the run with torch.randint's error instead of a usage error."""
+    split = torch.arange(34, dtype=torch.uint8)
+    corpus = ByteCorpus(train=split, val=split, source="x", num_files=1)
+    corpus.check_seq_len(32)
+    x, y = corpus.train_batch(2, 32, torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert x.shape == y.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        corpus.check_seq_len(33)
+
 def test_token_rounding_passes_through(tmp_path):
     pytest.importorskip("sonicmoe.token_rounding")
     log = _run(tmp_path, "--steps", "4", "--routing", "token_rounding", "--rounding", "up", "--m-tile", "16",
@@ -631,6 +660,18 @@ def test_expert_load_summary():
     assert s["per_layer"][1]["max_frac"] == 1.0 and s["per_layer"][1]["max_over_mean"] == 4.0
     assert s["per_layer"][1]["cv"] == pytest.approx(math.sqrt(3))
 
+
+
+def test_summary_reports_milliseconds_per_profiled_step(tmp_path):
+    """The closing summary: the MoE layers' and the whole step's time per profiled step in ms (log.json holds seconds
+    over all profiled steps), the final val loss in nats and bits per byte."""
+    log = {"final_val_loss": 2.0, "final_val_bpb": 2.0 / math.log(2), "final_train_loss": 2.1, "steps_done": 40,
+           "wall_time_s": 12.0, "tokens_per_s": 5000.0, "moe_time_share": 0.25,
+           "moe_time": {"profiled_steps": 4, "moe_s": 0.2, "step_s": 0.8}, "peak_memory": {"mib": 100.0, "kind": "cpu"},
+           "expert_load": expert_load_summary([[1, 1, 1, 1]])}
+    text = cli._summary(log, tmp_path)
+    assert "MoE layers: 25.0% of step time (50.0 ms of 200.0 ms per profiled step, 4 profiled steps)" in text
+    assert "final val loss 2.0000 nats/byte (2.885 bits/byte)" in text and "throughput: 5,000 tokens/s" in text
 
 def test_progress_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
