@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -591,6 +592,97 @@ def test_bench_records_the_gpu_state_of_each_timing(tmp_path, monkeypatch, capsy
     assert row["fwd"]["gpu"] is None and row["total"]["gpu"] is None
 
 
+
+def test_gpu_watch_window_arithmetic():
+    """between() on known samples: the mean clock, the power from the energy counter (mJ over host seconds: W), the
+    highest temperature, the OR of every sample's clock-event reasons; None from one sample; stop() drops a sample
+    the thread took after it."""
+    import time
+
+    from sonicmoe.bench.gpu_state import GpuWatch
+
+    watch = GpuWatch(nvml=_FakeNvml())
+    watch.samples = [(0.0, 1500, 0, 40, 0x4), (0.5, 1700, 350_000, 45, 0x1), (1.0, 1600, 700_000, 42, 0x0)]
+    assert watch.between(0.0, 1.0) == {"sm_mhz": 1600.0, "watts": 700.0, "temp_c": 45, "clock_reasons": "0x5",
+                                       "samples": 3}
+    assert watch.between(0.4, 0.6) is None  # one sample
+
+    class _LateThread:  # the sampling thread's last sample lands after stop()'s time
+        def join(self):
+            watch.samples.append((time.perf_counter() + 60.0, 1500, 0, 40, 0))
+
+    watch._thread = _LateThread()
+    watch.stop()
+    assert len(watch.samples) == 3
+
+
+def test_timing_loops_count_calls():
+    """_wall_ms: at least one warm-up call and at least 5 timed calls, however short the windows; host_ms: ms per
+    call, not for all of them."""
+    import time
+
+    from sonicmoe.bench import measure
+
+    calls = []
+    times = measure._wall_ms(lambda: calls.append(1), 0.0, 0.0, torch.device("cpu"))
+    assert len(times) == 5 and len(calls) == 6
+    assert 3.5 < measure.host_ms(lambda: time.sleep(0.004), calls=5) < 15.0
+
+
+
+def test_worst_expert_error_is_over_the_rms_expert():
+    """One expert of 16 all wrong: the norm-wise error is 1/4 (sqrt(1/16)), the worst-expert error 1 (its error over
+    the RMS expert's norm, not over all experts' norm, which would shrink it by sqrt(E)); the pieces added in two
+    calls, as the reference adds its chunks of experts."""
+    from sonicmoe.bench.measure import _NormAcc
+
+    acc = _NormAcc()
+    ref = torch.ones(16, 4, 4)
+    got = ref.clone()
+    got[3] = 0
+    acc.add(got[:8], ref[:8])
+    acc.add(got[8:], ref[8:])
+    assert acc.value() == pytest.approx(0.25) and acc.local() == pytest.approx(1.0)
+
+def test_norm_error_of_a_non_finite_piece_is_nan():
+    """A NaN in one expert's gradient makes both the norm-wise and the worst-expert error NaN (a failed check), not
+    the worst expert among the finite ones (max() skips a NaN)."""
+    from sonicmoe.bench.measure import _NormAcc
+
+    acc = _NormAcc()
+    acc.add(torch.ones(2, 3), torch.ones(2, 3))
+    acc.add(torch.tensor([[float("nan"), 1.0, 1.0]]), torch.ones(1, 3))
+    assert math.isnan(acc.value()) and math.isnan(acc.local())
+
+
+def test_check_on_no_routed_pair_fails():
+    """A check whose reference computed no pair on T > 0 tokens (token rounding's counts all rounded to 0) passes any
+    kernel, so it is not a pass."""
+    from sonicmoe.bench.measure import check_case
+
+    p = make_problem(Shape("none", 64, 32, 16, 4, 2), dtype=torch.float32, device="cpu", mode="token_rounding")
+    res = check_case(REGISTRY["torch"].factory(p, {}), p.dout, grads=False, tol=5e-2, poison=False)
+    assert res["pairs"] == 0 and not res["passed"]
+
+
+def test_footprint_of_a_forward_holds_no_gradients():
+    """footprint_bytes: weights, x / dO / dx and the torch baseline's per-pair activations, the weights' and
+    activations' gradients on top only for a backward."""
+    from sonicmoe.bench.runner import footprint_bytes
+
+    shape = Shape("f", 16, 8, 4, 2, 1)
+    weights, acts, io = 2 * 3 * 4 * 8 * 2, 16 * (2 * 8 + 3 * 4) * 2, 3 * 16 * 8 * 2
+    assert footprint_bytes(shape, 2, False) == weights + io + acts
+    assert footprint_bytes(shape, 2, True) == 2 * weights + io + 2 * acts
+
+
+def test_plotted_values_skip_non_finite_ones():
+    from sonicmoe.bench.plots import _val
+
+    assert _val({"r": {"fwd": 2.0}}, "r", "fwd") == 2.0
+    assert _val({"r": {"fwd": float("nan")}}, "r", "fwd") is None
+    assert _val({"r": {"fwd": float("inf")}}, "r", "fwd") is None and _val({"r": 1.0}, "r", "fwd") is None
+
 @pytest.mark.gpu
 def test_gpu_watch_reads_the_board():
     from sonicmoe.bench.gpu_state import GpuWatch, open_nvml
@@ -779,6 +871,11 @@ def test_check_catches_a_few_wrong_rows_the_norm_misses():
     bad = check_case(case, p.dout, grads=False, tol=5e-2, poison=False)
     assert bad["errors"]["out"] < 5e-2 and bad["errors"]["out_rows"] > 5e-2 * LOCAL_TOL_FACTOR
     assert not bad["passed"] and bad["worst"] == "out_rows"
+    # every row 1% off: the worst row's error is the larger number, but the norm-wise one is nearer its bound (a
+    # tenth of the local one's): "worst" names the one nearest its bound
+    case.forward = lambda: forward() * 1.01
+    scaled = check_case(case, p.dout, grads=False, tol=5e-2, poison=False)
+    assert scaled["passed"] and scaled["errors"]["out_rows"] > scaled["errors"]["out"] and scaled["worst"] == "out"
 
 
 @pytest.mark.parametrize("mode", ["topk", "token_rounding"])
@@ -1072,6 +1169,24 @@ def test_upper_bound_ratio_counts_the_rows_it_computes():
     base, r = _ratios({"triton": timed(1.0), "upper": timed(0.9, rows=1100), "torch": timed(2.0, rows=1100)}, 1000)
     assert base == "triton"
     assert r["upper"]["fwd"] == pytest.approx(0.9 * 1000 / 1100) and r["torch"]["fwd"] == pytest.approx(2.0)
+    # ours skipped (no timing): the next base, torch, not a base without timings (which left every ratio empty)
+    base, r = _ratios({"triton": {"status": "skipped"}, "torch": timed(2.0), "upper": timed(1.0, rows=1000)}, 1000)
+    assert base == "torch" and r["upper"] == {"fwd": pytest.approx(0.5), "total": pytest.approx(0.5)}
+
+
+def test_expand_falls_back_to_topk_once(monkeypatch):
+    """Without the token-rounding module a shape's top-k and token-rounding items are one top-k item (not the same
+    shape timed twice), and the fallback is said once."""
+    from sonicmoe.bench import runner
+
+    def unavailable():
+        raise runner.TokenRoundingUnavailable("no module")
+
+    monkeypatch.setattr(runner, "load_token_rounding", unavailable)
+    a, b = Shape("a", 64, 32, 16, 4, 2, routings=("topk", "token_rounding")), Shape("b", 64, 32, 16, 4, 2)
+    said = []
+    items = runner.expand([a, b], SimpleNamespace(routings=None), said.append)
+    assert items == [(a, "topk"), (b, "topk")] and len(said) == 1 and "no module" in said[0]
 
 
 # ---------------------------------------------------------------------------------------------------
