@@ -185,6 +185,15 @@ def test_seq_len_check_matches_the_train_windows():
     with pytest.raises(ValueError, match="fewer than seq_len"):
         corpus.check_seq_len(33)
 
+
+def test_corpus_digest_sees_the_split():
+    """The same bytes split elsewhere (another --val-fraction) are another corpus for a resumed run: its training and
+    validation windows differ."""
+    blob = torch.arange(200, dtype=torch.uint8)
+    a = ByteCorpus(train=blob[:180], val=blob[180:], source="x", num_files=1)
+    b = ByteCorpus(train=blob[:190], val=blob[190:], source="x", num_files=1)
+    assert a.digest != b.digest and a.digest == ByteCorpus(blob[:180], blob[180:], "y", 2).digest
+
 def test_token_rounding_passes_through(tmp_path):
     pytest.importorskip("sonicmoe.token_rounding")
     log = _run(tmp_path, "--steps", "4", "--routing", "token_rounding", "--rounding", "up", "--m-tile", "16",
