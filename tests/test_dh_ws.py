@@ -124,13 +124,15 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 
 def test_supported_rule_on_a_faked_sm90(fake_sm90):
     """The checks above where no GPU is (CPU tensors' stand-ins on a faked sm_90 device): taken on sm_90 only (not on
-    sm_80 or sm_100), not for an H of another width than 2n or of another dtype."""
+    sm_80 or sm_100), not for an H of another width than 2n or of another dtype, nor for d = 0 (no TMA box)."""
     e, n, d, r = 2, 256, 128, 16
     dout, w2, h = fake_sm90(torch.zeros(8, d, dtype=torch.bfloat16), torch.zeros(e, d, n, dtype=torch.bfloat16),
                             torch.zeros(r, 2 * n, dtype=torch.bfloat16))
     assert dh_ws_supported(dout, w2, h, "concat")
     assert not dh_ws_supported(dout, w2, fake_sm90(torch.zeros(r, n, dtype=torch.bfloat16)), "concat")  # (R, n)
     assert not dh_ws_supported(dout, w2, fake_sm90(torch.zeros(r, 2 * n, dtype=torch.float16)), "concat")
+    assert not dh_ws_supported(*fake_sm90(torch.zeros(8, 0, dtype=torch.bfloat16),
+                                          torch.zeros(e, 0, n, dtype=torch.bfloat16)), h, "concat")  # d = 0
     for cap in ((8, 0), (10, 0)):
         fake_sm90.capability = cap
         assert not dh_ws_supported(dout, w2, h, "concat"), cap

@@ -150,14 +150,17 @@ def test_not_supported_off_hopper_or_out_of_range(monkeypatch):
 
 def test_supported_rule_on_a_faked_sm90(fake_sm90, monkeypatch):
     """The checks above where no GPU is (CPU tensors' stand-ins on a faked sm_90 device): taken on sm_90 only (not on
-    sm_80, nor on sm_100 / sm_120, which have no wgmma), not for n off BLOCK_N or a bias of another dtype, nor under
-    SONICMOE_GLUON_UP=0."""
+    sm_80, nor on sm_100 / sm_120, which have no wgmma), not for n off BLOCK_N, d = 0 or a bias of another dtype, nor
+    under SONICMOE_GLUON_UP=0."""
     e, n, d = 2, 256, 128
     x, w1 = fake_sm90(torch.zeros(8, d, dtype=torch.bfloat16), torch.zeros(e, 2 * n, d, dtype=torch.bfloat16))
     assert up_ws_supported(x, w1, None, "concat")
     assert up_ws_supported(x, w1, fake_sm90(torch.zeros(e, 2 * n, dtype=torch.bfloat16)), "concat")
     assert not up_ws_supported(x, w1, fake_sm90(torch.zeros(e, 2 * n)), "concat")  # a float32 bias
     assert not up_ws_supported(x, fake_sm90(torch.zeros(e, 2 * 192, d, dtype=torch.bfloat16)), None, "concat")
+    # d = 0: no TMA box of zero width (the Triton kernel serves it)
+    assert not up_ws_supported(*fake_sm90(torch.zeros(8, 0, dtype=torch.bfloat16),
+                                          torch.zeros(e, 2 * n, 0, dtype=torch.bfloat16)), None, "concat")
     monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
     assert not up_ws_supported(x, w1, None, "concat")
     monkeypatch.delenv("SONICMOE_GLUON_UP")
