@@ -660,7 +660,8 @@ def test_check_on_no_routed_pair_fails():
     kernel, so it is not a pass."""
     from sonicmoe.bench.measure import check_case
 
-    p = make_problem(Shape("none", 64, 32, 16, 4, 2), dtype=torch.float32, device="cpu", mode="token_rounding")
+    with pytest.warns(UserWarning, match="mean tokens per expert"):
+        p = make_problem(Shape("none", 64, 32, 16, 4, 2), dtype=torch.float32, device="cpu", mode="token_rounding")
     res = check_case(REGISTRY["torch"].factory(p, {}), p.dout, grads=False, tol=5e-2, poison=False)
     assert res["pairs"] == 0 and not res["passed"]
 
