@@ -74,6 +74,12 @@ def _check_layer(layer: MoE) -> None:
                                   "into a plain MoE, then take this rank's shard with ExpertParallelMoE.from_moe")
 
 
+def loadable_float(dtype: torch.dtype) -> bool:
+    """Whether a checkpoint entry of ``dtype`` loads into a floating-point weight: floating-point of 16 bits or more
+    (integer or float8 codes of a quantised checkpoint would load as raw values)."""
+    return dtype.is_floating_point and dtype.itemsize > 1
+
+
 def _take(state_dict: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ...]) -> torch.Tensor:
     if key not in state_dict:
         raise KeyError(f"missing {key!r} (expected shape {shape})")
@@ -84,7 +90,7 @@ def _take(state_dict: Mapping[str, torch.Tensor], key: str, shape: tuple[int, ..
     # integer or float8 codes (a quantised checkpoint: DeepSeek-V3's float8 weights come with *_scale_inv tensors)
     # would load as raw values, a meta tensor would fail at its copy after earlier ones were copied: all are refused
     # before anything is copied
-    if not v.dtype.is_floating_point or v.dtype.itemsize == 1 or v.device.type == "meta":
+    if not loadable_float(v.dtype) or v.device.type == "meta":
         raise ValueError(f"{key!r} must be a floating-point tensor of 16 bits or more with data, got {v.dtype} on "
                          f"{v.device} (dequantise a quantised checkpoint first)")
     return v

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ._autocast import casts_under_autocast
 from ._device import on_device
+from .checkpoints import loadable_float
 from .config import GATE_UP_LAYOUTS
 from .functional import _check_float, _check_routing, check_activation, check_expert_inputs, experts, resolve_backend
 from .modules import MoE
@@ -501,7 +502,7 @@ class ExpertParallelMoE(MoE):
                 raise ValueError(f"{name} must have shape {want}, got {tuple(v.shape)}")
             if v.layout != torch.strided or v.device.type == "meta":
                 raise ValueError(f"{name} must be a dense tensor with data, got layout {v.layout} on {v.device}")
-            if t.dtype.is_floating_point and (not v.dtype.is_floating_point or v.dtype.itemsize == 1):
+            if t.dtype.is_floating_point and not loadable_float(v.dtype):
                 raise ValueError(f"{name} must be a floating-point tensor of 16 bits or more (the layer's is "
                                  f"{t.dtype}), got {v.dtype}")
             values[name] = v[r.start:r.stop] if name.startswith("experts.") else v

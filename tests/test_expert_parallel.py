@@ -487,6 +487,8 @@ def test_expert_parallel_load_full_state_dict_is_all_or_nothing(tmp_path):
                                                 rf"\(4, {D}, {N + 1}\)")),
             "integer codes": ({**other, "shared_experts.down_proj": torch.ones(1, D, 6, dtype=torch.int32)},
                               (ValueError, "shared_experts.down_proj must be a floating-point tensor.*int32")),
+            "float8 codes": ({**other, "experts.down_proj": torch.randn(4, D, N).to(torch.float8_e4m3fn)},
+                             (ValueError, "experts.down_proj must be a floating-point tensor of 16 bits.*float8")),
             "meta": ({**other, "shared_expert_gate.weight": torch.empty(1, D, device="meta")},
                      (ValueError, "shared_expert_gate.weight must be a dense tensor with data")),
             "not a tensor": ({**other, "e_score_correction_bias": [0.0] * 4},
