@@ -186,6 +186,37 @@ def test_reference_rounding_of_h_is_straight_through():
             experts_ref(*args, h_dtype=bad)
 
 
+def test_reference_rounds_h_after_its_bias():
+    """experts_ref(h_dtype=bf16) rounds H = x W1ᵀ + b1, bias included (the H the kernels store), to bf16: a per-pair
+    loop written out here in float64 from that rounded H gives its output, and one that rounds x W1ᵀ before adding
+    b1 does not. x and W1 are multiples of 1/4 and 1/8, so x W1ᵀ is exact in float32 in any summation order and H
+    (after the one float32 rounding of + b1) is the same float32 in both: the bf16 roundings agree bit for bit."""
+    t, d, n, e, k = 9, 24, 8, 3, 2
+    g = torch.Generator().manual_seed(20)
+    x = torch.randint(-4, 5, (t, d), generator=g).float() / 4
+    w1 = torch.randint(-4, 5, (e, 2 * n, d), generator=g).float() / 8
+    w2 = torch.randn(e, d, n, generator=g) / n**0.5
+    b1, b2 = torch.randn(e, 2 * n, generator=g) * 2, torch.randn(e, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    s = torch.rand(t * k, generator=g) + 0.1  # pair t·K + j: (token t, expert ids[t, j])
+    got = experts_ref(x, w1, w2, routing_from_topk(ids, e), s, b1, b2, activation="clamped_swiglu",
+                      h_dtype=torch.bfloat16)
+
+    def loop(bias_first: bool) -> torch.Tensor:
+        out = torch.zeros(t, d, dtype=torch.float64)
+        for tok in range(t):
+            for j in range(k):
+                ex = int(ids[tok, j])
+                h = x[tok] @ w1[ex].t()  # exact
+                h = (h + b1[ex]).bfloat16() if bias_first else h.bfloat16().double() + b1[ex].double()
+                a = _gpt_oss_glu(h.double()[None], "concat")[0]
+                out[tok] += float(s[tok * k + j]) * (w2[ex].double() @ a + b2[ex].double())
+        return out
+
+    assert rel_err(got, loop(bias_first=True)) < 1e-6
+    assert rel_err(got, loop(bias_first=False)) > 1e-4  # the order is visible at these sizes
+
+
 def test_experts_with_no_rows_and_padding_pairs(device):
     """A general routing whose token 0 has no pair and whose last pairs are padding: the clamped activation of the
     zero padding rows is 0 (as SwiGLU's), and the reference agrees."""

@@ -366,6 +366,22 @@ def test_experts_triton_grad_of_the_scores_alone_and_no_h_under_no_grad(monkeypa
     assert seen == [False]  # needs_grad False: the up-projection stores no H
 
 
+def test_experts_triton_grad_of_x_alone(device):
+    """x alone needing a gradient (frozen experts and scores under a trained encoder, or an input attribution) takes
+    the autograd path: dX is the torch backend's."""
+    p = random_problem(T, D, N, E, device=device, bias=True, seed=11)
+    routing = _topk_routing(p)
+    scores = torch.rand(routing.num_rows, device=device) + 0.1
+    dout = torch.randn(T, D, generator=torch.Generator().manual_seed(12)).to(device)
+    dx = {}
+    for backend in ("triton", "torch"):
+        x = p["x"].clone().requires_grad_(True)
+        out = sonicmoe.experts(x, p["w1"], p["w2"], routing, scores, p["b1"], p["b2"], backend=backend)
+        assert out.grad_fn is not None, backend
+        (dx[backend],) = torch.autograd.grad(out, x, dout)
+    assert dx["torch"].norm() > 0 and rel_err(dx["triton"], dx["torch"]) < 1e-5
+
+
 def test_tile_rows_hint_reaches_the_up_projection(monkeypatch, device):
     """The routing's tile_rows hint (token rounding's M_tile) crosses the operator to the up-projection's kernel
     choice, eager and through the op; the output does not depend on it."""

@@ -333,6 +333,52 @@ def test_torch_backend_tokens_without_experts_get_zero_and_zero_grad():
     assert bool((x.grad[[1, 2, 3, 5]] == 0).all()) and bool((x.grad[[0, 4]] != 0).any())
 
 
+@pytest.mark.parametrize("which", ["b1", "b2"])
+def test_torch_backend_one_bias_matches_naive(which):
+    """Only one of the two biases (an up-projection bias without a down-projection one, or the reverse): the torch
+    backend's output is the float64 per-pair loop's, and its gradients the reference's (each bias indexes the rows by
+    their expert, whichever of the two is given)."""
+    T, d, n, E = 12, 8, 4, 5
+    p = random_problem(T, d, n, E, bias=True, seed=23)
+    p["b2" if which == "b1" else "b1"] = None
+    tok, exp, scores = general_pairs(T, E, seed=24)
+    routing = routing_from_pairs(tok, exp, T, E)
+    names = ["x", "w1", "w2", which]
+    v = {k: p[k].clone().requires_grad_() for k in names}
+    v["pair_scores"] = scores.clone().requires_grad_()
+    b1, b2 = v.get("b1"), v.get("b2")
+    out = experts_torch(v["x"], v["w1"], v["w2"], routing, v["pair_scores"], b1, b2)
+    expected = naive_pairs(p["x"], p["w1"], p["w2"], p["b1"], p["b2"], tok, exp, scores, "concat")
+    assert rel_err(out, expected) < 1e-5
+    dout = torch.randn(T, d, generator=torch.Generator().manual_seed(25))
+    grads = torch.autograd.grad(out, list(v.values()), dout)
+    ref = experts_ref(v["x"], v["w1"], v["w2"], routing, v["pair_scores"], b1, b2)
+    for key, got, want in zip(v, grads, torch.autograd.grad(ref, list(v.values()), dout)):
+        assert want.norm() > 0 and rel_err(got, want) < 1e-5, key
+
+
+@pytest.mark.parametrize("case", ["no_rows", "padding_only"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_backend_without_tokens_keeps_every_input_in_the_graph(case, bias):
+    """T = 0 tokens (an empty batch; an expert-parallel rank that receives none), with no row or with padding rows
+    only (a static-length routing): the torch backend's O is (0, d) and in the graph of every input, whose
+    gradients are zeros of their shapes (as the Triton kernels give, test_kernels' test_experts_without_rows)."""
+    d, n, e = 8, 4, 3
+    p = random_problem(1, d, n, e, bias=bias, seed=26)
+    if case == "no_rows":
+        routing = routing_from_topk(torch.zeros(0, 2, dtype=torch.long), e)
+    else:
+        routing = routing_from_pairs(torch.zeros(3, dtype=torch.long), torch.full((3,), e), 0, e, padding=True)
+    leaves = {"x": p["x"][:0], "w1": p["w1"], "w2": p["w2"], "b1": p["b1"], "b2": p["b2"],
+              "pair_scores": torch.rand(routing.num_rows) + 0.1}
+    leaves = {k: t.clone().requires_grad_() for k, t in leaves.items() if t is not None}
+    out = experts_torch(routing=routing, **leaves)
+    assert out.shape == (0, d) and out.dtype == torch.float32
+    grads = torch.autograd.grad(out, list(leaves.values()), torch.randn(0, d))
+    for (key, leaf), grad in zip(leaves.items(), grads):
+        assert grad.shape == leaf.shape and not grad.any(), key
+
+
 # ---------------------------------------------------------------------------------------------
 # float64 gradcheck
 # ---------------------------------------------------------------------------------------------

@@ -89,6 +89,50 @@ def test_backward_zeroes_every_block_of_experts(device, order, renorm, monkeypat
     torch.testing.assert_close(dts_k, dts_r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_padding_pairs_score_zero_not_added_and_get_no_gradient(device, order, renorm):
+    """Padding pairs (token T, expert E), what token_rounding(static=True) appends after the real pairs: score 0, not
+    added, and no part in any gradient; the real pairs' scores, flags and gradients are bitwise those of the same
+    call without the padding, and the kernel's equal the twin's."""
+    t, e = 30, 6
+    router, pt, pe = make_case(t, e, 2, 5, order, renorm, device)
+    r, pad = pt.shape[0], 5
+    pt_pad = torch.cat([pt, torch.full((pad,), t, dtype=pt.dtype, device=device)])
+    pe_pad = torch.cat([pe, torch.full((pad,), e, dtype=pe.dtype, device=device)])
+    cot = torch.randn(r + pad, generator=torch.Generator().manual_seed(6)).to(device)
+    got = {}
+    for fn in (pair_scores, pair_scores_ref):
+        s, a, d_ts, d_src = grads(fn, router, pt_pad, pe_pad, order, renorm, cot)
+        s0, a0, d_ts0, d_src0 = grads(fn, router, pt, pe, order, renorm, cot[:r])
+        assert s.shape == a.shape == (r + pad,) and a.dtype == torch.bool
+        assert not a[r:].any() and (s[r:] == 0).all()
+        assert torch.equal(a[:r], a0) and a0.any() and torch.equal(s[:r], s0)
+        if fn is pair_scores or device.type == "cpu":
+            assert torch.equal(d_ts, d_ts0) and torch.equal(d_src, d_src0)
+        else:  # the twin's indexing backward adds a token's pairs with atomics on CUDA: not bitwise reproducible
+            torch.testing.assert_close(d_ts, d_ts0, rtol=1e-6, atol=1e-8)
+            torch.testing.assert_close(d_src, d_src0, rtol=1e-6, atol=1e-8)
+        got[fn] = s, a, d_ts, d_src
+    (s_k, a_k, dts_k, dsrc_k), (s_r, a_r, dts_r, dsrc_r) = got.values()
+    assert torch.equal(a_k, a_r)
+    torch.testing.assert_close(s_k, s_r, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dts_k, dts_r, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dsrc_k, dsrc_r, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS[:3])
+def test_backward_takes_a_strided_gradient(device, order, renorm):
+    """The gradient of the scores may come strided (a view of a larger tensor, or a sum's expanded ones, of stride
+    0): the backward gives the bits of the same gradient made contiguous."""
+    router, pt, pe = make_case(40, 6, 2, 8, order, renorm, device)
+    big = torch.randn(2 * pt.shape[0], generator=torch.Generator().manual_seed(10)).to(device)
+    for cot in (big[::2], torch.ones(1, device=device).expand(pt.shape[0])):
+        assert not cot.is_contiguous()
+        _, _, d_ts, d_src = grads(pair_scores, router, pt, pe, order, renorm, cot)
+        _, _, d_ts_c, d_src_c = grads(pair_scores, router, pt, pe, order, renorm, cot.contiguous())
+        assert torch.equal(d_ts, d_ts_c) and torch.equal(d_src, d_src_c) and d_src.abs().sum() > 0
+
+
 def check_fused_router_grad(t, e, k, seed, order, renorm, device):
     """fused_router_grad against the twin's path back through topk_scores and the router's top-k backward: the same
     scores, the same gradient of the logits and of the router weight, no gradient edge to topk_scores at all, and
@@ -108,7 +152,11 @@ def check_fused_router_grad(t, e, k, seed, order, renorm, device):
     scores, _ = pair_scores(router, pt, pe, order, renorm, fused_router_grad=True)
     (d_ts,) = torch.autograd.grad(scores, router.topk_scores, cot, allow_unused=True, retain_graph=True)
     assert d_ts is None, "the router's top-k backward is not in the graph"
+    seen = []
+    hook = router.topk_scores.register_hook(seen.append)
     again = torch.autograd.grad(scores, router.logits, cot)[0]
+    hook.remove()
+    assert not seen, "no edge to topk_scores at all (an edge given no gradient still runs the router's backward)"
     assert torch.equal(again, got[True][2]), "the same bits on every run"
 
 
@@ -137,6 +185,11 @@ def test_bad_arguments(device):
         pair_scores(router, pt, pe[:-1], "topk_then_softmax", False)
     with pytest.raises(TypeError, match="pair_expert"):
         pair_scores_ref(router, pt, pe.float(), "topk_then_softmax", False)
+    for fn in (pair_scores, pair_scores_ref):
+        with pytest.raises(TypeError, match="pair_token must be an integer tensor, got torch.bool"):
+            fn(router, pt > 3, pe, "topk_then_softmax", False)  # a mask where the indices were meant
+        with pytest.raises(ValueError, match=r"both be \(R,\), got \(2, 3\) and \(2, 3\)"):
+            fn(router, pt[:6].reshape(2, 3), pe[:6].reshape(2, 3), "topk_then_softmax", False)
 
 
 def test_float64_router_takes_the_twin():
@@ -144,6 +197,13 @@ def test_float64_router_takes_the_twin():
     assert use_score_kernels(router, True) == interpreting()
     router.logits = router.logits.double()
     assert not use_score_kernels(router, True)
+    # float64 top-k scores with float32 logits, or float64 probabilities (a router assembled by hand)
+    router, _, _ = make_case(10, 4, 2, 0, "softmax_then_topk", False, "cpu")
+    router.topk_scores = router.topk_scores.double()
+    assert not use_score_kernels(router, True)
+    router, _, _ = make_case(10, 4, 2, 0, "softmax_then_topk", False, "cpu")
+    router._probs = router.probs.double()
+    assert router.logits.dtype == router.topk_scores.dtype == torch.float32 and not use_score_kernels(router, True)
 
 
 def test_saved_tensors_are_the_inputs_and_the_slots(device):
