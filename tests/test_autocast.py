@@ -120,6 +120,52 @@ def test_float64_parameters_ignore_autocast():
     assert y.dtype == torch.float64 and torch.equal(y, layer(x))
 
 
+def test_autocast_helpers_on_a_device_autocast_does_not_know():
+    """``meta`` (shape-only tensors) has no autocast: autocast_dtype is None there and no_autocast a no-op, where
+    asking torch would raise; the experts run on meta tensors under CPU autocast."""
+    from sonicmoe._autocast import autocast_dtype, no_autocast
+
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    assert autocast_dtype(meta) is None and autocast_dtype(cpu) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_dtype(cpu) == torch.bfloat16 and autocast_dtype(meta) is None
+        with no_autocast(meta):
+            assert torch.is_autocast_enabled("cpu")
+        with no_autocast(cpu):
+            assert not torch.is_autocast_enabled("cpu")
+        routing = routing_from_topk(torch.tensor([[0, 1], [2, 0], [1, 2]], device=meta), 3)
+        out = sonicmoe.experts(torch.empty(3, 8, device=meta), torch.empty(3, 8, 8, device=meta),
+                               torch.empty(3, 8, 4, device=meta), routing, torch.empty(6, device=meta),
+                               backend="torch")
+    assert out.device == meta and out.shape == (3, 8) and out.dtype == torch.float32
+
+
+def test_entry_points_take_x_by_keyword_and_run_with_autocast_off():
+    """The decorator finds X passed by keyword as well as by position (``experts(x=..., ...)`` under autocast: the
+    same bits as the positional call), casts only the arguments it names (not the scores) and runs the function
+    with autocast off, whatever the function itself computes; outside autocast it runs as called."""
+    from sonicmoe._autocast import casts_under_autocast
+
+    p = random_problem(T, D, N, E, seed=7)
+    router = router_topk(p["x"], p["router_weight"], K)
+    routing, scores = routing_from_topk(router.topk_ids, E), router.topk_scores.reshape(-1).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        by_position = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, scores, backend="torch")
+        by_keyword = sonicmoe.experts(x=p["x"], w1=p["w1"], w2=p["w2"], routing=routing, pair_scores=scores,
+                                      backend="torch")
+    assert by_keyword.dtype == torch.bfloat16 and torch.equal(by_keyword, by_position)
+
+    @casts_under_autocast
+    def probe(x, w1=None, pair_scores=None):
+        return x.dtype, w1.dtype, pair_scores.dtype, torch.is_autocast_enabled("cpu")
+
+    x, w, s = torch.randn(3, 4), torch.randn(4, 4), torch.rand(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe(x, w, s) == (torch.bfloat16, torch.bfloat16, torch.float32, False)
+        assert probe(x=x, w1=w, pair_scores=s) == (torch.bfloat16, torch.bfloat16, torch.float32, False)
+    assert probe(x=x, w1=w, pair_scores=s) == (torch.float32, torch.float32, torch.float32, False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])

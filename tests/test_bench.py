@@ -23,7 +23,15 @@ from sonicmoe.bench import baselines, cli, report
 from sonicmoe.bench.baselines import REGISTRY, BaselineSpec, ExpertsCase, UpperBoundCase
 from sonicmoe.bench.measure import reference_errors
 from sonicmoe.bench.problem import make_problem
-from sonicmoe.bench.shapes import PRESETS, Shape, parse_shape, preset_shapes, spec_held_bytes, useful_flops
+from sonicmoe.bench.shapes import (
+    PRESETS,
+    Shape,
+    parse_shape,
+    preset_shapes,
+    spec_held_bytes,
+    tflops,
+    useful_flops,
+)
 from sonicmoe.env import interpreting
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,6 +143,15 @@ def test_flop_formulas():
     assert spec_held_bytes(10, 8, 30, 4) == 2 * 10 * 8 + 4 * 30 * 4
 
 
+def test_tflops_of_no_time_is_none():
+    """Throughput of a measured time only: 2e12 FLOPs in 1000 ms are 2 TFLOP/s; a missing, zero or negative time
+    (nothing measured) gives None, not a division by zero or a negative speed."""
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert tflops(3e12, 0.5) == pytest.approx(6000.0)
+    for ms in (None, 0.0, -1.0, float("nan")):
+        assert tflops(1e12, ms) is None, ms
+
+
 # ---------------------------------------------------------------------------------------------------
 # presets
 
@@ -176,6 +193,32 @@ def test_preset_groups_and_parse_shape():
         preset_shapes("nope")
     assert cli.main(["--preset", "nope", *FAST]) == 2
     assert cli.main(["--routing", "bogus", *FAST]) == 2
+
+
+def test_shape_bounds_max_T_and_preset_names():
+    """A shape takes K = E (every expert per token) and refuses K > E or a letter below 1, naming it; ``--max-T``
+    at or above T leaves the shape as it is (no T_preset), and capping twice keeps the preset's T; preset names
+    take any case and ``_`` for ``-``; ``--shape`` takes ``x`` between the numbers; the CLI's ``--preset`` takes
+    comma lists and repeats, in order."""
+    assert Shape("all", 8, 4, 4, 3, 3).rho == 1.0
+    with pytest.raises(ValueError, match="K=4 must not exceed E=3"):
+        Shape("over", 8, 4, 4, 3, 4)
+    for i, letter in enumerate("TdnEK"):
+        dims = [8, 4, 4, 3, 2]
+        dims[i] = 0
+        with pytest.raises(ValueError, match=f"{letter} must be a positive int, got 0"):
+            Shape("zero", *dims)
+    s = Shape("s", 4096, 64, 32, 8, 2)
+    assert s.with_max_T(4096) is s and s.with_max_T(5000) is s and s.with_max_T(None) is s
+    assert s.with_max_T(4096).T_preset is None
+    twice = s.with_max_T(1024).with_max_T(256)
+    assert (twice.T, twice.T_preset) == (256, 4096)
+    assert [x.dims for x in preset_shapes(" ISO_FLOPS ")] == [x.dims for x in PRESETS["iso-flops"]]
+    assert parse_shape("64x32x16x4x2").dims == (64, 32, 16, 4, 2)
+    args = cli.build_parser().parse_args(["--preset", "tiny, 7b", "--preset", "iso_flops", "--max-T", "32"])
+    shapes = cli._shapes(args)
+    assert [x.name for x in shapes] == ["tiny", "7B", *(x.name for x in PRESETS["iso-flops"])]
+    assert all(x.T == 32 for x in shapes) and [x.T_preset for x in shapes[:2]] == [64, 24576]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,6 +320,50 @@ def test_reference_chunks_and_upper_bound(dtype):
     tr = make_problem(shape, dtype=dtype, device="cpu", seed=3, mode="token_rounding", m_tile=8, rounding="down")
     up = UpperBoundCase(tr)
     assert tr.R == 80 and up.k_up == 2 and up.m == 20
+
+
+def test_make_problem_dtypes_scales_and_seed():
+    """make_problem: the activations and weights in the asked dtype, the scores S a float32 leaf requiring grad
+    (whatever the dtype), fan-in scales (W_r, W1 by 1/sqrt(d), W2 by 1/sqrt(n)), top-k pairs token-major
+    (p = t·K + k), and the same data for the same seed only."""
+    T, d, n, E, K = 256, 64, 16, 8, 2
+    p = make_problem(Shape("p", T, d, n, E, K), dtype=torch.float16, device="cpu", seed=5)
+    for t in (p.x, p.router_weight, p.w1, p.w2, p.dout):
+        assert t.dtype == torch.float16
+    assert p.pair_scores.dtype == torch.float32 and p.pair_scores.is_leaf and p.pair_scores.requires_grad
+    assert p.pair_scores.shape == (T * K,) and p.R == T * K
+    for t, scale in ((p.x, 1.0), (p.router_weight, d**-0.5), (p.w1, d**-0.5), (p.w2, n**-0.5), (p.dout, 1.0)):
+        assert float(t.detach().float().std()) == pytest.approx(scale, rel=0.06), t.shape
+    assert torch.equal(p.pair_token, torch.arange(T, dtype=torch.int32).repeat_interleave(K))
+    assert torch.equal(p.pair_expert, p.topk_ids.reshape(-1))
+    same = make_problem(Shape("p", T, d, n, E, K), dtype=torch.float16, device="cpu", seed=5)
+    other = make_problem(Shape("p", T, d, n, E, K), dtype=torch.float16, device="cpu", seed=6)
+    assert torch.equal(same.x, p.x) and torch.equal(same.w2, p.w2) and torch.equal(same.pair_scores, p.pair_scores)
+    assert not torch.equal(other.x, p.x) and not torch.equal(other.w2, p.w2)
+
+
+def test_route_takes_a_token_rounding_that_returns_a_tuple(monkeypatch):
+    """A token_rounding that returns (pair_token, pair_expert, pair_scores) as a tuple (no routing of its own):
+    the same pairs, in that order, and their routing built from them; a result of neither form is reported as
+    TokenRoundingUnavailable."""
+    from sonicmoe.bench import problem as bp
+
+    real = bp.load_token_rounding()
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(96, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    want = bp.route(x, w, 2, "token_rounding", m_tile=8)
+    monkeypatch.setattr(bp, "load_token_rounding",
+                        lambda: lambda router, **kw: tuple(getattr(real(router, **kw), a)
+                                                           for a in ("pair_token", "pair_expert", "pair_scores")))
+    got = bp.route(x, w, 2, "token_rounding", m_tile=8)
+    assert got.pair_token.numel() > 0 and not torch.equal(got.pair_token, got.pair_expert)
+    for a in ("pair_token", "pair_expert", "pair_scores"):
+        assert torch.equal(getattr(got, a), getattr(want, a)), a
+    assert torch.equal(got.routing.expert_offsets, want.routing.expert_offsets)
+    assert torch.equal(got.routing.row_token, want.routing.row_token)
+    monkeypatch.setattr(bp, "load_token_rounding", lambda: lambda router, **kw: 5)
+    with pytest.raises(bp.TokenRoundingUnavailable, match="token_rounding returned int"):
+        bp.route(x, w, 2, "token_rounding", m_tile=8)
 
 
 def test_loop_limit_and_default_backends(monkeypatch):
@@ -1063,7 +1150,8 @@ def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, flag", [
     (["--m-tile", "0", "--routing", "token_rounding"], "--m-tile"), (["--m-tile", "-5"], "--m-tile"),
-    (["--tol", "-1"], "--tol"), (["--tol", "nan"], "--tol"), (["--backends", ""], "--backends"),
+    (["--tol", "-1"], "--tol"), (["--tol", "nan"], "--tol"), (["--tol", "inf"], "--tol"),
+    (["--check-max-T", "0"], "--check-max-T"), (["--backends", ""], "--backends"),
     (["--backends", ","], "--backends"), (["--warmup", "nan"], "--warmup"), (["--rep", "-1"], "--rep"),
     (["--plot-from", "A"], "--markdown-from"),  # with --markdown-from B: one would be ignored
 ])
@@ -1394,6 +1482,53 @@ def test_per_expert_loops_take_each_weight_by_one_unbind(baseline):
         assert rel_err(got, want) < 1e-5
 
 
+def test_bench_cli_interrupt_saves_partial_results_and_restores_threads(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the run: exit 130 (a shell's code for SIGINT, not 1: nothing FAILed), the results file marked
+    interrupted, torch's thread count put back after the run's ``--cpu-threads``; ``--loop-max-E 0`` reaches the
+    run as no limit (None), not as a limit of 0 experts."""
+    from sonicmoe.bench import runner
+
+    seen = []
+
+    def interrupted(shapes, opts, log=None, records=None, on_record=None):
+        seen.append((torch.get_num_threads(), opts.loop_max_E))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run", interrupted)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rc = cli.main(["--out", str(tmp_path / "res"), *FAST, "--preset", "tiny", "--cpu-threads", "1",
+                       "--loop-max-E", "0"])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert rc == 130 and seen == [(1, None)] and after == 2
+    doc = _strict_load(_only_json(tmp_path / "res"))
+    assert doc["interrupted"] is True and doc["results"] == []
+    assert "interrupted; partial results in" in capsys.readouterr().err
+
+
+def test_bench_exits_1_when_a_shape_errors(tmp_path, monkeypatch, capsys):
+    """A shape whose problem could not be made (its record's own status "error", no backend row) fails the run
+    (exit 1, named in the "not ok" line) even where another shape timed fine."""
+    from sonicmoe.bench import runner
+
+    real = runner.make_problem
+
+    def make(shape, **kwargs):
+        if shape.name == "bad":
+            raise RuntimeError("no problem for this one")
+        return real(shape, **kwargs)
+
+    monkeypatch.setattr(runner, "make_problem", make)
+    rc, doc = _run(tmp_path, "--shape", "bad=16,8,8,2,1", "--shape", "16,8,8,2,1", "--backends", "torch",
+                   "--no-router-variant", "--mode", "fwd")
+    assert [r.get("status") for r in doc["results"]] == ["error", "ok"]
+    assert doc["results"][1]["backends"]["torch"]["status"] == "ok"
+    assert rc == 1 and "not ok: bad - error" in capsys.readouterr().err
+
+
 def test_out_that_cannot_be_written_is_refused_before_any_shape_runs(tmp_path, monkeypatch, capsys):
     """--out naming a file (or an unwritable place): exit 2 with a message naming --out, before the first shape runs
     (it used to run the shape, then fail with a FileExistsError traceback when saving)."""
@@ -1463,11 +1598,51 @@ def test_git_dirty_unknown_without_git_tree(commit_env, monkeypatch):
     else:
         monkeypatch.setenv("SONICMOE_GIT_COMMIT", commit_env)
     assert provenance.git_dirty() is False  # a clean checkout
+    assert provenance.git_commit() == (commit_env or "0123abc")  # SONICMOE_GIT_COMMIT, where set, over HEAD
     outputs["status"] = (0, " M sonicmoe/routing.py\n")
     assert provenance.git_dirty() is True
     outputs["status"] = outputs["rev-parse"] = (128, "")  # fatal: not a git repository
     assert provenance.git_dirty() is None
     assert provenance.git_commit() == commit_env
+
+
+def test_git_provenance_of_a_real_checkout(tmp_path, monkeypatch):
+    """sonicmoe.provenance in a git checkout of its own (the module copied into a fresh repository): HEAD's commit,
+    clean with an untracked file beside it (a results file or a scratch script is no change to the code), dirty
+    once a tracked file changes; without a git executable both are unknown (None), not a clean tree."""
+    import importlib.util
+    import shutil
+    import subprocess
+
+    from sonicmoe import provenance
+
+    if shutil.which("git") is None:
+        pytest.skip("no git executable")
+    monkeypatch.delenv("SONICMOE_GIT_COMMIT", raising=False)
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    shutil.copy2(provenance.__file__, pkg / "provenance.py")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                               "-c", "commit.gpgsign=false", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "pkg/provenance.py")
+    git("commit", "-q", "-m", "one")
+    spec = importlib.util.spec_from_file_location("provenance_copy", pkg / "provenance.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.git_commit() == git("rev-parse", "HEAD") and len(copy.git_commit()) == 40
+    assert copy.git_dirty() is False
+    (pkg / "results.json").write_text("{}")  # untracked
+    assert copy.git_dirty() is False
+    with open(pkg / "provenance.py", "a") as f:
+        f.write("# changed\n")
+    assert copy.git_dirty() is True
+    monkeypatch.setattr(copy.shutil, "which", lambda name: None)
+    assert copy.git_dirty() is None and copy.git_commit() is None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -64,6 +64,32 @@ def test_env_switch_accepts_0_and_1_only(monkeypatch):
     assert common.env_switch is env.env_switch
 
 
+def test_settings_messages_list_the_accepted_values(monkeypatch):
+    """The ValueError of a choice lists its values as a sentence ("'a', 'b' or 'c'"), and that of a count its bound
+    or its multiple, so that the message says what to write instead."""
+    name = "SONICMOE_TEST_SETTING"
+    cases = [
+        (lambda: env.env_choice(name, "a", ("a", "b", "c")), "d", "expected 'a', 'b' or 'c'"),
+        (lambda: env.env_choice(name, "0", ("0", "1")), "2", "expected '0' or '1'"),
+        (lambda: env.env_choice(name, "x", ("x",)), "y", "expected 'x'"),
+        (lambda: env.env_count(name, 0), "-3", "expected an integer"),
+        (lambda: env.env_count(name, 0, most=16), "17", "expected an integer 0..16"),
+        (lambda: env.env_count(name, 0, multiple=8), "12", "expected 0 or a positive multiple of 8"),
+        (lambda: env.env_count(name, 0, multiple=2), "3", "expected 0 or a positive multiple of 2"),
+    ]
+    for read, value, accepted in cases:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError) as info:
+            read()
+        assert str(info.value) == f"{name}={value!r}: {accepted} (unset for the default)"
+    monkeypatch.setenv(name, "24")
+    assert env.env_count(name, 0, multiple=8) == 24 and env.env_count(name, 0, most=24) == 24
+    monkeypatch.setenv(name, "c")
+    assert env.env_choice(name, "a", ("a", "b", "c")) == "c"
+    monkeypatch.delenv(name)
+    assert env.env_choice(name, "b", ("a", "b", "c")) == "b" and env.env_count(name, 5, most=4) == 5
+
+
 # (name, reader of the library, its value for each good setting, or None where it reads no value back)
 ON_OFF_SWITCHES = [
     ("SONICMOE_AUTOTUNE", lambda: common.autotune_enabled(False), {None: True, "1": True, "0": False}),

@@ -668,6 +668,27 @@ def test_expert_load_summary():
     assert s["per_layer"][0]["cv"] == pytest.approx(0.0)
     assert s["per_layer"][1]["max_frac"] == 1.0 and s["per_layer"][1]["max_over_mean"] == 4.0
     assert s["per_layer"][1]["cv"] == pytest.approx(math.sqrt(3))
+    # the layer averages: over both layers, not the last one's
+    assert s["mean_cv"] == pytest.approx(math.sqrt(3) / 2) and s["mean_max_over_mean"] == pytest.approx(2.5)
+    # three experts: the idlest is the last of the sorted counts, not the second
+    q = expert_load_summary([[6, 3, 3]], [[6, 4, 2]])
+    assert q["per_layer"][0]["step_min_over_mean"] == pytest.approx(0.5)
+    assert q["per_layer"][0]["step_max_over_mean"] == pytest.approx(1.5)
+    # cv = population std / mean of the fractions (1/2, 1/4, 1/4): std sqrt(1/72), mean 1/3
+    assert q["per_layer"][0]["cv"] == pytest.approx(math.sqrt(1 / 72) * 3)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_peak_memory_on_cpu_is_the_max_rss_in_mib():
+    """peak_memory on the CPU: the process's peak resident set in MiB (getrusage reports KiB on Linux), checked
+    against the kernel's own VmHWM line."""
+    from sonicmoe.train.report import peak_memory
+
+    got = peak_memory(torch.device("cpu"))
+    with open("/proc/self/status") as f:
+        hwm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert got["kind"] == "cpu_max_rss"
+    assert 0.9 * hwm_kib / 1024 <= got["mib"] <= hwm_kib / 1024 + 1.0
 
 
 
@@ -806,6 +827,51 @@ def test_seed_rank_stream():
     assert torch.equal(draws[0][0], torch.rand(8))
     assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[1][0], draws[2][0])
     assert torch.equal(draws[1][0], draws[1][1])
+
+
+def test_data_parallel_of_one_process_and_the_torchrun_environment(monkeypatch):
+    """A run of one process (SINGLE): main, the whole batch, a sum that is a new tensor (the caller may change it,
+    the input stays), its own object gathered; rank r of W takes rows [r·B/W, (r+1)·B/W); only WORLD_SIZE > 1
+    asks for data parallelism (torchrun sets WORLD_SIZE=1 for one process)."""
+    from sonicmoe.train import distributed
+
+    dp = distributed.SINGLE
+    t = torch.randn(6, 3)
+    keep = t.clone()
+    assert dp.main and torch.equal(dp.shard(t), t)
+    total = dp.sum(t)
+    assert torch.equal(total, keep)
+    total.add_(1.0)
+    assert torch.equal(t, keep)
+    assert dp.gather({"a": 1}) == [{"a": 1}] and dp.describe() == {"world_size": 1, "backend": "none"}
+    second = distributed.DataParallel(rank=1, world=3, backend="gloo", owns_group=False)
+    assert not second.main and torch.equal(second.shard(t), t[2:4])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised here")
+    for value, want in ((None, False), ("1", False), ("2", True), ("8", True)):
+        if value is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", value)
+        assert distributed.requested() is want, value
+
+
+def test_setup_outside_torchrun_names_the_missing_variable(monkeypatch):
+    """setup() creating the process group checks torchrun's variables first: a RuntimeError naming the first one
+    missing and how to start the ranks, not torch's rendezvous error; no group is left behind."""
+    from sonicmoe.train import distributed
+
+    if not torch.distributed.is_available() or torch.distributed.is_initialized():
+        pytest.skip("no torch.distributed, or a process group is already initialised here")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="RANK is not set; start the ranks with torchrun"):
+        distributed.setup(torch.device("cpu"))
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match="MASTER_PORT is not set"):
+        distributed.setup(torch.device("cpu"))
+    assert not torch.distributed.is_initialized()
 
 
 def test_data_parallel_batch_must_split_evenly(tmp_path):
