@@ -762,6 +762,8 @@ def test_footprint_of_a_forward_holds_no_gradients():
     weights, acts, io = 2 * 3 * 4 * 8 * 2, 16 * (2 * 8 + 3 * 4) * 2, 3 * 16 * 8 * 2
     assert footprint_bytes(shape, 2, False) == weights + io + acts
     assert footprint_bytes(shape, 2, True) == 2 * weights + io + 2 * acts
+    # K = 2: every token's activations twice (gathered X, H, A, Y per pair), the weights and x / dO / dx once
+    assert footprint_bytes(Shape("f2", 16, 8, 4, 2, 2), 2, False) == weights + io + 2 * acts
 
 
 def test_plotted_values_skip_non_finite_ones():
@@ -1752,3 +1754,174 @@ def test_router_orders_counts_the_pairs_token_rounding_routed():
         v = row["orders"]["o"]
         assert v["useful_flops"] == 18 * pairs * n * d
         assert v["tflops"] == pytest.approx(18 * pairs * n * d / 2.0e-3 / 1e12)
+
+
+def test_run_options_reach_the_check_and_the_record(tmp_path):
+    """--check-max-T checks the first N tokens (the smallest of it, T and the backend's own limit), --tol is the
+    check's bound, --no-check-grads compares the output only (mutation probe: bx5_runner_*); the record's
+    tokens-per-expert mean is TK / E and its padded_rows every expert's count rounded up to M_tile."""
+    import math as _math
+
+    rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch", "--no-router-variant", "--check-max-T", "16",
+                   "--tol", "0.25", "--no-check-grads")
+    assert rc == 0
+    (rec,) = doc["results"]
+    chk = rec["backends"]["torch"]["check"]
+    assert chk["T"] == 16 and chk["pairs"] == 16 * 2 and chk["tol"] == 0.25
+    assert set(chk["errors"]) == {"out", "out_rows"}
+    p = make_problem(Shape("tiny", 64, 32, 16, 4, 2), dtype=torch.float32, device="cpu", seed=0)
+    counts = p.routing.expert_counts().tolist()
+    assert rec["tokens_per_expert"] == {"min": min(counts), "mean": 128 / 4, "max": max(counts)}
+    assert rec["m_tile"] == 128 and rec["padded_rows"] == sum(_math.ceil(c / 128) * 128 for c in counts) > 128
+
+
+def test_timed_phase_reads_the_gpu_over_its_timing_window(monkeypatch):
+    """_timed: the GPU state over the last rep milliseconds of the watch (rep is in ms, GpuWatch.last takes
+    seconds), TFLOP/s from the median."""
+    from sonicmoe.bench import runner
+
+    seen = []
+
+    class Watch:
+        def __init__(self, device, nvml=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def last(self, seconds):
+            seen.append(seconds)
+            return {"sm_mhz": 1600.0}
+
+    monkeypatch.setattr(runner, "GpuWatch", Watch)
+    monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 1.0, "p50": 2.0, "p80": 3.0})
+    opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32, warmup=0.0, rep=250.0)
+    phase = runner._timed(lambda: None, [], 4 * 10**12, opts, torch.device("cpu"), None)
+    assert seen == [0.25]
+    assert phase == {"ms": {"p20": 1.0, "p50": 2.0, "p80": 3.0}, "tflops": pytest.approx(2000.0),
+                     "gpu": {"sm_mhz": 1600.0}}
+
+
+def test_open_nvml_never_reads_a_board_for_a_cpu_device(monkeypatch):
+    """A CPU device gets no NVML handle even on a machine where NVML opens (it would report some GPU's clock beside
+    a CPU timing); a CUDA device or an index gets one, and a failing NVML gives None."""
+    from sonicmoe.bench import gpu_state
+
+    monkeypatch.setattr(gpu_state, "Nvml", lambda device: ("board", device))
+    assert gpu_state.open_nvml(torch.device("cpu")) is None
+    assert gpu_state.open_nvml(torch.device("cuda", 1)) == ("board", torch.device("cuda", 1))
+    assert gpu_state.open_nvml(0) == ("board", 0)
+
+    def broken(device):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(gpu_state, "Nvml", broken)
+    assert gpu_state.open_nvml(torch.device("cuda")) is None
+
+
+def test_fwdbwd_call_resets_the_gradients_first():
+    """fwdbwd_fn: each call sets the leaves' gradients to None before its backward, so that timed calls do not add
+    gradients up (an accumulating backward runs an extra add per leaf)."""
+    from sonicmoe.bench.measure import fwdbwd_fn
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(5, 3, generator=g, dtype=torch.float64).requires_grad_()
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    dout = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    run = fwdbwd_fn(lambda: x @ w, [w], dout)
+    run()
+    run()
+    torch.testing.assert_close(w.grad, x.t() @ dout, rtol=1e-12, atol=1e-12)
+
+
+def test_host_out_of_memory_is_an_oom_row(tmp_path, monkeypatch):
+    """A backend that runs out of host memory (MemoryError, as a CPU run does) gets an "oom" row with the step and
+    the message; the run goes on."""
+
+    def factory(problem, options):
+        raise MemoryError("cannot allocate 64 GiB")
+
+    monkeypatch.setitem(REGISTRY, "torch", BaselineSpec("torch", factory, "stub", kind="baseline"))
+    _, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch,upper", "--no-router-variant")
+    rows = doc["results"][0]["backends"]
+    assert rows["torch"]["status"] == "oom"
+    assert rows["torch"]["message"] == "setup: MemoryError: cannot allocate 64 GiB"
+    assert rows["upper"]["status"] == "ok"
+
+
+def test_plots_name_each_backend_once_and_sort_sweeps_by_g():
+    """_backend_names: every backend once, in first-seen order (one line per backend, not one per record that has
+    it); granularity_groups sorts a sweep by G whatever the order of the records."""
+    from sonicmoe.bench.plots import _backend_names, granularity_groups
+
+    recs = [{"backends": {"torch": {}, "triton": {}}}, {"backends": {"triton": {}, "upper": {}}}, {"backends": None}]
+    assert _backend_names(recs) == ["torch", "triton", "upper"]
+    sweep = [{"group": "7B", "T": 8, "d": 64, "n": 64 // g, "G": float(g), "routing": "topk",
+              "backends": {"triton": {}}} for g in (4, 1, 2)]
+    assert [r["G"] for r in granularity_groups(sweep)["7B"]] == [1.0, 2.0, 4.0]
+
+
+def test_token_rounding_plot_draws_only_our_timings(tmp_path):
+    """The token-rounding chart plots ours (the triton row) only: records with torch's timings alone draw nothing,
+    never torch's times as ours."""
+    pytest.importorskip("matplotlib")
+    from sonicmoe.bench.plots import _plot_token_rounding, _setup
+
+    plt = _setup()
+    row = {"status": "ok", "fwd": {"ms": {"p50": 1.0}}, "total": {"ms": {"p50": 3.0}}}
+    recs = [{"group": "tr", "E": e, "routing": m, "backends": {"torch": row}}
+            for e in (8, 16) for m in ("topk", "token_rounding")]
+    doc = {"env": {}, "date": "2026-01-02", "results": recs}
+    assert _plot_token_rounding(plt, doc, recs, tmp_path / "a.png") is None
+    ours = [dict(r, backends={"torch": row, "triton": row}) for r in recs]
+    assert _plot_token_rounding(plt, doc, ours, tmp_path / "b.png") == tmp_path / "b.png"
+    assert (tmp_path / "b.png").stat().st_size > 1000 and not (tmp_path / "a.png").exists()
+
+
+def test_worst_row_error_is_over_token_rows():
+    """_worst_row: max over tokens t of ‖out_t − ref_t‖ over the RMS of the ‖ref_t‖ (rows are tokens: a norm over a
+    column of d would mix every token's error), computed here row by row."""
+    from sonicmoe.bench.measure import _worst_row
+
+    g = torch.Generator().manual_seed(21)
+    ref = torch.randn(64, 4, generator=g, dtype=torch.float64)
+    out = ref + 0.01 * torch.randn(64, 4, generator=g, dtype=torch.float64)
+    out[9] += torch.tensor([0.3, -0.2, 0.1, 0.25], dtype=torch.float64)
+    rms = math.sqrt(sum(float(r.dot(r)) for r in ref) / 64)
+    want = max(math.sqrt(float((o - r).dot(o - r))) for o, r in zip(out, ref)) / rms
+    assert _worst_row(out, ref) == pytest.approx(want, rel=1e-12)
+    assert _worst_row(ref[:0], ref[:0]) == 0.0
+
+
+def test_expand_runs_the_routing_option_over_the_shapes_own(monkeypatch):
+    """--routing overrides the routings a preset's shape lists; without it each shape runs its own (top-k where it
+    lists none)."""
+    from sonicmoe.bench import runner
+
+    monkeypatch.setattr(runner, "load_token_rounding", lambda: None)
+    a, b = Shape("a", 64, 32, 16, 4, 2, routings=("topk",)), Shape("b", 64, 32, 16, 4, 2)
+    items = runner.expand([a, b], SimpleNamespace(routings=("token_rounding",)), print)
+    assert items == [(a, "token_rounding"), (b, "token_rounding")]
+    assert runner.expand([a, b], SimpleNamespace(routings=None), print) == [(a, "topk"), (b, "topk")]
+
+
+def test_dx_rows_error_reads_the_input_gradient():
+    """dx_rows is the worst token row of dx (not of the output): one token's dx row zeroed, its largest, gives a
+    worst-row error of at least 1 (the row's norm over the RMS row), while out_rows and the norm-wise dx error of
+    the other rows stay at float32 rounding."""
+    from sonicmoe.bench.measure import reference_errors
+
+    p = make_problem(Shape("dx", 256, 32, 16, 4, 2), dtype=torch.float32, device="cpu", seed=5)
+    case = REGISTRY["torch"].factory(p, {})
+    out = case.forward()
+    out.backward(p.dout)
+    spec = case.ref_spec()
+    good = reference_errors(out.detach(), spec, p.dout)
+    assert good["dx_rows"] < 1e-5 and good["out_rows"] < 1e-5
+    row = int(spec.x.grad.norm(dim=1).argmax())
+    spec.x.grad[row] = 0
+    bad = reference_errors(out.detach(), spec, p.dout)
+    assert bad["dx_rows"] >= 1 - 1e-5 and bad["out_rows"] == good["out_rows"]

@@ -525,6 +525,30 @@ def test_testing_helpers_random_problem_scales_by_fan_in():
         assert abs(float(p[key].std()) * fan_in**0.5 - 1) < 0.1, key
 
 
+def test_testing_helpers_random_problem_follows_seed_scale_and_bias():
+    """random_problem: the seed picks the draw (the same seed the same tensors, another seed others), ``scale``
+    multiplies every tensor, biases (E, 2n) and (E, d) only with bias=True; random_topk_routing routes K distinct
+    experts per token, T·K pairs (mutation probe: bx5_testing_*)."""
+    from sonicmoe.testing import random_topk_routing
+
+    T, d, n, E, K = 8, 16, 4, 6, 2
+    a = random_problem(T, d, n, E, seed=3, bias=True)
+    b = random_problem(T, d, n, E, seed=3, bias=True)
+    c = random_problem(T, d, n, E, seed=4, bias=True)
+    half = random_problem(T, d, n, E, seed=3, bias=True, scale=0.5)
+    shapes = {"x": (T, d), "router_weight": (E, d), "w1": (E, 2 * n, d), "w2": (E, d, n), "b1": (E, 2 * n),
+              "b2": (E, d)}
+    for key, shape in shapes.items():
+        assert tuple(a[key].shape) == shape, key
+        assert torch.equal(a[key], b[key]) and not torch.equal(a[key], c[key]), key
+        assert torch.equal(half[key], a[key] * 0.5), key  # a power of two: exact
+    plain = random_problem(T, d, n, E, seed=3)
+    assert plain["b1"] is None and plain["b2"] is None and torch.equal(plain["x"], a["x"])
+    routing = random_topk_routing(T, E, K, seed=1, device="cpu")
+    ids = torch.randn(T, E, generator=torch.Generator().manual_seed(1)).topk(K, dim=1).indices
+    assert torch.equal(routing.expert_counts().long().cpu(), torch.bincount(ids.reshape(-1), minlength=E))
+
+
 def test_testing_helpers_layer_and_reference_grads(monkeypatch):
     """layer_grads runs the layer on the backend it is given (on the CPU "auto" means torch: the GPU tests that
     compare backend="triton" with backend="torch" through it would compare torch with itself), and reference_grads
