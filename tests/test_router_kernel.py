@@ -163,6 +163,32 @@ def test_strided_and_empty_inputs(device):
     assert empty.grad.shape == (0, e)
 
 
+def test_strided_bias_and_score_gradient(device):
+    """A strided expert bias (every other entry of a longer tensor) and a strided gradient of S (a transposed (K, T)
+    tensor) are read by their strides: kernel == twin in ids, S and d logits under every order. The bias values are
+    distinct integers (gaps of 1 > any sigmoid difference), so reading the wrong entries changes the choice."""
+    t, e, k = 19, 10, 3
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    logits = distinct_logits(t, e, device, seed=int(torch.randint(0, 1000, (), generator=g)))
+    bias = torch.randperm(2 * e, generator=g).float().to(device)[::2]
+    dscores = torch.randn(k, t, generator=g).to(device).t()
+    assert not bias.is_contiguous() and not dscores.is_contiguous()
+    for order, renorm in ORDERS:
+        b = bias if order == "sigmoid_then_topk" else None
+        out = []
+        for fn in (topk_router, topk_router_ref):
+            leaf = logits.clone().requires_grad_(True)
+            ids, scores = fn(leaf, k, order, renorm, b)
+            scores.backward(dscores)
+            out.append((ids, scores.detach(), leaf.grad))
+        (ids, scores, grad), (ids_ref, scores_ref, grad_ref) = out
+        assert torch.equal(ids, ids_ref), order
+        if b is not None:
+            assert torch.equal(ids, bias.argsort(descending=True)[:k].expand(t, k)), order
+        assert rel_err(scores, scores_ref) < 1e-6, order
+        _assert_grad_close(grad, grad_ref, dscores, 1e-6)
+
+
 def test_minus_inf_logits_and_ties_pick_lower_index(device):
     """-inf logits (masked experts) are chosen after the finite ones, lowest index first, never twice;
     equal logits go to the lower expert index."""
@@ -362,6 +388,35 @@ def test_group_limited_choice_changes_the_pick_and_runs_on_the_kernel(device):
     assert not torch.equal(grouped.topk_ids.sort(1).values, plain.topk_ids.sort(1).values)
     torch_path = router_topk(x, w, k, router_order="sigmoid_then_topk", n_group=8, topk_group=2, use_kernel=False)
     assert torch.equal(grouped.topk_ids, torch_path.topk_ids)
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_group_ties_go_to_the_lower_group(renorm, device):
+    """Groups of equal score keep the lower group index on the kernel, its twin and router_topk's torch path: an
+    all-zero token (every group ties), groups 1 and 3 tied ahead of the rest, and groups 2 and 3 tied for the last
+    kept place (E = 12 in n_group = 4 groups of 3, topk_group = 2, K = 3)."""
+    e, k, n_group, topk_group = 12, 3, 4, 2
+    logits = torch.full((3, e), -2.0, device=device)
+    logits[0] = 0.0
+    logits[1, 3:6] = torch.tensor([1.0, 0.5, 0.0])  # group 1
+    logits[1, 9:12] = torch.tensor([0.0, 0.5, 1.0])  # group 3: the same two largest sigmoids, so the same score
+    logits[2, 0:3] = torch.tensor([2.0, 1.5, 1.0])  # group 0 ahead; groups 2 and 3 tie behind it
+    logits[2, 6:9] = torch.tensor([0.25, 0.75, 0.5])
+    logits[2, 9:12] = torch.tensor([0.75, 0.5, 0.25])
+    logits[2, 3:6] = -1.0  # group 1 below groups 2 and 3
+    kept = [{0, 1}, {1, 3}, {0, 2}]
+    bias = torch.zeros(e, device=device)  # a zero bias: the same keys, on the biased path
+    for kk, b in ((k, None), (3 * topk_group, bias)):  # K = 6: every expert of the two kept groups
+        paths = [fn(logits, kk, "sigmoid_then_topk", renorm, b, n_group, topk_group)[0]
+                 for fn in (topk_router, topk_router_ref)]
+        paths.append(router_topk(logits, torch.eye(e, device=device), kk, router_order="sigmoid_then_topk",
+                                 renormalize=renorm, expert_bias=b, n_group=n_group, topk_group=topk_group,
+                                 use_kernel=False).topk_ids)
+        for ids in paths:
+            if kk == k:
+                assert ids.tolist() == [[0, 1, 2], [3, 11, 4], [0, 1, 2]]
+            else:
+                assert [set((row // 3).tolist()) for row in ids.cpu()] == kept
 
 
 def test_expert_bias_refused_where_it_does_not_apply(device):

@@ -262,6 +262,9 @@ def test_routing_from_topk_is_lean_and_checks_its_arguments():
         bad[7, 2] = bad[7, 0]
         with pytest.raises(ValueError, match="distinct experts per token, token 7 has"):
             fn(bad, 6, check=True)
+        bad[11, 1] = bad[11, 2]  # two tokens with a repeated id: the first is named
+        with pytest.raises(ValueError, match=r"distinct experts per token, token 7 has \[(\d), \d, \1\]$"):
+            fn(bad, 6, check=True)
         with pytest.raises(ValueError, match="check must be a bool"):
             fn(ids, 6, check="yes")
 
@@ -306,6 +309,27 @@ def test_check_refuses_a_broken_token_major_promise():
     ok = routing_from_pairs(torch.tensor([0, 1, 1, 3, 4, 4]), torch.tensor([1, 0, 2, 0, 3, 3]), 4, 3,
                             token_major=True, padding=True, check=True)
     assert int(ok.expert_offsets[-1]) == 4
+
+
+def test_routing_from_pairs_sizes_and_padding_without_tokens():
+    """num_experts >= 1 and num_tokens >= 0 are checked (E = 0 built a routing of no expert whose pairs no row
+    computes); with T = 0 and padding the padding pairs' rows read token 0, the documented value (not T − 1 = −1)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    tok, exp = torch.randint(0, 5, (7,), generator=g), torch.zeros(7, dtype=torch.long)
+    for bad in (0, -1, True, 1.0):
+        with pytest.raises(ValueError, match=f"num_experts must be an int >= 1, got {bad!r}"):
+            routing_from_pairs(tok, exp, 5, bad)
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got -1"):
+        routing_from_pairs(tok, exp, -1, 3)
+    e = int(torch.randint(1, 6, (), generator=g))
+    n = int(torch.randint(1, 5, (), generator=g))
+    pad_tok, pad_exp = torch.zeros(n, dtype=torch.long), torch.full((n,), e)
+    for token_major in (False, True):
+        r = routing_from_pairs(pad_tok, pad_exp, 0, e, padding=True, check=True, token_major=token_major)
+        assert r.padded and r.num_rows == n
+        assert r.row_token.tolist() == [0] * n
+        assert r.expert_offsets.tolist() == [0] * (e + 1) and r.token_offsets.tolist() == [0]
+        assert r.real_rows().tolist() == [False] * n and r.row_expert().tolist() == [e - 1] * n
 
 
 @pytest.mark.parametrize("flag", ["token_major", "check", "padding"])
@@ -455,6 +479,40 @@ def test_router_topk_gradcheck(order, renorm):
 
     assert f(x, w).dtype == torch.float64
     assert torch.autograd.gradcheck(f, (x, w))
+
+
+def test_expert_groups_accepted_exactly_when_they_can_hold_k():
+    """check_expert_groups against its rule, written out, for every small (E, n_group, topk_group, K): groups only
+    under sigmoid_then_topk, n_group dividing E into groups of at least two experts (a group scores its two largest
+    keys), 1 <= topk_group <= n_group, K <= topk_group · E/n_group; and the boundary cases the rule accepts route
+    each token to K distinct experts within its topk_group groups."""
+    from sonicmoe.routing import check_expert_groups
+
+    def ok(e, ng, tg, k, order):
+        if ng == 1:
+            return tg == 1
+        return (order == "sigmoid_then_topk" and e % ng == 0 and e // ng >= 2 and tg <= ng
+                and k <= tg * (e // ng))
+
+    accepted = []
+    for order in ("sigmoid_then_topk", "softmax_then_topk"):
+        for e in range(1, 13):
+            for ng in range(1, e + 2):
+                for tg in range(1, ng + 2):
+                    for k in range(1, e + 1):
+                        if ok(e, ng, tg, k, order):
+                            check_expert_groups(ng, tg, e, k, order)
+                            accepted.append((e, ng, tg, k))
+                        else:
+                            with pytest.raises(ValueError, match="n_group|topk_group"):
+                                check_expert_groups(ng, tg, e, k, order)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    for e, ng, tg, k in ((12, 6, 2, 4), (12, 3, 3, 12), (8, 4, 1, 2), (6, 3, 2, 4)):  # groups of two, all kept, ...
+        assert (e, ng, tg, k) in accepted
+        x, w = torch.randn(9, 5, generator=g), torch.randn(e, 5, generator=g)
+        ids = router_topk(x, w, k, router_order="sigmoid_then_topk", n_group=ng, topk_group=tg).topk_ids
+        assert ids.shape == (9, k) and bool((ids.sort(1).values.diff(1) > 0).all())
+        assert all(len(set((row // (e // ng)).tolist())) <= tg for row in ids)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -312,6 +312,13 @@ def test_bad_arguments():
         token_rounding(router, m_tile=4, router_order="whatever")
     with pytest.raises(TypeError):
         token_rounding((router.logits, router.topk_ids), m_tile=4)
+    # top-k ids and scores of another number of tokens than the logits (a stale or sliced router output)
+    ids, scores = router.topk_ids, router.topk_scores
+    for bad_ids, bad_scores in ((ids[:15], scores[:15]), (torch.cat([ids, ids[:1]]), torch.cat([scores, scores[:1]]))):
+        bad = RouterOutput(router.logits, router.probs, bad_ids, bad_scores)
+        for fn in (token_rounding, token_rounding_ref):
+            with pytest.raises(ValueError, match=r"router.topk_ids and router.topk_scores must both be \(T=16, K\)"):
+                fn(bad, m_tile=4)
     for flag in ("renormalize", "static", "fused_router_grad", "warn", "use_kernel"):  # "no" read as True before
         with pytest.raises(ValueError, match=f"{flag} must be a bool, got 'no'"):
             token_rounding(router, m_tile=4, **{flag: "no"})
@@ -347,11 +354,14 @@ def test_check_verifies_custom_topk_ids(fn):
 
 
 def test_warns_below_two_tiles():
+    """The warning names the mean tokens per expert T·K/E and points at the caller of token_rounding (here: this file),
+    not at the library's own lines."""
     router, _ = make_router(64, 8, 2, seed=0)  # T·K/E = 16 tokens per expert
-    with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert"):
+    with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert") as rec:
         token_rounding(router, m_tile=16)
-    with pytest.warns(UserWarning, match="token rounding"):
+    with pytest.warns(UserWarning, match="token rounding") as rec_ref:
         token_rounding_ref(router, m_tile=16)
+    assert [w.filename for w in (*rec, *rec_ref)] == [__file__, __file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         token_rounding(router, m_tile=8)  # 16 / 8 = 2 tiles: fine
