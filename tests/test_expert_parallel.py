@@ -311,10 +311,16 @@ def test_expert_parallel_on_gpu_matches_one_process(tmp_path):
 def test_expert_parallel_refuses_bad_setups(tmp_path):
     """Without a process group: RuntimeError (expert_parallel_ddp too: torch's ValueError before session 89). In a
     group of one rank: E = 0, a routing of other E or T, scores and weights of the wrong shape are refused, naming
-    the argument (E not a multiple of P: in the two-rank runs); numpy sizes are taken, as MoE takes them."""
+    the argument (E not a multiple of P: in the two-rank runs); numpy sizes are taken, as MoE takes them;
+    expert_parallel_groups(0) is refused by name (not a ZeroDivisionError from W % 0)."""
     import numpy as np
 
-    from sonicmoe.expert_parallel import ExpertParallelMoE, expert_parallel_ddp, expert_parallel_experts
+    from sonicmoe.expert_parallel import (
+        ExpertParallelMoE,
+        expert_parallel_ddp,
+        expert_parallel_experts,
+        expert_parallel_groups,
+    )
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         ExpertParallelMoE(D, N, E, 2)
@@ -322,8 +328,9 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
         expert_parallel_ddp(torch.nn.Linear(2, 2))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="num_experts"):
-            ExpertParallelMoE(D, N, 0, 1)
+        with pytest.raises(ValueError, match=r"num_experts must be a positive multiple of the group's size P=1 "
+                                             r"\(E_loc = E/P experts per rank\), got 0"):
+            ExpertParallelMoE(D, N, 0, 1)  # the layer's message, before MoEConfig's
         assert ExpertParallelMoE(D, N, np.int64(E), np.int64(2)).config.num_experts == E
         x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
         routing = routing_from_topk(torch.tensor([[0, 1]] * 4), 2)
@@ -341,8 +348,31 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
             expert_parallel_experts(x, w1, w2, routing, torch.rand(8), gate_up_layout="split")
         with pytest.raises(ValueError, match="backend"):
             expert_parallel_experts(x, w1, w2, routing, torch.rand(8), backend="cuda")
+        with pytest.raises(ValueError, match=r"ep_size must be a positive divisor of the world size W=1, got 0"):
+            expert_parallel_groups(0)
     finally:
         dist.destroy_process_group()
+
+
+def test_expert_parallel_checks_before_any_exchange():
+    """The checks expert_parallel_experts runs on every rank before the first exchange (a bad input on one rank would
+    otherwise leave the others waiting in a collective, or pass the exchange and fail in sonicmoe.experts on the
+    ranks receiving rows), each naming what is wrong: w1 holding no expert, scores of shape (R, 1) (R rows, but not
+    a vector), scores on another device than x (P passed in: no group)."""
+    from sonicmoe.expert_parallel import _check_ep_inputs
+
+    world = int(torch.randint(1, 4, ()))
+    x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
+    routing = routing_from_topk(torch.tensor([[0, 1]] * 4), 2 * world)
+    _check_ep_inputs(x, w1, w2, None, None, routing, torch.rand(8), world, "torch", "concat")  # good inputs
+    bad = {"no expert": ((x, w1[:0], w2[:0], routing, torch.rand(8)), "w1 must hold at least one expert"),
+           "scores (R, 1)": ((x, w1, w2, routing, torch.rand(8, 1)), r"pair_scores must have shape \(R=8,\), got "
+                                                                    r"\(8, 1\)"),
+           "scores on meta": ((x, w1, w2, routing, torch.rand(8, device="meta")), "pair_scores is on meta but x is "
+                                                                                 "on cpu")}
+    for args, message in bad.values():
+        with pytest.raises(ValueError, match=message):
+            _check_ep_inputs(*args[:3], None, None, *args[3:], world, "torch", "concat")
 
 
 def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
@@ -366,6 +396,7 @@ def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
         full.gate.weight.requires_grad_(False)
         layer = ExpertParallelMoE.from_moe(full)
         assert not layer.training and not layer.gate.weight.requires_grad
+        assert repr(layer).count("experts [0, 4) of rank 0/1") == 1  # the half-open range of all E = 4
         assert layer.experts.gate_up_proj.requires_grad and layer.experts.gate_up_proj.dtype == torch.float64
         xs = torch.randn(9, D, generator=g, dtype=torch.float64)
         assert rel_err(layer(xs), full(xs)) < 1e-12

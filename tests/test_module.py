@@ -100,6 +100,10 @@ def test_meta_forward_and_materialise():
     m = MoE(D, N, E, K, bias=True, device="meta")
     y = m(torch.empty(3, 5, D, device="meta"))
     assert y.shape == (3, 5, D) and y.device.type == "meta"
+    # a layer built for the Triton kernels infers shapes on the meta device too (the torch backend's ops run there)
+    meta_triton = MoE(D, N, E, K, bias=True, backend="triton", shared_intermediate_size=4, device="meta")
+    y = meta_triton(torch.empty(3, 5, D, device="meta"))
+    assert y.shape == (3, 5, D) and y.device.type == "meta" and meta_triton.expert_counts.shape == (E,)
     assert m.expert_counts.shape == (E,) and m.aux_loss.shape == ()
     # meta-init flow: materialise, then load real weights
     src = make(seed=3, bias=True)
@@ -486,6 +490,51 @@ def test_replaced_config_takes_effect():
         assert late.config is before  # refused: the layer keeps its config
     late.config = dataclasses.replace(late.config, router_order="softmax_then_topk", top_k=1)  # no parameter's
     assert late(x).shape == x.shape
+
+
+def test_replaced_config_keeps_the_shared_expert_and_router_bias():
+    """The shared expert's gate and the router bias are parameters too: a replaced config that adds or drops either is
+    refused, naming the option, and the layer keeps its config (the gate's weight would be missing, or left unused)."""
+    m = make(shared_intermediate_size=4, shared_expert_gate=True)
+    before = m.config
+    for change in ({"shared_expert_gate": False}, {"router_bias": True}, {"shared_intermediate_size": 8}):
+        with pytest.raises(ValueError, match=f"config: {next(iter(change))} shape"):
+            m.config = dataclasses.replace(m.config, **change)
+        assert m.config is before
+
+
+def test_router_and_selection_biases_start_and_reset_to_zero():
+    """The router bias (router_bias=True, gpt-oss) starts at zero, not at nn.Linear's random init, so that no expert
+    is preferred; reset_parameters sets it and DeepSeek-V3's selection bias back to zero after they moved, and draws
+    the weights again."""
+    m = make(seed=int(torch.randint(0, 2**31 - 1, ())), router_bias=True, router_order="sigmoid_then_topk")
+    assert m.gate.bias.shape == (E,) and not m.gate.bias.any() and not m.e_score_correction_bias.any()
+    m(rand_x(16, D))
+    m.update_expert_bias(0.25)
+    with torch.no_grad():
+        m.gate.bias.uniform_(0.5, 1.0)
+    assert m.e_score_correction_bias.abs().min() == 0.25 and m.gate.bias.abs().min() >= 0.5
+    w = m.gate.weight.detach().clone()
+    m.reset_parameters()
+    assert not m.gate.bias.any() and not m.e_score_correction_bias.any()
+    assert m.e_score_correction_bias.dtype == torch.float32 and not torch.equal(m.gate.weight, w)
+
+
+def test_copies_leave_the_last_forward_out():
+    """copy.deepcopy and pickling leave out the last forward's aux_loss, z_loss and expert_counts (None in the copy,
+    as in a fresh layer: a copy has run no forward), keep them on the original, and copy the weights."""
+    import copy
+    import pickle
+
+    m = make(z_loss_coef=0.1)
+    x = rand_x(9, D)
+    m(x)
+    counts = m.expert_counts.clone()
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert twin.aux_loss is None and twin.z_loss is None and twin.expert_counts is None
+        assert torch.equal(m.expert_counts, counts) and m.aux_loss is not None and m.z_loss is not None
+        torch.testing.assert_close(twin(x), m(x), rtol=0, atol=0)
+        assert torch.equal(twin.expert_counts, counts)
 
 
 @pytest.mark.parametrize("order,renorm", [("topk_then_softmax", False), ("softmax_then_topk", True),

@@ -147,6 +147,28 @@ def test_triton_backend_matches_reference(gated, layout, device):
 
 
 @pytest.mark.interpreter
+def test_fp16_gate_sigmoid_in_float32(device):
+    """float16 parameters on the triton backend: the gate's logit is the fp16 GEMM, its sigmoid float32 (the
+    aggregation multiplies by the score in float32): the layer's output is, bit for bit, the routed experts plus the
+    shared expert with those float32 scores, not with scores rounded to float16."""
+    import sonicmoe
+    from sonicmoe.routing import router_topk
+
+    m = make(seed=int(torch.randint(0, 2**31 - 1, ())), backend="triton", shared_expert_gate=True,
+             dtype=torch.float16).to(device)
+    x = rand(13, D, seed=20).to(device=device, dtype=torch.float16)
+    y = m(x)
+    ex, se, w_g = m.experts, m.shared_experts, m.shared_expert_gate.weight
+    router = router_topk(x, m.gate.weight, K)
+    routed = sonicmoe.experts(x, ex.gate_up_proj, ex.down_proj, routing_from_topk(router.topk_ids, E),
+                              router.topk_scores.reshape(-1), backend="triton")
+    g = torch.sigmoid(F.linear(x, w_g).reshape(-1).float())
+    assert g.dtype == torch.float32 and not torch.equal(g, g.half().float())  # the rounding would show
+    shared = sonicmoe.experts(x, se.gate_up_proj, se.down_proj, routing_dense(13, device), g, backend="triton")
+    assert y.dtype == torch.float16 and torch.equal(y, routed + shared)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("t", [0, 1])
 def test_few_tokens_on_triton(t, device):
     """T = 0 and T = 1 through the shared expert on the triton backend."""
