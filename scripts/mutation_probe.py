@@ -74,6 +74,12 @@ TFL = "tests/test_fast_launch.py"
 RTG = "sonicmoe/routing.py"
 TRR = "sonicmoe/ops/tr_routing.py"
 TTRR = "tests/test_tr_routing.py"
+TTRAIN = "tests/test_train.py"
+TDATA = "sonicmoe/train/data.py"
+TCFG = "sonicmoe/train/config.py"
+TLOOP = "sonicmoe/train/loop.py"
+TMODEL = "sonicmoe/train/model.py"
+TCLI = "sonicmoe/train/cli.py"
 MUTANTS: list[Mutant] = [
     # --- the counting-sort routing (sonicmoe/ops/topk_routing.py) ---
     _m("tkr_scan_inclusive", TKR, "carry[None, :] + tl.cumsum(cnt, axis=0) - cnt",
@@ -1873,6 +1879,73 @@ MUTANTS: list[Mutant] = [
        "tests/test_expert_parallel.py", "-k", "refuses"),
     _m("ep5_ddp_ignore_names_without_dot", EPM, 'ignored.append(f"{prefix}.experts.{name}" if prefix',
        'ignored.append(f"{prefix}experts.{name}" if prefix', "tests/test_expert_parallel.py", "-k", "wrapping_keeps"),
+    # --- the training job (sonicmoe/train: data windows, options, schedule, optimizer, evaluation, model, CLI) ---
+    _m("tr6_corpus_order_by_path", TDATA,
+       "return sorted(files, key=lambda p: hashlib.sha256(os.fsencode(p.relative_to(root).as_posix())).digest())",
+       "return sorted(files, key=_relative_key(root))", TTRAIN, "-k", "hash_order"),
+    _m("tr6_corpus_cap_reached_reads_another", TDATA, "        if size >= max_bytes:\n            break",
+       "        if size > max_bytes:\n            break", TTRAIN, "-k", "hash_order"),
+    _m("tr6_corpus_files_run_together", TDATA, '        if not piece.endswith(b"\\n"):\n            piece += b"\\n"\n',
+       "", TTRAIN, "-k", "hash_order"),
+    _m("tr6_train_windows_shifted", TDATA, "starts = torch.randint(0, high, (batch_size,), generator=generator)",
+       "starts = torch.randint(1, high + 1, (batch_size,), generator=generator)", TTRAIN, "-k", "split_slices"),
+    _m("tr6_val_batches_overlap", TDATA, "starts[b * batch_size:(b + 1) * batch_size]",
+       "starts[b:b + batch_size]", TTRAIN, "-k", "split_slices"),
+    _m("tr6_val_windows_from_train", TDATA, "yield self._windows(self.val,", "yield self._windows(self.train,",
+       TTRAIN, "-k", "split_slices"),
+    _m("tr6_targets_not_shifted", TDATA, "return chunk[:, :-1], chunk[:, 1:]", "return chunk[:, :-1], chunk[:, :-1]",
+       TTRAIN, "-k", "split_slices or seq_len_check"),
+    _m("tr6_tcfg_negative_warmup_taken", TCFG,
+       'for name in ("warmup", "eval_every", "save_every", "profile_every", "seed"):',
+       'for name in ("eval_every", "save_every", "profile_every", "seed"):', TTRAIN, "-k", "bad_run_options"),
+    _m("tr6_tcfg_zero_lr_taken", TCFG, "if not 0 < self.lr < math.inf", "if not 0 <= self.lr < math.inf", TTRAIN,
+       "-k", "bad_optimiser"),
+    _m("tr6_tcfg_nan_grad_clip_taken", TCFG, "        if not self.grad_clip > 0:", "        if self.grad_clip <= 0:",
+       TTRAIN, "-k", "bad_optimiser"),
+    _m("tr6_tcfg_float_count_taken", TCFG, "            if not isinstance(v, int) or v < 1:",
+       "            if v < 1:", TTRAIN, "-k", "bad_run_options"),
+    _m("tr6_tcfg_zero_val_fraction_taken", TCFG, "not 0.0 < self.val_fraction < 1.0",
+       "not 0.0 <= self.val_fraction < 1.0", TTRAIN, "-k", "bad_run_options"),
+    _m("tr6_tcfg_none_override_applied", TCFG,
+       "    merged.update({k: v for k, v in overrides.items() if v is not None})", "    merged.update(overrides)",
+       TTRAIN, "-k", "bounds_are_taken"),
+    _m("tr6_lr_warmup_inclusive", TLOOP, "    if update < cfg.warmup:", "    if update <= cfg.warmup:", TTRAIN, "-k",
+       "lr_schedule"),
+    _m("tr6_lr_cosine_over_all_steps", TLOOP, "/ max(1, cfg.steps - cfg.warmup))", "/ max(1, cfg.steps))", TTRAIN,
+       "-k", "lr_schedule"),
+    _m("tr6_opt_embedding_decayed", TLOOP, 'p.dim() >= 2 and not name.startswith("embed") and',
+       "p.dim() >= 2 and", TTRAIN, "-k", "bf16_masters"),
+    _m("tr6_opt_norms_decayed", TLOOP, 'decayed = [p.dim() >= 2 and not name', 'decayed = [p.dim() >= 1 and not name',
+       TTRAIN, "-k", "bf16_masters"),
+    _m("tr6_opt_bf16_params_not_updated", TLOOP,
+       "            with torch.no_grad():\n                torch._foreach_copy_(self.params, self.masters)\n"
+       "        return norm.detach()", "            pass\n        return norm.detach()", TTRAIN, "-k", "bf16_masters"),
+    _m("tr6_opt_clips_the_emptied_grads", TLOOP, "norm = torch.nn.utils.clip_grad_norm_(owners, max_norm)",
+       "norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)", TTRAIN, "-k", "bf16_masters"),
+    _m("tr6_opt_resume_params_not_from_masters", TLOOP,
+       "                torch._foreach_copy_(self.masters, list(saved))\n"
+       "                torch._foreach_copy_(self.params, self.masters)\n",
+       "                torch._foreach_copy_(self.masters, list(saved))\n", TTRAIN, "-k", "bf16_masters"),
+    _m("tr6_eval_leaves_eval_mode", TLOOP, "    model.train(was_training)\n    return float(",
+       "    return float(", TTRAIN, "-k", "mean_val_loss"),
+    _m("tr6_check_ranks_tokens_of_all_ranks", TLOOP, "cfg.batch_size * cfg.seq_len // max(world, 1) * cfg.top_k",
+       "cfg.batch_size * cfg.seq_len * cfg.top_k", TTRAIN, "-k", "empty_the_experts"),
+    _m("tr6_first_nonfinite_step_overwritten", TLOOP,
+       'if not math.isfinite(loss + aux) and history.get("first_nonfinite_step") is None:',
+       "if not math.isfinite(loss + aux):", TTRAIN, "-k", "diverged"),
+    _m("tr6_rotary_freq_over_half_dim", TMODEL, "dtype=torch.float32) / head_dim)",
+       "dtype=torch.float32) / (head_dim // 2))", TTRAIN, "-k", "position_angles"),
+    _m("tr6_model_final_norm_skipped", TMODEL, "logits = F.linear(self.norm(x), self.embed.weight)",
+       "logits = F.linear(x, self.embed.weight)", TTRAIN, "-k", "matches_a_reference"),
+    _m("tr6_model_heads_split_before_qkv", TMODEL, ".view(b, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)",
+       ".view(b, l, self.heads, 3, d // self.heads).permute(3, 0, 2, 1, 4)", TTRAIN, "-k", "matches_a_reference"),
+    _m("tr6_model_mlp_norm_skipped", TMODEL, "= self.moe(self.mlp_norm(x))", "= self.moe(x)", TTRAIN, "-k",
+       "matches_a_reference"),
+    _m("tr6_cli_resume_takes_other_layers", TCLI, '_PARAMETER_SHAPES = ("d_model", "layers", "experts",',
+       '_PARAMETER_SHAPES = ("d_model", "experts",', TTRAIN, "-k", "new_hyperparameters"),
+    _m("tr6_cli_resume_end_ignores_stop_after", TCLI,
+       "            end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps",
+       "            end = cfg.steps", TTRAIN, "-k", "new_hyperparameters"),
 ]
 
 

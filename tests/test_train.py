@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -410,18 +411,21 @@ def test_resume_leaves_the_checkpoint_and_keeps_the_masters(tmp_path):
 
 @pytest.mark.parametrize("option,value", [("grad_clip", 0.0), ("grad_clip", -1.0), ("lr", float("nan")),
                                           ("weight_decay", -0.1), ("weight_decay", float("inf")), ("beta1", 1.0),
-                                          ("beta2", 1.0), ("min_lr_ratio", 1.5)])
+                                          ("beta2", 1.0), ("min_lr_ratio", 1.5), ("lr", 0.0),
+                                          ("grad_clip", float("nan"))])
 def test_bad_optimiser_options_are_refused(option, value):
     with pytest.raises(ValueError, match=option):
         make_config("cpu-tiny", **{option: value}).validate()
 
 
 @pytest.mark.parametrize("option,value", [("expert_parallel", 0), ("expert_parallel", 3), ("val_fraction", 1.0),
-                                          ("stop_after", 0),
+                                          ("stop_after", 0), ("val_fraction", 0.0), ("warmup", -1),
+                                          ("steps", 2.5),
                                           ("heads", 128)])  # cpu-tiny's d = 128 in 128 heads of one channel
 def test_bad_run_options_are_refused(option, value):
     """A ValueError naming the option: expert_parallel 0 (a ZeroDivisionError otherwise) or not dividing E = 16,
-    no training data left,
+    no training data left, no validation data, a negative warm-up (its learning rates would be negative), a count
+    that is not an integer (range() of it fails later),
     a run stopped before its first step, rotary heads of odd size (its halves cannot pair up)."""
     with pytest.raises(ValueError, match=option):
         make_config("cpu-tiny", **{option: value})
@@ -435,6 +439,9 @@ def test_run_options_at_their_bounds_are_taken():
     cfg = make_config("cpu-tiny", experts=4, top_k=4, stop_after=1)
     assert (cfg.top_k, cfg.experts) == (4, 4)
     assert config_from_dict({**cfg.to_dict(), "retired_option": 1}) == cfg
+    # an override of None keeps the saved value (the CLI passes every option it was not given as None)
+    again = config_from_dict(cfg.to_dict(), lr=None, top_k=None, steps=7)
+    assert again == dataclasses.replace(cfg, steps=7)
 
 
 def test_make_config_takes_the_preset_then_the_overrides():
@@ -466,7 +473,10 @@ def test_resume_takes_new_hyperparameters_and_refuses_another_seed_or_corpus(tmp
                          (["--max-bytes", "131072"], "differs from the one the checkpoint trained on"),
                          (["--heads", "4"], "--heads: the checkpoint's model has heads=2"),  # the q/k/v split
                          (["--activation", "clamped_swiglu"], "the checkpoint's model has activation='swiglu'"),
-                         (["--router-order", "sigmoid_then_topk"], "has router_order='topk_then_softmax'")):
+                         (["--router-order", "sigmoid_then_topk"], "has router_order='topk_then_softmax'"),
+                         (["--layers", "3"], "--layers: the checkpoint's model has layers=2"),
+                         # --stop-after at the checkpoint's step: nothing to train, said before any model is built
+                         (["--stop-after", "3"], "at or past this run's end (step 3)")):
         with pytest.raises(SystemExit) as e:
             cli.main(["--resume", str(ckpt), "--out", str(tmp_path / "x"), "--no-progress", *extra])
         assert e.value.code == 2 and match in capsys.readouterr().err
@@ -486,6 +496,9 @@ def test_diverged_run_exits_1(tmp_path, capsys):
     log = json.loads((out / "log.json").read_text())
     step = log["first_nonfinite_step"]
     assert step is not None and not math.isfinite(log["steps"][step - 1]["loss"])
+    # the first such step (the later ones stay non-finite): every step before it trained on finite losses
+    assert step > 1 and all(math.isfinite(s["loss"] + s["router_loss"]) for s in log["steps"][:step - 1])
+    assert err.count("the run has diverged") == 1
     assert f"at step {step}: the run has diverged" in err and "the run diverged" in err
 
 
@@ -505,8 +518,12 @@ def test_token_rounding_that_would_empty_the_experts_is_refused(tmp_path, capsys
     from sonicmoe.train.loop import check_ranks
 
     for rounding, m_tile in (("nearest", 512), ("down", 256), ("up", 4096)):
-        check_ranks(make_config("cpu-tiny", experts=4, top_k=2, batch_size=8, seq_len=64, routing="token_rounding",
-                                rounding=rounding, m_tile=m_tile), torch.device("cpu"), 1)
+        cfg = make_config("cpu-tiny", experts=4, top_k=2, batch_size=8, seq_len=64, routing="token_rounding",
+                          rounding=rounding, m_tile=m_tile)
+        check_ranks(cfg, torch.device("cpu"), 1)
+        if rounding != "up":  # two data-parallel ranks: 128 tokens per expert in each rank's batch, under the bound
+            with pytest.raises(ValueError, match="with 128 tokens per expert"):
+                check_ranks(cfg, torch.device("cpu"), 2)
     with pytest.raises(ValueError, match="bias_update_rate must be a finite number"):
         make_config("cpu-tiny", router_order="sigmoid_then_topk", bias_update_rate=math.inf).validate()
 
@@ -1066,3 +1083,194 @@ def test_single_file_corpus_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=f"corpus from {text} has only"):
         text.write_text("short")
         ByteCorpus.load(str(text), 10_000, 0.1)
+
+
+def _fresh_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+def test_corpus_reads_files_in_hash_order_each_on_its_lines(tmp_path):
+    """The corpus is the files in the SHA-256 order of their relative paths (not the sorted order: a byte cap then
+    samples the whole tree), each after its ``# ==== path ====`` line and ending in a newline (added where the file
+    has none, so that the next header starts a line); a cap reached exactly at a file's end reads no further file
+    (the count of files used had one more, an empty one)."""
+    import hashlib
+
+    from sonicmoe.train.data import read_corpus, text_files
+
+    data = tmp_path / "texts"
+    (data / "sub").mkdir(parents=True)
+    g = _fresh_generator()
+    names = ("a.txt", "b.txt", "c.txt", "sub/d.txt", "sub/e.txt")
+    bodies = {}
+    for i, name in enumerate(names):
+        size = int(torch.randint(60, 90, (), generator=g))
+        body = bytes(torch.randint(97, 123, (size,), generator=g).tolist()) + (b"\n" if i % 2 else b"")
+        (data / name).write_bytes(body)
+        bodies[name] = body
+    order = sorted(names, key=lambda n: hashlib.sha256(n.encode()).digest())
+    assert order != sorted(names)  # the two orders differ for these names
+    pieces = [b"# ==== " + n.encode() + b" ====\n" + bodies[n] + (b"" if bodies[n].endswith(b"\n") else b"\n")
+              for n in order]
+    corpus = ByteCorpus.load(str(data), 1 << 20, 0.1)
+    assert corpus.num_files == len(names)
+    assert bytes(torch.cat([corpus.train, corpus.val]).tolist()) == b"".join(pieces)
+    root, files = text_files(data)
+    assert read_corpus(files, root, len(pieces[0])) == (pieces[0], 1)
+    assert read_corpus(files, root, len(pieces[0]) + 5) == (pieces[0] + pieces[1][:5], 2)
+
+
+def test_train_and_val_windows_are_the_split_slices():
+    """A training window is L + 1 consecutive bytes of the train split (inputs, then the same bytes shifted by one as
+    targets), its start drawn uniformly from 0 to N - L - 2 (torch.randint's bound is exclusive: the one window that
+    ends at the split's last byte is never drawn, and check_seq_len's N >= L + 2 matches that); the validation
+    batches are the val split's windows at starts evenly spaced from 0 to the last one (N - L - 1), in order, batch
+    after batch."""
+    cpu = torch.device("cpu")
+    train = torch.arange(40, dtype=torch.uint8)
+    val = torch.arange(100, 150, dtype=torch.uint8)
+    corpus = ByteCorpus(train=train, val=val, source="x", num_files=1)
+    L = 8
+    x, y = corpus.train_batch(600, L, _fresh_generator(), cpu)
+    starts = x[:, 0]
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x, starts[:, None] + torch.arange(L)) and torch.equal(y, x + 1)
+    assert set(starts.tolist()) == set(range(40 - L - 1))
+    high = 50 - L - 1  # the last window's start: its targets end at the split's last byte
+    want = [round(high * i / 11) for i in range(12)]  # 4 batches of 3: twelve starts, evenly spaced
+    batches = list(corpus.val_batches(3, L, 4, cpu))
+    assert len(batches) == 4
+    for b, (vx, vy) in enumerate(batches):
+        assert torch.equal(vx, 100 + torch.tensor(want[3 * b:3 * b + 3])[:, None] + torch.arange(L))
+        assert torch.equal(vy, vx + 1)
+
+
+def test_optimizer_decay_groups_and_bf16_masters():
+    """Optimizer: weight decay on the attention, router and expert matrices only (not the byte embedding, not the
+    norms); with bfloat16 parameters one step clips and updates the float32 masters (checked against AdamW's first
+    step written out: p(1 - lr·wd) - lr·g/(|g| + eps), g the clipped gradient), returns the gradient norm before
+    clipping, and gives the parameters the rounded masters; a fresh optimizer loading its state gets the masters and
+    the parameters back."""
+    from sonicmoe.train.loop import Optimizer, model_config
+
+    cpu = torch.device("cpu")
+    cfg = make_config("cpu-tiny", d_model=32, layers=2, heads=2, experts=4, top_k=2, expert_size=16,
+                      shared_expert_size=8, backend="torch", device="cpu", weight_decay=0.1)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = MoETransformer(model_config(cfg))
+    opt = Optimizer(model, cfg, cpu)
+    assert opt.masters is None
+    decayed = {id(p) for p in opt.adamw.param_groups[0]["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in decayed}
+    matrices = ("attn.qkv.weight", "attn.proj.weight", "moe.gate.weight", "moe.experts.gate_up_proj",
+                "moe.experts.down_proj", "moe.shared_experts.gate_up_proj", "moe.shared_experts.down_proj")
+    assert names == {f"blocks.{i}.{m}" for i in range(2) for m in matrices}
+    assert len(opt.adamw.param_groups[1]["params"]) == 1 + 2 * 2 + 1  # embedding, two norms a block, final norm
+
+    model = model.to(torch.bfloat16)
+    opt = Optimizer(model, cfg, cpu)
+    assert opt.masters is not None and all(m.dtype == torch.float32 for m in opt.masters)
+    g = _fresh_generator()
+    for p in opt.params:
+        p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+    grads = [p.grad.double() for p in opt.params]
+    norm = math.sqrt(sum(float((x * x).sum()) for x in grads))
+    before = [m.double() for m in opt.masters]
+    decays = [any(p is q for q in opt.adamw.param_groups[0]["params"]) for p in opt.masters]
+    lr, max_norm = 1e-2, 0.5
+    got = opt.step(lr, max_norm)
+    assert float(got) == pytest.approx(norm, rel=1e-5)
+    clip = max_norm / (norm + 1e-6)
+    for m, p0, grad, dec in zip(opt.masters, before, grads, decays):
+        gc = grad * clip
+        want = p0 * (1 - lr * cfg.weight_decay * dec) - lr * gc / (gc.abs() + 1e-8)
+        torch.testing.assert_close(m.double(), want, rtol=1e-5, atol=1e-7)
+    assert all(p.grad is None and m.grad is None for p, m in zip(opt.params, opt.masters))
+    assert all(torch.equal(p, m.bfloat16()) for p, m in zip(opt.params, opt.masters))
+    fresh = MoETransformer(model_config(cfg)).to(torch.bfloat16)
+    again = Optimizer(fresh, cfg, cpu)
+    again.load_state_dict(opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.masters, opt.masters))
+    assert all(torch.equal(a, b) for a, b in zip(again.params, opt.params))
+
+
+def test_evaluate_is_the_mean_val_loss_and_restores_train_mode():
+    """evaluate: the mean cross-entropy of the eval-mode model over the fixed validation batches, and the model is
+    back in training mode afterwards (the next steps train with the training routing)."""
+    import torch.nn.functional as F
+
+    from sonicmoe.train.loop import evaluate, model_config
+
+    cpu = torch.device("cpu")
+    cfg = make_config("cpu-tiny", d_model=32, layers=1, heads=2, experts=4, top_k=2, expert_size=16,
+                      backend="torch", device="cpu", batch_size=2, seq_len=16, eval_batches=3)
+    g = _fresh_generator()
+    corpus = ByteCorpus(train=torch.randint(0, 256, (200,), dtype=torch.uint8, generator=g),
+                        val=torch.randint(0, 256, (120,), dtype=torch.uint8, generator=g), source="x", num_files=1)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = MoETransformer(model_config(cfg))
+    got = evaluate(model, corpus, cfg, cpu)
+    assert model.training
+    model.eval()
+    with torch.no_grad():
+        losses = [float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
+                  for x, y in corpus.val_batches(2, 16, 3, cpu)]
+    assert got == pytest.approx(sum(losses) / 3, rel=1e-6)
+
+
+def test_rotary_tables_are_the_position_angles():
+    """rotary_tables: cos and sin of position p times the frequency base^(-2i/hd) of channel pair i."""
+    from sonicmoe.train.model import rotary_tables
+
+    L, hd = 7, 12
+    cos, sin = rotary_tables(L, hd, torch.device("cpu"))
+    assert cos.shape == sin.shape == (L, hd // 2) and cos.dtype == torch.float32
+    angles = torch.tensor([[p * 10000.0 ** (-2 * i / hd) for i in range(hd // 2)] for p in range(L)],
+                          dtype=torch.float64)
+    torch.testing.assert_close(cos.double(), angles.cos(), rtol=0, atol=2e-6)
+    torch.testing.assert_close(sin.double(), angles.sin(), rtol=0, atol=2e-6)
+
+
+def test_model_forward_matches_a_reference():
+    """MoETransformer's logits against the block written out in float32: x += Attn(RMSNorm(x)) with q, k, v the
+    thirds of the qkv projection, each split into heads of consecutive channels, rotated, causal softmax attention;
+    x += MoE(RMSNorm(x)); logits = RMSNorm(x) · embeddingᵀ (the norms' weights randomised, so each counts)."""
+    from sonicmoe.train.model import rotary_tables
+
+    d, H, L, B = 32, 4, 9, 2
+    hd = d // H
+    g = _fresh_generator()
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = MoETransformer(ModelConfig(d_model=d, layers=2, heads=H, experts=4, top_k=2, expert_size=16,
+                                       backend="torch")).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(d, generator=g))
+    idx = torch.randint(0, 256, (B, L), generator=g)
+    cos, sin = rotary_tables(L, hd, torch.device("cpu"))
+    c, s = cos[None, :, None], sin[None, :, None]
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def rotate(t):  # (B, L, H, hd): channel i pairs with channel i + hd/2
+        a, b = t[..., :hd // 2], t[..., hd // 2:]
+        return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    with torch.no_grad():
+        x = model.embed.weight[idx]
+        for blk in model.blocks:
+            h = rms(x, blk.attn_norm.weight)
+            w = blk.attn.qkv.weight
+            q, k, v = ((h @ w[i * d:(i + 1) * d].T).view(B, L, H, hd) for i in range(3))
+            q, k = rotate(q), rotate(k)
+            scores = torch.einsum("bihe,bjhe->bhij", q, k) / math.sqrt(hd)
+            att = scores.masked_fill(~causal, -math.inf).softmax(-1)
+            y = torch.einsum("bhij,bjhe->bihe", att, v).reshape(B, L, d)
+            x = x + y @ blk.attn.proj.weight.T
+            x = x + blk.moe(rms(x, blk.mlp_norm.weight))[0]
+        want = rms(x, model.norm.weight) @ model.embed.weight.T
+        got = model(idx)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
