@@ -794,6 +794,40 @@ def test_gather_ops_without_tokens(layout, device):
         torch.cuda.synchronize()
 
 
+def test_dh_without_tokens_keeps_h_dtype(device):
+    """dH with T = 0 in float16 (no kernel launched, zeros returned on the host): dH and A′ in H's dtype and shape,
+    dS in float32, as the kernel path returns them for T > 0 (the caller's dW2 GEMM reads A′ in W2's dtype)."""
+    d, n, e = 32, 24, 3
+    g = torch.Generator().manual_seed(21)
+    w2 = torch.randn(e, d, n, generator=g).half().to(device)
+    routing = routing_from_pairs(torch.zeros(3, dtype=torch.long, device=device), torch.full((3,), e, device=device),
+                                 0, e, padding=True)
+    h = torch.randn(3, 2 * n, generator=g).half().to(device)
+    dout = torch.zeros(0, d, device=device, dtype=torch.float16)
+    dh_, a_prime, ds = dh(dout, w2, h, torch.rand(3, generator=g).to(device), routing)
+    assert dh_.dtype == a_prime.dtype == torch.float16 and ds.dtype == torch.float32
+    assert dh_.shape == (3, 2 * n) and a_prime.shape == (3, n) and ds.shape == (3,)
+    assert not dh_.any() and not a_prime.any() and not ds.any()
+
+
+def test_varlen_k_with_an_empty_gathered_operand(device):
+    """A gathered operand of no rows (T = 0) beside a routing of padding rows only (R = 3, none real): dW is zero and
+    nothing is launched, in the step loop's config too, whose discarded step of a tile without a whole chunk would
+    read row 0 of the empty operand (no memory there: the interpreter dies of it; session 72's GPU crash)."""
+    d, n, e = 32, 24, 3
+    g = torch.Generator().manual_seed(22)
+    routing = routing_from_pairs(torch.zeros(3, dtype=torch.long, device=device), torch.full((3,), e, device=device),
+                                 0, e, padding=True)
+    none = torch.zeros(0, d, device=device)
+    a_prime = torch.randn(3, n, generator=g).to(device)
+    dh_ = torch.randn(3, 2 * n, generator=g).to(device)
+    steps = {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16, "STEPS": True, "PROGS_PER_SM": 3}
+    for cfg in (None, steps):
+        for pg, qg, pm, qm in ((True, False, none, a_prime), (False, True, dh_, none)):
+            got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32, config=cfg)
+            assert got.shape == (e, pm.shape[1], qm.shape[1]) and torch.equal(got, torch.zeros_like(got))
+
+
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
 def test_layer_empty_batch(routing, device):
     """The MoE layer on T = 0 tokens (router, routing, experts; Triton kernels): an empty output, zero gradients
@@ -1572,6 +1606,52 @@ def test_host_cdiv_and_next_pow2_match_triton():
         for b in (1, 3, 16, 128):
             assert cdiv(a, b) == triton.cdiv(a, b)
     assert next_pow2(-5) == 1 and next_pow2(2**40 + 1) == 2**41
+
+
+def test_varlen_m_grid_holds_every_tile_of_ragged_experts(device):
+    """The varlen-M grid's M-tiles cover Σ_e cdiv(T_e, BLOCK_M), which exceeds cdiv(R, BLOCK_M) by up to E when every
+    expert ends in a partial tile: 3 experts of 17 rows (6 tiles of the interpreter's BLOCK_M = 16 against
+    cdiv(51, 16) = 4). The up-projection, the varlen-M GEMM and dH give every row (poisoned outputs: a tile no
+    program ran is NaN) and their twins' values."""
+    from sonicmoe.ops.common import max_m_tiles
+
+    t, d, n, e, per = 51, 16, 16, 3, 17
+    assert max_m_tiles(t, e, 16) >= e * cdiv(per, 16) > cdiv(t, 16)
+    g = torch.Generator().manual_seed(24)
+    routing = routing_from_pairs(torch.arange(t, device=device), (torch.arange(t) // per).to(device), t, e)
+    x = torch.randn(t, d, generator=g).to(device)
+    w1 = (torch.randn(e, 2 * n, d, generator=g) * d ** -0.5).to(device)
+    w2 = (torch.randn(e, d, n, generator=g) * n ** -0.5).to(device)
+    h = torch.randn(t, 2 * n, generator=g).to(device)
+    s = (torch.rand(t, generator=g) + 0.1).to(device)
+    dout = torch.randn(t, d, generator=g).to(device)
+    for got, want in zip(up_proj(x, w1, None, routing), up_proj_ref(x, w1, None, routing)):
+        assert rel_err(got, want) < 1e-5
+    assert rel_err(varlen_m_gemm(h, w1, None, routing, transpose_b=False),
+                   varlen_m_gemm_ref(h, w1, None, routing, transpose_b=False)) < 1e-5
+    for got, want in zip(dh(dout, w2, h, s, routing), dh_ref(dout, w2, h, s, routing)):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_sized_for_operands_floors_and_stages():
+    """The pinned GPU configs for 4-byte operands: BLOCK_K and BLOCK_R halved but never below 16 (the smallest
+    tl.dot), at most 3 stages (never raised); 2-byte operands keep the config; the input is not modified."""
+    from sonicmoe.ops.common import sized_for_operands
+
+    meta = {"BLOCK_M": 128, "BLOCK_K": 16, "BLOCK_R": 64, "num_stages": 5}
+    assert sized_for_operands(meta, 4) == {"BLOCK_M": 128, "BLOCK_K": 16, "BLOCK_R": 32, "num_stages": 3}
+    assert sized_for_operands({"BLOCK_K": 32, "num_stages": 2}, 4) == {"BLOCK_K": 16, "num_stages": 2}
+    assert sized_for_operands(meta, 2) == meta and meta["BLOCK_K"] == 16 and meta["num_stages"] == 5
+
+
+def test_dot_precision_exact_for_float32():
+    """float32 operands ask the kernels' tl.dot for exact float32 products ("ieee": tf32 would round them to 10-bit
+    mantissas on a GPU; the interpreter ignores the flag, so no CPU kernel result shows it); 16-bit ones the tensor
+    cores ("tf32", which their products are exact in)."""
+    from sonicmoe.ops.common import dot_precision
+
+    assert dot_precision(torch.float32) == "ieee"
+    assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"
 
 
 @pytest.mark.gpu

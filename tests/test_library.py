@@ -327,6 +327,18 @@ def test_fake_shapes_without_data():
     assert [tuple(g.shape) for g in grads] == [(T, D), (E, 2 * N, D), (E, D, N), (0,), (0,), (r,)]
 
 
+def test_forward_without_h_returns_the_fakes_empty_h(device):
+    """save_h=False (inference): the real forward returns an empty (0, 2n) H, the shape its fake gives (a compiled
+    graph checks the real outputs against the fake's), and the O of the forward that keeps H."""
+    p = random_problem(T, D, N, E, bias=True, device=device, seed=12)
+    routing = _topk_routing(p)
+    args = _fwd_args(p, routing, "concat", False)
+    out, h = library.experts_fwd_impl(*args[:-1], True)
+    out0, h0 = library.experts_fwd_impl(*args[:-1], False)
+    assert h.shape == (routing.num_rows, 2 * N) and h0.shape == (0, 2 * N) and h0.dtype == h.dtype
+    assert torch.equal(out0, out)
+
+
 def test_experts_triton_eager_paths(device):
     """Eager: with gradients through ExpertsFunction (the operator's twin), without as a plain forward (no
     autograd node); compiled graphs call the operator (test_compile_* below)."""
