@@ -223,10 +223,15 @@ for step in "$@"; do
       # since session 74 `-m gpu` also selects the device-fixture tests (213 more; 257 s on four workers of one H200
       # against 348 s for the rest): SPLIT_MARK="gpu and not device_fixture" and SPLIT_MARK=device_fixture split the
       # suite over two calls of the 10-minute limit
-      SONICMOE_TEST_GPUS=$list timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -rA -m "${SPLIT_MARK:-gpu}" -n "${#gpus[@]}" --dist load \
-        --durations=0 tests -p no:cacheprovider > "$OUT/gpu_tests_xdist.log" 2>&1
-      SUMMARY+=("GPU tests on ${#gpus[@]} workers ($list):" "$(grep -E '^(FAILED|ERROR)' "$OUT/gpu_tests_xdist.log" | head -20)"
-                "$(tail -1 "$OUT/gpu_tests_xdist.log")")
+      # -v names each test's outcome as it ends ("[gw1] [ 36%] FAILED tests/..."): session 93's device-fixture run was
+      # cut by the time-out after one F, and without -v the log never said which test it was. SPLIT_PATHS narrows the
+      # run to some files (default tests), to split a suite over calls by file.
+      read -ra paths <<< "${SPLIT_PATHS:-tests}"
+      SONICMOE_TEST_GPUS=$list timeout ${TESTS_LIMIT_S:-480} python3 -m pytest -v -rA -m "${SPLIT_MARK:-gpu}" \
+        -n "${#gpus[@]}" --dist load --durations=0 "${paths[@]}" -p no:cacheprovider > "$OUT/gpu_tests_xdist.log" 2>&1
+      SUMMARY+=("GPU tests on ${#gpus[@]} workers ($list):"
+                "$(grep -E '(^| )(FAILED|ERROR) ' "$OUT/gpu_tests_xdist.log" | sort -u | head -20)"
+                "$(grep -cE ' PASSED ' "$OUT/gpu_tests_xdist.log") PASSED lines; last line: $(tail -1 "$OUT/gpu_tests_xdist.log")")
       ;;
     tune)
       shapes=()
