@@ -133,9 +133,66 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
     assert not dh_ws_supported(dout, w2, fake_sm90(torch.zeros(r, 2 * n, dtype=torch.float16)), "concat")
     assert not dh_ws_supported(*fake_sm90(torch.zeros(8, 0, dtype=torch.bfloat16),
                                           torch.zeros(e, 0, n, dtype=torch.bfloat16)), h, "concat")  # d = 0
+    assert not dh_ws_supported(dout, w2, h, "interleaved")  # the kernel reads gate | up halves of H
+    assert not dh_ws_supported(fake_sm90(torch.zeros(8, 2 * d, dtype=torch.bfloat16)), w2, h, "concat")  # dO (T, 2d)
+    shifted = torch.zeros(r * 2 * n + 1, dtype=torch.bfloat16)[1:].view(r, 2 * n)  # 2 bytes past a 16-byte boundary
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 2
+    assert not dh_ws_supported(dout, w2, fake_sm90(shifted), "concat")
     for cap in ((8, 0), (10, 0)):
         fake_sm90.capability = cap
         assert not dh_ws_supported(dout, w2, h, "concat"), cap
+
+
+def test_config_tile_must_divide_n(monkeypatch):
+    """An explicit tile width is taken only where it divides n (each program's tile is BLOCK_N whole channels);
+    the epilogue's sigmoid form defaults to this kernel's SIGMOID_FTZ, not the up-projection's, where
+    SONICMOE_SIGMOID_FTZ is unset."""
+    from sonicmoe.ops import up_proj_ws
+
+    assert dh_ws_config(384, block_n=256) is None and dh_ws_config(128, block_n=256) is None
+    assert dh_ws_config(512, block_n=128)["BLOCK_N"] == 128 and dh_ws_config(384, block_n=128)["BLOCK_N"] == 128
+    monkeypatch.delenv("SONICMOE_SIGMOID_FTZ", raising=False)
+    assert dh_ws.SIGMOID_FTZ != up_proj_ws.SIGMOID_FTZ  # the two defaults differ: the check below tells them apart
+    assert dh_ws_config(256)["SIGMOID_FTZ"] is dh_ws.SIGMOID_FTZ
+
+
+def _no_rows_inputs(n):
+    from sonicmoe.routing import routing_from_pairs
+
+    e, d, t = 3, 128, 4
+    none = torch.zeros(0, dtype=torch.int32)
+    routing = routing_from_pairs(none, none, t, e)
+    dout = torch.randn(t, d).half()
+    w2 = torch.randn(e, d, n).half()
+    return dout, w2, torch.zeros(0, 2 * n, dtype=torch.float16), torch.zeros(0), routing
+
+
+@pytest.mark.parametrize("n", [256, 512])
+def test_no_rows_returns_before_any_launch(n):
+    """No routed rows: dh_ws returns empty dH (0, 2n) and A′ (0, n) of H's dtype and the dS partials, one row per
+    N-tile (n / BLOCK_N, 0) float32 (with ds_pairs, an empty dS of that dtype), without a launch (none can run
+    here)."""
+    dout, w2, h, s, routing = _no_rows_inputs(n)
+    dh_, ap, parts = dh_ws.dh_ws(dout, w2, h, s, routing)
+    assert dh_.shape == (0, 2 * n) and ap.shape == (0, n) and dh_.dtype == ap.dtype == torch.float16
+    assert parts.shape == (n // dh_ws_config(n)["BLOCK_N"], 0) == (n // 256, 0) and parts.dtype == torch.float32
+    if dh_ws.ds_pairs_in_kernel(n):
+        ds = dh_ws.dh_ws(dout, w2, h, s, routing, pair_order=True, ds_pairs=torch.bfloat16)[2]
+        assert ds.shape == (0,) and ds.dtype == torch.bfloat16
+
+
+def test_ds_pairs_needs_pair_order_before_any_launch():
+    """ds_pairs (dS in pair order) without pair_order is a ValueError naming it, raised before anything is launched,
+    also where the tiles span all n channels."""
+    routing = random_topk_routing(8, 3, 2, seed=0, device="cpu")
+    r, n, d = routing.num_rows, 256, 128
+    assert dh_ws.ds_pairs_in_kernel(n)
+    g = torch.Generator().manual_seed(0)
+    dout = torch.randn(8, d, generator=g).half()
+    w2 = torch.randn(3, d, n, generator=g).half()
+    h = torch.randn(r, 2 * n, generator=g).half()
+    with pytest.raises(ValueError, match="ds_pairs: needs pair_order=True"):
+        dh_ws.dh_ws(dout, w2, h, torch.rand(r, generator=g), routing, ds_pairs=torch.float32)
 
 
 def test_ds_pairs_only_where_one_tile_spans_n():

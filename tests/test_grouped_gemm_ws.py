@@ -224,9 +224,28 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
     assert ws_supported(a, b, rows, transpose_b=True)
     assert not ws_supported(a, b, rows - 1, transpose_b=True)
     assert not ws_supported(a, fake_sm90(torch.zeros(e, 100, k, dtype=torch.bfloat16)), rows, transpose_b=True)
+    # B of no output columns (no TMA box), A's columns other than B's reduction k, mixed dtypes: both forms
+    for tb in (True, False):
+        b_of = (lambda m_, k_: (e, m_, k_)) if tb else (lambda m_, k_: (e, k_, m_))
+        assert ws_supported(a, fake_sm90(torch.zeros(*b_of(m, k), dtype=torch.bfloat16)), rows, transpose_b=tb)
+        assert not ws_supported(a, fake_sm90(torch.zeros(*b_of(0, k), dtype=torch.bfloat16)), rows, transpose_b=tb)
+        assert not ws_supported(a, fake_sm90(torch.zeros(*b_of(m, 2 * k), dtype=torch.bfloat16)), rows,
+                                transpose_b=tb)
+        assert not ws_supported(a, fake_sm90(torch.zeros(*b_of(m, k), dtype=torch.float16)), rows, transpose_b=tb)
     for cap in ((8, 0), (10, 0)):
         fake_sm90.capability = cap
         assert not ws_supported(a, b, rows, transpose_b=True), cap
+
+
+@pytest.mark.parametrize("transpose_b", [True, False])
+def test_no_rows_returns_before_any_launch(transpose_b):
+    """No routed rows: ws_varlen_m_gemm returns an empty (0, m) C of A's dtype without building a table or launching
+    (neither can run here)."""
+    e, k, m = 3, 128, 256
+    offsets = torch.zeros(e + 1, dtype=torch.int32)
+    b = torch.randn(e, m, k).half() if transpose_b else torch.randn(e, k, m).half()
+    c = ws_varlen_m_gemm(torch.zeros(0, k, dtype=torch.float16), b, None, offsets, transpose_b=transpose_b)
+    assert c.shape == (0, m) and c.dtype == torch.float16
 
 
 @pytest.mark.interpreter

@@ -42,6 +42,35 @@ def test_config_fits_shared_memory(monkeypatch):
     assert 32 * (4 * up_proj_ws.LOADER_REGS + 4 * up_proj_ws.EPI_REGS + up_proj_ws.MMA_WARPS * 168) <= 65536
 
 
+def test_shared_memory_bytes_by_hand(monkeypatch):
+    """The sizes behind the configs, counted by hand: a ring slot holds an X block (BLOCK_M x BLOCK_K) and the gate
+    and up W1 boxes (BLOCK_N x BLOCK_K each), 48 KiB in bf16; the staging buffer one (BLOCK_M x BLOCK_N) block, 32
+    KiB, two with the storer partition. So 4 slots fit without the storer, 3 with it."""
+    slot = 2 * (128 * 64 + 2 * 128 * 64)
+    assert slot == 48 * 1024 and up_ws_smem_bytes(1) - up_ws_smem_bytes(0) == slot
+    assert up_ws_smem_bytes(0) == 2 * 128 * 128 and up_ws_smem_bytes(0, epi=True) == 2 * 2 * 128 * 128
+    assert up_ws_smem_bytes(3, epi=True) == 3 * slot + 64 * 1024
+    monkeypatch.delenv("SONICMOE_UP_EPI", raising=False)
+    assert up_ws_config(4096)["STAGES"] == 4 and up_ws_config(1536)["STAGES"] == 3
+
+
+@pytest.mark.parametrize("store_h", [True, False])
+def test_no_rows_returns_before_any_launch(store_h):
+    """No routed rows: up_proj_ws returns an empty H (0, 2n) (None without store_h) and A (0, n) of x's dtype without a
+    launch (none can run here)."""
+    from sonicmoe.routing import routing_from_pairs
+
+    e, n, d = 3, 256, 128
+    none = torch.zeros(0, dtype=torch.int32)
+    routing = routing_from_pairs(none, none, 4, e)
+    h, a = run_ws(torch.randn(4, d).half(), torch.randn(e, 2 * n, d).half(), None, routing, store_h=store_h)
+    assert a.shape == (0, n) and a.dtype == torch.float16
+    if store_h:
+        assert h.shape == (0, 2 * n) and h.dtype == torch.float16
+    else:
+        assert h is None
+
+
 def test_gate_up_fused_config(monkeypatch):
     """SONICMOE_UP_GU_FUSED picks the one-chain form where the MMA warps run the epilogue, never with the storer
     partition (whose 16 warps cannot hold a 256-wide wgmma's registers)."""
@@ -161,6 +190,11 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90, monkeypatch):
     # d = 0: no TMA box of zero width (the Triton kernel serves it)
     assert not up_ws_supported(*fake_sm90(torch.zeros(8, 0, dtype=torch.bfloat16),
                                           torch.zeros(e, 2 * n, 0, dtype=torch.bfloat16)), None, "concat")
+    # W1 reducing over another width than x's d; a W1 whose first element is not 16-byte aligned (TMA)
+    assert not up_ws_supported(x, fake_sm90(torch.zeros(e, 2 * n, 2 * d, dtype=torch.bfloat16)), None, "concat")
+    shifted = torch.zeros(e * 2 * n * d + 1, dtype=torch.bfloat16)[1:].view(e, 2 * n, d)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 2
+    assert not up_ws_supported(x, fake_sm90(shifted), None, "concat")
     monkeypatch.setenv("SONICMOE_GLUON_UP", "0")
     assert not up_ws_supported(x, w1, None, "concat")
     monkeypatch.delenv("SONICMOE_GLUON_UP")

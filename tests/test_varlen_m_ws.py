@@ -57,6 +57,51 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
         assert not long_supported(a, b, None, many, transpose_b=True), cap
 
 
+def test_supported_rule_rejects_on_a_faked_sm90(fake_sm90):
+    """On a faked sm_90, the rule still refuses what the kernel cannot take: a bias (no bias epilogue), tensors that
+    are not on the GPU, and an A or a B whose first element is not 16-byte aligned (TMA)."""
+    from sonicmoe.ops.common import FEW_ROWS_PER_EXPERT
+
+    e, m, k = 2, 256, varlen_m_ws.MIN_K
+    many = (FEW_ROWS_PER_EXPERT + 1) * e
+    bf = torch.bfloat16
+    a_cpu, b_cpu = torch.zeros(16, k, dtype=bf), torch.zeros(e, m, k, dtype=bf)
+    a, b = fake_sm90(a_cpu, b_cpu)
+    assert long_supported(a, b, None, many, transpose_b=True)
+    assert not long_supported(a, b, fake_sm90(torch.zeros(e, m, dtype=bf)), many, transpose_b=True)
+    assert not long_supported(a_cpu, b_cpu, None, many, transpose_b=True)  # CPU tensors, Gluon "present"
+
+    def shifted(*shape):  # contiguous, one element (2 bytes) past a 16-byte boundary
+        t = torch.zeros(torch.Size(shape).numel() + 1, dtype=bf)[1:].view(*shape)
+        assert t.is_contiguous() and t.data_ptr() % 16 == 2
+        return fake_sm90(t)
+
+    assert not long_supported(shifted(16, k), b, None, many, transpose_b=True)
+    assert not long_supported(a, shifted(e, m, k), None, many, transpose_b=True)
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_no_rows_returns_before_any_launch(transpose_b):
+    """No routed rows: long_gemm checks its operands and returns an empty C of the column block's width (the rest of
+    B's columns from col0 where no width is given), or the caller's view, without a launch (none can run here)."""
+    from sonicmoe.routing import routing_from_pairs
+
+    e, k, m = 3, 128, 512
+    none = torch.zeros(0, dtype=torch.int32)
+    routing = routing_from_pairs(none, none, 4, e)
+    assert routing.num_rows == 0
+    a = torch.zeros(0, k, dtype=torch.float16)
+    b = torch.randn(e, m, k).half() if transpose_b else torch.randn(e, k, m).half()
+    assert long_gemm(a, b, None, routing, transpose_b=transpose_b).shape == (0, m)
+    assert long_gemm(a, b, None, routing, transpose_b=transpose_b, col0=256).shape == (0, 256)
+    assert long_gemm(a, b, None, routing, transpose_b=transpose_b, col0=256, width=256).shape == (0, 256)
+    wide = torch.zeros(0, 2 * m, dtype=torch.float16)
+    out = long_gemm(a, b, None, routing, transpose_b=transpose_b, out=wide[:, 256:512], col0=0, width=256)
+    assert out.shape == (0, 256) and out.data_ptr() == wide[:, 256:512].data_ptr()
+    with pytest.raises(ValueError, match="col0, width"):
+        long_gemm(a, b, None, routing, transpose_b=transpose_b, col0=512)  # nothing left to write
+
+
 def test_layer_prefers_the_down_projection_form(monkeypatch):
     """The layer's rule takes the down-projection form only, both forms under SONICMOE_GLUON_LONG=all."""
     monkeypatch.delenv("SONICMOE_GLUON_LONG", raising=False)
@@ -99,6 +144,7 @@ def test_long_gemm_rejects_bad_operands_before_any_launch():
         (a, b, {"col0": 0, "width": 128}, "col0, width"),
         (a, b, {"col0": 0, "width": 0}, "col0, width"),
         (a, b, {"col0": 256, "width": 512}, "col0, width"),
+        (a, b, {"col0": -256, "width": 256}, "col0, width"),  # inside B's columns by its end, not by its start
         (a, b, {"num_programs": 0}, "num_programs"),
     ]
     for aa, bb, kw, msg in cases:

@@ -113,6 +113,33 @@ def test_swap_ab_config(monkeypatch):
         assert wgrad_ws_config(2048, 4096, False, wg_split=True)["SWAP_AB"] == (flag == "1")
 
 
+def test_config_takes_a_two_slot_ring():
+    """Two ring slots are the fewest the kernel runs with (one chunk loading while the MMAs read the other): with
+    128-row chunks (98304 bytes a slot at both tile shapes) two slots fit beside the half tile of store buffers
+    (32768 bytes), and the config takes them; with 192-row chunks only one fits and there is none."""
+    for i_dim, j_dim, p_gather in ((512, 1536, False), (1536, 256, True)):
+        cfg = wgrad_ws_config(i_dim, j_dim, p_gather, block_r=128, stage_in_ring=False, wg_split=True)
+        assert cfg is not None and cfg["BLOCK_R"] == 128 and cfg["STAGES"] == 2
+        assert {cfg["BLOCK_I"], cfg["BLOCK_J"]} == {128, 256}
+        assert 2 * (2 * 128 * 384 + 128 * 128) <= weight_grad_ws.SMEM_BUDGET < 2 * (3 * 128 * 384 + 128 * 128)
+        assert wgrad_ws_config(i_dim, j_dim, p_gather, block_r=192, stage_in_ring=False, wg_split=True) is None
+
+
+@pytest.mark.parametrize("p_gather", [False, True], ids=["dW1", "dW2"])
+def test_no_rows_gives_zeros_before_any_launch(p_gather, monkeypatch):
+    """No routed rows (the routed operand has none while the gathered one has T rows): every expert's gradient is
+    exactly zero (outputs poisoned with NaN first), returned before any TMA descriptor or launch (none can run
+    here)."""
+    monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+    e, t, i_dim, j_dim = 3, 5, 256, 128
+    routed = torch.zeros(0, j_dim if p_gather else i_dim, dtype=torch.float16)
+    gathered = torch.randn(t, i_dim if p_gather else j_dim).half()
+    p, q = (gathered, routed) if p_gather else (routed, gathered)
+    tok = torch.zeros(0, dtype=torch.int32)
+    got = wgrad_ws(p, q, tok, torch.zeros(e + 1, dtype=torch.int32), p_gather=p_gather)
+    assert got.shape == (e, i_dim, j_dim) and got.dtype == torch.float16 and (got == 0).all()
+
+
 def test_layer_prefers_gluon_for_wide_experts(monkeypatch):
     """The layer's backward asks for the Gluon weight gradients from library.GLUON_WGRAD_MIN_N = 128 on (n = 64:
     the Triton kernels), at every n under SONICMOE_GLUON_WGRAD=all."""
@@ -160,6 +187,14 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
     assert not wgrad_ws_supported(p, q, **{**kw, "q_gather": False})
     assert not wgrad_ws_supported(p, q, **{**kw, "p_gather": True})
     assert not wgrad_ws_supported(p, q, **{**kw, "out_dtype": torch.float32})
+    # an operand whose first element is not 16-byte aligned (TMA, cp.async): either one
+    def shifted(rows, cols):  # contiguous, one element (2 bytes) past a 16-byte boundary
+        t = torch.zeros(rows * cols + 1, dtype=torch.bfloat16)[1:].view(rows, cols)
+        assert t.is_contiguous() and t.data_ptr() % 16 == 2
+        return fake_sm90(t)
+
+    assert not wgrad_ws_supported(shifted(64, 256), q, **kw)
+    assert not wgrad_ws_supported(p, shifted(64, 512), **kw)
     for cap in ((8, 0), (10, 0)):
         fake_sm90.capability = cap
         assert not wgrad_ws_supported(p, q, **kw), cap
