@@ -80,6 +80,16 @@ TCFG = "sonicmoe/train/config.py"
 TLOOP = "sonicmoe/train/loop.py"
 TMODEL = "sonicmoe/train/model.py"
 TCLI = "sonicmoe/train/cli.py"
+VMWS = "sonicmoe/ops/varlen_m_ws.py"
+TVMWS = "tests/test_varlen_m_ws.py"
+GGWS = "sonicmoe/ops/grouped_gemm_ws.py"
+TGGWS = "tests/test_grouped_gemm_ws.py"
+WGWS = "sonicmoe/ops/weight_grad_ws.py"
+TWGWS = "tests/test_weight_grad_ws.py"
+DHWS = "sonicmoe/ops/dh_ws.py"
+TDHWS = "tests/test_dh_ws.py"
+UPWS = "sonicmoe/ops/up_proj_ws.py"
+TUPWS = "tests/test_up_proj_ws.py"
 MUTANTS: list[Mutant] = [
     # --- the counting-sort routing (sonicmoe/ops/topk_routing.py) ---
     _m("tkr_scan_inclusive", TKR, "carry[None, :] + tl.cumsum(cnt, axis=0) - cnt",
@@ -2029,6 +2039,68 @@ MUTANTS: list[Mutant] = [
        "bias_cols = bias", "tests/test_library.py", "-k", "column_chunked_gemm"),
     _m("kn6_lib_chunk_b_cols_axis_swapped", LIB, "b_cols = b[:, cols] if transpose_b else b[:, :, cols]",
        "b_cols = b[:, :, cols] if transpose_b else b[:, cols]", "tests/test_library.py", "-k", "column_chunked_gemm"),
+    # --- ws7_: the Gluon kernels' host side (shared-memory sizing, served shapes, no-row paths, the tile table) ---
+    _m("ws7_vm_staging_unsplit", VMWS, "BLOCK_M * BLOCK_N // c_split)", "BLOCK_M * BLOCK_N)", TVMWS),
+    _m("ws7_vm_negative_col0_taken", VMWS, " or col0 < 0 or col0 + w > m", " or col0 + w > m", TVMWS, "-k",
+       "rejects_bad_operands"),
+    _m("ws7_vm_block_end_exclusive", VMWS, "col0 + w > m:", "col0 + w >= m:", TVMWS),
+    _m("ws7_vm_default_width_ignores_col0", VMWS, "    w = m - col0 if width is None else width\n    if w <= 0",
+       "    w = m if width is None else width\n    if w <= 0", TVMWS, "-k", "no_rows"),
+    _m("ws7_vm_bias_taken", VMWS, "if bias is not None or not long_enabled() or", "if not long_enabled() or", TVMWS,
+       "-k", "faked_sm90"),
+    _m("ws7_vm_cpu_tensors_taken", VMWS, "not long_enabled() or not a.is_cuda or _operand_error",
+       "not long_enabled() or _operand_error", TVMWS, "-k", "faked_sm90"),
+    _m("ws7_vm_b_alignment_unchecked", VMWS, "return a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0",
+       "return a.data_ptr() % 16 == 0", TVMWS, "-k", "faked_sm90"),
+    _m("ws7_vm_no_rows_launched", VMWS, "    if r == 0:\n        return out\n", "    if r < 0:\n        return out\n",
+       TVMWS, "-k", "no_rows"),
+    _m("ws7_gg_tile_expert_strict", GGWS, "e = tl.sum((cum[None, :] <= t[:, None]).to(tl.int32), 1)",
+       "e = tl.sum((cum[None, :] < t[:, None]).to(tl.int32), 1)", TGGWS, "-k", "tile_table"),
+    _m("ws7_gg_second_table_pid", GGWS, "pid - progs, E_P2", "pid, E_P2", TGGWS, "-k", "tile_table"),
+    _m("ws7_gg_staging_one_buffer", GGWS, "+ 2 * BLOCK_M * block_n)", "+ BLOCK_M * block_n)", TGGWS),
+    _m("ws7_gg_zero_width_taken", GGWS, " or a.shape[1] != k or m == 0:", " or a.shape[1] != k:", TGGWS, "-k",
+       "faked_sm90"),
+    _m("ws7_gg_reduction_mismatch_taken", GGWS, "ws_config(k, transpose_b) is None or a.shape[1] != k or",
+       "ws_config(k, transpose_b) is None or", TGGWS, "-k", "faked_sm90"),
+    _m("ws7_gg_no_rows_launched", GGWS, "    if r == 0:\n        return c\n", "    if r < 0:\n        return c\n",
+       TGGWS, "-k", "no_rows"),
+    _m("ws7_gg_grid_not_n_multiple", GGWS, "grid = max(sm_count(a.device) // num_pid_n, 1) * num_pid_n",
+       "grid = sm_count(a.device)", TGGWS,
+       equivalent="GPU-only: the Gluon kernel's grid (programs past the last whole chunk of num_pid_n would read "
+       "M-tiles past the table's count; only an sm_90 GPU launches it)"),
+    _m("ws7_wg_fits_slot_strict", WGWS, ">= block_i * block_j // 2", "> block_i * block_j // 2", TWGWS),
+    _m("ws7_wg_two_stages_refused", WGWS, "            if stages >= 2:", "            if stages > 2:", TWGWS,
+       "-k", "two_slot_ring"),
+    _m("ws7_wg_q_alignment_unchecked", WGWS, "return p.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0",
+       "return p.data_ptr() % 16 == 0", TWGWS, "-k", "faked_sm90"),
+    _m("ws7_wg_no_rows_not_zeroed", WGWS, "        return out.zero_()", "        return out", TWGWS, "-k", "no_rows"),
+    _m("ws7_wg_no_rows_needs_both", WGWS, "if p.shape[0] == 0 or q.shape[0] == 0:",
+       "if p.shape[0] == 0 and q.shape[0] == 0:", TWGWS, "-k", "no_rows"),
+    _m("ws7_wg_grid_past_tiles", WGWS, "(min(total, sm_count(p.device)),)", "(sm_count(p.device),)", TWGWS,
+       equivalent="the same results, and GPU-only: programs past the last tile find none to run (their tile loop is "
+       "empty in index order and under LOAD_ORDER, where full = 0 and a slot of the one partial wave only below the "
+       "tile count); only an sm_90 GPU launches the kernel"),
+    _m("ws7_dh_staging_sets_halved", DHWS, "staging = 0 if stage_in_ring else 2 * 3",
+       "staging = 0 if stage_in_ring else 3", TDHWS),
+    _m("ws7_dh_block_n_not_dividing", DHWS, "    if bn is None or n % bn:", "    if bn is None:", TDHWS, "-k",
+       "tile_must_divide"),
+    _m("ws7_dh_sigmoid_default_up", DHWS, '"SIGMOID_FTZ": sigmoid_ftz(SIGMOID_FTZ)}', '"SIGMOID_FTZ": sigmoid_ftz()}',
+       TDHWS, "-k", "tile_must_divide"),
+    _m("ws7_dh_layout_unchecked", DHWS, 'if gate_up_layout != "concat" or not dh_ws_enabled()',
+       "if not dh_ws_enabled()", TDHWS, "-k", "faked_sm90"),
+    _m("ws7_dh_dout_width_unchecked", DHWS, " or dout.shape[1] != d or h.shape[1]", " or h.shape[1]", TDHWS,
+       "-k", "faked_sm90"),
+    _m("ws7_dh_ds_pairs_without_pair_order", DHWS, "not (pair_order and ds_pairs_in_kernel(n, cfg))",
+       "not ds_pairs_in_kernel(n, cfg)", TDHWS, "-k", "ds_pairs_needs_pair_order"),
+    _m("ws7_dh_no_rows_partials_per_epi", DHWS, "ds_part = new_output((n // bn, r)",
+       "ds_part = new_output((n // epi, r)", TDHWS, "-k", "no_rows"),
+    _m("ws7_up_ring_slot_one_box", UPWS, "stages * BLOCK_K * (BLOCK_M + 2 * BLOCK_N)",
+       "stages * BLOCK_K * (BLOCK_M + BLOCK_N)", TUPWS, "-k", "bytes_by_hand"),
+    _m("ws7_up_w1_width_unchecked", UPWS, " or n == 0 or w1.shape[2] != d:", " or n == 0:", TUPWS, "-k", "faked_sm90"),
+    _m("ws7_up_w1_alignment_unchecked", UPWS, "return x.data_ptr() % 16 == 0 and w1.data_ptr() % 16 == 0",
+       "return x.data_ptr() % 16 == 0", TUPWS, "-k", "faked_sm90"),
+    _m("ws7_up_no_rows_returns_a", UPWS, "        return (h if store_h else None), a\n    _CALLS",
+       "        return h, a\n    _CALLS", TUPWS, "-k", "no_rows"),
 ]
 
 
