@@ -166,6 +166,27 @@ def test_entry_points_take_x_by_keyword_and_run_with_autocast_off():
     assert probe(x=x, w1=w, pair_scores=s) == (torch.float32, torch.float32, torch.float32, False)
 
 
+def test_autocast_cast_only_floating_tensors_below_float64():
+    """autocast_cast casts float32 and float16 tensors to the autocast dtype and leaves, as autocast does, integer
+    and bool tensors (an int8 weight, an index), float64 ones, None and non-tensors as they are (the same
+    objects); the decorator does so for the arguments it names."""
+    from sonicmoe._autocast import autocast_cast, casts_under_autocast
+
+    f32, f16 = torch.randn(3, 4), torch.randn(3, 4).half()
+    i8, b, f64 = torch.randint(-5, 5, (3, 4), dtype=torch.int8), torch.rand(4) < 0.5, torch.randn(4).double()
+    got = autocast_cast(torch.bfloat16, f32, f16, i8, b, f64, None, "concat")
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    assert torch.equal(got[0], f32.bfloat16()) and torch.equal(got[1], f16.bfloat16())
+    assert all(a is want for a, want in zip(got[2:], (i8, b, f64, None, "concat")))
+
+    @casts_under_autocast
+    def probe(x, w1=None, b1=None):
+        return x.dtype, w1.dtype, b1.dtype
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe(f32, i8, b) == (torch.bfloat16, torch.int8, torch.bool)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])

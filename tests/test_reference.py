@@ -321,6 +321,34 @@ def test_torch_backend_low_precision(dtype, tol):
     assert err > 0  # it really ran in low precision
 
 
+def test_torch_backend_grouped_mm_only_on_hopper_bf16_with_aligned_dims(monkeypatch):
+    """The torch backend takes ``torch._grouped_mm`` only for bf16 CUDA inputs on compute capability 9 or newer
+    whose weights' last two dimensions are multiples of 8 (its 16-byte leading dimensions), else the per-expert
+    loop: a fp16 input, an Ampere device, or an odd 2n (W1's rows) or n (W2's columns) keep the loop (the
+    GPU-only choice, tested on CPU tensors that say they live on CUDA)."""
+    from sonicmoe.ops.torch_experts import _grouped_mm_ok
+    from sonicmoe.testing import OnCuda
+
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+
+    def on_cuda(*shape, dtype=torch.bfloat16):
+        return torch.Tensor._make_subclass(OnCuda, torch.zeros(*shape, dtype=dtype))
+
+    x = on_cuda(16, 64)
+    w1, w2 = torch.zeros(4, 32, 64, dtype=torch.bfloat16), torch.zeros(4, 64, 16, dtype=torch.bfloat16)
+    assert _grouped_mm_ok(x, w1, w2)
+    assert not _grouped_mm_ok(x, torch.zeros(4, 36, 64, dtype=torch.bfloat16), w2)  # 2n = 36 rows
+    assert not _grouped_mm_ok(x, w1, torch.zeros(4, 64, 12, dtype=torch.bfloat16))  # n = 12 columns
+    assert not _grouped_mm_ok(x, torch.zeros(4, 32, 60, dtype=torch.bfloat16), w2)  # d = 60
+    assert not _grouped_mm_ok(on_cuda(16, 64, dtype=torch.float16), w1, w2)
+    assert not _grouped_mm_ok(torch.zeros(16, 64, dtype=torch.bfloat16), w1, w2)  # a CPU tensor
+    cap[0] = (8, 0)
+    assert not _grouped_mm_ok(x, w1, w2)
+    cap[0] = (10, 0)
+    assert _grouped_mm_ok(x, w1, w2)
+
+
 def test_torch_backend_tokens_without_experts_get_zero_and_zero_grad():
     T, d, n, E = 6, 8, 4, 3
     p = random_problem(T, d, n, E, bias=True, seed=13)
@@ -518,11 +546,14 @@ def test_testing_helpers_rel_err():
 
 
 def test_testing_helpers_random_problem_scales_by_fan_in():
-    """random_problem's weights have std 1/sqrt(fan_in) (W_r, W1: d; W2: n), so that activations stay O(1)."""
+    """random_problem's weights have std 1/sqrt(fan_in) (W_r, W1: d; W2: n), so that activations stay O(1), and its
+    biases b1, b2 std 0.1 (small next to the products)."""
     d, n = 64, 16
-    p = random_problem(64, d, n, 8, seed=7)
+    p = random_problem(64, d, n, 8, seed=7, bias=True)
     for key, fan_in in (("router_weight", d), ("w1", d), ("w2", n)):
         assert abs(float(p[key].std()) * fan_in**0.5 - 1) < 0.1, key
+    for key in ("b1", "b2"):
+        assert abs(float(p[key].std()) / 0.1 - 1) < 0.1, key
 
 
 def test_testing_helpers_random_problem_follows_seed_scale_and_bias():
@@ -564,6 +595,14 @@ def test_testing_helpers_layer_and_reference_grads(monkeypatch):
     out, grads = layer_grads(p, dout, K, dtype=torch.float32, backend="triton")
     assert seen[0] == "triton"
     assert set(grads) == {"x", "router_weight", "w1", "w2"}
+    # the inputs cast to ``dtype`` first: a bf16 layer, bf16 gradients, the bits of moe on bf16 copies
+    out16, grads16 = layer_grads(p, dout, K, dtype=torch.bfloat16, backend="torch")
+    ins16 = {key: p[key].bfloat16().requires_grad_(True) for key in ("x", "router_weight", "w1", "w2")}
+    res16 = sonicmoe.moe(ins16["x"], ins16["router_weight"], ins16["w1"], ins16["w2"], top_k=K, backend="torch")
+    res16.out.backward(dout.bfloat16())
+    assert out16.dtype == torch.bfloat16 and torch.equal(out16, res16.out.detach())
+    for key, v in ins16.items():
+        assert grads16[key].dtype == torch.bfloat16 and torch.equal(grads16[key], v.grad), key
     rounded = {key: p[key].to(torch.bfloat16).double() for key in ("x", "router_weight", "w1", "w2")}
     for layout in LAYOUTS:
         got, got_grads = reference_grads(p, dout, K, rounded_to=torch.bfloat16, gate_up_layout=layout)

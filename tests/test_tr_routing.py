@@ -171,3 +171,23 @@ def test_stochastic_round_counts_needs_draws(device):
     u = torch.rand(6, device=device)
     got = tr_routing.round_counts(counts, 16, 100, "stochastic", u)
     assert all(torch.equal(a, b) for a, b in zip(got, tr_routing.round_counts_ref(counts, 16, 100, "stochastic", u)))
+
+
+@pytest.mark.interpreter
+def test_round_counts_nearest_ties_and_cap_by_hand(device):
+    """The "nearest" decision on values written out by hand: a count exactly M_tile/2 past a multiple rounds down
+    (a tie), one more rounds up, capped at T; the two blocks' counts summed first. The random test above meets an
+    exact tie only when its draws happen to (a tie rounded up passed it on one run of the mutation probe and failed
+    it on another)."""
+    m, t = 8, 30
+    f = [4, 5, 12, 13, 3, 0, 16, 20, 30, 28]
+    # f - lo: 4 (tie), 5, 4 (tie), 5, 3, 0, 0, 4 (tie), 6 (up to 32, capped at T = 30), 4 (tie)
+    want_keep = [0, 8, 8, 16, 0, 0, 16, 16, 30, 24]
+    want_pad = [False, True, False, True, False, False, False, False, True, False]
+    first = torch.tensor([1, 2, 5, 6, 0, 0, 9, 11, 15, 20], dtype=torch.int32)
+    counts = torch.stack([first, torch.tensor(f, dtype=torch.int32) - first]).to(device)  # (2, E): two blocks
+    got_f, keep, pad, offsets = tr_routing.round_counts(counts, m, t, "nearest")
+    assert got_f.tolist() == f and keep.tolist() == want_keep and pad.tolist() == want_pad
+    assert offsets.tolist() == [0, 0, 8, 16, 32, 32, 32, 48, 64, 94, 118]
+    ref = tr_routing.round_counts_ref(counts, m, t, "nearest")
+    assert all(torch.equal(a, b) for a, b in zip((got_f, keep, pad, offsets), ref))
