@@ -189,6 +189,12 @@ def test_preset_groups_and_parse_shape():
     for bad in ("1,2,3,4", "a,b,c,d,e", "8,8,8,2,4"):
         with pytest.raises(ValueError):
             parse_shape(bad)
+    with pytest.raises(ValueError, match="5 integers"):  # one too many: the count is the error, not the integers
+        parse_shape("1,2,3,4,2,6")
+    # the default name spells each letter's value; G = d/n, rho = K/E, TK = T·K
+    odd = parse_shape("96,48,16,12,3")
+    assert odd.name == "T96-d48-n16-E12-K3"
+    assert (odd.G, odd.rho, odd.TK) == (3.0, 0.25, 288)
     with pytest.raises(ValueError):
         preset_shapes("nope")
     assert cli.main(["--preset", "nope", *FAST]) == 2
@@ -373,6 +379,12 @@ def test_loop_limit_and_default_backends(monkeypatch):
     assert baselines._loop_factory(p, {"loop_max_E": 5}).name == "loop"
     with pytest.raises(baselines.Unavailable, match="loop-max-E=4"):
         baselines._loop_factory(p, {"loop_max_E": 4})
+    # without the option the loop takes up to 128 experts; empty items of the list (a trailing comma) are skipped
+    wide = make_problem(Shape("w", 4, 8, 4, 128, 2), dtype=torch.float32, device="cpu", seed=3)
+    assert baselines._loop_factory(wide, {}).name == "loop"
+    with pytest.raises(baselines.Unavailable, match="loop-max-E=128"):
+        baselines._loop_factory(make_problem(Shape("w", 4, 8, 4, 129, 2), dtype=torch.float32, device="cpu"), {})
+    assert baselines.resolve_backends("torch,, loop,") == ["torch", "loop"]
     for installed in (False, True):
         monkeypatch.setattr(baselines, "library_installed", lambda name, installed=installed: installed)
         assert ("scattermoe" in baselines.resolve_backends("default")) == installed
@@ -861,6 +873,10 @@ def test_load_profile_reads_and_resamples(tmp_path):
     assert torch.equal(t.sort(descending=True).values, resample_load(curve, 8))
     assert torch.equal(t, target_load(path, 8, seed=3)) and not torch.equal(t, target_load(path, 8, seed=4))
     assert load_profile_kind(path) == "counts" and load_profile_kind(tmp_path / "list.json") == "list"
+    # the log's expert_load dict alone (no enclosing log) is read the same way
+    (tmp_path / "load.json").write_text(json.dumps(json.loads(path.read_text())["expert_load"]))
+    assert load_profile_kind(tmp_path / "load.json") == "counts"
+    assert torch.equal(read_load_profile(tmp_path / "load.json"), curve)
     # a log with each step's sorted load: that curve is the profile (per_step=False: the summed one)
     both = {"expert_load": {"per_layer": [{"counts": [2, 2, 2, 2], "step_sorted_counts": [5, 2, 1, 0]}]}}
     path2 = tmp_path / "log2.json"
@@ -1097,13 +1113,35 @@ def test_stochastic_token_rounding_follows_the_seed():
 
 
 def test_loop_baseline_with_no_pair_has_a_backward():
+    """No pair routed: the loop's output is zeros in the graph of every input, so each one (the scores too) gets a
+    zero gradient, not None."""
     from sonicmoe import routing_from_pairs
 
-    x, w1, w2 = torch.randn(3, 8, requires_grad=True), torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    leaves = [t.requires_grad_() for t in (torch.randn(3, 8), torch.randn(2, 8, 8), torch.randn(2, 8, 4),
+                                           torch.empty(0))]
     empty = torch.empty(0, dtype=torch.long)
-    out = baselines.experts_loop(x, w1, w2, routing_from_pairs(empty, empty, 3, 2), torch.empty(0))
+    x, w1, w2, s = leaves
+    out = baselines.experts_loop(x, w1, w2, routing_from_pairs(empty, empty, 3, 2), s)
     out.sum().backward()
-    assert not out.any() and x.grad is not None and not x.grad.any()
+    assert not out.any()
+    for t in leaves:
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+
+
+def test_check_case_twice_starts_from_no_gradients():
+    """check_case on the same case twice in a row passes both times with the same errors: every leaf whose
+    gradient is compared (the scores' too) is cleared before and after, so the second backward does not add to the
+    first's."""
+    from sonicmoe.bench.measure import check_case
+
+    p = make_problem(Shape("t", 40, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=9)
+    case = ExpertsCase("loop", p, baselines.experts_loop)
+    assert {id(t) for t in case.leaves} == {id(t) for t in (p.x, p.w1, p.w2, p.pair_scores)}
+    first = check_case(case, p.dout, grads=True, tol=1e-5)
+    second = check_case(case, p.dout, grads=True, tol=1e-5)
+    assert first["passed"] and second["passed"], (first, second)
+    assert second["errors"] == pytest.approx(first["errors"], rel=1e-6, abs=1e-9)
+    assert all(t.grad is None for t in case.leaves)
 
 
 def test_markdown_never_shows_torch_as_ours(tmp_path, capsys):

@@ -199,6 +199,100 @@ def test_heuristic_values_are_keyed_without_a_gpu(monkeypatch):
     assert go(48) is odd and odd.launches[-1][-2:] == (32, False)
 
 
+def _flagged_axpy(x_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr = False, HALF: tl.constexpr = False):
+    pass
+
+
+def test_nested_heuristics_run_outermost_first_without_a_gpu(monkeypatch):
+    """Two ``triton.heuristics`` wrappers, the inner rule reading the outer one's value (as Triton runs them: the
+    outermost first, each seeing the values set before it): both values are derived in that order, keyed and
+    launched; n = 64 and n = 48 share every runtime key and EVEN but not HALF, so the second misses."""
+    fn = JITFunction(_flagged_axpy)
+    inner = triton.heuristics({"HALF": lambda a: a["EVEN"] and a["n"] % (2 * a["BLOCK"]) == 0})(fn)
+    kernel = triton.heuristics({"EVEN": lambda a: a["n"] % a["BLOCK"] == 0})(inner)
+    made = _stub_tritons_path(monkeypatch, fn)
+    buf = torch.zeros(64)
+
+    def go(n):
+        return launch_kernel(kernel, (1,), buf, n, BLOCK=16)
+
+    both = go(64)
+    assert (both.kwargs["EVEN"], both.kwargs["HALF"]) == (True, True)
+    assert go(64) is both and len(made) == 1 and both.launches[-1][-3:] == (16, True, True)
+    even = go(48)
+    assert even is not both and (even.kwargs["EVEN"], even.kwargs["HALF"]) == (True, False) and len(made) == 2
+    assert go(48) is even and even.launches[-1][-4:] == (48, 16, True, False)
+
+
+def test_hooks_and_tracing_take_tritons_path_without_a_gpu(monkeypatch):
+    """A launch hook (enter or exit: a profiler's), a pre-run hook on the function, or a launch traced by
+    torch.compile: every launch takes Triton's path (which runs them), never a direct one; with the hook removed
+    the same launch is keyed and hits again."""
+    from triton import knobs
+
+    fn = JITFunction(_plain_axpy)
+    made = _stub_tritons_path(monkeypatch, fn)
+    buf, y = torch.zeros(64), torch.zeros(64)
+
+    def go():
+        return launch_kernel(fn, (1,), buf, y, buf, 32, 0.5, 2, 16)
+
+    first = go()
+    assert go() is first and len(first.launches) == 1
+    hooks = (lambda: monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [print]),
+             lambda: monkeypatch.setattr(knobs.runtime.launch_exit_hook, "calls", [print]),
+             lambda: monkeypatch.setattr(fn, "pre_run_hooks", [print]),
+             lambda: monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True))
+    for i, install in enumerate(hooks):
+        install()
+        before = len(made)
+        for _ in range(2):
+            assert go() is made[-1]
+        assert len(made) == before + 2 and len(first.launches) == 1, i
+        monkeypatch.undo()
+        made = _stub_tritons_path(monkeypatch, fn)  # undo also took the stubs back
+        assert go() is first and len(first.launches) == 2 and not made, i
+        first.launches.pop()
+
+
+def test_key_holds_device_and_debug_and_odd_launches_without_a_gpu(monkeypatch):
+    """The key holds the current device and Triton's debug knob (a kernel compiled for another device or without
+    debug checks is not launched there); a one-dimensional grid launches (g0, 1, 1) programs; an unhashable
+    constexpr takes Triton's path without error; and a stale entry left at a reused ``id`` (a function collected
+    and another made at its address) is not used for the new function."""
+    from triton import knobs
+
+    fn = JITFunction(_plain_axpy)
+    made = _stub_tritons_path(monkeypatch, fn)
+    buf, y = torch.zeros(64), torch.zeros(64)
+
+    def go(**opts):
+        return launch_kernel(fn, (5,), buf, y, buf, 32, 0.5, 2, **{"BLOCK": 16, **opts})
+
+    first = go()
+    assert go() is first and first.launches[-1][:4] == (5, 1, 1, 1234)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    other = go()
+    assert other is not first and go() is other and len(made) == 2
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert go() is first
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    debug = go()
+    assert debug is not first and go() is debug and len(made) == 3
+    monkeypatch.setattr(knobs.runtime, "debug", False)
+    assert go() is first and len(made) == 3
+    for _ in range(2):
+        assert go(BLOCK=[16]) is made[-1]
+    assert len(made) == 5
+    fn2 = JITFunction(_plain_axpy)
+    made2 = _stub_tritons_path(monkeypatch, fn2)
+    monkeypatch.setitem(fast_launch._LAUNCHES, id(fn2), fast_launch._LAUNCHES[id(fn)])
+    launches = len(first.launches)
+    got = launch_kernel(fn2, (5,), buf, y, buf, 32, 0.5, 2, BLOCK=16)
+    assert got is made2[0] and len(first.launches) == launches
+    assert launch_kernel(fn2, (5,), buf, y, buf, 32, 0.5, 2, BLOCK=16) is got and got.launches
+
+
 @pytest.mark.gpu
 def test_gpu_hits_launch_tritons_kernel(monkeypatch):
     """Aligned and unaligned operands and ints of every specialisation class, in turn and repeated: each launch is

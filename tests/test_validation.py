@@ -199,6 +199,8 @@ def test_experts_routing_type():
     ("token_rows", lambda v: v[:-1], ValueError),
     ("row_pair", lambda v: v.float(), TypeError),
     ("slot_pair", lambda v: torch.zeros(3, dtype=torch.int32), ValueError),
+    ("pair_row", lambda v: None, TypeError),  # only slot_pair may be None (top-k routing has none)
+    ("token_offsets", lambda v: None, TypeError),
 ])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_experts_routing_fields(field, bad, exc, backend):
