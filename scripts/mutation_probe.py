@@ -2249,6 +2249,9 @@ MUTANTS: list[Mutant] = [
     _m("fl7_fn_moe_router_float64_on_triton", "sonicmoe/functional.py",
        "check_router_weight(router_weight, x, e, allow_float64)", "check_router_weight(router_weight, x, e, True)",
        "tests/test_errors.py", "tests/test_validation.py"),
+    # session 94: calibrate_router with an idle expert (target 0) in the profile
+    _m("s94_lp_deviation_over_idle_experts", "sonicmoe/bench/load_profile.py", "/ goal)[live].max())",
+       "/ goal).max())", "tests/test_bench.py", "-k", "idle_expert"),
 ]
 
 

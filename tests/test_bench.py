@@ -416,6 +416,29 @@ def test_calibrate_router_returns_the_weights_it_measured():
     assert dev == pytest.approx(float(((got - target).abs() / target).max()))
 
 
+def test_calibrate_router_with_an_idle_expert():
+    """A target of 0 for one expert (a measured profile with an idle expert, which read_load_profile accepts): the
+    deviation returned is finite and measured over the other experts, which end within tol of their targets; the
+    idle expert's row is 0, and it ends with fewer pairs than at the start and under a quarter of the mean. Before
+    session 94 the deviation was inf (relative to 0), so every step ran and the caller got inf back."""
+    from sonicmoe.bench.load_profile import calibrate_router
+
+    g = torch.Generator().manual_seed(6)
+    e, k, t = 8, 2, 4096
+    x, w = torch.randn(t, 16, generator=g), torch.randn(e, 16, generator=g)
+    target = torch.tensor([0.0] + [1 / (e - 1)] * (e - 1), dtype=torch.float64)
+
+    def load(weight):
+        ids = (x @ weight.t()).topk(k, dim=1).indices
+        return torch.bincount(ids.reshape(-1), minlength=e).double() / ids.numel()
+
+    got_w, dev = calibrate_router(x, w, k, target, tol=0.05, max_iters=30)
+    got = load(got_w)
+    assert math.isfinite(dev) and dev <= 0.05
+    assert dev == pytest.approx(float(((got - target).abs() / target)[1:].max()))
+    assert got[0] < load(w)[0] and got[0] < 0.25 / e and not got_w[0].any()  # its row scaled to 0
+
+
 def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
     """General routing (variable experts per token) through a stand-in token_rounding module, and
     the fallback to top-k with a message when the module is missing."""
