@@ -540,6 +540,56 @@ def test_plot_from_results_file(tmp_path):
     assert len(list(other.glob("*.png"))) == 4
 
 
+def test_plot_title_speedup_bars_and_memory_in_gib(monkeypatch):
+    """The plots' title names the run (and the activation unless SwiGLU alone); the speed-up chart centres each
+    record's bars on its tick (two competitors: idx ± width/2); the memory chart plots bytes in GiB."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from sonicmoe.bench.plots import GiB, _plot_memory, _plot_speedup, _setup, _title
+
+    env = {"device": "H100", "torch": "2.11", "triton": "3.6", "git_commit": "0123456789abcdef"}
+    doc = {"env": env, "date": "2026-01-02T03:04:05", "results": [{"activation": "swiglu"}, {}]}
+    assert _title(doc) == "H100 | torch 2.11 | triton 3.6 | 0123456789 | 2026-01-02"
+    clamped = dict(doc, results=[{}, {"activation": "clamped_swiglu"}])
+    assert _title(clamped).endswith("| 2026-01-02 | activation swiglu, clamped_swiglu")
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    plt = _setup()
+    recs = [{"name": f"s{i}", "ratio_base": "triton", "ratios": {"torch": {"fwd": 1.5 + i, "total": 2.0},
+                                                                  "upper": {"fwd": 0.5 + i, "total": 0.9}}}
+            for i in range(2)]
+    assert _plot_speedup(plt, doc, recs, "s.png") == "s.png"
+    bars = sorted((r.get_x() + r.get_width() / 2, r.get_height()) for r in figs[-1].axes[0].patches)
+    assert [round(x, 9) for x, _ in bars] == [-0.2, 0.2, 0.8, 1.2]
+    assert [h for _, h in bars] == [1.5, 0.5, 2.5, 1.5]
+    ok = {"status": "ok"}
+    mem = [{"G": g, "n": 64 // g, "backends": {"triton": dict(ok, memory={"held_bytes": g * GiB // 2,
+                                                                           "peak_bytes": 3 * g * GiB})}}
+           for g in (1, 2)]
+    assert _plot_memory(plt, doc, {"g": mem}, ["triton"], "m.png") == "m.png"
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in figs[-1].axes[0].lines}
+    assert lines == {"triton held": [0.5, 1.0], "triton peak": [3.0, 6.0]}
+
+
+def test_plot_train_line_is_the_moving_mean(monkeypatch, tmp_path):
+    """plot_runs' smoothed train loss at step j: the mean of the last ``window`` losses (fewer at the start), window
+    = steps // 50."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from sonicmoe.train.report import plot_runs
+
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    g = torch.Generator().manual_seed(3)
+    ys = (torch.rand(200, generator=g, dtype=torch.float64) * 4).tolist()
+    assert plot_runs(tmp_path / "l.png", [("", [{"step": i, "loss": y} for i, y in enumerate(ys)], [])], "t")
+    line = next(ln for ln in figs[0].axes[0].lines if ln.get_label() == "train (4-step mean)")
+    want = [sum(ys[max(0, j - 3):j + 1]) / min(j + 1, 4) for j in range(200)]
+    assert list(line.get_ydata()) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
 def test_granularity_groups_keep_sweeps_only():
     """Groups at one (T, d) with two or more G are plotted against G; a group of unrelated shapes (the models
     preset: d differs) is not, and neither is a group with one G (the token-rounding sweep varies E only)."""
@@ -736,6 +786,23 @@ def test_gpu_watch_window_arithmetic():
     watch._thread = _LateThread()
     watch.stop()
     assert len(watch.samples) == 3
+
+
+def test_gpu_watch_edge_windows_and_no_thread_without_nvml():
+    """between() over two samples at one host time claims no power (no division by a zero span); last() ends at
+    stop()'s time, however long ago; without NVML start() starts no sampling thread."""
+    from sonicmoe.bench.gpu_state import GpuWatch
+
+    watch = GpuWatch(nvml=_FakeNvml())
+    watch.samples = [(2.0, 1500, 1000, 40, 0), (2.0, 1700, 1000, 41, 0)]
+    assert watch.between(1.0, 3.0) == {"sm_mhz": 1600.0, "watts": None, "temp_c": 41, "clock_reasons": "0x0",
+                                       "samples": 2}
+    watch.samples = [(0.0, 1500, 0, 40, 0), (0.5, 1700, 350_000, 45, 0), (1.0, 1600, 700_000, 42, 0)]
+    watch.stopped_at = 1.0
+    assert watch.last(1.0)["samples"] == 3 and watch.last(0.6)["samples"] == 2
+    none = GpuWatch(torch.device("cpu")).start()
+    assert none.nvml is None and none._thread is None
+    none.stop()
 
 
 def test_timing_loops_count_calls():
@@ -1101,6 +1168,27 @@ def test_token_rounding_check_uses_the_timed_pairs():
     assert head.R == int(keep.sum()) > 0 and head.T == 64
     assert torch.equal(head.pair_expert, p.pair_expert[keep]) and torch.equal(head.pair_scores, p.pair_scores[keep])
     assert torch.equal(head.routing.expert_counts(), torch.bincount(p.pair_expert[keep].long(), minlength=4).int())
+
+
+def test_problem_head_slices_dout_and_route_is_the_layers_static_form():
+    """Problem.head(T) keeps the first T rows of dO with those of x; Problem.route routes as the MoE layer does:
+    token rounding's static form, R_max pairs (padding last), where make_problem's own routing holds exactly R;
+    route() refuses an unknown routing mode rather than routing it as top-k."""
+    from sonicmoe.bench.problem import route
+    from sonicmoe.token_rounding import max_pairs
+
+    p = make_problem(Shape("h", 64, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=1)
+    h = p.head(16)
+    assert h.T == 16 and torch.equal(h.dout, p.dout[:16]) and torch.equal(h.x, p.x[:16])
+    with pytest.raises(ValueError, match="routing must be 'topk' or 'token_rounding', got 'top_k'"):
+        route(p.x.detach(), p.router_weight.detach(), 2, "top_k")
+    tr = make_problem(Shape("tr", 256, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=2,
+                      mode="token_rounding", m_tile=16)
+    r_max = max_pairs(256, 4, 2, 16, "nearest")
+    with torch.no_grad():
+        got = tr.route(tr.x)
+    assert tr.R < r_max and got.pair_token.shape[0] == got.pair_scores.shape[0] == r_max
+    assert int(got.routing.expert_counts().sum()) == tr.R
 
 
 def test_router_check_on_tokens_that_round_to_no_pair_is_skipped_not_failed(tmp_path, capsys):
@@ -1667,6 +1755,17 @@ def test_git_dirty_unknown_without_git_tree(commit_env, monkeypatch):
     outputs["status"] = outputs["rev-parse"] = (128, "")  # fatal: not a git repository
     assert provenance.git_dirty() is None
     assert provenance.git_commit() == commit_env
+
+
+def test_git_commit_of_an_empty_answer_is_unknown(monkeypatch):
+    """git answering with nothing (exit 0, empty output) names no commit: None, not an empty string."""
+    from sonicmoe import provenance
+
+    monkeypatch.delenv("SONICMOE_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: "/usr/bin/git")
+    monkeypatch.setattr(provenance.subprocess, "run",
+                        lambda cmd, **kw: SimpleNamespace(returncode=0, stdout="\n", stderr=""))
+    assert provenance.git_commit() is None
 
 
 def test_git_provenance_of_a_real_checkout(tmp_path, monkeypatch):

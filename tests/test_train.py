@@ -528,6 +528,87 @@ def test_token_rounding_that_would_empty_the_experts_is_refused(tmp_path, capsys
         make_config("cpu-tiny", router_order="sigmoid_then_topk", bias_update_rate=math.inf).validate()
 
 
+def test_sonicmoe_command_dispatches_and_exits_with_its_code(monkeypatch, capsys):
+    """``sonicmoe``: no command or --help prints the usage (exit 0), an unknown command is a usage error (exit 2,
+    named on stderr), ``train`` / ``bench`` get the arguments after the command and their exit code is the command's
+    (None: 0); ``python -m sonicmoe`` exits with it."""
+    from sonicmoe import cli as top
+    from sonicmoe.bench import cli as bench_cli
+
+    for argv in ([], ["-h"], ["--help"]):
+        assert top.main(argv) == 0, argv
+        assert "usage: sonicmoe {train,bench}" in capsys.readouterr().out
+    assert top.main(["tarin", "--steps", "2"]) == 2
+    assert "unknown command 'tarin'" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda argv: seen.append(("train", argv)) or 3)
+    monkeypatch.setattr(bench_cli, "main", lambda argv: seen.append(("bench", argv)))
+    assert top.main(["train", "--steps", "2"]) == 3
+    assert top.main(["bench", "--preset", "tiny"]) == 0
+    assert seen == [("train", ["--steps", "2"]), ("bench", ["--preset", "tiny"])]
+    res = subprocess.run([sys.executable, "-m", "sonicmoe", "tarin"], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 2 and "unknown command 'tarin'" in res.stderr
+
+
+class _Sleepy(torch.autograd.Function):
+    """y = 2·x, sleeping a known time in the forward and in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s, bwd_s):
+        import time
+
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(ctx.bwd_s)
+        return grad * 2, None, None
+
+
+class _SleepyLayer(torch.nn.Module):
+    def __init__(self, fwd_s: float, bwd_s: float, as_tuple: bool = False):
+        super().__init__()
+        self.fwd_s, self.bwd_s, self.as_tuple = fwd_s, bwd_s, as_tuple
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        y = _Sleepy.apply(x * self.w, self.fwd_s, self.bwd_s)
+        return (y, None) if self.as_tuple else y  # as_tuple: MoELayerOutput's (output, router info)
+
+
+def test_moe_profiler_sums_every_layers_forward_and_backward():
+    """MoEProfiler on two layers of known forward and backward times (the second returns a tuple, as a layer with
+    return_router_info=True): the sums over both layers, each direction bracketed by its own hooks; nothing while
+    inactive or under no_grad (an eval pass in a profiled step); reset() zeroes both sums; an input that needs no
+    gradient (the weights do) is timed forward without a backward hook on it."""
+    from sonicmoe.train.profiling import MoEProfiler
+
+    a, b = _SleepyLayer(0.06, 0.02), _SleepyLayer(0.02, 0.06, as_tuple=True)
+    prof = MoEProfiler([a, b], torch.device("cpu"))
+    x = torch.randn(5, requires_grad=True)
+    b(a(x))[0].sum().backward()
+    assert prof.forward_s == 0.0 and prof.backward_s == 0.0  # inactive
+    prof.active = True
+    b(a(x))[0].sum().backward()
+    assert 0.08 <= prof.forward_s < 0.08 + 0.5 and 0.08 <= prof.backward_s < 0.08 + 0.5
+    prof.reset()
+    assert prof.forward_s == 0.0 and prof.backward_s == 0.0
+    with torch.no_grad():
+        b(a(x))
+    assert prof.forward_s == 0.0
+    out = a(torch.randn(5))
+    assert out.requires_grad and 0.06 <= prof.forward_s
+    prof.remove()
+    prof.reset()
+    a(x)
+    assert prof.forward_s == 0.0
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)
@@ -693,6 +774,9 @@ def test_expert_load_summary():
     assert q["per_layer"][0]["step_max_over_mean"] == pytest.approx(1.5)
     # cv = population std / mean of the fractions (1/2, 1/4, 1/4): std sqrt(1/72), mean 1/3
     assert q["per_layer"][0]["cv"] == pytest.approx(math.sqrt(1 / 72) * 3)
+    # a layer that routed nothing (no steps yet): zero fractions, not a division by zero
+    z = expert_load_summary([[0, 0, 0]])["per_layer"][0]
+    assert z["fractions"] == [0.0, 0.0, 0.0] and z["max_frac"] == 0.0 and z["max_over_mean"] == 0.0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -707,6 +791,25 @@ def test_peak_memory_on_cpu_is_the_max_rss_in_mib():
     assert got["kind"] == "cpu_max_rss"
     assert 0.9 * hwm_kib / 1024 <= got["mib"] <= hwm_kib / 1024 + 1.0
 
+
+
+def test_device_names_read_the_cpu_model_name_and_the_first_driver(monkeypatch):
+    """device_name on the CPU: /proc/cpuinfo's "model name" line (not the "model" number line before it);
+    _nvidia_driver: the first GPU's line of nvidia-smi's one line per GPU, None when it prints nothing."""
+    import io
+    from types import SimpleNamespace
+
+    from sonicmoe.train import report
+
+    cpuinfo = ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+               "model name\t: Intel(R) Xeon(R) Platinum 8480+\nstepping\t: 8\n")
+    monkeypatch.setattr(report, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    assert report.device_name(torch.device("cpu")) == "Intel(R) Xeon(R) Platinum 8480+"
+    printed = ["550.54.15\n550.54.15\n"]
+    monkeypatch.setattr(report.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=printed[0]))
+    assert report._nvidia_driver() == "550.54.15"
+    printed[0] = "\n"
+    assert report._nvidia_driver() is None
 
 
 def test_summary_reports_milliseconds_per_profiled_step(tmp_path):
@@ -889,6 +992,82 @@ def test_setup_outside_torchrun_names_the_missing_variable(monkeypatch):
     with pytest.raises(RuntimeError, match="MASTER_PORT is not set"):
         distributed.setup(torch.device("cpu"))
     assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture
+def group_of_one(tmp_path, monkeypatch):
+    """A gloo process group of one rank that the test (not setup()) creates, torchrun's variables unset."""
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("no torch.distributed, or a process group is already initialised here")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_setup_joins_a_group_of_one_and_clips_the_full_norm(group_of_one):
+    """setup() in a process group the caller made joins it (no torchrun variables needed), and close() leaves that
+    group alone; ExpertSharding.clip_grad_norm_ on one rank is torch's clip_grad_norm_ over every gradient, expert
+    and replicated: scaled down to max_norm above it, untouched below it."""
+    from sonicmoe.train import distributed
+
+    dp, device = distributed.setup(torch.device("cpu"))
+    assert dp == distributed.DataParallel(rank=0, world=1, backend="gloo", owns_group=False)
+    assert device == torch.device("cpu")
+    dp.close()
+    assert torch.distributed.is_initialized()
+    sharding = distributed.ExpertSharding(1)
+    sharding.sharded = [True, False, True, False]
+    g = torch.Generator().manual_seed(4)
+    for max_norm in (1.0, 100.0):
+        params = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in ((3, 4), (5,), (2, 3), (4,))]
+        for p in params[:3]:
+            p.grad = torch.randn(p.shape, generator=g)
+        ref = [p.grad.clone() for p in params[:3]]
+        want = torch.nn.utils.get_total_norm(ref)
+        assert 1.0 < float(want) < 100.0
+        norm = sharding.clip_grad_norm_(params, max_norm)
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        scale = min(1.0, max_norm / (float(want) + 1e-6))  # clip_grad_norm_'s factor, never above 1
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.grad, r * scale, rtol=1e-6, atol=1e-7)
+        assert params[3].grad is None
+
+
+def test_expert_sharding_maps_expert_tensors_only():
+    """ExpertSharding.local on rank 1 of 2: the expert parameters' tensors (by name in the model state, by model
+    position in the float32 masters, through ``order`` for AdamW's indices) are sliced on dim 0; replicated ones,
+    buffers, AdamW's 0-dim step counts and the other entries stay as they are."""
+    from sonicmoe.train.distributed import ExpertSharding
+
+    model = torch.nn.Module()
+    g = torch.Generator().manual_seed(9)
+    for name in ("a", "b", "c"):
+        setattr(model, name, torch.nn.Parameter(torch.randn(4, 3, generator=g)))
+    model.register_buffer("buf", torch.randn(4, generator=g))
+    sharding = ExpertSharding.__new__(ExpertSharding)  # its slicing alone: no process group
+    sharding.size, sharding.rank, sharding.sharded = 2, 1, [True, False, True]
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    order = [2, 0, 1]  # AdamW's parameter i is the model's order[i]: c, a, b
+    adam = {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3, generator=g)} for i in range(3)}
+    masters = [torch.randn(4, 3, generator=g) for _ in range(3)]
+    opt = {"adamw": {"state": adam, "param_groups": [{"lr": 1e-3}]}, "masters": masters, "scaler": 7}
+    got, got_opt = sharding.local(model, state, opt, order)
+    for k in ("a", "c"):
+        assert torch.equal(got[k], state[k][2:]), k
+    assert torch.equal(got["b"], state["b"]) and torch.equal(got["buf"], state["buf"])
+    for i, expert in ((0, True), (1, True), (2, False)):
+        st = got_opt["adamw"]["state"][i]
+        assert torch.equal(st["exp_avg"], adam[i]["exp_avg"][2:] if expert else adam[i]["exp_avg"]), i
+        assert st["step"].dim() == 0 and float(st["step"]) == 3.0
+    for m, want, expert in zip(got_opt["masters"], masters, sharding.sharded):
+        assert torch.equal(m, want[2:] if expert else want)
+    assert got_opt["scaler"] == 7 and got_opt["adamw"]["param_groups"] == [{"lr": 1e-3}]
 
 
 def test_data_parallel_batch_must_split_evenly(tmp_path):
