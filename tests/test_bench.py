@@ -1105,8 +1105,9 @@ def test_router_variant_check_catches_a_wrong_router(mode):
         assert not bad["passed"] and bad["worst"] in worst, bad
 
 
-def test_bench_row_fails_on_a_wrong_router_variant(tmp_path, monkeypatch):
-    """A router variant that FAILs its check marks the backend's row FAIL, naming the router variant."""
+def test_bench_row_fails_on_a_wrong_router_variant(tmp_path, monkeypatch, capsys):
+    """A router variant that FAILs its check marks the backend's row FAIL, naming the router variant, and the run
+    exits 1."""
     from sonicmoe.bench import problem as problem_mod
 
     route = problem_mod.Problem.route
@@ -1116,10 +1117,13 @@ def test_bench_row_fails_on_a_wrong_router_variant(tmp_path, monkeypatch):
         return dataclasses.replace(r, pair_scores=r.pair_scores * 1.5)
 
     monkeypatch.setattr(problem_mod.Problem, "route", wrong)
-    rc, doc = _run(tmp_path, "--shape", "256,32,16,4,2", "--backends", "torch", "--dtype", "fp32")
+    rc, doc = _run(tmp_path, "--shape", "256,32,16,4,2", "--backends", "torch,upper", "--dtype", "fp32")
     row = doc["results"][0]["backends"]["torch"]
     assert row["status"] == "FAIL" and row["message"].startswith("router variant: wrong result"), row
     assert row["check"]["errors"]["out"] < 1e-5 and not row["check"]["router"]["passed"]
+    # a FAIL row beside a row that timed fine (upper has no router variant), no errored row: the run fails
+    assert doc["results"][0]["backends"]["upper"]["status"] == "ok"
+    assert rc == 1 and "not ok: " in capsys.readouterr().err
 
 
 class _AtenLog(TorchDispatchMode):
@@ -1320,7 +1324,9 @@ def test_bench_cli_refuses_bad_values_before_running(tmp_path, capsys, monkeypat
         args += ["--markdown-from", str(doc)]
     assert cli.main(["--out", str(tmp_path / "res"), *FAST, "--shape", "64,32,16,4,2", *args]) == 2
     err = capsys.readouterr().err
-    assert "usage:" in err and flag in err
+    # the error line names the flag (the usage text above it names every flag): the right value refused, not one of
+    # the valid ones beside it (FAST's --warmup 0 --rep 0)
+    assert "usage:" in err and flag in err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("results", [5, [{}], [1], "drop T", "drop G", "bool T", "backends list"])
@@ -1678,6 +1684,39 @@ def test_bench_exits_1_when_a_shape_errors(tmp_path, monkeypatch, capsys):
     assert [r.get("status") for r in doc["results"]] == ["error", "ok"]
     assert doc["results"][1]["backends"]["torch"]["status"] == "ok"
     assert rc == 1 and "not ok: bad - error" in capsys.readouterr().err
+
+
+def test_bench_cli_device_cuda_without_gpu_routing_list_and_cpu_threads(tmp_path, monkeypatch, capsys):
+    """--device cuda on a machine without a GPU: exit 2 naming it, before anything runs; --routing takes a comma
+    list with blanks and a trailing comma (the empty items dropped, the order kept); --cpu-threads 0 keeps torch's
+    thread count during the run (1 sets it, and it is put back after)."""
+    from sonicmoe.bench import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run", lambda shapes, opts, **kw: seen.append((opts.routings, torch.get_num_threads())))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--out", str(tmp_path / "a"), *FAST[:-2], "--device", "cuda", "--preset", "tiny"]) == 2
+    assert "--device cuda but no CUDA GPU" in capsys.readouterr().err and not seen
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in ("0", "1"):
+            cli.main(["--out", str(tmp_path / threads), *FAST, "--preset", "tiny", "--cpu-threads", threads,
+                      "--routing", " token_rounding, ,topk,"])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(("token_rounding", "topk"), 2), (("token_rounding", "topk"), 1)] and after == 2
+
+
+def test_bench_cli_plot_from_without_plots_exits_1(tmp_path, monkeypatch, capsys):
+    """--plot-from that writes no PNG (matplotlib missing): exit 1 with the reason, not 0."""
+    from sonicmoe.bench import plots
+
+    monkeypatch.setattr(plots, "_setup", lambda: None)
+    path = report.write_results(_synthetic_doc(), tmp_path / "r.json")
+    assert cli.main(["--plot-from", str(path)]) == 1
+    assert "matplotlib is not installed" in capsys.readouterr().out and not list(tmp_path.glob("*.png"))
 
 
 def test_out_that_cannot_be_written_is_refused_before_any_shape_runs(tmp_path, monkeypatch, capsys):

@@ -1155,6 +1155,25 @@ def test_score_grad_rejects_bad_input(device):
         score_grad(part, rows, offsets.long())
 
 
+def test_score_grad_defaults_no_rows_and_device(device, monkeypatch):
+    """out_dtype defaults to float32 (the kernel and its twin); R = 0 gives an empty output without a launch; a CPU
+    ds_part outside the interpreter is refused (ValueError naming ds_part), not run."""
+    g = torch.Generator().manual_seed(31)
+    part = torch.randn(2, 40, generator=g).to(device)
+    rows = torch.randperm(40, generator=g).to(device=device, dtype=torch.int32)
+    offsets = torch.tensor([0, 25, 33], device=device, dtype=torch.int32)
+    got, want = score_grad(part, rows, offsets), score_grad_ref(part, rows, offsets)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    by_row = torch.where(torch.arange(40, device=device) < 33, part[0] + part[1], 0.0)
+    assert torch.equal(got[rows.long()], by_row)
+    empty = score_grad(part[:, :0], rows[:0], torch.zeros(3, device=device, dtype=torch.int32))
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+    if device.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="ds_part is on cpu"):
+            score_grad(part, rows, offsets)
+
+
 @pytest.mark.parametrize("prefetch", [1, 2])
 @pytest.mark.parametrize("block_n", [32, 64, 128])
 def test_dh_h_prefetch_matches(device, block_n, prefetch):

@@ -91,6 +91,26 @@ def test_validation():
         rl.router_logits(x, w[:, :4])
     with pytest.raises(ValueError, match="one device"):  # the meta device: a second device on any machine
         rl.router_logits(x, w.to("meta"))
+    # a batch of token matrices (T, d) or a weight vector is no (T, d) and (E, d): a 3-D x would pass the width
+    # check and multiply batch by batch, a 1-D weight fail with an IndexError
+    with pytest.raises(ValueError, match=r"\(T, d\) and router_weight \(E, d\)"):
+        rl.router_logits(x.reshape(2, 2, 8), w)
+    with pytest.raises(ValueError, match=r"\(T, d\) and router_weight \(E, d\)"):
+        rl.router_logits(x, w[0])
+
+
+def test_ref_dtype_follows_x():
+    """router_logits_ref computes in x's dtype promoted to float32: a float64 weight beside float32 (or bfloat16) x
+    is rounded to float32 and the logits are float32; float64 x gives float64 logits."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 12, generator=g)
+    w = torch.randn(5, 12, generator=g, dtype=torch.float64)
+    got = rl.router_logits_ref(x, w)
+    assert got.dtype == torch.float32 and torch.equal(got, x @ w.float().t())
+    got_bf16 = rl.router_logits_ref(x.bfloat16(), w)
+    assert got_bf16.dtype == torch.float32 and torch.equal(got_bf16, x.bfloat16().float() @ w.float().t())
+    got64 = rl.router_logits_ref(x.double(), w.float())
+    assert got64.dtype == torch.float64 and torch.equal(got64, x.double() @ w.float().double().t())
 
 
 def test_router_topk_takes_the_float32_gemm_on_cpu():

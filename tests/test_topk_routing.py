@@ -99,13 +99,16 @@ def test_strided_ids(device):
     _assert_equal(tkr.topk_routing(ids, 9), routing_from_topk_ref(ids, 9))
 
 
-def test_outside_ids_stay_in_bounds(device):
+@pytest.mark.parametrize("e", [12, 16])
+def test_outside_ids_stay_in_bounds(device, monkeypatch, e):
     """Ids outside [0, E) (a broken promise) get the rows after every expert's, in pair order: the rows are the
     stable sort of the ids with those replaced by E, so every index stays in [0, R), and expert_offsets counts only
-    the valid pairs."""
-    t, k, e = 200, 4, 12
+    the valid pairs. At E = 16, a multiple of the column scan's 16 columns, the outside column E is the first of a
+    second scan program (the buffers poisoned: a column left unscanned shows); two blocks of 512 pairs."""
+    t, k = 200, 4
     ids = _ids(t, k, e, 3, device)
     ids[5, 1], ids[77, 0], ids[150, 3] = e, -1, e + 40
+    _poisoned(monkeypatch)
     got = tkr.topk_routing(ids, e)
     flat = ids.reshape(-1)
     bucket = torch.where((flat >= 0) & (flat < e), flat, e)
@@ -128,6 +131,9 @@ def test_dispatch(monkeypatch):
     assert not calls
     assert not tkr.counting_sort_applies(ids, 257) and tkr.counting_sort_applies(ids, 256)
     assert not tkr.counting_sort_applies(ids[:0], 8)
+    # R = T·K below 2^27 only (an expanded view: no memory behind its 2^27 elements)
+    assert tkr.counting_sort_applies(torch.zeros(1, 1, dtype=torch.int32).expand(2**27 - 1, 1), 8)
+    assert not tkr.counting_sort_applies(torch.zeros(1, 1, dtype=torch.int32).expand(2**20, 2**7), 8)
     for fn in (routing_from_topk, routing_from_topk_ref):
         with pytest.raises(ValueError, match="topk_ids must have shape"):
             fn(ids.reshape(-1), 8)
