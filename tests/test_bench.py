@@ -633,6 +633,21 @@ def test_results_file_name_and_strict_json(tmp_path):
     assert report.results_path(tmp_path, env, "my tag", now).name == "2026-03-04-050607_nvidia-h200_my-tag.json"
     assert report.results_path(tmp_path, {"device_type": "cpu", "device": "x86"}, None, now).name == \
         "2026-03-04_cpu.json"
+    # slugs: no dash at either end, and a name of no letter or digit is "unknown"
+    assert report.slug(" (NVIDIA H100)  80GB! ") == "nvidia-h100-80gb"
+    assert report.results_path(tmp_path, {"device_type": "cuda", "device": "???"}, "-x-", now).name == \
+        "2026-03-04_unknown_x.json"
+
+
+def test_sanitize_names_dtypes_and_makes_keys_strings(tmp_path):
+    """sanitize: a torch dtype is its bare name ("bfloat16", what the records' dtype field holds), a device its
+    string, and every key a string, so that json.dump takes keys such as a dtype or a tuple."""
+    doc = {"results": [], "dt": torch.bfloat16, "dev": torch.device("cpu"),
+           "by": {torch.float16: (1.5, float("nan")), (2, 3): [torch.float32], 7: None}}
+    want = {"results": [], "dt": "bfloat16", "dev": "cpu",
+            "by": {"torch.float16": [1.5, None], "(2, 3)": ["float32"], "7": None}}
+    assert report.sanitize(doc) == want
+    assert _strict_load(report.write_results(doc, tmp_path / "r.json")) == want
 
 
 def test_list_and_help(capsys):
@@ -1364,6 +1379,48 @@ def test_terminal_table_shows_the_error_nearest_its_bound():
     assert "1.50e-02 out " in line["triton"] and "5.00e-02" not in line["triton"]
     assert "nan dx " in line["torch"]
     assert "worst err" in table and "in the run's dtype" in table
+
+
+def test_terminal_table_cells_of_missing_numbers_router_and_notes():
+    """The terminal table: a NaN or infinite timing is "-" (not "nan"); +router is the f+b time with the router, or
+    the forward's where only the forward ran; only rows that did not run "ok" add their message as a note."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    tri, torch_row = rec["backends"]["triton"], rec["backends"]["torch"]
+    tri["fwd"]["ms"]["p50"], tri["fwd"]["tflops"] = float("nan"), float("inf")
+    tri["router"] = {"fwd": {"ms": {"p50": 1.25}}, "total": None}
+    tri["message"] = "calibrated router: 3 idle experts"
+    torch_row["router"] = {"fwd": {"ms": {"p50": 1.5}}, "total": {"ms": {"p50": 5.75}}}
+    torch_row.update(status="FAIL", message="wrong result: dx")
+    table = report.terminal_table(doc)
+    rows = {ln.split()[2]: ln.split() for ln in table.splitlines() if ln.startswith(rec["name"] + " ")}
+    header = ["shape", "routing", "backend", "status", "worst err", "fwd ms", "fwd TF/s", "bwd ms", "bwd TF/s",
+              "f+b ms", "f+b TF/s", "+router ms"]
+    col = {h: i for i, h in enumerate(header)}  # every cell one word here ("worst err": "-", no check)
+    assert rows["triton"][col["fwd ms"]] == "-" and rows["triton"][col["fwd TF/s"]] == "-"
+    assert rows["triton"][col["+router ms"]] == "1.25" and rows["torch"][col["+router ms"]] == "5.75"
+    assert f"{rec['name']} [topk] torch: FAIL: wrong result: dx" in table
+    assert "calibrated router" not in table
+
+
+def test_markdown_rows_of_unstated_status_and_of_a_shape_ours_never_ran():
+    """A row of ours without a status field is taken as ok (its numbers shown); a shape that ran "ok" without ours
+    says "ours: not run", not "ok" over empty columns. A file of mixed activations is headed by both."""
+    doc = _synthetic_doc()
+    first, second = doc["results"][0], doc["results"][1]
+    del first["backends"]["triton"]["status"]
+    del second["backends"]["triton"]
+    second["ratio_base"] = "torch"
+    md = report.markdown_table(doc)
+    rows = {ln.split()[1]: ln for ln in md.splitlines() if ln.startswith("| ")}
+    assert rows[first["name"]].startswith(f"| {first['name']} (24576, 1536, 256, 128, 8) | topk | 1 | 100 | 3 | 100 |")
+    assert f"| {second['name']} (24576, 1536, 512, 64, 4) | topk | ours: not run |" in md
+    assert md.splitlines()[0].startswith("| shape")
+    doc["results"][3]["activation"] = "clamped_swiglu"
+    assert report.activations(doc) == ["swiglu", "clamped_swiglu"]
+    md = report.markdown_table(doc)
+    assert md.splitlines()[0].startswith("Activation: swiglu, clamped_swiglu (not SwiGLU alone")
+    assert md.splitlines()[-1].endswith("Activation: swiglu, clamped_swiglu.")
 
 
 def test_terminal_table_memory_in_mib_and_spec_beyond_x():

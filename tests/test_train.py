@@ -185,6 +185,11 @@ def test_seq_len_check_matches_the_train_windows():
     assert x.shape == y.shape == (2, 32) and torch.equal(x[:, 1:], y[:, :-1])
     with pytest.raises(ValueError, match="fewer than seq_len"):
         corpus.check_seq_len(33)
+    # the validation split is checked too (a short one would fail at the first evaluation), and named
+    short_val = ByteCorpus(train=torch.arange(200, dtype=torch.uint8), val=split, source="x", num_files=1)
+    short_val.check_seq_len(32)
+    with pytest.raises(ValueError, match="the validation split has 34 bytes"):
+        short_val.check_seq_len(33)
 
 
 def test_corpus_digest_sees_the_split():
@@ -194,6 +199,14 @@ def test_corpus_digest_sees_the_split():
     a = ByteCorpus(train=blob[:180], val=blob[180:], source="x", num_files=1)
     b = ByteCorpus(train=blob[:190], val=blob[190:], source="x", num_files=1)
     assert a.digest != b.digest and a.digest == ByteCorpus(blob[:180], blob[180:], "y", 2).digest
+    # one byte changed in either split, at the same sizes, is another corpus too
+    g = _fresh_generator()
+    for split in ("train", "val"):
+        t = getattr(a, split).clone()
+        i = int(torch.randint(0, t.numel(), (), generator=g))
+        t[i] ^= 1 + int(torch.randint(0, 255, (), generator=g))
+        other = ByteCorpus(**{"train": a.train, "val": a.val, split: t}, source="x", num_files=1)
+        assert other.digest != a.digest, split
 
 def test_token_rounding_passes_through(tmp_path):
     pytest.importorskip("sonicmoe.token_rounding")
@@ -704,6 +717,30 @@ def test_model_forward_and_router_loss():
         idx2 = idx.clone()
         idx2[:, 7] = (idx2[:, 7] + 1) % 256
         torch.testing.assert_close(model(idx2)[:, :7], logits[:, :7])
+        # (layers, E): each layer routed its 2·10 tokens K times
+        counts = model.expert_counts()
+        assert counts.shape == (2, 4) and counts.sum(dim=1).tolist() == [2 * 10 * 2] * 2
+
+
+def test_bf16_model_keeps_the_dtypes():
+    """apply_rotary computes in float32 and returns the input's dtype (a float32 q and k beside a bfloat16 v: SDPA
+    refuses mixed dtypes); a bfloat16 model's logits are float32 anyway."""
+    from sonicmoe.train.model import apply_rotary, rotary_tables
+
+    g = _fresh_generator()
+    L, hd = 5, 8
+    cos, sin = rotary_tables(L, hd, torch.device("cpu"))
+    x = torch.randn(2, 3, L, hd, generator=g).to(torch.bfloat16)
+    got = apply_rotary(x, cos, sin)
+    assert got.dtype == torch.bfloat16
+    want = apply_rotary(x.float(), cos, sin)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=g)))
+    model = MoETransformer(ModelConfig(d_model=16, layers=1, heads=2, experts=4, top_k=2, expert_size=8,
+                                       backend="torch")).to(torch.bfloat16)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (2, 6), generator=g))
+    assert logits.shape == (2, 6, 256) and logits.dtype == torch.float32
 
 
 def test_model_options_reach_every_moe_layer():
@@ -737,6 +774,12 @@ def test_model_init_scales_the_residual_branches_and_counts_parameters():
             assert 0.9 * bound < float(ex.down_proj.detach().abs().max()) <= bound
     counts = model.num_params()
     assert counts["experts"] == layers * E * 3 * n * d
+    # with expert biases, b2 is scaled as W2 is (it adds to the same residual branch)
+    biased = MoETransformer(ModelConfig(d_model=d, layers=layers, heads=2, experts=E, top_k=K, expert_size=n,
+                                        backend="torch", expert_bias=True))
+    for blk in biased.blocks:
+        bound = scale / math.sqrt(n)
+        assert 0.9 * bound < float(blk.moe.experts.down_proj_bias.detach().abs().max()) <= bound
     assert counts["active"] == counts["total"] - layers * (E - K) * 3 * n * d
 
 
@@ -1259,9 +1302,58 @@ def test_single_file_corpus_names_the_file(tmp_path):
     corpus = ByteCorpus.load(str(text), 10_000, 0.1)
     assert corpus.num_files == 1 and corpus.source == str(text)
     assert ByteCorpus.load(str(tmp_path), 10_000, 0.1).source == str(tmp_path)
+    # its header line names the file (relative to its folder), as a directory's files are named
+    assert bytes(torch.cat([corpus.train, corpus.val]).tolist()).startswith(b"# ==== notes.txt ====\n")
     with pytest.raises(ValueError, match=f"corpus from {text} has only"):
         text.write_text("short")
         ByteCorpus.load(str(text), 10_000, 0.1)
+
+
+def test_corpus_of_64_bytes_and_its_split_sizes(tmp_path):
+    """64 bytes (header line included) is the smallest corpus taken, 63 is refused; the validation split is the last
+    int(N · val_fraction) bytes, at least 2 (val_fraction 0 still leaves a tail), and the train split the rest."""
+    text = tmp_path / "notes.txt"
+    header = b"# ==== notes.txt ====\n"
+    g = _fresh_generator()
+    body = bytes(torch.randint(97, 123, (64 - len(header) - 1,), generator=g).tolist()) + b"\n"
+    text.write_bytes(body)
+    corpus = ByteCorpus.load(str(text), 10_000, 0.0)
+    assert (corpus.train.numel(), corpus.val.numel()) == (62, 2)
+    assert bytes(torch.cat([corpus.train, corpus.val]).tolist()) == header + body
+    text.write_bytes(body[1:])
+    with pytest.raises(ValueError, match="has only 63 bytes"):
+        ByteCorpus.load(str(text), 10_000, 0.1)
+    size = int(torch.randint(300, 900, (), generator=g))
+    text.write_bytes(bytes(torch.randint(97, 123, (size,), generator=g).tolist()))
+    frac = float(torch.rand((), generator=g, dtype=torch.float64)) * 0.5
+    corpus = ByteCorpus.load(str(text), 10_000, frac)
+    total = len(header) + size + 1  # the newline added at the end
+    assert corpus.val.numel() == max(2, int(total * frac)) and corpus.train.numel() + corpus.val.numel() == total
+
+
+def test_nothing_to_read_is_a_file_not_found_error(tmp_path, monkeypatch):
+    """A missing --data path, a directory of hidden files only, a standard library without its .py sources (its tests
+    are not sources): FileNotFoundError naming the cause (the CLI's usage error), not an empty corpus."""
+    import sysconfig
+
+    from sonicmoe.train.data import text_files
+
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        ByteCorpus.load(str(tmp_path / "missing"), 10_000, 0.1)
+    data = tmp_path / "hidden"
+    data.mkdir()
+    (data / ".notes.txt").write_text("hidden words " * 20)
+    with pytest.raises(FileNotFoundError, match="the directory holds no file"):
+        text_files(data)
+    stdlib = tmp_path / "lib"
+    (stdlib / "test").mkdir(parents=True)
+    (stdlib / "test" / "test_os.py").write_text("import os\n" * 20)
+    (stdlib / "README.txt").write_text("no sources here\n" * 20)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(stdlib)})
+    with pytest.raises(FileNotFoundError, match="no .py sources under the standard library"):
+        stdlib_source_files()
+    (stdlib / "os.py").write_text("import sys\n" * 20)
+    assert stdlib_source_files() == (stdlib, [stdlib / "os.py"])
 
 
 def _fresh_generator() -> torch.Generator:
