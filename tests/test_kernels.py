@@ -377,6 +377,16 @@ def test_strided_weights_and_row_pairs(device):
     assert torch.equal(gather_sum(y, routing, w), gather_sum(y, routing, w.contiguous()))
     y_cols = y.t().contiguous().t()  # (R, 40), inner stride R
     assert torch.equal(gather_sum(y_cols, routing, w), gather_sum(y, routing, w))
+    # rows read through their own stride (a block of columns of a wider Y), O written through O's (a block of
+    # columns of a wider O, poisoned, whose row stride differs from Y's)
+    y_wide = torch.randn(r, 64, device=device)
+    y_block = y_wide[:, 8:48]
+    o_wide = torch.full((t, 96), float("nan"), device=device)
+    assert y_block.stride(0) == 64 and not y_block.is_contiguous()
+    gather_sum(y_block, routing, w, out=o_wide[:, 40:80])
+    assert torch.equal(o_wide[:, 40:80], gather_sum(y_block.contiguous(), routing, w))
+    assert o_wide[:, :40].isnan().all() and o_wide[:, 80:].isnan().all()
+    assert torch.equal(gather_sum(y_block, routing, w), o_wide[:, 40:80])
     parts = torch.randn(3, r, device=device)
     row_pair = torch.stack([routing.row_pair, torch.zeros_like(routing.row_pair)], 1)[:, 0]
     offsets = torch.stack([routing.expert_offsets, routing.expert_offsets], 1)[:, 1]
@@ -999,6 +1009,10 @@ def test_gather_sum_into_out(device):
     assert torch.equal(gather_sum(y, routing, w, config=RESERVE_CONFIG, num_programs=2), gather_sum(y, routing, w))
     with pytest.raises(ValueError, match="num_programs"):
         gather_sum(y, routing, w, num_programs=-1)
+    # the twin writes into ``out`` too (poisoned first), as the kernel
+    out = torch.full((t, d), float("nan"), device=device)
+    assert gather_sum_ref(y, routing, w, out=out) is out
+    assert rel_err(out, gather_sum(y, routing, w)) < 1e-6
     for bad in (torch.empty(t, d + 1, device=device), torch.empty(t, d, device=device, dtype=torch.float16),
                 torch.empty(d, t, device=device).t()):
         with pytest.raises(ValueError, match="out"):
@@ -1543,6 +1557,12 @@ def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores)
     assert bool(call.get("C_TMA")) is tma_stores and call.get("C_SPLIT", 1) == (2 if tma_stores else 1)
     assert call["num_stages"] == (3 if tma_stores else 4)
     assert (call["c_desc"] is not None) is tma_stores
+    # the descriptors' boxes: one expert's (BLOCK_N, BLOCK_K) block of W2 (E, m, k), C stored in C_SPLIT column
+    # blocks (a box of the whole tile overran each half's store on a GPU)
+    bm, bn, bk = call["BLOCK_M"], call["BLOCK_N"], call["BLOCK_K"]
+    assert call["a_desc"].block_shape == [bm, bk] and call["b_desc"].block_shape == [1, bn, bk]
+    if tma_stores:
+        assert call["c_desc"].block_shape == [bm, bn // 2]
 
 
 def test_varlen_m_env_config(monkeypatch):
@@ -1565,10 +1585,51 @@ def test_varlen_m_env_config(monkeypatch):
         call = kern.calls[-1]
         assert {key: call[key] for key in cfg.kwargs} == cfg.kwargs, i
         assert (call["num_warps"], call["num_stages"]) == (cfg.num_warps, cfg.num_stages), i
+        if cfg.kwargs.get("W_TMA"):  # the dX̃ form's W1 (E, k, m): a (BLOCK_K, BLOCK_N) box of one expert
+            assert call["b_desc"].block_shape == [1, cfg.kwargs["BLOCK_K"], cfg.kwargs["BLOCK_N"]], i
     for bad in (str(len(grouped_gemm.TUNING_SPACE)), "-1", "cfg2", ""):
         monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", bad)
         with pytest.raises(ValueError, match="SONICMOE_VARLEN_M_CONFIG"):
             varlen_m_gemm(a, w1, None, routing, transpose_b=False)
+
+
+def test_gather_sum_pinned_launch(monkeypatch):
+    """The aggregation's pinned GPU launch: one program per (token block, column block) tile, UNROLL the mean slots
+    per token rounded up to a power of two and capped by MAX_UNROLL or by SONICMOE_AGG_CONFIG's fourth part; the
+    config rule is asked with the persistent grid of ``num_programs`` too (SLICE_CONFIG is for one program per
+    tile only). The unroll and the grid's size leave the bits alone, so only the launch shows them."""
+    from sonicmoe.ops import aggregation
+
+    kern = _record_pinned_launch(monkeypatch, aggregation, "_gather_sum_kernel")
+    monkeypatch.delenv("SONICMOE_AGG_CONFIG", raising=False)
+    t, d = 6, 2560  # 3 column blocks of the default 1024
+    for k, unroll in ((1, 1), (2, 2), (3, 4), (8, aggregation.MAX_UNROLL)):
+        routing = routing_from_pairs(torch.arange(t).repeat_interleave(k), torch.arange(t * k) % 8, t, 8)
+        gather_sum(torch.empty(t * k, d), routing, None)
+        call = kern.calls[-1]
+        assert (call["BLOCK_T"], call["BLOCK_D"]) == (1, 1024) and call["_grid"] == (t * 3,), k
+        assert call["UNROLL"] == unroll, k
+    # 7 rows over 6 tokens: 2 slots per token on average, rounded up
+    routing = routing_from_pairs(torch.tensor([0, 0, 1, 2, 3, 4, 5]), torch.tensor([0, 1, 0, 0, 0, 0, 0]), t, 8)
+    gather_sum(torch.empty(7, d), routing, None)
+    assert kern.calls[-1]["UNROLL"] == 2
+    routing = routing_from_pairs(torch.arange(t).repeat_interleave(8), torch.arange(t * 8) % 8, t, 8)
+    monkeypatch.setenv("SONICMOE_AGG_CONFIG", "2:512:2:2")
+    gather_sum(torch.empty(t * 8, d), routing, None)
+    call = kern.calls[-1]
+    assert (call["BLOCK_T"], call["BLOCK_D"], call["UNROLL"], call["_grid"]) == (2, 512, 2, (3 * 5,))
+    monkeypatch.delenv("SONICMOE_AGG_CONFIG")
+    asked = []
+
+    def spy(d, on_gpu, progs_per_sm=0):
+        asked.append(progs_per_sm)
+        return None, aggregation.MAX_UNROLL
+
+    monkeypatch.setattr(aggregation, "pinned_config", spy)
+    gather_sum(torch.empty(t * 8, d), routing, None, num_programs=3)
+    gather_sum(torch.empty(t * 8, d), routing, None, progs_per_sm=2)
+    gather_sum(torch.empty(t * 8, d), routing, None)
+    assert [bool(p) for p in asked] == [True, True, False]
 
 
 @pytest.mark.parametrize("rows_per_expert,d,steps", [(256, 512, False), (384, 512, False), (385, 512, True),
