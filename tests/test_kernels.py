@@ -1775,10 +1775,29 @@ def test_every_tuning_space_config_at_edge_shapes(device, monkeypatch):
     and flags whose descriptors do not exist fall back), three programs per persistent grid, on a padded routing
     with the first and last experts empty, one expert with more rows than a 128-row tile, d and n not tile
     multiples, and a zero-width reduction (d = 0, k = 0); outputs NaN before the kernels write them: within 1e-5 of
-    the float32 twins on the real rows."""
+    the float32 twins on the real rows. On a GPU a space config whose float32 tiles exceed shared memory is skipped,
+    as the tuner skips it (the space is sized for 2-byte operands; session 94's H100 run: 294912 bytes against
+    232448); every pinned default as launch() sizes it for float32 must fit, and every op runs some config."""
+    from triton.runtime.errors import OutOfResources
+
     from sonicmoe.ops import aggregation, common, grouped_gemm, weight_grad
     from sonicmoe.ops import dh as dh_mod
     from sonicmoe.ops import up_proj as up_mod
+
+    ran, too_big = set(), []
+
+    def fits(op, fn, *args, config, **kwargs):
+        """fn(*args, config=config, **kwargs), or None where config does not fit in a GPU's shared memory (never under
+        the interpreter)."""
+        try:
+            out = fn(*args, config=config, **kwargs)
+        except OutOfResources:
+            if device.type != "cuda":
+                raise
+            too_big.append((op, config))
+            return None
+        ran.add(op)
+        return out
 
     monkeypatch.setattr(common, "sm_count", lambda device: 3)
     t, e, n = 140, 6, 72
@@ -1801,13 +1820,14 @@ def test_every_tuning_space_config_at_edge_shapes(device, monkeypatch):
     for d in (0, 132):
         x, w1, b1 = rnd(t, d), rnd(e, 2 * n, d) / max(d, 1) ** 0.5, rnd(e, 2 * n)
         for cfg in _space_configs(*up_mod.TUNING_SPACE, up_mod._GPU_DEFAULT, up_mod._GPU_DEFAULT_STEPS):
-            h, a = up_mod.up_proj(x, w1, b1, routing, config=cfg)
+            got = fits("up", up_mod.up_proj, x, w1, b1, routing, config=cfg)
             h_ref, a_ref = up_mod.up_proj_ref(x, w1, b1, routing)
-            assert close(h, h_ref) and close(a, a_ref), (d, cfg)
+            assert got is None or (close(got[0], h_ref) and close(got[1], a_ref)), (d, cfg)
         dout, w2, hh, s = rnd(t, d), rnd(e, d, n) / n**0.5, rnd(r, 2 * n), torch.rand(r, generator=g).to(device)
         for cfg in _space_configs(*dh_mod.TUNING_SPACE, dh_mod._GPU_DEFAULT):
-            got, want = dh_mod.dh(dout, w2, hh, s, routing, config=cfg), dh_mod.dh_ref(dout, w2, hh, s, routing)
-            assert all(close(x1, x2) for x1, x2 in zip(got, want)), (d, cfg)
+            got = fits("dh", dh_mod.dh, dout, w2, hh, s, routing, config=cfg)
+            want = dh_mod.dh_ref(dout, w2, hh, s, routing)
+            assert got is None or all(close(x1, x2) for x1, x2 in zip(got, want)), (d, cfg)
     for k, m in ((0, n), (n, 132)):
         for transpose_b in (True, False):
             a, b = rnd(r, k), rnd(*((e, m, k) if transpose_b else (e, k, m))) / max(k, 1) ** 0.5
@@ -1815,18 +1835,29 @@ def test_every_tuning_space_config_at_edge_shapes(device, monkeypatch):
             want = grouped_gemm.varlen_m_gemm_ref(a, b, bias, routing, transpose_b=transpose_b)
             for cfg in _space_configs(*grouped_gemm.TUNING_SPACE, grouped_gemm._GPU_DEFAULT,
                                       grouped_gemm._GPU_DEFAULT_TMA_STORES):
-                got = grouped_gemm.varlen_m_gemm(a, b, bias, routing, transpose_b=transpose_b, config=cfg)
-                assert close(got, want), (k, m, transpose_b, cfg)
+                got = fits("gg", grouped_gemm.varlen_m_gemm, a, b, bias, routing, transpose_b=transpose_b,
+                           config=cfg)
+                assert got is None or close(got, want), (k, m, transpose_b, cfg)
     for pg, qg, pm, qm in ((True, False, rnd(t, 132), rnd(r, n)), (False, True, rnd(r, 2 * n), rnd(t, 132))):
         want = weight_grad.varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
         pinned = (weight_grad._GPU_DEFAULT, weight_grad._GPU_DEFAULT_P_GATHERED)
         for cfg in _space_configs(*weight_grad.TUNING_SPACE, *pinned, *({**c, **weight_grad._STEPS} for c in pinned)):
-            got = weight_grad.varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32,
-                                            config=cfg)
-            assert rel_err(got, want) < 1e-5 and not got[0].any() and not got[-1].any(), (pg, cfg)
+            got = fits("wg", weight_grad.varlen_k_gemm, pm, qm, routing, p_gather=pg, q_gather=qg,
+                       out_dtype=torch.float32, config=cfg)
+            assert got is None or (rel_err(got, want) < 1e-5 and not got[0].any() and not got[-1].any()), (pg, cfg)
     y, w = rnd(r, 132), torch.rand(r, generator=g).to(device)
     want = gather_sum_ref(y, routing, w)
     for cfg in _space_configs(*aggregation.TUNING_SPACE, aggregation._GPU_DEFAULT, aggregation.SLICE_CONFIG,
                               aggregation.RESERVE_CONFIG):
         for programs in (0, 2):
-            assert rel_err(gather_sum(y, routing, w, config=cfg, num_programs=programs), want) < 1e-5, cfg
+            got = fits("agg", gather_sum, y, routing, w, config=cfg, num_programs=programs)
+            assert got is None or rel_err(got, want) < 1e-5, cfg
+    assert ran == {"up", "dh", "gg", "wg", "agg"}
+    pinned = {"up": (up_mod._GPU_DEFAULT, up_mod._GPU_DEFAULT_STEPS), "dh": (dh_mod._GPU_DEFAULT,),
+              "gg": (grouped_gemm._GPU_DEFAULT, grouped_gemm._GPU_DEFAULT_TMA_STORES),
+              "wg": (weight_grad._GPU_DEFAULT, weight_grad._GPU_DEFAULT_P_GATHERED),
+              "agg": (aggregation._GPU_DEFAULT,)}
+    for op, cfgs in pinned.items():
+        for cfg in cfgs:
+            sized = common.sized_for_operands(cfg if isinstance(cfg, dict) else common.config_dict(cfg), 4)
+            assert (op, sized) not in too_big, (op, sized)
