@@ -437,6 +437,8 @@ def test_calibrate_router_with_an_idle_expert():
     assert math.isfinite(dev) and dev <= 0.05
     assert dev == pytest.approx(float(((got - target).abs() / target)[1:].max()))
     assert got[0] < load(w)[0] and got[0] < 0.25 / e and not got_w[0].any()  # its row scaled to 0
+    with pytest.raises(ValueError, match="target: no expert has a fraction > 0"):
+        calibrate_router(x, w, k, torch.zeros(e, dtype=torch.float64))
 
 
 def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):

@@ -122,18 +122,22 @@ def calibrate_router(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, t
     Returns:
         (W_r scaled, in router_weight's dtype and without grad; the largest relative deviation reached, in the
         float32 logits — the caller's router may round them differently, as bf16 W_r does).
+
+    Raises:
+        ValueError: no fraction of ``target`` is > 0 (the deviation would have no expert to be measured over).
     """
     w = router_weight.detach().float()
     logits = x.detach().float() @ w.t()  # (T, E); scaling row e of W_r scales column e
     goal = target.to(device=logits.device, dtype=torch.float64)
     live = goal > 0
+    if not bool(live.any()):
+        raise ValueError("target: no expert has a fraction > 0 (expected (E,) fractions >= 0 summing to 1)")
     log_scale = torch.zeros_like(goal)
     dev = float("inf")
     for step in range(max_iters):
         ids = (logits * log_scale.exp().float()).topk(top_k, dim=1).indices
         got = torch.bincount(ids.reshape(-1), minlength=goal.shape[0]).double() / max(ids.numel(), 1)
-        # a host read per step: setup, outside any timing
-        dev = float(((got - goal).abs() / goal)[live].max()) if bool(live.any()) else 0.0
+        dev = float(((got - goal).abs() / goal)[live].max())  # a host read per step: setup, outside any timing
         if dev <= tol or step == max_iters - 1:
             break
         log_scale += 0.5 / (1 + step / 4) * (goal.log() - got.clamp_min(0.1 / ids.numel()).log())
