@@ -108,6 +108,27 @@ def test_up_proj_a_from_stored_h(layout, device):
     assert (a != a_from_h).float().mean().item() < 0.01
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_up_proj_ref_rounds_h_before_a(layout, activation):
+    """The twin, the kernels' oracle, computes H per row in float32 (against a float64 product here) and A from H as
+    stored, rounded to float16 (the kernel's and the backward's A), not from the float32 H, which differs in many
+    elements; with store_h=False it returns no H and the same A."""
+    dtype = torch.float16
+    p = random_problem(41, 48, 24, 4, bias=True, dtype=dtype, seed=95)
+    _, routing = _topk_routing(p, 2, "cpu")
+    h, a = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout, activation=activation)
+    assert h.dtype == a.dtype == dtype and h.shape == (routing.num_rows, 48) and a.shape == (routing.num_rows, 24)
+    expert = torch.repeat_interleave(torch.arange(4), routing.expert_counts().cpu())
+    x64, w64, b64 = p["x"].double(), p["w1"].double(), p["b1"].double()
+    h64 = torch.einsum("rd,rcd->rc", x64[routing.row_token.long()], w64[expert]) + b64[expert]
+    torch.testing.assert_close(h.double(), h64, rtol=1e-3, atol=1e-3)
+    assert torch.equal(a, swiglu_ref(h.float(), layout, activation).to(dtype))
+    assert (swiglu_ref(h64.float(), layout, activation).to(dtype) != a).any()  # A of the unrounded H: not the same
+    none, a2 = up_proj_ref(p["x"], p["w1"], p["b1"], routing, layout, store_h=False, activation=activation)
+    assert none is None and torch.equal(a2, a)
+
+
 def _guarded(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
     """``t``'s values in a contiguous view with NaN in the ``pad`` elements of storage on either side (64: 16-byte
     aligned in every float dtype), so that a kernel reading past either end of its operand reads NaN."""

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from sonicmoe.config import ROUNDING_SUBROUTINES
+from sonicmoe.ops import tr_select
+from sonicmoe.ops.common import interpreting
 from sonicmoe.ops.tr_select import (
     NO_KEY,
     RESIDENT_MAX_T,
@@ -16,6 +18,7 @@ from sonicmoe.ops.tr_select import (
     candidate_keys_ref,
     select_routed,
     select_routed_ref,
+    use_select_kernels,
 )
 from sonicmoe.routing import RouterOutput, router_topk
 from sonicmoe.token_rounding import token_rounding, token_rounding_ref
@@ -142,6 +145,42 @@ def test_candidate_keys_kernel_equals_twin(device, t, e, k):
     assert torch.equal(a[2].cpu(), torch.bincount(router.topk_ids.reshape(-1), minlength=e))
 
 
+def test_candidate_keys_strided_operands_and_block_counts(device):
+    """Operands the kernel cannot index as they are give the keys of their contiguous copies: probs a block of
+    columns of a wider tensor (row stride E + 3), probs stored column-major (inner stride T), and topk_ids and
+    topk_scores every other column of (T, 2K) tensors whose other columns hold an expert id (-1) and a score (NaN)
+    that would show if read. The per-block counts (``block_counts``) are int32, one row per block of tokens, and
+    sum to f; the twin's are its single block's."""
+    t, e, k = 37, 6, 2
+    g = torch.Generator().manual_seed(95)
+    router = router_topk(torch.randn(t, 8, generator=g), torch.randn(e, 8, generator=g), k)
+    probs, ids, scores = router.probs.detach(), router.topk_ids, router.topk_scores.detach()
+    want = candidate_keys_ref(probs, ids, scores)
+    wide = torch.rand(t, e + 3, generator=g)
+    wide[:, 1:e + 1] = probs
+    probs_block = wide[:, 1:e + 1]
+    probs_cols = probs.t().contiguous().t()
+    ids_wide = torch.stack([ids, torch.full_like(ids, -1)], 2).reshape(t, 2 * k)
+    scores_wide = torch.stack([scores, torch.full_like(scores, float("nan"))], 2).reshape(t, 2 * k)
+    assert probs_block.stride() == (e + 3, 1) and probs_cols.stride(1) == t
+    assert torch.equal(ids_wide[:, ::2], ids) and ids_wide[:, ::2].stride(1) == 2
+    for p_, i_, s_ in ((probs_block, ids, scores), (probs_cols, ids, scores), (probs, ids_wide[:, ::2], scores),
+                       (probs, ids, scores_wide[:, ::2])):
+        args = [x.to(device) for x in (p_, i_, s_)]
+        for fn in (candidate_keys, candidate_keys_ref):
+            got = fn(*args)
+            for x, y, name in zip(got, want, ("prob_key", "score_key", "f")):
+                assert torch.equal(x.cpu(), y), (fn.__name__, name, p_.stride(), i_.stride(), s_.stride())
+    f = torch.bincount(ids.reshape(-1), minlength=e)
+    args = [x.to(device) for x in (probs, ids, scores)]
+    counts = candidate_keys(*args, tile=(16, 8, 1), block_counts=True)[2].cpu()
+    assert counts.dtype == torch.int32 and counts.shape == (3, e)  # cdiv(37, 16) blocks of tokens
+    assert torch.equal(counts.sum(0), f)
+    assert torch.equal(counts[1], torch.bincount(ids[16:32].reshape(-1), minlength=e).int())
+    ref_counts = candidate_keys_ref(*args, block_counts=True)[2].cpu()
+    assert ref_counts.dtype == torch.int32 and torch.equal(ref_counts, f.int()[None, :])
+
+
 def test_keys_order_nan_and_signed_zero():
     probs = torch.tensor([[0.5, 0.25, float("nan"), 0.25], [0.0, 1.0, 0.125, -0.0]])
     ids = torch.tensor([[0], [1]])
@@ -175,6 +214,104 @@ def test_bad_arguments():
         select_routed(keys, keys, z, z, compact=3)
     with pytest.raises(ValueError, match="topk_ids"):
         candidate_keys_ref(torch.zeros(5, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
+    # keys that are not contiguous, and float counts, are refused by the kernel's launcher and by its twin alike
+    strided = torch.zeros(5, 3, dtype=torch.int32).t()
+    assert strided.shape == keys.shape and not strided.is_contiguous()
+    for fn in (select_routed, select_routed_ref):
+        with pytest.raises(ValueError, match="score_key must be a contiguous"):
+            fn(keys, strided, z, z)
+        with pytest.raises(ValueError, match="prob_key must be a contiguous"):
+            fn(strided, keys, z, z)
+        with pytest.raises(ValueError, match="keep must be an"):
+            fn(keys, keys, z, z.float())
+        with pytest.raises(ValueError, match="f must be an"):
+            fn(keys, keys, z.double(), z)
+    # scores of another shape than the ids (here one column short), and probs that are not (T, E)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2]])
+    for fn in (candidate_keys, candidate_keys_ref):
+        with pytest.raises(ValueError, match="topk_scores must both be"):
+            fn(torch.rand(4, 3), ids, torch.rand(4, 1))
+        with pytest.raises(ValueError, match="probs must be"):
+            fn(torch.rand(4, 3, 1), ids, torch.rand(4, 2))
+
+
+def test_select_launch_parameters(monkeypatch):
+    """select_routed's launch, recorded instead of run: the row is held in registers (ROW = next_pow2(T)) up to and
+    including T = RESIDENT_MAX_T (resident=True is accepted there), streamed past it (ROW = 0); the default fanout is
+    RESIDENT_FANOUT held, SELECT_FANOUT streamed, with ceil(32 / log2 fanout) counting passes; the compact list (CAP)
+    defaults to min(next_pow2(T), COMPACT_MAX) and exists only with the row held; keys per load are capped at
+    next_pow2(T); warps are resident_warps(T) held (4 to 16, about 64 keys per thread)."""
+    calls = []
+    monkeypatch.setattr(tr_select, "launch_kernel", lambda kernel, grid, *args, **kw: calls.append((grid, kw)))
+
+    def launch(t, e=1, **kw):
+        z = torch.zeros(e, dtype=torch.int64)
+        keys = torch.full((e, t), NO_KEY, dtype=torch.int32)
+        calls.clear()
+        select_routed(keys, keys, z, z, **kw)
+        ((grid, params),) = calls
+        assert grid == (e,)
+        return {name: params[name] for name in ("ROW", "CAP", "FANOUT", "PASSES", "BLOCK", "num_warps")}
+
+    block, warps = tr_select.SELECT_TILE  # CPU tensors: not the few-experts tile, which is for CUDA devices
+    held, streamed = tr_select.RESIDENT_FANOUT, tr_select.SELECT_FANOUT
+    passes = {2: 32, 4: 16, 8: 11, 16: 8}
+    bound = RESIDENT_MAX_T
+    assert launch(bound) == launch(bound, resident=True) == dict(
+        ROW=bound, CAP=tr_select.COMPACT_MAX, FANOUT=held, PASSES=passes[held], BLOCK=block, num_warps=16)
+    assert launch(bound + 1) == dict(ROW=0, CAP=0, FANOUT=streamed, PASSES=passes[streamed], BLOCK=block,
+                                     num_warps=warps)
+    assert launch(bound, resident=False, fanout=8) == dict(ROW=0, CAP=0, FANOUT=8, PASSES=11, BLOCK=block,
+                                                           num_warps=warps)
+    assert launch(7, e=3) == dict(ROW=8, CAP=8, FANOUT=held, PASSES=passes[held], BLOCK=8, num_warps=4)
+    assert launch(7, e=3, compact=0, fanout=16)["CAP"] == 0 and launch(7, fanout=16)["PASSES"] == 8
+    assert launch(7, resident=False, compact=4)["CAP"] == 0
+    assert launch(3000, compact=1024, tile=(1024, 2)) == dict(ROW=4096, CAP=1024, FANOUT=held, PASSES=passes[held],
+                                                              BLOCK=1024, num_warps=2)
+    assert [tr_select.resident_warps(t) for t in (0, 1, 8192, 16384, 16385, 32768)] == [4, 4, 4, 8, 16, 16]
+    calls.clear()
+    empty = torch.zeros(2, 0, dtype=torch.int32)
+    z2 = torch.zeros(2, dtype=torch.int64)
+    assert select_routed(empty, empty, z2, z2).shape == (0, 2) and not calls  # no tokens: nothing launched
+
+
+def test_use_select_kernels(monkeypatch):
+    """The kernels run on CUDA unless use_kernel is False; on CPU only when asked for (True) under the interpreter,
+    never by default (None): the torch twins are the CPU path."""
+    assert interpreting()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [use_select_kernels(cpu, u) for u in (None, True, False)] == [False, True, False]
+    assert [use_select_kernels(cuda, u) for u in (None, True, False)] == [True, True, False]
+    monkeypatch.setattr(tr_select, "interpreting", lambda: False)
+    assert [use_select_kernels(cpu, u) for u in (None, True, False)] == [False, False, False]
+
+
+def test_listed_search_reads_only_its_f_keys(device, monkeypatch):
+    """The list search of a rounded-down expert reads its f listed keys and no slot past them: with the scratch lists
+    filled beforehand with the largest key (and token 0), a read of slot f would take token 0 (the poisoned default
+    fills them with NO_KEY, which no search takes)."""
+    new_output = tr_select.new_output
+
+    def prefilled(shape, **kw):
+        out = new_output(shape, **kw)
+        if len(shape) == 3:  # the (2, E, CAP) scratch: keys, then tokens
+            out[0].fill_(2**31 - 1)
+            out[1].fill_(0)
+        return out
+
+    monkeypatch.setattr(tr_select, "new_output", prefilled)
+    prob_key, score_key, f, keep = random_keys(6, 40, 6, 1000)
+    score_key[:, 0] = NO_KEY  # token 0 is chosen by no expert: taken nowhere by a rounded-down one
+    f = (score_key != NO_KEY).sum(1)
+    keep = torch.minimum(keep, (f - 1).clamp_min(0))
+    keep[0] = f[0] - 1
+    assert int(f.min()) > 0 and bool((keep < f).all()) and int(f.max()) < 64
+    expect = oracle(prob_key, score_key, keep)
+    args = [x.to(device) for x in (prob_key, score_key, f, keep)]
+    for compact in (None, 64):
+        got = select_routed(*args, resident=True, compact=compact, rank=True).cpu()
+        assert torch.equal(got, select_routed_ref(*args, rank=True).cpu()), compact
+        assert torch.equal(got != 0, expect), compact
 
 
 @pytest.mark.parametrize("subroutine", ROUNDING_SUBROUTINES)
