@@ -289,6 +289,23 @@ def test_bad_activation_is_named():
         sonicmoe.moe(p["x"], p["router_weight"], p["w1"], p["w2"], top_k=1, activation=None)
 
 
+def test_kernel_ops_name_an_unknown_activation():
+    """The kernels' ACT codes (0 SwiGLU, 1 clamped); the up-projection and dH ops called directly (no layer check
+    before them) refuse another activation with a ValueError naming it, not a KeyError, before any launch."""
+    from sonicmoe.ops.common import act_code
+
+    assert (act_code("swiglu"), act_code("clamped_swiglu")) == (0, 1)
+    p = random_problem(4, 8, 8, 2, seed=0)
+    routing = routing_from_topk(torch.zeros(4, 1, dtype=torch.long), 2)
+    h = torch.randn(4, 16)
+    calls = {"act_code": lambda: act_code("gelu"),
+             "up_proj": lambda: up_proj(p["x"], p["w1"], None, routing, activation="gelu"),
+             "dh": lambda: dh(torch.randn(4, 8), p["w2"], h, torch.ones(4), routing, activation="gelu")}
+    for call in calls.values():
+        with pytest.raises(ValueError, match=r"activation must be one of \('swiglu', 'clamped_swiglu'\), got 'gelu'"):
+            call()
+
+
 @pytest.mark.interpreter
 def test_opcheck_with_the_clamped_activation(device):
     """The custom ops take the activation as their last argument (schema, fake, autograd with it)."""

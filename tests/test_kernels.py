@@ -1755,6 +1755,161 @@ def test_dot_precision_exact_for_float32():
     assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"
 
 
+def test_autotuning_never_under_the_interpreter(monkeypatch):
+    """SONICMOE_AUTOTUNE=1 autotunes on a GPU only: under the interpreter (passed in, or read by autotune_enabled
+    itself) the pinned config runs, since timing needs CUDA events."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "1")
+    assert common.autotune_enabled(False) is True and common.autotune_enabled(True) is False
+    for interp in (True, False):
+        monkeypatch.setattr(common, "interpreting", lambda interp=interp: interp)
+        assert common.autotune_enabled() is (not interp)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    assert common.autotune_enabled() is False
+
+
+def test_tile_config_flags_only_on_varlen_m_configs():
+    """tile_config adds the persistence, FLATTEN and W_TMA meta-parameters to configs named (BLOCK_M, BLOCK_N,
+    BLOCK_K) only; a config of other block names (the varlen-K GEMM's) holds its blocks and its extras alone (its
+    kernel takes no FLATTEN nor W_TMA)."""
+    from sonicmoe.ops import weight_grad
+    from sonicmoe.ops.common import tile_config
+
+    cfg = tile_config(64, 128, 32, 4, 3, pps=2, flatten=True, tma=True, C_TMA=True)
+    assert cfg.kwargs == {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "PROGS_PER_SM": 2, "FLATTEN": True,
+                          "W_TMA": True, "C_TMA": True}
+    assert (cfg.num_warps, cfg.num_stages) == (4, 3)
+    cfg = tile_config(128, 64, 32, 8, 4, names=("BLOCK_I", "BLOCK_J", "BLOCK_R"), P_TMA=True)
+    assert cfg.kwargs == {"BLOCK_I": 128, "BLOCK_J": 64, "BLOCK_R": 32, "P_TMA": True}
+    assert (cfg.num_warps, cfg.num_stages) == (8, 4)
+    for cfg in weight_grad.PORTABLE_SPACE + weight_grad.TUNING_SPACE:
+        assert not {"FLATTEN", "W_TMA"} & set(cfg.kwargs), cfg
+
+
+def test_tma_descriptor_only_where_the_copy_engine_can_address():
+    """tma_descriptor describes a view whose base and leading strides are 16-byte aligned (in bytes, not elements)
+    and whose inner stride is 1, with the smallest valid box; else (and for an empty tensor) None."""
+    from sonicmoe.ops.common import tma_descriptor
+
+    g = torch.Generator().manual_seed(41)
+    w = torch.randn(2, 8, 12, generator=g)  # strides (96, 12, 1): 48 and 384 bytes
+    desc = tma_descriptor(w)
+    assert desc is not None and desc.base is w and desc.shape == [2, 8, 12] and desc.strides == [96, 12, 1]
+    assert desc.block_shape == [1, 1, 4] and desc.padding == "zero"
+    assert tma_descriptor(torch.randn(2, 8, 16, generator=g).half()).block_shape == [1, 1, 8]
+    assert tma_descriptor(w.to(torch.bfloat16)) is None  # a 24-byte row stride
+    wide = torch.randn(8, 32, generator=g)
+    assert tma_descriptor(wide) is not None
+    assert tma_descriptor(wide[:, ::2]) is None  # inner stride 2; the row stride (128 bytes) aligned
+    assert tma_descriptor(torch.randn(65, generator=g)[1:].view(8, 8)) is None  # base 4 bytes past alignment
+    assert tma_descriptor(torch.empty(0, 8)) is None
+
+
+def test_available_flags_need_every_descriptor_and_restrict_drops_the_rest():
+    """A TMA flag is available only when all of its descriptors exist; restrict_config switches off the flags that are
+    not available, removes those the kernel does not take (not in ``known``), keeps the rest and copies ``meta``."""
+    from sonicmoe.ops.common import available_flags, restrict_config
+
+    desc = object()
+    flag_descs = {"W_TMA": ("wg_desc", "wu_desc"), "C_TMA": ("c_desc",)}
+    assert available_flags(flag_descs, {"wg_desc": desc, "wu_desc": None, "c_desc": desc}) == {"C_TMA"}
+    assert available_flags(flag_descs, {"wg_desc": desc, "wu_desc": desc}) == {"W_TMA"}
+    assert available_flags(flag_descs, {}) == frozenset()
+    meta = {"BLOCK_M": 64, "W_TMA": True, "C_TMA": True, "P_TMA": True, "Q_TMA": False, "FLATTEN": False}
+    got = restrict_config(meta, frozenset({"C_TMA", "P_TMA"}), known=("W_TMA", "C_TMA"))
+    assert got == {"BLOCK_M": 64, "W_TMA": False, "C_TMA": True, "FLATTEN": False}
+    assert meta["W_TMA"] is True and "P_TMA" in meta
+
+
+def test_tuner_launches_a_lone_config_untimed(monkeypatch):
+    """A space in which one config compiles (the other does not fit) needs no timing: it is chosen and launched
+    without a single _bench_ms call."""
+    from triton.runtime.errors import OutOfResources
+
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "_ALL_TUNERS", [])
+
+    class Kernel(_RecordingKernel):
+        def __getitem__(self, grid):
+            def run(**kwargs):
+                if kwargs["BLOCK"] == 128:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                self.calls.append({**kwargs, "_grid": grid})
+            return run
+
+    timed = []
+    monkeypatch.setattr(common, "_bench_ms", lambda call: timed.append(call) or 1.0)
+    kern = Kernel()
+    space = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=2) for b in (128, 32)]
+    tuners = common.Tuners(kern, space, ["N"])
+    tuners.run(frozenset(), lambda meta: (1,), {"x_ptr": torch.empty(4), "N": 4})
+    assert timed == [] and [c.kwargs for c in tuners.chosen()] == [{"BLOCK": 32}]
+    assert [c["BLOCK"] for c in kern.calls] == [32, 32]  # the compile launch, then the call's
+
+
+def test_operand_bytes_from_the_first_floating_point_tensor(monkeypatch):
+    """The pinned GPU config is sized by the operands' element size: that of the first floating-point tensor argument,
+    past integer ones (a routing array before the operands must not halve a 2-byte config's BLOCK_K)."""
+    from sonicmoe.ops import common
+
+    offsets = torch.zeros(5, dtype=torch.int32)
+    assert common._operand_bytes({"offsets_ptr": offsets, "a_ptr": torch.zeros(2, dtype=torch.float16)}) == 2
+    assert common._operand_bytes({"idx": offsets.long(), "N": 3, "a_ptr": torch.zeros(2)}) == 4
+    assert common._operand_bytes({"N": 3, "idx": offsets}) == 2
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    kern = _RecordingKernel()
+    gpu_default = {"BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    args = {"offsets_ptr": offsets, "a_ptr": torch.zeros(2, 8, dtype=torch.float16)}
+    common.launch(kern, None, lambda meta: (1,), args, {}, gpu_default)
+    (call,) = kern.calls
+    assert (call["BLOCK_K"], call["num_stages"]) == (64, 4)
+
+
+def test_check_device_names_the_tensor_and_refuses_other_devices(monkeypatch):
+    """check_device passes CUDA tensors and, under the interpreter only, CPU tensors; anything else (a meta tensor
+    under the interpreter, a CPU tensor without it) raises a ValueError naming the argument and its device."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    common.check_device("x", torch.zeros(1))
+    with pytest.raises(ValueError, match="w1 is on meta; the triton backend needs CUDA tensors"):
+        common.check_device("w1", torch.zeros(1, device="meta"))
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="x is on cpu; the triton backend"):
+        common.check_device("x", torch.zeros(1))
+
+
+def test_varlen_m_grid_counts_m_and_n_tiles(monkeypatch):
+    """The varlen-M grid: (cdiv(R, BLOCK_M) + E) M-tiles times cdiv(n, BLOCK_N) N-tiles, one program each, or for a
+    persistent config PROGS_PER_SM programs per multiprocessor (never more than the tiles)."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "sm_count", lambda device: 4)
+    grid = common.varlen_m_grid(100, 3, 200, torch.device("cpu"))
+    tiles = (cdiv(100, 64) + 3) * cdiv(200, 32)
+    assert tiles == 35
+    assert grid({"BLOCK_M": 64, "BLOCK_N": 32}) == (tiles,)
+    assert grid({"BLOCK_M": 64, "BLOCK_N": 32, "PROGS_PER_SM": 2}) == (8,)
+    assert grid({"BLOCK_M": 64, "BLOCK_N": 32, "PROGS_PER_SM": 16}) == (tiles,)
+    assert grid({"BLOCK_M": 16, "BLOCK_N": 128}) == ((cdiv(100, 16) + 3) * 2,)
+
+
+def test_pdl_from_compute_capability_9(monkeypatch):
+    """Programmatic dependent launch on CUDA GPUs of compute capability 9.0 (Hopper) and newer, not before (the
+    capability faked; the result cached per device)."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.delenv("SONICMOE_PDL", raising=False)
+    for cap, want in (((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), True)):
+        monkeypatch.setattr(common, "_PDL_OK", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx, cap=cap: cap)
+        assert common.pdl_enabled(torch.device("cuda", 0)) is want, cap
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_layer_with_zero_width_hidden():
     """d = 0 (a degenerate width check_expert_inputs accepts) in bf16 on the GPU at shapes whose Gluon dispatch rules

@@ -199,6 +199,27 @@ def test_gather_chunk_width_rule(monkeypatch):
     assert library.gather_chunk_width(4096, cpu) == 0
 
 
+def test_gather_chunk_width_default_with_the_side_stream(monkeypatch):
+    """With the side stream (SONICMOE_OVERLAP > 0, faked on the CPU): unset, the default width AGG_CHUNK for d of two
+    chunks or more; SONICMOE_AGG_CHUNK=0 turns the blocks off (it is not "unset"); an explicit width applies; without
+    the side stream only an explicit width does."""
+    from sonicmoe.ops import common
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(common, "overlap_mode", lambda device: 2)
+    monkeypatch.delenv("SONICMOE_AGG_CHUNK", raising=False)
+    w = common.AGG_CHUNK
+    assert [library.gather_chunk_width(d, cpu) for d in (2 * w, 2 * w - 8, 3 * w + 8, 2 * w + 4)] == [w, 0, w, 0]
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
+    assert library.gather_chunk_width(4 * w, cpu) == 0
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "1024")
+    assert library.gather_chunk_width(4096, cpu) == 1024
+    monkeypatch.setattr(common, "overlap_mode", lambda device: 0)
+    assert library.gather_chunk_width(4096, cpu) == 1024
+    monkeypatch.delenv("SONICMOE_AGG_CHUNK")
+    assert library.gather_chunk_width(4096, cpu) == 0
+
+
 @pytest.mark.parametrize("d,width", [(16, 8), (40, 16)], ids=["even", "ragged"])
 @pytest.mark.parametrize("bias,layout", [(True, "interleaved"), (False, "concat")])
 def test_column_chunked_gemm_and_aggregation_match_one_pass(d, width, bias, layout, device, monkeypatch):
@@ -337,6 +358,55 @@ def test_forward_without_h_returns_the_fakes_empty_h(device):
     out0, h0 = library.experts_fwd_impl(*args[:-1], False)
     assert h.shape == (routing.num_rows, 2 * N) and h0.shape == (0, 2 * N) and h0.dtype == h.dtype
     assert torch.equal(out0, out)
+
+
+def test_forward_without_tokens_gives_the_fakes_h(device):
+    """T = 0 with a padded routing's R = 3 static rows (none real): no kernel runs, O is (0, d), and H has the fake's
+    shape, (R, 2n) with save_h and (0, 2n) without; the padding rows of a kept H are zero."""
+    p = random_problem(1, D, N, E, bias=True, device=device, seed=14)
+    p["x"] = p["x"][:0]
+    routing = routing_from_pairs(torch.zeros(3, dtype=torch.long, device=device),
+                                 torch.full((3,), E, device=device), 0, E, padding=True)
+    assert routing.num_rows == 3
+    args = _fwd_args(p, routing, "concat", False)
+    meta = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in args[:-1]]
+    for save_h, rows in ((True, 3), (False, 0)):
+        out, h = library.experts_fwd_impl(*args[:-1], save_h)
+        fake_out, fake_h = library.experts_fwd(*meta, save_h)
+        assert out.shape == fake_out.shape == (0, D)
+        assert h.shape == fake_h.shape == (rows, 2 * N) and h.dtype == fake_h.dtype and not h.any()
+
+
+def test_operators_read_strided_routing_arrays(device):
+    """The operators take routing arrays that are strided views (every other element of a wider tensor): they are
+    made contiguous before the kernels index them flat, so O, H and every gradient equal the contiguous call's."""
+    p = random_problem(T, D, N, E, bias=True, device=device, seed=15)
+    routing = _general_routing(device)
+
+    def strided(v):
+        if v is None:
+            return None
+        view = v.repeat_interleave(2)[::2]
+        assert torch.equal(view, v) and view.stride() == (2,)
+        return view
+
+    args = list(_fwd_args(p, routing, "interleaved", False))
+    sl = slice(6, 6 + len(FWD_ROUTING_FIELDS))
+    assert all(v is getattr(routing, f) for v, f in zip(args[sl], FWD_ROUTING_FIELDS))
+    assert routing.slot_pair is not None
+    strided_args = args[:6] + [strided(v) for v in args[sl]] + args[sl.stop:]
+    want = library.experts_fwd_impl(*args[:-1], True)
+    got = library.experts_fwd_impl(*strided_args[:-1], True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(T, D, generator=g).to(device)
+    bwd = [dout, *args[:3], args[3], args[4], want[1], args[5]]
+    routing_bwd = [getattr(routing, f) for f in BWD_ROUTING_FIELDS]
+    want_g = library.experts_bwd_impl(*bwd, *routing_bwd, "interleaved", [True] * 6)
+    got_g = library.experts_bwd_impl(*bwd, *(strided(v) for v in routing_bwd), "interleaved", [True] * 6)
+    assert all(torch.equal(a, b) for a, b in zip(want_g, got_g))
+    assert rel_err(got[0], sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, args[5], b1=p["b1"], b2=p["b2"],
+                                            gate_up_layout="interleaved", backend="torch")) < 1e-5
 
 
 def test_experts_triton_eager_paths(device):

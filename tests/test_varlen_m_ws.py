@@ -277,13 +277,15 @@ def test_gpu_layer_runs_it_for_the_down_projection(monkeypatch):
 
 def test_output_or_new_checks_the_callers_view():
     """The launchers' shared output check: a new tensor of the shape without ``out``; the caller's view into a wider
-    tensor as given; a wrong shape, dtype or inner stride raises a ValueError naming ``out`` and the expected shape."""
+    tensor as given; a wrong shape, dtype, device or inner stride raises a ValueError naming ``out`` and the expected
+    shape."""
     from sonicmoe.ops.common import output_or_new
 
     like = torch.zeros(3, dtype=torch.float16)
     assert output_or_new(None, (4, 8), like).shape == (4, 8)
     wide = torch.zeros(4, 16, dtype=torch.float16)
     assert output_or_new(wide[:, 8:], (4, 8), like).data_ptr() == wide[:, 8:].data_ptr()
-    for bad in (torch.zeros(4, 9, dtype=torch.float16), torch.zeros(4, 8), wide[:, ::2]):
+    for bad in (torch.zeros(4, 9, dtype=torch.float16), torch.zeros(4, 8), wide[:, ::2],
+                torch.zeros(4, 8, dtype=torch.float16, device="meta")):
         with pytest.raises(ValueError, match=r"out: expected a \(4, 8\)"):
             output_or_new(bad, (4, 8), like)
