@@ -331,6 +331,8 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
         with pytest.raises(ValueError, match=r"num_experts must be a positive multiple of the group's size P=1 "
                                              r"\(E_loc = E/P experts per rank\), got 0"):
             ExpertParallelMoE(D, N, 0, 1)  # the layer's message, before MoEConfig's
+        with pytest.raises(ValueError, match="num_experts must be a positive int, got True"):
+            ExpertParallelMoE(D, N, True, 1)  # a bool is not a count (not taken as E = 1)
         assert ExpertParallelMoE(D, N, np.int64(E), np.int64(2)).config.num_experts == E
         x, w1, w2 = torch.randn(4, D), torch.randn(2, 2 * N, D), torch.randn(2, D, N)
         routing = routing_from_topk(torch.tensor([[0, 1]] * 4), 2)
@@ -358,7 +360,8 @@ def test_expert_parallel_checks_before_any_exchange():
     """The checks expert_parallel_experts runs on every rank before the first exchange (a bad input on one rank would
     otherwise leave the others waiting in a collective, or pass the exchange and fail in sonicmoe.experts on the
     ranks receiving rows), each naming what is wrong: w1 holding no expert, scores of shape (R, 1) (R rows, but not
-    a vector), scores on another device than x (P passed in: no group)."""
+    a vector), scores on another device than x, integer scores, an unknown gate/up layout or activation (P passed
+    in: no group)."""
     from sonicmoe.expert_parallel import _check_ep_inputs
 
     world = int(torch.randint(1, 4, ()))
@@ -373,6 +376,12 @@ def test_expert_parallel_checks_before_any_exchange():
     for args, message in bad.values():
         with pytest.raises(ValueError, match=message):
             _check_ep_inputs(*args[:3], None, None, *args[3:], world, "torch", "concat")
+    with pytest.raises(TypeError, match=r"pair_scores must be bfloat16, float16 or float32 .*got torch.int64"):
+        _check_ep_inputs(x, w1, w2, None, None, routing, torch.randint(0, 9, (8,)), world, "torch", "concat")
+    with pytest.raises(ValueError, match=r"gate_up_layout must be one of .*got 'split'"):
+        _check_ep_inputs(x, w1, w2, None, None, routing, torch.rand(8), world, "torch", "split")
+    with pytest.raises(ValueError, match=r"activation must be one of .*got 'gelu'"):
+        _check_ep_inputs(x, w1, w2, None, None, routing, torch.rand(8), world, "torch", "concat", "gelu")
 
 
 def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
@@ -522,6 +531,11 @@ def test_expert_parallel_load_full_state_dict_is_all_or_nothing(tmp_path):
                              (ValueError, "experts.down_proj must be a floating-point tensor of 16 bits.*float8")),
             "meta": ({**other, "shared_expert_gate.weight": torch.empty(1, D, device="meta")},
                      (ValueError, "shared_expert_gate.weight must be a dense tensor with data")),
+            "0-dim expert entry": ({**other, "experts.down_proj": torch.tensor(1.5)},
+                                   (ValueError, r"experts.down_proj must hold all E=4 experts \(a full MoE's state "
+                                                r"dict\), got \(\)")),
+            "sparse": ({**other, "gate.weight": torch.randn(4, D).to_sparse()},
+                       (ValueError, "gate.weight must be a dense tensor with data, got layout torch.sparse_coo")),
             "not a tensor": ({**other, "e_score_correction_bias": [0.0] * 4},
                              (ValueError, "e_score_correction_bias must be a tensor, got list")),
             "missing": ({k: v for k, v in other.items() if k != "shared_experts.down_proj"},

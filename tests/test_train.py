@@ -81,7 +81,16 @@ def test_log_and_plot(baseline):
     assert all(e["val_bpb"] == pytest.approx(e["val_loss"] / math.log(2)) for e in log["evals"])
     assert log["final_val_bpb"] == log["evals"][-1]["val_bpb"]
     assert log["tokens_per_s"] > 0
+    # the throughput meter counts the steps after the min(5, 40 // 5) = 5 warm-up steps that are not profiled: steps
+    # 6 to 40 but 10, 20, 30 and 40, each of all T tokens once (a stretch cut by a log line, an eval or a checkpoint
+    # included)
+    assert log["throughput"]["tokens"] == (STEPS - 5 - 4) * T
+    assert log["tokens_per_s"] == pytest.approx(log["throughput"]["tokens"] / log["throughput"]["seconds"])
+    assert log["model"]["dtype"] == "float32" and log["model"]["autocast"] is None  # --dtype auto on the CPU
     assert [p["step"] for p in log["profile"]] == [10, 20, 30, 40]
+    for p in log["profile"]:  # each profiled step's share: its MoE layers' forward and backward over the step
+        assert p["moe_share"] == pytest.approx((p["moe_forward_s"] + p["moe_backward_s"]) / p["step_s"])
+        assert 0.0 < p["moe_share"] < 1.0
     assert all(p["moe_forward_s"] > 0 and p["moe_backward_s"] > 0 for p in log["profile"])  # both directions timed
     assert 0.0 < log["moe_time_share"] < 1.0
     assert log["peak_memory"]["mib"] > 0
@@ -123,6 +132,10 @@ def test_resume_continues_exactly(baseline, tmp_path):
     assert resumed["resumed_from"] == 15 and resumed["steps_done"] == STEPS
     assert _losses(resumed) == _losses(full)
     assert resumed["final_val_loss"] == full["final_val_loss"]
+    # the stopped run's evaluations (steps 0 and 15) from the checkpoint, none again at the resume, then the full
+    # run's after step 15
+    assert [e["step"] for e in part["evals"]] == [0, 15]
+    assert resumed["evals"] == part["evals"] + [e for e in full["evals"] if e["step"] > 15]
     for key in ("counts", "step_sorted_counts"):
         assert resumed["expert_load"]["per_layer"][0][key] == full["expert_load"]["per_layer"][0][key]
     # the finished run resumed again: refused (exit 2), its log.json left as it was (it used to be rewritten with an
@@ -420,6 +433,10 @@ def test_resume_leaves_the_checkpoint_and_keeps_the_masters(tmp_path):
         Optimizer.load_state_dict = load
     with pytest.raises(ValueError, match="past this run's end"):
         train(config_from_dict(ckpt["config"], out=str(tmp_path / "x"), stop_after=2, progress=False), ckpt)
+    # at the checkpoint's step (3): nothing to train either (a finished run resumed again rewrote its log.json)
+    with pytest.raises(ValueError, match="is at step 3, at this run's end"):
+        train(config_from_dict(ckpt["config"], out=str(tmp_path / "y"), stop_after=3, progress=False), ckpt)
+    assert not (tmp_path / "y" / "log.json").exists()
 
 
 @pytest.mark.parametrize("option,value", [("grad_clip", 0.0), ("grad_clip", -1.0), ("lr", float("nan")),
@@ -687,6 +704,7 @@ def test_lr_schedule():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # monotone cosine decay
     assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert lr_at(150, cfg) == pytest.approx(0.1)  # past `steps` the floor stays
     # the cosine starts at the peak right after the warm-up and is halfway down halfway through the decay steps
     assert lr_at(10, cfg) == pytest.approx(1.0) and lr_at(55, cfg) == pytest.approx(0.55)
 
@@ -1210,11 +1228,18 @@ def test_graph_moe_refusals(extra, match, capsys):
 
 
 def test_graph_moe_config_refusals():
-    """TrainConfig refuses graph_moe with expert parallelism and a non-bool graph_moe."""
+    """TrainConfig refuses graph_moe with expert parallelism and a non-bool graph_moe; check_ranks (train()'s own
+    check, whatever the CLI said) takes it for one process on a CUDA device only, naming the device and the ranks."""
     with pytest.raises(ValueError, match="graph_moe"):
         make_config("cpu-tiny", graph_moe=True, device="auto", backend="triton", expert_parallel=2, experts=8)
     with pytest.raises(ValueError, match="graph_moe must be a bool"):
         make_config("cpu-tiny", graph_moe=1)
+    cfg = make_config("cpu-tiny", graph_moe=True, device="auto", backend="triton")
+    loop.check_ranks(cfg, torch.device("cuda", 0), 1)  # one process on a GPU: taken (no GPU touched)
+    for device, world in (("cpu", 1), ("cuda", 2), ("cpu", 2)):
+        with pytest.raises(ValueError, match=rf"graph_moe needs one process on a CUDA device, got {device} with "
+                                             rf"{world} rank"):
+            loop.check_ranks(cfg, torch.device(device), world)
 
 
 def test_graph_moe_puts_the_generator_back(monkeypatch):
@@ -1418,15 +1443,17 @@ def test_train_and_val_windows_are_the_split_slices():
 
 def test_optimizer_decay_groups_and_bf16_masters():
     """Optimizer: weight decay on the attention, router and expert matrices only (not the byte embedding, not the
-    norms); with bfloat16 parameters one step clips and updates the float32 masters (checked against AdamW's first
-    step written out: p(1 - lr·wd) - lr·g/(|g| + eps), g the clipped gradient), returns the gradient norm before
-    clipping, and gives the parameters the rounded masters; a fresh optimizer loading its state gets the masters and
-    the parameters back."""
+    norms, not the biases: the experts' b1 (E, 2n) and b2 (E, d) are matrices by shape); ``order`` names the model
+    parameter behind each AdamW index (the checkpoint's expert-parallel slicing goes through it); with bfloat16
+    parameters one step clips and updates the float32 masters (checked against AdamW's first step written out:
+    p(1 - lr·wd) - lr·g/(|g| + eps), g the clipped gradient), returns the gradient norm before clipping, and gives
+    the parameters the rounded masters; a fresh optimizer loading its state gets the masters and the parameters back,
+    and keeps its own weight decay and betas."""
     from sonicmoe.train.loop import Optimizer, model_config
 
     cpu = torch.device("cpu")
     cfg = make_config("cpu-tiny", d_model=32, layers=2, heads=2, experts=4, top_k=2, expert_size=16,
-                      shared_expert_size=8, backend="torch", device="cpu", weight_decay=0.1)
+                      shared_expert_size=8, backend="torch", device="cpu", weight_decay=0.1, expert_bias=True)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     model = MoETransformer(model_config(cfg))
     opt = Optimizer(model, cfg, cpu)
@@ -1436,7 +1463,16 @@ def test_optimizer_decay_groups_and_bf16_masters():
     matrices = ("attn.qkv.weight", "attn.proj.weight", "moe.gate.weight", "moe.experts.gate_up_proj",
                 "moe.experts.down_proj", "moe.shared_experts.gate_up_proj", "moe.shared_experts.down_proj")
     assert names == {f"blocks.{i}.{m}" for i in range(2) for m in matrices}
-    assert len(opt.adamw.param_groups[1]["params"]) == 1 + 2 * 2 + 1  # embedding, two norms a block, final norm
+    biases = {n for n, p in model.named_parameters() if n.endswith("bias")}
+    assert {f"blocks.{i}.moe.experts.{b}" for i in range(2) for b in ("gate_up_proj_bias", "down_proj_bias")} <= biases
+    assert any(p.dim() == 2 for n, p in model.named_parameters() if n in biases)  # (E, 2n): decayed by shape alone
+    kept = {n for n, p in model.named_parameters() if id(p) not in decayed}
+    # embedding, two norms a block, final norm, and the biases
+    assert kept == {"embed.weight", "norm.weight", *(f"blocks.{i}.{m}_norm.weight" for i in range(2)
+                                                      for m in ("attn", "mlp")), *biases}
+    flat = [p for g in opt.adamw.param_groups for p in g["params"]]
+    assert len(opt.order) == len(flat) and all(opt.params[i] is q for i, q in zip(opt.order, flat))
+    assert opt.order != sorted(opt.order)  # the decayed first: not the model's order here
 
     model = model.to(torch.bfloat16)
     opt = Optimizer(model, cfg, cpu)
@@ -1458,9 +1494,12 @@ def test_optimizer_decay_groups_and_bf16_masters():
         torch.testing.assert_close(m.double(), want, rtol=1e-5, atol=1e-7)
     assert all(p.grad is None and m.grad is None for p, m in zip(opt.params, opt.masters))
     assert all(torch.equal(p, m.bfloat16()) for p, m in zip(opt.params, opt.masters))
+    flat = [p for g in opt.adamw.param_groups for p in g["params"]]
+    assert all(opt.masters[i] is q for i, q in zip(opt.order, flat))  # the masters, in the parameters' order
     fresh = MoETransformer(model_config(cfg)).to(torch.bfloat16)
-    again = Optimizer(fresh, cfg, cpu)
+    again = Optimizer(fresh, dataclasses.replace(cfg, weight_decay=0.3, beta1=0.8), cpu)
     again.load_state_dict(opt.state_dict())
+    assert [(g["weight_decay"], g["betas"][0]) for g in again.adamw.param_groups] == [(0.3, 0.8), (0.0, 0.8)]
     assert all(torch.equal(a, b) for a, b in zip(again.masters, opt.masters))
     assert all(torch.equal(a, b) for a, b in zip(again.params, opt.params))
 
@@ -1487,6 +1526,83 @@ def test_evaluate_is_the_mean_val_loss_and_restores_train_mode():
         losses = [float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
                   for x, y in corpus.val_batches(2, 16, 3, cpu)]
     assert got == pytest.approx(sum(losses) / 3, rel=1e-6)
+
+
+def test_evaluate_takes_this_ranks_batches_and_runs_the_lockstep_rounds():
+    """evaluate on rank r of W (a stand-in whose sum is the identity: this rank's part alone): the validation batches
+    b with b mod W = r, over ``eval_batches``; with ``lockstep`` (expert parallelism: every forward is a collective)
+    every rank runs ceil(batches / W) forwards, a rank short of one running batch 0 again and dropping its loss."""
+    import types
+
+    import torch.nn.functional as F
+
+    from sonicmoe.train.loop import evaluate, model_config
+
+    cpu = torch.device("cpu")
+    cfg = make_config("cpu-tiny", d_model=32, layers=1, heads=2, experts=4, top_k=2, expert_size=16,
+                      backend="torch", device="cpu", batch_size=2, seq_len=16, eval_batches=5)
+    g = _fresh_generator()
+    corpus = ByteCorpus(train=torch.randint(0, 256, (200,), dtype=torch.uint8, generator=g),
+                        val=torch.randint(0, 256, (160,), dtype=torch.uint8, generator=g), source="x", num_files=1)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = MoETransformer(model_config(cfg)).eval()
+    with torch.no_grad():
+        losses = [float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
+                  for x, y in corpus.val_batches(2, 16, 5, cpu)]
+    model.train()
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    # 5 batches over 2 ranks: rank 0 takes 0, 2, 4 and rank 1 takes 1, 3 (3 rounds: one more forward on rank 1);
+    # over 3 ranks: 0, 3 / 1, 4 / 2 (2 rounds)
+    for world, rank, mine, rounds in ((2, 0, [0, 2, 4], 3), (2, 1, [1, 3], 3), (3, 2, [2], 2), (3, 1, [1, 4], 2)):
+        dp = types.SimpleNamespace(rank=rank, world=world, sum=lambda t: t)
+        for lockstep in (False, True):
+            seen.clear()
+            got = evaluate(model, corpus, cfg, cpu, dp, lockstep=lockstep)
+            assert got == pytest.approx(sum(losses[b] for b in mine) / 5, rel=1e-6), (world, rank, lockstep)
+            assert len(seen) == (rounds if lockstep else len(mine)), (world, rank, lockstep)
+            batches = list(corpus.val_batches(2, 16, 5, cpu))
+            assert all(torch.equal(x, batches[b][0]) for x, b in zip(seen, mine))
+            assert all(torch.equal(x, batches[0][0]) for x in seen[len(mine):])  # the extra rounds: batch 0
+            assert model.training
+
+
+def test_throughput_counts_each_stretch_once(monkeypatch):
+    """Throughput: the tokens added while a stretch is timed, over the seconds of the timed stretches (a device sync
+    at each start and stop); tokens added outside a stretch, and a second stop, count nothing; ``rate`` is None
+    before anything was timed."""
+    import types
+
+    g = _fresh_generator()
+    ticks = (torch.rand(4, generator=g, dtype=torch.float64) * 10).cumsum(0).tolist()  # increasing clock readings
+    clock = iter(ticks)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    syncs = []
+    meter = loop.Throughput(lambda: syncs.append(1))
+    n = torch.randint(1, 1000, (4,), generator=g).tolist()
+    assert meter.rate() is None and not meter.running
+    meter.add(n[0])  # not timed
+    meter.start()
+    meter.add(n[1])
+    meter.add(n[2])
+    meter.stop()
+    meter.stop()  # nothing to end: no sync, no clock reading
+    meter.add(n[0])  # not timed
+    meter.start()
+    assert meter.running
+    meter.add(n[3])
+    meter.stop()
+    assert meter.tokens == n[1] + n[2] + n[3] and len(syncs) == 4
+    seconds = (ticks[1] - ticks[0]) + (ticks[3] - ticks[2])
+    assert meter.seconds == pytest.approx(seconds, rel=1e-12)
+    assert meter.rate() == pytest.approx((n[1] + n[2] + n[3]) / seconds, rel=1e-12)
+
+
+def test_fmt_rate():
+    """The log line's tokens/s: thousands below a million, millions from one million, "-" for no measurement."""
+    assert loop._fmt_rate(None) == "-"
+    assert loop._fmt_rate(12_345.0) == "12.3k" and loop._fmt_rate(999_000.0) == "999.0k"
+    assert loop._fmt_rate(1_000_000.0) == "1.00M" and loop._fmt_rate(2_468_000.0) == "2.47M"
 
 
 def test_rotary_tables_are_the_position_angles():
