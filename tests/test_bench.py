@@ -670,6 +670,10 @@ def test_cpu_timing_reports_median_and_deciles(monkeypatch):
     assert got == pytest.approx({"p20": 2.8, "p50": 5.5, "p80": 8.2})
     monkeypatch.setattr(measure, "_wall_ms", lambda fn, warmup, rep, device: [4.0])
     assert measure.bench_ms(lambda: None, device=torch.device("cpu")) == {"p20": 4.0, "p50": 4.0, "p80": 4.0}
+    # two times are interpolated too (1.4 = 1 + 0.2 · 2), not reported as the first three times
+    monkeypatch.setattr(measure, "_wall_ms", lambda fn, warmup, rep, device: [3.0, 1.0])
+    got = measure.bench_ms(lambda: None, device=torch.device("cpu"))
+    assert got == pytest.approx({"p20": 1.4, "p50": 2.0, "p80": 2.6})
 
 
 def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
@@ -687,7 +691,11 @@ def test_timing_warms_up_until_the_clock_settles(tmp_path, monkeypatch):
         return [1.0, 2.0, 3.0]
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    assert bench_ms(lambda: None, device=torch.device("cuda")) == {"p20": 1.0, "p50": 2.0, "p80": 3.0}
+    leaves = [torch.zeros(2, requires_grad=True)]
+    got = bench_ms(lambda: None, device=torch.device("cuda"), grad_to_none=leaves)
+    assert got == {"p20": 1.0, "p50": 2.0, "p80": 3.0}
+    assert seen["grad_to_none"] is leaves and seen["quantiles"] == [0.2, 0.5, 0.8]
+    assert seen["return_mode"] == "median"
     assert seen["warmup"] == SETTLED_WARMUP_MS >= 500
     assert seen["rep"] == SETTLED_REP_MS >= 500  # a 100 ms window reads one phase of the limiter's clock
     # the CLI without --warmup: RunOptions' default, recorded in the results file (patched to 50 ms here, a
@@ -823,8 +831,8 @@ def test_gpu_watch_edge_windows_and_no_thread_without_nvml():
 
 
 def test_timing_loops_count_calls():
-    """_wall_ms: at least one warm-up call and at least 5 timed calls, however short the windows; host_ms: ms per
-    call, not for all of them."""
+    """_wall_ms: at least one warm-up call and at least 5 timed calls, however short the windows, at most 1000 however
+    long; host_ms: ms per call, not for all of them, after three warm calls."""
     import time
 
     from sonicmoe.bench import measure
@@ -833,6 +841,10 @@ def test_timing_loops_count_calls():
     times = measure._wall_ms(lambda: calls.append(1), 0.0, 0.0, torch.device("cpu"))
     assert len(times) == 5 and len(calls) == 6
     assert 3.5 < measure.host_ms(lambda: time.sleep(0.004), calls=5) < 15.0
+    assert len(measure._wall_ms(lambda: None, 0.0, 1e9, torch.device("cpu"))) == 1000
+    calls.clear()
+    measure.host_ms(lambda: calls.append(1), calls=7)
+    assert len(calls) == 3 + 7
 
 
 
@@ -1060,6 +1072,10 @@ def test_cli_load_profile(tmp_path):
     # what the calibrated router reached is recorded beside the target (a warning when 10% off)
     assert rec["load_target"]["achieved_max_over_mean"] == pytest.approx(
         rec["tokens_per_expert"]["max"] / rec["tokens_per_expert"]["mean"])
+    # the least loaded expert likewise: 1 / 1.5 of the mean in the profile, what the router reached beside it
+    assert rec["load_target"]["min_over_mean"] == pytest.approx(2 / 3)
+    assert rec["load_target"]["achieved_min_over_mean"] == pytest.approx(
+        rec["tokens_per_expert"]["min"] / rec["tokens_per_expert"]["mean"])
     for bad in (tmp_path / "missing.json", tmp_path / "skew.json"):
         if bad.exists():
             bad.write_text("[0, 0]")
@@ -1477,6 +1493,16 @@ def test_upper_bound_ratio_counts_the_rows_it_computes():
     # ours skipped (no timing): the next base, torch, not a base without timings (which left every ratio empty)
     base, r = _ratios({"triton": {"status": "skipped"}, "torch": timed(2.0), "upper": timed(1.0, rows=1000)}, 1000)
     assert base == "torch" and r["upper"] == {"fwd": pytest.approx(0.5), "total": pytest.approx(0.5)}
+    assert set(r) == {"upper"}  # no ratio row for a backend with no timing
+    # the backward's phase too; a backward time <= 0 (total - fwd under noise) has no ratio, never a negative one
+    def phases(fwd, total):
+        return {"fwd": {"ms": {"p50": fwd}}, "bwd": {"ms": {"p50": total - fwd}}, "total": {"ms": {"p50": total}}}
+
+    base, r = _ratios({"triton": phases(1.0, 3.0), "torch": phases(2.5, 2.0), "loop": phases(1.5, 5.0),
+                       "tutel": {"status": "error", "fwd": None}})
+    assert base == "triton" and r == {"torch": {"fwd": pytest.approx(2.5), "bwd": None, "total": pytest.approx(2 / 3)},
+                                      "loop": {"fwd": pytest.approx(1.5), "bwd": pytest.approx(1.75),
+                                               "total": pytest.approx(5 / 3)}}
 
 
 def test_expand_falls_back_to_topk_once(monkeypatch):
@@ -2017,7 +2043,8 @@ def test_router_orders_counts_the_pairs_token_rounding_routed():
 def test_run_options_reach_the_check_and_the_record(tmp_path):
     """--check-max-T checks the first N tokens (the smallest of it, T and the backend's own limit), --tol is the
     check's bound, --no-check-grads compares the output only (mutation probe: bx5_runner_*); the record's
-    tokens-per-expert mean is TK / E and its padded_rows every expert's count rounded up to M_tile."""
+    tokens-per-expert mean is TK / E and its padded_rows every expert's count rounded up to M_tile; its dtype is
+    torch's name without "torch." and spec_held_bytes is X (T·d) and H (TK·2n) in that dtype."""
     import math as _math
 
     rc, doc = _run(tmp_path, "--preset", "tiny", "--backends", "torch", "--no-router-variant", "--check-max-T", "16",
@@ -2031,6 +2058,7 @@ def test_run_options_reach_the_check_and_the_record(tmp_path):
     counts = p.routing.expert_counts().tolist()
     assert rec["tokens_per_expert"] == {"min": min(counts), "mean": 128 / 4, "max": max(counts)}
     assert rec["m_tile"] == 128 and rec["padded_rows"] == sum(_math.ceil(c / 128) * 128 for c in counts) > 128
+    assert rec["dtype"] == "float32" and rec["spec_held_bytes"] == 4 * (64 * 32 + 128 * 2 * 16)
 
 
 def test_timed_phase_reads_the_gpu_over_its_timing_window(monkeypatch):
@@ -2183,3 +2211,192 @@ def test_dx_rows_error_reads_the_input_gradient():
     spec.x.grad[row] = 0
     bad = reference_errors(out.detach(), spec, p.dout)
     assert bad["dx_rows"] >= 1 - 1e-5 and bad["out_rows"] == good["out_rows"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the runner's and the measurements' host logic (mutation probe: bm8_*)
+
+
+def test_backend_errors_become_rows(monkeypatch):
+    """run_backend: any of the error types a backend may raise (bench_error_types) becomes an "error" row naming the
+    step, the type and the message, a MemoryError an "oom" row; the run is not ended."""
+    from sonicmoe.bench import runner
+
+    p = make_problem(Shape("e", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=1)
+    opts = runner.RunOptions(backends=["bad"], device=torch.device("cpu"), dtype=torch.float32, verbose=False)
+    for exc in (ValueError, TypeError, NotImplementedError, AssertionError, IndexError, AttributeError,
+                ZeroDivisionError, RuntimeError, MemoryError):
+
+        def factory(problem, options, exc=exc):
+            raise exc("no case")
+
+        monkeypatch.setitem(REGISTRY, "bad", BaselineSpec("bad", factory, "t", default=False))
+        row = runner.run_backend("bad", p, opts, useful_flops(p.R, 8, 8), lambda s: None)
+        assert row["status"] == ("oom" if exc is MemoryError else "error"), exc
+        assert row["message"] == f"setup: {exc.__name__}: no case" and row["fwd"] is None
+
+
+def test_free_memory_drops_the_gradients():
+    """free_memory drops the gradient of every leaf it is given (None entries skipped), on CPU too."""
+    from sonicmoe.bench.measure import free_memory
+
+    a, b = torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True)
+    (a.sum() + b.sum()).backward()
+    assert a.grad is not None and b.grad is not None
+    free_memory(a, None, b)
+    assert a.grad is None and b.grad is None
+
+
+def test_check_names_a_nan_error_worst_and_bounds_local_errors(monkeypatch):
+    """check_case: a NaN error anywhere (not only the first key) is the "worst" one and fails; a worst-expert error
+    (*_experts) is held to the local bound LOCAL_TOL_FACTOR · tol like a worst-row one, a norm-wise one to tol."""
+    from sonicmoe.bench import measure
+
+    assert measure.error_bound(0.01, "dw1_experts") == pytest.approx(0.1)
+    assert measure.error_bound(0.01, "dx_rows") == pytest.approx(0.1)
+    assert measure.error_bound(0.01, "dw1") == 0.01
+    p = make_problem(Shape("n", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=2)
+    case = REGISTRY["torch"].factory(p, {})
+    nan_dx = {"out": 1e-4, "out_rows": 1e-4, "dx": float("nan"), "dx_rows": 1e-4, "dw1": 5e-4}
+    local = {"out": 5e-4, "out_rows": 2e-3, "dw1": 4e-4, "dw1_experts": 5e-3, "dw2_experts": 9e-3}
+    for errs, passed, worst in ((nan_dx, False, "dx"), (local, True, "dw2_experts")):
+        monkeypatch.setattr(measure, "reference_errors", lambda *a, errs=errs, **k: dict(errs))
+        res = measure.check_case(case, p.dout, grads=False, tol=1e-3, poison=False)
+        assert res["passed"] is passed and res["worst"] == worst, res
+
+
+def test_measure_memory_counts_from_the_baseline(monkeypatch):
+    """measure_memory's accounting on a stubbed CUDA allocator (a peak of 5000 bytes left from before, 1000 held
+    before the call): held = after the forward - before - the output; the peaks are over the call only (peak stats
+    reset first, the baseline subtracted); grad_bytes in bytes; a forward-only call's peak is the forward's."""
+    from sonicmoe.bench.measure import measure_memory
+
+    class Alloc:
+        def __init__(self):
+            self.now, self.peak = 1000, 5000
+
+        def add(self, n):
+            self.now += n
+            self.peak = max(self.peak, self.now)
+
+        def reset(self, device=None):
+            self.peak = self.now
+
+    w1 = torch.zeros(3, 4, dtype=torch.float32)  # gradient 48 bytes
+    w2 = torch.zeros(5, dtype=torch.float64)  # 40 bytes
+
+    def setup():
+        mem = Alloc()
+        for name, fn in (("synchronize", lambda device=None: None), ("memory_allocated", lambda device=None: mem.now),
+                         ("max_memory_allocated", lambda device=None: mem.peak),
+                         ("reset_peak_memory_stats", mem.reset)):
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+        class Out:
+            def numel(self):
+                return 16
+
+            def element_size(self):
+                return 4
+
+            def backward(self, dout):
+                mem.add(2000)  # backward's temporaries
+                mem.add(-2000)
+                w1.grad, w2.grad = torch.ones_like(w1), torch.ones_like(w2)
+                mem.add(48 + 40)
+
+        def forward():
+            mem.add(700)  # temporaries
+            mem.add(-700)
+            mem.add(200)  # kept for the backward
+            mem.add(64)  # the output
+            return Out()
+
+        return SimpleNamespace(forward=forward, leaves=[w1, w2])
+
+    dout = SimpleNamespace(device=torch.device("cuda"))
+    got = measure_memory(setup(), dout, backward=True)
+    assert got == {"held_bytes": 200, "fwd_peak_bytes": 700, "out_bytes": 64, "peak_bytes": 2264, "grad_bytes": 88}
+    assert w1.grad is None and w2.grad is None
+    got = measure_memory(setup(), dout, backward=False)
+    assert got == {"held_bytes": 200, "fwd_peak_bytes": 700, "out_bytes": 64, "peak_bytes": 700, "grad_bytes": 0}
+
+
+def test_error_message_cut_at_600_characters():
+    """A backend's error message is kept whole up to 600 characters and cut to 600 plus an ellipsis past that."""
+    from sonicmoe.bench.runner import _message
+
+    whole = _message(RuntimeError("x" * (600 - len("RuntimeError: "))))
+    assert len(whole) == 600 and whole.endswith("x")
+    cut = _message(RuntimeError("x" * (601 - len("RuntimeError: "))))
+    assert cut == "RuntimeError: " + "x" * (600 - len("RuntimeError: ")) + " …"
+
+
+def test_phases_take_their_flops(monkeypatch):
+    """run_backend (timings stubbed): bwd = total - fwd with the backward's FLOPs, the router variant's forward and
+    forward+backward with the forward's and the total's, and the upper bound's TFLOP/s from the rows it computes (E·m
+    = 4·3 = 12 rows for R = 10 pairs), not from R."""
+    from sonicmoe.bench import runner
+
+    T, d, n, E, K = 10, 16, 8, 4, 1
+    p = make_problem(Shape("ph", T, d, n, E, K), dtype=torch.float32, device="cpu", seed=3)
+    assert p.R == 10
+    ms = iter([1.0, 3.0, 1.5, 4.0, 0.5, 2.0])
+    monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 0.0, "p50": next(ms), "p80": 9.0})
+    opts = runner.RunOptions(backends=["torch", "upper"], device=torch.device("cpu"), dtype=torch.float32,
+                             check=False, warmup=0.0, rep=0.0)
+    flops = useful_flops(p.R, n, d)
+    row = runner.run_backend("torch", p, opts, flops, lambda s: None)
+
+    def tf(f, ms):
+        return pytest.approx(f / (ms * 1e-3) / 1e12, rel=1e-12)
+
+    assert row["fwd"]["tflops"] == tf(6 * 10 * n * d, 1.0) and row["total"]["tflops"] == tf(18 * 10 * n * d, 3.0)
+    assert row["bwd"] == {"ms": {"p50": 2.0}, "tflops": tf(12 * 10 * n * d, 2.0)}
+    assert row["router"]["fwd"]["tflops"] == tf(6 * 10 * n * d, 1.5)
+    assert row["router"]["total"]["tflops"] == tf(18 * 10 * n * d, 4.0)
+    up = runner.run_backend("upper", p, opts, flops, lambda s: None)
+    assert up["info"]["rows"] == 12 and up["router"] is None
+    assert up["fwd"]["tflops"] == tf(6 * 12 * n * d, 0.5) and up["total"]["tflops"] == tf(18 * 12 * n * d, 2.0)
+
+
+def test_device_bytes_of_cpu_and_gpu(monkeypatch):
+    """_device_bytes: half the physical RAM for a CPU run, the GPU's total memory for a CUDA one, None when unknown."""
+    import os
+
+    from sonicmoe.bench import runner
+
+    monkeypatch.setattr(os, "sysconf", lambda key: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1001}[key])
+    assert runner._device_bytes(torch.device("cpu")) == 4096 * 1001 // 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    assert runner._device_bytes(torch.device("cuda")) == 80 << 30
+
+    def unknown(key):
+        raise ValueError(key)
+
+    monkeypatch.setattr(os, "sysconf", unknown)
+    assert runner._device_bytes(torch.device("cpu")) is None
+
+
+def test_footprint_gate_skips_only_past_the_memory(monkeypatch):
+    """run_shape on CPU: a shape whose footprint is exactly the memory runs; one byte more is skipped before any
+    problem is made, the message in GiB (2**30 bytes)."""
+    from sonicmoe.bench import runner
+
+    opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32, verbose=False)
+    tiny = Shape("tiny", 64, 32, 16, 4, 2)
+    need = runner.footprint_bytes(tiny, 4, True)
+    monkeypatch.setattr(runner, "_device_bytes", lambda device: need)
+    rec = runner.run_shape(tiny, "topk", opts, lambda s: None)
+    assert rec["status"] == "ok" and rec["footprint_bytes"] == need and rec["backends"] == {}
+    big = Shape("big", 32768, 4096, 2048, 64, 8)
+    need = runner.footprint_bytes(big, 4, True)
+    assert need > 10 << 30
+    monkeypatch.setattr(runner, "_device_bytes", lambda device: need - 1)
+    monkeypatch.setattr(runner, "make_problem", None)  # never reached
+    rec = runner.run_shape(big, "topk", opts, lambda s: None)
+    assert rec["status"] == "skipped" and rec["backends"] == {}
+    gib = f"{need / 2**30:.1f}"
+    assert gib != f"{need / 1e9:.1f}"
+    assert rec["message"] == (f"needs about {gib} GiB (weights, grads, activations), more than the "
+                              f"{(need - 1) / 2**30:.1f} GiB half the RAM; run it on a GPU or lower --max-T")
