@@ -78,6 +78,9 @@ TTRAIN = "tests/test_train.py"
 TDATA = "sonicmoe/train/data.py"
 TCFG = "sonicmoe/train/config.py"
 TLOOP = "sonicmoe/train/loop.py"
+BME = "sonicmoe/bench/measure.py"
+BRU = "sonicmoe/bench/runner.py"
+TB = "tests/test_bench.py"
 TMODEL = "sonicmoe/train/model.py"
 TCLI = "sonicmoe/train/cli.py"
 VMWS = "sonicmoe/ops/varlen_m_ws.py"
@@ -2758,6 +2761,73 @@ MUTANTS: list[Mutant] = [
     _m("lp8_ep_repr_rank_and_size_swapped", EPM, "of rank \" \\\n               f\"{self.ep_rank}/{self.ep_size}",
        "of rank \" \\\n               f\"{self.ep_size}/{self.ep_rank}", "tests/test_expert_parallel.py", "-k",
        "one_rank"),
+    # sonicmoe/bench/measure.py and runner.py's host logic (bm8_): exception types, statistics, do_bench's
+    # arguments, memory accounting, ratios, record fields, the footprint gate and its message
+    _m("bm8_error_types_no_value_error", BME, "RuntimeError, ValueError, TypeError,", "RuntimeError, TypeError,",
+       TB, "-k", "backend_errors_become_rows"),
+    _m("bm8_free_memory_keeps_grads", BME, "            t.grad = None\n    if torch.cuda.is_available()",
+       "            pass\n    if torch.cuda.is_available()", TB, "-k", "free_memory_drops"),
+    _m("bm8_worst_nan_not_first", BME,
+       "key=lambda k: math.inf if not math.isfinite(errs[k]) else errs[k] / error_bound(tol, k))",
+       "key=lambda k: errs[k] / error_bound(tol, k))", TB, "-k", "check_names_a_nan_error"),
+    _m("bm8_check_grads_left_after", BME, "    del out, spec\n    for t in leaves:\n        t.grad = None\n",
+       "    del out, spec\n", TB, "-k", "check_case_twice or wrong_router"),
+    _m("bm8_error_bound_experts_not_local", BME,
+       '    return tol * (LOCAL_TOL_FACTOR if key.endswith(("_rows", "_experts")) else 1.0)',
+       '    return tol * (LOCAL_TOL_FACTOR if key.endswith("_rows") else 1.0)', TB, "-k", "check_names_a_nan_error"),
+    _m("bm8_wall_ms_cap_1001", BME, "while len(times) < 1000 and", "while len(times) <= 1000 and", TB, "-k",
+       "timing_loops"),
+    _m("bm8_bench_ms_two_times_one", BME, "        if len(times) >= 2:", "        if len(times) > 2:", TB, "-k",
+       "median_and_deciles"),
+    _m("bm8_bench_ms_exclusive", BME, 'method="inclusive"', 'method="exclusive"', TB, "-k", "median_and_deciles"),
+    _m("bm8_quantiles_p90", BME, "QUANTILES = (0.2, 0.5, 0.8)", "QUANTILES = (0.2, 0.5, 0.9)", TB, "-k",
+       "warms_up_until"),
+    _m("bm8_do_bench_grads_kept", BME, "grad_to_none=grad_to_none, quantiles", "grad_to_none=None, quantiles", TB,
+       "-k", "warms_up_until"),
+    _m("bm8_host_ms_no_warm_calls", BME, "    for _ in range(3):\n        fn()\n    sync()", "    sync()", TB, "-k",
+       "timing_loops"),
+    _m("bm8_mem_held_counts_output", BME, "held = torch.cuda.memory_allocated(device) - base - out_bytes",
+       "held = torch.cuda.memory_allocated(device) - base", TB, "-k", "measure_memory"),
+    _m("bm8_mem_fwd_peak_no_base", BME, "fwd_peak = torch.cuda.max_memory_allocated(device) - base",
+       "fwd_peak = torch.cuda.max_memory_allocated(device)", TB, "-k", "measure_memory"),
+    _m("bm8_mem_peak_no_base", BME, 'res["peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - base)',
+       'res["peak_bytes"] = int(torch.cuda.max_memory_allocated(device))', TB, "-k", "measure_memory"),
+    _m("bm8_mem_grad_elements", BME, "sum(t.grad.numel() * t.grad.element_size()", "sum(t.grad.numel()", TB, "-k",
+       "measure_memory"),
+    _m("bm8_mem_peak_not_reset", BME, "    torch.cuda.reset_peak_memory_stats(device)\n", "", TB, "-k",
+       "measure_memory"),
+    _m("bm8_mem_fwd_only_peak_zero", BME, '        res["peak_bytes"] = int(fwd_peak)\n',
+       '        res["peak_bytes"] = 0\n', TB, "-k", "measure_memory"),
+    _m("bm8_message_cut_at_599", BRU, "return text if len(text) <= 600 else", "return text if len(text) < 600 else",
+       TB, "-k", "error_message_cut"),
+    _m("bm8_bwd_tflops_of_total", BRU, '"tflops": tflops(flops["bwd"], bwd)', '"tflops": tflops(flops["total"], bwd)',
+       TB, "-k", "phases_take_their_flops"),
+    _m("bm8_router_fwd_flops_total", BRU, '{"fwd": _timed(case.forward_with_router, leaves, flops["fwd"]',
+       '{"fwd": _timed(case.forward_with_router, leaves, flops["total"]', TB, "-k", "phases_take_their_flops"),
+    _m("bm8_router_total_flops_fwd", BRU, '                                                flops["total"], opts',
+       '                                                flops["fwd"], opts', TB, "-k", "phases_take_their_flops"),
+    _m("bm8_upper_flops_of_R", BRU, 'if name == "upper" and row["info"].get("rows"):', "if False:", TB, "-k",
+       "phases_take_their_flops"),
+    _m("bm8_ratios_keep_untimed", BRU, 'if name == base or not row.get("fwd"):', "if name == base:", TB, "-k",
+       "upper_bound_ratio"),
+    _m("bm8_ratio_of_negative_time", BRU, "other / ours if ours > 0 and other > 0 else None",
+       "other / ours if ours > 0 else None", TB, "-k", "upper_bound_ratio"),
+    _m("bm8_ratios_no_bwd", BRU, 'for phase in ("fwd", "bwd", "total"):', 'for phase in ("fwd", "total"):', TB,
+       "-k", "upper_bound_ratio"),
+    _m("bm8_device_bytes_all_ram", BRU, 'os.sysconf("SC_PHYS_PAGES") // 2)', 'os.sysconf("SC_PHYS_PAGES"))', TB,
+       "-k", "device_bytes"),
+    _m("bm8_footprint_skip_at_equal", BRU, "if have is not None and need > have:",
+       "if have is not None and need >= have:", TB, "-k", "footprint_gate"),
+    _m("bm8_footprint_msg_decimal_gb", BRU, "{need / 2**30:.1f} GiB (weights", "{need / 1e9:.1f} GiB (weights",
+       TB, "-k", "footprint_gate"),
+    _m("bm8_rec_dtype_prefixed", BRU, 'dtype=str(opts.dtype).replace("torch.", "")', "dtype=str(opts.dtype)", TB,
+       "-k", "reach_the_check"),
+    _m("bm8_spec_held_args_swapped", BRU, "spec_held_bytes(T, d, R, n, elem)", "spec_held_bytes(T, n, R, d, elem)",
+       TB, "-k", "reach_the_check"),
+    _m("bm8_load_min_not_over_mean", BRU, '"min_over_mean": float(load.min()) * E,',
+       '"min_over_mean": float(load.min()),', TB, "-k", "cli_load_profile"),
+    _m("bm8_load_achieved_min_is_max", BRU, "achieved_min_over_mean=float(got.min())",
+       "achieved_min_over_mean=float(got.max())", TB, "-k", "cli_load_profile"),
 ]
 
 
