@@ -449,6 +449,36 @@ def test_gemm_operands_with_strided_columns(device):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+
+def test_dh_and_varlen_k_operands_strided(device):
+    """Strided views give the bits of their contiguous copies in dH and the varlen-K weight gradients: scores in
+    pair order a stride-2 view (the kernel reads them through row_pair at unit stride), dO, H and W2 stored transposed,
+    and both varlen-K operands column-major (the kernel reads rows at a unit column stride): the launchers copy."""
+    p, routing, h, s, dout = _dh_inputs(29, 40, 24, 5, 2, device, seed=23)
+    r = routing.num_rows
+    g = torch.Generator().manual_seed(23)
+    pairs = torch.randn(2 * r, generator=g).to(device)[::2]
+    assert not pairs.is_contiguous()
+    want = dh(dout, p["w2"], h, pairs.contiguous(), routing, pair_order=True)
+    got = dh(dout, p["w2"], h, pairs, routing, pair_order=True)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    want = dh(dout, p["w2"], h, s, routing)
+    got = dh(dout.t().contiguous().t(), p["w2"].transpose(1, 2).contiguous().transpose(1, 2), h.t().contiguous().t(),
+             torch.stack([s, s], 1)[:, 1], routing)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    a_prime = torch.randn(24, r, generator=g).to(device).t()  # (R, n), column-major
+    dh_ = torch.randn(48, r, generator=g).to(device).t()
+    x = p["x"].t().contiguous().t()
+    assert a_prime.stride(-1) != 1 and dh_.stride(-1) != 1 and x.stride(-1) != 1
+    for pg, qg, pm, qm in ((True, False, dout.t().contiguous().t(), a_prime), (False, True, dh_, x)):
+        got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
+        want = varlen_k_gemm(pm.contiguous(), qm.contiguous(), routing, p_gather=pg, q_gather=qg,
+                             out_dtype=torch.float32)
+        assert torch.equal(got, want)
+        ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
+        assert rel_err(got, ref) < 1e-5
+
+
 def test_gather_sum_padded_routing(device):
     """A padded routing (static length; padding pairs (T, E) at the end): the kernel and its twin leave the padding
     slots out, and every token's real slots summed must equal the same routing built without the padding."""
@@ -839,6 +869,10 @@ def test_dh_without_tokens_keeps_h_dtype(device):
     assert dh_.dtype == a_prime.dtype == torch.float16 and ds.dtype == torch.float32
     assert dh_.shape == (3, 2 * n) and a_prime.shape == (3, n) and ds.shape == (3,)
     assert not dh_.any() and not a_prime.any() and not ds.any()
+    # reduce_ds=False: the partials' shape of the kernel path, one row per 16-channel chunk (n = 24: 2, the last
+    # partial), so the caller's fixed-order sum over them sees the same layout
+    parts = dh(dout, w2, h, torch.rand(3, generator=g).to(device), routing, reduce_ds=False)[2]
+    assert parts.shape == (2, 3) and parts.dtype == torch.float32 and not parts.any()
 
 
 def test_varlen_k_with_an_empty_gathered_operand(device):
@@ -857,6 +891,9 @@ def test_varlen_k_with_an_empty_gathered_operand(device):
         for pg, qg, pm, qm in ((True, False, none, a_prime), (False, True, dh_, none)):
             got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32, config=cfg)
             assert got.shape == (e, pm.shape[1], qm.shape[1]) and torch.equal(got, torch.zeros_like(got))
+            # in the asked dtype (the weight's), not the operands'
+            got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float16, config=cfg)
+            assert got.dtype == torch.float16 and not got.any()
 
 
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
@@ -1559,6 +1596,26 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     assert call["LOAD_ORDER"] is False and call["order_ptr"] is routing.expert_offsets  # index order: no order read
 
 
+
+def test_varlen_k_pinned_tiles_follow_the_gathered_operand(monkeypatch):
+    """The pinned per-tile GPU config of the weight gradients is 256 wide on the operand that is not gathered and 128
+    on the gathered one: dW2 (P = dO gathered) 128 x 256 tiles in 7 stages, dW1 (Q = X gathered) 256 x 128 in 5."""
+    from sonicmoe.ops import weight_grad
+
+    kern = _record_pinned_launch(monkeypatch, weight_grad, "_varlen_k_kernel")
+    e, rows_per_expert, i_dim, j_dim = 2, 1536, 1024, 2048
+    r = rows_per_expert * e
+    routing = routing_from_pairs(torch.arange(r), torch.arange(r) // rows_per_expert, r, e)
+    p = torch.empty(r, i_dim, dtype=torch.bfloat16)
+    q = torch.empty(r, j_dim, dtype=torch.bfloat16)
+    varlen_k_gemm(p, q, routing, p_gather=True, q_gather=False, out_dtype=torch.bfloat16)
+    varlen_k_gemm(p, q, routing, p_gather=False, q_gather=True, out_dtype=torch.bfloat16)
+    dw2, dw1 = kern.calls
+    assert (dw2["BLOCK_I"], dw2["BLOCK_J"], dw2["num_stages"]) == (128, 256, 7)
+    assert (dw1["BLOCK_I"], dw1["BLOCK_J"], dw1["num_stages"]) == (256, 128, 5)
+    assert not dw2.get("STEPS") and not dw1.get("STEPS")
+
+
 @pytest.mark.parametrize("rows_per_expert,width,tma_stores",
                          [(1536, 1536, False), (385, 2048, False), (384, 1536, True), (2048, 4096, True)])
 def test_varlen_m_pinned_config(monkeypatch, rows_per_expert, width, tma_stores):
@@ -1880,6 +1937,19 @@ def test_check_device_names_the_tensor_and_refuses_other_devices(monkeypatch):
     monkeypatch.setattr(common, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="x is on cpu; the triton backend"):
         common.check_device("x", torch.zeros(1))
+
+
+def test_dh_and_varlen_k_name_their_operand_off_the_device(monkeypatch):
+    """dH and the varlen-K GEMM on CPU tensors outside the interpreter refuse before any launch, naming the argument
+    the caller passed (dout; p, the first operand) in the error."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    p, routing, h, s, dout = _dh_inputs(9, 16, 16, 3, 2, torch.device("cpu"), seed=4)
+    with pytest.raises(ValueError, match="^dout is on cpu; the triton backend"):
+        dh(dout, p["w2"], h, s, routing)
+    with pytest.raises(ValueError, match="^p is on cpu; the triton backend"):
+        varlen_k_gemm(dout, h, routing, p_gather=True, q_gather=False, out_dtype=torch.float32)
 
 
 def test_varlen_m_grid_counts_m_and_n_tiles(monkeypatch):
