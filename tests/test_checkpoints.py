@@ -368,3 +368,52 @@ def test_hypothesis_round_trip_into_the_other_layout(e, n, n_s, gated, bias, sty
     assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())
     x = torch.randn(7, 4, generator=torch.Generator().manual_seed(seed))
     torch.testing.assert_close(other(x), layer(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_shard_of_the_experts_is_refused_before_any_copy():
+    """A layer holding only some of the E experts (an expert-parallel rank's shard: here the first half, as rank 0 of
+    2 holds) is refused with a NotImplementedError that points at ExpertParallelMoE.from_moe, by the loader (the layer
+    left unchanged: the router is not copied first) and by the export (which would name E experts it lacks)."""
+    torch.manual_seed(4)
+    full = MoE(D, N, E, K, dtype=torch.float64)
+    good = hf_experts_state_dict(full, "b.", style="mixtral")
+    shard = MoE(D, N, E, K, dtype=torch.float64)
+    ex = shard.experts
+    ex.gate_up_proj = nn.Parameter(ex.gate_up_proj.detach()[: E // 2].clone())
+    ex.down_proj = nn.Parameter(ex.down_proj.detach()[: E // 2].clone())
+    before = {k: v.clone() for k, v in shard.state_dict().items()}
+    with pytest.raises(NotImplementedError, match="shard of the experts.*ExpertParallelMoE.from_moe"):
+        load_hf_experts(shard, good, "b.")
+    assert all(torch.equal(v, before[k]) for k, v in shard.state_dict().items())
+    with pytest.raises(NotImplementedError, match="shard of the experts"):
+        hf_experts_state_dict(shard)
+
+
+@pytest.mark.parametrize("style", ["qwen", "mixtral"])
+def test_auto_style_reads_expert_0_of_a_one_expert_block(style):
+    """style="auto" tells the names from expert 0's gate weight, the one every block has (a block of E = 1 has no
+    expert 1): the loaded layer holds the exported weights exactly."""
+    torch.manual_seed(6)
+    src = MoE(D, N, 1, 1, dtype=torch.float64)
+    state = hf_experts_state_dict(src, "m.", style=style)
+    dst = MoE(D, N, 1, 1, dtype=torch.float64)
+    load_hf_experts(dst, state, "m.")
+    for name, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[name], v), name
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_export_is_new_tensors(layout):
+    """hf_experts_state_dict returns new tensors: writing into every one of them (router weight and bias, selection
+    bias, experts' weights and biases, the shared expert and its gate) leaves the layer's state as it was."""
+    torch.manual_seed(7)
+    layer = MoE(D, N, E, K, dtype=torch.float64, router_bias=True, bias=True, router_order="sigmoid_then_topk",
+                shared_intermediate_size=N_S, shared_expert_gate=True, gate_up_layout=layout)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    out = hf_experts_state_dict(layer, "m.")
+    assert {"m.gate.weight", "m.gate.bias", "m.gate.e_score_correction_bias", "m.shared_expert_gate.weight",
+            "m.experts.0.down_proj.bias", "m.shared_expert.up_proj.weight"} <= set(out)
+    for v in out.values():
+        v.add_(1.0)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -329,6 +329,30 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("fn", [token_rounding, token_rounding_ref])
+def test_bad_router_tensors(fn):
+    """A hand-built RouterOutput of the wrong kind or shape is refused by name before anything runs: float top-k ids,
+    integer logits, probs of another shape than the logits, scores of another shape than the ids, K = 0 experts."""
+    router, _ = make_router(16, 4, 2, seed=5)
+    logits, probs, ids, scores = router.logits, router.probs, router.topk_ids, router.topk_scores
+
+    def refused(exc, match, *tensors):
+        with pytest.raises(exc, match=match):
+            fn(RouterOutput(*tensors), m_tile=4, warn=False)
+
+    refused(TypeError, "router.topk_ids must be an integer tensor, got torch.float32", logits, probs, ids.float(),
+            scores)
+    refused(TypeError, "router.logits must be a floating-point tensor, got torch.int64", logits.long(), probs, ids,
+            scores)
+    refused(TypeError, "router.topk_scores must be a floating-point tensor, got torch.int32", logits, probs, ids,
+            scores.int())
+    refused(ValueError, r"router.logits and router.probs must both be \(T, E\), got \(16, 4\) and \(16, 3\)", logits,
+            probs[:, :3], ids, scores)
+    refused(ValueError, r"router.topk_ids and router.topk_scores must both be \(T=16, K\) with 1 <= K <= E=4, got "
+            r"\(16, 2\) and \(16, 1\)", logits, probs, ids, scores[:, :1])
+    refused(ValueError, r"with 1 <= K <= E=4, got \(16, 0\) and \(16, 0\)", logits, probs, ids[:, :0], scores[:, :0])
+
+
+@pytest.mark.parametrize("fn", [token_rounding, token_rounding_ref])
 def test_check_verifies_custom_topk_ids(fn):
     """check=True refuses ids from a hand-built RouterOutput outside [0, E) or repeated within a token (without it a
     repeated id passes silently), and leaves valid ids' result unchanged."""

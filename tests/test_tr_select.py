@@ -342,10 +342,11 @@ def test_token_rounding_nan_probabilities_rank_last():
     probs[2, 0] = 0.9
     ids = logits.topk(1, dim=-1).indices
     router = RouterOutput(logits, probs, ids, torch.ones(t, 1))
-    for use in (True, False):
-        out = token_rounding(router, m_tile=4, subroutine="up", use_kernel=use)
+    for fn, kw in ((token_rounding, {"use_kernel": True}), (token_rounding, {"use_kernel": False}),
+                   (token_rounding_ref, {})):  # the oracle too: the other paths are checked against it
+        out = fn(router, m_tile=4, subroutine="up", **kw)
         added = out.pair_token[out.pair_added & (out.pair_expert == 0)].tolist()
-        assert added == [2, 3, 4], use  # 0.9, then two of the tied rest by index; NaN (token 1) last
+        assert added == [2, 3, 4], (fn, kw)  # 0.9, then two of the tied rest by index; NaN (token 1) last
 
 
 def test_token_rounding_keeps_a_nan_score_token():
