@@ -1415,6 +1415,20 @@ class _RecordingKernel:
         return run
 
 
+class _TooBigAt128Kernel(_RecordingKernel):
+    """A recording kernel whose BLOCK = 128 configs raise OutOfResources at launch, as a config too big for shared
+    memory does on a GPU: the tuner must skip them."""
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def run(**kwargs):
+            if kwargs["BLOCK"] == 128:
+                raise OutOfResources(300000, 232448, "shared memory")
+            self.calls.append({**kwargs, "_grid": grid})
+        return run
+
+
 @pytest.mark.parametrize("dtype,block_k", [(torch.bfloat16, 64), (torch.float32, 32)])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
@@ -1447,22 +1461,12 @@ def test_tuner_rounds_choose_least_median(monkeypatch):
     """Autotuning times the configs in TUNE_ROUNDS round-robin rounds and keeps the least median: a config
     whose one slow round (a clock dip) would lose a single pass still wins, one that fails to fit is
     skipped, the launch after tuning uses the choice, and later calls of the key launch it without timing."""
-    from triton.runtime.errors import OutOfResources
-
     from sonicmoe.ops import common
 
     monkeypatch.setattr(common, "_ALL_TUNERS", [])  # the fake stays out of tuned_configs() elsewhere
     times = {16: [1.0, 1.0, 1.0], 32: [5.0, 0.5, 0.5], 64: [0.9, 0.9, 2.0]}
 
-    class Kernel(_RecordingKernel):
-        def __getitem__(self, grid):
-            def run(**kwargs):
-                if kwargs["BLOCK"] == 128:
-                    raise OutOfResources(300000, 232448, "shared memory")
-                self.calls.append({**kwargs, "_grid": grid})
-            return run
-
-    kern = Kernel()
+    kern = _TooBigAt128Kernel()
     order = []
 
     def fake_bench(call):
@@ -1479,7 +1483,7 @@ def test_tuner_rounds_choose_least_median(monkeypatch):
     assert order == [16, 32, 64] * common.TUNE_ROUNDS
     assert kern.calls[-1]["BLOCK"] == 32
     assert [c.kwargs for c in tuners.chosen()] == [{"BLOCK": 32}]
-    assert common.tuned_configs()["Kernel"][0]["config"]["BLOCK"] == 32
+    assert common.tuned_configs()[type(kern).__name__][0]["config"]["BLOCK"] == 32
     n = len(kern.calls)
     tuners.run(frozenset(), lambda meta: (1,), args)
     assert len(kern.calls) == n + 1 and kern.calls[-1]["BLOCK"] == 32 and len(order) == 3 * common.TUNE_ROUNDS
@@ -1882,23 +1886,13 @@ def test_available_flags_need_every_descriptor_and_restrict_drops_the_rest():
 def test_tuner_launches_a_lone_config_untimed(monkeypatch):
     """A space in which one config compiles (the other does not fit) needs no timing: it is chosen and launched
     without a single _bench_ms call."""
-    from triton.runtime.errors import OutOfResources
-
     from sonicmoe.ops import common
 
     monkeypatch.setattr(common, "_ALL_TUNERS", [])
 
-    class Kernel(_RecordingKernel):
-        def __getitem__(self, grid):
-            def run(**kwargs):
-                if kwargs["BLOCK"] == 128:
-                    raise OutOfResources(300000, 232448, "shared memory")
-                self.calls.append({**kwargs, "_grid": grid})
-            return run
-
     timed = []
     monkeypatch.setattr(common, "_bench_ms", lambda call: timed.append(call) or 1.0)
-    kern = Kernel()
+    kern = _TooBigAt128Kernel()
     space = [triton.Config({"BLOCK": b}, num_warps=4, num_stages=2) for b in (128, 32)]
     tuners = common.Tuners(kern, space, ["N"])
     tuners.run(frozenset(), lambda meta: (1,), {"x_ptr": torch.empty(4), "N": 4})

@@ -1504,21 +1504,30 @@ def test_optimizer_decay_groups_and_bf16_masters():
     assert all(torch.equal(a, b) for a, b in zip(again.params, opt.params))
 
 
+def _eval_setup(eval_batches):
+    """A tiny torch-backend config with ``eval_batches`` validation batches of 2 × 16 bytes, a random byte corpus with
+    room for them, and a freshly seeded model built from it, for the evaluate tests."""
+    from sonicmoe.train.loop import model_config
+
+    cfg = make_config("cpu-tiny", d_model=32, layers=1, heads=2, experts=4, top_k=2, expert_size=16,
+                      backend="torch", device="cpu", batch_size=2, seq_len=16, eval_batches=eval_batches)
+    g = _fresh_generator()
+    corpus = ByteCorpus(train=torch.randint(0, 256, (200,), dtype=torch.uint8, generator=g),
+                        val=torch.randint(0, 256, (40 * eval_batches,), dtype=torch.uint8, generator=g), source="x",
+                        num_files=1)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    return cfg, corpus, MoETransformer(model_config(cfg))
+
+
 def test_evaluate_is_the_mean_val_loss_and_restores_train_mode():
     """evaluate: the mean cross-entropy of the eval-mode model over the fixed validation batches, and the model is
     back in training mode afterwards (the next steps train with the training routing)."""
     import torch.nn.functional as F
 
-    from sonicmoe.train.loop import evaluate, model_config
+    from sonicmoe.train.loop import evaluate
 
+    cfg, corpus, model = _eval_setup(eval_batches=3)
     cpu = torch.device("cpu")
-    cfg = make_config("cpu-tiny", d_model=32, layers=1, heads=2, experts=4, top_k=2, expert_size=16,
-                      backend="torch", device="cpu", batch_size=2, seq_len=16, eval_batches=3)
-    g = _fresh_generator()
-    corpus = ByteCorpus(train=torch.randint(0, 256, (200,), dtype=torch.uint8, generator=g),
-                        val=torch.randint(0, 256, (120,), dtype=torch.uint8, generator=g), source="x", num_files=1)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    model = MoETransformer(model_config(cfg))
     got = evaluate(model, corpus, cfg, cpu)
     assert model.training
     model.eval()
@@ -1536,16 +1545,11 @@ def test_evaluate_takes_this_ranks_batches_and_runs_the_lockstep_rounds():
 
     import torch.nn.functional as F
 
-    from sonicmoe.train.loop import evaluate, model_config
+    from sonicmoe.train.loop import evaluate
 
+    cfg, corpus, model = _eval_setup(eval_batches=5)
+    model.eval()
     cpu = torch.device("cpu")
-    cfg = make_config("cpu-tiny", d_model=32, layers=1, heads=2, experts=4, top_k=2, expert_size=16,
-                      backend="torch", device="cpu", batch_size=2, seq_len=16, eval_batches=5)
-    g = _fresh_generator()
-    corpus = ByteCorpus(train=torch.randint(0, 256, (200,), dtype=torch.uint8, generator=g),
-                        val=torch.randint(0, 256, (160,), dtype=torch.uint8, generator=g), source="x", num_files=1)
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    model = MoETransformer(model_config(cfg)).eval()
     with torch.no_grad():
         losses = [float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
                   for x, y in corpus.val_batches(2, 16, 5, cpu)]
