@@ -1553,6 +1553,7 @@ def test_evaluate_takes_this_ranks_batches_and_runs_the_lockstep_rounds():
     with torch.no_grad():
         losses = [float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
                   for x, y in corpus.val_batches(2, 16, 5, cpu)]
+    batches = list(corpus.val_batches(2, 16, 5, cpu))
     model.train()
     seen = []
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
@@ -1565,7 +1566,6 @@ def test_evaluate_takes_this_ranks_batches_and_runs_the_lockstep_rounds():
             got = evaluate(model, corpus, cfg, cpu, dp, lockstep=lockstep)
             assert got == pytest.approx(sum(losses[b] for b in mine) / 5, rel=1e-6), (world, rank, lockstep)
             assert len(seen) == (rounds if lockstep else len(mine)), (world, rank, lockstep)
-            batches = list(corpus.val_batches(2, 16, 5, cpu))
             assert all(torch.equal(x, batches[b][0]) for x, b in zip(seen, mine))
             assert all(torch.equal(x, batches[0][0]) for x in seen[len(mine):])  # the extra rounds: batch 0
             assert model.training
