@@ -187,6 +187,37 @@ def test_autocast_cast_only_floating_tensors_below_float64():
         assert probe(f32, i8, b) == (torch.bfloat16, torch.int8, torch.bool)
 
 
+@pytest.mark.parametrize("amp", [False, True])
+def test_entry_points_reject_a_non_tensor_x_with_their_type_error(amp):
+    """X that is no tensor (a nested list) reaches the entry point's own check, with or without autocast: its
+    TypeError names x, where asking the list for its device in the decorator raised an AttributeError."""
+    routing = routing_from_topk(torch.tensor([[0, 1], [1, 0]]), 2)
+    x = [[0.5, -1.0, 2.0, 0.25], [1.0, 0.0, -0.5, 3.0]]
+    w1, w2 = torch.randn(2, 4, 4), torch.randn(2, 4, 2)
+    calls = (lambda: sonicmoe.experts(x, w1, w2, routing, torch.rand(4), backend="torch"),
+             lambda: sonicmoe.moe(x, torch.randn(2, 4), w1, w2, top_k=1, backend="torch"))
+    for call in calls:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), \
+                pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+            call()
+
+
+def test_entry_points_keep_their_name_docstring_and_signature():
+    """The decorated entry points are still themselves to ``help``, ``inspect`` and the API docs: their name,
+    docstring and parameters (x first, then the weights), not the wrapper's ``(*args, **kwargs)``."""
+    import inspect
+
+    from sonicmoe import expert_parallel, functional
+
+    for fn, name, first in ((sonicmoe.experts, "experts", ["x", "w1", "w2", "routing", "pair_scores"]),
+                            (sonicmoe.moe, "moe", ["x", "router_weight", "w1", "w2"]),
+                            (functional.experts, "experts", ["x", "w1", "w2", "routing", "pair_scores"]),
+                            (expert_parallel.expert_parallel_experts, "expert_parallel_experts", ["x"])):
+        assert fn.__name__ == name and fn.__doc__ and "Args:" in fn.__doc__, name
+        params = list(inspect.signature(fn).parameters)
+        assert params[:len(first)] == first, (name, params)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])

@@ -39,6 +39,7 @@ def test_load_order_matches_stable_sort(e, high, device):
     g = torch.Generator().manual_seed(e)
     counts = torch.randint(0, high + 1, (e,), generator=g).tolist()
     got = expert_load_order(_offsets(counts, device)).cpu()
+    assert got.dtype == torch.int32 and got.shape == (2 * e,)  # torch.equal would pass an int64 result
     assert torch.equal(got, expert_load_order_ref(_offsets(counts, "cpu")))
     order, rank = got[:e].long(), got[e:].long()
     assert torch.equal(torch.sort(order).values, torch.arange(e))
@@ -64,6 +65,18 @@ def test_load_order_no_experts_and_bad_offsets(device):
                 torch.zeros(0, dtype=torch.int32)):
         with pytest.raises(ValueError, match="expert_offsets"):
             expert_load_order(bad.to(device))
+
+
+def test_load_order_refuses_offsets_off_the_device(monkeypatch):
+    """Offsets where no kernel runs (a meta tensor; a CPU tensor outside the interpreter) raise before any launch, a
+    ValueError naming ``expert_offsets`` and its device."""
+    from sonicmoe.ops import common
+
+    with pytest.raises(ValueError, match="expert_offsets is on meta; the triton backend needs CUDA"):
+        expert_load_order(torch.zeros(4, dtype=torch.int32, device="meta"))
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="expert_offsets is on cpu; the triton backend needs CUDA"):
+        expert_load_order(_offsets([3, 1, 2], "cpu"))
 
 
 def test_routing_load_order_cached_and_switched(device, monkeypatch):

@@ -338,6 +338,9 @@ def test_torch_backend_grouped_mm_only_on_hopper_bf16_with_aligned_dims(monkeypa
     x = on_cuda(16, 64)
     w1, w2 = torch.zeros(4, 32, 64, dtype=torch.bfloat16), torch.zeros(4, 64, 16, dtype=torch.bfloat16)
     assert _grouped_mm_ok(x, w1, w2)
+    # multiples of 8 that are not of 16 (2n = 24 and d = 40, n = 24): aligned enough
+    assert _grouped_mm_ok(on_cuda(16, 40), torch.zeros(4, 24, 40, dtype=torch.bfloat16),
+                          torch.zeros(4, 40, 24, dtype=torch.bfloat16))
     assert not _grouped_mm_ok(x, torch.zeros(4, 36, 64, dtype=torch.bfloat16), w2)  # 2n = 36 rows
     assert not _grouped_mm_ok(x, w1, torch.zeros(4, 64, 12, dtype=torch.bfloat16))  # n = 12 columns
     assert not _grouped_mm_ok(x, torch.zeros(4, 32, 60, dtype=torch.bfloat16), w2)  # d = 60
