@@ -217,6 +217,40 @@ def test_reference_rounds_h_after_its_bias():
     assert rel_err(got, loop(bias_first=False)) > 1e-4  # the order is visible at these sizes
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "clamped_swiglu"])
+def test_reference_rounding_gradient_is_straight_through_exactly(activation):
+    """experts_ref(h_dtype=bf16)'s gradients are the straight-through ones, exactly: dH at the rounded H passed to H
+    unrounded (a gradient that went back through the cast would be rounded to bf16 itself, about 4e-3 off). A float64
+    per-pair loop here takes dH from the rounded H as a leaf and builds dx, dW1 and db1 from it by hand."""
+    t, d, n, e, k = 7, 12, 6, 3, 2
+    p = _problem("cpu", True, seed=23, t=t, d=d, n=n, e=e, dtype=torch.float64)
+    g = torch.Generator().manual_seed(24)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    s = torch.rand(t * k, generator=g, dtype=torch.float64) + 0.1  # pair t·K + j: (token t, expert ids[t, j])
+    dout = torch.randn(t, d, generator=g, dtype=torch.float64)
+    names = ("x", "w1", "b1")
+    leaves = [p[k_].clone().requires_grad_(True) for k_ in names]
+    out = experts_ref(leaves[0], leaves[1], p["w2"], routing_from_topk(ids, e), s, leaves[2], p["b2"],
+                      gate_up_layout="interleaved", activation=activation, h_dtype=torch.bfloat16)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = [torch.zeros_like(p[k_]) for k_ in names]
+    h_moved = 0
+    for tok in range(t):
+        for j in range(k):
+            ex = int(ids[tok, j])
+            h = p["w1"][ex] @ p["x"][tok] + p["b1"][ex]
+            hr = h.bfloat16().double().requires_grad_(True)
+            h_moved += int((hr != h).sum())
+            y = p["w2"][ex] @ swiglu_ref(hr[None], "interleaved", activation)[0] + p["b2"][ex]
+            (dh_,) = torch.autograd.grad(float(s[tok * k + j]) * (y * dout[tok]).sum(), hr)
+            want[0][tok] += p["w1"][ex].t() @ dh_
+            want[1][ex] += torch.outer(dh_, p["x"][tok])
+            want[2][ex] += dh_
+    assert h_moved > t * k * n  # the rounding is not a no-op
+    for name, a, b in zip(names, got, want):
+        assert b.norm() > 0 and rel_err(a, b) < 1e-12, name
+
+
 def test_experts_with_no_rows_and_padding_pairs(device):
     """A general routing whose token 0 has no pair and whose last pairs are padding: the clamped activation of the
     zero padding rows is 0 (as SwiGLU's), and the reference agrees."""

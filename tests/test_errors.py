@@ -518,6 +518,17 @@ def test_experts_requires_routing_and_scores(prob, backend, arg):
         call_experts(prob, backend=backend, **{arg: None})
 
 
+@pytest.mark.parametrize("arg", ["routing", "pair_scores"])
+def test_experts_ref_requires_routing_and_scores(prob, arg):
+    """The reference without its routing or its pair scores: the same TypeError naming the argument as the layer's
+    (not an AttributeError from inside its loop; check_expert_inputs skips a None routing or scores)."""
+    routing, scores = routing_and_scores(prob)
+    a = {"routing": routing, "pair_scores": scores, arg: None}
+    with pytest.raises(TypeError, match=names(arg)):
+        sonicmoe.experts_ref(prob["x"], prob["w1"], prob["w2"], a["routing"], a["pair_scores"], prob["b1"],
+                             prob["b2"])
+
+
 def test_token_rounding_order_must_be_the_routers(prob):
     """A router that chose by sigmoid_then_topk, handed to token rounding under another order (whose added pairs'
     scores would then come from the softmax formula): a ValueError naming router_order."""
