@@ -592,6 +592,35 @@ def test_plot_train_line_is_the_moving_mean(monkeypatch, tmp_path):
     assert list(line.get_ydata()) == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
+
+def test_plot_runs_colours_validation_and_closes_its_figure(monkeypatch, tmp_path):
+    """plot_runs with two runs: each run's train line and validation line in colours of their own (C0/C1, C2/C3: no
+    run's train line takes another's validation colour), no per-step lines by default, the validation line the
+    val_loss values in nats (the axis' unit; not the bits per byte beside them); the figure is closed once saved (a
+    loop of plots leaked one figure each)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from sonicmoe.train.report import plot_runs
+
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    vals = (torch.rand(2, 3, generator=g, dtype=torch.float64) * 4 + 1).tolist()
+    runs = [(label, [{"step": s, "loss": 5.0 - s / 10} for s in range(1, 11)],
+             [{"step": s, "val_loss": v, "val_bpb": v / math.log(2)} for s, v in zip((0, 5, 10), vs)])
+            for label, vs in zip(("a", "b"), vals)]
+    before = plt.get_fignums()
+    assert plot_runs(tmp_path / "two.png", runs, "t")
+    assert plt.get_fignums() == before
+    lines = {ln.get_label(): ln for ln in figs[0].axes[0].lines}
+    assert sorted(lines) == ["a train (1-step mean)", "a validation", "b train (1-step mean)", "b validation"]
+    assert [lines[k].get_color() for k in sorted(lines)] == ["C0", "C1", "C2", "C3"]
+    for label, vs in zip(("a", "b"), vals):
+        assert list(lines[f"{label} validation"].get_ydata()) == vs
+
+
 def test_granularity_groups_keep_sweeps_only():
     """Groups at one (T, d) with two or more G are plotted against G; a group of unrelated shapes (the models
     preset: d differs) is not, and neither is a group with one G (the token-rounding sweep varies E only)."""
@@ -1890,6 +1919,25 @@ def test_git_commit_of_an_empty_answer_is_unknown(monkeypatch):
     monkeypatch.setattr(provenance.subprocess, "run",
                         lambda cmd, **kw: SimpleNamespace(returncode=0, stdout="\n", stderr=""))
     assert provenance.git_commit() is None
+
+
+
+def test_git_that_hangs_or_cannot_start_is_unknown(monkeypatch):
+    """git that runs past its 10 s timeout (a network file system, a lock) or cannot be started: commit and dirty
+    state unknown (None), not an exception out of a results writer."""
+    import subprocess
+
+    from sonicmoe import provenance
+
+    monkeypatch.delenv("SONICMOE_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: "/usr/bin/git")
+    for exc in (subprocess.TimeoutExpired(["git"], 10), PermissionError(13, "Permission denied")):
+        def hang(cmd, exc=exc, **kwargs):
+            assert kwargs["timeout"] == 10
+            raise exc
+
+        monkeypatch.setattr(provenance.subprocess, "run", hang)
+        assert provenance.git_commit() is None and provenance.git_dirty() is None, exc
 
 
 def test_git_provenance_of_a_real_checkout(tmp_path, monkeypatch):

@@ -639,6 +639,69 @@ def test_moe_profiler_sums_every_layers_forward_and_backward():
     assert prof.forward_s == 0.0
 
 
+
+def test_moe_profiler_syncs_cuda_around_each_measurement(monkeypatch):
+    """On CUDA each of the four hooks synchronises the device before it reads the clock (the kernels run
+    asynchronously: an unsynchronised clock reads the launch, not the work): per layer and profiled step, a sync
+    before the forward's start and end, and before the backward's start and end; none while inactive or on the CPU.
+    The device is only named, torch.cuda.synchronize counted, so this runs without a GPU."""
+    from types import SimpleNamespace
+
+    from sonicmoe.train import profiling
+    from sonicmoe.train.profiling import MoEProfiler
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    clock = iter(range(1, 1000))
+    monkeypatch.setattr(profiling, "time", SimpleNamespace(perf_counter=lambda: events.append("clock") or next(clock)))
+    a, b = _SleepyLayer(0.0, 0.0), _SleepyLayer(0.0, 0.0, as_tuple=True)
+    prof = MoEProfiler([a, b], torch.device("cuda", 0))
+    x = torch.randn(5, requires_grad=True)
+    b(a(x))[0].sum().backward()
+    assert events == []  # inactive: no hook syncs
+    prof.active = True
+    b(a(x))[0].sum().backward()
+    # 2 layers x (forward start, forward end, backward start, backward end): each clock read right after a sync
+    assert events == ["sync", "clock"] * 8
+    # the clock's ticks in hook order: a's forward 1-2, b's 3-4; backward: b starts (5) as its output's gradient
+    # arrives; a's output gradient then starts a's backward (6) and ends b's (7, hooks in registration order); x's
+    # gradient ends a's (8)
+    assert prof.forward_s == (2 - 1) + (4 - 3) and prof.backward_s == (7 - 5) + (8 - 6)
+    prof.remove()
+    events.clear()
+    layer = _SleepyLayer(0.0, 0.0)
+    cpu = MoEProfiler([layer], torch.device("cpu"))
+    cpu.active = True
+    layer(x).sum().backward()
+    assert events == ["clock"] * 4  # the CPU: timed, never synchronised
+    cpu.remove()
+
+
+def test_moe_profiler_skips_a_bracket_it_did_not_open():
+    """A forward whose start the profiler did not see (armed inside the layer's forward) adds no forward time, and
+    a layer whose output the loss does not use (its input's gradient arrives by another path, a residual) adds no
+    backward time: the end hooks only close a bracket their start hook opened (a KeyError before the guard)."""
+    from sonicmoe.train.profiling import MoEProfiler
+
+    class Arming(torch.nn.Module):
+        def forward(self, x):
+            prof.active = True  # turned on between the pre-hook and the forward hook
+            return x * 2
+
+    layer = Arming()
+    prof = MoEProfiler([layer], torch.device("cpu"))
+    x = torch.randn(4, requires_grad=True)
+    layer(x).sum().backward()
+    assert prof.forward_s == 0.0 and prof.backward_s == 0.0
+    unused = _SleepyLayer(0.0, 0.0)
+    prof2 = MoEProfiler([unused], torch.device("cpu"))
+    prof2.active = True
+    unused(x)  # its output is dropped: no backward of the layer
+    (x * 3).sum().backward()  # x's gradient (the input hook fires) without the layer's backward having started
+    assert prof2.forward_s > 0.0 and prof2.backward_s == 0.0
+    prof.remove(), prof2.remove()
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)
@@ -696,6 +759,81 @@ def test_out_inside_data_is_refused(tmp_path, capsys, monkeypatch):
     log = _run(tmp_path / "beside", "--steps", "1", "--data", str(data), "--max-bytes", "20000", "--eval-every", "0",
                "--profile-every", "0")
     assert log["steps_done"] == 1
+
+
+
+def _summary_log(**extra) -> dict:
+    """A finished run's log as train() returns it (what the closing summary reads)."""
+    return {"final_val_loss": 2.0, "final_val_bpb": 2.0 / math.log(2), "final_train_loss": 2.1, "steps_done": 40,
+            "wall_time_s": 12.0, "tokens_per_s": 5000.0, "moe_time_share": None, "peak_memory": {"mib": 1.0,
+            "kind": "cpu"}, "expert_load": expert_load_summary([[1, 1]]), "first_nonfinite_step": None, **extra}
+
+
+def test_cli_builds_the_run_it_passes_to_train(tmp_path, monkeypatch, capsys):
+    """What ``sonicmoe train`` hands train() (stubbed: no model is built): on the CPU the cpu-tiny preset, --out
+    runs/cpu-tiny-<date>-<time> (made), a progress bar unless --no-progress; the summary from rank 0 only, exit 1
+    for a diverged run. With --resume: the checkpoint's configuration (a --preset is ignored, and said so), --out the
+    checkpoint's folder, new hyperparameters taken; an option that shapes the parameters is refused naming its flag
+    as typed; --stop-after at the checkpoint's step is nothing to train, one step later is. A WORLD_SIZE that is no
+    int is a usage error naming it."""
+    import re
+
+    if torch.cuda.is_available():
+        pytest.skip("the default preset is h100 where a GPU is visible")
+    seen, logs = [], [_summary_log()]
+    monkeypatch.setattr(cli, "train", lambda cfg, checkpoint, corpus: seen.append((cfg, checkpoint)) or logs[0])
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    corpus = tmp_path / "corpus.txt"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    corpus.write_bytes(bytes(torch.randint(32, 127, (20000,), generator=g).tolist()))
+    small = ["--data", str(corpus)]
+    assert cli.main(small) == 0
+    cfg, checkpoint = seen.pop()
+    assert checkpoint is None and cfg.preset == "cpu-tiny" and (cfg.d_model, cfg.experts, cfg.steps) == (128, 16, 300)
+    assert re.fullmatch(r"runs/cpu-tiny-\d{8}-\d{6}", cfg.out) and (tmp_path / cfg.out).is_dir()
+    assert cfg.progress is True and cfg.resume is None
+    assert "done: step 40" in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")  # another data-parallel rank: trains, prints no summary
+    assert cli.main([*small, "--no-progress", "--out", str(tmp_path / "b")]) == 0
+    assert seen.pop()[0].progress is False and "done:" not in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "0")
+    logs[0] = _summary_log(first_nonfinite_step=7)
+    assert cli.main([*small, "--out", str(tmp_path / "c")]) == 1
+    assert "non-finite training loss from step 7" in capsys.readouterr().err and seen.pop()
+    logs[0] = _summary_log()
+    # --resume: a checkpoint at step 2 of a 6-step run (loaded through a stand-in)
+    saved = make_config("cpu-tiny", steps=6, data=str(corpus), out=str(tmp_path / "elsewhere")).to_dict()
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"")
+    fake = {"config": saved, "step": 2}
+    monkeypatch.setattr(cli, "load_checkpoint", lambda path: fake)
+    assert cli.main(["--resume", str(ckpt), "--preset", "h100", "--lr", "0.5", "--stop-after", "3"]) == 0
+    cfg, checkpoint = seen.pop()
+    assert "--preset h100 ignored: resuming with the checkpoint's configuration" in capsys.readouterr().out
+    assert checkpoint is fake and cfg.out == str(ckpt.parent) and cfg.resume == str(ckpt)
+    assert (cfg.preset, cfg.d_model, cfg.steps, cfg.lr, cfg.stop_after) == ("cpu-tiny", 128, 6, 0.5, 3)
+    assert cli.main(["--resume", str(ckpt)]) == 0
+    assert "ignored" not in capsys.readouterr().out and seen.pop()[0].stop_after is None
+    for extra, match in ((["--router-order", "sigmoid_then_topk"],
+                          "--router-order: the checkpoint's model has router_order='topk_then_softmax'"),
+                         (["--shared-expert-size", "8"], "--shared-expert-size: the checkpoint's model has "
+                          "shared_expert_size=0"),
+                         (["--stop-after", "2"], "at step 2, at or past this run's end (step 2)")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--resume", str(ckpt), *extra])
+        assert e.value.code == 2 and match in capsys.readouterr().err, extra
+    fake["step"] = 6
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--resume", str(ckpt)])
+    assert e.value.code == 2 and "at or past this run's end (step 6)" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(SystemExit) as e:
+        cli.main([*small, "--out", str(tmp_path / "d")])
+    assert e.value.code == 2 and "WORLD_SIZE='two' (set by torchrun) must be an int" in capsys.readouterr().err
+    assert not seen
 
 
 def test_lr_schedule():
@@ -838,6 +976,8 @@ def test_expert_load_summary():
     # a layer that routed nothing (no steps yet): zero fractions, not a division by zero
     z = expert_load_summary([[0, 0, 0]])["per_layer"][0]
     assert z["fractions"] == [0.0, 0.0, 0.0] and z["max_frac"] == 0.0 and z["max_over_mean"] == 0.0
+    # a model without MoE layers: no layers, zero averages (not a division by zero)
+    assert expert_load_summary([]) == {"per_layer": [], "mean_cv": 0.0, "mean_max_over_mean": 0.0}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -873,6 +1013,63 @@ def test_device_names_read_the_cpu_model_name_and_the_first_driver(monkeypatch):
     assert report._nvidia_driver() is None
 
 
+
+def test_environment_names_versions_threads_and_the_utc_date(monkeypatch):
+    """environment(): torch's and Python's versions, torch's own thread count (not the cores: a run may set fewer),
+    the commit, the date in UTC to the second; on CUDA also the CUDA version and the driver (nvidia-smi's), read
+    here through stand-ins so no GPU is needed."""
+    import datetime as dt
+    import platform
+
+    from sonicmoe import provenance
+    from sonicmoe.train import report
+
+    monkeypatch.setattr(report.os, "cpu_count", lambda: 96)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    env = report.environment(torch.device("cpu"))
+    assert env["torch_threads"] == 3 and env["cpu_count"] == 96
+    assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
+    assert env["commit"] == provenance.git_commit() and env["device"] == "cpu"
+    assert "cuda" not in env and "driver" not in env
+    date = dt.datetime.fromisoformat(env["date"])
+    assert date.utcoffset() == dt.timedelta(0) and date.microsecond == 0
+    assert abs((dt.datetime.now(dt.timezone.utc) - date).total_seconds()) < 60
+    monkeypatch.setattr(report, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(report, "_nvidia_driver", lambda: "550.54.15")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    env = report.environment(torch.device("cuda", 0))
+    assert (env["device"], env["device_name"], env["cuda"], env["driver"]) == ("cuda:0", "NVIDIA H100 80GB HBM3",
+                                                                              "12.8", "550.54.15")
+
+
+def test_peak_memory_on_cuda_is_the_max_allocated_in_mib(monkeypatch):
+    """peak_memory on CUDA: torch.cuda.max_memory_allocated (the peak, not what is allocated now) in MiB, read here
+    through stand-ins so no GPU is needed."""
+    from sonicmoe.train.report import peak_memory
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: seen.append(device) or 3 * 2**30 + 2**19)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**20)
+    got = peak_memory(torch.device("cuda", 1))
+    assert got == {"kind": "cuda_max_memory_allocated", "mib": 3 * 1024 + 0.5}
+    assert seen == [torch.device("cuda", 1)]
+
+
+def test_write_json_replaces_the_log_in_one_step(tmp_path):
+    """write_json writes a temporary file beside the log and renames it over the log (a reader never sees half a
+    log): the new content, no temporary file left behind; non-finite losses (a diverged run) round-trip."""
+    from sonicmoe.train.report import write_json
+
+    path = tmp_path / "log.json"
+    path.write_text('{"old": true}')
+    log = {"steps": [{"step": 1, "loss": 5.25}, {"step": 2, "loss": math.nan}], "final_val_loss": math.inf}
+    write_json(path, log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.json"]
+    back = json.loads(path.read_text())
+    assert back["steps"][0] == {"step": 1, "loss": 5.25} and math.isnan(back["steps"][1]["loss"])
+    assert back["final_val_loss"] == math.inf
+
+
 def test_summary_reports_milliseconds_per_profiled_step(tmp_path):
     """The closing summary: the MoE layers' and the whole step's time per profiled step in ms (log.json holds seconds
     over all profiled steps), the final val loss in nats and bits per byte."""
@@ -883,6 +1080,14 @@ def test_summary_reports_milliseconds_per_profiled_step(tmp_path):
     text = cli._summary(log, tmp_path)
     assert "MoE layers: 25.0% of step time (50.0 ms of 200.0 ms per profiled step, 4 profiled steps)" in text
     assert "final val loss 2.0000 nats/byte (2.885 bits/byte)" in text and "throughput: 5,000 tokens/s" in text
+    assert text.endswith(f"files: {tmp_path / 'log.json'}")  # no checkpoint or plot there: not named
+    # per layer [min, max] of the load fractions; per step the busiest expert over the mean, then the summed one's
+    log["expert_load"] = expert_load_summary([[6, 3, 3], [2, 2, 4]], [[6, 4, 2], [8, 0, 0]])
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    text = cli._summary(log, tmp_path)
+    assert "uniform = 0.333): [0.250, 0.500], [0.250, 0.500]; mean CV 0.354" in text
+    assert "averaged over layers: 2.25 (summed over steps: 1.50)" in text
+    assert text.endswith(f"files: {tmp_path / 'log.json'}, {tmp_path / 'ckpt.pt'}")
 
 def test_progress_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
