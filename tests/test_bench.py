@@ -367,6 +367,17 @@ def test_route_takes_a_token_rounding_that_returns_a_tuple(monkeypatch):
         assert torch.equal(getattr(got, a), getattr(want, a)), a
     assert torch.equal(got.routing.expert_offsets, want.routing.expert_offsets)
     assert torch.equal(got.routing.row_token, want.routing.row_token)
+    # the static form's padding pairs (token T, expert E) become padding rows, as in the library's own routing
+    monkeypatch.setattr(bp, "load_token_rounding", lambda: real)
+    want = bp.route(x, w, 2, "token_rounding", m_tile=8, static=True)
+    assert int((want.pair_token == 96).sum()) > 0 and want.routing.padded
+    monkeypatch.setattr(bp, "load_token_rounding",
+                        lambda: lambda router, **kw: tuple(getattr(real(router, **kw), a)
+                                                           for a in ("pair_token", "pair_expert", "pair_scores")))
+    got = bp.route(x, w, 2, "token_rounding", m_tile=8, static=True)
+    assert got.routing.padded
+    for a in ("expert_offsets", "row_token", "token_offsets", "token_rows"):
+        assert torch.equal(getattr(got.routing, a), getattr(want.routing, a)), a
     monkeypatch.setattr(bp, "load_token_rounding", lambda: lambda router, **kw: 5)
     with pytest.raises(bp.TokenRoundingUnavailable, match="token_rounding returned int"):
         bp.route(x, w, 2, "token_rounding", m_tile=8)
@@ -631,6 +642,68 @@ def test_granularity_groups_keep_sweeps_only():
     groups = granularity_groups(recs + models)
     assert sorted(groups) == ["30B", "7B"]
     assert [r["G"] for r in groups["7B"]] == sorted(r["G"] for r in groups["7B"])
+
+
+def test_plots_draw_the_recorded_numbers(monkeypatch):
+    """Each chart draws the numbers its records hold, read back from the figures: TFLOP/s of forward and of
+    forward+backward per G (ok rows only: a skipped row's numbers are not drawn), SPEC §3's line in GiB, the speed-up
+    bars of both phases (three competitors: bars 0.8/3 wide, centred on the tick; token-rounding ticks marked), and
+    our median times against E, sorted by E, for groups that hold both routings only."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from sonicmoe.bench import plots
+
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    plt = plots._setup()
+    doc = {"env": {}, "date": "2026-01-02"}
+
+    def row(fwd, total, status="ok"):  # numbers of one backend: TFLOP/s and milliseconds (p20 = p50 / 2)
+        return {"status": status, "fwd": {"tflops": fwd, "ms": {"p20": fwd / 2, "p50": fwd}},
+                "total": {"tflops": total, "ms": {"p20": total / 2, "p50": total}},
+                "bwd": {"tflops": 1000.0 + fwd}, "memory": {"held_bytes": 3 * GiB, "peak_bytes": 5 * GiB}}
+
+    GiB = plots.GiB
+    recs = [{"group": "g", "routing": "topk", "T": 64, "d": 32, "n": 32 // G, "G": G, "TK": 128, "dtype": "bfloat16",
+             "backends": {"triton": row(10.0 * G, 3.0 * G), "loop": row(7.0, 7.0, status="skipped")}}
+            for G in (4, 1, 2)]
+    groups = plots.granularity_groups(recs)
+    names = plots._backend_names(recs)
+    assert plots._plot_granularity(plt, doc, groups, names, "g.png") == "g.png"
+    panels = [{ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
+              for ax in figs[-1].axes]
+    assert panels == [{"triton": ([1, 2, 4], [10.0, 20.0, 40.0])}, {"triton": ([1, 2, 4], [3.0, 6.0, 12.0])}]
+    assert plots._plot_memory(plt, doc, groups, names, "m.png") == "m.png"
+    spec = [ln for ln in figs[-1].axes[0].lines if ln.get_label().startswith("4TKn")]
+    assert len(spec) == 1 and list(spec[0].get_ydata()) == [2 * 2 * 128 * n / GiB for n in (32, 16, 8)]
+
+    ratios = [{"torch": {"fwd": 1.5, "total": 2.5}, "upper": {"fwd": 0.5, "total": 0.75},
+               "loop": {"fwd": 4.0, "total": 3.0}},
+              {"torch": {"fwd": 1.25, "total": 2.0}, "upper": {"fwd": 0.25, "total": 0.5},
+               "loop": {"fwd": 5.0, "total": 6.0}}]
+    speed = [{"name": f"s{i}", "routing": mode, "ratio_base": "triton", "ratios": ratios[i]}
+             for i, mode in enumerate(("topk", "token_rounding"))]
+    assert plots._plot_speedup(plt, doc, speed, "s.png") == "s.png"
+    axes = figs[-1].axes
+    assert [ax.get_ylabel() for ax in axes] == ["triton speed-up (fwd)", "triton speed-up (fwd+bwd)"]
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["s0", "s1\n[token_rounding]"]
+    w = 0.8 / 3
+    for ax, phase in zip(axes, ("fwd", "total")):
+        bars = sorted((round(b.get_x() + b.get_width() / 2, 9), b.get_width(), b.get_height()) for b in ax.patches)
+        want = sorted((round(i + (k - 1) * w, 9), w, ratios[i][n][phase])
+                      for i in range(2) for k, n in enumerate(("torch", "upper", "loop")))
+        assert bars == pytest.approx(want, abs=1e-12), phase
+
+    tr = [{"group": "tr", "routing": mode, "T": 512, "E": E, "backends": {"triton": row(E / 8 + j, E / 4 + j),
+                                                                         "torch": row(99.0, 99.0)}}
+          for E in (128, 64) for j, mode in enumerate(("topk", "token_rounding"))]
+    tr.append({"group": "topk_only", "routing": "topk", "T": 512, "E": 8, "backends": {"triton": row(1.0, 2.0)}})
+    assert plots._plot_token_rounding(plt, doc, tr, "t.png") == "t.png"
+    assert len(figs[-1].axes) == 1 and figs[-1].axes[0].get_title() == "tr"
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in figs[-1].axes[0].lines}
+    assert lines == {"topk fwd": ([64, 128], [8.0, 16.0]), "topk total": ([64, 128], [16.0, 32.0]),
+                     "token_rounding fwd": ([64, 128], [9.0, 17.0]), "token_rounding total": ([64, 128], [17.0, 33.0])}
 
 
 def test_markdown_from_results_file(tmp_path, capsys, monkeypatch):
@@ -1234,6 +1307,13 @@ def test_token_rounding_check_uses_the_timed_pairs():
     assert head.R == int(keep.sum()) > 0 and head.T == 64
     assert torch.equal(head.pair_expert, p.pair_expert[keep]) and torch.equal(head.pair_scores, p.pair_scores[keep])
     assert torch.equal(head.routing.expert_counts(), torch.bincount(p.pair_expert[keep].long(), minlength=4).int())
+    # a routing of the 64 tokens (not of the problem's 1024), and leaves that take the check's gradients
+    per_token = torch.bincount(p.pair_token[keep].long(), minlength=64)
+    assert head.routing.num_tokens == 64 and torch.equal(
+        head.routing.token_offsets, torch.cat([per_token.new_zeros(1), per_token.cumsum(0)]).int())
+    for t in (head.x, head.pair_scores):
+        assert t.is_leaf and t.requires_grad
+    assert p.head(1024) is p and p.head(4096) is p  # all the tokens: the problem itself, nothing copied
 
 
 def test_problem_head_slices_dout_and_route_is_the_layers_static_form():
@@ -1246,6 +1326,9 @@ def test_problem_head_slices_dout_and_route_is_the_layers_static_form():
     p = make_problem(Shape("h", 64, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=1)
     h = p.head(16)
     assert h.T == 16 and torch.equal(h.dout, p.dout[:16]) and torch.equal(h.x, p.x[:16])
+    assert h.routing.num_tokens == 16 and p.head(64) is p
+    for t in (h.x, h.pair_scores):
+        assert t.is_leaf and t.requires_grad
     with pytest.raises(ValueError, match="routing must be 'topk' or 'token_rounding', got 'top_k'"):
         route(p.x.detach(), p.router_weight.detach(), 2, "top_k")
     tr = make_problem(Shape("tr", 256, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=2,

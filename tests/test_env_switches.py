@@ -314,6 +314,13 @@ def test_triton_interpret_agrees_with_triton(monkeypatch):
         assert knobs.runtime.interpret is want, value  # Triton's own reading of the same value
     for value in ("2", " 1", "1 ", "true ", "maybe", "t", "-1"):
         _raises(monkeypatch, "TRITON_INTERPRET", value, common.interpreting)
+    # the message lists the spellings of on, then those of off
+    monkeypatch.setenv("TRITON_INTERPRET", "2")
+    with pytest.raises(ValueError) as info:
+        common.interpreting()
+    assert str(info.value) == ("TRITON_INTERPRET='2': expected '1', 'true', 'on', 'yes' or 'y' (on) or '', '0', "
+                               "'false', 'off', 'no' or 'n' (off), any case, as Triton reads it "
+                               "(unset for the default)")
     assert common.interpreting is env.interpreting
 
 

@@ -140,6 +140,10 @@ def test_config_defaults():
         "topk_then_softmax", False, "concat", False, "auto", "topk")
     # token rounding's documented defaults: nearest, M_tile 128, the static-length (CUDA-graph capturable) form
     assert (c.rounding, c.m_tile, c.static_pairs, c.aux_loss_coef, c.z_loss_coef) == ("nearest", 128, True, 0.01, 0.0)
+    # SwiGLU, no scaling, groups, shared expert or router bias, and O alone returned, unless asked for
+    assert (c.activation, c.routed_scaling_factor, c.n_group, c.topk_group) == ("swiglu", 1.0, 1, 1)
+    assert (c.shared_intermediate_size, c.shared_expert_gate, c.router_bias, c.return_router_info) == (0, False, False,
+                                                                                                       False)
 
 
 @pytest.mark.parametrize("kw,name", [
@@ -175,6 +179,23 @@ def test_config_validation(kw, name):
         base.update(kw)
         with pytest.raises(ValueError, match=name):
             MoEConfig(**base)
+
+
+def test_config_accepts_its_bounds_and_names_them():
+    """The ranges are closed: M_tile = 2^24 (MAX_M_TILE, the kernels' int32 counts still fit) and K = E are taken;
+    one past either is refused with a message that states the range, E's value in it."""
+    from sonicmoe.config import MAX_M_TILE, check_m_tile
+
+    assert MAX_M_TILE == 2**24
+    check_m_tile(2**24)
+    c = MoEConfig(D, N, E, E, routing="token_rounding", m_tile=2**24)
+    assert (c.top_k, c.m_tile) == (E, 2**24)
+    with pytest.raises(ValueError) as info:
+        MoEConfig(D, N, 5, 7)
+    assert str(info.value) == "top_k must be an int in [1, num_experts=5], got 7"
+    with pytest.raises(ValueError) as info:
+        check_m_tile(2**24 + 1)
+    assert str(info.value) == "m_tile must be an int in [1, 16777216] (rows of a tile), got 16777217"
 
 
 # ---------------------------------------------------------------------------------------------
