@@ -221,10 +221,38 @@ def test_shape_bounds_max_T_and_preset_names():
     assert (twice.T, twice.T_preset) == (256, 4096)
     assert [x.dims for x in preset_shapes(" ISO_FLOPS ")] == [x.dims for x in PRESETS["iso-flops"]]
     assert parse_shape("64x32x16x4x2").dims == (64, 32, 16, 4, 2)
+    assert parse_shape("64, 32, 16, 4, 2,").dims == (64, 32, 16, 4, 2)  # a trailing comma adds no number
+    for i, letter in enumerate("TdnEK"):  # a float is no count, even a whole one
+        dims = [8, 4, 4, 3, 2]
+        dims[i] = float(dims[i])
+        with pytest.raises(ValueError, match=f"{letter} must be a positive int, got {dims[i]!r}"):
+            Shape("float", *dims)
     args = cli.build_parser().parse_args(["--preset", "tiny, 7b", "--preset", "iso_flops", "--max-T", "32"])
     shapes = cli._shapes(args)
     assert [x.name for x in shapes] == ["tiny", "7B", *(x.name for x in PRESETS["iso-flops"])]
     assert all(x.T == 32 for x in shapes) and [x.T_preset for x in shapes[:2]] == [64, 24576]
+
+
+def test_preset_all_is_every_paper_shape_once():
+    """``all``: every shape of the paper presets (7b, granularity, iso-flops, models, token-rounding), each (dims,
+    routings) once, in that order, tiny left out; the token-rounding sweep runs both routings by default, the others
+    the command line's; preset_shapes returns a new list each time (a caller's edit leaves the preset alone)."""
+    paper = ("7b", "granularity", "iso-flops", "models", "token-rounding")
+    want = []
+    for key in paper:
+        for s in PRESETS[key]:
+            if (s.dims, s.routings) not in [(w.dims, w.routings) for w in want]:
+                want.append(s)
+    assert [(s.name, s.dims, s.routings) for s in PRESETS["all"]] == [(s.name, s.dims, s.routings) for s in want]
+    assert {s.dims for s in PRESETS["models"]} <= {s.dims for s in PRESETS["all"]}
+    assert PRESETS["tiny"][0].dims not in {s.dims for s in PRESETS["all"]}
+    assert len(PRESETS["token-rounding"]) == 12
+    assert all(s.routings == ("topk", "token_rounding") for s in PRESETS["token-rounding"])
+    assert all(s.routings is None for key in paper[:4] for s in PRESETS[key])
+    first = preset_shapes("tiny")
+    first.append(Shape("extra", 8, 4, 4, 2, 1))
+    first[0] = Shape("other", 8, 4, 4, 2, 1)
+    assert [s.name for s in preset_shapes("tiny")] == ["tiny"] and len(PRESETS["tiny"]) == 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -913,6 +941,18 @@ def test_gpu_watch_window_arithmetic():
     watch._thread = _LateThread()
     watch.stop()
     assert len(watch.samples) == 3
+
+    class _ThreadAtStop:  # a sample at stop()'s very time lies in the block (the windows are closed)
+        def join(self):
+            watch.samples.append((watch.stopped_at, 1500, 0, 40, 0))
+
+    watch._thread = _ThreadAtStop()
+    watch.stop()
+    assert len(watch.samples) == 4 and watch.samples[-1][0] == watch.stopped_at
+    # the clock and the power to 0.1: 1533.3 MHz, 466.7 W
+    watch.samples = [(0.0, 1500, 0, 40, 0), (0.75, 1500, 150_000, 40, 0), (1.5, 1600, 700_000, 40, 0)]
+    got = watch.between(0.0, 1.5)
+    assert (got["sm_mhz"], got["watts"]) == (1533.3, 466.7)
 
 
 def test_gpu_watch_edge_windows_and_no_thread_without_nvml():
@@ -2237,6 +2277,139 @@ def test_open_nvml_never_reads_a_board_for_a_cpu_device(monkeypatch):
 
     monkeypatch.setattr(gpu_state, "Nvml", broken)
     assert gpu_state.open_nvml(torch.device("cuda")) is None
+
+    def no_symbol(device):  # a driver's NVML without a symbol ctypes looks up
+        raise AttributeError("undefined symbol: nvmlDeviceGetHandleByPciBusId_v2")
+
+    monkeypatch.setattr(gpu_state, "Nvml", no_symbol)
+    assert gpu_state.open_nvml(torch.device("cuda")) is None
+
+
+class _FakeNvmlLib:
+    """libnvidia-ml.so.1 as ctypes sees it, on a machine of ``boards`` boards: each call answers through its
+    ``byref`` arguments and returns NVML's status (0 success), and is recorded in :attr:`calls`."""
+
+    def __init__(self, boards=4, pci_ok=True, energy_ok=True):
+        self.boards, self.pci_ok, self.energy_ok = boards, pci_ok, energy_ok
+        self.calls = []
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus, ref):
+        self.calls.append(("pci", bus.value))
+        if not self.pci_ok:
+            return 2
+        ref._obj.value = 0x700
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, ref):
+        self.calls.append(("index", index.value))
+        if index.value >= self.boards:
+            return 2
+        ref._obj.value = 0x100 + index.value
+        return 0
+
+    def nvmlDeviceGetClockInfo(self, handle, kind, ref):
+        self.calls.append(("clock", handle.value, kind.value))
+        ref._obj.value = {0: 1410, 1: 1980}[kind.value]  # NVML_CLOCK_GRAPHICS, NVML_CLOCK_SM
+        return 0
+
+    def nvmlDeviceGetTemperature(self, handle, kind, ref):
+        ref._obj.value = {0: 65}[kind.value]  # NVML_TEMPERATURE_GPU
+        return 0
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle, ref):
+        if not self.energy_ok:
+            return 3  # NVML_ERROR_NOT_SUPPORTED
+        ref._obj.value = 12_345_678_901_234  # past 2**32: a 64-bit counter
+        return 0
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle, ref):
+        ref._obj.value = 0x4
+        return 0
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle, ref):
+        ref._obj.value = 0x8
+        return 0
+
+
+def test_nvml_handle_picks_the_device_board(monkeypatch):
+    """Nvml on a stand-in NVML library: the board of the CUDA device named (an index, a device's index, else the
+    current device) found by its PCI bus id (8-4-2 hex digits, zero-padded) and, where that fails, by index (never
+    both); an SM clock (not the graphics clock), the 64-bit energy counter (a failing read raises), the newer
+    clock-event reasons where the driver has them, the throttle reasons where not."""
+    import ctypes
+
+    from sonicmoe.bench import gpu_state
+
+    lib = _FakeNvmlLib()
+    props_of = []
+
+    def props(index):
+        props_of.append(index)
+        return SimpleNamespace(pci_domain_id=0, pci_bus_id=5 + index, pci_device_id=0)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: lib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    for device, index in ((3, 3), (torch.device("cuda", 1), 1), (torch.device("cuda"), 2), (None, 2)):
+        lib.calls.clear()
+        nv = gpu_state.Nvml(device)
+        assert props_of[-1] == index, device
+        assert lib.calls == [("pci", f"00000000:{5 + index:02x}:00.0".encode())], device  # no index lookup
+        assert nv.handle.value == 0x700
+    assert lib.calls[0][1] == b"00000000:07:00.0"
+    lib.calls.clear()
+    assert (nv.sm_mhz(), nv.temperature_c(), nv.energy_mj(), nv.clock_reasons()) == (1980, 65, 12_345_678_901_234,
+                                                                                   0x4)
+    assert lib.calls == [("clock", 0x700, 1)]
+    # the PCI lookup fails: the board of that index; no board there: an error naming the device
+    lib.pci_ok = False
+    lib.calls.clear()
+    assert gpu_state.Nvml(3).handle.value == 0x103 and lib.calls[1] == ("index", 3)
+    lib.boards = 3
+    with pytest.raises(RuntimeError, match="no NVML handle for CUDA device 3"):
+        gpu_state.Nvml(3)
+    # an older driver: throttle reasons; a board without an energy counter: RuntimeError, and no sample
+    old = _FakeNvmlLib(energy_ok=False)
+    old.nvmlDeviceGetCurrentClocksEventReasons = None
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: old)
+    nv = gpu_state.Nvml(0)
+    assert nv.clock_reasons() == 0x8
+    with pytest.raises(RuntimeError, match="nvmlDeviceGetTotalEnergyConsumption failed"):
+        nv.energy_mj()
+
+
+def test_gpu_watch_sampling_loop_waits_its_period_and_stops_on_a_failed_read():
+    """GpuWatch._run (on this thread): one sample, then a wait of ``period`` s, until the stop event is set; a read
+    that fails (no energy counter) ends the sampling quietly with the samples taken so far."""
+    from sonicmoe.bench.gpu_state import GpuWatch
+
+    class Stop:
+        def __init__(self, after):
+            self.waits, self.after = [], after
+
+        def wait(self, timeout):
+            self.waits.append(timeout)
+            return len(self.waits) >= self.after
+
+    watch = GpuWatch(nvml=_FakeNvml(), period=0.125)
+    watch._stop = Stop(3)
+    watch._run()
+    assert watch._stop.waits == [0.125] * 3 and len(watch.samples) == 3
+    assert [s[1] for s in watch.samples] == [1500, 1700, 1500]
+
+    class Failing(_FakeNvml):
+        def energy_mj(self):
+            if self.calls > 2:
+                raise RuntimeError("nvmlDeviceGetTotalEnergyConsumption failed")
+            return super().energy_mj()
+
+    watch = GpuWatch(nvml=Failing(), period=0.125)
+    watch._stop = Stop(10)
+    watch._run()
+    assert len(watch.samples) == 2 and watch._stop.waits == [0.125] * 2
 
 
 def test_fwdbwd_call_resets_the_gradients_first():

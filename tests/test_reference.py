@@ -543,6 +543,10 @@ def test_testing_helpers_rel_err():
     clamped: a token without experts has a zero output and a zero reference)."""
     ref = torch.ones(3)
     assert rel_err(ref + 1, ref) == pytest.approx(1.0)
+    # in float64: an error of 1e-12 is no rounding of float32's (whose epsilon is 1.2e-7)
+    ref64 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    err = rel_err(ref64 + torch.tensor([1e-12, 0.0, 0.0], dtype=torch.float64), ref64)
+    assert err == pytest.approx(1e-12 / float(ref64.norm()), rel=1e-3, abs=0)
     assert math.isnan(rel_err(torch.tensor([1.0, float("inf"), 1.0]), ref))
     assert math.isnan(rel_err(torch.tensor([1.0, float("nan"), 1.0]), ref))
     assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0
@@ -578,6 +582,12 @@ def test_testing_helpers_random_problem_follows_seed_scale_and_bias():
         assert torch.equal(half[key], a[key] * 0.5), key  # a power of two: exact
     plain = random_problem(T, d, n, E, seed=3)
     assert plain["b1"] is None and plain["b2"] is None and torch.equal(plain["x"], a["x"])
+    # float32 on the CPU unless asked; ``device`` is where every tensor lands
+    assert all(a[key].dtype == torch.float32 and a[key].device.type == "cpu" for key in shapes)
+    meta = random_problem(T, d, n, E, seed=3, bias=True, device="meta", dtype=torch.float16)
+    for key, shape in shapes.items():
+        assert meta[key].device.type == "meta" and meta[key].dtype == torch.float16, key
+        assert tuple(meta[key].shape) == shape, key
     routing = random_topk_routing(T, E, K, seed=1, device="cpu")
     ids = torch.randn(T, E, generator=torch.Generator().manual_seed(1)).topk(K, dim=1).indices
     assert torch.equal(routing.expert_counts().long().cpu(), torch.bincount(ids.reshape(-1), minlength=E))
@@ -613,3 +623,54 @@ def test_testing_helpers_layer_and_reference_grads(monkeypatch):
                        gate_up_layout=layout)[0]
         assert got.dtype == torch.float64 and torch.equal(got, want.detach()), layout
     assert rel_err(out, reference_grads(p, dout, K)[0]) < 1e-5
+
+
+def test_testing_helpers_with_biases():
+    """layer_grads and reference_grads hand b1 (E, 2n) and b2 (E, d) to the layer each in its place (d = 2n here,
+    so a swap would run, with other numbers) and return their gradients: the bits of moe / moe_ref called directly."""
+    from sonicmoe.testing import layer_grads, reference_grads
+
+    T, d, n, E, K = 6, 8, 4, 4, 2
+    p = random_problem(T, d, n, E, seed=8, bias=True)
+    dout = torch.randn(T, d, generator=torch.Generator().manual_seed(9))
+    names = ("x", "router_weight", "w1", "w2", "b1", "b2")
+    out, grads = layer_grads(p, dout, K, dtype=torch.float32, backend="torch")
+    ins = {key: p[key].clone().requires_grad_(True) for key in names}
+    res = sonicmoe.moe(*(ins[key] for key in names), top_k=K, backend="torch")
+    res.out.backward(dout)
+    assert set(grads) == set(names) and torch.equal(out, res.out.detach())
+    for key in names:
+        assert torch.equal(grads[key], ins[key].grad), key
+    ref_out, ref_grads = reference_grads(p, dout, K)
+    ins64 = {key: p[key].double().requires_grad_(True) for key in names}
+    want = moe_ref(*(ins64[key] for key in names), top_k=K)[0]
+    want.backward(dout.double())
+    assert torch.equal(ref_out, want.detach())
+    for key in names:
+        assert ref_grads[key].dtype == torch.float64 and torch.equal(ref_grads[key], ins64[key].grad), key
+    assert float(ref_grads["b1"].abs().max()) > 0 and float(ref_grads["b2"].abs().max()) > 0
+
+
+def test_testing_helpers_defaults(monkeypatch):
+    """The helpers' defaults: layer_grads runs the triton backend in bfloat16; reference_grads keeps float64 inputs
+    as they are (rounded to float64: no rounding) in the concat layout."""
+    import sonicmoe.functional as functional
+    from sonicmoe.testing import layer_grads, reference_grads
+
+    T, d, n, E, K = 6, 8, 4, 4, 2
+    g = torch.Generator().manual_seed(10)  # float64 draws (random_problem's are float32 values, widened)
+    p64 = {key: torch.randn(*shape, generator=g, dtype=torch.float64) * s for key, shape, s in (
+        ("x", (T, d), 1.0), ("router_weight", (E, d), d**-0.5), ("w1", (E, 2 * n, d), d**-0.5),
+        ("w2", (E, d, n), n**-0.5))}
+    dout = torch.randn(T, d, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    got, _ = reference_grads(p64, dout, K)
+    want = moe_ref(p64["x"], p64["router_weight"], p64["w1"], p64["w2"], top_k=K, gate_up_layout="concat")[0]
+    assert torch.equal(got, want)
+    rounded = {key: v.float().double() for key, v in p64.items()}
+    assert not torch.equal(got, moe_ref(rounded["x"], rounded["router_weight"], rounded["w1"], rounded["w2"],
+                                        top_k=K)[0])
+    seen = []
+    monkeypatch.setattr(functional, "resolve_backend", lambda backend, x: seen.append(backend) or "torch")
+    out, grads = layer_grads(p64, dout.float(), K)
+    assert seen[0] == "triton" and out.dtype == torch.bfloat16
+    assert all(g.dtype == torch.bfloat16 for g in grads.values())

@@ -1287,6 +1287,7 @@ def test_setup_joins_a_group_of_one_and_clips_the_full_norm(group_of_one):
     assert device == torch.device("cpu")
     dp.close()
     assert torch.distributed.is_initialized()
+    assert not distributed.requested()  # a group of one asks for no data parallelism
     sharding = distributed.ExpertSharding(1)
     sharding.sharded = [True, False, True, False]
     g = torch.Generator().manual_seed(4)
@@ -1303,6 +1304,131 @@ def test_setup_joins_a_group_of_one_and_clips_the_full_norm(group_of_one):
         for p, r in zip(params, ref):
             torch.testing.assert_close(p.grad, r * scale, rtol=1e-6, atol=1e-7)
         assert params[3].grad is None
+
+
+def _cuda_stand_in(monkeypatch, gpus: int, current: int) -> list:
+    """torch.cuda of a machine with ``gpus`` GPUs, ``current`` the current one; returns the set_device calls."""
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    return made_current
+
+
+def test_setup_on_cuda_picks_the_local_gpu_and_backend(monkeypatch):
+    """setup() for a CUDA device creating the group (torch.distributed and torch.cuda stand-ins): the GPU is
+    LOCAL_RANK modulo the GPUs (without LOCAL_RANK, the current one), made current; NCCL while the local ranks
+    (LOCAL_WORLD_SIZE, 1 without it) do not outnumber the GPUs, gloo where they do."""
+    from sonicmoe.train import distributed
+
+    dist = distributed.dist
+    if not dist.is_available():
+        pytest.skip("no torch.distributed")
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", made.append)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    for gpus, local_world, local_rank, current, want, backend in (
+            (2, "2", "3", 0, 1, "nccl"),  # one GPU per local rank
+            (2, "4", "1", 0, 1, "gloo"),  # two local ranks per GPU: NCCL would refuse
+            (1, None, None, 0, 0, "nccl"),  # no LOCAL_WORLD_SIZE: one local rank
+            (4, None, None, 2, 2, "nccl")):  # no LOCAL_RANK: the caller's current GPU
+        made_current = _cuda_stand_in(monkeypatch, gpus, current)
+        for name, value in (("LOCAL_WORLD_SIZE", local_world), ("LOCAL_RANK", local_rank)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        dp, device = distributed.setup(torch.device("cuda"))
+        case = (gpus, local_world, local_rank)
+        assert device == torch.device("cuda", want) and made_current == [device], case
+        assert made[-1] == backend, case
+        assert dp == distributed.DataParallel(rank=3, world=4, backend=backend, owns_group=True), case
+
+
+def test_setup_on_cuda_joins_with_the_group_backend(group_of_one, monkeypatch):
+    """setup() for a CUDA device in a group the caller made reports that group's backend (gloo here), not the one
+    it would have chosen for the GPUs (NCCL), and makes the current GPU current."""
+    from sonicmoe.train import distributed
+
+    made_current = _cuda_stand_in(monkeypatch, gpus=2, current=1)
+    dp, device = distributed.setup(torch.device("cuda"))
+    assert dp == distributed.DataParallel(rank=0, world=1, backend="gloo", owns_group=False)
+    assert device == torch.device("cuda", 1) and made_current == [device]
+
+
+def test_expert_sharding_gathers_slices_and_clips_over_its_group(monkeypatch):
+    """ExpertSharding with torch.distributed's collectives stood in for (rank 0 of an EP group of 2 in a world of
+    6): full() gathers each expert tensor over the EP group, rank r's slice after rank r-1's on dim 0, with or
+    without an optimizer state (one without float32 masters keeps none); local() slices a copy (an update of it, or
+    a checkpoint of it, is the slice's alone); clip_grad_norm_ sums the expert slices' squared norms over the EP
+    group and scales as torch's clip_grad_norm_ does (its 1e-6 included); describe() counts the EP groups."""
+    from sonicmoe.train import distributed
+
+    sharding = distributed.ExpertSharding.__new__(distributed.ExpertSharding)  # no process group
+    sharding.size, sharding.rank, sharding.group, sharding.sharded = 2, 0, "ep-group", [True, False]
+    g = torch.Generator().manual_seed(12)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(2, 3, generator=g))
+    model.b = torch.nn.Parameter(torch.randn(4, generator=g))
+
+    def all_gather(parts, t, group=None):
+        assert group == "ep-group" and len(parts) == 2
+        for r, part in enumerate(parts):
+            part.copy_(t + 10.0 * r)  # rank r's slice
+
+    monkeypatch.setattr(distributed.dist, "all_gather", all_gather)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full, no_opt = sharding.full(model, state)
+    assert no_opt is None
+    assert torch.equal(full["a"], torch.cat([state["a"], state["a"] + 10.0])) and torch.equal(full["b"], state["b"])
+    avg = torch.randn(2, 3, generator=g)
+    opt = {"adamw": {"state": {0: {"step": torch.tensor(2.0), "exp_avg": avg}}, "param_groups": []}}
+    _, full_opt = sharding.full(model, state, opt, [0])
+    assert full_opt["masters"] is None
+    assert torch.equal(full_opt["adamw"]["state"][0]["exp_avg"], torch.cat([avg, avg + 10.0]))
+    sharding.rank = 1
+    local, _ = sharding.local(model, full)
+    assert torch.equal(local["a"], state["a"] + 10.0)
+    local["a"].add_(1.0)
+    assert torch.equal(full["a"][2:], state["a"] + 10.0)
+    assert local["a"].untyped_storage().nbytes() == local["a"].numel() * local["a"].element_size()
+
+    others = [0.0]
+
+    def all_reduce(t, group=None):
+        assert group == "ep-group"
+        t.add_(others[0])  # the other rank's expert slice's squared norm
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    params = [torch.nn.Parameter(torch.randn(2, 3, generator=g)), torch.nn.Parameter(torch.randn(4, generator=g))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    ref = [p.grad.clone() for p in params]
+    others[0] = 3.0
+    want = (sum(float(r.square().sum()) for r in ref) + 3.0) ** 0.5
+    norm = sharding.clip_grad_norm_(params, 1.0)
+    assert float(norm) == pytest.approx(want, rel=1e-6)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r / (want + 1e-6), rtol=1e-6, atol=0)
+    # a norm near 1e-6: torch's clip factor, max_norm / (norm + 1e-6), not max_norm / norm
+    others[0] = 0.0
+    for p, r in zip(params, ref):
+        p.grad = r * (1e-6 / float(torch.linalg.vector_norm(torch.cat([x.reshape(-1) for x in ref]))))
+    before = [p.grad.clone() for p in params]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, b in zip(twins, before):
+        t.grad = b.clone()
+    torch.nn.utils.clip_grad_norm_(twins, 1e-6)
+    sharding.clip_grad_norm_(params, 1e-6)
+    for p, t, b in zip(params, twins, before):
+        torch.testing.assert_close(p.grad, t.grad, rtol=1e-5, atol=0)
+        torch.testing.assert_close(p.grad, b * 0.5, rtol=1e-5, atol=0)  # 1e-6 / (1e-6 + 1e-6)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 6)
+    assert sharding.describe() == {"size": 2, "groups": 3}
 
 
 def test_expert_sharding_maps_expert_tensors_only():
