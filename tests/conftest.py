@@ -70,7 +70,6 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-
 @pytest.fixture(scope="module")
 def poisoned_outputs():
     """SONICMOE_POISON_OUTPUTS=1 for a whole module (hypothesis tests, which cannot take function-scoped fixtures):

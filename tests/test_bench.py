@@ -510,7 +510,6 @@ def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
     assert rc == 0 and [r["routing"] for r in doc["results"]] == ["topk"]
 
 
-
 def test_token_rounding_that_routes_no_pair_is_skipped_not_failed(tmp_path, capsys):
     """The tiny shape under token rounding at the default M_tile = 128: T·K/E = 32 mean tokens per expert round to
     no pair. A check on no pair passes any kernel, so the shape is skipped with how to route pairs (a smaller
@@ -629,7 +628,6 @@ def test_plot_train_line_is_the_moving_mean(monkeypatch, tmp_path):
     line = next(ln for ln in figs[0].axes[0].lines if ln.get_label() == "train (4-step mean)")
     want = [sum(ys[max(0, j - 3):j + 1]) / min(j + 1, 4) for j in range(200)]
     assert list(line.get_ydata()) == pytest.approx(want, rel=1e-12, abs=1e-12)
-
 
 
 def test_plot_runs_colours_validation_and_closes_its_figure(monkeypatch, tmp_path):
@@ -919,7 +917,6 @@ def test_bench_records_the_gpu_state_of_each_timing(tmp_path, monkeypatch, capsy
     assert row["fwd"]["gpu"] is None and row["total"]["gpu"] is None
 
 
-
 def test_gpu_watch_window_arithmetic():
     """between() on known samples: the mean clock, the power from the energy counter (mJ over host seconds: W), the
     highest temperature, the OR of every sample's clock-event reasons; None from one sample; stop() drops a sample
@@ -989,7 +986,6 @@ def test_timing_loops_count_calls():
     assert len(calls) == 3 + 7
 
 
-
 def test_worst_expert_error_is_over_the_rms_expert():
     """One expert of 16 all wrong: the norm-wise error is 1/4 (sqrt(1/16)), the worst-expert error 1 (its error over
     the RMS expert's norm, not over all experts' norm, which would shrink it by sqrt(E)); the pieces added in two
@@ -1003,6 +999,7 @@ def test_worst_expert_error_is_over_the_rms_expert():
     acc.add(got[:8], ref[:8])
     acc.add(got[8:], ref[8:])
     assert acc.value() == pytest.approx(0.25) and acc.local() == pytest.approx(1.0)
+
 
 def test_norm_error_of_a_non_finite_piece_is_nan():
     """A NaN in one expert's gradient makes both the norm-wise and the worst-expert error NaN (a failed check), not
@@ -1045,6 +1042,7 @@ def test_plotted_values_skip_non_finite_ones():
     assert _val({"r": {"fwd": 2.0}}, "r", "fwd") == 2.0
     assert _val({"r": {"fwd": float("nan")}}, "r", "fwd") is None
     assert _val({"r": {"fwd": float("inf")}}, "r", "fwd") is None and _val({"r": 1.0}, "r", "fwd") is None
+
 
 @pytest.mark.gpu
 def test_gpu_watch_reads_the_board():
@@ -2042,7 +2040,6 @@ def test_git_commit_of_an_empty_answer_is_unknown(monkeypatch):
     monkeypatch.setattr(provenance.subprocess, "run",
                         lambda cmd, **kw: SimpleNamespace(returncode=0, stdout="\n", stderr=""))
     assert provenance.git_commit() is None
-
 
 
 def test_git_that_hangs_or_cannot_start_is_unknown(monkeypatch):

@@ -216,7 +216,6 @@ def test_shared_expert_errors_leave_the_layer_unchanged():
     fails(wide, ValueError, r"b.shared_expert.gate_proj.weight.*\(12, 12\)", good)
 
 
-
 def test_both_shared_expert_names_are_ambiguous():
     """A checkpoint with both shared_experts.* (DeepSeek) and shared_expert.* (Qwen2-MoE) under one prefix is refused,
     naming both prefixes, with the layer unchanged (before, shared_experts.* was loaded silently); either alone loads,

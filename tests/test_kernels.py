@@ -449,7 +449,6 @@ def test_gemm_operands_with_strided_columns(device):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-
 def test_dh_and_varlen_k_operands_strided(device):
     """Strided views give the bits of their contiguous copies in dH and the varlen-K weight gradients: scores in
     pair order a stride-2 view (the kernel reads them through row_pair at unit stride), dO, H and W2 stored transposed,
@@ -742,7 +741,6 @@ def test_inference_path_matches_training_path(device):
         o_inf = sonicmoe.experts(p["x"], p["w1"], p["w2"], routing, s, backend="triton")
     o_train = sonicmoe.experts(p["x"].requires_grad_(True), p["w1"], p["w2"], routing, s, backend="triton")
     assert torch.equal(o_inf, o_train.detach())
-
 
 
 @pytest.mark.parametrize("made_in_inference", ["routing", "x", "frozen_w2"])
@@ -1598,7 +1596,6 @@ def test_varlen_k_pinned_schedule(monkeypatch, rows_per_expert, steps):
     assert bool(call.get("STEPS")) is steps
     assert call["_grid"] == ((min(tiles, 132),) if steps else (tiles,))
     assert call["LOAD_ORDER"] is False and call["order_ptr"] is routing.expert_offsets  # index order: no order read
-
 
 
 def test_varlen_k_pinned_tiles_follow_the_gathered_operand(monkeypatch):

@@ -26,6 +26,7 @@ def _poison(monkeypatch):
     fails the comparison with the twin."""
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
 
+
 ORDERS = [("topk_then_softmax", False), ("softmax_then_topk", False), ("softmax_then_topk", True),
           ("sigmoid_then_topk", False), ("sigmoid_then_topk", True)]
 

@@ -21,6 +21,8 @@ def _poison(monkeypatch):
     """Every kernel output poisoned (NaN; int32: int-min) before its kernel writes it: an element no program writes
     fails the comparison with the twin."""
     monkeypatch.setenv("SONICMOE_POISON_OUTPUTS", "1")
+
+
 ROUTING_FIELDS = ("expert_offsets", "row_token", "row_pair", "pair_row", "token_offsets", "token_rows", "slot_pair")
 
 

@@ -364,7 +364,6 @@ def test_token_rounding_keeps_a_nan_score_token():
         assert out.pair_token[out.pair_expert == 0].tolist() == [0, 1, 2, 3], (fn, kw)
 
 
-
 def test_token_rounding_signed_zeros_tie():
     # -0.0 == +0.0: a tie, which goes to the lower token, as in the ref (the keys ranked +0.0 above -0.0 before)
     g = torch.Generator().manual_seed(11)

@@ -170,7 +170,6 @@ def test_data_directory(tmp_path):
     assert corpus.num_files == 1 and corpus.val.numel() == int(0.1 * (corpus.train.numel() + corpus.val.numel()))
 
 
-
 def test_corpus_skips_hidden_files_and_stops_at_the_cap(tmp_path):
     """A directory's hidden files and folders (.git, editor swap files) are not read; the corpus stops at --max-bytes
     exactly (the last file cut short), and its train and validation splits partition the bytes read."""
@@ -220,6 +219,7 @@ def test_corpus_digest_sees_the_split():
         t[i] ^= 1 + int(torch.randint(0, 255, (), generator=g))
         other = ByteCorpus(**{"train": a.train, "val": a.val, split: t}, source="x", num_files=1)
         assert other.digest != a.digest, split
+
 
 def test_token_rounding_passes_through(tmp_path):
     pytest.importorskip("sonicmoe.token_rounding")
@@ -639,7 +639,6 @@ def test_moe_profiler_sums_every_layers_forward_and_backward():
     assert prof.forward_s == 0.0
 
 
-
 def test_moe_profiler_syncs_cuda_around_each_measurement(monkeypatch):
     """On CUDA each of the four hooks synchronises the device before it reads the clock (the kernels run
     asynchronously: an unsynchronised clock reads the launch, not the work): per layer and profiled step, a sync
@@ -699,7 +698,8 @@ def test_moe_profiler_skips_a_bracket_it_did_not_open():
     unused(x)  # its output is dropped: no backward of the layer
     (x * 3).sum().backward()  # x's gradient (the input hook fires) without the layer's backward having started
     assert prof2.forward_s > 0.0 and prof2.backward_s == 0.0
-    prof.remove(), prof2.remove()
+    prof.remove()
+    prof2.remove()
 
 
 def test_help():
@@ -759,7 +759,6 @@ def test_out_inside_data_is_refused(tmp_path, capsys, monkeypatch):
     log = _run(tmp_path / "beside", "--steps", "1", "--data", str(data), "--max-bytes", "20000", "--eval-every", "0",
                "--profile-every", "0")
     assert log["steps_done"] == 1
-
 
 
 def _summary_log(**extra) -> dict:
@@ -993,7 +992,6 @@ def test_peak_memory_on_cpu_is_the_max_rss_in_mib():
     assert 0.9 * hwm_kib / 1024 <= got["mib"] <= hwm_kib / 1024 + 1.0
 
 
-
 def test_device_names_read_the_cpu_model_name_and_the_first_driver(monkeypatch):
     """device_name on the CPU: /proc/cpuinfo's "model name" line (not the "model" number line before it);
     _nvidia_driver: the first GPU's line of nvidia-smi's one line per GPU, None when it prints nothing."""
@@ -1011,7 +1009,6 @@ def test_device_names_read_the_cpu_model_name_and_the_first_driver(monkeypatch):
     assert report._nvidia_driver() == "550.54.15"
     printed[0] = "\n"
     assert report._nvidia_driver() is None
-
 
 
 def test_environment_names_versions_threads_and_the_utc_date(monkeypatch):
@@ -1088,6 +1085,7 @@ def test_summary_reports_milliseconds_per_profiled_step(tmp_path):
     assert "uniform = 0.333): [0.250, 0.500], [0.250, 0.500]; mean CV 0.354" in text
     assert "averaged over layers: 2.25 (summed over steps: 1.50)" in text
     assert text.endswith(f"files: {tmp_path / 'log.json'}, {tmp_path / 'ckpt.pt'}")
+
 
 def test_progress_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
