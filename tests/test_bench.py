@@ -231,6 +231,9 @@ def test_shape_bounds_max_T_and_preset_names():
     shapes = cli._shapes(args)
     assert [x.name for x in shapes] == ["tiny", "7B", *(x.name for x in PRESETS["iso-flops"])]
     assert all(x.T == 32 for x in shapes) and [x.T_preset for x in shapes[:2]] == [64, 24576]
+    # blank items of a comma list (a trailing comma, a lone one) name no preset
+    blank = cli.build_parser().parse_args(["--preset", "tiny,", "--preset", " , "])
+    assert [x.name for x in cli._shapes(blank)] == ["tiny"]
 
 
 def test_preset_all_is_every_paper_shape_once():
@@ -478,6 +481,42 @@ def test_calibrate_router_with_an_idle_expert():
     assert got[0] < load(w)[0] and got[0] < 0.25 / e and not got_w[0].any()  # its row scaled to 0
     with pytest.raises(ValueError, match="target: no expert has a fraction > 0"):
         calibrate_router(x, w, k, torch.zeros(e, dtype=torch.float64))
+
+
+def test_calibrate_router_returns_the_router_weights_dtype():
+    """A bf16 router weight comes back bf16 (the problem's router keeps its dtype), the float32 calibration rounded
+    once: the same scaled rows as calibrating its float32 copy, and the same deviation."""
+    from sonicmoe.bench.load_profile import calibrate_router
+
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(1024, 16, generator=g), torch.randn(8, 16, generator=g).bfloat16()
+    target = torch.tensor([0.25, 0.2, 0.15, 0.1, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+    got_w, dev = calibrate_router(x, w, 2, target, max_iters=6)
+    ref_w, ref_dev = calibrate_router(x, w.float(), 2, target, max_iters=6)
+    assert got_w.dtype == torch.bfloat16 and not torch.equal(ref_w, w.float())  # scaled, not handed back
+    assert torch.equal(got_w, ref_w.bfloat16()) and dev == ref_dev
+
+
+def test_calibrate_router_reaches_an_expert_that_starts_with_no_pair():
+    """An expert the random router gives no pair at all (its row 1000 times smaller) is scaled up from the floor of
+    a tenth of a pair (log 0 would make its scale infinite, its row inf/NaN, and it would take every token): every
+    expert ends within tol of an even load, with finite weights."""
+    from sonicmoe.bench.load_profile import calibrate_router
+
+    g = torch.Generator().manual_seed(8)
+    e, k, t = 16, 2, 1024
+    x, w = torch.randn(t, 16, generator=g), torch.randn(e, 16, generator=g)
+    w[3] *= 1e-3
+    target = torch.full((e,), 1 / e, dtype=torch.float64)
+
+    def load(weight):
+        ids = (x @ weight.t()).topk(k, dim=1).indices
+        return torch.bincount(ids.reshape(-1), minlength=e).double() / ids.numel()
+
+    assert load(w)[3] == 0
+    got_w, dev = calibrate_router(x, w, k, target, tol=0.05, max_iters=30)
+    assert torch.isfinite(got_w).all() and dev <= 0.05
+    assert dev == pytest.approx(float(((load(got_w) - target).abs() / target).max()))
 
 
 def test_token_rounding_path_and_fallback(tmp_path, monkeypatch):
@@ -1942,6 +1981,29 @@ def test_bench_cli_device_cuda_without_gpu_routing_list_and_cpu_threads(tmp_path
     finally:
         torch.set_num_threads(before)
     assert seen == [(("token_rounding", "topk"), 2), (("token_rounding", "topk"), 1)] and after == 2
+
+
+def test_bench_cli_passes_its_options_to_the_run(tmp_path, monkeypatch, capsys):
+    """What the command line hands the run: without --preset or --shape the tiny shape on a CPU (not the 7B one),
+    with --shape that shape alone; fp32 by default on a CPU (recorded so in the results file's args); --rounding,
+    --seed, --no-check-grads (apart from --check) and -q (verbose off) reach RunOptions as given."""
+    from sonicmoe.bench import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run", lambda shapes, opts, **kw: seen.append(([s.dims for s in shapes], opts)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--out", str(tmp_path / "a"), *FAST]) == 1  # nothing was timed: the run is a stub
+    (dims, opts), = seen
+    assert dims == [(64, 32, 16, 4, 2)] and opts.dtype == torch.float32 and opts.device == torch.device("cpu")
+    assert (opts.rounding, opts.seed, opts.check, opts.check_grads, opts.verbose) == ("nearest", 0, True, True, False)
+    assert _strict_load(_only_json(tmp_path / "a"))["args"]["dtype"] == "fp32"
+    seen.clear()
+    assert cli.main(["--out", str(tmp_path / "b"), *FAST[:-3], "--device", "cpu", "--shape", "96,48,16,12,3",
+                     "--rounding", "balance", "--seed", "7", "--no-check-grads"]) == 1
+    (dims, opts), = seen
+    assert dims == [(96, 48, 16, 12, 3)]
+    assert (opts.rounding, opts.seed, opts.check, opts.check_grads, opts.verbose) == ("balance", 7, True, False, True)
+    capsys.readouterr()
 
 
 def test_bench_cli_plot_from_without_plots_exits_1(tmp_path, monkeypatch, capsys):
