@@ -350,13 +350,22 @@ def test_reference_chunks_and_upper_bound(dtype):
             t.grad = None
     up = UpperBoundCase(p)
     assert up.m == 20 and up.k_up == 2 and up.x_up.shape == (100, 16)
+    # under top-k the bound weighs each token's K rows by the problem's own scores, in the layer's dtype
+    assert up.s_up.dtype == dtype and torch.equal(up.s_up.detach(), p.pair_scores.detach().view(50, 2).to(dtype))
     # E = 3 does not divide T·K = 100: ⌈100/3⌉ = 34 rows per expert, 102 in all, the first 100 summed
-    up = UpperBoundCase(make_problem(Shape("t3", 50, 16, 8, 3, 2), dtype=dtype, device="cpu", seed=3))
-    assert up.m == 34 and up.rows == 102 and up.forward().shape == (50, 16)
+    p3 = make_problem(Shape("t3", 50, 16, 8, 3, 2), dtype=dtype, device="cpu", seed=3)
+    up = UpperBoundCase(p3)
+    assert up.m == 34 and up.rows == 102
+    out = up.forward()
+    assert out.shape == (50, 16) and out.dtype == dtype
+    # X_up's row r is a copy of x[r mod T]: the 102 rows cycle through the 50 tokens (the last 2 are x[0], x[1])
+    assert torch.equal(up.x_up.detach(), p3.x.detach()[torch.arange(102) % 50])
     # token rounding down to M_tile = 8 keeps R = 80 pairs of T = 50 tokens: K' = round(1.6) = 2, not 1
     tr = make_problem(shape, dtype=dtype, device="cpu", seed=3, mode="token_rounding", m_tile=8, rounding="down")
     up = UpperBoundCase(tr)
     assert tr.R == 80 and up.k_up == 2 and up.m == 20
+    # no top-k scores of its own to reuse: each token weighs its K' rows equally, 1/K' each, in the layer's dtype
+    assert up.s_up.dtype == dtype and torch.equal(up.s_up.detach(), torch.full((50, 2), 0.5, dtype=dtype))
 
 
 def test_make_problem_dtypes_scales_and_seed():
@@ -431,6 +440,15 @@ def test_loop_limit_and_default_backends(monkeypatch):
         monkeypatch.setattr(baselines, "library_installed", lambda name, installed=installed: installed)
         assert ("scattermoe" in baselines.resolve_backends("default")) == installed
     assert baselines.resolve_backends("upper,default,triton") == ["upper", "triton", "torch", "loop", "scattermoe"]
+    # ``all``: every registered backend, the ones off by default too, whether or not their library is installed
+    monkeypatch.setattr(baselines, "library_installed", lambda name: False)
+    assert baselines.resolve_backends("all") == list(baselines.REGISTRY)
+    assert baselines.resolve_backends("loop,all") == ["loop"] + [n for n in baselines.REGISTRY if n != "loop"]
+    # register_baseline replaces a backend of the same name (and returns the spec it registered)
+    monkeypatch.setattr(baselines, "REGISTRY", dict(baselines.REGISTRY))
+    mine = baselines.BaselineSpec("loop", baselines._loop_factory, "a replacement loop", default=False)
+    assert baselines.register_baseline(mine) is mine and baselines.REGISTRY["loop"] is mine
+    assert "loop" not in baselines.resolve_backends("default") and "loop" in baselines.resolve_backends("all")
 
 
 def test_triton_backend_unavailable_in_bf16_under_the_interpreter(monkeypatch):

@@ -416,6 +416,12 @@ def test_strided_weights_and_row_pairs(device):
     assert torch.equal(score_grad(parts, row_pair, offsets), want)
     assert torch.equal(want, score_grad_ref(parts, routing.row_pair, routing.expert_offsets))
     assert torch.equal(score_grad(parts.t().contiguous().t(), routing.row_pair, routing.expert_offsets), want)
+    # a strided (R,) view of the bias term (a column of a (R, 2) tensor) adds the same row's term as its copy
+    extra = torch.randn(r, 2, device=device)[:, 1]
+    assert not extra.is_contiguous()
+    with_extra = score_grad(parts, routing.row_pair, routing.expert_offsets, extra)
+    assert torch.equal(with_extra, score_grad(parts, routing.row_pair, routing.expert_offsets, extra.contiguous()))
+    assert torch.equal(with_extra, score_grad_ref(parts, routing.row_pair, routing.expert_offsets, extra.contiguous()))
 
 
 def test_gemm_operands_with_strided_columns(device):
@@ -1223,6 +1229,9 @@ def test_score_grad_rejects_bad_input(device):
         score_grad(part, rows, offsets, torch.randn(8, device=device, dtype=torch.float64))
     with pytest.raises(ValueError, match="expert_offsets"):
         score_grad(part, rows, offsets.long())
+    # no offsets at all (E + 1 = 0: the kernel would read expert_offsets[-1], before the tensor)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        score_grad(part, rows, offsets[:0])
 
 
 def test_score_grad_defaults_no_rows_and_device(device, monkeypatch):
@@ -1242,6 +1251,24 @@ def test_score_grad_defaults_no_rows_and_device(device, monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="ds_part is on cpu"):
             score_grad(part, rows, offsets)
+
+
+def test_score_grad_reads_no_row_pair_past_r(device):
+    """The kernel's last program reaches past row R − 1 and must neither read row_pair there nor store through it:
+    row_pair is a view of the first R entries of a longer buffer whose entry R names pair 0's position again (what
+    an allocator may leave there), so a program that took row R for a row would overwrite that pair with 0."""
+    g = torch.Generator().manual_seed(57)
+    r = 1500  # rows 1024..2047 in the second program: row R = 1500 is one of them
+    part = torch.randn(2, r, generator=g).to(device)
+    perm = torch.randperm(r, generator=g)
+    buf = torch.cat([perm, perm[:1]]).to(device=device, dtype=torch.int32)  # buf[R] = row 0's pair
+    row_pair = buf[:r]
+    assert row_pair.is_contiguous() and row_pair.data_ptr() == buf.data_ptr()  # the launcher passes it as is
+    offsets = torch.tensor([0, 700, r], device=device, dtype=torch.int32)  # no padding rows: every pair is written
+    got = score_grad(part, row_pair, offsets)
+    want = (part[0] + part[1])[torch.argsort(perm)]  # the pair's row's sum, in pair order
+    assert torch.equal(got, want.to(device))
+    assert got[int(perm[0])] != 0
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
