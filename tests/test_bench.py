@@ -637,12 +637,21 @@ def test_plot_from_results_file(tmp_path):
     assert len(list(other.glob("*.png"))) == 4
 
 
-def test_plot_title_speedup_bars_and_memory_in_gib(monkeypatch):
-    """The plots' title names the run (and the activation unless SwiGLU alone); the speed-up chart centres each
-    record's bars on its tick (two competitors: idx ± width/2); the memory chart plots bytes in GiB."""
+@pytest.fixture
+def saved_figures(monkeypatch) -> list:
+    """The figures the plots save, in order, kept open for the test to read back (Figure.savefig writes nothing);
+    skips without matplotlib."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
+    figs = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    return figs
+
+
+def test_plot_title_speedup_bars_and_memory_in_gib(saved_figures):
+    """The plots' title names the run (and the activation unless SwiGLU alone); the speed-up chart centres each
+    record's bars on its tick (two competitors: idx ± width/2); the memory chart plots bytes in GiB."""
     from sonicmoe.bench.plots import GiB, _plot_memory, _plot_speedup, _setup, _title
 
     env = {"device": "H100", "torch": "2.11", "triton": "3.6", "git_commit": "0123456789abcdef"}
@@ -650,8 +659,7 @@ def test_plot_title_speedup_bars_and_memory_in_gib(monkeypatch):
     assert _title(doc) == "H100 | torch 2.11 | triton 3.6 | 0123456789 | 2026-01-02"
     clamped = dict(doc, results=[{}, {"activation": "clamped_swiglu"}])
     assert _title(clamped).endswith("| 2026-01-02 | activation swiglu, clamped_swiglu")
-    figs = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    figs = saved_figures
     plt = _setup()
     recs = [{"name": f"s{i}", "ratio_base": "triton", "ratios": {"torch": {"fwd": 1.5 + i, "total": 2.0},
                                                                   "upper": {"fwd": 0.5 + i, "total": 0.9}}}
@@ -669,16 +677,12 @@ def test_plot_title_speedup_bars_and_memory_in_gib(monkeypatch):
     assert lines == {"triton held": [0.5, 1.0], "triton peak": [3.0, 6.0]}
 
 
-def test_plot_train_line_is_the_moving_mean(monkeypatch, tmp_path):
+def test_plot_train_line_is_the_moving_mean(saved_figures, tmp_path):
     """plot_runs' smoothed train loss at step j: the mean of the last ``window`` losses (fewer at the start), window
     = steps // 50."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
     from sonicmoe.train.report import plot_runs
 
-    figs = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    figs = saved_figures
     g = torch.Generator().manual_seed(3)
     ys = (torch.rand(200, generator=g, dtype=torch.float64) * 4).tolist()
     assert plot_runs(tmp_path / "l.png", [("", [{"step": i, "loss": y} for i, y in enumerate(ys)], [])], "t")
@@ -687,19 +691,16 @@ def test_plot_train_line_is_the_moving_mean(monkeypatch, tmp_path):
     assert list(line.get_ydata()) == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
-def test_plot_runs_colours_validation_and_closes_its_figure(monkeypatch, tmp_path):
+def test_plot_runs_colours_validation_and_closes_its_figure(saved_figures, tmp_path):
     """plot_runs with two runs: each run's train line and validation line in colours of their own (C0/C1, C2/C3: no
     run's train line takes another's validation colour), no per-step lines by default, the validation line the
     val_loss values in nats (the axis' unit; not the bits per byte beside them); the figure is closed once saved (a
     loop of plots leaked one figure each)."""
-    pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
-    from matplotlib.figure import Figure
 
     from sonicmoe.train.report import plot_runs
 
-    figs = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    figs = saved_figures
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     vals = (torch.rand(2, 3, generator=g, dtype=torch.float64) * 4 + 1).tolist()
     runs = [(label, [{"step": s, "loss": 5.0 - s / 10} for s in range(1, 11)],
@@ -727,18 +728,14 @@ def test_granularity_groups_keep_sweeps_only():
     assert [r["G"] for r in groups["7B"]] == sorted(r["G"] for r in groups["7B"])
 
 
-def test_plots_draw_the_recorded_numbers(monkeypatch):
+def test_plots_draw_the_recorded_numbers(saved_figures):
     """Each chart draws the numbers its records hold, read back from the figures: TFLOP/s of forward and of
     forward+backward per G (ok rows only: a skipped row's numbers are not drawn), SPEC §3's line in GiB, the speed-up
     bars of both phases (three competitors: bars 0.8/3 wide, centred on the tick; token-rounding ticks marked), and
     our median times against E, sorted by E, for groups that hold both routings only."""
-    pytest.importorskip("matplotlib")
-    from matplotlib.figure import Figure
-
     from sonicmoe.bench import plots
 
-    figs = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figs.append(fig))
+    figs = saved_figures
     plt = plots._setup()
     doc = {"env": {}, "date": "2026-01-02"}
 
