@@ -225,6 +225,16 @@ def test_wrong_weight_shapes(prob, arg, shape, api):
         (call_experts if api == "experts" else call_moe)(prob, **{arg: bad})
 
 
+@pytest.mark.parametrize("api", ["experts", "moe"])
+def test_weights_without_intermediate_channels(prob, api):
+    """n = 0: w1 (E, 0, d), w2 (E, d, 0) and b1 (E, 0) agree with each other, but an expert without channels is no
+    MLP (its output would be the bias alone): a ValueError naming w1 and asking for n >= 1."""
+    empty = {"w1": torch.randn(E, 0, D), "w2": torch.randn(E, D, 0), "b1": torch.randn(E, 0)}
+    with pytest.raises(ValueError, match=names("w1")) as info:
+        (call_experts if api == "experts" else call_moe)(prob, **empty)
+    assert "n >= 1" in str(info.value) and f"{(E, 0, D)}" in str(info.value)
+
+
 @pytest.mark.parametrize("arg", ["w1", "w2", "b1", "b2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mixed_dtypes(prob, arg, dtype):
@@ -278,14 +288,22 @@ def test_experts_pair_scores(prob):
         call_experts(prob, pair_scores=torch.rand(T * K + 1))
     with pytest.raises(ValueError, match="pair_scores"):
         call_experts(prob, pair_scores=torch.rand(T, K))
+    # a column (R, 1): the right length first, but not (R,) (it broadcast against the (R, d) rows)
+    with pytest.raises(ValueError, match="pair_scores") as info:
+        call_experts(prob, pair_scores=torch.rand(T * K, 1))
+    assert f"(R={T * K},)" in str(info.value) and f"{(T * K, 1)}" in str(info.value)
     with pytest.raises(TypeError, match="pair_scores"):
         call_experts(prob, pair_scores=torch.ones(T * K, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("opt,val", [("backend", "gpu"), ("gate_up_layout", "gate_up")])
-def test_experts_bad_strings(prob, opt, val):
-    with pytest.raises(ValueError, match=opt):
-        call_experts(prob, **{opt: val})
+def test_experts_bad_strings(prob, opt, val, backend):
+    """An unknown string is refused up front on either backend (the triton up-projection reads any layout but
+    "concat" as interleaved, and the torch backend's SwiGLU refuses it only after the up-projection ran)."""
+    with pytest.raises(ValueError, match=opt) as info:
+        call_experts(prob, **{"backend": backend, opt: val})
+    assert repr(val) in str(info.value)
 
 
 def test_router_topk_bad_order(prob):

@@ -91,6 +91,7 @@ def test_parameter_dtype_and_init_bounds(dtype):
         wf = w.detach().float()
         assert float(wf.abs().max()) <= bound * (1 + 1e-2)
         assert float(wf.abs().max()) > bound / 2  # really initialised, not zeros / tiny
+        assert float(wf.min()) < -bound / 2 and float(wf.max()) > bound / 2  # both signs: U(-bound, bound)
         assert float(wf.std()) > bound / 4
     # experts are distinct, not one copy
     assert not torch.equal(ex.gate_up_proj[0], ex.gate_up_proj[1])
@@ -345,6 +346,8 @@ def test_update_expert_bias():
         m.update_expert_bias(0.0)
     with pytest.raises(ValueError, match="rate"):
         m.update_expert_bias(float("inf"))
+    with pytest.raises(ValueError, match="rate"):
+        m.update_expert_bias(True)  # a flag passed where the rate goes, not a rate of 1
     with pytest.raises(ValueError, match="counts"):
         m.update_expert_bias(0.01, counts=torch.ones(E + 1))
     with pytest.raises(RuntimeError, match="no expert counts"):
@@ -353,6 +356,35 @@ def test_update_expert_bias():
     assert plain.e_score_correction_bias is None and "e_score_correction_bias" not in plain.state_dict()
     with pytest.raises(RuntimeError, match="sigmoid_then_topk"):
         plain.update_expert_bias()
+
+
+def test_update_expert_bias_counts_past_float16_integers():
+    """Counts summed over a step pass 2048 (float16's last exact integer): each is compared with the mean exactly, so
+    an expert one token above the mean gets -rate and one token below +rate (float16 counts would round 4097 and
+    4096 together and 4099 up to 4100)."""
+    m = make(router_order="sigmoid_then_topk")
+    counts = torch.tensor([4097, 4096, 4096, 4099, 4097, 4097], dtype=torch.int64)  # mean 4097
+    m.update_expert_bias(0.125, counts=counts)
+    expected = 0.125 * torch.tensor([0.0, 1.0, 1.0, -1.0, 0.0, 0.0])
+    assert m.e_score_correction_bias.dtype == torch.float32
+    torch.testing.assert_close(m.e_score_correction_bias, expected, rtol=0, atol=0)
+    assert counts.dtype == torch.int64 and counts.tolist() == [4097, 4096, 4096, 4099, 4097, 4097]
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.4, 3.0])
+def test_routed_scaling_factor_below_and_above_one(factor):
+    """Every score times routed_scaling_factor, whichever side of 1 it is (a factor below 1 scales too): the layer
+    matches the reference, and with 0.5 (a power of two: every rounding commutes with it) equals half the unscaled
+    layer's output bit for bit."""
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    x = rand_x(17, D, seed=seed % 1000)
+    scaled = make(seed=seed, bias=True, routed_scaling_factor=factor)
+    plain = make(seed=seed, bias=True)
+    out = scaled(x)
+    assert rel_err(out, module_ref(scaled, x)[0]) < 1e-6
+    assert rel_err(out, factor * plain(x)) < 1e-6
+    if factor == 0.5:
+        assert torch.equal(out, 0.5 * plain(x))
 
 
 @pytest.mark.parametrize("k", [1, E])

@@ -86,6 +86,21 @@ def test_float64_runs_on_torch_backend_and_auto():
     assert resolve_backend("auto", torch.Tensor._make_subclass(OnCuda, p["x"].float())) == "triton"
 
 
+def test_resolve_backend_checks_its_arguments():
+    """An unknown backend is a ValueError naming it, and x that is no tensor a TypeError naming x, also under
+    "auto" (which asks x for its device and dtype: an AttributeError from a list) and through sonicmoe.experts."""
+    p = problem()
+    with pytest.raises(ValueError, match="backend") as info:
+        resolve_backend("cuda", p["x"])
+    assert "'cuda'" in str(info.value)
+    rows = p["x"].tolist()
+    for backend in ("auto", "torch", "triton"):
+        with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+            resolve_backend(backend, rows)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        sonicmoe.experts(rows, p["w1"], p["w2"], p["routing"], p["scores"], backend="auto")
+
+
 @pytest.mark.parametrize("arg", ["x", "pair_scores"])
 def test_float64_rejected_by_triton_backend(arg):
     p = problem(torch.float64 if arg == "x" else torch.float32)
@@ -199,6 +214,7 @@ def test_experts_routing_type():
     ("token_rows", lambda v: v[:-1], ValueError),
     ("row_pair", lambda v: v.float(), TypeError),
     ("slot_pair", lambda v: torch.zeros(3, dtype=torch.int32), ValueError),
+    ("row_token", lambda v: v[:, None], ValueError),  # (R, 1): the right length first, one dimension too many
     ("pair_row", lambda v: None, TypeError),  # only slot_pair may be None (top-k routing has none)
     ("token_offsets", lambda v: None, TypeError),
 ])
