@@ -97,6 +97,8 @@ BPR = "sonicmoe/bench/problem.py"
 BPL = "sonicmoe/bench/plots.py"
 CFG = "sonicmoe/config.py"
 ENV = "sonicmoe/env.py"
+BREP = "sonicmoe/bench/report.py"
+TTSC = "tests/test_tr_scores.py"
 TENV = "tests/test_env_switches.py"
 MUTANTS: list[Mutant] = [
     # --- the counting-sort routing (sonicmoe/ops/topk_routing.py) ---
@@ -3737,6 +3739,80 @@ MUTANTS: list[Mutant] = [
        "router_orders_and_layouts"),
     _m("fm11_mod_router_groups_dropped", "sonicmoe/modules.py", "n_group=c.n_group,", "n_group=1,",
        "tests/test_module.py", "-k", "group_limited"),
+    # --- br11_: the results files and tables (sonicmoe/bench/report.py), token rounding's pair scores (tr_scores) ---
+    _m("br11_rep_results_path_cpu_named_by_device", BREP, 'if env.get("device_type") == "cuda" else "cpu"',
+       'if env.get("device") else "cpu"', TB, "-k", "results_file_name"),
+    _m("br11_rep_backend_rows_unchecked", BREP,
+       "        if not isinstance(v, dict):\n            return f\"record {rec['name']!r}: backend",
+       "        if v is None:\n            return f\"record {rec['name']!r}: backend", TB, "-k", "malformed_results"),
+    _m("br11_rep_ratios_unchecked", BREP, 'for k in ("backends", "ratios"):', 'for k in ("backends",):', TB, "-k",
+       "malformed_results"),
+    _m("br11_rep_name_of_any_type", BREP, 'if not isinstance(rec.get("name"), str):', 'if "name" not in rec:', TB,
+       "-k", "malformed_results"),
+    _m("br11_rep_dash_cell_left_aligned", BREP, r'r"[-+]?[\d.]+(e[-+]?\d+)?x?|-"', r'r"[-+]?[\d.]+(e[-+]?\d+)?x?"',
+       TB, "-k", "format_table"),
+    _m("br11_rep_alignment_swapped", BREP, "c.rjust(w) if num(c) else c.ljust(w)",
+       "c.ljust(w) if num(c) else c.rjust(w)", TB, "-k", "format_table"),
+    _m("br11_rep_worst_key_missing_raises", BREP, "    if key not in errs:\n", "    if key is None:\n", TB, "-k",
+       "error_nearest"),
+    _m("br11_rep_md_no_timing_fallback_dropped", BREP, 'or "- (no timing of ours)"', 'or "-"', TB, "-k",
+       "never_shows_torch"),
+    _m("br11_rep_terminal_empty_row_short", BREP, '*["-"] * (len(header) - 4)])', '*["-"] * (len(header) - 5)])',
+       TB, "-k", "memory_in_mib"),
+    _m("br11_rep_terminal_record_notes_dropped", BREP,
+       '        if rec.get("message"):\n            notes.append(f"{rec[\'name\']} [{rec.get(\'routing\')}]: ',
+       '        if False:\n            notes.append(f"{rec[\'name\']} [{rec.get(\'routing\')}]: ', TB, "-k",
+       "cells_of_missing"),
+    _m("br11_rep_terminal_commit_cut_short", BREP, "commit {str(env.get('git_commit'))[:12]} | {doc.get('date')}",
+       "commit {str(env.get('git_commit'))[:7]} | {doc.get('date')}", TB, "-k", "cells_of_missing"),
+    _m("br11_rep_cpu_device_processor_only", BREP,
+       '(platform.processor() or platform.machine() or "cpu").strip() or "cpu"', 'platform.processor() or "cpu"',
+       TB, "-k", "env_info"),
+    _m("br11_rep_cuda_driver_api_minor", BREP, 'f"{v // 1000}.{(v % 1000) // 10}"', 'f"{v // 1000}.{v % 100}"',
+       TB, "-k", "env_info"),
+    _m("br11_rep_tf_threshold_exclusive", BREP, "if abs(v) >= 100 else", "if abs(v) > 100 else", TB, "-k",
+       "tflops_cells", equivalent="at |v| = 100 exactly both branches print '100' (format(100, '.0f') == "
+       "format(100, '.3g')), and no other value changes branch"),
+    _m("br11_ts_fwd_pairs_mask_inclusive", TSC, "    mask = p < R\n", "    mask = p <= R\n", TTSC),
+    _m("br11_ts_fwd_lse_unmasked_lanes", TSC,
+       "red = tl.log(tl.sum(tl.where(kmask, tl.exp(cs - tl.expand_dims(mx, -1)), 0.0), axis=-1))",
+       "red = tl.log(tl.sum(tl.exp(cs - tl.expand_dims(mx, -1)), axis=-1))", TTSC, "-k",
+       "zeroes_every_block or float16"),  # K = 3: the tests whose K is no power of two
+    _m("br11_ts_fwd_eps_dropped", TSC, "    if EPS != 0.0:  # sigmoid_then_topk's renormalisation",
+       "    if False:  # sigmoid_then_topk's renormalisation", TTSC, "-k", "tiny_sigmoid"),
+    _m("br11_ts_bwd_eps_dropped", TSC, "        if EPS != 0.0:\n            red = red + EPS",
+       "        if False:\n            red = red + EPS", TTSC, "-k", "tiny_sigmoid"),
+    _m("br11_ts_eps_constant_wrong", TSC, "SIGMOID_RENORM_EPS = 1e-20", "SIGMOID_RENORM_EPS = 1e-12", TTSC, "-k",
+       "tiny_sigmoid"),
+    _m("br11_ts_fwd_ids_past_k_expert_zero", TSC,
+       "tl.int1) | (kk < K)[None, :]\n"
+       "    ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=-1)",
+       "tl.int1) | (kk < K)[None, :]\n"
+       "    ids = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=kmask, other=0)",
+       TTSC),
+    _m("br11_ts_bwd_no_op_pair_added", TSC, "slot = tl.load(slot_ptr + p, mask=m, other=-2)",
+       "slot = tl.load(slot_ptr + p, mask=m, other=-1)", TTSC),
+    _m("br11_ts_bwd_renorm_dz_over_z", TSC, "g * v / (red * red), 0.0)", "g * v / red, 0.0)", TTSC),
+    _m("br11_ts_bwd_pair_loop_drops_last", TSC, "for j in range(0, tl.max(cnt, axis=0), 2):",
+       "for j in range(0, tl.max(cnt, axis=0) - 1, 2):", TTSC),
+    _m("br11_ts_fold_plain_subtracts_dot", TSC, "        else:\n            d_chosen += d_ts\n",
+       "        else:\n            d_chosen += d_ts - dot\n", TTSC, "-k", "fused_router_grad"),
+    _m("br11_ts_src_rows_not_made_contiguous", TSC, "    if src.stride(1) != 1:\n", "    if False:\n", TTSC, "-k",
+       "column_major"),
+    _m("br11_ts_check_names_swapped", TSC, '(("pair_token", pair_token), ("pair_expert", pair_expert))',
+       '(("pair_expert", pair_token), ("pair_token", pair_expert))', TTSC, "-k", "bad_arguments"),
+    _m("br11_ts_device_error_names_logits", TSC,
+       '("router.probs" if router_order == "softmax_then_topk" else "router.logits", src)',
+       '("router.logits", src)', TTSC, "-k", "refused_by_name"),
+    _m("br11_ts_renorm_eps_every_order", TSC, 'router_order == "sigmoid_then_topk" and renormalize else 0.0',
+       "renormalize else 0.0", TTSC,
+       equivalent="the 1e-20 is lost in float32 under the other orders: softmax_then_topk's chosen probabilities of a "
+       "softmax sum to at least K/E (>= 2^-20 for any E here), whose float32 ulp is ~1e-13; topk_then_softmax's "
+       "red = log of a sum >= 1 is >= 0, and exp((v - mx) - (red + 1e-20)) rounds as exp((v - mx) - red)"),
+    _m("br11_ts_use_kernels_computes_probs", TSC, "    probs = router._probs  # None until",
+       "    probs = router.probs  # None until", TTSC, "-k", "float64"),
+    _m("br11_ts_dsrc_in_scores_dtype", TSC, "d_src = new_output((t, e), dtype=src.dtype,",
+       "d_src = new_output((t, e), dtype=ctx.ts_dtype,", TTSC, "-k", "float16"),
 ]
 
 

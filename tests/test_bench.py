@@ -1513,6 +1513,10 @@ def test_markdown_never_shows_torch_as_ours(tmp_path, capsys):
     rec["backends"]["triton"].update(status="ok", message=None, fwd=None, total=None)
     line = next(ln for ln in report.markdown_table(doc).splitlines() if ln.startswith(f"| {rec['name']} "))
     assert "ours: no result" in line and "0.90" not in line
+    # ours timed on no shape at all: the footnote names no backend as the one timed
+    for r in doc["results"]:
+        r["ratio_base"] = "torch"
+    assert report.markdown_table(doc).splitlines()[-1].startswith("Backend: - (no timing of ours). NVIDIA H100")
 
 
 def test_markdown_row_of_a_multiline_error_is_one_row():
@@ -1566,10 +1570,13 @@ def test_bench_cli_refuses_bad_values_before_running(tmp_path, capsys, monkeypat
     assert "usage:" in err and flag in err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("results", [5, [{}], [1], "drop T", "drop G", "bool T", "backends list"])
+@pytest.mark.parametrize("results", [5, [{}], [1], "drop T", "drop G", "bool T", "backends list", "ratios list",
+                                     "row list", "number name"])
 @pytest.mark.parametrize("how", ["--plot-from", "--markdown-from"])
 def test_bench_cli_refuses_malformed_results_files(tmp_path, capsys, results, how):
-    """A results file whose records the tables and plots cannot read: "cannot read" (exit 2), not a traceback."""
+    """A results file whose records the tables and plots cannot read: "cannot read" (exit 2), not a traceback. Each
+    record needs a string name, numbers T, d, n, E, K, G, and objects for its backends, each backend's row and its
+    ratios."""
     doc = _synthetic_doc()
     if isinstance(results, str):
         what, key = results.split()
@@ -1577,8 +1584,12 @@ def test_bench_cli_refuses_malformed_results_files(tmp_path, capsys, results, ho
             del doc["results"][0][key]
         elif what == "bool":  # a JSON true is no number of tokens
             doc["results"][0][key] = True
+        elif what == "number":  # a name that is no string
+            doc["results"][0][key] = 7
+        elif what == "row":  # one backend's row a list, the backends themselves an object
+            doc["results"][0]["backends"]["triton"] = []
         else:
-            doc["results"][0]["backends"] = []
+            doc["results"][0][what] = []
     else:
         doc["results"] = results
     path = tmp_path / "bad.json"
@@ -1601,6 +1612,10 @@ def test_terminal_table_shows_the_error_nearest_its_bound():
     assert "1.50e-02 out " in line["triton"] and "5.00e-02" not in line["triton"]
     assert "nan dx " in line["torch"]
     assert "worst err" in table and "in the run's dtype" in table
+    # a "worst" that names no error of the check (a file of another version): "-", not a KeyError
+    rec["backends"]["torch"]["check"] = {"errors": {"out": 0.015}, "tol": 0.02, "passed": True, "worst": "ds"}
+    line = {ln.split()[2]: ln for ln in report.terminal_table(doc).splitlines() if ln.startswith(rec["name"] + " ")}
+    assert line["torch"].split()[4] == "-" and "1.50e-02" not in line["torch"]
 
 
 def test_terminal_table_cells_of_missing_numbers_router_and_notes():
@@ -1623,6 +1638,11 @@ def test_terminal_table_cells_of_missing_numbers_router_and_notes():
     assert rows["triton"][col["+router ms"]] == "1.25" and rows["torch"][col["+router ms"]] == "5.75"
     assert f"{rec['name']} [topk] torch: FAIL: wrong result: dx" in table
     assert "calibrated router" not in table
+    # a shape that failed as a whole (no backend ran) notes its own message; the foot names the commit by 12 digits
+    assert "broken [topk]: making the problem: OOM" in table
+    doc["env"]["git_commit"] = "0123456789abcdef0123456789abcdef01234567"
+    assert "| commit 0123456789ab | " in report.terminal_table(doc)
+    assert ", commit 0123456789ab, " in report.markdown_table(doc)
 
 
 def test_markdown_rows_of_unstated_status_and_of_a_shape_ours_never_ran():
@@ -1643,6 +1663,17 @@ def test_markdown_rows_of_unstated_status_and_of_a_shape_ours_never_ran():
     md = report.markdown_table(doc)
     assert md.splitlines()[0].startswith("Activation: swiglu, clamped_swiglu (not SwiGLU alone")
     assert md.splitlines()[-1].endswith("Activation: swiglu, clamped_swiglu.")
+
+
+def test_format_table_aligns_numbers_right_and_text_left():
+    """format_table: each column as wide as its widest cell, header included; numbers (ratios with an x, exponents,
+    and "-" for a missing one) right-aligned, words left-aligned; no trailing spaces."""
+    rows = [["a", "-", "1.5x", "ok"], ["bbbbbb", "12.25", "3e-05", "FAIL"]]
+    want = ("name    value  ratio  status\n"
+            "------  -----  -----  ------\n"
+            "a           -   1.5x  ok\n"
+            "bbbbbb  12.25  3e-05  FAIL")
+    assert report.format_table(rows, ["name", "value", "ratio", "status"]) == want
 
 
 def test_terminal_table_memory_in_mib_and_spec_beyond_x():
@@ -1673,6 +1704,25 @@ def test_results_say_autotune_only_on_a_gpu(monkeypatch):
     now = __import__("datetime").datetime(2026, 1, 2)
     assert report.build_results([], {"device_type": "cpu"}, [], {}, now)["autotune"] is False
     assert report.build_results([], {"device_type": "cuda"}, [], {}, now)["autotune"] is True
+
+
+def test_env_info_names_the_cpu_and_a_cuda_device(monkeypatch):
+    """env_info on a CPU: the processor's name, else the machine's, else "cpu"; on a CUDA device (the driver and
+    properties faked here): name, count, capability, memory and the CUDA driver API version 12080 as "12.8"."""
+    monkeypatch.setattr(report.platform, "processor", lambda: "")
+    monkeypatch.setattr(report.platform, "machine", lambda: "aarch64")
+    assert report.env_info(torch.device("cpu"))["device"] == "aarch64"
+    monkeypatch.setattr(report.platform, "processor", lambda: " Xeon ")
+    assert report.env_info(torch.device("cpu"))["device"] == "Xeon"
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=85 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: props)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(report.shutil, "which", lambda name: None)  # no nvidia-smi: no driver string
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12080, raising=False)
+    env = report.env_info(torch.device("cuda", 1))
+    assert (env["device_type"], env["device"], env["gpu_count"], env["capability"], env["memory_bytes"]) == (
+        "cuda", "NVIDIA H100 80GB HBM3", 2, "9.0", 85 << 30)
+    assert env["driver"] is None and env["cuda_driver_api"] == "12.8"
 
 
 def test_env_switches_leave_out_the_commit_override(monkeypatch):

@@ -167,11 +167,19 @@ def test_fused_router_grad_equals_the_gradient_through_topk_scores(device, order
 
 
 def test_float16_scores_and_no_pairs(device):
+    """float16 top-k scores beside float32 logits: the scores come out in float16, the logits' gradient in float32 at
+    float32's accuracy (not rounded through float16)."""
     router, pt, pe = make_case(40, 8, 3, 7, "topk_then_softmax", False, device, dtype=torch.float16)
     s_k, a_k = pair_scores(router, pt, pe, "topk_then_softmax", False)
     s_r, a_r = pair_scores_ref(router, pt, pe, "topk_then_softmax", False)
     assert s_k.dtype == torch.float16 and torch.equal(a_k, a_r)
     torch.testing.assert_close(s_k, s_r, rtol=1e-3, atol=1e-4)
+    cot = torch.randn(pt.shape[0], generator=torch.Generator().manual_seed(11)).to(device)
+    _, _, dts_k, dsrc_k = grads(pair_scores, router, pt, pe, "topk_then_softmax", False, cot)
+    _, _, dts_r, dsrc_r = grads(pair_scores_ref, router, pt, pe, "topk_then_softmax", False, cot)
+    assert dsrc_k.dtype == torch.float32 and dts_k.dtype == torch.float16
+    torch.testing.assert_close(dsrc_k, dsrc_r, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dts_k, dts_r, rtol=0, atol=0)
     none = pt[:0]
     s0, a0 = pair_scores(router, none, none, "topk_then_softmax", False)
     assert s0.shape == (0,) and a0.shape == (0,)
@@ -195,6 +203,7 @@ def test_bad_arguments(device):
 def test_float64_router_takes_the_twin():
     router, _, _ = make_case(10, 4, 2, 0, "topk_then_softmax", False, "cpu")
     assert use_score_kernels(router, True) == interpreting()
+    assert router._probs is None, "the check computes no (T, E) softmax the layer does not need"
     router.logits = router.logits.double()
     assert not use_score_kernels(router, True)
     # float64 top-k scores with float32 logits, or float64 probabilities (a router assembled by hand)
@@ -300,3 +309,77 @@ def test_added_softmax_scores_stay_accurate_at_large_logits(device, fn):
     truth_grad.scatter_add_(1, router.topk_ids.long(), -kept_sum[:, None] * soft)
     err = (d_logits.double() - truth_grad).norm() / truth_grad.norm()
     assert float(err) < 1e-5, float(err)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_tiny_sigmoid_renormalisation_adds_its_epsilon(device, fused):
+    """sigmoid_then_topk with renormalize divides by Σ chosen sigmoids + 1e-20 (as the router's own scores): with
+    logits near −42 the sigmoids are ~6e-19, so the 1e-20 moves every score by 0.3% to 3%. Scores and the logits'
+    gradient against float64 with that formula (the chosen pairs' by the router's formula)."""
+    t, e, k = 24, 6, 2
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(t, 8, generator=g)
+    w = (torch.randn(e, 8, generator=g) * 0.1).to(device).requires_grad_(True)
+    bias = torch.full((e,), -42.0, device=device)
+    router = router_topk(x.to(device), w, k, router_order="sigmoid_then_topk", renormalize=True, router_bias=bias)
+    assert float(router.logits.detach().max()) < -40
+    take = torch.rand(t, e, generator=g) < 0.5
+    take[0] = True
+    pairs = take.nonzero().to(device)
+    pt, pe = pairs[:, 0], pairs[:, 1]
+    cot = torch.randn(pt.shape[0], generator=g).to(device)
+    scores, added = pair_scores(router, pt, pe, "sigmoid_then_topk", True, fused_router_grad=fused)
+    (d_logits,) = torch.autograd.grad(scores, router.logits, cot)
+
+    l64 = router.logits.detach().double().requires_grad_(True)
+    sig = torch.sigmoid(l64)
+    ids = router.topk_ids.long()
+    z = sig.gather(1, ids).sum(dim=1) + 1e-20
+    assert float((1e-20 / z.detach()).min()) > 2e-3  # the epsilon matters at these logits
+    truth = sig[pt, pe] / z[pt]  # a chosen pair's score by the router's formula is the same expression
+    (truth_grad,) = torch.autograd.grad(truth, l64, cot.double())
+    assert added.any() and (~added).any()
+    assert float(((scores.detach().double() - truth.detach()).abs() / truth.detach()).max()) < 1e-5
+    err = (d_logits.double() - truth_grad).norm() / truth_grad.norm()
+    assert float(err) < 1e-5, float(err)
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS)
+def test_column_major_logits_and_probs_read_by_rows(device, order, renorm):
+    """A router whose logits (and probabilities) are column-major views, as a transposed product leaves them: the
+    kernels read rows of ``stride(0)`` contiguous entries, so pair_scores makes the source contiguous first: the
+    same scores and gradients, bit for bit, as the row-major router's."""
+    from sonicmoe.ops.tr_scores import added_pair_source
+    from sonicmoe.routing import RouterOutput
+
+    base, pt, pe = make_case(30, 6, 2, 12, order, renorm, device)
+    cot = torch.randn(pt.shape[0], generator=torch.Generator().manual_seed(12)).to(device)
+
+    def leaves(column_major):  # the same values as leaves, row- or column-major
+        logits, probs = base.logits.detach().clone(), base.probs.detach().clone()
+        if column_major:
+            logits, probs = logits.t().contiguous().t(), probs.t().contiguous().t()
+        return RouterOutput(logits.requires_grad_(True), probs.requires_grad_(True), base.topk_ids,
+                            base.topk_scores.detach().clone().requires_grad_(True),
+                            sigmoid=order == "sigmoid_then_topk")
+
+    want = grads(pair_scores, leaves(False), pt, pe, order, renorm, cot)
+    router = leaves(True)
+    assert added_pair_source(router, order).stride() == (1, 30)
+    got = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert got[3].abs().sum() > 0
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused_by_name(monkeypatch):
+    """Off the interpreter CPU tensors cannot run the kernels: the error names the tensor an added pair's score is
+    read from, router.probs under softmax_then_topk, router.logits otherwise."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    for order, name in (("softmax_then_topk", "router.probs"), ("topk_then_softmax", "router.logits"),
+                        ("sigmoid_then_topk", "router.logits")):
+        router, pt, pe = make_case(10, 4, 2, 0, order, False, "cpu")
+        with pytest.raises(ValueError, match=rf"^{name} is on cpu; the triton backend needs CUDA"):
+            pair_scores(router, pt, pe, order, False)
