@@ -273,6 +273,20 @@ def test_many_experts_fall_back_to_torch(device):
     assert torch.equal(ids, ids_ref) and torch.equal(scores, scores_ref)
 
 
+@pytest.mark.parametrize("e,kernel", [(512, True), (1024, True), (1025, False)])
+def test_kernel_takes_up_to_1024_experts(e, kernel, device):
+    """The kernel runs for every E up to MAX_KERNEL_EXPERTS = 1024 (its edge included) and the torch twin above it:
+    the scores' autograd node says which ran (the twin matches the kernel to rounding, so comparing values alone
+    cannot tell a fallback from the kernel). Both give the top-K of the logits and their softmax."""
+    k = 3
+    logits = distinct_logits(2, e, device, seed=e).requires_grad_(True)
+    ids, scores = topk_router(logits, k, "topk_then_softmax")
+    assert isinstance(scores.grad_fn, TopKRouterFunction._backward_cls) == kernel
+    assert torch.equal(ids, logits.detach().topk(k, dim=1).indices)
+    want = torch.softmax(logits.detach().double().gather(1, ids), dim=1)
+    assert rel_err(scores.detach(), want) < 1e-6
+
+
 def test_bad_inputs_name_the_argument(device):
     logits = distinct_logits(4, 6, device)
     with pytest.raises(ValueError, match=names("logits")):
@@ -340,8 +354,10 @@ def test_sigmoid_bias_steers_the_choice_only(renorm, device):
 
 
 # (T, E, K, n_group, topk_group): DeepSeek-V3's proportions (8 groups, 4 kept), E and n_group not powers of two,
-# one group kept, every expert kept (K = topk_group · E/n_group), groups of two experts
-GROUP_SHAPES = [(37, 64, 8, 8, 4), (16, 96, 6, 6, 3), (33, 16, 2, 8, 1), (5, 8, 8, 4, 4), (29, 12, 3, 6, 2)]
+# one group kept, every expert kept (K = topk_group · E/n_group), groups of two experts, two groups (the fewest that
+# limit the choice: a kernel that took groups only from three on passed the rest)
+GROUP_SHAPES = [(37, 64, 8, 8, 4), (16, 96, 6, 6, 3), (33, 16, 2, 8, 1), (5, 8, 8, 4, 4), (29, 12, 3, 6, 2),
+                (21, 10, 3, 2, 1)]
 
 
 @pytest.mark.parametrize("renorm", [False, True])
@@ -417,6 +433,29 @@ def test_group_ties_go_to_the_lower_group(renorm, device):
                 assert ids.tolist() == [[0, 1, 2], [3, 11, 4], [0, 1, 2]]
             else:
                 assert [set((row // 3).tolist()) for row in ids.cpu()] == kept
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_group_score_uses_its_own_two_largest(renorm, device):
+    """A group's score is the sum of its own two largest keys, even when its largest ties with a key of a lower group:
+    group 1 = (1.0, 0.9) holds the value 1.0 that expert 0 of group 0 holds too, and must score
+    sigmoid(1.0) + sigmoid(0.9), below group 2's sigmoid(0.97) + sigmoid(0.99), so group 2 alone is kept (topk_group =
+    1). Taking the group's "first largest" from anywhere in the row left expert 2 as its second largest: 2 ·
+    sigmoid(1.0) put group 1 ahead. E = 8 in 4 groups of 2; the other keys are random and well below."""
+    e, k, n_group, topk_group = 8, 2, 4, 1
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    logits = (-3.0 - torch.rand(4, e, generator=g)).to(device)  # every group but 0, 1, 2 far below
+    logits[:, 0] = 1.0  # group 0: (1.0, below -3)
+    logits[:, 2], logits[:, 3] = 1.0, 0.9  # group 1
+    logits[:, 4], logits[:, 5] = 0.97, 0.99  # group 2
+    key = torch.sigmoid(logits.double())
+    assert bool((key[:, 4] + key[:, 5] > key[:, 2] + key[:, 3]).all())  # group 2 is the best group
+    for fn in (topk_router, topk_router_ref):
+        ids, scores = fn(logits, k, "sigmoid_then_topk", renorm, None, n_group, topk_group)
+        assert ids.tolist() == [[5, 4]] * 4, fn.__name__
+        want = key[:, [5, 4]]
+        want = want / (want.sum(1, keepdim=True) + 1e-20) if renorm else want
+        assert rel_err(scores, want) < 1e-6, fn.__name__
 
 
 def test_expert_bias_refused_where_it_does_not_apply(device):

@@ -193,3 +193,58 @@ def test_round_counts_nearest_ties_and_cap_by_hand(device):
     assert offsets.tolist() == [0, 0, 8, 16, 32, 32, 32, 48, 64, 94, 118]
     ref = tr_routing.round_counts_ref(counts, m, t, "nearest")
     assert all(torch.equal(a, b) for a, b in zip((got_f, keep, pad, offsets), ref))
+
+
+@pytest.mark.interpreter
+def test_round_counts_balance_ties_by_hand(device):
+    """The "balance" decision on values written out by hand (M_tile = 8): the prefix sums 4, 12, 16, 19, 24, 36
+    round to the nearest multiple of 8 with ties down (0, 8, 16, 16, 24, 32), and each expert keeps its share of the
+    rounded sums. The ties 4 and 12 (and 36) make M - 2x an exact negative multiple of 2M (12: -16), where a floor
+    division that rounds q down without checking for a remainder, or a grid that rounds ties up, pads other experts.
+    A random test meets such exact ties only when its draws happen to."""
+    m, t = 8, 100
+    f = [4, 8, 4, 3, 5, 12]
+    want_keep = [0, 8, 8, 0, 8, 8]  # the differences of the rounded prefix sums
+    want_pad = [False, False, True, False, True, False]  # above the count rounded down: 0, 8, 0, 0, 0, 8
+    counts = torch.tensor([f], dtype=torch.int32, device=device)
+    got_f, keep, pad, offsets = tr_routing.round_counts(counts, m, t, "balance")
+    assert got_f.tolist() == f and keep.tolist() == want_keep and pad.tolist() == want_pad
+    assert offsets.tolist() == [0, 0, 8, 16, 16, 24, 32]
+    ref = tr_routing.round_counts_ref(counts, m, t, "balance")
+    assert all(torch.equal(a, b) for a, b in zip((got_f, keep, pad, offsets), ref))
+
+
+@pytest.mark.interpreter
+def test_round_counts_stochastic_draws_at_the_edge(device):
+    """"stochastic" pads an expert when u · M < its remainder, strictly: a draw of 0 (torch.rand's range is [0, 1))
+    never pads an exact multiple of M_tile (remainder 0), and u · M equal to the remainder does not pad; a draw just
+    below it does. Values by hand (M_tile = 8, remainders 0, 0, 4, 4, 4, 1)."""
+    m, t = 8, 100
+    f = [0, 16, 4, 12, 20, 1]
+    u = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.49, 0.0], device=device)
+    counts = torch.tensor([f], dtype=torch.int32, device=device)
+    got_f, keep, pad, offsets = tr_routing.round_counts(counts, m, t, "stochastic", u)
+    assert pad.tolist() == [False, False, False, False, True, True]
+    assert keep.tolist() == [0, 16, 0, 8, 24, 8] and offsets.tolist() == [0, 0, 16, 16, 24, 48, 56]
+    ref = tr_routing.round_counts_ref(counts, m, t, "stochastic", u)
+    assert all(torch.equal(a, b) for a, b in zip((got_f, keep, pad, offsets), ref))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("e", [5, 130])
+def test_ranks_routing_no_tokens_padding_only(e, device):
+    """T = 0 with a static R_max: no pair is real, so every pair is a padding pair (token T = 0, expert E, row = its
+    index, row_token max(T − 1, 0) = 0) and token_offsets is [0]. The pair kernel still needs its grid of one block
+    of tokens to write them (an empty grid left them unwritten); without R_max there are no pairs at all. The random
+    test above meets T = 0 only when its draws happen to."""
+    ranks = torch.zeros(0, e, dtype=torch.int32, device=device)
+    offsets = torch.zeros(e + 1, dtype=torch.int32, device=device)
+    r = 1100  # past one padding block of 1024
+    pair_token, pair_expert, routing = tr_routing.ranks_routing(ranks, offsets, max_pairs=r)
+    idx = torch.arange(r, dtype=torch.int32, device=device)
+    assert pair_token.tolist() == [0] * r and pair_expert.tolist() == [e] * r
+    assert torch.equal(routing.pair_row, idx) and torch.equal(routing.row_pair, idx)
+    assert routing.row_token.tolist() == [0] * r and routing.token_offsets.tolist() == [0] and routing.padded
+    _assert_ranks_routing_equal(ranks, offsets, r)
+    pair_token, pair_expert, routing = tr_routing.ranks_routing(ranks, offsets)
+    assert pair_token.numel() == 0 and pair_expert.numel() == 0 and routing.token_offsets.tolist() == [0]
