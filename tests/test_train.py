@@ -442,7 +442,7 @@ def test_resume_leaves_the_checkpoint_and_keeps_the_masters(tmp_path):
 @pytest.mark.parametrize("option,value", [("grad_clip", 0.0), ("grad_clip", -1.0), ("lr", float("nan")),
                                           ("weight_decay", -0.1), ("weight_decay", float("inf")), ("beta1", 1.0),
                                           ("beta2", 1.0), ("min_lr_ratio", 1.5), ("lr", 0.0),
-                                          ("grad_clip", float("nan"))])
+                                          ("grad_clip", float("nan")), ("lr", float("inf"))])
 def test_bad_optimiser_options_are_refused(option, value):
     with pytest.raises(ValueError, match=option):
         make_config("cpu-tiny", **{option: value}).validate()
@@ -450,15 +450,40 @@ def test_bad_optimiser_options_are_refused(option, value):
 
 @pytest.mark.parametrize("option,value", [("expert_parallel", 0), ("expert_parallel", 3), ("val_fraction", 1.0),
                                           ("stop_after", 0), ("val_fraction", 0.0), ("warmup", -1),
-                                          ("steps", 2.5),
+                                          ("steps", 2.5), ("eval_every", 2.5), ("seed", -1), ("heads", 0),
+                                          ("device", "tpu"), ("dtype", "float16"), ("rounding", "floor"),
+                                          ("shared_expert_gate", True),
                                           ("heads", 128)])  # cpu-tiny's d = 128 in 128 heads of one channel
 def test_bad_run_options_are_refused(option, value):
     """A ValueError naming the option: expert_parallel 0 (a ZeroDivisionError otherwise) or not dividing E = 16,
     no training data left, no validation data, a negative warm-up (its learning rates would be negative), a count
-    that is not an integer (range() of it fails later),
+    that is not an integer (range() of it fails later), a negative seed, no heads (a ZeroDivisionError otherwise),
+    a device or dtype the run cannot resolve, a rounding subroutine or a shared-expert gate (no shared expert) the
+    MoE layer refuses (checked up front, not at the model's build),
     a run stopped before its first step, rotary heads of odd size (its halves cannot pair up)."""
     with pytest.raises(ValueError, match=option):
         make_config("cpu-tiny", **{option: value})
+
+
+def test_config_errors_name_the_values_and_the_presets():
+    """The refusals quote each value under its own name; an unknown preset is a ValueError listing the presets (not
+    the KeyError of PRESETS[name])."""
+    with pytest.raises(ValueError, match=r"^top_k=17 must be at most experts=16$"):
+        make_config("cpu-tiny", top_k=17)
+    with pytest.raises(ValueError, match=r"^experts=16 must be a multiple of expert_parallel=3$"):
+        make_config("cpu-tiny", expert_parallel=3)
+    with pytest.raises(ValueError, match=r"^preset must be one of \('cpu-tiny', 'h100'\), got 'h200'$"):
+        make_config("h200")
+
+
+@pytest.mark.parametrize("rate", [-0.01, float("inf"), float("nan")])
+def test_bias_update_rate_must_be_finite_and_non_negative(rate):
+    """bias_update_rate under router_order='sigmoid_then_topk' (the order it applies to): a negative rate would move
+    the selection bias toward the busiest experts, an infinite or NaN one would make every bias inf or NaN; a finite
+    rate >= 0 is taken."""
+    with pytest.raises(ValueError, match="bias_update_rate must be a finite number >= 0"):
+        make_config("cpu-tiny", router_order="sigmoid_then_topk", bias_update_rate=rate)
+    assert make_config("cpu-tiny", router_order="sigmoid_then_topk", bias_update_rate=1e-3).bias_update_rate == 1e-3
 
 
 def test_run_options_at_their_bounds_are_taken():
@@ -472,6 +497,14 @@ def test_run_options_at_their_bounds_are_taken():
     # an override of None keeps the saved value (the CLI passes every option it was not given as None)
     again = config_from_dict(cfg.to_dict(), lr=None, top_k=None, steps=7)
     assert again == dataclasses.replace(cfg, steps=7)
+    # the optimiser's closed bounds: no floor on the learning rate, no weight decay, no momentum (beta = 0)
+    low = make_config("cpu-tiny", min_lr_ratio=0.0, weight_decay=0.0, beta1=0.0, beta2=0.0, seed=0, warmup=0)
+    assert (low.min_lr_ratio, low.weight_decay, low.beta1, low.beta2) == (0.0, 0.0, 0.0, 0.0)
+    # a saved config is validated as a new one (a checkpoint edited by hand, an override given with --resume)
+    with pytest.raises(ValueError, match="top_k"):
+        config_from_dict({**cfg.to_dict(), "top_k": 5})
+    with pytest.raises(ValueError, match="lr"):
+        config_from_dict(cfg.to_dict(), lr=-1.0)
 
 
 def test_make_config_takes_the_preset_then_the_overrides():
@@ -921,6 +954,10 @@ def test_model_init_scales_the_residual_branches_and_counts_parameters():
     model = MoETransformer(ModelConfig(d_model=d, layers=layers, heads=2, experts=E, top_k=K, expert_size=n,
                                        shared_expert_size=n_s, backend="torch"))
     scale = 1 / math.sqrt(2 * layers)
+    # N(0, 0.02): the embedding (tied to the output head) and the qkv projections (256·32 and 3·32·32 draws: the
+    # sample std lies within 10% of 0.02)
+    for w in (model.embed.weight, *(blk.attn.qkv.weight for blk in model.blocks)):
+        assert abs(float(w.detach().std()) - 0.02) < 0.002 and abs(float(w.detach().mean())) < 0.002
     for blk in model.blocks:
         ratio = float(blk.attn.proj.weight.detach().std() / blk.attn.qkv.weight.detach().std())
         assert abs(ratio - scale) < 0.1 * scale, ratio
@@ -936,6 +973,23 @@ def test_model_init_scales_the_residual_branches_and_counts_parameters():
         bound = scale / math.sqrt(n)
         assert 0.9 * bound < float(blk.moe.experts.down_proj_bias.detach().abs().max()) <= bound
     assert counts["active"] == counts["total"] - layers * (E - K) * 3 * n * d
+
+
+def test_train_and_model_defaults_are_the_layers_defaults():
+    """A TrainConfig or ModelConfig that leaves an MoE option unset builds the layer sonicmoe.MoE builds without it:
+    each of their MoE options defaults to MoEConfig's default (a run with routing='token_rounding' and no --rounding
+    rounds as the layer does)."""
+    from sonicmoe.config import MoEConfig
+    from sonicmoe.train.config import TrainConfig
+
+    layer = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    names = {"shared_expert_size": "shared_intermediate_size", "expert_bias": "bias"}
+    options = ("backend", "routing", "rounding", "m_tile", "aux_loss_coef", "z_loss_coef", "router_order",
+               "renormalize", "routed_scaling_factor", "n_group", "topk_group", "shared_expert_size",
+               "shared_expert_gate", "activation", "router_bias", "expert_bias")
+    for cls in (TrainConfig, ModelConfig):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert {k: defaults[k] for k in options} == {k: layer[names.get(k, k)] for k in options}, cls.__name__
 
 
 def test_rotary_embedding_rotates_by_the_relative_position():
@@ -1563,6 +1617,14 @@ def test_graph_moe_config_refusals():
         make_config("cpu-tiny", graph_moe=True, device="auto", backend="triton", expert_parallel=2, experts=8)
     with pytest.raises(ValueError, match="graph_moe must be a bool"):
         make_config("cpu-tiny", graph_moe=1)
+    # CUDA graphs need CUDA and the triton backend: each refused on its own (the other one right)
+    with pytest.raises(ValueError, match="graph_moe captures .* got device='cpu', backend='triton'"):
+        make_config("cpu-tiny", graph_moe=True, device="cpu", backend="triton")
+    with pytest.raises(ValueError, match="graph_moe captures .* got device='cuda', backend='torch'"):
+        make_config("cpu-tiny", graph_moe=True, device="cuda", backend="torch")
+    with pytest.raises(ValueError, match="graph_moe does not run under autocast"):
+        make_config("cpu-tiny", graph_moe=True, device="cuda", backend="triton", dtype="amp-bf16")
+    assert make_config("cpu-tiny", graph_moe=True, device="cuda", backend="triton", dtype="bfloat16").graph_moe
     cfg = make_config("cpu-tiny", graph_moe=True, device="auto", backend="triton")
     loop.check_ranks(cfg, torch.device("cuda", 0), 1)  # one process on a GPU: taken (no GPU touched)
     for device, world in (("cpu", 1), ("cuda", 2), ("cpu", 2)):
