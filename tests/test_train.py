@@ -452,12 +452,14 @@ def test_bad_optimiser_options_are_refused(option, value):
                                           ("stop_after", 0), ("val_fraction", 0.0), ("warmup", -1),
                                           ("steps", 2.5), ("eval_every", 2.5), ("seed", -1), ("heads", 0),
                                           ("device", "tpu"), ("dtype", "float16"), ("rounding", "floor"),
-                                          ("shared_expert_gate", True),
+                                          ("shared_expert_gate", True), ("steps", True), ("warmup", False),
+                                          ("stop_after", True), ("stop_after", 2.5),
                                           ("heads", 128)])  # cpu-tiny's d = 128 in 128 heads of one channel
 def test_bad_run_options_are_refused(option, value):
     """A ValueError naming the option: expert_parallel 0 (a ZeroDivisionError otherwise) or not dividing E = 16,
     no training data left, no validation data, a negative warm-up (its learning rates would be negative), a count
-    that is not an integer (range() of it fails later), a negative seed, no heads (a ZeroDivisionError otherwise),
+    that is not an integer (range() of it fails later) or is a bool (True == 1 to Python), a negative seed, no
+    heads (a ZeroDivisionError otherwise),
     a device or dtype the run cannot resolve, a rounding subroutine or a shared-expert gate (no shared expert) the
     MoE layer refuses (checked up front, not at the model's build),
     a run stopped before its first step, rotary heads of odd size (its halves cannot pair up)."""

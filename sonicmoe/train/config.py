@@ -162,11 +162,11 @@ class TrainConfig:
                     "batch_size", "seq_len", "m_tile", "eval_batches", "log_every", "expert_parallel")
         for name in positive:
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # a flag is no count (True == 1 in Python)
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("warmup", "eval_every", "save_every", "profile_every", "seed"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
         if self.d_model % self.heads or (self.d_model // self.heads) % 2:
             raise ValueError(f"d_model={self.d_model} must split into heads={self.heads} of even size")
@@ -207,7 +207,8 @@ class TrainConfig:
             if self.expert_parallel > 1:
                 raise ValueError("graph_moe cannot capture an expert-parallel layer (its all-to-all sizes are read "
                                  "on the host); use expert_parallel=1")
-        if self.stop_after is not None and self.stop_after < 1:
+        if self.stop_after is not None and (isinstance(self.stop_after, bool) or not isinstance(self.stop_after, int)
+                                            or self.stop_after < 1):
             raise ValueError(f"stop_after must be a positive integer, got {self.stop_after}")
         # the layer's own refusals (groups, token rounding with groups, the shared expert's options, ...), up front
         MoEConfig(self.d_model, self.expert_size, self.experts, self.top_k, routing=self.routing,
