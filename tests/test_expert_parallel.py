@@ -382,6 +382,17 @@ def test_expert_parallel_checks_before_any_exchange():
         _check_ep_inputs(x, w1, w2, None, None, routing, torch.rand(8), world, "torch", "split")
     with pytest.raises(ValueError, match=r"activation must be one of .*got 'gelu'"):
         _check_ep_inputs(x, w1, w2, None, None, routing, torch.rand(8), world, "torch", "concat", "gelu")
+    # float64 is the torch backend's alone: the Triton kernels' x or scores in float64 are refused here too (on the CPU
+    # through the interpreter), not by the experts after the exchange (and never on a rank whose experts get no row)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, w1, w2, routing = x.to(dev), w1.to(dev), w2.to(dev), routing_from_topk(torch.tensor([[0, 1]] * 4, device=dev),
+                                                                              2 * world)
+    s64 = torch.rand(8, dtype=torch.float64, device=dev)
+    _check_ep_inputs(x.double(), w1.double(), w2.double(), None, None, routing, s64, world, "torch", "concat")
+    with pytest.raises(TypeError, match=r"x is float64, which only backend='torch' runs"):
+        _check_ep_inputs(x.double(), w1.double(), w2.double(), None, None, routing, s64, world, "triton", "concat")
+    with pytest.raises(TypeError, match=r"pair_scores is float64, which only backend='torch' runs"):
+        _check_ep_inputs(x, w1, w2, None, None, routing, s64, world, "triton", "concat")
 
 
 def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
@@ -412,6 +423,62 @@ def test_expert_parallel_one_rank_float64_from_moe_and_full_state(tmp_path):
         shard = {**full.state_dict(), "experts.down_proj": full.experts.down_proj[:2]}
         with pytest.raises(ValueError, match=r"experts.down_proj must hold all E=4 experts"):
             layer.load_full_state_dict(shard)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_one_rank_options_reach_the_experts(tmp_path):
+    """In a group of one rank (a subgroup given explicitly), float32, the torch backend: the clamped SwiGLU and the
+    interleaved gate/up layout reach the experts of expert_parallel_experts, of expert_parallel_experts_ref and of
+    the layer (each against sonicmoe.experts_ref or MoE with the same options, which the default options miss by
+    far: a dropped option fails); general routing on a rank with no token but padding pairs (nothing sent, O (0, d),
+    zero score gradients); expert_parallel_ddp(process_group=) with the layer's own group, as in the world's case:
+    the expert gradients scaled by 1/P (here 1), not refused as those of a group other than DDP's."""
+    from sonicmoe.expert_parallel import (
+        ExpertParallelMoE,
+        expert_parallel_ddp,
+        expert_parallel_experts,
+        expert_parallel_experts_ref,
+    )
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+        t, e, k = 11, 4, 2
+        x = torch.randn(t, D, generator=g)
+        w1, w2 = torch.randn(e, 2 * N, D, generator=g) * D ** -0.5, torch.randn(e, D, N, generator=g) * N ** -0.5
+        b1, b2 = torch.randn(e, 2 * N, generator=g) * 0.1, torch.randn(e, D, generator=g) * 0.1
+        routing = routing_from_topk(torch.rand(t, e, generator=g).topk(k, dim=1).indices, e)
+        scores = torch.rand(t * k, generator=g) + 0.1
+        default = experts_ref(x, w1, w2, routing, scores, b1, b2)
+        for options in ({"activation": "clamped_swiglu"}, {"gate_up_layout": "interleaved"}):
+            ref = experts_ref(x, w1, w2, routing, scores, b1, b2, **options)
+            assert rel_err(default, ref) > 0.05, options  # the option matters
+            for fn in (expert_parallel_experts, expert_parallel_experts_ref):
+                out = fn(x, w1, w2, routing, scores, b1, b2, group=sub, backend="torch", **options)
+                assert rel_err(out, ref) < 1e-6, (fn.__name__, options)
+
+        # no token, three padding pairs (token T = 0, expert E)
+        x0 = torch.randn(0, D, requires_grad=True)
+        s0 = torch.rand(3, generator=g).requires_grad_(True)
+        padded = routing_from_pairs(torch.zeros(3, dtype=torch.long), torch.full((3,), e), 0, e, padding=True)
+        out = expert_parallel_experts(x0, w1, w2, padded, s0, b1, b2, group=sub, backend="torch")
+        assert out.shape == (0, D)
+        out.sum().backward()
+        assert torch.equal(s0.grad, torch.zeros(3))
+
+        torch.manual_seed(0)
+        full = MoE(D, N, e, k, bias=True, activation="clamped_swiglu", backend="torch", aux_loss_coef=0.0)
+        model = expert_parallel_ddp(ExpertParallelMoE.from_moe(full, group=sub), process_group=sub)
+        xs, dout = torch.randn(9, D, generator=g), torch.randn(9, D, generator=g)
+        out, ref = model(xs), full(xs)
+        assert rel_err(out, ref) < 1e-6
+        out.backward(dout)
+        ref.backward(dout)
+        full_params = dict(full.named_parameters())
+        for name, q in model.module.named_parameters():
+            assert rel_err(q.grad, full_params[name].grad) < 1e-6, name
     finally:
         dist.destroy_process_group()
 
