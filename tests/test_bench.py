@@ -358,6 +358,9 @@ def test_reference_chunks_and_upper_bound(dtype):
     assert up.m == 34 and up.rows == 102
     out = up.forward()
     assert out.shape == (50, 16) and out.dtype == dtype
+    # and it sums the first T·K rows, those its reference takes (not the last T·K of the E·m it computed)
+    errors = reference_errors(out.detach(), up.ref_spec(), None)
+    assert set(errors) >= {"out"} and all(v <= tol for v in errors.values()), errors
     # X_up's row r is a copy of x[r mod T]: the 102 rows cycle through the 50 tokens (the last 2 are x[0], x[1])
     assert torch.equal(up.x_up.detach(), p3.x.detach()[torch.arange(102) % 50])
     # token rounding down to M_tile = 8 keeps R = 80 pairs of T = 50 tokens: K' = round(1.6) = 2, not 1
@@ -366,6 +369,27 @@ def test_reference_chunks_and_upper_bound(dtype):
     assert tr.R == 80 and up.k_up == 2 and up.m == 20
     # no top-k scores of its own to reuse: each token weighs its K' rows equally, 1/K' each, in the layer's dtype
     assert up.s_up.dtype == dtype and torch.equal(up.s_up.detach(), torch.full((50, 2), 0.5, dtype=dtype))
+
+
+def test_upper_bound_of_token_rounding_weighs_rows_equally_and_keeps_one_row_per_token():
+    """Under token rounding the bound never reuses the pair scores, even where R happens to equal T·K' (the pairs
+    are then no (T, K') grid: a token may hold 1 or 3 of them), and it computes at least one row per token where the
+    rounding kept fewer pairs than T / 2 (K' = round(R / T) would be 0: no row, an empty bound)."""
+    p = make_problem(Shape("tr", 64, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=0,
+                     mode="token_rounding", m_tile=16)
+    per_token = torch.bincount(p.pair_token.long(), minlength=64)
+    assert p.R == 128 and p.topk_ids is None and per_token.min() < 2 < per_token.max()
+    up = UpperBoundCase(p)
+    assert up.k_up == 2 and torch.equal(up.s_up.detach(), torch.full((64, 2), 0.5))
+    with pytest.warns(UserWarning, match="token rounding with"):
+        few = make_problem(Shape("few", 64, 16, 8, 8, 1), dtype=torch.float32, device="cpu", seed=1,
+                           mode="token_rounding", m_tile=16, rounding="down")
+    assert 0 < few.R < 32
+    up = UpperBoundCase(few)
+    assert (up.k_up, up.m, up.rows) == (1, 8, 64) and torch.equal(up.s_up.detach(), torch.ones(64, 1))
+    out = up.forward()
+    errors = reference_errors(out.detach(), up.ref_spec(), None)
+    assert out.shape == (64, 16) and out.abs().sum() > 0 and errors["out"] < 1e-5, errors
 
 
 def test_make_problem_dtypes_scales_and_seed():
@@ -435,6 +459,9 @@ def test_loop_limit_and_default_backends(monkeypatch):
     assert baselines._loop_factory(wide, {}).name == "loop"
     with pytest.raises(baselines.Unavailable, match="loop-max-E=128"):
         baselines._loop_factory(make_problem(Shape("w", 4, 8, 4, 129, 2), dtype=torch.float32, device="cpu"), {})
+    # no limit (--loop-max-E 0 reaches the factory as None): the loop takes any number of experts
+    wider = make_problem(Shape("w", 4, 8, 4, 129, 2), dtype=torch.float32, device="cpu")
+    assert baselines._loop_factory(wider, {"loop_max_E": None}).name == "loop"
     assert baselines.resolve_backends("torch,, loop,") == ["torch", "loop"]
     for installed in (False, True):
         monkeypatch.setattr(baselines, "library_installed", lambda name, installed=installed: installed)
@@ -449,6 +476,33 @@ def test_loop_limit_and_default_backends(monkeypatch):
     mine = baselines.BaselineSpec("loop", baselines._loop_factory, "a replacement loop", default=False)
     assert baselines.register_baseline(mine) is mine and baselines.REGISTRY["loop"] is mine
     assert "loop" not in baselines.resolve_backends("default") and "loop" in baselines.resolve_backends("all")
+
+
+def test_library_installed_finds_modules_without_importing(monkeypatch):
+    """library_installed: True for an importable module, False for a missing one, for a submodule of a missing
+    package (find_spec raises ModuleNotFoundError) and for a module in sys.modules without a spec (ValueError)."""
+    import types
+
+    assert baselines.library_installed("torch") and baselines.library_installed("sonicmoe.bench")
+    assert not baselines.library_installed("sonicmoe_no_such_library")
+    assert not baselines.library_installed("sonicmoe_no_such_library.sub")
+    monkeypatch.setitem(sys.modules, "sonicmoe_specless", types.ModuleType("sonicmoe_specless"))
+    assert not baselines.library_installed("sonicmoe_specless")
+
+
+def test_scattermoe_unavailable_reasons(monkeypatch):
+    """The ScatterMoE factory's reasons, in order: no CUDA device; a routing that is not plain top-k (no (T, K)
+    pair grid to hand it) before any import; then the library missing (the import fails)."""
+    p = make_problem(Shape("t", 8, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=3)
+    with pytest.raises(baselines.Unavailable, match="needs a CUDA GPU"):
+        baselines._scattermoe_factory(p, {})
+    monkeypatch.setitem(sys.modules, "scattermoe", None)  # an import of it fails, installed or not
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), topk_ids=None, shape=p.shape)
+    with pytest.raises(baselines.Unavailable, match="plain top-k"):
+        baselines._scattermoe_factory(on_gpu, {})
+    on_gpu.topk_ids = p.topk_ids
+    with pytest.raises(baselines.Unavailable, match="scattermoe is not installed"):
+        baselines._scattermoe_factory(on_gpu, {})
 
 
 def test_triton_backend_unavailable_in_bf16_under_the_interpreter(monkeypatch):

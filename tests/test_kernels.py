@@ -8,6 +8,7 @@ output is poisoned with NaN before launch (SONICMOE_POISON_OUTPUTS=1), so an unw
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -551,6 +552,7 @@ def test_gather_sum_config_rule(device, monkeypatch):
     monkeypatch.delenv("SONICMOE_AGG_CONFIG", raising=False)
     slice_cfg = aggregation.SLICE_CONFIG
     assert aggregation.pinned_config(1536, True) == (slice_cfg, aggregation.MAX_UNROLL)
+    assert aggregation.pinned_config(1536, True)[0] is not slice_cfg  # a copy: callers cannot change the default
     assert aggregation.pinned_config(2560, True)[0] == slice_cfg
     for d, on_gpu, progs in ((4096, True, 0), (2048, True, 0), (768, True, 0), (1536, False, 0), (1536, True, 2)):
         assert aggregation.pinned_config(d, on_gpu, progs) == (None, aggregation.MAX_UNROLL), (d, on_gpu, progs)
@@ -567,9 +569,15 @@ def test_gather_sum_config_rule(device, monkeypatch):
     # BLOCK_T too must be a power of two (the kernel's tl.arange over the tile's tokens): 3 passed the check and
     # failed inside Triton ("arange's range must be a power of 2") before the audit of session 90
     # a fifth part (not four values: refused by name, not by the zip into the config)
-    for bad in ("1:512:2", "1:500:2:4", "1:512:3:4", "0:512:2:4", "3:32:1:2", "1:512:2:4:1", "x"):
+    # an UNROLL of 0 (the kernel's slot loop then adds no slot: zeros, silently) and an empty value (refused like
+    # every other switch's, not read as unset) too; the message names the value as written and the 'auto' choice.
+    # Decimal digits only, as sonicmoe.env reads a count: int() took a space, a sign or an underscore before the
+    # mutation audit bb11_ (and a superscript digit, which isdigit() calls one, raised int's own ValueError)
+    for bad in ("1:512:2", "1:500:2:4", "1:512:3:4", "0:512:2:4", "3:32:1:2", "1:512:2:4:1", "x", "1:512:2:0", "",
+                "1:512:2: 4", "+1:512:2:4", "1:5_12:2:4", "1:512:2:\u00b2"):
         monkeypatch.setenv("SONICMOE_AGG_CONFIG", bad)
-        with pytest.raises(ValueError, match="SONICMOE_AGG_CONFIG"):
+        why = f"SONICMOE_AGG_CONFIG: expected 'auto' or BLOCK_T:.* got {re.escape(repr(bad))}$"
+        with pytest.raises(ValueError, match=why):
             gather_sum(y, routing, w)
 
 
@@ -597,9 +605,12 @@ def test_reserve_config_switch(device, monkeypatch):
     got = gather_sum(y, routing, w, config=aggregation.reserve_config(), num_programs=3)
     assert torch.equal(got, gather_sum(y, routing, w))
     assert rel_err(got, gather_sum_ref(y, routing, w)) < 1e-6
-    for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "6:1024:32:4", "8:1024:32:8:1", "x"):
+    for bad in ("8:1024:32", "8:1000:32:4", "8:1024:24:4", "0:1024:32:4", "6:1024:32:4", "8:1024:32:8:1", "x",
+                "8:1024:32:0", "", "8:1024:32:8 ", "8:1024:+32:8", "8:1_024:32:8"):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE_CONFIG", bad)
-        with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE_CONFIG"):
+        # no 'auto' here: the reserve config has no autotuned form
+        why = f"SONICMOE_AGG_RESERVE_CONFIG: expected BLOCK_T:.* got {re.escape(repr(bad))}$"
+        with pytest.raises(ValueError, match=why):
             aggregation.reserve_config()
 
 
@@ -1725,6 +1736,9 @@ def test_gather_sum_pinned_launch(monkeypatch):
     call = kern.calls[-1]
     assert (call["BLOCK_T"], call["BLOCK_D"], call["UNROLL"], call["_grid"]) == (2, 512, 2, (3 * 5,))
     monkeypatch.delenv("SONICMOE_AGG_CONFIG")
+    # num_programs = 1: a persistent grid of that one program (not one program per tile)
+    gather_sum(torch.empty(t * 8, d), routing, None, num_programs=1)
+    assert kern.calls[-1]["_grid"] == (1,)
     asked = []
 
     def spy(d, on_gpu, progs_per_sm=0):

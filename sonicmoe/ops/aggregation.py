@@ -158,11 +158,11 @@ def _config_parts(value: str, name: str, alternatives: str = "") -> tuple[int, i
     Raises:
         ValueError: not four positive integers separated by colons, BLOCK_T, BLOCK_D and num_warps powers of two
             (the kernel's ``tl.arange`` over BLOCK_T tokens needs one: BLOCK_T = 3 failed inside Triton instead).
+            Decimal digits only, as :func:`sonicmoe.env.env_count` reads a count: ``int`` also took a sign, spaces
+            and underscores ("1:512:2: 4", "+1:512:2:4", "1:5_12:2:4").
     """
-    try:
-        parts = tuple(int(v) for v in value.split(":"))
-    except ValueError:
-        parts = ()
+    texts = value.split(":")
+    parts = tuple(int(v) for v in texts) if all(v.isascii() and v.isdigit() for v in texts) else ()
     if len(parts) != 4 or min(parts) < 1 or any(v & (v - 1) for v in parts[:3]):
         raise ValueError(f"{name}: expected {alternatives}BLOCK_T:BLOCK_D:num_warps:UNROLL (positive "
                          f"integers, BLOCK_T, BLOCK_D and num_warps powers of two), got {value!r}")
