@@ -87,6 +87,7 @@ def test_log_and_plot(baseline):
     assert log["throughput"]["tokens"] == (STEPS - 5 - 4) * T
     assert log["tokens_per_s"] == pytest.approx(log["throughput"]["tokens"] / log["throughput"]["seconds"])
     assert log["model"]["dtype"] == "float32" and log["model"]["autocast"] is None  # --dtype auto on the CPU
+    assert log["resumed_from"] is None and log["steps_done"] == STEPS  # a fresh run, not one resumed at step 0
     assert [p["step"] for p in log["profile"]] == [10, 20, 30, 40]
     for p in log["profile"]:  # each profiled step's share: its MoE layers' forward and backward over the step
         assert p["moe_share"] == pytest.approx((p["moe_forward_s"] + p["moe_backward_s"]) / p["step_s"])
@@ -755,12 +756,14 @@ def test_bad_options_exit_with_usage(capsys):
 
 
 def test_resume_from_a_file_that_is_not_a_checkpoint_exits_with_usage(tmp_path, capsys):
-    """--resume of a file torch.load cannot read (it used to end in an UnpicklingError traceback) or of another
-    torch file: exit 2 naming the file."""
-    garbage, other = tmp_path / "garbage.pt", tmp_path / "other.pt"
+    """--resume of a file torch.load cannot read (it used to end in an UnpicklingError traceback), of an empty file, or
+    of another torch file: exit 2 naming the file."""
+    garbage, other, empty = tmp_path / "garbage.pt", tmp_path / "other.pt", tmp_path / "empty.pt"
     garbage.write_bytes(b"not a checkpoint")
     torch.save([1, 2], other)
-    for path, why in ((garbage, "torch.load failed: UnpicklingError"), (other, "format")):
+    empty.write_bytes(b"")  # a checkpoint whose write never began (a full disk): torch.load raises EOFError
+    for path, why in ((garbage, "torch.load failed: UnpicklingError"), (other, "format"),
+                      (empty, "torch.load failed: EOFError")):
         with pytest.raises(SystemExit) as e:
             cli.main(["--resume", str(path), "--no-progress"])
         err = capsys.readouterr().err
@@ -1168,6 +1171,23 @@ def test_autocast_bf16_training(tmp_path):
     assert log["final_val_loss"] is not None and math.isfinite(log["final_val_loss"])
 
 
+def test_autocast_context_runs_the_forward_in_bfloat16():
+    """autocast_context: ``amp-bf16`` runs a float32 matmul in bfloat16 (bfloat16's rounding of the inputs, not
+    float16's: a float16 autocast would train another model); every other dtype leaves float32 as it is."""
+    cpu = torch.device("cpu")
+    g = _fresh_generator()
+    a, b = torch.randn(16, 32, generator=g), torch.randn(32, 8, generator=g)
+    with loop.autocast_context("amp-bf16", cpu):
+        got = a @ b
+    assert got.dtype == torch.bfloat16
+    # the product of the bfloat16-rounded inputs (accumulated in float32), rounded once more to bfloat16
+    torch.testing.assert_close(got.float(), a.bfloat16().float() @ b.bfloat16().float(), rtol=2**-8, atol=1e-5)
+    for name in ("auto", "float32", "bfloat16"):
+        with loop.autocast_context(name, cpu):
+            plain = a @ b
+        assert plain.dtype == torch.float32 and torch.equal(plain, a @ b), name
+
+
 # ------------------------------------------------------------------ data parallelism (torchrun, two CPU ranks)
 
 DP_STEPS = 12
@@ -1267,6 +1287,12 @@ def test_seed_rank_stream():
     assert torch.equal(draws[0][0], torch.rand(8))
     assert not torch.equal(draws[0][0], draws[1][0]) and not torch.equal(draws[1][0], draws[2][0])
     assert torch.equal(draws[1][0], draws[1][1])
+    # rank r's seed is seed + r * 0x9E3779B9 mod 2**32: not the next seed (seed + r), whose rank 0 another run may be
+    for rank in (1, 2):
+        torch.manual_seed((5 + rank * 0x9E3779B9) % 2**32)
+        assert torch.equal(draws[rank][0], torch.rand(8)), rank
+        torch.manual_seed(5 + rank)
+        assert not torch.equal(draws[rank][0], torch.rand(8)), rank
 
 
 def test_data_parallel_of_one_process_and_the_torchrun_environment(monkeypatch):
@@ -1993,6 +2019,30 @@ def test_throughput_counts_each_stretch_once(monkeypatch):
     seconds = (ticks[1] - ticks[0]) + (ticks[3] - ticks[2])
     assert meter.seconds == pytest.approx(seconds, rel=1e-12)
     assert meter.rate() == pytest.approx((n[1] + n[2] + n[3]) / seconds, rel=1e-12)
+
+
+def test_train_sets_the_deterministic_switch_and_restores_it(monkeypatch, tmp_path):
+    """train: ``torch.use_deterministic_algorithms`` during the run is ``cfg.deterministic``, or on by default on the
+    CPU (its reductions then repeat bit for bit), always warn-only; afterwards both the switch and its warn-only flag
+    are what they were before, whichever they were."""
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda *a: seen.append((torch.are_deterministic_algorithms_enabled(),
+                                                                torch.is_deterministic_algorithms_warn_only_enabled())))
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        for previous in ((False, False), (True, True), (True, False)):
+            for deterministic, want in ((None, True), (False, False), (True, True)):
+                torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+                cfg = make_config("cpu-tiny", device="cpu", backend="torch", out=str(tmp_path),
+                                  deterministic=deterministic)
+                if deterministic is False:  # make_config ignores None values only: False is kept
+                    assert cfg.deterministic is False
+                loop.train(cfg)
+                assert seen[-1] == (want, True), (previous, deterministic)
+                assert (torch.are_deterministic_algorithms_enabled(),
+                        torch.is_deterministic_algorithms_warn_only_enabled()) == previous, (previous, deterministic)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def test_fmt_rate():
