@@ -123,6 +123,23 @@ def test_opcheck_experts_bwd(needs, bias, device):
     assert grads[5].dtype == torch.float16  # dS comes back in the scores' dtype
 
 
+
+def test_experts_bwd_placeholders_keep_their_inputs_dtypes(device):
+    """The (0,) placeholders of gradients nobody asked for carry the dtype of the input they stand for (db1 b1's, db2
+    b2's, dS the scores'), as the fake's do: here float16 biases and scores beside float32 x and weights, so a
+    placeholder made from x would differ in dtype from the fake (a compiled graph checks them)."""
+    p = random_problem(T, D, N, E, bias=True, device=device, seed=int(torch.randint(0, 2**31 - 1, ())))
+    routing = _general_routing(device)
+    r = routing.num_rows
+    h = torch.randn(r, 2 * N, device=device)
+    pair_scores = torch.rand(r, device=device, dtype=torch.float16)
+    needs = [True, False, True, False, False, False]
+    args = (torch.randn(T, D, device=device), p["x"], p["w1"], p["w2"], p["b1"].half(), p["b2"].half(), h,
+            pair_scores, *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", needs)
+    grads = library.experts_bwd(*args)
+    assert [tuple(g_.shape) for g_ in grads] == [(T, D), (0,), tuple(p["w2"].shape), (0,), (0,), (0,)]
+    assert [g_.dtype for g_ in grads] == [torch.float32] * 3 + [torch.float16] * 3
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("needs", [[False, False, False, False, False, True], [True, False, False, False, False, True],
@@ -518,6 +535,18 @@ def test_op_rejects_bad_layout_and_missing_h(device):
     args[-2], args[-1] = "concat", False  # gradients needed but H not saved
     with pytest.raises(ValueError, match="save_h"):
         library.experts_fwd(*args)
+    # the backward checks its layout and activation too, before its branch for R = 0 (which launches no kernel
+    # that would refuse them)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    for routing in (_general_routing(device), routing_from_pairs(empty, empty, T, E)):
+        bwd_args = [torch.randn(T, D, device=device), p["x"], p["w1"], p["w2"], None, None,
+                    torch.randn(routing.num_rows, 2 * N, device=device), torch.rand(routing.num_rows, device=device),
+                    *(getattr(routing, f) for f in BWD_ROUTING_FIELDS), "concat", [True] * 6, "gelu"]
+        with pytest.raises(ValueError, match="activation must be one of .* got 'gelu'"):
+            library.experts_bwd(*bwd_args)
+        bwd_args[-3], bwd_args[-1] = "gate_up", "swiglu"
+        with pytest.raises(ValueError, match="gate_up_layout must be one of .* got 'gate_up'"):
+            library.experts_bwd(*bwd_args)
 
 
 # ---------------------------------------------------------------------------------------------

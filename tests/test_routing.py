@@ -116,7 +116,8 @@ def random_topk_ids(T: int, K: int, E: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "T,K,E",
-    [(1, 1, 1), (1, 1, 4), (1, 4, 4), (7, 1, 5), (9, 3, 3), (16, 2, 8), (33, 4, 6), (5, 8, 8), (0, 2, 4)],
+    [(1, 1, 1), (1, 1, 4), (1, 4, 4), (7, 1, 5), (9, 3, 3), (16, 2, 8), (33, 4, 6), (5, 8, 8), (0, 2, 4),
+     (6, 0, 3)],
 )
 def test_routing_from_topk_invariants(T, K, E):
     ids = random_topk_ids(T, K, E, seed=T * 100 + K * 10 + E)
@@ -347,6 +348,18 @@ def test_routing_from_pairs_flags_must_be_bools(flag):
     check_routing(r, tok.tolist(), exp.tolist(), t, e)
 
 
+
+def test_routing_from_pairs_refuses_indices_on_two_devices():
+    """pair_token and pair_expert on different devices (the meta device stands in for a GPU): a ValueError naming both
+    devices, before any sort or gather mixes them (torch's own error from inside named neither argument)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    tok, exp = torch.randint(0, 5, (6,), generator=g), torch.randint(0, 3, (6,), generator=g)
+    for token_major in (False, True):
+        with pytest.raises(ValueError, match="pair_expert is on meta but pair_token is on cpu"):
+            routing_from_pairs(tok.sort().values, exp.to("meta"), 5, 3, token_major=token_major)
+        with pytest.raises(ValueError, match="pair_expert is on cpu but pair_token is on meta"):
+            routing_from_pairs(tok.to("meta"), exp, 5, 3, token_major=token_major)
+
 def test_check_pairs_accepts_valid():
     tok, exp = random_pairs(9, 4, seed=1)
     assert check_pairs(tok, exp, 9, 4) is None
@@ -439,6 +452,24 @@ def test_router_topk_matches_hand(order, renorm, T, d, E, K):
     elif K < E:
         assert bool((out.topk_scores.sum(-1) < 1 - 1e-6).all())
 
+
+
+def test_router_probs_of_the_sigmoid_order_and_kept_once_computed():
+    """RouterOutput.probs, computed on first access where the router did not need it: under "sigmoid_then_topk" the
+    sigmoids normalised to sum 1 over E (DeepSeek-V3's balance loss), else the softmax over E, each against a float64
+    hand computation; the tensor is kept (a second access returns the same one, with no second (T, E) softmax)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    T, d, E, K = 11, 8, 6, 2
+    x, w = torch.randn(T, d, generator=g), torch.randn(E, d, generator=g) * d**-0.5
+    logits = hand_router(x, w, K, "topk_then_softmax", False)[0]
+    sig = 1 / (1 + torch.exp(-logits))
+    expected = {"sigmoid_then_topk": sig / sig.sum(dim=1, keepdim=True), "topk_then_softmax": torch.softmax(logits, 1)}
+    for order, want in expected.items():
+        out = router_topk(x, w, K, router_order=order, use_kernel=False)
+        assert out._probs is None  # lazy: neither order needs the (T, E) probabilities to choose
+        probs = out.probs
+        assert out.probs is probs
+        torch.testing.assert_close(probs.double(), want, rtol=1e-5, atol=1e-7)
 
 def test_router_topk_renormalize_ignored_for_topk_then_softmax_and_equivalence():
     g = torch.Generator().manual_seed(11)
