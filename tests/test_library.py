@@ -123,7 +123,6 @@ def test_opcheck_experts_bwd(needs, bias, device):
     assert grads[5].dtype == torch.float16  # dS comes back in the scores' dtype
 
 
-
 def test_experts_bwd_placeholders_keep_their_inputs_dtypes(device):
     """The (0,) placeholders of gradients nobody asked for carry the dtype of the input they stand for (db1 b1's, db2
     b2's, dS the scores'), as the fake's do: here float16 biases and scores beside float32 x and weights, so a
@@ -139,6 +138,7 @@ def test_experts_bwd_placeholders_keep_their_inputs_dtypes(device):
     grads = library.experts_bwd(*args)
     assert [tuple(g_.shape) for g_ in grads] == [(T, D), (0,), tuple(p["w2"].shape), (0,), (0,), (0,)]
     assert [g_.dtype for g_ in grads] == [torch.float32] * 3 + [torch.float16] * 3
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -348,7 +348,6 @@ def test_routing_from_pairs_flags_must_be_bools(flag):
     check_routing(r, tok.tolist(), exp.tolist(), t, e)
 
 
-
 def test_routing_from_pairs_refuses_indices_on_two_devices():
     """pair_token and pair_expert on different devices (the meta device stands in for a GPU): a ValueError naming both
     devices, before any sort or gather mixes them (torch's own error from inside named neither argument)."""
@@ -359,6 +358,7 @@ def test_routing_from_pairs_refuses_indices_on_two_devices():
             routing_from_pairs(tok.sort().values, exp.to("meta"), 5, 3, token_major=token_major)
         with pytest.raises(ValueError, match="pair_expert is on cpu but pair_token is on meta"):
             routing_from_pairs(tok.to("meta"), exp, 5, 3, token_major=token_major)
+
 
 def test_check_pairs_accepts_valid():
     tok, exp = random_pairs(9, 4, seed=1)
@@ -453,7 +453,6 @@ def test_router_topk_matches_hand(order, renorm, T, d, E, K):
         assert bool((out.topk_scores.sum(-1) < 1 - 1e-6).all())
 
 
-
 def test_router_probs_of_the_sigmoid_order_and_kept_once_computed():
     """RouterOutput.probs, computed on first access where the router did not need it: under "sigmoid_then_topk" the
     sigmoids normalised to sum 1 over E (DeepSeek-V3's balance loss), else the softmax over E, each against a float64
@@ -470,6 +469,7 @@ def test_router_probs_of_the_sigmoid_order_and_kept_once_computed():
         probs = out.probs
         assert out.probs is probs
         torch.testing.assert_close(probs.double(), want, rtol=1e-5, atol=1e-7)
+
 
 def test_router_topk_renormalize_ignored_for_topk_then_softmax_and_equivalence():
     g = torch.Generator().manual_seed(11)
