@@ -2882,3 +2882,124 @@ def test_footprint_gate_skips_only_past_the_memory(monkeypatch):
     assert gib != f"{need / 1e9:.1f}"
     assert rec["message"] == (f"needs about {gib} GiB (weights, grads, activations), more than the "
                               f"{(need - 1) / 2**30:.1f} GiB half the RAM; run it on a GPU or lower --max-T")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the runner's loop over shapes, its checks' bounds and its records (mutation probe: ck13_runner_*)
+
+
+def test_shape_ratios_scale_the_upper_bound_to_the_pairs(monkeypatch):
+    """run_shape hands R to the ratios: the upper bound computes E·m = 4·3 = 12 rows for R = 10 pairs (T = 10, E = 4,
+    K = 1), so its stubbed times are scaled by 10 / 12 before the division by the base's (torch: no triton row)."""
+    from sonicmoe.bench import runner
+
+    ms = iter([1.0, 3.0, 0.5, 2.0])  # torch fwd, fwd+bwd; upper fwd, fwd+bwd
+    monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 0.0, "p50": next(ms), "p80": 9.0})
+    opts = runner.RunOptions(backends=["torch", "upper"], device=torch.device("cpu"), dtype=torch.float32,
+                             check=False, router_variant=False, warmup=0.0, rep=0.0, verbose=False)
+    rec = runner.run_shape(Shape("r", 10, 16, 8, 4, 1), "topk", opts, lambda s: None)
+    assert rec["TK"] == 10 and rec["backends"]["upper"]["info"]["rows"] == 12
+    assert rec["ratio_base"] == "torch"
+    scale = 10 / 12
+    assert rec["ratios"] == {"upper": {"fwd": pytest.approx(0.5 * scale / 1.0), "bwd": pytest.approx(1.5 * scale / 2.0),
+                                       "total": pytest.approx(2.0 * scale / 3.0)}}
+
+
+def test_run_numbers_its_items_keeps_the_callers_records_and_rows_a_shape_error(monkeypatch, capsys):
+    """run(): the progress line of item i of n reads "[i/n]" from 1; each record is appended to the caller's list
+    (the one returned) and handed to on_record; a shape whose run raises becomes a record of its own, "oom" for a
+    MemoryError and "error" otherwise, and the run goes on."""
+    from sonicmoe.bench import runner
+
+    def shape_run(shape, mode, opts, log):
+        if shape.name == "oom":
+            raise MemoryError("no room")
+        if shape.name == "err":
+            raise RuntimeError("sticky CUDA error")
+        return {"name": shape.name, "routing": mode, "status": "ok"}
+
+    monkeypatch.setattr(runner, "run_shape", shape_run)
+    monkeypatch.setattr(runner, "load_token_rounding", lambda: None)
+    shapes = [Shape("a", 16, 8, 8, 2, 1), Shape("oom", 32, 8, 8, 2, 1), Shape("err", 48, 8, 8, 2, 1)]
+    opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32)
+    mine, seen, said = [{"name": "earlier"}], [], []
+    out = runner.run(shapes, opts, said.append, records=mine, on_record=seen.append)
+    assert out is mine and [r["name"] for r in mine] == ["earlier", "a", "oom", "err"]
+    assert len(seen) == 3 and all(s is r for s, r in zip(seen, mine[1:]))
+    assert (mine[2]["status"], mine[2]["message"]) == ("oom", "MemoryError: no room")
+    assert (mine[3]["status"], mine[3]["message"]) == ("error", "RuntimeError: sticky CUDA error")
+    assert mine[3]["backends"] == {} and mine[3]["T"] == 48 and mine[3]["routing"] == "topk"
+    lines = said + capsys.readouterr().out.splitlines()  # through tqdm.write where tqdm is installed
+    progress = [s for s in lines if s.startswith("[")]
+    assert progress == [f"[{i}/3] {s.name} (T={s.T}, d=8, n=8, E=2, K=1) routing=topk" for i, s in enumerate(shapes, 1)]
+
+
+def test_fail_message_holds_worst_row_and_expert_errors_to_the_local_bound(monkeypatch):
+    """A FAIL row's message names the bound its worst error broke: LOCAL_TOL_FACTOR · tol for a worst-row (*_rows) or
+    worst-expert (*_experts) error, tol for a norm-wise one (check stubbed to fail on each)."""
+    from sonicmoe.bench import runner
+
+    p = make_problem(Shape("f", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=4)
+    opts = runner.RunOptions(backends=["torch"], device=torch.device("cpu"), dtype=torch.float32, tol=1e-3,
+                             router_variant=False, verbose=False)
+    for worst, bound in (("dw1_experts", "local bound 0.01"), ("dx_rows", "local bound 0.01"), ("dw2", "tol 0.001")):
+        def failing(*args, worst=worst, **kw):
+            return {"passed": False, "worst": worst, "errors": {worst: 0.5}, "pairs": p.R}
+
+        monkeypatch.setattr(runner, "check_case", failing)
+        row = runner.run_backend("torch", p, opts, useful_flops(p.R, 8, 8), lambda s: None)
+        assert row["status"] == "FAIL" and row["fwd"] is None
+        assert row["message"] == f"wrong result: rel err of {worst} = 0.5 > {bound}"
+
+
+def test_check_takes_the_backends_token_limit_and_the_dtypes_tol(monkeypatch):
+    """run_backend checks on the first min(T, --check-max-T, the backend's own check_max_T) tokens (a torch backend
+    limited to 16 of T = 64 here; --check-max-T 8 below that wins) and, without --tol, at the bound of the problem's
+    dtype (bf16: 2e-2, not float32's 2e-3); the check is stubbed to record what it was given."""
+    from sonicmoe.bench import runner
+    from sonicmoe.bench.measure import DEFAULT_TOL
+
+    seen = []
+
+    def check(case, dout, **kw):
+        seen.append((dout.shape[0], kw["tol"]))
+        return {"passed": True, "worst": "out", "errors": {"out": 0.0}, "pairs": 1}
+
+    monkeypatch.setattr(runner, "check_case", check)
+    monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 1.0, "p50": 1.0, "p80": 1.0})
+    monkeypatch.setitem(REGISTRY, "torch16", dataclasses.replace(REGISTRY["torch"], check_max_T=16))
+    for dtype, cap, want_T in ((torch.bfloat16, None, 16), (torch.float32, 8, 8)):
+        p = make_problem(Shape("c", 64, 16, 8, 4, 2), dtype=dtype, device="cpu", seed=5)
+        opts = runner.RunOptions(backends=["torch16"], device=torch.device("cpu"), dtype=dtype, check_max_T=cap,
+                                 router_variant=False, verbose=False)
+        row = runner.run_backend("torch16", p, opts, useful_flops(p.R, 8, 16), lambda s: None)
+        assert row["status"] == "ok", row["message"]
+        assert seen[-1] == (want_T, DEFAULT_TOL[dtype]) and row["check"]["T"] == want_T
+    assert DEFAULT_TOL[torch.bfloat16] == 2e-2 and DEFAULT_TOL[torch.float32] == 2e-3
+
+
+def test_load_profile_warns_only_when_the_router_misses_the_target(tmp_path, monkeypatch):
+    """run_shape with --load-profile: no warning where the calibrated router's busiest expert is within 10% of the
+    profile's (2x the mean here); where it is not (the router left even: the load dropped before the problem is
+    made), one warning naming both."""
+    from sonicmoe.bench import runner
+
+    path = tmp_path / "skew.json"
+    path.write_text(json.dumps([3.0] * 4 + [1.0] * 12))
+    opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32, load_profile=str(path),
+                             verbose=False)
+    shape = Shape("lp", 1024, 32, 16, 16, 2)
+    said = []
+    rec = runner.run_shape(shape, "topk", opts, said.append)
+    got, want = rec["load_target"]["achieved_max_over_mean"], rec["load_target"]["max_over_mean"]
+    assert want == pytest.approx(2.0) and abs(got - want) <= 0.1 * want
+    assert not [s for s in said if "warning" in s]
+    real = runner.make_problem
+    monkeypatch.setattr(runner, "make_problem", lambda shape, **kw: real(shape, **{**kw, "load": None}))
+    said.clear()
+    rec = runner.run_shape(shape, "topk", opts, said.append)
+    got = rec["load_target"]["achieved_max_over_mean"]
+    assert abs(got - want) > 0.1 * want  # an even router's busiest expert: 1.6x here
+    assert [s for s in said if "warning" in s] == [
+        f"  warning: the router reached a busiest expert of {got:.2f}x the mean, not the profile's 2.00x (too few "
+        "tokens per expert to calibrate?)"]

@@ -273,6 +273,8 @@ def test_expert_biases_are_checked_key_by_key(style, biased):
             assert all(k in message for k in (lack if biased else have)), (have, message)
             if have and lack:  # told that the checkpoint's set is incomplete, naming both sides
                 assert "incomplete" in message and all(k in message for k in keys), (have, message)
+            # expert 0 has its biases here: "build the layer with bias=False" would be wrong advice
+            assert "bias=False" not in message, (have, message)
             assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items()), have
     if biased:  # a checkpoint without any expert bias: build the layer without
         with pytest.raises(KeyError, match="b.experts.0.*bias=False"):
@@ -343,6 +345,32 @@ def test_errors_name_the_key_and_leave_the_layer_unchanged():
         load_hf_experts(block, good, "b.")
     with pytest.raises(ValueError, match="style"):
         hf_experts_state_dict(layer, style="auto")
+
+
+def test_a_missing_or_non_tensor_entry_is_named_with_its_shape():
+    """A missing entry's KeyError names the key and the shape the layer expects (expert 0's up weight too: style
+    "auto" reads expert 0's gate weight only, so the block is not "without per-expert weights"); an entry that is not
+    a tensor (a list, a numpy array of the right shape) is a ValueError naming the key, the shape and what it got.
+    The layer is unchanged each time."""
+    torch.manual_seed(9)
+    good = hf_experts_state_dict(MoE(D, N, E, K, dtype=torch.float64), "b.", style="mixtral")
+    layer = MoE(D, N, E, K, dtype=torch.float64)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+
+    def fails(exc, match, state):
+        with pytest.raises(exc, match=match):
+            load_hf_experts(layer, state, "b.")
+        assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+    for key in ("b.experts.4.w3.weight", "b.experts.0.w3.weight"):
+        fails(KeyError, rf"missing '{key}' \(expected shape \(6, 12\)\)", {k: v for k, v in good.items() if k != key})
+    fails(KeyError, r"missing 'b.gate.weight' \(expected shape \(8, 12\)\)",
+          {k: v for k, v in good.items() if k != "b.gate.weight"})
+    down = good["b.experts.3.w2.weight"]
+    fails(ValueError, r"'b.experts.3.w2.weight' must have shape \(12, 6\), got list",
+          {**good, "b.experts.3.w2.weight": down.tolist()})
+    fails(ValueError, r"'b.experts.3.w2.weight' must have shape \(12, 6\), got ndarray",
+          {**good, "b.experts.3.w2.weight": down.numpy()})
 
 
 @settings(max_examples=25, deadline=None)

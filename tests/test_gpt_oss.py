@@ -113,12 +113,38 @@ def test_loader_checks_before_copying():
         load_gpt_oss_experts(layer, missing)
     for key, v in layer.state_dict().items():
         assert torch.equal(v, before[key]), key
+    # the exporter checks the layer as the loader does: it would write another block under gpt-oss's names
     for name, value in (("activation", "swiglu"), ("router_bias", False), ("bias", False),
-                        ("router_order", "softmax_then_topk")):
+                        ("router_order", "softmax_then_topk"), ("routed_scaling_factor", 2.5)):
+        other = _layer("interleaved", **{name: value})
         with pytest.raises(ValueError, match=f"{name}="):
-            load_gpt_oss_experts(_layer("interleaved", **{name: value}), sd)
+            load_gpt_oss_experts(other, sd)
+        with pytest.raises(ValueError, match=f"{name}="):
+            gpt_oss_state_dict(other)
+    shared = _layer("interleaved", shared_intermediate_size=8)
     with pytest.raises(ValueError, match="shared expert"):
-        load_gpt_oss_experts(_layer("interleaved", shared_intermediate_size=8), sd)
+        load_gpt_oss_experts(shared, sd)
+    with pytest.raises(ValueError, match="shared expert"):
+        gpt_oss_state_dict(shared)
+
+
+def test_a_shard_of_the_experts_is_refused_by_the_loader_and_the_exporter():
+    """A gpt-oss layer holding only some of the E experts (rank 0 of 2's shard, the first half) is refused with the
+    NotImplementedError that points at ExpertParallelMoE.from_moe: by the loader before anything is copied (the router
+    not first, the expert copy failing after it), and by the exporter (which would write E / 2 experts as the block's
+    E)."""
+    sd = _gpt_oss_block(seed=8, prefix="")
+    shard = _layer("interleaved")
+    ex = shard.experts
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        setattr(ex, name, torch.nn.Parameter(getattr(ex, name).detach()[: E // 2].clone()))
+    before = {k: v.clone() for k, v in shard.state_dict().items()}
+    with pytest.raises(NotImplementedError, match="shard of the experts.*ExpertParallelMoE.from_moe"):
+        load_gpt_oss_experts(shard, sd)
+    for key, v in shard.state_dict().items():
+        assert torch.equal(v, before[key]), key
+    with pytest.raises(NotImplementedError, match="shard of the experts"):
+        gpt_oss_state_dict(shard)
 
 
 @pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
@@ -171,6 +197,8 @@ def test_layer_with_router_bias_trains_under_token_rounding():
 def test_hf_loader_reads_and_writes_the_router_bias():
     torch.manual_seed(1)
     src = MoE(D, N, E, K, router_bias=True)
+    with torch.no_grad():
+        src.gate.bias.normal_()  # the bias starts at zero, as the loaded layer's does: a missed copy would pass
     sd = hf_experts_state_dict(src, "mlp.")
     assert torch.equal(sd["mlp.gate.bias"], src.gate.bias)
     dst = MoE(D, N, E, K, router_bias=True)
