@@ -1704,10 +1704,31 @@ def test_varlen_m_env_config(monkeypatch):
         assert (call["num_warps"], call["num_stages"]) == (cfg.num_warps, cfg.num_stages), i
         if cfg.kwargs.get("W_TMA"):  # the dX̃ form's W1 (E, k, m): a (BLOCK_K, BLOCK_N) box of one expert
             assert call["b_desc"].block_shape == [1, cfg.kwargs["BLOCK_K"], cfg.kwargs["BLOCK_N"]], i
-    for bad in (str(len(grouped_gemm.TUNING_SPACE)), "-1", "cfg2", ""):
+    # "²" is a digit to str.isdigit (int() refuses it), so it needs the ASCII check to be refused by name; the message
+    # names the last valid index
+    last = len(grouped_gemm.TUNING_SPACE) - 1
+    for bad in (str(last + 1), "-1", "cfg2", "", "\u00b2"):
         monkeypatch.setenv("SONICMOE_VARLEN_M_CONFIG", bad)
-        with pytest.raises(ValueError, match="SONICMOE_VARLEN_M_CONFIG"):
+        with pytest.raises(ValueError, match=rf"^SONICMOE_VARLEN_M_CONFIG: expected 'auto' or an index 0\.\.{last} of "
+                           rf"grouped_gemm\.TUNING_SPACE, got {re.escape(repr(bad))}$"):
             varlen_m_gemm(a, w1, None, routing, transpose_b=False)
+
+
+def test_down_proj_launches_its_explicit_config(monkeypatch):
+    """down_proj hands an explicit ``config`` (tuning sweeps) to the varlen-M launch, which uses it as is instead of the
+    pinned GPU default (BLOCK_N 256, 4 stages here)."""
+    from sonicmoe.ops import grouped_gemm
+
+    kern = _record_pinned_launch(monkeypatch, grouped_gemm, "_varlen_m_kernel")
+    e, k, width, rows = 2, 256, 1536, 1536
+    routing = routing_from_pairs(torch.arange(rows * e), torch.arange(rows * e) // rows, rows * e, e)
+    a = torch.empty(rows * e, k, dtype=torch.bfloat16)
+    w2 = torch.empty(e, width, k, dtype=torch.bfloat16)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PROGS_PER_SM": 0, "FLATTEN": False, "num_warps": 4,
+           "num_stages": 2}
+    down_proj(a, w2, None, routing, config=cfg)
+    (call,) = kern.calls
+    assert {key: call[key] for key in cfg} == cfg
 
 
 def test_gather_sum_pinned_launch(monkeypatch):
@@ -1806,6 +1827,58 @@ def test_host_cdiv_and_next_pow2_match_triton():
         for b in (1, 3, 16, 128):
             assert cdiv(a, b) == triton.cdiv(a, b)
     assert next_pow2(-5) == 1 and next_pow2(2**40 + 1) == 2**41
+
+
+def test_varlen_m_gemm_of_a_single_row(device):
+    """R = 1 (one token routed to the middle one of three experts): the varlen-M GEMM still launches (poisoned output:
+    a skipped launch leaves NaN) and gives that row's product with its expert's weight, both forms, the bias included,
+    against a float64 product."""
+    e, k_dim, m = 3, 24, 40
+    g = torch.Generator().manual_seed(131)
+    routing = routing_from_pairs(torch.zeros(1, dtype=torch.long, device=device),
+                                 torch.ones(1, dtype=torch.long, device=device), 1, e)
+    assert routing.num_rows == 1
+    a = torch.randn(1, k_dim, generator=g).to(device)
+    w = torch.randn(e, m, k_dim, generator=g).to(device)
+    bias = torch.randn(e, m, generator=g).to(device)
+    want = a.double() @ w[1].double().t() + bias[1].double()
+    got = varlen_m_gemm(a, w, bias, routing, transpose_b=True)
+    assert got.shape == (1, m) and rel_err(got, want) < 1e-6
+    got = varlen_m_gemm(a, w.transpose(1, 2).contiguous(), None, routing, transpose_b=False)
+    assert got.shape == (1, m) and rel_err(got, want - bias[1].double()) < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the Inf rows' own experts
+def test_varlen_k_tail_masks_the_rows_past_the_expert(device):
+    """The tail chunk's row mask holds where the columns need none (I and J multiples of the block: EVEN_I / EVEN_J).
+    Experts of 20, 13 and 16 rows (16-row chunks): experts 0 and 1 end in a tail whose masked rows are the next
+    expert's rows in the contiguous operand and token 0's row in the gathered one (the masked token index reads row 0).
+    An Inf there reaches no other expert's gradient: in A′ (dW2's Q, contiguous) and dH (dW1's P) at expert 1's first
+    row, expert 0 keeps the reference's values; in dO (dW2's P, gathered) and X (dW1's Q, gathered) at token 0, which
+    only expert 2 (no tail) routes, experts 0 and 1 keep theirs (a row loaded unmasked times the other operand's
+    zeroed row is Inf·0 = NaN)."""
+    t, d, n, e = 24, 32, 16, 3
+    g = torch.Generator().manual_seed(137)
+    counts = [20, 13, 16]
+    tok = torch.cat([torch.randperm(t - 1, generator=g)[:c] + 1 for c in counts[:2]]
+                    + [torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(t - 1, generator=g)[:15] + 1])])
+    exp = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    routing = routing_from_pairs(tok.to(device), exp.to(device), t, e)
+    r = routing.num_rows
+    first1 = routing.expert_offsets[1].item()
+    x, dout = (torch.randn(t, c, generator=g).to(device) for c in (d, d))
+    ap, dh_ = (torch.randn(r, c, generator=g).to(device) for c in (n, 2 * n))
+    cfgs = ({"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16}, {"BLOCK_I": 16, "BLOCK_J": 16, "BLOCK_R": 16, **_STEPS3})
+    for bad_row, which, clean in ((first1, (ap, dh_), [0]), (0, (dout, x), [0, 1])):
+        for v in which:
+            v[bad_row] = float("inf")
+        for pg, qg, pm, qm in ((True, False, dout, ap), (False, True, dh_, x)):
+            ref = varlen_k_gemm_ref(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32)
+            for cfg in cfgs:
+                got = varlen_k_gemm(pm, qm, routing, p_gather=pg, q_gather=qg, out_dtype=torch.float32, config=cfg)
+                assert rel_err(got[clean], ref[clean]) < 1e-5, (bad_row, pg, cfg)
+        for v in which:
+            v[bad_row] = torch.randn(v.shape[1], generator=g).to(device)
 
 
 def test_varlen_m_grid_holds_every_tile_of_ragged_experts(device):

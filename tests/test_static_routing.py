@@ -69,6 +69,8 @@ def test_max_pairs_formula(subroutine, extra):
                        ((True, 4, 2, 8), "num_tokens")]:
         with pytest.raises(ValueError, match=name):
             max_pairs(*args, "nearest")
+    with pytest.raises(ValueError, match=r"^top_k must be an int in \[1, E=4\], got 5$"):  # K shown, not E
+        max_pairs(8, 4, 5, 8, "nearest")
     assert max_pairs(0, 4, 2, 8, "up") == 0
 
 

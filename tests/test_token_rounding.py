@@ -331,8 +331,9 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("fn", [token_rounding, token_rounding_ref])
 def test_bad_router_tensors(fn):
-    """A hand-built RouterOutput of the wrong kind or shape is refused by name before anything runs: float top-k ids,
-    integer logits, probs of another shape than the logits, scores of another shape than the ids, K = 0 experts."""
+    """A hand-built RouterOutput of the wrong kind or shape is refused by name before anything runs: float, bool or
+    complex top-k ids, integer logits, probs of another shape than the logits, logits and probs of three dimensions,
+    scores of another shape than the ids, K = 0 experts."""
     router, _ = make_router(16, 4, 2, seed=5)
     logits, probs, ids, scores = router.logits, router.probs, router.topk_ids, router.topk_scores
 
@@ -342,12 +343,18 @@ def test_bad_router_tensors(fn):
 
     refused(TypeError, "router.topk_ids must be an integer tensor, got torch.float32", logits, probs, ids.float(),
             scores)
+    # bool and complex ids are not integer ids either (bool ids would index as a mask)
+    refused(TypeError, "router.topk_ids must be an integer tensor, got torch.bool", logits, probs, ids.bool(), scores)
+    refused(TypeError, "router.topk_ids must be an integer tensor, got torch.complex64", logits, probs,
+            ids.to(torch.complex64), scores)
     refused(TypeError, "router.logits must be a floating-point tensor, got torch.int64", logits.long(), probs, ids,
             scores)
     refused(TypeError, "router.topk_scores must be a floating-point tensor, got torch.int32", logits, probs, ids,
             scores.int())
     refused(ValueError, r"router.logits and router.probs must both be \(T, E\), got \(16, 4\) and \(16, 3\)", logits,
             probs[:, :3], ids, scores)
+    refused(ValueError, r"router.logits and router.probs must both be \(T, E\), got \(16, 4, 1\) and \(16, 4, 1\)",
+            logits[..., None], probs[..., None], ids, scores)
     refused(ValueError, r"router.topk_ids and router.topk_scores must both be \(T=16, K\) with 1 <= K <= E=4, got "
             r"\(16, 2\) and \(16, 1\)", logits, probs, ids, scores[:, :1])
     refused(ValueError, r"with 1 <= K <= E=4, got \(16, 0\) and \(16, 0\)", logits, probs, ids[:, :0], scores[:, :0])
@@ -382,7 +389,7 @@ def test_warns_below_two_tiles():
     """The warning names the mean tokens per expert T·K/E and points at the caller of token_rounding (here: this file),
     not at the library's own lines."""
     router, _ = make_router(64, 8, 2, seed=0)  # T·K/E = 16 tokens per expert
-    with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert") as rec:
+    with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert < 2·M_tile=32: ") as rec:
         token_rounding(router, m_tile=16)
     with pytest.warns(UserWarning, match="token rounding") as rec_ref:
         token_rounding_ref(router, m_tile=16)
