@@ -890,6 +890,38 @@ def test_dh_without_tokens_keeps_h_dtype(device):
     assert parts.shape == (2, 3) and parts.dtype == torch.float32 and not parts.any()
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_up_proj_and_dh_of_a_single_row(layout, device):
+    """One routed row (R = 1: one token, sent to expert 1 of 3) is still launched and computed: H, A, dH, A′ and dS
+    against float64 formulas written out here (a launch bound of R > 1 would leave the poisoned outputs NaN).
+    SwiGLU: A = silu(g)·u; dA = s·dA′, dgate = dA·u·σ(g)(1 + g(1 − σ(g))), dup = dA·silu(g), dS = ⟨dA′, A⟩."""
+    d, n, e = 24, 20, 3
+    p = random_problem(1, d, n, e, bias=True, device=device, seed=113)
+    one = torch.ones(1, dtype=torch.long, device=device)
+    routing = routing_from_pairs(one * 0, one, 1, e)
+    assert routing.num_rows == 1
+    gi, ui = ((torch.arange(n), torch.arange(n) + n) if layout == "concat"
+              else (2 * torch.arange(n), 2 * torch.arange(n) + 1))
+    h, a = up_proj(p["x"], p["w1"], p["b1"], routing, layout)
+    h64 = p["w1"][1].double() @ p["x"][0].double() + p["b1"][1].double()
+    a64 = torch.nn.functional.silu(h64[gi]) * h64[ui]
+    assert rel_err(h[0], h64) < 1e-5 and rel_err(a[0], a64) < 1e-5
+    g = torch.Generator().manual_seed(113)
+    hin = torch.randn(1, 2 * n, generator=g).to(device)
+    dout = torch.randn(1, d, generator=g).to(device)
+    s = torch.tensor([0.7], device=device)
+    dh_, a_prime, ds = dh(dout, p["w2"], hin, s, routing, layout)
+    gate, up = hin[0, gi].double(), hin[0, ui].double()
+    dap = dout[0].double() @ p["w2"][1].double()
+    sig = torch.sigmoid(gate)
+    act = gate * sig * up
+    want_dh = torch.empty(2 * n, dtype=torch.float64, device=device)
+    want_dh[gi] = 0.7 * dap * up * sig * (1 + gate * (1 - sig))
+    want_dh[ui] = 0.7 * dap * gate * sig
+    assert rel_err(dh_[0], want_dh) < 1e-5 and rel_err(a_prime[0], 0.7 * act) < 1e-5
+    assert rel_err(ds, (dap * act).sum()[None]) < 1e-5
+
+
 def test_varlen_k_with_an_empty_gathered_operand(device):
     """A gathered operand of no rows (T = 0) beside a routing of padding rows only (R = 3, none real): dW is zero and
     nothing is launched, in the step loop's config too, whose discarded step of a tile without a whole chunk would
@@ -2055,6 +2087,21 @@ def test_dh_and_varlen_k_name_their_operand_off_the_device(monkeypatch):
         dh(dout, p["w2"], h, s, routing)
     with pytest.raises(ValueError, match="^p is on cpu; the triton backend"):
         varlen_k_gemm(dout, h, routing, p_gather=True, q_gather=False, out_dtype=torch.float32)
+
+
+def test_up_proj_names_its_operand_off_the_device(monkeypatch):
+    """The up-projection refuses operands off the device before any launch, naming the one at fault: x on the CPU
+    outside the interpreter, w1 on the meta device under it (x on the CPU is then accepted)."""
+    from sonicmoe.ops import common
+
+    p = random_problem(9, 16, 16, 3, device="cpu", seed=4)
+    _, routing = _topk_routing(p, 2, torch.device("cpu"))
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    with pytest.raises(ValueError, match="^w1 is on meta; the triton backend"):
+        up_proj(p["x"], p["w1"].to("meta"), None, routing)
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="^x is on cpu; the triton backend"):
+        up_proj(p["x"], p["w1"], None, routing)
 
 
 def test_varlen_m_grid_counts_m_and_n_tiles(monkeypatch):
