@@ -1107,6 +1107,14 @@ def test_worst_expert_error_is_over_the_rms_expert():
     acc.add(got[:8], ref[:8])
     acc.add(got[8:], ref[8:])
     assert acc.value() == pytest.approx(0.25) and acc.local() == pytest.approx(1.0)
+    # one row of expert 3 wrong: the worst expert's error is that row's norm (2) over the RMS expert norm (4), 0.5, not
+    # over the RMS norm of a row (2), 1: the worst is taken per expert, not per row
+    acc = _NormAcc()
+    got = ref.clone()
+    got[3, 1] = 0
+    acc.add(got[:8], ref[:8])
+    acc.add(got[8:], ref[8:])
+    assert acc.value() == pytest.approx(1 / 8) and acc.local() == pytest.approx(0.5)
 
 
 def test_norm_error_of_a_non_finite_piece_is_nan():
@@ -1384,6 +1392,20 @@ def test_router_variant_check_catches_a_wrong_router(mode):
         p.route = wrong
         bad = check_case(case, p.dout, grads=True, tol=2e-3, poison=False, router=True)
         assert not bad["passed"] and bad["worst"] in worst, bad
+
+
+def test_router_variant_reference_in_chunks_of_experts():
+    """The router variant's reference in one chunk per expert (chunk_bytes=1) equals the one-chunk reference: the
+    scores' float32 logits are one graph shared by every chunk's backward, kept until the last (a graph freed by the
+    first chunk's backward raised on the second)."""
+    from sonicmoe.bench.measure import check_case
+
+    p = make_problem(Shape("rc", 64, 32, 16, 4, 2), dtype=torch.float32, device="cpu", seed=8)
+    case = REGISTRY["torch"].factory(p, {})
+    whole = check_case(case, p.dout, grads=True, tol=2e-3, poison=False, router=True)
+    chunked = check_case(case, p.dout, grads=True, tol=2e-3, poison=False, router=True, chunk_bytes=1)
+    assert whole["passed"] and chunked["passed"] and set(chunked["errors"]) == set(whole["errors"])
+    assert "dwr" in chunked["errors"] and max(chunked["errors"].values()) < 1e-5, chunked
 
 
 def test_bench_row_fails_on_a_wrong_router_variant(tmp_path, monkeypatch, capsys):
@@ -2706,7 +2728,7 @@ def test_backend_errors_become_rows(monkeypatch):
 
     p = make_problem(Shape("e", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=1)
     opts = runner.RunOptions(backends=["bad"], device=torch.device("cpu"), dtype=torch.float32, verbose=False)
-    for exc in (ValueError, TypeError, NotImplementedError, AssertionError, IndexError, AttributeError,
+    for exc in (ValueError, TypeError, NotImplementedError, AssertionError, IndexError, KeyError, AttributeError,
                 ZeroDivisionError, RuntimeError, MemoryError):
 
         def factory(problem, options, exc=exc):
@@ -2715,7 +2737,7 @@ def test_backend_errors_become_rows(monkeypatch):
         monkeypatch.setitem(REGISTRY, "bad", BaselineSpec("bad", factory, "t", default=False))
         row = runner.run_backend("bad", p, opts, useful_flops(p.R, 8, 8), lambda s: None)
         assert row["status"] == ("oom" if exc is MemoryError else "error"), exc
-        assert row["message"] == f"setup: {exc.__name__}: no case" and row["fwd"] is None
+        assert row["message"] == f"setup: {exc.__name__}: {exc('no case')}" and row["fwd"] is None  # KeyError: quoted
 
 
 def test_free_memory_drops_the_gradients():
@@ -2745,6 +2767,42 @@ def test_check_names_a_nan_error_worst_and_bounds_local_errors(monkeypatch):
         monkeypatch.setattr(measure, "reference_errors", lambda *a, errs=errs, **k: dict(errs))
         res = measure.check_case(case, p.dout, grads=False, tol=1e-3, poison=False)
         assert res["passed"] is passed and res["worst"] == worst, res
+
+
+def test_check_passes_an_error_exactly_at_its_bound(monkeypatch):
+    """check_case's bounds are inclusive: an error equal to its bound (tol for a norm-wise one, LOCAL_TOL_FACTOR · tol
+    for a local one) passes; the next float above it fails."""
+    from sonicmoe.bench import measure
+
+    p = make_problem(Shape("b", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=2)
+    case = REGISTRY["torch"].factory(p, {})
+    tol = 1e-3
+    at = {k: measure.error_bound(tol, k) for k in ("out", "out_rows", "dw1", "dw1_experts")}
+    for above, passed in ((None, True), ("out", False), ("dw1_experts", False)):
+        errs = {**at, above: math.nextafter(at[above], math.inf)} if above else dict(at)
+        monkeypatch.setattr(measure, "reference_errors", lambda *a, errs=errs, **k: dict(errs))
+        res = measure.check_case(case, p.dout, grads=False, tol=tol, poison=False)
+        assert res["passed"] is passed, (above, res)
+
+
+def test_reference_errors_name_the_weight_gradient_that_is_wrong():
+    """reference_errors compares dW1 with the reference's dW1 and dW2 with its dW2: one expert's dW1 scaled by 1.5
+    shows in dw1 and dw1_experts alone, and one expert's dW2 in dw2 and dw2_experts alone, in one chunk of experts
+    or one chunk per expert."""
+    p = make_problem(Shape("w", 40, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=6)
+    case = ExpertsCase("torch", p, baselines.experts_loop)
+    for w, other in ((p.w1, "dw2"), (p.w2, "dw1")):
+        mine = "dw1" if other == "dw2" else "dw2"
+        for t in case.leaves:
+            t.grad = None
+        case.forward().backward(p.dout)
+        w.grad[2] *= 1.5
+        for chunk_bytes in (1 << 30, 1):
+            errs = reference_errors(case.forward().detach(), case.ref_spec(), p.dout, chunk_bytes=chunk_bytes)
+            assert errs[mine] > 0.1 and errs[mine + "_experts"] > 0.3, (mine, errs)
+            assert errs[other] < 1e-5 and errs[other + "_experts"] < 1e-5, (mine, errs)
+    for t in case.leaves:
+        t.grad = None
 
 
 def test_measure_memory_counts_from_the_baseline(monkeypatch):

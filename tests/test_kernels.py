@@ -456,6 +456,31 @@ def test_gemm_operands_with_strided_columns(device):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_reductions_narrower_than_a_k_block(device):
+    """d = n = 8, reduction widths that divide the interpreter's BLOCK_K of 16 but are no multiple of it: EVEN_K (a
+    nonzero multiple of the block, with_even_flags) stays off, so the K-blocks of X and A are masked past the width.
+    The operands are row views into wider tensors whose other columns are NaN: an unmasked block reads them, and NaN
+    times the masked weights' zeros is NaN. The up-projection (K = d) and the down-projection (K = n) against their
+    references on contiguous copies."""
+    from sonicmoe.ops import up_proj as up_mod
+
+    t, d, n, e, k = 24, 8, 8, 3, 2
+    assert not up_mod._up_proj_kernel.values["EVEN_K"]({"D": d, "BLOCK_K": 16})
+    p = random_problem(t, d, n, e, bias=True, device=device, seed=31)
+    _, routing = _topk_routing(p, k, device)
+    g = torch.Generator().manual_seed(31)
+    x_wide = torch.full((t, 2 * d), float("nan")).to(device)
+    x_wide[:, :d] = p["x"]
+    h, a = up_proj(x_wide[:, :d], p["w1"], p["b1"], routing)
+    h_ref, a_ref = up_proj_ref(p["x"], p["w1"], p["b1"], routing)
+    assert rel_err(h, h_ref) < 1e-5 and rel_err(a, a_ref) < 1e-5
+    r = routing.num_rows
+    a_wide = torch.full((r, 2 * n), float("nan")).to(device)
+    a_wide[:, :n] = torch.randn(r, n, generator=g).to(device)
+    y = down_proj(a_wide[:, :n], p["w2"], p["b2"], routing)
+    assert rel_err(y, down_proj_ref(a_wide[:, :n].contiguous(), p["w2"], p["b2"], routing)) < 1e-5
+
+
 def test_dh_and_varlen_k_operands_strided(device):
     """Strided views give the bits of their contiguous copies in dH and the varlen-K weight gradients: scores in
     pair order a stride-2 view (the kernel reads them through row_pair at unit stride), dO, H and W2 stored transposed,
@@ -1525,6 +1550,20 @@ def test_launch_pinned_gpu_config(monkeypatch, dtype, block_k, aligned):
     assert gpu_default["BLOCK_K"] == 64  # the module's default is not modified
 
 
+def test_launch_runs_the_interpreters_pinned_config_as_given(monkeypatch):
+    """Under the interpreter the pinned config runs as given, float32 operands included: sized_for_operands adapts
+    the GPU's configs (shared memory), not the interpreter's, whose BLOCK_K and stages are not halved or capped."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    kern = _RecordingKernel()
+    pinned = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 4}
+    gpu_default = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    common.launch(kern, None, lambda meta: (meta["BLOCK_K"],), {"a_ptr": torch.randn(4, 8)}, pinned, gpu_default)
+    (call,) = kern.calls
+    assert {k: call[k] for k in pinned} == pinned and call["_grid"] == (32,)
+
+
 def test_tuner_rounds_choose_least_median(monkeypatch):
     """Autotuning times the configs in TUNE_ROUNDS round-robin rounds and keeps the least median: a config
     whose one slow round (a clock dip) would lose a single pass still wins, one that fails to fit is
@@ -2007,6 +2046,7 @@ def test_tma_descriptor_only_where_the_copy_engine_can_address():
     assert tma_descriptor(wide) is not None
     assert tma_descriptor(wide[:, ::2]) is None  # inner stride 2; the row stride (128 bytes) aligned
     assert tma_descriptor(torch.randn(65, generator=g)[1:].view(8, 8)) is None  # base 4 bytes past alignment
+    assert tma_descriptor(torch.randn(66, generator=g)[2:].view(8, 8)) is None  # 8 bytes past: not 16-aligned
     assert tma_descriptor(torch.empty(0, 8)) is None
 
 
