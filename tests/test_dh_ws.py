@@ -143,6 +143,32 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
         assert not dh_ws_supported(dout, w2, h, "concat"), cap
 
 
+def test_supported_rule_checks_each_operand_on_a_faked_sm90(fake_sm90):
+    """Each operand's own check of the rule (a faked sm_90): float32 operands of one dtype (no wgmma of theirs), a W2
+    of fp16 beside bf16 dO and H, an H that is not contiguous (read through TMA boxes), a W2 whose first element is
+    not 16-byte aligned, n off the 128-wide tile (n = 192, 64: dh_ws_block_n has none), and CPU tensors with Gluon
+    present."""
+    e, n, d, r = 2, 256, 128, 16
+    bf = torch.bfloat16
+    cpu = (torch.zeros(8, d, dtype=bf), torch.zeros(e, d, n, dtype=bf), torch.zeros(r, 2 * n, dtype=bf))
+    dout, w2, h = fake_sm90(*cpu)
+    assert dh_ws_supported(dout, w2, h, "concat")
+    assert not dh_ws_supported(*fake_sm90(*(t.float() for t in cpu)), "concat")
+    assert not dh_ws_supported(dout, fake_sm90(torch.zeros(e, d, n, dtype=torch.float16)), h, "concat")
+    h_wide = torch.zeros(r, 4 * n, dtype=bf)[:, :2 * n]  # (R, 2n), row stride 4n: aligned, not contiguous
+    assert not h_wide.is_contiguous() and h_wide.data_ptr() % 16 == 0
+    assert not dh_ws_supported(dout, w2, fake_sm90(h_wide), "concat")
+    shifted = torch.zeros(e * d * n + 1, dtype=bf)[1:].view(e, d, n)  # 2 bytes past a 16-byte boundary
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 2
+    assert not dh_ws_supported(dout, fake_sm90(shifted), h, "concat")
+    for odd in (192, 64):
+        assert dh_ws.dh_ws_block_n(odd) is None
+        assert not dh_ws_supported(dout, fake_sm90(torch.zeros(e, d, odd, dtype=bf)),
+                                   fake_sm90(torch.zeros(r, 2 * odd, dtype=bf)), "concat"), odd
+    assert [dh_ws.dh_ws_block_n(nn) for nn in (128, 256, 384, 512, 640, 768)] == [128, 256, 128, 256, 128, 256]
+    assert not dh_ws_supported(*cpu, "concat")  # CPU tensors, Gluon "present"
+
+
 def test_config_tile_must_divide_n(monkeypatch):
     """An explicit tile width is taken only where it divides n (each program's tile is BLOCK_N whole channels);
     the epilogue's sigmoid form defaults to this kernel's SIGMOID_FTZ, not the up-projection's, where
@@ -193,6 +219,21 @@ def test_ds_pairs_needs_pair_order_before_any_launch():
     h = torch.randn(r, 2 * n, generator=g).half()
     with pytest.raises(ValueError, match="ds_pairs: needs pair_order=True"):
         dh_ws.dh_ws(dout, w2, h, torch.rand(r, generator=g), routing, ds_pairs=torch.float32)
+
+
+def test_ds_pairs_message_gives_the_tile_width():
+    """ds_pairs where a tile does not span n (n = 512: 256-wide tiles) is refused naming n and the tile width found,
+    before anything is launched."""
+    routing = random_topk_routing(8, 3, 2, seed=0, device="cpu")
+    r, n, d = routing.num_rows, 512, 128
+    g = torch.Generator().manual_seed(0)
+    dout = torch.randn(8, d, generator=g).half()
+    w2 = torch.randn(3, d, n, generator=g).half()
+    h = torch.randn(r, 2 * n, generator=g).half()
+    assert not dh_ws.ds_pairs_in_kernel(n)
+    with pytest.raises(ValueError) as info:
+        dh_ws.dh_ws(dout, w2, h, torch.rand(r, generator=g), routing, pair_order=True, ds_pairs=torch.float32)
+    assert "BLOCK_N = n = 512 (got pair_order=True, BLOCK_N=256)" in str(info.value), str(info.value)
 
 
 def test_ds_pairs_only_where_one_tile_spans_n():

@@ -237,6 +237,57 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
         assert not ws_supported(a, b, rows, transpose_b=True), cap
 
 
+def test_supported_rule_checks_each_operand_on_a_faked_sm90(fake_sm90):
+    """Each operand's own check of the rule (a faked sm_90): an A or a B whose first element is not 16-byte aligned
+    (TMA), a B block of columns with a unit inner stride that is not contiguous (what varlen_m_gemm passes on
+    uncopied; the kernel reads B through a flat 2-D view), and CPU tensors with Gluon present; both forms."""
+    e, m, k = 2, 128, 64
+    rows = e * grouped_gemm_ws.MIN_ROWS_PER_EXPERT
+    bf = torch.bfloat16
+
+    def shifted(*shape):  # contiguous, one element (2 bytes) past a 16-byte boundary
+        t = torch.zeros(torch.Size(shape).numel() + 1, dtype=bf)[1:].view(*shape)
+        assert t.is_contiguous() and t.data_ptr() % 16 == 2
+        return t
+
+    a_cpu = torch.zeros(rows, k, dtype=bf)
+    for tb in (True, False):
+        shape = (e, m, k) if tb else (e, k, m)
+        b_cpu = torch.zeros(*shape, dtype=bf)
+        a, b = fake_sm90(a_cpu, b_cpu)
+        assert ws_supported(a, b, rows, transpose_b=tb)
+        assert not ws_supported(fake_sm90(shifted(rows, k)), b, rows, transpose_b=tb)
+        assert not ws_supported(a, fake_sm90(shifted(*shape)), rows, transpose_b=tb)
+        # B's first `shape` of a wider one: unit inner stride, aligned, not contiguous
+        wide = torch.zeros(e, 2 * shape[1], shape[2], dtype=bf)[:, :shape[1]]
+        assert wide.shape == shape and wide.stride(-1) == 1 and not wide.is_contiguous()
+        assert not ws_supported(a, fake_sm90(wide), rows, transpose_b=tb)
+        assert not ws_supported(a_cpu, b_cpu, rows, transpose_b=tb)  # CPU tensors, Gluon "present"
+
+
+@pytest.mark.interpreter
+def test_routing_tile_table_builds_both_heights_in_one_launch(monkeypatch, device):
+    """The first request of a routing's table builds every height of TABLE_HEIGHTS by one tile_tables call (one
+    launch), whichever height it asks for; the other height's request is then a cache hit (no second build)."""
+    builds = []
+    real = grouped_gemm_ws.tile_tables
+
+    def counting(offsets, num_rows, block_ms, config=None):
+        builds.append(tuple(block_ms))
+        return real(offsets, num_rows, block_ms, config)
+
+    monkeypatch.setattr(grouped_gemm_ws, "tile_tables", counting)
+    for first, second in ((128, 64), (64, 128)):
+        routing = routing_from_pairs(torch.tensor([0, 1, 1, 2, 3, 3, 0], device=device),
+                                     torch.tensor([1, 0, 2, 2, 0, 1, 2], device=device), 4, 3)
+        builds.clear()
+        routing_tile_table(routing, first)
+        assert builds == [grouped_gemm_ws.TABLE_HEIGHTS]
+        got = routing_tile_table(routing, second)
+        assert builds == [grouped_gemm_ws.TABLE_HEIGHTS]
+        assert torch.equal(got.cpu(), tile_table_ref(routing.expert_offsets.cpu(), 7, second))
+
+
 @pytest.mark.parametrize("transpose_b", [True, False])
 def test_no_rows_returns_before_any_launch(transpose_b):
     """No routed rows: ws_varlen_m_gemm returns an empty (0, m) C of A's dtype without building a table or launching

@@ -203,6 +203,42 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90, monkeypatch):
         assert not up_ws_supported(x, w1, None, "concat"), cap
 
 
+def test_supported_rule_checks_each_operand_on_a_faked_sm90(fake_sm90):
+    """Each operand check of the served-shape rule on its own, the other operands as the kernel takes them (a faked
+    sm_90): the interleaved layout (the kernel reads W1's gate rows [0, n) and up rows [n, 2n)), float32 operands of
+    one dtype (no wgmma of theirs), a W1 of fp16 beside a bf16 x, a W1 or an x that is not contiguous (W1 is read
+    through an (E·2n, d) TMA view), and CPU tensors with Gluon present."""
+    e, n, d = 2, 256, 128
+    bf = torch.bfloat16
+    x_cpu, w1_cpu = torch.zeros(8, d, dtype=bf), torch.zeros(e, 2 * n, d, dtype=bf)
+    x, w1 = fake_sm90(x_cpu, w1_cpu)
+    assert up_ws_supported(x, w1, None, "concat")
+    assert not up_ws_supported(x, w1, None, "interleaved")
+    assert not up_ws_supported(*fake_sm90(torch.zeros(8, d), torch.zeros(e, 2 * n, d)), None, "concat")
+    assert not up_ws_supported(x, fake_sm90(torch.zeros(e, 2 * n, d, dtype=torch.float16)), None, "concat")
+    w1_t = torch.zeros(e, d, 2 * n, dtype=bf).transpose(1, 2)  # (E, 2n, d), d-stride 2n
+    x_wide = torch.zeros(8, 2 * d, dtype=bf)[:, :d]  # (8, d), row stride 2d
+    assert w1_t.shape == w1.shape and not w1_t.is_contiguous() and x_wide.shape == x.shape
+    assert not x_wide.is_contiguous() and x_wide.data_ptr() % 16 == 0 and w1_t.data_ptr() % 16 == 0
+    assert not up_ws_supported(x, fake_sm90(w1_t), None, "concat")
+    assert not up_ws_supported(fake_sm90(x_wide), w1, None, "concat")
+    assert not up_ws_supported(x_cpu, w1_cpu, None, "concat")  # CPU tensors: Gluon "present", capability (9, 0)
+
+
+def test_gpu_name_read_from_the_device_index(monkeypatch):
+    """The storer's GPU rule reads the name of the operands' device: cuda:0 is device 0 even where another device
+    is current, and a device without an index ("cuda") is the current one (here device 1)."""
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(up_proj_ws, "_gpu_name", lambda index: names[index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.delenv("SONICMOE_GLUON_UP", raising=False)
+    cuda0, cuda1, current = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda")
+    assert not up_proj_ws.epi_preferred_on(cuda0) and up_proj_ws.epi_preferred_on(cuda0, ("H100",))
+    assert up_proj_ws.epi_preferred_on(cuda1) and up_proj_ws.epi_preferred_on(current)
+    assert not up_proj_ws.epi_preferred_on(current, ("H100",))
+    assert not up_proj_ws.up_ws_preferred(1536, cuda0) and up_proj_ws.up_ws_preferred(1536, current)
+
+
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """up_proj hands the product to the Gluon kernel where up_ws_supported says so, and never with an explicit

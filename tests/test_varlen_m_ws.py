@@ -152,6 +152,24 @@ def test_long_gemm_rejects_bad_operands_before_any_launch():
             long_gemm(aa, bb, None, routing, transpose_b=False, **kw)
 
 
+def test_long_gemm_messages_give_the_values():
+    """The ValueErrors give the numbers they are about: a's columns and B's reduction k in their places, and the
+    column block's width as taken (the default width, B's columns from col0, where none is given)."""
+    routing = random_topk_routing(40, 4, 2, seed=0, device="cpu")
+    r = routing.num_rows
+    b = torch.zeros(4, 128, 512, dtype=torch.bfloat16)  # dX̃ form: k = 128, m = 512
+    cases = [
+        (torch.zeros(r, 64, dtype=torch.bfloat16), {}, "with a's 64 columns = B's reduction k = 128, a multiple of 64"),
+        (torch.zeros(r, 128, dtype=torch.bfloat16), {"col0": 512}, "got col0=512, width=0"),
+        (torch.zeros(r, 128, dtype=torch.bfloat16), {"col0": 384}, "got col0=384, width=128"),
+        (torch.zeros(r, 128, dtype=torch.bfloat16), {"col0": 256, "width": 512}, "got col0=256, width=512"),
+    ]
+    for a, kw, want in cases:
+        with pytest.raises(ValueError) as info:
+            long_gemm(a, b, None, routing, transpose_b=False, **kw)
+        assert want in str(info.value), (kw, str(info.value))
+
+
 GPU_CASES = [  # T, d, n, E, K: dX̃ has k = 2n, m = d; the down-projection k = n, m = d
     (2048, 512, 384, 8, 2),  # 2n = 768 (k > 512): experts with uneven counts, partial last tiles
     (1000, 768, 640, 16, 4),  # counts not tile multiples, some experts with under 128 rows

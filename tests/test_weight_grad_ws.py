@@ -200,6 +200,25 @@ def test_supported_rule_on_a_faked_sm90(fake_sm90):
         assert not wgrad_ws_supported(p, q, **kw), cap
 
 
+def test_supported_rule_checks_each_operand_on_a_faked_sm90(fake_sm90):
+    """Each operand's own check of the rule (a faked sm_90): float32 operands and output of one dtype (no wgmma of
+    theirs), a P or a Q that is not contiguous (the routed operand is read through TMA, the gathered one by row
+    copies of a unit-stride row), and CPU tensors with Gluon present; both gathered sides."""
+    bf = torch.bfloat16
+    p_cpu, q_cpu = torch.zeros(64, 256, dtype=bf), torch.zeros(64, 512, dtype=bf)
+    p, q = fake_sm90(p_cpu, q_cpu)
+    p_wide = torch.zeros(64, 512, dtype=bf)[:, :256]  # (64, 256), row stride 512: aligned, not contiguous
+    q_wide = torch.zeros(64, 1024, dtype=bf)[:, :512]
+    assert not p_wide.is_contiguous() and not q_wide.is_contiguous()
+    for pg in (False, True):
+        kw = {"p_gather": pg, "q_gather": not pg, "out_dtype": bf}
+        assert wgrad_ws_supported(p, q, **kw)
+        assert not wgrad_ws_supported(*fake_sm90(p_cpu.float(), q_cpu.float()), **{**kw, "out_dtype": torch.float32})
+        assert not wgrad_ws_supported(fake_sm90(p_wide), q, **kw)
+        assert not wgrad_ws_supported(p, fake_sm90(q_wide), **kw)
+        assert not wgrad_ws_supported(p_cpu, q_cpu, **kw)  # CPU tensors, Gluon "present"
+
+
 @pytest.mark.interpreter
 def test_dispatch(monkeypatch, device):
     """varlen_k_gemm hands the product to the Gluon kernel where wgrad_ws_supported says so (with the routing's
@@ -290,14 +309,16 @@ def test_gpu_matches_reference_and_triton(case, dtype, monkeypatch):
 
 
 def test_wrong_expert_order_is_refused():
-    """An expert order of the wrong length, dtype or device is a ValueError naming it (the kernel would read past
-    it), raised before anything is launched: on any machine."""
+    """An expert order of the wrong shape (shorter or longer than 2·E, or not one-dimensional), dtype or device is a
+    ValueError naming it and the (2·E,) shape it expects (the kernel would read past a short one, and a longer one is
+    not an order of these experts), raised before anything is launched: on any machine."""
     offsets = torch.tensor([0, 2, 5, 5], dtype=torch.int32)
     p, q = torch.zeros(5, 128, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16)
     tok = torch.tensor([0, 1, 2, 3, 0], dtype=torch.int32)
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(6, dtype=torch.int64),
-                torch.zeros(6, dtype=torch.int32, device="meta")):
-        with pytest.raises(ValueError, match="expert_order"):
+                torch.zeros(6, dtype=torch.int32, device="meta"), torch.zeros(7, dtype=torch.int32),
+                torch.zeros(2, 6, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"expert_order: expected a \(6,\) int32 tensor on cpu"):
             wgrad_ws(p, q, tok, offsets, p_gather=False, expert_order=bad)
 
 
