@@ -4729,6 +4729,94 @@ MUTANTS: list[Mutant] = [
        'f"expert_order: expected a ({e},) int32', TWGWS, "-k", "expert_order"),
     _m("ws13_wg_split_buffers_whole_tile", WGWS, "half = ring or wg_split", "half = ring", TWGWS, "-k",
        "warpgroup_split or config_fits"),
+    # --- ts13_: token rounding's selection kernels, the bench's plots, shapes and problem ---
+    _m("ts13_key_shift_30", TRS, "bits ^ ((bits >> 31) & 0x7FFFFFFF)", "bits ^ ((bits >> 30) & 0x7FFFFFFF)", TRSEL,
+       "-k", "candidate_keys"),
+    _m("ts13_key_twin_mask_30_bits", TRS, "torch.bitwise_right_shift(bits, 31), 0x7FFFFFFF)",
+       "torch.bitwise_right_shift(bits, 31), 0x3FFFFFFF)", TRSEL, "-k", "candidate_keys or keys_order"),
+    _m("ts13_keys_mask_t_inclusive", TRS, "    mask_t = t < T\n", "    mask_t = t <= T\n", TRSEL, "-k",
+       "candidate_keys"),
+    _m("ts13_keys_ids_pad_zero", TRS, "mask=mask_t, other=-1).to(tl.int32)", "mask=mask_t, other=0).to(tl.int32)",
+       TRSEL, "-k", "candidate_keys",
+       equivalent="a padding token's ids are never seen: its pairs are outside mask, which the stores and the count "
+                  "(chosen & mask) take"),
+    _m("ts13_keys_score_key_last_k_only", TRS, "skey = tl.where(hit, sk[:, None], skey)",
+       "skey = tl.where(hit, sk[:, None], _NO_KEY)", TRSEL, "-k", "candidate_keys"),
+    _m("ts13_keys_layout_row_stride_E", TRS, "out = e[None, :].to(tl.int64) * T + t64[:, None]",
+       "out = e[None, :].to(tl.int64) * E + t64[:, None]", TRSEL, "-k", "candidate_keys"),
+    _m("ts13_keys_block_counts_row_stride_one", TRS, "tl.store(count_ptr + pid * E + e,",
+       "tl.store(count_ptr + pid + e,", TRSEL, "-k", "candidate_keys"),
+    _m("ts13_router_ids_rank_unchecked", TRS, "if topk_ids.dim() != 2 or topk_ids.shape[0] != t",
+       "if topk_ids.shape[0] != t", TRSEL, "-k", "bad_arguments"),
+    _m("ts13_streamed_hi_unclamped", TRS, "hi = tl.minimum(hi, lo_next + step)\n            lo = lo_next\n",
+       "hi = lo_next + step\n            lo = lo_next\n", TRSEL, "-k", "equals_twin_and_oracle or extreme_keys"),
+    _m("ts13_streamed_step_floor", TRS,
+       "step = (hi - lo + FANOUT - 1) // FANOUT  # >= 1\n            thr = lo + j * step",
+       "step = (hi - lo) // FANOUT\n            thr = lo + j * step", TRSEL, "-k",
+       "equals_twin_and_oracle or extreme_keys"),
+    _m("ts13_streamed_n0_takes_all", TRS, "    else:\n        lo = hi\n    return lo, ties", "    return lo, ties",
+       TRSEL, "-k", "equals_twin_and_oracle or extreme_keys"),
+    _m("ts13_resident_lo_from_no_key", TRS,
+       "lo = tl.min(tl.where(row != _NO_KEY, row, 2**31 - 1), axis=0).to(tl.int64)",
+       "lo = tl.min(row, axis=0).to(tl.int64)", TRSEL, "-k", "equals_twin_and_oracle or extreme_keys",
+       equivalent="the search starts from NO_KEY (count >= n there too, the invariant holds) and narrows to the same "
+                  "n-th key: more passes, the same result"),
+    _m("ts13_resident_exact_lo_kept", TRS, "lo = tl.where(exact, lo_next - 1, lo_next)", "lo = lo_next", TRSEL,
+       "-k", "equals_twin_and_oracle or router_keys",
+       equivalent="exactly n keys are >= lo_next: with lo = lo_next the take is the keys above it plus all its ties "
+                  "(ties = n - #above), the same n keys; the loop ends as hi = lo"),
+    _m("ts13_take_ties_not_carried", TRS, "return take, seen + tl.sum(eq, axis=0)", "return take, seen", TRSEL,
+       "-k", "far_shorter or equals_twin_and_oracle"),
+    _m("ts13_listed_n_not_advanced", TRS, "        n += tl.sum(real.to(tl.int32), axis=0)\n",
+       "        n += 0\n", TRSEL, "-k", "far_shorter or equals_twin_and_oracle or listed"),
+    _m("ts13_row_rank_done_not_advanced", TRS, "            done += tl.sum(take.to(tl.int32), axis=0)\n",
+       "            done += 0\n", TRSEL, "-k", "router_keys"),
+    _m("ts13_listed_rank_from_zero", TRS, "tl.store(dst, tl.cumsum(take.to(tl.int32), axis=0), mask=take)",
+       "tl.store(dst, tl.cumsum(take.to(tl.int32), axis=0) - 1, mask=take)", TRSEL, "-k",
+       "equals_twin_and_oracle or listed"),
+    _m("ts13_listed_below_cap_only", TRS, "listed = down & (f <= CAP)", "listed = down & (f < CAP)", TRSEL, "-k",
+       "equals_twin_and_oracle or listed",
+       equivalent="an expert with f = CAP searches its whole row instead of its list: another path, the same pairs"),
+    _m("ts13_passes_bits_one_over", TRS, "bits = fanout.bit_length() - 1", "bits = fanout.bit_length()", TRSEL,
+       "-k", "launch_parameters"),
+    _m("ts13_resident_warps_cap_8", TRS, "return max(4, min(16, next_pow2", "return max(4, min(8, next_pow2", TRSEL,
+       "-k", "launch_parameters"),
+    _m("ts13_ref_rank_over_experts", TRS, "torch.cumsum(routed, dim=0, dtype=torch.int32)",
+       "torch.cumsum(routed, dim=1, dtype=torch.int32)", TRSEL, "-k", "router_keys"),
+    _m("ts13_ref_down_at_f", TRS, "down = (keep < f)[:, None]", "down = (keep <= f)[:, None]", TRSEL, "-k",
+       "equals_twin_and_oracle",
+       equivalent="keep = f: the f best chosen tokens of f are all of them, as the rounded-up branch with no added "
+                  "token keeps"),
+    _m("ts13_plots_finish_untitled", BPL, "        return None\n    fig.suptitle(_title(doc), fontsize=8)\n",
+       "        return None\n", TB, "-k", "plot"),
+    _m("ts13_plots_speedup_untitled", BPL, "        ax.legend(fontsize=7)\n    fig.suptitle(_title(doc), fontsize=8)",
+       "        ax.legend(fontsize=7)\n    fig.suptitle(str(doc.get('date')), fontsize=8)", TB, "-k", "plot"),
+    _m("ts13_plots_speedup_parity_line_at_0", BPL, 'ax.axhline(1.0, color="black", lw=0.8)',
+       'ax.axhline(0.0, color="black", lw=0.8)', TB, "-k", "plot"),
+    _m("ts13_plots_memory_styles_swapped", BPL, '(("held_bytes", "-", "held"), ("peak_bytes", "--", "peak"))',
+       '(("held_bytes", "--", "held"), ("peak_bytes", "-", "peak"))', TB, "-k", "plot"),
+    _m("ts13_plots_memory_one_colour", BPL, "c = colors[k % len(colors)]", "c = colors[0]", TB, "-k", "plot"),
+    _m("ts13_plots_granularity_ticks_name_d", BPL, "(n={r['n']})", "(n={r['d']})", TB, "-k", "plot"),
+    _m("ts13_plots_tr_styles_swapped", BPL, '(("topk", "-"), ("token_rounding", "--"))',
+       '(("topk", "--"), ("token_rounding", "-"))', TB, "-k", "plot"),
+    _m("ts13_shapes_30b_n512_k4", "sonicmoe/bench/shapes.py", '"30B-n512": (32768, 4096, 512, 128, 8)',
+       '"30B-n512": (32768, 4096, 512, 128, 4)', TB, "-k", "preset"),
+    _m("ts13_shapes_iso_n128_e512", "sonicmoe/bench/shapes.py", '"7B-n128": (24576, 1536, 128, 256, 16)',
+       '"7B-n128": (24576, 1536, 128, 512, 16)', TB, "-k", "preset"),
+    _m("ts13_shapes_iso_flops_group_7b", "sonicmoe/bench/shapes.py", 'lambda name: "7B-iso-flops"',
+       'lambda name: "7B"', TB, "-k", "preset"),
+    _m("ts13_shapes_spec_held_fp32_default", "sonicmoe/bench/shapes.py", "elem_bytes: int = 2", "elem_bytes: int = 4",
+       TB, "-k", "flop"),
+    _m("ts13_problem_route_rounding_nearest", BPR, "rounding=self.rounding, static=True",
+       'rounding="nearest", static=True', TB, "-k", "problem_head or stochastic or route"),
+    _m("ts13_problem_head_shape_uncapped", BPR, "shape=self.shape.with_max_T(T), x=x", "shape=self.shape, x=x", TB,
+       "-k", "problem_head or timed_pairs"),
+    _m("ts13_problem_head_tr_topk_ids_whole", BPR, "None if self.topk_ids is None else self.topk_ids[:T]",
+       "None if self.topk_ids is None else self.topk_ids", TB, "-k", "problem_head or timed_pairs",
+       equivalent="a token-rounding problem's topk_ids is always None (route gives None for it): the slice is never "
+                  "taken"),
+    _m("ts13_problem_stochastic_generator_dropped", BPR, '        if rounding == "stochastic":\n',
+       '        if rounding == "nearest":\n', TB, "-k", "stochastic"),
 ]
 
 
@@ -4737,6 +4825,11 @@ def _copy_tree(dst: Path) -> None:
         shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "results"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dst / name)
+    # the results folders are left out (56 MB), but for the train logs the tests read (plot_train.py, --load-profile):
+    # without them those tests fail whatever the mutant, and a selection holding one counts every mutant as killed
+    for log in ROOT.glob("benchmarks/results/*/log.json"):
+        (dst / log.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, dst / log.relative_to(ROOT))
 
 
 def run_mutant(m: Mutant, work: Path, timeout: float) -> dict:

@@ -258,6 +258,27 @@ def test_preset_all_is_every_paper_shape_once():
     assert [s.name for s in preset_shapes("tiny")] == ["tiny"] and len(PRESETS["tiny"]) == 1
 
 
+def test_preset_sweeps_hold_flops_and_parameters_fixed():
+    """Without configs.json (a checkout without ../shared skips the comparison above): each granularity sweep of a
+    model size, and the 7B iso-FLOPs sweep, is at one (T, d) with K·n (FLOPs per token) and E·n (parameters) fixed
+    while n varies, every name spelling its n; the token-rounding sweeps spell d, n, K and E in their names; the groups
+    are the model sizes, "7B" for the breakdown shape and "7B-iso-flops" for that sweep (kept apart from the 7B
+    granularity sweep it shares shapes with)."""
+    sweeps = [(s.group, s) for s in PRESETS["granularity"]] + [("iso", s) for s in PRESETS["iso-flops"]]
+    by_group: dict[str, list[Shape]] = {}
+    for key, s in sweeps:
+        by_group.setdefault(key, []).append(s)
+        assert s.name.endswith(f"-n{s.n}"), s.name
+    assert sorted(by_group) == ["1.4B", "120B", "30B", "7B", "iso"]
+    for key, shapes in by_group.items():
+        assert len(shapes) == (5 if key == "iso" else 3) and len({s.n for s in shapes}) == len(shapes), key
+        for what in ((lambda s: (s.T, s.d)), (lambda s: s.K * s.n), (lambda s: s.E * s.n)):
+            assert len({what(s) for s in shapes}) == 1, (key, [s.dims for s in shapes])
+    assert {s.group for s in PRESETS["iso-flops"]} == {"7B-iso-flops"} and [s.group for s in PRESETS["7b"]] == ["7B"]
+    for s in PRESETS["token-rounding"]:
+        assert s.name == f"tr-d{s.d}-n{s.n}-k{s.K}-E{s.E}" and s.group == s.name.rsplit("-E", 1)[0], s.name
+
+
 # ---------------------------------------------------------------------------------------------------
 # correctness gate
 
@@ -1152,6 +1173,55 @@ def test_footprint_of_a_forward_holds_no_gradients():
     assert footprint_bytes(Shape("f2", 16, 8, 4, 2, 2), 2, False) == weights + io + 2 * acts
 
 
+def test_plots_are_titled_and_styled(saved_figures):
+    """Every chart carries the run's title (_title: device, versions, commit, date); the memory chart draws each
+    backend's held memory solid and its peak dashed, both in the backend's own colour (another backend: another
+    colour), SPEC's line dotted; the granularity ticks name G and n; the speed-up chart marks parity (y = 1) on each
+    phase's panel; the token-rounding chart draws top-k solid and token rounding dashed."""
+    from sonicmoe.bench import plots
+
+    figs = saved_figures
+    plt = plots._setup()
+    env = {"device": "H100", "torch": "2.11", "triton": "3.6", "git_commit": "0123456789abcdef"}
+    doc = {"env": env, "date": "2026-01-02T03:04:05", "results": []}
+    title = plots._title(doc)
+    assert title == "H100 | torch 2.11 | triton 3.6 | 0123456789 | 2026-01-02"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    vals = iter((torch.rand(64, generator=g, dtype=torch.float64) + 0.5).tolist())
+    GiB = plots.GiB
+
+    def row():
+        return {"status": "ok", "fwd": {"tflops": next(vals), "ms": {"p50": next(vals)}},
+                "total": {"tflops": next(vals), "ms": {"p50": next(vals)}},
+                "memory": {"held_bytes": int(next(vals) * GiB), "peak_bytes": int(next(vals) * 4 * GiB)}}
+
+    recs = [{"group": "g", "routing": "topk", "T": 64, "d": 64, "n": 64 // G, "G": float(G), "TK": 128,
+             "dtype": "bfloat16", "backends": {"triton": row(), "torch": row()}} for G in (1, 4)]
+    groups = plots.granularity_groups(recs)
+    names = plots._backend_names(recs)
+    assert plots._plot_granularity(plt, doc, groups, names, "g.png") == "g.png"
+    for ax in figs[-1].axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1\n(n=64)", "4\n(n=16)"]
+    assert plots._plot_memory(plt, doc, groups, names, "m.png") == "m.png"
+    lines = {ln.get_label(): ln for ln in figs[-1].axes[0].lines}
+    assert {k: ln.get_linestyle() for k, ln in lines.items()} == {
+        "triton held": "-", "triton peak": "--", "torch held": "-", "torch peak": "--",
+        "4TKn (SPEC §3 less the input X)": ":"}
+    assert lines["triton held"].get_color() == lines["triton peak"].get_color()
+    assert lines["torch held"].get_color() == lines["torch peak"].get_color() != lines["triton held"].get_color()
+    speed = [{"name": f"s{i}", "ratio_base": "triton",
+              "ratios": {"torch": {"fwd": next(vals), "total": next(vals)}}} for i in range(2)]
+    assert plots._plot_speedup(plt, doc, speed, "s.png") == "s.png"
+    for ax in figs[-1].axes:
+        assert [list(ln.get_ydata()) for ln in ax.lines] == [[1.0, 1.0]]
+    tr = [{"group": "tr", "routing": mode, "T": 512, "E": E, "backends": {"triton": row()}}
+          for E in (64, 128) for mode in ("topk", "token_rounding")]
+    assert plots._plot_token_rounding(plt, doc, tr, "t.png") == "t.png"
+    styles = {ln.get_label(): ln.get_linestyle() for ln in figs[-1].axes[0].lines}
+    assert styles == {"topk fwd": "-", "topk total": "-", "token_rounding fwd": "--", "token_rounding total": "--"}
+    assert len(figs) == 4 and [f.get_suptitle() for f in figs] == [title] * 4
+
+
 def test_plotted_values_skip_non_finite_ones():
     from sonicmoe.bench.plots import _val
 
@@ -1506,6 +1576,25 @@ def test_problem_head_slices_dout_and_route_is_the_layers_static_form():
         got = tr.route(tr.x)
     assert tr.R < r_max and got.pair_token.shape[0] == got.pair_scores.shape[0] == r_max
     assert int(got.routing.expert_counts().sum()) == tr.R
+
+
+@pytest.mark.parametrize("rounding", ["up", "down"])
+def test_problem_head_caps_its_shape_and_route_keeps_the_rounding(rounding):
+    """Problem.head(T)'s shape is the shape at T tokens (T_preset the problem's), as the FLOPs and the records read it;
+    Problem.route rounds with the problem's own subroutine: its real pairs (the static form's, padding left out) are
+    make_problem's, which "nearest" would not give here."""
+    from sonicmoe.bench.problem import route
+
+    p = make_problem(Shape("h", 128, 16, 8, 8, 2), dtype=torch.float32, device="cpu", seed=4,
+                     mode="token_rounding", m_tile=16, rounding=rounding)
+    h = p.head(40)
+    assert (h.shape.T, h.shape.T_preset, h.shape.E, h.shape.K) == (40, 128, 8, 2) and h.T == 40
+    with torch.no_grad():
+        got = p.route(p.x.detach())
+        nearest = route(p.x.detach(), p.router_weight, 2, "token_rounding", m_tile=16, rounding="nearest")
+    real = got.pair_expert < 8
+    assert torch.equal(got.pair_token[real], p.pair_token) and torch.equal(got.pair_expert[real], p.pair_expert)
+    assert not torch.equal(nearest.pair_expert, p.pair_expert) or not torch.equal(nearest.pair_token, p.pair_token)
 
 
 def test_router_check_on_tokens_that_round_to_no_pair_is_skipped_not_failed(tmp_path, capsys):

@@ -90,6 +90,22 @@ def test_select_equals_twin_and_oracle(device, e, t, values, seed):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(args, (prob_key, score_key, f, keep)))  # inputs untouched
 
 
+def test_select_in_loads_far_shorter_than_the_row(device):
+    """8 keys per load (tile) against rows of 40 keys of 3 values, so an expert's ties straddle loads: the take counts
+    the ties taken in earlier loads, the ranks go on from earlier loads, and a rounded-down expert's list gathers its
+    chosen keys from every load, streamed and held alike, each equal to the twin's ranks and the oracle's pairs."""
+    prob_key, score_key, f, keep = random_keys(6, 40, 21, 3)
+    keep[3::2], keep[4::2] = f[3::2] // 2, (f[4::2] + 40) // 2  # rounded down, and up, part of the way
+    assert bool(((keep[3::2] > 0) & (keep[3::2] < f[3::2])).all()) and bool((keep[4::2] > f[4::2]).all()), (f, keep)
+    expect = oracle(prob_key, score_key, keep)
+    args = [x.to(device) for x in (prob_key, score_key, f, keep)]
+    want = select_routed_ref(*args, rank=True).cpu()
+    assert torch.equal(want != 0, expect) and int(want.max()) > 8
+    # held: over the lists of the rounded-down experts, and over whole rows; streamed (16 thresholds a pass)
+    for kw in ({"resident": True, "compact": 64}, {"resident": True, "compact": 0}, {"resident": False, "fanout": 16}):
+        assert torch.equal(select_routed(*args, tile=(8, 1), rank=True, **kw).cpu(), want), kw
+
+
 @pytest.mark.parametrize("subroutine", ["up", "down", "nearest"])
 def test_select_on_router_keys(device, subroutine):
     """Keys of a real router (distinct float probabilities and scores, so the register-held search mostly ends at a
@@ -233,6 +249,9 @@ def test_bad_arguments():
             fn(torch.rand(4, 3), ids, torch.rand(4, 1))
         with pytest.raises(ValueError, match="probs must be"):
             fn(torch.rand(4, 3, 1), ids, torch.rand(4, 2))
+        # ids and scores of one expert per token given as (T,) vectors, not (T, 1): a ValueError, not an IndexError
+        with pytest.raises(ValueError, match=r"topk_ids and topk_scores must both be \(T=4, K\), got \(4,\) and"):
+            fn(torch.rand(4, 3), ids[:, 0], torch.rand(4))
 
 
 def test_select_launch_parameters(monkeypatch):
