@@ -801,6 +801,9 @@ def test_granularity_groups_keep_sweeps_only():
     groups = granularity_groups(recs + models)
     assert sorted(groups) == ["30B", "7B"]
     assert [r["G"] for r in groups["7B"]] == sorted(r["G"] for r in groups["7B"])
+    # a sweep run under token rounding too: those records stay out of the top-k lines (one point per G and backend)
+    both = granularity_groups(recs + [dict(r, routing="token_rounding") for r in groups["7B"]])
+    assert [(r["G"], r["routing"]) for r in both["7B"]] == [(r["G"], "topk") for r in groups["7B"]]
 
 
 def test_plots_draw_the_recorded_numbers(saved_figures):
