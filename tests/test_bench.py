@@ -1863,6 +1863,54 @@ def test_markdown_tflops_cells_are_integers_from_100():
     assert f"| {rec['name']} (24576, 1536, 256, 128, 8) | topk | 1 | 1234 | 3 | 56.8 |" in report.markdown_table(doc)
 
 
+def test_spec_beyond_x_bytes_per_dtype():
+    """spec−X = 2·TK·n elements of the record's dtype: 4 bytes each in float32, 2 in float16 and bfloat16; None for a
+    dtype it does not know or a record without TK or n (no crash on a file of another version)."""
+    rec = {"TK": 24576 * 8, "n": 256}
+    for dtype, elem in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
+        assert report.spec_beyond_x_bytes(dict(rec, dtype=dtype)) == elem * 2 * 24576 * 8 * 256, dtype
+    assert report.spec_beyond_x_bytes(dict(rec, dtype="int8")) is None
+    assert report.spec_beyond_x_bytes({"dtype": "float32", "n": 256}) is None
+    assert report.spec_beyond_x_bytes({"dtype": "float32", "TK": 8}) is None
+
+
+def test_terminal_table_notes_an_unchecked_router_variant_and_an_infinite_error_as_saved():
+    """A backend whose router variant went unchecked (token rounding routed no checked pair) gets a note naming the
+    reason; an infinite error reads "nan", as the saved file (null) will read it, not "inf" live and "nan" later."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    rec["backends"]["triton"]["check"] = {"errors": {"out": float("inf"), "dx": 0.001}, "tol": 0.02,
+                                          "passed": False, "worst": "out",
+                                          "router": {"passed": None, "skipped": "no pair routed"}}
+    table = report.terminal_table(doc)
+    assert f"{rec['name']} [topk] triton: router variant not checked: no pair routed" in table
+    assert "router variant not checked" not in report.terminal_table(_synthetic_doc())
+    line = next(ln for ln in table.splitlines() if ln.startswith(rec["name"] + " ") and ln.split()[2] == "triton")
+    assert line.split()[4:6] == ["nan", "out"]
+    assert table == report.terminal_table(report.sanitize(doc))
+
+
+def test_activations_of_records_without_one_or_with_null_are_swiglu():
+    """A record without ``activation`` or with a null one (written before the field, or by a run that left it unset)
+    ran SwiGLU: no activation note, and the README table is not headed by one."""
+    doc = _synthetic_doc()
+    doc["results"][0]["activation"] = None
+    doc["results"][1].pop("activation", None)
+    assert report.activations(doc) == ["swiglu"]
+    assert report.activation_note(doc) is None
+    assert report.markdown_table(doc).splitlines()[0].startswith("| shape")
+
+
+@pytest.mark.parametrize("text", ["5", '"results"', '["results"]', "null"])
+def test_load_results_refuses_a_document_that_is_no_object(tmp_path, text):
+    """A results file whose JSON is no object (a number, a string, a list, null): ValueError (the CLI's "cannot read"),
+    not a TypeError from looking "results" up in it."""
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="not a sonicmoe bench results file"):
+        report.load_results(path)
+
+
 def test_results_say_autotune_only_on_a_gpu(monkeypatch):
     """``autotune`` is true only for a CUDA run with autotuning on: the CPU runs the pinned configs (or none) whatever
     SONICMOE_AUTOTUNE says."""
@@ -1872,6 +1920,9 @@ def test_results_say_autotune_only_on_a_gpu(monkeypatch):
     now = __import__("datetime").datetime(2026, 1, 2)
     assert report.build_results([], {"device_type": "cpu"}, [], {}, now)["autotune"] is False
     assert report.build_results([], {"device_type": "cuda"}, [], {}, now)["autotune"] is True
+    # and the timer it names: do_bench's on a GPU, the host clock on the CPU
+    assert report.build_results([], {"device_type": "cpu"}, [], {}, now)["timer"] == "time.perf_counter"
+    assert report.build_results([], {"device_type": "cuda"}, [], {}, now)["timer"] == "triton.testing.do_bench"
 
 
 def test_env_info_names_the_cpu_and_a_cuda_device(monkeypatch):
