@@ -353,6 +353,44 @@ def test_sigmoid_bias_steers_the_choice_only(renorm, device):
     assert torch.equal(ids, logits.topk(k, dim=1).indices)
 
 
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_sigmoid_bias_read_in_float32(renorm, device):
+    """The expert bias steers the choice at float32 resolution: with equal logits within each row (equal sigmoids)
+    a bias of 1 + j·1e-5 (j a permutation) alone orders the experts. Those steps are below float16's spacing at 1
+    (2^-10), so a bias rounded to half precision ties every expert and picks the lowest indices instead."""
+    t, e, k = 21, 10, 4
+    g = torch.Generator().manual_seed(17)
+    logits = (2.0 * torch.randn(t, 1, generator=g)).expand(t, e).contiguous().to(device)
+    perm = torch.randperm(e, generator=g)
+    bias = (1.0 + 1e-5 * perm.double()).float().to(device)
+    want_ids = perm.argsort(descending=True)[:k].to(device).expand(t, k)
+    assert not torch.equal(want_ids[0].cpu(), torch.arange(k))
+    assert torch.all(bias.half() == 1.0)  # the steps vanish in float16
+    p = torch.sigmoid(logits.double()[:, :k])
+    want = p / (p.sum(1, keepdim=True) + 1e-20) if renorm else p
+    for fn in (topk_router, topk_router_ref):
+        ids, scores = fn(logits, k, "sigmoid_then_topk", renorm, bias)
+        assert torch.equal(ids, want_ids), fn.__name__
+        assert rel_err(scores, want) < 1e-6, fn.__name__
+
+
+@pytest.mark.parametrize("order,renorm", ORDERS[:3], ids=ORDER_IDS[:3])
+@pytest.mark.parametrize("shift", [-300.0, 300.0])
+def test_large_logits_are_shifted_before_exp(order, renorm, shift, device):
+    """Logits near ±300 (exp overflows float32 above ~88.7, underflows to 0 below ~-103): the softmax orders'
+    forward and the dense backward subtract the row maximum before exp, so ids, S and d logits still match the twin
+    computed in float64 on the same float32 logits. (The sigmoid order is left out: its float32 sigmoids saturate
+    there and tie.)"""
+    t, e, k = 19, 11, 3
+    logits = distinct_logits(t, e, device, seed=23) + shift
+    dscores = torch.randn(t, k, generator=torch.Generator().manual_seed(29)).to(device)
+    ids, scores, dlogits = _run(topk_router, logits, k, order, renorm, dscores)
+    ids_ref, scores_ref, dlogits_ref = _run(topk_router_ref, logits.double(), k, order, renorm, dscores.double())
+    assert torch.equal(ids, ids_ref)
+    assert torch.isfinite(scores).all() and rel_err(scores, scores_ref) < 1e-6
+    _assert_grad_close(dlogits, dlogits_ref, dscores, 1e-6)
+
 # (T, E, K, n_group, topk_group): DeepSeek-V3's proportions (8 groups, 4 kept), E and n_group not powers of two,
 # one group kept, every expert kept (K = topk_group · E/n_group), groups of two experts, two groups (the fewest that
 # limit the choice: a kernel that took groups only from three on passed the rest)

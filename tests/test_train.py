@@ -1312,6 +1312,7 @@ def test_data_parallel_of_one_process_and_the_torchrun_environment(monkeypatch):
     assert dp.gather({"a": 1}) == [{"a": 1}] and dp.describe() == {"world_size": 1, "backend": "none"}
     second = distributed.DataParallel(rank=1, world=3, backend="gloo", owns_group=False)
     assert not second.main and torch.equal(second.shard(t), t[2:4])
+    assert second.describe() == {"world_size": 3, "backend": "gloo"}  # the world's size, not this rank's place
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         pytest.skip("a process group is already initialised here")
     for value, want in ((None, False), ("1", False), ("2", True), ("8", True)):
@@ -1429,6 +1430,38 @@ def test_setup_on_cuda_picks_the_local_gpu_and_backend(monkeypatch):
         assert dp == distributed.DataParallel(rank=3, world=4, backend=backend, owns_group=True), case
 
 
+def test_setup_on_cpu_creates_a_gloo_group(monkeypatch):
+    """setup() for the CPU creating the group (torch.distributed stood in for): gloo, whatever the GPUs, the device
+    left as given, and a DataParallel that owns the group it made."""
+    from sonicmoe.train import distributed
+
+    dist = distributed.dist
+    if not dist.is_available():
+        pytest.skip("no torch.distributed")
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", made.append)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    dp, device = distributed.setup(torch.device("cpu"))
+    assert made == ["gloo"] and device == torch.device("cpu")
+    assert dp == distributed.DataParallel(rank=1, world=2, backend="gloo", owns_group=True)
+
+
+def test_expert_sharding_rank_is_the_one_in_its_group(monkeypatch):
+    """ExpertSharding's rank, which picks the expert slice local() keeps, is this process's rank within its EP group
+    (rank 5 of the world is rank 1 of its group of 2), not its global rank."""
+    import sonicmoe.expert_parallel as ep
+    from sonicmoe.train import distributed
+
+    monkeypatch.setattr(ep, "expert_parallel_groups", lambda size: ("ep-group", "dp-group"))
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda group=None: 1 if group == "ep-group" else 5)
+    sharding = distributed.ExpertSharding(2)
+    assert (sharding.size, sharding.rank, sharding.group, sharding.dp_group) == (2, 1, "ep-group", "dp-group")
+
+
 def test_setup_on_cuda_joins_with_the_group_backend(group_of_one, monkeypatch):
     """setup() for a CUDA device in a group the caller made reports that group's backend (gloo here), not the one
     it would have chosen for the GPUs (NCCL), and makes the current GPU current."""
@@ -1477,10 +1510,11 @@ def test_expert_sharding_gathers_slices_and_clips_over_its_group(monkeypatch):
     assert torch.equal(full["a"][2:], state["a"] + 10.0)
     assert local["a"].untyped_storage().nbytes() == local["a"].numel() * local["a"].element_size()
 
-    others = [0.0]
+    others, reduced = [0.0], []
 
     def all_reduce(t, group=None):
         assert group == "ep-group"
+        reduced.append(float(t))
         t.add_(others[0])  # the other rank's expert slice's squared norm
 
     monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
@@ -1492,6 +1526,8 @@ def test_expert_sharding_gathers_slices_and_clips_over_its_group(monkeypatch):
     want = (sum(float(r.square().sum()) for r in ref) + 3.0) ** 0.5
     norm = sharding.clip_grad_norm_(params, 1.0)
     assert float(norm) == pytest.approx(want, rel=1e-6)
+    # only the expert slice's squared norm (params[0]) goes over the EP group; the replicated one stays local
+    assert reduced == [pytest.approx(float(ref[0].double().square().sum()), rel=1e-6)]
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.grad, r / (want + 1e-6), rtol=1e-6, atol=0)
     # a norm near 1e-6: torch's clip factor, max_norm / (norm + 1e-6), not max_norm / norm
