@@ -353,7 +353,6 @@ def test_sigmoid_bias_steers_the_choice_only(renorm, device):
     assert torch.equal(ids, logits.topk(k, dim=1).indices)
 
 
-
 @pytest.mark.parametrize("renorm", [False, True])
 def test_sigmoid_bias_read_in_float32(renorm, device):
     """The expert bias steers the choice at float32 resolution: with equal logits within each row (equal sigmoids)
@@ -390,6 +389,7 @@ def test_large_logits_are_shifted_before_exp(order, renorm, shift, device):
     assert torch.equal(ids, ids_ref)
     assert torch.isfinite(scores).all() and rel_err(scores, scores_ref) < 1e-6
     _assert_grad_close(dlogits, dlogits_ref, dscores, 1e-6)
+
 
 # (T, E, K, n_group, topk_group): DeepSeek-V3's proportions (8 groups, 4 kept), E and n_group not powers of two,
 # one group kept, every expert kept (K = topk_group · E/n_group), groups of two experts, two groups (the fewest that
