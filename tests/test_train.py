@@ -1396,22 +1396,31 @@ def _cuda_stand_in(monkeypatch, gpus: int, current: int) -> list:
     return made_current
 
 
-def test_setup_on_cuda_picks_the_local_gpu_and_backend(monkeypatch):
-    """setup() for a CUDA device creating the group (torch.distributed and torch.cuda stand-ins): the GPU is
-    LOCAL_RANK modulo the GPUs (without LOCAL_RANK, the current one), made current; NCCL while the local ranks
-    (LOCAL_WORLD_SIZE, 1 without it) do not outnumber the GPUs, gloo where they do."""
-    from sonicmoe.train import distributed
-
+def _group_creation_stand_in(monkeypatch, distributed, *, rank, world):
+    """torch.distributed stood in for a process that is to create its group as `rank` of `world` (torchrun's
+    environment set): skips without torch.distributed; returns the list the backends passed to init_process_group
+    are appended to."""
     dist = distributed.dist
     if not dist.is_available():
         pytest.skip("no torch.distributed")
     made = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", made.append)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    for name, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    for name, value in (("RANK", str(rank)), ("WORLD_SIZE", str(world)), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
+    return made
+
+
+def test_setup_on_cuda_picks_the_local_gpu_and_backend(monkeypatch):
+    """setup() for a CUDA device creating the group (torch.distributed and torch.cuda stand-ins): the GPU is
+    LOCAL_RANK modulo the GPUs (without LOCAL_RANK, the current one), made current; NCCL while the local ranks
+    (LOCAL_WORLD_SIZE, 1 without it) do not outnumber the GPUs, gloo where they do."""
+    from sonicmoe.train import distributed
+
+    made = _group_creation_stand_in(monkeypatch, distributed, rank=3, world=4)
     for gpus, local_world, local_rank, current, want, backend in (
             (2, "2", "3", 0, 1, "nccl"),  # one GPU per local rank
             (2, "4", "1", 0, 1, "gloo"),  # two local ranks per GPU: NCCL would refuse
@@ -1435,16 +1444,7 @@ def test_setup_on_cpu_creates_a_gloo_group(monkeypatch):
     left as given, and a DataParallel that owns the group it made."""
     from sonicmoe.train import distributed
 
-    dist = distributed.dist
-    if not dist.is_available():
-        pytest.skip("no torch.distributed")
-    made = []
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", made.append)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-        monkeypatch.setenv(name, value)
+    made = _group_creation_stand_in(monkeypatch, distributed, rank=1, world=2)
     dp, device = distributed.setup(torch.device("cpu"))
     assert made == ["gloo"] and device == torch.device("cpu")
     assert dp == distributed.DataParallel(rank=1, world=2, backend="gloo", owns_group=True)
