@@ -484,6 +484,9 @@ def test_loop_limit_and_default_backends(monkeypatch):
     wider = make_problem(Shape("w", 4, 8, 4, 129, 2), dtype=torch.float32, device="cpu")
     assert baselines._loop_factory(wider, {"loop_max_E": None}).name == "loop"
     assert baselines.resolve_backends("torch,, loop,") == ["torch", "loop"]
+    with pytest.raises(ValueError, match="^unknown backend 'lop'; choose from triton, torch, loop, upper, scattermoe, "
+                       "default, all$"):
+        baselines.resolve_backends("torch,lop")
     for installed in (False, True):
         monkeypatch.setattr(baselines, "library_installed", lambda name, installed=installed: installed)
         assert ("scattermoe" in baselines.resolve_backends("default")) == installed
@@ -1646,6 +1649,77 @@ def test_loop_baseline_with_no_pair_has_a_backward():
     assert not out.any()
     for t in leaves:
         assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+
+
+def test_loop_baseline_runs_experts_of_one_row():
+    """Experts routed a single row (here experts 0 and 2 of 4; expert 3 none) are computed like the others: the loop's
+    output and gradients equal the float32 reference's."""
+    import sonicmoe
+    from sonicmoe import routing_from_pairs
+    from sonicmoe.testing import rel_err
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    t, d, n, e = 5, 16, 8, 4
+    x, w1, w2 = (torch.randn(*s, generator=g).requires_grad_(True) for s in ((t, d), (e, 2 * n, d), (e, d, n)))
+    pair_token = torch.tensor([0, 0, 1, 2, 3, 4, 4])
+    pair_expert = torch.tensor([0, 1, 1, 2, 1, 1, 1])  # one row each for experts 0 and 2, five for 1, none for 3
+    s = torch.rand(7, generator=g).requires_grad_(True)
+    routing = routing_from_pairs(pair_token, pair_expert, t, e)
+    assert routing.expert_offsets.tolist() == [0, 1, 6, 7, 7]
+    out = baselines.experts_loop(x, w1, w2, routing, s)
+    ref = sonicmoe.experts_ref(x, w1, w2, routing, s)
+    assert rel_err(out, ref) < 1e-5 and out[0].abs().sum() > 0
+    dout = torch.randn(t, d, generator=g)
+    leaves = (x, w1, w2, s)
+    for got, want in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout)):
+        assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_clamped_activation_reference_rounds_h_in_the_problems_dtype(dtype):
+    """Under the clamped activation every backend's reference rounds H to the problem's dtype (fp16, bf16 here), for
+    the experts' check and the router variant's alike; under SwiGLU it leaves H unrounded (None)."""
+    p = make_problem(Shape("hd", 16, 16, 8, 4, 2), dtype=dtype, device="cpu", seed=2)
+    for activation, want in (("clamped_swiglu", dtype), ("swiglu", None)):
+        loop = REGISTRY["loop"].factory(p, {"activation": activation})
+        with torch.no_grad():
+            _, router_spec = loop.router_check()
+        upper = REGISTRY["upper"].factory(p, {"activation": activation})
+        for spec in (loop.ref_spec(), router_spec, upper.ref_spec()):
+            assert spec.activation == activation and spec.h_dtype == want
+
+
+def test_router_variant_backward_reaches_the_router_weight():
+    """The timed router variant runs the experts on the routing it computed: its output is the checked call's, and
+    its backward reaches W_r (through the scores) with the checked call's dW_r, the problem's own scores untouched."""
+    p = make_problem(Shape("rw", 48, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=6)
+    case = REGISTRY["loop"].factory(p, {})
+    checked, _ = case.router_check()
+    checked.backward(p.dout)
+    want = p.router_weight.grad.clone()
+    assert want.abs().sum() > 0
+    for t in (p.x, p.router_weight, p.w1, p.w2, p.pair_scores):
+        t.grad = None
+    timed = case.forward_with_router()
+    assert torch.equal(timed, checked)
+    timed.backward(p.dout)
+    assert p.pair_scores.grad is None and torch.allclose(p.router_weight.grad, want, rtol=1e-6, atol=1e-7)
+
+
+def test_upper_bound_check_twice_and_its_info():
+    """check_case on the upper bound twice in a row passes both times with the same errors (its scores S_up are a
+    leaf, cleared with the others); its info records m, K' and the E·m rows it computes (the ratio's row count)."""
+    from sonicmoe.bench.measure import check_case
+
+    p = make_problem(Shape("t3", 50, 16, 8, 3, 2), dtype=torch.float32, device="cpu", seed=4)
+    up = UpperBoundCase(p)
+    assert up.info == {"rows_per_expert": 34, "K_up": 2, "rows": 102}
+    assert {id(t) for t in up.leaves} == {id(t) for t in (up.x_up, p.w1, p.w2, up.s_up)}
+    first = check_case(up, p.dout, grads=True, tol=1e-5)
+    second = check_case(up, p.dout, grads=True, tol=1e-5)
+    assert first["passed"] and second["passed"], (first, second)
+    assert second["errors"] == pytest.approx(first["errors"], rel=1e-6, abs=1e-9)
+    assert all(t.grad is None for t in up.leaves)
 
 
 def test_check_case_twice_starts_from_no_gradients():

@@ -873,6 +873,66 @@ def test_cli_builds_the_run_it_passes_to_train(tmp_path, monkeypatch, capsys):
     assert not seen
 
 
+def test_cli_builds_every_option_into_the_run_and_guards_its_resume(tmp_path, monkeypatch, capsys):
+    """Every option of ``sonicmoe train`` but the run's own (--preset, --out, --resume, --no-progress) overrides the
+    configuration train() gets (train stubbed: no model is built), floats parsed as floats; --m-tile alone under top-k
+    is noted. --data that does not exist or holds no file, and --resume of a directory, are usage errors naming them.
+    A resume keeps the checkpoint's --renormalize unless given, refuses each option that shapes the parameters
+    (--d-model, --experts, --expert-size, --expert-bias), naming the checkpoint's value, and a corpus other than the
+    checkpoint's."""
+    if torch.cuda.is_available():
+        pytest.skip("the default preset is h100 where a GPU is visible")
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda cfg, checkpoint, corpus: seen.append(cfg) or _summary_log())
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    corpus = tmp_path / "corpus.txt"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    corpus.write_bytes(bytes(torch.randint(32, 127, (20000,), generator=g).tolist()))
+    dests = {a.dest for a in cli.build_parser()._actions} - {"help", "preset", "out", "resume", "no_progress"}
+    assert dests == set(cli._OVERRIDES)
+    small = ["--data", str(corpus), "--no-progress"]
+    assert cli.main([*small, "--out", str(tmp_path / "a"), "--z-loss-coef", "0.25", "--grad-clip", "0.5",
+                     "--val-fraction", "0.125", "--m-tile", "64"]) == 0
+    cfg = seen.pop()
+    assert (cfg.z_loss_coef, cfg.grad_clip, cfg.val_fraction, cfg.m_tile) == (0.25, 0.5, 0.125, 64)
+    assert "note: --m-tile apply to --routing token_rounding only; this run routes by topk" in capsys.readouterr().err
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.mkdir()
+    for data, why in ((missing, "no such file or directory"), (empty, "the directory holds no file")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--data", str(data), "--no-progress", "--out", str(tmp_path / "b")])
+        assert e.value.code == 2 and f"error: --data {data}: {why}" in capsys.readouterr().err
+    # --resume: a checkpoint at step 2 of a 6-step DeepSeek-V3-routed run (loaded through a stand-in)
+    saved = make_config("cpu-tiny", steps=6, data=str(corpus), router_order="sigmoid_then_topk",
+                        renormalize=True).to_dict()
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"")
+    fake = {"config": saved, "step": 2}
+    monkeypatch.setattr(cli, "load_checkpoint", lambda path: fake)
+    assert cli.main(["--resume", str(ckpt)]) == 0
+    assert seen.pop().renormalize is True
+    assert cli.main(["--resume", str(ckpt), "--no-renormalize"]) == 0
+    assert seen.pop().renormalize is False
+    for flag, value in (("--d-model", 2 * saved["d_model"]), ("--experts", 2 * saved["experts"]),
+                        ("--expert-size", 2 * saved["expert_size"]), ("--expert-bias", None)):
+        name = flag[2:].replace("-", "_")
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--resume", str(ckpt), flag, *([] if value is None else [str(value)])])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{flag}: the checkpoint's model has {name}={saved[name]!r}; a resumed" in err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--resume", str(tmp_path)])
+    assert e.value.code == 2 and f"--resume {tmp_path}: no such file" in capsys.readouterr().err
+    fake["corpus_sha256"] = "0" * 64
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--resume", str(ckpt)])
+    assert e.value.code == 2 and "differs from the one the checkpoint trained on" in capsys.readouterr().err
+    assert not seen
+
+
 def test_lr_schedule():
     cfg = make_config("cpu-tiny", steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
     lrs = [lr_at(i, cfg) for i in range(100)]
@@ -1144,6 +1204,16 @@ def test_summary_reports_milliseconds_per_profiled_step(tmp_path):
     assert "uniform = 0.333): [0.250, 0.500], [0.250, 0.500]; mean CV 0.354" in text
     assert "averaged over layers: 2.25 (summed over steps: 1.50)" in text
     assert text.endswith(f"files: {tmp_path / 'log.json'}, {tmp_path / 'ckpt.pt'}")
+
+
+def test_summary_reports_a_missing_loss_or_rate_as_a_dash(tmp_path):
+    """A run with no validation loss (or no training loss, or too few steps for a rate) says "-" for that number alone
+    in its closing summary, the others as usual."""
+    text = cli._summary(_summary_log(final_train_loss=None, tokens_per_s=None), tmp_path)
+    assert "; final val loss 2.0000 nats/byte (2.885 bits/byte); final train loss -\n" in text
+    assert "throughput: - (too few steps)" in text and "MoE layers: not profiled" in text
+    text = cli._summary(_summary_log(final_val_loss=None), tmp_path)
+    assert "; final val loss -; final train loss 2.1000\n" in text and "throughput: 5,000 tokens/s" in text
 
 
 def test_progress_without_tqdm(monkeypatch, capsys):

@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if checkpoint is not None:
             check_resume_corpus(checkpoint, corpus.digest)
     except (OSError, ValueError) as e:
-        parser.error(f"--data {cfg.data or '(the standard library)'}: {e}")
+        msg = str(e)  # the loader's own errors for a missing or empty --data name the option and the path already
+        parser.error(msg if msg.startswith("--data ") else f"--data {cfg.data or '(the standard library)'}: {msg}")
     try:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         if not os.access(cfg.out, os.W_OK):
