@@ -328,6 +328,20 @@ def test_routing_from_pairs_mismatched_shapes():
         routing_from_pairs(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long), 2, 2)
 
 
+@pytest.mark.parametrize("arg", ["pair_token", "pair_expert"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.complex64])
+def test_routing_from_pairs_non_integer_indices(arg, dtype):
+    """Bool, float or complex indices are a TypeError naming the argument, without ``check`` too (bools read as
+    tokens/experts 0 and 1, silently, where the check was missed); the same indices as integers are taken."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    a = {"pair_token": torch.randint(0, 2, (6,), generator=g), "pair_expert": torch.randint(0, 2, (6,), generator=g)}
+    assert routing_from_pairs(a["pair_token"], a["pair_expert"], 2, 2).num_rows == 6
+    a[arg] = a[arg].to(dtype)
+    with pytest.raises(TypeError, match=f"{arg} must be an integer tensor") as info:
+        routing_from_pairs(a["pair_token"], a["pair_expert"], 2, 2)
+    assert str(dtype) in str(info.value)
+
+
 def test_routing_from_topk_bad_rank():
     with pytest.raises(ValueError, match="topk_ids"):
         routing_from_topk(torch.arange(4), 4)
@@ -342,11 +356,15 @@ def test_routing_from_topk_bad_rank():
     ([0, 1, 2], [-1, 1, 2], "pair_expert"),
 ])
 def test_check_pairs_out_of_range(tok, exp, arg):
+    """The message names the argument, the bound by its letter and value (T for tokens, E for experts) and the range
+    of the values given."""
     tok, exp = torch.tensor(tok), torch.tensor(exp)
     tok0, exp0 = tok.clone(), exp.clone()
-    with pytest.raises(ValueError, match=arg):
+    with pytest.raises(ValueError, match=arg) as info:
         check_pairs(tok, exp, 4, 3)
     assert torch.equal(tok, tok0) and torch.equal(exp, exp0)
+    idx, bound = (tok, "T=4") if arg == "pair_token" else (exp, "E=3")
+    assert str(info.value) == f"{arg} must lie in [0, {bound}), got values in [{int(idx.min())}, {int(idx.max())}]"
 
 
 def test_check_pairs_non_integer():

@@ -43,6 +43,32 @@ def test_runtime_keys_separate_what_triton_specialises():
         _runtime_key("text")
 
 
+def test_runtime_keys_at_the_edges_of_tritons_classes():
+    """The classes' edges: a pointer 8 bytes off 16 is unaligned (as one 2 bytes off); an int divisible by 8 but not
+    16 is in the class of odd ints; -2^31 is the lowest int32 (a multiple of 16, with -32), -2^31 - 16 an int64; a
+    Parameter (a Tensor subclass) is keyed by dtype and alignment as its data; a TMA descriptor by its type, element
+    dtype, block shape and padding."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    buf = torch.zeros(64, dtype=torch.float16)
+    assert _runtime_key(buf[4:]) == _runtime_key(buf[1:]) != _runtime_key(buf) == _runtime_key(buf[8:])
+    assert _runtime_key(8) == _runtime_key(24) == _runtime_key(17) != _runtime_key(16) == _runtime_key(32)
+    assert _runtime_key(-(2**31)) == _runtime_key(-32) != _runtime_key(-(2**31) - 16)
+    base = torch.zeros(64)
+    for data in (base, base[1:], base[2:], base[4:]):
+        param = torch.nn.Parameter(data, requires_grad=False)
+        assert type(param) is not torch.Tensor and param.data_ptr() == data.data_ptr()
+        assert _runtime_key(param) == _runtime_key(data)
+    assert _runtime_key(torch.nn.Parameter(base[1:])) != _runtime_key(torch.nn.Parameter(base[4:]))
+    x = torch.zeros(64, 32, dtype=torch.float16)
+    desc = TensorDescriptor.from_tensor(x, [16, 32])
+    assert _runtime_key(desc) == _runtime_key(TensorDescriptor.from_tensor(x.clone(), [16, 32]))
+    for other in (TensorDescriptor.from_tensor(x, [32, 32]), TensorDescriptor.from_tensor(x, [16, 16]),
+                  TensorDescriptor.from_tensor(x.float(), [16, 32]),
+                  TensorDescriptor(x, list(x.shape), list(x.stride()), [16, 32], padding="nan")):
+        assert _runtime_key(other) != _runtime_key(desc)
+
+
 def test_version_gate_parses_any_version_string():
     assert fast_launch.major_minor("3.6.0") == (3, 6) == fast_launch.major_minor("3.6.0+git1a2b3c")
     assert fast_launch.major_minor("3.5.1") == (3, 5) and fast_launch.major_minor("3.x") == ()
@@ -291,6 +317,21 @@ def test_key_holds_device_and_debug_and_odd_launches_without_a_gpu(monkeypatch):
     got = launch_kernel(fn2, (5,), buf, y, buf, 32, 0.5, 2, BLOCK=16)
     assert got is made2[0] and len(first.launches) == launches
     assert launch_kernel(fn2, (5,), buf, y, buf, 32, 0.5, 2, BLOCK=16) is got and got.launches
+
+
+def test_hits_launch_every_grid_axis_without_a_gpu(monkeypatch):
+    """A hit launches the grid Triton's path was given on all three axes: a 3-tuple as it is, a 2-tuple from a
+    callable with (g0, g1, 1), a 1-tuple with (g0, 1, 1)."""
+    fn = JITFunction(_plain_axpy)
+    made = _stub_tritons_path(monkeypatch, fn)
+    buf, y = torch.zeros(64), torch.zeros(64)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    a, b, c = (int(v) for v in torch.randint(2, 50, (3,), generator=g))
+    for grid, want in (((a, b, c), (a, b, c)), (lambda m: (a, m["BLOCK"]), (a, 16, 1)), ((c,), (c, 1, 1))):
+        for _ in range(2):
+            first = launch_kernel(fn, grid, buf, y, buf, 32, 0.5, 2, BLOCK=16)
+        assert first is made[0] and first.launches[-1][:4] == (*want, 1234)
+    assert len(made) == 1 and len(made[0].launches) == 5
 
 
 @pytest.mark.gpu

@@ -955,6 +955,11 @@ def test_integral_sizes_and_parameter_dtype_checked():
         with pytest.raises(TypeError, match="dtype must be None or one of the parameter dtypes"):
             MoE(32, 16, 4, 2, dtype=dtype)
     assert type(m.gate.in_features) is int and type(m.experts.gate_up_proj.shape[1]) is int
+    # every integral option: the expert groups and the shared expert's width too
+    c = MoEConfig(32, 16, 4, 2, router_order="sigmoid_then_topk", n_group=np.int64(2), topk_group=np.int32(1),
+                  shared_intermediate_size=np.int64(8))
+    assert (c.n_group, c.topk_group, c.shared_intermediate_size) == (2, 1, 8)
+    assert all(type(getattr(c, f)) is int for f in ("n_group", "topk_group", "shared_intermediate_size"))
     with pytest.raises(ValueError, match="top_k"):
         MoE(32, 16, 4, True)
     # numpy floats (np.float32 is no Python float) for the coefficients, as Python floats; NaN and bools still refused

@@ -270,6 +270,21 @@ def test_routing_from_topk_is_lean_and_checks_its_arguments():
             fn(ids, 6, check="yes")
 
 
+@pytest.mark.parametrize("fn", [routing_from_topk, routing_from_topk_ref])
+def test_topk_check_finds_a_repeat_that_is_not_the_smallest_id(fn):
+    """check=True finds an id repeated within a token's row whichever ids are repeated: here the row's largest, set
+    again over its smallest (after sorting the row, the repeat sits at its end, away from its first entry)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    t, k, e = 7, 4, 9
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    fn(ids, e, check=True)
+    bad_t = int(torch.randint(0, t, (), generator=g))
+    row = ids[bad_t]
+    row[row.argmin()] = row.max()
+    with pytest.raises(ValueError, match=f"distinct experts per token, token {bad_t} has"):
+        fn(ids, e, check=True)
+
+
 def test_routing_from_pairs_matches_topk_when_pairs_are_topk():
     ids = random_topk_ids(11, 3, 7, seed=5)
     tok = torch.arange(11).repeat_interleave(3)
@@ -395,6 +410,26 @@ def test_routing_does_not_mutate_inputs():
     assert torch.equal(tok, tok0) and torch.equal(exp, exp0) and torch.equal(ids, ids0)
 
 
+def test_routing_cache_belongs_to_its_offsets_tensor():
+    """Routing.cached returns what Routing.cache stored for this very ``expert_offsets`` tensor while it is unmodified:
+    another tensor put in its place (same values, same version counter) or an in-place write misses; another key
+    misses; a fresh store under the new tensor hits again."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(9)])
+    r = routing_from_topk(ids, 6)
+    table = object()
+    r.cache("tiles", table)
+    assert r.cached("tiles") is table and r.cached("order") is None
+    other = r.expert_offsets.clone()
+    assert other._version == r.expert_offsets._version and torch.equal(other, r.expert_offsets)
+    r.expert_offsets = other
+    assert r.cached("tiles") is None
+    r.cache("tiles", table)
+    assert r.cached("tiles") is table
+    r.expert_offsets.add_(0)
+    assert r.cached("tiles") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # router_topk against a hand computation
 # ---------------------------------------------------------------------------------------------
@@ -466,8 +501,10 @@ def test_router_probs_of_the_sigmoid_order_and_kept_once_computed():
     for order, want in expected.items():
         out = router_topk(x, w, K, router_order=order, use_kernel=False)
         assert out._probs is None  # lazy: neither order needs the (T, E) probabilities to choose
+        assert repr(out) == f"RouterOutput(logits=({T}, {E}), topk_ids=({T}, {K}), probs=on first access)"
         probs = out.probs
         assert out.probs is probs
+        assert repr(out) == f"RouterOutput(logits=({T}, {E}), topk_ids=({T}, {K}), probs=computed)"
         torch.testing.assert_close(probs.double(), want, rtol=1e-5, atol=1e-7)
 
 
@@ -546,6 +583,21 @@ def test_expert_groups_accepted_exactly_when_they_can_hold_k():
         assert all(len(set((row // (e // ng)).tolist())) <= tg for row in ids)
 
 
+@pytest.mark.parametrize("arg", ["n_group", "topk_group"])
+def test_expert_groups_refuse_bools(arg):
+    """n_group and topk_group are ints: True (which equals 1, no groups) is refused, by the check and the router, with a
+    ValueError naming the argument, as the layer's sizes refuse it."""
+    from sonicmoe.routing import check_expert_groups
+
+    kw = {"n_group": 1, "topk_group": 1, arg: True}
+    with pytest.raises(ValueError, match=f"{arg} must be a positive int, got True"):
+        check_expert_groups(kw["n_group"], kw["topk_group"], 4, 2, "sigmoid_then_topk")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    x, w = torch.randn(5, 8, generator=g), torch.randn(4, 8, generator=g)
+    with pytest.raises(ValueError, match=f"{arg} must be a positive int"):
+        router_topk(x, w, 2, router_order="sigmoid_then_topk", **kw)
+
+
 # ---------------------------------------------------------------------------------------------
 # auxiliary losses
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +665,23 @@ def test_losses_of_float16_router_outputs_do_not_overflow():
     probs[:, 0] = 1
     lb = load_balancing_loss(probs, routing_from_topk(torch.zeros(t, 1, dtype=torch.long), e))
     assert lb.dtype == torch.float32 and float(lb) == e
+
+
+def test_load_balancing_loss_of_float64_probs_and_its_routing_argument():
+    """float64 probabilities give the loss in float64, equal to a float64 Python computation E · Σ_e f_e · P_e to
+    float64 rounding (float32 would be off by ~1e-8); a routing that is not a Routing is a TypeError naming it."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    t, k, e = 13, 3, 7
+    probs = torch.softmax(torch.randn(t, e, generator=g, dtype=torch.float64) * 2, dim=1)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    counts = [sum(int(v == j) for v in ids.reshape(-1).tolist()) for j in range(e)]
+    rows = probs.tolist()
+    want = e * sum(counts[j] / (t * k) * sum(row[j] for row in rows) / t for j in range(e))
+    got = load_balancing_loss(probs, routing_from_topk(ids, e))
+    assert got.dtype == torch.float64 and abs(float(got) - want) < 1e-13 * want
+    for bad in (None, ids, (probs, ids)):
+        with pytest.raises(TypeError, match="routing must be a sonicmoe.Routing, got"):
+            load_balancing_loss(probs, bad)
 
 
 def test_z_loss_formula():
