@@ -769,6 +769,23 @@ def test_plot_train_line_is_the_moving_mean(saved_figures, tmp_path):
     assert list(line.get_ydata()) == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
+def test_plot_runs_one_run_per_step_blue_and_validation_red(saved_figures, tmp_path):
+    """plot_runs with one unlabelled run (train's loss.png): the per-step losses and their moving mean in blue, the
+    validation losses in red, the labels without a run prefix."""
+    from sonicmoe.train.report import plot_runs
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    ys = (torch.rand(6, generator=g, dtype=torch.float64) * 4 + 1).tolist()
+    vals = (torch.rand(2, generator=g, dtype=torch.float64) * 4 + 1).tolist()
+    steps = [{"step": s, "loss": y} for s, y in enumerate(ys, 1)]
+    assert plot_runs(tmp_path / "one.png", [("", steps, [{"step": 0, "val_loss": vals[0]},
+                                                           {"step": 6, "val_loss": vals[1]}])], "t")
+    lines = {ln.get_label(): ln for ln in saved_figures[0].axes[0].lines}
+    assert sorted(lines) == ["train (1-step mean)", "train (per step)", "validation"]
+    assert [lines[k].get_color() for k in sorted(lines)] == ["tab:blue", "tab:blue", "tab:red"]
+    assert list(lines["train (per step)"].get_ydata()) == ys and list(lines["validation"].get_ydata()) == vals
+
+
 def test_plot_runs_colours_validation_and_closes_its_figure(saved_figures, tmp_path):
     """plot_runs with two runs: each run's train line and validation line in colours of their own (C0/C1, C2/C3: no
     run's train line takes another's validation colour), no per-step lines by default, the validation line the

@@ -94,6 +94,12 @@ def test_log_and_plot(baseline):
         assert 0.0 < p["moe_share"] < 1.0
     assert all(p["moe_forward_s"] > 0 and p["moe_backward_s"] > 0 for p in log["profile"])  # both directions timed
     assert 0.0 < log["moe_time_share"] < 1.0
+    # the MoE time over the profiled steps: forward and backward of every profiled step, over their step time
+    moe_s = sum(p["moe_forward_s"] + p["moe_backward_s"] for p in log["profile"])
+    step_s = sum(p["step_s"] for p in log["profile"])
+    assert log["moe_time"] == {"profiled_steps": 4, "moe_s": pytest.approx(moe_s, rel=1e-12),
+                               "step_s": pytest.approx(step_s, rel=1e-12)}
+    assert log["moe_time_share"] == pytest.approx(moe_s / step_s, rel=1e-12)
     assert log["peak_memory"]["mib"] > 0
     load = log["expert_load"]
     assert len(load["per_layer"]) == LAYERS
@@ -583,12 +589,14 @@ def test_token_rounding_that_would_empty_the_experts_is_refused(tmp_path, capsys
     assert "--rounding and --m-tile apply to --routing token_rounding only" in capsys.readouterr().err
     from sonicmoe.train.loop import check_ranks
 
-    for rounding, m_tile in (("nearest", 512), ("down", 256), ("up", 4096)):
+    # the cure named: the largest m_tile whose bound 128 tokens per expert meet (M_tile/2 <= 128 to the nearest
+    # multiple, M_tile <= 128 to the lower one)
+    for rounding, m_tile, cure in (("nearest", 512, 256), ("down", 256, 128), ("up", 4096, None)):
         cfg = make_config("cpu-tiny", experts=4, top_k=2, batch_size=8, seq_len=64, routing="token_rounding",
                           rounding=rounding, m_tile=m_tile)
         check_ranks(cfg, torch.device("cpu"), 1)
         if rounding != "up":  # two data-parallel ranks: 128 tokens per expert in each rank's batch, under the bound
-            with pytest.raises(ValueError, match="with 128 tokens per expert"):
+            with pytest.raises(ValueError, match=rf"with 128 tokens per expert.* --m-tile \(to at most {cure}\) or"):
                 check_ranks(cfg, torch.device("cpu"), 2)
     with pytest.raises(ValueError, match="bias_update_rate must be a finite number"):
         make_config("cpu-tiny", router_order="sigmoid_then_topk", bias_update_rate=math.inf).validate()
@@ -770,6 +778,37 @@ def test_resume_from_a_file_that_is_not_a_checkpoint_exits_with_usage(tmp_path, 
         assert e.value.code == 2 and f"{path} is not a sonicmoe train checkpoint" in err and why in err
 
 
+def test_load_checkpoint_refuses_a_directory_and_another_format(tmp_path):
+    """load_checkpoint: a directory is no checkpoint file (FileNotFoundError, not torch.load's IsADirectoryError); a
+    torch file of another checkpoint format (a dict whose ``format`` is not this one's) is refused like any other
+    file; this format's dict is returned as saved."""
+    import re
+
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
+        loop.load_checkpoint(tmp_path)
+    path = tmp_path / "ckpt.pt"
+    step = int(torch.randint(1, 1000, ()))
+    torch.save({"format": loop.CHECKPOINT_FORMAT + 1, "step": step}, path)
+    with pytest.raises(ValueError, match=re.escape(f"{path} is not a sonicmoe train checkpoint (format ")):
+        loop.load_checkpoint(path)
+    torch.save({"format": loop.CHECKPOINT_FORMAT, "step": step}, path)
+    assert loop.load_checkpoint(path) == {"format": loop.CHECKPOINT_FORMAT, "step": step}
+
+
+def test_check_resume_corpus_names_both_digests():
+    """check_resume_corpus' refusal names this corpus' SHA-256 first and the checkpoint's in brackets (12 hex digits
+    each), so the user sees which one changed; the same digest passes."""
+    import hashlib
+
+    mine, saved = (hashlib.sha256(torch.randint(0, 256, (16,), dtype=torch.uint8).numpy().tobytes()).hexdigest()
+                   for _ in range(2))
+    with pytest.raises(ValueError) as e:
+        loop.check_resume_corpus({"corpus_sha256": saved}, mine)
+    assert f"the corpus (SHA-256 {mine[:12]}) differs from the one the checkpoint trained on ({saved[:12]})" in str(
+        e.value)
+    loop.check_resume_corpus({"corpus_sha256": mine}, mine)
+
+
 @pytest.mark.parametrize("extra,match", [(["--max-bytes", "10"], "has only 10 bytes"),
                                          (["--max-bytes", "4096", "--seq-len", "5000"], "fewer than seq_len"),
                                          (["--out", "/proc/sonicmoe-cannot-write"], "--out /proc/sonicmoe")])
@@ -942,6 +981,24 @@ def test_lr_schedule():
     assert lr_at(150, cfg) == pytest.approx(0.1)  # past `steps` the floor stays
     # the cosine starts at the peak right after the warm-up and is halfway down halfway through the decay steps
     assert lr_at(10, cfg) == pytest.approx(1.0) and lr_at(55, cfg) == pytest.approx(0.55)
+    # a warm-up as long as the run leaves the cosine no steps (no division by zero): the peak at its first update,
+    # then the floor
+    flat = make_config("cpu-tiny", steps=10, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert [lr_at(i, flat) for i in (9, 10, 11)] == pytest.approx([1.0, 1.0, 0.1])
+
+
+def test_resolve_device_and_dtype(monkeypatch):
+    """resolve_device: ``auto`` is CUDA when torch sees a GPU, else the CPU (torch.cuda.is_available read through a
+    stand-in: no GPU touched); resolve_dtype: each --dtype's parameter dtype (bfloat16 is bfloat16, not float16;
+    amp-bf16 keeps float32 parameters under its autocast), ``auto`` bfloat16 on CUDA and float32 on the CPU."""
+    for available, want in ((False, torch.device("cpu")), (True, torch.device("cuda"))):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)
+        assert loop.resolve_device("auto") == want and loop.resolve_device("cpu") == torch.device("cpu")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert [loop.resolve_dtype(name, cpu) for name in ("auto", "float32", "bfloat16", "amp-bf16")] == [
+        torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    assert [loop.resolve_dtype(name, cuda) for name in ("auto", "float32", "bfloat16", "amp-bf16")] == [
+        torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
 
 
 def test_stdlib_files_sorted_and_deterministic():
@@ -1096,6 +1153,13 @@ def test_expert_load_summary():
     assert z["fractions"] == [0.0, 0.0, 0.0] and z["max_frac"] == 0.0 and z["max_over_mean"] == 0.0
     # a model without MoE layers: no layers, zero averages (not a division by zero)
     assert expert_load_summary([]) == {"per_layer": [], "mean_cv": 0.0, "mean_max_over_mean": 0.0}
+    # min_frac and max_frac are fractions of the layer's pairs (not counts)
+    assert (q["per_layer"][0]["min_frac"], q["per_layer"][0]["max_frac"]) == (0.25, 0.5)
+    # the per-step statistics once any layer has counts: a layer without any is reported with zeros (not left out,
+    # not a division by zero)
+    w = expert_load_summary([[3, 1], [0, 0]], [[3, 1], [0, 0]])
+    assert [x["step_max_over_mean"] for x in w["per_layer"]] == [1.5, 0.0]
+    assert [x["step_min_over_mean"] for x in w["per_layer"]] == [0.5, 0.0] and w["mean_step_max_over_mean"] == 0.75
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
@@ -1127,6 +1191,20 @@ def test_device_names_read_the_cpu_model_name_and_the_first_driver(monkeypatch):
     monkeypatch.setattr(report.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=printed[0]))
     assert report._nvidia_driver() == "550.54.15"
     printed[0] = "\n"
+    assert report._nvidia_driver() is None
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory: 'nvidia-smi'"),
+                                   subprocess.TimeoutExpired(["nvidia-smi"], 20)])
+def test_nvidia_driver_is_none_when_nvidia_smi_fails(monkeypatch, error):
+    """_nvidia_driver: no nvidia-smi (OSError) or one that hangs past its timeout (subprocess.TimeoutExpired) leaves
+    the log's driver None; neither ends the run."""
+    from sonicmoe.train import report
+
+    def run(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(report.subprocess, "run", run)
     assert report._nvidia_driver() is None
 
 
@@ -1223,6 +1301,33 @@ def test_progress_without_tqdm(monkeypatch, capsys):
     p.log(5, 10, {"loss": "1.0"})
     p.close()
     assert "step      5/10 loss 1.0" in capsys.readouterr().out
+
+
+def test_progress_of_a_silent_rank_prints_nothing(monkeypatch, capsys):
+    """Progress(silent=True) (the data-parallel ranks but rank 0): no bar even where one is wanted and tqdm is there,
+    no log line and no message; rank 0's Progress without a bar prints both."""
+    import types
+
+    bars = []
+
+    class FakeBar:
+        def __init__(self, **kwargs):
+            bars.append(kwargs)
+
+    monkeypatch.setitem(sys.modules, "tqdm", types.SimpleNamespace(tqdm=FakeBar))
+    assert Progress(total=10, initial=2, enabled=True).bar is not None and bars[-1]["initial"] == 2
+    bars.clear()
+    quiet = Progress(total=10, initial=0, enabled=True, silent=True)
+    assert quiet.bar is None and not bars
+    quiet.update()
+    quiet.log(5, 10, {"loss": "1.0"})
+    quiet.write("val loss 2.0")
+    quiet.close()
+    assert capsys.readouterr() == ("", "")
+    plain = Progress(total=10, initial=0, enabled=False)
+    plain.log(5, 10, {"loss": "1.0", "lr": "1e-3"})
+    plain.write("val loss 2.0")
+    assert capsys.readouterr().out == "step      5/10 loss 1.0 lr 1e-3\nval loss 2.0\n"
 
 
 def test_plot_skipped_without_matplotlib(monkeypatch, tmp_path, capsys):
@@ -1363,6 +1468,15 @@ def test_seed_rank_stream():
         assert torch.equal(draws[rank][0], torch.rand(8)), rank
         torch.manual_seed(5 + rank)
         assert not torch.equal(draws[rank][0], torch.rand(8)), rank
+    # rank 0 is not reseeded at all: its stream goes on from where it stands (the model's initialisation drew from
+    # it), as the one-process run's does
+    torch.manual_seed(5)
+    torch.rand(3)
+    loop.seed_rank_stream(5, 0, torch.device("cpu"))
+    after = torch.rand(8)
+    torch.manual_seed(5)
+    torch.rand(3)
+    assert torch.equal(after, torch.rand(8))
 
 
 def test_data_parallel_of_one_process_and_the_torchrun_environment(monkeypatch):
@@ -2029,6 +2143,26 @@ def test_optimizer_decay_groups_and_bf16_masters():
     assert all(torch.equal(a, b) for a, b in zip(again.params, opt.params))
 
 
+def test_optimizer_keeps_masters_when_any_parameter_is_low_precision():
+    """Optimizer: one bfloat16 parameter among float32 ones is enough for float32 masters of every parameter (AdamW
+    then updates the masters, and the bfloat16 parameter gets the rounded master, not an update computed in
+    bfloat16)."""
+    from sonicmoe.train.loop import Optimizer
+
+    cfg = make_config("cpu-tiny", device="cpu", backend="torch", weight_decay=0.1)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    model[1].to(torch.bfloat16)
+    opt = Optimizer(model, cfg, torch.device("cpu"))
+    assert opt.masters is not None and len(opt.masters) == 4
+    assert all(m.dtype == torch.float32 and torch.equal(m, p.float()) for m, p in zip(opt.masters, opt.params))
+    g = _fresh_generator()
+    for p in opt.params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    opt.step(1e-2, math.inf)
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(opt.params, opt.masters))
+
+
 def _eval_setup(eval_batches):
     """A tiny torch-backend config with ``eval_batches`` validation batches of 2 × 16 bytes, a random byte corpus with
     room for them, and a freshly seeded model built from it, for the evaluate tests."""
@@ -2045,16 +2179,21 @@ def _eval_setup(eval_batches):
 
 
 def test_evaluate_is_the_mean_val_loss_and_restores_train_mode():
-    """evaluate: the mean cross-entropy of the eval-mode model over the fixed validation batches, and the model is
-    back in training mode afterwards (the next steps train with the training routing)."""
+    """evaluate: the mean cross-entropy of the eval-mode model over the fixed validation batches (its MoE layers see
+    each batch in eval mode), and the model is back in training mode afterwards (the next steps train with the
+    training routing)."""
     import torch.nn.functional as F
 
     from sonicmoe.train.loop import evaluate
 
     cfg, corpus, model = _eval_setup(eval_batches=3)
     cpu = torch.device("cpu")
+    modes = []  # each MoE layer's mode as evaluate's forwards reach it: eval (plain top-k, whatever the routing)
+    hooks = [m.register_forward_pre_hook(lambda m, args: modes.append(m.training)) for m in model.moe_layers()]
     got = evaluate(model, corpus, cfg, cpu)
-    assert model.training
+    for h in hooks:
+        h.remove()
+    assert modes == [False] * 3 and model.training
     model.eval()
     with torch.no_grad():
         losses = [float(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)))
@@ -2149,6 +2288,38 @@ def test_train_sets_the_deterministic_switch_and_restores_it(monkeypatch, tmp_pa
                         torch.is_deterministic_algorithms_warn_only_enabled()) == previous, (previous, deterministic)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_first_step_logs_what_it_trained_with_and_warm_up_steps_go_unmeasured(tmp_path):
+    """train's log of step 1 is that step's own numbers, each in its field: the LM loss, the router loss and the
+    gradient norm before clipping of the freshly seeded model on the first batch the data generator draws (recomputed
+    here by hand); and tokens/s counts the steps after the min(5, steps // 5) warm-up steps (12 steps: 2)."""
+    from sonicmoe.train.loop import model_config
+
+    g = _fresh_generator()
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=g))
+    cfg = make_config("cpu-tiny", d_model=32, layers=1, heads=2, experts=4, top_k=2, expert_size=16, backend="torch",
+                      device="cpu", batch_size=2, seq_len=16, steps=12, warmup=3, eval_every=0, eval_batches=1,
+                      profile_every=0, save_every=0, log_every=4, grad_clip=0.5, seed=seed, progress=False,
+                      out=str(tmp_path))
+    corpus = ByteCorpus(train=torch.randint(0, 256, (300,), dtype=torch.uint8, generator=g),
+                        val=torch.randint(0, 256, (40,), dtype=torch.uint8, generator=g), source="x", num_files=1)
+    log = loop.train(cfg, corpus=corpus)
+    torch.manual_seed(seed)
+    model = MoETransformer(model_config(cfg))
+    x, y = corpus.train_batch(2, 16, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    loss = model(x, y)
+    aux = model.router_loss()
+    (loss + aux).backward()
+    loss, aux = float(loss.detach()), float(aux.detach())
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    first = log["steps"][0]
+    assert aux > 0 and float(norm) > cfg.grad_clip  # three different numbers, the norm a clipped one's
+    assert (first["step"], first["lr"]) == (1, pytest.approx(cfg.lr / 3))
+    assert first["loss"] == pytest.approx(loss, rel=1e-6)
+    assert first["router_loss"] == pytest.approx(aux, rel=1e-6)
+    assert first["grad_norm"] == pytest.approx(float(norm), rel=1e-5)
+    assert log["throughput"]["tokens"] == (12 - 2) * 2 * 16
 
 
 def test_fmt_rate():
