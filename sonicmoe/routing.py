@@ -346,7 +346,7 @@ def check_pairs(pair_token: torch.Tensor, pair_expert: torch.Tensor, num_tokens:
         ("pair_token", pair_token, num_tokens, "T"),
         ("pair_expert", pair_expert, num_experts, "E"),
     ):
-        if idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        if idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
             raise TypeError(f"{name} must be an integer tensor, got {idx.dtype}")
         check_index_range(name, idx, hi, letter)
 

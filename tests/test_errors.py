@@ -368,10 +368,14 @@ def test_check_pairs_out_of_range(tok, exp, arg):
 
 
 def test_check_pairs_non_integer():
+    """Float, bool and complex indices are a TypeError naming the argument (complex ones were cast to their real
+    part with a warning, session 99)."""
     with pytest.raises(TypeError, match="pair_token"):
         check_pairs(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]), 4, 4)
     with pytest.raises(TypeError, match="pair_expert"):
         check_pairs(torch.tensor([0, 1]), torch.tensor([True, False]), 4, 4)
+    with pytest.raises(TypeError, match="pair_expert must be an integer tensor, got torch.complex64"):
+        check_pairs(torch.tensor([0, 1]), torch.tensor([0, 1], dtype=torch.complex64), 4, 4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,6 +196,8 @@ def test_bad_arguments(device):
     for fn in (pair_scores, pair_scores_ref):
         with pytest.raises(TypeError, match="pair_token must be an integer tensor, got torch.bool"):
             fn(router, pt > 3, pe, "topk_then_softmax", False)  # a mask where the indices were meant
+        with pytest.raises(TypeError, match="pair_expert must be an integer tensor, got torch.complex64"):
+            fn(router, pt, pe.to(torch.complex64), "topk_then_softmax", False)
         with pytest.raises(ValueError, match=r"both be \(R,\), got \(2, 3\) and \(2, 3\)"):
             fn(router, pt[:6].reshape(2, 3), pe[:6].reshape(2, 3), "topk_then_softmax", False)
 
