@@ -258,6 +258,19 @@ def test_preset_all_is_every_paper_shape_once():
     assert [s.name for s in preset_shapes("tiny")] == ["tiny"] and len(PRESETS["tiny"]) == 1
 
 
+def test_max_T_of_zero_tokens_is_refused_and_an_empty_shape_name_takes_the_default():
+    """``with_max_T(0)`` is no "leave it alone" (that is None): a cap of 0 tokens leaves no token, refused as T = 0
+    (the CLI exits 2 on ``--max-T 0`` before anything runs); ``--shape "=T,d,n,E,K"`` (nothing before the ``=``)
+    names the shape as if no name were given, not with an empty label."""
+    s = Shape("s", 4096, 64, 32, 8, 2)
+    with pytest.raises(ValueError, match="T must be a positive int, got 0"):
+        s.with_max_T(0)
+    assert s.with_max_T(1).T == 1 and s.with_max_T(1).T_preset == 4096
+    assert cli.main([*FAST, "--shape", "64,32,16,4,2", "--max-T", "0", "--backends", "torch"]) == 2
+    assert parse_shape("=64,32,16,4,2").name == "T64-d32-n16-E4-K2"
+    assert parse_shape(" = 96,48,16,12,3").name == "T96-d48-n16-E12-K3"
+
+
 def test_preset_sweeps_hold_flops_and_parameters_fixed():
     """Without configs.json (a checkout without ../shared skips the comparison above): each granularity sweep of a
     model size, and the 7B iso-FLOPs sweep, is at one (T, d) with K·n (FLOPs per token) and E·n (parameters) fixed
@@ -466,6 +479,64 @@ def test_route_takes_a_token_rounding_that_returns_a_tuple(monkeypatch):
     monkeypatch.setattr(bp, "load_token_rounding", lambda: lambda router, **kw: 5)
     with pytest.raises(bp.TokenRoundingUnavailable, match="token_rounding returned int"):
         bp.route(x, w, 2, "token_rounding", m_tile=8)
+
+
+def test_route_takes_a_list_result_and_refuses_a_partial_object(monkeypatch):
+    """token_rounding's result as a list [pair_token, pair_expert, pair_scores] is taken like a tuple (the same pairs);
+    an object with only some of the three attributes is TokenRoundingUnavailable, not half read."""
+    from sonicmoe.bench import problem as bp
+
+    real = bp.load_token_rounding()
+    gen = torch.Generator().manual_seed(12)
+    x, w = torch.randn(80, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    want = bp.route(x, w, 2, "token_rounding", m_tile=8)
+    monkeypatch.setattr(bp, "load_token_rounding",
+                        lambda: lambda router, **kw: [getattr(real(router, **kw), a)
+                                                      for a in ("pair_token", "pair_expert", "pair_scores")])
+    got = bp.route(x, w, 2, "token_rounding", m_tile=8)
+    assert got.pair_token.numel() > 0
+    for a in ("pair_token", "pair_expert", "pair_scores"):
+        assert torch.equal(getattr(got, a), getattr(want, a)), a
+    assert torch.equal(got.routing.expert_offsets, want.routing.expert_offsets)
+    monkeypatch.setattr(bp, "load_token_rounding",
+                        lambda: lambda router, **kw: SimpleNamespace(pair_token=real(router, **kw).pair_token))
+    with pytest.raises(bp.TokenRoundingUnavailable, match="token_rounding returned SimpleNamespace"):
+        bp.route(x, w, 2, "token_rounding", m_tile=8)
+
+
+def test_route_without_pairs_keeps_the_router_choice_and_pair_tokens_are_int32():
+    """route(pairs=False) under top-k leaves out pair_token/pair_expert only: topk_ids and router_ids are still the
+    router's (T, K) choice (the router variant's check reads router_ids); top-k's pair_token is int32, the dtype
+    token rounding gives its own pair_token."""
+    from sonicmoe.bench import problem as bp
+
+    gen = torch.Generator().manual_seed(13)
+    x, w = torch.randn(48, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    full = bp.route(x, w, 2, "topk")
+    bare = bp.route(x, w, 2, "topk", pairs=False)
+    assert bare.pair_token is None and bare.pair_expert is None
+    want = torch.topk(x.float() @ w.float().t(), 2, dim=1).indices
+    for r in (full, bare):
+        assert torch.equal(r.topk_ids.long().sort(1).values, want.sort(1).values)
+        assert r.router_ids is not None and torch.equal(r.router_ids, r.topk_ids)
+    tr = bp.route(x, w, 2, "token_rounding", m_tile=8)
+    assert full.pair_token.dtype == tr.pair_token.dtype == torch.int32
+
+
+def test_problem_leaves_are_every_tensor_with_a_gradient():
+    """Problem.leaves() names every leaf that takes a gradient (x, W_r, W1, W2, S): the runner frees their gradients
+    after each backend through it, the router weight's (set by the router variant) included."""
+    from sonicmoe.bench.measure import free_memory
+
+    p = make_problem(Shape("l", 32, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=3)
+    r = p.route(p.x)
+    loss = r.pair_scores.sum() + (p.x * p.dout).sum() + p.w1.sum() + p.w2.sum() + p.pair_scores.sum()
+    loss.backward()
+    grads = [p.x, p.router_weight, p.w1, p.w2, p.pair_scores]
+    assert all(t.grad is not None for t in grads)
+    assert [id(t) for t in p.leaves()] == [id(t) for t in grads]
+    free_memory(*p.leaves())
+    assert all(t.grad is None for t in grads)
 
 
 def test_loop_limit_and_default_backends(monkeypatch):
@@ -1805,7 +1876,7 @@ def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, flag", [
     (["--m-tile", "0", "--routing", "token_rounding"], "--m-tile"), (["--m-tile", "-5"], "--m-tile"),
-    (["--tol", "-1"], "--tol"), (["--tol", "nan"], "--tol"), (["--tol", "inf"], "--tol"),
+    (["--tol", "-1"], "--tol"), (["--tol", "0"], "--tol"), (["--tol", "nan"], "--tol"), (["--tol", "inf"], "--tol"),
     (["--check-max-T", "0"], "--check-max-T"), (["--backends", ""], "--backends"),
     (["--backends", ","], "--backends"), (["--warmup", "nan"], "--warmup"), (["--rep", "-1"], "--rep"),
     (["--plot-from", "A"], "--markdown-from"),  # with --markdown-from B: one would be ignored
@@ -2379,6 +2450,54 @@ def test_bench_cli_passes_its_options_to_the_run(tmp_path, monkeypatch, capsys):
     assert dims == [(96, 48, 16, 12, 3)]
     assert (opts.rounding, opts.seed, opts.check, opts.check_grads, opts.verbose) == ("balance", 7, True, False, True)
     capsys.readouterr()
+
+
+def test_bench_cli_defaults_are_the_documented_ones():
+    """The defaults the help text states: --m-tile 128, --cpu-threads 1, the loop baseline up to E = 128, fwdbwd,
+    seed 0, nearest rounding, SwiGLU, device auto, every routing unset (the shape's own)."""
+    parser = cli.build_parser()
+    args = parser.parse_args([])
+    assert (args.m_tile, args.cpu_threads, args.loop_max_E) == (128, 1, 128)
+    assert (args.mode, args.seed, args.rounding, args.activation, args.device) == (
+        "fwdbwd", 0, "nearest", "swiglu", "auto")
+    assert args.routing is None and args.backends == "default" and args.plot and args.check and args.router_variant
+    helps = {a.dest: a.help for a in parser._actions}
+    assert "(default 128)" in helps["m_tile"] and "(default 1:" in helps["cpu_threads"]
+
+
+def test_bench_cli_plots_only_without_no_plot_and_runs_presets_before_shapes(tmp_path, monkeypatch, capsys):
+    """--no-plot writes no plot (plot_from_file never called); without it the results file is plotted once, next
+    to itself; the shapes run in the order given: the presets' then the --shape ones."""
+    from sonicmoe.bench import plots, runner
+
+    seen, plotted = [], []
+    monkeypatch.setattr(runner, "run", lambda shapes, opts, **kw: seen.append([s.name for s in shapes]))
+    monkeypatch.setattr(plots, "plot_from_file", lambda path, out=None, **kw: plotted.append((path, out)) or [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["--shape", "mine=16,8,8,2,1", "--preset", "tiny"]
+    assert cli.main(["--out", str(tmp_path / "a"), *FAST, *args]) == 1  # the stub timed nothing
+    assert plotted == [] and seen == [["tiny", "mine"]]
+    fast_plotting = [a for a in FAST if a != "--no-plot"]
+    assert cli.main(["--out", str(tmp_path / "b"), *fast_plotting, *args]) == 1
+    assert plotted == [(str(_only_json(tmp_path / "b")), None)]
+    capsys.readouterr()
+
+
+def test_bench_list_shows_each_preset_shape_once_and_which_libraries_are_installed(monkeypatch, capsys):
+    """--list prints each preset's shapes under it, ``all`` without repeating them; a competitor library is marked
+    [installed] exactly when it can be found."""
+    libraries = [n for n, spec in REGISTRY.items() if spec.kind == "library"]
+    assert libraries
+    monkeypatch.setattr(baselines, "library_installed", lambda name: name == libraries[0])
+    assert cli.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for shape in PRESETS["all"]:
+        assert sum(1 for ln in lines if ln.split()[:1] == [shape.name]) >= 1, shape.name
+    assert sum(1 for ln in lines if ln.split()[:1] == ["deepseek-v3"]) == 1
+    assert sum(1 for ln in lines if ln.split()[:1] == ["tiny"]) == 2  # the preset's line and its one shape
+    for name in libraries:
+        (line,) = [ln for ln in lines if ln.split()[:1] == [name]]
+        assert line.endswith(" [installed]" if name == libraries[0] else " [not installed]"), line
 
 
 def test_bench_cli_plot_from_without_plots_exits_1(tmp_path, monkeypatch, capsys):
