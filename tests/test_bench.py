@@ -258,7 +258,7 @@ def test_preset_all_is_every_paper_shape_once():
     assert [s.name for s in preset_shapes("tiny")] == ["tiny"] and len(PRESETS["tiny"]) == 1
 
 
-def test_max_T_of_zero_tokens_is_refused_and_an_empty_shape_name_takes_the_default():
+def test_max_T_of_zero_tokens_is_refused_and_an_empty_shape_name_takes_the_default(capsys):
     """``with_max_T(0)`` is no "leave it alone" (that is None): a cap of 0 tokens leaves no token, refused as T = 0
     (the CLI exits 2 on ``--max-T 0`` before anything runs); ``--shape "=T,d,n,E,K"`` (nothing before the ``=``)
     names the shape as if no name were given, not with an empty label."""
@@ -267,6 +267,7 @@ def test_max_T_of_zero_tokens_is_refused_and_an_empty_shape_name_takes_the_defau
         s.with_max_T(0)
     assert s.with_max_T(1).T == 1 and s.with_max_T(1).T_preset == 4096
     assert cli.main([*FAST, "--shape", "64,32,16,4,2", "--max-T", "0", "--backends", "torch"]) == 2
+    assert "--max-T must be a positive number of tokens, got 0" in capsys.readouterr().err
     assert parse_shape("=64,32,16,4,2").name == "T64-d32-n16-E4-K2"
     assert parse_shape(" = 96,48,16,12,3").name == "T96-d48-n16-E12-K3"
 
@@ -1877,7 +1878,7 @@ def test_bench_cli_refuses_bad_files_and_check_sizes(tmp_path, capsys):
 @pytest.mark.parametrize("args, flag", [
     (["--m-tile", "0", "--routing", "token_rounding"], "--m-tile"), (["--m-tile", "-5"], "--m-tile"),
     (["--tol", "-1"], "--tol"), (["--tol", "0"], "--tol"), (["--tol", "nan"], "--tol"), (["--tol", "inf"], "--tol"),
-    (["--check-max-T", "0"], "--check-max-T"), (["--backends", ""], "--backends"),
+    (["--check-max-T", "0"], "--check-max-T"), (["--max-T", "-3"], "--max-T"), (["--backends", ""], "--backends"),
     (["--backends", ","], "--backends"), (["--warmup", "nan"], "--warmup"), (["--rep", "-1"], "--rep"),
     (["--plot-from", "A"], "--markdown-from"),  # with --markdown-from B: one would be ignored
 ])

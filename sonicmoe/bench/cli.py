@@ -129,8 +129,10 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         check_m_tile(args.m_tile)
     except ValueError as exc:
         parser.error(f"--m-tile: {exc}")
-    if args.check_max_T is not None and args.check_max_T < 1:
-        parser.error(f"--check-max-T must be a positive number of tokens, got {args.check_max_T}")
+    for flag in ("max_T", "check_max_T"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive number of tokens, got {v}")
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
         parser.error(f"--tol must be a finite relative error > 0, got {args.tol}")
     for flag in ("warmup", "rep"):
