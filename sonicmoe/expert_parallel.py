@@ -531,10 +531,12 @@ def expert_parallel_groups(ep_size: int):
 
     Raises:
         RuntimeError: torch.distributed not initialised.
-        ValueError: ``ep_size`` not a positive divisor of W.
+        ValueError: ``ep_size`` not a positive divisor of W (an integer: numpy's taken, a bool or float not).
     """
     world, _ = _group_size_rank(None)
-    if not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
+    if isinstance(ep_size, numbers.Integral) and not isinstance(ep_size, bool):
+        ep_size = int(ep_size)  # numpy integers, as ExpertParallelMoE takes num_experts
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1 or world % ep_size:
         raise ValueError(f"ep_size must be a positive divisor of the world size W={world}, got {ep_size!r}")
     ep_group, _ = dist.new_subgroups_by_enumeration(
         [list(range(i, i + ep_size)) for i in range(0, world, ep_size)])

@@ -312,7 +312,8 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
     """Without a process group: RuntimeError (expert_parallel_ddp too: torch's ValueError before session 89). In a
     group of one rank: E = 0, a routing of other E or T, scores and weights of the wrong shape are refused, naming
     the argument (E not a multiple of P: in the two-rank runs); numpy sizes are taken, as MoE takes them;
-    expert_parallel_groups(0) is refused by name (not a ZeroDivisionError from W % 0)."""
+    expert_parallel_groups(0) is refused by name (not a ZeroDivisionError from W % 0), and so are a float and a bool
+    size, while a numpy integer is taken."""
     import numpy as np
 
     from sonicmoe.expert_parallel import (
@@ -352,6 +353,14 @@ def test_expert_parallel_refuses_bad_setups(tmp_path):
             expert_parallel_experts(x, w1, w2, routing, torch.rand(8), backend="cuda")
         with pytest.raises(ValueError, match=r"ep_size must be a positive divisor of the world size W=1, got 0"):
             expert_parallel_groups(0)
+        # a float or a bool is not a group size (True made groups of one before the ep15_ mutation audit; 1.0 past
+        # the check fails in range() with a TypeError), a numpy integer is, as the layer takes its sizes (refused
+        # before)
+        for bad in (1.0, True):
+            with pytest.raises(ValueError, match=rf"ep_size must be a positive divisor .* got {bad!r}"):
+                expert_parallel_groups(bad)
+        ep_group, dp_group = expert_parallel_groups(np.int64(1))
+        assert dist.get_process_group_ranks(ep_group) == dist.get_process_group_ranks(dp_group) == [0]
     finally:
         dist.destroy_process_group()
 
