@@ -163,6 +163,22 @@ def test_strided_offsets_and_draws(device):
 
 
 @pytest.mark.interpreter
+def test_ranks_routing_strided_ranks(device):
+    """ranks_routing with a rank array that is a transposed view (strides (1, T)): the kernels read it at
+    base + t·E + e, so it is read through a contiguous copy; the same pairs and routing as the twin's on the copy.
+    Several blocks of tokens and of experts (tile (8, 16, 1): 5 and 3, a count array of 3 columns read as 4 with the
+    fourth masked), static and exact."""
+    ranks, offsets, real = _random_ranks(37, 40, 0.3, 11)
+    view = ranks.t().contiguous().to(device).t()
+    assert view.stride() == (1, 37) and torch.equal(view.cpu(), ranks)
+    for r_max in (None, real + 5):
+        got = tr_routing.ranks_routing(view, offsets.to(device), max_pairs=r_max, tile=(8, 16, 1))
+        ref = tr_routing.ranks_routing_ref(ranks.to(device), offsets.to(device), max_pairs=r_max)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        _assert_routing_equal(got[2], ref[2])
+
+
+@pytest.mark.interpreter
 def test_stochastic_round_counts_needs_draws(device):
     """round_counts under "stochastic" without its (E,) draws raises, naming u: the kernel read the counts in their
     place (never padding, where the twin draws them) before the ops audit of session 90."""
