@@ -90,7 +90,9 @@ def test_parameter_dtype_and_init_bounds(dtype):
         bound = 1 / math.sqrt(fan_in)
         wf = w.detach().float()
         assert float(wf.abs().max()) <= bound * (1 + 1e-2)
-        assert float(wf.abs().max()) > bound / 2  # really initialised, not zeros / tiny
+        # really initialised to this bound, not zeros or a smaller one (of d's fan-in where n's is meant): of ≥ 256
+        # uniform draws the largest lies within 10% of the bound but with probability 0.9^256 < 1e-11
+        assert float(wf.abs().max()) > bound * 0.9
         assert float(wf.min()) < -bound / 2 and float(wf.max()) > bound / 2  # both signs: U(-bound, bound)
         assert float(wf.std()) > bound / 4
     # experts are distinct, not one copy
@@ -358,6 +360,30 @@ def test_update_expert_bias():
         plain.update_expert_bias()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_selection_bias_float32_when_built_in_another_dtype(dtype):
+    """A layer built with dtype= (not cast afterwards) makes DeepSeek-V3's e_score_correction_bias float32 all the
+    same, zeros: updates of 1e-3 must not round away (in bf16 1 + 1e-3 is 1)."""
+    m = make(router_order="sigmoid_then_topk", renormalize=True, dtype=dtype)
+    assert m.gate.weight.dtype == dtype
+    b = m.e_score_correction_bias
+    assert b.dtype == torch.float32 and b.shape == (E,) and not b.any()
+
+
+def test_selection_bias_follows_a_move_and_cast_in_one_call():
+    """.to(device, dtype) in one call moves e_score_correction_bias with the parameters and keeps it float32 (the
+    float32 values from before the cast are moved, not left on the old device)."""
+    m = make(router_order="sigmoid_then_topk")
+    moved = m.to("meta", torch.bfloat16)
+    assert moved.gate.weight.device.type == "meta" and moved.gate.weight.dtype == torch.bfloat16
+    b = moved.e_score_correction_bias
+    assert b.device.type == "meta" and b.dtype == torch.float32 and b.shape == (E,)
+    back = make(router_order="sigmoid_then_topk")
+    back.e_score_correction_bias.copy_(torch.linspace(-1e-3, 1e-3, E))
+    want = back.e_score_correction_bias.clone()
+    back.to("cpu", torch.float16)
+    assert back.e_score_correction_bias.device.type == "cpu" and torch.equal(back.e_score_correction_bias, want)
+
 def test_update_expert_bias_counts_past_float16_integers():
     """Counts summed over a step pass 2048 (float16's last exact integer): each is compared with the mean exactly, so
     an expert one token above the mean gets -rate and one token below +rate (float16 counts would round 4097 and
@@ -426,6 +452,24 @@ def test_token_rounding_eval_uses_topk():
     assert rel_err(m(x), module_ref(m, x)[0]) < 1e-6
     assert m.expert_counts.sum().item() == 12 * K
 
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("static", [True, False])
+def test_token_rounding_layer_follows_static_pairs(static, monkeypatch):
+    """In training the layer routes by token_rounding with its config's static_pairs: R_max pairs (the real ones, then
+    padding) with the default True, exactly R = Σ counts with False (the same output either way)."""
+    from sonicmoe import token_rounding as tr_module
+
+    seen, real = [], tr_module.token_rounding
+    monkeypatch.setattr(tr_module, "token_rounding", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    m = make(routing="token_rounding", m_tile=8, rounding="up", static_pairs=static).train()
+    t = 24
+    m(rand_x(t, D, seed=3))
+    (out,) = seen
+    r = int(out.counts.sum())
+    assert int(m.expert_counts.sum()) == r and r % 8 == 0
+    bound = tr_module.max_pairs(t, E, K, 8, "up")
+    assert r < bound and out.num_pairs == (bound if static else r)
 
 def test_deterministic():
     m = make(bias=True)
@@ -514,6 +558,18 @@ def test_losses_with_zero_coefficient_are_not_computed(order):
     # the output does not depend on the losses being computed
     torch.testing.assert_close(off(x), on(x), rtol=0, atol=0)
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_losses_with_zero_coefficient_are_float32_beside_low_precision_experts(dtype):
+    """The zero that stands for an uncomputed loss has the computed losses' dtype, the router logits' float32, also
+    when the experts (and x) are bf16/fp16: a z_loss of 0 beside a computed aux_loss adds to it without a cast."""
+    m = make(aux_loss_coef=0.1, z_loss_coef=0.0, dtype=dtype)
+    y = m(rand_x(13, D, dtype=dtype))
+    assert y.dtype == dtype
+    assert m.aux_loss.dtype == m.z_loss.dtype == torch.float32 and m.z_loss.item() == 0.0
+    off = make(aux_loss_coef=0.0, z_loss_coef=0.0, dtype=dtype)
+    off(rand_x(13, D, dtype=dtype))
+    assert off.aux_loss.dtype == off.z_loss.dtype == torch.float32 and off.aux_loss.grad_fn is None
 
 def test_replaced_config_takes_effect():
     """A config assigned after construction (dataclasses.replace: an aux-loss warm-up from 0, DeepSeek-V3's scaling

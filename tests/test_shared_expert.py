@@ -43,7 +43,7 @@ def shared_ref(m: MoE, x: torch.Tensor) -> torch.Tensor:
     """The shared expert of ``m`` on x (T, d) in float64, from its parameters (either gate/up layout)."""
     xd = x.double()
     h = xd @ m.shared_experts.gate_up_proj[0].double().T
-    y = swiglu_ref(h, m.config.gate_up_layout) @ m.shared_experts.down_proj[0].double().T
+    y = swiglu_ref(h, m.config.gate_up_layout, m.config.activation) @ m.shared_experts.down_proj[0].double().T
     if m.shared_expert_gate is not None:
         y = y * torch.sigmoid(xd @ m.shared_expert_gate.weight.double().T)
     return y
@@ -55,7 +55,7 @@ def layer_ref(m: MoE, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, c.hidden_size)
     routed = moe_ref(x2, m.gate.weight, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias, ex.down_proj_bias,
                      top_k=c.top_k, router_order=c.router_order, renormalize=c.renormalize,
-                     gate_up_layout=c.gate_up_layout)[0]
+                     gate_up_layout=c.gate_up_layout, activation=c.activation)[0]
     return (routed.double() + shared_ref(m, x2)).reshape(x.shape)
 
 
@@ -267,3 +267,21 @@ def test_gpu_bf16_layer_with_shared_expert(gated):
     assert rel_err(y, ref) < 2e-2
     for name, a, b in zip(["x", *params], grads, grads_ref):
         assert rel_err(a, b) < 2e-2, name
+
+
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_shared_expert_takes_the_layers_activation(layout):
+    """activation="clamped_swiglu" (gpt-oss's) applies to the shared expert as to the routed ones: the layer's output
+    and gradients against the float64 reference with that activation in both, with inputs large enough (x·4) that
+    the clamp at 7 and the (up + 1)·σ(1.702·gate) form both differ from plain SwiGLU's."""
+    m = make(seed=3, activation="clamped_swiglu", gate_up_layout=layout, shared_expert_gate=True)
+    with torch.no_grad():
+        m.shared_experts.gate_up_proj.mul_(4.0)
+    x = rand(20, D, seed=4) * 4
+    with torch.no_grad():
+        h = x.double() @ m.shared_experts.gate_up_proj[0].double().T
+        assert float(h.abs().max()) > 7  # the clamp binds
+        plain = swiglu_ref(h, layout) @ m.shared_experts.down_proj[0].double().T
+        gate = torch.sigmoid(x.double() @ m.shared_expert_gate.weight.double().T)
+        assert rel_err(shared_ref(m, x), plain * gate) > 0.1  # the activations really differ here
+    _check_against_ref(m, x, rand(20, D, seed=5), 1e-5)

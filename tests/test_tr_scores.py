@@ -374,6 +374,65 @@ def test_column_major_logits_and_probs_read_by_rows(device, order, renorm):
     assert got[3].abs().sum() > 0
 
 
+
+@pytest.mark.parametrize("order,renorm", ORDERS[:3])
+def test_row_padded_logits_and_probs_read_by_their_row_stride(device, order, renorm):
+    """Logits (and probabilities) that are the first E columns of wider rows (stride(0) = E + 3, stride(1) = 1, as a
+    slice of a padded buffer leaves them) are read in place, by their row stride, while the dense gradient is a new
+    (T, E) tensor of row stride E: the kernels keep the two strides apart. The same scores and gradients, bit for bit,
+    as the contiguous router's. (Under sigmoid_then_topk the kernels read torch.sigmoid's contiguous output, and
+    torch's own sigmoid may round a strided input differently.)"""
+    from sonicmoe.ops.tr_scores import added_pair_source
+    from sonicmoe.routing import RouterOutput
+
+    base, pt, pe = make_case(30, 6, 3, 14, order, renorm, device)
+    cot = torch.randn(pt.shape[0], generator=torch.Generator().manual_seed(14)).to(device)
+
+    def leaves(padded):
+        def leaf(v):
+            v = v.detach().clone()
+            if padded:
+                wide = torch.full((v.shape[0], v.shape[1] + 3), float("nan"), device=device)
+                wide[:, : v.shape[1]] = v
+                v = wide[:, : v.shape[1]]
+            return v.requires_grad_(True)
+
+        return RouterOutput(leaf(base.logits), leaf(base.probs), base.topk_ids, leaf(base.topk_scores),
+                            sigmoid=order == "sigmoid_then_topk")
+
+    want = grads(pair_scores, leaves(False), pt, pe, order, renorm, cot)
+    router = leaves(True)
+    assert router.logits.stride() == router.probs.stride() == (9, 1)
+    got = grads(pair_scores, router, pt, pe, order, renorm, cot)
+    assert got[3].stride() == (6, 1)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert got[3].abs().sum() > 0 and added_pair_source(router, order).shape == (30, 6)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the masked slot's, dropped
+@pytest.mark.parametrize("fn", [pair_scores, pair_scores_ref], ids=["kernel", "twin"])
+def test_added_softmax_scores_at_large_negative_logits_and_odd_k(device, fn):
+    """topk_then_softmax with K = 3 (a power-of-two tile of 4 slots, one of them masked) and logits of about −200:
+    the largest chosen logit, which stabilises the logsumexp, is taken over the K real slots only (a masked slot
+    read as 0 would be the maximum, exp(c − 0) underflow to 0, and every added score be Inf). Added scores within
+    2e-6 (relative) of the float64 value exp(v − logsumexp of the chosen logits)."""
+    g = torch.Generator().manual_seed(17)
+    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)
+    x = torch.randn(48, 16, generator=g) + 10 * u
+    w = (-20 * u + torch.randn(7, 16, generator=g) * 0.3).to(device).requires_grad_(True)
+    router = router_topk(x.to(device), w, 3)
+    assert float(router.logits.detach().max()) < -100
+    pt = torch.arange(48, device=device).repeat_interleave(7)
+    pe = torch.arange(7, device=device).repeat(48)
+    scores, added = fn(router, pt, pe, "topk_then_softmax", False)
+    l64 = router.logits.detach().double()
+    c64 = l64.gather(1, router.topk_ids.long())
+    truth = (l64 - torch.logsumexp(c64, dim=1, keepdim=True))[pt, pe].exp()
+    keep = added & (truth > 1e-6)
+    assert int(keep.sum()) >= 8 and torch.isfinite(scores).all()
+    assert float(((scores.detach().double() - truth).abs() / truth)[keep].max()) < 2e-6
+
 def test_cpu_tensors_without_the_interpreter_are_refused_by_name(monkeypatch):
     """Off the interpreter CPU tensors cannot run the kernels: the error names the tensor an added pair's score is
     read from, router.probs under softmax_then_topk, router.logits otherwise."""
