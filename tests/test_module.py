@@ -384,6 +384,7 @@ def test_selection_bias_follows_a_move_and_cast_in_one_call():
     back.to("cpu", torch.float16)
     assert back.e_score_correction_bias.device.type == "cpu" and torch.equal(back.e_score_correction_bias, want)
 
+
 def test_update_expert_bias_counts_past_float16_integers():
     """Counts summed over a step pass 2048 (float16's last exact integer): each is compared with the mean exactly, so
     an expert one token above the mean gets -rate and one token below +rate (float16 counts would round 4097 and
@@ -470,6 +471,7 @@ def test_token_rounding_layer_follows_static_pairs(static, monkeypatch):
     assert int(m.expert_counts.sum()) == r and r % 8 == 0
     bound = tr_module.max_pairs(t, E, K, 8, "up")
     assert r < bound and out.num_pairs == (bound if static else r)
+
 
 def test_deterministic():
     m = make(bias=True)
@@ -570,6 +572,7 @@ def test_losses_with_zero_coefficient_are_float32_beside_low_precision_experts(d
     off = make(aux_loss_coef=0.0, z_loss_coef=0.0, dtype=dtype)
     off(rand_x(13, D, dtype=dtype))
     assert off.aux_loss.dtype == off.z_loss.dtype == torch.float32 and off.aux_loss.grad_fn is None
+
 
 def test_replaced_config_takes_effect():
     """A config assigned after construction (dataclasses.replace: an aux-loss warm-up from 0, DeepSeek-V3's scaling

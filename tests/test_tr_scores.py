@@ -374,7 +374,6 @@ def test_column_major_logits_and_probs_read_by_rows(device, order, renorm):
     assert got[3].abs().sum() > 0
 
 
-
 @pytest.mark.parametrize("order,renorm", ORDERS[:3])
 def test_row_padded_logits_and_probs_read_by_their_row_stride(device, order, renorm):
     """Logits (and probabilities) that are the first E columns of wider rows (stride(0) = E + 3, stride(1) = 1, as a
@@ -432,6 +431,7 @@ def test_added_softmax_scores_at_large_negative_logits_and_odd_k(device, fn):
     keep = added & (truth > 1e-6)
     assert int(keep.sum()) >= 8 and torch.isfinite(scores).all()
     assert float(((scores.detach().double() - truth).abs() / truth)[keep].max()) < 2e-6
+
 
 def test_cpu_tensors_without_the_interpreter_are_refused_by_name(monkeypatch):
     """Off the interpreter CPU tensors cannot run the kernels: the error names the tensor an added pair's score is
