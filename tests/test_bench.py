@@ -1795,36 +1795,34 @@ def test_router_variant_backward_reaches_the_router_weight():
     assert p.pair_scores.grad is None and torch.allclose(p.router_weight.grad, want, rtol=1e-6, atol=1e-7)
 
 
+def _checked_twice_alike(case, dout, leaves):
+    """``case``'s leaves are exactly ``leaves``; check_case on it twice in a row passes both times with the same
+    errors and leaves no gradient behind."""
+    from sonicmoe.bench.measure import check_case
+
+    assert {id(t) for t in case.leaves} == {id(t) for t in leaves}
+    first = check_case(case, dout, grads=True, tol=1e-5)
+    second = check_case(case, dout, grads=True, tol=1e-5)
+    assert first["passed"] and second["passed"], (first, second)
+    assert second["errors"] == pytest.approx(first["errors"], rel=1e-6, abs=1e-9)
+    assert all(t.grad is None for t in case.leaves)
+
+
 def test_upper_bound_check_twice_and_its_info():
     """check_case on the upper bound twice in a row passes both times with the same errors (its scores S_up are a
     leaf, cleared with the others); its info records m, K' and the E·m rows it computes (the ratio's row count)."""
-    from sonicmoe.bench.measure import check_case
-
     p = make_problem(Shape("t3", 50, 16, 8, 3, 2), dtype=torch.float32, device="cpu", seed=4)
     up = UpperBoundCase(p)
     assert up.info == {"rows_per_expert": 34, "K_up": 2, "rows": 102}
-    assert {id(t) for t in up.leaves} == {id(t) for t in (up.x_up, p.w1, p.w2, up.s_up)}
-    first = check_case(up, p.dout, grads=True, tol=1e-5)
-    second = check_case(up, p.dout, grads=True, tol=1e-5)
-    assert first["passed"] and second["passed"], (first, second)
-    assert second["errors"] == pytest.approx(first["errors"], rel=1e-6, abs=1e-9)
-    assert all(t.grad is None for t in up.leaves)
+    _checked_twice_alike(up, p.dout, (up.x_up, p.w1, p.w2, up.s_up))
 
 
 def test_check_case_twice_starts_from_no_gradients():
     """check_case on the same case twice in a row passes both times with the same errors: every leaf whose
     gradient is compared (the scores' too) is cleared before and after, so the second backward does not add to the
     first's."""
-    from sonicmoe.bench.measure import check_case
-
     p = make_problem(Shape("t", 40, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=9)
-    case = ExpertsCase("loop", p, baselines.experts_loop)
-    assert {id(t) for t in case.leaves} == {id(t) for t in (p.x, p.w1, p.w2, p.pair_scores)}
-    first = check_case(case, p.dout, grads=True, tol=1e-5)
-    second = check_case(case, p.dout, grads=True, tol=1e-5)
-    assert first["passed"] and second["passed"], (first, second)
-    assert second["errors"] == pytest.approx(first["errors"], rel=1e-6, abs=1e-9)
-    assert all(t.grad is None for t in case.leaves)
+    _checked_twice_alike(ExpertsCase("loop", p, baselines.experts_loop), p.dout, (p.x, p.w1, p.w2, p.pair_scores))
 
 
 def test_markdown_never_shows_torch_as_ours(tmp_path, capsys):

@@ -282,26 +282,36 @@ def test_gpu_fused_router_grad_benchmark_size(order, renorm):
     check_fused_router_grad(16384, 512, 8, 0, order, renorm, "cuda")
 
 
+def _added_scores_at_shared_direction(fn, device, seed, T, E, K, scale):
+    """topk_then_softmax pair scores of every (token, expert) pair of T tokens whose logits share one direction, so
+    that they sit near ``scale``·10 and differ by O(1) between the E experts (K chosen). Returns the router, the pairs,
+    the scores, the float64 logits and chosen logits, the float64 truth exp(v − logsumexp of the chosen logits) and
+    the added pairs whose truth is above 1e-6 (the scores that matter; the smallest underflow alike in float32), at
+    least 8 of them."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)  # the direction every row shares
+    x = torch.randn(T, 16, generator=g) + 10 * u
+    w = (scale * u + torch.randn(E, 16, generator=g) * 0.3).to(device).requires_grad_(True)
+    router = router_topk(x.to(device), w, K)
+    pt = torch.arange(T, device=device).repeat_interleave(E)
+    pe = torch.arange(E, device=device).repeat(T)
+    scores, added = fn(router, pt, pe, "topk_then_softmax", False)
+    l64 = router.logits.detach().double()
+    c64 = l64.gather(1, router.topk_ids.long())
+    truth = (l64 - torch.logsumexp(c64, dim=1, keepdim=True))[pt, pe].exp()
+    keep = added & (truth > 1e-6)
+    assert int(keep.sum()) >= 8
+    return router, pt, pe, scores, l64, c64, truth, keep
+
+
 @pytest.mark.parametrize("fn", [pair_scores, pair_scores_ref], ids=["kernel", "twin"])
 def test_added_softmax_scores_stay_accurate_at_large_logits(device, fn):
     """topk_then_softmax's added pairs, S = exp(v − logsumexp of the chosen logits), with logits of ~200: within
     2e-6 (relative) of the float64 value, as the reference's exp(v − mx) / Σ exp(c − mx), and their gradients within
     1e-5. Before session 79 the kernel and the twin subtracted a float32 logsumexp of magnitude ~200, whose rounding
     (ε·200) put 3.4e-6 into a score of 0.16 (found by test_hypothesis_fast_equals_ref, scale 30), 7.6e-6 here."""
-    g = torch.Generator().manual_seed(7)
-    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)  # a direction every row shares: logits
-    x = torch.randn(64, 16, generator=g) + 10 * u  # of ~200 that differ by O(1) between the experts
-    w = (20 * u + torch.randn(6, 16, generator=g) * 0.3).to(device).requires_grad_(True)
-    router = router_topk(x.to(device), w, 2)
+    router, pt, pe, scores, l64, c64, truth, keep = _added_scores_at_shared_direction(fn, device, 7, 64, 6, 2, 20.0)
     assert float(router.logits.detach().abs().min()) > 100
-    pt = torch.arange(64, device=device).repeat_interleave(6)
-    pe = torch.arange(6, device=device).repeat(64)
-    scores, added = fn(router, pt, pe, "topk_then_softmax", False)
-    l64 = router.logits.detach().double()
-    c64 = l64.gather(1, router.topk_ids.long())
-    truth = (l64 - torch.logsumexp(c64, dim=1, keepdim=True))[pt, pe].exp()
-    keep = added & (truth > 1e-6)  # the scores that matter; the smallest underflow alike in float32
-    assert int(keep.sum()) >= 8
     assert float(((scores.detach().double() - truth).abs() / truth)[keep].max()) < 2e-6  # seen: 5.9e-7, 7.6e-6 before
     (d_logits,) = torch.autograd.grad((scores * keep).sum(), router.logits)
     truth_grad = torch.zeros_like(l64)  # d/dv of Σ_kept S = Σ S on v; on the chosen logits −Σ S · softmax(chosen)
@@ -416,20 +426,9 @@ def test_added_softmax_scores_at_large_negative_logits_and_odd_k(device, fn):
     the largest chosen logit, which stabilises the logsumexp, is taken over the K real slots only (a masked slot
     read as 0 would be the maximum, exp(c − 0) underflow to 0, and every added score be Inf). Added scores within
     2e-6 (relative) of the float64 value exp(v − logsumexp of the chosen logits)."""
-    g = torch.Generator().manual_seed(17)
-    u = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)
-    x = torch.randn(48, 16, generator=g) + 10 * u
-    w = (-20 * u + torch.randn(7, 16, generator=g) * 0.3).to(device).requires_grad_(True)
-    router = router_topk(x.to(device), w, 3)
+    router, _, _, scores, _, _, truth, keep = _added_scores_at_shared_direction(fn, device, 17, 48, 7, 3, -20.0)
     assert float(router.logits.detach().max()) < -100
-    pt = torch.arange(48, device=device).repeat_interleave(7)
-    pe = torch.arange(7, device=device).repeat(48)
-    scores, added = fn(router, pt, pe, "topk_then_softmax", False)
-    l64 = router.logits.detach().double()
-    c64 = l64.gather(1, router.topk_ids.long())
-    truth = (l64 - torch.logsumexp(c64, dim=1, keepdim=True))[pt, pe].exp()
-    keep = added & (truth > 1e-6)
-    assert int(keep.sum()) >= 8 and torch.isfinite(scores).all()
+    assert torch.isfinite(scores).all()
     assert float(((scores.detach().double() - truth).abs() / truth)[keep].max()) < 2e-6
 
 

@@ -845,6 +845,21 @@ def _summary_log(**extra) -> dict:
             "kind": "cpu"}, "expert_load": expert_load_summary([[1, 1]]), "first_nonfinite_step": None, **extra}
 
 
+def _cli_with_train_stubbed(monkeypatch, tmp_path, logs):
+    """Stub ``cli.train`` (no model is built): each call is recorded in the returned list as (cfg, checkpoint) and
+    returns ``logs[0]`` (a caller may swap it). Runs from ``tmp_path`` with RANK and WORLD_SIZE unset; returns that
+    list and a corpus of 20000 random printable bytes."""
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda cfg, checkpoint, corpus: seen.append((cfg, checkpoint)) or logs[0])
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    corpus = tmp_path / "corpus.txt"
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    corpus.write_bytes(bytes(torch.randint(32, 127, (20000,), generator=g).tolist()))
+    return seen, corpus
+
+
 def test_cli_builds_the_run_it_passes_to_train(tmp_path, monkeypatch, capsys):
     """What ``sonicmoe train`` hands train() (stubbed: no model is built): on the CPU the cpu-tiny preset, --out
     runs/cpu-tiny-<date>-<time> (made), a progress bar unless --no-progress; the summary from rank 0 only, exit 1
@@ -856,14 +871,8 @@ def test_cli_builds_the_run_it_passes_to_train(tmp_path, monkeypatch, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("the default preset is h100 where a GPU is visible")
-    seen, logs = [], [_summary_log()]
-    monkeypatch.setattr(cli, "train", lambda cfg, checkpoint, corpus: seen.append((cfg, checkpoint)) or logs[0])
-    monkeypatch.chdir(tmp_path)
-    for name in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    corpus = tmp_path / "corpus.txt"
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    corpus.write_bytes(bytes(torch.randint(32, 127, (20000,), generator=g).tolist()))
+    logs = [_summary_log()]
+    seen, corpus = _cli_with_train_stubbed(monkeypatch, tmp_path, logs)
     small = ["--data", str(corpus)]
     assert cli.main(small) == 0
     cfg, checkpoint = seen.pop()
@@ -921,20 +930,13 @@ def test_cli_builds_every_option_into_the_run_and_guards_its_resume(tmp_path, mo
     checkpoint's."""
     if torch.cuda.is_available():
         pytest.skip("the default preset is h100 where a GPU is visible")
-    seen = []
-    monkeypatch.setattr(cli, "train", lambda cfg, checkpoint, corpus: seen.append(cfg) or _summary_log())
-    monkeypatch.chdir(tmp_path)
-    for name in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    corpus = tmp_path / "corpus.txt"
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
-    corpus.write_bytes(bytes(torch.randint(32, 127, (20000,), generator=g).tolist()))
+    seen, corpus = _cli_with_train_stubbed(monkeypatch, tmp_path, [_summary_log()])
     dests = {a.dest for a in cli.build_parser()._actions} - {"help", "preset", "out", "resume", "no_progress"}
     assert dests == set(cli._OVERRIDES)
     small = ["--data", str(corpus), "--no-progress"]
     assert cli.main([*small, "--out", str(tmp_path / "a"), "--z-loss-coef", "0.25", "--grad-clip", "0.5",
                      "--val-fraction", "0.125", "--m-tile", "64"]) == 0
-    cfg = seen.pop()
+    cfg = seen.pop()[0]
     assert (cfg.z_loss_coef, cfg.grad_clip, cfg.val_fraction, cfg.m_tile) == (0.25, 0.5, 0.125, 64)
     assert "note: --m-tile apply to --routing token_rounding only; this run routes by topk" in capsys.readouterr().err
     missing, empty = tmp_path / "missing", tmp_path / "empty"
@@ -952,9 +954,9 @@ def test_cli_builds_every_option_into_the_run_and_guards_its_resume(tmp_path, mo
     fake = {"config": saved, "step": 2}
     monkeypatch.setattr(cli, "load_checkpoint", lambda path: fake)
     assert cli.main(["--resume", str(ckpt)]) == 0
-    assert seen.pop().renormalize is True
+    assert seen.pop()[0].renormalize is True
     assert cli.main(["--resume", str(ckpt), "--no-renormalize"]) == 0
-    assert seen.pop().renormalize is False
+    assert seen.pop()[0].renormalize is False
     for flag, value in (("--d-model", 2 * saved["d_model"]), ("--experts", 2 * saved["experts"]),
                         ("--expert-size", 2 * saved["expert_size"]), ("--expert-bias", None)):
         name = flag[2:].replace("-", "_")
