@@ -37,6 +37,14 @@ from .ops.router_logits import bf16_gemm_applies, router_logits, router_logits_r
 INDEX_DTYPE = torch.int32
 
 
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """True for torch's integer dtypes (int8 to int64, the unsigned ones); False for floating-point, complex and bool.
+
+    The one test behind every "must be an integer tensor" TypeError of routing indices (pairs, ``topk_ids``).
+    """
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 @dataclasses.dataclass
 class Routing:
     """Routing metadata of R pairs over T tokens and E experts (all int32, on the input's device).
@@ -171,7 +179,7 @@ def routing_from_pairs(
     for name, idx in (("pair_token", pair_token), ("pair_expert", pair_expert)):
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(idx).__name__}")
-        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        if not is_integer_dtype(idx.dtype):
             raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {idx.dtype}")
     if pair_token.dim() != 1 or pair_expert.shape != pair_token.shape:
         raise ValueError(
@@ -302,7 +310,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, check: bool = False
     if topk_ids.dim() != 2:
         raise ValueError(f"{name} must have shape (T, K), got {tuple(topk_ids.shape)}")
     check_size("num_experts", num_experts, 1)
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+    if not is_integer_dtype(topk_ids.dtype):
         raise TypeError(f"{name} must be an integer tensor (int32 or int64), got {topk_ids.dtype}")
     check_flag("check", check)
     if check and topk_ids.numel():  # synchronises
@@ -346,7 +354,7 @@ def check_pairs(pair_token: torch.Tensor, pair_expert: torch.Tensor, num_tokens:
         ("pair_token", pair_token, num_tokens, "T"),
         ("pair_expert", pair_expert, num_experts, "E"),
     ):
-        if idx.dtype == torch.bool or idx.dtype.is_floating_point or idx.dtype.is_complex:
+        if not is_integer_dtype(idx.dtype):
             raise TypeError(f"{name} must be an integer tensor, got {idx.dtype}")
         check_index_range(name, idx, hi, letter)
 

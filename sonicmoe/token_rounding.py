@@ -99,7 +99,7 @@ import torch
 
 from ._device import on_device
 from .config import ROUNDING_SUBROUTINES, ROUTER_ORDERS, check_flag, check_m_tile
-from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size, check_topk_ids
+from .routing import INDEX_DTYPE, RouterOutput, Routing, check_size, check_topk_ids, is_integer_dtype
 
 
 def warn_if_few_tokens(tokens_per_expert: float, m_tile: int) -> None:
@@ -211,8 +211,7 @@ def _check_args(router: RouterOutput, m_tile: int, subroutine: str, router_order
             continue
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"router.{name} must be a tensor, got {type(v).__name__}")
-        integer = not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)
-        if not (integer if name == "topk_ids" else v.dtype.is_floating_point):
+        if not (is_integer_dtype(v.dtype) if name == "topk_ids" else v.dtype.is_floating_point):
             kind = "an integer" if name == "topk_ids" else "a floating-point"
             raise TypeError(f"router.{name} must be {kind} tensor, got {v.dtype}")
         if v.device != logits.device:

@@ -17,6 +17,7 @@ from sonicmoe.routing import (
     INDEX_DTYPE,
     Routing,
     check_pairs,
+    is_integer_dtype,
     load_balancing_loss,
     router_topk,
     routing_from_pairs,
@@ -397,6 +398,26 @@ def test_check_takes_narrow_and_unsigned_ids(dtype):
     bad[3] = 4
     with pytest.raises(ValueError, match=r"pair_expert must lie in \[0, E=4\), got values in \[0, 4\]"):
         routing_from_pairs(tok.to(dtype), bad.to(dtype), 9, 4, check=True)
+
+
+INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                  torch.uint64)
+NON_INTEGER_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                      torch.float8_e5m2, torch.complex64, torch.complex128)
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES + NON_INTEGER_DTYPES)
+def test_is_integer_dtype_over_every_dtype(dtype):
+    """The one predicate behind the index TypeErrors: every signed and unsigned integer dtype is one; bool,
+    floating-point (float8 included) and complex are not, and a pair index of that dtype is refused by name."""
+    want = dtype in INTEGER_DTYPES
+    assert is_integer_dtype(dtype) is want
+    idx = torch.tensor([0, 1, 1]).to(dtype)
+    if want:
+        assert routing_from_pairs(idx, idx, 2, 2).expert_offsets.tolist() == [0, 1, 3]
+    else:
+        with pytest.raises(TypeError, match=rf"pair_token must be an integer tensor .*got {dtype}"):
+            routing_from_pairs(idx, idx, 2, 2)
 
 
 def test_routing_does_not_mutate_inputs():

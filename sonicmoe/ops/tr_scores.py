@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..routing import take_chosen
+from ..routing import is_integer_dtype, take_chosen
 from .common import cdiv, check_device, interpreting, kernel_backward, new_output, next_pow2
 from .fast_launch import launch_kernel
 
@@ -247,7 +247,7 @@ def _check(pair_token: torch.Tensor, pair_expert: torch.Tensor) -> None:
         raise ValueError(f"pair_token and pair_expert must both be (R,), got {tuple(pair_token.shape)} and "
                          f"{tuple(pair_expert.shape)}")
     for name, x in (("pair_token", pair_token), ("pair_expert", pair_expert)):
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        if not is_integer_dtype(x.dtype):
             raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
 
 
