@@ -5264,10 +5264,10 @@ MUTANTS: list[Mutant] = [
     _m("sh16_cli_plot_from_out_dropped", BCL, "plot_from_file(args.plot_from, args.out) else 1",
        "plot_from_file(args.plot_from, None) else 1", TB, "-k", "plot_from"),
     _m("sh16_cli_list_all_rows", BCL, 'for s in PRESETS[k] if k != "all" else []', "for s in PRESETS[k]",
-       TB, "-k", "list_shows_each_preset_shape_once"),
+       TB, "-k", "list_shows_each_preset_with_its_shapes"),
     _m("sh16_cli_list_installed_inverted", BCL, '(" [installed]" if library_installed(name) else " [not installed]")',
        '(" [not installed]" if library_installed(name) else " [installed]")',
-       TB, "-k", "list_shows_each_preset_shape_once"),
+       TB, "-k", "list_shows_each_preset_with_its_shapes"),
     _m("sh16_cli_shapes_before_presets", BCL, "    shapes += [parse_shape(s) for s in args.shape]\n",
        "    shapes[:0] = [parse_shape(s) for s in args.shape]\n", TB, "-k", "plots_only_without_no_plot"),
     # --- mutation audit ep15_: expert parallelism's plan, exchanges and layer (sonicmoe/expert_parallel.py), token

@@ -2482,7 +2482,7 @@ def test_bench_cli_plots_only_without_no_plot_and_runs_presets_before_shapes(tmp
     capsys.readouterr()
 
 
-def test_bench_list_shows_each_preset_shape_once_and_which_libraries_are_installed(monkeypatch, capsys):
+def test_bench_list_shows_each_preset_with_its_shapes_and_which_libraries_are_installed(monkeypatch, capsys):
     """--list prints each preset's shapes under it, ``all`` without repeating them; a competitor library is marked
     [installed] exactly when it can be found."""
     libraries = [n for n, spec in REGISTRY.items() if spec.kind == "library"]
