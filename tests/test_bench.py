@@ -3413,3 +3413,142 @@ def test_load_profile_warns_only_when_the_router_misses_the_target(tmp_path, mon
     assert [s for s in said if "warning" in s] == [
         f"  warning: the router reached a busiest expert of {got:.2f}x the mean, not the profile's 2.00x (too few "
         "tokens per expert to calibrate?)"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the runner's logs, an empty check, the plots' axes and the terminal table's ratios (mutation probe: br18_*)
+
+
+def test_oom_row_logs_no_traceback_and_an_error_row_does(monkeypatch):
+    """run_backend with verbose: an error row logs its one line and then the traceback's last lines; an out-of-memory
+    row logs its one line only (the traceback of an allocation says nothing the message does not)."""
+    from sonicmoe.bench import runner
+
+    p = make_problem(Shape("e", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=1)
+    opts = runner.RunOptions(backends=["bad"], device=torch.device("cpu"), dtype=torch.float32, verbose=True)
+    for exc, status in ((MemoryError, "OOM"), (RuntimeError, "ERROR")):
+
+        def factory(problem, options, exc=exc):
+            raise exc("no room")
+
+        monkeypatch.setitem(REGISTRY, "bad", BaselineSpec("bad", factory, "t", default=False))
+        said = []
+        runner.run_backend("bad", p, opts, useful_flops(p.R, 8, 8), said.append)
+        assert said[0] == f"  bad: {status} during setup: {exc.__name__}: no room"
+        if exc is MemoryError:
+            assert said == said[:1]
+        else:
+            assert len(said) == 2 and said[1].endswith("RuntimeError: no room") and "in factory" in said[1]
+
+
+def test_no_pair_hint_names_an_m_tile_of_at_least_one():
+    """A token-rounding shape with fewer routed pairs than experts (T·K/E = 4·1/8 = 0.5) routes no pair at M_tile =
+    128; the skip's hint names --m-tile <= 1 (T·K // E = 0 would name no usable M_tile)."""
+    from sonicmoe.bench import runner
+
+    opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32, verbose=False)
+    with pytest.warns(UserWarning, match="mean tokens per expert"):
+        rec = runner.run_shape(Shape("few", 4, 8, 8, 8, 1), "token_rounding", opts, lambda s: None)
+    assert rec["status"] == "skipped" and rec["TK"] == 0 and rec["backends"] == {}
+    assert rec["message"] == ("token_rounding routed no (token, expert) pair: T·K/E = 0.5 mean tokens per expert "
+                              "rounded to multiples of M_tile=128 gives none; nothing to check or time "
+                              "(use --m-tile <= 1 or a larger T)")
+
+
+def test_quiet_run_prints_nothing(monkeypatch, capsys):
+    """run(log=None): no progress line, no per-shape message, on stdout or stderr (tqdm's bar is off where stderr is
+    not a terminal, and its write is not used)."""
+    from sonicmoe.bench import runner
+
+    def shape_run(shape, mode, opts, log):
+        log(f"  {shape.name}: ok")
+        return {"name": shape.name, "routing": mode, "status": "ok"}
+
+    monkeypatch.setattr(runner, "run_shape", shape_run)
+    monkeypatch.setattr(runner, "load_token_rounding", lambda: None)
+    opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32)
+    out = runner.run([Shape("a", 16, 8, 8, 2, 1), Shape("b", 32, 8, 8, 2, 1)], opts, None)
+    assert [r["name"] for r in out] == ["a", "b"]
+    assert capsys.readouterr() == ("", "")
+    runner.run([Shape("a", 16, 8, 8, 2, 1)], opts, print)  # the same run with a log prints its lines
+    assert "  a: ok" in capsys.readouterr().out
+
+
+def test_check_of_an_empty_problem_passes():
+    """check_case on a problem of no token (O of shape (0, d)): no pair, nothing to be wrong, a pass; the no-pair
+    rule fails only a check on T > 0 rows (test_check_on_no_routed_pair_fails)."""
+    from sonicmoe.bench.measure import check_case
+    from sonicmoe.routing import routing_from_pairs
+
+    p = make_problem(Shape("e", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=3)
+    none = torch.zeros(0, dtype=p.pair_token.dtype)
+    p0 = dataclasses.replace(p, x=p.x.detach()[:0].clone().requires_grad_(True), pair_token=none,
+                             pair_expert=none.clone(), routing=routing_from_pairs(none, none, 0, 2),
+                             pair_scores=p.pair_scores.detach()[:0].clone().requires_grad_(True),
+                             dout=p.dout[:0].clone(), topk_ids=None)
+    res = check_case(REGISTRY["torch"].factory(p0, {}), p0.dout, grads=True, tol=2e-3, poison=False)
+    assert res["pairs"] == 0 and res["passed"] is True
+    assert all(v == 0.0 for v in res["errors"].values())
+
+
+def test_plots_use_log2_axes_centred_speedup_ticks_and_spec_only_beside_timings(saved_figures):
+    """G and E axes are logarithmic in base 2 (the sweeps double them); the speed-up chart puts record i's tick at x
+    = i, the centre of its bars; the memory chart draws SPEC's line only on panels that drew a measured line (a
+    group whose rows hold no memory gets none)."""
+    from sonicmoe.bench import plots
+
+    figs = saved_figures
+    plt = plots._setup()
+    doc = {"env": {}, "date": "2026-01-02"}
+    vals = iter((torch.rand(64, dtype=torch.float64) + 0.5).tolist())
+
+    def row(memory=True):
+        return {"status": "ok", "fwd": {"tflops": next(vals), "ms": {"p50": next(vals)}},
+                "total": {"tflops": next(vals), "ms": {"p50": next(vals)}},
+                "memory": {"held_bytes": 1 << 30, "peak_bytes": 3 << 30} if memory else None}
+
+    def rec(group, G, memory=True):
+        return {"group": group, "routing": "topk", "T": 64, "d": 64, "n": 64 // G, "G": float(G), "TK": 128,
+                "dtype": "bfloat16", "backends": {"triton": row(memory)}}
+
+    groups = {"none": [rec("none", G, memory=False) for G in (1, 2)], "some": [rec("some", G) for G in (1, 2)]}
+    assert plots._plot_granularity(plt, doc, groups, ["triton"], "g.png") == "g.png"
+    assert plots._plot_memory(plt, doc, groups, ["triton"], "m.png") == "m.png"
+    tr = [{"group": "tr", "routing": mode, "T": 512, "E": E, "backends": {"triton": row()}}
+          for E in (64, 128) for mode in ("topk", "token_rounding")]
+    assert plots._plot_token_rounding(plt, doc, tr, "t.png") == "t.png"
+    assert len(figs) == 3
+    for fig in figs:
+        for ax in fig.axes:
+            assert ax.get_xscale() == "log" and ax.xaxis.get_transform().base == 2
+    none_ax, some_ax = figs[1].axes
+    assert len(none_ax.lines) == 0
+    assert [ln.get_label() for ln in some_ax.lines] == ["triton held", "triton peak",
+                                                         "4TKn (SPEC §3 less the input X)"]
+    speed = [{"name": f"s{i}", "ratio_base": "triton", "ratios": {"torch": {"fwd": next(vals)}, "upper": {
+        "fwd": next(vals)}}} for i in range(3)]
+    assert plots._plot_speedup(plt, doc, speed, "s.png") == "s.png"
+    (ax,) = figs[-1].axes
+    assert list(ax.get_xticks()) == [0, 1, 2]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["s0", "s1", "s2"]
+    centres = sorted(b.get_x() + b.get_width() / 2 for b in ax.patches)
+    assert [round((a + b) / 2, 9) for a, b in zip(centres[::2], centres[1::2])] == [0, 1, 2]
+
+
+def test_terminal_table_ratio_columns_read_fwd_and_total():
+    """The terminal table's base/this columns: the forward's ratio and the forward+backward's (not the backward's),
+    "base" on the base's row and "-" where a backend has no ratio (a skipped row)."""
+    doc = _synthetic_doc()
+    rec = doc["results"][0]
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    r = (torch.rand(6, generator=g, dtype=torch.float64) * 3 + 0.1).tolist()
+    r[1], r[4] = r[2] + 1.0, r[5] + 1.0  # backward ratios that never print as the totals do
+    rec["ratios"] = {"torch": {"fwd": r[0], "bwd": r[1], "total": r[2]}, "upper": {"fwd": r[3], "bwd": r[4],
+                                                                                 "total": r[5]}}
+    rows = {ln.split()[2]: ln.split() for ln in report.terminal_table(doc).splitlines()
+            if ln.startswith(rec["name"] + " ")}
+    f, fb = 12, 13  # "base/this f", "base/this f+b" (every cell before them one word here)
+    assert (rows["triton"][f], rows["triton"][fb]) == ("base", "base")
+    assert (rows["torch"][f], rows["torch"][fb]) == (format(r[0], ".3g"), format(r[2], ".3g"))
+    assert (rows["upper"][f], rows["upper"][fb]) == (format(r[3], ".3g"), format(r[5], ".3g"))
+    assert (rows["loop"][f], rows["loop"][fb]) == ("-", "-")
