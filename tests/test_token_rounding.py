@@ -262,6 +262,30 @@ def test_added_scores_follow_router_order():
         assert (out.pair_scores[sel].detach() <= router.topk_scores.detach().min(1).values[tok] + 1e-6).all()
 
 
+def test_sigmoid_renormalized_added_scores_keep_the_eps():
+    """sigmoid_then_topk with renormalize divides by Σ chosen sigmoids + 1e-20 (the router's own formula), added pairs
+    too: with every logit near -70 (sigmoids ~4e-31) the 1e-20 dominates the sum, so an added pair's score is ~1e-10
+    times its sigmoid's ratio, not O(1). Every path against a float64 evaluation of the formula."""
+    g = torch.Generator().manual_seed(2)
+    t, e, k = 16, 4, 1
+    x = torch.cat([torch.ones(t, 1), torch.randn(t, 7, generator=g)], 1)
+    w = torch.cat([torch.full((e, 1), -70.0), 0.3 * torch.randn(e, 7, generator=g)], 1)
+    router = router_topk(x, w, k, router_order="sigmoid_then_topk", renormalize=True)
+    sig = torch.sigmoid(router.logits.detach().double())
+    assert float(sig.max()) < 1e-28
+    want = sig / (sig.gather(1, router.topk_ids).sum(1, keepdim=True) + 1e-20)
+    kw = dict(m_tile=8, subroutine="up", router_order="sigmoid_then_topk", renormalize=True, warn=False)
+    for fn, extra in ((token_rounding, {"use_kernel": False}), (token_rounding, {"use_kernel": True}),
+                      (token_rounding_ref, {})):
+        out = fn(router, **kw, **extra)
+        added = out.pair_added
+        assert int(added.sum()) > 0, fn
+        got = out.pair_scores.detach()[added].double()
+        torch.testing.assert_close(got, want[out.pair_token[added].long(), out.pair_expert[added].long()], rtol=1e-5,
+                                   atol=0)
+        assert float(got.max()) < 1e-8, (fn, extra)
+
+
 def test_sigmoid_order_never_computes_the_softmax_probs():
     """Under sigmoid_then_topk token rounding ranks and scores by the sigmoids: the router's (T, E) probs (the balance
     loss's input, computed on first access) stay uncomputed, on the kernel path (interpreter) and the torch path."""
@@ -391,7 +415,7 @@ def test_warns_below_two_tiles():
     router, _ = make_router(64, 8, 2, seed=0)  # T·K/E = 16 tokens per expert
     with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert < 2·M_tile=32: ") as rec:
         token_rounding(router, m_tile=16)
-    with pytest.warns(UserWarning, match="token rounding") as rec_ref:
+    with pytest.warns(UserWarning, match="token rounding with 16 mean tokens per expert < 2·M_tile=32: ") as rec_ref:
         token_rounding_ref(router, m_tile=16)
     assert [w.filename for w in (*rec, *rec_ref)] == [__file__, __file__]
     with warnings.catch_warnings():

@@ -103,7 +103,10 @@ def test_select_in_loads_far_shorter_than_the_row(device):
     assert torch.equal(want != 0, expect) and int(want.max()) > 8
     # held: over the lists of the rounded-down experts, and over whole rows; streamed (16 thresholds a pass)
     for kw in ({"resident": True, "compact": 64}, {"resident": True, "compact": 0}, {"resident": False, "fanout": 16}):
-        assert torch.equal(select_routed(*args, tile=(8, 1), rank=True, **kw).cpu(), want), kw
+        got = select_routed(*args, tile=(8, 1), rank=True, **kw)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), kw  # (torch.equal ignores the dtype)
+    # ranks are int32 (ranks_routing's input, 4 bytes a pair of the (T, E) array), the plain mask bool
+    assert want.dtype == torch.int32 and select_routed(*args).dtype == select_routed_ref(*args).dtype == torch.bool
 
 
 @pytest.mark.parametrize("subroutine", ["up", "down", "nearest"])
@@ -126,6 +129,31 @@ def test_select_on_router_keys(device, subroutine):
     assert bool(down.any()) == (subroutine != "up")
     for compact in (0, 256, 512):  # the listed search for none, some and all of the rounded-down experts
         assert torch.equal(select_routed(*args, rank=True, compact=compact).cpu(), expect), compact
+
+
+@pytest.mark.parametrize("seed,values", [(0, 2), (1, 2), (2, 3)])
+def test_select_adjacent_key_values(device, seed, values):
+    """Keys of two or three adjacent values (the keys of floats one ulp apart), with ties at each expert's cut: the
+    search narrows the range down to the single value of the n-th largest key (a range of two values left unsplit
+    takes every key of the upper one), held at every fanout, over the lists, and streamed, equal to the oracle."""
+    g = torch.Generator().manual_seed(seed)
+    e, t = 8, 24
+    base = int(torch.randint(NO_KEY + 1, 2**31 - values, (1,), generator=g))
+    keys = base + torch.randint(0, values, (e, t), generator=g)
+    chosen = torch.rand(e, t, generator=g) < 0.5
+    prob_key = torch.where(chosen, NO_KEY, keys).to(torch.int32)
+    score_key = torch.where(chosen, keys, NO_KEY).to(torch.int32)
+    f = chosen.sum(1)
+    # experts 0-3 rounded down (keep in [1, f)), 4-7 rounded up (keep in (f, T))
+    part = torch.rand(e, generator=g)
+    keep = torch.where(torch.arange(e) < 4, 1 + (part * (f - 1)).long(), f + 1 + (part * (t - f - 1)).long())
+    assert bool((keep[:4] < f[:4]).all() and (keep[4:] > f[4:]).all() and (keep[4:] < t).all()), (f, keep)
+    expect = oracle(prob_key, score_key, keep)
+    args = [x.to(device) for x in (prob_key, score_key, f, keep)]
+    assert torch.equal(select_routed_ref(*args).cpu(), expect)
+    for fanout in (2, 4, 8):
+        for kw in ({"resident": True, "compact": 0}, {"resident": True, "compact": 32}, {"resident": False}):
+            assert torch.equal(select_routed(*args, fanout=fanout, **kw).cpu(), expect), (fanout, kw)
 
 
 def test_extreme_keys(device):
@@ -226,8 +254,9 @@ def test_bad_arguments():
     long_keys = torch.zeros(1, RESIDENT_MAX_T + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="resident"):
         select_routed(long_keys, long_keys, z[:1], z[:1], resident=True)
-    with pytest.raises(ValueError, match="compact"):
-        select_routed(keys, keys, z, z, compact=3)
+    for compact in (3, True):  # True is an int 1, a power of two: refused as fanout's True is
+        with pytest.raises(ValueError, match=f"compact must be 0 or a power of two, got {compact!r}"):
+            select_routed(keys, keys, z, z, compact=compact)
     with pytest.raises(ValueError, match="topk_ids"):
         candidate_keys_ref(torch.zeros(5, 3), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
     # keys that are not contiguous, and float counts, are refused by the kernel's launcher and by its twin alike
@@ -303,6 +332,32 @@ def test_use_select_kernels(monkeypatch):
     assert [use_select_kernels(cuda, u) for u in (None, True, False)] == [True, True, False]
     monkeypatch.setattr(tr_select, "interpreting", lambda: False)
     assert [use_select_kernels(cpu, u) for u in (None, True, False)] == [False, False, False]
+
+
+def test_token_rounding_use_kernel_picks_the_path(monkeypatch):
+    """token_rounding's use_kernel reaches both choices: True (on CPU, under the interpreter) selects with the kernels
+    of this module and scores with tr_scores' kernel; False and None (the CPU default) take their torch twins. The
+    paths give the same pairs, so only the calls tell them apart."""
+    from sonicmoe.ops import tr_scores
+
+    calls = []
+
+    def spy(module, name):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(name) or fn(*a, **kw))
+
+    for name in ("candidate_keys", "candidate_keys_ref", "select_routed", "select_routed_ref"):
+        spy(tr_select, name)
+    for name in ("pair_scores", "pair_scores_ref"):
+        spy(tr_scores, name)
+    g = torch.Generator().manual_seed(4)
+    router = router_topk(torch.randn(40, 8, generator=g), torch.randn(6, 8, generator=g), 2)
+    kernels, twins = ["candidate_keys", "select_routed", "pair_scores"], ["candidate_keys_ref", "select_routed_ref",
+                                                                         "pair_scores_ref"]
+    for use_kernel, want in ((True, kernels), (False, twins), (None, twins)):
+        calls.clear()
+        token_rounding(router, m_tile=4, use_kernel=use_kernel)
+        assert calls == want, use_kernel
 
 
 def test_listed_search_reads_only_its_f_keys(device, monkeypatch):
