@@ -551,6 +551,26 @@ def test_varlen_m_twin_keeps_padding_rows(device):
         assert rel_err(got[:real], want[:real]) < 1e-5 and not want[real:].any()
 
 
+def test_varlen_m_twin_returns_the_operands_dtype(device):
+    """The varlen-M twins' float32 loop returns C in A's dtype: float16 operands give each expert's float32 product
+    (bias included) rounded once to float16, both forms."""
+    g = torch.Generator().manual_seed(37)
+    t, e, k, m = 9, 3, 24, 40
+    ex = torch.tensor([2, 0, 1, 0, 2, 2, 1, 0, 2])
+    routing = routing_from_pairs(torch.arange(t).to(device), ex.to(device), t, e)
+    a = torch.randn(t, k, generator=g).half().to(device)
+    bias = torch.randn(e, m, generator=g).half().to(device)
+    ends = torch.bincount(ex, minlength=e).cumsum(0).tolist()  # A's rows are sorted by expert: 3, 2 and 4 of them
+    for transpose_b in (True, False):
+        b = torch.randn((e, m, k) if transpose_b else (e, k, m), generator=g).half().to(device)
+        got = varlen_m_gemm_ref(a, b, bias, routing, transpose_b=transpose_b)
+        assert got.dtype == torch.float16 and got.shape == (t, m)
+        for i, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends)):
+            bi = b[i].float().t() if transpose_b else b[i].float()
+            want = (a[lo:hi].float() @ bi + bias[i].float()).half()
+            assert torch.equal(got[lo:hi], want), (transpose_b, i)
+
+
 def test_gather_sum_more_slots_than_unrolled(device):
     """Tokens with more slots than one unrolled step (aggregation.MAX_UNROLL) and a ragged last step: every slot
     is summed, in slot order (the sum of each token's slots is checked against the reference)."""
@@ -1094,11 +1114,18 @@ def test_gpu_varlen_m_env_config_bits(monkeypatch):
 def test_pdl_off_without_a_hopper_gpu(monkeypatch):
     """Programmatic dependent launch is never requested for CPU tensors (the interpreter) nor when
     SONICMOE_PDL=0, so the kernels there run with PDL=False (their griddepcontrol prologue compiled out)."""
+    from sonicmoe.ops import common
     from sonicmoe.ops.common import pdl_enabled
 
     assert not pdl_enabled(torch.device("cpu"))
     monkeypatch.setenv("SONICMOE_PDL", "0")
     assert not pdl_enabled(torch.device("cuda", 0))  # the switch is read before any device query
+    # under the interpreter none, whatever the GPU (a compute capability 9.0 faked here)
+    monkeypatch.delenv("SONICMOE_PDL")
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    monkeypatch.setattr(common, "_PDL_OK", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx: (9, 0))
+    assert not pdl_enabled(torch.device("cuda", 0))
 
 
 def test_overlap_off_on_cpu(monkeypatch):
@@ -1641,6 +1668,58 @@ def test_tuned_launch_drops_unused_descriptors(layout, gu_fused, c_tma, monkeypa
     assert all(args[name] is descs[name] for name in descs)  # the caller's dict is not modified
 
 
+def test_tuner_without_flag_descriptors_sizes_the_ones_that_exist(monkeypatch):
+    """A tuned launch without ``flag_descs`` gives each descriptor that ``desc_blocks`` names its config's block
+    shape (a list) and passes a missing one (None: a tensor the copy engine cannot address) on as None."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "_ALL_TUNERS", [])
+    desc = common.tma_descriptor(torch.randn(2, 32, 64))
+    kern = _RecordingKernel()
+    blocks = lambda meta: {"w_desc": (1, meta["BLOCK_N"], meta["BLOCK_K"]),
+                           "c_desc": (meta["BLOCK_M"], meta["BLOCK_N"])}
+    tuners = common.autotuners(kern, [], ["N"], blocks)
+    tuners._chosen[(frozenset(), 32, "tma")] = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16})
+    tuners.run(frozenset(), lambda m: (1,), {"w_desc": desc, "c_desc": None, "N": 32})
+    (call,) = kern.calls
+    assert call["w_desc"] is desc and desc.block_shape == [1, 32, 16] and call["c_desc"] is None
+
+
+def test_tuner_refuses_a_space_where_nothing_fits(monkeypatch):
+    """A tuning space none of whose configs fits raises a RuntimeError naming the kernel, with nothing timed or
+    chosen (not a bare error from an empty minimum)."""
+    from sonicmoe.ops import common
+
+    monkeypatch.setattr(common, "_ALL_TUNERS", [])
+    timed = []
+    monkeypatch.setattr(common, "_bench_ms", lambda call: timed.append(call) or 1.0)
+    space = [triton.Config({"BLOCK": 128}, num_warps=w, num_stages=2) for w in (4, 8)]
+    tuners = common.Tuners(_TooBigAt128Kernel(), space, ["N"])
+    with pytest.raises(RuntimeError, match="^_TooBigAt128Kernel: no config of the tuning space compiles"):
+        tuners.run(frozenset(), lambda meta: (1,), {"x_ptr": torch.empty(4), "N": 4})
+    assert timed == [] and tuners.chosen() == []
+
+
+def test_tuner_times_by_do_bench_median(monkeypatch):
+    """Each timing of the autotuner is do_bench's median over the tuner's warm-up and repetition windows (its mean,
+    do_bench's default, lets one slow run decide)."""
+    import triton.testing
+
+    from sonicmoe.ops import common
+
+    seen, ran = [], []
+
+    def fake_do_bench(fn, **kwargs):
+        seen.append(kwargs)
+        fn()
+        return 0.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    assert common._bench_ms(lambda: ran.append(1)) == 0.25
+    assert ran == [1]
+    assert seen == [{"warmup": common.TUNE_WARMUP_MS, "rep": common.TUNE_REP_MS, "return_mode": "median"}]
+
+
 def test_tuned_configs_names_each_choice(monkeypatch):
     """tuned_configs() lists each autotuner choice under its kernel's name, with the key arguments, the
     tensors' dtypes, the GPU's tile family, the TMA flags available and the whole config; the choice is then
@@ -1648,6 +1727,7 @@ def test_tuned_configs_names_each_choice(monkeypatch):
     from sonicmoe.ops import common
 
     monkeypatch.setattr(common, "_ALL_TUNERS", [])
+    common.autotuners(_TooBigAt128Kernel(), [], ["N"])  # a kernel never tuned is not listed
     assert common.tuned_configs() == {}
     kern = _RecordingKernel()
     tuners = common.autotuners(kern, [], ["N", "D"])
@@ -1668,6 +1748,9 @@ def test_tuned_configs_names_each_choice(monkeypatch):
     from sonicmoe.ops import up_proj as up_mod
 
     assert up_mod._tuned.name == "_up_proj_kernel"
+    from sonicmoe.ops import dh as dh_mod
+
+    assert dh_mod._tuned.name == "_dh_kernel"  # two triton.heuristics layers over the JIT function
 
 
 def _record_pinned_launch(monkeypatch, module, kernel_name: str) -> _RecordingKernel:
@@ -1785,16 +1868,18 @@ def test_varlen_m_env_config(monkeypatch):
             varlen_m_gemm(a, w1, None, routing, transpose_b=False)
 
 
-def test_down_proj_launches_its_explicit_config(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_down_proj_launches_its_explicit_config(monkeypatch, dtype):
     """down_proj hands an explicit ``config`` (tuning sweeps) to the varlen-M launch, which uses it as is instead of the
-    pinned GPU default (BLOCK_N 256, 4 stages here)."""
+    pinned GPU default (BLOCK_N 256, 4 stages here); float32 operands included (sized_for_operands adapts the pinned
+    configs only: BLOCK_K 32 is not halved)."""
     from sonicmoe.ops import grouped_gemm
 
     kern = _record_pinned_launch(monkeypatch, grouped_gemm, "_varlen_m_kernel")
     e, k, width, rows = 2, 256, 1536, 1536
     routing = routing_from_pairs(torch.arange(rows * e), torch.arange(rows * e) // rows, rows * e, e)
-    a = torch.empty(rows * e, k, dtype=torch.bfloat16)
-    w2 = torch.empty(e, width, k, dtype=torch.bfloat16)
+    a = torch.empty(rows * e, k, dtype=dtype)
+    w2 = torch.empty(e, width, k, dtype=dtype)
     cfg = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "PROGS_PER_SM": 0, "FLATTEN": False, "num_warps": 4,
            "num_stages": 2}
     down_proj(a, w2, None, routing, config=cfg)
@@ -2010,6 +2095,8 @@ def test_autotuning_never_under_the_interpreter(monkeypatch):
         assert common.autotune_enabled() is (not interp)
     monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
     assert common.autotune_enabled() is False
+    monkeypatch.delenv("SONICMOE_AUTOTUNE")
+    assert common.autotune_enabled(False) is True  # unset: on by default on a GPU
 
 
 def test_tile_config_flags_only_on_varlen_m_configs():
@@ -2064,6 +2151,10 @@ def test_available_flags_need_every_descriptor_and_restrict_drops_the_rest():
     got = restrict_config(meta, frozenset({"C_TMA", "P_TMA"}), known=("W_TMA", "C_TMA"))
     assert got == {"BLOCK_M": 64, "W_TMA": False, "C_TMA": True, "FLATTEN": False}
     assert meta["W_TMA"] is True and "P_TMA" in meta
+    # a flag the config does not set stays unset (not added as False, which a kernel without it would refuse)
+    assert restrict_config({"BLOCK_M": 64}, frozenset()) == {"BLOCK_M": 64}
+    assert restrict_config({"BLOCK_M": 64, "C_TMA": True}, frozenset({"C_TMA"}), known=("W_TMA", "C_TMA")) == {
+        "BLOCK_M": 64, "C_TMA": True}
 
 
 def test_tuner_launches_a_lone_config_untimed(monkeypatch):

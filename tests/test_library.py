@@ -140,6 +140,27 @@ def test_experts_bwd_placeholders_keep_their_inputs_dtypes(device):
     assert [g_.dtype for g_ in grads] == [torch.float32] * 3 + [torch.float16] * 3
 
 
+def test_experts_bwd_bias_and_score_gradients_in_their_inputs_dtypes(device):
+    """Asked for, db1, db2 and dS come back in the dtypes of b1, b2 and the scores (the fake's): float16 here beside
+    float32 x and weights, each the float32 call's value on the same (float16) inputs rounded once to float16; dX,
+    dW1 and dW2 the float32 call's bits."""
+    p = random_problem(T, D, N, E, bias=True, device=device, seed=18)
+    routing = _general_routing(device)
+    r = routing.num_rows
+    g = torch.Generator().manual_seed(19)
+    h = torch.randn(r, 2 * N, generator=g).to(device)
+    dout = torch.randn(T, D, generator=g).to(device)
+    b1, b2, s = p["b1"].half(), p["b2"].half(), torch.rand(r, generator=g).half().to(device)
+    arrays = [getattr(routing, f) for f in BWD_ROUTING_FIELDS]
+    half = library.experts_bwd(dout, p["x"], p["w1"], p["w2"], b1, b2, h, s, *arrays, "concat", [True] * 6)
+    full = library.experts_bwd(dout, p["x"], p["w1"], p["w2"], b1.float(), b2.float(), h, s.float(), *arrays,
+                               "concat", [True] * 6)
+    assert [g_.dtype for g_ in half] == [torch.float32] * 3 + [torch.float16] * 3
+    assert all(torch.equal(a, b) for a, b in zip(half[:3], full[:3]))
+    for a, b in zip(half[3:], full[3:]):
+        assert b.abs().max() > 0 and torch.equal(a, b.half())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("needs", [[False, False, False, False, False, True], [True, False, False, False, False, True],
@@ -195,6 +216,10 @@ def test_agg_reserve_rule(monkeypatch):
         monkeypatch.setenv("SONICMOE_AGG_RESERVE", value)
         with pytest.raises(ValueError, match="SONICMOE_AGG_RESERVE"):
             common.agg_reserve(cuda)
+    monkeypatch.setenv("SONICMOE_AGG_RESERVE", "200")
+    with pytest.raises(ValueError, match=rf"^SONICMOE_AGG_RESERVE='200': expected a count below the device's 132 "
+                                         rf"multiprocessors \(unset for the default, {common.AGG_RESERVE}\)$"):
+        common.agg_reserve(cuda)
     monkeypatch.setenv("SONICMOE_AGG_RESERVE", "8")
     monkeypatch.setattr(common, "overlap_mode", lambda device: 0)
     assert common.agg_reserve(cuda) == 0
@@ -295,6 +320,50 @@ def test_column_blocks_last_aggregation_grid(monkeypatch):
     monkeypatch.setattr(library, "gather_sum", spy)
     out = library.gemm_then_gather_sum(a, p["w2"], None, routing, None, transpose_b=True)
     assert grids == [(2, 0), (2, 0), (0, 0)]
+    assert torch.equal(out, one)
+
+
+@pytest.mark.parametrize("transpose_b", [True, False], ids=["down_proj", "dxt"])
+def test_column_blocks_on_the_streamed_gemm_leave_the_reserve(transpose_b, monkeypatch):
+    """The column blocks' host schedule on the streamed-B Gluon GEMM (varlen_m_ws.long_gemm, faked on the CPU by the
+    Triton GEMM of the block), with S = 4 of 10 multiprocessors reserved: each block's GEMM gets its first column
+    and width (the last block ragged: 8 of 40 columns) and, after a block whose aggregation runs beside it, 10 - 4
+    programs; the aggregations but the last run on the S reserved ones with the reserve config, the last on one
+    program per tile. The output has the one-pass bits."""
+    monkeypatch.setenv("SONICMOE_AUTOTUNE", "0")
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
+    d = 40  # blocks of 16, 16 and 8 columns
+    p = random_problem(T, d, N, E, bias=False, device="cpu", seed=21)
+    routing = _topk_routing(p)
+    g = torch.Generator().manual_seed(22)
+    a, b = ((torch.randn(routing.num_rows, N, generator=g), p["w2"]) if transpose_b
+            else (torch.randn(routing.num_rows, 2 * N, generator=g), p["w1"]))
+    weights = torch.rand(routing.num_rows, generator=g) if transpose_b else None
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
+    one = library.gemm_then_gather_sum(a, b, None, routing, weights, transpose_b=transpose_b)
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "16")
+    gemms, aggs = [], []
+
+    def long_gemm(a, b, bias, routing, *, transpose_b, out, col0, width, num_programs):
+        gemms.append((col0, width, num_programs))
+        cols = slice(col0, col0 + width)
+        return library.varlen_m_gemm(a, b[:, cols] if transpose_b else b[:, :, cols], bias, routing,
+                                     transpose_b=transpose_b, out=out)
+
+    def spy(*args, **kwargs):
+        aggs.append((kwargs.get("progs_per_sm", 0), kwargs.get("num_programs", 0), kwargs.get("config")))
+        return gather_sum(*args, **kwargs)
+
+    monkeypatch.setattr(library.varlen_m_ws, "long_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(library.varlen_m_ws, "long_gemm", long_gemm)
+    monkeypatch.setattr(library, "agg_reserve", lambda device: 4)
+    monkeypatch.setattr(library, "sm_count", lambda device: 10)
+    monkeypatch.setattr(library, "overlap_mode", lambda device: 2)
+    monkeypatch.setattr(library, "side_stream", lambda device: None)  # _beside(None): the current stream
+    monkeypatch.setattr(library, "gather_sum", spy)
+    out = library.gemm_then_gather_sum(a, b, None, routing, weights, transpose_b=transpose_b)
+    assert gemms == [(0, 16, None), (16, 16, 6), (32, 8, 6)]
+    assert aggs == [(0, 4, library.reserve_config()), (0, 4, library.reserve_config()), (0, 0, None)]
     assert torch.equal(out, one)
 
 
@@ -502,6 +571,46 @@ def test_experts_triton_grad_of_each_weight_alone_or_all(which, device):
     assert rel_err(res["triton"][0], res["torch"][0]) < 1e-5
     for name, g_t, g_ref in zip(names, res["triton"][1], res["torch"][1]):
         assert g_ref.norm() > 0 and rel_err(g_t, g_ref) < 1e-5, name
+
+
+@pytest.mark.parametrize("d,n,gluon", [(16, 8, False), (8, 16, True)])
+def test_weight_gradients_ask_for_the_gluon_kernel_by_expert_width(d, n, gluon, monkeypatch, device):
+    """The backward asks for the Gluon weight-gradient kernel by the experts' width n (W2's last dimension), not by d:
+    with the threshold moved between the two (12), dW1 and dW2 ask for it exactly when n >= 12 (on the CPU the
+    request falls back to the Triton kernel), and come out as the torch backend's."""
+    monkeypatch.delenv("SONICMOE_GLUON_WGRAD", raising=False)
+    monkeypatch.setattr(library, "GLUON_WGRAD_MIN_N", 12)
+    seen = []
+    real = library.varlen_k_gemm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("gluon", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(library, "varlen_k_gemm", spy)
+    p = random_problem(T, d, n, E, device=device, seed=20)
+    routing = _topk_routing(p)
+    scores = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(21)).to(device)
+    dout = torch.randn(T, d, generator=torch.Generator().manual_seed(22)).to(device)
+    grads = {}
+    for backend in ("triton", "torch"):
+        w1, w2 = p["w1"].clone().requires_grad_(True), p["w2"].clone().requires_grad_(True)
+        out = sonicmoe.experts(p["x"], w1, w2, routing, scores, backend=backend)
+        grads[backend] = torch.autograd.grad(out, [w1, w2], dout)
+    assert seen == [gluon, gluon]
+    for g_t, g_ref in zip(grads["triton"], grads["torch"]):
+        assert g_ref.norm() > 0 and rel_err(g_t, g_ref) < 1e-5
+
+
+def test_h_is_not_differentiable(device):
+    """H, the forward's second output, is marked non-differentiable (the backward ignores a gradient of H, so one
+    would be dropped silently), through the operator and its eager twin; O carries the graph."""
+    p = random_problem(T, D, N, E, device=device, seed=16)
+    args = _fwd_args(p, _topk_routing(p), "concat", True)
+    for fwd in (library.experts_fwd, library.ExpertsFunction.apply):
+        out, h = fwd(*args)
+        assert out.requires_grad and out.grad_fn is not None
+        assert h.shape == (args[6 + 1].shape[0], 2 * N) and not h.requires_grad and h.grad_fn is None
 
 
 def test_tile_rows_hint_reaches_the_up_projection(monkeypatch, device):
