@@ -68,6 +68,7 @@ TRSEL = "tests/test_tr_select.py"
 LIB = "sonicmoe/ops/library.py"
 EP = "sonicmoe/expert_parallel.py"
 CM = "sonicmoe/ops/common.py"
+KL = "sonicmoe/ops/kernel_lib.py"
 TSC = "sonicmoe/ops/tr_scores.py"
 FL = "sonicmoe/ops/fast_launch.py"
 TFL = "tests/test_fast_launch.py"
@@ -134,7 +135,7 @@ MUTANTS: list[Mutant] = [
        "        y = y * tl.load(w_ptr + start + j, mask=valid, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)"
        "[:, None]", KT, "-k", "gather_sum"),
     # --- dH ---
-    _m("dh_dgate_uses_g", CM, "d_gate = da * u * (sig + silu * (1.0 - sig))",
+    _m("dh_dgate_uses_g", KL, "d_gate = da * u * (sig + silu * (1.0 - sig))",
        "d_gate = da * u * (sig + g * (1.0 - sig))", KT, "-k", "test_dh_kernel"),
     _m("dh_aprime_unscaled", DH, "(a * s).to(ap_ptr.dtype.element_ty)", "a.to(ap_ptr.dtype.element_ty)", KT, "-k",
        "test_dh_kernel"),
@@ -280,15 +281,15 @@ MUTANTS: list[Mutant] = [
        "tests/test_tr_scores.py", "tests/test_token_rounding.py", "tests/test_module.py"),
     _m("ts_fold_renorm_drops_dot", TSC, "d_chosen += (d_ts - dot) / red[:, None]", "d_chosen += d_ts / red[:, None]",
        "tests/test_tr_scores.py", "tests/test_token_rounding.py", "tests/test_module.py"),
-    # --- the varlen-M tile schedule and the persistent step loops (sonicmoe/ops/common.py) ---
-    _m("cm_tile_expert_off_by_one", CM, "e = tl.sum((cum <= pid_m).to(tl.int32), 0)",
+    # --- the varlen-M tile schedule and the persistent step loops (sonicmoe/ops/kernel_lib.py) ---
+    _m("cm_tile_expert_off_by_one", KL, "e = tl.sum((cum <= pid_m).to(tl.int32), 0)",
        "e = tl.sum((cum < pid_m).to(tl.int32), 0)", KT, "-k", "test_up_proj or grouped_gemms or persistent"),
-    _m("cm_steps_drop_last_round", CM, "steps = k_tiles * tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)",
+    _m("cm_steps_drop_last_round", KL, "steps = k_tiles * tl.maximum(tl.cdiv(num_tiles - pid, nprog), 0)",
        "steps = k_tiles * tl.maximum((num_tiles - pid) // nprog, 0)", KT, "-k", "persistent or tma_weight"),
-    _m("cm_weight_k_unmasked", CM, "return tl.load(ptrs, mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)",
+    _m("cm_weight_k_unmasked", KL, "return tl.load(ptrs, mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)",
        "return tl.load(ptrs, mask=(cc < N)[None, :], other=0.0)", KT, "-k", "test_up_proj or grouped_gemms or "
        "read_nothing"),
-    _m("cm_x_k_unmasked", CM, "block = tl.load(ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)",
+    _m("cm_x_k_unmasked", KL, "block = tl.load(ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)",
        "block = tl.load(ptrs)", KT, "-k", "test_up_proj or test_dh_kernel or read_nothing"),
     # --- persistent varlen-K (weight gradients of few rows per expert) ---
     _m("wg_steps_short_expert_kept", WG, "            if full == 0:\n                acc = tl.zeros",
@@ -515,17 +516,17 @@ MUTANTS: list[Mutant] = [
        "if hi == lo and (computed or e < routing.num_experts - 1):", "if hi == lo:",
        "tests/test_reference.py", "-k", "without_pairs"),
     # session 84: gpt-oss's clamped SwiGLU and router bias
-    _m("act_fwd_alpha", CM, "        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))",
+    _m("act_fwd_alpha", KL, "        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))",
        "        a = (uc + 1.0) * (gc * sigmoid(1.7 * gc))", "tests/test_activation.py", "-k", "kernels_match"),
-    _m("act_fwd_no_shift", CM, "        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))",
+    _m("act_fwd_no_shift", KL, "        a = (uc + 1.0) * (gc * sigmoid(1.702 * gc))",
        "        a = uc * (gc * sigmoid(1.702 * gc))", "tests/test_activation.py", "-k", "kernels_match"),
-    _m("act_bwd_gate_bound_exclusive", CM, "d_gate = tl.where(g <= 7.0,", "d_gate = tl.where(g < 7.0,",
+    _m("act_bwd_gate_bound_exclusive", KL, "d_gate = tl.where(g <= 7.0,", "d_gate = tl.where(g < 7.0,",
        "tests/test_activation.py", "-k", "clamp_bounds"),
-    _m("act_bwd_up_unmasked", CM, "d_up = tl.where(uc == u, da * glu, 0.0)", "d_up = da * glu",
+    _m("act_bwd_up_unmasked", KL, "d_up = tl.where(uc == u, da * glu, 0.0)", "d_up = da * glu",
        "tests/test_activation.py", "-k", "experts_match and triton"),
-    _m("act_bwd_gate_no_chain", CM, "da * (uc + 1.0) * (sig + 1.702 * glu * (1.0 - sig))",
+    _m("act_bwd_gate_no_chain", KL, "da * (uc + 1.0) * (sig + 1.702 * glu * (1.0 - sig))",
        "da * (uc + 1.0) * sig", "tests/test_activation.py", "-k", "experts_match and triton"),
-    _m("act_up_clamp_one_sided", CM,
+    _m("act_up_clamp_one_sided", KL,
        "tl.minimum(tl.maximum(u, -7.0, propagate_nan=nan), 7.0, propagate_nan=nan))",
        "tl.minimum(u, 7.0, propagate_nan=nan))", "tests/test_activation.py", "-k", "kernels_match"),
     _m("act_dh_ignores_activation", DH, "    act = act_code(activation)\n    if pair_order",
@@ -648,7 +649,7 @@ MUTANTS: list[Mutant] = [
        "    if guard_or_false(routing.row_token.shape[0] == 0):", "    if routing.row_token.shape[0] == 0:",
        "tests/test_module.py", "-k", "compiles_exact_token_rounding"),
     # session 91: the step loops at a zero-width reduction (d = 0 on the H100's pinned up-projection config)
-    _m("step_loop_zero_k_runs_no_step", CM, "    k_tiles = tl.maximum(tl.cdiv(K, BLOCK_K), 1)",
+    _m("step_loop_zero_k_runs_no_step", KL, "    k_tiles = tl.maximum(tl.cdiv(K, BLOCK_K), 1)",
        "    k_tiles = tl.cdiv(K, BLOCK_K)", "tests/test_kernels.py", "-k", "zero_width_reduction"),
     _m("even_flag_at_zero_extent", CM, "    return args[dim] > 0 and args[dim] % args[block] == 0",
        "    return args[dim] % args[block] == 0", "tests/test_kernels.py", "-k", "zero_width_reduction"),
@@ -2021,13 +2022,13 @@ MUTANTS: list[Mutant] = [
        "empty_gathered_operand"),
     _m("kn6_wg_empty_gathered_q_launched", WG, " or (q_gather and q.shape[0] == 0)", "", KT, "-k",
        "empty_gathered_operand"),
-    _m("kn6_cm_first_tile_inclusive", CM, "first_tile = tl.sum(tl.where(sel, cum - ntiles, 0), 0)",
+    _m("kn6_cm_first_tile_inclusive", KL, "first_tile = tl.sum(tl.where(sel, cum - ntiles, 0), 0)",
        "first_tile = tl.sum(tl.where(sel, cum, 0), 0)", KT, "-k", "test_dh_kernel and concat"),
-    _m("kn6_cm_tiles_per_expert_floor", CM, "ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M",
+    _m("kn6_cm_tiles_per_expert_floor", KL, "ntiles = (hi - lo + BLOCK_M - 1) // BLOCK_M",
        "ntiles = (hi - lo) // BLOCK_M", KT, "-k", "test_dh_kernel and concat"),
-    _m("kn6_cm_step_pid_n_by_div", CM, "        pid_n = tile % num_pid_n\n        e, row_start",
+    _m("kn6_cm_step_pid_n_by_div", KL, "        pid_n = tile % num_pid_n\n        e, row_start",
        "        pid_n = tile // num_pid_n\n        e, row_start", KT, "-k", "persistent_schedule"),
-    _m("kn6_cm_row_block_mask_absolute", CM, "mask=(offs_k < K - k * BLOCK_K)[None, :]", "mask=(offs_k < K)[None, :]",
+    _m("kn6_cm_row_block_mask_absolute", KL, "mask=(offs_k < K - k * BLOCK_K)[None, :]", "mask=(offs_k < K)[None, :]",
        KT, "-k", "read_nothing"),
     _m("kn6_cm_grid_without_expert_tiles", CM, "return cdiv(num_rows, block_m) + num_experts",
        "return cdiv(num_rows, block_m)", KT, "-k", "ragged_experts"),
@@ -4595,17 +4596,17 @@ MUTANTS: list[Mutant] = [
        '    if device.type != "cuda":\n        return 0\n', KT, "-k", "persistent"),
     _m("cm13_grid_persistent_by_default", CM, 'meta.get("PROGS_PER_SM", 0)', 'meta.get("PROGS_PER_SM", 1)', KT, "-k",
        "grid_counts or ragged_experts or test_up_proj"),
-    _m("cm13_schedule_expert_mask_inclusive", CM, "    emask = eidx < E\n", "    emask = eidx <= E\n", KT, "-k",
+    _m("cm13_schedule_expert_mask_inclusive", KL, "    emask = eidx < E\n", "    emask = eidx <= E\n", KT, "-k",
        "test_up_proj or grouped_gemms"),
-    _m("cm13_tile_rows_end_a_block_on", CM, "row_end = tl.sum(tl.where(sel, hi, 0), 0)",
+    _m("cm13_tile_rows_end_a_block_on", KL, "row_end = tl.sum(tl.where(sel, hi, 0), 0)",
        "row_end = row_start + BLOCK_M", KT, "-k", "test_up_proj or grouped_gemms or ragged_experts"),
-    _m("cm13_next_step_ki_wraps_late", CM, "ki = tl.where(ki == k_tiles - 1, 0, ki + 1)",
+    _m("cm13_next_step_ki_wraps_late", KL, "ki = tl.where(ki == k_tiles - 1, 0, ki + 1)",
        "ki = tl.where(ki >= k_tiles, 0, ki + 1)", KT, "-k", "persistent"),
-    _m("cm13_first_step_tile_from_pid", CM, "zero - 1, pid - nprog, zero,", "zero - 1, pid, zero,", KT, "-k",
+    _m("cm13_first_step_tile_from_pid", KL, "zero - 1, pid - nprog, zero,", "zero - 1, pid, zero,", KT, "-k",
        "persistent"),
-    _m("cm13_swiglu_dup_of_sigmoid", CM, "        d_up = da * silu\n", "        d_up = da * sig\n", KT, "-k",
+    _m("cm13_swiglu_dup_of_sigmoid", KL, "        d_up = da * silu\n", "        d_up = da * sig\n", KT, "-k",
        "test_dh_kernel"),
-    _m("cm13_clamp_nan_to_bound", CM, "nan: tl.constexpr = tl.PropagateNan.ALL",
+    _m("cm13_clamp_nan_to_bound", KL, "nan: tl.constexpr = tl.PropagateNan.ALL",
        "nan: tl.constexpr = tl.PropagateNan.NONE", "tests/test_activation.py", "-k", "nan_token",
        equivalent="GPU only: the interpreter builds tl.minimum / tl.maximum of either PropagateNan mode with "
        "np.minimum / np.maximum, which keep NaN; a GPU's min / max return the bound (test_nan_token_stays_nan on "
@@ -4614,11 +4615,11 @@ MUTANTS: list[Mutant] = [
        'ACT_CODES = {"swiglu": 1, "clamped_swiglu": 0}', "tests/test_activation.py", "-k", "kernels_match"),
     _m("cm13_even_flag_divides_backwards", CM, "return args[dim] > 0 and args[dim] % args[block] == 0",
        "return args[dim] > 0 and args[block] % args[dim] == 0", KT, "-k", "narrower_than_a_k_block"),
-    _m("cm13_weight_block_strides_swapped", CM,
+    _m("cm13_weight_block_strides_swapped", KL,
        "kk[:, None].to(tl.int64) * stride_k + cc[None, :].to(tl.int64) * stride_n",
        "kk[:, None].to(tl.int64) * stride_n + cc[None, :].to(tl.int64) * stride_k", KT, "-k",
        "strided_weights or grouped_gemms"),
-    _m("cm13_weight_block_n_unmasked", CM, "mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)",
+    _m("cm13_weight_block_n_unmasked", KL, "mask=(kk < K)[:, None] & (cc < N)[None, :], other=0.0)",
        "mask=(kk < K)[:, None], other=0.0)", KT, "-k", "read_nothing or grouped_gemms"),
     _m("cm13_me_count_pieces_not_experts", BME, "        self.count += per.numel()\n", "        self.count += 1\n",
        TB, "-k", "rms_expert"),

@@ -4,7 +4,7 @@ usage: python scripts/ws_probe.py [--shape T,d,n,E,K ...] [--json OUT.json]
 
 Triton 3.6's Hopper warp-specialization pass only compiles loops whose operands all come through tensor
 descriptors and whose enclosing tile loop has no in-register reductions: the varlen-M tile schedule of
-:func:`sonicmoe.ops.common.tile_rows` (a scan over the experts per tile) makes the pass fail. Here the
+:func:`sonicmoe.ops.kernel_lib.tile_rows` (a scan over the experts per tile) makes the pass fail. Here the
 tile -> (expert, first row, end row) table is computed beforehand on the GPU (torch ops, no sync) and
 the kernel reads three scalars per tile. Times the down-projection (Y = A W2[e]ᵀ) and the dX̃ GEMM
 (dX̃ = dH W1[e]) against the library's autotuned kernel on the same inputs, and checks the outputs equal.

@@ -64,7 +64,7 @@ def test_reference_formula_and_gradient_at_the_bounds(layout):
     # no gradient where a clamp binds; at the bounds themselves torch.clamp passes it
     assert (dg[gf > 7] == 0).all() and (dg[(gf <= 7) & (uf > -8)] != 0).all()
     assert (du[uf.abs() > 7] == 0).all() and (du[(uf.abs() <= 7) & (gf != 0)] != 0).all()
-    # the closed forms the kernels use (sonicmoe.ops.common.gated_act_bwd)
+    # the closed forms the kernels use (sonicmoe.ops.kernel_lib.gated_act_bwd)
     gc, uc = gf.clamp(max=7), uf.clamp(-7, 7)
     s = torch.sigmoid(1.702 * gc)
     torch.testing.assert_close(dg, torch.where(gf <= 7, (uc + 1) * (s + 1.702 * gc * s * (1 - s)), 0.0))

@@ -3,7 +3,7 @@ tile family). Wraps each op the layer's forward and backward call (sonicmoe.ops.
 count of every floating output, in call order, with outputs NaN-poisoned and the pinned configs (as under pytest).
 
 Session 91 found the up-projection's output all NaN here: its pinned H100 config is the (tile, K-block) step loop,
-which ran zero steps at d = 0 and stored nothing (fixed in common.first_step). Expected now: no NaN anywhere, "ok".
+which ran zero steps at d = 0 and stored nothing (fixed in kernel_lib.first_step). Expected now: no NaN anywhere, "ok".
 """
 import os
 import sys

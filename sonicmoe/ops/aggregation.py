@@ -17,17 +17,8 @@ import triton
 import triton.language as tl
 
 from ..routing import Routing
-from .common import (
-    autotuners,
-    cdiv,
-    check_device,
-    interpreting,
-    launch,
-    next_pow2,
-    output_or_new,
-    pdl_prologue,
-    programs,
-)
+from .common import autotuners, cdiv, check_device, interpreting, launch, next_pow2, output_or_new, programs
+from .kernel_lib import pdl_prologue
 
 
 @triton.jit

@@ -10,7 +10,7 @@ Each program owns a (BLOCK_M, BLOCK_N) tile of the n channels, so dS is written 
 16-channel chunk (cdiv(n, 16), R) and reduced afterwards in a fixed order: no atomics, deterministic,
 and the same bits whatever BLOCK_N the tuner picks.
 dH follows W1's gate/up layout (see :mod:`sonicmoe.ops.up_proj`). With ``activation="clamped_swiglu"`` (gpt-oss) A and
-its derivatives are those of :func:`sonicmoe.ops.common.gated_act_bwd`.
+its derivatives are those of :func:`sonicmoe.ops.kernel_lib.gated_act_bwd`.
 Options of the tile config: ``W_TMA`` reads W2 through a TMA descriptor over (E, d, n). The epilogue
 always runs on column blocks of EPI_WIDTH = 32 channels in turn (EPI_SPLIT = BLOCK_N / 32 blocks, set
 per launch), loading their H columns block by block: full-width 128 x 256 tiles fit in registers without
@@ -35,24 +35,26 @@ from .common import (
     autotuners,
     cdiv,
     check_device,
-    column_halves,
     config_dict,
     dot_precision,
-    gated_act_bwd,
     launch,
-    load_row_block,
-    load_weight_block,
     new_output,
     next_pow2,
-    pdl_prologue,
     tile_config,
-    tile_rows,
-    tile_schedule,
     tma_descriptor,
     varlen_m_grid,
     with_even_flags,
 )
 from .dh_ws import dh_ws, dh_ws_preferred, dh_ws_supported, ds_pairs_in_kernel
+from .kernel_lib import (
+    column_halves,
+    gated_act_bwd,
+    load_row_block,
+    load_weight_block,
+    pdl_prologue,
+    tile_rows,
+    tile_schedule,
+)
 from .score_grad import score_grad, score_grad_ref
 from .up_proj import layout_rows
 from .up_proj_ws import gluon_serves_activation
@@ -198,7 +200,7 @@ def _sum16(x):
 def _dh_epilogue(acc, g_raw, u_raw, s, rows64, mask_m, ch, ch_start, N, R, dh_ptr, ap_ptr, ds_ptr, stride_hr,
                  stride_apr, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr, CH_STRIDE: tl.constexpr,
                  WIDTH: tl.constexpr, ACT: tl.constexpr):
-    """The activation's backward (:func:`~sonicmoe.ops.common.gated_act_bwd`, ``ACT``), A′ and the dS partials of a
+    """The activation's backward (:func:`~sonicmoe.ops.kernel_lib.gated_act_bwd`, ``ACT``), A′ and the dS partials of a
     block of dA′ = ``acc``: the given rows and the WIDTH
     channels ``ch`` = ch_start + [0, WIDTH) (ch_start a multiple of 16)."""
     mask = mask_m[:, None] & (ch < N)[None, :]

@@ -4,7 +4,7 @@ SwiGLU) backward, A′ and the dS partials in the epilogue (SPEC §4 kernel 1).
 The same outputs as :func:`sonicmoe.ops.dh.dh` — for the rows r of expert e (token t, score s):
 dA′[r] = dO_t W2[e]; A = silu(gate(H[r])) · up(H[r]); dS partials of ⟨dA′[r], A[r]⟩; dA = s · dA′;
 dH = (dA · up · silu′(gate), dA · silu(gate)); A′ = s · A — for the concat gate/up layout. With
-``activation="clamped_swiglu"`` A and dH are gpt-oss's (:func:`sonicmoe.ops.common.gated_act_bwd`'s values).
+``activation="clamped_swiglu"`` A and dH are gpt-oss's (:func:`sonicmoe.ops.kernel_lib.gated_act_bwd`'s values).
 
 Why a second kernel: the Triton kernel (one 128 × 256 tile per program, 8 warps) spends much of each tile in its
 epilogue while the tensor cores idle; on an H100 it runs the 7B shape at 288 TFLOP/s against 450-500 for the layer's
@@ -301,7 +301,7 @@ if HAVE_GLUON:
             sig = sigmoid(g, SIG_FTZ)
             silu = g * sig
             a = silu * u
-        else:  # gpt-oss's clamped SwiGLU: sonicmoe.ops.common.gated_act_bwd's values, in its order
+        else:  # gpt-oss's clamped SwiGLU: sonicmoe.ops.kernel_lib.gated_act_bwd's values, in its order
             gc, uc = clamped(g, u)
             sig = sigmoid(1.702 * gc, SIG_FTZ)
             glu = gc * sig

@@ -36,25 +36,19 @@ from . import grouped_gemm_ws, varlen_m_ws
 from .common import (
     autotuners,
     check_device,
-    column_halves,
     config_dict,
     dot_precision,
     few_rows_per_expert,
-    first_step,
     launch,
-    load_weight_block,
     next_pow2,
-    next_step,
     output_or_new,
-    pdl_prologue,
     per_expert_gemm_ref,
     tile_config,
-    tile_rows,
-    tile_schedule,
     tma_descriptor,
     varlen_m_grid,
     with_even_flags,
 )
+from .kernel_lib import column_halves, first_step, load_weight_block, next_step, pdl_prologue, tile_rows, tile_schedule
 
 
 @triton.jit

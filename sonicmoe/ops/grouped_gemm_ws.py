@@ -44,17 +44,9 @@ import triton.language as tl
 
 from ..env import env_choice, env_switch
 from ..routing import Routing
-from .common import (
-    cdiv,
-    interpreting,
-    max_m_tiles,
-    new_output,
-    next_pow2,
-    per_expert_gemm_ref,
-    sm_count,
-    tile_schedule,
-)
+from .common import cdiv, interpreting, max_m_tiles, new_output, next_pow2, per_expert_gemm_ref, sm_count
 from .fast_launch import launch_kernel, major_minor
+from .kernel_lib import tile_schedule
 
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every shape
     from triton.experimental import gluon

@@ -2,7 +2,7 @@
 
 For each row r of expert e (rows sorted by expert): H[r] = W1[e] x_{token(r)} (+ b1[e]) and
 A[r] = silu(gate(H[r])) * up(H[r]) (``activation="clamped_swiglu"``: gpt-oss's clamped form,
-:func:`~sonicmoe.ops.common.gated_act`). The rows of X are gathered by index inside the operand load;
+:func:`~sonicmoe.ops.kernel_lib.gated_act`). The rows of X are gathered by index inside the operand load;
 no gathered copy of X exists. Each program computes a (BLOCK_M, BLOCK_N) tile of A from the matching gate
 and up channels (two accumulators, or one split in two under ``GU_FUSED``), so the SwiGLU runs in registers.
 
@@ -40,25 +40,27 @@ from .common import (
     act_code,
     autotuners,
     check_device,
-    column_halves,
     config_dict,
     dot_precision,
     few_rows_per_expert,
-    first_step,
-    gated_act,
     launch,
-    load_row_block,
-    load_weight_block,
     new_output,
     next_pow2,
-    next_step,
-    pdl_prologue,
     tile_config,
-    tile_rows,
-    tile_schedule,
     tma_descriptor,
     varlen_m_grid,
     with_even_flags,
+)
+from .kernel_lib import (
+    column_halves,
+    first_step,
+    gated_act,
+    load_row_block,
+    load_weight_block,
+    next_step,
+    pdl_prologue,
+    tile_rows,
+    tile_schedule,
 )
 from .up_proj_ws import gluon_serves_activation, up_proj_ws, up_ws_preferred, up_ws_supported
 
@@ -234,7 +236,7 @@ def _up_proj_epilogue(acc_g, acc_u, b1_ptr, h_ptr, a_ptr, hg_desc, hu_desc, ao_d
                       row_end, pid_n, N, stride_hr, stride_ar, GATE_OFF: tl.constexpr, UP_OFF: tl.constexpr,
                       CH_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, C_TMA: tl.constexpr, ACT: tl.constexpr):
-    """Bias, rounding to H's dtype, the activation (:func:`~sonicmoe.ops.common.gated_act`, ``ACT``) from the
+    """Bias, rounding to H's dtype, the activation (:func:`~sonicmoe.ops.kernel_lib.gated_act`, ``ACT``) from the
     rounded H, and the stores of a tile's H and A."""
     ch = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = ch < N

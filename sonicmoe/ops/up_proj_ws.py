@@ -396,13 +396,13 @@ if HAVE_GLUON:
     @gluon.jit
     def clamped(g, u):
         """gpt-oss's clamps of the float32 gate and up blocks: (min(g, 7), clamp(u, −7, 7)), NaN kept NaN (as
-        :func:`sonicmoe.ops.common.gated_act`'s, whose values these are)."""
+        :func:`sonicmoe.ops.kernel_lib.gated_act`'s, whose values these are)."""
         return gl.where(g > 7.0, 7.0, g), gl.where(u > 7.0, 7.0, gl.where(u < -7.0, -7.0, u))
 
     @gluon.jit
     def _gated_act(hg, hu, ACT: gl.constexpr = 0, FTZ: gl.constexpr = False):
         """A in H's dtype from the rounded gate and up blocks, float32 arithmetic in the order of the Triton kernels'
-        :func:`sonicmoe.ops.common.gated_act` (the dH kernels recompute A the same way; ``FTZ``: :func:`sigmoid`'s):
+        :func:`sonicmoe.ops.kernel_lib.gated_act` (the dH kernels recompute A the same way; ``FTZ``: :func:`sigmoid`'s):
         ACT 0 silu(gate) · up (SwiGLU); ACT 1 gpt-oss's clamped SwiGLU (up′ + 1) · g′ σ(1.702 g′) with
         (g′, up′) = :func:`clamped` (gate, up)."""
         g = hg.to(gl.float32)
@@ -647,7 +647,7 @@ def up_proj_ws(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, routi
             (:data:`SIGMOID_FTZ`), and, to time a part alone, "PART": 1 the MMAs only (H unwritten, A holds row
             sums; no storer) (default :func:`up_ws_config` for d).
         activation: ``"swiglu"`` or ``"clamped_swiglu"`` (gpt-oss; :func:`sonicmoe.reference.swiglu_ref`), A's
-            formula in the epilogue (the Triton kernel's values: :func:`sonicmoe.ops.common.gated_act`).
+            formula in the epilogue (the Triton kernel's values: :func:`sonicmoe.ops.kernel_lib.gated_act`).
     Returns:
         (H or None, A) in x's dtype (float32 accumulation); no atomics, the same bits on every run.
     Raises:

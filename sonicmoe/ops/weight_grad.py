@@ -39,13 +39,12 @@ from .common import (
     launch,
     new_output,
     next_pow2,
-    pdl_prologue,
     programs,
     tile_config,
-    tile_schedule,
     tma_descriptor,
     with_even_flags,
 )
+from .kernel_lib import pdl_prologue, tile_schedule
 from .load_order import routing_load_order, wgrad_order_by_load
 
 
