@@ -325,7 +325,8 @@ def test_bad_activation_is_named():
 
 def test_kernel_ops_name_an_unknown_activation():
     """The kernels' ACT codes (0 SwiGLU, 1 clamped); the up-projection and dH ops called directly (no layer check
-    before them) refuse another activation with a ValueError naming it, not a KeyError, before any launch."""
+    before them) refuse another activation with a ValueError naming it, not a KeyError, before any launch; a list
+    too (unhashable: the lookup's TypeError before the mutation audit up18_)."""
     from sonicmoe.ops.common import act_code
 
     assert (act_code("swiglu"), act_code("clamped_swiglu")) == (0, 1)
@@ -337,6 +338,12 @@ def test_kernel_ops_name_an_unknown_activation():
              "dh": lambda: dh(torch.randn(4, 8), p["w2"], h, torch.ones(4), routing, activation="gelu")}
     for call in calls.values():
         with pytest.raises(ValueError, match=r"activation must be one of \('swiglu', 'clamped_swiglu'\), got 'gelu'"):
+            call()
+    listed = {"act_code": lambda: act_code(["swiglu"]),
+              "up_proj": lambda: up_proj(p["x"], p["w1"], None, routing, activation=["swiglu"]),
+              "dh": lambda: dh(torch.randn(4, 8), p["w2"], h, torch.ones(4), routing, activation=["swiglu"])}
+    for call in listed.values():
+        with pytest.raises(ValueError, match=r"activation must be one of .*, got \['swiglu'\]"):
             call()
 
 

@@ -306,6 +306,26 @@ def test_experts_bad_strings(prob, opt, val, backend):
     assert repr(val) in str(info.value)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("val", ["gelu", ["swiglu"]])
+def test_experts_bad_activation_refused_up_front(prob, val, backend, monkeypatch):
+    """An unknown activation is refused by sonicmoe.experts itself, before either backend runs (both are stubbed to
+    fail here): the torch backend's SwiGLU would refuse it only after the up-projection, and the kernels' lookup of a
+    list (unhashable) raised a TypeError; a ValueError naming the argument and the value either way."""
+    from sonicmoe.ops import moe_function, torch_experts
+
+    def ran(*args, **kwargs):
+        raise AssertionError("a backend ran with an unknown activation")
+
+    monkeypatch.setattr(torch_experts, "experts_torch", ran)
+    monkeypatch.setattr(moe_function, "experts_triton", ran)
+    routing, scores = routing_and_scores(prob)
+    with pytest.raises(ValueError, match=names("activation")) as info:
+        sonicmoe.experts(prob["x"], prob["w1"], prob["w2"], routing, scores, prob["b1"], prob["b2"], backend=backend,
+                         activation=val)
+    assert repr(val) in str(info.value)
+
+
 def test_router_topk_bad_order(prob):
     with pytest.raises(ValueError, match="router_order"):
         router_topk(prob["x"], prob["router_weight"], K, router_order="softmax_topk")

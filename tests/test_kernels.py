@@ -1272,6 +1272,52 @@ def test_ds_independent_of_block_n(device):
     assert rel_err(ds16, dh_ref(dout, p["w2"], h, s, routing)[2]) < 1e-5
 
 
+def test_ds_partials_summed_in_the_documented_pair_order(device):
+    """Each 16-channel dS partial is summed in one fixed pairwise order, ((x0 + x1) + (x2 + x3)) + ... (dh._sum16),
+    the order the fixed-bits promise rests on. Here the products x_c = dA′_c · A_c are known exactly: dO and W2 hold
+    small integers (dA′ = dO W2 exact in float32, whatever the dot's summation order) and the scores are 1 (A′ = A,
+    as the kernel multiplied it). The partials are then the bits of that order written out in float32 below; any
+    other pairing (x_i with x_{i+8}, planted by the mutation audit up18_) differs in many of them. On a GPU the
+    compiler may fuse a product into an addition (a multiply-add): there within rounding."""
+    t, d, n, e = 24, 32, 32, 3
+    g = torch.Generator().manual_seed(180)
+    routing = routing_from_topk(torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)]).to(device), e)
+    r = routing.num_rows
+    dout = torch.randint(-3, 4, (t, d), generator=g).float().to(device)
+    w2 = torch.randint(-3, 4, (e, d, n), generator=g).float().to(device)
+    h = torch.randn(r, 2 * n, generator=g).to(device)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "PROGS_PER_SM": 0, "FLATTEN": False}
+    _, a_prime, parts = dh(dout, w2, h, torch.ones(r, device=device), routing, config=cfg, reduce_ds=False)
+    off = routing.expert_offsets.tolist()
+    dap = torch.cat([dout[routing.row_token[off[i]:off[i + 1]].long()].double() @ w2[i].double() for i in range(e)])
+    x = (dap.float() * a_prime).reshape(r, n // 16, 16)  # each product rounded once, as in the kernel
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]  # neighbours first: (x0 + x1), (x2 + x3), ...
+    want = x[..., 0].t()  # (chunks, R)
+    assert parts.shape == want.shape and want.abs().amin() > 0
+    if device.type == "cpu":
+        assert torch.equal(parts, want)
+    else:
+        assert rel_err(parts, want) < 1e-6
+    # the pairing matters at these values: x_i + x_{i+8} first gives other bits in some partials
+    y = (dap.float() * a_prime).reshape(r, n // 16, 16)
+    y = y[..., :8] + y[..., 8:]
+    while y.shape[-1] > 1:
+        y = y[..., 0::2] + y[..., 1::2]
+    assert not torch.equal(y[..., 0].t(), want)
+
+
+def test_dh_ds_pairs_ignores_reduce_ds(device):
+    """With ``ds_pairs``, dS comes back summed and in pair order whatever ``reduce_ds`` says (dh's docstring: it is
+    then ignored), in the kernel and in the twin: not the (chunks, R) partials in row order."""
+    p, routing, h, _, dout = _dh_inputs(20, 16, 24, 3, 2, device, seed=181)
+    pairs = torch.rand(routing.num_rows, generator=torch.Generator().manual_seed(181)).to(device) + 0.1
+    for fn in (dh, dh_ref):
+        want = fn(dout, p["w2"], h, pairs, routing, pair_order=True, ds_pairs=torch.float32)
+        got = fn(dout, p["w2"], h, pairs, routing, pair_order=True, ds_pairs=torch.float32, reduce_ds=False)
+        assert got[2].shape == (routing.num_rows,) and torch.equal(got[2], want[2]), fn.__name__
+        assert want[2].abs().amin() > 0
+
 @pytest.mark.parametrize("parts", [1, 3, 16])
 @pytest.mark.parametrize("with_extra", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

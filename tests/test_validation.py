@@ -101,6 +101,16 @@ def test_resolve_backend_checks_its_arguments():
         sonicmoe.experts(rows, p["w1"], p["w2"], p["routing"], p["scores"], backend="auto")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_auto_backend_is_torch_off_cuda(dtype):
+    """"auto" picks the triton kernels for CUDA tensors only: tensors on the CPU or on the meta device (shape-only
+    tracing) get the torch backend in every dtype the kernels take, not just those on the CPU (a rule of "not on the
+    CPU" sent meta tensors to the kernels; mutation audit up18_)."""
+    for device in ("cpu", "meta"):
+        assert resolve_backend("auto", torch.empty(3, D, device=device, dtype=dtype)) == "torch", device
+        assert resolve_backend("triton", torch.empty(3, D, device=device, dtype=dtype)) == "triton", device
+
+
 @pytest.mark.parametrize("arg", ["x", "pair_scores"])
 def test_float64_rejected_by_triton_backend(arg):
     p = problem(torch.float64 if arg == "x" else torch.float32)
