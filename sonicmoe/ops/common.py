@@ -725,8 +725,7 @@ def act_code(activation: str) -> int:
     """The ``ACT`` constexpr of the up-projection and dH kernels for ``activation``.
 
     Raises:
-        ValueError: an activation that is not one of :data:`sonicmoe.config.ACTIVATIONS` (a non-string too: an
-            unhashable one, a list, raised the dictionary lookup's TypeError before the mutation audit up18_).
+        ValueError: an activation that is not one of :data:`sonicmoe.config.ACTIVATIONS` (a non-string, a list, too).
     """
     if not isinstance(activation, str) or activation not in ACT_CODES:
         raise ValueError(f"activation must be one of {tuple(ACT_CODES)}, got {activation!r}")
