@@ -2597,6 +2597,18 @@ def test_git_commit_of_an_empty_answer_is_unknown(monkeypatch):
     assert provenance.git_commit() is None
 
 
+def test_git_commit_of_an_empty_sonicmoe_git_commit_is_head(monkeypatch):
+    """SONICMOE_GIT_COMMIT exported empty (``SONICMOE_GIT_COMMIT=$UNSET_VAR``) names no commit: HEAD is read, not an
+    empty string written into a results file as the commit."""
+    from sonicmoe import provenance
+
+    monkeypatch.setenv("SONICMOE_GIT_COMMIT", "")
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: "/usr/bin/git")
+    monkeypatch.setattr(provenance.subprocess, "run",
+                        lambda cmd, **kw: SimpleNamespace(returncode=0, stdout="89abcdef\n", stderr=""))
+    assert provenance.git_commit() == "89abcdef"
+
+
 def test_git_that_hangs_or_cannot_start_is_unknown(monkeypatch):
     """git that runs past its 10 s timeout (a network file system, a lock) or cannot be started: commit and dirty
     state unknown (None), not an exception out of a results writer."""

@@ -347,6 +347,23 @@ def test_errors_name_the_key_and_leave_the_layer_unchanged():
         hf_experts_state_dict(layer, style="auto")
 
 
+def test_refusals_quote_the_layer_options_to_change():
+    """The advice in two refusals quotes the layer's own options: a DeepSeek-V3 selection bias for a layer that
+    routes otherwise names its router_order (not its routing mode), a missing shared expert the layer's
+    shared_intermediate_size (not the routed experts' width)."""
+    torch.manual_seed(10)
+    good = _prefixed(_MixtralBlock(), "b.")
+    layer = MoE(D, N, E, K, router_order="softmax_then_topk", dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        load_hf_experts(layer, {**good, "b.gate.e_score_correction_bias": torch.randn(E)}, "b.")
+    assert ("the layer routes with router_order='softmax_then_topk': build it with router_order='sigmoid_then_topk'"
+            in str(info.value))
+    shared = MoE(D, N, E, K, shared_intermediate_size=N_S, dtype=torch.float64)
+    with pytest.raises(KeyError) as info:
+        load_hf_experts(shared, good, "b.")
+    assert f"the layer has a shared expert (shared_intermediate_size={N_S}) but" in str(info.value)
+
+
 def test_a_missing_or_non_tensor_entry_is_named_with_its_shape():
     """A missing entry's KeyError names the key and the shape the layer expects (expert 0's up weight too: style
     "auto" reads expert 0's gate weight only, so the block is not "without per-expert weights"); an entry that is not

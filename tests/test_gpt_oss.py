@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -117,9 +118,12 @@ def test_loader_checks_before_copying():
     for name, value in (("activation", "swiglu"), ("router_bias", False), ("bias", False),
                         ("router_order", "softmax_then_topk"), ("routed_scaling_factor", 2.5)):
         other = _layer("interleaved", **{name: value})
-        with pytest.raises(ValueError, match=f"{name}="):
+        # the message quotes the option gpt-oss needs and the layer's own value of it
+        has = re.escape(f"needs MoE(..., {name}={GPT_OSS_OPTIONS[name]!r}) (sonicmoe.GPT_OSS_OPTIONS), the layer has "
+                        f"{name}={value!r}")
+        with pytest.raises(ValueError, match=has + "$"):
             load_gpt_oss_experts(other, sd)
-        with pytest.raises(ValueError, match=f"{name}="):
+        with pytest.raises(ValueError, match=has + "$"):
             gpt_oss_state_dict(other)
     shared = _layer("interleaved", shared_intermediate_size=8)
     with pytest.raises(ValueError, match="shared expert"):
@@ -227,7 +231,7 @@ def test_loader_is_all_or_nothing_and_explains_itself():
     blocks[f"{p}experts.gate_up_proj_blocks"] = torch.zeros(E, 2 * N, 90, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="dequantise"):
         load_gpt_oss_experts(layer, blocks, p)
-    with pytest.raises(KeyError, match="ends with the dot"):
+    with pytest.raises(KeyError, match=re.escape(f"ends with the dot, prefix={p!r}")):  # the prefix to pass instead
         load_gpt_oss_experts(layer, sd, p[:-1])
     with pytest.raises(TypeError):
         GPT_OSS_OPTIONS["activation"] = "swiglu"

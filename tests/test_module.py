@@ -168,6 +168,7 @@ def test_config_defaults():
     ({"return_router_info": 1}, "return_router_info"), ({"static_pairs": "no"}, "static_pairs"),
     ({"bias": "False"}, "bias"), ({"renormalize": "False"}, "renormalize"),  # truthy strings: refused
     ({"top_k": True}, "top_k"), ({"hidden_size": True}, "hidden_size"), ({"m_tile": True}, "m_tile"),
+    ({"m_tile": 4.0}, "m_tile"),  # a whole float is no int: the kernels' counts need one
     ({"aux_loss_coef": None}, "aux_loss_coef"), ({"aux_loss_coef": float("nan")}, "aux_loss_coef"),
     ({"aux_loss_coef": -0.1}, "aux_loss_coef"), ({"z_loss_coef": "0.1"}, "z_loss_coef"),
     ({"z_loss_coef": True}, "z_loss_coef"),
@@ -199,6 +200,26 @@ def test_config_accepts_its_bounds_and_names_them():
     with pytest.raises(ValueError) as info:
         check_m_tile(2**24 + 1)
     assert str(info.value) == "m_tile must be an int in [1, 16777216] (rows of a tile), got 16777217"
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"intermediate_size": -3}, "intermediate_size must be a positive int, got -3"),
+    ({"num_experts": True}, "num_experts must be a positive int, got True"),
+    ({"shared_intermediate_size": -2}, "shared_intermediate_size must be an int >= 0 (0: no shared expert), got -2"),
+    ({"static_pairs": "no"}, "static_pairs must be a bool, got 'no'"),
+    ({"router_bias": 0}, "router_bias must be a bool, got 0"),
+    ({"m_tile": 4.0}, "m_tile must be an int in [1, 16777216] (rows of a tile), got 4.0"),
+    ({"router_order": "sigmoid_then_topk", "routing": "token_rounding", "n_group": 3},
+     "routing='token_rounding' adds pairs regardless of expert groups: it needs n_group=1 (no group-limited "
+     "routing), got n_group=3"),
+])
+def test_config_errors_quote_the_value_given(kw, message):
+    """Each refusal ends with the value the caller gave (its repr, or the group count), not the option's name or
+    another option's value (a message that matched the option's name alone let a wrong value through)."""
+    sizes = {"hidden_size": D, "intermediate_size": N, "num_experts": E, "top_k": K}
+    with pytest.raises(ValueError) as info:
+        MoEConfig(**{**sizes, **kw})
+    assert str(info.value) == message
 
 
 # ---------------------------------------------------------------------------------------------
