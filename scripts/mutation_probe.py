@@ -109,6 +109,10 @@ BLS = "sonicmoe/bench/baselines.py"
 CKPT = "sonicmoe/checkpoints.py"
 TCKPT = "tests/test_checkpoints.py"
 TGPT = "tests/test_gpt_oss.py"
+LOD = "sonicmoe/ops/load_order.py"
+TLO = "tests/test_load_order.py"
+RLG = "sonicmoe/ops/router_logits.py"
+TRL = "tests/test_router_logits.py"
 MUTANTS: list[Mutant] = [
     # --- the counting-sort routing (sonicmoe/ops/topk_routing.py) ---
     _m("tkr_scan_inclusive", TKR, "carry[None, :] + tl.cumsum(cnt, axis=0) - cnt",
@@ -5855,6 +5859,110 @@ MUTANTS: list[Mutant] = [
        "w1 = torch.stack(w1.chunk(2, dim=1), dim=1).flatten(1, 2)", TGPT, "-k", "round_trip"),
     _m("cf19_gpt_oss_option_message_has_want", CKPT, 'f"has {name}={getattr(c, name)!r}")',
        'f"has {name}={want!r}")', TGPT, "-k", "checks_before"),
+    # --- rs19: the router kernel's host side and twin, the scores' gradient, the load order, the router logits ---
+    _m("rs19_rt_groups_interleaved", RT, "    g_of_e = e // group_size\n", "    g_of_e = e % group_size\n", RK, "-k",
+       "group_limited_choice_matches_ref"),
+    _m("rs19_rt_kept_group_chosen_again", RT, 'cand = tl.where(kept_g == 0, score, float("-inf"))', "cand = score",
+       RK, "-k", "group_limited_choice_matches_ref"),
+    _m("rs19_rt_kept_group_column_off_by_one", RT, "col = tl.sum(tl.where(gg[None, :] == g, kept_g, 0), axis=1)",
+       "col = tl.sum(tl.where(gg[None, :] == g + 1, kept_g, 0), axis=1)", RK, "-k", "group_limited_choice_matches_ref"),
+    _m("rs19_rt_group_score_without_bias", RT, "_kept_groups(key, e, mask_e, E // N_GROUP,",
+       "_kept_groups(p, e, mask_e, E // N_GROUP,", RK, "-k", "group_limited_choice_matches_ref"),
+    _m("rs19_rt_chosen_stay_available", RT, "        avail = avail & (e[None, :] != idx[:, None])\n",
+       "        avail = avail\n", RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_nan_ranks_last", RT, 'key = tl.where(x != x, float("inf"), key)',
+       'key = tl.where(x != x, float("-inf"), key)', RK, "-k", "nan_logit"),
+    _m("rs19_rt_bwd_dot_drops_s", RT, "dot = tl.sum(s * g, axis=1)", "dot = tl.sum(g, axis=1)", RK, "-k",
+       "matches_ref and T37"),
+    _m("rs19_rt_bwd_softmax_slot_swapped", RT, "        slot = s * (g - dot[:, None])\n",
+       "        slot = g * (s - dot[:, None])\n", RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_bwd_dense_p_unnormalised", RT, "        p = ex / tl.sum(ex, axis=1)[:, None]\n", "        p = ex\n",
+       RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_sigmoid_flag_inverted", RT, 'logits.shape[1], router_order == "sigmoid_then_topk"',
+       'logits.shape[1], router_order != "sigmoid_then_topk"', RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_order_codes_swapped", RT, '{"topk_then_softmax": 0, "softmax_then_topk": 1,',
+       '{"topk_then_softmax": 1, "softmax_then_topk": 0,', RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_top_k_checked_against_tokens", RT, "    check_top_k(top_k, e)\n",
+       "    check_top_k(top_k, logits.shape[0])\n", RK, "-k", "matches_ref or bad_inputs"),
+    _m("rs19_rt_device_unchecked", RT, '    check_device("logits", logits)\n', "", RK, "-k", "bad_inputs"),
+    _m("rs19_rt_default_order_softmax_first", RT,
+       '    router_order: str = "topk_then_softmax",\n    renormalize: bool = False,\n    expert_bias: torch.Tensor | '
+       'None = None,\n    n_group: int = 1,\n    topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    '
+       '"""Top-K',
+       '    router_order: str = "softmax_then_topk",\n    renormalize: bool = False,\n    expert_bias: torch.Tensor | '
+       'None = None,\n    n_group: int = 1,\n    topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    '
+       '"""Top-K', RK, "-k", "default_order"),
+    _m("rs19_rt_default_renormalize", RT,
+       '    renormalize: bool = False,\n    expert_bias: torch.Tensor | None = None,\n    n_group: int = 1,\n    '
+       'topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    """Top-K',
+       '    renormalize: bool = True,\n    expert_bias: torch.Tensor | None = None,\n    n_group: int = 1,\n    '
+       'topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    """Top-K', RK, "-k", "default_order"),
+    _m("rs19_rt_ref_default_order_softmax_first", RT,
+       '    router_order: str = "topk_then_softmax",\n    renormalize: bool = False,\n    expert_bias: torch.Tensor | '
+       'None = None,\n    n_group: int = 1,\n    topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    '
+       '"""Pure-PyTorch twin',
+       '    router_order: str = "softmax_then_topk",\n    renormalize: bool = False,\n    expert_bias: torch.Tensor | '
+       'None = None,\n    n_group: int = 1,\n    topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    '
+       '"""Pure-PyTorch twin', RK, "-k", "default_order"),
+    _m("rs19_rt_ref_default_renormalize", RT,
+       '    renormalize: bool = False,\n    expert_bias: torch.Tensor | None = None,\n    n_group: int = 1,\n    '
+       'topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    """Pure-PyTorch twin',
+       '    renormalize: bool = True,\n    expert_bias: torch.Tensor | None = None,\n    n_group: int = 1,\n    '
+       'topk_group: int = 1,\n) -> tuple[torch.Tensor, torch.Tensor]:\n    """Pure-PyTorch twin', RK, "-k",
+       "default_order"),
+    _m("rs19_rt_fallback_drops_groups", RT,
+       "return topk_router_ref(logits, top_k, router_order, renormalize, expert_bias, n_group, topk_group)",
+       "return topk_router_ref(logits, top_k, router_order, renormalize, expert_bias)", RK, "-k", "fall_back"),
+    _m("rs19_rt_fallback_drops_bias", RT,
+       "return topk_router_ref(logits, top_k, router_order, renormalize, expert_bias, n_group, topk_group)",
+       "return topk_router_ref(logits, top_k, router_order, renormalize, None, n_group, topk_group)", RK, "-k",
+       "fall_back"),
+    _m("rs19_rt_ref_softmax_over_tokens", RT, "return topk_ids, torch.softmax(top_logits, dim=-1)",
+       "return topk_ids, torch.softmax(top_logits, dim=0)", RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_ref_renorm_over_tokens", RT, "scores = scores / scores.sum(dim=-1, keepdim=True)",
+       "scores = scores / scores.sum(dim=0, keepdim=True)", RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_ref_renorm_inverted", RT, "    if renormalize:\n        scores = scores / scores.sum",
+       "    if not renormalize:\n        scores = scores / scores.sum", RK, "-k", "matches_ref and T37"),
+    _m("rs19_rt_ref_groups_swapped", RT, "renormalize, expert_bias, n_group, topk_group)\n    topk_ids",
+       "renormalize, expert_bias, topk_group, n_group)\n    topk_ids", RK, "-k", "group"),
+    # the scores' gradient (sonicmoe/ops/score_grad.py)
+    _m("rs19_sg_first_part_twice", SG, "for j in tl.static_range(1, P):", "for j in tl.static_range(0, P):", KT,
+       "-k", "score_grad"),
+    _m("rs19_sg_stored_in_row_order", SG, "tl.store(out_ptr + pair,", "tl.store(out_ptr + row,", KT, "-k",
+       "score_grad"),
+    _m("rs19_sg_part_dtype_unchecked", SG, "ds_part.dim() != 2 or ds_part.dtype != torch.float32 or",
+       "ds_part.dim() != 2 or", KT, "-k", "score_grad_rejects"),
+    _m("rs19_sg_part_dim_unchecked", SG, "if ds_part.dim() != 2 or ds_part.dtype", "if ds_part.dtype", KT, "-k",
+       "score_grad_rejects"),
+    _m("rs19_sg_offsets_dim_unchecked", SG, "if expert_offsets.dim() != 1 or expert_offsets.dtype",
+       "if expert_offsets.dtype", KT, "-k", "score_grad_rejects"),
+    _m("rs19_sg_ref_first_padding_row_real", SG, "real = torch.arange(acc.shape[0], device=acc.device) < expert",
+       "real = torch.arange(acc.shape[0], device=acc.device) <= expert", KT, "-k", "score_grad"),
+    _m("rs19_sg_ref_out_dtype_dropped", SG, "acc.dtype, device=acc.device)).to(out_dtype)",
+       "acc.dtype, device=acc.device))", KT, "-k", "score_grad"),
+    _m("rs19_sg_ref_default_dtype_bf16", SG,
+       'out_dtype: torch.dtype = torch.float32) -> torch.Tensor:\n    """Pure-PyTorch',
+       'out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:\n    """Pure-PyTorch', KT, "-k", "score_grad"),
+    # the load order (sonicmoe/ops/load_order.py)
+    _m("rs19_lo_count_negated", LOD,
+       "ce = tl.load(offsets_ptr + e + 1, mask=emask, other=0) - tl.load(offsets_ptr + e, mask=emask, other=0)",
+       "ce = tl.load(offsets_ptr + e, mask=emask, other=0) - tl.load(offsets_ptr + e + 1, mask=emask, other=0)", TLO,
+       "-k", "stable_sort"),
+    _m("rs19_lo_ref_halves_swapped", LOD, "return torch.cat([order, rank]).to(torch.int32)",
+       "return torch.cat([rank, order]).to(torch.int32)", TLO, "-k", "stable_sort"),
+    _m("rs19_lo_by_load_inverted", LOD, '"expert", WGRAD_ORDERS) == "load"', '"expert", WGRAD_ORDERS) != "expert"',
+       TLO, "-k", "cached_and_switched",
+       equivalent='env_choice returns one of WGRAD_ORDERS = ("expert", "load") or raises, so == "load" and '
+                  '!= "expert" agree on every value it can return'),
+    _m("rs19_lo_by_load_compares_expert", LOD, '"expert", WGRAD_ORDERS) == "load"',
+       '"expert", WGRAD_ORDERS) == "expert"', TLO, "-k", "cached_and_switched"),
+    _m("rs19_lo_cache_key_mismatch", LOD, '        routing.cache("load_order", order)\n',
+       '        routing.cache("load-order", order)\n', TLO, "-k", "cached"),
+    # the router logits (sonicmoe/ops/router_logits.py)
+    _m("rs19_rl_saved_swapped", RLG, "ctx.save_for_backward(x, router_weight)",
+       "ctx.save_for_backward(router_weight, x)", TRL),
+    _m("rs19_rl_dw_from_hi_twice", RLG, "both = _mm_f32(parts.t(), x)",
+       "both = _mm_f32(torch.cat([hi, hi], dim=1).t(), x)", TRL),
 ]
 
 

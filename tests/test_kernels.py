@@ -1337,6 +1337,7 @@ def test_score_grad(device, parts, with_extra, out_dtype):
     got = score_grad(part, row_pair, offsets, extra, out_dtype)
     want = score_grad_ref(part, row_pair, offsets, extra, out_dtype)
     assert got.dtype == out_dtype and got.shape == (r,)
+    assert want.dtype == out_dtype and want.shape == (r,)  # the twin casts too (dh's torch path takes its dtype)
     if out_dtype == torch.float32 or not interpreting():
         assert torch.equal(got, want)  # the same additions in the same order: the same bits
     else:  # the interpreter's float32 -> bfloat16 cast truncates where torch rounds to nearest even
@@ -1373,6 +1374,13 @@ def test_score_grad_rejects_bad_input(device):
     # no offsets at all (E + 1 = 0: the kernel would read expert_offsets[-1], before the tensor)
     with pytest.raises(ValueError, match="expert_offsets"):
         score_grad(part, rows, offsets[:0])
+    # partials of the wrong rank (one row: no P axis; a trailing axis: R read from the wrong dimension) and 2-D offsets
+    # (the kernel would read a (1, E+1) tensor's E = 0 and zero every pair)
+    for bad in (part[0], part[:, :, None]):
+        with pytest.raises(ValueError, match="ds_part"):
+            score_grad(bad, rows, offsets)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        score_grad(part, rows, offsets[None])
 
 
 def test_score_grad_defaults_no_rows_and_device(device, monkeypatch):

@@ -273,6 +273,54 @@ def test_many_experts_fall_back_to_torch(device):
     assert torch.equal(ids, ids_ref) and torch.equal(scores, scores_ref)
 
 
+@pytest.mark.parametrize("renorm", [False, True])
+def test_many_experts_fall_back_with_bias_and_groups(renorm, device):
+    """E > 1024 with sigmoid_then_topk, an expert bias and DeepSeek-V3's groups: the fallback passes the bias and the
+    groups on to the twin, so the choice is the top-K of sigmoid + bias among each token's topk_group best groups
+    (checked from scratch in float64), which here differs from both the unbiased and the ungrouped choice. E = 1032 in
+    8 groups of 129. The bias gives each group an offset (a permutation of 0..7, steps of 1 > any sigmoid difference)
+    plus 0.05-scale noise, so the groups of offsets 7 and 6 score best (≥ 12), and one expert of the offset-0 group a
+    spike of 10: the best single key (the ungrouped pick's first), in a group scoring below 12 (not kept)."""
+    t, e, k, n_group, topk_group = 3, 1032, 4, 8, 2
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    logits = distinct_logits(t, e, device, seed=int(torch.randint(0, 1000, (), generator=g)))
+    offset = torch.randperm(n_group, generator=g)
+    bias = (offset.double().repeat_interleave(e // n_group) + 0.05 * torch.randn(e, generator=g, dtype=torch.float64))
+    spike = int(offset.argmin()) * (e // n_group) + int(torch.randint(0, e // n_group, (), generator=g))
+    bias[spike] += 10.0
+    bias = bias.float().to(device)
+    ids, scores = topk_router(logits, k, "sigmoid_then_topk", renorm, bias, n_group, topk_group)
+    p = torch.sigmoid(logits.double()).cpu()
+    key = p + bias.double().cpu()
+    grouped = key.view(t, n_group, e // n_group)
+    best = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices  # (T, topk_group)
+    kept = torch.zeros(t, n_group, dtype=torch.bool).scatter_(1, best, True).repeat_interleave(e // n_group, dim=1)
+    want_ids = key.masked_fill(~kept, float("-inf")).topk(k, dim=1).indices
+    assert torch.equal(ids.cpu(), want_ids)
+    assert not torch.equal(want_ids, key.topk(k, dim=1).indices)  # the groups change the pick
+    assert not torch.equal(want_ids, p.topk(k, dim=1).indices)  # so does the bias
+    want = p.gather(1, want_ids)
+    want = want / (want.sum(1, keepdim=True) + 1e-20) if renorm else want
+    assert scores.dtype == torch.float32 and rel_err(scores.cpu(), want) < 1e-6
+
+
+@pytest.mark.parametrize("fn", [topk_router, topk_router_ref], ids=["kernel", "twin"])
+def test_default_order_and_renormalize(fn, device):
+    """The defaults: router_order topk_then_softmax (S = softmax over the K chosen logits, summing to 1) and
+    renormalize False (softmax_then_topk's S = the chosen entries of the softmax over all E, summing below 1), on the
+    kernel and on its twin, against float64 formulas."""
+    t, e, k = 9, 10, 3
+    logits = distinct_logits(t, e, device, seed=int(torch.randint(0, 1000, ())))
+    want_ids = logits.topk(k, dim=1).indices
+    ids, scores = fn(logits, k)
+    assert torch.equal(ids, want_ids)
+    assert rel_err(scores, torch.softmax(logits.double().gather(1, want_ids), dim=1)) < 1e-6
+    ids, scores = fn(logits, k, "softmax_then_topk")
+    assert torch.equal(ids, want_ids)
+    want = torch.softmax(logits.double(), dim=1).gather(1, want_ids)
+    assert bool((want.sum(1) < 0.99).all()) and rel_err(scores, want) < 1e-6
+
+
 @pytest.mark.parametrize("e,kernel", [(512, True), (1024, True), (1025, False)])
 def test_kernel_takes_up_to_1024_experts(e, kernel, device):
     """The kernel runs for every E up to MAX_KERNEL_EXPERTS = 1024 (its edge included) and the torch twin above it:
