@@ -352,6 +352,45 @@ def test_torch_backend_grouped_mm_only_on_hopper_bf16_with_aligned_dims(monkeypa
     assert _grouped_mm_ok(x, w1, w2)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_torch_backend_grouped_mm_path_on_cpu(padded, monkeypatch):
+    """The torch backend's torch._grouped_mm path (taken for bf16 on Hopper) run on the CPU, where _grouped_mm takes
+    float32: the same output and gradients as the reference, on a routing with an empty expert and a token without
+    one, and with padding rows. _grouped_mm leaves the rows past its last offset unwritten (poisoned with NaN here):
+    b1[row_expert] carried their garbage into b1's gradient until H's padding rows were zeroed."""
+    from sonicmoe.ops import torch_experts
+
+    T, d, n, E = 6, 8, 8, 4
+    p = random_problem(T, d, n, E, bias=True, seed=34)
+    tok, exp = torch.tensor([0, 1, 2, 3, 1, 4, 0, 3]), torch.tensor([2, 0, 2, 3, 3, 0, 3, 2])  # expert 1, token 5 none
+    if padded:
+        tok, exp = torch.cat([tok, torch.full((3,), T)]), torch.cat([exp, torch.full((3,), E)])
+    routing = routing_from_pairs(tok, exp, T, E, padding=padded)
+    scores = torch.rand(tok.numel(), generator=torch.Generator().manual_seed(35)) + 0.1
+    grouped_mm, calls = torch._grouped_mm, []
+
+    def poisoned(a, b, offs):
+        calls.append(offs)
+        out = grouped_mm(a, b, offs=offs)
+        rows = torch.arange(out.shape[0])[:, None]
+        return torch.where(rows < offs[-1], out, float("nan"))
+
+    monkeypatch.setattr(torch, "_grouped_mm", poisoned)
+    monkeypatch.setattr(torch_experts, "_grouped_mm_ok", lambda x, *mats: True)
+    dout = torch.randn(T, d, generator=torch.Generator().manual_seed(36))
+    results = []
+    for fn in (experts_torch, experts_ref):
+        v = {k: t.clone().requires_grad_() for k, t in (*((k, p[k]) for k in ("x", "w1", "w2", "b1", "b2")),
+                                                       ("pair_scores", scores))}
+        out = fn(v["x"], v["w1"], v["w2"], routing, v["pair_scores"], v["b1"], v["b2"])
+        results.append((out, torch.autograd.grad(out, list(v.values()), dout)))
+    assert len(calls) == 2  # both GEMMs, neither the per-expert loop's
+    (out, grads), (ref, ref_grads) = results
+    assert rel_err(out, ref) < 1e-6
+    for key, got, want in zip(("x", "w1", "w2", "b1", "b2", "pair_scores"), grads, ref_grads):
+        assert want.norm() > 0 and rel_err(got, want) < 1e-6, key
+
+
 def test_torch_backend_tokens_without_experts_get_zero_and_zero_grad():
     T, d, n, E = 6, 8, 4, 3
     p = random_problem(T, d, n, E, bias=True, seed=13)

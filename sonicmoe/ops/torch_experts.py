@@ -89,6 +89,9 @@ def experts_torch(
     row_expert = routing.row_expert() if (b1 is not None or b2 is not None) else None
     if b1 is not None:
         h = h + b1[row_expert]
+    if real is not None:  # torch._grouped_mm leaves the padding rows (past the last offset) unwritten: garbage, whose
+        # A's gradient, through b1[row_expert], reached b1's gradient (and a NaN there, 0 · NaN); zero, out of the graph
+        h = torch.where(real, h, 0)
     a = swiglu_ref(h, gate_up_layout, activation)
     y = _grouped_linear(a, w2, routing, use_gmm)
     if b2 is not None:
