@@ -212,6 +212,26 @@ def test_reference_low_precision_inputs_compute_in_float32():
     assert rel_err(out, ref) < 1e-6
 
 
+def test_reference_computes_in_x_dtype_whatever_the_weights():
+    """experts_ref / moe_ref compute in float64 for a float64 x and in float32 for any other, whatever the weights'
+    and scores' dtypes (the compute dtype follows x, as the docstrings say, not W1): float32 weights under a float64
+    x give the float64 loop's output to 1e-12, and float64 weights under a float32 x a float32 output."""
+    T, d, n, E = 7, 8, 4, 3
+    p = random_problem(T, d, n, E, bias=True, seed=31)
+    x64 = p["x"].double() + 1e-9 * torch.randn(T, d, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    tok, exp, scores = general_pairs(T, E, seed=33, p_keep=0.6)
+    routing = routing_from_pairs(tok, exp, T, E)
+    out = experts_ref(x64, p["w1"], p["w2"], routing, scores, p["b1"], p["b2"])
+    want = naive_pairs(x64, p["w1"], p["w2"], p["b1"], p["b2"], tok, exp, scores, "concat")
+    assert out.dtype == torch.float64 and rel_err(out, want) < 1e-12
+    w = {k: p[k].double() for k in ("w1", "w2", "b1", "b2")}
+    out32 = experts_ref(p["x"], w["w1"], w["w2"], routing, scores.double(), w["b1"], w["b2"])
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32, experts_ref(p["x"], p["w1"], p["w2"], routing, scores, p["b1"], p["b2"]),
+                               rtol=0, atol=0)
+    assert moe_ref(p["x"], p["router_weight"].double(), w["w1"], w["w2"], top_k=2)[0].dtype == torch.float32
+
+
 # ---------------------------------------------------------------------------------------------
 # torch backend against the reference: outputs and gradients
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +370,20 @@ def test_torch_backend_grouped_mm_only_on_hopper_bf16_with_aligned_dims(monkeypa
     assert not _grouped_mm_ok(x, w1, w2)
     cap[0] = (10, 0)
     assert _grouped_mm_ok(x, w1, w2)
+
+
+def test_torch_backend_grouped_mm_asks_the_inputs_device(monkeypatch):
+    """The compute capability _grouped_mm_ok checks is that of x's device, not of the current one: x on cuda:1, a
+    Hopper, while the current device (cuda:0) is an Ampere, takes torch._grouped_mm, and the reverse does not."""
+    from sonicmoe.ops.torch_experts import _grouped_mm_ok
+    from sonicmoe.testing import OnCuda
+
+    x = torch.Tensor._make_subclass(OnCuda, torch.zeros(16, 64, dtype=torch.bfloat16))
+    w1, w2 = torch.zeros(4, 32, 64, dtype=torch.bfloat16), torch.zeros(4, 64, 16, dtype=torch.bfloat16)
+    for on_x, elsewhere, want in (((9, 0), (8, 0), True), ((8, 0), (9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda device=None, a=on_x, b=elsewhere: a if device == x.device else b)
+        assert _grouped_mm_ok(x, w1, w2) is want
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -589,6 +623,25 @@ def test_testing_helpers_rel_err():
     assert math.isnan(rel_err(torch.tensor([1.0, float("inf"), 1.0]), ref))
     assert math.isnan(rel_err(torch.tensor([1.0, float("nan"), 1.0]), ref))
     assert rel_err(torch.zeros(3), torch.zeros(3)) == 0.0
+    # relative to ‖ref‖ however small it is (the clamp only keeps 0 / 0 finite): an output 1.5 times a reference of
+    # norm 5e-3 is 50 % off
+    small = torch.tensor([3e-3, -4e-3])
+    assert rel_err(small * 1.5, small) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_testing_helpers_on_cuda_says_cuda_one():
+    """OnCuda: a CPU tensor whose is_cuda is True and whose device is cuda:1 unless its INDEX says another, so that by
+    default it is on a device other than the current one (cuda:0), as the device guards' tests need; its data stay
+    the CPU tensor's."""
+    from sonicmoe.testing import OnCuda
+
+    base = torch.randn(3, generator=torch.Generator().manual_seed(37))
+    t = torch.Tensor._make_subclass(OnCuda, base)
+    assert t.is_cuda and t.device == torch.device("cuda", 1) and t.device != torch.device("cuda", 0)
+    other = torch.Tensor._make_subclass(OnCuda, base.clone())
+    other.INDEX = 3
+    assert other.device == torch.device("cuda", 3) and t.device == torch.device("cuda", 1)
+    assert torch.equal(t.as_subclass(torch.Tensor), base) and not base.is_cuda
 
 
 def test_testing_helpers_random_problem_scales_by_fan_in():
