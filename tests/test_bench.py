@@ -624,6 +624,10 @@ def test_calibrate_router_returns_the_weights_it_measured():
     ids = (x @ w.t()).topk(2, dim=1).indices
     got = torch.bincount(ids.reshape(-1), minlength=8).double() / ids.numel()
     assert dev == pytest.approx(float(((got - target).abs() / target).max()))
+    # measured in float64 against the float64 target, bit for bit (fractions float32 cannot hold: 0.3, 0.2, 0.1, 0.05)
+    uneven = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.05], dtype=torch.float64)
+    _, dev = calibrate_router(x, w, 2, uneven, tol=0.0, max_iters=1)
+    assert dev == float(((got - uneven).abs() / uneven).max())
 
 
 def test_calibrate_router_with_an_idle_expert():
@@ -1193,6 +1197,34 @@ def test_gpu_watch_edge_windows_and_no_thread_without_nvml():
     none.stop()
 
 
+def test_gpu_watch_last_ends_at_stop_and_samples_on_a_daemon_thread():
+    """last() is the window that ends at stop()'s time: a sample taken later (a watch started again) lies outside
+    it, however long the window; the sampling thread is a daemon (an NVML read that hangs never keeps the process
+    from exiting); a watch started again after stop() samples until the next stop (before the lp20_ mutation audit
+    its stop event stayed set, so the new thread took one sample and ended)."""
+    import time
+
+    from sonicmoe.bench.gpu_state import GpuWatch
+
+    watch = GpuWatch(nvml=_FakeNvml())
+    watch.samples = [(0.0, 1500, 0, 40, 0), (0.5, 1700, 350_000, 45, 0), (1.0, 1600, 700_000, 42, 0),
+                     (1.5, 1900, 1_400_000, 60, 0x4)]
+    watch.stopped_at = 1.0
+    assert watch.last(0.6) == {"sm_mhz": 1650.0, "watts": 700.0, "temp_c": 45, "clock_reasons": "0x0", "samples": 2}
+    assert watch.last(2.0)["samples"] == 3
+    with GpuWatch(nvml=_FakeNvml(), period=0.001) as live:
+        time.sleep(0.005)
+        assert live._thread.is_alive() and live._thread.daemon
+    assert live._thread is None
+    # started again after stop(): it samples on until the next stop (the stop event cleared), not once
+    first = len(live.samples)
+    live.start()
+    assert live.stopped_at is None
+    time.sleep(0.05)
+    live.stop()
+    assert len(live.samples) - first >= 3 and live.samples[-1][0] <= live.stopped_at
+
+
 def test_timing_loops_count_calls():
     """_wall_ms: at least one warm-up call and at least 5 timed calls, however short the windows, at most 1000 however
     long; host_ms: ms per call, not for all of them, after three warm calls."""
@@ -1456,6 +1488,30 @@ def test_load_profile_takes_only_finite_counts_and_never_overflows(tmp_path, cap
         assert cli.main(["--out", str(tmp_path / "res"), *FAST, "--shape", "64,32,16,4,2", "--load-profile",
                          str(path)]) == 2
     assert "load" in capsys.readouterr().err
+
+
+def test_load_profile_target_resample_and_nested_list(tmp_path):
+    """target_load deals the typical step's curve where the log has one (as read_load_profile does by default), not
+    the summed counts; resample_load normalises any curve it is given (counts as well as fractions) to fractions
+    summing to 1; a log whose expert_load is itself a list is read, and named, as a list."""
+    from sonicmoe.bench.load_profile import load_profile_kind, read_load_profile, resample_load, target_load
+
+    f64 = torch.float64
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps({"expert_load": {"per_layer": [{"counts": [2, 2, 2, 2],
+                                                               "step_sorted_counts": [5, 2, 1, 0]}]}}))
+    t = target_load(path, 4, seed=1)
+    torch.testing.assert_close(t.sort(descending=True).values, torch.tensor([0.625, 0.25, 0.125, 0.0], dtype=f64),
+                               rtol=1e-12, atol=1e-15)
+    counts = torch.tensor([6.0, 3.0, 2.0, 1.0], dtype=f64)
+    torch.testing.assert_close(resample_load(counts, 4), counts / 12, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(resample_load(counts, 8), (counts / 24).repeat_interleave(2), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(resample_load(counts * 1e6, 3), resample_load(counts / 12, 3), rtol=1e-12, atol=1e-15)
+    nested = tmp_path / "nested.json"
+    nested.write_text(json.dumps({"expert_load": [4, 1, 3, 0]}))
+    assert load_profile_kind(nested) == "list"
+    torch.testing.assert_close(read_load_profile(nested), torch.tensor([0.5, 0.375, 0.125, 0.0], dtype=f64),
+                               rtol=1e-12, atol=1e-15)
 
 
 def test_calibrated_router_follows_the_profile(tmp_path):
@@ -2833,6 +2889,7 @@ def test_open_nvml_never_reads_a_board_for_a_cpu_device(monkeypatch):
 
     monkeypatch.setattr(gpu_state, "Nvml", lambda device: ("board", device))
     assert gpu_state.open_nvml(torch.device("cpu")) is None
+    assert gpu_state.open_nvml(torch.device("meta")) is None  # any device but CUDA: not only the CPU
     assert gpu_state.open_nvml(torch.device("cuda", 1)) == ("board", torch.device("cuda", 1))
     assert gpu_state.open_nvml(0) == ("board", 0)
 

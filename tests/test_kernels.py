@@ -837,6 +837,21 @@ def test_training_on_tensors_made_under_inference_mode(made_in_inference, device
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
+def test_inference_mode_retry_copies_only_the_inference_inputs(device):
+    """The retry for a routing made under torch.inference_mode copies the routing's arrays alone: the backward keeps
+    the caller's own X and W1 (the same storage, X's gradient straight to its leaf), not copies of every input."""
+    t, d, n, e, k = 24, 32, 16, 4, 2
+    p = random_problem(t, d, n, e, device=device, seed=13)
+    router, _ = _topk_routing(p, k, device)
+    with torch.inference_mode():
+        routing = routing_from_topk(router.topk_ids, e)
+    x, w1 = p["x"].clone().requires_grad_(True), p["w1"].clone().requires_grad_(True)
+    out = sonicmoe.experts(x, w1, p["w2"], routing, router.topk_scores.reshape(-1).detach(), backend="triton")
+    ptrs = {s.data_ptr() for s in out.grad_fn.saved_tensors if s is not None}
+    assert x.data_ptr() in ptrs and w1.data_ptr() in ptrs
+    assert type(out.grad_fn.next_functions[0][0]).__name__ == "AccumulateGrad"  # X's leaf, not a clone
+
+
 # ---------------------------------------------------------------- GPU only: bf16 at realistic shapes
 
 GPU_SHAPES = [

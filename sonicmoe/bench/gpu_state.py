@@ -111,7 +111,11 @@ class GpuWatch:
                 break
 
     def start(self) -> GpuWatch:
+        """Start sampling (again, after :meth:`stop`: the stop event is cleared, else the new thread would take one
+        sample and end; the samples taken so far are kept)."""
         if self.nvml is not None and self._thread is None:
+            self._stop.clear()
+            self.stopped_at = None
             self._thread = threading.Thread(target=self._run, daemon=True, name="sonicmoe-gpu-watch")
             self._thread.start()
         return self
