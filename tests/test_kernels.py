@@ -1333,6 +1333,7 @@ def test_dh_ds_pairs_ignores_reduce_ds(device):
         assert got[2].shape == (routing.num_rows,) and torch.equal(got[2], want[2]), fn.__name__
         assert want[2].abs().amin() > 0
 
+
 @pytest.mark.parametrize("parts", [1, 3, 16])
 @pytest.mark.parametrize("with_extra", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
