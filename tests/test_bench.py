@@ -3410,6 +3410,7 @@ def test_run_numbers_its_items_keeps_the_callers_records_and_rows_a_shape_error(
     assert (mine[2]["status"], mine[2]["message"]) == ("oom", "MemoryError: no room")
     assert (mine[3]["status"], mine[3]["message"]) == ("error", "RuntimeError: sticky CUDA error")
     assert mine[3]["backends"] == {} and mine[3]["T"] == 48 and mine[3]["routing"] == "topk"
+    assert mine[3]["activation"] == opts.activation == "swiglu"  # what the failed shape ran with
     lines = said + capsys.readouterr().out.splitlines()  # through tqdm.write where tqdm is installed
     progress = [s for s in lines if s.startswith("[")]
     assert progress == [f"[{i}/3] {s.name} (T={s.T}, d=8, n=8, E=2, K=1) routing=topk" for i, s in enumerate(shapes, 1)]
@@ -3623,3 +3624,183 @@ def test_terminal_table_ratio_columns_read_fwd_and_total():
     assert (rows["torch"][f], rows["torch"][fb]) == (format(r[0], ".3g"), format(r[2], ".3g"))
     assert (rows["upper"][f], rows["upper"][fb]) == (format(r[3], ".3g"), format(r[5], ".3g"))
     assert (rows["loop"][f], rows["loop"][fb]) == ("-", "-")
+
+
+# ---------------------------------------------------------------------------------------------------
+# plots that draw nothing, the runner's messages, forward-mode checks and the results document (mutation probe: bp21_*)
+
+
+def _fresh_generator() -> torch.Generator:
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+
+
+def test_speedup_plot_of_ratios_without_a_phase_draws_nothing(saved_figures):
+    """_plot_speedup on records whose ratios hold neither a forward nor a forward+backward number (a backward ratio
+    only, or None where a time was not positive): no chart (None) and no figure saved, not an empty one."""
+    from sonicmoe.bench import plots
+
+    v = (torch.rand(2, generator=_fresh_generator(), dtype=torch.float64) + 0.5).tolist()
+    recs = [{"name": "a", "ratio_base": "triton", "ratios": {"torch": {"fwd": None, "bwd": v[0], "total": None}}},
+            {"name": "b", "ratio_base": "triton", "ratios": {"upper": {"bwd": v[1]}}}]
+    assert plots._plot_speedup(plots._setup(), {"env": {}, "date": "2026-01-02"}, recs, "s.png") is None
+    assert saved_figures == []
+
+
+def test_memory_plot_draws_the_rows_that_ran_ok_only(saved_figures):
+    """The memory chart draws a backend's held and peak memory from its ok rows only: a skipped (or failed) row's
+    numbers, whatever they hold, draw no line."""
+    from sonicmoe.bench import plots
+
+    GiB = plots.GiB
+    v = iter((torch.rand(16, generator=_fresh_generator(), dtype=torch.float64) + 0.5).tolist())
+
+    def row(status):
+        return {"status": status, "memory": {"held_bytes": int(next(v) * GiB), "peak_bytes": int(next(v) * 4 * GiB)}}
+
+    recs = [{"group": "g", "routing": "topk", "T": 64, "d": 64, "n": 64 // G, "G": float(G), "TK": 128,
+             "dtype": "bfloat16", "backends": {"triton": row("ok"), "loop": row("skipped"), "torch": row("FAIL")}}
+            for G in (1, 2)]
+    groups = plots.granularity_groups(recs)
+    assert plots._plot_memory(plots._setup(), {"env": {}, "date": "x"}, groups, plots._backend_names(recs),
+                              "m.png") == "m.png"
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in saved_figures[-1].axes[0].lines}
+    assert lines.pop("4TKn (SPEC §3 less the input X)")
+    assert lines == {"triton held": [r["backends"]["triton"]["memory"]["held_bytes"] / GiB for r in recs],
+                     "triton peak": [r["backends"]["triton"]["memory"]["peak_bytes"] / GiB for r in recs]}
+
+
+def test_plot_from_file_lists_only_the_charts_it_made_and_says_when_none_apply(tmp_path):
+    """plot_from_file returns the paths it wrote and logs each: for a file of one shape with ratios, the speed-up chart
+    alone (no None in the place of the granularity and token-rounding charts it did not make); for a file of a shape
+    that never ran, nothing, and it says why."""
+    pytest.importorskip("matplotlib")
+    from sonicmoe.bench.plots import plot_from_file
+
+    doc = _synthetic_doc()
+    r = (torch.rand(2, generator=_fresh_generator(), dtype=torch.float64) + 0.5).tolist()
+    one, broken = doc["results"][0], doc["results"][-1]
+    one["ratios"] = {"torch": {"fwd": r[0], "total": r[1]}}
+    path = report.write_results(dict(doc, results=[one]), tmp_path / "one.json")
+    said = []
+    assert plot_from_file(str(path), log=said.append) == [tmp_path / "one_speedup.png"]
+    assert said == [f"wrote {tmp_path / 'one_speedup.png'}"]
+    path = report.write_results(dict(doc, results=[broken]), tmp_path / "none.json")
+    said.clear()
+    assert plot_from_file(str(path), log=said.append) == []
+    assert len(said) == 1 and said[0].startswith("no plot applies to these results")
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["one_speedup.png"]
+
+
+def test_error_message_ends_without_white_space():
+    """_message strips the white space an exception's text ends (or is empty) with: a compiler's message that ends in
+    a newline, an exception with no text."""
+    from sonicmoe.bench.runner import _message
+
+    word = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (8,), generator=_fresh_generator()))
+    assert _message(ValueError(f"bad {word}\n\n")) == f"ValueError: bad {word}"
+    assert _message(RuntimeError()) == "RuntimeError:"
+
+
+def test_gpu_note_names_the_clock_watts_and_temperature_of_the_fwd_bwd_timing(monkeypatch):
+    """_gpu_note: "[MHz, W, °C]" of a phase's GPU state (no watts where the board gave none, nothing without NVML);
+    run_backend's ok line carries the forward+backward timing's note, the forward's where only it ran."""
+    from sonicmoe.bench import runner
+
+    g = _fresh_generator()
+    mhz = (torch.rand(2, generator=g, dtype=torch.float64) * 1000 + 800).tolist()
+    watts = (torch.rand(1, generator=g, dtype=torch.float64) * 500 + 100).item()
+    state = {"sm_mhz": mhz[0], "watts": watts, "temp_c": 61}
+    assert runner._gpu_note({"gpu": state}) == f"  [{mhz[0]:.0f} MHz, {watts:.0f} W, 61 °C]"
+    assert runner._gpu_note({"gpu": dict(state, watts=None)}) == f"  [{mhz[0]:.0f} MHz, 61 °C]"
+    assert runner._gpu_note({"gpu": None}) == "" and runner._gpu_note(None) == ""
+    states = iter([dict(state, sm_mhz=m) for m in mhz] * 2)
+
+    class Watch:
+        def __init__(self, device, nvml=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def last(self, seconds):
+            return next(states)
+
+    monkeypatch.setattr(runner, "GpuWatch", Watch)
+    monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 1.0, "p50": 2.0, "p80": 3.0})
+    p = make_problem(Shape("n", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=1)
+    for mode, note in (("fwdbwd", mhz[1]), ("fwd", mhz[0])):
+        opts = runner.RunOptions(backends=["torch"], device=torch.device("cpu"), dtype=torch.float32, mode=mode,
+                                 check=False, router_variant=False, warmup=0.0, rep=0.0, verbose=False)
+        said = []
+        assert runner.run_backend("torch", p, opts, useful_flops(p.R, 8, 8), said.append)["status"] == "ok"
+        assert said[-1].endswith(f"  [{note:.0f} MHz, {watts:.0f} W, 61 °C]"), (mode, said)
+
+
+def test_forward_mode_checks_the_output_only():
+    """--mode fwd: the check compares the output (no gradient is computed, --check-grads or not) and nothing past the
+    forward is timed."""
+    from sonicmoe.bench import runner
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    p = make_problem(Shape("fw", 32, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=seed)
+    opts = runner.RunOptions(backends=["torch"], device=torch.device("cpu"), dtype=torch.float32, mode="fwd",
+                             check_grads=True, router_variant=False, warmup=0.0, rep=0.0, verbose=False)
+    row = runner.run_backend("torch", p, opts, useful_flops(p.R, 8, 16), lambda s: None)
+    assert row["status"] == "ok" and set(row["check"]["errors"]) == {"out", "out_rows"}
+    assert row["fwd"]["ms"]["p50"] > 0 and row["total"] is None and row["bwd"] is None
+
+
+def test_a_failed_check_is_not_followed_by_the_router_variants(monkeypatch):
+    """A backend whose experts FAIL their check is not checked again through its router variant: the row is FAIL with
+    the experts' error, its check holds no router entry (a passing router check would have hidden the FAIL)."""
+    from sonicmoe.bench import runner
+
+    err = 0.2 + torch.rand(1, generator=_fresh_generator(), dtype=torch.float64).item()
+    p = make_problem(Shape("rv", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=2)
+    calls = []
+
+    def check(case, dout, *, grads, tol, poison, router=False):
+        calls.append(router)
+        return {"errors": {"out": 0.0 if router else err}, "worst": "out", "passed": router, "pairs": p.R,
+                "tol": tol}
+
+    def never(*a, **k):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(runner, "check_case", check)
+    monkeypatch.setattr(runner, "bench_ms", never)
+    assert REGISTRY["torch"].router_variant
+    opts = runner.RunOptions(backends=["torch"], device=torch.device("cpu"), dtype=torch.float32, tol=0.1,
+                             warmup=0.0, rep=0.0, verbose=False)
+    row = runner.run_backend("torch", p, opts, useful_flops(p.R, 8, 8), lambda s: None)
+    assert calls == [False]
+    assert row["status"] == "FAIL" and "router" not in row["check"] and row["fwd"] is None
+    assert row["message"] == f"wrong result: rel err of out = {err:.3g} > tol 0.1"
+
+
+def test_env_info_switches_leave_out_the_commit_override(monkeypatch):
+    """env_info's switches are the SONICMOE_* variables set for the run but SONICMOE_GIT_COMMIT, which is no library
+    switch: it names the commit (git_commit) instead."""
+    commit = f"{int(torch.randint(0, 2**62, (), generator=_fresh_generator())):040x}"
+    monkeypatch.setenv("SONICMOE_GIT_COMMIT", commit)
+    monkeypatch.setenv("SONICMOE_AGG_CHUNK", "0")
+    env = report.env_info(torch.device("cpu"))
+    assert env["git_commit"] == commit
+    assert env["switches"]["SONICMOE_AGG_CHUNK"] == "0" and "SONICMOE_GIT_COMMIT" not in env["switches"]
+
+
+def test_results_document_names_its_command_and_its_file_ends_in_a_newline(tmp_path):
+    """build_results' command is "sonicmoe bench" and the arguments, one space between each; write_results ends the
+    file in a newline (a text file: cat, diff and git read its last line whole)."""
+    import datetime as dt
+
+    tag = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (6,), generator=_fresh_generator()))
+    argv = ["--preset", "tiny", "--tag", tag]
+    doc = report.build_results([], {"device_type": "cpu"}, argv, {}, dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc))
+    assert doc["command"] == f"sonicmoe bench --preset tiny --tag {tag}"
+    text = report.write_results(doc, tmp_path / "r.json").read_text()
+    assert text.endswith("}\n") and not text.endswith("\n\n")
+    assert _strict_load(tmp_path / "r.json")["command"] == doc["command"]
