@@ -264,3 +264,20 @@ def test_ranks_routing_no_tokens_padding_only(e, device):
     _assert_ranks_routing_equal(ranks, offsets, r)
     pair_token, pair_expert, routing = tr_routing.ranks_routing(ranks, offsets)
     assert pair_token.numel() == 0 and pair_expert.numel() == 0 and routing.token_offsets.tolist() == [0]
+
+
+@pytest.mark.interpreter
+def test_ranks_routing_padding_slices_cover_every_program(device):
+    """The padding pairs past the real ones are dealt in slices of 1024 to the programs by their flat index
+    tb · NEB + eb over a (2, 2) grid (tile (8, 16, 1): T = 16, E = 32), four slices a round: with R_max about 4000
+    past the real pairs every program's first slice holds padding and the first program's second one too. Each slice
+    written by exactly its program: two programs sharing an index (tb + eb) leave a slice unwritten (poisoned)."""
+    g = torch.Generator().manual_seed(21)
+    ranks, offsets, real = _random_ranks(16, 32, float(torch.rand(1, generator=g)) * 0.5, 21)
+    r_max = real + 4000 + int(torch.randint(0, 200, (1,), generator=g))
+    _assert_ranks_routing_equal(ranks.to(device), offsets.to(device), r_max, (8, 16, 1))
+    pair_token, pair_expert, routing = tr_routing.ranks_routing(ranks.to(device), offsets.to(device),
+                                                                max_pairs=r_max, tile=(8, 16, 1))
+    pad = torch.arange(real, r_max, dtype=torch.int32, device=device)
+    assert bool((pair_token[real:] == 16).all()) and bool((pair_expert[real:] == 32).all())
+    assert torch.equal(routing.pair_row[real:], pad) and torch.equal(routing.row_pair[real:], pad)
