@@ -746,6 +746,58 @@ def test_moe_profiler_skips_a_bracket_it_did_not_open():
     prof2.remove()
 
 
+def test_moe_profiler_reset_forgets_open_brackets_and_times_an_output_without_grad():
+    """reset() forgets a forward bracket opened but not closed (the profiler disarmed inside the layer) and a backward
+    bracket opened but not closed (an input that needs no gradient): after it, a forward hook or an input-gradient
+    hook without its own start adds nothing. A layer whose output needs no gradient (no parameters, a constant
+    input) is timed forward and gets no backward hook (registering one would raise)."""
+    import time
+
+    from sonicmoe.train.profiling import MoEProfiler
+
+    class Switching(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.set_to = None
+
+        def forward(self, x):
+            if self.set_to is not None:
+                prof.active = self.set_to  # flipped between the pre-hook and the forward hook
+            time.sleep(0.002)
+            return x * self.w
+
+    layer = Switching()
+    prof = MoEProfiler([layer], torch.device("cpu"))
+    prof.active, layer.set_to = True, False
+    layer(torch.randn(4))  # the pre-hook opens a bracket, the forward hook (disarmed) leaves it open
+    prof.reset()
+    layer.set_to = True  # now the pre-hook is disarmed and the forward hook armed
+    layer(torch.randn(4))
+    assert prof.forward_s == 0.0
+    layer.set_to = None
+    x = torch.randn(4)  # needs no gradient: the layer's backward starts (w needs one) but no input hook ends it
+    layer(x).sum().backward()
+    assert prof.forward_s > 0.0 and prof.backward_s == 0.0  # started, never ended: nothing added
+    prof.reset()
+    xg = torch.randn(4, requires_grad=True)
+    layer(xg)  # output dropped: xg's gradient arrives by another path, the layer's backward never starts
+    (xg * 3).sum().backward()
+    assert prof.backward_s == 0.0
+    prof.remove()
+    class Plain(torch.nn.Module):  # no parameters
+        def forward(self, x):
+            time.sleep(0.002)
+            return x * 2
+
+    plain = Plain()
+    prof2 = MoEProfiler([plain], torch.device("cpu"))
+    prof2.active = True
+    out = plain(torch.randn(3))
+    assert not out.requires_grad and prof2.forward_s > 0.0 and prof2.backward_s == 0.0
+    prof2.remove()
+
+
 def test_help():
     res = subprocess.run([sys.executable, "-m", "sonicmoe", "train", "--help"], capture_output=True, text=True,
                          timeout=120, check=False)
@@ -809,7 +861,8 @@ def test_check_resume_corpus_names_both_digests():
     loop.check_resume_corpus({"corpus_sha256": mine}, mine)
 
 
-@pytest.mark.parametrize("extra,match", [(["--max-bytes", "10"], "has only 10 bytes"),
+@pytest.mark.parametrize("extra,match", [(["--max-bytes", "10"], "--data (the standard library): corpus from "),
+                                         (["--max-bytes", "10"], "has only 10 bytes"),
                                          (["--max-bytes", "4096", "--seq-len", "5000"], "fewer than seq_len"),
                                          (["--out", "/proc/sonicmoe-cannot-write"], "--out /proc/sonicmoe")])
 def test_data_and_out_errors_exit_with_usage(extra, match, tmp_path, capsys):
@@ -1196,6 +1249,30 @@ def test_device_names_read_the_cpu_model_name_and_the_first_driver(monkeypatch):
     assert report._nvidia_driver() is None
 
 
+def test_device_names_fall_back_to_the_platform_without_a_cpuinfo_model_name(monkeypatch):
+    """device_name on the CPU without /proc/cpuinfo (macOS: OSError) or without a "model name" line in it (some Arm
+    kernels): platform.processor(), else platform.machine(), else "cpu"."""
+    import io
+
+    from sonicmoe.train import report
+
+    names = {"processor": "", "machine": ""}
+    monkeypatch.setattr(report.platform, "processor", lambda: names["processor"])
+    monkeypatch.setattr(report.platform, "machine", lambda: names["machine"])
+
+    def missing(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    for opener in (missing, lambda path: io.StringIO("processor\t: 0\nBogoMIPS\t: 50.00\n")):
+        monkeypatch.setattr(report, "open", opener, raising=False)
+        names.update(processor="", machine="")
+        assert report.device_name(torch.device("cpu")) == "cpu"
+        names["machine"] = f"arch{int(torch.randint(0, 1000, ()))}"
+        assert report.device_name(torch.device("cpu")) == names["machine"]
+        names["processor"] = f"cpu-model-{int(torch.randint(0, 1000, ()))}"
+        assert report.device_name(torch.device("cpu")) == names["processor"]
+
+
 @pytest.mark.parametrize("error", [FileNotFoundError(2, "No such file or directory: 'nvidia-smi'"),
                                    subprocess.TimeoutExpired(["nvidia-smi"], 20)])
 def test_nvidia_driver_is_none_when_nvidia_smi_fails(monkeypatch, error):
@@ -1211,9 +1288,9 @@ def test_nvidia_driver_is_none_when_nvidia_smi_fails(monkeypatch, error):
 
 
 def test_environment_names_versions_threads_and_the_utc_date(monkeypatch):
-    """environment(): torch's and Python's versions, torch's own thread count (not the cores: a run may set fewer),
-    the commit, the date in UTC to the second; on CUDA also the CUDA version and the driver (nvidia-smi's), read
-    here through stand-ins so no GPU is needed."""
+    """environment(): torch's and Python's versions (None for a distribution not installed), torch's own thread
+    count (not the cores: a run may set fewer), the commit, the date in UTC to the second; on CUDA also the CUDA
+    version and the driver (nvidia-smi's), read here through stand-ins so no GPU is needed."""
     import datetime as dt
     import platform
 
@@ -1227,6 +1304,8 @@ def test_environment_names_versions_threads_and_the_utc_date(monkeypatch):
     assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
     assert env["commit"] == provenance.git_commit() and env["device"] == "cpu"
     assert "cuda" not in env and "driver" not in env
+    # a distribution that is not installed (sonicmoe run from a checkout, no triton): None, not an exception
+    assert report._version(f"sonicmoe-absent-{int(torch.randint(0, 10**6, ()))}") is None
     date = dt.datetime.fromisoformat(env["date"])
     assert date.utcoffset() == dt.timedelta(0) and date.microsecond == 0
     assert abs((dt.datetime.now(dt.timezone.utc) - date).total_seconds()) < 60
@@ -1817,6 +1896,39 @@ def test_expert_parallel_resume_continues_exactly(expert_parallel, tmp_path):
     assert resumed["resumed_from"] == 6 and resumed["expert_parallel"] == {"size": 2, "groups": 1}
     assert _losses(resumed) == _losses(full)
     assert resumed["final_val_loss"] == full["final_val_loss"]
+
+
+def test_cli_builds_a_resume_that_repeats_its_own_shape_and_seed_into_a_new_out(tmp_path, monkeypatch, capsys):
+    """A resume that repeats the checkpoint's own --d-model, --heads and --seed is taken (only another value is
+    refused) and writes to a given --out instead of the checkpoint's folder; a fresh run's --seed is an int, and
+    --deterministic is left to the run (None: on for CPU) unless given either way."""
+    if torch.cuda.is_available():
+        pytest.skip("the default preset is h100 where a GPU is visible")
+    seen, corpus = _cli_with_train_stubbed(monkeypatch, tmp_path, [_summary_log()])
+    seed = int(torch.randint(1, 2**20, ()))
+    small = ["--data", str(corpus), "--no-progress"]
+    assert cli.main([*small, "--out", str(tmp_path / "a"), "--seed", str(seed)]) == 0
+    cfg = seen.pop()[0]
+    assert cfg.seed == seed and type(cfg.seed) is int and cfg.deterministic is None
+    for flag, want in (("--deterministic", True), ("--no-deterministic", False)):
+        assert cli.main([*small, "--out", str(tmp_path / "a"), flag]) == 0
+        assert seen.pop()[0].deterministic is want
+    saved = make_config("cpu-tiny", steps=6, data=str(corpus), seed=seed).to_dict()
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"")
+    fake = {"config": saved, "step": 2}
+    monkeypatch.setattr(cli, "load_checkpoint", lambda path: fake)
+    new_out = tmp_path / "continued"
+    assert cli.main(["--resume", str(ckpt), "--d-model", str(saved["d_model"]), "--heads", str(saved["heads"]),
+                     "--seed", str(seed), "--out", str(new_out)]) == 0
+    cfg, checkpoint = seen.pop()
+    assert checkpoint is fake and cfg.out == str(new_out) and new_out.is_dir() and cfg.resume == str(ckpt)
+    assert (cfg.d_model, cfg.heads, cfg.seed) == (saved["d_model"], saved["heads"], seed)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--resume", str(ckpt), "--seed", str(seed + 1)])
+    assert e.value.code == 2 and f"the checkpoint's run has seed={seed}" in capsys.readouterr().err
+    assert not seen
 
 
 def test_expert_parallel_needs_ranks(tmp_path, capsys):
