@@ -137,6 +137,23 @@ def test_config_and_repr():
     assert "m_tile=16, rounding=up" in tr and "static_pairs=False" in tr
 
 
+
+def test_repr_names_each_option_once_and_the_shared_width():
+    """Each option appears once in the repr (the named ones are not repeated among the non-default rest, whatever
+    their values), and the shared expert's width is its own n_s, not the routed experts' n."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    n_s = N + 1 + int(torch.randint(1, 9, (), generator=g))
+    layers = (make(backend="torch", activation="clamped_swiglu", gate_up_layout="interleaved",
+                   router_order="softmax_then_topk", routing="token_rounding", m_tile=16, rounding="up"),
+              make(backend="auto", shared_intermediate_size=n_s, shared_expert_gate=True, z_loss_coef=0.5))
+    for m in layers:
+        r = m.extra_repr()
+        for f in dataclasses.fields(m.config):
+            assert r.count(f"{f.name}=") <= 1, (f.name, r)
+        assert r.count("backend=") == 1 and f"backend={m.config.backend}" in r
+    r = layers[1].extra_repr()
+    assert f"shared n_s={n_s} (gated)" in r and f"n={N}," in r and "z_loss_coef=0.5" in r
+
 def test_config_defaults():
     c = MoEConfig(8, 4, 4, 2)
     assert (c.router_order, c.renormalize, c.gate_up_layout, c.bias, c.backend, c.routing) == (
@@ -417,6 +434,35 @@ def test_update_expert_bias_counts_past_float16_integers():
     assert m.e_score_correction_bias.dtype == torch.float32
     torch.testing.assert_close(m.e_score_correction_bias, expected, rtol=0, atol=0)
     assert counts.dtype == torch.int64 and counts.tolist() == [4097, 4096, 4096, 4099, 4097, 4097]
+
+
+def test_update_expert_bias_sums_counts_over_the_group_first(monkeypatch):
+    """With group=, the counts are all-reduced over that group before the update (every replica of the router makes
+    the same step from the summed counts), on a float32 copy: the caller's counts are left as they were. The
+    all-reduce is stood in for by one that adds another rank's counts, chosen so that the summed counts order the
+    experts differently from this rank's alone."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    mine = torch.randint(0, 50, (E,), generator=g).float()
+    other = torch.randint(0, 50, (E,), generator=g).float()
+    other[int(mine.argmin())] += 1000.0  # this rank's least loaded expert is the busiest of the group
+    group = object()
+    seen = []
+
+    def all_reduce(t, group=None):
+        seen.append(group)
+        t.add_(other)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    m = make(router_order="sigmoid_then_topk")
+    counts = mine.clone()
+    m.update_expert_bias(0.25, counts=counts, group=group)
+    total = mine + other
+    assert seen == [group]
+    torch.testing.assert_close(m.e_score_correction_bias, 0.25 * torch.sign(total.mean() - total), rtol=0, atol=0)
+    assert torch.equal(counts, mine)  # the caller's tensor is not reduced in place
+    assert m.e_score_correction_bias[int(mine.argmin())] == -0.25
 
 
 @pytest.mark.parametrize("factor", [0.5, 0.4, 3.0])
