@@ -34,6 +34,7 @@ def _finish(plt, fig, doc, path, drawn: bool) -> Path | None:
     plt.close(fig)
     return path
 
+
 def _ok(b: dict | None) -> bool:
     return bool(b) and b.get("status") == "ok"
 
@@ -175,11 +176,7 @@ def _plot_speedup(plt, doc, records, path) -> Path | None:
         ax.set_ylabel(f"{base} speed-up ({'fwd' if phase == 'fwd' else 'fwd+bwd'})")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(_title(doc), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, doc, path, True)
 
 
 def _plot_token_rounding(plt, doc, records, path) -> Path | None:
