@@ -3411,6 +3411,9 @@ def test_run_numbers_its_items_keeps_the_callers_records_and_rows_a_shape_error(
     assert (mine[3]["status"], mine[3]["message"]) == ("error", "RuntimeError: sticky CUDA error")
     assert mine[3]["backends"] == {} and mine[3]["T"] == 48 and mine[3]["routing"] == "topk"
     assert mine[3]["activation"] == opts.activation == "swiglu"  # what the failed shape ran with
+    # a failed shape's record opens with the same fields as one that ran (runner.shape_header)
+    assert {k: mine[3][k] for k in ("T_preset", "G", "rho", "m_tile", "E", "K")} == {
+        "T_preset": None, "G": 1.0, "rho": 0.5, "m_tile": opts.m_tile, "E": 2, "K": 1}
     lines = said + capsys.readouterr().out.splitlines()  # through tqdm.write where tqdm is installed
     progress = [s for s in lines if s.startswith("[")]
     assert progress == [f"[{i}/3] {s.name} (T={s.T}, d=8, n=8, E=2, K=1) routing=topk" for i, s in enumerate(shapes, 1)]

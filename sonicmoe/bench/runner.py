@@ -246,13 +246,20 @@ def _device_bytes(device: torch.device) -> int | None:
         return None
 
 
+def shape_header(shape: Shape, mode: str, opts: RunOptions) -> dict:
+    """The fields that open a shape's JSON record, whether its run ended ok, skipped or raised: name, group, the
+    dims T, d, n, E, K, the preset's T before --max-T, granularity G = d/n, sparsity rho = K/E, the routing mode,
+    M_tile and the activation."""
+    T, d, n, E, K = shape.dims
+    return {"name": shape.name, "group": shape.group, "T": T, "d": d, "n": n, "E": E, "K": K,
+            "T_preset": shape.T_preset, "G": shape.G, "rho": shape.rho, "routing": mode, "m_tile": opts.m_tile,
+            "activation": opts.activation}
+
+
 def run_shape(shape: Shape, mode: str, opts: RunOptions, log: Callable[[str], None]) -> dict:
     """All backends on one shape and routing mode; returns the shape's JSON record."""
     T, d, n, E, K = shape.dims
-    rec: dict = {"name": shape.name, "group": shape.group, "T": T, "d": d, "n": n, "E": E, "K": K,
-                 "T_preset": shape.T_preset, "G": shape.G, "rho": shape.rho, "routing": mode,
-                 "m_tile": opts.m_tile, "activation": opts.activation, "status": "ok",
-                 "message": None}
+    rec: dict = {**shape_header(shape, mode, opts), "status": "ok", "message": None}
     need = footprint_bytes(shape, torch.empty((), dtype=opts.dtype).element_size(), opts.mode == "fwdbwd")
     rec["footprint_bytes"] = need
     have = _device_bytes(opts.device)
@@ -371,9 +378,7 @@ def run(shapes: list[Shape], opts: RunOptions, log: Callable[[str], None] | None
         try:
             rec = run_shape(shape, mode, opts, say)
         except bench_error_types() as exc:  # e.g. a sticky CUDA error while summarising the routing
-            rec = {"name": shape.name, "group": shape.group, "T": shape.T, "d": shape.d, "n": shape.n,
-                   "E": shape.E, "K": shape.K, "G": shape.G, "routing": mode, "activation": opts.activation,
-                   "backends": {},
+            rec = {**shape_header(shape, mode, opts), "backends": {},
                    "status": "oom" if isinstance(exc, oom_error_types()) else "error",
                    "message": _message(exc)}
             say(f"  {rec['status'].upper()}: {rec['message']}")
