@@ -6022,6 +6022,9 @@ MUTANTS: list[Mutant] = [
        "    if folded in INTERPRET_OFF:\n        return True", TENV, "-k", "triton_interpret"),
     _m("cf19_env_interpret_message_names_triton", ENV, 'raise _bad("TRITON_INTERPRET", value,',
        'raise _bad("TRITON", value,', TENV, "-k", "triton_interpret"),
+    _m("rn101_env_count_both_bounds_unsaid", ENV,
+       '"0 or a positive multiple of {multiple}" + ("" if most is None else f" up to {most}")',
+       '"0 or a positive multiple of {multiple}"', TENV, "-k", "messages_list"),
     # provenance
     _m("cf19_prov_empty_env_commit_kept", "sonicmoe/provenance.py",
        'return os.environ.get("SONICMOE_GIT_COMMIT") or _git("rev-parse", "HEAD")',

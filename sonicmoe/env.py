@@ -83,7 +83,7 @@ def _count(name: str, value: str, most: int | None, multiple: int) -> int:
             return n
     accepted = "an integer" if most is None else f"an integer 0..{most}"
     if multiple > 1:
-        accepted = f"0 or a positive multiple of {multiple}"
+        accepted = f"0 or a positive multiple of {multiple}" + ("" if most is None else f" up to {most}")
     raise _bad(name, value, accepted)
 
 

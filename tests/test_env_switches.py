@@ -76,6 +76,9 @@ def test_settings_messages_list_the_accepted_values(monkeypatch):
         (lambda: env.env_count(name, 0, most=16), "17", "expected an integer 0..16"),
         (lambda: env.env_count(name, 0, multiple=8), "12", "expected 0 or a positive multiple of 8"),
         (lambda: env.env_count(name, 0, multiple=2), "3", "expected 0 or a positive multiple of 2"),
+        # both bounds: the message names the largest value too (a multiple above it was refused without saying why)
+        (lambda: env.env_count(name, 0, most=16, multiple=8), "24", "expected 0 or a positive multiple of 8 up to 16"),
+        (lambda: env.env_count(name, 0, most=16, multiple=8), "12", "expected 0 or a positive multiple of 8 up to 16"),
     ]
     for read, value, accepted in cases:
         monkeypatch.setenv(name, value)
