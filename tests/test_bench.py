@@ -2854,12 +2854,9 @@ def test_run_options_reach_the_check_and_the_record(tmp_path):
     assert rec["dtype"] == "float32" and rec["spec_held_bytes"] == 4 * (64 * 32 + 128 * 2 * 16)
 
 
-def test_timed_phase_reads_the_gpu_over_its_timing_window(monkeypatch):
-    """_timed: the GPU state over the last rep milliseconds of the watch (rep is in ms, GpuWatch.last takes
-    seconds), TFLOP/s from the median."""
-    from sonicmoe.bench import runner
 
-    seen = []
+def _fake_gpu_watch(last):
+    """A stand-in for bench.gpu_state.GpuWatch: a context manager whose ``last(seconds)`` returns ``last(seconds)``."""
 
     class Watch:
         def __init__(self, device, nvml=None):
@@ -2872,10 +2869,22 @@ def test_timed_phase_reads_the_gpu_over_its_timing_window(monkeypatch):
             pass
 
         def last(self, seconds):
-            seen.append(seconds)
-            return {"sm_mhz": 1600.0}
+            return last(seconds)
 
-    monkeypatch.setattr(runner, "GpuWatch", Watch)
+    return Watch
+
+def test_timed_phase_reads_the_gpu_over_its_timing_window(monkeypatch):
+    """_timed: the GPU state over the last rep milliseconds of the watch (rep is in ms, GpuWatch.last takes
+    seconds), TFLOP/s from the median."""
+    from sonicmoe.bench import runner
+
+    seen = []
+
+    def last(seconds):
+        seen.append(seconds)
+        return {"sm_mhz": 1600.0}
+
+    monkeypatch.setattr(runner, "GpuWatch", _fake_gpu_watch(last))
     monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 1.0, "p50": 2.0, "p80": 3.0})
     opts = runner.RunOptions(backends=[], device=torch.device("cpu"), dtype=torch.float32, warmup=0.0, rep=250.0)
     phase = runner._timed(lambda: None, [], 4 * 10**12, opts, torch.device("cpu"), None)
@@ -3718,20 +3727,7 @@ def test_gpu_note_names_the_clock_watts_and_temperature_of_the_fwd_bwd_timing(mo
     assert runner._gpu_note({"gpu": None}) == "" and runner._gpu_note(None) == ""
     states = iter([dict(state, sm_mhz=m) for m in mhz] * 2)
 
-    class Watch:
-        def __init__(self, device, nvml=None):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def last(self, seconds):
-            return next(states)
-
-    monkeypatch.setattr(runner, "GpuWatch", Watch)
+    monkeypatch.setattr(runner, "GpuWatch", _fake_gpu_watch(lambda seconds: next(states)))
     monkeypatch.setattr(runner, "bench_ms", lambda fn, **kw: {"p20": 1.0, "p50": 2.0, "p80": 3.0})
     p = make_problem(Shape("n", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=1)
     for mode, note in (("fwdbwd", mhz[1]), ("fwd", mhz[0])):
