@@ -3803,3 +3803,160 @@ def test_results_document_names_its_command_and_its_file_ends_in_a_newline(tmp_p
     text = report.write_results(doc, tmp_path / "r.json").read_text()
     assert text.endswith("}\n") and not text.endswith("\n\n")
     assert _strict_load(tmp_path / "r.json")["command"] == doc["command"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the backends' registry, the measurements, the problems and the shapes (mutation probe: cx22_*)
+
+
+def test_default_backends_add_installed_libraries_only(monkeypatch):
+    """``default`` adds a backend that is off by default only where it is a competitor library (kind "library") whose
+    module is installed: a non-default backend named after an installed module (json) stays out, a library of that
+    name joins, a library whose module is missing does not."""
+    monkeypatch.setattr(baselines, "REGISTRY", dict(baselines.REGISTRY))
+    base = set(baselines.resolve_backends("default"))
+    for name, kind in (("json", "baseline"), ("sonicmoe_no_such_library", "library")):
+        baselines.register_baseline(BaselineSpec(name, baselines._loop_factory, "t", kind=kind, default=False))
+    got = baselines.resolve_backends("default")
+    assert "json" not in got and "sonicmoe_no_such_library" not in got and set(got) == base
+    baselines.register_baseline(BaselineSpec("json", baselines._loop_factory, "t", kind="library", default=False))
+    assert baselines.resolve_backends("default")[-1] == "json"
+
+
+def test_triton_backend_unavailable_when_its_kernels_cannot_be_imported(monkeypatch):
+    """Under the interpreter in float32, a sonicmoe.ops.moe_function that cannot be imported makes the triton backend
+    Unavailable with the reason (a skipped row), not an ImportError that ends the run."""
+    import sonicmoe.ops
+
+    p = make_problem(Shape("t", 8, 16, 8, 4, 2), dtype=torch.float32, device="cpu", seed=3)
+    monkeypatch.setattr(baselines, "interpreting", lambda: True)
+    monkeypatch.delattr(sonicmoe.ops, "moe_function", raising=False)
+    monkeypatch.setitem(sys.modules, "sonicmoe.ops.moe_function", None)  # an import of it fails
+    with pytest.raises(baselines.Unavailable, match="sonicmoe.ops.moe_function is not importable"):
+        baselines._triton_factory(p, {})
+
+
+def test_timing_loops_time_each_call_in_ms_over_a_window_in_ms():
+    """_wall_ms: each call's time in milliseconds (a call sleeping 3 ms reads at least 3, not 3000), and the measured
+    window ``rep`` in milliseconds too: a 30 ms window of 3 ms calls times at most 11 of them (5 at least), not the
+    1000-call cap a window in seconds would reach."""
+    import time
+
+    from sonicmoe.bench import measure
+
+    sleep_ms = 3.0 + float(torch.rand((), generator=_fresh_generator()))
+    times = measure._wall_ms(lambda: time.sleep(sleep_ms / 1e3), 0.0, 30.0, torch.device("cpu"))
+    assert 5 <= len(times) <= 11, len(times)
+    assert all(sleep_ms <= t < 100 * sleep_ms for t in times), times
+
+
+def test_default_tol_is_tighter_for_finer_dtypes_and_fp16_passes_it():
+    """default_tol orders the dtypes by their precision: float64 < float32 < float16 < bfloat16 (fp16 keeps 3 more
+    mantissa bits than bf16, 8x finer rounding: its bound is under half of bf16's), an unlisted dtype gets the loosest
+    (bf16's); the torch backend in fp16 passes its own dtype's bound."""
+    from sonicmoe.bench.measure import check_case, default_tol
+
+    tols = [default_tol(t) for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16)]
+    assert tols == sorted(tols) and len(set(tols)) == 4
+    assert default_tol(torch.float16) <= default_tol(torch.bfloat16) / 2
+    assert default_tol(torch.int8) == default_tol(torch.bfloat16)
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=_fresh_generator()))
+    p = make_problem(Shape("h", 64, 32, 16, 4, 2), dtype=torch.float16, device="cpu", seed=seed)
+    res = check_case(REGISTRY["torch"].factory(p, {}), p.dout, grads=True, tol=default_tol(torch.float16),
+                     poison=False)
+    assert res["passed"], res
+
+
+def test_triton_errors_become_rows(monkeypatch):
+    """A backend that raises one of Triton's own errors (TritonError: an interpreter error, out of resources) gets an
+    "error" row naming it; the run goes on."""
+    from triton.runtime.errors import InterpreterError, TritonError
+
+    from sonicmoe.bench import runner
+    from sonicmoe.bench.measure import bench_error_types
+
+    assert TritonError in bench_error_types()
+    p = make_problem(Shape("e", 16, 8, 8, 2, 1), dtype=torch.float32, device="cpu", seed=1)
+    opts = runner.RunOptions(backends=["bad"], device=torch.device("cpu"), dtype=torch.float32, verbose=False)
+
+    def factory(problem, options):
+        raise InterpreterError("kernel broke")
+
+    monkeypatch.setitem(REGISTRY, "bad", BaselineSpec("bad", factory, "t", default=False))
+    row = runner.run_backend("bad", p, opts, useful_flops(p.R, 8, 8), lambda s: None)
+    assert row["status"] == "error" and row["message"].startswith("setup: InterpreterError") and row["fwd"] is None
+
+
+def test_worst_expert_of_two_dimensional_pieces_is_over_the_rms_expert():
+    """_NormAcc on (experts, k) pieces (a 2-D gradient of one row per expert): the worst expert is the largest error
+    norm of an expert's row over the RMS norm of the experts' rows, not the largest single element over the RMS
+    element."""
+    from sonicmoe.bench.measure import _NormAcc
+
+    g = _fresh_generator()
+    ref = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    got = ref + 1e-3 * torch.randn(8, 5, generator=g, dtype=torch.float64)
+    got[3] += torch.randn(5, generator=g, dtype=torch.float64)
+    acc = _NormAcc()
+    acc.add(got[:4], ref[:4])
+    acc.add(got[4:], ref[4:])
+    rms = math.sqrt(sum(float(r.dot(r)) for r in ref) / 8)
+    worst = max(math.sqrt(float((a - b).dot(a - b))) for a, b in zip(got, ref))
+    assert acc.local() == pytest.approx(worst / rms, rel=1e-9)
+    assert acc.value() == pytest.approx(float((got - ref).norm() / ref.norm()), rel=1e-9)
+
+
+def test_token_rounding_without_its_function_is_token_rounding_unavailable(monkeypatch):
+    """A sonicmoe.token_rounding that imports but lacks the token_rounding function (an ImportError that is no
+    ModuleNotFoundError) is TokenRoundingUnavailable, naming the module, as a missing module is."""
+    import types
+
+    from sonicmoe.bench import problem as bp
+
+    monkeypatch.setitem(sys.modules, "sonicmoe.token_rounding", types.ModuleType("sonicmoe.token_rounding"))
+    with pytest.raises(bp.TokenRoundingUnavailable, match="sonicmoe.token_rounding is not importable"):
+        bp.load_token_rounding()
+    monkeypatch.setitem(sys.modules, "sonicmoe.token_rounding", None)
+    with pytest.raises(bp.TokenRoundingUnavailable, match="sonicmoe.token_rounding is not importable"):
+        bp.load_token_rounding()
+
+
+def test_granularity_of_a_shape_is_not_floored():
+    """G = d/n is a true ratio: a shape whose n exceeds d (the granularity sweep's n1024 of d768) has G below 1, not 0,
+    and one where n does not divide d keeps the fraction."""
+    g = _fresh_generator()
+    n = int(torch.randint(17, 64, (), generator=g))
+    d = n + int(torch.randint(1, n, (), generator=g))  # n < d < 2n: d/n has a fraction
+    assert Shape("g", 8, d, n, 4, 2).G == pytest.approx(d / n) and Shape("g", 8, d, n, 4, 2).G % 1 > 0
+    assert Shape("w", 8, n, d, 4, 2).G == pytest.approx(n / d) and 0 < Shape("w", 8, n, d, 4, 2).G < 1
+    wide = [s for s in PRESETS["granularity"] if s.n > s.d]
+    assert wide and all(0 < s.G < 1 for s in wide)
+
+
+def test_parse_shape_names_the_flag_and_text_of_a_non_integer():
+    """--shape with a non-integer number: a ValueError naming the flag and the text, not int()'s bare message."""
+    # letters before "x" only: parse_shape reads an "x" as a separator
+    word = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 23, (5,), generator=_fresh_generator()))
+    text = f"64,{word},16,4,2"
+    with pytest.raises(ValueError, match=rf"^--shape wants integers T,d,n,E,K, got '{text}'$"):
+        parse_shape(text)
+
+
+def test_route_builds_a_routing_of_the_routers_experts(monkeypatch):
+    """route's routing has one expert per row of W_r (E), not one per column (d): its expert counts are the top-k
+    choice's, E of them, under top-k and under a token_rounding that returns bare pairs (the routing built here)."""
+    from sonicmoe.bench import problem as bp
+
+    g = _fresh_generator()
+    T, d, E = 48, 24, 6
+    x, w = torch.randn(T, d, generator=g), torch.randn(E, d, generator=g)
+    r = bp.route(x, w, 2, "topk")
+    assert r.routing.num_experts == E
+    assert torch.equal(r.routing.expert_counts().long(), torch.bincount(r.topk_ids.reshape(-1).long(), minlength=E))
+    real = bp.load_token_rounding()
+    monkeypatch.setattr(bp, "load_token_rounding",
+                        lambda: lambda router, **kw: tuple(getattr(real(router, **kw), a)
+                                                           for a in ("pair_token", "pair_expert", "pair_scores")))
+    tr = bp.route(x, w, 2, "token_rounding", m_tile=8)
+    assert tr.routing.num_experts == E and int(tr.routing.expert_counts().sum()) == tr.pair_token.numel() > 0
+    assert torch.equal(tr.routing.expert_counts().long(), torch.bincount(tr.pair_expert.long(), minlength=E))
