@@ -140,6 +140,31 @@ def test_autocast_helpers_on_a_device_autocast_does_not_know():
     assert out.device == meta and out.shape == (3, 8) and out.dtype == torch.float32
 
 
+def test_autocast_helpers_read_the_cuda_autocast_state():
+    """CUDA is one of the devices the helpers know: with CUDA autocast on (its state set by hand, so that a machine
+    without a GPU runs this too), autocast_dtype of a CUDA device is its dtype, not None, while the CPU's stays None,
+    and no_autocast turns CUDA autocast off inside and back on after (mutation probe: ck22_ac_cuda_unknown)."""
+    import warnings
+
+    from sonicmoe._autocast import autocast_dtype, no_autocast
+
+    cuda = torch.device("cuda", 1)
+    amp = [torch.float16, torch.bfloat16][int(torch.randint(0, 2, ()))]
+    prev_on, prev_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    assert autocast_dtype(cuda) is None or prev_on
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", amp)
+    try:
+        assert autocast_dtype(cuda) == amp and autocast_dtype(torch.device("cpu")) is None
+        with warnings.catch_warnings():  # torch.autocast("cuda") warns where CUDA is missing
+            warnings.simplefilter("ignore")
+            with no_autocast(cuda):
+                assert not torch.is_autocast_enabled("cuda") and autocast_dtype(cuda) is None
+        assert torch.is_autocast_enabled("cuda")
+    finally:
+        torch.set_autocast_enabled("cuda", prev_on)
+        torch.set_autocast_dtype("cuda", prev_dtype)
+
 def test_entry_points_take_x_by_keyword_and_run_with_autocast_off():
     """The decorator finds X passed by keyword as well as by position (``experts(x=..., ...)`` under autocast: the
     same bits as the positional call), casts only the arguments it names (not the scores) and runs the function

@@ -171,6 +171,26 @@ def test_experts_ref_general_routing_matches_naive(layout, bias):
     assert bool((out[has == 0] == 0).all())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_ref_keeps_float64_biases_in_float64(layout):
+    """float64 inputs drawn in float64 (random_problem draws in float32 and casts, so its float64 tensors are float32
+    values: a float32 rounding of any of them would not show): experts_ref computes in float64 throughout, the
+    biases included, and matches the float64 loop to 1e-12 where rounding b1 or b2 to float32 errs by ~1e-8."""
+    T, d, n, E = 10, 8, 4, 5
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * s
+
+    x, w1, w2 = rnd(T, d), rnd(E, 2 * n, d, s=d**-0.5), rnd(E, d, n, s=n**-0.5)
+    b1, b2 = rnd(E, 2 * n), rnd(E, d)
+    assert not torch.equal(b1, b1.float().double()) and not torch.equal(b2, b2.float().double())
+    tok, exp, scores = general_pairs(T, E, seed=int(torch.randint(0, 2**31, ())))
+    routing = routing_from_pairs(tok, exp, T, E)
+    out = experts_ref(x, w1, w2, routing, scores.double(), b1, b2, gate_up_layout=layout)
+    expected = naive_pairs(x, w1, w2, b1, b2, tok, exp, scores, layout)
+    assert out.dtype == torch.float64 and rel_err(out, expected) < 1e-12
+
 def test_experts_ref_zero_expert_tokens_and_empty_experts_exact():
     T, d, n, E = 4, 6, 3, 5
     p = random_problem(T, d, n, E, dtype=torch.float64, bias=True, seed=4)
@@ -645,10 +665,11 @@ def test_testing_helpers_on_cuda_says_cuda_one():
 
 
 def test_testing_helpers_random_problem_scales_by_fan_in():
-    """random_problem's weights have std 1/sqrt(fan_in) (W_r, W1: d; W2: n), so that activations stay O(1), and its
-    biases b1, b2 std 0.1 (small next to the products)."""
+    """random_problem's weights have std 1/sqrt(fan_in) (W_r, W1: d; W2: n), so that activations stay O(1), its
+    tokens x std 1 (unscaled) and its biases b1, b2 std 0.1 (small next to the products)."""
     d, n = 64, 16
     p = random_problem(64, d, n, 8, seed=7, bias=True)
+    assert abs(float(p["x"].std()) - 1) < 0.1
     for key, fan_in in (("router_weight", d), ("w1", d), ("w2", n)):
         assert abs(float(p[key].std()) * fan_in**0.5 - 1) < 0.1, key
     for key in ("b1", "b2"):
