@@ -32,12 +32,15 @@ def random_problem(t: int, d: int, n: int, e: int, *, dtype=torch.float32, devic
                    seed: int = 0, scale: float = 1.0):
     """Fresh random x (T, d), router weight (E, d), W1 (E, 2n, d), W2 (E, d, n) and biases.
 
-    Weights are scaled by 1/sqrt(fan_in) so activations stay O(1). Returns a dict.
+    Weights are scaled by 1/sqrt(fan_in) so activations stay O(1). Values are drawn in float64 for a float64
+    problem (so its tests can see a computation that drops to float32) and in float32 otherwise, then cast.
+    Returns a dict.
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
+    draw = torch.float64 if dtype == torch.float64 else torch.float32
 
     def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g) * s * scale).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=g, dtype=draw) * s * scale).to(device=device, dtype=dtype)
 
     out = {
         "x": rnd(t, d),

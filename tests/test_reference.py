@@ -676,6 +676,18 @@ def test_testing_helpers_random_problem_scales_by_fan_in():
         assert abs(float(p[key].std()) / 0.1 - 1) < 0.1, key
 
 
+
+def test_testing_helpers_random_problem_draws_float64_in_float64():
+    """A float64 problem is drawn in float64: its values are not all float32 numbers, so a float64 test built on it
+    sees a computation that drops to float32 (drawn in float32 and cast, they all were, and hid ck22_ref_b1_in_float32).
+    Other dtypes keep their float32 draw, cast."""
+    p64 = random_problem(16, 8, 4, 3, seed=5, bias=True, dtype=torch.float64)
+    for key, v in p64.items():
+        assert v.dtype == torch.float64 and not torch.equal(v.float().double(), v), key
+    p16 = random_problem(16, 8, 4, 3, seed=5, bias=True, dtype=torch.float16)
+    p32 = random_problem(16, 8, 4, 3, seed=5, bias=True)
+    assert all(torch.equal(p16[k], p32[k].half()) for k in p32)
+
 def test_testing_helpers_random_problem_follows_seed_scale_and_bias():
     """random_problem: the seed picks the draw (the same seed the same tensors, another seed others), ``scale``
     multiplies every tensor, biases (E, 2n) and (E, d) only with bias=True; random_topk_routing routes K distinct
