@@ -18,7 +18,7 @@ from torch import nn
 from sonicmoe import MoE
 from sonicmoe.checkpoints import hf_experts_state_dict, load_hf_experts
 
-D, N, E, K = 12, 6, 8, 2
+D, N, E, K = 12, 5, 8, 2  # d ≠ 2n: a split of the gate/up block along the wrong dimension changes shapes
 N_S = 10  # Qwen2-MoE's shared expert width (shared_expert_intermediate_size)
 _NAMES_OF = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}  # gate, up, down
 
@@ -318,7 +318,8 @@ def test_errors_name_the_key_and_leave_the_layer_unchanged():
         assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
 
     fails(KeyError, "b.experts.5.w2.weight", {k: v for k, v in good.items() if k != "b.experts.5.w2.weight"}, "b.")
-    fails(ValueError, r"b.experts.2.w1.weight.*\(6, 12\)", {**good, "b.experts.2.w1.weight": torch.zeros(6, 11)}, "b.")
+    fails(ValueError, rf"b.experts.2.w1.weight.*\({N}, {D}\)",
+          {**good, "b.experts.2.w1.weight": torch.zeros(N + 1, D - 1)}, "b.")
     fails(ValueError, "more than E=8", {**good, "b.experts.8.w1.weight": torch.zeros(N, D)}, "b.")
     fails(ValueError, "bias=True", {**good, "b.experts.0.w1.bias": torch.zeros(N)}, "b.")
     fails(KeyError, "no per-expert weights", good, "wrong.")
@@ -380,13 +381,14 @@ def test_a_missing_or_non_tensor_entry_is_named_with_its_shape():
         assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
 
     for key in ("b.experts.4.w3.weight", "b.experts.0.w3.weight"):
-        fails(KeyError, rf"missing '{key}' \(expected shape \(6, 12\)\)", {k: v for k, v in good.items() if k != key})
+        fails(KeyError, rf"missing '{key}' \(expected shape \({N}, {D}\)\)",
+              {k: v for k, v in good.items() if k != key})
     fails(KeyError, r"missing 'b.gate.weight' \(expected shape \(8, 12\)\)",
           {k: v for k, v in good.items() if k != "b.gate.weight"})
     down = good["b.experts.3.w2.weight"]
-    fails(ValueError, r"'b.experts.3.w2.weight' must have shape \(12, 6\), got list",
+    fails(ValueError, rf"'b.experts.3.w2.weight' must have shape \({D}, {N}\), got list",
           {**good, "b.experts.3.w2.weight": down.tolist()})
-    fails(ValueError, r"'b.experts.3.w2.weight' must have shape \(12, 6\), got ndarray",
+    fails(ValueError, rf"'b.experts.3.w2.weight' must have shape \({D}, {N}\), got ndarray",
           {**good, "b.experts.3.w2.weight": down.numpy()})
 
 
