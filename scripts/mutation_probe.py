@@ -1514,6 +1514,9 @@ MUTANTS: list[Mutant] = [
        "not isinstance(v, int) or v < 0:", "tests/test_bench.py", "-k", "parse_shape or shape_bounds"),
     _m("ho5_shape_max_T_equal_marks_preset", "sonicmoe/bench/shapes.py", "if max_T is None or self.T <= max_T:",
        "if max_T is None or self.T < max_T:", "tests/test_bench.py", "-k", "parse_shape or shape_bounds"),
+    # a preset's numbers against ../shared/configs.json (the probe links ../shared beside its copy since session 101)
+    _m("rn101_preset_gpt_oss_d", "sonicmoe/bench/shapes.py", '"gpt-oss-120b": (32768, 2880, 2880, 128, 4),',
+       '"gpt-oss-120b": (32768, 2880, 2816, 128, 4),', "tests/test_bench.py", "-k", "presets_match_configs"),
     _m("ho5_shape_max_T_twice_loses_preset", "sonicmoe/bench/shapes.py", "T_preset=self.T_preset or self.T)",
        "T_preset=self.T)", "tests/test_bench.py", "-k", "parse_shape or shape_bounds"),
     _m("ho5_shape_preset_underscore", "sonicmoe/bench/shapes.py", 'name.strip().lower().replace("_", "-")',
@@ -6653,7 +6656,12 @@ def main() -> int:
         return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="sonicmoe_mut_") as tmp:
-        work = Path(tmp)
+        # the copy sits in tmp/repo beside a link tmp/shared to the checkout's ../shared, where the tests find
+        # configs.json (test_presets_match_configs_json skipped in every mutant's run without it)
+        work = Path(tmp) / "repo"
+        work.mkdir()
+        if (ROOT.parent / "shared").is_dir():
+            (Path(tmp) / "shared").symlink_to(ROOT.parent / "shared")
         _copy_tree(work)
         for m in chosen:
             r = run_mutant(m, work, args.timeout)
