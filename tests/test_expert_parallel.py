@@ -860,3 +860,70 @@ def test_expert_parallel_routing_over_local_experts_is_named():
         _check_ep_inputs(x, w1, w2, None, None, local, torch.rand(5), world, "torch", "concat")
     _check_ep_inputs(x, w1, w2, None, None, routing_from_topk(ids, e_loc * world), torch.rand(5), world, "torch",
                      "concat")
+
+
+def _gloo_or_skip() -> None:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+
+
+@_rank_worker
+def _bias_worker(rank: int, world: int, init_file: str, seed: int) -> dict:
+    """Rank ``rank`` of 2: the same sigmoid_then_topk layer on every rank (one seed) updates its selection bias with
+    ``group=`` a real process group of both ranks, twice: from its last forward's counts (each rank's own tokens),
+    then from int64 counts chosen so that the summed counts order the experts differently from this rank's alone.
+    Against the same layer in one process updated from the counts summed by hand; both ranks' biases gathered."""
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, D, generator=g) for t in TOKENS]  # every rank draws every rank's tokens
+    mine = torch.randint(0, 50, (E,), generator=g)
+    other = torch.randint(0, 50, (E,), generator=g)
+    other[int(mine.argmin())] += 1000  # rank 0's least loaded expert is the group's busiest
+    explicit = [mine, other]
+    rates = (0.125, 0.25)
+
+    def layer() -> MoE:
+        torch.manual_seed(seed)
+        return MoE(D, N, E, 2, router_order="sigmoid_then_topk", backend="torch")
+
+    m, ref = layer(), layer()
+    m(xs[rank])
+    local = m.expert_counts.clone()
+    m.update_expert_bias(rates[0], group=group)
+    counts = explicit[rank].clone()
+    m.update_expert_bias(rates[1], counts=counts, group=group)
+    forward_counts = torch.zeros(E)
+    for x in xs:  # counts by hand: each rank's tokens alone, summed
+        ref(x)
+        forward_counts += ref.expert_counts.to(torch.float32)
+    ref.update_expert_bias(rates[0], counts=forward_counts)
+    ref.update_expert_bias(rates[1], counts=mine + other)
+    solo = layer()
+    solo.update_expert_bias(rates[1], counts=explicit[rank])
+    b = m.e_score_correction_bias
+    parts = [torch.empty_like(b) for _ in range(world)]
+    dist.all_gather(parts, b)
+    return {"ranks_differ_flag": float(not all(torch.equal(p, parts[0]) for p in parts)),
+            "not_one_process_flag": float(not torch.equal(b, ref.e_score_correction_bias)),
+            "bias_not_float32_flag": float(b.dtype != torch.float32),
+            "own_counts_changed_flag": float(not (torch.equal(m.expert_counts, local)
+                                                  and torch.equal(counts, explicit[rank]))),
+            # the check has teeth: rank 0's own counts alone would step its least loaded expert the other way
+            "summed_like_local_flag": float(rank == 0 and solo.e_score_correction_bias[int(mine.argmin())] <= 0),
+            "summed_step_flag": float(ref.e_score_correction_bias[int(mine.argmin())] >= 0)}
+
+
+def test_update_expert_bias_over_two_gloo_ranks(tmp_path):
+    """update_expert_bias(group=...) in two real processes over gloo (not a stood-in all_reduce): both ranks end with
+    the same float32 bias, equal to one process's update from the counts summed over the ranks (last forward's
+    counts, then given int64 ones), and the caller's counts and the layer's expert_counts are left as they were."""
+    _gloo_or_skip()
+    results = _spawn(_bias_worker, 2, tmp_path, int(torch.randint(0, 2 ** 31, ())))
+    for rank, errs in enumerate(results):
+        assert len(errs) == 6, errs
+        bad = {key: v for key, v in errs.items() if v != 0.0}
+        assert not bad, f"rank {rank}: {bad}"

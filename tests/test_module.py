@@ -465,6 +465,32 @@ def test_update_expert_bias_sums_counts_over_the_group_first(monkeypatch):
     assert m.e_score_correction_bias[int(mine.argmin())] == -0.25
 
 
+def test_update_expert_bias_rate_and_counts_checks():
+    """The mean, not the median, splits the experts: one overloaded expert steps down and every other up. An int rate
+    is a rate (1 moves by 1.0); NaN is no rate. Counts that are no tensor (a list) or hold E values in another shape
+    are refused with a ValueError naming the shape found; a layer without a bias names its router_order."""
+    m = make(router_order="sigmoid_then_topk")
+    counts = torch.randint(10, 20, (E,))
+    busy = int(torch.randint(0, E, ()))
+    counts[busy] += 1000  # the mean is above every other count, the median is not
+    m.update_expert_bias(1, counts=counts)
+    want = torch.ones(E)
+    want[busy] = -1.0
+    assert m.e_score_correction_bias.dtype == torch.float32
+    torch.testing.assert_close(m.e_score_correction_bias, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rate must be a finite float > 0, got nan"):
+        m.update_expert_bias(float("nan"), counts=counts)
+    with pytest.raises(ValueError, match=rf"counts must be a tensor of shape \(E={E},\), got list"):
+        m.update_expert_bias(0.01, counts=[1.0] * E)
+    with pytest.raises(ValueError, match=rf"got \({E}, 1\)"):
+        m.update_expert_bias(0.01, counts=torch.ones(E, 1))
+    with pytest.raises(ValueError, match=rf"got \({E + 2},\)"):
+        m.update_expert_bias(0.01, counts=torch.ones(E + 2))
+    torch.testing.assert_close(m.e_score_correction_bias, want, rtol=0, atol=0)  # no refused call moved it
+    with pytest.raises(RuntimeError, match="this layer has 'softmax_then_topk'"):
+        make(router_order="softmax_then_topk").update_expert_bias(0.01, counts=counts)
+
+
 @pytest.mark.parametrize("factor", [0.5, 0.4, 3.0])
 def test_routed_scaling_factor_below_and_above_one(factor):
     """Every score times routed_scaling_factor, whichever side of 1 it is (a factor below 1 scales too): the layer

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from test_expert_parallel import _rank_worker, _spawn  # the two-process helpers (tests/ is on sys.path)
 
 from sonicmoe.testing import rel_err
 from sonicmoe.train import cli, loop
@@ -796,6 +798,53 @@ def test_moe_profiler_reset_forgets_open_brackets_and_times_an_output_without_gr
     out = plain(torch.randn(3))
     assert not out.requires_grad and prof2.forward_s > 0.0 and prof2.backward_s == 0.0
     prof2.remove()
+
+
+def test_moe_profiler_end_closes_only_its_own_calls_bracket():
+    """A layer's backward that started and never ended (its input needs no gradient) leaves its bracket open; without
+    a reset() in between, a later call's input-gradient hook whose own start never came (its output dropped, the
+    input's gradient arriving by another path) adds nothing: the end hooks close only the bracket their own forward
+    call opened. Before the fix (brackets keyed by the layer alone) it added the stale bracket, the whole pause. A
+    call after both is timed as usual, from its own start."""
+    import time
+
+    from sonicmoe.train.profiling import MoEProfiler
+
+    pause, bwd = 0.3 + 0.2 * float(torch.rand(())), 0.01
+    layer = _SleepyLayer(0.0, bwd)
+    prof = MoEProfiler([layer], torch.device("cpu"))
+    prof.active = True
+    layer(torch.randn(5)).sum().backward()  # w needs a gradient, the input does not: started, never ended
+    assert prof.backward_s == 0.0
+    time.sleep(pause)
+    x = torch.randn(5, requires_grad=True)
+    layer(x)  # dropped: this call's backward never starts
+    (x * 3).sum().backward()  # its input hook fires with no start of its own
+    assert prof.backward_s == 0.0
+    layer(torch.randn(5, requires_grad=True)).sum().backward()
+    assert bwd <= prof.backward_s < pause
+    prof.remove()
+
+
+def test_moe_profiler_reset_forgets_a_started_backward_of_the_same_call():
+    """reset() forgets a backward bracket opened by a call whose end may still come: a backward that reaches the
+    layer's output but stops short of its input (``inputs=`` the weight), then, after reset(), the input's gradient
+    by another path fires that same call's end hook, which must add nothing (the start belongs before the reset)."""
+    import time
+
+    from sonicmoe.train.profiling import MoEProfiler
+
+    layer = _SleepyLayer(0.0, 0.0)
+    prof = MoEProfiler([layer], torch.device("cpu"))
+    prof.active = True
+    x = torch.randn(5, requires_grad=True)
+    layer(x).sum().backward(inputs=[layer.w])  # the output's gradient arrives, the input's is never computed
+    assert x.grad is None and prof.backward_s == 0.0
+    prof.reset()
+    time.sleep(0.2 + 0.1 * float(torch.rand(())))
+    (x * 3).sum().backward()  # x's gradient: the end hook of the call whose start came before reset()
+    assert prof.backward_s == 0.0
+    prof.remove()
 
 
 def test_help():
@@ -1841,6 +1890,111 @@ def test_expert_sharding_maps_expert_tensors_only():
     for m, want, expert in zip(got_opt["masters"], masters, sharding.sharded):
         assert torch.equal(m, want[2:] if expert else want)
     assert got_opt["scaler"] == 7 and got_opt["adamw"]["param_groups"] == [{"lr": 1e-3}]
+    # the caller's optimizer state is left as it was (a new "adamw" dict holds the sliced state)
+    assert opt["adamw"]["state"] is adam and opt["masters"] is masters and adam[0]["exp_avg"].shape == (4, 3)
+
+
+def test_setup_without_torch_distributed_says_so(monkeypatch):
+    """setup() on a torch build without torch.distributed: a RuntimeError saying so, before it reads torchrun's
+    variables (which would name a missing RANK instead)."""
+    from sonicmoe.train import distributed
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed.dist, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="data-parallel training needs torch.distributed, which this torch build "
+                                           "lacks"):
+        distributed.setup(torch.device("cpu"))
+
+
+def test_setup_creates_a_group_from_torchrun_variables_and_close_destroys_it(monkeypatch):
+    """setup() with torchrun's variables (one rank, a free port) creates a real gloo group it owns, and close()
+    destroys that group (a group the caller made is left alone: test_setup_joins_a_group_of_one...)."""
+    import socket
+
+    from sonicmoe.train import distributed
+
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("no torch.distributed with gloo, or a process group is already initialised here")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        dp, device = distributed.setup(torch.device("cpu"))
+        assert dp == distributed.DataParallel(rank=0, world=1, backend="gloo", owns_group=True)
+        assert device == torch.device("cpu") and dist.is_initialized() and dist.get_backend() == "gloo"
+        dp.close()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@_rank_worker
+def _data_parallel_worker(rank: int, world: int, init_file: str, seed: int) -> dict:
+    """Rank ``rank`` of 2 in a gloo group it made itself (no torchrun variables): setup() joins it; DataParallel's
+    main, shard, sum and gather over the real group; ExpertSharding(2) on a model whose MoE is nested in a
+    submodule: the layer replaced, its expert weights (only) sharded, full() gathering the one-process state,
+    local() slicing it again, wrap() accepting the groups, describe() counting one EP group."""
+    from datetime import timedelta
+
+    from sonicmoe import MoE
+    from sonicmoe.expert_parallel import ExpertParallelMoE
+    from sonicmoe.train import distributed
+
+    dist = torch.distributed
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    dp, device = distributed.setup(torch.device("cpu"))
+    errs = {"joined_flag": float(dp != distributed.DataParallel(rank=rank, world=world, backend="gloo",
+                                                                 owns_group=False) or device.type != "cpu"),
+            "main_flag": float(dp.main != (rank == 0)), "requested_flag": float(not distributed.requested())}
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randn(3 * world, 2, generator=g)  # the same global batch on every rank
+    errs["shard_flag"] = float(not torch.equal(dp.shard(batch), batch[3 * rank:3 * rank + 3]))
+    mine = torch.randn(4, generator=g) + rank
+    keep = mine.clone()
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    total = dp.sum(mine)
+    errs["sum_flag"] = float(not (torch.allclose(total, sum(parts)) and torch.equal(mine, keep)))
+    errs["gather_flag"] = float(dp.gather({"rank": rank}) != [{"rank": r} for r in range(world)])
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 8)
+    model.block = torch.nn.Module()
+    model.block.moe = MoE(8, 6, 4, 2, backend="torch")
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+    sharding = distributed.ExpertSharding(world)
+    sharding.shard(model)
+    errs["replaced_flag"] = float(not isinstance(model.block.moe, ExpertParallelMoE))
+    names = [name for name, _ in model.named_parameters()]
+    errs["sharded_flag"] = float(sharding.sharded != [n.startswith("block.moe.experts.") for n in names]
+                                 or not any(sharding.sharded))
+    full, _ = sharding.full(model, model.state_dict())
+    errs["full_flag"] = float(full.keys() != whole.keys() or not all(torch.equal(full[k], whole[k]) for k in whole))
+    local, _ = sharding.local(model, whole)
+    errs["local_flag"] = float(not all(torch.equal(local[k], v) for k, v in model.state_dict().items()))
+    sharding.wrap(model)  # DDP over the world; the experts' replicas over the expert-data-parallel group (of one)
+    errs["describe_flag"] = float(sharding.describe() != {"size": world, "groups": 1})
+    return errs
+
+
+def test_data_parallel_and_expert_sharding_over_two_gloo_ranks(tmp_path):
+    """Two real gloo processes (see _data_parallel_worker): every check holds on both ranks."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    results = _spawn(_data_parallel_worker, 2, tmp_path, int(torch.randint(0, 2 ** 31, ())))
+    for rank, errs in enumerate(results):
+        assert len(errs) == 11, errs
+        bad = {key: v for key, v in errs.items() if v != 0.0}
+        assert not bad, f"rank {rank}: {bad}"
 
 
 def test_data_parallel_batch_must_split_evenly(tmp_path):
