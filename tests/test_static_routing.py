@@ -37,7 +37,12 @@ def _exact_and_static(router, **kw):
 def test_static_pairs_are_the_exact_pairs_then_padding(t, e, kfrac, m, subroutine, seed):
     """R_max = max_pairs(...) pairs: the exact pairs (same order, scores, flags), then padding pairs (T, E) with
     score 0, not added. R ≤ R_max for every subroutine, so the bound holds on random routers of every size."""
-    k = 1 + int(kfrac * (e - 1))
+    _assert_static_is_exact_then_padding(t, e, 1 + int(kfrac * (e - 1)), m, subroutine, seed)
+
+
+def _assert_static_is_exact_then_padding(t, e, k, m, subroutine, seed):
+    """The body of the hypothesis test above: static=True's pairs are the exact pairs, then padding pairs (T, E) of
+    score 0, not added; returns R and R_max."""
     router, _ = _router(t, e, k, seed)
     g = {"generator": torch.Generator().manual_seed(seed)} if subroutine == "stochastic" else {}
     exact = token_rounding(router, m_tile=m, subroutine=subroutine, warn=False, **g)
@@ -52,6 +57,19 @@ def test_static_pairs_are_the_exact_pairs_then_padding(t, e, kfrac, m, subroutin
         assert torch.equal(getattr(static, name), getattr(exact, name)), name
     assert (static.pair_token[r:] == t).all() and (static.pair_expert[r:] == e).all()
     assert (static.pair_scores[r:] == 0).all() and not static.pair_added[r:].any()
+    return r, r_max
+
+
+@pytest.mark.parametrize("subroutine", ROUNDING_SUBROUTINES)
+def test_static_pairs_exact_then_padding_fixed_cases(subroutine):
+    """The hypothesis test's check on fixed cases, each with padding pairs (R < R_max): a padding pair (T, E) read as
+    a real one (``pair_token <= T`` in pair_scores_ref) is clamped to token T−1 and expert E−1 and gets a nonzero
+    score, or an added flag, which the hypothesis test found only when its draws had padding pairs."""
+    padded = 0
+    for t, e, k, m, seed in [(7, 4, 1, 4, 0), (13, 5, 2, 3, 1), (30, 6, 3, 8, 2), (5, 3, 2, 2, 3)]:
+        r, r_max = _assert_static_is_exact_then_padding(t, e, k, m, subroutine, seed)
+        padded += r < r_max
+    assert padded >= 1, padded  # balance pads least: (M_tile−1)//2 rows in all
 
 
 @pytest.mark.parametrize("subroutine,extra", [("down", 0), ("nearest", 3), ("up", 7), ("stochastic", 7)])

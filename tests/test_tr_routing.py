@@ -59,6 +59,11 @@ def _assert_ranks_routing_equal(ranks, offsets, r_max, tile=None):
 def test_round_counts_kernel_equals_torch(nb, e, m, t, subroutine, seed):
     """f, keep, pad and the expert offsets from the one-program kernel equal the torch decision's, for random
     per-block counts (many exact multiples of M_tile, zeros, and counts near T: the cap edge)."""
+    _assert_round_counts_equal(nb, e, m, t, subroutine, seed)
+
+
+def _assert_round_counts_equal(nb, e, m, t, subroutine, seed):
+    """The body of the hypothesis test above: round_counts equals round_counts_ref on seeded random block counts."""
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, t // nb + 1, (nb, e), generator=g, dtype=torch.int32)  # column sums <= T
     counts[:, ::3] = 0  # every third expert: an exact multiple of M_tile (0, M or 2M, at most T)
@@ -68,6 +73,17 @@ def test_round_counts_kernel_equals_torch(nb, e, m, t, subroutine, seed):
     ref = tr_routing.round_counts_ref(counts, m, t, subroutine, u)
     for name, a, b in zip(("f", "keep", "pad", "offsets"), got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("subroutine", ROUNDING_SUBROUTINES)
+def test_round_counts_kernel_equals_torch_fixed_cases(subroutine):
+    """The hypothesis test's comparison on fixed draws of (NB, E, M_tile, T, seed): one block and several, E below,
+    at and past a power of two, M_tile 1, tiny and large, T at the cap edge, so the kernel's rounding and offsets
+    are checked every run, not only when the random draws happen to reach a case."""
+    for nb, e, m, t, seed in [(1, 1, 1, 1, 0), (1, 5, 4, 9, 1), (2, 7, 3, 20, 2), (3, 17, 8, 64, 3),
+                              (4, 33, 5, 120, 4), (9, 70, 16, 300, 5), (5, 12, 40, 37, 6), (2, 64, 2, 7, 7)]:
+        _assert_round_counts_equal(nb, e, m, t, subroutine, seed)
 
 
 @pytest.mark.interpreter
@@ -101,6 +117,19 @@ def test_ranks_routing_kernels_equal_torch(t, e, density, extra, static, seed, t
     experts per token)."""
     ranks, offsets, real = _random_ranks(t, e, density, seed)
     _assert_ranks_routing_equal(ranks, offsets, real + extra if static else None, tile)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tile", [None, (8, 16, 1), (16, 64, 2)])
+def test_ranks_routing_kernels_equal_torch_fixed_cases(tile):
+    """The hypothesis test's comparison on fixed draws: T = 0, one token, empty and full rank arrays, E past one
+    128-wide block, static with no padding left (extra = 0) and with many padding pairs."""
+    for t, e, density, extra, static, seed in [(0, 5, 0.5, 3, True, 0), (1, 1, 1.0, 0, True, 1),
+                                               (17, 9, 0.0, 4, True, 2), (23, 6, 1.0, 0, False, 3),
+                                               (40, 130, 0.3, 0, True, 4), (64, 37, 0.5, 50, True, 5),
+                                               (100, 300, 0.1, 7, False, 6), (31, 3, 0.7, 11, True, 7)]:
+        ranks, offsets, real = _random_ranks(t, e, density, seed)
+        _assert_ranks_routing_equal(ranks, offsets, real + extra if static else None, tile)
 
 
 @pytest.mark.interpreter
