@@ -133,6 +133,32 @@ def test_hypothesis_fast_equals_ref(t, e, kfrac, m, subroutine, order, scale, se
     check_invariants(router, fast, m, order[0])
 
 
+@pytest.mark.parametrize("subroutine", ROUNDING_SUBROUTINES)
+def test_ref_equals_fast_at_the_cap_edge(subroutine):
+    """T below one tile (T = 5, M_tile = 8): every padded count is capped at T, in the torch reference as in the fast
+    path (the reference's own cap, ``min(hi, T)``, was checked only when the hypothesis test drew such a case)."""
+    for seed in range(3):
+        router, _ = make_router(5, 3, 1, seed=seed)
+        kw = dict(m_tile=8, subroutine=subroutine, warn=False)
+        fast = token_rounding(router, generator=torch.Generator().manual_seed(seed), **kw)
+        ref = token_rounding_ref(router, generator=torch.Generator().manual_seed(seed), **kw)
+        assert_same(fast, ref)
+        assert (ref.counts <= 5).all()
+
+
+@pytest.mark.parametrize("subroutine", ["down", "up", "nearest"])
+def test_ref_equals_fast_on_tied_scores(subroutine):
+    """Tokens of identical rows tie exactly on their scores and probabilities: both paths break ties by the lower
+    token index, among the chosen tokens a rounded-down expert keeps and among the others a padded one adds."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 8, generator=g).repeat(7, 1)  # 21 tokens, 3 distinct rows: 7-way ties
+    router = router_topk(x, torch.randn(4, 8, generator=g), 2)
+    kw = dict(m_tile=4, subroutine=subroutine, warn=False)
+    fast, ref = token_rounding(router, **kw), token_rounding_ref(router, **kw)
+    assert_same(fast, ref)
+    assert not torch.equal(ref.counts, ref.topk_counts)  # some expert was rounded
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_subroutine_directions(seed):
     t, e, k, m = 300, 16, 4, 16
