@@ -165,6 +165,7 @@ def test_autocast_helpers_read_the_cuda_autocast_state():
         torch.set_autocast_enabled("cuda", prev_on)
         torch.set_autocast_dtype("cuda", prev_dtype)
 
+
 def test_entry_points_take_x_by_keyword_and_run_with_autocast_off():
     """The decorator finds X passed by keyword as well as by position (``experts(x=..., ...)`` under autocast: the
     same bits as the positional call), casts only the arguments it names (not the scores) and runs the function

@@ -2854,7 +2854,6 @@ def test_run_options_reach_the_check_and_the_record(tmp_path):
     assert rec["dtype"] == "float32" and rec["spec_held_bytes"] == 4 * (64 * 32 + 128 * 2 * 16)
 
 
-
 def _fake_gpu_watch(last):
     """A stand-in for bench.gpu_state.GpuWatch: a context manager whose ``last(seconds)`` returns ``last(seconds)``."""
 
@@ -2872,6 +2871,7 @@ def _fake_gpu_watch(last):
             return last(seconds)
 
     return Watch
+
 
 def test_timed_phase_reads_the_gpu_over_its_timing_window(monkeypatch):
     """_timed: the GPU state over the last rep milliseconds of the watch (rep is in ms, GpuWatch.last takes

@@ -137,7 +137,6 @@ def test_config_and_repr():
     assert "m_tile=16, rounding=up" in tr and "static_pairs=False" in tr
 
 
-
 def test_repr_names_each_option_once_and_the_shared_width():
     """Each option appears once in the repr (the named ones are not repeated among the non-default rest, whatever
     their values), and the shared expert's width is its own n_s, not the routed experts' n."""
@@ -153,6 +152,7 @@ def test_repr_names_each_option_once_and_the_shared_width():
         assert r.count("backend=") == 1 and f"backend={m.config.backend}" in r
     r = layers[1].extra_repr()
     assert f"shared n_s={n_s} (gated)" in r and f"n={N}," in r and "z_loss_coef=0.5" in r
+
 
 def test_config_defaults():
     c = MoEConfig(8, 4, 4, 2)

@@ -191,6 +191,7 @@ def test_experts_ref_keeps_float64_biases_in_float64(layout):
     expected = naive_pairs(x, w1, w2, b1, b2, tok, exp, scores, layout)
     assert out.dtype == torch.float64 and rel_err(out, expected) < 1e-12
 
+
 def test_experts_ref_zero_expert_tokens_and_empty_experts_exact():
     T, d, n, E = 4, 6, 3, 5
     p = random_problem(T, d, n, E, dtype=torch.float64, bias=True, seed=4)
@@ -676,7 +677,6 @@ def test_testing_helpers_random_problem_scales_by_fan_in():
         assert abs(float(p[key].std()) / 0.1 - 1) < 0.1, key
 
 
-
 def test_testing_helpers_random_problem_draws_float64_in_float64():
     """A float64 problem is drawn in float64: its values are not all float32 numbers, so a float64 test built on it
     sees a computation that drops to float32 (drawn in float32 and cast, they all were, and hid ck22_ref_b1_in_float32).
@@ -687,6 +687,7 @@ def test_testing_helpers_random_problem_draws_float64_in_float64():
     p16 = random_problem(16, 8, 4, 3, seed=5, bias=True, dtype=torch.float16)
     p32 = random_problem(16, 8, 4, 3, seed=5, bias=True)
     assert all(torch.equal(p16[k], p32[k].half()) for k in p32)
+
 
 def test_testing_helpers_random_problem_follows_seed_scale_and_bias():
     """random_problem: the seed picks the draw (the same seed the same tensors, another seed others), ``scale``
