@@ -3837,9 +3837,10 @@ def test_triton_backend_unavailable_when_its_kernels_cannot_be_imported(monkeypa
 
 
 def test_timing_loops_time_each_call_in_ms_over_a_window_in_ms():
-    """_wall_ms: each call's time in milliseconds (a call sleeping 3 ms reads at least 3, not 3000), and the measured
-    window ``rep`` in milliseconds too: a 30 ms window of 3 ms calls times at most 11 of them (5 at least), not the
-    1000-call cap a window in seconds would reach."""
+    """_wall_ms: each call's time in milliseconds (a call sleeping 3 ms reads at least 3, and under 1500 unless a
+    load slows it 500-fold; in microseconds it would read 3000), and the measured window ``rep`` in milliseconds
+    too: a 30 ms window of 3 ms calls times at most 11 of them (5 at least), not the 1000-call cap a window in
+    seconds would reach."""
     import time
 
     from sonicmoe.bench import measure
@@ -3847,7 +3848,7 @@ def test_timing_loops_time_each_call_in_ms_over_a_window_in_ms():
     sleep_ms = 3.0 + float(torch.rand((), generator=_fresh_generator()))
     times = measure._wall_ms(lambda: time.sleep(sleep_ms / 1e3), 0.0, 30.0, torch.device("cpu"))
     assert 5 <= len(times) <= 11, len(times)
-    assert all(sleep_ms <= t < 100 * sleep_ms for t in times), times
+    assert all(sleep_ms <= t < 500 * sleep_ms for t in times), times
 
 
 def test_default_tol_is_tighter_for_finer_dtypes_and_fp16_passes_it():
